@@ -1,0 +1,63 @@
+# pqcache: `make run` (demonstration), `make test` (all tests), `make bench` (benchmarks).
+CC      ?= cc
+CLANG   ?= clang
+BUILD   := build
+WARN    := -Wall -Wextra -Werror -pedantic
+CFLAGS  ?= -O2 -g
+STD     := -std=c99
+LDLIBS  := -lm -lpthread
+SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+TSAN    := -fsanitize=thread
+
+.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-harness
+
+all: $(BUILD)/test_core
+
+$(BUILD):
+	@mkdir -p $(BUILD)
+
+HDR := pqcache.h
+
+# ----- core tests ---------------------------------------------------------------------
+$(BUILD)/test_core: tests/test_core.c tests/greatest.h tests/synth.h $(HDR) | $(BUILD)
+	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
+
+$(BUILD)/test_core_asan: tests/test_core.c tests/greatest.h tests/synth.h $(HDR) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
+
+$(BUILD)/test_core_tsan: tests/test_core.c tests/greatest.h tests/synth.h $(HDR) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) -Itests $< -o $@ $(LDLIBS)
+
+$(BUILD)/test_harness: tests/test_harness.c tests/greatest.h | $(BUILD)
+	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@
+
+test-core: $(BUILD)/test_core
+	$(BUILD)/test_core
+
+test-asan: $(BUILD)/test_core_asan
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/test_core_asan
+
+test-tsan: $(BUILD)/test_core_tsan
+	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/test_core_tsan
+
+test-harness: $(BUILD)/test_harness
+	sh tests/harness_selftest.sh $(BUILD)/test_harness
+
+# The header must compile warning-free as C99 and as C++ under gcc and clang.
+COMPILE_SRC := $(BUILD)/compile_check.c
+$(COMPILE_SRC): | $(BUILD)
+	@printf '#define PQCACHE_IMPLEMENTATION\n#include "../pqcache.h"\nint main(void) { return pqc_version_number() == 0; }\n' > $@
+
+test-compile: $(COMPILE_SRC) $(HDR)
+	@set -e; for cc in "$(CC) -std=c99" "$(CC) -x c++ -std=c++11" "$(CLANG) -std=c99" "$(CLANG) -x c++ -std=c++11"; do \
+	  echo "compile check: $$cc"; \
+	  $$cc $(WARN) -O2 -c $(COMPILE_SRC) -o $(BUILD)/compile_check.o; \
+	  $$cc $(WARN) -O2 -DPQCACHE_NO_SIMD -DPQCACHE_STATIC -c $(COMPILE_SRC) -o $(BUILD)/compile_check.o; \
+	done
+
+# ----- everything ---------------------------------------------------------------------
+test: test-compile test-harness test-core test-asan test-tsan
+	@echo "all test groups passed"
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,2523 @@
+/* pqcache.h - product-quantization KV-cache selection for long-context LLM decoding.
+
+   An embedded, single-header C library implementing PQCache (Zhang et al., SIGMOD 2025):
+   every key and value stays in host memory; per layer and KV head the keys are compressed
+   with product quantization (k-means codebooks + codes); each decode step scores every past
+   token from the codes, fetches only the top-k tokens' K/V through a small device-side block
+   cache, and attends over sinks + top-k + the recent window.
+
+   USAGE
+   -----
+   Do this in *one* C or C++ file, before any other #include:
+
+       #define PQCACHE_IMPLEMENTATION
+       #include "pqcache.h"
+
+   Every other file just includes "pqcache.h". The implementation needs POSIX (pthreads,
+   clock_gettime, dlopen); it defines _POSIX_C_SOURCE itself when nothing was included
+   before it. Link with -lm -lpthread (and -ldl on glibc older than 2.34). Nothing else:
+   CUDA, NVRTC and cuBLASLt are opened at run time when present.
+
+   CONFIGURATION MACROS (define before including the implementation)
+   ----------------------------------------------------------------
+   PQCACHE_STATIC         make every public function static (private to one file).
+   PQCDEF                 decoration of public functions; default `extern`, or
+                          `static` under PQCACHE_STATIC.
+   PQC_MALLOC(sz, ctx)    compile-time allocator; define PQC_MALLOC and PQC_FREE together
+   PQC_FREE(p, ctx)       or neither. Default: malloc/free. `ctx` is the user pointer of
+                          the run-time allocator (pqc_allocator.user), so one can carry
+                          state. A run-time allocator given in a desc takes precedence.
+   PQC_ASSERT(x)          internal invariant check; default assert(x). Never used for
+                          input validation: bad input always returns a result code.
+   PQCACHE_NO_SIMD        compile only the portable scalar kernels.
+   PQCACHE_NO_THREADS     no pthreads: jobs run inline on the calling thread.
+   PQCACHE_NO_CUDA        leave out the run-time CUDA loader.
+
+   CONVENTIONS
+   -----------
+   - Every function returns a pqc_result (0 = PQC_SUCCESS) unless it cannot fail;
+     pqc_result_description() gives a message, and pqc_last_error() the detailed message
+     of the last failure on the calling thread. Bad input never crashes, exits or aborts,
+     and a failed call leaves its outputs and objects as they were.
+   - Descs are zero-initialised structs in which 0 means "the documented default".
+   - Public names are pqc_*, macros PQC_*; pqc__* is private.
+   - Thread safety is stated per function. Objects are not internally locked unless said.
+
+   LICENSE: MIT, see the end of this file.
+*/
+#if defined(PQCACHE_IMPLEMENTATION) && !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE) && !defined(_WIN32)
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#ifndef PQCACHE_H
+#define PQCACHE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define PQCACHE_VERSION_MAJOR 0
+#define PQCACHE_VERSION_MINOR 1
+#define PQCACHE_VERSION_PATCH 0
+#define PQCACHE_VERSION_STRING "0.1.0"
+
+#ifndef PQCDEF
+#ifdef PQCACHE_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define PQCDEF static __attribute__((unused))
+#else
+#define PQCDEF static
+#endif
+#else
+#define PQCDEF extern
+#endif
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------
+   Base: results, versions, allocator, logging
+   ------------------------------------------------------------------------------------- */
+
+typedef enum pqc_result {
+    PQC_SUCCESS = 0,
+    PQC_ERROR_INVALID_ARGUMENT = -1, /* null pointer, zero-sized or out-of-range value   */
+    PQC_ERROR_BAD_SHAPE = -2,        /* m does not divide d_h, wrong dims, bad strides   */
+    PQC_ERROR_OUT_OF_RANGE = -3,     /* bits not in 1..8, k > s, layer or head too big   */
+    PQC_ERROR_NON_FINITE = -4,       /* NaN or Inf in keys or queries                    */
+    PQC_ERROR_OUT_OF_MEMORY = -5,    /* an allocation failed                              */
+    PQC_ERROR_EMPTY = -6,            /* an empty sequence where tokens are required       */
+    PQC_ERROR_BAD_STATE = -7,        /* call out of order (append before prefill, ...)    */
+    PQC_ERROR_CAPACITY = -8,         /* a prompt or sequence longer than configured       */
+    PQC_ERROR_THREAD = -9,           /* a worker thread could not be started              */
+    PQC_ERROR_JOB_FAILED = -10,      /* an asynchronous build failed; see the message     */
+    PQC_ERROR_IO = -11,              /* a file could not be opened, read or written       */
+    PQC_ERROR_BAD_FILE = -12,        /* a damaged, truncated or foreign file              */
+    PQC_ERROR_NO_DEVICE = -13,       /* no GPU, no driver, or no usable device            */
+    PQC_ERROR_BACKEND = -14,         /* a backend (CUDA, NVRTC) call failed               */
+    PQC_ERROR_CALLBACK = -15,        /* an engine callback reported failure               */
+    PQC_ERROR_UNSUPPORTED = -16      /* a valid request this build cannot serve           */
+} pqc_result;
+
+/* Short, static description of a result code. Thread-safe. */
+PQCDEF const char *pqc_result_description(pqc_result r);
+/* Detailed message of the last failure on this thread ("" if none). Thread-safe. */
+PQCDEF const char *pqc_last_error(void);
+PQCDEF const char *pqc_version(void); /* "MAJOR.MINOR.PATCH" */
+PQCDEF unsigned pqc_version_number(void); /* MAJOR*10000 + MINOR*100 + PATCH */
+
+typedef struct pqc_allocator {
+    void *(*alloc)(size_t size, void *user); /* must return memory aligned for any type */
+    void (*free)(void *ptr, void *user);     /* free(NULL) must be harmless             */
+    void *user;
+} pqc_allocator;
+
+typedef enum pqc_log_level { PQC_LOG_ERROR = 0, PQC_LOG_WARN = 1, PQC_LOG_INFO = 2, PQC_LOG_DEBUG = 3 } pqc_log_level;
+typedef void (*pqc_log_fn)(void *user, pqc_log_level level, const char *message);
+
+/* Element types of keys, values and queries. */
+typedef enum pqc_dtype { PQC_F32 = 0, PQC_F16 = 1, PQC_BF16 = 2 } pqc_dtype;
+PQCDEF size_t pqc_dtype_size(pqc_dtype t); /* 4, 2, 2; 0 for an unknown type */
+
+/* A strided 2-D view of rows x cols elements of one dtype; row_stride in bytes
+   (0 means tightly packed: cols * element size). */
+typedef struct pqc_matrix {
+    const void *data;
+    pqc_dtype dtype;
+    size_t rows;
+    size_t cols;
+    size_t row_stride;
+} pqc_matrix;
+
+/* fp16 / bf16 conversions (round to nearest even; NaN stays NaN). Thread-safe. */
+PQCDEF float pqc_f16_to_f32(uint16_t h);
+PQCDEF uint16_t pqc_f32_to_f16(float f);
+PQCDEF float pqc_bf16_to_f32(uint16_t h);
+PQCDEF uint16_t pqc_f32_to_bf16(float f);
+
+/* ---------------------------------------------------------------------------------------
+   Runtime: thread pool, CPU kernel selection, backend. One per process or per engine.
+   ------------------------------------------------------------------------------------- */
+
+typedef enum pqc_simd {
+    PQC_SIMD_AUTO = 0,   /* best the processor reports (default)            */
+    PQC_SIMD_SCALAR = 1, /* portable C reference kernels                    */
+    PQC_SIMD_AVX2 = 2,   /* AVX2 + FMA                                      */
+    PQC_SIMD_AVX512 = 3  /* AVX-512 F/BW/VL/DQ                              */
+} pqc_simd;
+
+/* An engine that owns a thread pool can run the library's jobs on it: submit must
+   arrange for fn(arg) to be called exactly once, on any thread, and return 0; a non-zero
+   return means "could not submit" and the library runs the job inline instead. */
+typedef int (*pqc_submit_fn)(void *user, void (*fn)(void *arg), void *arg);
+
+typedef struct pqc_runtime_desc {
+    int n_threads;           /* worker threads; 0 = 1 worker; -1 = none (run inline) */
+    pqc_simd simd;           /* 0 = auto                                               */
+    pqc_allocator allocator; /* all-zero = PQC_MALLOC/PQC_FREE                        */
+    pqc_log_fn log;          /* optional                                               */
+    void *log_user;
+    pqc_log_level log_level; /* 0 = errors only                                        */
+    pqc_submit_fn submit;    /* optional engine pool; overrides n_threads when set      */
+    void *submit_user;
+    int backend;             /* 0 = CPU; see pqc_backend_kind (CUDA section)           */
+} pqc_runtime_desc;
+
+typedef struct pqc_runtime pqc_runtime;
+
+/* Creates a runtime. Fails with PQC_ERROR_THREAD if workers cannot start,
+   PQC_ERROR_UNSUPPORTED if a SIMD level is forced that the processor lacks. */
+PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime **out);
+/* Waits for every job, then frees. NULL is a no-op. Not thread-safe with other calls. */
+PQCDEF void pqc_runtime_destroy(pqc_runtime *rt);
+PQCDEF pqc_simd pqc_runtime_simd(const pqc_runtime *rt);   /* the level in use */
+PQCDEF pqc_simd pqc_cpu_best_simd(void);                    /* what the CPU offers */
+PQCDEF int pqc_runtime_threads(const pqc_runtime *rt);
+PQCDEF const char *pqc_simd_name(pqc_simd s);
+
+/* ---------------------------------------------------------------------------------------
+   Product quantization: codebooks, codes, lookup tables, search, top-k
+   ------------------------------------------------------------------------------------- */
+
+typedef enum pqc_init {
+    PQC_INIT_KMEANSPP = 0, /* D^2 seeding (default): far, rare keys get their own centroid */
+    PQC_INIT_RANDOM = 1    /* 2^b distinct random training points (the authors' choice)    */
+} pqc_init;
+
+typedef struct pqc_pq_desc {
+    int m;                       /* sub-spaces; must divide d_h. 0 = 2                     */
+    int bits;                    /* bits per code, 1..8 (2^bits centroids). 0 = 6          */
+    int iters;                   /* Lloyd iterations T. 0 = 10; a negative value = 0 iters */
+    pqc_init init;               /* 0 = k-means++                                           */
+    int max_points_per_centroid; /* training sample cap per centroid; 0 = 256; -1 = none   */
+    uint64_t seed;               /* results depend only on seed and data, never on threads */
+    double *objective;           /* optional out: m * (iters + 1) values, the k-means
+                                    objective (mean squared error of the training sample
+                                    in that sub-space) after init and after each iteration */
+} pqc_pq_desc;
+
+/* A trained product quantizer for one (layer, KV head). Fields are read-only. */
+typedef struct pqc_pq {
+    int dim;          /* d_h                          */
+    int m;            /* sub-spaces                   */
+    int bits;         /* bits per code                */
+    int ksub;         /* 2^bits centroids             */
+    int dsub;         /* dim / m                      */
+    int ksub_pad;     /* ksub rounded up to 16        */
+    float *centroids; /* [m][ksub][dsub]              */
+    float *cent_t;    /* [m][dsub][ksub_pad], private */
+    float *cnorm;     /* [m][ksub_pad], private       */
+    pqc_allocator alloc;
+} pqc_pq;
+
+/* PQ codes of a growing sequence: column-major, one bit-packed column per sub-space;
+   token t's code in sub-space j is bits [t*bits, t*bits+bits) of column j (LSB first). */
+typedef struct pqc_codes {
+    int m;
+    int bits;
+    size_t count;      /* tokens coded                        */
+    size_t capacity;   /* tokens that fit without growing     */
+    size_t col_stride; /* bytes between columns               */
+    unsigned char *data;
+    pqc_allocator alloc;
+} pqc_codes;
+
+/* Trains a PQ on the rows of keys (cols = d_h). The m sub-space jobs run on the runtime's
+   pool; the result is identical for any thread count. rt may be NULL (inline, scalar
+   kernels, default allocator). On failure *out is untouched. */
+PQCDEF pqc_result pqc_pq_train(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out);
+PQCDEF void pqc_pq_free(pqc_pq *pq);
+/* Mean squared reconstruction error (sum over dims, mean over rows) of keys under pq. */
+PQCDEF pqc_result pqc_pq_mse(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, double *mse);
+/* Reconstructs token t's key from its codes into out[dim]. */
+PQCDEF pqc_result pqc_pq_decode(const pqc_pq *pq, const pqc_codes *codes, size_t t, float *out);
+
+PQCDEF pqc_result pqc_codes_init(pqc_codes *codes, const pqc_pq *pq, size_t capacity, const pqc_allocator *alloc);
+PQCDEF void pqc_codes_free(pqc_codes *codes);
+PQCDEF pqc_result pqc_codes_reserve(pqc_codes *codes, size_t capacity);
+/* Exact bytes the codes of `count` tokens take: m * ceil(count * bits / 8). */
+PQCDEF size_t pqc_codes_bytes(const pqc_codes *codes);
+/* Appends the codes of keys' rows (nearest centroid per sub-space, ties to the lower
+   index). On failure nothing is appended. */
+PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, pqc_codes *codes);
+PQCDEF unsigned pqc_codes_get(const pqc_codes *codes, size_t t, int j);
+
+/* How the g query heads that share one KV head are combined into one score per token. */
+typedef enum pqc_gqa {
+    PQC_GQA_SOFTMAX_SUM = 0, /* default, the authors': per head softmax(q.k / sqrt(d_h)) over
+                                all tokens, probabilities summed over the heads             */
+    PQC_GQA_SUM = 1          /* plain sum of the heads' raw scores = score of the summed query;
+                                one table and one scan, g times cheaper                     */
+} pqc_gqa;
+
+/* Reusable scratch memory for searches; zero-initialise, pqc_scratch_free when done.
+   One scratch per thread. */
+typedef struct pqc_scratch {
+    void *buf;
+    size_t size;
+    pqc_allocator alloc;
+} pqc_scratch;
+PQCDEF void pqc_scratch_free(pqc_scratch *s);
+
+typedef struct pqc_search_desc {
+    size_t k;         /* tokens to return, 1..s                                       */
+    pqc_gqa gqa;      /* 0 = softmax-sum                                              */
+    size_t first;     /* search tokens [first, first+count) of the codes (0, 0 = all) */
+    size_t count;
+} pqc_search_desc;
+
+/* Builds the lookup table lut[g][m][ksub] (query head x centroid dot products). */
+PQCDEF pqc_result pqc_pq_lut(pqc_runtime *rt, const pqc_pq *pq, const float *queries, int g, float *lut);
+/* Approximate top-k for g query heads (queries: g x d_h fp32) over the codes: writes k
+   token indices in ascending order to idx and, when scores is not NULL, their combined
+   approximate scores. Ties are broken towards the lower index. scratch may be NULL. */
+PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
+                                int g, const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx,
+                                float *scores);
+/* All combined approximate scores (out[count]) without selection. */
+PQCDEF pqc_result pqc_pq_scores(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
+                                int g, const pqc_search_desc *desc, pqc_scratch *scratch, float *out);
+/* Exact reference: true scores of keys' rows under the same GQA combination, then the
+   same top-k. Used to measure recall and by the `oracle` selection. */
+PQCDEF pqc_result pqc_exact_search(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g,
+                                   const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores);
+PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
+                                   pqc_scratch *scratch, float *out);
+/* O(n) top-k of n scores (radix select): k indices ascending, ties to the lower index.
+   NaN scores are rejected. */
+PQCDEF pqc_result pqc_topk(pqc_runtime *rt, const float *scores, size_t n, size_t k, pqc_scratch *scratch,
+                           uint32_t *idx, float *out_scores);
+/* Fraction of `truth` (n_truth indices) found in `got` (n_got indices, ascending). */
+PQCDEF double pqc_recall(const uint32_t *truth, size_t n_truth, const uint32_t *got, size_t n_got);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PQCACHE_H */
+
+/* =======================================================================================
+   IMPLEMENTATION
+   ===================================================================================== */
+#ifdef PQCACHE_IMPLEMENTATION
+#ifndef PQCACHE_IMPLEMENTATION_DONE
+#define PQCACHE_IMPLEMENTATION_DONE
+
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdarg.h>
+#include <float.h>
+#include <time.h>
+#include <assert.h>
+#ifndef PQCACHE_NO_THREADS
+#include <pthread.h>
+#include <unistd.h>
+#endif
+
+#if defined(PQC_MALLOC) != defined(PQC_FREE)
+#error "define both PQC_MALLOC and PQC_FREE, or neither"
+#endif
+#ifndef PQC_MALLOC
+#define PQC_MALLOC(sz, ctx) ((void)(ctx), malloc(sz))
+#define PQC_FREE(p, ctx) ((void)(ctx), free(p))
+#endif
+#ifndef PQC_ASSERT
+#define PQC_ASSERT(x) assert(x)
+#endif
+
+#if !defined(PQCACHE_NO_SIMD) && (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define PQC__X86 1
+#include <immintrin.h>
+#define PQC__AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PQC__AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#else
+#define PQC__X86 0
+#endif
+
+#if defined(__cplusplus) && __cplusplus >= 201103L
+#define PQC__TLS thread_local
+#elif defined(__STDC_VERSION__) && __STDC_VERSION__ >= 201112L
+#define PQC__TLS _Thread_local
+#elif defined(__GNUC__) || defined(__clang__)
+#define PQC__TLS __thread
+#else
+#define PQC__TLS
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PQC__UNUSED __attribute__((unused))
+#else
+#define PQC__UNUSED
+#endif
+#define PQC__MIN(a, b) ((a) < (b) ? (a) : (b))
+#define PQC__MAX(a, b) ((a) > (b) ? (a) : (b))
+#define PQC__KEY_LIMIT 1e16f /* keys and queries beyond this magnitude are rejected */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------
+   Base
+   ------------------------------------------------------------------------------------- */
+
+static PQC__TLS char pqc__errbuf[512];
+
+PQCDEF const char *pqc_result_description(pqc_result r)
+{
+    switch (r) {
+    case PQC_SUCCESS: return "success";
+    case PQC_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case PQC_ERROR_BAD_SHAPE: return "bad shape";
+    case PQC_ERROR_OUT_OF_RANGE: return "value out of range";
+    case PQC_ERROR_NON_FINITE: return "NaN or Inf in the input";
+    case PQC_ERROR_OUT_OF_MEMORY: return "out of memory";
+    case PQC_ERROR_EMPTY: return "empty input";
+    case PQC_ERROR_BAD_STATE: return "call out of order";
+    case PQC_ERROR_CAPACITY: return "capacity exceeded";
+    case PQC_ERROR_THREAD: return "thread creation failed";
+    case PQC_ERROR_JOB_FAILED: return "asynchronous job failed";
+    case PQC_ERROR_IO: return "I/O error";
+    case PQC_ERROR_BAD_FILE: return "damaged or foreign file";
+    case PQC_ERROR_NO_DEVICE: return "no usable GPU";
+    case PQC_ERROR_BACKEND: return "backend failure";
+    case PQC_ERROR_CALLBACK: return "engine callback failed";
+    case PQC_ERROR_UNSUPPORTED: return "unsupported in this build";
+    }
+    return "unknown result code";
+}
+
+PQCDEF const char *pqc_last_error(void) { return pqc__errbuf; }
+PQCDEF const char *pqc_version(void) { return PQCACHE_VERSION_STRING; }
+PQCDEF unsigned pqc_version_number(void)
+{
+    return PQCACHE_VERSION_MAJOR * 10000u + PQCACHE_VERSION_MINOR * 100u + PQCACHE_VERSION_PATCH;
+}
+
+struct pqc_runtime;
+static void pqc__log(const struct pqc_runtime *rt, pqc_log_level lv, const char *msg);
+
+/* Records a failure message for this thread (and the runtime's log) and returns r. */
+static pqc_result pqc__fail(const struct pqc_runtime *rt, pqc_result r, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(pqc__errbuf, sizeof pqc__errbuf, fmt, ap);
+    va_end(ap);
+    pqc__log(rt, PQC_LOG_ERROR, pqc__errbuf);
+    return r;
+}
+
+static void *pqc__alloc(const pqc_allocator *a, size_t n)
+{
+    if (n == 0) n = 1;
+    if (a && a->alloc) return a->alloc(n, a->user);
+    return PQC_MALLOC(n, a ? a->user : NULL);
+}
+static void pqc__free(const pqc_allocator *a, void *p)
+{
+    if (!p) return;
+    if (a && a->alloc) {
+        if (a->free) a->free(p, a->user);
+        return;
+    }
+    PQC_FREE(p, a ? a->user : NULL);
+}
+static void *pqc__calloc(const pqc_allocator *a, size_t n)
+{
+    void *p = pqc__alloc(a, n);
+    if (p) memset(p, 0, n);
+    return p;
+}
+/* a*b without overflow; 0 on overflow */
+static int pqc__mul(size_t a, size_t b, size_t *out)
+{
+    if (a && b > (size_t)-1 / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+PQCDEF size_t pqc_dtype_size(pqc_dtype t)
+{
+    switch (t) {
+    case PQC_F32: return 4;
+    case PQC_F16: return 2;
+    case PQC_BF16: return 2;
+    }
+    return 0;
+}
+
+PQC__UNUSED static double pqc__now(void)
+{
+#if defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#else
+    return (double)clock() / CLOCKS_PER_SEC;
+#endif
+}
+
+/* ----- half precision ----- */
+
+PQCDEF float pqc_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    float f;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: renormalise */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400u));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+        }
+    } else {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+PQCDEF uint16_t pqc_f32_to_f16(float f)
+{
+    uint32_t u, sign, man;
+    int exp;
+    memcpy(&u, &f, 4);
+    sign = (u >> 16) & 0x8000u;
+    exp = (int)((u >> 23) & 0xff);
+    man = u & 0x7fffffu;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00u | (man ? 0x200u | (man >> 13) : 0u));
+    exp -= 127 - 15;
+    if (exp >= 0x1f) return (uint16_t)(sign | 0x7c00u);
+    if (exp <= 0) { /* subnormal or zero */
+        uint32_t m, shift, r, half;
+        if (exp < -10) return (uint16_t)sign;
+        m = man | 0x800000u;
+        shift = (uint32_t)(14 - exp);
+        r = m >> shift;
+        half = 1u << (shift - 1);
+        if ((m & ((half << 1) - 1)) > half || ((m & ((half << 1) - 1)) == half && (r & 1u))) r++;
+        return (uint16_t)(sign | r);
+    }
+    {
+        uint32_t r = ((uint32_t)exp << 10) | (man >> 13), rem = man & 0x1fffu;
+        if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++; /* may carry into exponent: fine */
+        return (uint16_t)(sign | r);
+    }
+}
+
+PQCDEF float pqc_bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+PQCDEF uint16_t pqc_f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Converts n elements of one row to fp32. */
+static void pqc__row_to_f32(const void *src, pqc_dtype t, size_t n, float *dst)
+{
+    size_t i;
+    if (t == PQC_F32) {
+        memcpy(dst, src, n * 4);
+    } else if (t == PQC_F16) {
+        const unsigned char *p = (const unsigned char *)src;
+        for (i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            dst[i] = pqc_f16_to_f32(h);
+        }
+    } else {
+        const unsigned char *p = (const unsigned char *)src;
+        for (i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            dst[i] = pqc_bf16_to_f32(h);
+        }
+    }
+}
+
+static size_t pqc__stride(const pqc_matrix *m)
+{
+    return m->row_stride ? m->row_stride : m->cols * pqc_dtype_size(m->dtype);
+}
+static const void *pqc__row(const pqc_matrix *m, size_t r)
+{
+    return (const unsigned char *)m->data + r * pqc__stride(m);
+}
+
+/* Validates a matrix view with `cols` expected columns (0 = any). */
+static pqc_result pqc__check_matrix(const struct pqc_runtime *rt, const pqc_matrix *m, size_t cols, const char *what)
+{
+    size_t es;
+    if (!m) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "%s: null matrix", what);
+    es = pqc_dtype_size(m->dtype);
+    if (!es) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "%s: unknown dtype %d", what, (int)m->dtype);
+    if (m->rows == 0) return pqc__fail(rt, PQC_ERROR_EMPTY, "%s: no rows", what);
+    if (!m->data) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "%s: null data", what);
+    if (cols && m->cols != cols)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "%s: %zu columns, expected %zu", what, m->cols, cols);
+    if (m->row_stride && m->row_stride < m->cols * es)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "%s: row stride %zu bytes < row size %zu", what, m->row_stride,
+                         m->cols * es);
+    return PQC_SUCCESS;
+}
+
+static int pqc__finite_row(const float *x, size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (!(x[i] >= -PQC__KEY_LIMIT && x[i] <= PQC__KEY_LIMIT)) return 0;
+    return 1;
+}
+
+/* Checks every element of a matrix is finite and within the magnitude limit. */
+static pqc_result pqc__check_finite(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, const char *what)
+{
+    size_t r;
+    for (r = 0; r < m->rows; r++) {
+        pqc__row_to_f32(pqc__row(m, r), m->dtype, m->cols, tmp);
+        if (!pqc__finite_row(tmp, m->cols))
+            return pqc__fail(rt, PQC_ERROR_NON_FINITE, "%s: row %zu holds NaN, Inf or a magnitude above 1e16", what, r);
+    }
+    return PQC_SUCCESS;
+}
+
+/* splitmix64: small, good, and reproducible on every platform */
+static uint64_t pqc__rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double pqc__rng_unit(uint64_t *s) { return (double)(pqc__rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
+static size_t pqc__rng_below(uint64_t *s, size_t n) { return (size_t)(pqc__rng_unit(s) * (double)n) % (n ? n : 1); }
+
+/* ---------------------------------------------------------------------------------------
+   Runtime and thread pool
+   ------------------------------------------------------------------------------------- */
+
+/* A job the caller owns until it completes; jobs complete into a group. */
+typedef struct pqc__group {
+    int pending;
+} pqc__group;
+
+typedef struct pqc__task {
+    void (*fn)(void *arg);
+    void *arg;
+    pqc__group *group;
+    struct pqc_runtime *rt;
+    struct pqc__task *next;
+} pqc__task;
+
+struct pqc_runtime {
+    pqc_allocator alloc;
+    pqc_simd simd;
+    pqc_log_fn log;
+    void *log_user;
+    pqc_log_level log_level;
+    pqc_submit_fn submit;
+    void *submit_user;
+    int n_threads;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_t mu;      /* guards the queue and every group's counter */
+    pthread_cond_t work_cv;  /* queue not empty, or stopping               */
+    pthread_cond_t done_cv;  /* some group reached zero                    */
+    pthread_t *threads;
+    int started;
+    int stopping;
+    pqc__task *head, *tail;
+#endif
+    void *backend; /* device backend state, NULL for CPU only */
+};
+
+static void pqc__log(const struct pqc_runtime *rt, pqc_log_level lv, const char *msg)
+{
+    if (rt && rt->log && lv <= rt->log_level) rt->log(rt->log_user, lv, msg);
+}
+
+PQCDEF const char *pqc_simd_name(pqc_simd s)
+{
+    switch (s) {
+    case PQC_SIMD_AUTO: return "auto";
+    case PQC_SIMD_SCALAR: return "scalar";
+    case PQC_SIMD_AVX2: return "avx2";
+    case PQC_SIMD_AVX512: return "avx512";
+    }
+    return "unknown";
+}
+
+PQCDEF pqc_simd pqc_cpu_best_simd(void)
+{
+#if PQC__X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma"))
+        return PQC_SIMD_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PQC_SIMD_AVX2;
+#endif
+    return PQC_SIMD_SCALAR;
+}
+
+static void pqc__task_run(pqc__task *t)
+{
+    pqc_runtime *rt = t->rt;
+    pqc__group *g = t->group;
+    t->fn(t->arg);
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&rt->mu);
+    if (--g->pending == 0) pthread_cond_broadcast(&rt->done_cv);
+    pthread_mutex_unlock(&rt->mu);
+#else
+    (void)rt;
+    g->pending--;
+#endif
+}
+
+static void pqc__task_entry(void *p) { pqc__task_run((pqc__task *)p); }
+
+#ifndef PQCACHE_NO_THREADS
+static void *pqc__worker(void *p)
+{
+    pqc_runtime *rt = (pqc_runtime *)p;
+    pthread_mutex_lock(&rt->mu);
+    for (;;) {
+        pqc__task *t;
+        while (!rt->head && !rt->stopping) pthread_cond_wait(&rt->work_cv, &rt->mu);
+        if (!rt->head) break; /* stopping and drained */
+        t = rt->head;
+        rt->head = t->next;
+        if (!rt->head) rt->tail = NULL;
+        pthread_mutex_unlock(&rt->mu);
+        pqc__task_run(t);
+        pthread_mutex_lock(&rt->mu);
+    }
+    pthread_mutex_unlock(&rt->mu);
+    return NULL;
+}
+#endif
+
+/* Starts t (fn, arg set by the caller) in group g. Never fails: without workers, or when
+   the engine refuses the job, it runs inline. */
+static void pqc__submit(pqc_runtime *rt, pqc__group *g, pqc__task *t)
+{
+    t->group = g;
+    t->rt = rt;
+    t->next = NULL;
+#ifndef PQCACHE_NO_THREADS
+    if (rt) {
+        pthread_mutex_lock(&rt->mu);
+        g->pending++;
+        if (rt->submit) {
+            pthread_mutex_unlock(&rt->mu);
+            if (rt->submit(rt->submit_user, pqc__task_entry, t) != 0) pqc__task_run(t);
+            return;
+        }
+        if (rt->started > 0) {
+            if (rt->tail) rt->tail->next = t;
+            else rt->head = t;
+            rt->tail = t;
+            pthread_cond_signal(&rt->work_cv);
+            pthread_mutex_unlock(&rt->mu);
+            return;
+        }
+        pthread_mutex_unlock(&rt->mu);
+        pqc__task_run(t);
+        return;
+    }
+#endif
+    g->pending++;
+    if (rt) {
+        pqc__task_run(t);
+    } else { /* no runtime: plain inline call */
+        t->fn(t->arg);
+        g->pending--;
+    }
+}
+
+/* Waits until every job of g has finished; helps with queued jobs meanwhile, so waiting
+   from inside a job cannot deadlock the pool. */
+static void pqc__wait(pqc_runtime *rt, pqc__group *g)
+{
+#ifndef PQCACHE_NO_THREADS
+    if (!rt) return;
+    pthread_mutex_lock(&rt->mu);
+    while (g->pending > 0) {
+        if (rt->head && !rt->submit) {
+            pqc__task *t = rt->head;
+            rt->head = t->next;
+            if (!rt->head) rt->tail = NULL;
+            pthread_mutex_unlock(&rt->mu);
+            pqc__task_run(t);
+            pthread_mutex_lock(&rt->mu);
+        } else {
+            pthread_cond_wait(&rt->done_cv, &rt->mu);
+        }
+    }
+    pthread_mutex_unlock(&rt->mu);
+#else
+    (void)rt;
+    (void)g;
+#endif
+}
+
+PQC__UNUSED static int pqc__group_busy(pqc_runtime *rt, pqc__group *g)
+{
+    int busy;
+#ifndef PQCACHE_NO_THREADS
+    if (rt) pthread_mutex_lock(&rt->mu);
+    busy = g->pending > 0;
+    if (rt) pthread_mutex_unlock(&rt->mu);
+#else
+    (void)rt;
+    busy = g->pending > 0;
+#endif
+    return busy;
+}
+
+/* parallel for: calls fn(ctx, i) for i in [0, n) on the pool and the calling thread */
+typedef struct pqc__pfor {
+    void (*fn)(void *ctx, size_t i);
+    void *ctx;
+    size_t n;
+    size_t next;
+    pqc_runtime *rt;
+} pqc__pfor;
+
+static void pqc__pfor_body(void *p)
+{
+    pqc__pfor *f = (pqc__pfor *)p;
+    for (;;) {
+        size_t i;
+#ifndef PQCACHE_NO_THREADS
+        if (f->rt) pthread_mutex_lock(&f->rt->mu);
+#endif
+        i = f->next < f->n ? f->next++ : f->n;
+#ifndef PQCACHE_NO_THREADS
+        if (f->rt) pthread_mutex_unlock(&f->rt->mu);
+#endif
+        if (i >= f->n) break;
+        f->fn(f->ctx, i);
+    }
+}
+
+#define PQC__MAX_HELPERS 64
+static void pqc__parallel_for(pqc_runtime *rt, size_t n, void (*fn)(void *ctx, size_t i), void *ctx)
+{
+    pqc__pfor f;
+    pqc__task tasks[PQC__MAX_HELPERS];
+    pqc__group g;
+    size_t helpers = 0, i;
+    f.fn = fn;
+    f.ctx = ctx;
+    f.n = n;
+    f.next = 0;
+    f.rt = rt;
+    g.pending = 0;
+    if (rt && n > 1) {
+        int workers = rt->submit ? rt->n_threads : rt->n_threads;
+        helpers = PQC__MIN((size_t)(workers > 0 ? workers : 0), n - 1);
+        helpers = PQC__MIN(helpers, (size_t)PQC__MAX_HELPERS);
+    }
+    for (i = 0; i < helpers; i++) {
+        tasks[i].fn = pqc__pfor_body;
+        tasks[i].arg = &f;
+        pqc__submit(rt, &g, &tasks[i]);
+    }
+    pqc__pfor_body(&f);
+    pqc__wait(rt, &g);
+}
+
+PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime **out)
+{
+    pqc_runtime_desc d;
+    pqc_runtime *rt;
+    pqc_simd best = pqc_cpu_best_simd();
+    if (!out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_runtime_create: null output");
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if ((d.allocator.alloc == NULL) != (d.allocator.free == NULL))
+        return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "allocator: set both alloc and free, or neither");
+    if (d.n_threads < -1 || d.n_threads > 1024)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "n_threads %d not in -1..1024", d.n_threads);
+    if ((int)d.simd < 0 || (int)d.simd > (int)PQC_SIMD_AVX512)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "unknown simd level %d", (int)d.simd);
+    if (d.simd != PQC_SIMD_AUTO && (int)d.simd > (int)best)
+        return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "simd level %s requested, the processor offers %s",
+                         pqc_simd_name(d.simd), pqc_simd_name(best));
+    rt = (pqc_runtime *)pqc__calloc(&d.allocator, sizeof *rt);
+    if (!rt) return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "runtime: allocation failed");
+    rt->alloc = d.allocator;
+    rt->simd = d.simd == PQC_SIMD_AUTO ? best : d.simd;
+    rt->log = d.log;
+    rt->log_user = d.log_user;
+    rt->log_level = d.log_level;
+    rt->submit = d.submit;
+    rt->submit_user = d.submit_user;
+    rt->n_threads = d.n_threads == 0 ? 1 : (d.n_threads < 0 ? 0 : d.n_threads);
+#ifdef PQCACHE_NO_THREADS
+    rt->n_threads = 0;
+#else
+    if (pthread_mutex_init(&rt->mu, NULL) != 0) {
+        pqc__free(&d.allocator, rt);
+        return pqc__fail(NULL, PQC_ERROR_THREAD, "runtime: mutex init failed");
+    }
+    pthread_cond_init(&rt->work_cv, NULL);
+    pthread_cond_init(&rt->done_cv, NULL);
+    if (!rt->submit && rt->n_threads > 0) {
+        int i;
+        rt->threads = (pthread_t *)pqc__alloc(&rt->alloc, sizeof(pthread_t) * (size_t)rt->n_threads);
+        if (!rt->threads) {
+            pqc_runtime_destroy(rt);
+            return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "runtime: thread table allocation failed");
+        }
+        for (i = 0; i < rt->n_threads; i++) {
+            if (pthread_create(&rt->threads[i], NULL, pqc__worker, rt) != 0) {
+                pqc_runtime_destroy(rt);
+                return pqc__fail(NULL, PQC_ERROR_THREAD, "runtime: could not start worker %d of %d", i + 1,
+                                 d.n_threads);
+            }
+            rt->started++;
+        }
+    }
+#endif
+    *out = rt;
+    return PQC_SUCCESS;
+}
+
+static void pqc__backend_destroy(pqc_runtime *rt);
+
+PQCDEF void pqc_runtime_destroy(pqc_runtime *rt)
+{
+    pqc_allocator a;
+    if (!rt) return;
+    a = rt->alloc;
+    pqc__backend_destroy(rt);
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&rt->mu);
+    rt->stopping = 1;
+    pthread_cond_broadcast(&rt->work_cv);
+    pthread_mutex_unlock(&rt->mu);
+    {
+        int i;
+        for (i = 0; i < rt->started; i++) pthread_join(rt->threads[i], NULL);
+    }
+    pqc__free(&a, rt->threads);
+    pthread_cond_destroy(&rt->work_cv);
+    pthread_cond_destroy(&rt->done_cv);
+    pthread_mutex_destroy(&rt->mu);
+#endif
+    pqc__free(&a, rt);
+}
+
+PQCDEF pqc_simd pqc_runtime_simd(const pqc_runtime *rt) { return rt ? rt->simd : PQC_SIMD_SCALAR; }
+PQCDEF int pqc_runtime_threads(const pqc_runtime *rt) { return rt ? rt->n_threads : 0; }
+
+static pqc_simd pqc__simd(const pqc_runtime *rt) { return rt ? rt->simd : pqc_cpu_best_simd(); }
+static const pqc_allocator *pqc__rt_alloc(const pqc_runtime *rt) { return rt ? &rt->alloc : NULL; }
+
+/* ---------------------------------------------------------------------------------------
+   CPU kernels. Each has a scalar reference; the SIMD variants perform the very same
+   floating-point operations in the same order (vectorised across centroids or tokens,
+   never across the summed dimension), so codes, indices and scores match bit for bit.
+   ------------------------------------------------------------------------------------- */
+
+/* dots[c] = sum_e x[e] * ct[e*kpad + c] (fma chain over e from 0), c < k */
+static void pqc__dots_scalar(const float *x, int d, const float *ct, int kpad, int k, float *dots)
+{
+    int c, e;
+    for (c = 0; c < k; c++) {
+        float acc = 0.0f;
+        for (e = 0; e < d; e++) acc = fmaf(x[e], ct[(size_t)e * kpad + c], acc);
+        dots[c] = acc;
+    }
+}
+
+/* For each of n points (rows of x, d dims) the index of the nearest of k centroids
+   (squared L2 up to the point's own norm: cn[c] - 2 x.c; ties to the lower index). */
+static void pqc__assign_scalar(const float *x, size_t n, int d, const float *ct, const float *cn, int kpad, int k,
+                               uint16_t *idx, float *val)
+{
+    size_t i;
+    int c, e;
+    for (i = 0; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        float best = INFINITY;
+        int bi = 0;
+        for (c = 0; c < k; c++) {
+            float acc = 0.0f, v;
+            for (e = 0; e < d; e++) acc = fmaf(xi[e], ct[(size_t)e * kpad + c], acc);
+            v = cn[c] - (acc + acc);
+            if (v < best) {
+                best = v;
+                bi = c;
+            }
+        }
+        idx[i] = (uint16_t)bi;
+        if (val) val[i] = best;
+    }
+}
+
+/* out[t] = sum_j lut[j*ksub + code_j(t0+t)], j ascending, from 0 */
+static void pqc__scan_scalar(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out)
+{
+    size_t t;
+    int j;
+    for (t = 0; t < n; t++) out[t] = 0.0f;
+    for (j = 0; j < cd->m; j++) {
+        const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
+        const float *l = lut + (size_t)j * ksub;
+        unsigned mask = (1u << cd->bits) - 1u;
+        for (t = 0; t < n; t++) {
+            size_t bit = (t0 + t) * (size_t)cd->bits;
+            unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
+            out[t] += l[v & mask];
+        }
+    }
+}
+
+static float pqc__max_scalar(const float *x, size_t n)
+{
+    float m = -INFINITY;
+    size_t i;
+    for (i = 0; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+/* exp for x <= 0: Cody-Waite reduction and a degree-5 polynomial with explicit fused
+   operations, so the SIMD versions reproduce it exactly. Relative error < 2e-7. */
+#define PQC__EXP_LO (-87.3f)
+#define PQC__LOG2E 1.44269504088896341f
+#define PQC__LN2_HI 0.693359375f
+#define PQC__LN2_LO (-2.12194440e-4f)
+#define PQC__EP0 1.9875691500e-4f
+#define PQC__EP1 1.3981999507e-3f
+#define PQC__EP2 8.3334519073e-3f
+#define PQC__EP3 4.1665795894e-2f
+#define PQC__EP4 1.6666665459e-1f
+#define PQC__EP5 5.0000001201e-1f
+static float pqc__expf(float x)
+{
+    float n, r, z, y, p2;
+    int ni;
+    uint32_t u;
+    if (!(x > PQC__EXP_LO)) x = PQC__EXP_LO;
+    n = nearbyintf(x * PQC__LOG2E);
+    r = fmaf(n, -PQC__LN2_HI, x);
+    r = fmaf(n, -PQC__LN2_LO, r);
+    z = r * r;
+    y = PQC__EP0;
+    y = fmaf(y, r, PQC__EP1);
+    y = fmaf(y, r, PQC__EP2);
+    y = fmaf(y, r, PQC__EP3);
+    y = fmaf(y, r, PQC__EP4);
+    y = fmaf(y, r, PQC__EP5);
+    y = fmaf(y, z, r);
+    y = y + 1.0f;
+    ni = (int)n;
+    u = (uint32_t)(ni + 127) << 23;
+    memcpy(&p2, &u, 4);
+    return y * p2;
+}
+
+/* e[t] = exp((s[t] - mx) * scale); returns the sum over 16 interleaved lanes
+   (lane t % 16), the lanes then added in order: the canonical summation order. */
+static float pqc__expsum_scalar(const float *s, size_t n, float mx, float scale, float *e)
+{
+    float lanes[16] = {0}, z = 0.0f;
+    size_t t;
+    int l;
+    for (t = 0; t < n; t++) {
+        e[t] = pqc__expf((s[t] - mx) * scale);
+        lanes[t & 15] += e[t];
+    }
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
+/* acc[t] = fma(e[t], w, acc[t]) */
+static void pqc__axpy_scalar(const float *e, size_t n, float w, float *acc)
+{
+    size_t t;
+    for (t = 0; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
+}
+
+/* exact dot of q with n rows of k (fp32, row stride in floats): 16 interleaved lane
+   accumulators over the dims (lane e % 16), then the lanes added in order. */
+static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
+{
+    size_t i;
+    int e, l;
+    for (i = 0; i < n; i++) {
+        const float *r = rows + i * stride;
+        float lanes[16] = {0}, acc = 0.0f;
+        for (e = 0; e < d; e++) lanes[e & 15] = fmaf(q[e], r[e], lanes[e & 15]);
+        for (l = 0; l < 16; l++) acc += lanes[l];
+        out[i] = acc;
+    }
+}
+
+#if PQC__X86
+/* GCC's own intrinsic headers self-initialise their "undefined" vectors, which its C++
+   front end reports as maybe-uninitialised at our call sites: silence just that. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+/* ----- AVX2 ----- */
+PQC__AVX2 static void pqc__dots_avx2(const float *x, int d, const float *ct, int kpad, int k, float *dots)
+{
+    int c, e;
+    for (c = 0; c + 8 <= kpad && c < k; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        float tmp[8];
+        int l;
+        for (e = 0; e < d; e++) acc = _mm256_fmadd_ps(_mm256_set1_ps(x[e]), _mm256_loadu_ps(ct + (size_t)e * kpad + c), acc);
+        _mm256_storeu_ps(tmp, acc);
+        for (l = 0; l < 8 && c + l < k; l++) dots[c + l] = tmp[l];
+    }
+}
+
+PQC__AVX2 static void pqc__assign_avx2(const float *x, size_t n, int d, const float *ct, const float *cn, int kpad,
+                                       int k, uint16_t *idx, float *val)
+{
+    size_t i;
+    int c, e, l;
+    (void)k; /* padded centroids have cn = +inf and never win */
+    for (i = 0; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        __m256 best = _mm256_set1_ps(INFINITY);
+        __m256i bidx = _mm256_setzero_si256();
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        float bv[8];
+        int bi[8], r = 0;
+        float rv;
+        for (c = 0; c < kpad; c += 8) {
+            __m256 acc = _mm256_setzero_ps(), v, lt;
+            for (e = 0; e < d; e++)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(xi[e]), _mm256_loadu_ps(ct + (size_t)e * kpad + c), acc);
+            v = _mm256_sub_ps(_mm256_loadu_ps(cn + c), _mm256_add_ps(acc, acc));
+            lt = _mm256_cmp_ps(v, best, _CMP_LT_OQ);
+            best = _mm256_blendv_ps(best, v, lt);
+            bidx = _mm256_blendv_epi8(bidx, _mm256_add_epi32(lane, _mm256_set1_epi32(c)), _mm256_castps_si256(lt));
+        }
+        _mm256_storeu_ps(bv, best);
+        _mm256_storeu_si256((__m256i *)bi, bidx);
+        rv = bv[0];
+        r = bi[0];
+        for (l = 1; l < 8; l++)
+            if (bv[l] < rv || (bv[l] == rv && bi[l] < r)) {
+                rv = bv[l];
+                r = bi[l];
+            }
+        idx[i] = (uint16_t)r;
+        if (val) val[i] = rv;
+    }
+}
+
+PQC__AVX2 static void pqc__scan_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out)
+{
+    size_t t = 0;
+    int j, b = cd->bits;
+    unsigned mask = (1u << b) - 1u;
+    for (; t + 8 <= n; t += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (j = 0; j < cd->m; j++) {
+            const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
+            __m256i ix;
+            if (b == 8) {
+                ix = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + t0 + t)));
+            } else {
+                int l, tmp[8];
+                for (l = 0; l < 8; l++) {
+                    size_t bit = (t0 + t + (size_t)l) * (size_t)b;
+                    unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
+                    tmp[l] = (int)(v & mask);
+                }
+                ix = _mm256_loadu_si256((const __m256i *)tmp);
+            }
+            acc = _mm256_add_ps(acc, _mm256_i32gather_ps(lut + (size_t)j * ksub, ix, 4));
+        }
+        _mm256_storeu_ps(out + t, acc);
+    }
+    if (t < n) pqc__scan_scalar(cd, lut, ksub, t0 + t, n - t, out + t);
+}
+
+PQC__AVX2 static float pqc__max_avx2(const float *x, size_t n)
+{
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    float tmp[8], r;
+    size_t i = 0;
+    int l;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    _mm256_storeu_ps(tmp, m);
+    r = pqc__max_scalar(x + i, n - i);
+    for (l = 0; l < 8; l++) r = tmp[l] > r ? tmp[l] : r;
+    return r;
+}
+
+PQC__AVX2 static __m256 pqc__exp_avx2(__m256 x)
+{
+    __m256 n, r, z, y;
+    __m256i ni;
+    x = _mm256_max_ps(x, _mm256_set1_ps(PQC__EXP_LO));
+    n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(PQC__LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-PQC__LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-PQC__LN2_LO), r);
+    z = _mm256_mul_ps(r, r);
+    y = _mm256_set1_ps(PQC__EP0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PQC__EP1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PQC__EP2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PQC__EP3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PQC__EP4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(PQC__EP5));
+    y = _mm256_fmadd_ps(y, z, r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    ni = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(ni));
+}
+
+PQC__AVX2 static float pqc__expsum_avx2(const float *s, size_t n, float mx, float scale, float *e)
+{
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    const __m256 vm = _mm256_set1_ps(mx), vs = _mm256_set1_ps(scale);
+    float lanes[16], z = 0.0f;
+    size_t t = 0;
+    int l;
+    for (; t + 16 <= n; t += 16) {
+        __m256 a = pqc__exp_avx2(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm), vs));
+        __m256 b = pqc__exp_avx2(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t + 8), vm), vs));
+        _mm256_storeu_ps(e + t, a);
+        _mm256_storeu_ps(e + t + 8, b);
+        lo = _mm256_add_ps(lo, a);
+        hi = _mm256_add_ps(hi, b);
+    }
+    _mm256_storeu_ps(lanes, lo);
+    _mm256_storeu_ps(lanes + 8, hi);
+    for (; t < n; t++) {
+        e[t] = pqc__expf((s[t] - mx) * scale);
+        lanes[t & 15] += e[t];
+    }
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
+PQC__AVX2 static void pqc__axpy_avx2(const float *e, size_t n, float w, float *acc)
+{
+    size_t t = 0;
+    const __m256 vw = _mm256_set1_ps(w);
+    for (; t + 8 <= n; t += 8)
+        _mm256_storeu_ps(acc + t, _mm256_fmadd_ps(_mm256_loadu_ps(e + t), vw, _mm256_loadu_ps(acc + t)));
+    for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
+}
+
+PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
+{
+    size_t i;
+    int e, l;
+    for (i = 0; i < n; i++) {
+        const float *r = rows + i * stride;
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        float lanes[16], acc = 0.0f;
+        for (e = 0; e + 16 <= d; e += 16) {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), _mm256_loadu_ps(r + e), lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), _mm256_loadu_ps(r + e + 8), hi);
+        }
+        _mm256_storeu_ps(lanes, lo);
+        _mm256_storeu_ps(lanes + 8, hi);
+        for (; e < d; e++) lanes[e & 15] = fmaf(q[e], r[e], lanes[e & 15]);
+        for (l = 0; l < 16; l++) acc += lanes[l];
+        out[i] = acc;
+    }
+}
+
+/* ----- AVX-512 ----- */
+PQC__AVX512 static void pqc__dots_avx512(const float *x, int d, const float *ct, int kpad, int k, float *dots)
+{
+    int c, e;
+    for (c = 0; c < kpad && c < k; c += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (e = 0; e < d; e++) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[e]), _mm512_loadu_ps(ct + (size_t)e * kpad + c), acc);
+        if (c + 16 <= k) _mm512_storeu_ps(dots + c, acc);
+        else _mm512_mask_storeu_ps(dots + c, (__mmask16)((1u << (k - c)) - 1u), acc);
+    }
+}
+
+/* lowest value, then lowest index, across the 16 lanes */
+PQC__AVX512 static void pqc__argmin16(__m512 best, __m512i bidx, uint16_t *idx, float *val)
+{
+    float bv[16];
+    int bi[16], l, r;
+    float m;
+    _mm512_storeu_ps(bv, best);
+    _mm512_storeu_si512(bi, bidx);
+    m = bv[0];
+    r = bi[0];
+    for (l = 1; l < 16; l++)
+        if (bv[l] < m || (bv[l] == m && bi[l] < r)) {
+            m = bv[l];
+            r = bi[l];
+        }
+    *idx = (uint16_t)r;
+    if (val) *val = m;
+}
+
+/* 4 points x 16 centroids per register tile; the dot for one (point, centroid) pair is
+   still one fma chain over the dims. */
+PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, const float *ct, const float *cn, int kpad,
+                                           int k, uint16_t *idx, float *val)
+{
+    size_t i = 0;
+    int c, e;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    (void)k;
+    for (; i + 4 <= n; i += 4) {
+        const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
+        __m512 b0 = _mm512_set1_ps(INFINITY), b1 = b0, b2 = b0, b3 = b0;
+        __m512i i0 = _mm512_setzero_si512(), i1 = i0, i2 = i0, i3 = i0;
+        for (c = 0; c < kpad; c += 16) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, vc, cnv;
+            __m512i ci = _mm512_add_epi32(lane, _mm512_set1_epi32(c));
+            for (e = 0; e < d; e++) {
+                vc = _mm512_loadu_ps(ct + (size_t)e * kpad + c);
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[e]), vc, a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[e]), vc, a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[e]), vc, a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[e]), vc, a3);
+            }
+            cnv = _mm512_loadu_ps(cn + c);
+#define PQC__UPD(A, B, I)                                                                                              \
+    do {                                                                                                               \
+        __m512 v_ = _mm512_sub_ps(cnv, _mm512_add_ps(A, A));                                                           \
+        __mmask16 m_ = _mm512_cmp_ps_mask(v_, B, _CMP_LT_OQ);                                                          \
+        B = _mm512_mask_mov_ps(B, m_, v_);                                                                             \
+        I = _mm512_mask_mov_epi32(I, m_, ci);                                                                          \
+    } while (0)
+            PQC__UPD(a0, b0, i0);
+            PQC__UPD(a1, b1, i1);
+            PQC__UPD(a2, b2, i2);
+            PQC__UPD(a3, b3, i3);
+#undef PQC__UPD
+        }
+        pqc__argmin16(b0, i0, idx + i, val ? val + i : NULL);
+        pqc__argmin16(b1, i1, idx + i + 1, val ? val + i + 1 : NULL);
+        pqc__argmin16(b2, i2, idx + i + 2, val ? val + i + 2 : NULL);
+        pqc__argmin16(b3, i3, idx + i + 3, val ? val + i + 3 : NULL);
+    }
+    for (; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        __m512 best = _mm512_set1_ps(INFINITY);
+        __m512i bidx = _mm512_setzero_si512();
+        for (c = 0; c < kpad; c += 16) {
+            __m512 acc = _mm512_setzero_ps(), v;
+            __mmask16 lt;
+            for (e = 0; e < d; e++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(xi[e]), _mm512_loadu_ps(ct + (size_t)e * kpad + c), acc);
+            v = _mm512_sub_ps(_mm512_loadu_ps(cn + c), _mm512_add_ps(acc, acc));
+            lt = _mm512_cmp_ps_mask(v, best, _CMP_LT_OQ);
+            best = _mm512_mask_mov_ps(best, lt, v);
+            bidx = _mm512_mask_mov_epi32(bidx, lt, _mm512_add_epi32(lane, _mm512_set1_epi32(c)));
+        }
+        pqc__argmin16(best, bidx, idx + i, val ? val + i : NULL);
+    }
+}
+
+PQC__AVX512 static void pqc__scan_avx512(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n,
+                                         float *out)
+{
+    size_t t = 0;
+    int j, b = cd->bits, m = cd->m;
+    unsigned mask = (1u << b) - 1u;
+    if (b == 8) {
+        for (; t + 16 <= n; t += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (j = 0; j < m; j++) {
+                const unsigned char *col = cd->data + (size_t)j * cd->col_stride + t0 + t;
+                __m512i ix = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)col));
+                acc = _mm512_add_ps(acc, _mm512_i32gather_ps(ix, lut + (size_t)j * ksub, 4));
+            }
+            _mm512_storeu_ps(out + t, acc);
+        }
+    } else if (b == 4 && (t0 & 1) == 0) {
+        const __m128i lo4 = _mm_set1_epi8(0x0f);
+        for (; t + 16 <= n; t += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (j = 0; j < m; j++) {
+                const unsigned char *col = cd->data + (size_t)j * cd->col_stride + ((t0 + t) >> 1);
+                __m128i v = _mm_loadl_epi64((const __m128i *)col);
+                __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+                __m512i ix = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+                acc = _mm512_add_ps(acc, _mm512_permutexvar_ps(ix, _mm512_loadu_ps(lut + (size_t)j * ksub)));
+            }
+            _mm512_storeu_ps(out + t, acc);
+        }
+    } else {
+        for (; t + 16 <= n; t += 16) {
+            __m512 acc = _mm512_setzero_ps();
+            for (j = 0; j < m; j++) {
+                const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
+                int l, tmp[16];
+                for (l = 0; l < 16; l++) {
+                    size_t bit = (t0 + t + (size_t)l) * (size_t)b;
+                    unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
+                    tmp[l] = (int)(v & mask);
+                }
+                acc = _mm512_add_ps(acc, _mm512_i32gather_ps(_mm512_loadu_si512(tmp), lut + (size_t)j * ksub, 4));
+            }
+            _mm512_storeu_ps(out + t, acc);
+        }
+    }
+    if (t < n) pqc__scan_scalar(cd, lut, ksub, t0 + t, n - t, out + t);
+}
+
+PQC__AVX512 static float pqc__max_avx512(const float *x, size_t n)
+{
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    size_t i = 0;
+    float r;
+    float tmp[16];
+    int l;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+    _mm512_storeu_ps(tmp, m);
+    r = pqc__max_scalar(x + i, n - i);
+    for (l = 0; l < 16; l++) r = tmp[l] > r ? tmp[l] : r;
+    return r;
+}
+
+PQC__AVX512 static __m512 pqc__exp_avx512(__m512 x)
+{
+    __m512 n, r, z, y;
+    __m512i ni;
+    x = _mm512_max_ps(x, _mm512_set1_ps(PQC__EXP_LO));
+    n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(PQC__LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-PQC__LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-PQC__LN2_LO), r);
+    z = _mm512_mul_ps(r, r);
+    y = _mm512_set1_ps(PQC__EP0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PQC__EP1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PQC__EP2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PQC__EP3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PQC__EP4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PQC__EP5));
+    y = _mm512_fmadd_ps(y, z, r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    ni = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(ni));
+}
+
+PQC__AVX512 static float pqc__expsum_avx512(const float *s, size_t n, float mx, float scale, float *e)
+{
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 vm = _mm512_set1_ps(mx), vs = _mm512_set1_ps(scale);
+    float lanes[16], z = 0.0f;
+    size_t t = 0;
+    int l;
+    for (; t + 16 <= n; t += 16) {
+        __m512 a = pqc__exp_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm), vs));
+        _mm512_storeu_ps(e + t, a);
+        acc = _mm512_add_ps(acc, a);
+    }
+    _mm512_storeu_ps(lanes, acc);
+    for (; t < n; t++) {
+        e[t] = pqc__expf((s[t] - mx) * scale);
+        lanes[t & 15] += e[t];
+    }
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
+PQC__AVX512 static void pqc__axpy_avx512(const float *e, size_t n, float w, float *acc)
+{
+    size_t t = 0;
+    const __m512 vw = _mm512_set1_ps(w);
+    for (; t + 16 <= n; t += 16)
+        _mm512_storeu_ps(acc + t, _mm512_fmadd_ps(_mm512_loadu_ps(e + t), vw, _mm512_loadu_ps(acc + t)));
+    for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
+}
+
+PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, size_t n, size_t stride, int d,
+                                            float *out)
+{
+    size_t i;
+    int e, l;
+    for (i = 0; i < n; i++) {
+        const float *r = rows + i * stride;
+        __m512 acc = _mm512_setzero_ps();
+        float lanes[16], s = 0.0f;
+        for (e = 0; e + 16 <= d; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), _mm512_loadu_ps(r + e), acc);
+        _mm512_storeu_ps(lanes, acc);
+        for (; e < d; e++) lanes[e & 15] = fmaf(q[e], r[e], lanes[e & 15]);
+        for (l = 0; l < 16; l++) s += lanes[l];
+        out[i] = s;
+    }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif /* PQC__X86 */
+
+/* ----- dispatch ----- */
+#if PQC__X86
+#define PQC__DISPATCH(simd, name, args)                                                                                \
+    do {                                                                                                               \
+        if ((simd) == PQC_SIMD_AVX512) name##_avx512 args;                                                              \
+        else if ((simd) == PQC_SIMD_AVX2) name##_avx2 args;                                                             \
+        else name##_scalar args;                                                                                       \
+    } while (0)
+#define PQC__DISPATCH_RET(simd, name, args)                                                                            \
+    ((simd) == PQC_SIMD_AVX512 ? name##_avx512 args : (simd) == PQC_SIMD_AVX2 ? name##_avx2 args : name##_scalar args)
+#else
+#define PQC__DISPATCH(simd, name, args) ((void)(simd), name##_scalar args)
+#define PQC__DISPATCH_RET(simd, name, args) ((void)(simd), name##_scalar args)
+#endif
+
+static void pqc__k_assign(pqc_simd s, const float *x, size_t n, int d, const float *ct, const float *cn, int kpad, int k,
+                          uint16_t *idx, float *val)
+{
+    PQC__DISPATCH(s, pqc__assign, (x, n, d, ct, cn, kpad, k, idx, val));
+}
+static void pqc__k_dots(pqc_simd s, const float *x, int d, const float *ct, int kpad, int k, float *dots)
+{
+    PQC__DISPATCH(s, pqc__dots, (x, d, ct, kpad, k, dots));
+}
+static void pqc__k_scan(pqc_simd s, const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out)
+{
+    PQC__DISPATCH(s, pqc__scan, (cd, lut, ksub, t0, n, out));
+}
+static float pqc__k_max(pqc_simd s, const float *x, size_t n) { return PQC__DISPATCH_RET(s, pqc__max, (x, n)); }
+static float pqc__k_expsum(pqc_simd s, const float *x, size_t n, float mx, float scale, float *e)
+{
+    return PQC__DISPATCH_RET(s, pqc__expsum, (x, n, mx, scale, e));
+}
+static void pqc__k_axpy(pqc_simd s, const float *e, size_t n, float w, float *acc)
+{
+    PQC__DISPATCH(s, pqc__axpy, (e, n, w, acc));
+}
+static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
+{
+    PQC__DISPATCH(s, pqc__rowdots, (q, rows, n, stride, d, out));
+}
+
+/* ---------------------------------------------------------------------------------------
+   Scratch memory
+   ------------------------------------------------------------------------------------- */
+
+PQCDEF void pqc_scratch_free(pqc_scratch *s)
+{
+    if (!s) return;
+    pqc__free(&s->alloc, s->buf);
+    s->buf = NULL;
+    s->size = 0;
+}
+
+/* Returns scratch of at least n bytes (64-byte aligned carve-outs are the caller's job),
+   either from s or freshly allocated into *tmp (which the caller frees). */
+static void *pqc__scratch_get(pqc_scratch *s, const pqc_allocator *a, size_t n, void **tmp)
+{
+    *tmp = NULL;
+    if (s) {
+        if (s->size < n) {
+            void *p;
+            if (!s->buf && !s->alloc.alloc && a) s->alloc = *a;
+            p = pqc__alloc(&s->alloc, n + n / 4);
+            if (!p) return NULL;
+            pqc__free(&s->alloc, s->buf);
+            s->buf = p;
+            s->size = n + n / 4;
+        }
+        return s->buf;
+    }
+    *tmp = pqc__alloc(a, n);
+    return *tmp;
+}
+
+#define PQC__ALIGN_UP(x) (((x) + 63u) & ~(size_t)63u)
+
+/* ---------------------------------------------------------------------------------------
+   Top-k by radix select: three histogram levels (11 + 11 + 10 bits) over an
+   order-preserving integer image of the scores find the k-th largest key exactly; one
+   final pass then emits every index above it plus the lowest-index ties, in index order.
+   ------------------------------------------------------------------------------------- */
+
+static uint32_t pqc__fkey(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u << 1) == 0) u = 0; /* -0 == +0 */
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* bin (of nb bins) holding the k-th largest, given counts; *above = count in higher bins */
+static uint32_t pqc__hist_pick(const uint32_t *h, uint32_t nb, size_t k, size_t *above)
+{
+    size_t acc = 0;
+    uint32_t b = nb;
+    while (b > 0) {
+        b--;
+        if (acc + h[b] >= k) break;
+        acc += h[b];
+    }
+    *above = acc;
+    return b;
+}
+
+/* scratch: n uint32 */
+static void pqc__topk_core(const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *idx, float *outs)
+{
+    uint32_t h[2048];
+    size_t i, nc = 0, above = 0, a2, need, taken = 0;
+    uint32_t b1, b2, b3, thr;
+    if (k >= n) {
+        for (i = 0; i < n; i++) {
+            idx[i] = (uint32_t)i;
+            if (outs) outs[i] = s[i];
+        }
+        return;
+    }
+    memset(h, 0, sizeof h);
+    for (i = 0; i < n; i++) h[pqc__fkey(s[i]) >> 21]++;
+    b1 = pqc__hist_pick(h, 2048, k, &above);
+    for (i = 0; i < n; i++) {
+        uint32_t key = pqc__fkey(s[i]);
+        if ((key >> 21) == b1) cand[nc++] = key;
+    }
+    memset(h, 0, sizeof h);
+    for (i = 0; i < nc; i++) h[(cand[i] >> 10) & 2047u]++;
+    b2 = pqc__hist_pick(h, 2048, k - above, &a2);
+    above += a2;
+    memset(h, 0, 1024 * sizeof h[0]);
+    for (i = 0; i < nc; i++)
+        if (((cand[i] >> 10) & 2047u) == b2) h[cand[i] & 1023u]++;
+    b3 = pqc__hist_pick(h, 1024, k - above, &a2);
+    above += a2;
+    thr = (b1 << 21) | (b2 << 10) | b3;
+    need = k - above; /* ties at thr to take, lowest index first */
+    for (i = 0; i < n; i++) {
+        uint32_t key = pqc__fkey(s[i]);
+        if (key > thr || (key == thr && need > 0)) {
+            if (key == thr) need--;
+            idx[taken] = (uint32_t)i;
+            if (outs) outs[taken] = s[i];
+            taken++;
+        }
+    }
+    PQC_ASSERT(taken == k);
+}
+
+PQCDEF pqc_result pqc_topk(pqc_runtime *rt, const float *scores, size_t n, size_t k, pqc_scratch *scratch,
+                           uint32_t *idx, float *out_scores)
+{
+    void *tmp;
+    uint32_t *cand;
+    size_t i;
+    if (!scores || !idx) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_topk: null pointer");
+    if (n == 0) return pqc__fail(rt, PQC_ERROR_EMPTY, "pqc_topk: no scores");
+    if (k == 0 || k > n) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_topk: k = %zu not in 1..%zu", k, n);
+    if (n > 0xffffffffu) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_topk: more than 2^32 scores");
+    for (i = 0; i < n; i++)
+        if (scores[i] != scores[i]) return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_topk: score %zu is NaN", i);
+    cand = (uint32_t *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), n * sizeof(uint32_t), &tmp);
+    if (!cand) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_topk: scratch allocation failed");
+    pqc__topk_core(scores, n, k, cand, idx, out_scores);
+    pqc__free(pqc__rt_alloc(rt), tmp);
+    return PQC_SUCCESS;
+}
+
+PQCDEF double pqc_recall(const uint32_t *truth, size_t n_truth, const uint32_t *got, size_t n_got)
+{
+    size_t i, hit = 0;
+    if (!truth || n_truth == 0) return 1.0;
+    if (!got) return 0.0;
+    for (i = 0; i < n_truth; i++) {
+        size_t lo = 0, hi = n_got;
+        while (lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (got[mid] < truth[i]) lo = mid + 1;
+            else hi = mid;
+        }
+        if (lo < n_got && got[lo] == truth[i]) hit++;
+    }
+    return (double)hit / (double)n_truth;
+}
+
+/* ---------------------------------------------------------------------------------------
+   PQ codebook training
+   ------------------------------------------------------------------------------------- */
+
+static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *in, int dim, pqc_pq_desc *d)
+{
+    if (in) *d = *in;
+    else memset(d, 0, sizeof *d);
+    if (d->m == 0) d->m = 2;
+    if (d->bits == 0) d->bits = 6;
+    if (d->iters == 0) d->iters = 10;
+    else if (d->iters < 0) d->iters = 0;
+    if (d->max_points_per_centroid == 0) d->max_points_per_centroid = 256;
+    if (dim <= 0) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "key dimension %d must be positive", dim);
+    if (d->m < 0 || d->m > dim) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "m = %d not in 1..d_h (%d)", d->m, dim);
+    if (dim % d->m) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "m = %d does not divide d_h = %d", d->m, dim);
+    if (d->bits < 1 || d->bits > 8) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "bits = %d not in 1..8", d->bits);
+    if (d->iters > 100000) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "iters = %d too large", d->iters);
+    if ((int)d->init < 0 || (int)d->init > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown init %d", (int)d->init);
+    if (d->max_points_per_centroid < -1)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "max_points_per_centroid %d", d->max_points_per_centroid);
+    return PQC_SUCCESS;
+}
+
+static void pqc__pq_zero(pqc_pq *pq) { memset(pq, 0, sizeof *pq); }
+
+PQCDEF void pqc_pq_free(pqc_pq *pq)
+{
+    if (!pq) return;
+    pqc__free(&pq->alloc, pq->centroids);
+    pqc__free(&pq->alloc, pq->cent_t);
+    pqc__free(&pq->alloc, pq->cnorm);
+    pqc__pq_zero(pq);
+}
+
+static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits)
+{
+    size_t kpad;
+    pqc__pq_zero(pq);
+    if (rt) pq->alloc = rt->alloc;
+    pq->dim = dim;
+    pq->m = m;
+    pq->bits = bits;
+    pq->ksub = 1 << bits;
+    pq->dsub = dim / m;
+    pq->ksub_pad = (pq->ksub + 15) & ~15;
+    kpad = (size_t)pq->ksub_pad;
+    pq->centroids = (float *)pqc__calloc(&pq->alloc, (size_t)m * pq->ksub * pq->dsub * sizeof(float));
+    pq->cent_t = (float *)pqc__calloc(&pq->alloc, (size_t)m * pq->dsub * kpad * sizeof(float));
+    pq->cnorm = (float *)pqc__calloc(&pq->alloc, (size_t)m * kpad * sizeof(float));
+    if (!pq->centroids || !pq->cent_t || !pq->cnorm) {
+        pqc_pq_free(pq);
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "PQ codebook allocation failed");
+    }
+    return PQC_SUCCESS;
+}
+
+/* transposed, padded copy of k centroids (k x d) and their squared norms (pad = +inf) */
+static void pqc__transpose_centroids(const float *c, int k, int d, int kpad, float *ct, float *cn)
+{
+    int i, e;
+    for (e = 0; e < d; e++)
+        for (i = 0; i < kpad; i++) ct[(size_t)e * kpad + i] = i < k ? c[(size_t)i * d + e] : 0.0f;
+    for (i = 0; i < kpad; i++) {
+        float acc = 0.0f;
+        if (i >= k) {
+            cn[i] = INFINITY;
+            continue;
+        }
+        for (e = 0; e < d; e++) acc = fmaf(c[(size_t)i * d + e], c[(size_t)i * d + e], acc);
+        cn[i] = acc;
+    }
+}
+
+static void pqc__pq_finish_sub(pqc_pq *pq, int j)
+{
+    size_t kpad = (size_t)pq->ksub_pad;
+    pqc__transpose_centroids(pq->centroids + (size_t)j * pq->ksub * pq->dsub, pq->ksub, pq->dsub, pq->ksub_pad,
+                             pq->cent_t + (size_t)j * pq->dsub * kpad, pq->cnorm + (size_t)j * kpad);
+}
+
+typedef struct pqc__train_job {
+    pqc_runtime *rt;
+    const pqc_matrix *keys;
+    const pqc_pq_desc *desc;
+    pqc_pq *pq;
+    int j;
+    pqc_result res;
+    char err[256];
+} pqc__train_job;
+
+static float pqc__sqnorm(const float *x, int d)
+{
+    float acc = 0.0f;
+    int e;
+    for (e = 0; e < d; e++) acc = fmaf(x[e], x[e], acc);
+    return acc;
+}
+
+/* k-means on n points x (n x d) into c (k x d). Work buffers come from one allocation. */
+static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const float *x, size_t n, int d, int k, int kpad,
+                              int iters, pqc_init init, uint64_t *rng, float *c, double *obj, char *err, size_t errsz)
+{
+    size_t i, bytes = 0, off_idx, off_val, off_xn, off_ct, off_cn, off_sum, off_cnt, off_aux;
+    unsigned char *mem;
+    uint16_t *idx;
+    float *val, *xn, *ct, *cn, *aux;
+    double *sum;
+    size_t *cnt;
+    int it, e, ci;
+    off_idx = bytes;
+    bytes = PQC__ALIGN_UP(bytes + n * sizeof(uint16_t));
+    off_val = bytes;
+    bytes = PQC__ALIGN_UP(bytes + n * sizeof(float));
+    off_xn = bytes;
+    bytes = PQC__ALIGN_UP(bytes + n * sizeof(float));
+    off_aux = bytes;
+    bytes = PQC__ALIGN_UP(bytes + n * sizeof(float));
+    off_ct = bytes;
+    bytes = PQC__ALIGN_UP(bytes + (size_t)d * kpad * sizeof(float));
+    off_cn = bytes;
+    bytes = PQC__ALIGN_UP(bytes + (size_t)kpad * sizeof(float));
+    off_sum = bytes;
+    bytes = PQC__ALIGN_UP(bytes + (size_t)k * d * sizeof(double));
+    off_cnt = bytes;
+    bytes = PQC__ALIGN_UP(bytes + (size_t)k * sizeof(size_t));
+    mem = (unsigned char *)pqc__alloc(al, bytes);
+    if (!mem) {
+        snprintf(err, errsz, "k-means work memory (%zu bytes) allocation failed", bytes);
+        return PQC_ERROR_OUT_OF_MEMORY;
+    }
+    idx = (uint16_t *)(mem + off_idx);
+    val = (float *)(mem + off_val);
+    xn = (float *)(mem + off_xn);
+    aux = (float *)(mem + off_aux);
+    ct = (float *)(mem + off_ct);
+    cn = (float *)(mem + off_cn);
+    sum = (double *)(mem + off_sum);
+    cnt = (size_t *)(mem + off_cnt);
+    for (i = 0; i < n; i++) xn[i] = pqc__sqnorm(x + i * d, d);
+
+    /* ----- initialisation ----- */
+    if (init == PQC_INIT_RANDOM || n <= (size_t)k) {
+        /* k distinct random points (all points, cycled, when there are too few) */
+        uint32_t *perm = (uint32_t *)aux;
+        for (i = 0; i < n; i++) perm[i] = (uint32_t)i;
+        for (ci = 0; ci < k; ci++) {
+            size_t pick;
+            if ((size_t)ci < n) {
+                size_t r = (size_t)ci + pqc__rng_below(rng, n - (size_t)ci);
+                uint32_t t = perm[ci];
+                perm[ci] = perm[r];
+                perm[r] = t;
+                pick = perm[ci];
+            } else {
+                pick = perm[(size_t)ci % n];
+            }
+            memcpy(c + (size_t)ci * d, x + pick * d, (size_t)d * sizeof(float));
+        }
+    } else {
+        /* k-means++ D^2 seeding in rounds of r centres: the round's farthest point, then
+           r-1 draws from the same D^2 distribution; dist[i] = squared distance to the
+           nearest chosen centre. */
+        float *dist = aux;
+        int chosen = 1, r = k >= 64 ? k / 16 : (k >= 8 ? 4 : 1);
+        size_t first = pqc__rng_below(rng, n);
+        memcpy(c, x + first * d, (size_t)d * sizeof(float));
+        for (i = 0; i < n; i++) dist[i] = INFINITY;
+        ci = 0; /* centres [ci, chosen) still to fold into dist */
+        while (1) {
+            double total = 0.0;
+            int nb = chosen - ci, q;
+            pqc__transpose_centroids(c + (size_t)ci * d, nb, d, (nb + 15) & ~15, ct, cn);
+            pqc__k_assign(simd, x, n, d, ct, cn, (nb + 15) & ~15, nb, idx, val);
+            for (i = 0; i < n; i++) {
+                float v = xn[i] + val[i];
+                if (v < 0.0f) v = 0.0f;
+                if (v < dist[i]) dist[i] = v;
+                total += dist[i];
+            }
+            ci = chosen;
+            if (chosen >= k) break;
+            for (q = 0; q < r && chosen < k; q++) {
+                size_t pick = 0;
+                if (q == 0 && total > 0.0) {
+                    /* farthest-first pick: a lone outlier (a needle) is guaranteed a centre
+                       whenever it is the worst-served point */
+                    for (i = 1; i < n; i++)
+                        if (dist[i] > dist[pick]) pick = i;
+                } else if (total > 0.0) {
+                    double u = pqc__rng_unit(rng) * total, acc = 0.0;
+                    for (pick = 0; pick + 1 < n; pick++) {
+                        acc += dist[pick];
+                        if (acc > u) break;
+                    }
+                } else {
+                    pick = pqc__rng_below(rng, n); /* every point is already a centre */
+                }
+                memcpy(c + (size_t)chosen * d, x + pick * d, (size_t)d * sizeof(float));
+                chosen++;
+            }
+        }
+    }
+
+    /* ----- Lloyd iterations ----- */
+    for (it = 0; it <= iters; it++) {
+        double o = 0.0;
+        int changed = 0;
+        if (it == iters && !obj) break; /* the last assignment only serves the objective */
+        pqc__transpose_centroids(c, k, d, kpad, ct, cn);
+        pqc__k_assign(simd, x, n, d, ct, cn, kpad, k, idx, val);
+        for (i = 0; i < n; i++) {
+            float v = xn[i] + val[i];
+            val[i] = v < 0.0f ? 0.0f : v;
+            o += val[i];
+        }
+        if (obj) obj[it] = o / (double)n;
+        if (it == iters) break;
+        memset(sum, 0, (size_t)k * d * sizeof(double));
+        memset(cnt, 0, (size_t)k * sizeof(size_t));
+        for (i = 0; i < n; i++) {
+            const float *xi = x + i * d;
+            double *s = sum + (size_t)idx[i] * d;
+            cnt[idx[i]]++;
+            for (e = 0; e < d; e++) s[e] += xi[e];
+        }
+        for (ci = 0; ci < k; ci++) {
+            float *cc = c + (size_t)ci * d;
+            if (cnt[ci] == 0) {
+                /* empty cluster: move it onto the point worst served so far (which can only
+                   lower the objective) */
+                size_t far = 0;
+                for (i = 1; i < n; i++)
+                    if (val[i] > val[far]) far = i;
+                if (val[far] > 0.0f) {
+                    memcpy(cc, x + far * d, (size_t)d * sizeof(float));
+                    val[far] = 0.0f;
+                    changed = 1;
+                }
+                continue;
+            }
+            for (e = 0; e < d; e++) {
+                float nv = (float)(sum[(size_t)ci * d + e] / (double)cnt[ci]);
+                if (nv != cc[e]) changed = 1;
+                cc[e] = nv;
+            }
+        }
+        if (!changed) { /* converged: the remaining objectives equal this one */
+            if (obj)
+                for (e = it + 1; e <= iters; e++) obj[e] = obj[it];
+            break;
+        }
+    }
+    pqc__free(al, mem);
+    return PQC_SUCCESS;
+}
+
+/* sub-vector j (d dims) of row r as fp32 */
+static void pqc__sub_to_f32(const pqc_matrix *keys, size_t r, int j, int d, float *out)
+{
+    size_t es = pqc_dtype_size(keys->dtype);
+    pqc__row_to_f32((const unsigned char *)pqc__row(keys, r) + (size_t)j * d * es, keys->dtype, (size_t)d, out);
+}
+
+/* The training sample for sub-space j when the cap binds: the cap/32 points farthest from
+   the sub-space mean (rare, distinctive keys must shape the codebook: they are what a
+   query is looking for), the rest uniformly at random; returned in token order. */
+static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, size_t cap, uint64_t *rng,
+                                    const pqc_allocator *al, uint32_t *sel)
+{
+    size_t n = keys->rows, nfar = cap / 32, i, got = 0, left, want;
+    double *mean = (double *)pqc__alloc(al, (size_t)d * sizeof(double) + (n + (size_t)d) * sizeof(float));
+    uint32_t *tmp = (uint32_t *)pqc__alloc(al, n * sizeof(uint32_t) + n);
+    unsigned char *flag;
+    float *row, *dist;
+    int e;
+    if (!mean || !tmp) {
+        pqc__free(al, mean);
+        pqc__free(al, tmp);
+        return PQC_ERROR_OUT_OF_MEMORY;
+    }
+    dist = (float *)(mean + d);
+    row = dist + n;
+    flag = (unsigned char *)(tmp + n);
+    memset(flag, 0, n);
+    memset(mean, 0, (size_t)d * sizeof(double));
+    for (i = 0; i < n; i++) {
+        pqc__sub_to_f32(keys, i, j, d, row);
+        for (e = 0; e < d; e++) mean[e] += row[e];
+    }
+    for (e = 0; e < d; e++) mean[e] /= (double)n;
+    for (i = 0; i < n; i++) {
+        double acc = 0.0;
+        pqc__sub_to_f32(keys, i, j, d, row);
+        for (e = 0; e < d; e++) acc += (row[e] - mean[e]) * (row[e] - mean[e]);
+        dist[i] = (float)acc;
+    }
+    if (nfar > 0) {
+        pqc__topk_core(dist, n, nfar, tmp, sel, NULL);
+        for (i = 0; i < nfar; i++) flag[sel[i]] = 1;
+    }
+    left = n - nfar;
+    want = cap - nfar;
+    for (i = 0; i < n && want > 0; i++) { /* selection sampling over the other points */
+        if (flag[i]) continue;
+        if ((double)left * pqc__rng_unit(rng) < (double)want) {
+            flag[i] = 1;
+            want--;
+        }
+        left--;
+    }
+    for (i = 0; i < n; i++)
+        if (flag[i]) sel[got++] = (uint32_t)i;
+    PQC_ASSERT(got == cap);
+    pqc__free(al, mean);
+    pqc__free(al, tmp);
+    return PQC_SUCCESS;
+}
+
+static void pqc__train_sub(void *arg)
+{
+    pqc__train_job *jb = (pqc__train_job *)arg;
+    const pqc_matrix *keys = jb->keys;
+    pqc_pq *pq = jb->pq;
+    const pqc_allocator *al = &pq->alloc;
+    int j = jb->j, d = pq->dsub, k = pq->ksub;
+    size_t n = keys->rows, cap, i;
+    uint64_t rng = jb->desc->seed ^ (0x5851F42D4C957F2Dull * (uint64_t)(j + 1));
+    uint32_t *sel = NULL;
+    float *x = NULL;
+    double *obj = jb->desc->objective ? jb->desc->objective + (size_t)j * (jb->desc->iters + 1) : NULL;
+    pqc_simd simd = pqc__simd(jb->rt);
+    (void)pqc__rng_next(&rng);
+    cap = n;
+    if (jb->desc->max_points_per_centroid > 0 && (size_t)jb->desc->max_points_per_centroid * k < n)
+        cap = (size_t)jb->desc->max_points_per_centroid * k;
+    x = (float *)pqc__alloc(al, cap * d * sizeof(float));
+    if (cap < n) sel = (uint32_t *)pqc__alloc(al, cap * sizeof(uint32_t));
+    if (!x || (cap < n && !sel)) {
+        jb->res = PQC_ERROR_OUT_OF_MEMORY;
+        snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
+        goto done;
+    }
+    if (cap < n && pqc__train_sample(keys, j, d, cap, &rng, al, sel) != PQC_SUCCESS) {
+        jb->res = PQC_ERROR_OUT_OF_MEMORY;
+        snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
+        goto done;
+    }
+    for (i = 0; i < cap; i++) pqc__sub_to_f32(keys, sel ? sel[i] : i, j, d, x + i * d);
+    jb->res = pqc__kmeans(simd, al, x, cap, d, k, pq->ksub_pad, jb->desc->iters, jb->desc->init, &rng,
+                          pq->centroids + (size_t)j * k * d, obj, jb->err, sizeof jb->err);
+    if (jb->res == PQC_SUCCESS) pqc__pq_finish_sub(pq, j);
+done:
+    pqc__free(al, x);
+    pqc__free(al, sel);
+}
+
+static void pqc__train_pfor(void *ctx, size_t i) { pqc__train_sub((pqc__train_job *)ctx + i); }
+
+PQCDEF pqc_result pqc_pq_train(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out)
+{
+    pqc_pq_desc d;
+    pqc_pq pq;
+    pqc__train_job *jobs;
+    pqc_result r;
+    float *tmp;
+    int j;
+    if (!out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_train: null output");
+    if ((r = pqc__check_matrix(rt, keys, 0, "pqc_pq_train keys")) != PQC_SUCCESS) return r;
+    if (keys->cols > 65536) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "d_h = %zu too large", keys->cols);
+    if ((r = pqc__pq_check_desc(rt, desc, (int)keys->cols, &d)) != PQC_SUCCESS) return r;
+    tmp = (float *)pqc__alloc(pqc__rt_alloc(rt), keys->cols * sizeof(float));
+    if (!tmp) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_train: allocation failed");
+    r = pqc__check_finite(rt, keys, tmp, "pqc_pq_train keys");
+    pqc__free(pqc__rt_alloc(rt), tmp);
+    if (r != PQC_SUCCESS) return r;
+    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits)) != PQC_SUCCESS) return r;
+    jobs = (pqc__train_job *)pqc__calloc(&pq.alloc, (size_t)d.m * sizeof *jobs);
+    if (!jobs) {
+        pqc_pq_free(&pq);
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_train: job table allocation failed");
+    }
+    for (j = 0; j < d.m; j++) {
+        jobs[j].rt = rt;
+        jobs[j].keys = keys;
+        jobs[j].desc = &d;
+        jobs[j].pq = &pq;
+        jobs[j].j = j;
+    }
+    pqc__parallel_for(rt, (size_t)d.m, pqc__train_pfor, jobs);
+    r = PQC_SUCCESS;
+    for (j = 0; j < d.m && r == PQC_SUCCESS; j++)
+        if (jobs[j].res != PQC_SUCCESS) r = pqc__fail(rt, jobs[j].res, "pqc_pq_train: %s", jobs[j].err);
+    pqc__free(&pq.alloc, jobs);
+    if (r != PQC_SUCCESS) {
+        pqc_pq_free(&pq);
+        return r;
+    }
+    *out = pq;
+    return PQC_SUCCESS;
+}
+
+/* ---------------------------------------------------------------------------------------
+   Codes and encoding
+   ------------------------------------------------------------------------------------- */
+
+static size_t pqc__col_bytes(size_t tokens, int bits) { return (tokens * (size_t)bits + 7) / 8; }
+
+PQCDEF pqc_result pqc_codes_init(pqc_codes *codes, const pqc_pq *pq, size_t capacity, const pqc_allocator *alloc)
+{
+    if (!codes || !pq) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_codes_init: null pointer");
+    if (pq->m <= 0 || pq->bits < 1 || pq->bits > 8)
+        return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_codes_init: untrained PQ");
+    memset(codes, 0, sizeof *codes);
+    codes->m = pq->m;
+    codes->bits = pq->bits;
+    if (alloc && alloc->alloc) codes->alloc = *alloc;
+    else codes->alloc = pq->alloc;
+    if (capacity) return pqc_codes_reserve(codes, capacity);
+    return PQC_SUCCESS;
+}
+
+PQCDEF void pqc_codes_free(pqc_codes *codes)
+{
+    if (!codes) return;
+    pqc__free(&codes->alloc, codes->data);
+    codes->data = NULL;
+    codes->count = codes->capacity = codes->col_stride = 0;
+}
+
+PQCDEF pqc_result pqc_codes_reserve(pqc_codes *codes, size_t capacity)
+{
+    size_t stride, total;
+    unsigned char *p;
+    int j;
+    if (!codes || codes->m <= 0) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_codes_reserve: bad codes");
+    if (capacity <= codes->capacity) return PQC_SUCCESS;
+    stride = pqc__col_bytes(capacity, codes->bits) + 16; /* padding for wide loads */
+    if (!pqc__mul(stride, (size_t)codes->m, &total))
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "pqc_codes_reserve: size overflow");
+    p = (unsigned char *)pqc__calloc(&codes->alloc, total);
+    if (!p) return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "pqc_codes_reserve: %zu bytes", total);
+    if (codes->data)
+        for (j = 0; j < codes->m; j++)
+            memcpy(p + (size_t)j * stride, codes->data + (size_t)j * codes->col_stride,
+                   pqc__col_bytes(codes->count, codes->bits));
+    pqc__free(&codes->alloc, codes->data);
+    codes->data = p;
+    codes->capacity = capacity;
+    codes->col_stride = stride;
+    return PQC_SUCCESS;
+}
+
+PQCDEF size_t pqc_codes_bytes(const pqc_codes *codes)
+{
+    return codes ? (size_t)codes->m * pqc__col_bytes(codes->count, codes->bits) : 0;
+}
+
+PQCDEF unsigned pqc_codes_get(const pqc_codes *codes, size_t t, int j)
+{
+    const unsigned char *col;
+    size_t bit;
+    if (!codes || !codes->data || t >= codes->count || j < 0 || j >= codes->m) return 0;
+    col = codes->data + (size_t)j * codes->col_stride;
+    bit = t * (size_t)codes->bits;
+    return (((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7)) & ((1u << codes->bits) - 1u);
+}
+
+static void pqc__codes_put(pqc_codes *codes, size_t t, int j, unsigned v)
+{
+    unsigned char *col = codes->data + (size_t)j * codes->col_stride;
+    size_t bit = t * (size_t)codes->bits;
+    unsigned sh = (unsigned)(bit & 7), w = v << sh;
+    col[bit >> 3] = (unsigned char)(col[bit >> 3] | (w & 0xffu));
+    if (sh + (unsigned)codes->bits > 8) col[(bit >> 3) + 1] = (unsigned char)(col[(bit >> 3) + 1] | (w >> 8));
+}
+
+/* Encodes rows [r0, r0+n) of keys into codes slots starting at `at`. x: n*dsub floats,
+   row: dim floats, idx: n uint16 scratch. */
+#define PQC__ENC_CHUNK 256
+static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *keys, size_t r0, size_t n,
+                             pqc_codes *codes, size_t at, float *x, float *row, uint16_t *idx)
+{
+    int j;
+    size_t i;
+    for (j = 0; j < pq->m; j++) {
+        for (i = 0; i < n; i++) {
+            pqc__row_to_f32(pqc__row(keys, r0 + i), keys->dtype, keys->cols, row);
+            memcpy(x + i * pq->dsub, row + (size_t)j * pq->dsub, (size_t)pq->dsub * sizeof(float));
+        }
+        pqc__k_assign(simd, x, n, pq->dsub, pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad,
+                      pq->cnorm + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
+        for (i = 0; i < n; i++) pqc__codes_put(codes, at + i, j, idx[i]);
+    }
+}
+
+static pqc_result pqc__check_pq(const pqc_runtime *rt, const pqc_pq *pq, const char *what)
+{
+    if (!pq || !pq->centroids || !pq->cent_t || pq->m <= 0 || pq->bits < 1 || pq->bits > 8 || pq->dim != pq->m * pq->dsub)
+        return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "%s: PQ is null or untrained", what);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, pqc_codes *codes)
+{
+    pqc_result r;
+    size_t n, at, need, i, bytes;
+    float *x, *row;
+    uint16_t *idx;
+    unsigned char *mem;
+    if ((r = pqc__check_pq(rt, pq, "pqc_pq_encode")) != PQC_SUCCESS) return r;
+    if (!codes || !codes->data) {
+        if (!codes || codes->m == 0) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_encode: codes not initialised");
+    }
+    if (codes->m != pq->m || codes->bits != pq->bits)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_pq_encode: codes (m=%d, b=%d) do not match the PQ (m=%d, b=%d)",
+                         codes->m, codes->bits, pq->m, pq->bits);
+    if ((r = pqc__check_matrix(rt, keys, (size_t)pq->dim, "pqc_pq_encode keys")) != PQC_SUCCESS) return r;
+    n = keys->rows;
+    bytes = PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)) + PQC__ALIGN_UP((size_t)pq->dim * sizeof(float)) +
+            PQC__ENC_CHUNK * sizeof(uint16_t);
+    mem = (unsigned char *)pqc__alloc(&codes->alloc, bytes);
+    if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_encode: scratch allocation failed");
+    x = (float *)mem;
+    row = (float *)(mem + PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)));
+    idx = (uint16_t *)((unsigned char *)row + PQC__ALIGN_UP((size_t)pq->dim * sizeof(float)));
+    if ((r = pqc__check_finite(rt, keys, row, "pqc_pq_encode keys")) != PQC_SUCCESS) goto out;
+    at = codes->count;
+    need = at + n;
+    if (need > codes->capacity) {
+        size_t cap = codes->capacity ? codes->capacity : 64;
+        while (cap < need) cap = cap + cap / 2 + 64;
+        if ((r = pqc_codes_reserve(codes, cap)) != PQC_SUCCESS) goto out;
+    }
+    for (i = 0; i < n; i += PQC__ENC_CHUNK)
+        pqc__encode_rows(pqc__simd(rt), pq, keys, i, PQC__MIN((size_t)PQC__ENC_CHUNK, n - i), codes, at + i, x, row, idx);
+    codes->count = need;
+out:
+    pqc__free(&codes->alloc, mem);
+    return r;
+}
+
+PQCDEF pqc_result pqc_pq_decode(const pqc_pq *pq, const pqc_codes *codes, size_t t, float *out)
+{
+    int j;
+    pqc_result r;
+    if ((r = pqc__check_pq(NULL, pq, "pqc_pq_decode")) != PQC_SUCCESS) return r;
+    if (!codes || !out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_decode: null pointer");
+    if (t >= codes->count) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_decode: token %zu of %zu", t, codes->count);
+    for (j = 0; j < pq->m; j++)
+        memcpy(out + (size_t)j * pq->dsub, pq->centroids + ((size_t)j * pq->ksub + pqc_codes_get(codes, t, j)) * pq->dsub,
+               (size_t)pq->dsub * sizeof(float));
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_pq_mse(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, double *mse)
+{
+    pqc_codes codes;
+    pqc_result r;
+    float *row, *rec;
+    double acc = 0.0;
+    size_t t;
+    int e;
+    if ((r = pqc__check_pq(rt, pq, "pqc_pq_mse")) != PQC_SUCCESS) return r;
+    if (!mse) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_mse: null output");
+    if ((r = pqc__check_matrix(rt, keys, (size_t)pq->dim, "pqc_pq_mse keys")) != PQC_SUCCESS) return r;
+    if ((r = pqc_codes_init(&codes, pq, keys->rows, pqc__rt_alloc(rt))) != PQC_SUCCESS) return r;
+    if ((r = pqc_pq_encode(rt, pq, keys, &codes)) != PQC_SUCCESS) {
+        pqc_codes_free(&codes);
+        return r;
+    }
+    row = (float *)pqc__alloc(&codes.alloc, 2 * (size_t)pq->dim * sizeof(float));
+    if (!row) {
+        pqc_codes_free(&codes);
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_mse: allocation failed");
+    }
+    rec = row + pq->dim;
+    for (t = 0; t < keys->rows; t++) {
+        pqc__row_to_f32(pqc__row(keys, t), keys->dtype, keys->cols, row);
+        pqc_pq_decode(pq, &codes, t, rec);
+        for (e = 0; e < pq->dim; e++) acc += (double)(row[e] - rec[e]) * (double)(row[e] - rec[e]);
+    }
+    *mse = acc / (double)keys->rows;
+    pqc__free(&codes.alloc, row);
+    pqc_codes_free(&codes);
+    return PQC_SUCCESS;
+}
+
+/* ---------------------------------------------------------------------------------------
+   Search
+   ------------------------------------------------------------------------------------- */
+
+PQCDEF pqc_result pqc_pq_lut(pqc_runtime *rt, const pqc_pq *pq, const float *queries, int g, float *lut)
+{
+    int h, j;
+    pqc_result r;
+    if ((r = pqc__check_pq(rt, pq, "pqc_pq_lut")) != PQC_SUCCESS) return r;
+    if (!queries || !lut) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_lut: null pointer");
+    if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_lut: g = %d", g);
+    if (!pqc__finite_row(queries, (size_t)g * pq->dim))
+        return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_lut: query holds NaN, Inf or a huge value");
+    for (h = 0; h < g; h++)
+        for (j = 0; j < pq->m; j++)
+            pqc__k_dots(pqc__simd(rt), queries + (size_t)h * pq->dim + (size_t)j * pq->dsub, pq->dsub,
+                        pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad, pq->ksub_pad, pq->ksub,
+                        lut + ((size_t)h * pq->m + j) * pq->ksub);
+    return PQC_SUCCESS;
+}
+
+/* Per-head score producer for the GQA combination. */
+typedef void (*pqc__head_scores_fn)(void *ctx, int h, float *out);
+
+/* Combined scores of g heads into out[n]: SUM asks for head -1 (the pre-combined head);
+   SOFTMAX_SUM normalises each head over all n tokens and sums the probabilities.
+   tmp: n floats. */
+static void pqc__combine(pqc_simd simd, pqc_gqa gqa, int g, size_t n, float scale, pqc__head_scores_fn fn, void *ctx,
+                         float *tmp, float *out)
+{
+    int h;
+    if (gqa == PQC_GQA_SUM) {
+        fn(ctx, -1, out);
+        return;
+    }
+    for (h = 0; h < g; h++) {
+        float mx, z;
+        fn(ctx, h, tmp);
+        mx = pqc__k_max(simd, tmp, n);
+        z = pqc__k_expsum(simd, tmp, n, mx, scale, tmp);
+        if (h == 0) memset(out, 0, n * sizeof(float));
+        pqc__k_axpy(simd, tmp, n, 1.0f / z, out);
+    }
+}
+
+typedef struct pqc__pq_ctx {
+    pqc_simd simd;
+    const pqc_pq *pq;
+    const pqc_codes *codes;
+    const float *lut; /* [g][m][ksub] then the summed table [m][ksub] */
+    int g;
+    size_t first, count;
+} pqc__pq_ctx;
+
+static void pqc__pq_head(void *p, int h, float *out)
+{
+    pqc__pq_ctx *c = (pqc__pq_ctx *)p;
+    size_t tl = (size_t)c->pq->m * c->pq->ksub;
+    const float *lut = h < 0 ? c->lut + (size_t)c->g * tl : c->lut + (size_t)h * tl;
+    pqc__k_scan(c->simd, c->codes, lut, c->pq->ksub, c->first, c->count, out);
+}
+
+static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
+                                   const pqc_search_desc *desc, size_t *first, size_t *count, pqc_gqa *gqa)
+{
+    pqc_result r;
+    if ((r = pqc__check_pq(rt, pq, "pqc_pq_search")) != PQC_SUCCESS) return r;
+    if (!codes || !queries || !desc) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_search: null pointer");
+    if (codes->m != pq->m || codes->bits != pq->bits)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_pq_search: codes do not belong to this PQ");
+    if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: g = %d", g);
+    if ((int)desc->gqa < 0 || (int)desc->gqa > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown gqa mode");
+    *gqa = desc->gqa;
+    *first = desc->first;
+    *count = desc->count ? desc->count : (desc->first < codes->count ? codes->count - desc->first : 0);
+    if (codes->count == 0 || *count == 0) return pqc__fail(rt, PQC_ERROR_EMPTY, "pqc_pq_search: no coded tokens");
+    if (*first > codes->count || *count > codes->count - *first)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: tokens [%zu, %zu) beyond %zu coded", *first,
+                         *first + *count, codes->count);
+    if (*count > 0xffffffffu) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: more than 2^32 tokens");
+    return PQC_SUCCESS;
+}
+
+/* scores of the searched range into out; work: lut + tmp from scratch */
+static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
+                                      int g, pqc_gqa gqa, size_t first, size_t count, float *lut, float *tmp, float *out)
+{
+    pqc__pq_ctx c;
+    pqc_result r;
+    size_t tl = (size_t)pq->m * pq->ksub, i;
+    int h;
+    if ((r = pqc_pq_lut(rt, pq, queries, g, lut)) != PQC_SUCCESS) return r;
+    if (gqa == PQC_GQA_SUM) {
+        float *sum = lut + (size_t)g * tl;
+        for (i = 0; i < tl; i++) {
+            float a = 0.0f;
+            for (h = 0; h < g; h++) a += lut[(size_t)h * tl + i];
+            sum[i] = a;
+        }
+    }
+    c.simd = pqc__simd(rt);
+    c.pq = pq;
+    c.codes = codes;
+    c.lut = lut;
+    c.g = g;
+    c.first = first;
+    c.count = count;
+    pqc__combine(c.simd, gqa, g, count, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
+    return PQC_SUCCESS;
+}
+
+/* scratch layout: lut ((g+1)*m*ksub) | tmp (count) | scores (count) | cand (count u32) */
+static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
+                                      int g, const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx,
+                                      float *scores, float *all_out)
+{
+    size_t first = 0, count = 0, ol, ot, os, oc, bytes;
+    pqc_gqa gqa = PQC_GQA_SOFTMAX_SUM;
+    pqc_result r;
+    unsigned char *mem;
+    void *tmpmem;
+    if ((r = pqc__search_prep(rt, pq, codes, queries, g, desc, &first, &count, &gqa)) != PQC_SUCCESS) return r;
+    if (!all_out) {
+        if (!idx) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_search: null idx");
+        if (desc->k == 0 || desc->k > count)
+            return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, count);
+    }
+    ol = 0;
+    ot = PQC__ALIGN_UP(((size_t)g + 1) * pq->m * pq->ksub * sizeof(float));
+    os = ot + PQC__ALIGN_UP(count * sizeof(float));
+    oc = os + PQC__ALIGN_UP(count * sizeof(float));
+    bytes = oc + (all_out ? 0 : count * sizeof(uint32_t));
+    mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
+    if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_search: scratch allocation failed");
+    r = pqc__pq_scores_into(rt, pq, codes, queries, g, gqa, first, count, (float *)(mem + ol), (float *)(mem + ot),
+                            all_out ? all_out : (float *)(mem + os));
+    if (r == PQC_SUCCESS && !all_out) {
+        size_t i;
+        pqc__topk_core((const float *)(mem + os), count, desc->k, (uint32_t *)(mem + oc), idx, scores);
+        if (first)
+            for (i = 0; i < desc->k; i++) idx[i] += (uint32_t)first;
+    }
+    pqc__free(pqc__rt_alloc(rt), tmpmem);
+    return r;
+}
+
+PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
+                                const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores)
+{
+    return pqc__pq_search_impl(rt, pq, codes, queries, g, desc, scratch, idx, scores, NULL);
+}
+
+PQCDEF pqc_result pqc_pq_scores(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
+                                const pqc_search_desc *desc, pqc_scratch *scratch, float *out)
+{
+    if (!out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_scores: null output");
+    return pqc__pq_search_impl(rt, pq, codes, queries, g, desc, scratch, NULL, NULL, out);
+}
+
+/* ----- exact reference ----- */
+
+typedef struct pqc__exact_ctx {
+    pqc_simd simd;
+    const pqc_matrix *keys;
+    const float *q; /* [g][d] then the summed query [d] */
+    int g, d;
+    float *rowbuf; /* EXACT_CHUNK * d */
+} pqc__exact_ctx;
+
+#define PQC__EXACT_CHUNK 64
+static void pqc__exact_head(void *p, int h, float *out)
+{
+    pqc__exact_ctx *c = (pqc__exact_ctx *)p;
+    const float *q = c->q + (size_t)(h < 0 ? c->g : h) * c->d;
+    size_t t, n = c->keys->rows, stride = pqc__stride(c->keys);
+    if (c->keys->dtype == PQC_F32 && stride % sizeof(float) == 0) {
+        pqc__k_rowdots(c->simd, q, (const float *)c->keys->data, n, stride / sizeof(float), c->d, out);
+        return;
+    }
+    for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
+        size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t), i;
+        for (i = 0; i < b; i++) pqc__row_to_f32(pqc__row(c->keys, t + i), c->keys->dtype, (size_t)c->d, c->rowbuf + i * c->d);
+        pqc__k_rowdots(c->simd, q, c->rowbuf, b, (size_t)c->d, c->d, out + t);
+    }
+}
+
+static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
+                                  size_t k, pqc_scratch *scratch, uint32_t *idx, float *scores, float *all_out)
+{
+    pqc__exact_ctx c;
+    pqc_result r;
+    size_t n, d, oq, orow, ot, os, oc, bytes, i;
+    unsigned char *mem;
+    void *tmpmem;
+    int h;
+    if ((r = pqc__check_matrix(rt, keys, 0, "pqc_exact_search keys")) != PQC_SUCCESS) return r;
+    if (!queries) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_search: null queries");
+    if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_exact_search: g = %d", g);
+    if ((int)gqa < 0 || (int)gqa > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown gqa mode");
+    n = keys->rows;
+    d = keys->cols;
+    if (n > 0xffffffffu) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_exact_search: more than 2^32 tokens");
+    if (!all_out && (!idx || k == 0 || k > n))
+        return pqc__fail(rt, idx ? PQC_ERROR_OUT_OF_RANGE : PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_search: k = %zu not in 1..%zu", k, n);
+    if (!pqc__finite_row(queries, (size_t)g * d))
+        return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_exact_search: query holds NaN, Inf or a huge value");
+    oq = 0;
+    orow = PQC__ALIGN_UP(((size_t)g + 1) * d * sizeof(float));
+    ot = orow + PQC__ALIGN_UP((size_t)PQC__EXACT_CHUNK * d * sizeof(float));
+    os = ot + PQC__ALIGN_UP(n * sizeof(float));
+    oc = os + PQC__ALIGN_UP(n * sizeof(float));
+    bytes = oc + (all_out ? 0 : n * sizeof(uint32_t));
+    mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
+    if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_exact_search: scratch allocation failed");
+    c.simd = pqc__simd(rt);
+    c.keys = keys;
+    c.q = (const float *)(mem + oq);
+    c.g = g;
+    c.d = (int)d;
+    c.rowbuf = (float *)(mem + orow);
+    memcpy(mem + oq, queries, (size_t)g * d * sizeof(float));
+    for (i = 0; i < d; i++) {
+        float a = 0.0f;
+        for (h = 0; h < g; h++) a += queries[(size_t)h * d + i];
+        ((float *)(mem + oq))[(size_t)g * d + i] = a;
+    }
+    pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
+                 all_out ? all_out : (float *)(mem + os));
+    if (!all_out) pqc__topk_core((const float *)(mem + os), n, k, (uint32_t *)(mem + oc), idx, scores);
+    pqc__free(pqc__rt_alloc(rt), tmpmem);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_exact_search(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g,
+                                   const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores)
+{
+    if (!desc) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_search: null desc");
+    return pqc__exact_impl(rt, keys, queries, g, desc->gqa, desc->k, scratch, idx, scores, NULL);
+}
+
+PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
+                                   pqc_scratch *scratch, float *out)
+{
+    if (!out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_scores: null output");
+    return pqc__exact_impl(rt, keys, queries, g, gqa, 0, scratch, NULL, NULL, out);
+}
+
+/* backend hooks (the CUDA section fills these in when compiled) */
+static void pqc__backend_destroy(pqc_runtime *rt) { (void)rt; }
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PQCACHE_IMPLEMENTATION_DONE */
+#endif /* PQCACHE_IMPLEMENTATION */
+
+/*
+MIT License
+
+Copyright (c) 2026 the pqcache authors
+
+Permission is hereby granted, free of charge, to any person obtaining a copy of this
+software and associated documentation files (the "Software"), to deal in the Software
+without restriction, including without limitation the rights to use, copy, modify, merge,
+publish, distribute, sublicense, and/or sell copies of the Software, and to permit persons
+to whom the Software is furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all copies or
+substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR IMPLIED,
+INCLUDING BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY, FITNESS FOR A PARTICULAR
+PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE AUTHORS OR COPYRIGHT HOLDERS BE LIABLE
+FOR ANY CLAIM, DAMAGES OR OTHER LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR
+OTHERWISE, ARISING FROM, OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER
+DEALINGS IN THE SOFTWARE.
+*/
