@@ -61,3 +61,23 @@ test: test-compile test-harness test-core test-asan test-tsan
 
 clean:
 	rm -rf $(BUILD)
+
+# ----- benchmarks (not tests) -----------------------------------------------------------
+BENCH_SIZES ?= 32768 131072
+BENCH_THREADS ?= 1 2
+BENCH_REPS ?= 3
+FAISS_ENV := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
+
+$(BUILD)/bench_pq: bench/bench_pq.c tests/synth.h $(HDR) | $(BUILD)
+	$(CC) $(STD) -O2 $(WARN) $< -o $@ $(LDLIBS)
+
+bench-pq: $(BUILD)/bench_pq
+	sh bench/setup.sh
+	@set -e; for s in $(BENCH_SIZES); do for t in $(BENCH_THREADS); do \
+	  echo "=== PQ: s=$$s, threads=$$t, d_h=128, GQA group 4, k=s/10 ==="; \
+	  $(BUILD)/bench_pq --s $$s --threads $$t --reps $(BENCH_REPS) --data $(BUILD)/bench_$$s.bin > $(BUILD)/ours_$${s}_$$t.txt; \
+	  $(FAISS_ENV) $(BUILD)/venv/bin/python bench/faiss_ref.py $(BUILD)/bench_$$s.bin --threads $$t --reps $(BENCH_REPS) > $(BUILD)/faiss_$${s}_$$t.txt; \
+	  python3 bench/report.py $(BUILD)/ours_$${s}_$$t.txt $(BUILD)/faiss_$${s}_$$t.txt; \
+	done; done
+
+bench: bench-pq

@@ -1072,6 +1072,18 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
     }
 }
 
+/* sum[idx[i]][e] += x[i][e] in double, points in index order (exact at every level) */
+static void pqc__accum_scalar(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
+{
+    size_t i;
+    int e;
+    for (i = 0; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        double *sp = sum + (size_t)idx[i] * d;
+        for (e = 0; e < d; e++) sp[e] += xi[e];
+    }
+}
+
 #if PQC__X86
 /* GCC's own intrinsic headers self-initialise their "undefined" vectors, which its C++
    front end reports as maybe-uninitialised at our call sites: silence just that. */
@@ -1247,6 +1259,19 @@ PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_
     }
 }
 
+PQC__AVX2 static void pqc__accum_avx2(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
+{
+    size_t i;
+    int e;
+    for (i = 0; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        double *sp = sum + (size_t)idx[i] * d;
+        for (e = 0; e + 4 <= d; e += 4)
+            _mm256_storeu_pd(sp + e, _mm256_add_pd(_mm256_loadu_pd(sp + e), _mm256_cvtps_pd(_mm_loadu_ps(xi + e))));
+        for (; e < d; e++) sp[e] += xi[e];
+    }
+}
+
 /* ----- AVX-512 ----- */
 PQC__AVX512 static void pqc__dots_avx512(const float *x, int d, const float *ct, int kpad, int k, float *dots)
 {
@@ -1262,19 +1287,9 @@ PQC__AVX512 static void pqc__dots_avx512(const float *x, int d, const float *ct,
 /* lowest value, then lowest index, across the 16 lanes */
 PQC__AVX512 static void pqc__argmin16(__m512 best, __m512i bidx, uint16_t *idx, float *val)
 {
-    float bv[16];
-    int bi[16], l, r;
-    float m;
-    _mm512_storeu_ps(bv, best);
-    _mm512_storeu_si512(bi, bidx);
-    m = bv[0];
-    r = bi[0];
-    for (l = 1; l < 16; l++)
-        if (bv[l] < m || (bv[l] == m && bi[l] < r)) {
-            m = bv[l];
-            r = bi[l];
-        }
-    *idx = (uint16_t)r;
+    float m = _mm512_reduce_min_ps(best);
+    __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    *idx = (uint16_t)_mm512_mask_reduce_min_epi32(eq, bidx);
     if (val) *val = m;
 }
 
@@ -1291,7 +1306,41 @@ PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, cons
         const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
         __m512 b0 = _mm512_set1_ps(INFINITY), b1 = b0, b2 = b0, b3 = b0;
         __m512i i0 = _mm512_setzero_si512(), i1 = i0, i2 = i0, i3 = i0;
-        for (c = 0; c < kpad; c += 16) {
+#define PQC__UPD(A, B, I, CN, CI)                                                                                      \
+    do {                                                                                                               \
+        __m512 v_ = _mm512_sub_ps(CN, _mm512_add_ps(A, A));                                                            \
+        __mmask16 m_ = _mm512_cmp_ps_mask(v_, B, _CMP_LT_OQ);                                                          \
+        B = _mm512_mask_mov_ps(B, m_, v_);                                                                             \
+        I = _mm512_mask_mov_epi32(I, m_, CI);                                                                          \
+    } while (0)
+        for (c = 0; c + 32 <= kpad; c += 32) { /* 4 points x 32 centroids: 8 accumulators */
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e0 = a0, e1 = a0, e2 = a0, e3 = a0;
+            __m512 cn0 = _mm512_loadu_ps(cn + c), cn1 = _mm512_loadu_ps(cn + c + 16);
+            __m512i ci0 = _mm512_add_epi32(lane, _mm512_set1_epi32(c)), ci1 = _mm512_add_epi32(ci0, _mm512_set1_epi32(16));
+            const float *cp = ct + c;
+            for (e = 0; e < d; e++, cp += kpad) {
+                __m512 v0 = _mm512_loadu_ps(cp), v1 = _mm512_loadu_ps(cp + 16);
+                __m512 s0 = _mm512_set1_ps(x0[e]), s1 = _mm512_set1_ps(x1[e]), s2 = _mm512_set1_ps(x2[e]),
+                       s3 = _mm512_set1_ps(x3[e]);
+                a0 = _mm512_fmadd_ps(s0, v0, a0);
+                a1 = _mm512_fmadd_ps(s1, v0, a1);
+                a2 = _mm512_fmadd_ps(s2, v0, a2);
+                a3 = _mm512_fmadd_ps(s3, v0, a3);
+                e0 = _mm512_fmadd_ps(s0, v1, e0);
+                e1 = _mm512_fmadd_ps(s1, v1, e1);
+                e2 = _mm512_fmadd_ps(s2, v1, e2);
+                e3 = _mm512_fmadd_ps(s3, v1, e3);
+            }
+            PQC__UPD(a0, b0, i0, cn0, ci0);
+            PQC__UPD(a1, b1, i1, cn0, ci0);
+            PQC__UPD(a2, b2, i2, cn0, ci0);
+            PQC__UPD(a3, b3, i3, cn0, ci0);
+            PQC__UPD(e0, b0, i0, cn1, ci1);
+            PQC__UPD(e1, b1, i1, cn1, ci1);
+            PQC__UPD(e2, b2, i2, cn1, ci1);
+            PQC__UPD(e3, b3, i3, cn1, ci1);
+        }
+        for (; c < kpad; c += 16) {
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, vc, cnv;
             __m512i ci = _mm512_add_epi32(lane, _mm512_set1_epi32(c));
             for (e = 0; e < d; e++) {
@@ -1302,19 +1351,12 @@ PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, cons
                 a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[e]), vc, a3);
             }
             cnv = _mm512_loadu_ps(cn + c);
-#define PQC__UPD(A, B, I)                                                                                              \
-    do {                                                                                                               \
-        __m512 v_ = _mm512_sub_ps(cnv, _mm512_add_ps(A, A));                                                           \
-        __mmask16 m_ = _mm512_cmp_ps_mask(v_, B, _CMP_LT_OQ);                                                          \
-        B = _mm512_mask_mov_ps(B, m_, v_);                                                                             \
-        I = _mm512_mask_mov_epi32(I, m_, ci);                                                                          \
-    } while (0)
-            PQC__UPD(a0, b0, i0);
-            PQC__UPD(a1, b1, i1);
-            PQC__UPD(a2, b2, i2);
-            PQC__UPD(a3, b3, i3);
-#undef PQC__UPD
+            PQC__UPD(a0, b0, i0, cnv, ci);
+            PQC__UPD(a1, b1, i1, cnv, ci);
+            PQC__UPD(a2, b2, i2, cnv, ci);
+            PQC__UPD(a3, b3, i3, cnv, ci);
         }
+#undef PQC__UPD
         pqc__argmin16(b0, i0, idx + i, val ? val + i : NULL);
         pqc__argmin16(b1, i1, idx + i + 1, val ? val + i + 1 : NULL);
         pqc__argmin16(b2, i2, idx + i + 2, val ? val + i + 2 : NULL);
@@ -1467,6 +1509,19 @@ PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, s
         out[i] = s;
     }
 }
+PQC__AVX512 static void pqc__accum_avx512(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
+{
+    size_t i;
+    int e;
+    for (i = 0; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        double *sp = sum + (size_t)idx[i] * d;
+        for (e = 0; e + 8 <= d; e += 8)
+            _mm512_storeu_pd(sp + e, _mm512_add_pd(_mm512_loadu_pd(sp + e), _mm512_cvtps_pd(_mm256_loadu_ps(xi + e))));
+        for (; e < d; e++) sp[e] += xi[e];
+    }
+}
+
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -1491,6 +1546,10 @@ static void pqc__k_assign(pqc_simd s, const float *x, size_t n, int d, const flo
                           uint16_t *idx, float *val)
 {
     PQC__DISPATCH(s, pqc__assign, (x, n, d, ct, cn, kpad, k, idx, val));
+}
+static void pqc__k_accum(pqc_simd s, const float *x, size_t n, int d, const uint16_t *idx, double *sum)
+{
+    PQC__DISPATCH(s, pqc__accum, (x, n, d, idx, sum));
 }
 static void pqc__k_dots(pqc_simd s, const float *x, int d, const float *ct, int kpad, int k, float *dots)
 {
@@ -1620,6 +1679,137 @@ static void pqc__topk_core(const float *s, size_t n, size_t k, uint32_t *cand, u
     PQC_ASSERT(taken == k);
 }
 
+/* Value of descending rank r (0 = largest) among a[0..n), reordering a (quickselect). */
+static float pqc__kth_largest(float *a, size_t n, size_t r)
+{
+    ptrdiff_t lo = 0, hi = (ptrdiff_t)n - 1, rr = (ptrdiff_t)r;
+    while (lo < hi) {
+        float x = a[lo], y = a[lo + (hi - lo) / 2], z = a[hi], piv, t;
+        ptrdiff_t i = lo, j = hi;
+        piv = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y)); /* median of 3 */
+        while (i <= j) {
+            while (a[i] > piv) i++;
+            while (a[j] < piv) j--;
+            if (i <= j) {
+                t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (rr <= j) hi = j;
+        else if (rr >= i) lo = i;
+        else return a[rr];
+    }
+    return a[lo];
+}
+
+/* one pass: indices with s > hi into above[], with lo <= s <= hi into cand[]/cs[];
+   buffers need 16 elements of slack */
+static void pqc__bracket_scalar(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                                uint32_t *cand, float *cs, size_t *nc)
+{
+    size_t i, a = 0, c = 0;
+    for (i = 0; i < n; i++) {
+        float v = s[i];
+        above[a] = (uint32_t)i;
+        a += v > hi;
+        cand[c] = (uint32_t)i;
+        cs[c] = v;
+        c += (v >= lo) & (v <= hi);
+    }
+    *na = a;
+    *nc = c;
+}
+
+#if PQC__X86
+PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                                            uint32_t *cand, float *cs, size_t *nc)
+{
+    size_t i = 0, a = 0, c = 0;
+    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(s + i);
+        __mmask16 ma = _mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ);
+        __mmask16 mc = (__mmask16)(_mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & ~ma);
+        _mm512_storeu_si512(above + a, _mm512_maskz_compress_epi32(ma, iv));
+        a += (size_t)__builtin_popcount(ma);
+        if (mc) {
+            _mm512_storeu_si512(cand + c, _mm512_maskz_compress_epi32(mc, iv));
+            _mm512_storeu_ps(cs + c, _mm512_maskz_compress_ps(mc, v));
+            c += (size_t)__builtin_popcount(mc);
+        }
+        iv = _mm512_add_epi32(iv, step);
+    }
+    for (; i < n; i++) {
+        float v = s[i];
+        if (v > hi) above[a++] = (uint32_t)i;
+        else if (v >= lo) {
+            cand[c] = (uint32_t)i;
+            cs[c++] = v;
+        }
+    }
+    *na = a;
+    *nc = c;
+}
+#endif
+
+#define PQC__SAMPLE 2048
+/* scratch floats/u32 needed by pqc__select for n scores */
+static size_t pqc__select_scratch(size_t n) { return (5 * (n + 16) + PQC__SAMPLE) * sizeof(uint32_t); }
+
+/* Exact top-k (indices ascending, ties to the lower index) of n finite scores.
+   A sample brackets the k-th value in [lo, hi]; one pass keeps everything above hi and
+   the candidates inside; a radix select among the candidates settles the rest. When
+   the bracket misses (rare: it only costs time), the full radix select runs instead. */
+static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void *scratch, uint32_t *idx, float *outs)
+{
+    uint32_t *above = (uint32_t *)scratch, *cand = above + n + 16, *tmp = cand + n + 16, *pos = tmp + n + 16;
+    float *cs = (float *)(pos + n + 16), *smp = cs + n + 16, lo, hi;
+    size_t i, S, na = 0, nc = 0, need, a, b, o;
+    double p, delta;
+    if (k >= n || n <= 4 * PQC__SAMPLE) {
+        pqc__topk_core(s, n, k, above, idx, outs);
+        return;
+    }
+    S = PQC__SAMPLE;
+    for (i = 0; i < S; i++) smp[i] = s[(size_t)(((uint64_t)i * 2654435761u + 97u) % n)];
+    p = (double)k / (double)n;
+    delta = 3.0 * sqrt(p * (1.0 - p) / (double)S) + 2.0 / (double)S;
+    hi = p - delta <= 0.0 ? INFINITY : pqc__kth_largest(smp, S, (size_t)floor((p - delta) * (double)S));
+    lo = p + delta >= 1.0 ? -INFINITY : pqc__kth_largest(smp, S, (size_t)ceil((p + delta) * (double)S));
+#if PQC__X86
+    if (simd == PQC_SIMD_AVX512) pqc__bracket_avx512(s, n, lo, hi, above, &na, cand, cs, &nc);
+    else pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
+#else
+    (void)simd;
+    pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
+#endif
+    if (na > k || na + nc < k) { /* the bracket missed the k-th value */
+        pqc__topk_core(s, n, k, above, idx, outs);
+        return;
+    }
+    need = k - na;
+    if (need > 0) pqc__topk_core(cs, nc, need, tmp, pos, NULL);
+    /* merge the two ascending lists */
+    a = b = o = 0;
+    while (a < na || b < need) {
+        uint32_t x = a < na ? above[a] : 0xffffffffu, y = b < need ? cand[pos[b]] : 0xffffffffu;
+        if (x < y) {
+            idx[o++] = x;
+            a++;
+        } else {
+            idx[o++] = y;
+            b++;
+        }
+    }
+    if (outs)
+        for (i = 0; i < k; i++) outs[i] = s[idx[i]];
+}
+
 PQCDEF pqc_result pqc_topk(pqc_runtime *rt, const float *scores, size_t n, size_t k, pqc_scratch *scratch,
                            uint32_t *idx, float *out_scores)
 {
@@ -1632,9 +1822,9 @@ PQCDEF pqc_result pqc_topk(pqc_runtime *rt, const float *scores, size_t n, size_
     if (n > 0xffffffffu) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_topk: more than 2^32 scores");
     for (i = 0; i < n; i++)
         if (scores[i] != scores[i]) return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_topk: score %zu is NaN", i);
-    cand = (uint32_t *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), n * sizeof(uint32_t), &tmp);
+    cand = (uint32_t *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), pqc__select_scratch(n), &tmp);
     if (!cand) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_topk: scratch allocation failed");
-    pqc__topk_core(scores, n, k, cand, idx, out_scores);
+    pqc__select(pqc__simd(rt), scores, n, k, cand, idx, out_scores);
     pqc__free(pqc__rt_alloc(rt), tmp);
     return PQC_SUCCESS;
 }
@@ -1759,7 +1949,8 @@ static float pqc__sqnorm(const float *x, int d)
 static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const float *x, size_t n, int d, int k, int kpad,
                               int iters, pqc_init init, uint64_t *rng, float *c, double *obj, char *err, size_t errsz)
 {
-    size_t i, bytes = 0, off_idx, off_val, off_xn, off_ct, off_cn, off_sum, off_cnt, off_aux;
+    size_t i, bytes = 0, off_idx, off_val, off_xn, off_ct, off_cn, off_sum, off_cnt, off_aux, off_pre;
+    double *pre;
     unsigned char *mem;
     uint16_t *idx;
     float *val, *xn, *ct, *cn, *aux;
@@ -1782,6 +1973,8 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
     bytes = PQC__ALIGN_UP(bytes + (size_t)k * d * sizeof(double));
     off_cnt = bytes;
     bytes = PQC__ALIGN_UP(bytes + (size_t)k * sizeof(size_t));
+    off_pre = bytes;
+    bytes = PQC__ALIGN_UP(bytes + n * sizeof(double));
     mem = (unsigned char *)pqc__alloc(al, bytes);
     if (!mem) {
         snprintf(err, errsz, "k-means work memory (%zu bytes) allocation failed", bytes);
@@ -1795,6 +1988,7 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
     cn = (float *)(mem + off_cn);
     sum = (double *)(mem + off_sum);
     cnt = (size_t *)(mem + off_cnt);
+    pre = (double *)(mem + off_pre);
     for (i = 0; i < n; i++) xn[i] = pqc__sqnorm(x + i * d, d);
 
     /* ----- initialisation ----- */
@@ -1835,6 +2029,7 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
                 if (v < 0.0f) v = 0.0f;
                 if (v < dist[i]) dist[i] = v;
                 total += dist[i];
+                pre[i] = total; /* running sum: D^2 draws by binary search */
             }
             ci = chosen;
             if (chosen >= k) break;
@@ -1846,11 +2041,14 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
                     for (i = 1; i < n; i++)
                         if (dist[i] > dist[pick]) pick = i;
                 } else if (total > 0.0) {
-                    double u = pqc__rng_unit(rng) * total, acc = 0.0;
-                    for (pick = 0; pick + 1 < n; pick++) {
-                        acc += dist[pick];
-                        if (acc > u) break;
+                    double u = pqc__rng_unit(rng) * total;
+                    size_t lo = 0, hi = n - 1;
+                    while (lo < hi) { /* first i with pre[i] > u */
+                        size_t mid = lo + (hi - lo) / 2;
+                        if (pre[mid] > u) hi = mid;
+                        else lo = mid + 1;
                     }
+                    pick = lo;
                 } else {
                     pick = pqc__rng_below(rng, n); /* every point is already a centre */
                 }
@@ -1876,12 +2074,8 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
         if (it == iters) break;
         memset(sum, 0, (size_t)k * d * sizeof(double));
         memset(cnt, 0, (size_t)k * sizeof(size_t));
-        for (i = 0; i < n; i++) {
-            const float *xi = x + i * d;
-            double *s = sum + (size_t)idx[i] * d;
-            cnt[idx[i]]++;
-            for (e = 0; e < d; e++) s[e] += xi[e];
-        }
+        for (i = 0; i < n; i++) cnt[idx[i]]++;
+        pqc__k_accum(simd, x, n, d, idx, sum);
         for (ci = 0; ci < k; ci++) {
             float *cc = c + (size_t)ci * d;
             if (cnt[ci] == 0) {
@@ -2375,14 +2569,14 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
     ot = PQC__ALIGN_UP(((size_t)g + 1) * pq->m * pq->ksub * sizeof(float));
     os = ot + PQC__ALIGN_UP(count * sizeof(float));
     oc = os + PQC__ALIGN_UP(count * sizeof(float));
-    bytes = oc + (all_out ? 0 : count * sizeof(uint32_t));
+    bytes = oc + (all_out ? 0 : pqc__select_scratch(count));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_search: scratch allocation failed");
     r = pqc__pq_scores_into(rt, pq, codes, queries, g, gqa, first, count, (float *)(mem + ol), (float *)(mem + ot),
                             all_out ? all_out : (float *)(mem + os));
     if (r == PQC_SUCCESS && !all_out) {
         size_t i;
-        pqc__topk_core((const float *)(mem + os), count, desc->k, (uint32_t *)(mem + oc), idx, scores);
+        pqc__select(pqc__simd(rt), (const float *)(mem + os), count, desc->k, mem + oc, idx, scores);
         if (first)
             for (i = 0; i < desc->k; i++) idx[i] += (uint32_t)first;
     }
@@ -2455,7 +2649,7 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     ot = orow + PQC__ALIGN_UP((size_t)PQC__EXACT_CHUNK * d * sizeof(float));
     os = ot + PQC__ALIGN_UP(n * sizeof(float));
     oc = os + PQC__ALIGN_UP(n * sizeof(float));
-    bytes = oc + (all_out ? 0 : n * sizeof(uint32_t));
+    bytes = oc + (all_out ? 0 : pqc__select_scratch(n));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_exact_search: scratch allocation failed");
     c.simd = pqc__simd(rt);
@@ -2472,7 +2666,7 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     }
     pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
                  all_out ? all_out : (float *)(mem + os));
-    if (!all_out) pqc__topk_core((const float *)(mem + os), n, k, (uint32_t *)(mem + oc), idx, scores);
+    if (!all_out) pqc__select(c.simd, (const float *)(mem + os), n, k, mem + oc, idx, scores);
     pqc__free(pqc__rt_alloc(rt), tmpmem);
     return PQC_SUCCESS;
 }
