@@ -11,34 +11,38 @@ TSAN    := -fsanitize=thread
 
 .PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-harness
 
-all: $(BUILD)/test_core
+all: $(addprefix $(BUILD)/test_,$(LIBTESTS))
 
 $(BUILD):
 	@mkdir -p $(BUILD)
 
 HDR := pqcache.h
 
-# ----- core tests ---------------------------------------------------------------------
-$(BUILD)/test_core: tests/test_core.c tests/greatest.h tests/synth.h $(HDR) | $(BUILD)
+# ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
+LIBTESTS := core cache
+TEST_DEPS := tests/greatest.h tests/synth.h $(HDR)
+
+$(BUILD)/test_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
 
-$(BUILD)/test_core_asan: tests/test_core.c tests/greatest.h tests/synth.h $(HDR) | $(BUILD)
+$(BUILD)/asan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
 
-$(BUILD)/test_core_tsan: tests/test_core.c tests/greatest.h tests/synth.h $(HDR) | $(BUILD)
+$(BUILD)/tsan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) -Itests $< -o $@ $(LDLIBS)
 
 $(BUILD)/test_harness: tests/test_harness.c tests/greatest.h | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@
 
-test-core: $(BUILD)/test_core
-	$(BUILD)/test_core
+test-core: $(addprefix $(BUILD)/test_,$(LIBTESTS))
+	@set -e; for t in $(LIBTESTS); do echo "== $$t"; $(BUILD)/test_$$t; done
 
-test-asan: $(BUILD)/test_core_asan
-	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/test_core_asan
+test-asan: $(addprefix $(BUILD)/asan_,$(LIBTESTS))
+	@set -e; for t in $(LIBTESTS); do echo "== $$t (ASan+UBSan)"; \
+	  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/asan_$$t; done
 
-test-tsan: $(BUILD)/test_core_tsan
-	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/test_core_tsan
+test-tsan: $(addprefix $(BUILD)/tsan_,$(LIBTESTS))
+	@set -e; for t in $(LIBTESTS); do echo "== $$t (TSan)"; TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_$$t; done
 
 test-harness: $(BUILD)/test_harness
 	sh tests/harness_selftest.sh $(BUILD)/test_harness

@@ -291,6 +291,217 @@ PQCDEF pqc_result pqc_topk(pqc_runtime *rt, const float *scores, size_t n, size_
 /* Fraction of `truth` (n_truth indices) found in `got` (n_got indices, ascending). */
 PQCDEF double pqc_recall(const uint32_t *truth, size_t n_truth, const uint32_t *got, size_t n_got);
 
+
+/* ---------------------------------------------------------------------------------------
+   Adaptive T_max scheduler
+   k-means time per (layer, KV head) ~ a1 + b1*s*T; the engine's per-layer prefill compute
+   ~ a2 + b2*s + g2*s^2. Both are fitted by least squares as samples arrive, and
+   T_max(s) = (g2*s^2 + b2*s + a2 - a1) / (b1*s), clipped to [t_min, t_max], is the largest
+   iteration count whose clustering still hides behind the compute.
+   Thread safety: a scheduler is internally locked; share one between caches freely.
+   ------------------------------------------------------------------------------------- */
+
+typedef struct pqc_scheduler pqc_scheduler;
+
+typedef struct pqc_scheduler_desc {
+    int t_min;        /* 0 = 3   */
+    int t_max;        /* 0 = 300 */
+    int t_default;    /* iterations used before both fits exist; 0 = 10 */
+    double parallel;  /* k-means jobs that run side by side (worker threads); 0 = 1 */
+    pqc_allocator allocator;
+} pqc_scheduler_desc;
+
+typedef struct pqc_scheduler_fit {
+    double a1, b1;      /* k-means: seconds = a1 + b1*s*T          */
+    double a2, b2, g2;  /* compute: seconds = a2 + b2*s + g2*s^2   */
+    int n1, n2;         /* samples behind each fit                 */
+} pqc_scheduler_fit;
+
+PQCDEF pqc_result pqc_scheduler_create(const pqc_scheduler_desc *desc, pqc_scheduler **out);
+PQCDEF void pqc_scheduler_destroy(pqc_scheduler *s);
+/* One k-means measurement: `seconds` to run T iterations over s keys (one KV head). */
+PQCDEF pqc_result pqc_scheduler_add_kmeans(pqc_scheduler *s, double tokens, int iters, double seconds);
+/* One compute measurement: the engine's prefill of one layer over s tokens. */
+PQCDEF pqc_result pqc_scheduler_add_compute(pqc_scheduler *s, double tokens, double seconds);
+/* Iterations for a build over s tokens whose `jobs` head builds share the layer's compute. */
+PQCDEF int pqc_scheduler_iters(pqc_scheduler *s, double tokens, int jobs);
+PQCDEF pqc_scheduler_fit pqc_scheduler_get_fit(pqc_scheduler *s);
+PQCDEF pqc_result pqc_scheduler_set_fit(pqc_scheduler *s, const pqc_scheduler_fit *fit);
+/* Calibration file: a small checksummed text file. A damaged, truncated or foreign file
+   gives PQC_ERROR_BAD_FILE and leaves the scheduler as it was. */
+PQCDEF pqc_result pqc_scheduler_save(pqc_scheduler *s, const char *path);
+PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path);
+
+/* ---------------------------------------------------------------------------------------
+   Backends: where the device tier (block cache slots, sinks and window) lives.
+   A backend is a small table of functions plus a context; optional entries may be NULL.
+   The CPU backend keeps the device tier in its own host buffers, so hit rates and bytes
+   moved are real figures; a GPU backend implements the same table.
+   ------------------------------------------------------------------------------------- */
+
+typedef struct pqc_backend_i {
+    const char *name;
+    void *(*alloc)(void *ctx, size_t bytes);                                  /* device memory */
+    void (*free)(void *ctx, void *ptr);
+    int (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes);     /* host -> device */
+    int (*copy_d2d)(void *ctx, void *dst, const void *src, size_t bytes);     /* optional      */
+    int (*synchronize)(void *ctx);                                            /* optional      */
+} pqc_backend_i;
+
+typedef struct pqc_backend {
+    pqc_backend_i iface;
+    void *ctx;
+} pqc_backend;
+
+/* The CPU backend (plain memory through the allocator). */
+PQCDEF pqc_backend pqc_backend_cpu(const pqc_allocator *alloc);
+
+/* ---------------------------------------------------------------------------------------
+   Sequence cache: one per request. Layers x KV heads of sinks | PQ-indexed mid tokens |
+   recent window, all K/V in host memory, a block cache on the device tier.
+   Thread safety: one cache is driven by one thread at a time (its asynchronous builds
+   run on the runtime's pool); distinct caches may be used from distinct threads.
+   ------------------------------------------------------------------------------------- */
+
+typedef enum pqc_policy {
+    PQC_POLICY_LFU = 0, /* least frequently used, ties to the least recently used (default) */
+    PQC_POLICY_LRU = 1  /* least recently used                                              */
+} pqc_policy;
+
+typedef struct pqc_cache_desc {
+    int n_layers;            /* L                                                         */
+    int n_kv_heads;          /* h_kv                                                      */
+    int n_q_heads;           /* h (a multiple of h_kv); 0 = h_kv                          */
+    int head_dim;            /* d_h                                                       */
+    pqc_dtype kv_dtype;      /* host storage of K and V; 0 = fp32                          */
+    size_t max_tokens;       /* sequence capacity; 0 = 1M. Longer prompts fail cleanly    */
+    int n_sink;              /* sink tokens always attended; 0 = 32; -1 = none             */
+    int window;              /* recent window in tokens; 0 = recent_share of the budget
+                                at the first prefill                                      */
+    double budget_ratio;     /* tokens attended beyond the sinks: ratio * (s - sinks); 0 = 0.1 */
+    size_t budget_tokens;    /* a fixed budget instead of the ratio (0 = use the ratio)   */
+    double recent_share;     /* share of the budget for the window; 0 = 0.5             */
+    pqc_pq_desc pq;          /* m, bits, init, seed; pq.iters > 0 fixes T, 0 = scheduler   */
+    pqc_gqa gqa;             /* how query heads sharing a KV head combine; 0 = softmax-sum */
+    int block_tokens;        /* block size of the block cache; 0 = 128                    */
+    int cache_blocks;        /* blocks per layer and KV head; 0 = 32; -1 = no block cache */
+    pqc_policy policy;       /* 0 = LFU                                                   */
+    int admit_blocks;        /* blocks admitted after each selection; 0 = cache_blocks     */
+    double rebuild_share;    /* re-cluster a layer once this share of its coded tokens was
+                                coded without retraining; 0 = 0.5; >= 1 never             */
+    pqc_scheduler *scheduler;/* optional; used when pq.iters == 0                          */
+    const pqc_backend *backend; /* device tier; NULL = CPU backend                        */
+} pqc_cache_desc;
+
+typedef struct pqc_cache pqc_cache;
+
+typedef struct pqc_layer_stats {
+    uint64_t selects, fetches;
+    uint64_t hits, misses;     /* selected mid tokens found / not found in the block cache */
+    uint64_t bytes_h2d;        /* host -> device: missed rows, admitted blocks, codes     */
+    uint64_t bytes_codes;      /* the codes' part of bytes_h2d                            */
+    uint64_t bytes_d2h;        /* device -> host: tokens leaving the window (offload)     */
+    uint64_t tokens_selected;  /* sum over selects and KV heads                          */
+    uint64_t builds, rebuilds;
+    int last_iters;            /* T of the last build                                     */
+    double select_s, fetch_s;  /* time in select and fetch                                */
+    double build_s;            /* k-means + encoding time of the builds (worker time)     */
+    double wait_s;             /* time the first select waited for a build               */
+} pqc_layer_stats;
+
+/* Indices to attend, per KV head, ascending. Size it with pqc_selection_init. */
+typedef struct pqc_selection {
+    int n_kv_heads;
+    size_t capacity;  /* per head */
+    size_t *count;    /* [n_kv_heads] */
+    uint32_t *idx;    /* [n_kv_heads][capacity] */
+    pqc_allocator alloc;
+} pqc_selection;
+
+/* Gathered K and V (fp32): head h's rows at k + h*head_stride*d_h, in selection order. */
+typedef struct pqc_kv_out {
+    float *k;
+    float *v;
+    size_t head_stride; /* rows between heads, >= the selection's count */
+} pqc_kv_out;
+
+PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out);
+/* Safe while builds run: waits for them first. NULL is a no-op. */
+PQCDEF void pqc_cache_destroy(pqc_cache *c);
+/* Hands over n tokens of one layer (K and V: n rows of n_kv_heads*d_h, any dtype and
+   stride). The first call stores the prompt and starts that layer's PQ build in the
+   background; later calls (more prompt chunks, multi-turn) extend the layer and code the
+   tokens with the existing codebooks. Nothing is stored on failure. */
+PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k, const pqc_matrix *v);
+/* Decode: one new token's K and V (n_kv_heads*d_h fp32 each) for one layer. The oldest
+   window token leaves the window and is coded from its own stored key. */
+PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v);
+PQCDEF pqc_result pqc_selection_init(const pqc_cache *c, pqc_selection *sel);
+PQCDEF void pqc_selection_free(pqc_selection *sel);
+/* Per KV head the tokens to attend for queries q (n_q_heads x d_h fp32): sinks + top-k
+   mid tokens + the window (+ mid tokens not yet coded), deduplicated and ascending. Waits
+   for the layer's build when it is still running. */
+PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel);
+/* Gathers the selected K/V through the block cache; admits the blocks holding the most
+   selected tokens afterwards. */
+PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out);
+/* Reports the engine's compute time for one layer's prefill (feeds the scheduler). */
+PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double tokens, double seconds);
+/* Waits for every build of every layer; returns the first job error, if any. */
+PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
+PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer);
+PQCDEF int pqc_cache_window(const pqc_cache *c);
+PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats *out);
+/* Bytes held in the device tier (sinks, window, cache slots, centroids, one layer's codes)
+   and, for comparison, the bytes of the whole K/V cache in the storage dtype. */
+PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *full_kv_bytes);
+/* Read-only view of the stored K/V rows of one (layer, KV head): row t at base + t*d_h. */
+PQCDEF pqc_result pqc_cache_kv(const pqc_cache *c, int layer, int head, const void **k, const void **v,
+                               size_t *tokens, pqc_dtype *dtype);
+
+/* The blocks (token index / block_tokens) held in the block cache of one (layer, KV head),
+   ascending, at most `max` of them; returns how many are cached. */
+PQCDEF int pqc_cache_cached_blocks(const pqc_cache *c, int layer, int head, int32_t *out, int max);
+
+/* Batches: several caches (sequences) sharing one runtime; the per-sequence work runs in
+   parallel on the pool. q[i] are sequence i's queries; sel[i] its selection. */
+PQCDEF pqc_result pqc_batch_select(pqc_cache *const *caches, int n, int layer, const float *const *q,
+                                   pqc_selection *const *sel);
+PQCDEF pqc_result pqc_batch_fetch(pqc_cache *const *caches, int n, int layer, const pqc_selection *const *sel,
+                                  const pqc_kv_out *const *out);
+
+/* ---------------------------------------------------------------------------------------
+   Driver: runs Algorithm 1 (prefill with offload and overlapped PQ builds) and
+   Algorithm 2 (decode with select and fetch) over the engine's callbacks.
+   ------------------------------------------------------------------------------------- */
+
+/* K/V handed to the engine's attention: per KV head `count` rows (dtype, stride d_h),
+   and their token positions (NULL = 0..count-1, the causal prefill case). */
+typedef struct pqc_kv_view {
+    int n_kv_heads;
+    int head_dim;
+    pqc_dtype dtype;
+    const void *const *k;        /* [n_kv_heads] */
+    const void *const *v;        /* [n_kv_heads] */
+    const size_t *count;         /* [n_kv_heads] */
+    const uint32_t *const *pos;  /* [n_kv_heads] or NULL */
+} pqc_kv_view;
+
+typedef struct pqc_engine {
+    void *user;
+    /* Q, K, V (post-RoPE, fp32) of tokens [pos0, pos0+n) at this layer from the engine's
+       hidden state: q [n][n_q_heads][d_h], k and v [n][n_kv_heads][d_h]. 0 = success. */
+    int (*qkv)(void *user, int layer, size_t pos0, size_t n, float *q, float *k, float *v);
+    /* Attention of those n tokens over kv (prefill: all tokens so far, causal by position;
+       decode: the selected tokens), then the output projection, residual and FFN. */
+    int (*attend)(void *user, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv);
+} pqc_engine;
+
+/* Prefill n tokens at positions [pos0, pos0+n) through every layer. */
+PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n);
+/* One decode step at position pos through every layer. */
+PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos);
+
 #ifdef __cplusplus
 }
 #endif
@@ -2209,7 +2420,20 @@ done:
 
 static void pqc__train_pfor(void *ctx, size_t i) { pqc__train_sub((pqc__train_job *)ctx + i); }
 
+static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out,
+                                     int nested);
 PQCDEF pqc_result pqc_pq_train(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out)
+{
+    return pqc__pq_train_impl(rt, desc, keys, out, 0);
+}
+/* from inside a job: no nested submissions (the pool may be the engine's and busy) */
+static pqc_result pqc__pq_train_nested(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out)
+{
+    return pqc__pq_train_impl(rt, desc, keys, out, 1);
+}
+
+static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out,
+                                     int nested)
 {
     pqc_pq_desc d;
     pqc_pq pq;
@@ -2239,7 +2463,10 @@ PQCDEF pqc_result pqc_pq_train(pqc_runtime *rt, const pqc_pq_desc *desc, const p
         jobs[j].pq = &pq;
         jobs[j].j = j;
     }
-    pqc__parallel_for(rt, (size_t)d.m, pqc__train_pfor, jobs);
+    if (nested)
+        for (j = 0; j < d.m; j++) pqc__train_sub(&jobs[j]);
+    else
+        pqc__parallel_for(rt, (size_t)d.m, pqc__train_pfor, jobs);
     r = PQC_SUCCESS;
     for (j = 0; j < d.m && r == PQC_SUCCESS; j++)
         if (jobs[j].res != PQC_SUCCESS) r = pqc__fail(rt, jobs[j].res, "pqc_pq_train: %s", jobs[j].err);
@@ -2390,6 +2617,11 @@ PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_mat
 out:
     pqc__free(&codes->alloc, mem);
     return r;
+}
+
+static pqc_result pqc__pq_encode_nested(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, pqc_codes *codes)
+{
+    return pqc_pq_encode(rt, pq, keys, codes); /* encoding never submits jobs */
 }
 
 PQCDEF pqc_result pqc_pq_decode(const pqc_pq *pq, const pqc_codes *codes, size_t t, float *out)
@@ -2683,6 +2915,1473 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 {
     if (!out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_scores: null output");
     return pqc__exact_impl(rt, keys, queries, g, gqa, 0, scratch, NULL, NULL, out);
+}
+
+/* ---------------------------------------------------------------------------------------
+   Scheduler
+   ------------------------------------------------------------------------------------- */
+
+struct pqc_scheduler {
+    pqc_allocator alloc;
+    int t_min, t_max, t_default;
+    double parallel;
+    /* least-squares sums; x scaled by 1e-6 (k-means: x = s*T) and 1e-4 (compute: x = s) */
+    double k_n, k_x, k_y, k_xx, k_xy;
+    double c_n, c_s[5], c_ys[3];
+    int have_fixed;
+    pqc_scheduler_fit fixed;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_t mu;
+#endif
+};
+
+#define PQC__KX 1e-6
+#define PQC__CX 1e-4
+
+static void pqc__sched_lock(pqc_scheduler *s)
+{
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&s->mu);
+#else
+    (void)s;
+#endif
+}
+static void pqc__sched_unlock(pqc_scheduler *s)
+{
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&s->mu);
+#else
+    (void)s;
+#endif
+}
+
+PQCDEF pqc_result pqc_scheduler_create(const pqc_scheduler_desc *desc, pqc_scheduler **out)
+{
+    pqc_scheduler_desc d;
+    pqc_scheduler *s;
+    if (!out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_scheduler_create: null output");
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if (d.t_min == 0) d.t_min = 3;
+    if (d.t_max == 0) d.t_max = 300;
+    if (d.t_default == 0) d.t_default = 10;
+    if (d.parallel == 0) d.parallel = 1;
+    if (d.t_min < 0 || d.t_max < d.t_min || d.t_default < 0 || !(d.parallel > 0))
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: need 0 <= t_min <= t_max, parallel > 0");
+    s = (pqc_scheduler *)pqc__calloc(&d.allocator, sizeof *s);
+    if (!s) return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "scheduler: allocation failed");
+    s->alloc = d.allocator;
+    s->t_min = d.t_min;
+    s->t_max = d.t_max;
+    s->t_default = d.t_default;
+    s->parallel = d.parallel;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_init(&s->mu, NULL);
+#endif
+    *out = s;
+    return PQC_SUCCESS;
+}
+
+PQCDEF void pqc_scheduler_destroy(pqc_scheduler *s)
+{
+    pqc_allocator a;
+    if (!s) return;
+    a = s->alloc;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_destroy(&s->mu);
+#endif
+    pqc__free(&a, s);
+}
+
+PQCDEF pqc_result pqc_scheduler_add_kmeans(pqc_scheduler *s, double tokens, int iters, double seconds)
+{
+    double x;
+    if (!s) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler: null");
+    if (!(tokens > 0) || iters < 0 || !(seconds >= 0) || seconds > 1e9)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: bad k-means sample");
+    x = tokens * iters * PQC__KX;
+    pqc__sched_lock(s);
+    s->k_n += 1;
+    s->k_x += x;
+    s->k_y += seconds;
+    s->k_xx += x * x;
+    s->k_xy += x * seconds;
+    s->have_fixed = 0;
+    pqc__sched_unlock(s);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_scheduler_add_compute(pqc_scheduler *s, double tokens, double seconds)
+{
+    double x, p = 1;
+    int i;
+    if (!s) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler: null");
+    if (!(tokens > 0) || !(seconds >= 0) || seconds > 1e9)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: bad compute sample");
+    x = tokens * PQC__CX;
+    pqc__sched_lock(s);
+    s->c_n += 1;
+    for (i = 0; i < 5; i++, p *= x) s->c_s[i] += p;
+    s->c_ys[0] += seconds;
+    s->c_ys[1] += seconds * x;
+    s->c_ys[2] += seconds * x * x;
+    s->have_fixed = 0;
+    pqc__sched_unlock(s);
+    return PQC_SUCCESS;
+}
+
+/* solves the 3x3 system a x = b by Gaussian elimination with pivoting; 0 if singular */
+static int pqc__solve3(double a[3][3], double b[3], double x[3])
+{
+    int i, j, k;
+    for (i = 0; i < 3; i++) {
+        int p = i;
+        for (j = i + 1; j < 3; j++)
+            if (fabs(a[j][i]) > fabs(a[p][i])) p = j;
+        if (fabs(a[p][i]) < 1e-300) return 0;
+        if (p != i) {
+            for (k = 0; k < 3; k++) {
+                double t = a[i][k];
+                a[i][k] = a[p][k];
+                a[p][k] = t;
+            }
+            {
+                double t = b[i];
+                b[i] = b[p];
+                b[p] = t;
+            }
+        }
+        for (j = i + 1; j < 3; j++) {
+            double f = a[j][i] / a[i][i];
+            for (k = i; k < 3; k++) a[j][k] -= f * a[i][k];
+            b[j] -= f * b[i];
+        }
+    }
+    for (i = 2; i >= 0; i--) {
+        double acc = b[i];
+        for (k = i + 1; k < 3; k++) acc -= a[i][k] * x[k];
+        x[i] = acc / a[i][i];
+    }
+    return 1;
+}
+
+/* current fit in unscaled units; n1/n2 = 0 where a fit is not determined yet */
+static pqc_scheduler_fit pqc__sched_fit(const pqc_scheduler *s)
+{
+    pqc_scheduler_fit f;
+    memset(&f, 0, sizeof f);
+    if (s->have_fixed) return s->fixed;
+    if (s->k_n >= 2) {
+        double den = s->k_n * s->k_xx - s->k_x * s->k_x;
+        if (fabs(den) > 1e-300) {
+            f.b1 = (s->k_n * s->k_xy - s->k_x * s->k_y) / den * PQC__KX;
+            f.a1 = (s->k_y - f.b1 / PQC__KX * s->k_x) / s->k_n;
+            f.n1 = (int)s->k_n;
+        }
+    }
+    if (s->c_n >= 3) {
+        double a[3][3], b[3], x[3];
+        int i, j;
+        for (i = 0; i < 3; i++)
+            for (j = 0; j < 3; j++) a[i][j] = s->c_s[i + j];
+        for (i = 0; i < 3; i++) b[i] = s->c_ys[i];
+        if (pqc__solve3(a, b, x)) {
+            f.a2 = x[0];
+            f.b2 = x[1] * PQC__CX;
+            f.g2 = x[2] * PQC__CX * PQC__CX;
+            f.n2 = (int)s->c_n;
+        }
+    }
+    return f;
+}
+
+PQCDEF pqc_scheduler_fit pqc_scheduler_get_fit(pqc_scheduler *s)
+{
+    pqc_scheduler_fit f;
+    memset(&f, 0, sizeof f);
+    if (!s) return f;
+    pqc__sched_lock(s);
+    f = pqc__sched_fit(s);
+    pqc__sched_unlock(s);
+    return f;
+}
+
+PQCDEF pqc_result pqc_scheduler_set_fit(pqc_scheduler *s, const pqc_scheduler_fit *fit)
+{
+    if (!s || !fit) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler: null");
+    if (!(fit->b1 > 0) || fit->n1 < 1 || fit->n2 < 1 || fit->a1 != fit->a1 || fit->a2 != fit->a2 ||
+        fit->b2 != fit->b2 || fit->g2 != fit->g2)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: fit needs b1 > 0 and samples behind both lines");
+    pqc__sched_lock(s);
+    s->fixed = *fit;
+    s->have_fixed = 1;
+    pqc__sched_unlock(s);
+    return PQC_SUCCESS;
+}
+
+PQCDEF int pqc_scheduler_iters(pqc_scheduler *s, double tokens, int jobs)
+{
+    pqc_scheduler_fit f;
+    double t, share;
+    int lo, hi, def;
+    if (!s || !(tokens > 0)) return 10;
+    pqc__sched_lock(s);
+    f = pqc__sched_fit(s);
+    lo = s->t_min;
+    hi = s->t_max;
+    def = s->t_default;
+    /* jobs builds share `parallel` workers during one layer's compute */
+    share = jobs > 0 ? s->parallel / (double)jobs : 1.0;
+    if (share > 1.0) share = 1.0;
+    pqc__sched_unlock(s);
+    if (f.n1 == 0 || f.n2 == 0 || !(f.b1 > 0)) return def < lo ? lo : (def > hi ? hi : def);
+    t = ((f.g2 * tokens * tokens + f.b2 * tokens + f.a2) * share - f.a1) / (f.b1 * tokens);
+    if (!(t >= lo)) return lo; /* also catches NaN */
+    if (t > hi) return hi;
+    return (int)t;
+}
+
+static uint64_t pqc__fnv(const void *p, size_t n, uint64_t h)
+{
+    const unsigned char *b = (const unsigned char *)p;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
+    return h;
+}
+
+#define PQC__SCHED_MAGIC "pqcache-scheduler 1"
+
+PQCDEF pqc_result pqc_scheduler_save(pqc_scheduler *s, const char *path)
+{
+    pqc_scheduler_fit f;
+    char body[512];
+    FILE *fp;
+    int n;
+    if (!s || !path) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler save: null");
+    f = pqc_scheduler_get_fit(s);
+    if (f.n1 == 0 || f.n2 == 0) return pqc__fail(NULL, PQC_ERROR_BAD_STATE, "scheduler save: no fit to save yet");
+    n = snprintf(body, sizeof body, "%s\nkmeans %.17g %.17g %d\ncompute %.17g %.17g %.17g %d\n", PQC__SCHED_MAGIC, f.a1,
+                 f.b1, f.n1, f.a2, f.b2, f.g2, f.n2);
+    fp = fopen(path, "w");
+    if (!fp) return pqc__fail(NULL, PQC_ERROR_IO, "scheduler save: cannot open %s", path);
+    if (fprintf(fp, "%scheck %016llx\n", body, (unsigned long long)pqc__fnv(body, (size_t)n, 0xcbf29ce484222325ull)) < 0 ||
+        fclose(fp) != 0)
+        return pqc__fail(NULL, PQC_ERROR_IO, "scheduler save: write to %s failed", path);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path)
+{
+    char buf[1024], *chk;
+    size_t n;
+    FILE *fp;
+    pqc_scheduler_fit f;
+    unsigned long long want = 0;
+    char tail;
+    if (!s || !path) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler load: null");
+    fp = fopen(path, "r");
+    if (!fp) return pqc__fail(NULL, PQC_ERROR_IO, "scheduler load: cannot open %s", path);
+    n = fread(buf, 1, sizeof buf - 1, fp);
+    fclose(fp);
+    buf[n] = 0;
+    memset(&f, 0, sizeof f);
+    if (strncmp(buf, PQC__SCHED_MAGIC "\n", strlen(PQC__SCHED_MAGIC) + 1) != 0)
+        return pqc__fail(NULL, PQC_ERROR_BAD_FILE, "scheduler load: %s is not a pqcache calibration file", path);
+    chk = strstr(buf, "check ");
+    if (!chk || sscanf(chk, "check %llx%c", &want, &tail) != 2 || tail != '\n' ||
+        pqc__fnv(buf, (size_t)(chk - buf), 0xcbf29ce484222325ull) != (uint64_t)want)
+        return pqc__fail(NULL, PQC_ERROR_BAD_FILE, "scheduler load: %s is damaged or truncated (checksum)", path);
+    if (sscanf(buf + strlen(PQC__SCHED_MAGIC) + 1, "kmeans %lg %lg %d\ncompute %lg %lg %lg %d", &f.a1, &f.b1, &f.n1, &f.a2,
+               &f.b2, &f.g2, &f.n2) != 7)
+        return pqc__fail(NULL, PQC_ERROR_BAD_FILE, "scheduler load: %s has malformed lines", path);
+    if (pqc_scheduler_set_fit(s, &f) != PQC_SUCCESS)
+        return pqc__fail(NULL, PQC_ERROR_BAD_FILE, "scheduler load: %s holds an unusable fit", path);
+    return PQC_SUCCESS;
+}
+
+/* ---------------------------------------------------------------------------------------
+   CPU backend
+   ------------------------------------------------------------------------------------- */
+
+static void *pqc__cpu_alloc(void *ctx, size_t n) { return pqc__alloc((const pqc_allocator *)ctx, n); }
+static void pqc__cpu_free(void *ctx, void *p) { pqc__free((const pqc_allocator *)ctx, p); }
+static int pqc__cpu_copy(void *ctx, void *dst, const void *src, size_t n)
+{
+    (void)ctx;
+    memcpy(dst, src, n);
+    return 0;
+}
+
+PQCDEF pqc_backend pqc_backend_cpu(const pqc_allocator *alloc)
+{
+    pqc_backend b;
+    memset(&b, 0, sizeof b);
+    b.iface.name = "cpu";
+    b.iface.alloc = pqc__cpu_alloc;
+    b.iface.free = pqc__cpu_free;
+    b.iface.copy_h2d = pqc__cpu_copy;
+    b.iface.copy_d2d = pqc__cpu_copy;
+    b.ctx = (void *)alloc; /* may be NULL: default allocator */
+    return b;
+}
+
+/* ---------------------------------------------------------------------------------------
+   Sequence cache
+   ------------------------------------------------------------------------------------- */
+
+typedef struct pqc__head {
+    unsigned char *k, *v; /* [cap][d] in the storage dtype */
+    pqc_pq pq;            /* current codebook (pq.m == 0: none yet)  */
+    pqc_codes codes;      /* codes of mid tokens n_sink .. n_sink + count */
+    pqc_pq pq_new;        /* a finished build waiting to be installed */
+    pqc_codes codes_new;
+    pqc_scratch scratch;
+    /* block cache */
+    int32_t *slot_of;     /* block -> slot or -1, [n_blocks_cap] */
+    int32_t *block_of;    /* slot -> block or -1 */
+    uint32_t *filled;     /* rows valid in the slot */
+    uint64_t *freq, *stamp;
+    unsigned char *dev;   /* device tier: [slots][block_tokens][2][d] storage dtype */
+    uint32_t *count_tmp;  /* per block: selected tokens this step */
+} pqc__head;
+
+typedef struct pqc__build {
+    struct pqc_cache *cache;
+    int layer, head;
+    size_t n_keys;        /* mid tokens the build trains on and codes */
+    int iters;
+    pqc_result res;
+    char err[200];
+    double seconds;
+    pqc__task task;
+} pqc__build;
+
+typedef struct pqc__layer {
+    pqc__head *heads;
+    size_t n_tokens;      /* stored tokens */
+    size_t n_coded;       /* mid tokens covered by the installed codes */
+    size_t n_trained;     /* mid tokens the installed codebook was trained on */
+    int building;         /* a build or rebuild is in flight */
+    int build_pending_err;
+    pqc__group group;
+    pqc__build *builds;   /* [n_kv_heads] */
+    pqc_layer_stats st;
+    uint64_t step;
+    double prefill_start;
+} pqc__layer;
+
+struct pqc_cache {
+    pqc_runtime *rt;
+    pqc_allocator alloc;
+    pqc_cache_desc d;
+    pqc_backend be;
+    int g;                /* query heads per KV head */
+    size_t es;            /* storage element size */
+    size_t row;           /* bytes of one row (d_h elements) */
+    size_t cap;           /* tokens allocated per head */
+    int window;           /* fixed once known; 0 until the first prefill when derived */
+    pqc__layer *layers;
+    char err[256];
+};
+
+static pqc_result pqc__cfail(const pqc_cache *c, pqc_result r, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(pqc__errbuf, sizeof pqc__errbuf, fmt, ap);
+    va_end(ap);
+    pqc__log(c ? c->rt : NULL, PQC_LOG_ERROR, pqc__errbuf);
+    return r;
+}
+
+static size_t pqc__mid_end(const pqc_cache *c, size_t n_tokens)
+{
+    size_t lo = (size_t)c->d.n_sink, w = (size_t)c->window;
+    return n_tokens > lo + w ? n_tokens - w : lo;
+}
+
+PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out)
+{
+    pqc_cache_desc d;
+    pqc_cache *c;
+    pqc_pq_desc pqd;
+    pqc_result r;
+    int l;
+    if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
+    d = *desc;
+    if (d.n_q_heads == 0) d.n_q_heads = d.n_kv_heads;
+    if (d.max_tokens == 0) d.max_tokens = (size_t)1 << 20;
+    if (d.n_sink == 0) d.n_sink = 32;
+    else if (d.n_sink < 0) d.n_sink = 0;
+    if (d.budget_ratio == 0) d.budget_ratio = 0.1;
+    if (d.recent_share == 0) d.recent_share = 0.5;
+    if (d.block_tokens == 0) d.block_tokens = 128;
+    if (d.cache_blocks == 0) d.cache_blocks = 32;
+    else if (d.cache_blocks < 0) d.cache_blocks = 0;
+    if (d.admit_blocks == 0) d.admit_blocks = d.cache_blocks;
+    if (d.rebuild_share == 0) d.rebuild_share = 0.5;
+    if (d.n_layers <= 0 || d.n_layers > 4096 || d.n_kv_heads <= 0 || d.n_kv_heads > 4096 || d.head_dim <= 0 ||
+        d.head_dim > 65536 || d.n_q_heads <= 0)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_cache_create: layers %d, kv heads %d, head dim %d", d.n_layers,
+                         d.n_kv_heads, d.head_dim);
+    if (d.n_q_heads % d.n_kv_heads)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_cache_create: %d query heads not a multiple of %d KV heads",
+                         d.n_q_heads, d.n_kv_heads);
+    if (!pqc_dtype_size(d.kv_dtype)) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: unknown kv dtype");
+    if (!(d.budget_ratio > 0 && d.budget_ratio <= 1e6) || !(d.recent_share >= 0 && d.recent_share <= 1) ||
+        d.window < 0 || d.block_tokens < 1 || d.admit_blocks < 0 || d.admit_blocks > d.cache_blocks ||
+        !(d.rebuild_share > 0) || d.max_tokens > 0xfffffff0u || (int)d.policy < 0 || (int)d.policy > 1 ||
+        (int)d.gqa < 0 || (int)d.gqa > 1)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: a budget, window, block or policy setting is out of range");
+    pqd = d.pq;
+    if (pqd.iters == 0) pqd.iters = 1; /* validated here; the scheduler picks T later */
+    {
+        pqc_pq_desc tmp;
+        if ((r = pqc__pq_check_desc(rt, &pqd, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
+        d.pq.m = tmp.m;
+        d.pq.bits = tmp.bits;
+        d.pq.objective = NULL;
+    }
+    c = (pqc_cache *)pqc__calloc(pqc__rt_alloc(rt), sizeof *c);
+    if (!c) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
+    c->rt = rt;
+    if (rt) c->alloc = rt->alloc;
+    c->d = d;
+    c->be = d.backend ? *d.backend : pqc_backend_cpu(&c->alloc);
+    if (!c->be.iface.alloc || !c->be.iface.free || !c->be.iface.copy_h2d) {
+        pqc__free(&c->alloc, c);
+        return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: backend lacks alloc, free or copy_h2d");
+    }
+    c->g = d.n_q_heads / d.n_kv_heads;
+    c->es = pqc_dtype_size(d.kv_dtype);
+    c->row = c->es * (size_t)d.head_dim;
+    c->window = d.window;
+    c->layers = (pqc__layer *)pqc__calloc(&c->alloc, sizeof(pqc__layer) * (size_t)d.n_layers);
+    if (!c->layers) goto oom;
+    for (l = 0; l < d.n_layers; l++) {
+        pqc__layer *L = &c->layers[l];
+        int h;
+        L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
+        L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
+        if (!L->heads || !L->builds) goto oom;
+        for (h = 0; h < d.n_kv_heads; h++) {
+            pqc__head *H = &L->heads[h];
+            H->scratch.alloc = c->alloc;
+            if (d.cache_blocks > 0) {
+                int sl;
+                size_t slot_bytes = (size_t)d.block_tokens * 2 * c->row;
+                H->block_of = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * (size_t)d.cache_blocks);
+                H->filled = (uint32_t *)pqc__calloc(&c->alloc, sizeof(uint32_t) * (size_t)d.cache_blocks);
+                H->freq = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
+                H->stamp = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
+                H->dev = (unsigned char *)c->be.iface.alloc(c->be.ctx, slot_bytes * (size_t)d.cache_blocks);
+                if (!H->block_of || !H->filled || !H->freq || !H->stamp || !H->dev) goto oom;
+                for (sl = 0; sl < d.cache_blocks; sl++) H->block_of[sl] = -1;
+            }
+        }
+    }
+    *out = c;
+    return PQC_SUCCESS;
+oom:
+    pqc_cache_destroy(c);
+    return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
+}
+
+PQCDEF void pqc_cache_destroy(pqc_cache *c)
+{
+    int l, h;
+    if (!c) return;
+    if (c->layers) {
+        for (l = 0; l < c->d.n_layers; l++) pqc__wait(c->rt, &c->layers[l].group);
+        for (l = 0; l < c->d.n_layers; l++) {
+            pqc__layer *L = &c->layers[l];
+            if (L->heads)
+                for (h = 0; h < c->d.n_kv_heads; h++) {
+                    pqc__head *H = &L->heads[h];
+                    pqc__free(&c->alloc, H->k);
+                    pqc__free(&c->alloc, H->v);
+                    pqc_pq_free(&H->pq);
+                    pqc_codes_free(&H->codes);
+                    pqc_pq_free(&H->pq_new);
+                    pqc_codes_free(&H->codes_new);
+                    pqc_scratch_free(&H->scratch);
+                    pqc__free(&c->alloc, H->slot_of);
+                    pqc__free(&c->alloc, H->block_of);
+                    pqc__free(&c->alloc, H->filled);
+                    pqc__free(&c->alloc, H->freq);
+                    pqc__free(&c->alloc, H->stamp);
+                    pqc__free(&c->alloc, H->count_tmp);
+                    if (H->dev) c->be.iface.free(c->be.ctx, H->dev);
+                }
+            pqc__free(&c->alloc, L->heads);
+            pqc__free(&c->alloc, L->builds);
+        }
+    }
+    pqc__free(&c->alloc, c->layers);
+    pqc__free(&c->alloc, c);
+}
+
+/* Grows every head's K/V store (all layers) to hold `need` tokens; all-or-nothing. */
+static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
+{
+    size_t cap = c->cap ? c->cap : 256, nblk, l, h, bytes;
+    int L = c->d.n_layers, H = c->d.n_kv_heads;
+    unsigned char **nk, **nv;
+    int32_t **ns;
+    uint32_t **nc;
+    size_t i, n = (size_t)L * H;
+    if (need <= c->cap) return PQC_SUCCESS;
+    if (need > c->d.max_tokens)
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence of %zu tokens exceeds max_tokens %zu", need, c->d.max_tokens);
+    while (cap < need) cap = cap + cap / 2;
+    if (cap > c->d.max_tokens) cap = c->d.max_tokens;
+    if (!pqc__mul(cap, c->row, &bytes)) return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence too large");
+    nblk = (cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens;
+    nk = (unsigned char **)pqc__calloc(&c->alloc, sizeof(void *) * n * 2);
+    ns = (int32_t **)pqc__calloc(&c->alloc, sizeof(void *) * n);
+    nc = (uint32_t **)pqc__calloc(&c->alloc, sizeof(void *) * n);
+    if (!nk || !ns || !nc) {
+        pqc__free(&c->alloc, nk);
+        pqc__free(&c->alloc, ns);
+        pqc__free(&c->alloc, nc);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "K/V store: allocation failed");
+    }
+    nv = nk + n;
+    for (i = 0; i < n; i++) {
+        nk[i] = (unsigned char *)pqc__alloc(&c->alloc, bytes);
+        nv[i] = (unsigned char *)pqc__alloc(&c->alloc, bytes);
+        if (c->d.cache_blocks > 0) {
+            ns[i] = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * nblk);
+            nc[i] = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * nblk);
+        }
+        if (!nk[i] || !nv[i] || (c->d.cache_blocks > 0 && (!ns[i] || !nc[i]))) break;
+    }
+    if (i < n) {
+        size_t j;
+        for (j = 0; j <= i && j < n; j++) {
+            pqc__free(&c->alloc, nk[j]);
+            pqc__free(&c->alloc, nv[j]);
+            pqc__free(&c->alloc, ns[j]);
+            pqc__free(&c->alloc, nc[j]);
+        }
+        pqc__free(&c->alloc, nk);
+        pqc__free(&c->alloc, ns);
+        pqc__free(&c->alloc, nc);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "K/V store: %zu bytes per head could not be allocated", bytes);
+    }
+    for (l = 0; l < (size_t)L; l++)
+        for (h = 0; h < (size_t)H; h++) {
+            pqc__head *hd = &c->layers[l].heads[h];
+            size_t j = l * H + h, used = c->layers[l].n_tokens * c->row, ob;
+            if (hd->k) memcpy(nk[j], hd->k, used);
+            if (hd->v) memcpy(nv[j], hd->v, used);
+            pqc__free(&c->alloc, hd->k);
+            pqc__free(&c->alloc, hd->v);
+            hd->k = nk[j];
+            hd->v = nv[j];
+            if (c->d.cache_blocks > 0) {
+                ob = c->cap ? (c->cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens : 0;
+                for (i = 0; i < nblk; i++) ns[j][i] = i < ob ? hd->slot_of[i] : -1;
+                pqc__free(&c->alloc, hd->slot_of);
+                pqc__free(&c->alloc, hd->count_tmp);
+                hd->slot_of = ns[j];
+                hd->count_tmp = nc[j];
+                memset(hd->count_tmp, 0, sizeof(uint32_t) * nblk);
+            }
+        }
+    pqc__free(&c->alloc, nk);
+    pqc__free(&c->alloc, ns);
+    pqc__free(&c->alloc, nc);
+    c->cap = cap;
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__check_layer(const pqc_cache *c, int layer, const char *what)
+{
+    if (!c) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "%s: null cache", what);
+    if (layer < 0 || layer >= c->d.n_layers)
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "%s: layer %d not in 0..%d", what, layer, c->d.n_layers - 1);
+    return PQC_SUCCESS;
+}
+
+/* stores one token row (fp32 or any dtype) of head h at position t */
+static void pqc__store_row(pqc_cache *c, unsigned char *dst, const void *src, pqc_dtype st)
+{
+    int e, d = c->d.head_dim;
+    if (st == c->d.kv_dtype) {
+        memcpy(dst, src, c->row);
+        return;
+    }
+    {
+        float tmp[256], *buf = tmp;
+        float *heap = NULL;
+        if (d > 256) {
+            heap = (float *)pqc__alloc(&c->alloc, (size_t)d * sizeof(float));
+            if (!heap) { /* fall back to element-wise conversion */
+                for (e = 0; e < d; e++) {
+                    float f;
+                    pqc__row_to_f32((const unsigned char *)src + (size_t)e * pqc_dtype_size(st), st, 1, &f);
+                    if (c->d.kv_dtype == PQC_F32) memcpy(dst + 4 * e, &f, 4);
+                    else {
+                        uint16_t hv = c->d.kv_dtype == PQC_F16 ? pqc_f32_to_f16(f) : pqc_f32_to_bf16(f);
+                        memcpy(dst + 2 * e, &hv, 2);
+                    }
+                }
+                return;
+            }
+            buf = heap;
+        }
+        pqc__row_to_f32(src, st, (size_t)d, buf);
+        if (c->d.kv_dtype == PQC_F32) memcpy(dst, buf, (size_t)d * 4);
+        else
+            for (e = 0; e < d; e++) {
+                uint16_t hv = c->d.kv_dtype == PQC_F16 ? pqc_f32_to_f16(buf[e]) : pqc_f32_to_bf16(buf[e]);
+                memcpy(dst + 2 * e, &hv, 2);
+            }
+        pqc__free(&c->alloc, heap);
+    }
+}
+
+/* view of mid tokens [from, to) (absolute positions) of one head as a key matrix */
+static pqc_matrix pqc__keys_view(const pqc_cache *c, const pqc__head *H, size_t from, size_t to)
+{
+    pqc_matrix m;
+    m.data = H->k + from * c->row;
+    m.dtype = c->d.kv_dtype;
+    m.rows = to - from;
+    m.cols = (size_t)c->d.head_dim;
+    m.row_stride = c->row;
+    return m;
+}
+
+/* background build of one (layer, head): train on mid tokens, then code them */
+static void pqc__build_job(void *arg)
+{
+    pqc__build *b = (pqc__build *)arg;
+    pqc_cache *c = b->cache;
+    pqc__head *H = &c->layers[b->layer].heads[b->head];
+    pqc_pq_desc d = c->d.pq;
+    pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + b->n_keys);
+    pqc_result r;
+    double t0 = pqc__now();
+    d.iters = b->iters > 0 ? b->iters : -1;
+    d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + b->head + 1));
+    /* nested work runs inline: the pool may be the engine's and fully busy */
+    r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
+    if (r == PQC_SUCCESS) r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, &c->alloc);
+    if (r == PQC_SUCCESS) r = pqc__pq_encode_nested(c->rt, &H->pq_new, &keys, &H->codes_new);
+    if (r != PQC_SUCCESS) {
+        snprintf(b->err, sizeof b->err, "layer %d head %d: %.150s", b->layer, b->head, pqc_last_error());
+        pqc_pq_free(&H->pq_new);
+        pqc_codes_free(&H->codes_new);
+    }
+    b->res = r;
+    b->seconds = pqc__now() - t0;
+}
+
+/* Starts the build of layer l over its current mid tokens. */
+static void pqc__start_build(pqc_cache *c, int l)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t n = pqc__mid_end(c, L->n_tokens) - (size_t)c->d.n_sink;
+    int h, iters = c->d.pq.iters;
+    if (iters == 0) iters = pqc_scheduler_iters(c->d.scheduler, (double)n, c->d.n_kv_heads);
+    L->building = 1;
+    L->st.last_iters = iters;
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__build *b = &L->builds[h];
+        b->cache = c;
+        b->layer = l;
+        b->head = h;
+        b->n_keys = n;
+        b->iters = iters;
+        b->res = PQC_SUCCESS;
+        b->err[0] = 0;
+        b->task.fn = pqc__build_job;
+        b->task.arg = b;
+        pqc__submit(c->rt, &L->group, &b->task);
+    }
+}
+
+/* Codes mid tokens [n_coded, mid_end) of every head with the installed codebooks. */
+static pqc_result pqc__code_pending(pqc_cache *c, int l)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t end = pqc__mid_end(c, L->n_tokens) - (size_t)c->d.n_sink, from = L->n_coded;
+    int h;
+    if (L->building || end <= from || L->heads[0].pq.m == 0) return PQC_SUCCESS;
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink + from, (size_t)c->d.n_sink + end);
+        pqc_result r;
+        if (H->codes.count != from) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "internal: code count mismatch");
+        if ((r = pqc_pq_encode(c->rt, &H->pq, &keys, &H->codes)) != PQC_SUCCESS) {
+            int g;
+            for (g = 0; g < h; g++) L->heads[g].codes.count = from; /* undo: all heads or none */
+            return r;
+        }
+    }
+    L->n_coded = end;
+    return PQC_SUCCESS;
+}
+
+/* Joins a finished build: installs the codebooks (or reports the job's error once). */
+static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
+{
+    pqc__layer *L = &c->layers[l];
+    pqc_result r = PQC_SUCCESS;
+    int h;
+    double t0;
+    if (!L->building) return PQC_SUCCESS;
+    if (!wait && pqc__group_busy(c->rt, &L->group)) return PQC_SUCCESS;
+    t0 = pqc__now();
+    pqc__wait(c->rt, &L->group);
+    L->st.wait_s += pqc__now() - t0;
+    L->building = 0;
+    for (h = 0; h < c->d.n_kv_heads; h++)
+        if (L->builds[h].res != PQC_SUCCESS && r == PQC_SUCCESS) {
+            r = L->builds[h].res;
+            pqc__cfail(c, PQC_ERROR_JOB_FAILED, "PQ build failed: %s", L->builds[h].err);
+        }
+    if (r != PQC_SUCCESS) {
+        /* keep what was installed before; the failed layer attends its uncoded tokens */
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            pqc_pq_free(&L->heads[h].pq_new);
+            pqc_codes_free(&L->heads[h].codes_new);
+        }
+        return PQC_ERROR_JOB_FAILED;
+    }
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        L->st.build_s += L->builds[h].seconds;
+        if (c->d.scheduler && L->builds[h].iters > 0)
+            pqc_scheduler_add_kmeans(c->d.scheduler, (double)L->builds[h].n_keys, L->builds[h].iters,
+                                     L->builds[h].seconds);
+        pqc_pq_free(&H->pq);
+        pqc_codes_free(&H->codes);
+        H->pq = H->pq_new;
+        H->codes = H->codes_new;
+        memset(&H->pq_new, 0, sizeof H->pq_new);
+        memset(&H->codes_new, 0, sizeof H->codes_new);
+    }
+    if (L->n_trained) L->st.rebuilds++;
+    L->st.builds++;
+    L->n_coded = L->n_trained = L->builds[0].n_keys;
+    return pqc__code_pending(c, l);
+}
+
+/* after tokens joined the mid region: code them, or start (re)builds when due */
+static pqc_result pqc__after_growth(pqc_cache *c, int l)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t mid = pqc__mid_end(c, L->n_tokens) - (size_t)c->d.n_sink;
+    pqc_result r = pqc__join_build(c, l, 0);
+    if (r != PQC_SUCCESS) return r;
+    if (L->building || mid == 0) return PQC_SUCCESS;
+    if (L->heads[0].pq.m == 0) { /* no codebook yet: build once there is something to learn */
+        if (mid >= (size_t)1 << c->d.pq.bits || mid >= 64) pqc__start_build(c, l);
+        return PQC_SUCCESS;
+    }
+    if ((r = pqc__code_pending(c, l)) != PQC_SUCCESS) return r;
+    if (c->d.rebuild_share < 1.0 && mid > L->n_trained &&
+        (double)(mid - L->n_trained) > c->d.rebuild_share * (double)mid)
+        pqc__start_build(c, l);
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__check_kv_matrix(const pqc_cache *c, const pqc_matrix *m, const char *what)
+{
+    pqc_result r = pqc__check_matrix(c->rt, m, (size_t)c->d.n_kv_heads * c->d.head_dim, what);
+    if (r != PQC_SUCCESS) return r;
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k, const pqc_matrix *v)
+{
+    pqc__layer *L;
+    pqc_result r;
+    size_t n, t, start;
+    int h;
+    float *tmp;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_prefill")) != PQC_SUCCESS) return r;
+    if ((r = pqc__check_kv_matrix(c, k, "pqc_cache_prefill K")) != PQC_SUCCESS) return r;
+    if ((r = pqc__check_kv_matrix(c, v, "pqc_cache_prefill V")) != PQC_SUCCESS) return r;
+    if (k->rows != v->rows)
+        return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_prefill: %zu K rows but %zu V rows", k->rows, v->rows);
+    L = &c->layers[layer];
+    n = k->rows;
+    start = L->n_tokens;
+    if (start + n > c->d.max_tokens)
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_prefill: %zu + %zu tokens exceed max_tokens %zu", start, n,
+                          c->d.max_tokens);
+    tmp = (float *)pqc__alloc(&c->alloc, k->cols * sizeof(float));
+    if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_prefill: allocation failed");
+    r = pqc__check_finite(c->rt, k, tmp, "pqc_cache_prefill K");
+    if (r == PQC_SUCCESS) r = pqc__check_finite(c->rt, v, tmp, "pqc_cache_prefill V");
+    pqc__free(&c->alloc, tmp);
+    if (r != PQC_SUCCESS) return r;
+    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r; /* the store must not move under a build */
+    if ((r = pqc__cache_grow(c, start + n)) != PQC_SUCCESS) return r;
+    if (c->window == 0) { /* derive the window from the first prompt's budget */
+        double s_mid = (double)(start + n > (size_t)c->d.n_sink ? start + n - (size_t)c->d.n_sink : 0);
+        double budget = c->d.budget_tokens ? (double)c->d.budget_tokens : ceil(c->d.budget_ratio * s_mid);
+        c->window = (int)PQC__MAX(1.0, floor(c->d.recent_share * budget + 0.5));
+    }
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        size_t off = (size_t)h * c->d.head_dim * pqc_dtype_size(k->dtype);
+        for (t = 0; t < n; t++) {
+            pqc__store_row(c, H->k + (start + t) * c->row, (const unsigned char *)pqc__row(k, t) + off, k->dtype);
+            pqc__store_row(c, H->v + (start + t) * c->row, (const unsigned char *)pqc__row(v, t) + off, v->dtype);
+        }
+    }
+    L->n_tokens = start + n;
+    L->prefill_start = pqc__now();
+    return pqc__after_growth(c, layer);
+}
+
+PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v)
+{
+    pqc__layer *L;
+    pqc_result r;
+    size_t before, after;
+    int h;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_append")) != PQC_SUCCESS) return r;
+    if (!k || !v) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_append: null K or V");
+    L = &c->layers[layer];
+    if (L->n_tokens == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_append: layer %d has no prefill yet", layer);
+    if (!pqc__finite_row(k, (size_t)c->d.n_kv_heads * c->d.head_dim) ||
+        !pqc__finite_row(v, (size_t)c->d.n_kv_heads * c->d.head_dim))
+        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_append: K or V holds NaN, Inf or a huge value");
+    if (L->n_tokens + 1 > c->cap) {
+        if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
+        if ((r = pqc__cache_grow(c, L->n_tokens + 1)) != PQC_SUCCESS) return r;
+    }
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        pqc__store_row(c, H->k + L->n_tokens * c->row, k + (size_t)h * c->d.head_dim, PQC_F32);
+        pqc__store_row(c, H->v + L->n_tokens * c->row, v + (size_t)h * c->d.head_dim, PQC_F32);
+    }
+    before = pqc__mid_end(c, L->n_tokens);
+    L->n_tokens++;
+    after = pqc__mid_end(c, L->n_tokens);
+    if (after > before) L->st.bytes_d2h += (after - before) * 2 * c->row * (size_t)c->d.n_kv_heads; /* offload */
+    return pqc__after_growth(c, layer);
+}
+
+PQCDEF pqc_result pqc_selection_init(const pqc_cache *c, pqc_selection *sel)
+{
+    size_t cap;
+    if (!c || !sel) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_selection_init: null pointer");
+    memset(sel, 0, sizeof *sel);
+    cap = c->d.max_tokens;
+    sel->alloc = c->alloc;
+    sel->n_kv_heads = c->d.n_kv_heads;
+    sel->count = (size_t *)pqc__calloc(&sel->alloc, sizeof(size_t) * (size_t)c->d.n_kv_heads);
+    sel->idx = (uint32_t *)pqc__alloc(&sel->alloc, sizeof(uint32_t) * cap * (size_t)c->d.n_kv_heads);
+    if (!sel->count || !sel->idx) {
+        pqc_selection_free(sel);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_selection_init: %zu indices per head", cap);
+    }
+    sel->capacity = cap;
+    return PQC_SUCCESS;
+}
+
+PQCDEF void pqc_selection_free(pqc_selection *sel)
+{
+    if (!sel) return;
+    pqc__free(&sel->alloc, sel->count);
+    pqc__free(&sel->alloc, sel->idx);
+    sel->count = NULL;
+    sel->idx = NULL;
+    sel->capacity = 0;
+}
+
+typedef struct pqc__sel_job {
+    pqc_cache *c;
+    int layer;
+    const float *q;
+    pqc_selection *sel;
+    size_t take; /* coded mid tokens to take: all of them, none, or the top `take` */
+    int search;  /* 0 < take < coded: PQ search */
+    pqc_result *head_res;
+} pqc__sel_job;
+
+static void pqc__select_head(void *ctx, size_t hi)
+{
+    pqc__sel_job *j = (pqc__sel_job *)ctx;
+    pqc_cache *c = j->c;
+    pqc__layer *L = &c->layers[j->layer];
+    pqc__head *H = &L->heads[hi];
+    int h = (int)hi;
+    size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0;
+    uint32_t *out = j->sel->idx + hi * j->sel->capacity;
+    for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
+    if (j->search) {
+        pqc_search_desc sd;
+        pqc_result r;
+        memset(&sd, 0, sizeof sd);
+        sd.k = j->take;
+        sd.gqa = c->d.gqa;
+        sd.first = 0;
+        sd.count = L->n_coded;
+        r = pqc_pq_search(c->rt, &H->pq, &H->codes, j->q + (size_t)h * c->g * c->d.head_dim, c->g, &sd, &H->scratch,
+                          out + o, NULL);
+        if (r != PQC_SUCCESS) {
+            j->head_res[hi] = r;
+            return;
+        }
+        for (t = 0; t < j->take; t++) out[o + t] += (uint32_t)c->d.n_sink;
+        o += j->take;
+    } else if (j->take > 0) {
+        for (t = 0; t < L->n_coded; t++) out[o++] = (uint32_t)(sink + t); /* budget covers all coded */
+    }
+    for (t = (size_t)c->d.n_sink + L->n_coded; t < mid_end; t++) out[o++] = (uint32_t)t; /* not coded yet */
+    for (t = PQC__MAX(mid_end, sink); t < n; t++) out[o++] = (uint32_t)t;                /* window */
+    j->sel->count[hi] = o;
+    j->head_res[hi] = PQC_SUCCESS;
+}
+
+static void pqc__select_heads_pfor(void *ctx, size_t h) { pqc__select_head(ctx, h); }
+
+static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_selection *sel, int parallel)
+{
+    pqc__layer *L;
+    pqc_result r, hr[64], *hres = hr;
+    pqc__sel_job j;
+    size_t n, budget, mid;
+    int h;
+    double t0 = pqc__now();
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_select")) != PQC_SUCCESS) return r;
+    if (!q || !sel || !sel->idx || !sel->count)
+        return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_select: null query or selection");
+    if (sel->n_kv_heads != c->d.n_kv_heads)
+        return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_select: selection sized for %d heads", sel->n_kv_heads);
+    L = &c->layers[layer];
+    n = L->n_tokens;
+    if (n == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_select: layer %d is empty", layer);
+    if (n > sel->capacity) return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_select: selection too small");
+    if (!pqc__finite_row(q, (size_t)c->d.n_q_heads * c->d.head_dim))
+        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_select: query holds NaN, Inf or a huge value");
+    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
+    if (L->n_coded < pqc__mid_end(c, n) - (size_t)c->d.n_sink && L->heads[0].pq.m && (r = pqc__code_pending(c, layer)))
+        return r;
+    /* top-k = budget - window, the budget counting the tokens beyond the sinks; without
+       a codebook every coded-or-not mid token is attended */
+    mid = n > (size_t)c->d.n_sink ? n - (size_t)c->d.n_sink : 0;
+    budget = c->d.budget_tokens ? c->d.budget_tokens : (size_t)ceil(c->d.budget_ratio * (double)mid);
+    j.take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
+    if (L->heads[0].pq.m == 0 || j.take > L->n_coded) j.take = L->n_coded;
+    j.search = j.take > 0 && j.take < L->n_coded;
+    j.c = c;
+    j.layer = layer;
+    j.q = q;
+    j.sel = sel;
+    if (c->d.n_kv_heads > 64) {
+        hres = (pqc_result *)pqc__alloc(&c->alloc, sizeof(pqc_result) * (size_t)c->d.n_kv_heads);
+        if (!hres) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_select: allocation failed");
+    }
+    j.head_res = hres;
+    if (parallel && j.search) pqc__parallel_for(c->rt, (size_t)c->d.n_kv_heads, pqc__select_heads_pfor, &j);
+    else
+        for (h = 0; h < c->d.n_kv_heads; h++) pqc__select_head(&j, (size_t)h);
+    r = PQC_SUCCESS;
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        if (hres[h] != PQC_SUCCESS && r == PQC_SUCCESS) r = hres[h];
+        if (hres[h] == PQC_SUCCESS) L->st.tokens_selected += sel->count[h];
+    }
+    if (hres != hr) pqc__free(&c->alloc, hres);
+    if (r != PQC_SUCCESS) return r;
+    if (j.search) {
+        size_t cb = pqc_codes_bytes(&L->heads[0].codes) * (size_t)c->d.n_kv_heads; /* codes prefetched per step */
+        L->st.bytes_codes += cb;
+        L->st.bytes_h2d += cb;
+    }
+    L->st.selects++;
+    L->st.select_s += pqc__now() - t0;
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel)
+{
+    return pqc__select_impl(c, layer, q, sel, 1);
+}
+
+/* row t of head H as fp32 from host or from a device slot */
+static void pqc__row_out(const pqc_cache *c, const unsigned char *src, float *dst)
+{
+    pqc__row_to_f32(src, c->d.kv_dtype, (size_t)c->d.head_dim, dst);
+}
+
+/* picks the victim slot for a new block: an empty slot, else by policy; -1 if every
+   slot is protected (holds a block admitted in this same step) */
+static int pqc__victim(const pqc_cache *c, const pqc__head *H, uint64_t step)
+{
+    int s, best = -1;
+    for (s = 0; s < c->d.cache_blocks; s++) {
+        if (H->block_of[s] < 0) return s;
+        if (H->stamp[s] == step) continue; /* admitted or used in this step */
+        if (best < 0) {
+            best = s;
+            continue;
+        }
+        if (c->d.policy == PQC_POLICY_LRU) {
+            if (H->stamp[s] < H->stamp[best]) best = s;
+        } else if (H->freq[s] < H->freq[best] || (H->freq[s] == H->freq[best] && H->stamp[s] < H->stamp[best])) {
+            best = s;
+        }
+    }
+    return best;
+}
+
+typedef struct pqc__fetch_job {
+    pqc_cache *c;
+    int layer;
+    const pqc_selection *sel;
+    const pqc_kv_out *out;
+    pqc_result *res;
+    uint64_t *hits, *misses, *h2d;
+} pqc__fetch_job;
+
+static void pqc__fetch_head(void *ctx, size_t hi)
+{
+    pqc__fetch_job *j = (pqc__fetch_job *)ctx;
+    pqc_cache *c = j->c;
+    pqc__layer *L = &c->layers[j->layer];
+    pqc__head *H = &L->heads[hi];
+    size_t n = L->n_tokens, cnt = j->sel->count[hi], i, bt = (size_t)c->d.block_tokens, d = (size_t)c->d.head_dim;
+    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, n), slot_bytes = bt * 2 * c->row;
+    const uint32_t *idx = j->sel->idx + hi * j->sel->capacity;
+    float *ko = j->out->k + hi * j->out->head_stride * d, *vo = j->out->v + hi * j->out->head_stride * d;
+    uint64_t hits = 0, misses = 0, h2d = 0, step = L->step;
+    int admit = c->d.cache_blocks > 0 ? c->d.admit_blocks : 0, a;
+    if (admit > 0) {
+        /* admission first: the blocks holding the most selected mid tokens */
+        uint32_t *cntb = H->count_tmp;
+        size_t b, nb = (mid_hi + bt - 1) / bt;
+        for (i = 0; i < cnt; i++)
+            if (idx[i] >= mid_lo && idx[i] < mid_hi) cntb[idx[i] / bt]++;
+        for (a = 0; a < admit; a++) {
+            size_t best = nb;
+            int s;
+            for (b = 0; b < nb; b++)
+                if (cntb[b] > 0 && (best == nb || cntb[b] > cntb[best])) best = b;
+            if (best == nb) break;
+            cntb[best] = 0; /* taken */
+            s = H->slot_of[best];
+            if (s >= 0) {
+                size_t valid = PQC__MIN(bt, mid_hi - best * bt);
+                if (H->filled[s] < valid) { /* a partial block grew: refresh it */
+                    size_t r0 = H->filled[s], r;
+                    for (r = r0; r < valid; r++) {
+                        memcpy(H->dev + (size_t)s * slot_bytes + r * 2 * c->row, H->k + (best * bt + r) * c->row, c->row);
+                        memcpy(H->dev + (size_t)s * slot_bytes + (r * 2 + 1) * c->row, H->v + (best * bt + r) * c->row,
+                               c->row);
+                    }
+                    h2d += (valid - r0) * 2 * c->row;
+                    H->filled[s] = (uint32_t)valid;
+                }
+                continue;
+            }
+            s = pqc__victim(c, H, step + 1);
+            if (s < 0) break;
+            if (H->block_of[s] >= 0) H->slot_of[H->block_of[s]] = -1;
+            {
+                size_t valid = PQC__MIN(bt, mid_hi - best * bt), r;
+                for (r = 0; r < valid; r++) { /* one block: K and V rows interleaved */
+                    c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + r * 2 * c->row,
+                                         H->k + (best * bt + r) * c->row, c->row);
+                    c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + (r * 2 + 1) * c->row,
+                                         H->v + (best * bt + r) * c->row, c->row);
+                }
+                h2d += valid * 2 * c->row;
+                H->filled[s] = (uint32_t)valid;
+            }
+            H->block_of[s] = (int32_t)best;
+            H->slot_of[best] = s;
+            H->freq[s] = 0;
+            H->stamp[s] = step + 1;
+        }
+        for (b = 0; b < nb; b++) cntb[b] = 0;
+    }
+    for (i = 0; i < cnt; i++) {
+        size_t t = idx[i];
+        if (t >= mid_lo && t < mid_hi) {
+            int s = admit > 0 ? H->slot_of[t / bt] : -1;
+            if (s >= 0 && (t % bt) < H->filled[s]) {
+                const unsigned char *row = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
+                pqc__row_out(c, row, ko + i * d);
+                pqc__row_out(c, row + c->row, vo + i * d);
+                if (H->stamp[s] != step + 1) H->freq[s]++;
+                H->stamp[s] = step + 1;
+                hits++;
+                continue;
+            }
+            misses++;
+            h2d += 2 * c->row;
+        }
+        /* misses, sinks and the window (device-resident in a GPU backend) from the store */
+        pqc__row_out(c, H->k + t * c->row, ko + i * d);
+        pqc__row_out(c, H->v + t * c->row, vo + i * d);
+    }
+    j->hits[hi] = hits;
+    j->misses[hi] = misses;
+    j->h2d[hi] = h2d;
+    j->res[hi] = PQC_SUCCESS;
+}
+
+static void pqc__fetch_pfor(void *ctx, size_t h) { pqc__fetch_head(ctx, h); }
+
+static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out, int parallel)
+{
+    pqc__layer *L;
+    pqc_result r;
+    pqc__fetch_job j;
+    unsigned char *mem;
+    size_t nh, h;
+    double t0 = pqc__now();
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_fetch")) != PQC_SUCCESS) return r;
+    if (!sel || !out || !out->k || !out->v || !sel->count || !sel->idx)
+        return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch: null selection or output");
+    if (sel->n_kv_heads != c->d.n_kv_heads)
+        return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_fetch: selection sized for %d heads", sel->n_kv_heads);
+    L = &c->layers[layer];
+    nh = (size_t)c->d.n_kv_heads;
+    for (h = 0; h < nh; h++) {
+        size_t i, cnt = sel->count[h];
+        const uint32_t *idx = sel->idx + h * sel->capacity;
+        if (cnt > out->head_stride)
+            return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_fetch: %zu rows selected, head_stride %zu", cnt,
+                              out->head_stride);
+        for (i = 0; i < cnt; i++)
+            if (idx[i] >= L->n_tokens || (i > 0 && idx[i] <= idx[i - 1]))
+                return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_fetch: head %zu index %zu invalid or unsorted", h, i);
+    }
+    mem = (unsigned char *)pqc__alloc(&c->alloc, nh * (sizeof(pqc_result) + 3 * sizeof(uint64_t)));
+    if (!mem) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
+    j.c = c;
+    j.layer = layer;
+    j.sel = sel;
+    j.out = out;
+    j.hits = (uint64_t *)mem;
+    j.misses = j.hits + nh;
+    j.h2d = j.misses + nh;
+    j.res = (pqc_result *)(j.h2d + nh);
+    if (parallel) pqc__parallel_for(c->rt, nh, pqc__fetch_pfor, &j);
+    else
+        for (h = 0; h < nh; h++) pqc__fetch_head(&j, h);
+    for (h = 0; h < nh; h++) {
+        L->st.hits += j.hits[h];
+        L->st.misses += j.misses[h];
+        L->st.bytes_h2d += j.h2d[h];
+    }
+    if (c->be.iface.synchronize) c->be.iface.synchronize(c->be.ctx);
+    pqc__free(&c->alloc, mem);
+    L->step++;
+    L->st.fetches++;
+    L->st.fetch_s += pqc__now() - t0;
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out)
+{
+    return pqc__fetch_impl(c, layer, sel, out, 1);
+}
+
+PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double tokens, double seconds)
+{
+    pqc_result r;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_report_compute")) != PQC_SUCCESS) return r;
+    if (!c->d.scheduler) return PQC_SUCCESS;
+    return pqc_scheduler_add_compute(c->d.scheduler, tokens, seconds);
+}
+
+PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
+{
+    int l;
+    pqc_result r = PQC_SUCCESS, x;
+    if (!c) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_sync: null cache");
+    for (l = 0; l < c->d.n_layers; l++)
+        if ((x = pqc__join_build(c, l, 1)) != PQC_SUCCESS && r == PQC_SUCCESS) r = x;
+    return r;
+}
+
+PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer)
+{
+    if (!c || layer < 0 || layer >= c->d.n_layers) return 0;
+    return c->layers[layer].n_tokens;
+}
+
+PQCDEF int pqc_cache_window(const pqc_cache *c) { return c ? c->window : 0; }
+
+PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats *out)
+{
+    pqc_result r;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_stats")) != PQC_SUCCESS) return r;
+    if (!out) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_stats: null output");
+    *out = c->layers[layer].st;
+    return PQC_SUCCESS;
+}
+
+PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *full_kv_bytes)
+{
+    size_t dev = 0, full = 0, per_head_fixed, codes = 0;
+    int l, h;
+    if (!c) return;
+    for (l = 0; l < c->d.n_layers; l++) {
+        const pqc__layer *L = &c->layers[l];
+        size_t n = L->n_tokens, fixed = PQC__MIN(n, (size_t)c->d.n_sink + (size_t)c->window);
+        per_head_fixed = fixed * 2 * c->row + (size_t)c->d.cache_blocks * c->d.block_tokens * 2 * c->row;
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            const pqc__head *H = &L->heads[h];
+            size_t cb = pqc_codes_bytes(&H->codes);
+            dev += per_head_fixed;
+            if (H->pq.m) dev += (size_t)H->pq.m * H->pq.ksub * H->pq.dsub * sizeof(float);
+            if (cb > codes) codes = cb;
+            full += n * 2 * c->row;
+        }
+    }
+    dev += codes * (size_t)c->d.n_kv_heads; /* one layer's codes in flight */
+    if (device_bytes) *device_bytes = dev;
+    if (full_kv_bytes) *full_kv_bytes = full;
+}
+
+PQCDEF pqc_result pqc_cache_kv(const pqc_cache *c, int layer, int head, const void **k, const void **v, size_t *tokens,
+                               pqc_dtype *dtype)
+{
+    pqc_result r;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_kv")) != PQC_SUCCESS) return r;
+    if (head < 0 || head >= c->d.n_kv_heads) return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_kv: head %d", head);
+    if (k) *k = c->layers[layer].heads[head].k;
+    if (v) *v = c->layers[layer].heads[head].v;
+    if (tokens) *tokens = c->layers[layer].n_tokens;
+    if (dtype) *dtype = c->d.kv_dtype;
+    return PQC_SUCCESS;
+}
+
+PQCDEF int pqc_cache_cached_blocks(const pqc_cache *c, int layer, int head, int32_t *out, int max)
+{
+    int s, n = 0, i;
+    const pqc__head *H;
+    if (!c || layer < 0 || layer >= c->d.n_layers || head < 0 || head >= c->d.n_kv_heads) return 0;
+    H = &c->layers[layer].heads[head];
+    for (s = 0; s < c->d.cache_blocks; s++) {
+        int32_t b = H->block_of[s];
+        if (b < 0) continue;
+        if (out && n < max) { /* insertion keeps the list ascending */
+            for (i = n; i > 0 && out[i - 1] > b; i--) out[i] = out[i - 1];
+            out[i] = b;
+        }
+        n++;
+    }
+    return n;
+}
+
+/* ----- batches ----- */
+
+typedef struct pqc__batch_job {
+    pqc_cache *const *caches;
+    int layer;
+    const float *const *q;
+    pqc_selection *const *sel;
+    const pqc_selection *const *csel;
+    const pqc_kv_out *const *out;
+    pqc_result *res;
+} pqc__batch_job;
+
+static void pqc__batch_select_one(void *ctx, size_t i)
+{
+    pqc__batch_job *b = (pqc__batch_job *)ctx;
+    b->res[i] = pqc__select_impl(b->caches[i], b->layer, b->q[i], b->sel[i], 0);
+}
+static void pqc__batch_fetch_one(void *ctx, size_t i)
+{
+    pqc__batch_job *b = (pqc__batch_job *)ctx;
+    b->res[i] = pqc__fetch_impl(b->caches[i], b->layer, b->csel[i], b->out[i], 0);
+}
+
+static pqc_result pqc__batch(pqc_cache *const *caches, int n, pqc__batch_job *b, void (*fn)(void *, size_t))
+{
+    pqc_result r = PQC_SUCCESS;
+    int i;
+    pqc_runtime *rt;
+    if (!caches || n <= 0) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "batch: no caches");
+    for (i = 0; i < n; i++)
+        if (!caches[i]) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "batch: cache %d is null", i);
+    rt = caches[0]->rt;
+    for (i = 1; i < n; i++)
+        if (caches[i]->rt != rt) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "batch: caches use different runtimes");
+    b->res = (pqc_result *)pqc__alloc(&caches[0]->alloc, sizeof(pqc_result) * (size_t)n);
+    if (!b->res) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "batch: allocation failed");
+    pqc__parallel_for(rt, (size_t)n, fn, b);
+    for (i = 0; i < n; i++)
+        if (b->res[i] != PQC_SUCCESS && r == PQC_SUCCESS) r = b->res[i];
+    pqc__free(&caches[0]->alloc, b->res);
+    return r;
+}
+
+PQCDEF pqc_result pqc_batch_select(pqc_cache *const *caches, int n, int layer, const float *const *q,
+                                   pqc_selection *const *sel)
+{
+    pqc__batch_job b;
+    memset(&b, 0, sizeof b);
+    if (!q || !sel) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_batch_select: null arrays");
+    b.caches = caches;
+    b.layer = layer;
+    b.q = q;
+    b.sel = sel;
+    return pqc__batch(caches, n, &b, pqc__batch_select_one);
+}
+
+PQCDEF pqc_result pqc_batch_fetch(pqc_cache *const *caches, int n, int layer, const pqc_selection *const *sel,
+                                  const pqc_kv_out *const *out)
+{
+    pqc__batch_job b;
+    memset(&b, 0, sizeof b);
+    if (!sel || !out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_batch_fetch: null arrays");
+    b.caches = caches;
+    b.layer = layer;
+    b.csel = sel;
+    b.out = out;
+    return pqc__batch(caches, n, &b, pqc__batch_fetch_one);
+}
+
+/* ----- driver ----- */
+
+PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n)
+{
+    size_t qn, kn, bytes;
+    float *q, *k, *v;
+    const void **kp;
+    size_t *cnt;
+    pqc_result r = PQC_SUCCESS;
+    int l, h;
+    if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_prefill: null");
+    if (n == 0) return pqc__cfail(c, PQC_ERROR_EMPTY, "pqc_driver_prefill: no tokens");
+    if (pos0 != c->layers[0].n_tokens)
+        return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_driver_prefill: position %zu, cache holds %zu tokens", pos0,
+                          c->layers[0].n_tokens);
+    if (pos0 + n > c->d.max_tokens)
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_driver_prefill: %zu tokens exceed max_tokens", pos0 + n);
+    qn = (size_t)c->d.n_q_heads * c->d.head_dim;
+    kn = (size_t)c->d.n_kv_heads * c->d.head_dim;
+    if (!pqc__mul(n, (qn + 2 * kn) * sizeof(float), &bytes))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_driver_prefill: too many tokens");
+    q = (float *)pqc__alloc(&c->alloc, bytes);
+    kp = (const void **)pqc__alloc(&c->alloc, (sizeof(void *) * 2 + sizeof(size_t)) * (size_t)c->d.n_kv_heads);
+    if (!q || !kp) {
+        pqc__free(&c->alloc, q);
+        pqc__free(&c->alloc, kp);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_prefill: %zu bytes of Q/K/V", bytes);
+    }
+    k = q + n * qn;
+    v = k + n * kn;
+    cnt = (size_t *)(kp + 2 * c->d.n_kv_heads);
+    for (l = 0; l < c->d.n_layers && r == PQC_SUCCESS; l++) {
+        pqc_matrix km, vm;
+        pqc_kv_view view;
+        double t0 = pqc__now(), t1;
+        if (e->qkv(e->user, l, pos0, n, q, k, v) != 0) {
+            r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_prefill: qkv callback failed at layer %d", l);
+            break;
+        }
+        km.data = k;
+        km.dtype = PQC_F32;
+        km.rows = n;
+        km.cols = kn;
+        km.row_stride = 0;
+        vm = km;
+        vm.data = v;
+        /* offload + background PQ build of this layer, overlapped with the next layers */
+        if ((r = pqc_cache_prefill(c, l, &km, &vm)) != PQC_SUCCESS) break;
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            kp[h] = c->layers[l].heads[h].k;
+            kp[c->d.n_kv_heads + h] = c->layers[l].heads[h].v;
+            cnt[h] = c->layers[l].n_tokens;
+        }
+        view.n_kv_heads = c->d.n_kv_heads;
+        view.head_dim = c->d.head_dim;
+        view.dtype = c->d.kv_dtype;
+        view.k = kp;
+        view.v = kp + c->d.n_kv_heads;
+        view.count = cnt;
+        view.pos = NULL;
+        if (e->attend(e->user, l, pos0, n, q, &view) != 0) {
+            r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_prefill: attend callback failed at layer %d", l);
+            break;
+        }
+        t1 = pqc__now();
+        if (c->d.scheduler && pos0 == 0) pqc_scheduler_add_compute(c->d.scheduler, (double)n, t1 - t0);
+    }
+    pqc__free(&c->alloc, q);
+    pqc__free(&c->alloc, kp);
+    return r;
+}
+
+PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos)
+{
+    size_t qn, kn, cap;
+    float *q, *k, *v, *ko, *vo;
+    const void **kp;
+    const uint32_t **pp;
+    pqc_selection sel;
+    pqc_kv_out out;
+    pqc_result r = PQC_SUCCESS;
+    int l, h;
+    if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_decode: null");
+    if (pos != c->layers[0].n_tokens || pos == 0)
+        return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_driver_decode: position %zu, cache holds %zu tokens", pos,
+                          c->layers[0].n_tokens);
+    qn = (size_t)c->d.n_q_heads * c->d.head_dim;
+    kn = (size_t)c->d.n_kv_heads * c->d.head_dim;
+    cap = pos + 1;
+    if ((r = pqc_selection_init(c, &sel)) != PQC_SUCCESS) return r;
+    q = (float *)pqc__alloc(&c->alloc, (qn + 2 * kn + 2 * cap * kn) * sizeof(float));
+    kp = (const void **)pqc__alloc(&c->alloc, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads);
+    if (!q || !kp) {
+        pqc__free(&c->alloc, q);
+        pqc__free(&c->alloc, kp);
+        pqc_selection_free(&sel);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
+    }
+    k = q + qn;
+    v = k + kn;
+    ko = v + kn;
+    vo = ko + cap * kn;
+    pp = (const uint32_t **)(kp + 2 * c->d.n_kv_heads);
+    out.k = ko;
+    out.v = vo;
+    out.head_stride = cap;
+    for (l = 0; l < c->d.n_layers; l++) {
+        pqc_kv_view view;
+        if (e->qkv(e->user, l, pos, 1, q, k, v) != 0) {
+            r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_decode: qkv callback failed at layer %d", l);
+            break;
+        }
+        if ((r = pqc_cache_append(c, l, k, v)) != PQC_SUCCESS) break;
+        if ((r = pqc_cache_select(c, l, q, &sel)) != PQC_SUCCESS) break;
+        if ((r = pqc_cache_fetch(c, l, &sel, &out)) != PQC_SUCCESS) break;
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            kp[h] = ko + (size_t)h * cap * c->d.head_dim;
+            kp[c->d.n_kv_heads + h] = vo + (size_t)h * cap * c->d.head_dim;
+            pp[h] = sel.idx + (size_t)h * sel.capacity;
+        }
+        view.n_kv_heads = c->d.n_kv_heads;
+        view.head_dim = c->d.head_dim;
+        view.dtype = PQC_F32;
+        view.k = kp;
+        view.v = kp + c->d.n_kv_heads;
+        view.count = sel.count;
+        view.pos = pp;
+        if (e->attend(e->user, l, pos, 1, q, &view) != 0) {
+            r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_decode: attend callback failed at layer %d", l);
+            break;
+        }
+    }
+    pqc__free(&c->alloc, q);
+    pqc__free(&c->alloc, kp);
+    pqc_selection_free(&sel);
+    return r;
 }
 
 /* backend hooks (the CUDA section fills these in when compiled) */

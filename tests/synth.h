@@ -17,6 +17,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__GNUC__) || defined(__clang__)
+#define SYNTH_FN static __attribute__((unused))
+#else
+#define SYNTH_FN static
+#endif
+
 typedef struct synth {
     size_t s;
     int d, g, n_needles, clusters;
@@ -26,21 +32,21 @@ typedef struct synth {
     uint32_t *needles; /* ascending token indices */
 } synth;
 
-static uint64_t synth__next(uint64_t *st)
+SYNTH_FN uint64_t synth__next(uint64_t *st)
 {
     uint64_t z = (*st += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
-static double synth__unit(uint64_t *st) { return ((double)(synth__next(st) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
-static float synth__normal(uint64_t *st)
+SYNTH_FN double synth__unit(uint64_t *st) { return ((double)(synth__next(st) >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+SYNTH_FN float synth__normal(uint64_t *st)
 {
     double u = synth__unit(st), v = synth__unit(st);
     return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
 }
 
-static void synth_free(synth *sy)
+SYNTH_FN void synth_free(synth *sy)
 {
     free(sy->keys);
     free(sy->queries);
@@ -50,7 +56,7 @@ static void synth_free(synth *sy)
 }
 
 /* Fills keys, queries and needles for sy->{s, d, g, n_needles, seed}; returns 0 on success. */
-static int synth_make(synth *sy)
+SYNTH_FN int synth_make(synth *sy)
 {
     uint64_t st = sy->seed * 0x2545F4914F6CDD1Dull + 1;
     int nc = sy->clusters > 0 ? sy->clusters : 32, d = sy->d, i, h, c;

@@ -1,0 +1,811 @@
+/* Sequence-cache tests: token store, selection, block cache, builds, scheduler, driver. */
+#define PQCACHE_IMPLEMENTATION
+#include "../pqcache.h"
+#include "greatest.h"
+#include "synth.h"
+
+#include <pthread.h>
+#include <stdio.h>
+
+static uint64_t g_rng = 12345;
+static float frand(void) { return synth__normal(&g_rng); }
+
+static pqc_runtime *make_rt(int threads)
+{
+    pqc_runtime_desc d;
+    pqc_runtime *rt = NULL;
+    memset(&d, 0, sizeof d);
+    d.n_threads = threads;
+    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) return NULL;
+    return rt;
+}
+
+static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
+{
+    pqc_cache_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = layers;
+    cd.n_kv_heads = hkv;
+    cd.n_q_heads = hq;
+    cd.head_dim = d;
+    cd.max_tokens = 1 << 16;
+    cd.pq.m = 2;
+    cd.pq.bits = 6;
+    cd.pq.iters = 4;
+    cd.pq.seed = 1;
+    return cd;
+}
+
+static pqc_matrix mat(const float *x, size_t rows, size_t cols)
+{
+    pqc_matrix m;
+    memset(&m, 0, sizeof m);
+    m.data = x;
+    m.dtype = PQC_F32;
+    m.rows = rows;
+    m.cols = cols;
+    return m;
+}
+
+static float *rand_rows(size_t n, size_t cols)
+{
+    float *x = (float *)malloc(n * cols * sizeof(float));
+    size_t i;
+    for (i = 0; i < n * cols; i++) x[i] = frand();
+    return x;
+}
+
+/* prefill every layer with the same random K/V */
+static pqc_result prefill_all(pqc_cache *c, int layers, const float *k, const float *v, size_t n, size_t cols)
+{
+    int l;
+    pqc_matrix km = mat(k, n, cols), vm = mat(v, n, cols);
+    pqc_result r;
+    for (l = 0; l < layers; l++)
+        if ((r = pqc_cache_prefill(c, l, &km, &vm)) != PQC_SUCCESS) return r;
+    return PQC_SUCCESS;
+}
+
+static int contains(const uint32_t *a, size_t n, uint32_t x)
+{
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (a[i] == x) return 1;
+    return 0;
+}
+
+static int ascending_unique(const uint32_t *a, size_t n)
+{
+    size_t i;
+    for (i = 1; i < n; i++)
+        if (a[i] <= a[i - 1]) return 0;
+    return 1;
+}
+
+TEST sinks_and_window_always_selected(void)
+{
+    pqc_runtime *rt = make_rt(1);
+    pqc_cache_desc cd = base_desc(2, 2, 4, 16);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *k = rand_rows(500, 32), *v = rand_rows(500, 32), q[64];
+    int l, h, it, i;
+    cd.n_sink = 4;
+    cd.window = 8;
+    cd.budget_tokens = 20;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 2, k, v, 500, 32));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    for (it = 0; it < 5; it++) {
+        for (i = 0; i < 64; i++) q[i] = frand();
+        for (l = 0; l < 2; l++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q, &sel));
+            for (h = 0; h < 2; h++) {
+                const uint32_t *ix = sel.idx + h * sel.capacity;
+                uint32_t t;
+                ASSERT_EQ((size_t)(4 + 12 + 8), sel.count[h]);
+                ASSERT(ascending_unique(ix, sel.count[h]));
+                for (t = 0; t < 4; t++) ASSERT(contains(ix, sel.count[h], t));
+                for (t = 492 + (uint32_t)it; t < 500 + (uint32_t)it; t++) ASSERT(contains(ix, sel.count[h], t));
+            }
+        }
+        /* a decode step moves the window along */
+        for (l = 0; l < 2; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, l, k, v));
+    }
+    ASSERT_EQ((size_t)505, pqc_cache_tokens(c, 1));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
+TEST needle_found_after_thousands_of_appends(void)
+{
+    pqc_runtime *rt = make_rt(1);
+    pqc_cache_desc cd = base_desc(1, 1, 2, 32);
+    pqc_cache *c;
+    pqc_selection sel;
+    size_t n = 3000, t;
+    float *k = rand_rows(n, 32), *v = rand_rows(n, 32), dir[32], q[64], nk[32], nv[32];
+    int e;
+    double nrm = 0;
+    for (e = 0; e < 32; e++) {
+        dir[e] = frand();
+        nrm += dir[e] * dir[e];
+    }
+    for (e = 0; e < 32; e++) dir[e] = (float)(dir[e] / sqrt(nrm));
+    for (e = 0; e < 32; e++) k[1500 * 32 + e] = 12.0f * dir[e]; /* the needle */
+    cd.budget_ratio = 0.05;
+    cd.rebuild_share = 0.9;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 32));
+    for (t = 0; t < 3000; t++) {
+        for (e = 0; e < 32; e++) {
+            nk[e] = frand();
+            nv[e] = frand();
+        }
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, nk, nv));
+    }
+    for (e = 0; e < 32; e++) q[e] = q[32 + e] = 2.0f * dir[e];
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    ASSERT(contains(sel.idx, sel.count[0], 1500));
+    /* the budget was respected: 5% of the tokens beyond the sinks, plus the sinks */
+    ASSERT_LTE(sel.count[0], (size_t)(32 + ceil(0.05 * (6000 - 32))));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
+TEST full_budget_selects_everything_exactly(void)
+{
+    int dt;
+    for (dt = 0; dt < 2; dt++) {
+        pqc_runtime *rt = make_rt(2);
+        pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+        pqc_cache *c;
+        pqc_selection sel;
+        pqc_kv_out out;
+        size_t n = 700, t;
+        float *k = rand_rows(n, 32), *v = rand_rows(n, 32), q[32];
+        int h, e;
+        const void *sk, *sv;
+        cd.budget_ratio = 1.0;
+        cd.kv_dtype = dt ? PQC_F16 : PQC_F32;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 32));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k, v));
+        for (e = 0; e < 32; e++) q[e] = frand();
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        out.head_stride = n + 1;
+        out.k = (float *)malloc(2 * (n + 1) * 16 * sizeof(float));
+        out.v = (float *)malloc(2 * (n + 1) * 16 * sizeof(float));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &out));
+        for (h = 0; h < 2; h++) {
+            ASSERT_EQ(n + 1, sel.count[h]);
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv(c, 0, h, &sk, &sv, NULL, NULL));
+            for (t = 0; t <= n; t++) {
+                const float *src = t < n ? k + t * 32 + h * 16 : k + h * 16;
+                ASSERT_EQ((uint32_t)t, sel.idx[h * sel.capacity + t]);
+                for (e = 0; e < 16; e++) {
+                    float want = dt ? pqc_f16_to_f32(pqc_f32_to_f16(src[e])) : src[e];
+                    ASSERT_EQ(want, out.k[(h * (n + 1) + t) * 16 + e]);
+                }
+            }
+        }
+        free(out.k);
+        free(out.v);
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+        pqc_runtime_destroy(rt);
+        free(k);
+        free(v);
+    }
+    PASS();
+}
+
+/* ----- block cache against a reference model ----- */
+
+typedef struct ref_cache {
+    int slots, admit, lru;
+    int block[8];
+    uint64_t freq[8], stamp[8];
+} ref_cache;
+
+static void ref_step(ref_cache *rc, const uint32_t *idx, size_t n, size_t bt, size_t mid_lo, size_t mid_hi, uint64_t step)
+{
+    int cnt[64] = {0}, a, s, b, nb = (int)((mid_hi + bt - 1) / bt);
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (idx[i] >= mid_lo && idx[i] < mid_hi) cnt[idx[i] / bt]++;
+    for (a = 0; a < rc->admit; a++) {
+        int best = -1, cached = -1, victim = -1;
+        for (b = 0; b < nb; b++)
+            if (cnt[b] > 0 && (best < 0 || cnt[b] > cnt[best])) best = b;
+        if (best < 0) break;
+        cnt[best] = 0;
+        for (s = 0; s < rc->slots; s++)
+            if (rc->block[s] == best) cached = s;
+        if (cached >= 0) continue;
+        for (s = 0; s < rc->slots && victim < 0; s++)
+            if (rc->block[s] < 0) victim = s;
+        if (victim < 0)
+            for (s = 0; s < rc->slots; s++) {
+                if (rc->stamp[s] == step) continue;
+                if (victim < 0) victim = s;
+                else if (rc->lru ? rc->stamp[s] < rc->stamp[victim]
+                                 : (rc->freq[s] < rc->freq[victim] ||
+                                    (rc->freq[s] == rc->freq[victim] && rc->stamp[s] < rc->stamp[victim])))
+                    victim = s;
+            }
+        if (victim < 0) break;
+        rc->block[victim] = best;
+        rc->freq[victim] = 0;
+        rc->stamp[victim] = step;
+    }
+    for (s = 0; s < rc->slots; s++) { /* hits: once per step per block */
+        int used = 0;
+        for (i = 0; i < n; i++)
+            if (idx[i] >= mid_lo && idx[i] < mid_hi && (int)(idx[i] / bt) == rc->block[s]) used = 1;
+        if (used && rc->block[s] >= 0) {
+            if (rc->stamp[s] != step) rc->freq[s]++;
+            else if (rc->freq[s] == 0) rc->freq[s] = 1;
+            rc->stamp[s] = step;
+        }
+    }
+}
+
+TEST eviction_orders_match_reference(void)
+{
+    int pol;
+    for (pol = 0; pol < 2; pol++) {
+        pqc_runtime *rt = make_rt(-1);
+        pqc_cache_desc cd = base_desc(1, 1, 1, 8);
+        pqc_cache *c;
+        pqc_selection sel;
+        pqc_kv_out out;
+        ref_cache rc;
+        size_t n = 64, bt = 4, mid_hi;
+        float *k = rand_rows(n, 8), *v = rand_rows(n, 8);
+        int step, s;
+        uint64_t st = 99;
+        cd.n_sink = -1;
+        cd.window = 1;
+        cd.block_tokens = (int)bt;
+        cd.cache_blocks = 3;
+        cd.admit_blocks = 2;
+        cd.policy = (pqc_policy)pol;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 8));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        out.head_stride = n;
+        out.k = (float *)malloc(n * 8 * sizeof(float));
+        out.v = (float *)malloc(n * 8 * sizeof(float));
+        memset(&rc, 0, sizeof rc);
+        rc.slots = 3;
+        rc.admit = 2;
+        rc.lru = pol;
+        for (s = 0; s < 3; s++) rc.block[s] = -1;
+        mid_hi = n - 1;
+        for (step = 0; step < 60; step++) {
+            /* a trace where blocks 2 and 9 stay hot and others come and go */
+            size_t cnt = 0, t;
+            int32_t got[8], want[8];
+            int ng, nw = 0, i, j;
+            for (t = 0; t < mid_hi; t++) {
+                int b = (int)(t / bt), hot = b == 2 || b == 9;
+                uint64_t r = synth__next(&st) % 100;
+                if ((hot && r < 60) || (!hot && r < (uint64_t)(b == step % 16 ? 70 : 4))) sel.idx[cnt++] = (uint32_t)t;
+            }
+            sel.idx[cnt++] = (uint32_t)(n - 1);
+            sel.count[0] = cnt;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &out));
+            ref_step(&rc, sel.idx, cnt, bt, 0, mid_hi, (uint64_t)step + 1);
+            ng = pqc_cache_cached_blocks(c, 0, 0, got, 8);
+            for (s = 0; s < 3; s++)
+                if (rc.block[s] >= 0) want[nw++] = rc.block[s];
+            for (i = 1; i < nw; i++)
+                for (j = i; j > 0 && want[j - 1] > want[j]; j--) {
+                    int32_t tmp = want[j];
+                    want[j] = want[j - 1];
+                    want[j - 1] = tmp;
+                }
+            ASSERT_EQ(nw, ng);
+            ASSERT_MEM_EQ(want, got, (size_t)nw * sizeof(int32_t));
+            /* gathered rows are the stored rows, hit or miss */
+            for (t = 0; t < cnt; t++) ASSERT_MEM_EQ(k + sel.idx[t] * 8, out.k + t * 8, 8 * sizeof(float));
+        }
+        {
+            pqc_layer_stats stt;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &stt));
+            ASSERT_GT(stt.hits, (uint64_t)0);
+            ASSERT_GT(stt.misses, (uint64_t)0);
+            ASSERT_EQ((uint64_t)60, stt.fetches);
+        }
+        free(out.k);
+        free(out.v);
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+        pqc_runtime_destroy(rt);
+        free(k);
+        free(v);
+    }
+    PASS();
+}
+
+/* ----- scheduler ----- */
+
+TEST scheduler_recovers_coefficients_and_clips(void)
+{
+    pqc_scheduler *s;
+    pqc_scheduler_desc sd;
+    pqc_scheduler_fit f;
+    const double a1 = 0.002, b1 = 3e-9, a2 = 0.001, b2 = 2e-7, g2 = 4e-12;
+    double tok;
+    int T, it;
+    memset(&sd, 0, sizeof sd);
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(&sd, &s));
+    ASSERT_EQ(10, pqc_scheduler_iters(s, 10000, 1)); /* no fit yet: the default */
+    for (tok = 1000; tok <= 64000; tok *= 2)
+        for (T = 2; T <= 12; T += 5) ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_add_kmeans(s, tok, T, a1 + b1 * tok * T));
+    for (tok = 1000; tok <= 128000; tok *= 2) ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_add_compute(s, tok, a2 + b2 * tok + g2 * tok * tok));
+    f = pqc_scheduler_get_fit(s);
+    ASSERT_IN_RANGE(a1, f.a1, 1e-9);
+    ASSERT_IN_RANGE(b1, f.b1, b1 * 1e-6);
+    ASSERT_IN_RANGE(a2, f.a2, 1e-9);
+    ASSERT_IN_RANGE(b2, f.b2, b2 * 1e-6);
+    ASSERT_IN_RANGE(g2, f.g2, g2 * 1e-6);
+    for (tok = 4000; tok <= 128000; tok *= 2) {
+        double want = (g2 * tok * tok + b2 * tok + a2 - a1) / (b1 * tok);
+        it = pqc_scheduler_iters(s, tok, 1);
+        if (want < 3) ASSERT_EQ(3, it);
+        else if (want > 300) ASSERT_EQ(300, it);
+        else ASSERT_EQ((int)want, it);
+    }
+    ASSERT_EQ(3, pqc_scheduler_iters(s, 10, 1));        /* tiny prompt: clipped low */
+    ASSERT_EQ(300, pqc_scheduler_iters(s, 5e7, 1));     /* huge prompt: clipped high */
+    ASSERT_LT(pqc_scheduler_iters(s, 64000, 8), pqc_scheduler_iters(s, 64000, 1)); /* 8 heads share 1 worker */
+    /* save, load into a fresh scheduler, same answers */
+    {
+        pqc_scheduler *s2;
+        const char *path = "build/test_sched.txt";
+        FILE *fp;
+        char buf[1024];
+        size_t n;
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, path));
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(&sd, &s2));
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_load(s2, path));
+        ASSERT_EQ(pqc_scheduler_iters(s, 32000, 1), pqc_scheduler_iters(s2, 32000, 1));
+        fp = fopen(path, "r");
+        n = fread(buf, 1, sizeof buf, fp);
+        fclose(fp);
+        /* corrupted: one digit changed */
+        {
+            char *p = strstr(buf, "kmeans ") + 7;
+            *p = *p == '1' ? '2' : '1';
+            fp = fopen(path, "w");
+            fwrite(buf, 1, n, fp);
+            fclose(fp);
+            pqc_scheduler_destroy(s2);
+            ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(&sd, &s2));
+            ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_scheduler_load(s2, path));
+            ASSERT_EQ(10, pqc_scheduler_iters(s2, 32000, 1)); /* defaults kept */
+            *p = *p == '1' ? '2' : '1';
+        }
+        /* truncated */
+        fp = fopen(path, "w");
+        fwrite(buf, 1, n / 2, fp);
+        fclose(fp);
+        ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_scheduler_load(s2, path));
+        /* foreign */
+        fp = fopen(path, "w");
+        fputs("P6\n3 3\n255\n", fp);
+        fclose(fp);
+        ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_scheduler_load(s2, path));
+        ASSERT_EQ(PQC_ERROR_IO, pqc_scheduler_load(s2, "build/does/not/exist"));
+        ASSERT_EQ(10, pqc_scheduler_iters(s2, 32000, 1));
+        remove(path);
+        pqc_scheduler_destroy(s2);
+    }
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_add_kmeans(s, -1, 3, 0.1));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_add_compute(s, 100, NAN));
+    pqc_scheduler_destroy(s);
+    PASS();
+}
+
+/* ----- asynchronous builds ----- */
+
+TEST async_builds_and_destroy_during_build(void)
+{
+    pqc_runtime *rt = make_rt(2);
+    pqc_cache_desc cd = base_desc(4, 2, 4, 64);
+    pqc_cache *c;
+    size_t n = 6000;
+    float *k = rand_rows(n, 128), *v = rand_rows(n, 128), q[256];
+    pqc_selection sel;
+    pqc_layer_stats st;
+    int l, i;
+    cd.pq.bits = 8;
+    cd.pq.iters = 6;
+    /* destroy while the four layers' builds are queued or running */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 4, k, v, n, 128));
+    pqc_cache_destroy(c);
+    /* and the normal path: the first select of each layer waits for that layer's build */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 4, k, v, n, 128));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    for (i = 0; i < 256; i++) q[i] = frand();
+    for (l = 0; l < 4; l++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, l, &st));
+        ASSERT_EQ((uint64_t)1, st.builds);
+        ASSERT_EQ(6, st.last_iters);
+        ASSERT_GT(st.build_s, 0.0);
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
+/* engine pool that defers jobs until the test runs them */
+typedef struct deferred {
+    void (*fn[64])(void *);
+    void *arg[64];
+    int n;
+} deferred;
+static int defer_submit(void *user, void (*fn)(void *), void *arg)
+{
+    deferred *d = (deferred *)user;
+    if (d->n >= 64) return 1;
+    d->fn[d->n] = fn;
+    d->arg[d->n++] = arg;
+    return 0;
+}
+static int g_fail_big;
+static void *big_fail_alloc(size_t n, void *u)
+{
+    (void)u;
+    if (g_fail_big && n > 20000) return NULL;
+    return malloc(n);
+}
+static void plain_free(void *p, void *u)
+{
+    (void)u;
+    free(p);
+}
+
+TEST job_error_surfaces_at_next_call(void)
+{
+    pqc_runtime_desc rd;
+    pqc_runtime *rt;
+    pqc_cache_desc cd = base_desc(1, 2, 2, 32);
+    pqc_cache *c;
+    deferred df;
+    pqc_selection sel;
+    size_t n = 3000;
+    float *k = rand_rows(n, 64), *v = rand_rows(n, 64), q[64];
+    int i;
+    memset(&df, 0, sizeof df);
+    memset(&rd, 0, sizeof rd);
+    rd.submit = defer_submit;
+    rd.submit_user = &df;
+    rd.allocator.alloc = big_fail_alloc;
+    rd.allocator.free = plain_free;
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
+    cd.pq.bits = 8;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 64));
+    ASSERT_EQ(2, df.n); /* one build job per KV head, not run yet */
+    g_fail_big = 1;
+    for (i = 0; i < df.n; i++) df.fn[i](df.arg[i]);
+    g_fail_big = 0;
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    for (i = 0; i < 64; i++) q[i] = frand();
+    ASSERT_EQ(PQC_ERROR_JOB_FAILED, pqc_cache_select(c, 0, q, &sel));
+    ASSERT(strstr(pqc_last_error(), "PQ build failed") != NULL);
+    /* nothing lost: the next call works and attends every token it could not code */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    ASSERT_EQ(n, sel.count[0]);
+    ASSERT_EQ(n, pqc_cache_tokens(c, 0));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
+TEST multi_turn_codes_then_rebuilds(void)
+{
+    pqc_runtime *rt = make_rt(1);
+    pqc_cache_desc cd = base_desc(1, 1, 1, 32);
+    pqc_cache *c;
+    pqc_selection sel;
+    pqc_layer_stats st;
+    float *k = rand_rows(4000, 32), *v = rand_rows(4000, 32), q[32];
+    pqc_matrix km, vm;
+    int e;
+    cd.rebuild_share = 0.3;
+    cd.budget_ratio = 0.05;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    km = mat(k, 2000, 32);
+    vm = mat(v, 2000, 32);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &vm));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ((uint64_t)1, st.builds);
+    ASSERT_EQ((uint64_t)0, st.rebuilds);
+    /* the next turn: a needle in the new chunk; coded with the old codebook, then rebuilt */
+    for (e = 0; e < 32; e++) k[3000 * 32 + e] = (e % 2 ? 9.0f : -9.0f);
+    km = mat(k + 2000 * 32, 2000, 32);
+    vm = mat(v + 2000 * 32, 2000, 32);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &vm));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ((uint64_t)1, st.rebuilds);
+    for (e = 0; e < 32; e++) q[e] = (e % 2 ? 1.0f : -1.0f);
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    ASSERT(contains(sel.idx, sel.count[0], 3000));
+    ASSERT_EQ((size_t)4000, pqc_cache_tokens(c, 0));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
+TEST batch_matches_individual(void)
+{
+    pqc_runtime *rt = make_rt(2);
+    pqc_cache_desc cd = base_desc(1, 2, 4, 16);
+    pqc_cache *c[3];
+    pqc_selection s1[3], s2[3], *sp[3];
+    pqc_kv_out o1[3], o2[3];
+    const pqc_kv_out *op[3];
+    const pqc_selection *cs[3];
+    float *q[3];
+    const float *cq[3];
+    int i, h;
+    cd.budget_ratio = 0.2;
+    for (i = 0; i < 3; i++) {
+        size_t n = 1500 + 300 * (size_t)i;
+        float *k = rand_rows(n, 32), *v = rand_rows(n, 32);
+        int e;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c[i]));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(c[i], 1, k, v, n, 32));
+        free(k);
+        free(v);
+        q[i] = (float *)malloc(64 * sizeof(float));
+        for (e = 0; e < 64; e++) q[i][e] = frand();
+        cq[i] = q[i];
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &s1[i]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &s2[i]));
+        sp[i] = &s2[i];
+        cs[i] = &s2[i];
+        o1[i].head_stride = o2[i].head_stride = n;
+        o1[i].k = (float *)malloc(2 * n * 16 * sizeof(float));
+        o1[i].v = (float *)malloc(2 * n * 16 * sizeof(float));
+        o2[i].k = (float *)malloc(2 * n * 16 * sizeof(float));
+        o2[i].v = (float *)malloc(2 * n * 16 * sizeof(float));
+        op[i] = &o2[i];
+    }
+    for (i = 0; i < 3; i++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c[i], 0, q[i], &s1[i]));
+    ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(c, 3, 0, cq, sp));
+    for (i = 0; i < 3; i++)
+        for (h = 0; h < 2; h++) {
+            ASSERT_EQ(s1[i].count[h], s2[i].count[h]);
+            ASSERT_MEM_EQ(s1[i].idx + h * s1[i].capacity, s2[i].idx + h * s2[i].capacity, s1[i].count[h] * 4);
+        }
+    for (i = 0; i < 3; i++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c[i], 0, &s1[i], &o1[i]));
+    /* the block cache state changed after the first fetch; compare gathered rows only */
+    ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(c, 3, 0, cs, op));
+    for (i = 0; i < 3; i++)
+        for (h = 0; h < 2; h++)
+            ASSERT_MEM_EQ(o1[i].k + h * o1[i].head_stride * 16, o2[i].k + h * o2[i].head_stride * 16,
+                          s1[i].count[h] * 16 * sizeof(float));
+    for (i = 0; i < 3; i++) {
+        pqc_selection_free(&s1[i]);
+        pqc_selection_free(&s2[i]);
+        free(o1[i].k);
+        free(o1[i].v);
+        free(o2[i].k);
+        free(o2[i].v);
+        free(q[i]);
+        pqc_cache_destroy(c[i]);
+    }
+    pqc_runtime_destroy(rt);
+    PASS();
+}
+
+/* ----- bad input ----- */
+
+TEST bad_inputs_leave_cache_intact(void)
+{
+    pqc_runtime *rt = make_rt(1);
+    pqc_cache_desc cd = base_desc(2, 2, 4, 16);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *k = rand_rows(300, 32), *v = rand_rows(300, 32), q[64], row[32];
+    pqc_matrix km = mat(k, 300, 32), vm = mat(v, 300, 32);
+    int i;
+    cd.max_tokens = 400;
+    for (i = 0; i < 64; i++) q[i] = frand();
+    {
+        pqc_cache_desc bad = cd;
+        bad.pq.m = 3;
+        ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_create(rt, &bad, &c));
+        bad = cd;
+        bad.pq.bits = 12;
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(rt, &bad, &c));
+        bad = cd;
+        bad.n_q_heads = 5;
+        ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_create(rt, &bad, &c));
+        ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_create(rt, NULL, &c));
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_append(c, 0, k, v)); /* append before prefill */
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_select(c, 0, q, &sel));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_prefill(c, 2, &km, &vm));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_prefill(c, -1, &km, &vm));
+    km.cols = 16;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_prefill(c, 0, &km, &vm));
+    km.cols = 32;
+    vm.rows = 299;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_prefill(c, 0, &km, &vm));
+    vm.rows = 300;
+    k[77] = NAN;
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_cache_prefill(c, 0, &km, &vm));
+    k[77] = 0.5f;
+    ASSERT_EQ((size_t)0, pqc_cache_tokens(c, 0)); /* nothing stored by the failures */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &vm));
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_prefill(c, 0, &km, &vm)); /* 600 > 400 */
+    ASSERT_EQ((size_t)300, pqc_cache_tokens(c, 0));
+    q[5] = NAN;
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_cache_select(c, 0, q, &sel));
+    q[5] = 1.0f;
+    memcpy(row, k, sizeof row);
+    row[3] = INFINITY;
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_cache_append(c, 0, row, v));
+    ASSERT_EQ((size_t)300, pqc_cache_tokens(c, 0));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_append(c, 0, NULL, v));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    {
+        pqc_kv_out out;
+        out.head_stride = 10; /* too small for the selection */
+        out.k = (float *)malloc(2 * 400 * 16 * sizeof(float));
+        out.v = (float *)malloc(2 * 400 * 16 * sizeof(float));
+        ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_fetch(c, 0, &sel, &out));
+        out.head_stride = 400;
+        sel.idx[1] = sel.idx[0]; /* unsorted / duplicate */
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_fetch(c, 0, &sel, &out));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &out));
+        free(out.k);
+        free(out.v);
+    }
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
+/* ----- driver ----- */
+
+typedef struct toy {
+    int layers, d, fail_at;
+    size_t last_count;
+    int checked;
+    double acc;
+} toy;
+
+static float toy_val(int layer, size_t pos, int i, int which)
+{
+    uint64_t s = (uint64_t)layer * 1000003u + pos * 7919u + (uint64_t)i * 31u + (uint64_t)which;
+    return (float)((double)(synth__next(&s) % 2001) / 1000.0 - 1.0);
+}
+
+static int toy_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
+{
+    toy *t = (toy *)u;
+    size_t i;
+    int e;
+    for (i = 0; i < n; i++)
+        for (e = 0; e < t->d; e++) {
+            q[i * 2 * t->d + e] = toy_val(layer, pos0 + i, e, 0);
+            q[i * 2 * t->d + t->d + e] = toy_val(layer, pos0 + i, e, 1);
+            k[i * t->d + e] = toy_val(layer, pos0 + i, e, 2);
+            v[i * t->d + e] = toy_val(layer, pos0 + i, e, 3);
+        }
+    return 0;
+}
+
+static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv)
+{
+    toy *t = (toy *)u;
+    const float *kk = (const float *)kv->k[0];
+    size_t i;
+    (void)q;
+    if (layer == t->fail_at) return 1;
+    t->last_count = kv->count[0];
+    /* every handed row equals what qkv produced for its position */
+    for (i = 0; i < kv->count[0]; i++) {
+        size_t p = kv->pos ? kv->pos[0][i] : i;
+        if (p >= pos0 + n) return 2;
+        if (kk[i * t->d] != toy_val(layer, p, 0, 2)) return 3;
+        t->checked++;
+    }
+    return 0;
+}
+
+TEST driver_runs_both_algorithms(void)
+{
+    pqc_runtime *rt = make_rt(1);
+    pqc_cache_desc cd = base_desc(2, 1, 2, 8);
+    pqc_cache *c;
+    pqc_engine e;
+    toy t;
+    size_t pos;
+    memset(&t, 0, sizeof t);
+    t.layers = 2;
+    t.d = 8;
+    t.fail_at = -1;
+    e.user = &t;
+    e.qkv = toy_qkv;
+    e.attend = toy_attend;
+    cd.budget_ratio = 1.0;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_driver_decode(c, &e, 0));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 400));
+    ASSERT_EQ((size_t)400, t.last_count);
+    for (pos = 400; pos < 420; pos++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos));
+        ASSERT_EQ(pos + 1, t.last_count); /* budget 1: every token */
+    }
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_driver_decode(c, &e, 999));
+    t.fail_at = 1;
+    ASSERT_EQ(PQC_ERROR_CALLBACK, pqc_driver_decode(c, &e, 420));
+    ASSERT_GT(t.checked, 5000);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    PASS();
+}
+
+SUITE(cache)
+{
+    RUN_TEST(sinks_and_window_always_selected);
+    RUN_TEST(needle_found_after_thousands_of_appends);
+    RUN_TEST(full_budget_selects_everything_exactly);
+    RUN_TEST(eviction_orders_match_reference);
+    RUN_TEST(scheduler_recovers_coefficients_and_clips);
+    RUN_TEST(async_builds_and_destroy_during_build);
+    RUN_TEST(job_error_surfaces_at_next_call);
+    RUN_TEST(multi_turn_codes_then_rebuilds);
+    RUN_TEST(batch_matches_individual);
+    RUN_TEST(bad_inputs_leave_cache_intact);
+    RUN_TEST(driver_runs_both_algorithms);
+}
+
+GREATEST_MAIN_DEFS();
+
+int main(int argc, char **argv)
+{
+    GREATEST_MAIN_BEGIN();
+    RUN_SUITE(cache);
+    GREATEST_MAIN_END();
+}
