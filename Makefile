@@ -84,4 +84,11 @@ bench-pq: $(BUILD)/bench_pq
 	  python3 bench/report.py $(BUILD)/ours_$${s}_$$t.txt $(BUILD)/faiss_$${s}_$$t.txt; \
 	done; done
 
-bench: bench-pq
+$(BUILD)/bench_cache: bench/bench_cache.c tests/synth.h $(HDR) | $(BUILD)
+	$(CC) $(STD) -O2 $(WARN) $< -o $@ $(LDLIBS)
+
+bench-cache: $(BUILD)/bench_cache
+	@echo "=== sequence cache: select+fetch, block cache traffic, build overlap ==="
+	$(BUILD)/bench_cache --sizes 4096,16384,65536,131072 --threads 2
+
+bench: bench-pq bench-cache

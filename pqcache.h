@@ -3243,6 +3243,7 @@ typedef struct pqc__head {
     uint64_t *freq, *stamp;
     unsigned char *dev;   /* device tier: [slots][block_tokens][2][d] storage dtype */
     uint32_t *count_tmp;  /* per block: selected tokens this step */
+    float *score;         /* per block: decayed count of selected tokens (admission filter) */
 } pqc__head;
 
 typedef struct pqc__build {
@@ -3410,7 +3411,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
                     pqc__free(&c->alloc, H->filled);
                     pqc__free(&c->alloc, H->freq);
                     pqc__free(&c->alloc, H->stamp);
-                    pqc__free(&c->alloc, H->count_tmp);
+                    pqc__free(&c->alloc, H->count_tmp); /* score lives in the same block */
                     if (H->dev) c->be.iface.free(c->be.ctx, H->dev);
                 }
             pqc__free(&c->alloc, L->heads);
@@ -3452,7 +3453,7 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
         nv[i] = (unsigned char *)pqc__alloc(&c->alloc, bytes);
         if (c->d.cache_blocks > 0) {
             ns[i] = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * nblk);
-            nc[i] = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * nblk);
+            nc[i] = (uint32_t *)pqc__alloc(&c->alloc, (sizeof(uint32_t) + sizeof(float)) * nblk);
         }
         if (!nk[i] || !nv[i] || (c->d.cache_blocks > 0 && (!ns[i] || !nc[i]))) break;
     }
@@ -3482,11 +3483,16 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
             if (c->d.cache_blocks > 0) {
                 ob = c->cap ? (c->cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens : 0;
                 for (i = 0; i < nblk; i++) ns[j][i] = i < ob ? hd->slot_of[i] : -1;
-                pqc__free(&c->alloc, hd->slot_of);
-                pqc__free(&c->alloc, hd->count_tmp);
-                hd->slot_of = ns[j];
-                hd->count_tmp = nc[j];
-                memset(hd->count_tmp, 0, sizeof(uint32_t) * nblk);
+                {
+                    float *nsc = (float *)(nc[j] + nblk);
+                    for (i = 0; i < nblk; i++) nsc[i] = i < ob ? hd->score[i] : 0.0f;
+                    pqc__free(&c->alloc, hd->slot_of);
+                    pqc__free(&c->alloc, hd->count_tmp);
+                    hd->slot_of = ns[j];
+                    hd->count_tmp = nc[j];
+                    hd->score = nsc;
+                    memset(hd->count_tmp, 0, sizeof(uint32_t) * nblk);
+                }
             }
         }
     pqc__free(&c->alloc, nk);
@@ -3913,26 +3919,31 @@ static void pqc__row_out(const pqc_cache *c, const unsigned char *src, float *ds
     pqc__row_to_f32(src, c->d.kv_dtype, (size_t)c->d.head_dim, dst);
 }
 
-/* picks the victim slot for a new block: an empty slot, else by policy; -1 if every
-   slot is protected (holds a block admitted in this same step) */
+/* The victim slot for a new block: an empty slot, else by policy (LRU: least recently
+   used; LFU: lowest decayed frequency score, then least recently used), never a slot
+   admitted or used in this step; -1 if there is none. */
 static int pqc__victim(const pqc_cache *c, const pqc__head *H, uint64_t step)
 {
     int s, best = -1;
     for (s = 0; s < c->d.cache_blocks; s++) {
         if (H->block_of[s] < 0) return s;
-        if (H->stamp[s] == step) continue; /* admitted or used in this step */
+        if (H->stamp[s] == step) continue;
         if (best < 0) {
             best = s;
             continue;
         }
         if (c->d.policy == PQC_POLICY_LRU) {
             if (H->stamp[s] < H->stamp[best]) best = s;
-        } else if (H->freq[s] < H->freq[best] || (H->freq[s] == H->freq[best] && H->stamp[s] < H->stamp[best])) {
-            best = s;
+        } else {
+            float a = H->score[H->block_of[s]], b = H->score[H->block_of[best]];
+            if (a < b || (a == b && H->stamp[s] < H->stamp[best])) best = s;
         }
     }
     return best;
 }
+
+#define PQC__SCORE_DECAY 0.75f
+#define PQC__ADMIT_MARGIN 1.5f
 
 typedef struct pqc__fetch_job {
     pqc_cache *c;
@@ -3956,27 +3967,34 @@ static void pqc__fetch_head(void *ctx, size_t hi)
     uint64_t hits = 0, misses = 0, h2d = 0, step = L->step;
     int admit = c->d.cache_blocks > 0 ? c->d.admit_blocks : 0, a;
     if (admit > 0) {
-        /* admission first: the blocks holding the most selected mid tokens */
+        /* Admission (before the gather, so admitted blocks serve this step): every block's
+           score is a decayed count of its selected tokens; the blocks selected now are
+           candidates in score order, and one enters only into a free slot or when its
+           score beats the victim's, so blocks selected once never churn the cache. */
         uint32_t *cntb = H->count_tmp;
+        float *sc = H->score;
         size_t b, nb = (mid_hi + bt - 1) / bt;
+        for (b = 0; b < nb; b++) sc[b] *= PQC__SCORE_DECAY;
         for (i = 0; i < cnt; i++)
             if (idx[i] >= mid_lo && idx[i] < mid_hi) cntb[idx[i] / bt]++;
+        for (b = 0; b < nb; b++) sc[b] += (float)cntb[b];
         for (a = 0; a < admit; a++) {
             size_t best = nb;
             int s;
             for (b = 0; b < nb; b++)
-                if (cntb[b] > 0 && (best == nb || cntb[b] > cntb[best])) best = b;
+                if (cntb[b] > 0 && (best == nb || sc[b] > sc[best])) best = b;
             if (best == nb) break;
             cntb[best] = 0; /* taken */
             s = H->slot_of[best];
             if (s >= 0) {
                 size_t valid = PQC__MIN(bt, mid_hi - best * bt);
-                if (H->filled[s] < valid) { /* a partial block grew: refresh it */
+                if (H->filled[s] < valid) { /* a partial block grew: top it up */
                     size_t r0 = H->filled[s], r;
                     for (r = r0; r < valid; r++) {
-                        memcpy(H->dev + (size_t)s * slot_bytes + r * 2 * c->row, H->k + (best * bt + r) * c->row, c->row);
-                        memcpy(H->dev + (size_t)s * slot_bytes + (r * 2 + 1) * c->row, H->v + (best * bt + r) * c->row,
-                               c->row);
+                        c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + r * 2 * c->row,
+                                             H->k + (best * bt + r) * c->row, c->row);
+                        c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + (r * 2 + 1) * c->row,
+                                             H->v + (best * bt + r) * c->row, c->row);
                     }
                     h2d += (valid - r0) * 2 * c->row;
                     H->filled[s] = (uint32_t)valid;
@@ -3985,6 +4003,8 @@ static void pqc__fetch_head(void *ctx, size_t hi)
             }
             s = pqc__victim(c, H, step + 1);
             if (s < 0) break;
+            if (H->block_of[s] >= 0 && !(sc[best] > PQC__ADMIT_MARGIN * sc[H->block_of[s]] + 1.0f))
+                continue; /* not worth a block copy: hysteresis keeps near-ties from swapping */
             if (H->block_of[s] >= 0) H->slot_of[H->block_of[s]] = -1;
             {
                 size_t valid = PQC__MIN(bt, mid_hi - best * bt), r;

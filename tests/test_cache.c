@@ -212,52 +212,57 @@ TEST full_budget_selects_everything_exactly(void)
 
 /* ----- block cache against a reference model ----- */
 
+/* The documented policy, written out plainly: per-block scores decay by 3/4 a step and
+   gain the step's selected tokens; candidates (blocks selected now) go in score order;
+   a candidate takes a free slot, or evicts the victim (LRU: oldest use; LFU: lowest
+   score, then oldest use; never a slot used or admitted this step) when its score beats
+   1.5 x the victim's + 1. */
 typedef struct ref_cache {
     int slots, admit, lru;
     int block[8];
-    uint64_t freq[8], stamp[8];
+    uint64_t stamp[8];
+    float score[64];
 } ref_cache;
 
 static void ref_step(ref_cache *rc, const uint32_t *idx, size_t n, size_t bt, size_t mid_lo, size_t mid_hi, uint64_t step)
 {
     int cnt[64] = {0}, a, s, b, nb = (int)((mid_hi + bt - 1) / bt);
     size_t i;
+    for (b = 0; b < nb; b++) rc->score[b] *= 0.75f;
     for (i = 0; i < n; i++)
         if (idx[i] >= mid_lo && idx[i] < mid_hi) cnt[idx[i] / bt]++;
+    for (b = 0; b < nb; b++) rc->score[b] += (float)cnt[b];
     for (a = 0; a < rc->admit; a++) {
-        int best = -1, cached = -1, victim = -1;
+        int best = -1, cached = -1, victim = -1, empty = -1;
         for (b = 0; b < nb; b++)
-            if (cnt[b] > 0 && (best < 0 || cnt[b] > cnt[best])) best = b;
+            if (cnt[b] > 0 && (best < 0 || rc->score[b] > rc->score[best])) best = b;
         if (best < 0) break;
         cnt[best] = 0;
-        for (s = 0; s < rc->slots; s++)
+        for (s = 0; s < rc->slots; s++) {
             if (rc->block[s] == best) cached = s;
+            if (rc->block[s] < 0 && empty < 0) empty = s;
+        }
         if (cached >= 0) continue;
-        for (s = 0; s < rc->slots && victim < 0; s++)
-            if (rc->block[s] < 0) victim = s;
-        if (victim < 0)
+        if (empty >= 0) victim = empty;
+        else
             for (s = 0; s < rc->slots; s++) {
                 if (rc->stamp[s] == step) continue;
                 if (victim < 0) victim = s;
                 else if (rc->lru ? rc->stamp[s] < rc->stamp[victim]
-                                 : (rc->freq[s] < rc->freq[victim] ||
-                                    (rc->freq[s] == rc->freq[victim] && rc->stamp[s] < rc->stamp[victim])))
+                                 : (rc->score[rc->block[s]] < rc->score[rc->block[victim]] ||
+                                    (rc->score[rc->block[s]] == rc->score[rc->block[victim]] &&
+                                     rc->stamp[s] < rc->stamp[victim])))
                     victim = s;
             }
         if (victim < 0) break;
+        if (rc->block[victim] >= 0 && !(rc->score[best] > 1.5f * rc->score[rc->block[victim]] + 1.0f)) continue;
         rc->block[victim] = best;
-        rc->freq[victim] = 0;
         rc->stamp[victim] = step;
     }
-    for (s = 0; s < rc->slots; s++) { /* hits: once per step per block */
-        int used = 0;
+    for (s = 0; s < rc->slots; s++) { /* hits refresh the use stamp */
         for (i = 0; i < n; i++)
-            if (idx[i] >= mid_lo && idx[i] < mid_hi && (int)(idx[i] / bt) == rc->block[s]) used = 1;
-        if (used && rc->block[s] >= 0) {
-            if (rc->stamp[s] != step) rc->freq[s]++;
-            else if (rc->freq[s] == 0) rc->freq[s] = 1;
-            rc->stamp[s] = step;
-        }
+            if (rc->block[s] >= 0 && idx[i] >= mid_lo && idx[i] < mid_hi && (int)(idx[i] / bt) == rc->block[s])
+                rc->stamp[s] = step;
     }
 }
 
@@ -271,15 +276,15 @@ TEST eviction_orders_match_reference(void)
         pqc_selection sel;
         pqc_kv_out out;
         ref_cache rc;
-        size_t n = 64, bt = 4, mid_hi;
+        size_t n = 128, bt = 8, mid_hi;
         float *k = rand_rows(n, 8), *v = rand_rows(n, 8);
         int step, s;
         uint64_t st = 99;
         cd.n_sink = -1;
         cd.window = 1;
         cd.block_tokens = (int)bt;
-        cd.cache_blocks = 3;
-        cd.admit_blocks = 2;
+        cd.cache_blocks = 4;
+        cd.admit_blocks = 4;
         cd.policy = (pqc_policy)pol;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 8));
@@ -288,27 +293,28 @@ TEST eviction_orders_match_reference(void)
         out.k = (float *)malloc(n * 8 * sizeof(float));
         out.v = (float *)malloc(n * 8 * sizeof(float));
         memset(&rc, 0, sizeof rc);
-        rc.slots = 3;
-        rc.admit = 2;
+        rc.slots = 4;
+        rc.admit = 4;
         rc.lru = pol;
-        for (s = 0; s < 3; s++) rc.block[s] = -1;
+        for (s = 0; s < 4; s++) rc.block[s] = -1;
         mid_hi = n - 1;
         for (step = 0; step < 60; step++) {
-            /* a trace where blocks 2 and 9 stay hot and others come and go */
+            /* a trace where blocks 2 and 9 stay hot, a warm block drifts slowly and the rest
+               flicker: admissions, refusals and evictions all happen */
             size_t cnt = 0, t;
             int32_t got[8], want[8];
             int ng, nw = 0, i, j;
             for (t = 0; t < mid_hi; t++) {
-                int b = (int)(t / bt), hot = b == 2 || b == 9;
+                int b = (int)(t / bt), hot = b == 2 || b == 9, warm = b == (step / 4) % 16;
                 uint64_t r = synth__next(&st) % 100;
-                if ((hot && r < 60) || (!hot && r < (uint64_t)(b == step % 16 ? 70 : 4))) sel.idx[cnt++] = (uint32_t)t;
+                if ((hot && r < 55) || (warm && r < 45) || (!hot && !warm && r < 12)) sel.idx[cnt++] = (uint32_t)t;
             }
             sel.idx[cnt++] = (uint32_t)(n - 1);
             sel.count[0] = cnt;
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &out));
             ref_step(&rc, sel.idx, cnt, bt, 0, mid_hi, (uint64_t)step + 1);
             ng = pqc_cache_cached_blocks(c, 0, 0, got, 8);
-            for (s = 0; s < 3; s++)
+            for (s = 0; s < 4; s++)
                 if (rc.block[s] >= 0) want[nw++] = rc.block[s];
             for (i = 1; i < nw; i++)
                 for (j = i; j > 0 && want[j - 1] > want[j]; j--) {

@@ -1,0 +1,365 @@
+/* bench_cache: the sequence cache at decode time and during prefill.
+
+   1. select + fetch per layer (8 KV heads, 32 query heads, d_h 128, budget 1/10) at
+      several lengths, next to the PQ search alone over the same codes;
+   2. bytes moved per generated token and block-cache hit rates for no cache, LRU and LFU
+      on a synthetic decode trace in which a few regions stay important;
+   3. how much of the PQ build hides behind a simulated prefill whose per-layer cost grows
+      quadratically (the GPU's time is slept, as a GPU would leave the CPU free), with
+      the adaptive T_max scheduler choosing the iteration count.
+
+   usage: bench_cache [--sizes 4096,16384,65536,131072] [--threads T] [--quick] */
+#define PQCACHE_IMPLEMENTATION
+#include "../pqcache.h"
+#include "../tests/synth.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+static void sleep_s(double s)
+{
+    struct timespec ts;
+    if (s <= 0) return;
+    ts.tv_sec = (time_t)s;
+    ts.tv_nsec = (long)((s - (double)ts.tv_sec) * 1e9);
+    nanosleep(&ts, NULL);
+}
+static int dcmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+static double median(double *v, int n)
+{
+    qsort(v, (size_t)n, sizeof *v, dcmp);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+enum { HKV = 8, HQ = 32, D = 128 };
+
+/* keys of 8 heads: the synthetic generator per head (different seeds), interleaved */
+static float *make_kv(size_t s, uint64_t seed, float **queries, uint32_t **needles)
+{
+    float *kv = (float *)malloc(s * HKV * D * sizeof(float));
+    int h;
+    if (!kv) return NULL;
+    *queries = (float *)malloc((size_t)HQ * D * sizeof(float));
+    *needles = (uint32_t *)malloc(HKV * 4 * sizeof(uint32_t));
+    for (h = 0; h < HKV; h++) {
+        synth sy;
+        size_t t;
+        memset(&sy, 0, sizeof sy);
+        sy.s = s;
+        sy.d = D;
+        sy.g = HQ / HKV;
+        sy.n_needles = 4;
+        sy.seed = seed * 131 + (uint64_t)h;
+        if (synth_make(&sy)) return NULL;
+        for (t = 0; t < s; t++) memcpy(kv + (t * HKV + h) * D, sy.keys + t * D, D * sizeof(float));
+        memcpy(*queries + (size_t)h * (HQ / HKV) * D, sy.queries, (size_t)(HQ / HKV) * D * sizeof(float));
+        memcpy(*needles + h * 4, sy.needles, 4 * sizeof(uint32_t));
+        synth_free(&sy);
+    }
+    return kv;
+}
+
+static pqc_cache_desc desc_for(size_t s)
+{
+    pqc_cache_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 1;
+    cd.n_kv_heads = HKV;
+    cd.n_q_heads = HQ;
+    cd.head_dim = D;
+    cd.max_tokens = s + 4096;
+    cd.budget_ratio = 0.1;
+    cd.pq.m = 2;
+    cd.pq.bits = 6;
+    cd.pq.iters = 4;
+    cd.pq.seed = 7;
+    return cd;
+}
+
+static void bench_select_fetch(pqc_runtime *rt, size_t s)
+{
+    pqc_cache_desc cd = desc_for(s);
+    pqc_cache *c;
+    pqc_selection sel;
+    pqc_kv_out out;
+    pqc_matrix km;
+    float *q, *kv;
+    uint32_t *needles, *idx;
+    double ts[15], tf[15], tp[15];
+    int r, h, found = 0;
+    kv = make_kv(s, 3, &q, &needles);
+    if (!kv) return;
+    km.data = kv;
+    km.dtype = PQC_F32;
+    km.rows = s;
+    km.cols = HKV * D;
+    km.row_stride = 0;
+    if (pqc_cache_create(rt, &cd, &c) || pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) ||
+        pqc_selection_init(c, &sel)) {
+        fprintf(stderr, "bench_cache: %s\n", pqc_last_error());
+        exit(1);
+    }
+    out.head_stride = s;
+    out.k = (float *)malloc(HKV * s * D * sizeof(float));
+    out.v = (float *)malloc(HKV * s * D * sizeof(float));
+    idx = (uint32_t *)malloc(s * sizeof(uint32_t));
+    for (r = 0; r < 15; r++) {
+        double t0 = now(), t1, t2;
+        pqc_cache_select(c, 0, q, &sel);
+        t1 = now();
+        pqc_cache_fetch(c, 0, &sel, &out);
+        t2 = now();
+        ts[r] = t1 - t0;
+        tf[r] = t2 - t1;
+    }
+    for (h = 0; h < HKV; h++) {
+        int i;
+        for (i = 0; i < 4; i++) found += pqc_recall(needles + h * 4 + i, 1, sel.idx + (size_t)h * sel.capacity, sel.count[h]) > 0;
+    }
+    /* the PQ search alone: the same codes, the same k, the 8 heads one after another */
+    {
+        pqc__layer *L = &c->layers[0];
+        size_t mid = s - 32, budget = (size_t)ceil(0.1 * (double)mid), k = budget - (size_t)pqc_cache_window(c);
+        pqc_search_desc sd;
+        memset(&sd, 0, sizeof sd);
+        sd.k = k;
+        sd.count = L->n_coded;
+        for (r = 0; r < 15; r++) {
+            double t0 = now();
+            for (h = 0; h < HKV; h++)
+                pqc_pq_search(rt, &L->heads[h].pq, &L->heads[h].codes, q + (size_t)h * 4 * D, 4, &sd,
+                              &L->heads[h].scratch, idx, NULL);
+            tp[r] = now() - t0;
+        }
+    }
+    {
+        double ms = median(ts, 15) * 1e3, mf = median(tf, 15) * 1e3, mp = median(tp, 15) * 1e3;
+        printf("select+fetch s=%-7zu select %.3f ms  fetch %.3f ms  total %.3f ms | PQ search alone %.3f ms (serial) | "
+               "(select+fetch)/search %.2fx  needles %d/32  selected/head %zu\n",
+               s, ms, mf, ms + mf, mp, (ms + mf) / mp, found, sel.count[0]);
+    }
+    fflush(stdout);
+    free(out.k);
+    free(out.v);
+    free(idx);
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    free(kv);
+    free(q);
+    free(needles);
+}
+
+/* decode trace: queries that keep returning to a few important regions */
+static void bench_trace(pqc_runtime *rt, size_t s, int steps)
+{
+    static const char *names[] = {"no cache", "LRU", "LFU"};
+    int mode;
+    float *q, *kv, *newkv;
+    uint32_t *needles;
+    uint64_t st = 5;
+    kv = make_kv(s, 9, &q, &needles);
+    if (!kv) return;
+    newkv = (float *)malloc(HKV * D * sizeof(float));
+    for (mode = 0; mode < 3; mode++) {
+        pqc_cache_desc cd = desc_for(s);
+        pqc_cache *c;
+        pqc_selection sel;
+        pqc_kv_out out;
+        pqc_matrix km;
+        pqc_layer_stats lst;
+        float *qq = (float *)malloc((size_t)HQ * D * sizeof(float));
+        int step, i;
+        size_t dev, full;
+        double full_step_bytes;
+        memset(&lst, 0, sizeof lst);
+        cd.cache_blocks = mode == 0 ? -1 : 64;
+        cd.policy = mode == 1 ? PQC_POLICY_LRU : PQC_POLICY_LFU;
+        km.data = kv;
+        km.dtype = PQC_F32;
+        km.rows = s;
+        km.cols = HKV * D;
+        km.row_stride = 0;
+        if (pqc_cache_create(rt, &cd, &c) || pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) ||
+            pqc_selection_init(c, &sel)) {
+            fprintf(stderr, "bench_cache: %s\n", pqc_last_error());
+            exit(1);
+        }
+        out.head_stride = s + (size_t)steps;
+        out.k = (float *)malloc(HKV * out.head_stride * D * sizeof(float));
+        out.v = (float *)malloc(HKV * out.head_stride * D * sizeof(float));
+        for (step = 0; step < steps; step++) {
+            /* the needle direction plus drifting noise: the important tokens persist */
+            for (i = 0; i < HQ * D; i++) qq[i] = q[i] + 0.6f * synth__normal(&st);
+            for (i = 0; i < HKV * D; i++) newkv[i] = synth__normal(&st);
+            pqc_cache_append(c, 0, newkv, newkv);
+            pqc_cache_select(c, 0, qq, &sel);
+            pqc_cache_fetch(c, 0, &sel, &out);
+        }
+        pqc_cache_stats(c, 0, &lst);
+        pqc_cache_memory(c, &dev, &full);
+        full_step_bytes = (double)full; /* moving the whole K and V of the sequence */
+        printf("trace s=%zu %-8s hit rate %5.1f%%  bytes/token %.3f MB (codes %.3f MB, misses+admissions %.3f MB)  "
+               "whole K+V %.1f MB  -> %.1fx fewer\n",
+               s, names[mode], lst.hits + lst.misses ? 100.0 * (double)lst.hits / (double)(lst.hits + lst.misses) : 0.0,
+               (double)lst.bytes_h2d / steps / 1e6, (double)lst.bytes_codes / steps / 1e6,
+               (double)(lst.bytes_h2d - lst.bytes_codes) / steps / 1e6, full_step_bytes / 1e6,
+               full_step_bytes / ((double)lst.bytes_h2d / steps));
+        fflush(stdout);
+        free(out.k);
+        free(out.v);
+        free(qq);
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+    }
+    free(newkv);
+    free(kv);
+    free(q);
+    free(needles);
+}
+
+/* simulated per-layer prefill compute of the GPU: a2 + b2 s + g2 s^2 seconds */
+static const double A2 = 2e-3, B2 = 1.5e-6, G2 = 4e-11;
+static double sim_compute(size_t s) { return A2 + B2 * (double)s + G2 * (double)s * (double)s; }
+
+static void bench_overlap(pqc_runtime *rt, size_t s, int layers, pqc_scheduler *sch)
+{
+    pqc_cache_desc cd = desc_for(s);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *q, *kv;
+    uint32_t *needles;
+    pqc_matrix km;
+    int l;
+    double t0, wait = 0, build = 0, compute = 0, offload = 0;
+    int iters = 0;
+    kv = make_kv(s, 11, &q, &needles);
+    if (!kv) return;
+    cd.n_layers = layers;
+    cd.pq.iters = 0; /* adaptive */
+    cd.scheduler = sch;
+    km.data = kv;
+    km.dtype = PQC_F32;
+    km.rows = s;
+    km.cols = HKV * D;
+    km.row_stride = 0;
+    if (pqc_cache_create(rt, &cd, &c) || pqc_selection_init(c, &sel)) exit(1);
+    t0 = now();
+    for (l = 0; l < layers; l++) { /* Algorithm 1: offload layer l, build it while layer l+1 computes */
+        double tc = sim_compute(s), t1 = now();
+        pqc_cache_prefill(c, l, &km, &km); /* host side: store K/V, queue the build */
+        offload += now() - t1;
+        sleep_s(tc);
+        compute += tc;
+        pqc_cache_report_compute(c, l, (double)s, tc);
+    }
+    for (l = 0; l < layers; l++) { /* the first decode step: each layer's select waits for its build */
+        pqc_layer_stats st;
+        memset(&st, 0, sizeof st);
+        sleep_s(2e-4); /* a decode layer's compute */
+        pqc_cache_select(c, l, q, &sel);
+        pqc_cache_stats(c, l, &st);
+        wait += st.wait_s;
+        build += st.build_s;
+        iters = st.last_iters;
+    }
+    printf("overlap s=%-7zu layers %d  T=%-3d  GPU prefill (simulated) %.3f s  host offload %.3f s  build work %.3f s "
+           "(worker time)  waited at first selects %.4f s  -> %.1f%% of the build hidden  wall %.3f s\n",
+           s, layers, iters, compute, offload, build, wait, build > 0 ? 100.0 * (1.0 - wait / build) : 100.0, now() - t0);
+    fflush(stdout);
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    free(kv);
+    free(q);
+    free(needles);
+}
+
+int main(int argc, char **argv)
+{
+    size_t sizes[8] = {4096, 16384, 65536, 131072};
+    int ns = 4, threads = 2, quick = 0, i;
+    pqc_runtime_desc rd;
+    pqc_runtime *rt;
+    pqc_scheduler *sch;
+    pqc_scheduler_desc sd;
+    for (i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
+            char *p = argv[++i];
+            ns = 0;
+            while (*p && ns < 8) {
+                sizes[ns++] = (size_t)strtoull(p, &p, 10);
+                if (*p == ',') p++;
+            }
+        } else {
+            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick]\n", argv[0]);
+            return 2;
+        }
+    }
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = threads > 1 ? threads - 1 : -1;
+    if (pqc_runtime_create(&rd, &rt)) return 1;
+    printf("# pqcache %s, simd %s, %d thread(s); 8 KV heads, 32 query heads, d_h 128, m=2 b=6, budget 1/10\n",
+           pqc_version(), pqc_simd_name(pqc_runtime_simd(rt)), threads);
+    for (i = 0; i < ns; i++) bench_select_fetch(rt, sizes[i]);
+    bench_trace(rt, quick ? 16384 : 32768, quick ? 64 : 256);
+    /* scheduler: calibrate k-means on two sizes, then run the overlap at each length */
+    memset(&sd, 0, sizeof sd);
+    sd.t_min = 1;
+    sd.parallel = threads;
+    pqc_scheduler_create(&sd, &sch);
+    {
+        size_t cal[2] = {2048, 8192};
+        int T[2] = {2, 6}, a, b;
+        float *q, *kv;
+        uint32_t *nd;
+        kv = make_kv(8192, 1, &q, &nd);
+        for (a = 0; a < 2; a++)
+            for (b = 0; b < 2; b++) {
+                pqc_pq pq;
+                pqc_pq_desc pd;
+                pqc_matrix m;
+                double t0;
+                memset(&pd, 0, sizeof pd);
+                pd.m = 2;
+                pd.bits = 6;
+                pd.iters = T[b];
+                m.data = kv;
+                m.dtype = PQC_F32;
+                m.rows = cal[a];
+                m.cols = D;
+                m.row_stride = HKV * D * sizeof(float);
+                t0 = now();
+                pqc_pq_train(NULL, &pd, &m, &pq);
+                pqc_scheduler_add_kmeans(sch, (double)cal[a], T[b], now() - t0);
+                pqc_pq_free(&pq);
+            }
+        for (a = 1; a <= 4; a++) pqc_scheduler_add_compute(sch, 4096.0 * a * a, sim_compute(4096 * (size_t)a * a));
+        free(kv);
+        free(q);
+        free(nd);
+        {
+            pqc_scheduler_fit f = pqc_scheduler_get_fit(sch);
+            printf("# scheduler fit: kmeans %.3g + %.3g*s*T s; compute %.3g + %.3g*s + %.3g*s^2 s (simulated GPU: "
+                   "%.3g + %.3g*s + %.3g*s^2)\n",
+                   f.a1, f.b1, f.a2, f.b2, f.g2, A2, B2, G2);
+        }
+    }
+    for (i = 0; i < ns; i++)
+        if (!quick || sizes[i] <= 65536) bench_overlap(rt, sizes[i], 4, sch);
+    pqc_scheduler_destroy(sch);
+    pqc_runtime_destroy(rt);
+    return 0;
+}
