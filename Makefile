@@ -9,7 +9,7 @@ LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
 
-.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-harness
+.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-harness test-nvrtc kernels bench-pq bench-cache
 
 all: $(addprefix $(BUILD)/test_,$(LIBTESTS))
 
@@ -59,8 +59,22 @@ test-compile: $(COMPILE_SRC) $(HDR)
 	  $$cc $(WARN) -O2 -DPQCACHE_NO_SIMD -DPQCACHE_STATIC -c $(COMPILE_SRC) -o $(BUILD)/compile_check.o; \
 	done
 
+# ----- CUDA: run-time loader, NVRTC compilation of the embedded kernels (no GPU needed)
+$(BUILD)/test_nvrtc: tests/test_nvrtc.c pqcache_kernels.cu $(HDR) | $(BUILD)
+	$(CC) $(STD) $(CFLAGS) $(WARN) $< -o $@ $(LDLIBS)
+
+$(BUILD)/gpu_check: tests/gpu/gpu_check.c $(HDR) | $(BUILD)
+	$(CC) $(STD) $(CFLAGS) $(WARN) $< -o $@ $(LDLIBS)
+
+test-nvrtc: $(BUILD)/test_nvrtc $(BUILD)/gpu_check
+	sh tools/embed_kernels.sh --check
+	$(BUILD)/test_nvrtc
+
+kernels:
+	sh tools/embed_kernels.sh
+
 # ----- everything ---------------------------------------------------------------------
-test: test-compile test-harness test-core test-asan test-tsan
+test: test-compile test-harness test-nvrtc test-core test-asan test-tsan
 	@echo "all test groups passed"
 
 clean:

@@ -152,6 +152,14 @@ typedef enum pqc_simd {
    return means "could not submit" and the library runs the job inline instead. */
 typedef int (*pqc_submit_fn)(void *user, void (*fn)(void *arg), void *arg);
 
+/* Where the device tier lives. AUTO uses a CUDA GPU when one is usable and otherwise
+   runs on the CPU, saying why through pqc_runtime_backend_note and the log; CUDA asks
+   for the GPU explicitly, and pqc_runtime_create fails when it cannot be had. This
+   version keeps the sequence cache's device tier on the CPU backend: the CUDA kernels
+   are compiled and checked (pqc_cuda_*) but not yet driven by the cache, so CUDA
+   reports PQC_ERROR_UNSUPPORTED even where a GPU is present. */
+typedef enum pqc_backend_kind { PQC_BACKEND_CPU = 0, PQC_BACKEND_AUTO = 1, PQC_BACKEND_CUDA = 2 } pqc_backend_kind;
+
 typedef struct pqc_runtime_desc {
     int n_threads;           /* worker threads; 0 = 1 worker; -1 = none (run inline) */
     pqc_simd simd;           /* 0 = auto                                               */
@@ -161,7 +169,7 @@ typedef struct pqc_runtime_desc {
     pqc_log_level log_level; /* 0 = errors only                                        */
     pqc_submit_fn submit;    /* optional engine pool; overrides n_threads when set      */
     void *submit_user;
-    int backend;             /* 0 = CPU; see pqc_backend_kind (CUDA section)           */
+    int backend;             /* a pqc_backend_kind; 0 = CPU                             */
 } pqc_runtime_desc;
 
 typedef struct pqc_runtime pqc_runtime;
@@ -174,6 +182,9 @@ PQCDEF void pqc_runtime_destroy(pqc_runtime *rt);
 PQCDEF pqc_simd pqc_runtime_simd(const pqc_runtime *rt);   /* the level in use */
 PQCDEF pqc_simd pqc_cpu_best_simd(void);                    /* what the CPU offers */
 PQCDEF int pqc_runtime_threads(const pqc_runtime *rt);
+/* The backend in use, and a sentence on how it was chosen ("" for a plain CPU runtime). */
+PQCDEF pqc_backend_kind pqc_runtime_backend(const pqc_runtime *rt);
+PQCDEF const char *pqc_runtime_backend_note(const pqc_runtime *rt);
 PQCDEF const char *pqc_simd_name(pqc_simd s);
 
 /* ---------------------------------------------------------------------------------------
@@ -502,6 +513,36 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
 /* One decode step at position pos through every layer. */
 PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos);
 
+
+/* ---------------------------------------------------------------------------------------
+   CUDA (optional, opened at run time). The kernels of pqcache_kernels.cu are embedded in
+   this header and compiled by NVRTC for the device's architecture. These calls report
+   what a machine offers; none of them needs a GPU to fail cleanly.
+   ------------------------------------------------------------------------------------- */
+
+typedef struct pqc_cuda_info {
+    int available;            /* 1: driver, a device and NVRTC were found */
+    int driver_version;       /* e.g. 13000 */
+    int device_count;
+    int cc_major, cc_minor;   /* device 0 */
+    int sm_count;
+    size_t total_mem;
+    int nvrtc_major, nvrtc_minor;
+    int have_cublaslt;
+    char name[128];
+    char message[512];        /* what was found, or why CUDA is unusable */
+} pqc_cuda_info;
+
+/* PQC_SUCCESS when a CUDA device is usable; PQC_ERROR_NO_DEVICE with the reason ("no CUDA
+   driver (libcuda.so.1 not found)", "no CUDA device", "NVRTC not found", a missing
+   symbol, ...) otherwise. Thread-safe. */
+PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info);
+/* Compiles the embedded kernels with NVRTC for sm_<arch> (cubin != 0) or compute_<arch>
+   (PTX); no GPU is needed. The NVRTC log goes to log. */
+PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes);
+/* The embedded kernel source (NUL-terminated; "" when built without the loader). */
+PQCDEF const char *pqc_cuda_kernel_source(void);
+
 #ifdef __cplusplus
 }
 #endif
@@ -525,6 +566,12 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
 #ifndef PQCACHE_NO_THREADS
 #include <pthread.h>
 #include <unistd.h>
+#endif
+#if !defined(PQCACHE_NO_CUDA) && (defined(__unix__) || defined(__APPLE__))
+#define PQC__CUDA_LOADER 1
+#include <dlfcn.h>
+#else
+#define PQC__CUDA_LOADER 0
 #endif
 
 #if defined(PQC_MALLOC) != defined(PQC_FREE)
@@ -854,7 +901,8 @@ struct pqc_runtime {
     int stopping;
     pqc__task *head, *tail;
 #endif
-    void *backend; /* device backend state, NULL for CPU only */
+    pqc_backend_kind backend;
+    char backend_note[600];
 };
 
 static void pqc__log(const struct pqc_runtime *rt, pqc_log_level lv, const char *msg)
@@ -1059,6 +1107,7 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
     pqc_runtime_desc d;
     pqc_runtime *rt;
     pqc_simd best = pqc_cpu_best_simd();
+    char note[600] = {0};
     if (!out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_runtime_create: null output");
     if (desc) d = *desc;
     else memset(&d, 0, sizeof d);
@@ -1071,9 +1120,28 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
     if (d.simd != PQC_SIMD_AUTO && (int)d.simd > (int)best)
         return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "simd level %s requested, the processor offers %s",
                          pqc_simd_name(d.simd), pqc_simd_name(best));
+    if (d.backend < (int)PQC_BACKEND_CPU || d.backend > (int)PQC_BACKEND_CUDA)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "unknown backend %d", d.backend);
+    if (d.backend != PQC_BACKEND_CPU) {
+        pqc_cuda_info ci;
+        pqc_result pr = pqc_cuda_probe(&ci);
+        if (d.backend == PQC_BACKEND_CUDA) {
+            if (pr != PQC_SUCCESS)
+                return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA backend requested but unavailable: %s", ci.message);
+            return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED,
+                             "CUDA backend requested: %s is usable, but this version keeps the cache's device tier "
+                             "on the CPU (use PQC_BACKEND_AUTO or PQC_BACKEND_CPU)",
+                             ci.name);
+        }
+        snprintf(note, sizeof note, "%s%s; running on the CPU", pr == PQC_SUCCESS ? "CUDA device found: " : "CUDA unavailable: ",
+                 ci.message);
+        pqc__errbuf[0] = 0;
+    }
     rt = (pqc_runtime *)pqc__calloc(&d.allocator, sizeof *rt);
     if (!rt) return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "runtime: allocation failed");
     rt->alloc = d.allocator;
+    rt->backend = PQC_BACKEND_CPU;
+    memcpy(rt->backend_note, note, sizeof note);
     rt->simd = d.simd == PQC_SIMD_AUTO ? best : d.simd;
     rt->log = d.log;
     rt->log_user = d.log_user;
@@ -1107,18 +1175,16 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
         }
     }
 #endif
+    if (note[0]) pqc__log(rt, PQC_LOG_INFO, note);
     *out = rt;
     return PQC_SUCCESS;
 }
-
-static void pqc__backend_destroy(pqc_runtime *rt);
 
 PQCDEF void pqc_runtime_destroy(pqc_runtime *rt)
 {
     pqc_allocator a;
     if (!rt) return;
     a = rt->alloc;
-    pqc__backend_destroy(rt);
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_lock(&rt->mu);
     rt->stopping = 1;
@@ -1137,6 +1203,8 @@ PQCDEF void pqc_runtime_destroy(pqc_runtime *rt)
 }
 
 PQCDEF pqc_simd pqc_runtime_simd(const pqc_runtime *rt) { return rt ? rt->simd : PQC_SIMD_SCALAR; }
+PQCDEF pqc_backend_kind pqc_runtime_backend(const pqc_runtime *rt) { return rt ? rt->backend : PQC_BACKEND_CPU; }
+PQCDEF const char *pqc_runtime_backend_note(const pqc_runtime *rt) { return rt ? rt->backend_note : ""; }
 PQCDEF int pqc_runtime_threads(const pqc_runtime *rt) { return rt ? rt->n_threads : 0; }
 
 static pqc_simd pqc__simd(const pqc_runtime *rt) { return rt ? rt->simd : pqc_cpu_best_simd(); }
@@ -4404,8 +4472,2014 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     return r;
 }
 
-/* backend hooks (the CUDA section fills these in when compiled) */
-static void pqc__backend_destroy(pqc_runtime *rt) { (void)rt; }
+/* =======================================================================================
+   CUDA (optional): run-time loader of the driver API, NVRTC and cuBLASLt, the kernels of
+   pqcache_kernels.cu embedded as a string, and the probe/compile entry points. Nothing is
+   linked: every library is opened with dlopen, and its absence is a clean CPU fallback.
+   ===================================================================================== */
+#if PQC__CUDA_LOADER
+#ifndef PQC__CU_FRAGMENT_INCLUDED
+#define PQC__CU_FRAGMENT_INCLUDED
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PQC__CU_FN static __attribute__((unused))
+#else
+#define PQC__CU_FN static
+#endif
+
+/* ------------------------------------------------------------------------------------ */
+/* CUDA types and constants used (ABI-compatible stand-ins for those of the headers)     */
+/* ------------------------------------------------------------------------------------ */
+
+typedef int pqc__cuResult;                              /* CUresult */
+typedef int pqc__cuDevice;                              /* CUdevice */
+typedef unsigned long long pqc__cuDeviceptr;            /* CUdeviceptr (64-bit) */
+typedef struct pqc__cuContextOpaque *pqc__cuContext;    /* CUcontext */
+typedef struct pqc__cuModuleOpaque *pqc__cuModule;      /* CUmodule */
+typedef struct pqc__cuFunctionOpaque *pqc__cuFunction;  /* CUfunction */
+typedef struct pqc__cuStreamOpaque *pqc__cuStream;      /* CUstream / cudaStream_t */
+typedef struct pqc__cuEventOpaque *pqc__cuEvent;        /* CUevent */
+
+typedef int pqc__cuNvrtcResult;                         /* nvrtcResult */
+typedef struct pqc__cuNvrtcProgramOpaque *pqc__cuNvrtcProgram; /* nvrtcProgram */
+
+typedef int pqc__cuBlasStatus;                          /* cublasStatus_t */
+typedef struct pqc__cuBlasLtOpaque *pqc__cuBlasLtHandle;                /* cublasLtHandle_t */
+typedef struct pqc__cuBlasLtDescOpaque *pqc__cuBlasLtMatmulDesc;        /* cublasLtMatmulDesc_t */
+typedef struct pqc__cuBlasLtLayoutOpaque *pqc__cuBlasLtMatrixLayout;    /* cublasLtMatrixLayout_t */
+typedef struct pqc__cuBlasLtPrefOpaque *pqc__cuBlasLtMatmulPreference;  /* cublasLtMatmulPreference_t */
+typedef struct { uint64_t data[8]; } pqc__cuBlasLtMatmulAlgo;           /* cublasLtMatmulAlgo_t */
+typedef struct {                                        /* cublasLtMatmulHeuristicResult_t */
+    pqc__cuBlasLtMatmulAlgo algo;
+    size_t workspaceSize;
+    pqc__cuBlasStatus state;
+    float wavesCount;
+    int reserved[4];
+} pqc__cuBlasLtHeuristicResult;
+
+#define PQC__CU_SUCCESS                       0
+#define PQC__CU_ERROR_STUB_LIBRARY            34
+#define PQC__CU_ERROR_NO_DEVICE               100
+#define PQC__CU_ERROR_INSUFFICIENT_DRIVER     35
+#define PQC__CU_ATTR_MULTIPROCESSOR_COUNT     16
+#define PQC__CU_ATTR_CAN_MAP_HOST_MEMORY      19
+#define PQC__CU_ATTR_CC_MAJOR                 75
+#define PQC__CU_ATTR_CC_MINOR                 76
+#define PQC__CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN 97
+#define PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM    8
+#define PQC__CU_MEMHOSTALLOC_PORTABLE         0x01
+#define PQC__CU_MEMHOSTALLOC_DEVICEMAP        0x02
+#define PQC__CU_MEMHOSTREGISTER_PORTABLE      0x01
+#define PQC__CU_MEMHOSTREGISTER_DEVICEMAP     0x02
+#define PQC__CU_STREAM_NON_BLOCKING           0x01
+#define PQC__CU_EVENT_DEFAULT                 0x00
+#define PQC__CU_EVENT_DISABLE_TIMING          0x02
+#define PQC__CUBLAS_STATUS_SUCCESS            0
+#define PQC__CUBLAS_COMPUTE_32F               68
+#define PQC__CUBLAS_COMPUTE_32F_PEDANTIC      69
+#define PQC__CUDA_R_32F                       0
+#define PQC__CUBLAS_OP_N                      0
+#define PQC__CUBLAS_OP_T                      1
+#define PQC__CUBLASLT_MATMUL_DESC_TRANSA      3
+#define PQC__CUBLASLT_MATMUL_DESC_TRANSB      4
+#define PQC__CUBLASLT_PREF_MAX_WORKSPACE      1
+
+/* Status codes of this loader. */
+#define PQC__CU_OK                   0
+#define PQC__CU_ERR_NO_DRIVER        1  /* libcuda.so.1 not found */
+#define PQC__CU_ERR_DRIVER_SYMBOL    2  /* the driver library lacks a required symbol */
+#define PQC__CU_ERR_DRIVER_INIT      3  /* cuInit failed (stub library, old driver, ...) */
+#define PQC__CU_ERR_NO_DEVICE        4  /* driver present, no CUDA device */
+#define PQC__CU_ERR_NO_NVRTC         5  /* libnvrtc not found */
+#define PQC__CU_ERR_NVRTC_SYMBOL     6  /* libnvrtc lacks a required symbol */
+#define PQC__CU_ERR_NO_CUBLASLT      7  /* libcublasLt not found */
+#define PQC__CU_ERR_CUBLASLT_SYMBOL  8  /* libcublasLt lacks a required symbol */
+#define PQC__CU_ERR_COMPILE          9  /* NVRTC rejected the source */
+#define PQC__CU_ERR_ARCH             10 /* NVRTC cannot target the device */
+#define PQC__CU_ERR_MODULE           11 /* the driver rejected the compiled image */
+#define PQC__CU_ERR_CUDA             12 /* a driver call failed */
+#define PQC__CU_ERR_ALLOC            13 /* out of host memory / no allocator */
+#define PQC__CU_ERR_INVALID          14 /* bad argument, or the table is not loaded */
+
+/* Services the loader needs from its host library. Any member may be NULL: without
+   alloc/free nothing can be compiled or cached; without get_env PQC_NVRTC_PATH and the
+   default cache directory are ignored; without make_dir the cache directory must exist. */
+typedef struct pqc__cuHost {
+    void *(*alloc)(size_t size, void *user);
+    void (*free)(void *ptr, void *user);
+    const char *(*get_env)(const char *name, void *user);
+    int (*make_dir)(const char *path, void *user); /* 0 on success or if it exists */
+    void *user;
+} pqc__cuHost;
+
+/* The function table. Members are named after the exact symbols they come from. */
+typedef struct pqc__cuApi {
+    void *lib_driver, *lib_nvrtc, *lib_blaslt;
+    char driver_path[256], nvrtc_path[256], blaslt_path[256];
+    int driver_version;            /* cuDriverGetVersion, e.g. 13000 */
+    int device_count;
+    int nvrtc_major, nvrtc_minor;  /* nvrtcVersion */
+    size_t blaslt_version;         /* cublasLtGetVersion */
+    pqc__cuHost host;
+    char msg[512];                 /* description of the last failure */
+
+    /* driver API (libcuda) */
+    pqc__cuResult (*cuInit)(unsigned int flags);
+    pqc__cuResult (*cuDriverGetVersion)(int *version);
+    pqc__cuResult (*cuDeviceGetCount)(int *count);
+    pqc__cuResult (*cuDeviceGet)(pqc__cuDevice *dev, int ordinal);
+    pqc__cuResult (*cuDeviceGetName)(char *name, int len, pqc__cuDevice dev);
+    pqc__cuResult (*cuDeviceGetAttribute)(int *value, int attrib, pqc__cuDevice dev);
+    pqc__cuResult (*cuDeviceTotalMem_v2)(size_t *bytes, pqc__cuDevice dev);
+    pqc__cuResult (*cuDevicePrimaryCtxRetain)(pqc__cuContext *ctx, pqc__cuDevice dev);
+    pqc__cuResult (*cuDevicePrimaryCtxRelease_v2)(pqc__cuDevice dev);
+    pqc__cuResult (*cuCtxSetCurrent)(pqc__cuContext ctx);
+    pqc__cuResult (*cuCtxSynchronize)(void);
+    pqc__cuResult (*cuModuleLoadData)(pqc__cuModule *mod, const void *image);
+    pqc__cuResult (*cuModuleUnload)(pqc__cuModule mod);
+    pqc__cuResult (*cuModuleGetFunction)(pqc__cuFunction *fn, pqc__cuModule mod,
+                                         const char *name);
+    pqc__cuResult (*cuFuncSetAttribute)(pqc__cuFunction fn, int attrib, int value);
+    pqc__cuResult (*cuLaunchKernel)(pqc__cuFunction fn, unsigned int gx, unsigned int gy,
+                                    unsigned int gz, unsigned int bx, unsigned int by,
+                                    unsigned int bz, unsigned int shared_bytes,
+                                    pqc__cuStream stream, void **params, void **extra);
+    pqc__cuResult (*cuMemAlloc_v2)(pqc__cuDeviceptr *dptr, size_t bytes);
+    pqc__cuResult (*cuMemFree_v2)(pqc__cuDeviceptr dptr);
+    pqc__cuResult (*cuMemGetInfo_v2)(size_t *free_bytes, size_t *total_bytes);
+    pqc__cuResult (*cuMemHostAlloc)(void **p, size_t bytes, unsigned int flags);
+    pqc__cuResult (*cuMemFreeHost)(void *p);
+    pqc__cuResult (*cuMemHostGetDevicePointer_v2)(pqc__cuDeviceptr *dptr, void *p,
+                                                  unsigned int flags);
+    pqc__cuResult (*cuMemHostRegister_v2)(void *p, size_t bytes, unsigned int flags);
+    pqc__cuResult (*cuMemHostUnregister)(void *p);
+    pqc__cuResult (*cuMemcpyHtoD_v2)(pqc__cuDeviceptr dst, const void *src, size_t bytes);
+    pqc__cuResult (*cuMemcpyDtoH_v2)(void *dst, pqc__cuDeviceptr src, size_t bytes);
+    pqc__cuResult (*cuMemcpyHtoDAsync_v2)(pqc__cuDeviceptr dst, const void *src, size_t bytes,
+                                          pqc__cuStream stream);
+    pqc__cuResult (*cuMemcpyDtoHAsync_v2)(void *dst, pqc__cuDeviceptr src, size_t bytes,
+                                          pqc__cuStream stream);
+    pqc__cuResult (*cuMemcpyDtoDAsync_v2)(pqc__cuDeviceptr dst, pqc__cuDeviceptr src,
+                                          size_t bytes, pqc__cuStream stream);
+    pqc__cuResult (*cuMemsetD8Async)(pqc__cuDeviceptr dst, unsigned char value, size_t n,
+                                     pqc__cuStream stream);
+    pqc__cuResult (*cuMemsetD32Async)(pqc__cuDeviceptr dst, unsigned int value, size_t n,
+                                      pqc__cuStream stream);
+    pqc__cuResult (*cuStreamCreate)(pqc__cuStream *stream, unsigned int flags);
+    pqc__cuResult (*cuStreamDestroy_v2)(pqc__cuStream stream);
+    pqc__cuResult (*cuStreamSynchronize)(pqc__cuStream stream);
+    pqc__cuResult (*cuStreamWaitEvent)(pqc__cuStream stream, pqc__cuEvent ev,
+                                       unsigned int flags);
+    pqc__cuResult (*cuEventCreate)(pqc__cuEvent *ev, unsigned int flags);
+    pqc__cuResult (*cuEventDestroy_v2)(pqc__cuEvent ev);
+    pqc__cuResult (*cuEventRecord)(pqc__cuEvent ev, pqc__cuStream stream);
+    pqc__cuResult (*cuEventSynchronize)(pqc__cuEvent ev);
+    pqc__cuResult (*cuEventElapsedTime)(float *ms, pqc__cuEvent start, pqc__cuEvent end);
+    pqc__cuResult (*cuGetErrorString)(pqc__cuResult err, const char **str);
+    pqc__cuResult (*cuGetErrorName)(pqc__cuResult err, const char **str);
+
+    /* NVRTC */
+    pqc__cuNvrtcResult (*nvrtcVersion)(int *major, int *minor);
+    pqc__cuNvrtcResult (*nvrtcGetNumSupportedArchs)(int *n);     /* optional */
+    pqc__cuNvrtcResult (*nvrtcGetSupportedArchs)(int *archs);    /* optional */
+    pqc__cuNvrtcResult (*nvrtcCreateProgram)(pqc__cuNvrtcProgram *prog, const char *src,
+                                             const char *name, int num_headers,
+                                             const char *const *headers,
+                                             const char *const *include_names);
+    pqc__cuNvrtcResult (*nvrtcDestroyProgram)(pqc__cuNvrtcProgram *prog);
+    pqc__cuNvrtcResult (*nvrtcCompileProgram)(pqc__cuNvrtcProgram prog, int num_options,
+                                              const char *const *options);
+    pqc__cuNvrtcResult (*nvrtcGetPTXSize)(pqc__cuNvrtcProgram prog, size_t *size);
+    pqc__cuNvrtcResult (*nvrtcGetPTX)(pqc__cuNvrtcProgram prog, char *ptx);
+    pqc__cuNvrtcResult (*nvrtcGetCUBINSize)(pqc__cuNvrtcProgram prog, size_t *size); /* optional */
+    pqc__cuNvrtcResult (*nvrtcGetCUBIN)(pqc__cuNvrtcProgram prog, char *cubin);      /* optional */
+    pqc__cuNvrtcResult (*nvrtcGetProgramLogSize)(pqc__cuNvrtcProgram prog, size_t *size);
+    pqc__cuNvrtcResult (*nvrtcGetProgramLog)(pqc__cuNvrtcProgram prog, char *log);
+    const char *(*nvrtcGetErrorString)(pqc__cuNvrtcResult result);
+
+    /* cuBLASLt (optional library) */
+    pqc__cuBlasStatus (*cublasLtCreate)(pqc__cuBlasLtHandle *handle);
+    pqc__cuBlasStatus (*cublasLtDestroy)(pqc__cuBlasLtHandle handle);
+    size_t (*cublasLtGetVersion)(void);
+    pqc__cuBlasStatus (*cublasLtMatmulDescCreate)(pqc__cuBlasLtMatmulDesc *desc,
+                                                  int compute_type, int scale_type);
+    pqc__cuBlasStatus (*cublasLtMatmulDescDestroy)(pqc__cuBlasLtMatmulDesc desc);
+    pqc__cuBlasStatus (*cublasLtMatmulDescSetAttribute)(pqc__cuBlasLtMatmulDesc desc,
+                                                        int attr, const void *buf,
+                                                        size_t size);
+    pqc__cuBlasStatus (*cublasLtMatrixLayoutCreate)(pqc__cuBlasLtMatrixLayout *layout,
+                                                    int type, uint64_t rows, uint64_t cols,
+                                                    int64_t ld);
+    pqc__cuBlasStatus (*cublasLtMatrixLayoutDestroy)(pqc__cuBlasLtMatrixLayout layout);
+    pqc__cuBlasStatus (*cublasLtMatmulPreferenceCreate)(pqc__cuBlasLtMatmulPreference *pref);
+    pqc__cuBlasStatus (*cublasLtMatmulPreferenceDestroy)(pqc__cuBlasLtMatmulPreference pref);
+    pqc__cuBlasStatus (*cublasLtMatmulPreferenceSetAttribute)(
+        pqc__cuBlasLtMatmulPreference pref, int attr, const void *buf, size_t size);
+    pqc__cuBlasStatus (*cublasLtMatmulAlgoGetHeuristic)(
+        pqc__cuBlasLtHandle handle, pqc__cuBlasLtMatmulDesc desc,
+        pqc__cuBlasLtMatrixLayout a, pqc__cuBlasLtMatrixLayout b,
+        pqc__cuBlasLtMatrixLayout c, pqc__cuBlasLtMatrixLayout d,
+        pqc__cuBlasLtMatmulPreference pref, int requested,
+        pqc__cuBlasLtHeuristicResult *results, int *returned);
+    pqc__cuBlasStatus (*cublasLtMatmul)(
+        pqc__cuBlasLtHandle handle, pqc__cuBlasLtMatmulDesc desc, const void *alpha,
+        const void *A, pqc__cuBlasLtMatrixLayout a_desc, const void *B,
+        pqc__cuBlasLtMatrixLayout b_desc, const void *beta, const void *C,
+        pqc__cuBlasLtMatrixLayout c_desc, void *D, pqc__cuBlasLtMatrixLayout d_desc,
+        const pqc__cuBlasLtMatmulAlgo *algo, void *workspace, size_t workspace_bytes,
+        pqc__cuStream stream);
+} pqc__cuApi;
+
+/* One opened device: its primary context and the properties the backend needs. */
+typedef struct pqc__cuDev {
+    pqc__cuDevice dev;
+    pqc__cuContext ctx;
+    int ordinal;
+    int cc_major, cc_minor;  /* compute capability */
+    int sm_count;
+    int can_map_host;        /* mapped pinned memory usable from kernels */
+    int smem_optin;          /* max dynamic shared memory per block after opt-in */
+    size_t total_mem;
+    char name[128];
+} pqc__cuDev;
+
+/* dlsym returns void*; ISO C has no conversion to a function pointer, so the object
+   representation is copied instead (POSIX guarantees they have the same size). */
+typedef char pqc__cu_fnptr_is_pointer_sized[sizeof(void *) == sizeof(void (*)(void)) ? 1 : -1];
+
+typedef struct pqc__cuSym {
+    const char *name;
+    const char *alt;  /* same signature under another name, or NULL */
+    size_t offset;    /* of the member in pqc__cuApi */
+    int optional;
+} pqc__cuSym;
+
+#define PQC__CU_SYM(member, alt, opt) { #member, alt, offsetof(pqc__cuApi, member), opt }
+
+static const pqc__cuSym pqc__cu_driver_syms[] = {
+    PQC__CU_SYM(cuInit, NULL, 0),
+    PQC__CU_SYM(cuDriverGetVersion, NULL, 0),
+    PQC__CU_SYM(cuDeviceGetCount, NULL, 0),
+    PQC__CU_SYM(cuDeviceGet, NULL, 0),
+    PQC__CU_SYM(cuDeviceGetName, NULL, 0),
+    PQC__CU_SYM(cuDeviceGetAttribute, NULL, 0),
+    PQC__CU_SYM(cuDeviceTotalMem_v2, NULL, 0),
+    PQC__CU_SYM(cuDevicePrimaryCtxRetain, NULL, 0),
+    PQC__CU_SYM(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 0),
+    PQC__CU_SYM(cuCtxSetCurrent, NULL, 0),
+    PQC__CU_SYM(cuCtxSynchronize, NULL, 0),
+    PQC__CU_SYM(cuModuleLoadData, NULL, 0),
+    PQC__CU_SYM(cuModuleUnload, NULL, 0),
+    PQC__CU_SYM(cuModuleGetFunction, NULL, 0),
+    PQC__CU_SYM(cuFuncSetAttribute, NULL, 0),
+    PQC__CU_SYM(cuLaunchKernel, NULL, 0),
+    PQC__CU_SYM(cuMemAlloc_v2, NULL, 0),
+    PQC__CU_SYM(cuMemFree_v2, NULL, 0),
+    PQC__CU_SYM(cuMemGetInfo_v2, NULL, 0),
+    PQC__CU_SYM(cuMemHostAlloc, NULL, 0),
+    PQC__CU_SYM(cuMemFreeHost, NULL, 0),
+    PQC__CU_SYM(cuMemHostGetDevicePointer_v2, NULL, 0),
+    PQC__CU_SYM(cuMemHostRegister_v2, NULL, 0),
+    PQC__CU_SYM(cuMemHostUnregister, NULL, 0),
+    PQC__CU_SYM(cuMemcpyHtoD_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyDtoH_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyHtoDAsync_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyDtoHAsync_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyDtoDAsync_v2, NULL, 0),
+    PQC__CU_SYM(cuMemsetD8Async, NULL, 0),
+    PQC__CU_SYM(cuMemsetD32Async, NULL, 0),
+    PQC__CU_SYM(cuStreamCreate, NULL, 0),
+    PQC__CU_SYM(cuStreamDestroy_v2, NULL, 0),
+    PQC__CU_SYM(cuStreamSynchronize, NULL, 0),
+    PQC__CU_SYM(cuStreamWaitEvent, NULL, 0),
+    PQC__CU_SYM(cuEventCreate, NULL, 0),
+    PQC__CU_SYM(cuEventDestroy_v2, NULL, 0),
+    PQC__CU_SYM(cuEventRecord, NULL, 0),
+    PQC__CU_SYM(cuEventSynchronize, NULL, 0),
+    /* cuEventElapsedTime_v2 (CUDA 12.8+) has the same signature as the original */
+    { "cuEventElapsedTime_v2", "cuEventElapsedTime", offsetof(pqc__cuApi, cuEventElapsedTime), 0 },
+    PQC__CU_SYM(cuGetErrorString, NULL, 0),
+    PQC__CU_SYM(cuGetErrorName, NULL, 0)
+};
+
+static const pqc__cuSym pqc__cu_nvrtc_syms[] = {
+    PQC__CU_SYM(nvrtcVersion, NULL, 0),
+    PQC__CU_SYM(nvrtcGetNumSupportedArchs, NULL, 1),
+    PQC__CU_SYM(nvrtcGetSupportedArchs, NULL, 1),
+    PQC__CU_SYM(nvrtcCreateProgram, NULL, 0),
+    PQC__CU_SYM(nvrtcDestroyProgram, NULL, 0),
+    PQC__CU_SYM(nvrtcCompileProgram, NULL, 0),
+    PQC__CU_SYM(nvrtcGetPTXSize, NULL, 0),
+    PQC__CU_SYM(nvrtcGetPTX, NULL, 0),
+    PQC__CU_SYM(nvrtcGetCUBINSize, NULL, 1),
+    PQC__CU_SYM(nvrtcGetCUBIN, NULL, 1),
+    PQC__CU_SYM(nvrtcGetProgramLogSize, NULL, 0),
+    PQC__CU_SYM(nvrtcGetProgramLog, NULL, 0),
+    PQC__CU_SYM(nvrtcGetErrorString, NULL, 0)
+};
+
+static const pqc__cuSym pqc__cu_blaslt_syms[] = {
+    PQC__CU_SYM(cublasLtCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtGetVersion, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulDescCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulDescDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulDescSetAttribute, NULL, 0),
+    PQC__CU_SYM(cublasLtMatrixLayoutCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtMatrixLayoutDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulPreferenceCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulPreferenceDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulPreferenceSetAttribute, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulAlgoGetHeuristic, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmul, NULL, 0)
+};
+
+#define PQC__CU_COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* ------------------------------------------------------------------------------------ */
+/* Utilities                                                                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* Readable name of a loader status code. */
+PQC__CU_FN const char *pqc__cu_status_string(int status)
+{
+    switch (status) {
+    case PQC__CU_OK: return "ok";
+    case PQC__CU_ERR_NO_DRIVER: return "no CUDA driver";
+    case PQC__CU_ERR_DRIVER_SYMBOL: return "CUDA driver lacks a required function";
+    case PQC__CU_ERR_DRIVER_INIT: return "CUDA driver failed to initialise";
+    case PQC__CU_ERR_NO_DEVICE: return "no CUDA device";
+    case PQC__CU_ERR_NO_NVRTC: return "NVRTC not found";
+    case PQC__CU_ERR_NVRTC_SYMBOL: return "NVRTC lacks a required function";
+    case PQC__CU_ERR_NO_CUBLASLT: return "cuBLASLt not found";
+    case PQC__CU_ERR_CUBLASLT_SYMBOL: return "cuBLASLt lacks a required function";
+    case PQC__CU_ERR_COMPILE: return "kernel compilation failed";
+    case PQC__CU_ERR_ARCH: return "NVRTC cannot target this GPU";
+    case PQC__CU_ERR_MODULE: return "the driver rejected the compiled kernels";
+    case PQC__CU_ERR_CUDA: return "CUDA call failed";
+    case PQC__CU_ERR_ALLOC: return "out of memory";
+    case PQC__CU_ERR_INVALID: return "invalid argument";
+    default: return "unknown status";
+    }
+}
+
+/* Sets api->msg (printf-style, truncated) and evaluates to status. */
+#define PQC__CU_FAIL(api, status, ...) \
+    (snprintf((api)->msg, sizeof((api)->msg), __VA_ARGS__), (status))
+
+/* Name of a driver error code ("CUDA_ERROR_OUT_OF_MEMORY"). */
+PQC__CU_FN const char *pqc__cu_error_name(pqc__cuApi *api, pqc__cuResult r)
+{
+    const char *s = NULL;
+    if (api->cuGetErrorName && api->cuGetErrorName(r, &s) == PQC__CU_SUCCESS && s) return s;
+    return "unknown CUresult";
+}
+
+/* Checks a driver result: on failure sets api->msg to "<what>: <name> (<string>)" and
+   returns PQC__CU_ERR_CUDA, else PQC__CU_OK. */
+PQC__CU_FN int pqc__cu_check(pqc__cuApi *api, pqc__cuResult r, const char *what)
+{
+    const char *str = NULL;
+    if (r == PQC__CU_SUCCESS) return PQC__CU_OK;
+    if (api->cuGetErrorString) api->cuGetErrorString(r, &str);
+    return PQC__CU_FAIL(api, PQC__CU_ERR_CUDA, "%s failed: %s (%s)", what,
+                        pqc__cu_error_name(api, r), str ? str : "no description");
+}
+
+/* FNV-1a 64-bit hash of n bytes, continuing from h (start with 14695981039346656037). */
+#define PQC__CU_FNV_OFFSET 14695981039346656037ull
+PQC__CU_FN uint64_t pqc__cu_fnv1a64(const void *data, size_t n, uint64_t h)
+{
+    const unsigned char *p = (const unsigned char *)data;
+    size_t i;
+    for (i = 0; i < n; ++i) {
+        h ^= p[i];
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+PQC__CU_FN void *pqc__cu_alloc(pqc__cuApi *api, size_t n)
+{
+    return api->host.alloc ? api->host.alloc(n, api->host.user) : NULL;
+}
+
+PQC__CU_FN void pqc__cu_free(pqc__cuApi *api, void *p)
+{
+    if (p && api->host.free) api->host.free(p, api->host.user);
+}
+
+PQC__CU_FN const char *pqc__cu_getenv(pqc__cuApi *api, const char *name)
+{
+    const char *v = api->host.get_env ? api->host.get_env(name, api->host.user) : NULL;
+    return v && v[0] ? v : NULL;
+}
+
+/* Zeroes the table and records the host services (host may be NULL). */
+PQC__CU_FN void pqc__cu_api_init(pqc__cuApi *api, const pqc__cuHost *host)
+{
+    memset(api, 0, sizeof(*api));
+    if (host) api->host = *host;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Library loading                                                                      */
+/* ------------------------------------------------------------------------------------ */
+
+/* Resolves syms from lib into api. Returns the first missing required symbol, or NULL
+   when all are present (missing optional ones are left NULL). */
+PQC__CU_FN const char *pqc__cu_resolve(pqc__cuApi *api, void *lib, const pqc__cuSym *syms,
+                                       int n)
+{
+    int i;
+    for (i = 0; i < n; ++i) {
+        void *p;
+        dlerror();
+        p = dlsym(lib, syms[i].name);
+        if (!p && syms[i].alt) p = dlsym(lib, syms[i].alt);
+        if (!p && !syms[i].optional) return syms[i].name;
+        memcpy((char *)api + syms[i].offset, &p, sizeof(p));
+    }
+    return NULL;
+}
+
+/* Clears the members of syms in api. */
+PQC__CU_FN void pqc__cu_clear(pqc__cuApi *api, const pqc__cuSym *syms, int n)
+{
+    int i;
+    void *p = NULL;
+    for (i = 0; i < n; ++i) memcpy((char *)api + syms[i].offset, &p, sizeof(p));
+}
+
+/* dlopens the first of names[0..n) that loads (NULL entries are skipped), copies its
+   name into path and returns the handle, or NULL. */
+PQC__CU_FN void *pqc__cu_dlopen_first(const char *const *names, int n, char *path,
+                                      size_t path_size)
+{
+    int i;
+    for (i = 0; i < n; ++i) {
+        void *lib;
+        if (!names[i]) continue;
+        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (lib) {
+            snprintf(path, path_size, "%s", names[i]);
+            return lib;
+        }
+    }
+    return NULL;
+}
+
+/* Opens the driver library from names[0..n) (the first that loads) and resolves the
+   driver table. Does not call cuInit. Fails with PQC__CU_ERR_NO_DRIVER or
+   PQC__CU_ERR_DRIVER_SYMBOL (the message names the missing symbol). */
+PQC__CU_FN int pqc__cu_open_driver(pqc__cuApi *api, const char *const *names, int n)
+{
+    const char *missing;
+    void *lib = pqc__cu_dlopen_first(names, n, api->driver_path, sizeof(api->driver_path));
+    if (!lib)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DRIVER, "no CUDA driver (%s not found)",
+                            n > 0 && names[0] ? names[0] : "libcuda.so.1");
+    missing = pqc__cu_resolve(api, lib, pqc__cu_driver_syms, PQC__CU_COUNT(pqc__cu_driver_syms));
+    if (missing) {
+        pqc__cu_clear(api, pqc__cu_driver_syms, PQC__CU_COUNT(pqc__cu_driver_syms));
+        dlclose(lib);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_DRIVER_SYMBOL,
+                            "CUDA driver library %s lacks symbol %s (driver too old?)",
+                            api->driver_path, missing);
+    }
+    api->lib_driver = lib;
+    return PQC__CU_OK;
+}
+
+/* Opens the driver from its usual names: libcuda.so.1, then libcuda.so. */
+PQC__CU_FN int pqc__cu_load_driver(pqc__cuApi *api)
+{
+    static const char *const names[] = { "libcuda.so.1", "libcuda.so" };
+    return pqc__cu_open_driver(api, names, PQC__CU_COUNT(names));
+}
+
+/* cuInit + version + device count. Needs the driver table. */
+PQC__CU_FN int pqc__cu_init_driver(pqc__cuApi *api)
+{
+    pqc__cuResult r;
+    if (!api->lib_driver) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver not loaded");
+    r = api->cuInit(0);
+    if (r == PQC__CU_ERROR_NO_DEVICE) return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device");
+    if (r == PQC__CU_ERROR_STUB_LIBRARY)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_DRIVER_INIT,
+                            "no CUDA driver (%s is the toolkit's stub library)", api->driver_path);
+    if (r != PQC__CU_SUCCESS) {
+        pqc__cu_check(api, r, "cuInit");
+        return PQC__CU_ERR_DRIVER_INIT;
+    }
+    if (api->cuDriverGetVersion(&api->driver_version) != PQC__CU_SUCCESS) api->driver_version = 0;
+    if (api->cuDeviceGetCount(&api->device_count) != PQC__CU_SUCCESS || api->device_count <= 0)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device");
+    return PQC__CU_OK;
+}
+
+/* Opens NVRTC from names[0..n) and resolves its table; records its version. */
+PQC__CU_FN int pqc__cu_open_nvrtc(pqc__cuApi *api, const char *const *names, int n)
+{
+    const char *missing;
+    void *lib = pqc__cu_dlopen_first(names, n, api->nvrtc_path, sizeof(api->nvrtc_path));
+    if (!lib)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_NVRTC,
+                            "NVRTC not found (libnvrtc.so.13, .12 or libnvrtc.so; "
+                            "set PQC_NVRTC_PATH to its full path)");
+    missing = pqc__cu_resolve(api, lib, pqc__cu_nvrtc_syms, PQC__CU_COUNT(pqc__cu_nvrtc_syms));
+    if (missing) {
+        pqc__cu_clear(api, pqc__cu_nvrtc_syms, PQC__CU_COUNT(pqc__cu_nvrtc_syms));
+        dlclose(lib);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NVRTC_SYMBOL, "NVRTC library %s lacks symbol %s",
+                            api->nvrtc_path, missing);
+    }
+    api->lib_nvrtc = lib;
+    if (api->nvrtcVersion(&api->nvrtc_major, &api->nvrtc_minor) != 0) {
+        api->nvrtc_major = 0;
+        api->nvrtc_minor = 0;
+    }
+    return PQC__CU_OK;
+}
+
+/* Opens NVRTC: $PQC_NVRTC_PATH, then libnvrtc.so.13, .12 and libnvrtc.so on the loader
+   path, then the same names in /usr/local/cuda/lib64. */
+PQC__CU_FN int pqc__cu_load_nvrtc(pqc__cuApi *api)
+{
+    const char *names[7];
+    names[0] = pqc__cu_getenv(api, "PQC_NVRTC_PATH");
+    names[1] = "libnvrtc.so.13";
+    names[2] = "libnvrtc.so.12";
+    names[3] = "libnvrtc.so";
+    names[4] = "/usr/local/cuda/lib64/libnvrtc.so.13";
+    names[5] = "/usr/local/cuda/lib64/libnvrtc.so.12";
+    names[6] = "/usr/local/cuda/lib64/libnvrtc.so";
+    return pqc__cu_open_nvrtc(api, names, 7);
+}
+
+/* Opens cuBLASLt from names[0..n) and resolves its table. */
+PQC__CU_FN int pqc__cu_open_blaslt(pqc__cuApi *api, const char *const *names, int n)
+{
+    const char *missing;
+    void *lib = pqc__cu_dlopen_first(names, n, api->blaslt_path, sizeof(api->blaslt_path));
+    if (!lib)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_CUBLASLT,
+                            "cuBLASLt not found (libcublasLt.so.13 or .12)");
+    missing = pqc__cu_resolve(api, lib, pqc__cu_blaslt_syms, PQC__CU_COUNT(pqc__cu_blaslt_syms));
+    if (missing) {
+        pqc__cu_clear(api, pqc__cu_blaslt_syms, PQC__CU_COUNT(pqc__cu_blaslt_syms));
+        dlclose(lib);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_CUBLASLT_SYMBOL,
+                            "cuBLASLt library %s lacks symbol %s", api->blaslt_path, missing);
+    }
+    api->lib_blaslt = lib;
+    api->blaslt_version = api->cublasLtGetVersion();
+    return PQC__CU_OK;
+}
+
+/* Opens cuBLASLt from its usual names (loader path, then /usr/local/cuda/lib64). */
+PQC__CU_FN int pqc__cu_load_blaslt(pqc__cuApi *api)
+{
+    static const char *const names[] = {
+        "libcublasLt.so.13", "libcublasLt.so.12",
+        "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12"
+    };
+    return pqc__cu_open_blaslt(api, names, PQC__CU_COUNT(names));
+}
+
+/* Closes every library and clears the table (keeps the host services). */
+PQC__CU_FN void pqc__cu_unload(pqc__cuApi *api)
+{
+    pqc__cuHost host = api->host;
+    if (api->lib_blaslt) dlclose(api->lib_blaslt);
+    if (api->lib_nvrtc) dlclose(api->lib_nvrtc);
+    if (api->lib_driver) dlclose(api->lib_driver);
+    pqc__cu_api_init(api, &host);
+}
+
+/* Everything the backend needs: driver (loaded and initialised, at least one device)
+   and NVRTC; cuBLASLt too when want_blaslt (its absence is then not an error:
+   api->lib_blaslt stays NULL). On failure nothing stays loaded and api->msg says why,
+   e.g. "no CUDA driver (libcuda.so.1 not found)", "no CUDA device", "NVRTC not found". */
+PQC__CU_FN int pqc__cu_load(pqc__cuApi *api, int want_blaslt)
+{
+    int st = pqc__cu_load_driver(api);
+    if (st == PQC__CU_OK) st = pqc__cu_init_driver(api);
+    if (st == PQC__CU_OK) st = pqc__cu_load_nvrtc(api);
+    if (st != PQC__CU_OK) {
+        char msg[sizeof(api->msg)];
+        memcpy(msg, api->msg, sizeof(msg));
+        pqc__cu_unload(api);
+        memcpy(api->msg, msg, sizeof(msg));
+        return st;
+    }
+    if (want_blaslt) pqc__cu_load_blaslt(api);
+    api->msg[0] = '\0';
+    return PQC__CU_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Devices                                                                              */
+/* ------------------------------------------------------------------------------------ */
+
+/* Retains the primary context of device `ordinal`, makes it current on the calling
+   thread and reads its properties. Any other thread that calls the driver must first
+   make d->ctx current with api->cuCtxSetCurrent. */
+PQC__CU_FN int pqc__cu_device_open(pqc__cuApi *api, int ordinal, pqc__cuDev *d)
+{
+    int st;
+    memset(d, 0, sizeof(*d));
+    if (!api->lib_driver) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver not loaded");
+    if (ordinal < 0 || ordinal >= api->device_count)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device %d (%d present)",
+                            ordinal, api->device_count);
+    d->ordinal = ordinal;
+    if ((st = pqc__cu_check(api, api->cuDeviceGet(&d->dev, ordinal), "cuDeviceGet"))) return st;
+    if ((st = pqc__cu_check(api, api->cuDevicePrimaryCtxRetain(&d->ctx, d->dev),
+                            "cuDevicePrimaryCtxRetain")))
+        return st;
+    if ((st = pqc__cu_check(api, api->cuCtxSetCurrent(d->ctx), "cuCtxSetCurrent"))) {
+        api->cuDevicePrimaryCtxRelease_v2(d->dev);
+        d->ctx = NULL;
+        return st;
+    }
+    api->cuDeviceGetAttribute(&d->cc_major, PQC__CU_ATTR_CC_MAJOR, d->dev);
+    api->cuDeviceGetAttribute(&d->cc_minor, PQC__CU_ATTR_CC_MINOR, d->dev);
+    api->cuDeviceGetAttribute(&d->sm_count, PQC__CU_ATTR_MULTIPROCESSOR_COUNT, d->dev);
+    api->cuDeviceGetAttribute(&d->can_map_host, PQC__CU_ATTR_CAN_MAP_HOST_MEMORY, d->dev);
+    api->cuDeviceGetAttribute(&d->smem_optin, PQC__CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN, d->dev);
+    api->cuDeviceTotalMem_v2(&d->total_mem, d->dev);
+    if (api->cuDeviceGetName(d->name, (int)sizeof(d->name), d->dev) != PQC__CU_SUCCESS)
+        snprintf(d->name, sizeof(d->name), "CUDA device %d", ordinal);
+    d->name[sizeof(d->name) - 1] = '\0';
+    return PQC__CU_OK;
+}
+
+/* Releases the primary context retained by pqc__cu_device_open. */
+PQC__CU_FN void pqc__cu_device_close(pqc__cuApi *api, pqc__cuDev *d)
+{
+    if (d->ctx && api->lib_driver) {
+        api->cuCtxSetCurrent(NULL);
+        api->cuDevicePrimaryCtxRelease_v2(d->dev);
+    }
+    d->ctx = NULL;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* NVRTC compilation                                                                    */
+/* ------------------------------------------------------------------------------------ */
+
+/* Chooses what to compile for a device of compute capability cc (major*10 + minor):
+   a cubin for sm_cc when NVRTC supports it, else PTX for the newest architecture NVRTC
+   supports below cc (the driver JIT-compiles it). */
+PQC__CU_FN int pqc__cu_pick_arch(pqc__cuApi *api, int cc, int *arch, int *cubin)
+{
+    int n = 0, i, best = 0, archs[128];
+    if (!api->lib_nvrtc) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "NVRTC not loaded");
+    *arch = cc;
+    *cubin = api->nvrtcGetCUBIN != NULL;
+    if (!api->nvrtcGetNumSupportedArchs || !api->nvrtcGetSupportedArchs) return PQC__CU_OK;
+    if (api->nvrtcGetNumSupportedArchs(&n) != 0 || n <= 0 || n > 128) return PQC__CU_OK;
+    if (api->nvrtcGetSupportedArchs(archs) != 0) return PQC__CU_OK;
+    for (i = 0; i < n; ++i) {
+        if (archs[i] == cc) return PQC__CU_OK;
+        if (archs[i] < cc && archs[i] > best) best = archs[i];
+    }
+    if (!best)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_ARCH,
+                            "NVRTC %d.%d cannot compile for sm_%d (oldest supported: sm_%d)",
+                            api->nvrtc_major, api->nvrtc_minor, cc, archs[0]);
+    *arch = best;
+    *cubin = 0;
+    return PQC__CU_OK;
+}
+
+/* Compiles src with NVRTC for arch (e.g. 90): a cubin (--gpu-architecture=sm_90) when
+   cubin is non-zero, else NUL-terminated PTX (--gpu-architecture=compute_90). On success
+   *image (from host->alloc; release with pqc__cu_free) and *size are set. The compiler
+   log (warnings, errors) is copied into log when log_size > 0, truncated and always
+   NUL-terminated. */
+PQC__CU_FN int pqc__cu_compile(pqc__cuApi *api, const char *src, const char *name, int arch,
+                               int cubin, void **image, size_t *size, char *log,
+                               size_t log_size)
+{
+    pqc__cuNvrtcProgram prog = NULL;
+    pqc__cuNvrtcResult r;
+    char opt_arch[64];
+    const char *opts[2];
+    size_t n = 0, lsz = 0;
+    int st = PQC__CU_OK;
+    void *img;
+
+    *image = NULL;
+    *size = 0;
+    if (log && log_size) log[0] = '\0';
+    if (!api->lib_nvrtc) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "NVRTC not loaded");
+    if (cubin && (!api->nvrtcGetCUBINSize || !api->nvrtcGetCUBIN))
+        return PQC__CU_FAIL(api, PQC__CU_ERR_ARCH, "this NVRTC cannot produce cubins");
+    if (!api->host.alloc) return PQC__CU_FAIL(api, PQC__CU_ERR_ALLOC, "no allocator given");
+    snprintf(opt_arch, sizeof(opt_arch), "--gpu-architecture=%s_%d", cubin ? "sm" : "compute",
+             arch);
+    opts[0] = opt_arch;
+    opts[1] = "-DPQC_NVRTC=1";
+
+    r = api->nvrtcCreateProgram(&prog, src, name ? name : "pqcache_kernels.cu", 0, NULL, NULL);
+    if (r != 0)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "nvrtcCreateProgram failed: %s",
+                            api->nvrtcGetErrorString(r));
+    r = api->nvrtcCompileProgram(prog, 2, opts);
+    if (api->nvrtcGetProgramLogSize(prog, &lsz) == 0 && lsz > 1 && log && log_size) {
+        char *full = (char *)pqc__cu_alloc(api, lsz);
+        if (full && api->nvrtcGetProgramLog(prog, full) == 0) {
+            size_t c = lsz - 1 < log_size - 1 ? lsz - 1 : log_size - 1;
+            memcpy(log, full, c);
+            log[c] = '\0';
+        }
+        pqc__cu_free(api, full);
+    }
+    if (r != 0) {
+        st = PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "NVRTC %d.%d failed to compile for %s_%d: %s",
+                          api->nvrtc_major, api->nvrtc_minor, cubin ? "sm" : "compute", arch,
+                          api->nvrtcGetErrorString(r));
+        api->nvrtcDestroyProgram(&prog);
+        return st;
+    }
+    r = cubin ? api->nvrtcGetCUBINSize(prog, &n) : api->nvrtcGetPTXSize(prog, &n);
+    if (r != 0 || n == 0) {
+        api->nvrtcDestroyProgram(&prog);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "NVRTC produced no %s",
+                            cubin ? "cubin" : "PTX");
+    }
+    img = pqc__cu_alloc(api, n);
+    if (!img) {
+        api->nvrtcDestroyProgram(&prog);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_ALLOC, "out of memory (%lu bytes)", (unsigned long)n);
+    }
+    r = cubin ? api->nvrtcGetCUBIN(prog, (char *)img) : api->nvrtcGetPTX(prog, (char *)img);
+    api->nvrtcDestroyProgram(&prog);
+    if (r != 0) {
+        pqc__cu_free(api, img);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "reading the NVRTC output failed: %s",
+                            api->nvrtcGetErrorString(r));
+    }
+    *image = img;
+    *size = n;
+    return PQC__CU_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Compiled-image cache on disk                                                         */
+/* ------------------------------------------------------------------------------------ */
+
+/* Cache file: 32-byte header ("PQCKIMG1", key, image size, FNV-1a of the image, all
+   64-bit little endian) followed by the image. The file name repeats the key, the
+   architecture and the NVRTC version so that versions never collide. */
+#define PQC__CU_CACHE_MAGIC "PQCKIMG1"
+
+/* Cache key of (source, arch, cubin/PTX, NVRTC version). */
+PQC__CU_FN uint64_t pqc__cu_cache_key(const pqc__cuApi *api, const char *src, int arch, int cubin)
+{
+    int meta[4];
+    uint64_t h = pqc__cu_fnv1a64(src, strlen(src), PQC__CU_FNV_OFFSET);
+    meta[0] = arch;
+    meta[1] = cubin;
+    meta[2] = api->nvrtc_major;
+    meta[3] = api->nvrtc_minor;
+    return pqc__cu_fnv1a64(meta, sizeof(meta), h);
+}
+
+/* Makes every missing directory of path with host->make_dir (no-op without it). */
+PQC__CU_FN void pqc__cu_make_dirs(pqc__cuApi *api, const char *path)
+{
+    char buf[512];
+    size_t i, n = strlen(path);
+    if (!api->host.make_dir || n == 0 || n >= sizeof(buf)) return;
+    memcpy(buf, path, n + 1);
+    for (i = 1; i <= n; ++i) {
+        if (buf[i] == '/' || buf[i] == '\0') {
+            char c = buf[i];
+            buf[i] = '\0';
+            api->host.make_dir(buf, api->host.user);
+            buf[i] = c;
+        }
+    }
+}
+
+/* The cache directory: dir when given, else $XDG_CACHE_HOME/pqcache, else
+   $HOME/.cache/pqcache (created when host->make_dir is set). Returns 0 when a directory
+   was found, -1 when there is none (caching is then skipped). */
+PQC__CU_FN int pqc__cu_cache_dir(pqc__cuApi *api, const char *dir, char *out, size_t out_size)
+{
+    const char *xdg = pqc__cu_getenv(api, "XDG_CACHE_HOME");
+    const char *home = pqc__cu_getenv(api, "HOME");
+    int n;
+    if (dir && dir[0]) n = snprintf(out, out_size, "%s", dir);
+    else if (xdg) n = snprintf(out, out_size, "%s/pqcache", xdg);
+    else if (home) n = snprintf(out, out_size, "%s/.cache/pqcache", home);
+    else return -1;
+    if (n <= 0 || (size_t)n >= out_size) return -1;
+    pqc__cu_make_dirs(api, out);
+    return 0;
+}
+
+/* File name of a cached image inside dir. Returns 0, or -1 when it does not fit. */
+PQC__CU_FN int pqc__cu_cache_path(const pqc__cuApi *api, const char *dir, uint64_t key, int arch,
+                                  int cubin, char *out, size_t out_size)
+{
+    int n = snprintf(out, out_size, "%s/pqc-%08lx%08lx-%s%d-nvrtc%d.%d.%s", dir,
+                     (unsigned long)(key >> 32), (unsigned long)(key & 0xffffffffu),
+                     cubin ? "sm" : "compute", arch, api->nvrtc_major, api->nvrtc_minor,
+                     cubin ? "cubin" : "ptx");
+    return n > 0 && (size_t)n < out_size ? 0 : -1;
+}
+
+PQC__CU_FN void pqc__cu_put64(unsigned char *p, uint64_t v)
+{
+    int i;
+    for (i = 0; i < 8; ++i) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+PQC__CU_FN uint64_t pqc__cu_get64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    int i;
+    for (i = 7; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+}
+
+/* Reads a cached image. Returns 1 and sets *image (host->alloc) / *size on a valid hit,
+   0 when the file is absent, of another key, truncated or corrupt. */
+PQC__CU_FN int pqc__cu_cache_read(pqc__cuApi *api, const char *path, uint64_t key, void **image,
+                                  size_t *size)
+{
+    unsigned char hdr[32];
+    uint64_t n;
+    void *img;
+    FILE *f = fopen(path, "rb");
+    *image = NULL;
+    *size = 0;
+    if (!f) return 0;
+    if (fread(hdr, 1, 32, f) != 32 || memcmp(hdr, PQC__CU_CACHE_MAGIC, 8) != 0 ||
+        pqc__cu_get64(hdr + 8) != key) {
+        fclose(f);
+        return 0;
+    }
+    n = pqc__cu_get64(hdr + 16);
+    if (n == 0 || n > ((uint64_t)1 << 30) || !(img = pqc__cu_alloc(api, (size_t)n))) {
+        fclose(f);
+        return 0;
+    }
+    if (fread(img, 1, (size_t)n, f) != (size_t)n ||
+        pqc__cu_fnv1a64(img, (size_t)n, PQC__CU_FNV_OFFSET) != pqc__cu_get64(hdr + 24)) {
+        fclose(f);
+        pqc__cu_free(api, img);
+        return 0;
+    }
+    fclose(f);
+    *image = img;
+    *size = (size_t)n;
+    return 1;
+}
+
+/* Writes a cached image (to a temporary name, then renamed into place, so that readers
+   never see a partial file). Returns 0 on success, -1 on failure (not fatal). */
+PQC__CU_FN int pqc__cu_cache_write(pqc__cuApi *api, const char *path, uint64_t key,
+                                   const void *image, size_t size)
+{
+    char tmp[600];
+    unsigned char hdr[32];
+    FILE *f;
+    int ok;
+    (void)api;
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp%lx", path,
+                 (unsigned long)(((uintptr_t)&f >> 4) ^ (uintptr_t)key)) >= (int)sizeof(tmp))
+        return -1;
+    memcpy(hdr, PQC__CU_CACHE_MAGIC, 8);
+    pqc__cu_put64(hdr + 8, key);
+    pqc__cu_put64(hdr + 16, (uint64_t)size);
+    pqc__cu_put64(hdr + 24, pqc__cu_fnv1a64(image, size, PQC__CU_FNV_OFFSET));
+    f = fopen(tmp, "wb");
+    if (!f) return -1;
+    ok = fwrite(hdr, 1, 32, f) == 32 && fwrite(image, 1, size, f) == size;
+    ok = (fclose(f) == 0) && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        remove(tmp);
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Module                                                                               */
+/* ------------------------------------------------------------------------------------ */
+
+/* Builds the kernels of src for device d and loads them: picks the target
+   (pqc__cu_pick_arch), looks the image up in the disk cache (cache_dir as for
+   pqc__cu_cache_dir; "-" disables the cache), compiles on a miss and stores the result,
+   then cuModuleLoadData. *from_cache (may be NULL) tells whether the cache served it.
+   The NVRTC log goes to log as for pqc__cu_compile. */
+PQC__CU_FN int pqc__cu_build_module(pqc__cuApi *api, const pqc__cuDev *d, const char *src,
+                                    const char *cache_dir, pqc__cuModule *module,
+                                    int *from_cache, char *log, size_t log_size)
+{
+    char dir[512], path[600];
+    int arch, cubin, st, hit = 0, have_path = 0, attempt;
+    uint64_t key;
+    void *img = NULL;
+    size_t size = 0;
+    pqc__cuResult r = PQC__CU_SUCCESS;
+
+    *module = NULL;
+    if (from_cache) *from_cache = 0;
+    if (log && log_size) log[0] = '\0';
+    if (!api->lib_driver || !api->lib_nvrtc)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver or NVRTC not loaded");
+    st = pqc__cu_pick_arch(api, d->cc_major * 10 + d->cc_minor, &arch, &cubin);
+    if (st) return st;
+    key = pqc__cu_cache_key(api, src, arch, cubin);
+    if (!(cache_dir && strcmp(cache_dir, "-") == 0) &&
+        pqc__cu_cache_dir(api, cache_dir, dir, sizeof(dir)) == 0 &&
+        pqc__cu_cache_path(api, dir, key, arch, cubin, path, sizeof(path)) == 0)
+        have_path = 1;
+
+    for (attempt = 0; attempt < 2; ++attempt) {
+        hit = 0;
+        if (attempt == 0 && have_path) hit = pqc__cu_cache_read(api, path, key, &img, &size);
+        if (!hit) {
+            st = pqc__cu_compile(api, src, "pqcache_kernels.cu", arch, cubin, &img, &size, log,
+                                 log_size);
+            if (st) return st;
+            if (have_path) pqc__cu_cache_write(api, path, key, img, size);
+        }
+        r = api->cuModuleLoadData(module, img);
+        pqc__cu_free(api, img);
+        img = NULL;
+        if (r == PQC__CU_SUCCESS) {
+            if (from_cache) *from_cache = hit;
+            return PQC__CU_OK;
+        }
+        *module = NULL;
+        if (!hit) break; /* a fresh image was rejected: retrying would not help */
+        remove(path);   /* a cached image was rejected: drop it and compile afresh */
+    }
+    pqc__cu_check(api, r, "cuModuleLoadData");
+    return PQC__CU_FAIL(api, PQC__CU_ERR_MODULE,
+                        "the CUDA driver (version %d) rejected the kernels compiled by NVRTC "
+                        "%d.%d for %s_%d: %s", api->driver_version, api->nvrtc_major,
+                        api->nvrtc_minor, cubin ? "sm" : "compute", arch,
+                        pqc__cu_error_name(api, r));
+}
+
+/* Looks up n kernels by name; fails naming the first one missing from the module. */
+PQC__CU_FN int pqc__cu_get_functions(pqc__cuApi *api, pqc__cuModule module,
+                                     const char *const *names, pqc__cuFunction *out, int n)
+{
+    int i;
+    for (i = 0; i < n; ++i) {
+        pqc__cuResult r = api->cuModuleGetFunction(&out[i], module, names[i]);
+        if (r != PQC__CU_SUCCESS)
+            return PQC__CU_FAIL(api, PQC__CU_ERR_MODULE, "kernel %s not found in the module: %s",
+                                names[i], pqc__cu_error_name(api, r));
+    }
+    return PQC__CU_OK;
+}
+
+#endif /* PQC__CU_FRAGMENT_INCLUDED */
+
+/* BEGIN EMBEDDED pqcache_kernels.cu (generated by tools/embed_kernels.sh; do not edit) */
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Woverlength-strings"
+#endif
+static const char pqc__kernel_source[] =
+"/* pqcache_kernels.cu - CUDA kernels of pqcache.\n"
+" *\n"
+" * This file is compiled at run time with NVRTC (it is embedded into pqcache.h as a\n"
+" * string, see tools/embed_kernels.sh), so it includes no headers at all: it only uses\n"
+" * NVRTC's built-in types and functions. Every kernel is `extern \"C\"` so that its name in\n"
+" * the module is the plain identifier, and every kernel is written for blocks of exactly\n"
+" * PQC_BLOCK (256) threads in x (blockDim.y = blockDim.z = 1).\n"
+" *\n"
+" * Conventions shared with the CPU library (they must match it bit for bit):\n"
+" *   - Per KV head: d_h dims, m sub-spaces of d_sub = d_h / m dims, K = 2^b centroids.\n"
+" *   - centroids: float32 [m][K][d_sub].\n"
+" *   - codes: one byte column per sub-space, bit-packed LSB-first: the code of token t in\n"
+" *     sub-space j is bits [t*b, t*b+b) of column j, which starts at codes + j*col_stride\n"
+" *     bytes. Columns are followed by at least 8 zero bytes of padding (a 16-bit read at\n"
+" *     the last code byte is safe).\n"
+" *   - LUT: float32 [g][m][K], LUT[h][j][c] = sequential fmaf over e of\n"
+" *     q_h[j*d_sub+e] * centroid[j][c][e], starting from 0.\n"
+" *   - score_h(t) = sequential float sum over j = 0..m-1 of LUT[h][j][code_j(t)] from 0.\n"
+" *   - SOFTMAX_SUM: e_h(t) = pqc_exp((score_h(t) - max_h) * scale) with the library's own\n"
+" *     exp (same polynomial and operation order as the CPU), Z_h = sum over t of e_h(t),\n"
+" *     combined(t) = fmaf(e_h(t), 1/Z_h, combined(t)) over h in order, from 0.\n"
+" *   - top-k order: the order-preserving key of a float (-0 taken as +0; flip all bits\n"
+" *     when the sign is set, else flip the sign bit); larger key first, ties to the lower\n"
+" *     token index; results are listed in ascending token index.\n"
+" *\n"
+" * Batching: kernels that work per KV head take the head from blockIdx.y and find their\n"
+" * data through \"head strides\" (in elements of the pointed-to type); pass 0 strides and\n"
+" * gridDim.y = 1 to process a single head. All strides and 64-bit offsets are signed\n"
+" * 64-bit (long long) on the host side.\n"
+" *\n"
+" * Determinism: every reduction over floats runs in a fixed order for a given launch\n"
+" * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign.\n"
+" * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over\n"
+" * blocks here, 16 interleaved lanes on the CPU: a few ulps apart) and the k-means sums.\n"
+" */\n"
+"\n"
+"typedef unsigned char      pqc_u8;\n"
+"typedef unsigned short     pqc_u16;\n"
+"typedef unsigned int       pqc_u32;\n"
+"typedef unsigned long long pqc_u64;\n"
+"typedef long long          pqc_i64;\n"
+"\n"
+"#define PQC_BLOCK        256   /* threads per block, every kernel */\n"
+"#define PQC_WARPS        8     /* PQC_BLOCK / 32 */\n"
+"#define PQC_FULL         0xffffffffu\n"
+"#define PQC_GROUP        8     /* query heads scored together per pass over the codes */\n"
+"#define PQC_RADIX_BINS   2048  /* histogram bins of one radix-select pass (11 bits) */\n"
+"#define PQC_TOPK_ITEMS   16    /* tokens per thread in the compaction kernels */\n"
+"#define PQC_TOPK_TILE    4096  /* PQC_BLOCK * PQC_TOPK_ITEMS tokens per compaction block */\n"
+"#define PQC_MAX_DSUB     256   /* largest vector length of the nearest-centroid kernels */\n"
+"\n"
+"#define PQC_DT_F32  0\n"
+"#define PQC_DT_F16  1\n"
+"#define PQC_DT_BF16 2\n"
+"\n"
+"#define PQC_SCAN_RAW         0\n"
+"#define PQC_SCAN_SOFTMAX_SUM 1\n"
+"\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"/* Device functions                                                                     */\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* IEEE binary16 -> binary32, exact (normals, subnormals, zeros, inf, NaN). */\n"
+"__device__ __forceinline__ float pqc_f16_to_f32(pqc_u32 h)\n"
+"{\n"
+"    pqc_u32 sign = (h & 0x8000u) << 16;\n"
+"    pqc_u32 ex = (h >> 10) & 0x1fu;\n"
+"    pqc_u32 man = h & 0x3ffu;\n"
+"    if (ex == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man << 13));\n"
+"    if (ex != 0u) return __uint_as_float(sign | ((ex + 112u) << 23) | (man << 13));\n"
+"    if (man == 0u) return __uint_as_float(sign);\n"
+"    /* subnormal: man * 2^-24 is exact in float */\n"
+"    return __uint_as_float(sign | __float_as_uint((float)man * 5.9604644775390625e-8f));\n"
+"}\n"
+"\n"
+"/* bfloat16 -> binary32, exact. */\n"
+"__device__ __forceinline__ float pqc_bf16_to_f32(pqc_u32 h)\n"
+"{\n"
+"    return __uint_as_float((h & 0xffffu) << 16);\n"
+"}\n"
+"\n"
+"/* Element i of a row stored as fp32 / fp16 / bf16 (dtype 0 / 1 / 2). */\n"
+"__device__ __forceinline__ float pqc_load_elem(const void *base, pqc_i64 i, int dtype)\n"
+"{\n"
+"    if (dtype == PQC_DT_F32) return ((const float *)base)[i];\n"
+"    pqc_u32 h = ((const pqc_u16 *)base)[i];\n"
+"    return dtype == PQC_DT_F16 \? pqc_f16_to_f32(h) : pqc_bf16_to_f32(h);\n"
+"}\n"
+"\n"
+"/* Bytes per element of a dtype. */\n"
+"__device__ __forceinline__ int pqc_dtype_size(int dtype)\n"
+"{\n"
+"    return dtype == PQC_DT_F32 \? 4 : 2;\n"
+"}\n"
+"\n"
+"/* Code of token t in one column (bits [t*b, t*b+b), LSB-first). Reads two bytes, which\n"
+"   the column padding makes safe for the last token. */\n"
+"__device__ __forceinline__ pqc_u32 pqc_code_at(const pqc_u8 *__restrict__ col, pqc_u64 t,\n"
+"                                               int b, pqc_u32 mask)\n"
+"{\n"
+"    pqc_u64 bit = t * (pqc_u64)b;\n"
+"    const pqc_u8 *p = col + (bit >> 3);\n"
+"    pqc_u32 v = (pqc_u32)p[0] | ((pqc_u32)p[1] << 8);\n"
+"    return (v >> (pqc_u32)(bit & 7u)) & mask;\n"
+"}\n"
+"\n"
+"/* Order-preserving uint32 key of a float: larger float -> larger key; -0 == +0. */\n"
+"__device__ __forceinline__ pqc_u32 pqc_float_key(float f)\n"
+"{\n"
+"    pqc_u32 u = __float_as_uint(f);\n"
+"    if ((u << 1) == 0u) u = 0u;\n"
+"    return (u & 0x80000000u) \? ~u : (u ^ 0x80000000u);\n"
+"}\n"
+"\n"
+"/* exp(x) for x <= 0, as the CPU library computes it: arguments below -87.3 are clamped,\n"
+"   Cody-Waite reduction by ln 2 and a degree-5 polynomial with explicit fused operations,\n"
+"   relative error < 2e-7. Bit-identical to the CPU (every operation is IEEE-rounded). */\n"
+"__device__ __forceinline__ float pqc_exp(float x)\n"
+"{\n"
+"    if (!(x > -87.3f)) x = -87.3f;\n"
+"    float n = rintf(x * 1.44269504088896341f);\n"
+"    float r = fmaf(n, -0.693359375f, x);\n"
+"    r = fmaf(n, 2.12194440e-4f, r);\n"
+"    float z = r * r;\n"
+"    float y = 1.9875691500e-4f;\n"
+"    y = fmaf(y, r, 1.3981999507e-3f);\n"
+"    y = fmaf(y, r, 8.3334519073e-3f);\n"
+"    y = fmaf(y, r, 4.1665795894e-2f);\n"
+"    y = fmaf(y, r, 1.6666665459e-1f);\n"
+"    y = fmaf(y, r, 5.0000001201e-1f);\n"
+"    y = fmaf(y, z, r);\n"
+"    y = y + 1.0f;\n"
+"    return y * __uint_as_float((pqc_u32)((int)n + 127) << 23);\n"
+"}\n"
+"\n"
+"/* Exclusive prefix sum of v over the 256 threads of the block, in thread order.\n"
+"   `warp_tot` is shared scratch of PQC_WARPS words; *total receives the block sum.\n"
+"   Every thread of the block must call it (it contains __syncthreads). */\n"
+"__device__ __forceinline__ pqc_u32 pqc_block_exclusive_scan(pqc_u32 v, pqc_u32 *warp_tot,\n"
+"                                                            pqc_u32 *total)\n"
+"{\n"
+"    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
+"    pqc_u32 x = v;\n"
+"    for (int o = 1; o < 32; o <<= 1) {\n"
+"        pqc_u32 y = __shfl_up_sync(PQC_FULL, x, o);\n"
+"        if (lane >= o) x += y;\n"
+"    }\n"
+"    if (lane == 31) warp_tot[warp] = x;\n"
+"    __syncthreads();\n"
+"    if (warp == 0) {\n"
+"        pqc_u32 w = lane < PQC_WARPS \? warp_tot[lane] : 0u;\n"
+"        for (int o = 1; o < PQC_WARPS; o <<= 1) {\n"
+"            pqc_u32 y = __shfl_up_sync(PQC_FULL, w, o);\n"
+"            if (lane >= o) w += y;\n"
+"        }\n"
+"        if (lane < PQC_WARPS) warp_tot[lane] = w; /* inclusive warp totals */\n"
+"    }\n"
+"    __syncthreads();\n"
+"    pqc_u32 before = warp > 0 \? warp_tot[warp - 1] : 0u;\n"
+"    *total = warp_tot[PQC_WARPS - 1];\n"
+"    __syncthreads(); /* scratch may be reused after return */\n"
+"    return before + x - v;\n"
+"}\n"
+"\n"
+"/* Online softmax accumulator (running max mx, running sum sm of exp((x - mx) * scale)). */\n"
+"__device__ __forceinline__ void pqc_online_add(float &mx, float &sm, float x, float scale)\n"
+"{\n"
+"    if (x > mx) {\n"
+"        sm = sm * pqc_exp((mx - x) * scale) + 1.0f;\n"
+"        mx = x;\n"
+"    } else {\n"
+"        sm += pqc_exp((x - mx) * scale);\n"
+"    }\n"
+"}\n"
+"\n"
+"/* Merge two online-softmax accumulators; an empty one (sum 0) is neutral. */\n"
+"__device__ __forceinline__ void pqc_online_merge(float &m1, float &s1, float m2, float s2,\n"
+"                                                 float scale)\n"
+"{\n"
+"    if (s2 == 0.0f) return;\n"
+"    if (s1 == 0.0f) { m1 = m2; s1 = s2; return; }\n"
+"    float mx = m1 > m2 \? m1 : m2;\n"
+"    s1 = s1 * pqc_exp((m1 - mx) * scale) + s2 * pqc_exp((m2 - mx) * scale);\n"
+"    m1 = mx;\n"
+"}\n"
+"\n"
+"/* Nearest centroid of the vector xs (d floats, typically in shared memory) among K\n"
+"   centroids [K][d] with squared norms cn (NULL: computed here), by one full warp:\n"
+"   dist(c) = ||c||^2 - 2 x.c with x.c and ||c||^2 accumulated by sequential fmaf from 0;\n"
+"   ties go to the lower index. Every lane returns the same index; *best_out gets its\n"
+"   dist. All 32 lanes of the warp must call it. */\n"
+"__device__ __forceinline__ int pqc_warp_nearest(const float *xs, int d,\n"
+"                                                const float *__restrict__ cen,\n"
+"                                                const float *__restrict__ cn, int K,\n"
+"                                                float *best_out)\n"
+"{\n"
+"    int lane = threadIdx.x & 31;\n"
+"    float best = __int_as_float(0x7f800000); /* +inf */\n"
+"    int besti = 0x7fffffff;\n"
+"    for (int c = lane; c < K; c += 32) {\n"
+"        const float *cr = cen + (pqc_i64)c * d;\n"
+"        float dot = 0.0f, nrm = 0.0f;\n"
+"        if (cn) {\n"
+"            for (int e = 0; e < d; ++e) dot = fmaf(xs[e], cr[e], dot);\n"
+"            nrm = cn[c];\n"
+"        } else {\n"
+"            for (int e = 0; e < d; ++e) {\n"
+"                float ce = cr[e];\n"
+"                dot = fmaf(xs[e], ce, dot);\n"
+"                nrm = fmaf(ce, ce, nrm);\n"
+"            }\n"
+"        }\n"
+"        float dist = nrm - 2.0f * dot;\n"
+"        if (besti == 0x7fffffff || dist < best) { best = dist; besti = c; }\n"
+"    }\n"
+"    for (int o = 16; o > 0; o >>= 1) {\n"
+"        float ob = __shfl_xor_sync(PQC_FULL, best, o);\n"
+"        int oi = __shfl_xor_sync(PQC_FULL, besti, o);\n"
+"        if (oi != 0x7fffffff &&\n"
+"            (besti == 0x7fffffff || ob < best || (ob == best && oi < besti))) {\n"
+"            best = ob;\n"
+"            besti = oi;\n"
+"        }\n"
+"    }\n"
+"    *best_out = best;\n"
+"    return besti == 0x7fffffff \? 0 : besti;\n"
+"}\n"
+"\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"/* (a) Lookup tables                                                                    */\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* pqc_lut_build: lookup tables of the g query heads of each KV head.\n"
+" *   grid  (ceil(m*K / 256), n_kv), block 256; one thread per (sub-space j, centroid c).\n"
+" *   q         float [g][d_h] per KV head (q + kv*q_head_stride), d_h = m*d_sub\n"
+" *   centroids float [m][K][d_sub] per KV head\n"
+" *   lut       float [g][m][K] per KV head, or NULL\n"
+" *   lut_sum   float [m][K] per KV head, or NULL: sum over h in head order (from 0) of\n"
+" *             the g tables, the table of the GQA \"sum\" mode.\n"
+" * LUT[h][j][c] = sequential fmaf over e of q[h][j*d_sub+e] * centroids[j][c][e], from 0. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_lut_build(const float *__restrict__ q, pqc_i64 q_head_stride,\n"
+"              const float *__restrict__ centroids, pqc_i64 cent_head_stride,\n"
+"              int g, int m, int K, int d_sub,\n"
+"              float *__restrict__ lut, pqc_i64 lut_head_stride,\n"
+"              float *__restrict__ lut_sum, pqc_i64 lut_sum_head_stride)\n"
+"{\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int idx = blockIdx.x * PQC_BLOCK + threadIdx.x; /* j*K + c */\n"
+"    if (idx >= m * K) return;\n"
+"    int j = idx / K;\n"
+"    int d_h = m * d_sub;\n"
+"    const float *cr = centroids + kv * cent_head_stride + (pqc_i64)idx * d_sub;\n"
+"    const float *qj = q + kv * q_head_stride + (pqc_i64)j * d_sub;\n"
+"    float sum = 0.0f;\n"
+"    for (int h = 0; h < g; ++h) {\n"
+"        const float *qh = qj + (pqc_i64)h * d_h;\n"
+"        float acc = 0.0f;\n"
+"        for (int e = 0; e < d_sub; ++e) acc = fmaf(qh[e], cr[e], acc);\n"
+"        if (lut) lut[kv * lut_head_stride + (pqc_i64)h * m * K + idx] = acc;\n"
+"        sum += acc;\n"
+"    }\n"
+"    if (lut_sum) lut_sum[kv * lut_sum_head_stride + idx] = sum;\n"
+"}\n"
+"\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"/* (b) Code scan                                                                        */\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* Shared part of the two scan kernels: copies the n_luts tables of this KV head into\n"
+"   dynamic shared memory when use_smem is set and returns the table base to read. */\n"
+"__device__ __forceinline__ const float *pqc_scan_tables(const float *__restrict__ lut,\n"
+"                                                        int n_luts, int m, int K,\n"
+"                                                        int use_smem, float *smem)\n"
+"{\n"
+"    if (!use_smem) return lut;\n"
+"    int n = n_luts * m * K;\n"
+"    for (int i = threadIdx.x; i < n; i += PQC_BLOCK) smem[i] = lut[i];\n"
+"    __syncthreads();\n"
+"    return smem;\n"
+"}\n"
+"\n"
+"/* Raw scores of token t for the query heads h0 .. h0+PQC_GROUP-1 (those < n_luts):\n"
+"   acc[hh] = sequential sum over j of L[h0+hh][j][code_j(t)], from 0. */\n"
+"__device__ __forceinline__ void pqc_score_group(const pqc_u8 *__restrict__ codes,\n"
+"                                                pqc_i64 col_stride, pqc_u64 t, int m,\n"
+"                                                int b, const float *L, int K, int h0,\n"
+"                                                int n_luts, float *acc)\n"
+"{\n"
+"    pqc_u32 mask = (1u << b) - 1u;\n"
+"    int mk = m * K;\n"
+"#pragma unroll\n"
+"    for (int hh = 0; hh < PQC_GROUP; ++hh) acc[hh] = 0.0f;\n"
+"    for (int j = 0; j < m; ++j) {\n"
+"        pqc_u32 c = pqc_code_at(codes + (pqc_i64)j * col_stride, t, b, mask);\n"
+"        const float *Lj = L + (pqc_i64)h0 * mk + j * K + c;\n"
+"#pragma unroll\n"
+"        for (int hh = 0; hh < PQC_GROUP; ++hh)\n"
+"            if (h0 + hh < n_luts) acc[hh] += Lj[hh * mk];\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_scan_stats: first pass of the SOFTMAX_SUM mode: per-block softmax statistics.\n"
+" *   grid  (P, n_kv), block 256, any P >= 1 (the host picks it; the same P must be given\n"
+" *         to pqc_softmax_finalize as n_parts).\n"
+" *   dynamic shared memory: use_smem \? n_luts*m*K*4 bytes : 0 (above 48 KiB the host must\n"
+" *         raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, or pass use_smem = 0).\n"
+" *   codes  per KV head at codes + kv*code_head_stride; column j at + j*col_stride bytes\n"
+" *   lut    float [n_luts][m][K] per KV head\n"
+" *   partial float [n_luts][P][2] per KV head: {max, sum of pqc_exp((x - max)*scale)} of the\n"
+" *          raw scores x of the tokens this block visited (grid-stride over tokens). */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_scan_stats(const pqc_u8 *__restrict__ codes, pqc_i64 code_head_stride,\n"
+"               pqc_i64 col_stride, int s, int m, int b,\n"
+"               const float *__restrict__ lut, pqc_i64 lut_head_stride, int n_luts,\n"
+"               float scale, float *__restrict__ partial, pqc_i64 partial_head_stride,\n"
+"               int use_smem)\n"
+"{\n"
+"    extern __shared__ float pqc_smem_lut[];\n"
+"    __shared__ float red_m[PQC_BLOCK];\n"
+"    __shared__ float red_s[PQC_BLOCK];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int K = 1 << b;\n"
+"    int tid = threadIdx.x;\n"
+"    const pqc_u8 *hc = codes + kv * code_head_stride;\n"
+"    const float *L = pqc_scan_tables(lut + kv * lut_head_stride, n_luts, m, K, use_smem,\n"
+"                                     pqc_smem_lut);\n"
+"    float *part = partial + kv * partial_head_stride;\n"
+"    pqc_i64 step = (pqc_i64)gridDim.x * PQC_BLOCK;\n"
+"    for (int h0 = 0; h0 < n_luts; h0 += PQC_GROUP) {\n"
+"        float mx[PQC_GROUP], sm[PQC_GROUP], acc[PQC_GROUP];\n"
+"#pragma unroll\n"
+"        for (int hh = 0; hh < PQC_GROUP; ++hh) {\n"
+"            mx[hh] = -__int_as_float(0x7f800000);\n"
+"            sm[hh] = 0.0f;\n"
+"        }\n"
+"        for (pqc_i64 t = (pqc_i64)blockIdx.x * PQC_BLOCK + tid; t < s; t += step) {\n"
+"            pqc_score_group(hc, col_stride, (pqc_u64)t, m, b, L, K, h0, n_luts, acc);\n"
+"#pragma unroll\n"
+"            for (int hh = 0; hh < PQC_GROUP; ++hh)\n"
+"                if (h0 + hh < n_luts) pqc_online_add(mx[hh], sm[hh], acc[hh], scale);\n"
+"        }\n"
+"#pragma unroll\n"
+"        for (int hh = 0; hh < PQC_GROUP; ++hh) {\n"
+"            if (h0 + hh >= n_luts) continue; /* uniform across the block */\n"
+"            red_m[tid] = mx[hh];\n"
+"            red_s[tid] = sm[hh];\n"
+"            __syncthreads();\n"
+"            for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {\n"
+"                if (tid < o) {\n"
+"                    float a = red_m[tid], as = red_s[tid];\n"
+"                    pqc_online_merge(a, as, red_m[tid + o], red_s[tid + o], scale);\n"
+"                    red_m[tid] = a;\n"
+"                    red_s[tid] = as;\n"
+"                }\n"
+"                __syncthreads();\n"
+"            }\n"
+"            if (tid == 0) {\n"
+"                pqc_i64 o = ((pqc_i64)(h0 + hh) * gridDim.x + blockIdx.x) * 2;\n"
+"                part[o] = red_m[0];\n"
+"                part[o + 1] = red_s[0];\n"
+"            }\n"
+"            __syncthreads();\n"
+"        }\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_softmax_finalize: combines the per-block statistics of pqc_scan_stats.\n"
+" *   grid (1, n_kv), block 256.\n"
+" *   partial float [n_luts][n_parts][2] per KV head (n_parts = P of pqc_scan_stats)\n"
+" *   stats   float [n_luts][2] per KV head: {max_h, Z_h} with\n"
+" *           Z_h = sum over all tokens of pqc_exp((score_h - max_h) * scale). */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_softmax_finalize(const float *__restrict__ partial, pqc_i64 partial_head_stride,\n"
+"                     int n_parts, int n_luts, float scale,\n"
+"                     float *__restrict__ stats, pqc_i64 stats_head_stride)\n"
+"{\n"
+"    __shared__ float red_m[PQC_BLOCK];\n"
+"    __shared__ float red_s[PQC_BLOCK];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int tid = threadIdx.x;\n"
+"    const float *part = partial + kv * partial_head_stride;\n"
+"    for (int h = 0; h < n_luts; ++h) {\n"
+"        float mx = -__int_as_float(0x7f800000), sm = 0.0f;\n"
+"        for (int p = tid; p < n_parts; p += PQC_BLOCK) {\n"
+"            pqc_i64 o = ((pqc_i64)h * n_parts + p) * 2;\n"
+"            pqc_online_merge(mx, sm, part[o], part[o + 1], scale);\n"
+"        }\n"
+"        red_m[tid] = mx;\n"
+"        red_s[tid] = sm;\n"
+"        __syncthreads();\n"
+"        for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {\n"
+"            if (tid < o) {\n"
+"                float a = red_m[tid], as = red_s[tid];\n"
+"                pqc_online_merge(a, as, red_m[tid + o], red_s[tid + o], scale);\n"
+"                red_m[tid] = a;\n"
+"                red_s[tid] = as;\n"
+"            }\n"
+"            __syncthreads();\n"
+"        }\n"
+"        if (tid == 0) {\n"
+"            stats[kv * stats_head_stride + 2 * h] = red_m[0];\n"
+"            stats[kv * stats_head_stride + 2 * h + 1] = red_s[0];\n"
+"        }\n"
+"        __syncthreads();\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_scan: scores every token from its codes.\n"
+" *   grid  (P, n_kv), block 256, any P >= 1 (grid-stride over tokens; one token per thread\n"
+" *         per step). Dynamic shared memory as for pqc_scan_stats.\n"
+" *   mode PQC_SCAN_RAW (0): out[h*s + t] = raw score of token t under table h, for every\n"
+" *         h < n_luts. With the summed table of pqc_lut_build (n_luts = 1) this is the\n"
+" *         GQA \"sum\" mode: out[t] = combined score.\n"
+" *   mode PQC_SCAN_SOFTMAX_SUM (1): out[t] = fmaf(pqc_exp((score_h(t) - max_h) * scale),\n"
+" *         1/Z_h, out[t]) over h in order, from 0, with stats = {max_h, Z_h} per head from\n"
+" *         pqc_softmax_finalize ([n_luts][2] per KV head).\n"
+" *   out: float per KV head at out + kv*out_head_stride. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_scan(const pqc_u8 *__restrict__ codes, pqc_i64 code_head_stride, pqc_i64 col_stride,\n"
+"         int s, int m, int b,\n"
+"         const float *__restrict__ lut, pqc_i64 lut_head_stride, int n_luts,\n"
+"         int mode, const float *__restrict__ stats, pqc_i64 stats_head_stride, float scale,\n"
+"         float *__restrict__ out, pqc_i64 out_head_stride, int use_smem)\n"
+"{\n"
+"    extern __shared__ float pqc_smem_lut[];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int K = 1 << b;\n"
+"    const pqc_u8 *hc = codes + kv * code_head_stride;\n"
+"    const float *L = pqc_scan_tables(lut + kv * lut_head_stride, n_luts, m, K, use_smem,\n"
+"                                     pqc_smem_lut);\n"
+"    const float *st = stats \? stats + kv * stats_head_stride : stats;\n"
+"    float *o = out + kv * out_head_stride;\n"
+"    pqc_i64 step = (pqc_i64)gridDim.x * PQC_BLOCK;\n"
+"    float acc[PQC_GROUP];\n"
+"    for (pqc_i64 t = (pqc_i64)blockIdx.x * PQC_BLOCK + threadIdx.x; t < s; t += step) {\n"
+"        float comb = 0.0f;\n"
+"        for (int h0 = 0; h0 < n_luts; h0 += PQC_GROUP) {\n"
+"            pqc_score_group(hc, col_stride, (pqc_u64)t, m, b, L, K, h0, n_luts, acc);\n"
+"#pragma unroll\n"
+"            for (int hh = 0; hh < PQC_GROUP; ++hh) {\n"
+"                int h = h0 + hh;\n"
+"                if (h >= n_luts) break;\n"
+"                if (mode == PQC_SCAN_SOFTMAX_SUM)\n"
+"                    comb = fmaf(pqc_exp((acc[hh] - st[2 * h]) * scale), 1.0f / st[2 * h + 1],\n"
+"                                comb);\n"
+"                else\n"
+"                    o[(pqc_i64)h * s + t] = acc[hh];\n"
+"            }\n"
+"        }\n"
+"        if (mode == PQC_SCAN_SOFTMAX_SUM) o[t] = comb;\n"
+"    }\n"
+"}\n"
+"\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"/* (c) Top-k: radix select (3 passes of 11, 11, 10 bits) + index-ordered compaction      */\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* pqc_topk_pass: one radix-select pass over the keys of the scores.\n"
+" *   grid (P, n_kv), block 256, any P >= 1 per launch. Launch pass = 0, 1, 2 in order on one\n"
+" *   stream, then pqc_topk_count and pqc_topk_compact.\n"
+" *   scores float [s] per KV head (scores + kv*score_head_stride)\n"
+" *   hist   uint32 [2048] per KV head (hist + kv*2048), state uint32 [4] per KV head\n"
+" *          (state + kv*4). Both must be zero before the first use (cuMemsetD32 once at\n"
+" *          allocation); the kernels leave them zero again except state[0..1].\n"
+" *   Pass p histograms the bits [21,32), [10,21) or [0,10) of the keys whose higher bits\n"
+" *   equal the prefix found so far (shared-memory atomics, then one global atomicAdd per\n"
+" *   non-empty bin). The last block to finish (ticket counter state[2]) finds the bin that\n"
+" *   holds the k-th largest key, appends it to the prefix and subtracts the keys above it:\n"
+" *   after pass 2, state[0] = T (key of the k-th largest score) and state[1] = number of\n"
+" *   keys equal to T to take (the lowest-index ones). k is clamped to s; k <= 0 or s <= 0\n"
+" *   does nothing. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_topk_pass(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,\n"
+"              int pass, pqc_u32 *hist, pqc_u32 *state)\n"
+"{\n"
+"    __shared__ pqc_u32 sh[PQC_RADIX_BINS];\n"
+"    __shared__ pqc_u32 scan_tmp[PQC_WARPS];\n"
+"    __shared__ pqc_u32 s_last, s_bin, s_above;\n"
+"    if (k <= 0 || s <= 0) return;\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int tid = threadIdx.x;\n"
+"    const float *sc = scores + kv * score_head_stride;\n"
+"    pqc_u32 *hg = hist + kv * PQC_RADIX_BINS;\n"
+"    pqc_u32 *st = state + kv * 4;\n"
+"    int shift = pass == 0 \? 21 : (pass == 1 \? 10 : 0);\n"
+"    int nbits = pass == 2 \? 10 : 11;\n"
+"    int hi = shift + nbits; /* 32, 21, 10 */\n"
+"    int nbins = 1 << nbits;\n"
+"    pqc_u32 prefix = pass == 0 \? 0u : st[0];\n"
+"    pqc_u32 krem = pass == 0 \? (pqc_u32)(k < s \? k : s) : st[1];\n"
+"\n"
+"    for (int i = tid; i < PQC_RADIX_BINS; i += PQC_BLOCK) sh[i] = 0u;\n"
+"    __syncthreads();\n"
+"    for (pqc_i64 t = (pqc_i64)blockIdx.x * PQC_BLOCK + tid; t < s;\n"
+"         t += (pqc_i64)gridDim.x * PQC_BLOCK) {\n"
+"        pqc_u32 key = pqc_float_key(sc[t]);\n"
+"        if (hi == 32 || (key >> hi) == (prefix >> hi))\n"
+"            atomicAdd(&sh[(key >> shift) & (pqc_u32)(nbins - 1)], 1u);\n"
+"    }\n"
+"    __syncthreads();\n"
+"    for (int i = tid; i < nbins; i += PQC_BLOCK)\n"
+"        if (sh[i]) atomicAdd(&hg[i], sh[i]);\n"
+"    __threadfence();\n"
+"    __syncthreads();\n"
+"    if (tid == 0) s_last = (atomicAdd(&st[2], 1u) == gridDim.x - 1u) \? 1u : 0u;\n"
+"    __syncthreads();\n"
+"    if (!s_last) return;\n"
+"    __threadfence();\n"
+"\n"
+"    /* Last block: thread tid owns `per` consecutive bins in descending order, starting at\n"
+"       bin nbins-1 - tid*per; an exclusive scan gives the count of keys in higher bins. */\n"
+"    volatile pqc_u32 *vh = hg;\n"
+"    int per = nbins / PQC_BLOCK; /* 8 or 4 */\n"
+"    pqc_u32 cnt[8];\n"
+"    pqc_u32 mine = 0u;\n"
+"#pragma unroll\n"
+"    for (int i = 0; i < 8; ++i) {\n"
+"        cnt[i] = i < per \? vh[nbins - 1 - (tid * per + i)] : 0u;\n"
+"        mine += cnt[i];\n"
+"    }\n"
+"    if (tid == 0) { s_bin = 0u; s_above = 0u; }\n"
+"    pqc_u32 total;\n"
+"    pqc_u32 above = pqc_block_exclusive_scan(mine, scan_tmp, &total);\n"
+"#pragma unroll\n"
+"    for (int i = 0; i < 8; ++i) {\n"
+"        if (i < per && above < krem && krem <= above + cnt[i]) {\n"
+"            s_bin = (pqc_u32)(nbins - 1 - (tid * per + i));\n"
+"            s_above = above;\n"
+"        }\n"
+"        above += cnt[i];\n"
+"    }\n"
+"    __syncthreads();\n"
+"    for (int i = tid; i < PQC_RADIX_BINS; i += PQC_BLOCK) hg[i] = 0u;\n"
+"    if (tid == 0) {\n"
+"        st[0] = prefix | (s_bin << shift);\n"
+"        st[1] = krem - s_above;\n"
+"        st[2] = 0u;\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_topk_count: per-tile counts of keys above and equal to the threshold T.\n"
+" *   grid (ceil(s / 4096), n_kv) exactly, block 256 (tile of 4096 tokens per block).\n"
+" *   counts uint32 [n_tiles][2] per KV head: {#key > T, #key == T}. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_topk_count(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,\n"
+"               const pqc_u32 *__restrict__ state, pqc_u32 *__restrict__ counts,\n"
+"               pqc_i64 counts_head_stride)\n"
+"{\n"
+"    __shared__ pqc_u32 scan_tmp[PQC_WARPS];\n"
+"    if (k <= 0 || s <= 0) return;\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    const float *sc = scores + kv * score_head_stride;\n"
+"    pqc_u32 T = state[kv * 4];\n"
+"    pqc_u32 gt = 0u, eq = 0u;\n"
+"    pqc_i64 base = (pqc_i64)blockIdx.x * PQC_TOPK_TILE;\n"
+"    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {\n"
+"        pqc_i64 t = base + i * PQC_BLOCK + threadIdx.x;\n"
+"        if (t < s) {\n"
+"            pqc_u32 key = pqc_float_key(sc[t]);\n"
+"            gt += key > T;\n"
+"            eq += key == T;\n"
+"        }\n"
+"    }\n"
+"    pqc_u32 tgt, teq;\n"
+"    pqc_block_exclusive_scan(gt, scan_tmp, &tgt);\n"
+"    pqc_block_exclusive_scan(eq, scan_tmp, &teq);\n"
+"    if (threadIdx.x == 0) {\n"
+"        counts[kv * counts_head_stride + 2 * (pqc_i64)blockIdx.x] = tgt;\n"
+"        counts[kv * counts_head_stride + 2 * (pqc_i64)blockIdx.x + 1] = teq;\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_topk_compact: writes the selected token indices in ascending order.\n"
+" *   grid (ceil(s / 4096), n_kv) exactly (same tiles as pqc_topk_count), block 256.\n"
+" *   Selected: key > T, or key == T and fewer than state[1] equal keys precede it.\n"
+" *   out_idx    int32 [min(k, s)] per KV head (out_idx + kv*idx_head_stride)\n"
+" *   out_scores float [min(k, s)] per KV head, or NULL: the selected scores.\n"
+" *   Each block adds up the counts of the tiles before it, ranks its own tokens with two\n"
+" *   block-wide prefix sums (thread i owns tokens tile*4096 + i*16 .. +15) and writes them\n"
+" *   at their final positions. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_topk_compact(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,\n"
+"                 const pqc_u32 *__restrict__ state, const pqc_u32 *__restrict__ counts,\n"
+"                 pqc_i64 counts_head_stride, int *__restrict__ out_idx,\n"
+"                 pqc_i64 idx_head_stride, float *__restrict__ out_scores,\n"
+"                 pqc_i64 scores_out_head_stride)\n"
+"{\n"
+"    /* tile of keys, padded by one word per 32 so that thread-contiguous reads are\n"
+"       free of bank conflicts */\n"
+"    __shared__ pqc_u32 tile[PQC_TOPK_TILE + PQC_TOPK_TILE / 32];\n"
+"    __shared__ pqc_u32 scan_tmp[PQC_WARPS];\n"
+"    if (k <= 0 || s <= 0) return;\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int tid = threadIdx.x;\n"
+"    const float *sc = scores + kv * score_head_stride;\n"
+"    const pqc_u32 *cn = counts + kv * counts_head_stride;\n"
+"    pqc_u32 T = state[kv * 4];\n"
+"    pqc_u32 k_eq = state[kv * 4 + 1];\n"
+"\n"
+"    /* counts of the tiles before this one */\n"
+"    pqc_u32 gt_b = 0u, eq_b = 0u;\n"
+"    for (int i = tid; i < (int)blockIdx.x; i += PQC_BLOCK) {\n"
+"        gt_b += cn[2 * i];\n"
+"        eq_b += cn[2 * i + 1];\n"
+"    }\n"
+"    pqc_u32 gt_before, eq_before;\n"
+"    pqc_block_exclusive_scan(gt_b, scan_tmp, &gt_before);\n"
+"    pqc_block_exclusive_scan(eq_b, scan_tmp, &eq_before);\n"
+"\n"
+"    pqc_i64 base = (pqc_i64)blockIdx.x * PQC_TOPK_TILE;\n"
+"    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {\n"
+"        int p = i * PQC_BLOCK + tid;\n"
+"        pqc_i64 t = base + p;\n"
+"        tile[p + (p >> 5)] = t < s \? pqc_float_key(sc[t]) : 0u;\n"
+"    }\n"
+"    __syncthreads();\n"
+"\n"
+"    int p0 = tid * PQC_TOPK_ITEMS;\n"
+"    pqc_u32 n_eq = 0u;\n"
+"    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {\n"
+"        int p = p0 + i;\n"
+"        if (base + p < s && tile[p + (p >> 5)] == T) ++n_eq;\n"
+"    }\n"
+"    pqc_u32 unused;\n"
+"    pqc_u32 eq_rank = eq_before + pqc_block_exclusive_scan(n_eq, scan_tmp, &unused);\n"
+"    pqc_u32 n_sel = 0u;\n"
+"    pqc_u32 r = eq_rank;\n"
+"    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {\n"
+"        int p = p0 + i;\n"
+"        if (base + p >= s) break;\n"
+"        pqc_u32 key = tile[p + (p >> 5)];\n"
+"        if (key > T) ++n_sel;\n"
+"        else if (key == T) { if (r < k_eq) ++n_sel; ++r; }\n"
+"    }\n"
+"    pqc_u32 taken_before = gt_before + (eq_before < k_eq \? eq_before : k_eq);\n"
+"    pqc_u32 pos = taken_before + pqc_block_exclusive_scan(n_sel, scan_tmp, &unused);\n"
+"    int *oi = out_idx + kv * idx_head_stride;\n"
+"    float *os = out_scores \? out_scores + kv * scores_out_head_stride : out_scores;\n"
+"    r = eq_rank;\n"
+"    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {\n"
+"        int p = p0 + i;\n"
+"        pqc_i64 t = base + p;\n"
+"        if (t >= s) break;\n"
+"        pqc_u32 key = tile[p + (p >> 5)];\n"
+"        int take = 0;\n"
+"        if (key > T) take = 1;\n"
+"        else if (key == T) { take = r < k_eq; ++r; }\n"
+"        if (take) {\n"
+"            oi[pos] = (int)t;\n"
+"            if (os) os[pos] = sc[t];\n"
+"            ++pos;\n"
+"        }\n"
+"    }\n"
+"}\n"
+"\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"/* (d) Gather of selected K/V rows and block-cache fill                                  */\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* Converts one row of n elements of dtype at src to fp32 at dst, by the 32 lanes of a\n"
+"   warp (16-byte loads when the row allows them). */\n"
+"__device__ __forceinline__ void pqc_warp_row_to_f32(const void *src, int dtype, int n,\n"
+"                                                    float *__restrict__ dst, int lane)\n"
+"{\n"
+"    int es = pqc_dtype_size(dtype);\n"
+"    pqc_u64 nbytes = (pqc_u64)n * es;\n"
+"    if ((((pqc_u64)src | nbytes) & 15u) == 0u) {\n"
+"        const uint4 *s4 = (const uint4 *)src;\n"
+"        int n16 = (int)(nbytes >> 4);\n"
+"        for (int c = lane; c < n16; c += 32) {\n"
+"            uint4 v = s4[c];\n"
+"            if (dtype == PQC_DT_F32) {\n"
+"                float *d = dst + 4 * c;\n"
+"                d[0] = __uint_as_float(v.x);\n"
+"                d[1] = __uint_as_float(v.y);\n"
+"                d[2] = __uint_as_float(v.z);\n"
+"                d[3] = __uint_as_float(v.w);\n"
+"            } else {\n"
+"                float *d = dst + 8 * c;\n"
+"                pqc_u32 w[4];\n"
+"                w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;\n"
+"#pragma unroll\n"
+"                for (int i = 0; i < 4; ++i) {\n"
+"                    if (dtype == PQC_DT_F16) {\n"
+"                        d[2 * i] = pqc_f16_to_f32(w[i] & 0xffffu);\n"
+"                        d[2 * i + 1] = pqc_f16_to_f32(w[i] >> 16);\n"
+"                    } else {\n"
+"                        d[2 * i] = pqc_bf16_to_f32(w[i] & 0xffffu);\n"
+"                        d[2 * i + 1] = pqc_bf16_to_f32(w[i] >> 16);\n"
+"                    }\n"
+"                }\n"
+"            }\n"
+"        }\n"
+"    } else {\n"
+"        for (int e = lane; e < n; e += 32) dst[e] = pqc_load_elem(src, e, dtype);\n"
+"    }\n"
+"}\n"
+"\n"
+"/* Copies one row of nbytes bytes by the 32 lanes of a warp (16-byte words when aligned,\n"
+"   else 2-byte words; rows are a whole number of 2-byte elements). */\n"
+"__device__ __forceinline__ void pqc_warp_row_copy(const void *src, void *dst, pqc_u64 nbytes,\n"
+"                                                  int lane)\n"
+"{\n"
+"    if ((((pqc_u64)src | (pqc_u64)dst | nbytes) & 15u) == 0u) {\n"
+"        const uint4 *s4 = (const uint4 *)src;\n"
+"        uint4 *d4 = (uint4 *)dst;\n"
+"        for (pqc_u64 c = lane; c < (nbytes >> 4); c += 32) d4[c] = s4[c];\n"
+"    } else {\n"
+"        const pqc_u16 *s2 = (const pqc_u16 *)src;\n"
+"        pqc_u16 *d2 = (pqc_u16 *)dst;\n"
+"        for (pqc_u64 c = lane; c < (nbytes >> 1); c += 32) d2[c] = s2[c];\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_gather_kv: fetches the K and V rows of the selected tokens as fp32.\n"
+" *   grid (ceil(n / 8), n_kv), block 256; one warp per selected token.\n"
+" *   idx        int32 [n] per KV head: token indices (idx + kv*idx_head_stride)\n"
+" *   slot_table int32 per KV head: block (token / block_tokens) -> cache slot, or -1; may\n"
+" *              be NULL (everything is a miss)\n"
+" *   cache_k/v  [n_slots][block_tokens][d_h] of cache_dtype per KV head\n"
+" *              (+ kv*cache_head_stride elements): row of token t in slot p is\n"
+" *              p*block_tokens + t % block_tokens\n"
+" *   host_k/v   device-accessible pointers to pinned, mapped host memory of host_dtype:\n"
+" *              row of token t at + kv*host_head_stride + t*host_ld elements\n"
+" *   out_k/v    float [n][d_h] per KV head (+ kv*out_head_stride); either may be NULL to\n"
+" *              skip K or V\n"
+" *   miss_count uint32 [n_kv] or NULL: incremented once per row read from host memory. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_gather_kv(const int *__restrict__ idx, pqc_i64 idx_head_stride, int n,\n"
+"              const int *__restrict__ slot_table, pqc_i64 slot_head_stride, int block_tokens,\n"
+"              const void *cache_k, const void *cache_v, pqc_i64 cache_head_stride,\n"
+"              int cache_dtype,\n"
+"              const void *host_k, const void *host_v, pqc_i64 host_head_stride,\n"
+"              pqc_i64 host_ld, int host_dtype, int d_h,\n"
+"              float *out_k, float *out_v, pqc_i64 out_head_stride, pqc_u32 *miss_count)\n"
+"{\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int lane = threadIdx.x & 31;\n"
+"    int i = blockIdx.x * PQC_WARPS + (threadIdx.x >> 5);\n"
+"    if (i >= n) return;\n"
+"    pqc_i64 t = idx[kv * idx_head_stride + i];\n"
+"    int slot = -1;\n"
+"    if (slot_table) slot = slot_table[kv * slot_head_stride + t / block_tokens];\n"
+"    const char *srck, *srcv;\n"
+"    int dt;\n"
+"    if (slot >= 0) {\n"
+"        pqc_i64 row = (pqc_i64)slot * block_tokens + t % block_tokens;\n"
+"        pqc_i64 off = (kv * cache_head_stride + row * d_h) * pqc_dtype_size(cache_dtype);\n"
+"        srck = (const char *)cache_k + off;\n"
+"        srcv = (const char *)cache_v + off;\n"
+"        dt = cache_dtype;\n"
+"    } else {\n"
+"        pqc_i64 off = (kv * host_head_stride + t * host_ld) * pqc_dtype_size(host_dtype);\n"
+"        srck = (const char *)host_k + off;\n"
+"        srcv = (const char *)host_v + off;\n"
+"        dt = host_dtype;\n"
+"        if (miss_count && lane == 0) atomicAdd(&miss_count[kv], 1u);\n"
+"    }\n"
+"    pqc_i64 o = kv * out_head_stride + (pqc_i64)i * d_h;\n"
+"    if (out_k) pqc_warp_row_to_f32(srck, dt, d_h, out_k + o, lane);\n"
+"    if (out_v) pqc_warp_row_to_f32(srcv, dt, d_h, out_v + o, lane);\n"
+"}\n"
+"\n"
+"/* pqc_cache_fill: copies whole blocks of K/V rows from mapped host memory into cache\n"
+" *   slots, keeping the dtype (cache dtype = host dtype).\n"
+" *   grid (ceil(n_blocks * block_tokens / 8), n_kv), block 256; one warp per row.\n"
+" *   blocks int32 [n_blocks] block ids, slots int32 [n_blocks] destination slots (same for\n"
+" *   every KV head: blocks + kv*list_head_stride, slots + kv*list_head_stride)\n"
+" *   rows of tokens >= s (a partial last block) are left untouched. Layouts as for\n"
+" *   pqc_gather_kv; cache_v / host_v may be NULL to copy K only. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,\n"
+"               pqc_i64 list_head_stride, int n_blocks, int block_tokens, int s,\n"
+"               const void *host_k, const void *host_v, pqc_i64 host_head_stride,\n"
+"               pqc_i64 host_ld, int dtype, int d_h,\n"
+"               void *cache_k, void *cache_v, pqc_i64 cache_head_stride)\n"
+"{\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int lane = threadIdx.x & 31;\n"
+"    pqc_i64 w = (pqc_i64)blockIdx.x * PQC_WARPS + (threadIdx.x >> 5);\n"
+"    if (w >= (pqc_i64)n_blocks * block_tokens) return;\n"
+"    int bi = (int)(w / block_tokens), r = (int)(w % block_tokens);\n"
+"    pqc_i64 blk = blocks[kv * list_head_stride + bi];\n"
+"    pqc_i64 slot = slots[kv * list_head_stride + bi];\n"
+"    pqc_i64 t = blk * block_tokens + r;\n"
+"    if (t >= s) return;\n"
+"    int es = pqc_dtype_size(dtype);\n"
+"    pqc_i64 src = (kv * host_head_stride + t * host_ld) * es;\n"
+"    pqc_i64 dst = (kv * cache_head_stride + (slot * block_tokens + r) * d_h) * es;\n"
+"    pqc_u64 nbytes = (pqc_u64)d_h * es;\n"
+"    pqc_warp_row_copy((const char *)host_k + src, (char *)cache_k + dst, nbytes, lane);\n"
+"    if (host_v && cache_v)\n"
+"        pqc_warp_row_copy((const char *)host_v + src, (char *)cache_v + dst, nbytes, lane);\n"
+"}\n"
+"\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"/* (e) PQ codes of new keys                                                             */\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* pqc_centroid_norms: out[r] = sequential fmaf over e of c[r][e]^2, from 0.\n"
+" *   grid ceil(rows / 256), block 256; one thread per row of the [rows][d] matrix (for\n"
+" *   the codebooks of n_kv heads: rows = n_kv*m*K, d = d_sub). */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_centroid_norms(const float *__restrict__ c, int rows, int d, float *__restrict__ out)\n"
+"{\n"
+"    int r = blockIdx.x * PQC_BLOCK + threadIdx.x;\n"
+"    if (r >= rows) return;\n"
+"    const float *cr = c + (pqc_i64)r * d;\n"
+"    float nrm = 0.0f;\n"
+"    for (int e = 0; e < d; ++e) nrm = fmaf(cr[e], cr[e], nrm);\n"
+"    out[r] = nrm;\n"
+"}\n"
+"\n"
+"/* pqc_assign_codes: PQ codes of n new keys (nearest centroid per sub-space).\n"
+" *   grid (ceil(n*m / 8), n_kv), block 256; one warp per (token i, sub-space j), i = w / m.\n"
+" *   x         n key rows of x_dtype per KV head: row i at x + kv*x_head_stride + i*x_ld\n"
+" *             elements (d_h = m*d_sub used); d_sub <= 256\n"
+" *   centroids float [m][K][d_sub] per KV head; cnorm float [m][K] per KV head\n"
+" *             (pqc_centroid_norms) or NULL to compute the norms on the fly\n"
+" *   codes     packed columns per KV head (codes + kv*code_head_stride, column j at\n"
+" *             + j*col_stride): the code of key i is OR-ed (32-bit atomicOr) into the\n"
+" *             bits of token t_start + i, which must be zero beforehand; or NULL\n"
+" *   codes_out uint8 [n][m] per KV head (+ kv*codes_out_head_stride), or NULL\n"
+" *   Distance ||c||^2 - 2 x.c (both sequential fmaf from 0), ties to the lower index. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_assign_codes(const void *x, int x_dtype, pqc_i64 x_ld, pqc_i64 x_head_stride, int n,\n"
+"                 const float *__restrict__ centroids, const float *__restrict__ cnorm,\n"
+"                 pqc_i64 cent_head_stride, pqc_i64 cnorm_head_stride,\n"
+"                 int m, int b, int d_sub,\n"
+"                 pqc_u8 *codes, pqc_i64 code_head_stride, pqc_i64 col_stride, int t_start,\n"
+"                 pqc_u8 *codes_out, pqc_i64 codes_out_head_stride)\n"
+"{\n"
+"    __shared__ float xs[PQC_WARPS][PQC_MAX_DSUB];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;\n"
+"    pqc_i64 w = (pqc_i64)blockIdx.x * PQC_WARPS + wib;\n"
+"    if (w >= (pqc_i64)n * m || d_sub > PQC_MAX_DSUB) return; /* whole warp */\n"
+"    int i = (int)(w / m), j = (int)(w % m);\n"
+"    int K = 1 << b;\n"
+"    const void *xr = (const char *)x +\n"
+"                     (kv * x_head_stride + (pqc_i64)i * x_ld + (pqc_i64)j * d_sub) *\n"
+"                         pqc_dtype_size(x_dtype);\n"
+"    for (int e = lane; e < d_sub; e += 32) xs[wib][e] = pqc_load_elem(xr, e, x_dtype);\n"
+"    __syncwarp();\n"
+"    const float *cen = centroids + kv * cent_head_stride + (pqc_i64)j * K * d_sub;\n"
+"    const float *cn = cnorm \? cnorm + kv * cnorm_head_stride + (pqc_i64)j * K : cnorm;\n"
+"    float best;\n"
+"    int code = pqc_warp_nearest(xs[wib], d_sub, cen, cn, K, &best);\n"
+"    if (lane != 0) return;\n"
+"    if (codes_out) codes_out[kv * codes_out_head_stride + (pqc_i64)i * m + j] = (pqc_u8)code;\n"
+"    if (codes) {\n"
+"        pqc_u64 bit = (pqc_u64)((pqc_i64)t_start + i) * (pqc_u64)b;\n"
+"        pqc_u64 addr = (pqc_u64)(codes + kv * code_head_stride + (pqc_i64)j * col_stride) +\n"
+"                       (bit >> 3);\n"
+"        pqc_u32 *word = (pqc_u32 *)(addr & ~(pqc_u64)3);\n"
+"        pqc_u64 v = (pqc_u64)code << ((addr & 3u) * 8u + (bit & 7u));\n"
+"        atomicOr(word, (pqc_u32)v);\n"
+"        if (v >> 32) atomicOr(word + 1, (pqc_u32)(v >> 32));\n"
+"    }\n"
+"}\n"
+"\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"/* (f) k-means on the GPU                                                               */\n"
+"/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* pqc_kmeans_assign: one Lloyd assignment step for n_sub independent problems.\n"
+" *   grid (ceil(n / 8), n_sub), block 256; one warp per point; d <= 256.\n"
+" *   Problem j = blockIdx.y uses the columns [j*d, j*d+d) of the points (row i at\n"
+" *   x + i*ld), centroids + j*K*d ([K][d]), cnorm + j*K (or cnorm NULL), and writes\n"
+" *   assign + j*n (int32 [n], or NULL), sums + j*K*d (float [K][d], or NULL, atomicAdd of\n"
+" *   the assigned points: the order of these additions is not fixed), counts + j*K\n"
+" *   (uint32 [K], or NULL), min_dist + j*n (float [n], or NULL: max(0, ||x||^2 + ||c||^2\n"
+" *   - 2 x.c) for the chosen centroid). Zero sums and counts before the launch.\n"
+" *   Nearest centroid as in pqc_assign_codes. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_kmeans_assign(const float *__restrict__ x, pqc_i64 ld, int n, int d,\n"
+"                  const float *__restrict__ centroids, const float *__restrict__ cnorm, int K,\n"
+"                  int *__restrict__ assign, float *sums, pqc_u32 *counts,\n"
+"                  float *__restrict__ min_dist)\n"
+"{\n"
+"    __shared__ float xs[PQC_WARPS][PQC_MAX_DSUB];\n"
+"    pqc_i64 j = blockIdx.y;\n"
+"    int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;\n"
+"    pqc_i64 i = (pqc_i64)blockIdx.x * PQC_WARPS + wib;\n"
+"    if (i >= n || d > PQC_MAX_DSUB) return; /* whole warp */\n"
+"    const float *xr = x + i * ld + j * d;\n"
+"    for (int e = lane; e < d; e += 32) xs[wib][e] = xr[e];\n"
+"    __syncwarp();\n"
+"    const float *cen = centroids + j * K * d;\n"
+"    const float *cn = cnorm \? cnorm + j * K : cnorm;\n"
+"    float best;\n"
+"    int c = pqc_warp_nearest(xs[wib], d, cen, cn, K, &best);\n"
+"    if (sums) {\n"
+"        float *sr = sums + (j * K + c) * d;\n"
+"        for (int e = lane; e < d; e += 32) atomicAdd(&sr[e], xs[wib][e]);\n"
+"    }\n"
+"    if (lane != 0) return;\n"
+"    if (assign) assign[j * n + i] = c;\n"
+"    if (counts) atomicAdd(&counts[j * K + c], 1u);\n"
+"    if (min_dist) {\n"
+"        float xn = 0.0f;\n"
+"        for (int e = 0; e < d; ++e) xn = fmaf(xs[wib][e], xs[wib][e], xn);\n"
+"        float dd = xn + best;\n"
+"        min_dist[j * n + i] = dd > 0.0f \? dd : 0.0f;\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_kmeans_update: centroid = sum / count for every cluster with count > 0 (empty\n"
+" *   clusters keep their centroid; the host may re-seed them).\n"
+" *   grid ceil(rows*d / 256), block 256; one thread per element of the [rows][d]\n"
+" *   centroid matrix (rows = n_sub*K). */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_kmeans_update(float *__restrict__ centroids, const float *__restrict__ sums,\n"
+"                  const pqc_u32 *__restrict__ counts, int rows, int d)\n"
+"{\n"
+"    pqc_i64 e = (pqc_i64)blockIdx.x * PQC_BLOCK + threadIdx.x;\n"
+"    if (e >= (pqc_i64)rows * d) return;\n"
+"    pqc_u32 cnt = counts[e / d];\n"
+"    if (cnt > 0u) centroids[e] = sums[e] / (float)cnt;\n"
+"}\n"
+;
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+/* END EMBEDDED pqcache_kernels.cu */
+
+static void *pqc__cu_host_alloc(size_t n, void *u) { return pqc__alloc((const pqc_allocator *)u, n); }
+static void pqc__cu_host_free(void *p, void *u) { pqc__free((const pqc_allocator *)u, p); }
+static const char *pqc__cu_host_env(const char *name, void *u)
+{
+    (void)u;
+    return getenv(name);
+}
+
+static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
+{
+    memset(h, 0, sizeof *h);
+    h->alloc = pqc__cu_host_alloc;
+    h->free = pqc__cu_host_free;
+    h->get_env = pqc__cu_host_env;
+    h->user = (void *)a;
+}
+
+PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
+{
+    pqc__cuApi api;
+    pqc__cuHost host;
+    pqc__cuDev dev;
+    pqc_cuda_info tmp;
+    int st;
+    if (!info) info = &tmp;
+    memset(info, 0, sizeof *info);
+    pqc__cu_host(&host, NULL);
+    pqc__cu_api_init(&api, &host);
+    st = pqc__cu_load(&api, 1);
+    if (st != PQC__CU_OK) {
+        snprintf(info->message, sizeof info->message, "%s", api.msg);
+        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: %s", api.msg);
+    }
+    info->driver_version = api.driver_version;
+    info->device_count = api.device_count;
+    info->nvrtc_major = api.nvrtc_major;
+    info->nvrtc_minor = api.nvrtc_minor;
+    info->have_cublaslt = api.lib_blaslt != NULL;
+    memset(&dev, 0, sizeof dev);
+    st = pqc__cu_device_open(&api, 0, &dev);
+    if (st != PQC__CU_OK) {
+        snprintf(info->message, sizeof info->message, "%s", api.msg);
+        pqc__cu_unload(&api);
+        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA device 0 unusable: %s", info->message);
+    }
+    info->available = 1;
+    info->cc_major = dev.cc_major;
+    info->cc_minor = dev.cc_minor;
+    info->sm_count = dev.sm_count;
+    info->total_mem = dev.total_mem;
+    snprintf(info->name, sizeof info->name, "%s", dev.name);
+    snprintf(info->message, sizeof info->message, "%s, compute capability %d.%d, %d SMs", dev.name, dev.cc_major,
+             dev.cc_minor, dev.sm_count);
+    pqc__cu_device_close(&api, &dev);
+    pqc__cu_unload(&api);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
+{
+    pqc__cuApi api;
+    pqc__cuHost host;
+    void *img = NULL;
+    size_t size = 0;
+    int st;
+    if (arch < 50 || arch > 200) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "architecture %d not in 50..200", arch);
+    pqc__cu_host(&host, NULL);
+    pqc__cu_api_init(&api, &host);
+    st = pqc__cu_load_nvrtc(&api);
+    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "NVRTC unavailable: %s", api.msg);
+    st = pqc__cu_compile(&api, pqc__kernel_source, "pqcache_kernels.cu", arch, cubin, &img, &size, log, log_size);
+    pqc__cu_free(&api, img);
+    pqc__cu_unload(&api);
+    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_BACKEND, "NVRTC: %s", api.msg);
+    if (image_bytes) *image_bytes = size;
+    return PQC_SUCCESS;
+}
+
+PQCDEF const char *pqc_cuda_kernel_source(void) { return pqc__kernel_source; }
+
+#else /* no CUDA loader in this build */
+
+PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
+{
+    if (info) {
+        memset(info, 0, sizeof *info);
+        snprintf(info->message, sizeof info->message, "built without the CUDA loader");
+    }
+    return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: built without the CUDA loader");
+}
+PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
+{
+    (void)arch;
+    (void)cubin;
+    (void)image_bytes;
+    if (log && log_size) log[0] = 0;
+    return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "built without the CUDA loader");
+}
+PQCDEF const char *pqc_cuda_kernel_source(void) { return ""; }
+#endif /* PQC__CUDA_LOADER */
+
 
 #ifdef __cplusplus
 }

@@ -598,6 +598,30 @@ TEST forced_simd_beyond_cpu_is_refused(void)
     PASS();
 }
 
+TEST cuda_absence_is_a_clean_fallback(void)
+{
+    pqc_cuda_info ci;
+    pqc_runtime_desc d;
+    pqc_runtime *rt = NULL;
+    if (pqc_cuda_probe(&ci) == PQC_SUCCESS) SKIPm("a CUDA device is present here");
+    ASSERT(strlen(ci.message) > 0);
+    ASSERT_EQ(0, ci.available);
+    memset(&d, 0, sizeof d);
+    d.backend = PQC_BACKEND_CUDA; /* asked for explicitly: an error the caller sees */
+    ASSERT_EQ(PQC_ERROR_NO_DEVICE, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(NULL, rt);
+    ASSERT(strstr(pqc_last_error(), "CUDA backend requested but unavailable") != NULL);
+    d.backend = PQC_BACKEND_AUTO; /* falls back to the CPU and says why */
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(PQC_BACKEND_CPU, pqc_runtime_backend(rt));
+    ASSERT(strstr(pqc_runtime_backend_note(rt), "CUDA unavailable") != NULL);
+    ASSERT(strstr(pqc_runtime_backend_note(rt), "running on the CPU") != NULL);
+    pqc_runtime_destroy(rt);
+    d.backend = 7;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_runtime_create(&d, &rt));
+    PASS();
+}
+
 /* ----- bad input --------------------------------------------------------------------- */
 
 TEST bad_inputs(void)
@@ -841,6 +865,7 @@ SUITE(core)
     RUN_TEST(exact_search_matches_reference);
     RUN_TEST(simd_matches_scalar);
     RUN_TEST(forced_simd_beyond_cpu_is_refused);
+    RUN_TEST(cuda_absence_is_a_clean_fallback);
     RUN_TEST(bad_inputs);
     RUN_TEST(allocation_failure_at_every_allocation);
     RUN_TEST(engine_job_callback);

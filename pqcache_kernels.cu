@@ -1,0 +1,921 @@
+/* pqcache_kernels.cu - CUDA kernels of pqcache.
+ *
+ * This file is compiled at run time with NVRTC (it is embedded into pqcache.h as a
+ * string, see tools/embed_kernels.sh), so it includes no headers at all: it only uses
+ * NVRTC's built-in types and functions. Every kernel is `extern "C"` so that its name in
+ * the module is the plain identifier, and every kernel is written for blocks of exactly
+ * PQC_BLOCK (256) threads in x (blockDim.y = blockDim.z = 1).
+ *
+ * Conventions shared with the CPU library (they must match it bit for bit):
+ *   - Per KV head: d_h dims, m sub-spaces of d_sub = d_h / m dims, K = 2^b centroids.
+ *   - centroids: float32 [m][K][d_sub].
+ *   - codes: one byte column per sub-space, bit-packed LSB-first: the code of token t in
+ *     sub-space j is bits [t*b, t*b+b) of column j, which starts at codes + j*col_stride
+ *     bytes. Columns are followed by at least 8 zero bytes of padding (a 16-bit read at
+ *     the last code byte is safe).
+ *   - LUT: float32 [g][m][K], LUT[h][j][c] = sequential fmaf over e of
+ *     q_h[j*d_sub+e] * centroid[j][c][e], starting from 0.
+ *   - score_h(t) = sequential float sum over j = 0..m-1 of LUT[h][j][code_j(t)] from 0.
+ *   - SOFTMAX_SUM: e_h(t) = pqc_exp((score_h(t) - max_h) * scale) with the library's own
+ *     exp (same polynomial and operation order as the CPU), Z_h = sum over t of e_h(t),
+ *     combined(t) = fmaf(e_h(t), 1/Z_h, combined(t)) over h in order, from 0.
+ *   - top-k order: the order-preserving key of a float (-0 taken as +0; flip all bits
+ *     when the sign is set, else flip the sign bit); larger key first, ties to the lower
+ *     token index; results are listed in ascending token index.
+ *
+ * Batching: kernels that work per KV head take the head from blockIdx.y and find their
+ * data through "head strides" (in elements of the pointed-to type); pass 0 strides and
+ * gridDim.y = 1 to process a single head. All strides and 64-bit offsets are signed
+ * 64-bit (long long) on the host side.
+ *
+ * Determinism: every reduction over floats runs in a fixed order for a given launch
+ * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign.
+ * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over
+ * blocks here, 16 interleaved lanes on the CPU: a few ulps apart) and the k-means sums.
+ */
+
+typedef unsigned char      pqc_u8;
+typedef unsigned short     pqc_u16;
+typedef unsigned int       pqc_u32;
+typedef unsigned long long pqc_u64;
+typedef long long          pqc_i64;
+
+#define PQC_BLOCK        256   /* threads per block, every kernel */
+#define PQC_WARPS        8     /* PQC_BLOCK / 32 */
+#define PQC_FULL         0xffffffffu
+#define PQC_GROUP        8     /* query heads scored together per pass over the codes */
+#define PQC_RADIX_BINS   2048  /* histogram bins of one radix-select pass (11 bits) */
+#define PQC_TOPK_ITEMS   16    /* tokens per thread in the compaction kernels */
+#define PQC_TOPK_TILE    4096  /* PQC_BLOCK * PQC_TOPK_ITEMS tokens per compaction block */
+#define PQC_MAX_DSUB     256   /* largest vector length of the nearest-centroid kernels */
+
+#define PQC_DT_F32  0
+#define PQC_DT_F16  1
+#define PQC_DT_BF16 2
+
+#define PQC_SCAN_RAW         0
+#define PQC_SCAN_SOFTMAX_SUM 1
+
+/* ------------------------------------------------------------------------------------ */
+/* Device functions                                                                     */
+/* ------------------------------------------------------------------------------------ */
+
+/* IEEE binary16 -> binary32, exact (normals, subnormals, zeros, inf, NaN). */
+__device__ __forceinline__ float pqc_f16_to_f32(pqc_u32 h)
+{
+    pqc_u32 sign = (h & 0x8000u) << 16;
+    pqc_u32 ex = (h >> 10) & 0x1fu;
+    pqc_u32 man = h & 0x3ffu;
+    if (ex == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    if (ex != 0u) return __uint_as_float(sign | ((ex + 112u) << 23) | (man << 13));
+    if (man == 0u) return __uint_as_float(sign);
+    /* subnormal: man * 2^-24 is exact in float */
+    return __uint_as_float(sign | __float_as_uint((float)man * 5.9604644775390625e-8f));
+}
+
+/* bfloat16 -> binary32, exact. */
+__device__ __forceinline__ float pqc_bf16_to_f32(pqc_u32 h)
+{
+    return __uint_as_float((h & 0xffffu) << 16);
+}
+
+/* Element i of a row stored as fp32 / fp16 / bf16 (dtype 0 / 1 / 2). */
+__device__ __forceinline__ float pqc_load_elem(const void *base, pqc_i64 i, int dtype)
+{
+    if (dtype == PQC_DT_F32) return ((const float *)base)[i];
+    pqc_u32 h = ((const pqc_u16 *)base)[i];
+    return dtype == PQC_DT_F16 ? pqc_f16_to_f32(h) : pqc_bf16_to_f32(h);
+}
+
+/* Bytes per element of a dtype. */
+__device__ __forceinline__ int pqc_dtype_size(int dtype)
+{
+    return dtype == PQC_DT_F32 ? 4 : 2;
+}
+
+/* Code of token t in one column (bits [t*b, t*b+b), LSB-first). Reads two bytes, which
+   the column padding makes safe for the last token. */
+__device__ __forceinline__ pqc_u32 pqc_code_at(const pqc_u8 *__restrict__ col, pqc_u64 t,
+                                               int b, pqc_u32 mask)
+{
+    pqc_u64 bit = t * (pqc_u64)b;
+    const pqc_u8 *p = col + (bit >> 3);
+    pqc_u32 v = (pqc_u32)p[0] | ((pqc_u32)p[1] << 8);
+    return (v >> (pqc_u32)(bit & 7u)) & mask;
+}
+
+/* Order-preserving uint32 key of a float: larger float -> larger key; -0 == +0. */
+__device__ __forceinline__ pqc_u32 pqc_float_key(float f)
+{
+    pqc_u32 u = __float_as_uint(f);
+    if ((u << 1) == 0u) u = 0u;
+    return (u & 0x80000000u) ? ~u : (u ^ 0x80000000u);
+}
+
+/* exp(x) for x <= 0, as the CPU library computes it: arguments below -87.3 are clamped,
+   Cody-Waite reduction by ln 2 and a degree-5 polynomial with explicit fused operations,
+   relative error < 2e-7. Bit-identical to the CPU (every operation is IEEE-rounded). */
+__device__ __forceinline__ float pqc_exp(float x)
+{
+    if (!(x > -87.3f)) x = -87.3f;
+    float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float z = r * r;
+    float y = 1.9875691500e-4f;
+    y = fmaf(y, r, 1.3981999507e-3f);
+    y = fmaf(y, r, 8.3334519073e-3f);
+    y = fmaf(y, r, 4.1665795894e-2f);
+    y = fmaf(y, r, 1.6666665459e-1f);
+    y = fmaf(y, r, 5.0000001201e-1f);
+    y = fmaf(y, z, r);
+    y = y + 1.0f;
+    return y * __uint_as_float((pqc_u32)((int)n + 127) << 23);
+}
+
+/* Exclusive prefix sum of v over the 256 threads of the block, in thread order.
+   `warp_tot` is shared scratch of PQC_WARPS words; *total receives the block sum.
+   Every thread of the block must call it (it contains __syncthreads). */
+__device__ __forceinline__ pqc_u32 pqc_block_exclusive_scan(pqc_u32 v, pqc_u32 *warp_tot,
+                                                            pqc_u32 *total)
+{
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    pqc_u32 x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        pqc_u32 y = __shfl_up_sync(PQC_FULL, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_tot[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        pqc_u32 w = lane < PQC_WARPS ? warp_tot[lane] : 0u;
+        for (int o = 1; o < PQC_WARPS; o <<= 1) {
+            pqc_u32 y = __shfl_up_sync(PQC_FULL, w, o);
+            if (lane >= o) w += y;
+        }
+        if (lane < PQC_WARPS) warp_tot[lane] = w; /* inclusive warp totals */
+    }
+    __syncthreads();
+    pqc_u32 before = warp > 0 ? warp_tot[warp - 1] : 0u;
+    *total = warp_tot[PQC_WARPS - 1];
+    __syncthreads(); /* scratch may be reused after return */
+    return before + x - v;
+}
+
+/* Online softmax accumulator (running max mx, running sum sm of exp((x - mx) * scale)). */
+__device__ __forceinline__ void pqc_online_add(float &mx, float &sm, float x, float scale)
+{
+    if (x > mx) {
+        sm = sm * pqc_exp((mx - x) * scale) + 1.0f;
+        mx = x;
+    } else {
+        sm += pqc_exp((x - mx) * scale);
+    }
+}
+
+/* Merge two online-softmax accumulators; an empty one (sum 0) is neutral. */
+__device__ __forceinline__ void pqc_online_merge(float &m1, float &s1, float m2, float s2,
+                                                 float scale)
+{
+    if (s2 == 0.0f) return;
+    if (s1 == 0.0f) { m1 = m2; s1 = s2; return; }
+    float mx = m1 > m2 ? m1 : m2;
+    s1 = s1 * pqc_exp((m1 - mx) * scale) + s2 * pqc_exp((m2 - mx) * scale);
+    m1 = mx;
+}
+
+/* Nearest centroid of the vector xs (d floats, typically in shared memory) among K
+   centroids [K][d] with squared norms cn (NULL: computed here), by one full warp:
+   dist(c) = ||c||^2 - 2 x.c with x.c and ||c||^2 accumulated by sequential fmaf from 0;
+   ties go to the lower index. Every lane returns the same index; *best_out gets its
+   dist. All 32 lanes of the warp must call it. */
+__device__ __forceinline__ int pqc_warp_nearest(const float *xs, int d,
+                                                const float *__restrict__ cen,
+                                                const float *__restrict__ cn, int K,
+                                                float *best_out)
+{
+    int lane = threadIdx.x & 31;
+    float best = __int_as_float(0x7f800000); /* +inf */
+    int besti = 0x7fffffff;
+    for (int c = lane; c < K; c += 32) {
+        const float *cr = cen + (pqc_i64)c * d;
+        float dot = 0.0f, nrm = 0.0f;
+        if (cn) {
+            for (int e = 0; e < d; ++e) dot = fmaf(xs[e], cr[e], dot);
+            nrm = cn[c];
+        } else {
+            for (int e = 0; e < d; ++e) {
+                float ce = cr[e];
+                dot = fmaf(xs[e], ce, dot);
+                nrm = fmaf(ce, ce, nrm);
+            }
+        }
+        float dist = nrm - 2.0f * dot;
+        if (besti == 0x7fffffff || dist < best) { best = dist; besti = c; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(PQC_FULL, best, o);
+        int oi = __shfl_xor_sync(PQC_FULL, besti, o);
+        if (oi != 0x7fffffff &&
+            (besti == 0x7fffffff || ob < best || (ob == best && oi < besti))) {
+            best = ob;
+            besti = oi;
+        }
+    }
+    *best_out = best;
+    return besti == 0x7fffffff ? 0 : besti;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* (a) Lookup tables                                                                    */
+/* ------------------------------------------------------------------------------------ */
+
+/* pqc_lut_build: lookup tables of the g query heads of each KV head.
+ *   grid  (ceil(m*K / 256), n_kv), block 256; one thread per (sub-space j, centroid c).
+ *   q         float [g][d_h] per KV head (q + kv*q_head_stride), d_h = m*d_sub
+ *   centroids float [m][K][d_sub] per KV head
+ *   lut       float [g][m][K] per KV head, or NULL
+ *   lut_sum   float [m][K] per KV head, or NULL: sum over h in head order (from 0) of
+ *             the g tables, the table of the GQA "sum" mode.
+ * LUT[h][j][c] = sequential fmaf over e of q[h][j*d_sub+e] * centroids[j][c][e], from 0. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_lut_build(const float *__restrict__ q, pqc_i64 q_head_stride,
+              const float *__restrict__ centroids, pqc_i64 cent_head_stride,
+              int g, int m, int K, int d_sub,
+              float *__restrict__ lut, pqc_i64 lut_head_stride,
+              float *__restrict__ lut_sum, pqc_i64 lut_sum_head_stride)
+{
+    pqc_i64 kv = blockIdx.y;
+    int idx = blockIdx.x * PQC_BLOCK + threadIdx.x; /* j*K + c */
+    if (idx >= m * K) return;
+    int j = idx / K;
+    int d_h = m * d_sub;
+    const float *cr = centroids + kv * cent_head_stride + (pqc_i64)idx * d_sub;
+    const float *qj = q + kv * q_head_stride + (pqc_i64)j * d_sub;
+    float sum = 0.0f;
+    for (int h = 0; h < g; ++h) {
+        const float *qh = qj + (pqc_i64)h * d_h;
+        float acc = 0.0f;
+        for (int e = 0; e < d_sub; ++e) acc = fmaf(qh[e], cr[e], acc);
+        if (lut) lut[kv * lut_head_stride + (pqc_i64)h * m * K + idx] = acc;
+        sum += acc;
+    }
+    if (lut_sum) lut_sum[kv * lut_sum_head_stride + idx] = sum;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* (b) Code scan                                                                        */
+/* ------------------------------------------------------------------------------------ */
+
+/* Shared part of the two scan kernels: copies the n_luts tables of this KV head into
+   dynamic shared memory when use_smem is set and returns the table base to read. */
+__device__ __forceinline__ const float *pqc_scan_tables(const float *__restrict__ lut,
+                                                        int n_luts, int m, int K,
+                                                        int use_smem, float *smem)
+{
+    if (!use_smem) return lut;
+    int n = n_luts * m * K;
+    for (int i = threadIdx.x; i < n; i += PQC_BLOCK) smem[i] = lut[i];
+    __syncthreads();
+    return smem;
+}
+
+/* Raw scores of token t for the query heads h0 .. h0+PQC_GROUP-1 (those < n_luts):
+   acc[hh] = sequential sum over j of L[h0+hh][j][code_j(t)], from 0. */
+__device__ __forceinline__ void pqc_score_group(const pqc_u8 *__restrict__ codes,
+                                                pqc_i64 col_stride, pqc_u64 t, int m,
+                                                int b, const float *L, int K, int h0,
+                                                int n_luts, float *acc)
+{
+    pqc_u32 mask = (1u << b) - 1u;
+    int mk = m * K;
+#pragma unroll
+    for (int hh = 0; hh < PQC_GROUP; ++hh) acc[hh] = 0.0f;
+    for (int j = 0; j < m; ++j) {
+        pqc_u32 c = pqc_code_at(codes + (pqc_i64)j * col_stride, t, b, mask);
+        const float *Lj = L + (pqc_i64)h0 * mk + j * K + c;
+#pragma unroll
+        for (int hh = 0; hh < PQC_GROUP; ++hh)
+            if (h0 + hh < n_luts) acc[hh] += Lj[hh * mk];
+    }
+}
+
+/* pqc_scan_stats: first pass of the SOFTMAX_SUM mode: per-block softmax statistics.
+ *   grid  (P, n_kv), block 256, any P >= 1 (the host picks it; the same P must be given
+ *         to pqc_softmax_finalize as n_parts).
+ *   dynamic shared memory: use_smem ? n_luts*m*K*4 bytes : 0 (above 48 KiB the host must
+ *         raise CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, or pass use_smem = 0).
+ *   codes  per KV head at codes + kv*code_head_stride; column j at + j*col_stride bytes
+ *   lut    float [n_luts][m][K] per KV head
+ *   partial float [n_luts][P][2] per KV head: {max, sum of pqc_exp((x - max)*scale)} of the
+ *          raw scores x of the tokens this block visited (grid-stride over tokens). */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_scan_stats(const pqc_u8 *__restrict__ codes, pqc_i64 code_head_stride,
+               pqc_i64 col_stride, int s, int m, int b,
+               const float *__restrict__ lut, pqc_i64 lut_head_stride, int n_luts,
+               float scale, float *__restrict__ partial, pqc_i64 partial_head_stride,
+               int use_smem)
+{
+    extern __shared__ float pqc_smem_lut[];
+    __shared__ float red_m[PQC_BLOCK];
+    __shared__ float red_s[PQC_BLOCK];
+    pqc_i64 kv = blockIdx.y;
+    int K = 1 << b;
+    int tid = threadIdx.x;
+    const pqc_u8 *hc = codes + kv * code_head_stride;
+    const float *L = pqc_scan_tables(lut + kv * lut_head_stride, n_luts, m, K, use_smem,
+                                     pqc_smem_lut);
+    float *part = partial + kv * partial_head_stride;
+    pqc_i64 step = (pqc_i64)gridDim.x * PQC_BLOCK;
+    for (int h0 = 0; h0 < n_luts; h0 += PQC_GROUP) {
+        float mx[PQC_GROUP], sm[PQC_GROUP], acc[PQC_GROUP];
+#pragma unroll
+        for (int hh = 0; hh < PQC_GROUP; ++hh) {
+            mx[hh] = -__int_as_float(0x7f800000);
+            sm[hh] = 0.0f;
+        }
+        for (pqc_i64 t = (pqc_i64)blockIdx.x * PQC_BLOCK + tid; t < s; t += step) {
+            pqc_score_group(hc, col_stride, (pqc_u64)t, m, b, L, K, h0, n_luts, acc);
+#pragma unroll
+            for (int hh = 0; hh < PQC_GROUP; ++hh)
+                if (h0 + hh < n_luts) pqc_online_add(mx[hh], sm[hh], acc[hh], scale);
+        }
+#pragma unroll
+        for (int hh = 0; hh < PQC_GROUP; ++hh) {
+            if (h0 + hh >= n_luts) continue; /* uniform across the block */
+            red_m[tid] = mx[hh];
+            red_s[tid] = sm[hh];
+            __syncthreads();
+            for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {
+                if (tid < o) {
+                    float a = red_m[tid], as = red_s[tid];
+                    pqc_online_merge(a, as, red_m[tid + o], red_s[tid + o], scale);
+                    red_m[tid] = a;
+                    red_s[tid] = as;
+                }
+                __syncthreads();
+            }
+            if (tid == 0) {
+                pqc_i64 o = ((pqc_i64)(h0 + hh) * gridDim.x + blockIdx.x) * 2;
+                part[o] = red_m[0];
+                part[o + 1] = red_s[0];
+            }
+            __syncthreads();
+        }
+    }
+}
+
+/* pqc_softmax_finalize: combines the per-block statistics of pqc_scan_stats.
+ *   grid (1, n_kv), block 256.
+ *   partial float [n_luts][n_parts][2] per KV head (n_parts = P of pqc_scan_stats)
+ *   stats   float [n_luts][2] per KV head: {max_h, Z_h} with
+ *           Z_h = sum over all tokens of pqc_exp((score_h - max_h) * scale). */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_softmax_finalize(const float *__restrict__ partial, pqc_i64 partial_head_stride,
+                     int n_parts, int n_luts, float scale,
+                     float *__restrict__ stats, pqc_i64 stats_head_stride)
+{
+    __shared__ float red_m[PQC_BLOCK];
+    __shared__ float red_s[PQC_BLOCK];
+    pqc_i64 kv = blockIdx.y;
+    int tid = threadIdx.x;
+    const float *part = partial + kv * partial_head_stride;
+    for (int h = 0; h < n_luts; ++h) {
+        float mx = -__int_as_float(0x7f800000), sm = 0.0f;
+        for (int p = tid; p < n_parts; p += PQC_BLOCK) {
+            pqc_i64 o = ((pqc_i64)h * n_parts + p) * 2;
+            pqc_online_merge(mx, sm, part[o], part[o + 1], scale);
+        }
+        red_m[tid] = mx;
+        red_s[tid] = sm;
+        __syncthreads();
+        for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {
+            if (tid < o) {
+                float a = red_m[tid], as = red_s[tid];
+                pqc_online_merge(a, as, red_m[tid + o], red_s[tid + o], scale);
+                red_m[tid] = a;
+                red_s[tid] = as;
+            }
+            __syncthreads();
+        }
+        if (tid == 0) {
+            stats[kv * stats_head_stride + 2 * h] = red_m[0];
+            stats[kv * stats_head_stride + 2 * h + 1] = red_s[0];
+        }
+        __syncthreads();
+    }
+}
+
+/* pqc_scan: scores every token from its codes.
+ *   grid  (P, n_kv), block 256, any P >= 1 (grid-stride over tokens; one token per thread
+ *         per step). Dynamic shared memory as for pqc_scan_stats.
+ *   mode PQC_SCAN_RAW (0): out[h*s + t] = raw score of token t under table h, for every
+ *         h < n_luts. With the summed table of pqc_lut_build (n_luts = 1) this is the
+ *         GQA "sum" mode: out[t] = combined score.
+ *   mode PQC_SCAN_SOFTMAX_SUM (1): out[t] = fmaf(pqc_exp((score_h(t) - max_h) * scale),
+ *         1/Z_h, out[t]) over h in order, from 0, with stats = {max_h, Z_h} per head from
+ *         pqc_softmax_finalize ([n_luts][2] per KV head).
+ *   out: float per KV head at out + kv*out_head_stride. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_scan(const pqc_u8 *__restrict__ codes, pqc_i64 code_head_stride, pqc_i64 col_stride,
+         int s, int m, int b,
+         const float *__restrict__ lut, pqc_i64 lut_head_stride, int n_luts,
+         int mode, const float *__restrict__ stats, pqc_i64 stats_head_stride, float scale,
+         float *__restrict__ out, pqc_i64 out_head_stride, int use_smem)
+{
+    extern __shared__ float pqc_smem_lut[];
+    pqc_i64 kv = blockIdx.y;
+    int K = 1 << b;
+    const pqc_u8 *hc = codes + kv * code_head_stride;
+    const float *L = pqc_scan_tables(lut + kv * lut_head_stride, n_luts, m, K, use_smem,
+                                     pqc_smem_lut);
+    const float *st = stats ? stats + kv * stats_head_stride : stats;
+    float *o = out + kv * out_head_stride;
+    pqc_i64 step = (pqc_i64)gridDim.x * PQC_BLOCK;
+    float acc[PQC_GROUP];
+    for (pqc_i64 t = (pqc_i64)blockIdx.x * PQC_BLOCK + threadIdx.x; t < s; t += step) {
+        float comb = 0.0f;
+        for (int h0 = 0; h0 < n_luts; h0 += PQC_GROUP) {
+            pqc_score_group(hc, col_stride, (pqc_u64)t, m, b, L, K, h0, n_luts, acc);
+#pragma unroll
+            for (int hh = 0; hh < PQC_GROUP; ++hh) {
+                int h = h0 + hh;
+                if (h >= n_luts) break;
+                if (mode == PQC_SCAN_SOFTMAX_SUM)
+                    comb = fmaf(pqc_exp((acc[hh] - st[2 * h]) * scale), 1.0f / st[2 * h + 1],
+                                comb);
+                else
+                    o[(pqc_i64)h * s + t] = acc[hh];
+            }
+        }
+        if (mode == PQC_SCAN_SOFTMAX_SUM) o[t] = comb;
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* (c) Top-k: radix select (3 passes of 11, 11, 10 bits) + index-ordered compaction      */
+/* ------------------------------------------------------------------------------------ */
+
+/* pqc_topk_pass: one radix-select pass over the keys of the scores.
+ *   grid (P, n_kv), block 256, any P >= 1 per launch. Launch pass = 0, 1, 2 in order on one
+ *   stream, then pqc_topk_count and pqc_topk_compact.
+ *   scores float [s] per KV head (scores + kv*score_head_stride)
+ *   hist   uint32 [2048] per KV head (hist + kv*2048), state uint32 [4] per KV head
+ *          (state + kv*4). Both must be zero before the first use (cuMemsetD32 once at
+ *          allocation); the kernels leave them zero again except state[0..1].
+ *   Pass p histograms the bits [21,32), [10,21) or [0,10) of the keys whose higher bits
+ *   equal the prefix found so far (shared-memory atomics, then one global atomicAdd per
+ *   non-empty bin). The last block to finish (ticket counter state[2]) finds the bin that
+ *   holds the k-th largest key, appends it to the prefix and subtracts the keys above it:
+ *   after pass 2, state[0] = T (key of the k-th largest score) and state[1] = number of
+ *   keys equal to T to take (the lowest-index ones). k is clamped to s; k <= 0 or s <= 0
+ *   does nothing. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_topk_pass(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,
+              int pass, pqc_u32 *hist, pqc_u32 *state)
+{
+    __shared__ pqc_u32 sh[PQC_RADIX_BINS];
+    __shared__ pqc_u32 scan_tmp[PQC_WARPS];
+    __shared__ pqc_u32 s_last, s_bin, s_above;
+    if (k <= 0 || s <= 0) return;
+    pqc_i64 kv = blockIdx.y;
+    int tid = threadIdx.x;
+    const float *sc = scores + kv * score_head_stride;
+    pqc_u32 *hg = hist + kv * PQC_RADIX_BINS;
+    pqc_u32 *st = state + kv * 4;
+    int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
+    int nbits = pass == 2 ? 10 : 11;
+    int hi = shift + nbits; /* 32, 21, 10 */
+    int nbins = 1 << nbits;
+    pqc_u32 prefix = pass == 0 ? 0u : st[0];
+    pqc_u32 krem = pass == 0 ? (pqc_u32)(k < s ? k : s) : st[1];
+
+    for (int i = tid; i < PQC_RADIX_BINS; i += PQC_BLOCK) sh[i] = 0u;
+    __syncthreads();
+    for (pqc_i64 t = (pqc_i64)blockIdx.x * PQC_BLOCK + tid; t < s;
+         t += (pqc_i64)gridDim.x * PQC_BLOCK) {
+        pqc_u32 key = pqc_float_key(sc[t]);
+        if (hi == 32 || (key >> hi) == (prefix >> hi))
+            atomicAdd(&sh[(key >> shift) & (pqc_u32)(nbins - 1)], 1u);
+    }
+    __syncthreads();
+    for (int i = tid; i < nbins; i += PQC_BLOCK)
+        if (sh[i]) atomicAdd(&hg[i], sh[i]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = (atomicAdd(&st[2], 1u) == gridDim.x - 1u) ? 1u : 0u;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+
+    /* Last block: thread tid owns `per` consecutive bins in descending order, starting at
+       bin nbins-1 - tid*per; an exclusive scan gives the count of keys in higher bins. */
+    volatile pqc_u32 *vh = hg;
+    int per = nbins / PQC_BLOCK; /* 8 or 4 */
+    pqc_u32 cnt[8];
+    pqc_u32 mine = 0u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        cnt[i] = i < per ? vh[nbins - 1 - (tid * per + i)] : 0u;
+        mine += cnt[i];
+    }
+    if (tid == 0) { s_bin = 0u; s_above = 0u; }
+    pqc_u32 total;
+    pqc_u32 above = pqc_block_exclusive_scan(mine, scan_tmp, &total);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (i < per && above < krem && krem <= above + cnt[i]) {
+            s_bin = (pqc_u32)(nbins - 1 - (tid * per + i));
+            s_above = above;
+        }
+        above += cnt[i];
+    }
+    __syncthreads();
+    for (int i = tid; i < PQC_RADIX_BINS; i += PQC_BLOCK) hg[i] = 0u;
+    if (tid == 0) {
+        st[0] = prefix | (s_bin << shift);
+        st[1] = krem - s_above;
+        st[2] = 0u;
+    }
+}
+
+/* pqc_topk_count: per-tile counts of keys above and equal to the threshold T.
+ *   grid (ceil(s / 4096), n_kv) exactly, block 256 (tile of 4096 tokens per block).
+ *   counts uint32 [n_tiles][2] per KV head: {#key > T, #key == T}. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_topk_count(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,
+               const pqc_u32 *__restrict__ state, pqc_u32 *__restrict__ counts,
+               pqc_i64 counts_head_stride)
+{
+    __shared__ pqc_u32 scan_tmp[PQC_WARPS];
+    if (k <= 0 || s <= 0) return;
+    pqc_i64 kv = blockIdx.y;
+    const float *sc = scores + kv * score_head_stride;
+    pqc_u32 T = state[kv * 4];
+    pqc_u32 gt = 0u, eq = 0u;
+    pqc_i64 base = (pqc_i64)blockIdx.x * PQC_TOPK_TILE;
+    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {
+        pqc_i64 t = base + i * PQC_BLOCK + threadIdx.x;
+        if (t < s) {
+            pqc_u32 key = pqc_float_key(sc[t]);
+            gt += key > T;
+            eq += key == T;
+        }
+    }
+    pqc_u32 tgt, teq;
+    pqc_block_exclusive_scan(gt, scan_tmp, &tgt);
+    pqc_block_exclusive_scan(eq, scan_tmp, &teq);
+    if (threadIdx.x == 0) {
+        counts[kv * counts_head_stride + 2 * (pqc_i64)blockIdx.x] = tgt;
+        counts[kv * counts_head_stride + 2 * (pqc_i64)blockIdx.x + 1] = teq;
+    }
+}
+
+/* pqc_topk_compact: writes the selected token indices in ascending order.
+ *   grid (ceil(s / 4096), n_kv) exactly (same tiles as pqc_topk_count), block 256.
+ *   Selected: key > T, or key == T and fewer than state[1] equal keys precede it.
+ *   out_idx    int32 [min(k, s)] per KV head (out_idx + kv*idx_head_stride)
+ *   out_scores float [min(k, s)] per KV head, or NULL: the selected scores.
+ *   Each block adds up the counts of the tiles before it, ranks its own tokens with two
+ *   block-wide prefix sums (thread i owns tokens tile*4096 + i*16 .. +15) and writes them
+ *   at their final positions. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_topk_compact(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,
+                 const pqc_u32 *__restrict__ state, const pqc_u32 *__restrict__ counts,
+                 pqc_i64 counts_head_stride, int *__restrict__ out_idx,
+                 pqc_i64 idx_head_stride, float *__restrict__ out_scores,
+                 pqc_i64 scores_out_head_stride)
+{
+    /* tile of keys, padded by one word per 32 so that thread-contiguous reads are
+       free of bank conflicts */
+    __shared__ pqc_u32 tile[PQC_TOPK_TILE + PQC_TOPK_TILE / 32];
+    __shared__ pqc_u32 scan_tmp[PQC_WARPS];
+    if (k <= 0 || s <= 0) return;
+    pqc_i64 kv = blockIdx.y;
+    int tid = threadIdx.x;
+    const float *sc = scores + kv * score_head_stride;
+    const pqc_u32 *cn = counts + kv * counts_head_stride;
+    pqc_u32 T = state[kv * 4];
+    pqc_u32 k_eq = state[kv * 4 + 1];
+
+    /* counts of the tiles before this one */
+    pqc_u32 gt_b = 0u, eq_b = 0u;
+    for (int i = tid; i < (int)blockIdx.x; i += PQC_BLOCK) {
+        gt_b += cn[2 * i];
+        eq_b += cn[2 * i + 1];
+    }
+    pqc_u32 gt_before, eq_before;
+    pqc_block_exclusive_scan(gt_b, scan_tmp, &gt_before);
+    pqc_block_exclusive_scan(eq_b, scan_tmp, &eq_before);
+
+    pqc_i64 base = (pqc_i64)blockIdx.x * PQC_TOPK_TILE;
+    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {
+        int p = i * PQC_BLOCK + tid;
+        pqc_i64 t = base + p;
+        tile[p + (p >> 5)] = t < s ? pqc_float_key(sc[t]) : 0u;
+    }
+    __syncthreads();
+
+    int p0 = tid * PQC_TOPK_ITEMS;
+    pqc_u32 n_eq = 0u;
+    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {
+        int p = p0 + i;
+        if (base + p < s && tile[p + (p >> 5)] == T) ++n_eq;
+    }
+    pqc_u32 unused;
+    pqc_u32 eq_rank = eq_before + pqc_block_exclusive_scan(n_eq, scan_tmp, &unused);
+    pqc_u32 n_sel = 0u;
+    pqc_u32 r = eq_rank;
+    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {
+        int p = p0 + i;
+        if (base + p >= s) break;
+        pqc_u32 key = tile[p + (p >> 5)];
+        if (key > T) ++n_sel;
+        else if (key == T) { if (r < k_eq) ++n_sel; ++r; }
+    }
+    pqc_u32 taken_before = gt_before + (eq_before < k_eq ? eq_before : k_eq);
+    pqc_u32 pos = taken_before + pqc_block_exclusive_scan(n_sel, scan_tmp, &unused);
+    int *oi = out_idx + kv * idx_head_stride;
+    float *os = out_scores ? out_scores + kv * scores_out_head_stride : out_scores;
+    r = eq_rank;
+    for (int i = 0; i < PQC_TOPK_ITEMS; ++i) {
+        int p = p0 + i;
+        pqc_i64 t = base + p;
+        if (t >= s) break;
+        pqc_u32 key = tile[p + (p >> 5)];
+        int take = 0;
+        if (key > T) take = 1;
+        else if (key == T) { take = r < k_eq; ++r; }
+        if (take) {
+            oi[pos] = (int)t;
+            if (os) os[pos] = sc[t];
+            ++pos;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* (d) Gather of selected K/V rows and block-cache fill                                  */
+/* ------------------------------------------------------------------------------------ */
+
+/* Converts one row of n elements of dtype at src to fp32 at dst, by the 32 lanes of a
+   warp (16-byte loads when the row allows them). */
+__device__ __forceinline__ void pqc_warp_row_to_f32(const void *src, int dtype, int n,
+                                                    float *__restrict__ dst, int lane)
+{
+    int es = pqc_dtype_size(dtype);
+    pqc_u64 nbytes = (pqc_u64)n * es;
+    if ((((pqc_u64)src | nbytes) & 15u) == 0u) {
+        const uint4 *s4 = (const uint4 *)src;
+        int n16 = (int)(nbytes >> 4);
+        for (int c = lane; c < n16; c += 32) {
+            uint4 v = s4[c];
+            if (dtype == PQC_DT_F32) {
+                float *d = dst + 4 * c;
+                d[0] = __uint_as_float(v.x);
+                d[1] = __uint_as_float(v.y);
+                d[2] = __uint_as_float(v.z);
+                d[3] = __uint_as_float(v.w);
+            } else {
+                float *d = dst + 8 * c;
+                pqc_u32 w[4];
+                w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    if (dtype == PQC_DT_F16) {
+                        d[2 * i] = pqc_f16_to_f32(w[i] & 0xffffu);
+                        d[2 * i + 1] = pqc_f16_to_f32(w[i] >> 16);
+                    } else {
+                        d[2 * i] = pqc_bf16_to_f32(w[i] & 0xffffu);
+                        d[2 * i + 1] = pqc_bf16_to_f32(w[i] >> 16);
+                    }
+                }
+            }
+        }
+    } else {
+        for (int e = lane; e < n; e += 32) dst[e] = pqc_load_elem(src, e, dtype);
+    }
+}
+
+/* Copies one row of nbytes bytes by the 32 lanes of a warp (16-byte words when aligned,
+   else 2-byte words; rows are a whole number of 2-byte elements). */
+__device__ __forceinline__ void pqc_warp_row_copy(const void *src, void *dst, pqc_u64 nbytes,
+                                                  int lane)
+{
+    if ((((pqc_u64)src | (pqc_u64)dst | nbytes) & 15u) == 0u) {
+        const uint4 *s4 = (const uint4 *)src;
+        uint4 *d4 = (uint4 *)dst;
+        for (pqc_u64 c = lane; c < (nbytes >> 4); c += 32) d4[c] = s4[c];
+    } else {
+        const pqc_u16 *s2 = (const pqc_u16 *)src;
+        pqc_u16 *d2 = (pqc_u16 *)dst;
+        for (pqc_u64 c = lane; c < (nbytes >> 1); c += 32) d2[c] = s2[c];
+    }
+}
+
+/* pqc_gather_kv: fetches the K and V rows of the selected tokens as fp32.
+ *   grid (ceil(n / 8), n_kv), block 256; one warp per selected token.
+ *   idx        int32 [n] per KV head: token indices (idx + kv*idx_head_stride)
+ *   slot_table int32 per KV head: block (token / block_tokens) -> cache slot, or -1; may
+ *              be NULL (everything is a miss)
+ *   cache_k/v  [n_slots][block_tokens][d_h] of cache_dtype per KV head
+ *              (+ kv*cache_head_stride elements): row of token t in slot p is
+ *              p*block_tokens + t % block_tokens
+ *   host_k/v   device-accessible pointers to pinned, mapped host memory of host_dtype:
+ *              row of token t at + kv*host_head_stride + t*host_ld elements
+ *   out_k/v    float [n][d_h] per KV head (+ kv*out_head_stride); either may be NULL to
+ *              skip K or V
+ *   miss_count uint32 [n_kv] or NULL: incremented once per row read from host memory. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_gather_kv(const int *__restrict__ idx, pqc_i64 idx_head_stride, int n,
+              const int *__restrict__ slot_table, pqc_i64 slot_head_stride, int block_tokens,
+              const void *cache_k, const void *cache_v, pqc_i64 cache_head_stride,
+              int cache_dtype,
+              const void *host_k, const void *host_v, pqc_i64 host_head_stride,
+              pqc_i64 host_ld, int host_dtype, int d_h,
+              float *out_k, float *out_v, pqc_i64 out_head_stride, pqc_u32 *miss_count)
+{
+    pqc_i64 kv = blockIdx.y;
+    int lane = threadIdx.x & 31;
+    int i = blockIdx.x * PQC_WARPS + (threadIdx.x >> 5);
+    if (i >= n) return;
+    pqc_i64 t = idx[kv * idx_head_stride + i];
+    int slot = -1;
+    if (slot_table) slot = slot_table[kv * slot_head_stride + t / block_tokens];
+    const char *srck, *srcv;
+    int dt;
+    if (slot >= 0) {
+        pqc_i64 row = (pqc_i64)slot * block_tokens + t % block_tokens;
+        pqc_i64 off = (kv * cache_head_stride + row * d_h) * pqc_dtype_size(cache_dtype);
+        srck = (const char *)cache_k + off;
+        srcv = (const char *)cache_v + off;
+        dt = cache_dtype;
+    } else {
+        pqc_i64 off = (kv * host_head_stride + t * host_ld) * pqc_dtype_size(host_dtype);
+        srck = (const char *)host_k + off;
+        srcv = (const char *)host_v + off;
+        dt = host_dtype;
+        if (miss_count && lane == 0) atomicAdd(&miss_count[kv], 1u);
+    }
+    pqc_i64 o = kv * out_head_stride + (pqc_i64)i * d_h;
+    if (out_k) pqc_warp_row_to_f32(srck, dt, d_h, out_k + o, lane);
+    if (out_v) pqc_warp_row_to_f32(srcv, dt, d_h, out_v + o, lane);
+}
+
+/* pqc_cache_fill: copies whole blocks of K/V rows from mapped host memory into cache
+ *   slots, keeping the dtype (cache dtype = host dtype).
+ *   grid (ceil(n_blocks * block_tokens / 8), n_kv), block 256; one warp per row.
+ *   blocks int32 [n_blocks] block ids, slots int32 [n_blocks] destination slots (same for
+ *   every KV head: blocks + kv*list_head_stride, slots + kv*list_head_stride)
+ *   rows of tokens >= s (a partial last block) are left untouched. Layouts as for
+ *   pqc_gather_kv; cache_v / host_v may be NULL to copy K only. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,
+               pqc_i64 list_head_stride, int n_blocks, int block_tokens, int s,
+               const void *host_k, const void *host_v, pqc_i64 host_head_stride,
+               pqc_i64 host_ld, int dtype, int d_h,
+               void *cache_k, void *cache_v, pqc_i64 cache_head_stride)
+{
+    pqc_i64 kv = blockIdx.y;
+    int lane = threadIdx.x & 31;
+    pqc_i64 w = (pqc_i64)blockIdx.x * PQC_WARPS + (threadIdx.x >> 5);
+    if (w >= (pqc_i64)n_blocks * block_tokens) return;
+    int bi = (int)(w / block_tokens), r = (int)(w % block_tokens);
+    pqc_i64 blk = blocks[kv * list_head_stride + bi];
+    pqc_i64 slot = slots[kv * list_head_stride + bi];
+    pqc_i64 t = blk * block_tokens + r;
+    if (t >= s) return;
+    int es = pqc_dtype_size(dtype);
+    pqc_i64 src = (kv * host_head_stride + t * host_ld) * es;
+    pqc_i64 dst = (kv * cache_head_stride + (slot * block_tokens + r) * d_h) * es;
+    pqc_u64 nbytes = (pqc_u64)d_h * es;
+    pqc_warp_row_copy((const char *)host_k + src, (char *)cache_k + dst, nbytes, lane);
+    if (host_v && cache_v)
+        pqc_warp_row_copy((const char *)host_v + src, (char *)cache_v + dst, nbytes, lane);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* (e) PQ codes of new keys                                                             */
+/* ------------------------------------------------------------------------------------ */
+
+/* pqc_centroid_norms: out[r] = sequential fmaf over e of c[r][e]^2, from 0.
+ *   grid ceil(rows / 256), block 256; one thread per row of the [rows][d] matrix (for
+ *   the codebooks of n_kv heads: rows = n_kv*m*K, d = d_sub). */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_centroid_norms(const float *__restrict__ c, int rows, int d, float *__restrict__ out)
+{
+    int r = blockIdx.x * PQC_BLOCK + threadIdx.x;
+    if (r >= rows) return;
+    const float *cr = c + (pqc_i64)r * d;
+    float nrm = 0.0f;
+    for (int e = 0; e < d; ++e) nrm = fmaf(cr[e], cr[e], nrm);
+    out[r] = nrm;
+}
+
+/* pqc_assign_codes: PQ codes of n new keys (nearest centroid per sub-space).
+ *   grid (ceil(n*m / 8), n_kv), block 256; one warp per (token i, sub-space j), i = w / m.
+ *   x         n key rows of x_dtype per KV head: row i at x + kv*x_head_stride + i*x_ld
+ *             elements (d_h = m*d_sub used); d_sub <= 256
+ *   centroids float [m][K][d_sub] per KV head; cnorm float [m][K] per KV head
+ *             (pqc_centroid_norms) or NULL to compute the norms on the fly
+ *   codes     packed columns per KV head (codes + kv*code_head_stride, column j at
+ *             + j*col_stride): the code of key i is OR-ed (32-bit atomicOr) into the
+ *             bits of token t_start + i, which must be zero beforehand; or NULL
+ *   codes_out uint8 [n][m] per KV head (+ kv*codes_out_head_stride), or NULL
+ *   Distance ||c||^2 - 2 x.c (both sequential fmaf from 0), ties to the lower index. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_assign_codes(const void *x, int x_dtype, pqc_i64 x_ld, pqc_i64 x_head_stride, int n,
+                 const float *__restrict__ centroids, const float *__restrict__ cnorm,
+                 pqc_i64 cent_head_stride, pqc_i64 cnorm_head_stride,
+                 int m, int b, int d_sub,
+                 pqc_u8 *codes, pqc_i64 code_head_stride, pqc_i64 col_stride, int t_start,
+                 pqc_u8 *codes_out, pqc_i64 codes_out_head_stride)
+{
+    __shared__ float xs[PQC_WARPS][PQC_MAX_DSUB];
+    pqc_i64 kv = blockIdx.y;
+    int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    pqc_i64 w = (pqc_i64)blockIdx.x * PQC_WARPS + wib;
+    if (w >= (pqc_i64)n * m || d_sub > PQC_MAX_DSUB) return; /* whole warp */
+    int i = (int)(w / m), j = (int)(w % m);
+    int K = 1 << b;
+    const void *xr = (const char *)x +
+                     (kv * x_head_stride + (pqc_i64)i * x_ld + (pqc_i64)j * d_sub) *
+                         pqc_dtype_size(x_dtype);
+    for (int e = lane; e < d_sub; e += 32) xs[wib][e] = pqc_load_elem(xr, e, x_dtype);
+    __syncwarp();
+    const float *cen = centroids + kv * cent_head_stride + (pqc_i64)j * K * d_sub;
+    const float *cn = cnorm ? cnorm + kv * cnorm_head_stride + (pqc_i64)j * K : cnorm;
+    float best;
+    int code = pqc_warp_nearest(xs[wib], d_sub, cen, cn, K, &best);
+    if (lane != 0) return;
+    if (codes_out) codes_out[kv * codes_out_head_stride + (pqc_i64)i * m + j] = (pqc_u8)code;
+    if (codes) {
+        pqc_u64 bit = (pqc_u64)((pqc_i64)t_start + i) * (pqc_u64)b;
+        pqc_u64 addr = (pqc_u64)(codes + kv * code_head_stride + (pqc_i64)j * col_stride) +
+                       (bit >> 3);
+        pqc_u32 *word = (pqc_u32 *)(addr & ~(pqc_u64)3);
+        pqc_u64 v = (pqc_u64)code << ((addr & 3u) * 8u + (bit & 7u));
+        atomicOr(word, (pqc_u32)v);
+        if (v >> 32) atomicOr(word + 1, (pqc_u32)(v >> 32));
+    }
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* (f) k-means on the GPU                                                               */
+/* ------------------------------------------------------------------------------------ */
+
+/* pqc_kmeans_assign: one Lloyd assignment step for n_sub independent problems.
+ *   grid (ceil(n / 8), n_sub), block 256; one warp per point; d <= 256.
+ *   Problem j = blockIdx.y uses the columns [j*d, j*d+d) of the points (row i at
+ *   x + i*ld), centroids + j*K*d ([K][d]), cnorm + j*K (or cnorm NULL), and writes
+ *   assign + j*n (int32 [n], or NULL), sums + j*K*d (float [K][d], or NULL, atomicAdd of
+ *   the assigned points: the order of these additions is not fixed), counts + j*K
+ *   (uint32 [K], or NULL), min_dist + j*n (float [n], or NULL: max(0, ||x||^2 + ||c||^2
+ *   - 2 x.c) for the chosen centroid). Zero sums and counts before the launch.
+ *   Nearest centroid as in pqc_assign_codes. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_kmeans_assign(const float *__restrict__ x, pqc_i64 ld, int n, int d,
+                  const float *__restrict__ centroids, const float *__restrict__ cnorm, int K,
+                  int *__restrict__ assign, float *sums, pqc_u32 *counts,
+                  float *__restrict__ min_dist)
+{
+    __shared__ float xs[PQC_WARPS][PQC_MAX_DSUB];
+    pqc_i64 j = blockIdx.y;
+    int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    pqc_i64 i = (pqc_i64)blockIdx.x * PQC_WARPS + wib;
+    if (i >= n || d > PQC_MAX_DSUB) return; /* whole warp */
+    const float *xr = x + i * ld + j * d;
+    for (int e = lane; e < d; e += 32) xs[wib][e] = xr[e];
+    __syncwarp();
+    const float *cen = centroids + j * K * d;
+    const float *cn = cnorm ? cnorm + j * K : cnorm;
+    float best;
+    int c = pqc_warp_nearest(xs[wib], d, cen, cn, K, &best);
+    if (sums) {
+        float *sr = sums + (j * K + c) * d;
+        for (int e = lane; e < d; e += 32) atomicAdd(&sr[e], xs[wib][e]);
+    }
+    if (lane != 0) return;
+    if (assign) assign[j * n + i] = c;
+    if (counts) atomicAdd(&counts[j * K + c], 1u);
+    if (min_dist) {
+        float xn = 0.0f;
+        for (int e = 0; e < d; ++e) xn = fmaf(xs[wib][e], xs[wib][e], xn);
+        float dd = xn + best;
+        min_dist[j * n + i] = dd > 0.0f ? dd : 0.0f;
+    }
+}
+
+/* pqc_kmeans_update: centroid = sum / count for every cluster with count > 0 (empty
+ *   clusters keep their centroid; the host may re-seed them).
+ *   grid ceil(rows*d / 256), block 256; one thread per element of the [rows][d]
+ *   centroid matrix (rows = n_sub*K). */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_kmeans_update(float *__restrict__ centroids, const float *__restrict__ sums,
+                  const pqc_u32 *__restrict__ counts, int rows, int d)
+{
+    pqc_i64 e = (pqc_i64)blockIdx.x * PQC_BLOCK + threadIdx.x;
+    if (e >= (pqc_i64)rows * d) return;
+    pqc_u32 cnt = counts[e / d];
+    if (cnt > 0u) centroids[e] = sums[e] / (float)cnt;
+}
