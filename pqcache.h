@@ -1665,7 +1665,38 @@ PQC__AVX512 static void pqc__scan_avx512(const pqc_codes *cd, const float *lut, 
     size_t t = 0;
     int j, b = cd->bits, m = cd->m;
     unsigned mask = (1u << b) - 1u;
-    if (b == 8) {
+    if (b == 8 && n >= 64) {
+        /* sub-space by sub-space over the whole range, the 256-entry table held in 16
+           registers: 8 two-table permutes and a 3-level blend tree replace a gather.
+           out[t] accumulates j = 0, 1, ... in order, as the scalar reference does. */
+        size_t nv = n & ~(size_t)15;
+        for (j = 0; j < m; j++) {
+            const float *l = lut + (size_t)j * ksub;
+            const unsigned char *col = cd->data + (size_t)j * cd->col_stride + t0;
+            const __m512 T0 = _mm512_loadu_ps(l), T1 = _mm512_loadu_ps(l + 16), T2 = _mm512_loadu_ps(l + 32),
+                         T3 = _mm512_loadu_ps(l + 48), T4 = _mm512_loadu_ps(l + 64), T5 = _mm512_loadu_ps(l + 80),
+                         T6 = _mm512_loadu_ps(l + 96), T7 = _mm512_loadu_ps(l + 112), T8 = _mm512_loadu_ps(l + 128),
+                         T9 = _mm512_loadu_ps(l + 144), TA = _mm512_loadu_ps(l + 160), TB = _mm512_loadu_ps(l + 176),
+                         TC = _mm512_loadu_ps(l + 192), TD = _mm512_loadu_ps(l + 208), TE = _mm512_loadu_ps(l + 224),
+                         TF = _mm512_loadu_ps(l + 240);
+            const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64), b7 = _mm512_set1_epi32(128);
+            for (t = 0; t < nv; t += 16) {
+                __m512i ix = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(col + t)));
+                __mmask16 m5 = _mm512_test_epi32_mask(ix, b5), m6 = _mm512_test_epi32_mask(ix, b6),
+                          m7 = _mm512_test_epi32_mask(ix, b7);
+                __m512 r0 = _mm512_permutex2var_ps(T0, ix, T1), r1 = _mm512_permutex2var_ps(T2, ix, T3),
+                       r2 = _mm512_permutex2var_ps(T4, ix, T5), r3 = _mm512_permutex2var_ps(T6, ix, T7),
+                       r4 = _mm512_permutex2var_ps(T8, ix, T9), r5 = _mm512_permutex2var_ps(TA, ix, TB),
+                       r6 = _mm512_permutex2var_ps(TC, ix, TD), r7 = _mm512_permutex2var_ps(TE, ix, TF);
+                __m512 v = _mm512_mask_blend_ps(
+                    m7, _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r0, r1), _mm512_mask_blend_ps(m5, r2, r3)),
+                    _mm512_mask_blend_ps(m6, _mm512_mask_blend_ps(m5, r4, r5), _mm512_mask_blend_ps(m5, r6, r7)));
+                if (j == 0) _mm512_storeu_ps(out + t, _mm512_add_ps(_mm512_setzero_ps(), v));
+                else _mm512_storeu_ps(out + t, _mm512_add_ps(_mm512_loadu_ps(out + t), v));
+            }
+        }
+        t = nv;
+    } else if (b == 8) {
         for (; t + 16 <= n; t += 16) {
             __m512 acc = _mm512_setzero_ps();
             for (j = 0; j < m; j++) {
@@ -2073,18 +2104,17 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     }
     need = k - na;
     if (need > 0) pqc__topk_core(cs, nc, need, tmp, pos, NULL);
-    /* merge the two ascending lists */
+    /* merge the two ascending lists (branch-free: the order is data-dependent) */
     a = b = o = 0;
-    while (a < na || b < need) {
-        uint32_t x = a < na ? above[a] : 0xffffffffu, y = b < need ? cand[pos[b]] : 0xffffffffu;
-        if (x < y) {
-            idx[o++] = x;
-            a++;
-        } else {
-            idx[o++] = y;
-            b++;
-        }
+    while (a < na && b < need) {
+        uint32_t x = above[a], y = cand[pos[b]];
+        size_t tx = x < y;
+        idx[o++] = tx ? x : y;
+        a += tx;
+        b += 1 - tx;
     }
+    while (a < na) idx[o++] = above[a++];
+    while (b < need) idx[o++] = cand[pos[b++]];
     if (outs)
         for (i = 0; i < k; i++) outs[i] = s[idx[i]];
 }
