@@ -74,8 +74,9 @@ kernels:
 	sh tools/embed_kernels.sh
 
 # ----- everything ---------------------------------------------------------------------
-test: test-compile test-harness test-nvrtc test-core test-asan test-tsan
-	@echo "all test groups passed"
+TEST_GROUPS := test-compile test-harness test-nvrtc test-core test-asan test-tsan
+test:
+	@sh tests/run_all.sh $(TEST_GROUPS)
 
 clean:
 	rm -rf $(BUILD)
