@@ -74,12 +74,18 @@ kernels:
 	sh tools/embed_kernels.sh
 
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-harness test-nvrtc test-core test-asan test-tsan
+TEST_GROUPS := test-compile test-harness test-nvrtc test-core test-asan test-tsan tiny_llama_test
 test:
 	@sh tests/run_all.sh $(TEST_GROUPS)
 
 clean:
 	rm -rf $(BUILD)
+
+# ----- the example engine, the passkey model and the needle evaluation -----------------
+include examples/tiny_llama/build.mk
+
+# `make run`: the passkey model at a 32K context, full vs pqcache vs oracle vs window
+run: tiny_llama_demo
 
 # ----- benchmarks (not tests) -----------------------------------------------------------
 BENCH_SIZES ?= 32768 131072

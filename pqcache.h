@@ -1719,18 +1719,35 @@ PQC__AVX512 static void pqc__scan_avx512(const pqc_codes *cd, const float *lut, 
             }
             _mm512_storeu_ps(out + t, acc);
         }
-    } else {
+    } else if (n >= 16 && t0 + n < ((size_t)1 << 28)) {
+        /* any width: 16 codes come out of one byte-offset gather (each lane reads the 32
+           bits holding its code) and a variable shift; tables of up to 64 entries are
+           looked up in registers */
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i vb = _mm512_set1_epi32(b), vmask = _mm512_set1_epi32((int)mask), seven = _mm512_set1_epi32(7);
+        const __m512i b5 = _mm512_set1_epi32(32);
         for (; t + 16 <= n; t += 16) {
             __m512 acc = _mm512_setzero_ps();
+            __m512i bits = _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32((int)(t0 + t)), lane), vb);
+            __m512i byte = _mm512_srli_epi32(bits, 3), sh = _mm512_and_si512(bits, seven);
             for (j = 0; j < m; j++) {
                 const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
-                int l, tmp[16];
-                for (l = 0; l < 16; l++) {
-                    size_t bit = (t0 + t + (size_t)l) * (size_t)b;
-                    unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
-                    tmp[l] = (int)(v & mask);
+                const float *l = lut + (size_t)j * ksub;
+                __m512i w = _mm512_i32gather_epi32(byte, (const void *)col, 1);
+                __m512i ix = _mm512_and_si512(_mm512_srlv_epi32(w, sh), vmask);
+                __m512 v;
+                if (ksub <= 16) {
+                    v = _mm512_permutexvar_ps(ix, _mm512_maskz_loadu_ps((__mmask16)((1u << ksub) - 1u), l));
+                } else if (ksub == 32) {
+                    v = _mm512_permutex2var_ps(_mm512_loadu_ps(l), ix, _mm512_loadu_ps(l + 16));
+                } else if (ksub == 64) {
+                    __m512 lo = _mm512_permutex2var_ps(_mm512_loadu_ps(l), ix, _mm512_loadu_ps(l + 16));
+                    __m512 hi = _mm512_permutex2var_ps(_mm512_loadu_ps(l + 32), ix, _mm512_loadu_ps(l + 48));
+                    v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(ix, b5), lo, hi);
+                } else {
+                    v = _mm512_i32gather_ps(ix, l, 4);
                 }
-                acc = _mm512_add_ps(acc, _mm512_i32gather_ps(_mm512_loadu_si512(tmp), lut + (size_t)j * ksub, 4));
+                acc = _mm512_add_ps(acc, v);
             }
             _mm512_storeu_ps(out + t, acc);
         }
@@ -3381,6 +3398,11 @@ struct pqc_cache {
     int window;           /* fixed once known; 0 until the first prefill when derived */
     pqc__layer *layers;
     char err[256];
+    pqc_selection dsel;   /* the driver's selection and gather buffers, kept across steps */
+    float *dbuf;
+    size_t dbuf_floats;
+    const unsigned char **fsrc; /* fetch: source row of each selected row */
+    size_t fsrc_cap;
 };
 
 static pqc_result pqc__cfail(const pqc_cache *c, pqc_result r, const char *fmt, ...)
@@ -3517,6 +3539,9 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
         }
     }
     pqc__free(&c->alloc, c->layers);
+    pqc_selection_free(&c->dsel);
+    pqc__free(&c->alloc, c->dbuf);
+    pqc__free(&c->alloc, (void *)c->fsrc);
     pqc__free(&c->alloc, c);
 }
 
@@ -3532,8 +3557,12 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
     if (need <= c->cap) return PQC_SUCCESS;
     if (need > c->d.max_tokens)
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence of %zu tokens exceeds max_tokens %zu", need, c->d.max_tokens);
-    while (cap < need) cap = cap + cap / 2;
+    /* headroom, so that the decode steps after a prompt rarely grow the store */
+    while (cap < need + PQC__MAX((size_t)256, need / 16)) cap = cap + cap / 2;
     if (cap > c->d.max_tokens) cap = c->d.max_tokens;
+    /* every layer's builds read the stores being replaced: let them finish first (their
+       results are installed at each layer's next call) */
+    for (l = 0; l < (size_t)L; l++) pqc__wait(c->rt, &c->layers[l].group);
     if (!pqc__mul(cap, c->row, &bytes)) return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence too large");
     nblk = (cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens;
     nk = (unsigned char **)pqc__calloc(&c->alloc, sizeof(void *) * n * 2);
@@ -4050,6 +4079,8 @@ typedef struct pqc__fetch_job {
     const pqc_kv_out *out;
     pqc_result *res;
     uint64_t *hits, *misses, *h2d;
+    const unsigned char **src; /* [head][rows_cap][2]: K and V source of each row */
+    size_t rows_cap, chunks;
 } pqc__fetch_job;
 
 static void pqc__fetch_head(void *ctx, size_t hi)
@@ -4058,10 +4089,9 @@ static void pqc__fetch_head(void *ctx, size_t hi)
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
     pqc__head *H = &L->heads[hi];
-    size_t n = L->n_tokens, cnt = j->sel->count[hi], i, bt = (size_t)c->d.block_tokens, d = (size_t)c->d.head_dim;
+    size_t n = L->n_tokens, cnt = j->sel->count[hi], i, bt = (size_t)c->d.block_tokens;
     size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, n), slot_bytes = bt * 2 * c->row;
     const uint32_t *idx = j->sel->idx + hi * j->sel->capacity;
-    float *ko = j->out->k + hi * j->out->head_stride * d, *vo = j->out->v + hi * j->out->head_stride * d;
     uint64_t hits = 0, misses = 0, h2d = 0, step = L->step;
     int admit = c->d.cache_blocks > 0 ? c->d.admit_blocks : 0, a;
     if (admit > 0) {
@@ -4122,30 +4152,50 @@ static void pqc__fetch_head(void *ctx, size_t hi)
         }
         for (b = 0; b < nb; b++) cntb[b] = 0;
     }
-    for (i = 0; i < cnt; i++) {
-        size_t t = idx[i];
-        if (t >= mid_lo && t < mid_hi) {
-            int s = admit > 0 ? H->slot_of[t / bt] : -1;
-            if (s >= 0 && (t % bt) < H->filled[s]) {
-                const unsigned char *row = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
-                pqc__row_out(c, row, ko + i * d);
-                pqc__row_out(c, row + c->row, vo + i * d);
-                if (H->stamp[s] != step + 1) H->freq[s]++;
-                H->stamp[s] = step + 1;
-                hits++;
-                continue;
+    /* where each selected row comes from: a device slot (hit) or the host store (a miss,
+       or a sink or window token, device-resident in a GPU backend); the copies follow in
+       parallel chunks */
+    {
+        const unsigned char **src = j->src + hi * 2 * j->rows_cap;
+        for (i = 0; i < cnt; i++) {
+            size_t t = idx[i];
+            if (t >= mid_lo && t < mid_hi) {
+                int s = admit > 0 ? H->slot_of[t / bt] : -1;
+                if (s >= 0 && (t % bt) < H->filled[s]) {
+                    src[2 * i] = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
+                    src[2 * i + 1] = src[2 * i] + c->row;
+                    if (H->stamp[s] != step + 1) H->freq[s]++;
+                    H->stamp[s] = step + 1;
+                    hits++;
+                    continue;
+                }
+                misses++;
+                h2d += 2 * c->row;
             }
-            misses++;
-            h2d += 2 * c->row;
+            src[2 * i] = H->k + t * c->row;
+            src[2 * i + 1] = H->v + t * c->row;
         }
-        /* misses, sinks and the window (device-resident in a GPU backend) from the store */
-        pqc__row_out(c, H->k + t * c->row, ko + i * d);
-        pqc__row_out(c, H->v + t * c->row, vo + i * d);
     }
     j->hits[hi] = hits;
     j->misses[hi] = misses;
     j->h2d[hi] = h2d;
     j->res[hi] = PQC_SUCCESS;
+}
+
+#define PQC__FETCH_CHUNK 512
+#define PQC__FETCH_PARALLEL_ROWS 16384
+/* copies chunk q (head q / chunks_per_head) of the gathered rows, converting to fp32 */
+static void pqc__fetch_copy(void *ctx, size_t q)
+{
+    pqc__fetch_job *j = (pqc__fetch_job *)ctx;
+    const pqc_cache *c = j->c;
+    size_t hi = q / j->chunks, r0 = (q % j->chunks) * PQC__FETCH_CHUNK, cnt = j->sel->count[hi], i, d = (size_t)c->d.head_dim;
+    const unsigned char **src = j->src + hi * 2 * j->rows_cap;
+    float *ko = j->out->k + hi * j->out->head_stride * d, *vo = j->out->v + hi * j->out->head_stride * d;
+    for (i = r0; i < cnt && i < r0 + PQC__FETCH_CHUNK; i++) {
+        pqc__row_out(c, src[2 * i], ko + i * d);
+        pqc__row_out(c, src[2 * i + 1], vo + i * d);
+    }
 }
 
 static void pqc__fetch_pfor(void *ctx, size_t h) { pqc__fetch_head(ctx, h); }
@@ -4175,6 +4225,17 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
             if (idx[i] >= L->n_tokens || (i > 0 && idx[i] <= idx[i - 1]))
                 return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_fetch: head %zu index %zu invalid or unsorted", h, i);
     }
+    for (h = 0, j.rows_cap = 1; h < nh; h++) j.rows_cap = PQC__MAX(j.rows_cap, sel->count[h]);
+    j.chunks = (j.rows_cap + PQC__FETCH_CHUNK - 1) / PQC__FETCH_CHUNK;
+    if (nh * 2 * j.rows_cap > c->fsrc_cap) { /* kept across steps */
+        size_t want = nh * 2 * j.rows_cap + nh * 2 * j.rows_cap / 4;
+        const unsigned char **ns = (const unsigned char **)pqc__alloc(&c->alloc, want * sizeof(void *));
+        if (!ns) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
+        pqc__free(&c->alloc, (void *)c->fsrc);
+        c->fsrc = ns;
+        c->fsrc_cap = want;
+    }
+    j.src = c->fsrc;
     mem = (unsigned char *)pqc__alloc(&c->alloc, nh * (sizeof(pqc_result) + 3 * sizeof(uint64_t)));
     if (!mem) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
     j.c = c;
@@ -4185,9 +4246,19 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     j.misses = j.hits + nh;
     j.h2d = j.misses + nh;
     j.res = (pqc_result *)(j.h2d + nh);
-    if (parallel) pqc__parallel_for(c->rt, nh, pqc__fetch_pfor, &j);
-    else
+    if (parallel) {
+        size_t rows = 0;
+        for (h = 0; h < nh; h++) rows += sel->count[h];
+        if (nh > 1) pqc__parallel_for(c->rt, nh, pqc__fetch_pfor, &j);
+        else pqc__fetch_head(&j, 0);
+        /* waking the pool costs tens of microseconds: only for copies worth it */
+        if (rows >= PQC__FETCH_PARALLEL_ROWS) pqc__parallel_for(c->rt, nh * j.chunks, pqc__fetch_copy, &j);
+        else
+            for (h = 0; h < nh * j.chunks; h++) pqc__fetch_copy(&j, h);
+    } else {
         for (h = 0; h < nh; h++) pqc__fetch_head(&j, h);
+        for (h = 0; h < nh * j.chunks; h++) pqc__fetch_copy(&j, h);
+    }
     for (h = 0; h < nh; h++) {
         L->st.hits += j.hits[h];
         L->st.misses += j.misses[h];
@@ -4438,7 +4509,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
 
 PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos)
 {
-    size_t qn, kn, cap;
+    size_t qn, kn, cap, need;
     float *q, *k, *v, *ko, *vo;
     const void **kp;
     const uint32_t **pp;
@@ -4453,15 +4524,20 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     qn = (size_t)c->d.n_q_heads * c->d.head_dim;
     kn = (size_t)c->d.n_kv_heads * c->d.head_dim;
     cap = pos + 1;
-    if ((r = pqc_selection_init(c, &sel)) != PQC_SUCCESS) return r;
-    q = (float *)pqc__alloc(&c->alloc, (qn + 2 * kn + 2 * cap * kn) * sizeof(float));
-    kp = (const void **)pqc__alloc(&c->alloc, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads);
-    if (!q || !kp) {
-        pqc__free(&c->alloc, q);
-        pqc__free(&c->alloc, kp);
-        pqc_selection_free(&sel);
-        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
+    if (!c->dsel.idx && (r = pqc_selection_init(c, &c->dsel)) != PQC_SUCCESS) return r;
+    need = qn + 2 * kn + 2 * cap * kn;
+    if (need > c->dbuf_floats) { /* grows geometrically: decode steps allocate rarely */
+        size_t want = need + need / 4;
+        float *nb = (float *)pqc__alloc(&c->alloc, want * sizeof(float));
+        if (!nb) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
+        pqc__free(&c->alloc, c->dbuf);
+        c->dbuf = nb;
+        c->dbuf_floats = want;
     }
+    kp = (const void **)pqc__alloc(&c->alloc, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads);
+    if (!kp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
+    sel = c->dsel;
+    q = c->dbuf;
     k = q + qn;
     v = k + kn;
     ko = v + kn;
@@ -4496,9 +4572,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
             break;
         }
     }
-    pqc__free(&c->alloc, q);
     pqc__free(&c->alloc, kp);
-    pqc_selection_free(&sel);
     return r;
 }
 

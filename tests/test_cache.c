@@ -464,6 +464,33 @@ TEST async_builds_and_destroy_during_build(void)
     PASS();
 }
 
+TEST growth_waits_for_other_layers_builds(void)
+{
+    /* a store that grows (here: the first decode step) must not move under the builds
+       of other layers that are still running (ASan reports a use after free otherwise) */
+    pqc_runtime *rt = make_rt(2);
+    pqc_cache_desc cd = base_desc(3, 1, 1, 64);
+    pqc_cache *c;
+    size_t n = 1944;
+    float *k = rand_rows(n, 64), row[64];
+    int l, e, step;
+    cd.pq.iters = 200;
+    cd.pq.bits = 8;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 3, k, k, n, 64));
+    for (step = 0; step < 700; step++) { /* past the store's headroom: it grows at least once */
+        for (e = 0; e < 64; e++) row[e] = frand();
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, row, row));
+    }
+    for (l = 1; l < 3; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, l, row, row));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    ASSERT_EQ(n + 700, pqc_cache_tokens(c, 0));
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    PASS();
+}
+
 /* engine pool that defers jobs until the test runs them */
 typedef struct deferred {
     void (*fn[64])(void *);
@@ -800,6 +827,7 @@ SUITE(cache)
     RUN_TEST(eviction_orders_match_reference);
     RUN_TEST(scheduler_recovers_coefficients_and_clips);
     RUN_TEST(async_builds_and_destroy_during_build);
+    RUN_TEST(growth_waits_for_other_layers_builds);
     RUN_TEST(job_error_surfaces_at_next_call);
     RUN_TEST(multi_turn_codes_then_rebuilds);
     RUN_TEST(batch_matches_individual);

@@ -1,0 +1,36 @@
+# passkey.mk - the constructed passkey model (examples/tiny_llama/make_passkey.c).
+# Include from the top-level Makefile (build.mk includes it too; including it
+# twice is harmless); paths are relative to the repository root.
+#
+#   make build/make_passkey    generator, prompt writer and numerical checker
+#   make build/passkey.bin     the checkpoint (max_seq_len 131072, rope_theta 1e9)
+#   make passkey-check         write the checkpoint and verify retrieval up to
+#                              131072 tokens (PASSKEY_VERIFY=--quick: 5 depths)
+#   make passkey-cxx           the same source compiled as C++
+
+ifndef TINY_LLAMA_PASSKEY_MK
+TINY_LLAMA_PASSKEY_MK := 1
+
+PASSKEY_SRC := examples/tiny_llama/make_passkey.c
+PASSKEY_WARN := -Wall -Wextra -Werror -pedantic
+PASSKEY_VERIFY ?= --quick
+
+build/make_passkey: $(PASSKEY_SRC)
+	@mkdir -p build
+	$(CC) -O2 -std=c99 $(PASSKEY_WARN) -o $@ $(PASSKEY_SRC) -lm
+
+build/make_passkey_cxx: $(PASSKEY_SRC)
+	@mkdir -p build
+	$(CXX) -O2 -x c++ $(PASSKEY_WARN) -o $@ $(PASSKEY_SRC) -lm
+
+build/passkey.bin: build/make_passkey
+	build/make_passkey $@
+
+passkey-check: build/make_passkey
+	build/make_passkey --verify build/passkey.bin $(PASSKEY_VERIFY)
+
+passkey-cxx: build/make_passkey_cxx
+
+.PHONY: passkey-check passkey-cxx
+
+endif # TINY_LLAMA_PASSKEY_MK

@@ -1,0 +1,418 @@
+/* test_pqcache_mode.c - tests of tiny_llama's pqcache mode (tl_pqcache.h:
+   the engine driven by pqcache's pqc_driver_prefill / pqc_driver_decode) and
+   of the attention modes on the constructed passkey model (make_passkey.c).
+
+   Prints one line per test and ends with "N passed, N failed"; the exit
+   status is non-zero if any test failed. */
+#ifndef __cplusplus
+#define _POSIX_C_SOURCE 200809L
+#endif
+#define TINY_LLAMA_IMPLEMENTATION
+#include "tiny_llama.h"
+#define TL_PQCACHE_IMPLEMENTATION
+#include "tl_pqcache.h"
+
+/* the passkey model's construction and prompt generator */
+#define main make_passkey_main
+#include "make_passkey.c"
+#undef main
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ----------------------------------------------------------------------------
+   Harness */
+
+static int g_failed_now, g_passed, g_failed;
+static char g_dir[512];
+
+#define CHECK(cond)                                                      \
+    do {                                                                 \
+        if (!(cond)) {                                                   \
+            printf("  %s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+            g_failed_now = 1;                                            \
+        }                                                                \
+    } while (0)
+
+static void run_test(const char *name, void (*fn)(void))
+{
+    g_failed_now = 0;
+    fn();
+    if (g_failed_now)
+        g_failed++;
+    else
+        g_passed++;
+    printf("%s %s\n", g_failed_now ? "FAIL" : "ok  ", name);
+    fflush(stdout);
+}
+
+static const char *tmp_path(const char *name)
+{
+    static char paths[4][600];
+    static int next;
+    char *p = paths[next++ % 4];
+    snprintf(p, 600, "%s/%s", g_dir, name);
+    return p;
+}
+
+/* ----------------------------------------------------------------------------
+   A tiny random model: pqcache with every token selected is full attention */
+
+#define R_PROMPT 300
+#define R_STEPS 40
+
+static int random_model(tl_model *m)
+{
+    tl_config c;
+    char err[TL_ERR_LEN];
+    memset(&c, 0, sizeof c);
+    c.dim = 64; c.hidden_dim = 96; c.n_layers = 2; c.n_heads = 4; c.n_kv_heads = 2;
+    c.vocab_size = 50; c.seq_len = 1024; c.shared_classifier = 1; c.rope_theta = 10000.0f;
+    if (tl_write_random_checkpoint(tmp_path("random.bin"), &c, 0, 17, err, sizeof err) ||
+        tl_build_model(m, tmp_path("random.bin"), err, sizeof err)) {
+        printf("  %s\n", err);
+        return -1;
+    }
+    return 0;
+}
+
+static int token_at(int pos, int vocab) { return (pos * 13 + 5) % vocab; }
+
+/* full attention, token by token (the engine's ordinary path): the logits of
+   the last prompt token, then of every teacher-forced decode step */
+static int run_full(const tl_model *m, float *out)
+{
+    tl_state s;
+    char err[TL_ERR_LEN];
+    int pos, V = m->config.vocab_size;
+    if (tl_build_state(&s, &m->config, R_PROMPT + R_STEPS, 1, err, sizeof err))
+        return -1;
+    for (pos = 0; pos < R_PROMPT + R_STEPS; pos++) {
+        float *logits = tl_forward(m, &s, NULL, token_at(pos, V), pos);
+        if (!logits) {
+            tl_free_state(&s);
+            return -1;
+        }
+        if (pos >= R_PROMPT - 1)
+            memcpy(out + (size_t)(pos - R_PROMPT + 1) * (size_t)V, logits, (size_t)V * sizeof(float));
+    }
+    tl_free_state(&s);
+    return 0;
+}
+
+/* the same through the pqcache driver */
+static int run_pqcache(const tl_model *m, const tlpq_config *cfg, float *out, tlpq_stats *st)
+{
+    tlpq lib;
+    char err[TL_ERR_LEN];
+    int tokens[R_PROMPT], pos, V = m->config.vocab_size;
+    float *logits;
+    for (pos = 0; pos < R_PROMPT; pos++)
+        tokens[pos] = token_at(pos, V);
+    if (tlpq_create(&lib, m, R_PROMPT + R_STEPS, cfg, err, sizeof err)) {
+        printf("  %s\n", err);
+        return -1;
+    }
+    logits = tlpq_prefill(&lib, tokens, R_PROMPT);
+    if (!logits)
+        goto fail;
+    memcpy(out, logits, (size_t)V * sizeof(float));
+    for (pos = R_PROMPT; pos < R_PROMPT + R_STEPS; pos++) {
+        logits = tlpq_decode(&lib, token_at(pos, V), pos);
+        if (!logits)
+            goto fail;
+        memcpy(out + (size_t)(pos - R_PROMPT + 1) * (size_t)V, logits, (size_t)V * sizeof(float));
+    }
+    if (st)
+        tlpq_get_stats(&lib, st);
+    tlpq_destroy(&lib);
+    return 0;
+fail:
+    printf("  %s\n", lib.err);
+    tlpq_destroy(&lib);
+    return -1;
+}
+
+static void test_full_budget_equals_full(void)
+{
+    tl_model m;
+    tlpq_config cfg;
+    tlpq_stats st;
+    size_t n = (size_t)(R_STEPS + 1) * 50;
+    float *ref = (float *)malloc(n * sizeof(float)), *got = (float *)malloc(n * sizeof(float));
+    int sinks[3] = { 0, 4, 32 }, i, threads;
+    unsigned long long want_selected = 0;
+    int pos;
+    if (!ref || !got || random_model(&m)) {
+        CHECK(0);
+        free(ref);
+        free(got);
+        return;
+    }
+    CHECK(run_full(&m, ref) == 0);
+    /* every decode step selects every position: sinks + all coded + window */
+    for (pos = R_PROMPT; pos < R_PROMPT + R_STEPS; pos++)
+        want_selected += (unsigned long long)(pos + 1) * (unsigned long long)m.config.n_kv_heads *
+                         (unsigned long long)m.config.n_layers;
+    for (i = 0; i < 3; i++)
+        for (threads = 1; threads <= 3; threads += 2) {
+            tlpq_default_config(&cfg);
+            cfg.ratio = 1.0f;
+            cfg.n_sink = sinks[i];
+            cfg.n_threads = threads;
+            cfg.iters = 5;
+            memset(got, 0, n * sizeof(float));
+            CHECK(run_pqcache(&m, &cfg, got, &st) == 0);
+            CHECK(memcmp(ref, got, n * sizeof(float)) == 0);
+            CHECK(st.builds == (unsigned long long)m.config.n_layers);   /* PQ was built */
+            CHECK(st.selects == (unsigned long long)(R_STEPS * m.config.n_layers));
+            CHECK(st.tokens_selected == want_selected);
+        }
+    /* the adaptive scheduler and LRU change nothing at full budget */
+    tlpq_default_config(&cfg);
+    cfg.ratio = 1.0f;
+    cfg.policy = PQC_POLICY_LRU;
+    cfg.cache_blocks = 2;
+    cfg.block_tokens = 16;
+    CHECK(run_pqcache(&m, &cfg, got, &st) == 0);
+    CHECK(memcmp(ref, got, n * sizeof(float)) == 0);
+    CHECK(st.hits > 0 && st.misses > 0);
+    /* a real budget attends fewer tokens and changes the decode logits (the
+       prompt's logits come from full attention and stay the same) */
+    tlpq_default_config(&cfg);
+    cfg.ratio = 0.1f;
+    cfg.n_sink = 4;
+    CHECK(run_pqcache(&m, &cfg, got, &st) == 0);
+    CHECK(memcmp(ref, got, 50 * sizeof(float)) == 0);
+    CHECK(memcmp(ref + 50, got + 50, (n - 50) * sizeof(float)) != 0);
+    CHECK(st.tokens_selected < want_selected / 2);
+    CHECK(st.device_bytes > 0 && st.full_bytes > 0);
+    tl_free_model(&m);
+    free(ref);
+    free(got);
+}
+
+static void test_layer_major_prefill(void)
+{
+    tl_model m;
+    tl_state full, copy, bare;
+    tlpq lib;
+    tlpq_config cfg;
+    char err[TL_ERR_LEN];
+    int tokens[R_PROMPT], pos, V, ok = 1;
+    float *a, *b;
+    if (random_model(&m)) {
+        CHECK(0);
+        return;
+    }
+    V = m.config.vocab_size;
+    for (pos = 0; pos < R_PROMPT; pos++)
+        tokens[pos] = token_at(pos, V);
+    CHECK(tl_build_state(&full, &m.config, R_PROMPT, 1, err, sizeof err) == 0);
+    CHECK(tl_build_state(&copy, &m.config, R_PROMPT, 1, err, sizeof err) == 0);
+    for (pos = 0; pos < R_PROMPT; pos++)
+        ok &= tl_forward_layers(&m, &full, NULL, tokens[pos], pos) == 0;
+    CHECK(ok);
+    tlpq_default_config(&cfg);
+    cfg.n_threads = 2;
+    cfg.all_outputs = 1;
+    CHECK(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) == 0);
+    CHECK(tlpq_prefill(&lib, tokens, R_PROMPT) != NULL);
+    /* the keys and values the library stored are the token-by-token ones */
+    CHECK(tlpq_copy_kv(&lib, &copy, R_PROMPT) == 0);
+    a = full.key_cache;
+    b = copy.key_cache;
+    CHECK(memcmp(a, b, (size_t)m.config.n_layers * R_PROMPT * (size_t)m.config.kv_dim * sizeof(float)) == 0);
+    CHECK(memcmp(full.value_cache, copy.value_cache,
+                 (size_t)m.config.n_layers * R_PROMPT * (size_t)m.config.kv_dim * sizeof(float)) == 0);
+    /* the library refuses more than its capacity; bad tokens are refused */
+    CHECK(tlpq_decode(&lib, 1, R_PROMPT) == NULL && lib.err[0]);
+    tlpq_destroy(&lib);
+    CHECK(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) == 0);
+    tokens[7] = V;
+    CHECK(tlpq_prefill(&lib, tokens, R_PROMPT) == NULL && strstr(lib.err, "vocabulary"));
+    tlpq_destroy(&lib);
+    cfg.ratio = 0.0f;
+    CHECK(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) != 0);
+    /* a state without a KV cache cannot run the ordinary forward */
+    CHECK(tl_build_state_ex(&bare, &m.config, 16, 1, TL_STATE_NO_KV_CACHE, err, sizeof err) == 0);
+    CHECK(bare.key_cache == NULL && tl_forward(&m, &bare, NULL, 1, 0) == NULL);
+    tl_free_state(&bare);
+    tl_free_state(&full);
+    tl_free_state(&copy);
+    tl_free_model(&m);
+}
+
+/* ----------------------------------------------------------------------------
+   The passkey model */
+
+#define PK_TEST_LEN 2048
+
+static tl_model g_pk;
+static int g_pk_ok;
+
+static int passkey_model(void)
+{
+    Model pm;
+    char err[TL_ERR_LEN];
+    if (g_pk_ok)
+        return 0;
+    model_build(&pm, 4096);
+    if (model_write(&pm, tmp_path("passkey.bin"))) {
+        model_free(&pm);
+        return -1;
+    }
+    model_free(&pm);
+    if (tl_build_model(&g_pk, tmp_path("passkey.bin"), err, sizeof err)) {
+        printf("  %s\n", err);
+        return -1;
+    }
+    g_pk_ok = 1;
+    return 0;
+}
+
+/* Prefills a haystack (needle at depth%) and decodes the passkey greedily in
+   one mode: 1 if all tokens match, 0 if not, -1 on error. The prompt is
+   prefilled token by token with full attention, except for pqcache whose
+   prefill goes through the driver (layer-major, also full attention). */
+static int retrieve(tl_attn_mode mode, int len, double depth, float ratio, int *first)
+{
+    const tl_model *m = &g_pk;
+    int n = PK_PASSKEY_LEN, query, answer[N_VALUE], i, pos, tok, ok = 1;
+    int *toks = (int *)malloc((size_t)len * sizeof(int));
+    char err[TL_ERR_LEN];
+    tl_state s;
+    tlpq lib;
+    tl_policy pol;
+    float *logits = NULL;
+    memset(&s, 0, sizeof s);
+    memset(&lib, 0, sizeof lib);
+    if (!toks)
+        return -1;
+    make_prompt(len, depth, 7, n, toks, &query, answer);
+    tl_default_policy(&pol, mode);
+    pol.ratio = ratio;
+    if (mode == TL_ATTN_PQCACHE) {
+        tlpq_config cfg;
+        tlpq_default_config(&cfg);
+        cfg.ratio = ratio;
+        if (tlpq_create(&lib, m, len + n, &cfg, err, sizeof err) ||
+            !tlpq_prefill(&lib, toks, len)) {
+            printf("  %s %s\n", err, lib.err);
+            ok = -1;
+        }
+    } else {
+        if (tl_build_state(&s, &m->config, len + n, 1, err, sizeof err))
+            ok = -1;
+        for (pos = 0; ok >= 0 && pos < len; pos++)
+            if (tl_forward_layers(m, &s, NULL, toks[pos], pos))
+                ok = -1;
+    }
+    for (i = 0, tok = query; ok >= 0 && i < n; i++) {
+        logits = mode == TL_ATTN_PQCACHE ? tlpq_decode(&lib, tok, len + i)
+                                         : tl_forward(m, &s, &pol, tok, len + i);
+        if (!logits) {
+            ok = -1;
+            break;
+        }
+        tok = tl_argmax(logits, m->config.vocab_size);
+        if (i == 0 && first)
+            *first = tok;
+        if (tok != answer[i])
+            ok = 0;
+    }
+    if (mode == TL_ATTN_PQCACHE)
+        tlpq_destroy(&lib);
+    else
+        tl_free_state(&s);
+    free(toks);
+    return ok;
+}
+
+static const double g_depths[5] = { 0, 25, 50, 75, 100 };
+
+static void test_passkey_full(void)
+{
+    int d;
+    if (passkey_model()) {
+        CHECK(0);
+        return;
+    }
+    for (d = 0; d < 5; d++) {
+        int r = retrieve(TL_ATTN_FULL, PK_TEST_LEN, g_depths[d], 0.1f, NULL);
+        if (r != 1)
+            printf("  full attention, depth %g%%: %d\n", g_depths[d], r);
+        CHECK(r == 1);
+    }
+}
+
+static void test_passkey_window(void)
+{
+    int d, first = -1;
+    if (passkey_model()) {
+        CHECK(0);
+        return;
+    }
+    /* 32 sinks + the last 0.1 * (2048 - 32) = 202 tokens: the needle is seen at
+       0% (it sits in the sinks) and 100% (in the window), nowhere between */
+    for (d = 0; d < 5; d++) {
+        int inside = g_depths[d] == 0.0 || g_depths[d] == 100.0;
+        int r = retrieve(TL_ATTN_WINDOW, PK_TEST_LEN, g_depths[d], 0.1f, &first);
+        if (r != inside)
+            printf("  window, depth %g%%: %d\n", g_depths[d], r);
+        CHECK(r == inside);
+        if (!inside)
+            CHECK(first == TOK_UNK);   /* "not found", not some other value */
+    }
+    /* a budget that reaches the needle at 75% finds it */
+    CHECK(retrieve(TL_ATTN_WINDOW, PK_TEST_LEN, 75.0, 0.3f, NULL) == 1);
+}
+
+static void test_passkey_selection(void)
+{
+    int d;
+    if (passkey_model()) {
+        CHECK(0);
+        return;
+    }
+    for (d = 0; d < 5; d++) {
+        int rp = retrieve(TL_ATTN_PQCACHE, PK_TEST_LEN, g_depths[d], 0.1f, NULL);
+        int ro = retrieve(TL_ATTN_ORACLE, PK_TEST_LEN, g_depths[d], 0.1f, NULL);
+        if (rp != 1 || ro != 1)
+            printf("  depth %g%%: pqcache %d, oracle %d\n", g_depths[d], rp, ro);
+        CHECK(rp == 1);
+        CHECK(ro == 1);
+    }
+    /* with a smaller budget still: 1/50 */
+    CHECK(retrieve(TL_ATTN_PQCACHE, PK_TEST_LEN, 50.0, 0.02f, NULL) == 1);
+}
+
+/* ----------------------------------------------------------------------------
+   Main */
+
+int main(void)
+{
+    const char *tmp = getenv("TMPDIR");
+    snprintf(g_dir, sizeof g_dir, "%s/tiny_llama_pq_XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (!mkdtemp(g_dir)) {
+        printf("cannot create a temporary directory\n0 passed, 1 failed\n");
+        return 1;
+    }
+    run_test("pqcache at budget 1 gives the full-attention logits exactly",
+             test_full_budget_equals_full);
+    run_test("layer-major prefill stores the token-by-token keys and values",
+             test_layer_major_prefill);
+    run_test("passkey: full attention retrieves it at every depth (2K)", test_passkey_full);
+    run_test("passkey: window misses it outside sinks and window (2K)", test_passkey_window);
+    run_test("passkey: pqcache and oracle retrieve it at budget 0.1 (2K)", test_passkey_selection);
+    if (g_pk_ok)
+        tl_free_model(&g_pk);
+    unlink(tmp_path("random.bin"));
+    unlink(tmp_path("passkey.bin"));
+    rmdir(g_dir);
+    printf("%d passed, %d failed\n", g_passed, g_failed);
+    return g_failed ? 1 : 0;
+}

@@ -1,0 +1,609 @@
+/* tl_pqcache.h - the pqcache attention mode of tiny_llama.
+
+   The engine's forward stages (tiny_llama.h) as the callbacks of pqcache's
+   driver (pqcache.h, "Driver"):
+
+     prefill  pqc_driver_prefill runs the prompt layer by layer (layer-major).
+              The hidden states of all prompt tokens are kept; per layer the
+              qkv callback computes every token's query, key and value
+              (tl_layer_qkv_rows), the library stores the keys and values and
+              starts that layer's PQ build in the background, and the attend
+              callback runs full causal attention over the rows the library
+              hands back (tl_attend_causal, blocks of tokens so each row is
+              read once per block), then wo, residual and FFN. Tokens are
+              independent within a layer, so both callbacks split them over
+              the threads. The last layer's attention and FFN only matter for
+              the last token (the logits); the other tokens skip them unless
+              all_outputs is set. Keys, values and the logits are those of
+              token-by-token full attention, to the bit.
+     decode   pqc_driver_decode per token: qkv of the new token, the library
+              appends it, selects sinks + top-k (PQ search) + the recent
+              window, gathers those rows through its block cache, and the
+              attend callback runs the engine's attention over them
+              (tl_layer_attention with explicit rows), wo, residual, FFN.
+
+   The engine holds no KV cache of its own in this mode: keys and values live
+   in the library (tl_build_state_ex with TL_STATE_NO_KV_CACHE).
+
+   Use: in exactly one file, after TINY_LLAMA_IMPLEMENTATION's include,
+       #define TL_PQCACHE_IMPLEMENTATION
+       #include "tl_pqcache.h"
+   The implementation of pqcache.h itself is compiled there too unless
+   TL_PQCACHE_NO_LIBRARY_IMPLEMENTATION is defined. Link with -lm -lpthread
+   (and -ldl on glibc older than 2.34). */
+#ifndef TL_PQCACHE_H
+#define TL_PQCACHE_H
+
+#if defined(TL_PQCACHE_IMPLEMENTATION) && !defined(TL_PQCACHE_NO_LIBRARY_IMPLEMENTATION)
+#define PQCACHE_IMPLEMENTATION
+#endif
+#include "../../pqcache.h"
+#include "tiny_llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int pq_m;              /* PQ sub-spaces (divides head_size); default 2 */
+    int pq_bits;           /* bits per code, 1..8; default 6 */
+    int iters;             /* k-means iterations; 0 = the adaptive scheduler (default) */
+    int n_sink;            /* sink tokens; default 32, 0 = none */
+    float ratio;           /* budget ratio, > 0: attended beyond the sinks = ratio * (n - sinks) */
+    int cache_blocks;      /* block-cache blocks per layer and KV head; default 32, -1 = none */
+    int block_tokens;      /* tokens per block; default 128 */
+    pqc_policy policy;     /* block-cache eviction: PQC_POLICY_LFU (default) or LRU */
+    int n_threads;         /* prefill threads and the library's pool workers; default 1 */
+    unsigned long long seed; /* k-means seed */
+    int all_outputs;       /* 1: run the last layer for every prompt token, not just the last */
+} tlpq_config;
+
+/* Called from the prefill about every block of tokens: layer (0-based), tokens of
+   that layer done so far, tokens to do. */
+typedef void (*tlpq_progress_fn)(void *user, int layer, int n_layers, int done, int total);
+
+typedef struct {
+    unsigned long long selects;   /* select calls, all layers */
+    unsigned long long hits, misses, bytes_h2d, bytes_codes, bytes_d2h, tokens_selected;
+    unsigned long long builds, rebuilds;
+    int iters_min, iters_max;     /* k-means iterations of the last build, over layers */
+    double select_s, fetch_s, build_s, wait_s;
+    size_t device_bytes, full_bytes;  /* pqc_cache_memory */
+    int window;                   /* the library's recent window */
+} tlpq_stats;
+
+typedef struct {
+    const tl_model *m;
+    tlpq_config cfg;
+    int max_tokens;
+    tl_state s;                   /* decode state, no KV cache */
+    int n_workers, block;         /* prefill threads, tokens per attention block */
+    tl_state *workers;            /* per prefill thread */
+    float **att, **out;           /* per prefill thread: block scratch */
+    float *hidden;                /* (max prompt, dim) hidden states during a prefill */
+    const int *tokens;
+    int prefill_n, prefill_done;
+    pqc_runtime *rt;
+    pqc_scheduler *sched;
+    pqc_cache *cache;
+    pqc_engine engine;
+    tlpq_progress_fn progress;
+    void *progress_user;
+    char err[TL_ERR_LEN];
+} tlpq;
+
+void tlpq_default_config(tlpq_config *cfg);
+/* max_tokens: positions the sequence may reach (prompt + decode steps). */
+int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *cfg,
+                char *err, size_t errlen);
+void tlpq_destroy(tlpq *p);
+/* Prefills tokens[0..n-1] at positions from the current length on (0 for a new
+   sequence) through pqc_driver_prefill. Returns the logits of the last token,
+   or NULL with p->err set. */
+float *tlpq_prefill(tlpq *p, const int *tokens, int n);
+/* One decode step through pqc_driver_decode; pos must be the current length.
+   Returns the logits, or NULL with p->err set. */
+float *tlpq_decode(tlpq *p, int token, int pos);
+/* Copies the stored keys and values of positions 0..n-1 into an engine state's
+   KV cache (to start a full-attention reference from the same prefill). */
+int tlpq_copy_kv(tlpq *p, tl_state *dst, int n);
+void tlpq_get_stats(const tlpq *p, tlpq_stats *st);
+/* "m=2 bits=6 T=adaptive ..." */
+void tlpq_describe(const tlpq *p, char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* TL_PQCACHE_H */
+
+/* ============================================================================
+   Implementation */
+
+#if defined(TL_PQCACHE_IMPLEMENTATION) && !defined(TL_PQCACHE_IMPLEMENTED)
+#define TL_PQCACHE_IMPLEMENTED
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TLPQ__MAX_THREADS 64
+#define TLPQ__BLOCK 32                      /* tokens per attention block */
+#define TLPQ__ATT_FLOATS (16u * 1024u * 1024u) /* block scratch cap per thread */
+
+static int tlpq__fail(char *err, size_t errlen, const char *fmt, ...)
+{
+    va_list ap;
+    if (err && errlen > 0) {
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return -1;
+}
+
+void tlpq_default_config(tlpq_config *cfg)
+{
+    memset(cfg, 0, sizeof *cfg);
+    cfg->pq_m = 2;
+    cfg->pq_bits = 6;
+    cfg->iters = 0;
+    cfg->n_sink = 32;
+    cfg->ratio = 0.1f;
+    cfg->cache_blocks = 32;
+    cfg->block_tokens = 128;
+    cfg->policy = PQC_POLICY_LFU;
+    cfg->n_threads = 1;
+}
+
+/* ----------------------------------------------------------------------------
+   Threads over the tokens of one layer */
+
+typedef struct tlpq__job {
+    tlpq *p;
+    int worker, layer;
+    size_t pos0, n;
+    float *q, *k, *v;               /* qkv: outputs */
+    const float *cq;                /* attend: queries */
+    const pqc_kv_view *kv;
+    pthread_mutex_t *mu;
+} tlpq__job;
+
+static void tlpq__run_jobs(tlpq *p, tlpq__job *jobs, void *(*fn)(void *))
+{
+    pthread_t th[TLPQ__MAX_THREADS];
+    int started[TLPQ__MAX_THREADS], t;
+    for (t = 1; t < p->n_workers; t++)
+        started[t] = pthread_create(&th[t], NULL, fn, &jobs[t]) == 0;
+    fn(&jobs[0]);
+    for (t = 1; t < p->n_workers; t++) {
+        if (started[t])
+            pthread_join(th[t], NULL);
+        else
+            fn(&jobs[t]);   /* no thread: its share runs here */
+    }
+}
+
+static void *tlpq__qkv_worker(void *arg)
+{
+    tlpq__job *j = (tlpq__job *)arg;
+    tlpq *p = j->p;
+    const tl_config *c = &p->m->config;
+    tl_state *w = &p->workers[j->worker];
+    size_t t, dim = (size_t)c->dim, kv = (size_t)c->kv_dim;
+    for (t = (size_t)j->worker; t < j->n; t += (size_t)p->n_workers) {
+        memcpy(w->x, p->hidden + t * dim, dim * sizeof(float));
+        tl_layer_qkv_rows(p->m, w, j->layer, (int)(j->pos0 + t), j->k + t * kv, j->v + t * kv);
+        memcpy(j->q + t * dim, w->q, dim * sizeof(float));
+    }
+    return NULL;
+}
+
+static void *tlpq__attend_worker(void *arg)
+{
+    tlpq__job *j = (tlpq__job *)arg;
+    tlpq *p = j->p;
+    const tl_config *c = &p->m->config;
+    tl_state *w = &p->workers[j->worker];
+    size_t dim = (size_t)c->dim, first = 0, b0, t;
+    const float *const *kr = (const float *const *)j->kv->k;
+    const float *const *vr = (const float *const *)j->kv->v;
+    int last_only = !p->cfg.all_outputs && j->layer == c->n_layers - 1;
+    size_t step = (size_t)p->block * (size_t)p->n_workers;
+
+    if (last_only) {   /* nothing reads the other tokens' last-layer outputs */
+        if (j->worker != 0)
+            return NULL;
+        first = j->n - 1;
+    }
+    for (b0 = first + (size_t)j->worker * (size_t)p->block; b0 < j->n; b0 += step) {
+        size_t nb = j->n - b0 < (size_t)p->block ? j->n - b0 : (size_t)p->block;
+        if (last_only)
+            nb = 1;
+        tl_attend_causal(c, (int)(j->pos0 + b0), (int)nb, j->cq + b0 * dim, kr, vr,
+                         (size_t)c->head_size, p->att[j->worker], p->out[j->worker]);
+        for (t = 0; t < nb; t++) {
+            float *h = p->hidden + (b0 + t) * dim;
+            memcpy(w->x, h, dim * sizeof(float));
+            memcpy(w->xb, p->out[j->worker] + t * dim, dim * sizeof(float));
+            tl_layer_attn_out(p->m, w, j->layer);
+            tl_layer_ffn(p->m, w, j->layer);
+            memcpy(h, w->x, dim * sizeof(float));
+        }
+        pthread_mutex_lock(j->mu);
+        p->prefill_done += (int)nb;
+        pthread_mutex_unlock(j->mu);
+        if (j->worker == 0 && p->progress) {
+            int done;
+            pthread_mutex_lock(j->mu);
+            done = p->prefill_done;
+            pthread_mutex_unlock(j->mu);
+            p->progress(p->progress_user, j->layer, c->n_layers, done,
+                        last_only ? 1 : (int)j->n);
+        }
+    }
+    return NULL;
+}
+
+/* ----------------------------------------------------------------------------
+   Driver callbacks */
+
+static int tlpq__qkv(void *user, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
+{
+    tlpq *p = (tlpq *)user;
+    const tl_config *c = &p->m->config;
+    if (p->prefill_n > 0) {
+        tlpq__job jobs[TLPQ__MAX_THREADS];
+        int t;
+        if (n != (size_t)p->prefill_n)
+            return tlpq__fail(p->err, sizeof p->err, "qkv: %zu tokens, expected %d", n, p->prefill_n);
+        for (t = 0; t < p->n_workers; t++) {
+            memset(&jobs[t], 0, sizeof jobs[t]);
+            jobs[t].p = p;
+            jobs[t].worker = t;
+            jobs[t].layer = layer;
+            jobs[t].pos0 = pos0;
+            jobs[t].n = n;
+            jobs[t].q = q;
+            jobs[t].k = k;
+            jobs[t].v = v;
+        }
+        tlpq__run_jobs(p, jobs, tlpq__qkv_worker);
+        return 0;
+    }
+    if (n != 1)
+        return tlpq__fail(p->err, sizeof p->err, "qkv: %zu tokens in a decode step", n);
+    tl_layer_qkv_rows(p->m, &p->s, layer, (int)pos0, k, v);
+    memcpy(q, p->s.q, (size_t)c->dim * sizeof(float));
+    return 0;
+}
+
+static int tlpq__check_view(tlpq *p, const pqc_kv_view *kv)
+{
+    const tl_config *c = &p->m->config;
+    if (kv->dtype != PQC_F32 || kv->n_kv_heads != c->n_kv_heads || kv->head_dim != c->head_size)
+        return tlpq__fail(p->err, sizeof p->err, "attend: K/V view of %d heads x %d (dtype %d), "
+                          "expected %d x %d fp32", kv->n_kv_heads, kv->head_dim, (int)kv->dtype,
+                          c->n_kv_heads, c->head_size);
+    return 0;
+}
+
+static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const float *q,
+                        const pqc_kv_view *kv)
+{
+    tlpq *p = (tlpq *)user;
+    const tl_config *c = &p->m->config;
+    int g;
+    if (tlpq__check_view(p, kv) != 0)
+        return -1;
+    if (p->prefill_n > 0) {
+        tlpq__job jobs[TLPQ__MAX_THREADS];
+        pthread_mutex_t mu;
+        int t;
+        if (kv->pos != NULL || n != (size_t)p->prefill_n)
+            return tlpq__fail(p->err, sizeof p->err, "attend: unexpected prefill view");
+        for (g = 0; g < c->n_kv_heads; g++)
+            if (kv->count[g] != pos0 + n)
+                return tlpq__fail(p->err, sizeof p->err, "attend: head %d has %zu rows, "
+                                  "expected %zu", g, kv->count[g], pos0 + n);
+        pthread_mutex_init(&mu, NULL);
+        p->prefill_done = 0;
+        for (t = 0; t < p->n_workers; t++) {
+            memset(&jobs[t], 0, sizeof jobs[t]);
+            jobs[t].p = p;
+            jobs[t].worker = t;
+            jobs[t].layer = layer;
+            jobs[t].pos0 = pos0;
+            jobs[t].n = n;
+            jobs[t].cq = q;
+            jobs[t].kv = kv;
+            jobs[t].mu = &mu;
+        }
+        tlpq__run_jobs(p, jobs, tlpq__attend_worker);
+        pthread_mutex_destroy(&mu);
+        return 0;
+    }
+    if (n != 1 || kv->pos == NULL)
+        return tlpq__fail(p->err, sizeof p->err, "attend: unexpected decode view");
+    for (g = 0; g < c->n_kv_heads; g++) {
+        tl_kv_list *l = &p->s.lists[g];
+        size_t i, cnt = kv->count[g];
+        if (cnt > (size_t)p->s.ctx)
+            return tlpq__fail(p->err, sizeof p->err, "attend: %zu rows selected", cnt);
+        for (i = 0; i < cnt; i++)
+            l->pos[i] = (int)kv->pos[g][i];
+        l->n = (int)cnt;
+        l->k = (const float *)kv->k[g];
+        l->v = (const float *)kv->v[g];
+    }
+    memcpy(p->s.q, q, (size_t)c->dim * sizeof(float));
+    tl_layer_attention(p->m, &p->s, layer, p->s.lists);
+    tl_layer_ffn(p->m, &p->s, layer);
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------
+   Life cycle */
+
+void tlpq_destroy(tlpq *p)
+{
+    int t;
+    pqc_cache_destroy(p->cache);
+    pqc_scheduler_destroy(p->sched);
+    pqc_runtime_destroy(p->rt);
+    if (p->workers)
+        for (t = 0; t < p->n_workers; t++)
+            tl_free_state(&p->workers[t]);
+    if (p->att)
+        for (t = 0; t < p->n_workers; t++)
+            free(p->att[t]);
+    if (p->out)
+        for (t = 0; t < p->n_workers; t++)
+            free(p->out[t]);
+    free(p->workers);
+    free(p->att);
+    free(p->out);
+    free(p->hidden);
+    tl_free_state(&p->s);
+    memset(p, 0, sizeof *p);
+}
+
+int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *cfg,
+                char *err, size_t errlen)
+{
+    const tl_config *c = &m->config;
+    pqc_runtime_desc rd;
+    pqc_scheduler_desc sd;
+    pqc_cache_desc cd;
+    pqc_result r;
+    size_t att_floats;
+    int t;
+
+    memset(p, 0, sizeof *p);
+    if (max_tokens < 1 || max_tokens > c->seq_len)
+        return tlpq__fail(err, errlen, "pqcache: %d positions (the model holds 1..%d)",
+                          max_tokens, c->seq_len);
+    if (!(cfg->ratio > 0.0f))
+        return tlpq__fail(err, errlen, "pqcache: the budget ratio must be positive");
+    if (cfg->n_sink < 0)
+        return tlpq__fail(err, errlen, "pqcache: sink count %d is negative", cfg->n_sink);
+    p->m = m;
+    p->cfg = *cfg;
+    p->max_tokens = max_tokens;
+    p->n_workers = cfg->n_threads < 1 ? 1 : cfg->n_threads > TLPQ__MAX_THREADS ?
+                   TLPQ__MAX_THREADS : cfg->n_threads;
+    p->block = TLPQ__BLOCK;
+    att_floats = (size_t)c->n_heads * (size_t)max_tokens;
+    while (p->block > 1 && (size_t)p->block * att_floats > TLPQ__ATT_FLOATS)
+        p->block /= 2;
+    if (tl_build_state_ex(&p->s, c, max_tokens, p->n_workers, TL_STATE_NO_KV_CACHE, err, errlen))
+        return -1;
+    p->workers = (tl_state *)calloc((size_t)p->n_workers, sizeof(tl_state));
+    p->att = (float **)calloc((size_t)p->n_workers, sizeof(float *));
+    p->out = (float **)calloc((size_t)p->n_workers, sizeof(float *));
+    if (!p->workers || !p->att || !p->out) {
+        tlpq_destroy(p);
+        return tlpq__fail(err, errlen, "pqcache: out of memory");
+    }
+    for (t = 0; t < p->n_workers; t++) {
+        if (tl_build_state_ex(&p->workers[t], c, 1, 1, TL_STATE_NO_KV_CACHE, err, errlen)) {
+            tlpq_destroy(p);
+            return -1;
+        }
+        p->att[t] = (float *)malloc((size_t)p->block * att_floats * sizeof(float));
+        p->out[t] = (float *)malloc((size_t)p->block * (size_t)c->dim * sizeof(float));
+        if (!p->att[t] || !p->out[t]) {
+            tlpq_destroy(p);
+            return tlpq__fail(err, errlen, "pqcache: out of memory for the prefill blocks");
+        }
+    }
+
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = p->n_workers;
+    if ((r = pqc_runtime_create(&rd, &p->rt)) != PQC_SUCCESS) {
+        tlpq__fail(err, errlen, "pqcache runtime: %s", pqc_last_error());
+        tlpq_destroy(p);
+        return -1;
+    }
+    if (cfg->iters == 0) {
+        memset(&sd, 0, sizeof sd);
+        sd.parallel = (double)p->n_workers;
+        if ((r = pqc_scheduler_create(&sd, &p->sched)) != PQC_SUCCESS) {
+            tlpq__fail(err, errlen, "pqcache scheduler: %s", pqc_last_error());
+            tlpq_destroy(p);
+            return -1;
+        }
+    }
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = c->n_layers;
+    cd.n_kv_heads = c->n_kv_heads;
+    cd.n_q_heads = c->n_heads;
+    cd.head_dim = c->head_size;
+    cd.kv_dtype = PQC_F32;
+    cd.max_tokens = (size_t)max_tokens;
+    cd.n_sink = cfg->n_sink > 0 ? cfg->n_sink : -1;
+    cd.budget_ratio = (double)cfg->ratio;
+    cd.pq.m = cfg->pq_m;
+    cd.pq.bits = cfg->pq_bits;
+    cd.pq.iters = cfg->iters;
+    cd.pq.seed = cfg->seed;
+    cd.block_tokens = cfg->block_tokens;
+    cd.cache_blocks = cfg->cache_blocks;
+    cd.policy = cfg->policy;
+    cd.scheduler = p->sched;
+    if ((r = pqc_cache_create(p->rt, &cd, &p->cache)) != PQC_SUCCESS) {
+        tlpq__fail(err, errlen, "pqcache: %s", pqc_last_error());
+        tlpq_destroy(p);
+        return -1;
+    }
+    p->engine.user = p;
+    p->engine.qkv = tlpq__qkv;
+    p->engine.attend = tlpq__attend;
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------
+   Prefill and decode */
+
+float *tlpq_prefill(tlpq *p, const int *tokens, int n)
+{
+    const tl_config *c = &p->m->config;
+    size_t pos0 = pqc_cache_tokens(p->cache, 0), dim = (size_t)c->dim;
+    pqc_result r;
+    int t;
+    p->err[0] = '\0';
+    if (n < 1 || pos0 + (size_t)n > (size_t)p->max_tokens) {
+        tlpq__fail(p->err, sizeof p->err, "prefill of %d tokens at %zu: capacity is %d",
+                   n, pos0, p->max_tokens);
+        return NULL;
+    }
+    for (t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
+            tlpq__fail(p->err, sizeof p->err, "token %d is outside the vocabulary (0..%d)",
+                       tokens[t], c->vocab_size - 1);
+            return NULL;
+        }
+    free(p->hidden);
+    p->hidden = (float *)malloc((size_t)n * dim * sizeof(float));
+    if (!p->hidden) {
+        tlpq__fail(p->err, sizeof p->err, "out of memory for %d hidden states", n);
+        return NULL;
+    }
+    for (t = 0; t < n; t++) {
+        tl_embed(p->m, &p->s, tokens[t]);
+        memcpy(p->hidden + (size_t)t * dim, p->s.x, dim * sizeof(float));
+    }
+    p->prefill_n = n;
+    r = pqc_driver_prefill(p->cache, &p->engine, pos0, (size_t)n);
+    p->prefill_n = 0;
+    if (r != PQC_SUCCESS) {
+        if (!p->err[0])
+            tlpq__fail(p->err, sizeof p->err, "pqcache prefill: %s", pqc_last_error());
+        return NULL;
+    }
+    memcpy(p->s.x, p->hidden + (size_t)(n - 1) * dim, dim * sizeof(float));
+    free(p->hidden);
+    p->hidden = NULL;
+    return tl_classify(p->m, &p->s);
+}
+
+float *tlpq_decode(tlpq *p, int token, int pos)
+{
+    const tl_config *c = &p->m->config;
+    pqc_result r;
+    p->err[0] = '\0';
+    if (token < 0 || token >= c->vocab_size) {
+        tlpq__fail(p->err, sizeof p->err, "token %d is outside the vocabulary (0..%d)",
+                   token, c->vocab_size - 1);
+        return NULL;
+    }
+    if (pos < 1 || pos >= p->max_tokens || (size_t)pos != pqc_cache_tokens(p->cache, 0)) {
+        tlpq__fail(p->err, sizeof p->err, "decode at position %d: the sequence holds %zu "
+                   "of at most %d", pos, pqc_cache_tokens(p->cache, 0), p->max_tokens);
+        return NULL;
+    }
+    tl_embed(p->m, &p->s, token);
+    r = pqc_driver_decode(p->cache, &p->engine, (size_t)pos);
+    if (r != PQC_SUCCESS) {
+        if (!p->err[0])
+            tlpq__fail(p->err, sizeof p->err, "pqcache decode: %s", pqc_last_error());
+        return NULL;
+    }
+    return tl_classify(p->m, &p->s);
+}
+
+int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
+{
+    const tl_config *c = &p->m->config;
+    int l, h, pos, hs = c->head_size;
+    if (n > dst->ctx || !dst->key_cache)
+        return tlpq__fail(p->err, sizeof p->err, "copy of %d positions into a state of %d%s",
+                          n, dst->ctx, dst->key_cache ? "" : " without a KV cache");
+    for (l = 0; l < c->n_layers; l++)
+        for (h = 0; h < c->n_kv_heads; h++) {
+            const void *k, *v;
+            size_t tokens;
+            pqc_dtype dt;
+            if (pqc_cache_kv(p->cache, l, h, &k, &v, &tokens, &dt) != PQC_SUCCESS ||
+                dt != PQC_F32 || tokens < (size_t)n)
+                return tlpq__fail(p->err, sizeof p->err, "pqcache holds no fp32 rows 0..%d "
+                                  "of layer %d head %d", n - 1, l, h);
+            for (pos = 0; pos < n; pos++) {
+                memcpy(tl_key_row(c, dst, l, pos) + (size_t)h * (size_t)hs,
+                       (const float *)k + (size_t)pos * (size_t)hs, (size_t)hs * sizeof(float));
+                memcpy(tl_value_row(c, dst, l, pos) + (size_t)h * (size_t)hs,
+                       (const float *)v + (size_t)pos * (size_t)hs, (size_t)hs * sizeof(float));
+            }
+        }
+    return 0;
+}
+
+void tlpq_get_stats(const tlpq *p, tlpq_stats *st)
+{
+    int l;
+    memset(st, 0, sizeof *st);
+    st->iters_min = 1 << 30;
+    for (l = 0; l < p->m->config.n_layers; l++) {
+        pqc_layer_stats ls;
+        if (pqc_cache_stats(p->cache, l, &ls) != PQC_SUCCESS)
+            continue;
+        st->selects += ls.selects;
+        st->hits += ls.hits;
+        st->misses += ls.misses;
+        st->bytes_h2d += ls.bytes_h2d;
+        st->bytes_codes += ls.bytes_codes;
+        st->bytes_d2h += ls.bytes_d2h;
+        st->tokens_selected += ls.tokens_selected;
+        st->builds += ls.builds;
+        st->rebuilds += ls.rebuilds;
+        st->select_s += ls.select_s;
+        st->fetch_s += ls.fetch_s;
+        st->build_s += ls.build_s;
+        st->wait_s += ls.wait_s;
+        if (ls.last_iters < st->iters_min)
+            st->iters_min = ls.last_iters;
+        if (ls.last_iters > st->iters_max)
+            st->iters_max = ls.last_iters;
+    }
+    if (st->iters_min > st->iters_max)
+        st->iters_min = st->iters_max;
+    pqc_cache_memory(p->cache, &st->device_bytes, &st->full_bytes);
+    st->window = pqc_cache_window(p->cache);
+}
+
+void tlpq_describe(const tlpq *p, char *buf, size_t len)
+{
+    char iters[32];
+    if (p->cfg.iters > 0)
+        snprintf(iters, sizeof iters, "%d", p->cfg.iters);
+    else
+        snprintf(iters, sizeof iters, "adaptive");
+    snprintf(buf, len, "m=%d bits=%d T=%s, %d sinks, ratio %g, %d blocks of %d (%s), %d thread%s",
+             p->cfg.pq_m, p->cfg.pq_bits, iters, p->cfg.n_sink, (double)p->cfg.ratio,
+             p->cfg.cache_blocks < 0 ? 0 : p->cfg.cache_blocks, p->cfg.block_tokens,
+             p->cfg.policy == PQC_POLICY_LRU ? "LRU" : "LFU", p->n_workers,
+             p->n_workers == 1 ? "" : "s");
+}
+
+#endif /* TL_PQCACHE_IMPLEMENTATION */
