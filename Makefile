@@ -74,7 +74,7 @@ kernels:
 	sh tools/embed_kernels.sh
 
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-harness test-nvrtc test-core test-asan test-tsan tiny_llama_test
+TEST_GROUPS := test-compile test-harness test-nvrtc test-core test-asan test-tsan tiny_llama_test test-example-san
 test:
 	@sh tests/run_all.sh $(TEST_GROUPS)
 
@@ -83,6 +83,18 @@ clean:
 
 # ----- the example engine, the passkey model and the needle evaluation -----------------
 include examples/tiny_llama/build.mk
+
+# the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
+$(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tiny_llama.h | $(BUILD)
+	$(CC) $(STD) -O1 -g $(SAN) $< -o $@ $(LDLIBS)
+$(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(SAN) $< -o $@ $(LDLIBS)
+$(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(TSAN) $< -o $@ $(LDLIBS)
+test-example-san: $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/tsan_pqcache_mode
+	$(BUILD)/asan_tiny_llama
+	$(BUILD)/asan_pqcache_mode --quick
+	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_pqcache_mode --quick
 
 # `make run`: the passkey model at a 32K context, full vs pqcache vs oracle vs window
 run: tiny_llama_demo
