@@ -2336,9 +2336,9 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
             memcpy(c + (size_t)ci * d, x + pick * d, (size_t)d * sizeof(float));
         }
     } else {
-        /* k-means++ D^2 seeding in rounds of r centres: the round's farthest point, then
-           r-1 draws from the same D^2 distribution; dist[i] = squared distance to the
-           nearest chosen centre. */
+        /* k-means++ D^2 seeding in rounds of r centres: the round's farthest point (with
+           64+ centroids), then draws from the same D^2 distribution; dist[i] = squared
+           distance to the nearest chosen centre. */
         float *dist = aux;
         int chosen = 1, r = k >= 64 ? k / 16 : (k >= 8 ? 4 : 1);
         size_t first = pqc__rng_below(rng, n);
@@ -2361,9 +2361,11 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
             if (chosen >= k) break;
             for (q = 0; q < r && chosen < k; q++) {
                 size_t pick = 0;
-                if (q == 0 && total > 0.0) {
+                if (q == 0 && total > 0.0 && k >= 64) {
                     /* farthest-first pick: a lone outlier (a needle) is guaranteed a centre
-                       whenever it is the worst-served point */
+                       whenever it is the worst-served point. Only with 64+ centroids, where
+                       one in 16 costs the average little; a small codebook needs them all
+                       for the bulk of the keys. */
                     for (i = 1; i < n; i++)
                         if (dist[i] > dist[pick]) pick = i;
                 } else if (total > 0.0) {
@@ -2440,13 +2442,14 @@ static void pqc__sub_to_f32(const pqc_matrix *keys, size_t r, int j, int d, floa
     pqc__row_to_f32((const unsigned char *)pqc__row(keys, r) + (size_t)j * d * es, keys->dtype, (size_t)d, out);
 }
 
-/* The training sample for sub-space j when the cap binds: the cap/32 points farthest from
-   the sub-space mean (rare, distinctive keys must shape the codebook: they are what a
-   query is looking for), the rest uniformly at random; returned in token order. */
-static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, size_t cap, uint64_t *rng,
+/* The training sample for sub-space j when the cap binds: with 64+ centroids the cap/32
+   points farthest from the sub-space mean (rare, distinctive keys must shape the
+   codebook: they are what a query is looking for), the rest uniformly at random;
+   returned in token order. */
+static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, int k, size_t cap, uint64_t *rng,
                                     const pqc_allocator *al, uint32_t *sel)
 {
-    size_t n = keys->rows, nfar = cap / 32, i, got = 0, left, want;
+    size_t n = keys->rows, nfar = k >= 64 ? cap / 32 : 0, i, got = 0, left, want;
     double *mean = (double *)pqc__alloc(al, (size_t)d * sizeof(double) + (n + (size_t)d) * sizeof(float));
     uint32_t *tmp = (uint32_t *)pqc__alloc(al, n * sizeof(uint32_t) + n);
     unsigned char *flag;
@@ -2461,19 +2464,19 @@ static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, size_t
     row = dist + n;
     flag = (unsigned char *)(tmp + n);
     memset(flag, 0, n);
-    memset(mean, 0, (size_t)d * sizeof(double));
-    for (i = 0; i < n; i++) {
-        pqc__sub_to_f32(keys, i, j, d, row);
-        for (e = 0; e < d; e++) mean[e] += row[e];
-    }
-    for (e = 0; e < d; e++) mean[e] /= (double)n;
-    for (i = 0; i < n; i++) {
-        double acc = 0.0;
-        pqc__sub_to_f32(keys, i, j, d, row);
-        for (e = 0; e < d; e++) acc += (row[e] - mean[e]) * (row[e] - mean[e]);
-        dist[i] = (float)acc;
-    }
     if (nfar > 0) {
+        memset(mean, 0, (size_t)d * sizeof(double));
+        for (i = 0; i < n; i++) {
+            pqc__sub_to_f32(keys, i, j, d, row);
+            for (e = 0; e < d; e++) mean[e] += row[e];
+        }
+        for (e = 0; e < d; e++) mean[e] /= (double)n;
+        for (i = 0; i < n; i++) {
+            double acc = 0.0;
+            pqc__sub_to_f32(keys, i, j, d, row);
+            for (e = 0; e < d; e++) acc += (row[e] - mean[e]) * (row[e] - mean[e]);
+            dist[i] = (float)acc;
+        }
         pqc__topk_core(dist, n, nfar, tmp, sel, NULL);
         for (i = 0; i < nfar; i++) flag[sel[i]] = 1;
     }
@@ -2519,7 +2522,7 @@ static void pqc__train_sub(void *arg)
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
     }
-    if (cap < n && pqc__train_sample(keys, j, d, cap, &rng, al, sel) != PQC_SUCCESS) {
+    if (cap < n && pqc__train_sample(keys, j, d, k, cap, &rng, al, sel) != PQC_SUCCESS) {
         jb->res = PQC_ERROR_OUT_OF_MEMORY;
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
@@ -4183,7 +4186,7 @@ static void pqc__fetch_head(void *ctx, size_t hi)
 }
 
 #define PQC__FETCH_CHUNK 512
-#define PQC__FETCH_PARALLEL_ROWS 16384
+#define PQC__FETCH_PARALLEL_ROWS 4096
 /* copies chunk q (head q / chunks_per_head) of the gathered rows, converting to fp32 */
 static void pqc__fetch_copy(void *ctx, size_t q)
 {
