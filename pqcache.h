@@ -1089,7 +1089,7 @@ static void pqc__parallel_for(pqc_runtime *rt, size_t n, void (*fn)(void *ctx, s
     f.rt = rt;
     g.pending = 0;
     if (rt && n > 1) {
-        int workers = rt->submit ? rt->n_threads : rt->n_threads;
+        int workers = rt->n_threads;
         helpers = PQC__MIN((size_t)(workers > 0 ? workers : 0), n - 1);
         helpers = PQC__MIN(helpers, (size_t)PQC__MAX_HELPERS);
     }
