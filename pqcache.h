@@ -456,6 +456,13 @@ PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_
 /* Gathers the selected K/V through the block cache; admits the blocks holding the most
    selected tokens afterwards. */
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out);
+/* fetch without the copy, where the device tier is host memory (the CPU backend with fp32
+   storage; else PQC_ERROR_UNSUPPORTED): krows[h][i] / vrows[h][i] point at the rows of
+   selection entry i of head h, in a block-cache slot (a hit) or the host store. Admission
+   and statistics are those of pqc_cache_fetch. The pointers stay valid until the next
+   fetch, append or prefill on this cache. */
+PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_selection *sel,
+                                       const void *const *const **krows, const void *const *const **vrows);
 /* Reports the engine's compute time for one layer's prefill (feeds the scheduler). */
 PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double tokens, double seconds);
 /* Waits for every build of every layer; returns the first job error, if any. */
@@ -496,6 +503,10 @@ typedef struct pqc_kv_view {
     const void *const *v;        /* [n_kv_heads] */
     const size_t *count;         /* [n_kv_heads] */
     const uint32_t *const *pos;  /* [n_kv_heads] or NULL */
+    /* Only for engines with accepts_row_pointers: when not NULL, row i of head h is at
+       krows[h][i] / vrows[h][i] (fp32, d_h floats each) and k, v are NULL. */
+    const void *const *const *krows;
+    const void *const *const *vrows;
 } pqc_kv_view;
 
 typedef struct pqc_engine {
@@ -506,6 +517,10 @@ typedef struct pqc_engine {
     /* Attention of those n tokens over kv (prefill: all tokens so far, causal by position;
        decode: the selected tokens), then the output projection, residual and FFN. */
     int (*attend)(void *user, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv);
+    /* Non-zero: decode views may hand rows by pointer (see pqc_kv_view), which spares the
+       copy of the selected rows when the device tier is host memory (the CPU backend with
+       fp32 storage). 0 (the default): rows always arrive gathered. */
+    int accepts_row_pointers;
 } pqc_engine;
 
 /* Prefill n tokens at positions [pos0, pos0+n) through every layer. */
@@ -3404,8 +3419,10 @@ struct pqc_cache {
     pqc_selection dsel;   /* the driver's selection and gather buffers, kept across steps */
     float *dbuf;
     size_t dbuf_floats;
-    const unsigned char **fsrc; /* fetch: source row of each selected row */
+    const void **fsrc; /* fetch: source row of each selected row */
     size_t fsrc_cap;
+    const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
+    size_t frows_cap;          /* rows per head in fsrc at the last fetch */
 };
 
 static pqc_result pqc__cfail(const pqc_cache *c, pqc_result r, const char *fmt, ...)
@@ -3545,6 +3562,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
     pqc_selection_free(&c->dsel);
     pqc__free(&c->alloc, c->dbuf);
     pqc__free(&c->alloc, (void *)c->fsrc);
+    pqc__free(&c->alloc, (void *)c->frows);
     pqc__free(&c->alloc, c);
 }
 
@@ -4082,7 +4100,7 @@ typedef struct pqc__fetch_job {
     const pqc_kv_out *out;
     pqc_result *res;
     uint64_t *hits, *misses, *h2d;
-    const unsigned char **src; /* [head][rows_cap][2]: K and V source of each row */
+    const void **src; /* [head]{[rows_cap] K rows, [rows_cap] V rows}: where each row is */
     size_t rows_cap, chunks;
 } pqc__fetch_job;
 
@@ -4159,14 +4177,15 @@ static void pqc__fetch_head(void *ctx, size_t hi)
        or a sink or window token, device-resident in a GPU backend); the copies follow in
        parallel chunks */
     {
-        const unsigned char **src = j->src + hi * 2 * j->rows_cap;
+        const void **srck = j->src + hi * 2 * j->rows_cap, **srcv = srck + j->rows_cap;
         for (i = 0; i < cnt; i++) {
             size_t t = idx[i];
             if (t >= mid_lo && t < mid_hi) {
                 int s = admit > 0 ? H->slot_of[t / bt] : -1;
                 if (s >= 0 && (t % bt) < H->filled[s]) {
-                    src[2 * i] = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
-                    src[2 * i + 1] = src[2 * i] + c->row;
+                    const unsigned char *slot_row = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
+                    srck[i] = slot_row;
+                    srcv[i] = slot_row + c->row;
                     if (H->stamp[s] != step + 1) H->freq[s]++;
                     H->stamp[s] = step + 1;
                     hits++;
@@ -4175,8 +4194,8 @@ static void pqc__fetch_head(void *ctx, size_t hi)
                 misses++;
                 h2d += 2 * c->row;
             }
-            src[2 * i] = H->k + t * c->row;
-            src[2 * i + 1] = H->v + t * c->row;
+            srck[i] = H->k + t * c->row;
+            srcv[i] = H->v + t * c->row;
         }
     }
     j->hits[hi] = hits;
@@ -4193,11 +4212,11 @@ static void pqc__fetch_copy(void *ctx, size_t q)
     pqc__fetch_job *j = (pqc__fetch_job *)ctx;
     const pqc_cache *c = j->c;
     size_t hi = q / j->chunks, r0 = (q % j->chunks) * PQC__FETCH_CHUNK, cnt = j->sel->count[hi], i, d = (size_t)c->d.head_dim;
-    const unsigned char **src = j->src + hi * 2 * j->rows_cap;
+    const void **srck = j->src + hi * 2 * j->rows_cap, **srcv = srck + j->rows_cap;
     float *ko = j->out->k + hi * j->out->head_stride * d, *vo = j->out->v + hi * j->out->head_stride * d;
     for (i = r0; i < cnt && i < r0 + PQC__FETCH_CHUNK; i++) {
-        pqc__row_out(c, src[2 * i], ko + i * d);
-        pqc__row_out(c, src[2 * i + 1], vo + i * d);
+        pqc__row_out(c, (const unsigned char *)srck[i], ko + i * d);
+        pqc__row_out(c, (const unsigned char *)srcv[i], vo + i * d);
     }
 }
 
@@ -4205,6 +4224,7 @@ static void pqc__fetch_pfor(void *ctx, size_t h) { pqc__fetch_head(ctx, h); }
 
 static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out, int parallel)
 {
+    int copy = out != NULL; /* NULL: fetch_rows, the row pointers stay in c->fsrc */
     pqc__layer *L;
     pqc_result r;
     pqc__fetch_job j;
@@ -4212,7 +4232,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     size_t nh, h;
     double t0 = pqc__now();
     if ((r = pqc__check_layer(c, layer, "pqc_cache_fetch")) != PQC_SUCCESS) return r;
-    if (!sel || !out || !out->k || !out->v || !sel->count || !sel->idx)
+    if (!sel || (copy && (!out->k || !out->v)) || !sel->count || !sel->idx)
         return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch: null selection or output");
     if (sel->n_kv_heads != c->d.n_kv_heads)
         return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_fetch: selection sized for %d heads", sel->n_kv_heads);
@@ -4221,7 +4241,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     for (h = 0; h < nh; h++) {
         size_t i, cnt = sel->count[h];
         const uint32_t *idx = sel->idx + h * sel->capacity;
-        if (cnt > out->head_stride)
+        if (copy && cnt > out->head_stride)
             return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_fetch: %zu rows selected, head_stride %zu", cnt,
                               out->head_stride);
         for (i = 0; i < cnt; i++)
@@ -4232,12 +4252,13 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     j.chunks = (j.rows_cap + PQC__FETCH_CHUNK - 1) / PQC__FETCH_CHUNK;
     if (nh * 2 * j.rows_cap > c->fsrc_cap) { /* kept across steps */
         size_t want = nh * 2 * j.rows_cap + nh * 2 * j.rows_cap / 4;
-        const unsigned char **ns = (const unsigned char **)pqc__alloc(&c->alloc, want * sizeof(void *));
+        const void **ns = (const void **)pqc__alloc(&c->alloc, want * sizeof(void *));
         if (!ns) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
         pqc__free(&c->alloc, (void *)c->fsrc);
         c->fsrc = ns;
         c->fsrc_cap = want;
     }
+    c->frows_cap = j.rows_cap;
     j.src = c->fsrc;
     mem = (unsigned char *)pqc__alloc(&c->alloc, nh * (sizeof(pqc_result) + 3 * sizeof(uint64_t)));
     if (!mem) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
@@ -4255,12 +4276,14 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
         if (nh > 1) pqc__parallel_for(c->rt, nh, pqc__fetch_pfor, &j);
         else pqc__fetch_head(&j, 0);
         /* waking the pool costs tens of microseconds: only for copies worth it */
-        if (rows >= PQC__FETCH_PARALLEL_ROWS) pqc__parallel_for(c->rt, nh * j.chunks, pqc__fetch_copy, &j);
+        if (!copy) (void)rows;
+        else if (rows >= PQC__FETCH_PARALLEL_ROWS) pqc__parallel_for(c->rt, nh * j.chunks, pqc__fetch_copy, &j);
         else
             for (h = 0; h < nh * j.chunks; h++) pqc__fetch_copy(&j, h);
     } else {
         for (h = 0; h < nh; h++) pqc__fetch_head(&j, h);
-        for (h = 0; h < nh * j.chunks; h++) pqc__fetch_copy(&j, h);
+        if (copy)
+            for (h = 0; h < nh * j.chunks; h++) pqc__fetch_copy(&j, h);
     }
     for (h = 0; h < nh; h++) {
         L->st.hits += j.hits[h];
@@ -4277,7 +4300,36 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
 
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out)
 {
+    if (!out) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch: null output");
     return pqc__fetch_impl(c, layer, sel, out, 1);
+}
+
+static int pqc__zero_copy(const pqc_cache *c)
+{
+    return c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
+}
+
+PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_selection *sel,
+                                       const void *const *const **krows, const void *const *const **vrows)
+{
+    pqc_result r;
+    size_t h, nh;
+    if (!c || !krows || !vrows) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch_rows: null pointer");
+    if (!pqc__zero_copy(c))
+        return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_fetch_rows: needs the CPU backend and fp32 storage");
+    nh = (size_t)c->d.n_kv_heads;
+    if (!c->frows) {
+        c->frows = (const void *const **)pqc__alloc(&c->alloc, 2 * nh * sizeof(void *));
+        if (!c->frows) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch_rows: allocation failed");
+    }
+    if ((r = pqc__fetch_impl(c, layer, sel, NULL, 1)) != PQC_SUCCESS) return r;
+    for (h = 0; h < nh; h++) {
+        c->frows[h] = c->fsrc + h * 2 * c->frows_cap;
+        c->frows[nh + h] = c->fsrc + h * 2 * c->frows_cap + c->frows_cap;
+    }
+    *krows = c->frows;
+    *vrows = c->frows + nh;
+    return PQC_SUCCESS;
 }
 
 PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double tokens, double seconds)
@@ -4498,6 +4550,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
         view.v = kp + c->d.n_kv_heads;
         view.count = cnt;
         view.pos = NULL;
+        view.krows = view.vrows = NULL;
         if (e->attend(e->user, l, pos0, n, q, &view) != 0) {
             r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_prefill: attend callback failed at layer %d", l);
             break;
@@ -4557,10 +4610,15 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
         }
         if ((r = pqc_cache_append(c, l, k, v)) != PQC_SUCCESS) break;
         if ((r = pqc_cache_select(c, l, q, &sel)) != PQC_SUCCESS) break;
-        if ((r = pqc_cache_fetch(c, l, &sel, &out)) != PQC_SUCCESS) break;
+        view.krows = view.vrows = NULL;
+        if (e->accepts_row_pointers && pqc__zero_copy(c)) {
+            if ((r = pqc_cache_fetch_rows(c, l, &sel, &view.krows, &view.vrows)) != PQC_SUCCESS) break;
+        } else if ((r = pqc_cache_fetch(c, l, &sel, &out)) != PQC_SUCCESS) {
+            break;
+        }
         for (h = 0; h < c->d.n_kv_heads; h++) {
-            kp[h] = ko + (size_t)h * cap * c->d.head_dim;
-            kp[c->d.n_kv_heads + h] = vo + (size_t)h * cap * c->d.head_dim;
+            kp[h] = view.krows ? NULL : ko + (size_t)h * cap * c->d.head_dim;
+            kp[c->d.n_kv_heads + h] = view.krows ? NULL : vo + (size_t)h * cap * c->d.head_dim;
             pp[h] = sel.idx + (size_t)h * sel.capacity;
         }
         view.n_kv_heads = c->d.n_kv_heads;

@@ -210,6 +210,70 @@ TEST full_budget_selects_everything_exactly(void)
     PASS();
 }
 
+TEST fetch_rows_match_fetch(void)
+{
+    pqc_runtime *rt = make_rt(1);
+    pqc_cache_desc cd = base_desc(1, 2, 4, 16);
+    pqc_cache *a, *b;
+    pqc_selection sa, sb;
+    pqc_kv_out out;
+    pqc_layer_stats st_a, st_b;
+    const void *const *const *kr;
+    const void *const *const *vr;
+    size_t n = 3000, i;
+    float *k = rand_rows(n, 32), *v = rand_rows(n, 32), q[64];
+    int h, step, e;
+    cd.budget_ratio = 0.1;
+    cd.cache_blocks = 4;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &b));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, n, 32));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(b, 1, k, v, n, 32));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(a, &sa));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
+    out.head_stride = n + 8;
+    out.k = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
+    out.v = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
+    for (step = 0; step < 6; step++) {
+        for (e = 0; e < 64; e++) q[e] = frand();
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, 0, q, &sa));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q, &sb));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, 0, &sa, &out));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_rows(b, 0, &sb, &kr, &vr));
+        for (h = 0; h < 2; h++) {
+            ASSERT_EQ(sa.count[h], sb.count[h]);
+            for (i = 0; i < sb.count[h]; i++) {
+                ASSERT_MEM_EQ(out.k + (h * out.head_stride + i) * 16, kr[h][i], 16 * sizeof(float));
+                ASSERT_MEM_EQ(out.v + (h * out.head_stride + i) * 16, vr[h][i], 16 * sizeof(float));
+            }
+        }
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, 0, k + step * 32, v + step * 32));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, 0, k + step * 32, v + step * 32));
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(a, 0, &st_a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(b, 0, &st_b));
+    ASSERT_EQ(st_a.hits, st_b.hits); /* the same admissions and the same traffic */
+    ASSERT_EQ(st_a.misses, st_b.misses);
+    ASSERT_EQ(st_a.bytes_h2d, st_b.bytes_h2d);
+    ASSERT_GT(st_a.hits, (uint64_t)0);
+    pqc_cache_destroy(b);
+    cd.kv_dtype = PQC_F16; /* rows would need converting: refused */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &b));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(b, 1, k, v, n, 32));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q, &sb));
+    ASSERT_EQ(PQC_ERROR_UNSUPPORTED, pqc_cache_fetch_rows(b, 0, &sb, &kr, &vr));
+    free(out.k);
+    free(out.v);
+    pqc_selection_free(&sa);
+    pqc_selection_free(&sb);
+    pqc_cache_destroy(a);
+    pqc_cache_destroy(b);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
 /* ----- block cache against a reference model ----- */
 
 /* The documented policy, written out plainly: per-block scores decay by 3/4 a step and
@@ -776,11 +840,13 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
     (void)q;
     if (layer == t->fail_at) return 1;
     t->last_count = kv->count[0];
-    /* every handed row equals what qkv produced for its position */
+    /* every handed row equals what qkv produced for its position (rows gathered, or by
+       pointer when the engine accepts that) */
     for (i = 0; i < kv->count[0]; i++) {
         size_t p = kv->pos ? kv->pos[0][i] : i;
+        const float *row = kv->krows ? (const float *)kv->krows[0][i] : kk + i * t->d;
         if (p >= pos0 + n) return 2;
-        if (kk[i * t->d] != toy_val(layer, p, 0, 2)) return 3;
+        if (row[0] != toy_val(layer, p, 0, 2)) return 3;
         t->checked++;
     }
     return 0;
@@ -795,6 +861,7 @@ TEST driver_runs_both_algorithms(void)
     toy t;
     size_t pos;
     memset(&t, 0, sizeof t);
+    memset(&e, 0, sizeof e); /* 0 = defaults, as for every desc */
     t.layers = 2;
     t.d = 8;
     t.fail_at = -1;
@@ -807,6 +874,7 @@ TEST driver_runs_both_algorithms(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 400));
     ASSERT_EQ((size_t)400, t.last_count);
     for (pos = 400; pos < 420; pos++) {
+        e.accepts_row_pointers = pos % 2; /* both ways of handing the rows over */
         ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos));
         ASSERT_EQ(pos + 1, t.last_count); /* budget 1: every token */
     }
@@ -825,6 +893,7 @@ SUITE(cache)
     RUN_TEST(needle_found_after_thousands_of_appends);
     RUN_TEST(full_budget_selects_everything_exactly);
     RUN_TEST(eviction_orders_match_reference);
+    RUN_TEST(fetch_rows_match_fetch);
     RUN_TEST(scheduler_recovers_coefficients_and_clips);
     RUN_TEST(async_builds_and_destroy_during_build);
     RUN_TEST(growth_waits_for_other_layers_builds);

@@ -157,6 +157,9 @@ typedef struct {
     const float *k;   /* NULL: keys are read from the host cache at pos[i];
                          else n rows of head_size floats, row i for pos[i] */
     const float *v;   /* the same for values (NULL iff k is NULL) */
+    const void *const *krow; /* not NULL: row i's key is at krow[i] (head_size floats);
+                                takes precedence over k (a KV-cache library's rows) */
+    const void *const *vrow; /* the same for values */
 } tl_kv_list;
 
 typedef struct {
@@ -1024,7 +1027,17 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
         stride = (size_t)c->kv_dim;
     }
     for (i = 0; i < n; i++) {
-        const float *k = kbase + (size_t)(l->k ? i : l->pos[i]) * stride;
+        const float *k = l->krow ? (const float *)l->krow[i] : kbase + (size_t)(l->k ? i : l->pos[i]) * stride;
+#if defined(__GNUC__) || defined(__clang__)
+        if (l->krow && i + 8 < n) { /* scattered rows: fetch ahead of the dot products */
+            const char *nk = (const char *)l->krow[i + 8], *nv = (const char *)l->vrow[i + 8];
+            int b;
+            for (b = 0; b < hs * 4; b += 64) {
+                __builtin_prefetch(nk + b);
+                __builtin_prefetch(nv + b);
+            }
+        }
+#endif
         for (j = 0; j < group; j++) {
             int h = h0 + j;
             s->att[(size_t)h * (size_t)s->ctx + (size_t)i] =
@@ -1038,7 +1051,7 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
         memset(s->xb + (size_t)h * (size_t)hs, 0, (size_t)hs * sizeof(float));
     }
     for (i = 0; i < n; i++) {
-        const float *v = vbase + (size_t)(l->k ? i : l->pos[i]) * stride;
+        const float *v = l->vrow ? (const float *)l->vrow[i] : vbase + (size_t)(l->k ? i : l->pos[i]) * stride;
         for (j = 0; j < group; j++) {
             int h = h0 + j;
             tl__axpy(s->xb + (size_t)h * (size_t)hs,

@@ -336,6 +336,8 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
         l->n = (int)cnt;
         l->k = (const float *)kv->k[g];
         l->v = (const float *)kv->v[g];
+        l->krow = kv->krows ? kv->krows[g] : NULL; /* rows in place: no copy */
+        l->vrow = kv->vrows ? kv->vrows[g] : NULL;
     }
     memcpy(p->s.q, q, (size_t)c->dim * sizeof(float));
     tl_layer_attention(p->m, &p->s, layer, p->s.lists);
@@ -460,6 +462,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     p->engine.user = p;
     p->engine.qkv = tlpq__qkv;
     p->engine.attend = tlpq__attend;
+    p->engine.accepts_row_pointers = 1;
     return 0;
 }
 
