@@ -132,16 +132,7 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len);
 #define TLPQ__BLOCK 32                      /* tokens per attention block */
 #define TLPQ__ATT_FLOATS (16u * 1024u * 1024u) /* block scratch cap per thread */
 
-static int tlpq__fail(char *err, size_t errlen, const char *fmt, ...)
-{
-    va_list ap;
-    if (err && errlen > 0) {
-        va_start(ap, fmt);
-        vsnprintf(err, errlen, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
+/* errors go through the engine's tl__fail (its implementation is in this file) */
 
 void tlpq_default_config(tlpq_config *cfg)
 {
@@ -257,7 +248,7 @@ static int tlpq__qkv(void *user, int layer, size_t pos0, size_t n, float *q, flo
         tlpq__job jobs[TLPQ__MAX_THREADS];
         int t;
         if (n != (size_t)p->prefill_n)
-            return tlpq__fail(p->err, sizeof p->err, "qkv: %zu tokens, expected %d", n, p->prefill_n);
+            return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens, expected %d", n, p->prefill_n);
         for (t = 0; t < p->n_workers; t++) {
             memset(&jobs[t], 0, sizeof jobs[t]);
             jobs[t].p = p;
@@ -273,7 +264,7 @@ static int tlpq__qkv(void *user, int layer, size_t pos0, size_t n, float *q, flo
         return 0;
     }
     if (n != 1)
-        return tlpq__fail(p->err, sizeof p->err, "qkv: %zu tokens in a decode step", n);
+        return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens in a decode step", n);
     tl_layer_qkv_rows(p->m, &p->s, layer, (int)pos0, k, v);
     memcpy(q, p->s.q, (size_t)c->dim * sizeof(float));
     return 0;
@@ -283,7 +274,7 @@ static int tlpq__check_view(tlpq *p, const pqc_kv_view *kv)
 {
     const tl_config *c = &p->m->config;
     if (kv->dtype != PQC_F32 || kv->n_kv_heads != c->n_kv_heads || kv->head_dim != c->head_size)
-        return tlpq__fail(p->err, sizeof p->err, "attend: K/V view of %d heads x %d (dtype %d), "
+        return tl__fail(p->err, sizeof p->err, "attend: K/V view of %d heads x %d (dtype %d), "
                           "expected %d x %d fp32", kv->n_kv_heads, kv->head_dim, (int)kv->dtype,
                           c->n_kv_heads, c->head_size);
     return 0;
@@ -302,10 +293,10 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
         pthread_mutex_t mu;
         int t;
         if (kv->pos != NULL || n != (size_t)p->prefill_n)
-            return tlpq__fail(p->err, sizeof p->err, "attend: unexpected prefill view");
+            return tl__fail(p->err, sizeof p->err, "attend: unexpected prefill view");
         for (g = 0; g < c->n_kv_heads; g++)
             if (kv->count[g] != pos0 + n)
-                return tlpq__fail(p->err, sizeof p->err, "attend: head %d has %zu rows, "
+                return tl__fail(p->err, sizeof p->err, "attend: head %d has %zu rows, "
                                   "expected %zu", g, kv->count[g], pos0 + n);
         pthread_mutex_init(&mu, NULL);
         p->prefill_done = 0;
@@ -325,12 +316,12 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
         return 0;
     }
     if (n != 1 || kv->pos == NULL)
-        return tlpq__fail(p->err, sizeof p->err, "attend: unexpected decode view");
+        return tl__fail(p->err, sizeof p->err, "attend: unexpected decode view");
     for (g = 0; g < c->n_kv_heads; g++) {
         tl_kv_list *l = &p->s.lists[g];
         size_t i, cnt = kv->count[g];
         if (cnt > (size_t)p->s.ctx)
-            return tlpq__fail(p->err, sizeof p->err, "attend: %zu rows selected", cnt);
+            return tl__fail(p->err, sizeof p->err, "attend: %zu rows selected", cnt);
         for (i = 0; i < cnt; i++)
             l->pos[i] = (int)kv->pos[g][i];
         l->n = (int)cnt;
@@ -384,12 +375,12 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
 
     memset(p, 0, sizeof *p);
     if (max_tokens < 1 || max_tokens > c->seq_len)
-        return tlpq__fail(err, errlen, "pqcache: %d positions (the model holds 1..%d)",
+        return tl__fail(err, errlen, "pqcache: %d positions (the model holds 1..%d)",
                           max_tokens, c->seq_len);
     if (!(cfg->ratio > 0.0f))
-        return tlpq__fail(err, errlen, "pqcache: the budget ratio must be positive");
+        return tl__fail(err, errlen, "pqcache: the budget ratio must be positive");
     if (cfg->n_sink < 0)
-        return tlpq__fail(err, errlen, "pqcache: sink count %d is negative", cfg->n_sink);
+        return tl__fail(err, errlen, "pqcache: sink count %d is negative", cfg->n_sink);
     p->m = m;
     p->cfg = *cfg;
     p->max_tokens = max_tokens;
@@ -406,7 +397,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     p->out = (float **)calloc((size_t)p->n_workers, sizeof(float *));
     if (!p->workers || !p->att || !p->out) {
         tlpq_destroy(p);
-        return tlpq__fail(err, errlen, "pqcache: out of memory");
+        return tl__fail(err, errlen, "pqcache: out of memory");
     }
     for (t = 0; t < p->n_workers; t++) {
         if (tl_build_state_ex(&p->workers[t], c, 1, 1, TL_STATE_NO_KV_CACHE, err, errlen)) {
@@ -417,14 +408,14 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
         p->out[t] = (float *)malloc((size_t)p->block * (size_t)c->dim * sizeof(float));
         if (!p->att[t] || !p->out[t]) {
             tlpq_destroy(p);
-            return tlpq__fail(err, errlen, "pqcache: out of memory for the prefill blocks");
+            return tl__fail(err, errlen, "pqcache: out of memory for the prefill blocks");
         }
     }
 
     memset(&rd, 0, sizeof rd);
     rd.n_threads = p->n_workers;
     if ((r = pqc_runtime_create(&rd, &p->rt)) != PQC_SUCCESS) {
-        tlpq__fail(err, errlen, "pqcache runtime: %s", pqc_last_error());
+        tl__fail(err, errlen, "pqcache runtime: %s", pqc_last_error());
         tlpq_destroy(p);
         return -1;
     }
@@ -432,7 +423,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
         memset(&sd, 0, sizeof sd);
         sd.parallel = (double)p->n_workers;
         if ((r = pqc_scheduler_create(&sd, &p->sched)) != PQC_SUCCESS) {
-            tlpq__fail(err, errlen, "pqcache scheduler: %s", pqc_last_error());
+            tl__fail(err, errlen, "pqcache scheduler: %s", pqc_last_error());
             tlpq_destroy(p);
             return -1;
         }
@@ -455,7 +446,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     cd.policy = cfg->policy;
     cd.scheduler = p->sched;
     if ((r = pqc_cache_create(p->rt, &cd, &p->cache)) != PQC_SUCCESS) {
-        tlpq__fail(err, errlen, "pqcache: %s", pqc_last_error());
+        tl__fail(err, errlen, "pqcache: %s", pqc_last_error());
         tlpq_destroy(p);
         return -1;
     }
@@ -477,20 +468,20 @@ float *tlpq_prefill(tlpq *p, const int *tokens, int n)
     int t;
     p->err[0] = '\0';
     if (n < 1 || pos0 + (size_t)n > (size_t)p->max_tokens) {
-        tlpq__fail(p->err, sizeof p->err, "prefill of %d tokens at %zu: capacity is %d",
+        tl__fail(p->err, sizeof p->err, "prefill of %d tokens at %zu: capacity is %d",
                    n, pos0, p->max_tokens);
         return NULL;
     }
     for (t = 0; t < n; t++)
         if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
-            tlpq__fail(p->err, sizeof p->err, "token %d is outside the vocabulary (0..%d)",
+            tl__fail(p->err, sizeof p->err, "token %d is outside the vocabulary (0..%d)",
                        tokens[t], c->vocab_size - 1);
             return NULL;
         }
     free(p->hidden);
     p->hidden = (float *)malloc((size_t)n * dim * sizeof(float));
     if (!p->hidden) {
-        tlpq__fail(p->err, sizeof p->err, "out of memory for %d hidden states", n);
+        tl__fail(p->err, sizeof p->err, "out of memory for %d hidden states", n);
         return NULL;
     }
     for (t = 0; t < n; t++) {
@@ -502,7 +493,7 @@ float *tlpq_prefill(tlpq *p, const int *tokens, int n)
     p->prefill_n = 0;
     if (r != PQC_SUCCESS) {
         if (!p->err[0])
-            tlpq__fail(p->err, sizeof p->err, "pqcache prefill: %s", pqc_last_error());
+            tl__fail(p->err, sizeof p->err, "pqcache prefill: %s", pqc_last_error());
         return NULL;
     }
     memcpy(p->s.x, p->hidden + (size_t)(n - 1) * dim, dim * sizeof(float));
@@ -517,12 +508,12 @@ float *tlpq_decode(tlpq *p, int token, int pos)
     pqc_result r;
     p->err[0] = '\0';
     if (token < 0 || token >= c->vocab_size) {
-        tlpq__fail(p->err, sizeof p->err, "token %d is outside the vocabulary (0..%d)",
+        tl__fail(p->err, sizeof p->err, "token %d is outside the vocabulary (0..%d)",
                    token, c->vocab_size - 1);
         return NULL;
     }
     if (pos < 1 || pos >= p->max_tokens || (size_t)pos != pqc_cache_tokens(p->cache, 0)) {
-        tlpq__fail(p->err, sizeof p->err, "decode at position %d: the sequence holds %zu "
+        tl__fail(p->err, sizeof p->err, "decode at position %d: the sequence holds %zu "
                    "of at most %d", pos, pqc_cache_tokens(p->cache, 0), p->max_tokens);
         return NULL;
     }
@@ -530,7 +521,7 @@ float *tlpq_decode(tlpq *p, int token, int pos)
     r = pqc_driver_decode(p->cache, &p->engine, (size_t)pos);
     if (r != PQC_SUCCESS) {
         if (!p->err[0])
-            tlpq__fail(p->err, sizeof p->err, "pqcache decode: %s", pqc_last_error());
+            tl__fail(p->err, sizeof p->err, "pqcache decode: %s", pqc_last_error());
         return NULL;
     }
     return tl_classify(p->m, &p->s);
@@ -541,7 +532,7 @@ int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
     const tl_config *c = &p->m->config;
     int l, h, pos, hs = c->head_size;
     if (n > dst->ctx || !dst->key_cache)
-        return tlpq__fail(p->err, sizeof p->err, "copy of %d positions into a state of %d%s",
+        return tl__fail(p->err, sizeof p->err, "copy of %d positions into a state of %d%s",
                           n, dst->ctx, dst->key_cache ? "" : " without a KV cache");
     for (l = 0; l < c->n_layers; l++)
         for (h = 0; h < c->n_kv_heads; h++) {
@@ -550,7 +541,7 @@ int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
             pqc_dtype dt;
             if (pqc_cache_kv(p->cache, l, h, &k, &v, &tokens, &dt) != PQC_SUCCESS ||
                 dt != PQC_F32 || tokens < (size_t)n)
-                return tlpq__fail(p->err, sizeof p->err, "pqcache holds no fp32 rows 0..%d "
+                return tl__fail(p->err, sizeof p->err, "pqcache holds no fp32 rows 0..%d "
                                   "of layer %d head %d", n - 1, l, h);
             for (pos = 0; pos < n; pos++) {
                 memcpy(tl_key_row(c, dst, l, pos) + (size_t)h * (size_t)hs,
