@@ -4104,6 +4104,20 @@ typedef struct pqc__fetch_job {
     size_t rows_cap, chunks;
 } pqc__fetch_job;
 
+/* Copies rows [filled, valid) of block b into slot s (K and V rows interleaved) and
+   returns the bytes moved host -> device. */
+static size_t pqc__slot_fill(const pqc_cache *c, pqc__head *H, int s, size_t b, size_t valid)
+{
+    size_t bt = (size_t)c->d.block_tokens, slot_bytes = bt * 2 * c->row, r0 = H->filled[s], r;
+    unsigned char *slot = H->dev + (size_t)s * slot_bytes;
+    for (r = r0; r < valid; r++) {
+        c->be.iface.copy_h2d(c->be.ctx, slot + r * 2 * c->row, H->k + (b * bt + r) * c->row, c->row);
+        c->be.iface.copy_h2d(c->be.ctx, slot + (r * 2 + 1) * c->row, H->v + (b * bt + r) * c->row, c->row);
+    }
+    H->filled[s] = (uint32_t)valid;
+    return (valid - r0) * 2 * c->row;
+}
+
 static void pqc__fetch_head(void *ctx, size_t hi)
 {
     pqc__fetch_job *j = (pqc__fetch_job *)ctx;
@@ -4137,17 +4151,7 @@ static void pqc__fetch_head(void *ctx, size_t hi)
             s = H->slot_of[best];
             if (s >= 0) {
                 size_t valid = PQC__MIN(bt, mid_hi - best * bt);
-                if (H->filled[s] < valid) { /* a partial block grew: top it up */
-                    size_t r0 = H->filled[s], r;
-                    for (r = r0; r < valid; r++) {
-                        c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + r * 2 * c->row,
-                                             H->k + (best * bt + r) * c->row, c->row);
-                        c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + (r * 2 + 1) * c->row,
-                                             H->v + (best * bt + r) * c->row, c->row);
-                    }
-                    h2d += (valid - r0) * 2 * c->row;
-                    H->filled[s] = (uint32_t)valid;
-                }
+                if (H->filled[s] < valid) h2d += pqc__slot_fill(c, H, s, best, valid); /* a partial block grew */
                 continue;
             }
             s = pqc__victim(c, H, step + 1);
@@ -4155,17 +4159,8 @@ static void pqc__fetch_head(void *ctx, size_t hi)
             if (H->block_of[s] >= 0 && !(sc[best] > PQC__ADMIT_MARGIN * sc[H->block_of[s]] + 1.0f))
                 continue; /* not worth a block copy: hysteresis keeps near-ties from swapping */
             if (H->block_of[s] >= 0) H->slot_of[H->block_of[s]] = -1;
-            {
-                size_t valid = PQC__MIN(bt, mid_hi - best * bt), r;
-                for (r = 0; r < valid; r++) { /* one block: K and V rows interleaved */
-                    c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + r * 2 * c->row,
-                                         H->k + (best * bt + r) * c->row, c->row);
-                    c->be.iface.copy_h2d(c->be.ctx, H->dev + (size_t)s * slot_bytes + (r * 2 + 1) * c->row,
-                                         H->v + (best * bt + r) * c->row, c->row);
-                }
-                h2d += valid * 2 * c->row;
-                H->filled[s] = (uint32_t)valid;
-            }
+            H->filled[s] = 0;
+            h2d += pqc__slot_fill(c, H, s, best, PQC__MIN(bt, mid_hi - best * bt));
             H->block_of[s] = (int32_t)best;
             H->slot_of[best] = s;
             H->freq[s] = 0;

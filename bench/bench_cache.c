@@ -88,29 +88,37 @@ static pqc_cache_desc desc_for(size_t s)
     return cd;
 }
 
+/* a one-layer cache holding the s keys of kv (also as values), built and ready */
+static pqc_cache *open_cache(pqc_runtime *rt, const pqc_cache_desc *cd, const float *kv, size_t s, pqc_selection *sel)
+{
+    pqc_cache *c;
+    pqc_matrix km;
+    km.data = kv;
+    km.dtype = PQC_F32;
+    km.rows = s;
+    km.cols = HKV * D;
+    km.row_stride = 0;
+    if (pqc_cache_create(rt, cd, &c) || pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) ||
+        pqc_selection_init(c, sel)) {
+        fprintf(stderr, "bench_cache: %s\n", pqc_last_error());
+        exit(1);
+    }
+    return c;
+}
+
 static void bench_select_fetch(pqc_runtime *rt, size_t s)
 {
     pqc_cache_desc cd = desc_for(s);
     pqc_cache *c;
     pqc_selection sel;
     pqc_kv_out out;
-    pqc_matrix km;
     float *q, *kv;
     uint32_t *needles, *idx;
     double ts[15], tf[15], tp[15];
     int r, h, found = 0;
     kv = make_kv(s, 3, &q, &needles);
     if (!kv) return;
-    km.data = kv;
-    km.dtype = PQC_F32;
-    km.rows = s;
-    km.cols = HKV * D;
-    km.row_stride = 0;
-    if (pqc_cache_create(rt, &cd, &c) || pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) ||
-        pqc_selection_init(c, &sel)) {
-        fprintf(stderr, "bench_cache: %s\n", pqc_last_error());
-        exit(1);
-    }
+    c = open_cache(rt, &cd, kv, s, &sel);
     out.head_stride = s;
     out.k = (float *)malloc(HKV * s * D * sizeof(float));
     out.v = (float *)malloc(HKV * s * D * sizeof(float));
@@ -177,7 +185,6 @@ static void bench_trace(pqc_runtime *rt, size_t s, int steps)
         pqc_cache *c;
         pqc_selection sel;
         pqc_kv_out out;
-        pqc_matrix km;
         pqc_layer_stats lst;
         float *qq = (float *)malloc((size_t)HQ * D * sizeof(float));
         int step, i;
@@ -186,16 +193,7 @@ static void bench_trace(pqc_runtime *rt, size_t s, int steps)
         memset(&lst, 0, sizeof lst);
         cd.cache_blocks = mode == 0 ? -1 : 64;
         cd.policy = mode == 1 ? PQC_POLICY_LRU : PQC_POLICY_LFU;
-        km.data = kv;
-        km.dtype = PQC_F32;
-        km.rows = s;
-        km.cols = HKV * D;
-        km.row_stride = 0;
-        if (pqc_cache_create(rt, &cd, &c) || pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) ||
-            pqc_selection_init(c, &sel)) {
-            fprintf(stderr, "bench_cache: %s\n", pqc_last_error());
-            exit(1);
-        }
+        c = open_cache(rt, &cd, kv, s, &sel);
         out.head_stride = s + (size_t)steps;
         out.k = (float *)malloc(HKV * out.head_stride * D * sizeof(float));
         out.v = (float *)malloc(HKV * out.head_stride * D * sizeof(float));
