@@ -9,7 +9,7 @@ LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
 
-.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-harness test-nvrtc kernels bench-pq bench-cache
+.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache
 
 all: $(addprefix $(BUILD)/test_,$(LIBTESTS))
 
@@ -73,8 +73,27 @@ test-nvrtc: $(BUILD)/test_nvrtc $(BUILD)/gpu_check
 kernels:
 	sh tools/embed_kernels.sh
 
+# ----- CUDA device tier without a GPU: a CPU stand-in for libcuda.so.1 runs the kernels
+# (tests/cuda_emu); gpu_check's kernel checks and the device-tier tests run against it.
+CXX ?= c++
+EMU := $(BUILD)/libcuda-emu.so
+$(BUILD)/emu_kernels.inc: pqcache_kernels.cu | $(BUILD)
+	sed 's/^\( *\)extern __shared__ float pqc_smem_lut\[\];/\1\/* pqc_smem_lut: the emulator'"'"'s *\//' $< > $@
+
+$(EMU): tests/cuda_emu/libcuda_emu.cpp tests/cuda_emu/emu_device.h $(BUILD)/emu_kernels.inc
+	$(CXX) -std=c++14 -O1 -g -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas -Itests/cuda_emu -I$(BUILD) $< -o $@
+
+$(BUILD)/test_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
+	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
+
+$(BUILD)/asan_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
+
+test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier
+	sh tests/cuda_emu/run.sh $(BUILD)
+
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-harness test-nvrtc test-core test-asan test-tsan tiny_llama_test test-example-san
+TEST_GROUPS := test-compile test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san
 test:
 	@sh tests/run_all.sh $(TEST_GROUPS)
 

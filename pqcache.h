@@ -154,10 +154,11 @@ typedef int (*pqc_submit_fn)(void *user, void (*fn)(void *arg), void *arg);
 
 /* Where the device tier lives. AUTO uses a CUDA GPU when one is usable and otherwise
    runs on the CPU, saying why through pqc_runtime_backend_note and the log; CUDA asks
-   for the GPU explicitly, and pqc_runtime_create fails when it cannot be had. This
-   version keeps the sequence cache's device tier on the CPU backend: the CUDA kernels
-   are compiled and checked (pqc_cuda_*) but not yet driven by the cache, so CUDA
-   reports PQC_ERROR_UNSUPPORTED even where a GPU is present. */
+   for the GPU explicitly, and pqc_runtime_create fails (PQC_ERROR_NO_DEVICE, or
+   PQC_ERROR_BACKEND when the kernels cannot be built) when it cannot be had. With a GPU,
+   the runtime opens the device, compiles the kernels with NVRTC for its architecture
+   (or loads them from the kernel cache) and every sequence cache created on it keeps
+   its device tier there: see "Sequence cache" below. */
 typedef enum pqc_backend_kind { PQC_BACKEND_CPU = 0, PQC_BACKEND_AUTO = 1, PQC_BACKEND_CUDA = 2 } pqc_backend_kind;
 
 typedef struct pqc_runtime_desc {
@@ -170,6 +171,10 @@ typedef struct pqc_runtime_desc {
     pqc_submit_fn submit;    /* optional engine pool; overrides n_threads when set      */
     void *submit_user;
     int backend;             /* a pqc_backend_kind; 0 = CPU                             */
+    int cuda_device;         /* CUDA device ordinal (CUDA / AUTO)                       */
+    const char *cuda_kernel_cache; /* directory of compiled kernels, keyed by architecture,
+                                NVRTC version and source hash; NULL = $XDG_CACHE_HOME/
+                                pqcache or ~/.cache/pqcache; "-" = compile every time      */
 } pqc_runtime_desc;
 
 typedef struct pqc_runtime pqc_runtime;
@@ -401,10 +406,20 @@ typedef struct pqc_cache_desc {
     double rebuild_share;    /* re-cluster a layer once this share of its coded tokens was
                                 coded without retraining; 0 = 0.5; >= 1 never             */
     pqc_scheduler *scheduler;/* optional; used when pq.iters == 0                          */
-    const pqc_backend *backend; /* device tier; NULL = CPU backend                        */
+    const pqc_backend *backend; /* device tier; NULL = the runtime's (CUDA GPU or CPU)   */
+    void *cuda_stream;       /* CUDA runtime: the engine's CUstream (cudaStream_t); every
+                                device step of this cache is ordered on it. NULL = a
+                                stream of the cache's own                                 */
 } pqc_cache_desc;
 
 typedef struct pqc_cache pqc_cache;
+
+/* Gathered K and V in device memory (CUDA device tier): fp32, head h's rows at
+   k + (h * head_stride + i) * d_h * 4 bytes (CUdeviceptr values). */
+typedef struct pqc_kv_device {
+    uint64_t k, v;
+    size_t head_stride;
+} pqc_kv_device;
 
 typedef struct pqc_layer_stats {
     uint64_t selects, fetches;
@@ -463,6 +478,13 @@ PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *
    fetch, append or prefill on this cache. */
 PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_selection *sel,
                                        const void *const *const **krows, const void *const *const **vrows);
+/* fetch into device memory (CUDA device tier; else PQC_ERROR_UNSUPPORTED): the gather
+   runs on the cache's stream and this call returns without waiting for it; the buffers
+   belong to the cache and stay valid until its next fetch. Admission and statistics
+   are those of pqc_cache_fetch. */
+PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_selection *sel, pqc_kv_device *out);
+/* 1 when the cache's device tier is on a CUDA GPU, else 0. */
+PQCDEF int pqc_cache_on_device(const pqc_cache *c);
 /* Reports the engine's compute time for one layer's prefill (feeds the scheduler). */
 PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double tokens, double seconds);
 /* Waits for every build of every layer; returns the first job error, if any. */
@@ -507,6 +529,9 @@ typedef struct pqc_kv_view {
        krows[h][i] / vrows[h][i] (fp32, d_h floats each) and k, v are NULL. */
     const void *const *const *krows;
     const void *const *const *vrows;
+    /* Only for engines with accepts_device_kv on a CUDA cache: non-zero when k[h] and
+       v[h] are device addresses (fp32 rows, stride d_h) ordered on the cache's stream. */
+    int on_device;
 } pqc_kv_view;
 
 typedef struct pqc_engine {
@@ -521,6 +546,9 @@ typedef struct pqc_engine {
        copy of the selected rows when the device tier is host memory (the CPU backend with
        fp32 storage). 0 (the default): rows always arrive gathered. */
     int accepts_row_pointers;
+    /* Non-zero: with a CUDA device tier, decode views carry device addresses (on_device)
+       and nothing is copied back to the host. 0: rows arrive in host memory. */
+    int accepts_device_kv;
 } pqc_engine;
 
 /* Prefill n tokens at positions [pos0, pos0+n) through every layer. */
@@ -918,6 +946,7 @@ struct pqc_runtime {
 #endif
     pqc_backend_kind backend;
     char backend_note[600];
+    struct pqc__curt *cu; /* the opened CUDA device, or NULL */
 };
 
 static void pqc__log(const struct pqc_runtime *rt, pqc_log_level lv, const char *msg)
@@ -1117,6 +1146,10 @@ static void pqc__parallel_for(pqc_runtime *rt, size_t n, void (*fn)(void *ctx, s
     pqc__wait(rt, &g);
 }
 
+/* The CUDA device of a runtime (defined with the CUDA loader below). */
+static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size);
+static void pqc__curt_close(pqc_runtime *rt);
+
 PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime **out)
 {
     pqc_runtime_desc d;
@@ -1137,21 +1170,8 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
                          pqc_simd_name(d.simd), pqc_simd_name(best));
     if (d.backend < (int)PQC_BACKEND_CPU || d.backend > (int)PQC_BACKEND_CUDA)
         return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "unknown backend %d", d.backend);
-    if (d.backend != PQC_BACKEND_CPU) {
-        pqc_cuda_info ci;
-        pqc_result pr = pqc_cuda_probe(&ci);
-        if (d.backend == PQC_BACKEND_CUDA) {
-            if (pr != PQC_SUCCESS)
-                return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA backend requested but unavailable: %s", ci.message);
-            return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED,
-                             "CUDA backend requested: %s is usable, but this version keeps the cache's device tier "
-                             "on the CPU (use PQC_BACKEND_AUTO or PQC_BACKEND_CPU)",
-                             ci.name);
-        }
-        snprintf(note, sizeof note, "%s%s; running on the CPU", pr == PQC_SUCCESS ? "CUDA device found: " : "CUDA unavailable: ",
-                 ci.message);
-        pqc__errbuf[0] = 0;
-    }
+    if (d.cuda_device < 0 || d.cuda_device > 1023)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "cuda_device %d not in 0..1023", d.cuda_device);
     rt = (pqc_runtime *)pqc__calloc(&d.allocator, sizeof *rt);
     if (!rt) return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "runtime: allocation failed");
     rt->alloc = d.allocator;
@@ -1190,6 +1210,21 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
         }
     }
 #endif
+    if (d.backend != PQC_BACKEND_CPU) {
+        char why[512];
+        pqc_result cr = pqc__curt_open(rt, d.cuda_device, d.cuda_kernel_cache, why, sizeof why);
+        if (cr == PQC_SUCCESS) {
+            rt->backend = PQC_BACKEND_CUDA;
+            snprintf(note, sizeof note, "CUDA device tier: %s", why);
+        } else if (d.backend == PQC_BACKEND_CUDA) {
+            pqc_runtime_destroy(rt);
+            return pqc__fail(NULL, cr, "CUDA backend requested but unavailable: %s", why);
+        } else {
+            snprintf(note, sizeof note, "CUDA unavailable: %s; running on the CPU", why);
+            pqc__errbuf[0] = 0;
+        }
+        memcpy(rt->backend_note, note, sizeof note);
+    }
     if (note[0]) pqc__log(rt, PQC_LOG_INFO, note);
     *out = rt;
     return PQC_SUCCESS;
@@ -1200,6 +1235,7 @@ PQCDEF void pqc_runtime_destroy(pqc_runtime *rt)
     pqc_allocator a;
     if (!rt) return;
     a = rt->alloc;
+    pqc__curt_close(rt);
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_lock(&rt->mu);
     rt->stopping = 1;
@@ -3392,6 +3428,8 @@ typedef struct pqc__build {
 
 typedef struct pqc__layer {
     pqc__head *heads;
+    unsigned char *kbase, *vbase; /* K and V stores of all heads: head h at h * cap rows */
+    uint64_t gen;         /* bumped whenever the installed codebooks change */
     size_t n_tokens;      /* stored tokens */
     size_t n_coded;       /* mid tokens covered by the installed codes */
     size_t n_trained;     /* mid tokens the installed codebook was trained on */
@@ -3423,7 +3461,37 @@ struct pqc_cache {
     size_t fsrc_cap;
     const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
+    struct pqc__cut *cu;       /* the CUDA device tier, or NULL */
 };
+
+/* The CUDA device tier of a cache (defined with the CUDA loader below; without a GPU
+   c->cu stays NULL and none of these is reached except the NULL-safe ones). */
+static pqc_result pqc__cut_create(pqc_cache *c);
+static void pqc__cut_destroy(pqc_cache *c);
+static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes);
+static void pqc__cut_host_free(pqc_cache *c, void *p);
+static void pqc__cut_quiesce(pqc_cache *c);
+static pqc_result pqc__cut_grown(pqc_cache *c);
+static pqc_result pqc__cut_stored(pqc_cache *c, int layer);
+static pqc_result pqc__cut_appended(pqc_cache *c, int layer);
+static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx);
+static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end);
+static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot);
+static pqc_result pqc__cut_fetch_begin(pqc_cache *c);
+static pqc_result pqc__cut_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
+                                 pqc_kv_device *dout);
+
+/* The host K/V stores: pinned and mapped with a CUDA device tier, else plain memory. */
+static void *pqc__store_alloc(pqc_cache *c, size_t bytes)
+{
+    return c->cu ? pqc__cut_host_alloc(c, bytes) : pqc__alloc(&c->alloc, bytes);
+}
+static void pqc__store_free(pqc_cache *c, void *p)
+{
+    if (!p) return;
+    if (c->cu) pqc__cut_host_free(c, p);
+    else pqc__free(&c->alloc, p);
+}
 
 static pqc_result pqc__cfail(const pqc_cache *c, pqc_result r, const char *fmt, ...)
 {
@@ -3447,7 +3515,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     pqc_cache *c;
     pqc_pq_desc pqd;
     pqc_result r;
-    int l;
+    int l, want_cu = 0;
     if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
     d = *desc;
     if (d.n_q_heads == 0) d.n_q_heads = d.n_kv_heads;
@@ -3493,6 +3561,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         pqc__free(&c->alloc, c);
         return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: backend lacks alloc, free or copy_h2d");
     }
+    want_cu = rt && rt->cu && !d.backend;
     c->g = d.n_q_heads / d.n_kv_heads;
     c->es = pqc_dtype_size(d.kv_dtype);
     c->row = c->es * (size_t)d.head_dim;
@@ -3515,11 +3584,19 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
                 H->filled = (uint32_t *)pqc__calloc(&c->alloc, sizeof(uint32_t) * (size_t)d.cache_blocks);
                 H->freq = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
                 H->stamp = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
-                H->dev = (unsigned char *)c->be.iface.alloc(c->be.ctx, slot_bytes * (size_t)d.cache_blocks);
-                if (!H->block_of || !H->filled || !H->freq || !H->stamp || !H->dev) goto oom;
+                if (!want_cu) /* the CUDA tier keeps its slots in device memory */
+                    H->dev = (unsigned char *)c->be.iface.alloc(c->be.ctx, slot_bytes * (size_t)d.cache_blocks);
+                if (!H->block_of || !H->filled || !H->freq || !H->stamp || (!want_cu && !H->dev)) goto oom;
                 for (sl = 0; sl < d.cache_blocks; sl++) H->block_of[sl] = -1;
             }
         }
+    }
+    if (want_cu && (r = pqc__cut_create(c)) != PQC_SUCCESS) {
+        char msg[sizeof pqc__errbuf];
+        memcpy(msg, pqc__errbuf, sizeof msg);
+        pqc_cache_destroy(c);
+        memcpy(pqc__errbuf, msg, sizeof msg);
+        return r;
     }
     *out = c;
     return PQC_SUCCESS;
@@ -3532,6 +3609,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
 {
     int l, h;
     if (!c) return;
+    pqc__cut_quiesce(c);
     if (c->layers) {
         for (l = 0; l < c->d.n_layers; l++) pqc__wait(c->rt, &c->layers[l].group);
         for (l = 0; l < c->d.n_layers; l++) {
@@ -3539,8 +3617,6 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
             if (L->heads)
                 for (h = 0; h < c->d.n_kv_heads; h++) {
                     pqc__head *H = &L->heads[h];
-                    pqc__free(&c->alloc, H->k);
-                    pqc__free(&c->alloc, H->v);
                     pqc_pq_free(&H->pq);
                     pqc_codes_free(&H->codes);
                     pqc_pq_free(&H->pq_new);
@@ -3554,10 +3630,13 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
                     pqc__free(&c->alloc, H->count_tmp); /* score lives in the same block */
                     if (H->dev) c->be.iface.free(c->be.ctx, H->dev);
                 }
+            pqc__store_free(c, L->kbase);
+            pqc__store_free(c, L->vbase);
             pqc__free(&c->alloc, L->heads);
             pqc__free(&c->alloc, L->builds);
         }
     }
+    pqc__cut_destroy(c);
     pqc__free(&c->alloc, c->layers);
     pqc_selection_free(&c->dsel);
     pqc__free(&c->alloc, c->dbuf);
@@ -3566,15 +3645,17 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
     pqc__free(&c->alloc, c);
 }
 
-/* Grows every head's K/V store (all layers) to hold `need` tokens; all-or-nothing. */
+/* Grows every layer's K/V store to hold `need` tokens per head; all-or-nothing. A layer
+   keeps K (and V) of all its heads in one allocation, head h at h * cap rows, so that a
+   device can address every head's rows with one base and a head stride. */
 static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
 {
-    size_t cap = c->cap ? c->cap : 256, nblk, l, h, bytes;
+    size_t cap = c->cap ? c->cap : 256, nblk, l, h, bytes, lbytes;
     int L = c->d.n_layers, H = c->d.n_kv_heads;
     unsigned char **nk, **nv;
     int32_t **ns;
     uint32_t **nc;
-    size_t i, n = (size_t)L * H;
+    size_t i, n = (size_t)L * H, ok = 0;
     if (need <= c->cap) return PQC_SUCCESS;
     if (need > c->d.max_tokens)
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence of %zu tokens exceeds max_tokens %zu", need, c->d.max_tokens);
@@ -3584,9 +3665,10 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
     /* every layer's builds read the stores being replaced: let them finish first (their
        results are installed at each layer's next call) */
     for (l = 0; l < (size_t)L; l++) pqc__wait(c->rt, &c->layers[l].group);
-    if (!pqc__mul(cap, c->row, &bytes)) return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence too large");
+    if (!pqc__mul(cap, c->row, &bytes) || !pqc__mul(bytes, (size_t)H, &lbytes))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence too large");
     nblk = (cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens;
-    nk = (unsigned char **)pqc__calloc(&c->alloc, sizeof(void *) * n * 2);
+    nk = (unsigned char **)pqc__calloc(&c->alloc, sizeof(void *) * (size_t)L * 2);
     ns = (int32_t **)pqc__calloc(&c->alloc, sizeof(void *) * n);
     nc = (uint32_t **)pqc__calloc(&c->alloc, sizeof(void *) * n);
     if (!nk || !ns || !nc) {
@@ -3595,39 +3677,46 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
         pqc__free(&c->alloc, nc);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "K/V store: allocation failed");
     }
-    nv = nk + n;
-    for (i = 0; i < n; i++) {
-        nk[i] = (unsigned char *)pqc__alloc(&c->alloc, bytes);
-        nv[i] = (unsigned char *)pqc__alloc(&c->alloc, bytes);
-        if (c->d.cache_blocks > 0) {
-            ns[i] = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * nblk);
-            nc[i] = (uint32_t *)pqc__alloc(&c->alloc, (sizeof(uint32_t) + sizeof(float)) * nblk);
-        }
-        if (!nk[i] || !nv[i] || (c->d.cache_blocks > 0 && (!ns[i] || !nc[i]))) break;
+    nv = nk + L;
+    for (l = 0; l < (size_t)L; l++) {
+        nk[l] = (unsigned char *)pqc__store_alloc(c, lbytes);
+        nv[l] = (unsigned char *)pqc__store_alloc(c, lbytes);
+        if (!nk[l] || !nv[l]) break;
     }
-    if (i < n) {
-        size_t j;
-        for (j = 0; j <= i && j < n; j++) {
-            pqc__free(&c->alloc, nk[j]);
-            pqc__free(&c->alloc, nv[j]);
-            pqc__free(&c->alloc, ns[j]);
-            pqc__free(&c->alloc, nc[j]);
+    if (l == (size_t)L) {
+        for (i = 0; i < n; i++) {
+            if (c->d.cache_blocks > 0) {
+                ns[i] = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * nblk);
+                nc[i] = (uint32_t *)pqc__alloc(&c->alloc, (sizeof(uint32_t) + sizeof(float)) * nblk);
+                if (!ns[i] || !nc[i]) break;
+            }
+        }
+        ok = i == n;
+    }
+    if (!ok) {
+        for (l = 0; l < (size_t)L; l++) {
+            pqc__store_free(c, nk[l]);
+            pqc__store_free(c, nv[l]);
+        }
+        for (i = 0; i < n; i++) {
+            pqc__free(&c->alloc, ns[i]);
+            pqc__free(&c->alloc, nc[i]);
         }
         pqc__free(&c->alloc, nk);
         pqc__free(&c->alloc, ns);
         pqc__free(&c->alloc, nc);
-        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "K/V store: %zu bytes per head could not be allocated", bytes);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "K/V store: %zu bytes per layer could not be allocated", lbytes);
     }
-    for (l = 0; l < (size_t)L; l++)
+    pqc__cut_quiesce(c); /* a device may still read the old stores */
+    for (l = 0; l < (size_t)L; l++) {
+        pqc__layer *Ly = &c->layers[l];
         for (h = 0; h < (size_t)H; h++) {
-            pqc__head *hd = &c->layers[l].heads[h];
-            size_t j = l * H + h, used = c->layers[l].n_tokens * c->row, ob;
-            if (hd->k) memcpy(nk[j], hd->k, used);
-            if (hd->v) memcpy(nv[j], hd->v, used);
-            pqc__free(&c->alloc, hd->k);
-            pqc__free(&c->alloc, hd->v);
-            hd->k = nk[j];
-            hd->v = nv[j];
+            pqc__head *hd = &Ly->heads[h];
+            size_t j = l * H + h, used = Ly->n_tokens * c->row, ob;
+            if (hd->k) memcpy(nk[l] + h * bytes, hd->k, used);
+            if (hd->v) memcpy(nv[l] + h * bytes, hd->v, used);
+            hd->k = nk[l] + h * bytes;
+            hd->v = nv[l] + h * bytes;
             if (c->d.cache_blocks > 0) {
                 ob = c->cap ? (c->cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens : 0;
                 for (i = 0; i < nblk; i++) ns[j][i] = i < ob ? hd->slot_of[i] : -1;
@@ -3643,11 +3732,16 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
                 }
             }
         }
+        pqc__store_free(c, Ly->kbase);
+        pqc__store_free(c, Ly->vbase);
+        Ly->kbase = nk[l];
+        Ly->vbase = nv[l];
+    }
     pqc__free(&c->alloc, nk);
     pqc__free(&c->alloc, ns);
     pqc__free(&c->alloc, nc);
     c->cap = cap;
-    return PQC_SUCCESS;
+    return pqc__cut_grown(c);
 }
 
 static pqc_result pqc__check_layer(const pqc_cache *c, int layer, const char *what)
@@ -3820,6 +3914,7 @@ static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
     }
     if (L->n_trained) L->st.rebuilds++;
     L->st.builds++;
+    L->gen++;
     L->n_coded = L->n_trained = L->builds[0].n_keys;
     return pqc__code_pending(c, l);
 }
@@ -3891,6 +3986,7 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     }
     L->n_tokens = start + n;
     L->prefill_start = pqc__now();
+    if (c->cu && (r = pqc__cut_stored(c, layer)) != PQC_SUCCESS) return r;
     return pqc__after_growth(c, layer);
 }
 
@@ -3920,6 +4016,7 @@ PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, cons
     L->n_tokens++;
     after = pqc__mid_end(c, L->n_tokens);
     if (after > before) L->st.bytes_d2h += (after - before) * 2 * c->row * (size_t)c->d.n_kv_heads; /* offload */
+    if (c->cu && (r = pqc__cut_appended(c, layer)) != PQC_SUCCESS) return r;
     return pqc__after_growth(c, layer);
 }
 
@@ -3959,6 +4056,7 @@ typedef struct pqc__sel_job {
     size_t take; /* coded mid tokens to take: all of them, none, or the top `take` */
     int search;  /* 0 < take < coded: PQ search */
     pqc_result *head_res;
+    const int32_t *gpu_idx; /* the device tier's top-k, [n_kv_heads][take], or NULL */
 } pqc__sel_job;
 
 static void pqc__select_head(void *ctx, size_t hi)
@@ -3971,7 +4069,11 @@ static void pqc__select_head(void *ctx, size_t hi)
     size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0;
     uint32_t *out = j->sel->idx + hi * j->sel->capacity;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
-    if (j->search) {
+    if (j->search && j->gpu_idx) {
+        const int32_t *g = j->gpu_idx + hi * j->take;
+        for (t = 0; t < j->take; t++) out[o + t] = (uint32_t)g[t] + (uint32_t)c->d.n_sink;
+        o += j->take;
+    } else if (j->search) {
         pqc_search_desc sd;
         pqc_result r;
         memset(&sd, 0, sizeof sd);
@@ -4036,7 +4138,12 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
         if (!hres) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_select: allocation failed");
     }
     j.head_res = hres;
-    if (parallel && j.search) pqc__parallel_for(c->rt, (size_t)c->d.n_kv_heads, pqc__select_heads_pfor, &j);
+    j.gpu_idx = NULL;
+    if (j.search && c->cu && (r = pqc__cut_select(c, layer, q, j.take, &j.gpu_idx)) != PQC_SUCCESS) {
+        if (hres != hr) pqc__free(&c->alloc, hres);
+        return r;
+    }
+    if (parallel && j.search && !j.gpu_idx) pqc__parallel_for(c->rt, (size_t)c->d.n_kv_heads, pqc__select_heads_pfor, &j);
     else
         for (h = 0; h < c->d.n_kv_heads; h++) pqc__select_head(&j, (size_t)h);
     r = PQC_SUCCESS;
@@ -4106,10 +4213,16 @@ typedef struct pqc__fetch_job {
 
 /* Copies rows [filled, valid) of block b into slot s (K and V rows interleaved) and
    returns the bytes moved host -> device. */
-static size_t pqc__slot_fill(const pqc_cache *c, pqc__head *H, int s, size_t b, size_t valid)
+static size_t pqc__slot_fill(pqc_cache *c, size_t hi, pqc__head *H, int s, size_t b, size_t valid)
 {
     size_t bt = (size_t)c->d.block_tokens, slot_bytes = bt * 2 * c->row, r0 = H->filled[s], r;
-    unsigned char *slot = H->dev + (size_t)s * slot_bytes;
+    unsigned char *slot;
+    if (c->cu) { /* the device tier copies whole blocks after the admissions */
+        pqc__cut_note_fill(c, hi, b, s);
+        H->filled[s] = (uint32_t)valid;
+        return (valid - r0) * 2 * c->row;
+    }
+    slot = H->dev + (size_t)s * slot_bytes;
     for (r = r0; r < valid; r++) {
         c->be.iface.copy_h2d(c->be.ctx, slot + r * 2 * c->row, H->k + (b * bt + r) * c->row, c->row);
         c->be.iface.copy_h2d(c->be.ctx, slot + (r * 2 + 1) * c->row, H->v + (b * bt + r) * c->row, c->row);
@@ -4139,7 +4252,8 @@ static void pqc__fetch_head(void *ctx, size_t hi)
         size_t b, nb = (mid_hi + bt - 1) / bt;
         for (b = 0; b < nb; b++) sc[b] *= PQC__SCORE_DECAY;
         for (i = 0; i < cnt; i++)
-            if (idx[i] >= mid_lo && idx[i] < mid_hi) cntb[idx[i] / bt]++;
+            if (idx[i] >= mid_lo && idx[i] < mid_hi && !(c->cu && pqc__cut_fixed_slot(c, idx[i] / bt, mid_hi) >= 0))
+                cntb[idx[i] / bt]++; /* device-resident sink and window blocks are no candidates */
         for (b = 0; b < nb; b++) sc[b] += (float)cntb[b];
         for (a = 0; a < admit; a++) {
             size_t best = nb;
@@ -4151,7 +4265,7 @@ static void pqc__fetch_head(void *ctx, size_t hi)
             s = H->slot_of[best];
             if (s >= 0) {
                 size_t valid = PQC__MIN(bt, mid_hi - best * bt);
-                if (H->filled[s] < valid) h2d += pqc__slot_fill(c, H, s, best, valid); /* a partial block grew */
+                if (H->filled[s] < valid) h2d += pqc__slot_fill(c, hi, H, s, best, valid); /* a partial block grew */
                 continue;
             }
             s = pqc__victim(c, H, step + 1);
@@ -4160,7 +4274,7 @@ static void pqc__fetch_head(void *ctx, size_t hi)
                 continue; /* not worth a block copy: hysteresis keeps near-ties from swapping */
             if (H->block_of[s] >= 0) H->slot_of[H->block_of[s]] = -1;
             H->filled[s] = 0;
-            h2d += pqc__slot_fill(c, H, s, best, PQC__MIN(bt, mid_hi - best * bt));
+            h2d += pqc__slot_fill(c, hi, H, s, best, PQC__MIN(bt, mid_hi - best * bt));
             H->block_of[s] = (int32_t)best;
             H->slot_of[best] = s;
             H->freq[s] = 0;
@@ -4171,7 +4285,24 @@ static void pqc__fetch_head(void *ctx, size_t hi)
     /* where each selected row comes from: a device slot (hit) or the host store (a miss,
        or a sink or window token, device-resident in a GPU backend); the copies follow in
        parallel chunks */
-    {
+    if (c->cu) { /* hits only: the device gathers the rows itself */
+        for (i = 0; i < cnt; i++) {
+            size_t t = idx[i];
+            if (t >= mid_lo && t < mid_hi) {
+                int s = pqc__cut_fixed_slot(c, t / bt, mid_hi) >= 0 ? -2 : (admit > 0 ? H->slot_of[t / bt] : -1);
+                if (s == -2) {
+                    hits++;
+                } else if (s >= 0) {
+                    if (H->stamp[s] != step + 1) H->freq[s]++;
+                    H->stamp[s] = step + 1;
+                    hits++;
+                } else {
+                    misses++;
+                    h2d += 2 * c->row;
+                }
+            }
+        }
+    } else {
         const void **srck = j->src + hi * 2 * j->rows_cap, **srcv = srck + j->rows_cap;
         for (i = 0; i < cnt; i++) {
             size_t t = idx[i];
@@ -4217,9 +4348,10 @@ static void pqc__fetch_copy(void *ctx, size_t q)
 
 static void pqc__fetch_pfor(void *ctx, size_t h) { pqc__fetch_head(ctx, h); }
 
-static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out, int parallel)
+static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
+                                  pqc_kv_device *dout, int parallel)
 {
-    int copy = out != NULL; /* NULL: fetch_rows, the row pointers stay in c->fsrc */
+    int copy = out != NULL; /* NULL: fetch_rows or fetch_device */
     pqc__layer *L;
     pqc_result r;
     pqc__fetch_job j;
@@ -4255,6 +4387,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     }
     c->frows_cap = j.rows_cap;
     j.src = c->fsrc;
+    if (c->cu && (r = pqc__cut_fetch_begin(c)) != PQC_SUCCESS) return r;
     mem = (unsigned char *)pqc__alloc(&c->alloc, nh * (sizeof(pqc_result) + 3 * sizeof(uint64_t)));
     if (!mem) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
     j.c = c;
@@ -4265,7 +4398,9 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     j.misses = j.hits + nh;
     j.h2d = j.misses + nh;
     j.res = (pqc_result *)(j.h2d + nh);
-    if (parallel) {
+    if (c->cu) {
+        for (h = 0; h < nh; h++) pqc__fetch_head(&j, h); /* bookkeeping only */
+    } else if (parallel) {
         size_t rows = 0;
         for (h = 0; h < nh; h++) rows += sel->count[h];
         if (nh > 1) pqc__parallel_for(c->rt, nh, pqc__fetch_pfor, &j);
@@ -4285,8 +4420,12 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
         L->st.misses += j.misses[h];
         L->st.bytes_h2d += j.h2d[h];
     }
-    if (c->be.iface.synchronize) c->be.iface.synchronize(c->be.ctx);
     pqc__free(&c->alloc, mem);
+    if (c->cu) {
+        if ((r = pqc__cut_fetch(c, layer, sel, out, dout)) != PQC_SUCCESS) return r;
+    } else if (c->be.iface.synchronize) {
+        c->be.iface.synchronize(c->be.ctx);
+    }
     L->step++;
     L->st.fetches++;
     L->st.fetch_s += pqc__now() - t0;
@@ -4296,12 +4435,21 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out)
 {
     if (!out) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch: null output");
-    return pqc__fetch_impl(c, layer, sel, out, 1);
+    return pqc__fetch_impl(c, layer, sel, out, NULL, 1);
 }
+
+PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_selection *sel, pqc_kv_device *out)
+{
+    if (!c || !out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch_device: null pointer");
+    if (!c->cu) return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_fetch_device: the cache has no CUDA device tier");
+    return pqc__fetch_impl(c, layer, sel, NULL, out, 1);
+}
+
+PQCDEF int pqc_cache_on_device(const pqc_cache *c) { return c && c->cu ? 1 : 0; }
 
 static int pqc__zero_copy(const pqc_cache *c)
 {
-    return c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
+    return !c->cu && c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
 }
 
 PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_selection *sel,
@@ -4317,7 +4465,7 @@ PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_select
         c->frows = (const void *const **)pqc__alloc(&c->alloc, 2 * nh * sizeof(void *));
         if (!c->frows) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch_rows: allocation failed");
     }
-    if ((r = pqc__fetch_impl(c, layer, sel, NULL, 1)) != PQC_SUCCESS) return r;
+    if ((r = pqc__fetch_impl(c, layer, sel, NULL, NULL, 1)) != PQC_SUCCESS) return r;
     for (h = 0; h < nh; h++) {
         c->frows[h] = c->fsrc + h * 2 * c->frows_cap;
         c->frows[nh + h] = c->fsrc + h * 2 * c->frows_cap + c->frows_cap;
@@ -4436,7 +4584,7 @@ static void pqc__batch_select_one(void *ctx, size_t i)
 static void pqc__batch_fetch_one(void *ctx, size_t i)
 {
     pqc__batch_job *b = (pqc__batch_job *)ctx;
-    b->res[i] = pqc__fetch_impl(b->caches[i], b->layer, b->csel[i], b->out[i], 0);
+    b->res[i] = pqc__fetch_impl(b->caches[i], b->layer, b->csel[i], b->out[i], NULL, 0);
 }
 
 static pqc_result pqc__batch(pqc_cache *const *caches, int n, pqc__batch_job *b, void (*fn)(void *, size_t))
@@ -4546,6 +4694,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
         view.count = cnt;
         view.pos = NULL;
         view.krows = view.vrows = NULL;
+        view.on_device = 0; /* prefill attends over the host store */
         if (e->attend(e->user, l, pos0, n, q, &view) != 0) {
             r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_prefill: attend callback failed at layer %d", l);
             break;
@@ -4606,14 +4755,27 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
         if ((r = pqc_cache_append(c, l, k, v)) != PQC_SUCCESS) break;
         if ((r = pqc_cache_select(c, l, q, &sel)) != PQC_SUCCESS) break;
         view.krows = view.vrows = NULL;
-        if (e->accepts_row_pointers && pqc__zero_copy(c)) {
+        view.on_device = 0;
+        if (c->cu && e->accepts_device_kv) {
+            pqc_kv_device dk;
+            size_t hb;
+            if ((r = pqc_cache_fetch_device(c, l, &sel, &dk)) != PQC_SUCCESS) break;
+            view.on_device = 1;
+            hb = dk.head_stride * (size_t)c->d.head_dim * sizeof(float);
+            for (h = 0; h < c->d.n_kv_heads; h++) { /* device addresses carried in pointers */
+                kp[h] = (const void *)(uintptr_t)(dk.k + (uint64_t)h * hb);
+                kp[c->d.n_kv_heads + h] = (const void *)(uintptr_t)(dk.v + (uint64_t)h * hb);
+            }
+        } else if (e->accepts_row_pointers && pqc__zero_copy(c)) {
             if ((r = pqc_cache_fetch_rows(c, l, &sel, &view.krows, &view.vrows)) != PQC_SUCCESS) break;
         } else if ((r = pqc_cache_fetch(c, l, &sel, &out)) != PQC_SUCCESS) {
             break;
         }
         for (h = 0; h < c->d.n_kv_heads; h++) {
-            kp[h] = view.krows ? NULL : ko + (size_t)h * cap * c->d.head_dim;
-            kp[c->d.n_kv_heads + h] = view.krows ? NULL : vo + (size_t)h * cap * c->d.head_dim;
+            if (!view.on_device) {
+                kp[h] = view.krows ? NULL : ko + (size_t)h * cap * c->d.head_dim;
+                kp[c->d.n_kv_heads + h] = view.krows ? NULL : vo + (size_t)h * cap * c->d.head_dim;
+            }
             pp[h] = sel.idx + (size_t)h * sel.capacity;
         }
         view.n_kv_heads = c->d.n_kv_heads;
@@ -5111,11 +5273,16 @@ PQC__CU_FN int pqc__cu_open_driver(pqc__cuApi *api, const char *const *names, in
     return PQC__CU_OK;
 }
 
-/* Opens the driver from its usual names: libcuda.so.1, then libcuda.so. */
+/* Opens the driver: $PQC_CUDA_DRIVER_PATH when set, then libcuda.so.1 and libcuda.so. */
 PQC__CU_FN int pqc__cu_load_driver(pqc__cuApi *api)
 {
-    static const char *const names[] = { "libcuda.so.1", "libcuda.so" };
-    return pqc__cu_open_driver(api, names, PQC__CU_COUNT(names));
+    const char *env = pqc__cu_getenv(api, "PQC_CUDA_DRIVER_PATH");
+    const char *names[3];
+    int n = 0;
+    if (env && env[0]) names[n++] = env;
+    names[n++] = "libcuda.so.1";
+    names[n++] = "libcuda.so";
+    return pqc__cu_open_driver(api, names, n);
 }
 
 /* cuInit + version + device count. Needs the driver table. */
@@ -6376,16 +6543,18 @@ static const char pqc__kernel_source[] =
 "    if (out_v) pqc_warp_row_to_f32(srcv, dt, d_h, out_v + o, lane);\n"
 "}\n"
 "\n"
-"/* pqc_cache_fill: copies whole blocks of K/V rows from mapped host memory into cache\n"
-" *   slots, keeping the dtype (cache dtype = host dtype).\n"
-" *   grid (ceil(n_blocks * block_tokens / 8), n_kv), block 256; one warp per row.\n"
+"/* pqc_cache_fill: copies rows [row_lo, block_tokens) of whole blocks of K/V from mapped\n"
+" *   host memory into cache slots, keeping the dtype (cache dtype = host dtype).\n"
+" *   grid (ceil(n_blocks * (block_tokens - row_lo) / 8), n_kv), block 256; one warp per row.\n"
 " *   blocks int32 [n_blocks] block ids, slots int32 [n_blocks] destination slots (same for\n"
 " *   every KV head: blocks + kv*list_head_stride, slots + kv*list_head_stride)\n"
+" *   row_lo: first row of each block to copy (0: whole blocks; the row of one new token\n"
+" *   with n_blocks = 1 appends it)\n"
 " *   rows of tokens >= s (a partial last block) are left untouched. Layouts as for\n"
 " *   pqc_gather_kv; cache_v / host_v may be NULL to copy K only. */\n"
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,\n"
-"               pqc_i64 list_head_stride, int n_blocks, int block_tokens, int s,\n"
+"               pqc_i64 list_head_stride, int n_blocks, int block_tokens, int row_lo, int s,\n"
 "               const void *host_k, const void *host_v, pqc_i64 host_head_stride,\n"
 "               pqc_i64 host_ld, int dtype, int d_h,\n"
 "               void *cache_k, void *cache_v, pqc_i64 cache_head_stride)\n"
@@ -6393,8 +6562,9 @@ static const char pqc__kernel_source[] =
 "    pqc_i64 kv = blockIdx.y;\n"
 "    int lane = threadIdx.x & 31;\n"
 "    pqc_i64 w = (pqc_i64)blockIdx.x * PQC_WARPS + (threadIdx.x >> 5);\n"
-"    if (w >= (pqc_i64)n_blocks * block_tokens) return;\n"
-"    int bi = (int)(w / block_tokens), r = (int)(w % block_tokens);\n"
+"    int rows = block_tokens - row_lo;\n"
+"    if (row_lo < 0 || rows <= 0 || w >= (pqc_i64)n_blocks * rows) return;\n"
+"    int bi = (int)(w / rows), r = row_lo + (int)(w % rows);\n"
 "    pqc_i64 blk = blocks[kv * list_head_stride + bi];\n"
 "    pqc_i64 slot = slots[kv * list_head_stride + bi];\n"
 "    pqc_i64 t = blk * block_tokens + r;\n"
@@ -6556,6 +6726,733 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
     h->user = (void *)a;
 }
 
+/* ---------------------------------------------------------------------------------------
+   CUDA device tier. The runtime opens the device and builds the kernels once; every
+   cache on it keeps in device memory: the centroids of every layer, two code buffers
+   (the layer being searched and the next one, prefetched on a copy stream), the block
+   cache slots together with the sink blocks and a ring of window blocks, and the
+   per-step scratch. K/V stay in pinned, mapped host memory, which kernels read directly
+   for cache misses. Selection (tables, scan, top-k) and the gather run on the cache's
+   stream; the block-cache bookkeeping (admission, victims, statistics) stays on the
+   host, which reads the top-k indices back once per layer and step.
+   ------------------------------------------------------------------------------------- */
+
+enum {
+    PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
+    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_N
+};
+static const char *const pqc__k_names[PQC__K_N] = {
+    "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
+    "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes"
+};
+
+#define PQC__CU_RADIX_BINS 2048
+#define PQC__CU_TILE 4096
+#define PQC__CU_SMEM_DEFAULT 49152
+
+struct pqc__curt {
+    pqc__cuApi api;
+    pqc__cuDev dev;
+    pqc__cuModule mod;
+    pqc__cuFunction fn[PQC__K_N];
+    int smem_limit; /* dynamic shared memory the scan kernels may use */
+};
+
+static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+{
+    struct pqc__curt *cr;
+    pqc__cuHost host;
+    char log[2048];
+    int st, from_cache = 0;
+    pqc_result res = PQC_ERROR_NO_DEVICE;
+    cr = (struct pqc__curt *)pqc__calloc(&rt->alloc, sizeof *cr);
+    if (!cr) {
+        snprintf(why, why_size, "out of memory");
+        return PQC_ERROR_OUT_OF_MEMORY;
+    }
+    pqc__cu_host(&host, &rt->alloc);
+    pqc__cu_api_init(&cr->api, &host);
+    st = pqc__cu_load(&cr->api, 0);
+    if (st == PQC__CU_OK) st = pqc__cu_device_open(&cr->api, ordinal, &cr->dev);
+    if (st == PQC__CU_OK && !cr->dev.can_map_host) {
+        snprintf(cr->api.msg, sizeof cr->api.msg, "%s cannot map host memory", cr->dev.name);
+        st = PQC__CU_ERR_NO_DEVICE;
+    }
+    if (st == PQC__CU_OK) {
+        res = PQC_ERROR_BACKEND;
+        st = pqc__cu_build_module(&cr->api, &cr->dev, pqc__kernel_source, cache_dir, &cr->mod, &from_cache, log,
+                                  sizeof log);
+        if (st == PQC__CU_ERR_COMPILE && log[0]) {
+            size_t n = strlen(cr->api.msg);
+            snprintf(cr->api.msg + n, sizeof cr->api.msg - n, "; NVRTC log: %.300s", log);
+        }
+    }
+    if (st == PQC__CU_OK) st = pqc__cu_get_functions(&cr->api, cr->mod, pqc__k_names, cr->fn, PQC__K_N);
+    if (st != PQC__CU_OK) {
+        snprintf(why, why_size, "%s", cr->api.msg[0] ? cr->api.msg : "CUDA could not be initialised");
+        if (cr->mod) cr->api.cuModuleUnload(cr->mod);
+        if (cr->dev.ctx) pqc__cu_device_close(&cr->api, &cr->dev);
+        pqc__cu_unload(&cr->api);
+        pqc__free(&rt->alloc, cr);
+        return res;
+    }
+    cr->smem_limit = PQC__CU_SMEM_DEFAULT;
+    if (cr->dev.smem_optin > PQC__CU_SMEM_DEFAULT &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin) == 0 &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin) == 0)
+        cr->smem_limit = cr->dev.smem_optin;
+    snprintf(why, why_size, "%s, compute capability %d.%d, %d SMs, kernels %s", cr->dev.name, cr->dev.cc_major,
+             cr->dev.cc_minor, cr->dev.sm_count, from_cache ? "from the kernel cache" : "compiled by NVRTC");
+    rt->cu = cr;
+    return PQC_SUCCESS;
+}
+
+static void pqc__curt_close(pqc_runtime *rt)
+{
+    struct pqc__curt *cr = rt->cu;
+    if (!cr) return;
+    cr->api.cuCtxSetCurrent(cr->dev.ctx);
+    if (cr->mod) cr->api.cuModuleUnload(cr->mod);
+    pqc__cu_device_close(&cr->api, &cr->dev);
+    pqc__cu_unload(&cr->api);
+    pqc__free(&rt->alloc, cr);
+    rt->cu = NULL;
+}
+
+typedef pqc__cuDeviceptr pqc__dptr;
+
+struct pqc__cut {
+    struct pqc__curt *r;
+    pqc__cuApi *api;
+    pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
+    int own_st;
+    pqc__cuEvent ev_codes[2], ev_used[2], ev_staged;
+    int used_rec[2], staged_rec;
+    int K, m, bits, dsub, g, d, n_kv;
+    size_t bt;
+    /* slots: [sink blocks | window ring | block cache] per layer and head */
+    int ready, nsb, wb, n_slots;
+    pqc__dptr *pool_k, *pool_v; /* [L] -> [n_kv][n_slots][bt][d] storage dtype */
+    pqc__dptr *cent;            /* [L] -> [n_kv][m][K][dsub] float */
+    uint64_t *cent_gen;         /* [L] installed-codebook generation + 1 held there; 0: none */
+    pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores */
+    size_t hstride;             /* elements between heads in the stores (cap * d) */
+    /* codes, double-buffered */
+    pqc__dptr code[2];
+    size_t code_cap[2], code_hs[2], code_cs[2], code_n[2];
+    int code_layer[2], last_slot;
+    uint64_t code_gen[2];
+    /* selection scratch */
+    pqc__dptr q, lut, lut_sum, partial, stats, hist, state;
+    int p_max;
+    pqc__dptr scores, counts, topk;
+    size_t s_cap;
+    float *h_q;
+    int32_t *h_topk;
+    /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
+    pqc__dptr arena, iota, out_k, out_v;
+    int32_t *h_arena;
+    size_t arena_cap, iota_n, out_cap, nblk_cap, rows_cap, fill_cap;
+    size_t *nfill;
+    int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
+};
+
+#define PQC__CUT_CALL(c, call, what)                                        \
+    do {                                                                    \
+        pqc__cuResult r_ = (call);                                          \
+        if (r_ != 0) return pqc__cut_err((c), r_, (what));                  \
+    } while (0)
+
+static pqc_result pqc__cut_err(const pqc_cache *c, pqc__cuResult r, const char *what)
+{
+    return pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: %s failed: %s", what, pqc__cu_error_name(c->cu->api, r));
+}
+
+static void pqc__cut_enter(pqc_cache *c) { c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx); }
+
+static unsigned pqc__cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+static pqc_result pqc__cut_launch(pqc_cache *c, int k, unsigned gx, unsigned gy, unsigned smem, void **p)
+{
+    struct pqc__cut *u = c->cu;
+    if (gx == 0 || gy == 0) return PQC_SUCCESS;
+    PQC__CUT_CALL(c, u->api->cuLaunchKernel(u->r->fn[k], gx, gy, 1, 256, 1, 1, smem, u->st, p, NULL), pqc__k_names[k]);
+    return PQC_SUCCESS;
+}
+
+static void pqc__cut_dfree(struct pqc__cut *u, pqc__dptr *p)
+{
+    if (*p) u->api->cuMemFree_v2(*p);
+    *p = 0;
+}
+
+/* (Re)allocates a device buffer to at least `bytes`; the old contents are dropped. */
+static pqc_result pqc__cut_dalloc(pqc_cache *c, pqc__dptr *p, size_t bytes)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__cut_dfree(u, p);
+    PQC__CUT_CALL(c, u->api->cuMemAlloc_v2(p, bytes ? bytes : 16), "cuMemAlloc");
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__cut_halloc(pqc_cache *c, void **p, size_t bytes)
+{
+    struct pqc__cut *u = c->cu;
+    if (*p) u->api->cuMemFreeHost(*p);
+    *p = NULL;
+    PQC__CUT_CALL(c, u->api->cuMemHostAlloc(p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+    return PQC_SUCCESS;
+}
+
+static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
+{
+    int l, i;
+    if (u->st) u->api->cuStreamSynchronize(u->st);
+    if (u->cp) u->api->cuStreamSynchronize(u->cp);
+    for (l = 0; l < c->d.n_layers; l++) {
+        if (u->pool_k) pqc__cut_dfree(u, &u->pool_k[l]);
+        if (u->pool_v) pqc__cut_dfree(u, &u->pool_v[l]);
+        if (u->cent) pqc__cut_dfree(u, &u->cent[l]);
+    }
+    for (i = 0; i < 2; i++) {
+        pqc__cut_dfree(u, &u->code[i]);
+        if (u->ev_codes[i]) u->api->cuEventDestroy_v2(u->ev_codes[i]);
+        if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
+    }
+    if (u->ev_staged) u->api->cuEventDestroy_v2(u->ev_staged);
+    pqc__cut_dfree(u, &u->q);
+    pqc__cut_dfree(u, &u->lut);
+    pqc__cut_dfree(u, &u->lut_sum);
+    pqc__cut_dfree(u, &u->partial);
+    pqc__cut_dfree(u, &u->stats);
+    pqc__cut_dfree(u, &u->hist);
+    pqc__cut_dfree(u, &u->state);
+    pqc__cut_dfree(u, &u->scores);
+    pqc__cut_dfree(u, &u->counts);
+    pqc__cut_dfree(u, &u->topk);
+    pqc__cut_dfree(u, &u->arena);
+    pqc__cut_dfree(u, &u->iota);
+    pqc__cut_dfree(u, &u->out_k);
+    pqc__cut_dfree(u, &u->out_v);
+    if (u->h_q) u->api->cuMemFreeHost(u->h_q);
+    if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
+    if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
+    if (u->cp) u->api->cuStreamDestroy_v2(u->cp);
+    if (u->own_st && u->st) u->api->cuStreamDestroy_v2(u->st);
+    pqc__free(&c->alloc, u->pool_k); /* pool_k, pool_v, cent, hk, hv, cent_gen in one block */
+    pqc__free(&c->alloc, u->nfill);
+    pqc__free(&c->alloc, u);
+}
+
+static pqc_result pqc__cut_create(pqc_cache *c)
+{
+    struct pqc__cut *u;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks;
+    pqc_result r = PQC_SUCCESS;
+    int i;
+    u = (struct pqc__cut *)pqc__calloc(&c->alloc, sizeof *u);
+    if (!u) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    u->r = c->rt->cu;
+    u->api = &u->r->api;
+    u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (5 * sizeof(pqc__dptr) + sizeof(uint64_t)));
+    u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
+    if (!u->pool_k || !u->nfill) {
+        pqc__free(&c->alloc, u->pool_k);
+        pqc__free(&c->alloc, u->nfill);
+        pqc__free(&c->alloc, u);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    }
+    u->pool_v = u->pool_k + L;
+    u->cent = u->pool_v + L;
+    u->hk = u->cent + L;
+    u->hv = u->hk + L;
+    u->cent_gen = (uint64_t *)(u->hv + L);
+    u->fill_b = (int32_t *)(u->nfill + nkv);
+    u->fill_s = u->fill_b + nkv * (cb + 1);
+    u->m = c->d.pq.m;
+    u->bits = c->d.pq.bits;
+    u->K = 1 << u->bits;
+    u->d = c->d.head_dim;
+    u->dsub = u->d / u->m;
+    u->g = c->g;
+    u->n_kv = c->d.n_kv_heads;
+    u->bt = (size_t)c->d.block_tokens;
+    u->code_layer[0] = u->code_layer[1] = -1;
+    u->last_slot = 1;
+    u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
+    c->cu = u; /* from here on pqc__cut_free_all undoes everything */
+    pqc__cut_enter(c);
+#define PQC__CUT_TRY(call, what)                                            \
+    do {                                                                    \
+        pqc__cuResult r_ = (call);                                          \
+        if (r_ != 0) { r = pqc__cut_err(c, r_, (what)); goto fail; }        \
+    } while (0)
+    if (c->d.cuda_stream) {
+        u->st = (pqc__cuStream)c->d.cuda_stream;
+    } else {
+        PQC__CUT_TRY(u->api->cuStreamCreate(&u->st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        u->own_st = 1;
+    }
+    PQC__CUT_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (i = 0; i < 2; i++) {
+        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    }
+    PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    {
+        size_t tab = (size_t)u->m * u->K, cent = tab * (size_t)u->dsub * sizeof(float) * nkv;
+        size_t l;
+        for (l = 0; l < L; l++)
+            if ((r = pqc__cut_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
+        if ((r = pqc__cut_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->partial, nkv * (size_t)u->g * (size_t)u->p_max * 2 * sizeof(float))) !=
+                PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->stats, nkv * (size_t)u->g * 2 * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->hist, nkv * PQC__CU_RADIX_BINS * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->state, nkv * 16)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS)
+            goto fail;
+        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->hist, 0, nkv * PQC__CU_RADIX_BINS, u->st), "cuMemsetD32Async");
+        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->state, 0, nkv * 4, u->st), "cuMemsetD32Async");
+        PQC__CUT_TRY(u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    }
+#undef PQC__CUT_TRY
+    return PQC_SUCCESS;
+fail:
+    c->cu = NULL;
+    pqc__cut_free_all(c, u);
+    return r;
+}
+
+static void pqc__cut_destroy(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    if (!u) return;
+    pqc__cut_enter(c);
+    c->cu = NULL;
+    pqc__cut_free_all(c, u);
+}
+
+static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
+{
+    void *p = NULL;
+    pqc__cut_enter(c);
+    if (c->cu->api->cuMemHostAlloc(&p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE | PQC__CU_MEMHOSTALLOC_DEVICEMAP) != 0)
+        return NULL;
+    return p;
+}
+
+static void pqc__cut_host_free(pqc_cache *c, void *p)
+{
+    pqc__cut_enter(c);
+    c->cu->api->cuMemFreeHost(p);
+}
+
+static void pqc__cut_quiesce(pqc_cache *c)
+{
+    if (!c->cu) return;
+    pqc__cut_enter(c);
+    c->cu->api->cuStreamSynchronize(c->cu->st);
+    c->cu->api->cuStreamSynchronize(c->cu->cp);
+}
+
+/* After the stores moved or grew: their device addresses, the slot tables' size and
+   the block-id table (iota) the fill kernel reads its lists from. */
+static pqc_result pqc__cut_grown(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    int l;
+    size_t need, i;
+    if (!u) return PQC_SUCCESS;
+    pqc__cut_enter(c);
+    for (l = 0; l < c->d.n_layers; l++) {
+        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0), "cuMemHostGetDevicePointer");
+        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0), "cuMemHostGetDevicePointer");
+    }
+    u->hstride = c->cap * (size_t)u->d;
+    u->nblk_cap = (c->cap + u->bt - 1) / u->bt;
+    need = PQC__MAX(u->nblk_cap + 1, (size_t)u->n_slots + 1);
+    if (need > u->iota_n) {
+        int32_t *tmp = (int32_t *)pqc__alloc(&c->alloc, need * sizeof(int32_t));
+        pqc_result r;
+        if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+        for (i = 0; i < need; i++) tmp[i] = (int32_t)i;
+        r = pqc__cut_dalloc(c, &u->iota, need * sizeof(int32_t));
+        if (r == PQC_SUCCESS && u->api->cuMemcpyHtoD_v2(u->iota, tmp, need * sizeof(int32_t)) != 0)
+            r = pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: cuMemcpyHtoD failed");
+        pqc__free(&c->alloc, tmp);
+        if (r != PQC_SUCCESS) return r;
+        u->iota_n = need;
+    }
+    return PQC_SUCCESS;
+}
+
+/* The slot of a block resident for good: sink blocks and the window's ring; -1 else. */
+static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
+{
+    const struct pqc__cut *u = c->cu;
+    if (b < (size_t)u->nsb) return (int)b;
+    if ((b + 1) * u->bt > mid_end) return u->nsb + (int)((b - (size_t)u->nsb) % (size_t)u->wb);
+    return -1;
+}
+
+/* Copies rows [row_lo, bt) of the blocks [b0, b0 + n) into the slots [s0, s0 + n) of every
+   head of layer l, from the mapped store. */
+static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t b0, int s0, int n, int row_lo)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
+    int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
+    int bt = (int)u->bt, s = (int)c->layers[l].n_tokens, dt = (int)c->d.kv_dtype, d = u->d;
+    void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
+                  &u->pool_k[l], &u->pool_v[l], &pool_hs };
+    if (n <= 0) return PQC_SUCCESS;
+    return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
+}
+
+/* After a prefill: the slot pools exist (the window is known now) and every sink and
+   window block of the layer holds its rows. */
+static pqc_result pqc__cut_stored(pqc_cache *c, int l)
+{
+    struct pqc__cut *u = c->cu;
+    size_t n = c->layers[l].n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
+    pqc_result r;
+    int i;
+    pqc__cut_enter(c);
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    if (!u->ready) {
+        size_t bytes;
+        u->nsb = (int)(((size_t)c->d.n_sink + u->bt - 1) / u->bt);
+        u->wb = (int)(((size_t)c->window + u->bt - 1) / u->bt) + 1;
+        u->n_slots = u->nsb + u->wb + c->d.cache_blocks;
+        bytes = (size_t)u->n_kv * (size_t)u->n_slots * u->bt * c->row;
+        for (i = 0; i < c->d.n_layers; i++) {
+            if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
+            if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
+        }
+        if ((r = pqc__cut_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
+        u->ready = 1;
+    }
+    if ((r = pqc__cut_fill_run(c, l, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
+    b0 = PQC__MAX((size_t)u->nsb, mid_end / u->bt);
+    for (b = b0; b < nb;) { /* the ring in at most two runs of consecutive slots */
+        int s0 = pqc__cut_fixed_slot(c, b, mid_end);
+        size_t run = PQC__MIN(nb - b, (size_t)(u->nsb + u->wb - s0));
+        if ((r = pqc__cut_fill_run(c, l, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
+        b += run;
+    }
+    return PQC_SUCCESS;
+}
+
+/* After an append: the new token's row goes to its sink or window slot. */
+static pqc_result pqc__cut_appended(pqc_cache *c, int l)
+{
+    struct pqc__cut *u = c->cu;
+    size_t n = c->layers[l].n_tokens, t = n - 1;
+    int s;
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    pqc__cut_enter(c);
+    s = pqc__cut_fixed_slot(c, t / u->bt, pqc__mid_end(c, n));
+    if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
+    return pqc__cut_fill_run(c, l, t / u->bt, s, 1, (int)(t % u->bt));
+}
+
+/* Copies the codes of layer l into code buffer sl on the copy stream (after the last
+   scan that read the buffer) and records ev_codes[sl]. */
+static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t cs = 0, hs, h;
+    int j, uniform = 1;
+    for (h = 0; h < (size_t)u->n_kv; h++) cs = PQC__MAX(cs, L->heads[h].codes.col_stride);
+    for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
+    hs = cs * (size_t)u->m;
+    if (u->used_rec[sl]) PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
+    if (hs * (size_t)u->n_kv > u->code_cap[sl]) {
+        pqc_result r;
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
+        if ((r = pqc__cut_dalloc(c, &u->code[sl], hs * (size_t)u->n_kv + hs / 4)) != PQC_SUCCESS) {
+            u->code_cap[sl] = 0;
+            u->code_layer[sl] = -1;
+            return r;
+        }
+        u->code_cap[sl] = hs * (size_t)u->n_kv + hs / 4;
+    }
+    if (!uniform) PQC__CUT_CALL(c, u->api->cuMemsetD8Async(u->code[sl], 0, hs * (size_t)u->n_kv, u->cp), "cuMemsetD8Async");
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        const pqc_codes *cd = &L->heads[h].codes;
+        pqc__dptr dst = u->code[sl] + h * hs;
+        if (uniform) {
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst, cd->data, hs, u->cp), "cuMemcpyHtoDAsync");
+        } else {
+            for (j = 0; j < u->m; j++)
+                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst + (size_t)j * cs, cd->data + (size_t)j * cd->col_stride,
+                                                              cd->col_stride, u->cp),
+                              "cuMemcpyHtoDAsync");
+        }
+    }
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
+    u->code_layer[sl] = l;
+    u->code_gen[sl] = L->gen;
+    u->code_cs[sl] = cs;
+    u->code_hs[sl] = hs;
+    u->code_n[sl] = L->n_coded;
+    return PQC_SUCCESS;
+}
+
+/* Whether buffer sl holds layer l's current codes (up to a tail the device codes itself). */
+static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
+{
+    const struct pqc__cut *u = c->cu;
+    const pqc__layer *L = &c->layers[l];
+    size_t cs = 0, h;
+    for (h = 0; h < (size_t)u->n_kv; h++) cs = PQC__MAX(cs, L->heads[h].codes.col_stride);
+    return u->code_layer[sl] == l && u->code_gen[sl] == L->gen && u->code_cs[sl] == cs && u->code_n[sl] <= L->n_coded;
+}
+
+static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx_out)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
+    int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
+    int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
+    unsigned P, tiles, smem;
+    float scale = 1.0f / sqrtf((float)u->d);
+    pqc_result r;
+    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)(tab * (size_t)dsub), l_hs = (int64_t)((size_t)g * tab),
+            ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
+    pqc__dptr zero = 0, lut_sum, lut;
+    if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
+    pqc__cut_enter(c);
+    /* score, top-k and read-back buffers */
+    if (s > u->s_cap) {
+        size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        u->s_cap = 0;
+        if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS)
+            return r;
+        u->s_cap = want;
+    }
+    /* the layer's codebooks, once per build */
+    if (u->cent_gen[l] != L->gen + 1) {
+        size_t cb = tab * (size_t)dsub * sizeof(float);
+        for (h = 0; h < nkv; h++)
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->cent[l] + h * cb, L->heads[h].pq.centroids, cb, u->st),
+                          "cuMemcpyHtoDAsync");
+        u->cent_gen[l] = L->gen + 1;
+    }
+    /* the layer's codes: prefetched by the previous layer's select, or copied now */
+    if (pqc__cut_codes_valid(c, 0, l)) sl = 0;
+    else if (pqc__cut_codes_valid(c, 1, l)) sl = 1;
+    else {
+        sl = u->last_slot ^ 1;
+        if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+    }
+    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
+    code_hs = (int64_t)u->code_hs[sl];
+    cs = (int64_t)u->code_cs[sl];
+    if (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too */
+        int64_t x_ld = u->d, x_hs = (int64_t)u->hstride, cn_hs = 0, co_hs = 0;
+        int x_dt = (int)c->d.kv_dtype, n = (int)(s - u->code_n[sl]), t0 = (int)u->code_n[sl];
+        pqc__dptr x = u->hk[l] + ((size_t)c->d.n_sink + u->code_n[sl]) * c->row;
+        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &zero, &c_hs, &cn_hs, &m, &b, &dsub,
+                      &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
+            return r;
+        u->code_n[sl] = s;
+    }
+    /* query -> lookup tables */
+    memcpy(u->h_q, q, (size_t)c->d.n_q_heads * u->d * sizeof(float));
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float), u->st),
+                  "cuMemcpyHtoDAsync");
+    lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
+    {
+        void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &u->lut, &l_hs, &lut_sum, &ls_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    /* scan: combined scores of every coded token */
+    P = (unsigned)PQC__MIN((size_t)u->p_max, (s + 255) / 256);
+    if (P < 1) P = 1;
+    p_hs = (int64_t)g * P * 2;
+    sc_hs = (int64_t)u->s_cap;
+    if (c->d.gqa == PQC_GQA_SUM) {
+        n_luts = 1;
+        mode = 0;
+        lut = u->lut_sum;
+        l_hs = ls_hs;
+    } else {
+        n_luts = g;
+        mode = 1;
+        lut = u->lut;
+    }
+    smem = (unsigned)((size_t)n_luts * tab * sizeof(float));
+    use_smem = smem <= (unsigned)u->r->smem_limit;
+    if (!use_smem) smem = 0;
+    if (mode == 1) {
+        int np = (int)P;
+        void *p1[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &scale, &u->partial, &p_hs, &use_smem };
+        void *p2[] = { &u->partial, &p_hs, &np, &n_luts, &scale, &u->stats, &st_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
+        if ((r = pqc__cut_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
+    }
+    {
+        pqc__dptr stats = mode == 1 ? u->stats : 0;
+        void *p[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &mode, &stats, &st_hs, &scale,
+                      &u->scores, &sc_hs, &use_smem };
+        if ((r = pqc__cut_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
+    }
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
+    u->used_rec[sl] = 1;
+    u->last_slot = sl;
+    /* top-k: three radix passes, per-tile counts, ordered compaction */
+    tiles = pqc__cdiv(s, PQC__CU_TILE);
+    c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
+    for (pass = 0; pass < 3; pass++) {
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state };
+        if ((r = pqc__cut_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        int64_t os_hs = 0;
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &zero, &os_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
+    /* prefetch the next layer's codes while this one finishes */
+    if (nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
+        !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
+        return r;
+    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    *idx_out = u->h_topk;
+    return PQC_SUCCESS;
+}
+
+static void pqc__cut_note_fill(pqc_cache *c, size_t hi, size_t b, int s)
+{
+    struct pqc__cut *u = c->cu;
+    size_t cb = (size_t)c->d.cache_blocks + 1, i, n = u->nfill[hi];
+    for (i = 0; i < n; i++) /* a block topped up twice is copied once */
+        if (u->fill_b[hi * cb + i] == (int32_t)b) return;
+    if (n >= cb) return;
+    u->fill_b[hi * cb + n] = (int32_t)b;
+    u->fill_s[hi * cb + n] = u->nsb + u->wb + s;
+    u->nfill[hi] = n + 1;
+}
+
+/* Before a fetch's bookkeeping: the upload arena of the previous fetch is free again. */
+static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__cut_enter(c);
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
+    if (u->staged_rec) PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
+    u->staged_rec = 0;
+    memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
+    return PQC_SUCCESS;
+}
+
+/* After the bookkeeping: admitted blocks are copied into their slots, then every selected
+   row is gathered (slots, sink and window blocks from device memory, misses straight from
+   the mapped store) as fp32, into device buffers, and copied to `out` when given. */
+static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+                                 pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n);
+    size_t rows = 1, fills = 0, h, i, b, cb = (size_t)c->d.cache_blocks + 1, words;
+    int32_t *tab, *idx, *fb, *fs;
+    pqc_result r;
+    for (h = 0; h < nkv; h++) {
+        rows = PQC__MAX(rows, sel->count[h]);
+        fills = PQC__MAX(fills, u->nfill[h]);
+    }
+    if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
+    if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
+        size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        words = nkv * (u->nblk_cap + want_rows + 2 * cb);
+        u->rows_cap = u->arena_cap = 0;
+        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
+            return r;
+        u->rows_cap = want_rows;
+        u->arena_cap = words;
+    }
+    /* arena: slot table [nkv][nblk_cap] | indices [nkv][rows_cap] | fills [nkv][2][cb] */
+    tab = u->h_arena;
+    idx = tab + nkv * u->nblk_cap;
+    fb = idx + nkv * u->rows_cap;
+    for (h = 0; h < nkv; h++) {
+        const pqc__head *H = &L->heads[h];
+        int32_t *t = tab + h * u->nblk_cap, *x = idx + h * u->rows_cap;
+        const uint32_t *si = sel->idx + h * sel->capacity;
+        size_t cnt = sel->count[h];
+        for (b = 0; b < nb; b++) {
+            int s = pqc__cut_fixed_slot(c, b, mid_end);
+            if (s < 0 && c->d.cache_blocks > 0 && H->slot_of[b] >= 0 && H->filled[H->slot_of[b]] >= (uint32_t)u->bt)
+                s = u->nsb + u->wb + H->slot_of[b];
+            t[b] = s;
+        }
+        for (i = 0; i < cnt; i++) x[i] = (int32_t)si[i];
+        for (; i < rows; i++) x[i] = 0; /* padding rows gather token 0 into unused rows */
+        fs = fb + h * 2 * cb;
+        for (i = 0; i < fills; i++) { /* padding entries name a block past the end: skipped */
+            fs[i] = i < u->nfill[h] ? u->fill_b[h * cb + i] : (int32_t)nb;
+            fs[cb + i] = i < u->nfill[h] ? u->fill_s[h * cb + i] : 0;
+        }
+    }
+    words = nkv * (u->nblk_cap + u->rows_cap + 2 * cb);
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
+    u->staged_rec = 1;
+    {
+        pqc__dptr dtab = u->arena, didx = u->arena + nkv * u->nblk_cap * 4, dfb = didx + nkv * u->rows_cap * 4,
+                  dfs = dfb + cb * 4, zero = 0;
+        int64_t list_hs = 2 * (int64_t)cb, hs = (int64_t)u->hstride, ld = u->d,
+                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, idx_hs = (int64_t)u->rows_cap,
+                sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d;
+        int bt = (int)u->bt, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
+        void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
+                       &u->pool_k[l], &u->pool_v[l], &pool_hs };
+        void *pg[] = { &didx, &idx_hs, &nr, &dtab, &sl_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
+                       &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d, &u->out_k, &u->out_v, &o_hs, &zero };
+        if (fills > 0 &&
+            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
+            return r;
+        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
+    }
+    if (dout) {
+        dout->k = u->out_k;
+        dout->v = u->out_v;
+        dout->head_stride = u->rows_cap;
+        return PQC_SUCCESS;
+    }
+    for (h = 0; h < nkv; h++) {
+        size_t bytes = sel->count[h] * (size_t)u->d * sizeof(float), off = h * u->rows_cap * (size_t)u->d * sizeof(float);
+        if (!bytes) continue;
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * (size_t)u->d, u->out_k + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * (size_t)u->d, u->out_v + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+    }
+    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    return PQC_SUCCESS;
+}
+
 PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
 {
     pqc__cuApi api;
@@ -6639,6 +7536,80 @@ PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_
 }
 PQCDEF const char *pqc_cuda_kernel_source(void) { return ""; }
 #endif /* PQC__CUDA_LOADER */
+
+#if !PQC__CUDA_LOADER
+/* Built without the CUDA loader: no device tier (c->cu and rt->cu stay NULL). */
+static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+{
+    (void)rt;
+    (void)ordinal;
+    (void)cache_dir;
+    snprintf(why, why_size, "built without the CUDA loader");
+    return PQC_ERROR_NO_DEVICE;
+}
+static void pqc__curt_close(pqc_runtime *rt) { (void)rt; }
+static pqc_result pqc__cut_create(pqc_cache *c) { return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader"); }
+static void pqc__cut_destroy(pqc_cache *c) { (void)c; }
+static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
+{
+    (void)c;
+    (void)bytes;
+    return NULL;
+}
+static void pqc__cut_host_free(pqc_cache *c, void *p)
+{
+    (void)c;
+    (void)p;
+}
+static void pqc__cut_quiesce(pqc_cache *c) { (void)c; }
+static pqc_result pqc__cut_grown(pqc_cache *c)
+{
+    (void)c;
+    return PQC_SUCCESS;
+}
+static pqc_result pqc__cut_stored(pqc_cache *c, int layer)
+{
+    (void)layer;
+    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
+}
+static pqc_result pqc__cut_appended(pqc_cache *c, int layer)
+{
+    (void)layer;
+    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
+}
+static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx)
+{
+    (void)layer;
+    (void)q;
+    (void)take;
+    (void)idx;
+    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
+}
+static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end)
+{
+    (void)c;
+    (void)block;
+    (void)mid_end;
+    return -1;
+}
+static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot)
+{
+    (void)c;
+    (void)head;
+    (void)block;
+    (void)slot;
+}
+static pqc_result pqc__cut_fetch_begin(pqc_cache *c) { return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader"); }
+static pqc_result pqc__cut_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
+                                 pqc_kv_device *dout)
+{
+    (void)layer;
+    (void)sel;
+    (void)out;
+    (void)dout;
+    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
+}
+#endif
 
 
 #ifdef __cplusplus

@@ -762,16 +762,18 @@ pqc_gather_kv(const int *__restrict__ idx, pqc_i64 idx_head_stride, int n,
     if (out_v) pqc_warp_row_to_f32(srcv, dt, d_h, out_v + o, lane);
 }
 
-/* pqc_cache_fill: copies whole blocks of K/V rows from mapped host memory into cache
- *   slots, keeping the dtype (cache dtype = host dtype).
- *   grid (ceil(n_blocks * block_tokens / 8), n_kv), block 256; one warp per row.
+/* pqc_cache_fill: copies rows [row_lo, block_tokens) of whole blocks of K/V from mapped
+ *   host memory into cache slots, keeping the dtype (cache dtype = host dtype).
+ *   grid (ceil(n_blocks * (block_tokens - row_lo) / 8), n_kv), block 256; one warp per row.
  *   blocks int32 [n_blocks] block ids, slots int32 [n_blocks] destination slots (same for
  *   every KV head: blocks + kv*list_head_stride, slots + kv*list_head_stride)
+ *   row_lo: first row of each block to copy (0: whole blocks; the row of one new token
+ *   with n_blocks = 1 appends it)
  *   rows of tokens >= s (a partial last block) are left untouched. Layouts as for
  *   pqc_gather_kv; cache_v / host_v may be NULL to copy K only. */
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,
-               pqc_i64 list_head_stride, int n_blocks, int block_tokens, int s,
+               pqc_i64 list_head_stride, int n_blocks, int block_tokens, int row_lo, int s,
                const void *host_k, const void *host_v, pqc_i64 host_head_stride,
                pqc_i64 host_ld, int dtype, int d_h,
                void *cache_k, void *cache_v, pqc_i64 cache_head_stride)
@@ -779,8 +781,9 @@ pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,
     pqc_i64 kv = blockIdx.y;
     int lane = threadIdx.x & 31;
     pqc_i64 w = (pqc_i64)blockIdx.x * PQC_WARPS + (threadIdx.x >> 5);
-    if (w >= (pqc_i64)n_blocks * block_tokens) return;
-    int bi = (int)(w / block_tokens), r = (int)(w % block_tokens);
+    int rows = block_tokens - row_lo;
+    if (row_lo < 0 || rows <= 0 || w >= (pqc_i64)n_blocks * rows) return;
+    int bi = (int)(w / rows), r = row_lo + (int)(w % rows);
     pqc_i64 blk = blocks[kv * list_head_stride + bi];
     pqc_i64 slot = slots[kv * list_head_stride + bi];
     pqc_i64 t = blk * block_tokens + r;

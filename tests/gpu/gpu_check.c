@@ -298,7 +298,8 @@ static void k_cache_fill(int n_kv, dptr blocks, dptr slots, long long list_hs, i
                          long long host_ld, int dt, int d_h, dptr cache_k, dptr cache_v,
                          long long c_hs)
 {
-    void *p[] = { &blocks, &slots, &list_hs, &n_blocks, &block_tokens, &s, &host_k, &host_v,
+    int row_lo = 0;
+    void *p[] = { &blocks, &slots, &list_hs, &n_blocks, &block_tokens, &row_lo, &s, &host_k, &host_v,
                   &h_hs, &host_ld, &dt, &d_h, &cache_k, &cache_v, &c_hs };
     launch(K_FILL, cdiv((long long)n_blocks * block_tokens, 8), (unsigned)n_kv, 0, p);
 }

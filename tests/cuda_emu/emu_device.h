@@ -1,0 +1,136 @@
+/* emu_device.h - runs pqcache_kernels.cu on the CPU: the CUDA execution model the
+ * kernels rely on (blocks of 256 threads, __syncthreads, warp shuffles, shared memory,
+ * atomics), emulated with one coroutine per thread on a single OS thread. Included before
+ * the kernel source (see libcuda_emu.cpp); only as much CUDA as the kernels use.
+ *
+ * Threads of a block run until they reach a barrier (or a shuffle, which is two warp
+ * barriers); the scheduler then resumes the next one. A thread that returns leaves every
+ * later barrier, as on the hardware. Static __shared__ arrays become function statics,
+ * which is exact because one block runs at a time.
+ */
+#ifndef PQC_EMU_DEVICE_H
+#define PQC_EMU_DEVICE_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <ucontext.h>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static
+
+struct __attribute__((aligned(16))) uint4 { unsigned x, y, z, w; };
+
+namespace emu {
+
+struct dim3u { unsigned x, y, z; };
+
+enum { THREADS = 256, WARPS = 8, STACK = 128 * 1024 };
+
+struct Thread {
+    ucontext_t ctx;
+    char *stack;
+    int done;
+};
+
+struct Block {
+    Thread thr[THREADS];
+    ucontext_t sched;
+    int cur;
+    int active, arrived;
+    unsigned gen;
+    int w_active[WARPS], w_arrived[WARPS];
+    unsigned w_gen[WARPS];
+    unsigned char xchg[WARPS][32][8];
+    void (*body)(void *);
+    void *arg;
+};
+
+extern Block blk;
+extern volatile dim3u cur_thread;
+extern dim3u cur_block, cur_grid, cur_dim;
+
+inline void yield_now() { swapcontext(&blk.thr[blk.cur].ctx, &blk.sched); }
+
+inline void sync_block()
+{
+    unsigned g = blk.gen;
+    if (++blk.arrived == blk.active) {
+        blk.arrived = 0;
+        blk.gen++;
+        return;
+    }
+    while (blk.gen == g) yield_now();
+}
+
+inline void sync_warp()
+{
+    int w = blk.cur >> 5;
+    unsigned g = blk.w_gen[w];
+    if (++blk.w_arrived[w] == blk.w_active[w]) {
+        blk.w_arrived[w] = 0;
+        blk.w_gen[w]++;
+        return;
+    }
+    while (blk.w_gen[w] == g) yield_now();
+}
+
+template <class T> inline T shfl_from(T v, int src_lane, int use)
+{
+    int w = blk.cur >> 5, lane = blk.cur & 31;
+    T out = v;
+    memcpy(blk.xchg[w][lane], &v, sizeof(T));
+    sync_warp();
+    if (use) memcpy(&out, blk.xchg[w][src_lane & 31], sizeof(T));
+    sync_warp();
+    return out;
+}
+
+} // namespace emu
+
+#define threadIdx emu::cur_thread
+#define blockIdx emu::cur_block
+#define gridDim emu::cur_grid
+#define blockDim emu::cur_dim
+
+inline void __syncthreads() { emu::sync_block(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { (void)mask; emu::sync_warp(); }
+inline void __threadfence() {}
+
+template <class T> inline T __shfl_xor_sync(unsigned mask, T v, int o)
+{
+    (void)mask;
+    return emu::shfl_from(v, (emu::blk.cur & 31) ^ o, 1);
+}
+template <class T> inline T __shfl_up_sync(unsigned mask, T v, unsigned d)
+{
+    (void)mask;
+    int lane = emu::blk.cur & 31;
+    return emu::shfl_from(v, lane - (int)d, lane >= (int)d);
+}
+
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
+
+/* one OS thread runs every coroutine, so plain read-modify-write is atomic */
+inline unsigned atomicAdd(unsigned *p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
+inline int atomicAdd(int *p, int v) { int o = *p; *p = o + v; return o; }
+inline float atomicAdd(float *p, float v) { float o = *p; *p = o + v; return o; }
+inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v)
+{
+    unsigned long long o = *p;
+    *p = o + v;
+    return o;
+}
+inline unsigned atomicOr(unsigned *p, unsigned v) { unsigned o = *p; *p = o | v; return o; }
+
+/* dynamic shared memory of the scan kernels */
+extern float pqc_smem_lut[];
+#define PQC_EMU_SMEM_BYTES (1u << 20)
+
+#endif

@@ -1,0 +1,503 @@
+/* libcuda_emu.cpp - a CPU stand-in for the CUDA driver (libcuda.so.1) that runs the
+ * kernels of pqcache_kernels.cu, so that pqcache's CUDA device tier can be tested end to
+ * end on machines without a GPU: pqcache.h opens it through PQC_CUDA_DRIVER_PATH.
+ *
+ * What it models:
+ *   - device memory and mapped pinned host memory are host allocations; every pointer a
+ *     kernel or a copy receives is checked against them (a host pointer where a device
+ *     pointer belongs is an error, not a silent success);
+ *   - streams are queues executed lazily, in order, when something waits for them
+ *     (stream or event synchronisation, a wait on an event, a blocking copy, a free), so
+ *     a host that reads results before synchronising sees stale data, as on a GPU;
+ *     events order work across streams;
+ *   - async copies from pinned memory read their source when they execute; copies from
+ *     pageable memory take a snapshot at the call, as the driver stages them; copies to
+ *     pageable memory wait for the stream;
+ *   - kernels run through emu_device.h, their parameters captured at launch.
+ * NVRTC stays the real one: the module image it produced is accepted and ignored.
+ *
+ * Build (see the Makefile): the kernel source is included with its one `extern
+ * __shared__` declaration removed (the emulator provides that array).
+ */
+#include "emu_device.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "emu_kernels.inc"
+
+namespace emu {
+Block blk;
+volatile dim3u cur_thread;
+dim3u cur_block, cur_grid, cur_dim;
+} // namespace emu
+float pqc_smem_lut[PQC_EMU_SMEM_BYTES / sizeof(float)];
+
+namespace {
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+enum { OK = 0, ERR_INVALID_VALUE = 1, ERR_OOM = 2, ERR_NOT_FOUND = 500, ERR_INVALID_HANDLE = 400,
+       ERR_LAUNCH = 719 };
+
+int g_verbose = -1;
+bool verbose()
+{
+    if (g_verbose < 0) g_verbose = getenv("PQC_EMU_VERBOSE") != nullptr;
+    return g_verbose != 0;
+}
+
+/* ----- memory regions ----- */
+struct Region { size_t size; bool device, pinned; };
+std::map<uintptr_t, Region> g_regions;
+size_t g_device_bytes;
+
+const Region *find_region(uintptr_t p, size_t n, uintptr_t *base)
+{
+    auto it = g_regions.upper_bound(p);
+    if (it == g_regions.begin()) return nullptr;
+    --it;
+    if (p < it->first || p + n > it->first + it->second.size) return nullptr;
+    if (base) *base = it->first;
+    return &it->second;
+}
+
+CUresult complain(const char *what, uintptr_t p, size_t n)
+{
+    fprintf(stderr, "cuda-emu: %s: %#llx (+%zu bytes) is not inside an allocation of the right kind\n", what,
+            (unsigned long long)p, n);
+    return ERR_INVALID_VALUE;
+}
+
+bool is_device(uintptr_t p, size_t n) /* device memory, or mapped pinned host memory */
+{
+    const Region *r = find_region(p, n, nullptr);
+    return r && (r->device || r->pinned);
+}
+bool is_pinned(const void *p, size_t n)
+{
+    const Region *r = find_region((uintptr_t)p, n, nullptr);
+    return r && r->pinned;
+}
+
+/* ----- streams and events ----- */
+struct Op { uint64_t seq; std::function<void()> fn; };
+struct Stream { std::deque<Op> q; uint64_t next = 1, done = 0; };
+struct Event { Stream *s = nullptr; uint64_t seq = 0; };
+
+Stream g_default;
+std::vector<Stream *> g_streams;
+
+Stream *S(void *h) { return h ? (Stream *)h : &g_default; }
+
+void run_until(Stream *s, uint64_t seq)
+{
+    while (!s->q.empty() && s->q.front().seq <= seq) {
+        Op op = std::move(s->q.front());
+        s->q.pop_front();
+        op.fn();
+        s->done = op.seq;
+    }
+}
+void run_all(Stream *s) { run_until(s, ~0ull); }
+void run_everything()
+{
+    run_all(&g_default);
+    for (Stream *s : g_streams) run_all(s);
+}
+void enqueue(Stream *s, std::function<void()> fn)
+{
+    Op op;
+    op.seq = s->next++;
+    op.fn = std::move(fn);
+    s->q.push_back(std::move(op));
+}
+
+/* ----- kernels ----- */
+void thread_entry()
+{
+    emu::blk.body(emu::blk.arg);
+    emu::Thread &t = emu::blk.thr[emu::blk.cur];
+    t.done = 1;
+    int w = emu::blk.cur >> 5;
+    emu::blk.active--;
+    emu::blk.w_active[w]--;
+    if (emu::blk.arrived > 0 && emu::blk.arrived == emu::blk.active) {
+        emu::blk.arrived = 0;
+        emu::blk.gen++;
+    }
+    if (emu::blk.w_arrived[w] > 0 && emu::blk.w_arrived[w] == emu::blk.w_active[w]) {
+        emu::blk.w_arrived[w] = 0;
+        emu::blk.w_gen[w]++;
+    }
+}
+
+void run_block(void (*body)(void *), void *arg)
+{
+    emu::Block &b = emu::blk;
+    b.body = body;
+    b.arg = arg;
+    b.active = emu::THREADS;
+    b.arrived = 0;
+    for (int w = 0; w < emu::WARPS; w++) {
+        b.w_active[w] = 32;
+        b.w_arrived[w] = 0;
+    }
+    for (int i = 0; i < emu::THREADS; i++) {
+        emu::Thread &t = b.thr[i];
+        if (!t.stack) t.stack = (char *)malloc(emu::STACK);
+        getcontext(&t.ctx);
+        t.ctx.uc_stack.ss_sp = t.stack;
+        t.ctx.uc_stack.ss_size = emu::STACK;
+        t.ctx.uc_link = &b.sched;
+        makecontext(&t.ctx, thread_entry, 0);
+        t.done = 0;
+    }
+    int remaining = emu::THREADS;
+    while (remaining > 0)
+        for (int i = 0; i < emu::THREADS; i++) {
+            if (b.thr[i].done) continue;
+            b.cur = i;
+            emu::cur_thread.x = (unsigned)i;
+            emu::cur_thread.y = emu::cur_thread.z = 0;
+            swapcontext(&b.sched, &b.thr[i].ctx);
+            if (b.thr[i].done) remaining--;
+        }
+}
+
+struct Launch { unsigned gx, gy, smem; };
+
+template <class T> bool check_arg(const T &, const char *) { return true; }
+template <class T> bool check_arg(T *const &p, const char *kernel)
+{
+    if (p == nullptr) return true;
+    if (is_device((uintptr_t)p, 1)) return true;
+    complain(kernel, (uintptr_t)p, 1);
+    return false;
+}
+
+struct Kernel {
+    std::function<CUresult(void **, const Launch &, Stream *)> launch;
+};
+
+template <class... A, size_t... I>
+CUresult launch_impl(const char *name, void (*f)(A...), void **p, const Launch &L, Stream *s,
+                     std::index_sequence<I...>)
+{
+    typedef std::tuple<typename std::decay<A>::type...> Args;
+    Args args(*static_cast<typename std::decay<A>::type *>(p[I])...);
+    bool ok = true;
+    (void)std::initializer_list<int>{ (ok = check_arg(std::get<I>(args), name) && ok, 0)... };
+    if (!ok) return ERR_INVALID_VALUE;
+    if (L.smem > PQC_EMU_SMEM_BYTES) {
+        fprintf(stderr, "cuda-emu: %s: %u bytes of dynamic shared memory\n", name, L.smem);
+        return ERR_INVALID_VALUE;
+    }
+    enqueue(s, [f, args, L, name]() {
+        struct Ctx { void (*f)(A...); const Args *a; } ctx = { f, &args };
+        emu::cur_grid.x = L.gx;
+        emu::cur_grid.y = L.gy;
+        emu::cur_grid.z = 1;
+        emu::cur_dim.x = 256;
+        emu::cur_dim.y = emu::cur_dim.z = 1;
+        if (verbose()) fprintf(stderr, "cuda-emu: %s grid (%u, %u)\n", name, L.gx, L.gy);
+        for (unsigned y = 0; y < L.gy; y++)
+            for (unsigned x = 0; x < L.gx; x++) {
+                emu::cur_block.x = x;
+                emu::cur_block.y = y;
+                emu::cur_block.z = 0;
+                run_block([](void *c) {
+                    Ctx *k = (Ctx *)c;
+                    k->f(std::get<I>(*k->a)...);
+                }, &ctx);
+            }
+    });
+    return OK;
+}
+
+template <class... A> Kernel make_kernel(const char *name, void (*f)(A...))
+{
+    Kernel k;
+    k.launch = [name, f](void **p, const Launch &L, Stream *s) {
+        return launch_impl(name, f, p, L, s, std::index_sequence_for<A...>{});
+    };
+    return k;
+}
+
+std::map<std::string, Kernel> &kernels()
+{
+    static std::map<std::string, Kernel> k;
+    if (k.empty()) {
+#define K(n) k[#n] = make_kernel(#n, &n)
+        K(pqc_lut_build);
+        K(pqc_scan_stats);
+        K(pqc_softmax_finalize);
+        K(pqc_scan);
+        K(pqc_topk_pass);
+        K(pqc_topk_count);
+        K(pqc_topk_compact);
+        K(pqc_gather_kv);
+        K(pqc_cache_fill);
+        K(pqc_centroid_norms);
+        K(pqc_assign_codes);
+        K(pqc_kmeans_assign);
+        K(pqc_kmeans_update);
+#undef K
+    }
+    return k;
+}
+
+void *aligned(size_t n)
+{
+    void *p = nullptr;
+    if (posix_memalign(&p, 256, n ? (n + 255) / 256 * 256 : 256) != 0) return nullptr;
+    return p;
+}
+
+int g_module_tag, g_ctx_tag;
+
+} // namespace
+
+extern "C" {
+
+CUresult cuInit(unsigned) { return OK; }
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }
+CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal != 0) return ERR_INVALID_VALUE; *d = 0; return OK; }
+CUresult cuDeviceGetName(char *name, int len, int)
+{
+    snprintf(name, (size_t)len, "pqcache CPU emulator");
+    return OK;
+}
+CUresult cuDeviceGetAttribute(int *v, int attr, int)
+{
+    switch (attr) {
+    case 16: *v = 2; break;       /* SMs: few, so that grids stay small */
+    case 19: *v = 1; break;       /* can map host memory */
+    case 75: *v = 9; break;       /* compute capability 9.0 */
+    case 76: *v = 0; break;
+    case 97: *v = 232448; break;  /* opt-in shared memory per block */
+    default: *v = 0; break;
+    }
+    return OK;
+}
+CUresult cuDeviceTotalMem_v2(size_t *b, int) { *b = (size_t)16 << 30; return OK; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int) { *ctx = &g_ctx_tag; return OK; }
+CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
+CUresult cuCtxSetCurrent(void *) { return OK; }
+CUresult cuCtxSynchronize(void) { run_everything(); return OK; }
+CUresult cuModuleLoadData(void **mod, const void *image)
+{
+    if (!image) return ERR_INVALID_VALUE;
+    *mod = &g_module_tag;
+    return OK;
+}
+CUresult cuModuleUnload(void *) { return OK; }
+CUresult cuModuleGetFunction(void **fn, void *, const char *name)
+{
+    auto it = kernels().find(name);
+    if (it == kernels().end()) return ERR_NOT_FOUND;
+    *fn = &it->second;
+    return OK;
+}
+CUresult cuFuncSetAttribute(void *, int, int) { return OK; }
+CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned smem, void *stream, void **params, void **extra)
+{
+    if (!fn || extra || gz != 1 || bx != 256 || by != 1 || bz != 1) return ERR_INVALID_VALUE;
+    if (gx == 0 || gy == 0) return ERR_INVALID_VALUE;
+    Launch L = { gx, gy, smem };
+    return ((Kernel *)fn)->launch(params, L, S(stream));
+}
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
+{
+    void *m = aligned(n);
+    if (!m) return ERR_OOM;
+    memset(m, 0xA5, n); /* device memory starts as garbage */
+    g_regions[(uintptr_t)m] = Region{ n, true, false };
+    g_device_bytes += n;
+    *p = (CUdeviceptr)(uintptr_t)m;
+    return OK;
+}
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    run_everything();
+    auto it = g_regions.find((uintptr_t)p);
+    if (it == g_regions.end() || !it->second.device) return complain("cuMemFree", (uintptr_t)p, 0);
+    g_device_bytes -= it->second.size;
+    g_regions.erase(it);
+    free((void *)(uintptr_t)p);
+    return OK;
+}
+CUresult cuMemGetInfo_v2(size_t *fr, size_t *total)
+{
+    *total = (size_t)16 << 30;
+    *fr = *total - g_device_bytes;
+    return OK;
+}
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned)
+{
+    void *m = aligned(n);
+    if (!m) return ERR_OOM;
+    g_regions[(uintptr_t)m] = Region{ n, false, true };
+    *p = m;
+    return OK;
+}
+CUresult cuMemFreeHost(void *p)
+{
+    run_everything();
+    auto it = g_regions.find((uintptr_t)p);
+    if (it == g_regions.end() || !it->second.pinned) return complain("cuMemFreeHost", (uintptr_t)p, 0);
+    g_regions.erase(it);
+    free(p);
+    return OK;
+}
+CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned)
+{
+    if (!is_pinned(p, 1)) return complain("cuMemHostGetDevicePointer", (uintptr_t)p, 1);
+    *d = (CUdeviceptr)(uintptr_t)p;
+    return OK;
+}
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned)
+{
+    g_regions[(uintptr_t)p] = Region{ n, false, true };
+    return OK;
+}
+CUresult cuMemHostUnregister(void *p)
+{
+    run_everything();
+    g_regions.erase((uintptr_t)p);
+    return OK;
+}
+
+static CUresult copy_in(CUdeviceptr dst, const void *src, size_t n, Stream *s)
+{
+    if (!is_device((uintptr_t)dst, n)) return complain("copy to device", (uintptr_t)dst, n);
+    if (is_pinned(src, n)) { /* read when it runs */
+        enqueue(s, [dst, src, n]() { memcpy((void *)(uintptr_t)dst, src, n); });
+    } else { /* staged now */
+        std::shared_ptr<std::vector<unsigned char>> snap(
+            new std::vector<unsigned char>((const unsigned char *)src, (const unsigned char *)src + n));
+        enqueue(s, [dst, snap, n]() { memcpy((void *)(uintptr_t)dst, snap->data(), n); });
+    }
+    return OK;
+}
+static CUresult copy_out(void *dst, CUdeviceptr src, size_t n, Stream *s)
+{
+    if (!is_device((uintptr_t)src, n)) return complain("copy from device", (uintptr_t)src, n);
+    enqueue(s, [dst, src, n]() { memcpy(dst, (const void *)(uintptr_t)src, n); });
+    if (!is_pinned(dst, n)) run_all(s); /* pageable destination: the call waits */
+    return OK;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
+{
+    run_everything();
+    CUresult r = copy_in(dst, src, n, &g_default);
+    run_all(&g_default);
+    return r;
+}
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
+{
+    run_everything();
+    CUresult r = copy_out(dst, src, n, &g_default);
+    run_all(&g_default);
+    return r;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) { return copy_in(dst, src, n, S(s)); }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) { return copy_out(dst, src, n, S(s)); }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s)
+{
+    if (!is_device((uintptr_t)dst, n) || !is_device((uintptr_t)src, n)) return complain("copy on device", (uintptr_t)dst, n);
+    enqueue(S(s), [dst, src, n]() { memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n); });
+    return OK;
+}
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s)
+{
+    if (!is_device((uintptr_t)dst, n)) return complain("cuMemsetD8Async", (uintptr_t)dst, n);
+    enqueue(S(s), [dst, v, n]() { memset((void *)(uintptr_t)dst, v, n); });
+    return OK;
+}
+CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *s)
+{
+    if (!is_device((uintptr_t)dst, n * 4)) return complain("cuMemsetD32Async", (uintptr_t)dst, n * 4);
+    enqueue(S(s), [dst, v, n]() {
+        unsigned *p = (unsigned *)(uintptr_t)dst;
+        for (size_t i = 0; i < n; i++) p[i] = v;
+    });
+    return OK;
+}
+CUresult cuStreamCreate(void **s, unsigned)
+{
+    Stream *x = new Stream();
+    g_streams.push_back(x);
+    *s = x;
+    return OK;
+}
+CUresult cuStreamDestroy_v2(void *s)
+{
+    Stream *x = (Stream *)s;
+    run_all(x);
+    for (size_t i = 0; i < g_streams.size(); i++)
+        if (g_streams[i] == x) {
+            g_streams.erase(g_streams.begin() + (long)i);
+            delete x;
+            return OK;
+        }
+    return ERR_INVALID_HANDLE;
+}
+CUresult cuStreamSynchronize(void *s) { run_all(S(s)); return OK; }
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned)
+{
+    Event ev = *(Event *)e; /* the event as recorded now */
+    if (!ev.s) return OK;
+    enqueue(S(s), [ev]() { run_until(ev.s, ev.seq); });
+    return OK;
+}
+CUresult cuEventCreate(void **e, unsigned)
+{
+    *e = new Event();
+    return OK;
+}
+CUresult cuEventDestroy_v2(void *e)
+{
+    delete (Event *)e;
+    return OK;
+}
+CUresult cuEventRecord(void *e, void *s)
+{
+    Stream *x = S(s);
+    Event *ev = (Event *)e;
+    ev->s = x;
+    ev->seq = x->next; /* completes with the next operation queued: a marker */
+    enqueue(x, []() {});
+    return OK;
+}
+CUresult cuEventSynchronize(void *e)
+{
+    Event *ev = (Event *)e;
+    if (ev->s) run_until(ev->s, ev->seq);
+    return OK;
+}
+CUresult cuEventElapsedTime_v2(float *ms, void *, void *) { *ms = 0.0f; return OK; }
+CUresult cuGetErrorString(CUresult r, const char **s)
+{
+    *s = r == OK ? "no error" : r == ERR_INVALID_VALUE ? "invalid argument (emulator)" : "error (emulator)";
+    return OK;
+}
+CUresult cuGetErrorName(CUresult r, const char **s)
+{
+    *s = r == OK ? "CUDA_SUCCESS" : r == ERR_INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" : "CUDA_ERROR_UNKNOWN";
+    return OK;
+}
+
+} // extern "C"

@@ -1,0 +1,24 @@
+#!/bin/sh
+# run.sh - the CUDA checks that need no GPU: every kernel (gpu_check --quick) and the
+# device-tier tests (plain and under ASan+UBSan), all on the CPU stand-in driver.
+# usage: tests/cuda_emu/run.sh BUILD_DIR   (make test-cuda-emu builds everything first)
+# Without NVRTC the kernels cannot be built and the checks are reported as skipped.
+set -u
+B=${1:-build}
+EMU=$(cd "$B" && pwd)/libcuda-emu.so
+export PQC_CUDA_DRIVER_PATH="$EMU"
+st=0
+echo "== kernels on the stand-in driver (gpu_check --quick)"
+"$B/gpu_check" --quick --no-bench --no-blaslt --cache -
+rc=$?
+if [ $rc = 2 ]; then
+    echo "SKIP kernels on the stand-in driver: no NVRTC"
+    echo "0 passed, 0 failed, 1 skipped"
+elif [ $rc != 0 ]; then
+    st=1
+fi
+echo "== CUDA device tier against the CPU tier"
+"$B/test_cuda_tier" || st=1
+echo "== CUDA device tier (ASan+UBSan)"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "$B/asan_cuda_tier" || st=1
+exit $st
