@@ -8,7 +8,11 @@
       quadratically (the GPU's time is slept, as a GPU would leave the CPU free), with
       the adaptive T_max scheduler choosing the iteration count.
 
-   usage: bench_cache [--sizes 4096,16384,65536,131072] [--threads T] [--quick] */
+   usage: bench_cache [--sizes 4096,16384,65536,131072] [--threads T] [--quick]
+                      [--backend cpu|cuda] [--select-only]
+   --backend cuda puts the device tier on a CUDA GPU (select and fetch then run there,
+   the fetch copying the gathered rows back to the host; part 1 adds the device fetch
+   without that copy); --select-only stops after part 1. */
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "../tests/synth.h"
@@ -114,8 +118,8 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s)
     pqc_kv_out out;
     float *q, *kv;
     uint32_t *needles, *idx;
-    double ts[15], tf[15], tp[15];
-    int r, h, found = 0;
+    double ts[15], tf[15], tp[15], td[15];
+    int r, h, found = 0, gpu = pqc_runtime_backend(rt) == PQC_BACKEND_CUDA;
     kv = make_kv(s, 3, &q, &needles);
     if (!kv) return;
     c = open_cache(rt, &cd, kv, s, &sel);
@@ -131,13 +135,30 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s)
         t2 = now();
         ts[r] = t1 - t0;
         tf[r] = t2 - t1;
+        if (gpu) { /* the device fetch alone: select again, fetch without the copy home, and
+                      the next select's wait for the stream covers the gather */
+            pqc_kv_device dk;
+            double t3;
+            pqc_cache_select(c, 0, q, &sel);
+            t2 = now();
+            pqc_cache_fetch_device(c, 0, &sel, &dk);
+            t3 = now();
+            td[r] = t3 - t2;
+        }
     }
     for (h = 0; h < HKV; h++) {
         int i;
         for (i = 0; i < 4; i++) found += pqc_recall(needles + h * 4 + i, 1, sel.idx + (size_t)h * sel.capacity, sel.count[h]) > 0;
     }
-    /* the PQ search alone: the same codes, the same k, the 8 heads one after another */
-    {
+    if (gpu) {
+        double ms = median(ts, 15) * 1e3, mf = median(tf, 15) * 1e3, md = median(td, 15) * 1e3;
+        pqc_layer_stats st;
+        pqc_cache_stats(c, 0, &st);
+        printf("cuda select+fetch s=%-7zu select %.3f ms  fetch %.3f ms (rows to the host)  fetch_device %.3f ms "
+               "(enqueue)  total %.3f ms  needles %d/32  selected/head %zu  hit rate %.1f%%\n",
+               s, ms, mf, md, ms + mf, found, sel.count[0],
+               st.hits + st.misses ? 100.0 * (double)st.hits / (double)(st.hits + st.misses) : 0.0);
+    } else { /* the PQ search alone: the same codes, the same k, the 8 heads one after another */
         pqc__layer *L = &c->layers[0];
         size_t mid = s - 32, budget = (size_t)ceil(0.1 * (double)mid), k = budget - (size_t)pqc_cache_window(c);
         pqc_search_desc sd;
@@ -152,7 +173,7 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s)
             tp[r] = now() - t0;
         }
     }
-    {
+    if (!gpu) {
         double ms = median(ts, 15) * 1e3, mf = median(tf, 15) * 1e3, mp = median(tp, 15) * 1e3;
         printf("select+fetch s=%-7zu select %.3f ms  fetch %.3f ms  total %.3f ms | PQ search alone %.3f ms (serial) | "
                "(select+fetch)/search %.2fx  needles %d/32  selected/head %zu\n",
@@ -286,7 +307,7 @@ static void bench_overlap(pqc_runtime *rt, size_t s, int layers, pqc_scheduler *
 int main(int argc, char **argv)
 {
     size_t sizes[8] = {4096, 16384, 65536, 131072};
-    int ns = 4, threads = 2, quick = 0, i;
+    int ns = 4, threads = 2, quick = 0, i, backend = PQC_BACKEND_CPU, select_only = 0;
     pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_scheduler *sch;
@@ -294,6 +315,16 @@ int main(int argc, char **argv)
     for (i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--select-only")) select_only = 1;
+        else if (!strcmp(argv[i], "--backend") && i + 1 < argc) {
+            const char *b = argv[++i];
+            if (!strcmp(b, "cpu")) backend = PQC_BACKEND_CPU;
+            else if (!strcmp(b, "cuda")) backend = PQC_BACKEND_CUDA;
+            else {
+                fprintf(stderr, "bench_cache: backend %s (cpu or cuda)\n", b);
+                return 2;
+            }
+        }
         else if (!strcmp(argv[i], "--sizes") && i + 1 < argc) {
             char *p = argv[++i];
             ns = 0;
@@ -302,16 +333,26 @@ int main(int argc, char **argv)
                 if (*p == ',') p++;
             }
         } else {
-            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only]\n",
+                    argv[0]);
             return 2;
         }
     }
     memset(&rd, 0, sizeof rd);
     rd.n_threads = threads > 1 ? threads - 1 : -1;
-    if (pqc_runtime_create(&rd, &rt)) return 1;
+    rd.backend = backend;
+    if (pqc_runtime_create(&rd, &rt)) {
+        fprintf(stderr, "bench_cache: %s\n", pqc_last_error());
+        return 1;
+    }
+    if (pqc_runtime_backend_note(rt)[0]) printf("# %s\n", pqc_runtime_backend_note(rt));
     printf("# pqcache %s, simd %s, %d thread(s); 8 KV heads, 32 query heads, d_h 128, m=2 b=6, budget 1/10\n",
            pqc_version(), pqc_simd_name(pqc_runtime_simd(rt)), threads);
     for (i = 0; i < ns; i++) bench_select_fetch(rt, sizes[i]);
+    if (select_only) {
+        pqc_runtime_destroy(rt);
+        return 0;
+    }
     bench_trace(rt, quick ? 16384 : 32768, quick ? 64 : 256);
     /* scheduler: calibrate k-means on two sizes, then run the overlap at each length */
     memset(&sd, 0, sizeof sd);

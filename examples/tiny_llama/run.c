@@ -78,7 +78,9 @@ static void usage(void)
         "  -T <int>    k-means iterations (default 0 = the adaptive scheduler)\n"
         "  -C <int>    block-cache blocks per layer and KV head (default 32; 0 = none)\n"
         "  -K <int>    tokens per block (default 128)\n"
-        "  -E <lfu|lru> block-cache eviction policy (default lfu)\n");
+        "  -E <lfu|lru> block-cache eviction policy (default lfu)\n"
+        "  -D <cpu|auto|cuda> pqcache's device tier: the CPU (default), a CUDA GPU\n"
+        "              when one is usable, or a CUDA GPU (an error without one)\n");
 }
 
 static int parse_int(const char *s, int lo, int hi, int *out)
@@ -141,6 +143,12 @@ static int parse_options(int argc, char **argv, options *o)
         case 'T': bad = parse_int(val, 0, 100000, &o->pq.iters); break;
         case 'C': bad = parse_int(val, 0, 1 << 20, &o->pq.cache_blocks); break;
         case 'K': bad = parse_int(val, 1, 1 << 20, &o->pq.block_tokens); break;
+        case 'D':
+            if (strcmp(val, "cpu") == 0) o->pq.backend = PQC_BACKEND_CPU;
+            else if (strcmp(val, "auto") == 0) o->pq.backend = PQC_BACKEND_AUTO;
+            else if (strcmp(val, "cuda") == 0) o->pq.backend = PQC_BACKEND_CUDA;
+            else bad = 1;
+            break;
         case 'E':
             if (strcmp(val, "lfu") == 0) o->pq.policy = PQC_POLICY_LFU;
             else if (strcmp(val, "lru") == 0) o->pq.policy = PQC_POLICY_LRU;
@@ -289,6 +297,8 @@ static void report_pqcache(const tlpq *lib, const tl_config *c, int n_prompt, in
     unsigned long long looked = 0;
     tlpq_get_stats(lib, &st);
     looked = st.hits + st.misses;
+    if (pqc_runtime_backend_note(lib->rt)[0])
+        fprintf(stderr, "pqcache: %s\n", pqc_runtime_backend_note(lib->rt));
     fprintf(stderr, "pqcache: PQ builds %llu (%llu rebuilds), T = %d..%d iterations, build %.3f s "
             "(worker time), decode waited %.3f s for builds\n", st.builds, st.rebuilds,
             st.iters_min, st.iters_max, st.build_s, st.wait_s);

@@ -56,6 +56,7 @@ typedef struct {
     int n_threads;         /* prefill threads and the library's pool workers; default 1 */
     unsigned long long seed; /* k-means seed */
     int all_outputs;       /* 1: run the last layer for every prompt token, not just the last */
+    int backend;           /* device tier: PQC_BACKEND_CPU (default), AUTO or CUDA */
 } tlpq_config;
 
 /* Called from the prefill about every block of tokens: layer (0-based), tokens of
@@ -414,6 +415,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
 
     memset(&rd, 0, sizeof rd);
     rd.n_threads = p->n_workers;
+    rd.backend = cfg->backend;
     if ((r = pqc_runtime_create(&rd, &p->rt)) != PQC_SUCCESS) {
         tl__fail(err, errlen, "pqcache runtime: %s", pqc_last_error());
         tlpq_destroy(p);

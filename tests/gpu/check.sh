@@ -1,17 +1,40 @@
 #!/bin/sh
-# check.sh - GPU checks and benchmarks of pqcache's CUDA kernels (needs an NVIDIA GPU).
+# check.sh - GPU checks and benchmarks of pqcache's CUDA device tier (needs an NVIDIA GPU).
 #
-# Builds build/gpu_check (cc + libdl; the CUDA driver, NVRTC and cuBLASLt are dlopen'ed
-# at run time), runs every kernel against CPU reference implementations, then times the
-# per-layer selection (LUT + scan + top-k) and the K/V gather, and prints a summary
-# table. The whole script stays well under 5 minutes, build included.
+# One prepared run, build included, well under 5 minutes:
+#   1. gpu_check: every kernel against CPU reference implementations, then the per-layer
+#      selection (tables + scan + top-k, 8 KV heads, d_h 128, 32K and 128K tokens) and
+#      the K/V gather (misses from pinned host memory against the measured pinned
+#      host-to-device copy bandwidth, hits from the device block cache);
+#   2. test_cuda_tier: sequence caches on the GPU against the same caches on the CPU
+#      (selections, gathered rows, statistics, growth, rebuilds, the engine's stream);
+#   3. test_pqcache_mode --cuda: a whole tiny_llama decode with the CUDA device tier
+#      against the CPU tier (same next tokens, logits);
+#   4. bench_cache --backend cuda: select and fetch through the library at 32K and 128K.
+# The CUDA driver, NVRTC and cuBLASLt are opened at run time; nothing links against them.
 #
-# usage: tests/gpu/check.sh [gpu_check options: -v --quick --no-bench --no-blaslt --seed N]
-# exit status: 0 all checks passed, 1 a check failed, 2 no usable GPU, 124 timeout.
+# usage: tests/gpu/check.sh [--quick] [--driver PATH]
+#   --quick        smaller sizes, a smoke run
+#   --driver PATH  a libcuda to open instead of the system's (e.g. build/libcuda-emu.so,
+#                  the CPU stand-in of `make test-cuda-emu`, to rehearse this script
+#                  where there is no GPU; its timings mean nothing)
+# exit status: 0 all checks passed, 1 a check failed, 2 no usable GPU.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
 CC=${CC:-cc}
-LIMIT=${PQC_GPU_CHECK_TIMEOUT:-270}
+LIMIT=${PQC_GPU_CHECK_TIMEOUT:-150}
+QUICK=""
+SIZES=32768,131072
+DRIVER=""
+EXTRA=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        --quick) QUICK=--quick; SIZES=4096,8192 ;;
+        --driver) DRIVER=$2; EXTRA=--no-blaslt; shift ;;  # cuBLASLt needs the real driver
+        *) echo "usage: $0 [--quick] [--driver PATH]" >&2; exit 1 ;;
+    esac
+    shift
+done
 
 if ! sh tools/embed_kernels.sh --check; then
     echo "check.sh: the kernels embedded in pqcache.h do not match pqcache_kernels.cu;" \
@@ -20,25 +43,47 @@ if ! sh tools/embed_kernels.sh --check; then
 fi
 
 mkdir -p build
-echo "== building build/gpu_check"
-$CC -std=c99 -O2 -Wall -Wextra -o build/gpu_check tests/gpu/gpu_check.c -lm -lpthread -ldl || exit 1
+echo "== building (cc; the CUDA libraries are opened at run time)"
+F="-std=c99 -O2 -Wall -Wextra -Werror -pedantic"
+$CC $F -o build/gpu_check tests/gpu/gpu_check.c -lm -lpthread -ldl &&
+$CC $F -Itests -o build/test_cuda_tier tests/test_cuda_tier.c -lm -lpthread -ldl &&
+$CC $F -o build/test_pqcache_mode examples/tiny_llama/test_pqcache_mode.c -lm -lpthread -ldl &&
+$CC $F -o build/bench_cache bench/bench_cache.c -lm -lpthread -ldl || exit 1
 
 if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
         2>/dev/null || true
 fi
-
-echo "== running build/gpu_check (limit ${LIMIT}s)"
-if command -v timeout >/dev/null 2>&1; then
-    timeout "$LIMIT" ./build/gpu_check --cache build/kernel-cache "$@"
+if [ -n "$DRIVER" ]; then
+    PQC_CUDA_DRIVER_PATH=$(cd "$(dirname "$DRIVER")" && pwd)/$(basename "$DRIVER")
+    export PQC_CUDA_DRIVER_PATH
+    echo "== driver: $PQC_CUDA_DRIVER_PATH"
 else
-    ./build/gpu_check --cache build/kernel-cache "$@"
+    unset PQC_CUDA_DRIVER_PATH  # the system's driver
 fi
-rc=$?
-case $rc in
-    0)   echo "== GPU checks passed" ;;
-    2)   echo "== GPU checks not run: they need an NVIDIA GPU with its driver" ;;
-    124) echo "== GPU checks timed out after ${LIMIT}s" ;;
-    *)   echo "== GPU checks FAILED (exit status $rc)" ;;
-esac
-exit $rc
+
+run() { # run NAME COMMAND...: a time limit, the status remembered
+    name=$1
+    shift
+    echo "== $name"
+    if command -v timeout >/dev/null 2>&1; then timeout "$LIMIT" "$@"; else "$@"; fi
+    rc=$?
+    case $rc in
+        0) ;;
+        2) [ "$name" = gpu_check ] && { echo "== GPU checks not run: they need an NVIDIA GPU with its driver"; exit 2; }
+           failed="$failed $name" ;;
+        124) echo "== $name timed out after ${LIMIT}s"; failed="$failed $name" ;;
+        *) failed="$failed $name" ;;
+    esac
+}
+failed=""
+run gpu_check ./build/gpu_check --cache build/kernel-cache $QUICK $EXTRA
+run test_cuda_tier ./build/test_cuda_tier
+run tiny_llama_cuda ./build/test_pqcache_mode --cuda
+run bench_cache ./build/bench_cache --backend cuda --select-only --threads 8 --sizes $SIZES
+if [ -n "$failed" ]; then
+    echo "== GPU checks FAILED:$failed"
+    exit 1
+fi
+echo "== GPU checks passed"
+exit 0
