@@ -89,7 +89,7 @@ $(BUILD)/test_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
 $(BUILD)/asan_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
 
-test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier
+test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier build/test_pqcache_mode
 	sh tests/cuda_emu/run.sh $(BUILD)
 
 # ----- everything ---------------------------------------------------------------------

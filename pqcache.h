@@ -492,8 +492,9 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
 PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer);
 PQCDEF int pqc_cache_window(const pqc_cache *c);
 PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats *out);
-/* Bytes held in the device tier (sinks, window, cache slots, centroids, one layer's codes)
-   and, for comparison, the bytes of the whole K/V cache in the storage dtype. */
+/* Bytes held in the device tier (sinks, window, cache slots, centroids, one layer's codes;
+   on a CUDA GPU everything the tier allocated there, two code buffers and the scratch
+   included) and, for comparison, the bytes of the whole K/V cache in the storage dtype. */
 PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *full_kv_bytes);
 /* Read-only view of the stored K/V rows of one (layer, KV head): row t at base + t*d_h. */
 PQCDEF pqc_result pqc_cache_kv(const pqc_cache *c, int layer, int head, const void **k, const void **v,
@@ -3476,6 +3477,7 @@ static pqc_result pqc__cut_stored(pqc_cache *c, int layer);
 static pqc_result pqc__cut_appended(pqc_cache *c, int layer);
 static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx);
 static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end);
+static size_t pqc__cut_device_bytes(const pqc_cache *c);
 static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot);
 static pqc_result pqc__cut_fetch_begin(pqc_cache *c);
 static pqc_result pqc__cut_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
@@ -4529,6 +4531,7 @@ PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *f
         }
     }
     dev += codes * (size_t)c->d.n_kv_heads; /* one layer's codes in flight */
+    if (c->cu) dev = pqc__cut_device_bytes(c); /* what the GPU actually holds */
     if (device_bytes) *device_bytes = dev;
     if (full_kv_bytes) *full_kv_bytes = full;
 }
@@ -7256,6 +7259,8 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
         sl = u->last_slot ^ 1;
         if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
     }
+    if (u->code_n[sl] < s && u->dsub > 256 && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS)
+        return r; /* sub-vectors too long for the coding kernel: copy the new codes instead */
     PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
     code_hs = (int64_t)u->code_hs[sl];
     cs = (int64_t)u->code_cs[sl];
@@ -7336,6 +7341,21 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     *idx_out = u->h_topk;
     return PQC_SUCCESS;
+}
+
+/* Device memory held by the tier: slot pools, centroids, code buffers, scratch. */
+static size_t pqc__cut_device_bytes(const pqc_cache *c)
+{
+    const struct pqc__cut *u = c->cu;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
+    b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
+    b += L * nkv * tab * (size_t)u->dsub * sizeof(float);                 /* centroids */
+    b += u->code_cap[0] + u->code_cap[1];                                 /* codes */
+    b += nkv * u->s_cap * 8 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k */
+    b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
+    b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
+         nkv * (size_t)u->g * ((size_t)u->p_max + 1) * 8 + (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    return b;
 }
 
 static void pqc__cut_note_fill(pqc_cache *c, size_t hi, size_t b, int s)
@@ -7591,6 +7611,11 @@ static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end)
     (void)block;
     (void)mid_end;
     return -1;
+}
+static size_t pqc__cut_device_bytes(const pqc_cache *c)
+{
+    (void)c;
+    return 0;
 }
 static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot)
 {

@@ -254,10 +254,16 @@ static int prefill_both(pair *p, int layers, const float *k, const float *v, siz
 }
 
 /* prefill, decode steps, a second prompt (grows the store, re-clusters), more steps */
-static enum greatest_test_res decode_matches(pqc_gqa gqa, pqc_dtype dt)
+typedef struct shape {
+    int L, hkv, hq, d, m, bits, steps;
+    size_t n1, n2;
+} shape;
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700 };
+
+static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, const shape *sh)
 {
-    const int L = 2, hkv = 2, hq = 4, d = 64, steps = 12;
-    const size_t n1 = 1500, n2 = 1700;
+    const int L = sh->L, hkv = sh->hkv, hq = sh->hq, d = sh->d, steps = sh->steps;
+    const size_t n1 = sh->n1, n2 = sh->n2;
     pqc_cache_desc cd = base_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
@@ -265,6 +271,8 @@ static enum greatest_test_res decode_matches(pqc_gqa gqa, pqc_dtype dt)
     int s, l;
     cd.gqa = gqa;
     cd.kv_dtype = dt;
+    cd.pq.m = sh->m;
+    cd.pq.bits = sh->bits;
     memset(&st, 0, sizeof st);
     ASSERT(pair_open(&p, &cd));
     ASSERT_EQ(1, pqc_cache_on_device(p.cg));
@@ -288,6 +296,8 @@ static enum greatest_test_res decode_matches(pqc_gqa gqa, pqc_dtype dt)
     }
     {
         pqc_layer_stats a, b;
+        memset(&a, 0, sizeof a);
+        memset(&b, 0, sizeof b);
         for (l = 0; l < L; l++) {
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cc, l, &a));
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cg, l, &b));
@@ -298,6 +308,11 @@ static enum greatest_test_res decode_matches(pqc_gqa gqa, pqc_dtype dt)
             ASSERT(b.hits > 0); /* sinks, window and admitted blocks are device-resident */
         }
         ASSERT(a.rebuilds + b.rebuilds > 0);
+    }
+    {
+        size_t dev = 0, full = 0;
+        pqc_cache_memory(p.cg, &dev, &full);
+        ASSERT(dev > 0 && full > 0);
     }
     fprintf(stderr, "  gqa %s, %s: %zu tokens selected, %zu differ, %zu rows compared, %zu differ\n",
             gqa == PQC_GQA_SUM ? "sum" : "softmax-sum", dt == PQC_F16 ? "fp16" : dt == PQC_BF16 ? "bf16" : "fp32", st.selected, st.differ,
@@ -317,7 +332,15 @@ static enum greatest_test_res decode_matches(pqc_gqa gqa, pqc_dtype dt)
     PASS();
 }
 
+static enum greatest_test_res decode_matches(pqc_gqa gqa, pqc_dtype dt) { return decode_matches_shape(gqa, dt, &g_small); }
+
 TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_F32); }
+/* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
+TEST decode_matches_cpu_long_subvectors(void)
+{
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700 };
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
+}
 TEST decode_matches_cpu_softmax_fp16(void) { return decode_matches(PQC_GQA_SOFTMAX_SUM, PQC_F16); }
 TEST decode_matches_cpu_sum_bf16(void) { return decode_matches(PQC_GQA_SUM, PQC_BF16); }
 
@@ -510,6 +533,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_sum_fp32);
     RUN_TEST(decode_matches_cpu_softmax_fp16);
     RUN_TEST(decode_matches_cpu_sum_bf16);
+    RUN_TEST(decode_matches_cpu_long_subvectors);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
 }
@@ -528,7 +552,7 @@ int main(int argc, char **argv)
         size_t i, found = env && dlopen(env, RTLD_NOW | RTLD_LOCAL);
         for (i = 0; !found && i < sizeof nvrtc / sizeof nvrtc[0]; i++) found = dlopen(nvrtc[i], RTLD_NOW | RTLD_LOCAL) != NULL;
         if (!found) { /* the kernels cannot be built: nothing here can run */
-            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 6 skipped\n");
+            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 7 skipped\n");
             return 0;
         }
     }

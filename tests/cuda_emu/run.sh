@@ -1,6 +1,7 @@
 #!/bin/sh
-# run.sh - the CUDA checks that need no GPU: every kernel (gpu_check --quick) and the
-# device-tier tests (plain and under ASan+UBSan), all on the CPU stand-in driver.
+# run.sh - the CUDA checks that need no GPU: every kernel (gpu_check --quick), the
+# device-tier tests (plain and under ASan+UBSan) and a whole tiny_llama decode on the
+# device tier, all on the CPU stand-in driver.
 # usage: tests/cuda_emu/run.sh BUILD_DIR   (make test-cuda-emu builds everything first)
 # Without NVRTC the kernels cannot be built and the checks are reported as skipped.
 set -u
@@ -19,6 +20,8 @@ elif [ $rc != 0 ]; then
 fi
 echo "== CUDA device tier against the CPU tier"
 "$B/test_cuda_tier" || st=1
+echo "== a whole tiny_llama decode on the CUDA device tier against the CPU tier"
+"$B/test_pqcache_mode" --cuda || st=1
 echo "== CUDA device tier (ASan+UBSan)"
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "$B/asan_cuda_tier" || st=1
 exit $st
