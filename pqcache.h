@@ -3473,8 +3473,8 @@ static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes);
 static void pqc__cut_host_free(pqc_cache *c, void *p);
 static void pqc__cut_quiesce(pqc_cache *c);
 static pqc_result pqc__cut_grown(pqc_cache *c);
-static pqc_result pqc__cut_stored(pqc_cache *c, int layer);
-static pqc_result pqc__cut_appended(pqc_cache *c, int layer);
+static pqc_result pqc__cut_stored(pqc_cache *c, int layer, size_t n);
+static pqc_result pqc__cut_appended(pqc_cache *c, int layer, size_t n);
 static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx);
 static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end);
 static size_t pqc__cut_device_bytes(const pqc_cache *c);
@@ -3986,9 +3986,11 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
             pqc__store_row(c, H->v + (start + t) * c->row, (const unsigned char *)pqc__row(v, t) + off, v->dtype);
         }
     }
+    /* the device copies the new sink and window rows before they count as stored: a
+       failure there leaves the layer as it was */
+    if (c->cu && (r = pqc__cut_stored(c, layer, start + n)) != PQC_SUCCESS) return r;
     L->n_tokens = start + n;
     L->prefill_start = pqc__now();
-    if (c->cu && (r = pqc__cut_stored(c, layer)) != PQC_SUCCESS) return r;
     return pqc__after_growth(c, layer);
 }
 
@@ -4014,11 +4016,11 @@ PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, cons
         pqc__store_row(c, H->k + L->n_tokens * c->row, k + (size_t)h * c->d.head_dim, PQC_F32);
         pqc__store_row(c, H->v + L->n_tokens * c->row, v + (size_t)h * c->d.head_dim, PQC_F32);
     }
+    if (c->cu && (r = pqc__cut_appended(c, layer, L->n_tokens + 1)) != PQC_SUCCESS) return r;
     before = pqc__mid_end(c, L->n_tokens);
     L->n_tokens++;
     after = pqc__mid_end(c, L->n_tokens);
     if (after > before) L->st.bytes_d2h += (after - before) * 2 * c->row * (size_t)c->d.n_kv_heads; /* offload */
-    if (c->cu && (r = pqc__cut_appended(c, layer)) != PQC_SUCCESS) return r;
     return pqc__after_growth(c, layer);
 }
 
@@ -7103,24 +7105,24 @@ static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
 
 /* Copies rows [row_lo, bt) of the blocks [b0, b0 + n) into the slots [s0, s0 + n) of every
    head of layer l, from the mapped store. */
-static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t b0, int s0, int n, int row_lo)
+static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0, int s0, int n, int row_lo)
 {
     struct pqc__cut *u = c->cu;
     pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
     int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
-    int bt = (int)u->bt, s = (int)c->layers[l].n_tokens, dt = (int)c->d.kv_dtype, d = u->d;
+    int bt = (int)u->bt, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
     void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
                   &u->pool_k[l], &u->pool_v[l], &pool_hs };
     if (n <= 0) return PQC_SUCCESS;
     return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
 }
 
-/* After a prefill: the slot pools exist (the window is known now) and every sink and
-   window block of the layer holds its rows. */
-static pqc_result pqc__cut_stored(pqc_cache *c, int l)
+/* A prefill that brings layer l to n tokens (rows already in the store): the slot pools
+   exist (the window is known now) and every sink and window block holds its rows. */
+static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
 {
     struct pqc__cut *u = c->cu;
-    size_t n = c->layers[l].n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
+    size_t nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
     pqc_result r;
     int i;
     pqc__cut_enter(c);
@@ -7134,33 +7136,34 @@ static pqc_result pqc__cut_stored(pqc_cache *c, int l)
         for (i = 0; i < c->d.n_layers; i++) {
             if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
             if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
-        }
+        } /* a failure leaves ready at 0: the next prefill tries again */
         if ((r = pqc__cut_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
         u->ready = 1;
     }
-    if ((r = pqc__cut_fill_run(c, l, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
+    if ((r = pqc__cut_fill_run(c, l, n, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
     b0 = PQC__MAX((size_t)u->nsb, mid_end / u->bt);
     for (b = b0; b < nb;) { /* the ring in at most two runs of consecutive slots */
         int s0 = pqc__cut_fixed_slot(c, b, mid_end);
         size_t run = PQC__MIN(nb - b, (size_t)(u->nsb + u->wb - s0));
-        if ((r = pqc__cut_fill_run(c, l, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
+        if ((r = pqc__cut_fill_run(c, l, n, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
         b += run;
     }
     return PQC_SUCCESS;
 }
 
-/* After an append: the new token's row goes to its sink or window slot. */
-static pqc_result pqc__cut_appended(pqc_cache *c, int l)
+/* An append that brings layer l to n tokens (the new row already in the store): the row
+   goes to its sink or window slot. */
+static pqc_result pqc__cut_appended(pqc_cache *c, int l, size_t n)
 {
     struct pqc__cut *u = c->cu;
-    size_t n = c->layers[l].n_tokens, t = n - 1;
+    size_t t = n - 1;
     int s;
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
     pqc__cut_enter(c);
     s = pqc__cut_fixed_slot(c, t / u->bt, pqc__mid_end(c, n));
     if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
-    return pqc__cut_fill_run(c, l, t / u->bt, s, 1, (int)(t % u->bt));
+    return pqc__cut_fill_run(c, l, n, t / u->bt, s, 1, (int)(t % u->bt));
 }
 
 /* Copies the codes of layer l into code buffer sl on the copy stream (after the last
@@ -7385,8 +7388,8 @@ static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
 /* After the bookkeeping: admitted blocks are copied into their slots, then every selected
    row is gathered (slots, sink and window blocks from device memory, misses straight from
    the mapped store) as fp32, into device buffers, and copied to `out` when given. */
-static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
-                                 pqc_kv_device *dout)
+static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+                                     pqc_kv_device *dout)
 {
     struct pqc__cut *u = c->cu;
     pqc__layer *L = &c->layers[l];
@@ -7471,6 +7474,31 @@ static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, 
     }
     PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     return PQC_SUCCESS;
+}
+
+static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+                                 pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    pqc_result r = pqc__cut_fetch_run(c, l, sel, out, dout);
+    size_t h, i, cb = (size_t)c->d.cache_blocks + 1;
+    if (r == PQC_SUCCESS) return r;
+    /* the blocks admitted by this fetch were never copied: forget them, so that no
+       later gather reads their slots */
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        pqc__head *H = &c->layers[l].heads[h];
+        for (i = 0; i < u->nfill[h]; i++) {
+            int s = u->fill_s[h * cb + i] - u->nsb - u->wb;
+            int32_t b = u->fill_b[h * cb + i];
+            if (H->block_of[s] == b) {
+                H->block_of[s] = -1;
+                H->slot_of[b] = -1;
+            }
+            H->filled[s] = 0;
+        }
+        u->nfill[h] = 0;
+    }
+    return r;
 }
 
 PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
@@ -7587,14 +7615,16 @@ static pqc_result pqc__cut_grown(pqc_cache *c)
     (void)c;
     return PQC_SUCCESS;
 }
-static pqc_result pqc__cut_stored(pqc_cache *c, int layer)
+static pqc_result pqc__cut_stored(pqc_cache *c, int layer, size_t n)
 {
     (void)layer;
+    (void)n;
     return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
 }
-static pqc_result pqc__cut_appended(pqc_cache *c, int layer)
+static pqc_result pqc__cut_appended(pqc_cache *c, int layer, size_t n)
 {
     (void)layer;
+    (void)n;
     return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
 }
 static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx)

@@ -527,6 +527,102 @@ TEST misuse_gets_result_codes(void)
     PASS();
 }
 
+/* device memory running out, at creation and in the middle of a decode: a result code,
+   nothing lost, and the next call works again (needs the stand-in driver's failure
+   switch; skipped on a real GPU) */
+typedef void (*fail_fn)(long n);
+TEST device_allocation_failure(void)
+{
+    fail_fn fail;
+    void *sym;
+    const int hkv = 2, hq = 2, d = 32;
+    const size_t n = 800;
+    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_runtime *rg, *rc;
+    pqc_cache *c = NULL, *ref = NULL;
+    pqc_selection sel, sref;
+    float *k, *v, *q;
+    pqc_matrix km, vm;
+    long at;
+    ASSERT(open_driver());
+    sym = dlsym(g_drv, "pqc_emu_fail_alloc_after");
+    if (!sym) SKIPm("needs the stand-in driver");
+    memcpy(&fail, &sym, sizeof fail);
+    k = make_keys(n, hkv, d, 21);
+    v = rand_rows(n, (size_t)hkv * d);
+    q = rand_rows(1, (size_t)hq * d);
+    km = mat(k, n, (size_t)hkv * d);
+    vm = mat(v, n, (size_t)hkv * d);
+    cd.gqa = PQC_GQA_SUM;
+    rg = make_rt(PQC_BACKEND_CUDA);
+    rc = make_rt(PQC_BACKEND_CPU);
+    ASSERT(rg && rc);
+    for (at = 0; at < 12; at++) { /* each allocation of the creation fails once */
+        fail(at);
+        c = NULL;
+        if (pqc_cache_create(rg, &cd, &c) != PQC_SUCCESS) {
+            ASSERT(c == NULL);
+            ASSERT(strstr(pqc_last_error(), "OUT_OF_MEMORY") != NULL);
+        } else {
+            pqc_cache_destroy(c);
+        }
+    }
+    fail(-1);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rc, &cd, &ref));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ref, &sref));
+    fail(0); /* the first prefill allocates the slot pools: nothing is stored */
+    ASSERT_EQ(PQC_ERROR_BACKEND, pqc_cache_prefill(c, 0, &km, &vm));
+    ASSERT_EQ(0, pqc_cache_tokens(c, 0));
+    fail(-1);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &vm));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(ref, 0, &km, &vm));
+    fail(0); /* the first select allocates its score buffers */
+    ASSERT_EQ(PQC_ERROR_BACKEND, pqc_cache_select(c, 0, q, &sel));
+    ASSERT(strstr(pqc_last_error(), "cuMemAlloc") != NULL);
+    fail(-1);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(ref, 0, q, &sref));
+    ASSERT_EQ(sref.count[0], sel.count[0]);
+    ASSERT_MEM_EQ(sref.idx, sel.idx, sel.count[0] * 4);
+    {
+        pqc_kv_device dk;
+        pqc_kv_out oc, og;
+        int h;
+        size_t rows = n * hkv * d;
+        float *buf = (float *)malloc(4 * rows * sizeof(float));
+        ASSERT(buf);
+        oc.k = buf;
+        oc.v = buf + rows;
+        og.k = buf + 2 * rows;
+        og.v = buf + 3 * rows;
+        oc.head_stride = og.head_stride = n;
+        fail(0); /* the first fetch allocates its gather buffers, after admitting blocks */
+        ASSERT_EQ(PQC_ERROR_BACKEND, pqc_cache_fetch_device(c, 0, &sel, &dk));
+        fail(-1);
+        /* the blocks that fetch admitted were never filled: the next fetch must not read them */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &og));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(ref, 0, &sref, &oc));
+        for (h = 0; h < hkv; h++) {
+            ASSERT_MEM_EQ(oc.k + (size_t)h * n * d, og.k + (size_t)h * n * d, sel.count[h] * d * sizeof(float));
+            ASSERT_MEM_EQ(oc.v + (size_t)h * n * d, og.v + (size_t)h * n * d, sel.count[h] * d * sizeof(float));
+        }
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_device(c, 0, &sel, &dk));
+        free(buf);
+    }
+    pqc_selection_free(&sel);
+    pqc_selection_free(&sref);
+    pqc_cache_destroy(c);
+    pqc_cache_destroy(ref);
+    pqc_runtime_destroy(rg);
+    pqc_runtime_destroy(rc);
+    free(k);
+    free(v);
+    free(q);
+    PASS();
+}
+
 SUITE(cuda_tier)
 {
     RUN_TEST(misuse_gets_result_codes);
@@ -536,6 +632,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_long_subvectors);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
+    RUN_TEST(device_allocation_failure);
 }
 
 GREATEST_MAIN_DEFS();
@@ -552,7 +649,7 @@ int main(int argc, char **argv)
         size_t i, found = env && dlopen(env, RTLD_NOW | RTLD_LOCAL);
         for (i = 0; !found && i < sizeof nvrtc / sizeof nvrtc[0]; i++) found = dlopen(nvrtc[i], RTLD_NOW | RTLD_LOCAL) != NULL;
         if (!found) { /* the kernels cannot be built: nothing here can run */
-            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 7 skipped\n");
+            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 8 skipped\n");
             return 0;
         }
     }

@@ -264,6 +264,7 @@ void *aligned(size_t n)
 }
 
 int g_module_tag, g_ctx_tag;
+long g_fail_alloc = -1; /* device allocations left before one fails; -1: never */
 
 } // namespace
 
@@ -318,9 +319,15 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     Launch L = { gx, gy, smem };
     return ((Kernel *)fn)->launch(params, L, S(stream));
 }
+/* Test control (not part of the driver API): the device allocation after the next n
+   succeeds fails with CUDA_ERROR_OUT_OF_MEMORY; n < 0 turns the failure off. */
+void pqc_emu_fail_alloc_after(long n) { g_fail_alloc = n; }
+
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 {
-    void *m = aligned(n);
+    void *m;
+    if (g_fail_alloc >= 0 && g_fail_alloc-- == 0) return ERR_OOM;
+    m = aligned(n);
     if (!m) return ERR_OOM;
     memset(m, 0xA5, n); /* device memory starts as garbage */
     g_regions[(uintptr_t)m] = Region{ n, true, false };
@@ -496,7 +503,8 @@ CUresult cuGetErrorString(CUresult r, const char **s)
 }
 CUresult cuGetErrorName(CUresult r, const char **s)
 {
-    *s = r == OK ? "CUDA_SUCCESS" : r == ERR_INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" : "CUDA_ERROR_UNKNOWN";
+    *s = r == OK ? "CUDA_SUCCESS" : r == ERR_INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" :
+         r == ERR_OOM ? "CUDA_ERROR_OUT_OF_MEMORY" : "CUDA_ERROR_UNKNOWN";
     return OK;
 }
 
