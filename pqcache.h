@@ -211,6 +211,12 @@ typedef struct pqc_pq_desc {
     double *objective;           /* optional out: m * (iters + 1) values, the k-means
                                     objective (mean squared error of the training sample
                                     in that sub-space) after init and after each iteration */
+    int device;                  /* 1: the Lloyd iterations run on the runtime's CUDA GPU
+                                    (seeding and sampling stay on the CPU; sub-spaces over
+                                    256 dims stay on the CPU). The GPU adds cluster sums
+                                    in no fixed order, so results vary in the last bits
+                                    and with the run. Needs a CUDA runtime, else
+                                    PQC_ERROR_NO_DEVICE. 0 (default): the CPU          */
 } pqc_pq_desc;
 
 /* A trained product quantizer for one (layer, KV head). Fields are read-only. */
@@ -2245,6 +2251,9 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
     if ((int)d->init < 0 || (int)d->init > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown init %d", (int)d->init);
     if (d->max_points_per_centroid < -1)
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "max_points_per_centroid %d", d->max_points_per_centroid);
+    if (d->device < 0 || d->device > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.device = %d not 0 or 1", d->device);
+    if (d->device && !(rt && rt->cu))
+        return pqc__fail(rt, PQC_ERROR_NO_DEVICE, "pq.device: the runtime has no CUDA GPU (create it with PQC_BACKEND_CUDA)");
     return PQC_SUCCESS;
 }
 
@@ -2324,8 +2333,13 @@ static float pqc__sqnorm(const float *x, int d)
 }
 
 /* k-means on n points x (n x d) into c (k x d). Work buffers come from one allocation. */
+/* Lloyd iterations on the runtime's GPU from the centres c (defined with the CUDA loader). */
+static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
+                                  double *obj, char *err, size_t errsz);
+
 static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const float *x, size_t n, int d, int k, int kpad,
-                              int iters, pqc_init init, uint64_t *rng, float *c, double *obj, char *err, size_t errsz)
+                              int iters, pqc_init init, uint64_t *rng, float *c, double *obj, char *err, size_t errsz,
+                              pqc_runtime *gpu)
 {
     size_t i, bytes = 0, off_idx, off_val, off_xn, off_ct, off_cn, off_sum, off_cnt, off_aux, off_pre;
     double *pre;
@@ -2439,6 +2453,10 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
     }
 
     /* ----- Lloyd iterations ----- */
+    if (gpu && d <= 256 && n <= 0x7fffffffu) {
+        pqc__free(al, mem);
+        return pqc__cuda_lloyd(gpu, x, n, d, k, iters, c, obj, err, errsz);
+    }
     for (it = 0; it <= iters; it++) {
         double o = 0.0;
         int changed = 0;
@@ -2581,7 +2599,8 @@ static void pqc__train_sub(void *arg)
     }
     for (i = 0; i < cap; i++) pqc__sub_to_f32(keys, sel ? sel[i] : i, j, d, x + i * d);
     jb->res = pqc__kmeans(simd, al, x, cap, d, k, pq->ksub_pad, jb->desc->iters, jb->desc->init, &rng,
-                          pq->centroids + (size_t)j * k * d, obj, jb->err, sizeof jb->err);
+                          pq->centroids + (size_t)j * k * d, obj, jb->err, sizeof jb->err,
+                          jb->desc->device ? jb->rt : NULL);
     if (jb->res == PQC_SUCCESS) pqc__pq_finish_sub(pq, j);
 done:
     pqc__free(al, x);
@@ -5486,6 +5505,10 @@ PQC__CU_FN int pqc__cu_pick_arch(pqc__cuApi *api, int cc, int *arch, int *cubin)
     return PQC__CU_OK;
 }
 
+/* NVRTC contracts a*b+c into fused operations by default; the kernels must round as the
+   CPU library does, so only their explicit fmaf calls may fuse. */
+#define PQC__CU_NVRTC_FMAD "--fmad=false"
+
 /* Compiles src with NVRTC for arch (e.g. 90): a cubin (--gpu-architecture=sm_90) when
    cubin is non-zero, else NUL-terminated PTX (--gpu-architecture=compute_90). On success
    *image (from host->alloc; release with pqc__cu_free) and *size are set. The compiler
@@ -5498,7 +5521,7 @@ PQC__CU_FN int pqc__cu_compile(pqc__cuApi *api, const char *src, const char *nam
     pqc__cuNvrtcProgram prog = NULL;
     pqc__cuNvrtcResult r;
     char opt_arch[64];
-    const char *opts[2];
+    const char *opts[3];
     size_t n = 0, lsz = 0;
     int st = PQC__CU_OK;
     void *img;
@@ -5514,12 +5537,13 @@ PQC__CU_FN int pqc__cu_compile(pqc__cuApi *api, const char *src, const char *nam
              arch);
     opts[0] = opt_arch;
     opts[1] = "-DPQC_NVRTC=1";
+    opts[2] = PQC__CU_NVRTC_FMAD; /* only the explicit fmaf calls fuse, as on the CPU */
 
     r = api->nvrtcCreateProgram(&prog, src, name ? name : "pqcache_kernels.cu", 0, NULL, NULL);
     if (r != 0)
         return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "nvrtcCreateProgram failed: %s",
                             api->nvrtcGetErrorString(r));
-    r = api->nvrtcCompileProgram(prog, 2, opts);
+    r = api->nvrtcCompileProgram(prog, 3, opts);
     if (api->nvrtcGetProgramLogSize(prog, &lsz) == 0 && lsz > 1 && log && log_size) {
         char *full = (char *)pqc__cu_alloc(api, lsz);
         if (full && api->nvrtcGetProgramLog(prog, full) == 0) {
@@ -5573,6 +5597,7 @@ PQC__CU_FN uint64_t pqc__cu_cache_key(const pqc__cuApi *api, const char *src, in
 {
     int meta[4];
     uint64_t h = pqc__cu_fnv1a64(src, strlen(src), PQC__CU_FNV_OFFSET);
+    h = pqc__cu_fnv1a64(PQC__CU_NVRTC_FMAD, strlen(PQC__CU_NVRTC_FMAD), h); /* the options too */
     meta[0] = arch;
     meta[1] = cubin;
     meta[2] = api->nvrtc_major;
@@ -5818,6 +5843,7 @@ static const char pqc__kernel_source[] =
 " * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign.\n"
 " * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over\n"
 " * blocks here, 16 interleaved lanes on the CPU: a few ulps apart) and the k-means sums.\n"
+" * That needs --fmad=false (the library passes it): only the explicit fmaf calls fuse.\n"
 " */\n"
 "\n"
 "typedef unsigned char      pqc_u8;\n"
@@ -6744,11 +6770,12 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
 
 enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
-    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_N
+    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
-    "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes"
+    "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
+    "pqc_kmeans_assign", "pqc_kmeans_update"
 };
 
 #define PQC__CU_RADIX_BINS 2048
@@ -6825,6 +6852,81 @@ static void pqc__curt_close(pqc_runtime *rt)
 }
 
 typedef pqc__cuDeviceptr pqc__dptr;
+
+/* Lloyd iterations of one k-means problem (n points of d <= 256 dims, k centres in c) on
+   the GPU: assignment with per-cluster sums and counts, then the update; empty clusters
+   keep their centre. Runs on a stream of its own, so builds on several pool threads
+   proceed side by side. */
+static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
+                                  double *obj, char *err, size_t errsz)
+{
+    struct pqc__curt *cr = rt->cu;
+    pqc__cuApi *api = &cr->api;
+    pqc__cuStream st = NULL;
+    pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0;
+    float *md = NULL;
+    pqc__cuResult e = 0;
+    const char *what = "";
+    int it, ni = (int)n, ki = k, di = d, rows = k;
+    int64_t ld = d;
+    size_t i;
+#define PQC__LL(call, name)                                                 \
+    do {                                                                    \
+        if (e == 0 && (e = (call)) != 0) what = (name);                     \
+    } while (0)
+    PQC__LL(api->cuCtxSetCurrent(cr->dev.ctx), "cuCtxSetCurrent");
+    PQC__LL(api->cuStreamCreate(&st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    PQC__LL(api->cuMemAlloc_v2(&dx, n * (size_t)d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dc, (size_t)k * d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dsum, (size_t)k * d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dcnt, (size_t)k * 4), "cuMemAlloc");
+    if (obj) {
+        PQC__LL(api->cuMemAlloc_v2(&dmin, n * sizeof(float)), "cuMemAlloc");
+        if (e == 0 && !(md = (float *)pqc__alloc(&rt->alloc, n * sizeof(float)))) {
+            snprintf(err, errsz, "k-means: host memory for the objective");
+            e = -1;
+        }
+    }
+    PQC__LL(api->cuMemcpyHtoDAsync_v2(dx, x, n * (size_t)d * sizeof(float), st), "cuMemcpyHtoDAsync");
+    PQC__LL(api->cuMemcpyHtoDAsync_v2(dc, c, (size_t)k * d * sizeof(float), st), "cuMemcpyHtoDAsync");
+    for (it = 0; it <= iters && e == 0; it++) {
+        pqc__dptr m = obj ? dmin : 0;
+        void *pa[] = { &dx, &ld, &ni, &di, &dc, &zero, &ki, &zero, &dsum, &dcnt, &m };
+        void *pu[] = { &dc, &dsum, &dcnt, &rows, &di };
+        if (it == iters && !obj) break; /* the last assignment only serves the objective */
+        PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
+        PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
+        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_ASSIGN], (unsigned)((n + 7) / 8), 1, 1, 256, 1, 1, 0, st, pa, NULL),
+                "pqc_kmeans_assign");
+        if (obj) {
+            double o = 0.0;
+            PQC__LL(api->cuMemcpyDtoHAsync_v2(md, dmin, n * sizeof(float), st), "cuMemcpyDtoHAsync");
+            PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
+            for (i = 0; e == 0 && i < n; i++) o += md[i];
+            obj[it] = o / (double)n;
+        }
+        if (it == iters) break;
+        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_UPDATE], (unsigned)(((size_t)k * d + 255) / 256), 1, 1, 256, 1, 1, 0,
+                                    st, pu, NULL),
+                "pqc_kmeans_update");
+    }
+    PQC__LL(api->cuMemcpyDtoHAsync_v2(c, dc, (size_t)k * d * sizeof(float), st), "cuMemcpyDtoHAsync");
+    PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
+#undef PQC__LL
+    if (e > 0) snprintf(err, errsz, "k-means on the GPU: %s failed: %s", what, pqc__cu_error_name(api, e));
+    if (st) {
+        api->cuStreamSynchronize(st);
+        api->cuStreamDestroy_v2(st);
+    }
+    if (dx) api->cuMemFree_v2(dx);
+    if (dc) api->cuMemFree_v2(dc);
+    if (dsum) api->cuMemFree_v2(dsum);
+    if (dcnt) api->cuMemFree_v2(dcnt);
+    if (dmin) api->cuMemFree_v2(dmin);
+    pqc__free(&rt->alloc, md);
+    if (e == 0) return PQC_SUCCESS;
+    return e > 0 ? PQC_ERROR_BACKEND : PQC_ERROR_OUT_OF_MEMORY;
+}
 
 struct pqc__cut {
     struct pqc__curt *r;
@@ -7596,6 +7698,20 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
     return PQC_ERROR_NO_DEVICE;
 }
 static void pqc__curt_close(pqc_runtime *rt) { (void)rt; }
+static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
+                                  double *obj, char *err, size_t errsz)
+{
+    (void)rt;
+    (void)x;
+    (void)n;
+    (void)d;
+    (void)k;
+    (void)iters;
+    (void)c;
+    (void)obj;
+    snprintf(err, errsz, "built without the CUDA loader");
+    return PQC_ERROR_NO_DEVICE;
+}
 static pqc_result pqc__cut_create(pqc_cache *c) { return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader"); }
 static void pqc__cut_destroy(pqc_cache *c) { (void)c; }
 static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)

@@ -32,6 +32,7 @@
  * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign.
  * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over
  * blocks here, 16 interleaved lanes on the CPU: a few ulps apart) and the k-means sums.
+ * That needs --fmad=false (the library passes it): only the explicit fmaf calls fuse.
  */
 
 typedef unsigned char      pqc_u8;

@@ -27,6 +27,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -264,6 +265,9 @@ void *aligned(size_t n)
 }
 
 int g_module_tag, g_ctx_tag;
+/* one lock for the whole driver: pqcache calls it from its pool threads too (k-means) */
+std::recursive_mutex g_mu;
+#define EMU_LOCK std::lock_guard<std::recursive_mutex> emu_lock_(g_mu)
 long g_fail_alloc = -1; /* device allocations left before one fails; -1: never */
 
 } // namespace
@@ -276,11 +280,13 @@ CUresult cuDeviceGetCount(int *n) { *n = 1; return OK; }
 CUresult cuDeviceGet(int *d, int ordinal) { if (ordinal != 0) return ERR_INVALID_VALUE; *d = 0; return OK; }
 CUresult cuDeviceGetName(char *name, int len, int)
 {
+    EMU_LOCK;
     snprintf(name, (size_t)len, "pqcache CPU emulator");
     return OK;
 }
 CUresult cuDeviceGetAttribute(int *v, int attr, int)
 {
+    EMU_LOCK;
     switch (attr) {
     case 16: *v = 2; break;       /* SMs: few, so that grids stay small */
     case 19: *v = 1; break;       /* can map host memory */
@@ -295,9 +301,10 @@ CUresult cuDeviceTotalMem_v2(size_t *b, int) { *b = (size_t)16 << 30; return OK;
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int) { *ctx = &g_ctx_tag; return OK; }
 CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
 CUresult cuCtxSetCurrent(void *) { return OK; }
-CUresult cuCtxSynchronize(void) { run_everything(); return OK; }
+CUresult cuCtxSynchronize(void) { EMU_LOCK; run_everything(); return OK; }
 CUresult cuModuleLoadData(void **mod, const void *image)
 {
+    EMU_LOCK;
     if (!image) return ERR_INVALID_VALUE;
     *mod = &g_module_tag;
     return OK;
@@ -305,6 +312,7 @@ CUresult cuModuleLoadData(void **mod, const void *image)
 CUresult cuModuleUnload(void *) { return OK; }
 CUresult cuModuleGetFunction(void **fn, void *, const char *name)
 {
+    EMU_LOCK;
     auto it = kernels().find(name);
     if (it == kernels().end()) return ERR_NOT_FOUND;
     *fn = &it->second;
@@ -314,6 +322,7 @@ CUresult cuFuncSetAttribute(void *, int, int) { return OK; }
 CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned smem, void *stream, void **params, void **extra)
 {
+    EMU_LOCK;
     if (!fn || extra || gz != 1 || bx != 256 || by != 1 || bz != 1) return ERR_INVALID_VALUE;
     if (gx == 0 || gy == 0) return ERR_INVALID_VALUE;
     Launch L = { gx, gy, smem };
@@ -325,6 +334,7 @@ void pqc_emu_fail_alloc_after(long n) { g_fail_alloc = n; }
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 {
+    EMU_LOCK;
     void *m;
     if (g_fail_alloc >= 0 && g_fail_alloc-- == 0) return ERR_OOM;
     m = aligned(n);
@@ -337,6 +347,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 }
 CUresult cuMemFree_v2(CUdeviceptr p)
 {
+    EMU_LOCK;
     run_everything();
     auto it = g_regions.find((uintptr_t)p);
     if (it == g_regions.end() || !it->second.device) return complain("cuMemFree", (uintptr_t)p, 0);
@@ -347,12 +358,14 @@ CUresult cuMemFree_v2(CUdeviceptr p)
 }
 CUresult cuMemGetInfo_v2(size_t *fr, size_t *total)
 {
+    EMU_LOCK;
     *total = (size_t)16 << 30;
     *fr = *total - g_device_bytes;
     return OK;
 }
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned)
 {
+    EMU_LOCK;
     void *m = aligned(n);
     if (!m) return ERR_OOM;
     g_regions[(uintptr_t)m] = Region{ n, false, true };
@@ -361,6 +374,7 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned)
 }
 CUresult cuMemFreeHost(void *p)
 {
+    EMU_LOCK;
     run_everything();
     auto it = g_regions.find((uintptr_t)p);
     if (it == g_regions.end() || !it->second.pinned) return complain("cuMemFreeHost", (uintptr_t)p, 0);
@@ -370,17 +384,20 @@ CUresult cuMemFreeHost(void *p)
 }
 CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned)
 {
+    EMU_LOCK;
     if (!is_pinned(p, 1)) return complain("cuMemHostGetDevicePointer", (uintptr_t)p, 1);
     *d = (CUdeviceptr)(uintptr_t)p;
     return OK;
 }
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned)
 {
+    EMU_LOCK;
     g_regions[(uintptr_t)p] = Region{ n, false, true };
     return OK;
 }
 CUresult cuMemHostUnregister(void *p)
 {
+    EMU_LOCK;
     run_everything();
     g_regions.erase((uintptr_t)p);
     return OK;
@@ -408,6 +425,7 @@ static CUresult copy_out(void *dst, CUdeviceptr src, size_t n, Stream *s)
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 {
+    EMU_LOCK;
     run_everything();
     CUresult r = copy_in(dst, src, n, &g_default);
     run_all(&g_default);
@@ -415,27 +433,31 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 }
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
 {
+    EMU_LOCK;
     run_everything();
     CUresult r = copy_out(dst, src, n, &g_default);
     run_all(&g_default);
     return r;
 }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) { return copy_in(dst, src, n, S(s)); }
-CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) { return copy_out(dst, src, n, S(s)); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) { EMU_LOCK; return copy_in(dst, src, n, S(s)); }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) { EMU_LOCK; return copy_out(dst, src, n, S(s)); }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s)
 {
+    EMU_LOCK;
     if (!is_device((uintptr_t)dst, n) || !is_device((uintptr_t)src, n)) return complain("copy on device", (uintptr_t)dst, n);
     enqueue(S(s), [dst, src, n]() { memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n); });
     return OK;
 }
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s)
 {
+    EMU_LOCK;
     if (!is_device((uintptr_t)dst, n)) return complain("cuMemsetD8Async", (uintptr_t)dst, n);
     enqueue(S(s), [dst, v, n]() { memset((void *)(uintptr_t)dst, v, n); });
     return OK;
 }
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *s)
 {
+    EMU_LOCK;
     if (!is_device((uintptr_t)dst, n * 4)) return complain("cuMemsetD32Async", (uintptr_t)dst, n * 4);
     enqueue(S(s), [dst, v, n]() {
         unsigned *p = (unsigned *)(uintptr_t)dst;
@@ -445,6 +467,7 @@ CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *s)
 }
 CUresult cuStreamCreate(void **s, unsigned)
 {
+    EMU_LOCK;
     Stream *x = new Stream();
     g_streams.push_back(x);
     *s = x;
@@ -452,6 +475,7 @@ CUresult cuStreamCreate(void **s, unsigned)
 }
 CUresult cuStreamDestroy_v2(void *s)
 {
+    EMU_LOCK;
     Stream *x = (Stream *)s;
     run_all(x);
     for (size_t i = 0; i < g_streams.size(); i++)
@@ -462,9 +486,10 @@ CUresult cuStreamDestroy_v2(void *s)
         }
     return ERR_INVALID_HANDLE;
 }
-CUresult cuStreamSynchronize(void *s) { run_all(S(s)); return OK; }
+CUresult cuStreamSynchronize(void *s) { EMU_LOCK; run_all(S(s)); return OK; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned)
 {
+    EMU_LOCK;
     Event ev = *(Event *)e; /* the event as recorded now */
     if (!ev.s) return OK;
     enqueue(S(s), [ev]() { run_until(ev.s, ev.seq); });
@@ -472,16 +497,19 @@ CUresult cuStreamWaitEvent(void *s, void *e, unsigned)
 }
 CUresult cuEventCreate(void **e, unsigned)
 {
+    EMU_LOCK;
     *e = new Event();
     return OK;
 }
 CUresult cuEventDestroy_v2(void *e)
 {
+    EMU_LOCK;
     delete (Event *)e;
     return OK;
 }
 CUresult cuEventRecord(void *e, void *s)
 {
+    EMU_LOCK;
     Stream *x = S(s);
     Event *ev = (Event *)e;
     ev->s = x;
@@ -491,6 +519,7 @@ CUresult cuEventRecord(void *e, void *s)
 }
 CUresult cuEventSynchronize(void *e)
 {
+    EMU_LOCK;
     Event *ev = (Event *)e;
     if (ev->s) run_until(ev->s, ev->seq);
     return OK;
@@ -498,11 +527,13 @@ CUresult cuEventSynchronize(void *e)
 CUresult cuEventElapsedTime_v2(float *ms, void *, void *) { *ms = 0.0f; return OK; }
 CUresult cuGetErrorString(CUresult r, const char **s)
 {
+    EMU_LOCK;
     *s = r == OK ? "no error" : r == ERR_INVALID_VALUE ? "invalid argument (emulator)" : "error (emulator)";
     return OK;
 }
 CUresult cuGetErrorName(CUresult r, const char **s)
 {
+    EMU_LOCK;
     *s = r == OK ? "CUDA_SUCCESS" : r == ERR_INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" :
          r == ERR_OOM ? "CUDA_ERROR_OUT_OF_MEMORY" : "CUDA_ERROR_UNKNOWN";
     return OK;
