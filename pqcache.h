@@ -416,6 +416,10 @@ typedef struct pqc_cache_desc {
     void *cuda_stream;       /* CUDA runtime: the engine's CUstream (cudaStream_t); every
                                 device step of this cache is ordered on it. NULL = a
                                 stream of the cache's own                                 */
+    int codes_resident;      /* CUDA runtime: 1 = every layer's codes stay in device memory
+                                (updated in place as tokens are coded: no copies per step);
+                                0 = two code buffers, the next layer's codes copied while
+                                the current layer computes (device memory for two layers) */
 } pqc_cache_desc;
 
 typedef struct pqc_cache pqc_cache;
@@ -2787,7 +2791,7 @@ PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_mat
     n = keys->rows;
     bytes = PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)) + PQC__ALIGN_UP((size_t)pq->dim * sizeof(float)) +
             PQC__ENC_CHUNK * sizeof(uint16_t);
-    mem = (unsigned char *)pqc__alloc(&codes->alloc, bytes);
+    mem = (unsigned char *)pqc__alloc(pqc__rt_alloc(rt), bytes);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_encode: scratch allocation failed");
     x = (float *)mem;
     row = (float *)(mem + PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)));
@@ -2804,7 +2808,7 @@ PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_mat
         pqc__encode_rows(pqc__simd(rt), pq, keys, i, PQC__MIN((size_t)PQC__ENC_CHUNK, n - i), codes, at + i, x, row, idx);
     codes->count = need;
 out:
-    pqc__free(&codes->alloc, mem);
+    pqc__free(pqc__rt_alloc(rt), mem);
     return r;
 }
 
@@ -3497,6 +3501,7 @@ static pqc_result pqc__cut_appended(pqc_cache *c, int layer, size_t n);
 static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx);
 static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end);
 static size_t pqc__cut_device_bytes(const pqc_cache *c);
+static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c);
 static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot);
 static pqc_result pqc__cut_fetch_begin(pqc_cache *c);
 static pqc_result pqc__cut_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
@@ -3561,7 +3566,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     if (!(d.budget_ratio > 0 && d.budget_ratio <= 1e6) || !(d.recent_share >= 0 && d.recent_share <= 1) ||
         d.window < 0 || d.block_tokens < 1 || d.admit_blocks < 0 || d.admit_blocks > d.cache_blocks ||
         !(d.rebuild_share > 0) || d.max_tokens > 0xfffffff0u || (int)d.policy < 0 || (int)d.policy > 1 ||
-        (int)d.gqa < 0 || (int)d.gqa > 1)
+        (int)d.gqa < 0 || (int)d.gqa > 1 || d.codes_resident < 0 || d.codes_resident > 1)
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: a budget, window, block or policy setting is out of range");
     pqd = d.pq;
     if (pqd.iters == 0) pqd.iters = 1; /* validated here; the scheduler picks T later */
@@ -3837,7 +3842,8 @@ static void pqc__build_job(void *arg)
     d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + b->head + 1));
     /* nested work runs inline: the pool may be the engine's and fully busy */
     r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
-    if (r == PQC_SUCCESS) r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, &c->alloc);
+    if (r == PQC_SUCCESS)
+        r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, c->cu ? pqc__cut_codes_allocator(c) : &c->alloc);
     if (r == PQC_SUCCESS) r = pqc__pq_encode_nested(c->rt, &H->pq_new, &keys, &H->codes_new);
     if (r != PQC_SUCCESS) {
         snprintf(b->err, sizeof b->err, "layer %d head %d: %.150s", b->layer, b->head, pqc_last_error());
@@ -6933,8 +6939,8 @@ struct pqc__cut {
     pqc__cuApi *api;
     pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
     int own_st;
-    pqc__cuEvent ev_codes[2], ev_used[2], ev_staged;
-    int used_rec[2], staged_rec;
+    pqc__cuEvent *ev_codes, *ev_used, ev_staged; /* [n_cs] */
+    int *used_rec, staged_rec;
     int K, m, bits, dsub, g, d, n_kv;
     size_t bt;
     /* slots: [sink blocks | window ring | block cache] per layer and head */
@@ -6945,10 +6951,11 @@ struct pqc__cut {
     pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores */
     size_t hstride;             /* elements between heads in the stores (cap * d) */
     /* codes, double-buffered */
-    pqc__dptr code[2];
-    size_t code_cap[2], code_hs[2], code_cs[2], code_n[2];
-    int code_layer[2], last_slot;
-    uint64_t code_gen[2];
+    int n_cs;                   /* code buffers: 2 (prefetched per layer) or one per layer */
+    pqc__dptr *code;            /* [n_cs] */
+    size_t *code_cap, *code_hs, *code_cs, *code_n;
+    int *code_layer, last_slot;
+    uint64_t *code_gen;
     /* selection scratch */
     pqc__dptr q, lut, lut_sum, partial, stats, hist, state;
     int p_max;
@@ -6962,7 +6969,10 @@ struct pqc__cut {
     size_t arena_cap, iota_n, out_cap, nblk_cap, rows_cap, fill_cap;
     size_t *nfill;
     int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
+    pqc_allocator codes_alloc; /* pinned host memory for the codes (async copies) */
 };
+static void *pqc__cut_codes_alloc_fn(size_t n, void *user);
+static void pqc__cut_codes_free_fn(void *p, void *user);
 
 #define PQC__CUT_CALL(c, call, what)                                        \
     do {                                                                    \
@@ -7021,7 +7031,7 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
         if (u->pool_v) pqc__cut_dfree(u, &u->pool_v[l]);
         if (u->cent) pqc__cut_dfree(u, &u->cent[l]);
     }
-    for (i = 0; i < 2; i++) {
+    for (i = 0; u->code && i < u->n_cs; i++) {
         pqc__cut_dfree(u, &u->code[i]);
         if (u->ev_codes[i]) u->api->cuEventDestroy_v2(u->ev_codes[i]);
         if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
@@ -7048,6 +7058,7 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
     if (u->own_st && u->st) u->api->cuStreamDestroy_v2(u->st);
     pqc__free(&c->alloc, u->pool_k); /* pool_k, pool_v, cent, hk, hv, cent_gen in one block */
     pqc__free(&c->alloc, u->nfill);
+    pqc__free(&c->alloc, u->code); /* with the other per-buffer arrays */
     pqc__free(&c->alloc, u);
 }
 
@@ -7084,9 +7095,35 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->g = c->g;
     u->n_kv = c->d.n_kv_heads;
     u->bt = (size_t)c->d.block_tokens;
-    u->code_layer[0] = u->code_layer[1] = -1;
+    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
+    {
+        size_t n = (size_t)u->n_cs;
+        unsigned char *blk = (unsigned char *)pqc__calloc(
+            &c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) + 2 * sizeof(pqc__cuEvent) +
+                            3 * sizeof(int)));
+        if (!blk) {
+            pqc__free(&c->alloc, u->pool_k);
+            pqc__free(&c->alloc, u->nfill);
+            pqc__free(&c->alloc, u);
+            return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+        }
+        u->code = (pqc__dptr *)blk;
+        u->code_cap = (size_t *)(u->code + n);
+        u->code_hs = u->code_cap + n;
+        u->code_cs = u->code_hs + n;
+        u->code_n = u->code_cs + n;
+        u->code_gen = (uint64_t *)(u->code_n + n);
+        u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
+        u->ev_used = u->ev_codes + n;
+        u->code_layer = (int *)(u->ev_used + n);
+        u->used_rec = u->code_layer + n;
+        for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
+    }
     u->last_slot = 1;
     u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
+    u->codes_alloc.alloc = pqc__cut_codes_alloc_fn;
+    u->codes_alloc.free = pqc__cut_codes_free_fn;
+    u->codes_alloc.user = c;
     c->cu = u; /* from here on pqc__cut_free_all undoes everything */
     pqc__cut_enter(c);
 #define PQC__CUT_TRY(call, what)                                            \
@@ -7101,7 +7138,7 @@ static pqc_result pqc__cut_create(pqc_cache *c)
         u->own_st = 1;
     }
     PQC__CUT_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    for (i = 0; i < 2; i++) {
+    for (i = 0; i < u->n_cs; i++) {
         PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
         PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     }
@@ -7141,6 +7178,28 @@ static void pqc__cut_destroy(pqc_cache *c)
     c->cu = NULL;
     pqc__cut_free_all(c, u);
 }
+
+/* The codes live in pinned host memory, so that their copies to the device are truly
+   asynchronous. A copy in flight may read bytes the host is OR-ing new codes into: only
+   bits of tokens past the copied count change, which the device codes itself anyway.
+   Freeing (growth, a rebuild's install) first waits for the copy stream. */
+static void *pqc__cut_codes_alloc_fn(size_t n, void *user)
+{
+    pqc_cache *c = (pqc_cache *)user;
+    void *p = NULL;
+    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
+    if (c->cu->api->cuMemHostAlloc(&p, n ? n : 16, PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) return NULL;
+    return p;
+}
+static void pqc__cut_codes_free_fn(void *p, void *user)
+{
+    pqc_cache *c = (pqc_cache *)user;
+    if (!p) return;
+    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
+    c->cu->api->cuStreamSynchronize(c->cu->cp);
+    c->cu->api->cuMemFreeHost(p);
+}
+static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->cu->codes_alloc; }
 
 static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
 {
@@ -7357,10 +7416,15 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
                           "cuMemcpyHtoDAsync");
         u->cent_gen[l] = L->gen + 1;
     }
-    /* the layer's codes: prefetched by the previous layer's select, or copied now */
-    if (pqc__cut_codes_valid(c, 0, l)) sl = 0;
-    else if (pqc__cut_codes_valid(c, 1, l)) sl = 1;
-    else {
+    /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
+    if (u->n_cs > 2) {
+        sl = l;
+        if (!pqc__cut_codes_valid(c, sl, l) && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+    } else if (pqc__cut_codes_valid(c, 0, l)) {
+        sl = 0;
+    } else if (pqc__cut_codes_valid(c, 1, l)) {
+        sl = 1;
+    } else {
         sl = u->last_slot ^ 1;
         if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
     }
@@ -7440,7 +7504,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     }
     PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
     /* prefetch the next layer's codes while this one finishes */
-    if (nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
+    if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
         !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
         return r;
     PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
@@ -7453,9 +7517,10 @@ static size_t pqc__cut_device_bytes(const pqc_cache *c)
 {
     const struct pqc__cut *u = c->cu;
     size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
+    int i;
     b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
     b += L * nkv * tab * (size_t)u->dsub * sizeof(float);                 /* centroids */
-    b += u->code_cap[0] + u->code_cap[1];                                 /* codes */
+    for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
     b += nkv * u->s_cap * 8 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k */
     b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
     b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
@@ -7763,6 +7828,7 @@ static size_t pqc__cut_device_bytes(const pqc_cache *c)
     (void)c;
     return 0;
 }
+static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->alloc; }
 static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot)
 {
     (void)c;

@@ -257,8 +257,9 @@ static int prefill_both(pair *p, int layers, const float *k, const float *v, siz
 typedef struct shape {
     int L, hkv, hq, d, m, bits, steps;
     size_t n1, n2;
+    int resident; /* codes_resident */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700 };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0 };
 
 static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, const shape *sh)
 {
@@ -273,6 +274,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.kv_dtype = dt;
     cd.pq.m = sh->m;
     cd.pq.bits = sh->bits;
+    cd.codes_resident = sh->resident;
     memset(&st, 0, sizeof st);
     ASSERT(pair_open(&p, &cd));
     ASSERT_EQ(1, pqc_cache_on_device(p.cg));
@@ -338,11 +340,24 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700 };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0 };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
-TEST decode_matches_cpu_softmax_fp16(void) { return decode_matches(PQC_GQA_SOFTMAX_SUM, PQC_F16); }
-TEST decode_matches_cpu_sum_bf16(void) { return decode_matches(PQC_GQA_SUM, PQC_BF16); }
+/* three layers through two code buffers: every select finds its codes prefetched */
+TEST decode_matches_cpu_softmax_fp16(void)
+{
+    shape sh = g_small;
+    sh.L = 3;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
+}
+/* every layer's codes resident in device memory */
+TEST decode_matches_cpu_sum_bf16_resident(void)
+{
+    shape sh = g_small;
+    sh.resident = 1;
+    sh.L = 3; /* three layers, three code buffers */
+    return decode_matches_shape(PQC_GQA_SUM, PQC_BF16, &sh);
+}
 
 /* fetch_device on the engine's own stream: the rows read back equal the CPU cache's */
 TEST device_fetch_on_engine_stream(void)
@@ -716,7 +731,7 @@ SUITE(cuda_tier)
     RUN_TEST(misuse_gets_result_codes);
     RUN_TEST(decode_matches_cpu_sum_fp32);
     RUN_TEST(decode_matches_cpu_softmax_fp16);
-    RUN_TEST(decode_matches_cpu_sum_bf16);
+    RUN_TEST(decode_matches_cpu_sum_bf16_resident);
     RUN_TEST(decode_matches_cpu_long_subvectors);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
