@@ -130,6 +130,9 @@ typedef struct pqc_matrix {
     size_t row_stride;
 } pqc_matrix;
 
+/* A packed fp32 matrix view: rows x cols floats, row after row. */
+PQCDEF pqc_matrix pqc_matrix_f32(const float *data, size_t rows, size_t cols);
+
 /* fp16 / bf16 conversions (round to nearest even; NaN stays NaN). Thread-safe. */
 PQCDEF float pqc_f16_to_f32(uint16_t h);
 PQCDEF uint16_t pqc_f32_to_f16(float f);
@@ -3517,6 +3520,17 @@ static void pqc__store_free(pqc_cache *c, void *p)
     if (!p) return;
     if (c->cu) pqc__cut_host_free(c, p);
     else pqc__free(&c->alloc, p);
+}
+
+PQCDEF pqc_matrix pqc_matrix_f32(const float *data, size_t rows, size_t cols)
+{
+    pqc_matrix m;
+    memset(&m, 0, sizeof m);
+    m.data = data;
+    m.dtype = PQC_F32;
+    m.rows = rows;
+    m.cols = cols;
+    return m;
 }
 
 static pqc_result pqc__cfail(const pqc_cache *c, pqc_result r, const char *fmt, ...)

@@ -36,17 +36,6 @@ static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
     return cd;
 }
 
-static pqc_matrix mat(const float *x, size_t rows, size_t cols)
-{
-    pqc_matrix m;
-    memset(&m, 0, sizeof m);
-    m.data = x;
-    m.dtype = PQC_F32;
-    m.rows = rows;
-    m.cols = cols;
-    return m;
-}
-
 static float *rand_rows(size_t n, size_t cols)
 {
     float *x = (float *)malloc(n * cols * sizeof(float));
@@ -59,7 +48,7 @@ static float *rand_rows(size_t n, size_t cols)
 static pqc_result prefill_all(pqc_cache *c, int layers, const float *k, const float *v, size_t n, size_t cols)
 {
     int l;
-    pqc_matrix km = mat(k, n, cols), vm = mat(v, n, cols);
+    pqc_matrix km = pqc_matrix_f32(k, n, cols), vm = pqc_matrix_f32(v, n, cols);
     pqc_result r;
     for (l = 0; l < layers; l++)
         if ((r = pqc_cache_prefill(c, l, &km, &vm)) != PQC_SUCCESS) return r;
@@ -636,8 +625,8 @@ TEST multi_turn_codes_then_rebuilds(void)
     cd.rebuild_share = 0.3;
     cd.budget_ratio = 0.05;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
-    km = mat(k, 2000, 32);
-    vm = mat(v, 2000, 32);
+    km = pqc_matrix_f32(k, 2000, 32);
+    vm = pqc_matrix_f32(v, 2000, 32);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &vm));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
@@ -645,8 +634,8 @@ TEST multi_turn_codes_then_rebuilds(void)
     ASSERT_EQ((uint64_t)0, st.rebuilds);
     /* the next turn: a needle in the new chunk; coded with the old codebook, then rebuilt */
     for (e = 0; e < 32; e++) k[3000 * 32 + e] = (e % 2 ? 9.0f : -9.0f);
-    km = mat(k + 2000 * 32, 2000, 32);
-    vm = mat(v + 2000 * 32, 2000, 32);
+    km = pqc_matrix_f32(k + 2000 * 32, 2000, 32);
+    vm = pqc_matrix_f32(v + 2000 * 32, 2000, 32);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &vm));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
@@ -736,7 +725,7 @@ TEST bad_inputs_leave_cache_intact(void)
     pqc_cache *c;
     pqc_selection sel;
     float *k = rand_rows(300, 32), *v = rand_rows(300, 32), q[64], row[32];
-    pqc_matrix km = mat(k, 300, 32), vm = mat(v, 300, 32);
+    pqc_matrix km = pqc_matrix_f32(k, 300, 32), vm = pqc_matrix_f32(v, 300, 32);
     int i;
     cd.max_tokens = 400;
     for (i = 0; i < 64; i++) q[i] = frand();

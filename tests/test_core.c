@@ -19,17 +19,6 @@ static pqc_runtime *make_rt(int threads, pqc_simd simd)
     return rt;
 }
 
-static pqc_matrix mat_f32(const float *x, size_t rows, size_t cols)
-{
-    pqc_matrix m;
-    memset(&m, 0, sizeof m);
-    m.data = x;
-    m.dtype = PQC_F32;
-    m.rows = rows;
-    m.cols = cols;
-    return m;
-}
-
 static pqc_pq_desc pq_desc(int m, int bits, int iters, uint64_t seed)
 {
     pqc_pq_desc d;
@@ -114,7 +103,7 @@ TEST kmeans_objective_monotone_and_beats_random(void)
     sy.n_needles = 3;
     sy.seed = 11;
     ASSERT_EQ(0, synth_make(&sy));
-    keys = mat_f32(sy.keys, sy.s, 64);
+    keys = pqc_matrix_f32(sy.keys, sy.s, 64);
     d.objective = obj;
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
     for (j = 0; j < 4; j++)
@@ -142,7 +131,7 @@ TEST kmeans_few_distinct_keys(void)
     float x[30 * 8];
     pqc_pq pq;
     pqc_pq_desc d = pq_desc(2, 4, 5, 1);
-    pqc_matrix keys = mat_f32(x, 30, 8);
+    pqc_matrix keys = pqc_matrix_f32(x, 30, 8);
     double mse;
     int i, e, init;
     for (init = 0; init < 2; init++) {
@@ -177,7 +166,7 @@ TEST kmeans_reproducible(void)
     sy.seed = 5;
     ASSERT(r1 && r2);
     ASSERT_EQ(0, synth_make(&sy));
-    keys = mat_f32(sy.keys, sy.s, 32);
+    keys = pqc_matrix_f32(sy.keys, sy.s, 32);
     d.max_points_per_centroid = 40; /* forces sampling */
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(r1, &d, &keys, &a));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(r2, &d, &keys, &b));
@@ -223,7 +212,7 @@ TEST half_precision_keys(void)
             h16[t * stride + e] = pqc_f32_to_f16(sy.keys[t * 32 + e]);
             b16[t * stride + e] = pqc_f32_to_bf16(sy.keys[t * 32 + e]);
         }
-    k32 = mat_f32(sy.keys, sy.s, 32);
+    k32 = pqc_matrix_f32(sy.keys, sy.s, 32);
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &k32, &p32));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_mse(NULL, &p32, &k32, &m32));
     for (dt = 1; dt <= 2; dt++) {
@@ -260,7 +249,7 @@ TEST codes_are_nearest_centroids(void)
         pqc_pq pq;
         pqc_codes codes;
         pqc_pq_desc d = pq_desc(3, bits, 4, (uint64_t)bits);
-        pqc_matrix keys = mat_f32(sy.keys, sy.s, 24);
+        pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 24);
         size_t t;
         int j, c;
         ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
@@ -312,7 +301,7 @@ TEST lut_scores_equal_reconstructed_dots(void)
     sy.n_needles = 2;
     sy.seed = 4;
     ASSERT_EQ(0, synth_make(&sy));
-    keys = mat_f32(sy.keys, sy.s, 64);
+    keys = pqc_matrix_f32(sy.keys, sy.s, 64);
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
     ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, sy.s, NULL));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
@@ -427,7 +416,7 @@ TEST needles_always_retrieved(void)
         sy.n_needles = 5;
         sy.seed = seed;
         ASSERT_EQ(0, synth_make(&sy));
-        keys = mat_f32(sy.keys, sy.s, 128);
+        keys = pqc_matrix_f32(sy.keys, sy.s, 128);
         ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
         ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, sy.s, NULL));
         ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
@@ -463,7 +452,7 @@ TEST exact_search_matches_reference(void)
     sy.n_needles = 2;
     sy.seed = 12;
     ASSERT_EQ(0, synth_make(&sy));
-    keys = mat_f32(sy.keys, sy.s, 40);
+    keys = pqc_matrix_f32(sy.keys, sy.s, 40);
     sc = (float *)malloc(sy.s * sizeof(float));
     idx = (uint32_t *)malloc(300 * sizeof(uint32_t));
     ref = (uint32_t *)malloc(300 * sizeof(uint32_t));
@@ -525,7 +514,7 @@ TEST simd_matches_scalar(void)
         pqc_codes codes[3];
         float *sc[3];
         uint32_t *ix[3];
-        pqc_matrix keys = mat_f32(sy.keys, sy.s, 48);
+        pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 48);
         pqc_pq_desc d = pq_desc(bits == 8 ? 2 : 3, bits, 4, 17);
         pqc_search_desc sd;
         memset(&sd, 0, sizeof sd);
@@ -569,7 +558,7 @@ TEST simd_matches_scalar(void)
     /* exact path as well */
     {
         float *e[3];
-        pqc_matrix keys = mat_f32(sy.keys, sy.s, 48);
+        pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 48);
         for (li = 0; li < nl; li++) {
             pqc_runtime *rt = make_rt(-1, lv[li]);
             e[li] = (float *)malloc(sy.s * sizeof(float));
@@ -631,7 +620,7 @@ TEST bad_inputs(void)
     pqc_codes codes;
     pqc_pq_desc d;
     pqc_search_desc sd;
-    pqc_matrix keys = mat_f32(x, 64, 16);
+    pqc_matrix keys = pqc_matrix_f32(x, 64, 16);
     uint32_t idx[100];
     size_t i;
     for (i = 0; i < 64 * 16; i++) x[i] = (float)((i * 37) % 11) - 5.0f;
@@ -745,7 +734,7 @@ static pqc_result pipeline(fail_alloc *fa, const synth *sy, int threads)
     pqc_pq_desc d = pq_desc(4, 5, 3, 9);
     pqc_search_desc sd;
     pqc_scratch scr;
-    pqc_matrix keys = mat_f32(sy->keys, sy->s, (size_t)sy->d);
+    pqc_matrix keys = pqc_matrix_f32(sy->keys, sy->s, (size_t)sy->d);
     uint32_t idx[50];
     pqc_result r;
     memset(&rd, 0, sizeof rd);
@@ -833,7 +822,7 @@ TEST engine_job_callback(void)
     sy.g = 1;
     sy.seed = 2;
     ASSERT_EQ(0, synth_make(&sy));
-    keys = mat_f32(sy.keys, sy.s, 16);
+    keys = pqc_matrix_f32(sy.keys, sy.s, 16);
     memset(&rd, 0, sizeof rd);
     rd.submit = inline_submit;
     rd.submit_user = &calls;

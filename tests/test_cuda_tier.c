@@ -95,18 +95,19 @@ static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
     return cd;
 }
 
-static pqc_matrix mat(const float *x, size_t rows, size_t cols)
+/* one head's synthetic keys: n tokens of d dims, 8 needles, one query */
+static int synth_head(synth *sy, size_t n, int d, uint64_t seed)
 {
-    pqc_matrix m;
-    memset(&m, 0, sizeof m);
-    m.data = x;
-    m.dtype = PQC_F32;
-    m.rows = rows;
-    m.cols = cols;
-    return m;
+    memset(sy, 0, sizeof *sy);
+    sy->s = n;
+    sy->d = d;
+    sy->g = 1;
+    sy->n_needles = 8;
+    sy->seed = seed;
+    return synth_make(sy);
 }
 
-/* keys with structure (clusters + needles, synth.h) for head h of every layer */
+/* keys with structure (clusters + needles, synth.h): head h from seed + h */
 static float *make_keys(size_t n, int hkv, int d, uint64_t seed)
 {
     float *k = (float *)malloc(n * (size_t)hkv * d * sizeof(float));
@@ -114,13 +115,7 @@ static float *make_keys(size_t n, int hkv, int d, uint64_t seed)
     size_t t;
     for (h = 0; h < hkv; h++) {
         synth sy;
-        memset(&sy, 0, sizeof sy);
-        sy.s = n;
-        sy.d = d;
-        sy.g = 1;
-        sy.n_needles = 8;
-        sy.seed = seed + (uint64_t)h;
-        if (synth_make(&sy) != 0) {
+        if (synth_head(&sy, n, d, seed + (uint64_t)h) != 0) {
             free(k);
             return NULL;
         }
@@ -242,7 +237,7 @@ static int append_both(pair *p, int layer, const float *k, const float *v)
 static int prefill_both(pair *p, int layers, const float *k, const float *v, size_t n, size_t cols)
 {
     int l;
-    pqc_matrix km = mat(k, n, cols), vm = mat(v, n, cols);
+    pqc_matrix km = pqc_matrix_f32(k, n, cols), vm = pqc_matrix_f32(v, n, cols);
     for (l = 0; l < layers; l++) {
         if (pqc_cache_prefill(p->cc, l, &km, &vm) != PQC_SUCCESS) return 0;
         if (pqc_cache_prefill(p->cg, l, &km, &vm) != PQC_SUCCESS) {
@@ -373,7 +368,7 @@ TEST device_fetch_on_engine_stream(void)
     void *stream = NULL, *ctx = NULL;
     float *k = make_keys(n, hkv, d, 5), *v = rand_rows(n, (size_t)hkv * d), *q = rand_rows(1, (size_t)hq * d);
     float *kc = (float *)malloc(2 * n * hkv * d * sizeof(float)), *row = (float *)malloc((size_t)d * sizeof(float));
-    pqc_matrix km = mat(k, n, (size_t)hkv * d), vm = mat(v, n, (size_t)hkv * d);
+    pqc_matrix km = pqc_matrix_f32(k, n, (size_t)hkv * d), vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
     int h;
     size_t i;
     cd.gqa = PQC_GQA_SUM;
@@ -566,8 +561,8 @@ TEST device_allocation_failure(void)
     k = make_keys(n, hkv, d, 21);
     v = rand_rows(n, (size_t)hkv * d);
     q = rand_rows(1, (size_t)hq * d);
-    km = mat(k, n, (size_t)hkv * d);
-    vm = mat(v, n, (size_t)hkv * d);
+    km = pqc_matrix_f32(k, n, (size_t)hkv * d);
+    vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
     cd.gqa = PQC_GQA_SUM;
     rg = make_rt(PQC_BACKEND_CUDA);
     rc = make_rt(PQC_BACKEND_CPU);
@@ -652,14 +647,8 @@ TEST device_kmeans(void)
     synth sy;
     int j;
     ASSERT(rg && rc);
-    memset(&sy, 0, sizeof sy);
-    sy.s = n;
-    sy.d = d;
-    sy.g = 1;
-    sy.n_needles = 8;
-    sy.seed = 41;
-    ASSERT_EQ(0, synth_make(&sy));
-    km = mat(sy.keys, n, (size_t)d);
+    ASSERT_EQ(0, synth_head(&sy, n, d, 41));
+    km = pqc_matrix_f32(sy.keys, n, (size_t)d);
     memset(&pd, 0, sizeof pd);
     pd.m = 2;
     pd.bits = 6;
@@ -686,7 +675,7 @@ TEST device_kmeans(void)
         pqc_cache *c;
         pqc_selection sel;
         float *k = make_keys(n, hkv, d, 13), *v = rand_rows(n, (size_t)hkv * d), *q;
-        pqc_matrix kk = mat(k, n, (size_t)hkv * d), vv = mat(v, n, (size_t)hkv * d);
+        pqc_matrix kk = pqc_matrix_f32(k, n, (size_t)hkv * d), vv = pqc_matrix_f32(v, n, (size_t)hkv * d);
         pqc_layer_stats st;
         synth s0;
         int found = 0, h;
@@ -698,14 +687,8 @@ TEST device_kmeans(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &kk, &vv));
-        /* head 0's query and needles, from the same synth as make_keys(., ., ., 13) */
-        memset(&s0, 0, sizeof s0);
-        s0.s = n;
-        s0.d = d;
-        s0.g = 1;
-        s0.n_needles = 8;
-        s0.seed = 13;
-        ASSERT_EQ(0, synth_make(&s0));
+        /* head 0's query and needles: the synth behind make_keys(., ., ., 13) */
+        ASSERT_EQ(0, synth_head(&s0, n, d, 13));
         q = (float *)calloc((size_t)hq * d, sizeof(float));
         for (h = 0; h < hq; h++) memcpy(q + (size_t)h * d, s0.queries, (size_t)d * sizeof(float));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
