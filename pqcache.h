@@ -18,6 +18,11 @@
    before it. Link with -lm -lpthread (and -ldl on glibc older than 2.34). Nothing else:
    CUDA, NVRTC and cuBLASLt are opened at run time when present.
 
+   GPU: a runtime created with backend PQC_BACKEND_CUDA (or AUTO, where a GPU is usable)
+   compiles the kernels of pqcache_kernels.cu (embedded below) with NVRTC, and every
+   sequence cache made on it keeps its device tier on the GPU. Environment:
+   PQC_CUDA_DRIVER_PATH (a libcuda to open instead of libcuda.so.1), PQC_NVRTC_PATH.
+
    CONFIGURATION MACROS (define before including the implementation)
    ----------------------------------------------------------------
    PQCACHE_STATIC         make every public function static (private to one file).
