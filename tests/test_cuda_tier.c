@@ -709,6 +709,81 @@ TEST device_kmeans(void)
     PASS();
 }
 
+/* several sequences on one CUDA runtime, selected and fetched in parallel on the pool */
+TEST batch_on_device_matches_cpu(void)
+{
+    enum { NS = 3 };
+    const int hkv = 2, hq = 4, d = 32;
+    const size_t n = 1100;
+    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA), *rc = make_rt(PQC_BACKEND_CPU);
+    pqc_cache *cg[NS], *cc[NS];
+    pqc_selection sg[NS], sc[NS];
+    pqc_kv_out og[NS], oc[NS];
+    const float *qs[NS];
+    pqc_selection *psg[NS], *psc[NS];
+    const pqc_selection *cpsg[NS], *cpsc[NS];
+    const pqc_kv_out *pog[NS], *poc[NS];
+    float *k[NS], *v, *q, *buf;
+    size_t rows = n * hkv * d;
+    int i, h;
+    ASSERT(rg && rc);
+    v = rand_rows(n, (size_t)hkv * d);
+    q = rand_rows(NS, (size_t)hq * d);
+    buf = (float *)malloc(4 * NS * rows * sizeof(float));
+    ASSERT(v && q && buf);
+    for (i = 0; i < NS; i++) {
+        pqc_matrix km, vm;
+        k[i] = make_keys(n, hkv, d, 100 + (uint64_t)i * 7);
+        ASSERT(k[i]);
+        km = pqc_matrix_f32(k[i], n, (size_t)hkv * d);
+        vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &cg[i]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rc, &cd, &cc[i]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cg[i], &sg[i]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cc[i], &sc[i]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(cg[i], 0, &km, &vm));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(cc[i], 0, &km, &vm));
+        qs[i] = q + (size_t)i * hq * d;
+        psg[i] = &sg[i];
+        psc[i] = &sc[i];
+        cpsg[i] = &sg[i];
+        cpsc[i] = &sc[i];
+        og[i].k = buf + (size_t)i * 4 * rows;
+        og[i].v = og[i].k + rows;
+        oc[i].k = og[i].v + rows;
+        oc[i].v = oc[i].k + rows;
+        og[i].head_stride = oc[i].head_stride = n;
+        pog[i] = &og[i];
+        poc[i] = &oc[i];
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(cg, NS, 0, qs, psg));
+    ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(cc, NS, 0, qs, psc));
+    ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(cg, NS, 0, cpsg, pog));
+    ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(cc, NS, 0, cpsc, poc));
+    for (i = 0; i < NS; i++)
+        for (h = 0; h < hkv; h++) {
+            size_t cnt = sc[i].count[h];
+            ASSERT_EQ(cnt, sg[i].count[h]);
+            ASSERT_MEM_EQ(sc[i].idx + (size_t)h * sc[i].capacity, sg[i].idx + (size_t)h * sg[i].capacity, cnt * 4);
+            ASSERT_MEM_EQ(oc[i].k + (size_t)h * n * d, og[i].k + (size_t)h * n * d, cnt * d * sizeof(float));
+            ASSERT_MEM_EQ(oc[i].v + (size_t)h * n * d, og[i].v + (size_t)h * n * d, cnt * d * sizeof(float));
+        }
+    for (i = 0; i < NS; i++) {
+        pqc_selection_free(&sg[i]);
+        pqc_selection_free(&sc[i]);
+        pqc_cache_destroy(cg[i]);
+        pqc_cache_destroy(cc[i]);
+        free(k[i]);
+    }
+    pqc_runtime_destroy(rg);
+    pqc_runtime_destroy(rc);
+    free(v);
+    free(q);
+    free(buf);
+    PASS();
+}
+
 SUITE(cuda_tier)
 {
     RUN_TEST(misuse_gets_result_codes);
@@ -720,6 +795,7 @@ SUITE(cuda_tier)
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_allocation_failure);
     RUN_TEST(device_kmeans);
+    RUN_TEST(batch_on_device_matches_cpu);
 }
 
 GREATEST_MAIN_DEFS();
@@ -736,7 +812,7 @@ int main(int argc, char **argv)
         size_t i, found = env && dlopen(env, RTLD_NOW | RTLD_LOCAL);
         for (i = 0; !found && i < sizeof nvrtc / sizeof nvrtc[0]; i++) found = dlopen(nvrtc[i], RTLD_NOW | RTLD_LOCAL) != NULL;
         if (!found) { /* the kernels cannot be built: nothing here can run */
-            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 9 skipped\n");
+            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 10 skipped\n");
             return 0;
         }
     }
