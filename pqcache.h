@@ -6853,11 +6853,13 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
         pqc__free(&rt->alloc, cr);
         return res;
     }
+    /* the scan kernels keep the lookup tables in dynamic shared memory; past the default
+       48 KiB they must opt in, leaving room for their own static arrays (2 KiB) */
     cr->smem_limit = PQC__CU_SMEM_DEFAULT;
-    if (cr->dev.smem_optin > PQC__CU_SMEM_DEFAULT &&
-        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin) == 0 &&
-        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin) == 0)
-        cr->smem_limit = cr->dev.smem_optin;
+    if (cr->dev.smem_optin - 8192 > PQC__CU_SMEM_DEFAULT &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0 &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0)
+        cr->smem_limit = cr->dev.smem_optin - 8192;
     snprintf(why, why_size, "%s, compute capability %d.%d, %d SMs, kernels %s", cr->dev.name, cr->dev.cc_major,
              cr->dev.cc_minor, cr->dev.sm_count, from_cache ? "from the kernel cache" : "compiled by NVRTC");
     rt->cu = cr;

@@ -188,7 +188,10 @@ template <class T> bool check_arg(T *const &p, const char *kernel)
 
 struct Kernel {
     std::function<CUresult(void **, const Launch &, Stream *)> launch;
+    unsigned static_smem = 0;   /* static __shared__ bytes (where dynamic memory is used too) */
+    unsigned max_dynamic = 49152; /* CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES */
 };
+const unsigned SMEM_OPTIN = 232448; /* cuDeviceGetAttribute 97 below */
 
 template <class... A, size_t... I>
 CUresult launch_impl(const char *name, void (*f)(A...), void **p, const Launch &L, Stream *s,
@@ -253,6 +256,7 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_kmeans_assign);
         K(pqc_kmeans_update);
 #undef K
+        k["pqc_scan_stats"].static_smem = 2 * 256 * 4; /* red_m, red_s */
     }
     return k;
 }
@@ -292,7 +296,7 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int)
     case 19: *v = 1; break;       /* can map host memory */
     case 75: *v = 9; break;       /* compute capability 9.0 */
     case 76: *v = 0; break;
-    case 97: *v = 232448; break;  /* opt-in shared memory per block */
+    case 97: *v = (int)SMEM_OPTIN; break; /* opt-in shared memory per block */
     default: *v = 0; break;
     }
     return OK;
@@ -318,7 +322,21 @@ CUresult cuModuleGetFunction(void **fn, void *, const char *name)
     *fn = &it->second;
     return OK;
 }
-CUresult cuFuncSetAttribute(void *, int, int) { return OK; }
+CUresult cuFuncSetAttribute(void *fn, int attr, int value)
+{
+    EMU_LOCK;
+    Kernel *k = (Kernel *)fn;
+    if (!k) return ERR_INVALID_HANDLE;
+    if (attr == 8) { /* max dynamic shared memory: with the static part, within the opt-in */
+        if (value < 0 || (unsigned)value + k->static_smem > SMEM_OPTIN) {
+            fprintf(stderr, "cuda-emu: cuFuncSetAttribute: %d bytes of dynamic shared memory + %u static exceed %u\n",
+                    value, k->static_smem, SMEM_OPTIN);
+            return ERR_INVALID_VALUE;
+        }
+        k->max_dynamic = (unsigned)value;
+    }
+    return OK;
+}
 CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned smem, void *stream, void **params, void **extra)
 {
@@ -326,6 +344,11 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     if (!fn || extra || gz != 1 || bx != 256 || by != 1 || bz != 1) return ERR_INVALID_VALUE;
     if (gx == 0 || gy == 0) return ERR_INVALID_VALUE;
     Launch L = { gx, gy, smem };
+    if (smem > ((Kernel *)fn)->max_dynamic) {
+        fprintf(stderr, "cuda-emu: launch with %u bytes of dynamic shared memory, the kernel allows %u\n", smem,
+                ((Kernel *)fn)->max_dynamic);
+        return ERR_INVALID_VALUE;
+    }
     return ((Kernel *)fn)->launch(params, L, S(stream));
 }
 /* Test control (not part of the driver API): the device allocation after the next n

@@ -201,7 +201,7 @@ static void k_lut_build(int n_kv, dptr q, long long q_hs, dptr cent, long long c
 static unsigned scan_smem(int n_luts, int m, int b, int *use_smem, int force_global)
 {
     long long bytes = (long long)n_luts * m * (1 << b) * 4;
-    long long limit = D.smem_optin > 49152 ? D.smem_optin : 49152;
+    long long limit = D.smem_optin - 8192 > 49152 ? D.smem_optin - 8192 : 49152;
     *use_smem = !force_global && bytes <= limit;
     return *use_smem ? (unsigned)bytes : 0u;
 }
@@ -1519,9 +1519,9 @@ int main(int argc, char **argv)
     }
     st = pqc__cu_get_functions(&A, mod, knames, F, K_N);
     if (st != PQC__CU_OK) fatal(A.msg);
-    if (D.smem_optin > 49152) {
-        CU(A.cuFuncSetAttribute(F[K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, D.smem_optin));
-        CU(A.cuFuncSetAttribute(F[K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, D.smem_optin));
+    if (D.smem_optin - 8192 > 49152) { /* dynamic + static shared memory must fit the opt-in */
+        CU(A.cuFuncSetAttribute(F[K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, D.smem_optin - 8192));
+        CU(A.cuFuncSetAttribute(F[K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, D.smem_optin - 8192));
     }
     CU(A.cuStreamCreate(&S, PQC__CU_STREAM_NON_BLOCKING));
 
