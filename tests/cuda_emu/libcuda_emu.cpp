@@ -272,6 +272,16 @@ int g_module_tag, g_ctx_tag;
 /* one lock for the whole driver: pqcache calls it from its pool threads too (k-means) */
 std::recursive_mutex g_mu;
 #define EMU_LOCK std::lock_guard<std::recursive_mutex> emu_lock_(g_mu)
+/* the context current on the calling thread: calls that need one fail without it, as
+   on a GPU (each thread must make the context current itself) */
+thread_local void *t_ctx;
+#define NEED_CTX                                                                         \
+    do {                                                                                 \
+        if (!t_ctx) {                                                                    \
+            fprintf(stderr, "cuda-emu: %s without a current context\n", __func__);       \
+            return 201; /* CUDA_ERROR_INVALID_CONTEXT */                                 \
+        }                                                                                \
+    } while (0)
 long g_fail_alloc = -1; /* device allocations left before one fails; -1: never */
 
 } // namespace
@@ -304,11 +314,16 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int)
 CUresult cuDeviceTotalMem_v2(size_t *b, int) { *b = (size_t)16 << 30; return OK; }
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int) { *ctx = &g_ctx_tag; return OK; }
 CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
-CUresult cuCtxSetCurrent(void *) { return OK; }
-CUresult cuCtxSynchronize(void) { EMU_LOCK; run_everything(); return OK; }
+CUresult cuCtxSetCurrent(void *ctx)
+{
+    t_ctx = ctx;
+    return OK;
+}
+CUresult cuCtxSynchronize(void) { EMU_LOCK; NEED_CTX; run_everything(); return OK; }
 CUresult cuModuleLoadData(void **mod, const void *image)
 {
     EMU_LOCK;
+    NEED_CTX;
     if (!image) return ERR_INVALID_VALUE;
     *mod = &g_module_tag;
     return OK;
@@ -317,6 +332,7 @@ CUresult cuModuleUnload(void *) { return OK; }
 CUresult cuModuleGetFunction(void **fn, void *, const char *name)
 {
     EMU_LOCK;
+    NEED_CTX;
     auto it = kernels().find(name);
     if (it == kernels().end()) return ERR_NOT_FOUND;
     *fn = &it->second;
@@ -341,6 +357,7 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
                         unsigned smem, void *stream, void **params, void **extra)
 {
     EMU_LOCK;
+    NEED_CTX;
     if (!fn || extra || gz != 1 || bx != 256 || by != 1 || bz != 1) return ERR_INVALID_VALUE;
     if (gx == 0 || gy == 0) return ERR_INVALID_VALUE;
     Launch L = { gx, gy, smem };
@@ -358,6 +375,7 @@ void pqc_emu_fail_alloc_after(long n) { g_fail_alloc = n; }
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 {
     EMU_LOCK;
+    NEED_CTX;
     void *m;
     if (g_fail_alloc >= 0 && g_fail_alloc-- == 0) return ERR_OOM;
     m = aligned(n);
@@ -371,6 +389,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 CUresult cuMemFree_v2(CUdeviceptr p)
 {
     EMU_LOCK;
+    NEED_CTX;
     run_everything();
     auto it = g_regions.find((uintptr_t)p);
     if (it == g_regions.end() || !it->second.device) return complain("cuMemFree", (uintptr_t)p, 0);
@@ -382,6 +401,7 @@ CUresult cuMemFree_v2(CUdeviceptr p)
 CUresult cuMemGetInfo_v2(size_t *fr, size_t *total)
 {
     EMU_LOCK;
+    NEED_CTX;
     *total = (size_t)16 << 30;
     *fr = *total - g_device_bytes;
     return OK;
@@ -389,6 +409,7 @@ CUresult cuMemGetInfo_v2(size_t *fr, size_t *total)
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned)
 {
     EMU_LOCK;
+    NEED_CTX;
     void *m = aligned(n);
     if (!m) return ERR_OOM;
     g_regions[(uintptr_t)m] = Region{ n, false, true };
@@ -398,6 +419,7 @@ CUresult cuMemHostAlloc(void **p, size_t n, unsigned)
 CUresult cuMemFreeHost(void *p)
 {
     EMU_LOCK;
+    NEED_CTX;
     run_everything();
     auto it = g_regions.find((uintptr_t)p);
     if (it == g_regions.end() || !it->second.pinned) return complain("cuMemFreeHost", (uintptr_t)p, 0);
@@ -408,6 +430,7 @@ CUresult cuMemFreeHost(void *p)
 CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned)
 {
     EMU_LOCK;
+    NEED_CTX;
     if (!is_pinned(p, 1)) return complain("cuMemHostGetDevicePointer", (uintptr_t)p, 1);
     *d = (CUdeviceptr)(uintptr_t)p;
     return OK;
@@ -415,12 +438,14 @@ CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned)
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned)
 {
     EMU_LOCK;
+    NEED_CTX;
     g_regions[(uintptr_t)p] = Region{ n, false, true };
     return OK;
 }
 CUresult cuMemHostUnregister(void *p)
 {
     EMU_LOCK;
+    NEED_CTX;
     run_everything();
     g_regions.erase((uintptr_t)p);
     return OK;
@@ -449,6 +474,7 @@ static CUresult copy_out(void *dst, CUdeviceptr src, size_t n, Stream *s)
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 {
     EMU_LOCK;
+    NEED_CTX;
     run_everything();
     CUresult r = copy_in(dst, src, n, &g_default);
     run_all(&g_default);
@@ -457,16 +483,18 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
 {
     EMU_LOCK;
+    NEED_CTX;
     run_everything();
     CUresult r = copy_out(dst, src, n, &g_default);
     run_all(&g_default);
     return r;
 }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) { EMU_LOCK; return copy_in(dst, src, n, S(s)); }
-CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) { EMU_LOCK; return copy_out(dst, src, n, S(s)); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *s) { EMU_LOCK; NEED_CTX; return copy_in(dst, src, n, S(s)); }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) { EMU_LOCK; NEED_CTX; return copy_out(dst, src, n, S(s)); }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *s)
 {
     EMU_LOCK;
+    NEED_CTX;
     if (!is_device((uintptr_t)dst, n) || !is_device((uintptr_t)src, n)) return complain("copy on device", (uintptr_t)dst, n);
     enqueue(S(s), [dst, src, n]() { memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n); });
     return OK;
@@ -474,6 +502,7 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s)
 {
     EMU_LOCK;
+    NEED_CTX;
     if (!is_device((uintptr_t)dst, n)) return complain("cuMemsetD8Async", (uintptr_t)dst, n);
     enqueue(S(s), [dst, v, n]() { memset((void *)(uintptr_t)dst, v, n); });
     return OK;
@@ -481,6 +510,7 @@ CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *s)
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *s)
 {
     EMU_LOCK;
+    NEED_CTX;
     if (!is_device((uintptr_t)dst, n * 4)) return complain("cuMemsetD32Async", (uintptr_t)dst, n * 4);
     enqueue(S(s), [dst, v, n]() {
         unsigned *p = (unsigned *)(uintptr_t)dst;
@@ -491,6 +521,7 @@ CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *s)
 CUresult cuStreamCreate(void **s, unsigned)
 {
     EMU_LOCK;
+    NEED_CTX;
     Stream *x = new Stream();
     g_streams.push_back(x);
     *s = x;
@@ -499,6 +530,7 @@ CUresult cuStreamCreate(void **s, unsigned)
 CUresult cuStreamDestroy_v2(void *s)
 {
     EMU_LOCK;
+    NEED_CTX;
     Stream *x = (Stream *)s;
     run_all(x);
     for (size_t i = 0; i < g_streams.size(); i++)
@@ -509,10 +541,11 @@ CUresult cuStreamDestroy_v2(void *s)
         }
     return ERR_INVALID_HANDLE;
 }
-CUresult cuStreamSynchronize(void *s) { EMU_LOCK; run_all(S(s)); return OK; }
+CUresult cuStreamSynchronize(void *s) { EMU_LOCK; NEED_CTX; run_all(S(s)); return OK; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned)
 {
     EMU_LOCK;
+    NEED_CTX;
     Event ev = *(Event *)e; /* the event as recorded now */
     if (!ev.s) return OK;
     enqueue(S(s), [ev]() { run_until(ev.s, ev.seq); });
@@ -521,6 +554,7 @@ CUresult cuStreamWaitEvent(void *s, void *e, unsigned)
 CUresult cuEventCreate(void **e, unsigned)
 {
     EMU_LOCK;
+    NEED_CTX;
     *e = new Event();
     return OK;
 }
@@ -533,6 +567,7 @@ CUresult cuEventDestroy_v2(void *e)
 CUresult cuEventRecord(void *e, void *s)
 {
     EMU_LOCK;
+    NEED_CTX;
     Stream *x = S(s);
     Event *ev = (Event *)e;
     ev->s = x;
@@ -543,6 +578,7 @@ CUresult cuEventRecord(void *e, void *s)
 CUresult cuEventSynchronize(void *e)
 {
     EMU_LOCK;
+    NEED_CTX;
     Event *ev = (Event *)e;
     if (ev->s) run_until(ev->s, ev->seq);
     return OK;
