@@ -366,7 +366,10 @@ PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path);
    Backends: where the device tier (block cache slots, sinks and window) lives.
    A backend is a small table of functions plus a context; optional entries may be NULL.
    The CPU backend keeps the device tier in its own host buffers, so hit rates and bytes
-   moved are real figures; a GPU backend implements the same table.
+   moved are real figures. This table suits tiers the host can address (its own memory,
+   another NUMA node, a pool of the engine's): the library reads slots through pointers.
+   The CUDA GPU tier, where selection and gathers must run on the device, is built in:
+   it is chosen by the runtime (PQC_BACKEND_CUDA / AUTO) when desc.backend is NULL.
    ------------------------------------------------------------------------------------- */
 
 typedef struct pqc_backend_i {
