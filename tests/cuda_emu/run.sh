@@ -8,6 +8,8 @@ set -u
 B=${1:-build}
 EMU=$(cd "$B" && pwd)/libcuda-emu.so
 export PQC_CUDA_DRIVER_PATH="$EMU"
+XDG_CACHE_HOME=$(cd "$B" && pwd)/xdg-cache  # the kernel cache of runtimes that use the default
+export XDG_CACHE_HOME
 st=0
 echo "== kernels on the stand-in driver (gpu_check --quick)"
 "$B/gpu_check" --quick --no-bench --no-blaslt --cache -
