@@ -635,6 +635,9 @@ PQCDEF const char *pqc_cuda_kernel_source(void);
 #if !defined(PQCACHE_NO_CUDA) && (defined(__unix__) || defined(__APPLE__))
 #define PQC__CUDA_LOADER 1
 #include <dlfcn.h>
+#include <errno.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 #else
 #define PQC__CUDA_LOADER 0
 #endif
@@ -6776,12 +6779,20 @@ static const char *pqc__cu_host_env(const char *name, void *u)
     return getenv(name);
 }
 
+/* the kernel cache's directories are created as needed (0755) */
+static int pqc__cu_host_mkdir(const char *path, void *u)
+{
+    (void)u;
+    return mkdir(path, 0755) == 0 || errno == EEXIST ? 0 : -1;
+}
+
 static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
 {
     memset(h, 0, sizeof *h);
     h->alloc = pqc__cu_host_alloc;
     h->free = pqc__cu_host_free;
     h->get_env = pqc__cu_host_env;
+    h->make_dir = pqc__cu_host_mkdir;
     h->user = (void *)a;
 }
 

@@ -19,6 +19,7 @@
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 static uint64_t g_rng = 777;
 static float frand(void) { return synth__normal(&g_rng); }
@@ -784,9 +785,56 @@ TEST batch_on_device_matches_cpu(void)
     PASS();
 }
 
+/* the compiled kernels are cached on disk (directories created as needed) and the next
+   runtime loads them instead of compiling */
+TEST kernel_cache_reused(void)
+{
+    pqc_runtime_desc d;
+    pqc_runtime *rt = NULL;
+    char dir[160], file[400];
+    FILE *f;
+    snprintf(dir, sizeof dir, "build/kernel-cache-test-%ld/a/b", (long)getpid());
+    memset(&d, 0, sizeof d);
+    d.backend = PQC_BACKEND_CUDA;
+    d.cuda_kernel_cache = dir;
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&d, &rt));
+    ASSERT(strstr(pqc_runtime_backend_note(rt), "compiled by NVRTC") != NULL);
+    pqc_runtime_destroy(rt);
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&d, &rt));
+    ASSERT(strstr(pqc_runtime_backend_note(rt), "from the kernel cache") != NULL);
+    pqc_runtime_destroy(rt);
+    /* a damaged image is dropped and rebuilt */
+    {
+        char cmd[600];
+        snprintf(cmd, sizeof cmd, "ls %s", dir);
+        f = popen(cmd, "r");
+        ASSERT(f != NULL);
+        ASSERT(fgets(file, sizeof file, f) != NULL);
+        pclose(f);
+        file[strcspn(file, "\n")] = 0;
+        snprintf(cmd, sizeof cmd, "%s/%s", dir, file);
+        f = fopen(cmd, "r+b");
+        ASSERT(f != NULL);
+        fseek(f, 40, SEEK_SET);
+        fputc(0x5a, f);
+        fputc(0xa5, f);
+        fclose(f);
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(PQC_BACKEND_CUDA, pqc_runtime_backend(rt));
+    pqc_runtime_destroy(rt);
+    {
+        char cmd[300];
+        snprintf(cmd, sizeof cmd, "rm -rf build/kernel-cache-test-%ld", (long)getpid());
+        ASSERT_EQ(0, system(cmd));
+    }
+    PASS();
+}
+
 SUITE(cuda_tier)
 {
     RUN_TEST(misuse_gets_result_codes);
+    RUN_TEST(kernel_cache_reused);
     RUN_TEST(decode_matches_cpu_sum_fp32);
     RUN_TEST(decode_matches_cpu_softmax_fp16);
     RUN_TEST(decode_matches_cpu_sum_bf16_resident);
@@ -812,7 +860,7 @@ int main(int argc, char **argv)
         size_t i, found = env && dlopen(env, RTLD_NOW | RTLD_LOCAL);
         for (i = 0; !found && i < sizeof nvrtc / sizeof nvrtc[0]; i++) found = dlopen(nvrtc[i], RTLD_NOW | RTLD_LOCAL) != NULL;
         if (!found) { /* the kernels cannot be built: nothing here can run */
-            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 10 skipped\n");
+            printf("SKIP cuda_tier: NVRTC not found (set PQC_NVRTC_PATH)\n0 passed, 0 failed, 11 skipped\n");
             return 0;
         }
     }
