@@ -54,6 +54,20 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader \
         2>/dev/null || true
 fi
+# NVRTC: the loader looks on the library path and in /usr/local/cuda/lib64; where CUDA
+# came as Python wheels (nvidia-cuda-nvrtc), point PQC_NVRTC_PATH at that copy
+if [ -z "${PQC_NVRTC_PATH:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so' &&
+   ! ls /usr/local/cuda/lib64/libnvrtc.so* >/dev/null 2>&1 && command -v python3 >/dev/null 2>&1; then
+    for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null); do
+        f=$(ls "$d"/nvidia/*/lib/libnvrtc.so.1[0-9]* "$d"/nvidia/cuda_nvrtc/lib/libnvrtc.so.1[0-9]* 2>/dev/null | head -n 1)
+        if [ -n "$f" ]; then
+            PQC_NVRTC_PATH=$f
+            export PQC_NVRTC_PATH
+            echo "== NVRTC: $f"
+            break
+        fi
+    done
+fi
 if [ -n "$DRIVER" ]; then
     PQC_CUDA_DRIVER_PATH=$(cd "$(dirname "$DRIVER")" && pwd)/$(basename "$DRIVER")
     export PQC_CUDA_DRIVER_PATH
