@@ -359,7 +359,7 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     EMU_LOCK;
     NEED_CTX;
     if (!fn || extra || gz != 1 || bx != 256 || by != 1 || bz != 1) return ERR_INVALID_VALUE;
-    if (gx == 0 || gy == 0) return ERR_INVALID_VALUE;
+    if (gx == 0 || gy == 0 || gy > 65535 || gx > 0x7fffffffu) return ERR_INVALID_VALUE; /* the hardware's grid limits */
     Launch L = { gx, gy, smem };
     if (smem > ((Kernel *)fn)->max_dynamic) {
         fprintf(stderr, "cuda-emu: launch with %u bytes of dynamic shared memory, the kernel allows %u\n", smem,
