@@ -185,6 +185,32 @@ __device__ __forceinline__ void pqc_online_merge(float &m1, float &s1, float m2,
     m1 = mx;
 }
 
+/* Combines the online-softmax accumulators (mx, sm) of the 256 threads of the block by a
+   tree in shared memory (red_m, red_s: PQC_BLOCK floats each); thread 0 writes the block's
+   {max, sum} to out[0], out[1]. Every thread of the block must call it. */
+__device__ __forceinline__ void pqc_block_online_reduce(float mx, float sm, float scale, float *red_m,
+                                                        float *red_s, float *out)
+{
+    int tid = threadIdx.x;
+    red_m[tid] = mx;
+    red_s[tid] = sm;
+    __syncthreads();
+    for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {
+        if (tid < o) {
+            float a = red_m[tid], as = red_s[tid];
+            pqc_online_merge(a, as, red_m[tid + o], red_s[tid + o], scale);
+            red_m[tid] = a;
+            red_s[tid] = as;
+        }
+        __syncthreads();
+    }
+    if (tid == 0) {
+        out[0] = red_m[0];
+        out[1] = red_s[0];
+    }
+    __syncthreads(); /* the scratch may be reused after return */
+}
+
 /* Nearest centroid of the vector xs (d floats, typically in shared memory) among K
    centroids [K][d] with squared norms cn (NULL: computed here), by one full warp:
    dist(c) = ||c||^2 - 2 x.c with x.c and ||c||^2 accumulated by sequential fmaf from 0;
@@ -344,24 +370,8 @@ pqc_scan_stats(const pqc_u8 *__restrict__ codes, pqc_i64 code_head_stride,
 #pragma unroll
         for (int hh = 0; hh < PQC_GROUP; ++hh) {
             if (h0 + hh >= n_luts) continue; /* uniform across the block */
-            red_m[tid] = mx[hh];
-            red_s[tid] = sm[hh];
-            __syncthreads();
-            for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {
-                if (tid < o) {
-                    float a = red_m[tid], as = red_s[tid];
-                    pqc_online_merge(a, as, red_m[tid + o], red_s[tid + o], scale);
-                    red_m[tid] = a;
-                    red_s[tid] = as;
-                }
-                __syncthreads();
-            }
-            if (tid == 0) {
-                pqc_i64 o = ((pqc_i64)(h0 + hh) * gridDim.x + blockIdx.x) * 2;
-                part[o] = red_m[0];
-                part[o + 1] = red_s[0];
-            }
-            __syncthreads();
+            pqc_block_online_reduce(mx[hh], sm[hh], scale, red_m, red_s,
+                                    part + ((pqc_i64)(h0 + hh) * gridDim.x + blockIdx.x) * 2);
         }
     }
 }
@@ -387,23 +397,7 @@ pqc_softmax_finalize(const float *__restrict__ partial, pqc_i64 partial_head_str
             pqc_i64 o = ((pqc_i64)h * n_parts + p) * 2;
             pqc_online_merge(mx, sm, part[o], part[o + 1], scale);
         }
-        red_m[tid] = mx;
-        red_s[tid] = sm;
-        __syncthreads();
-        for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {
-            if (tid < o) {
-                float a = red_m[tid], as = red_s[tid];
-                pqc_online_merge(a, as, red_m[tid + o], red_s[tid + o], scale);
-                red_m[tid] = a;
-                red_s[tid] = as;
-            }
-            __syncthreads();
-        }
-        if (tid == 0) {
-            stats[kv * stats_head_stride + 2 * h] = red_m[0];
-            stats[kv * stats_head_stride + 2 * h + 1] = red_s[0];
-        }
-        __syncthreads();
+        pqc_block_online_reduce(mx, sm, scale, red_m, red_s, stats + kv * stats_head_stride + 2 * h);
     }
 }
 
