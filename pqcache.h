@@ -4339,33 +4339,23 @@ static void pqc__fetch_head(void *ctx, size_t hi)
     /* where each selected row comes from: a device slot (hit) or the host store (a miss,
        or a sink or window token, device-resident in a GPU backend); the copies follow in
        parallel chunks */
-    if (c->cu) { /* hits only: the device gathers the rows itself */
-        for (i = 0; i < cnt; i++) {
-            size_t t = idx[i];
-            if (t >= mid_lo && t < mid_hi) {
-                int s = pqc__cut_fixed_slot(c, t / bt, mid_hi) >= 0 ? -2 : (admit > 0 ? H->slot_of[t / bt] : -1);
-                if (s == -2) {
-                    hits++;
-                } else if (s >= 0) {
-                    if (H->stamp[s] != step + 1) H->freq[s]++;
-                    H->stamp[s] = step + 1;
-                    hits++;
-                } else {
-                    misses++;
-                    h2d += 2 * c->row;
-                }
-            }
-        }
-    } else {
-        const void **srck = j->src + hi * 2 * j->rows_cap, **srcv = srck + j->rows_cap;
+    {
+        /* the device tier gathers the rows itself: only the hits are counted there */
+        const void **srck = c->cu ? NULL : j->src + hi * 2 * j->rows_cap, **srcv = srck ? srck + j->rows_cap : NULL;
         for (i = 0; i < cnt; i++) {
             size_t t = idx[i];
             if (t >= mid_lo && t < mid_hi) {
                 int s = admit > 0 ? H->slot_of[t / bt] : -1;
+                if (c->cu && pqc__cut_fixed_slot(c, t / bt, mid_hi) >= 0) { /* a sink or window block */
+                    hits++;
+                    continue;
+                }
                 if (s >= 0 && (t % bt) < H->filled[s]) {
-                    const unsigned char *slot_row = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
-                    srck[i] = slot_row;
-                    srcv[i] = slot_row + c->row;
+                    if (srck) {
+                        const unsigned char *slot_row = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
+                        srck[i] = slot_row;
+                        srcv[i] = slot_row + c->row;
+                    }
                     if (H->stamp[s] != step + 1) H->freq[s]++;
                     H->stamp[s] = step + 1;
                     hits++;
@@ -4374,8 +4364,10 @@ static void pqc__fetch_head(void *ctx, size_t hi)
                 misses++;
                 h2d += 2 * c->row;
             }
-            srck[i] = H->k + t * c->row;
-            srcv[i] = H->v + t * c->row;
+            if (srck) {
+                srck[i] = H->k + t * c->row;
+                srcv[i] = H->v + t * c->row;
+            }
         }
     }
     j->hits[hi] = hits;
@@ -7094,19 +7086,22 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
 static pqc_result pqc__cut_create(pqc_cache *c)
 {
     struct pqc__cut *u;
-    size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks, n;
     pqc_result r = PQC_SUCCESS;
     int i;
     u = (struct pqc__cut *)pqc__calloc(&c->alloc, sizeof *u);
     if (!u) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
     u->r = c->rt->cu;
     u->api = &u->r->api;
+    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
+    n = (size_t)u->n_cs;
+    /* three blocks of per-layer, per-head and per-code-buffer arrays */
     u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (5 * sizeof(pqc__dptr) + sizeof(uint64_t)));
     u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
-    if (!u->pool_k || !u->nfill) {
-        pqc__free(&c->alloc, u->pool_k);
-        pqc__free(&c->alloc, u->nfill);
-        pqc__free(&c->alloc, u);
+    u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
+                                                       2 * sizeof(pqc__cuEvent) + 3 * sizeof(int)));
+    if (!u->pool_k || !u->nfill || !u->code) {
+        pqc__cut_free_all(c, u);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
     }
     u->pool_v = u->pool_k + L;
@@ -7124,30 +7119,16 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->g = c->g;
     u->n_kv = c->d.n_kv_heads;
     u->bt = (size_t)c->d.block_tokens;
-    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
-    {
-        size_t n = (size_t)u->n_cs;
-        unsigned char *blk = (unsigned char *)pqc__calloc(
-            &c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) + 2 * sizeof(pqc__cuEvent) +
-                            3 * sizeof(int)));
-        if (!blk) {
-            pqc__free(&c->alloc, u->pool_k);
-            pqc__free(&c->alloc, u->nfill);
-            pqc__free(&c->alloc, u);
-            return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-        }
-        u->code = (pqc__dptr *)blk;
-        u->code_cap = (size_t *)(u->code + n);
-        u->code_hs = u->code_cap + n;
-        u->code_cs = u->code_hs + n;
-        u->code_n = u->code_cs + n;
-        u->code_gen = (uint64_t *)(u->code_n + n);
-        u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
-        u->ev_used = u->ev_codes + n;
-        u->code_layer = (int *)(u->ev_used + n);
-        u->used_rec = u->code_layer + n;
-        for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
-    }
+    u->code_cap = (size_t *)(u->code + n);
+    u->code_hs = u->code_cap + n;
+    u->code_cs = u->code_hs + n;
+    u->code_n = u->code_cs + n;
+    u->code_gen = (uint64_t *)(u->code_n + n);
+    u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
+    u->ev_used = u->ev_codes + n;
+    u->code_layer = (int *)(u->ev_used + n);
+    u->used_rec = u->code_layer + n;
+    for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
     u->last_slot = 1;
     u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
     u->codes_alloc.alloc = pqc__cut_codes_alloc_fn;
@@ -7356,15 +7337,23 @@ static pqc_result pqc__cut_appended(pqc_cache *c, int l, size_t n)
     return pqc__cut_fill_run(c, l, n, t / u->bt, s, 1, (int)(t % u->bt));
 }
 
+/* Column stride of a device copy of layer l's codes: the widest of its heads' (heads grow
+   their codes together, so they normally agree). */
+static size_t pqc__cut_codes_stride(const pqc_cache *c, int l)
+{
+    size_t cs = 0, h;
+    for (h = 0; h < (size_t)c->d.n_kv_heads; h++) cs = PQC__MAX(cs, c->layers[l].heads[h].codes.col_stride);
+    return cs;
+}
+
 /* Copies the codes of layer l into code buffer sl on the copy stream (after the last
    scan that read the buffer) and records ev_codes[sl]. */
 static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
 {
     struct pqc__cut *u = c->cu;
     pqc__layer *L = &c->layers[l];
-    size_t cs = 0, hs, h;
+    size_t cs = pqc__cut_codes_stride(c, l), hs, h;
     int j, uniform = 1;
-    for (h = 0; h < (size_t)u->n_kv; h++) cs = PQC__MAX(cs, L->heads[h].codes.col_stride);
     for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
     hs = cs * (size_t)u->m;
     if (u->used_rec[sl]) PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
@@ -7405,9 +7394,8 @@ static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
 {
     const struct pqc__cut *u = c->cu;
     const pqc__layer *L = &c->layers[l];
-    size_t cs = 0, h;
-    for (h = 0; h < (size_t)u->n_kv; h++) cs = PQC__MAX(cs, L->heads[h].codes.col_stride);
-    return u->code_layer[sl] == l && u->code_gen[sl] == L->gen && u->code_cs[sl] == cs && u->code_n[sl] <= L->n_coded;
+    return u->code_layer[sl] == l && u->code_gen[sl] == L->gen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
+           u->code_n[sl] <= L->n_coded;
 }
 
 static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx_out)
