@@ -124,7 +124,7 @@ BENCH_THREADS ?= 1 2
 BENCH_REPS ?= 3
 FAISS_ENV := env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE
 
-$(BUILD)/bench_pq: bench/bench_pq.c tests/synth.h $(HDR) | $(BUILD)
+$(BUILD)/bench_pq: bench/bench_pq.c bench/bench_util.h tests/synth.h $(HDR) | $(BUILD)
 	$(CC) $(STD) -O2 $(WARN) $< -o $@ $(LDLIBS)
 
 bench-pq: $(BUILD)/bench_pq
@@ -136,7 +136,7 @@ bench-pq: $(BUILD)/bench_pq
 	  python3 bench/report.py $(BUILD)/ours_$${s}_$$t.txt $(BUILD)/faiss_$${s}_$$t.txt; \
 	done; done
 
-$(BUILD)/bench_cache: bench/bench_cache.c tests/synth.h $(HDR) | $(BUILD)
+$(BUILD)/bench_cache: bench/bench_cache.c bench/bench_util.h tests/synth.h $(HDR) | $(BUILD)
 	$(CC) $(STD) -O2 $(WARN) $< -o $@ $(LDLIBS)
 
 bench-cache: $(BUILD)/bench_cache
