@@ -162,10 +162,18 @@ typedef struct tlpq__job {
     pthread_mutex_t *mu;
 } tlpq__job;
 
-static void tlpq__run_jobs(tlpq *p, tlpq__job *jobs, void *(*fn)(void *))
+/* Runs fn on one copy of the job per worker (worker = 0 .. n_workers-1), worker 0 on the
+   calling thread. */
+static void tlpq__run_jobs(tlpq *p, const tlpq__job *proto, void *(*fn)(void *))
 {
+    tlpq__job jobs[TLPQ__MAX_THREADS];
     pthread_t th[TLPQ__MAX_THREADS];
     int started[TLPQ__MAX_THREADS], t;
+    for (t = 0; t < p->n_workers; t++) {
+        jobs[t] = *proto;
+        jobs[t].p = p;
+        jobs[t].worker = t;
+    }
     for (t = 1; t < p->n_workers; t++)
         started[t] = pthread_create(&th[t], NULL, fn, &jobs[t]) == 0;
     fn(&jobs[0]);
@@ -246,22 +254,17 @@ static int tlpq__qkv(void *user, int layer, size_t pos0, size_t n, float *q, flo
     tlpq *p = (tlpq *)user;
     const tl_config *c = &p->m->config;
     if (p->prefill_n > 0) {
-        tlpq__job jobs[TLPQ__MAX_THREADS];
-        int t;
+        tlpq__job job;
         if (n != (size_t)p->prefill_n)
             return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens, expected %d", n, p->prefill_n);
-        for (t = 0; t < p->n_workers; t++) {
-            memset(&jobs[t], 0, sizeof jobs[t]);
-            jobs[t].p = p;
-            jobs[t].worker = t;
-            jobs[t].layer = layer;
-            jobs[t].pos0 = pos0;
-            jobs[t].n = n;
-            jobs[t].q = q;
-            jobs[t].k = k;
-            jobs[t].v = v;
-        }
-        tlpq__run_jobs(p, jobs, tlpq__qkv_worker);
+        memset(&job, 0, sizeof job);
+        job.layer = layer;
+        job.pos0 = pos0;
+        job.n = n;
+        job.q = q;
+        job.k = k;
+        job.v = v;
+        tlpq__run_jobs(p, &job, tlpq__qkv_worker);
         return 0;
     }
     if (n != 1)
@@ -290,9 +293,8 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
     if (tlpq__check_view(p, kv) != 0)
         return -1;
     if (p->prefill_n > 0) {
-        tlpq__job jobs[TLPQ__MAX_THREADS];
+        tlpq__job job;
         pthread_mutex_t mu;
-        int t;
         if (kv->pos != NULL || n != (size_t)p->prefill_n)
             return tl__fail(p->err, sizeof p->err, "attend: unexpected prefill view");
         for (g = 0; g < c->n_kv_heads; g++)
@@ -301,18 +303,14 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
                                   "expected %zu", g, kv->count[g], pos0 + n);
         pthread_mutex_init(&mu, NULL);
         p->prefill_done = 0;
-        for (t = 0; t < p->n_workers; t++) {
-            memset(&jobs[t], 0, sizeof jobs[t]);
-            jobs[t].p = p;
-            jobs[t].worker = t;
-            jobs[t].layer = layer;
-            jobs[t].pos0 = pos0;
-            jobs[t].n = n;
-            jobs[t].cq = q;
-            jobs[t].kv = kv;
-            jobs[t].mu = &mu;
-        }
-        tlpq__run_jobs(p, jobs, tlpq__attend_worker);
+        memset(&job, 0, sizeof job);
+        job.layer = layer;
+        job.pos0 = pos0;
+        job.n = n;
+        job.cq = q;
+        job.kv = kv;
+        job.mu = &mu;
+        tlpq__run_jobs(p, &job, tlpq__attend_worker);
         pthread_mutex_destroy(&mu);
         return 0;
     }
