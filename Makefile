@@ -104,11 +104,11 @@ clean:
 include examples/tiny_llama/build.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
-$(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tiny_llama.h | $(BUILD)
+$(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tiny_llama.h examples/tiny_llama/tl_test.h | $(BUILD)
 	$(CC) $(STD) -O1 -g $(SAN) $< -o $@ $(LDLIBS)
-$(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+$(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(SAN) $< -o $@ $(LDLIBS)
-$(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+$(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(TSAN) $< -o $@ $(LDLIBS)
 test-example-san: $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/tsan_pqcache_mode
 	$(BUILD)/asan_tiny_llama

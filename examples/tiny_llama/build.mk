@@ -35,11 +35,11 @@ build/tiny_llama_gen: $(TINY_LLAMA_DIR)/gen_random.c $(TINY_LLAMA_DIR)/tiny_llam
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/tiny_llama.h
+build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_test.h
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(TINY_LLAMA_DIR)/make_passkey.c \
+build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(TINY_LLAMA_DIR)/make_passkey.c $(TINY_LLAMA_DIR)/tl_test.h \
                          $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)

@@ -23,41 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
-/* ----------------------------------------------------------------------------
-   Harness */
-
-static int g_failed_now, g_passed, g_failed, g_skipped;
-static char g_dir[512];
-
-#define CHECK(cond)                                                      \
-    do {                                                                 \
-        if (!(cond)) {                                                   \
-            printf("  %s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-            g_failed_now = 1;                                            \
-        }                                                                \
-    } while (0)
-
-static void run_test(const char *name, void (*fn)(void))
-{
-    int skipped = g_skipped;
-    g_failed_now = 0;
-    fn();
-    if (g_failed_now)
-        g_failed++;
-    else if (g_skipped == skipped)
-        g_passed++;
-    printf("%s %s\n", g_failed_now ? "FAIL" : g_skipped != skipped ? "SKIP" : "ok  ", name);
-    fflush(stdout);
-}
-
-static const char *tmp_path(const char *name)
-{
-    static char paths[4][600];
-    static int next;
-    char *p = paths[next++ % 4];
-    snprintf(p, 600, "%s/%s", g_dir, name);
-    return p;
-}
+#include "tl_test.h"
 
 /* ----------------------------------------------------------------------------
    A tiny random model: pqcache with every token selected is full attention */
@@ -482,9 +448,5 @@ int main(int argc, char **argv)
     unlink(tmp_path("random.bin"));
     unlink(tmp_path("passkey.bin"));
     rmdir(g_dir);
-    if (g_skipped)
-        printf("%d passed, %d failed, %d skipped\n", g_passed, g_failed, g_skipped);
-    else
-        printf("%d passed, %d failed\n", g_passed, g_failed);
-    return g_failed ? 1 : 0;
+    return test_summary();
 }

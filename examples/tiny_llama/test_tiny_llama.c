@@ -20,41 +20,7 @@
 #include <string.h>
 #include <unistd.h>
 
-/* ----------------------------------------------------------------------------
-   Harness */
-
-static int g_failed_now, g_passed, g_failed;
-static char g_dir[512];
-
-#define CHECK(cond)                                                      \
-    do {                                                                 \
-        if (!(cond)) {                                                   \
-            printf("  %s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-            g_failed_now = 1;                                            \
-        }                                                                \
-    } while (0)
-
-static void run_test(const char *name, void (*fn)(void))
-{
-    g_failed_now = 0;
-    fn();
-    if (g_failed_now)
-        g_failed++;
-    else
-        g_passed++;
-    printf("%s %s\n", g_failed_now ? "FAIL" : "ok  ", name);
-    fflush(stdout);
-}
-
-/* a path in the test directory; valid until 8 more calls */
-static const char *tmp_path(const char *name)
-{
-    static char paths[8][600];
-    static int next;
-    char *p = paths[next++ % 8];
-    snprintf(p, 600, "%s/%s", g_dir, name);
-    return p;
-}
+#include "tl_test.h"
 
 static unsigned char *read_file(const char *path, size_t *len)
 {
@@ -1136,6 +1102,5 @@ int main(void)
     run_test("sampler", test_sampler);
     run_test("tokenizer", test_tokenizer);
     remove_dir();
-    printf("%d passed, %d failed\n", g_passed, g_failed);
-    return g_failed ? 1 : 0;
+    return test_summary();
 }
