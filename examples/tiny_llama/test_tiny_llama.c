@@ -956,6 +956,21 @@ static void test_forward_rejects_bad_input(void)
 /* ----------------------------------------------------------------------------
    Tests: sampling and tokenizer */
 
+/* counts[t] += how often t is drawn in n samples from logits {0, 0, log 2, log 4} */
+static void draw_counts(tl_sampler *sp, int n, int counts[4])
+{
+    float logits[4];
+    int i;
+    for (i = 0; i < n; i++) {
+        int t;
+        logits[0] = 0.0f; logits[1] = 0.0f; /* the sampler may overwrite them */
+        logits[2] = (float)log(2.0); logits[3] = (float)log(4.0);
+        t = tl_sample(sp, logits);
+        if (t >= 0 && t < 4)
+            counts[t]++;
+    }
+}
+
 static void test_sampler(void)
 {
     tl_sampler sp;
@@ -969,14 +984,7 @@ static void test_sampler(void)
     tl_free_sampler(&sp);
     /* temperature 1, no top-p: probabilities 1/8, 1/8, 1/4, 1/2 */
     CHECK(tl_build_sampler(&sp, 4, 1.0f, 1.0f, 1) == 0);
-    for (i = 0; i < 8000; i++) {
-        int t;
-        logits[0] = 0.0f; logits[1] = 0.0f;
-        logits[2] = (float)log(2.0); logits[3] = (float)log(4.0);
-        t = tl_sample(&sp, logits);
-        if (t >= 0 && t < 4)
-            counts[t]++;
-    }
+    draw_counts(&sp, 8000, counts);
     CHECK(counts[3] > 3700 && counts[3] < 4300);
     CHECK(counts[2] > 1750 && counts[2] < 2250);
     CHECK(counts[0] > 800 && counts[0] < 1200);
@@ -984,14 +992,7 @@ static void test_sampler(void)
     /* top-p 0.6: only tokens 3 (0.5) and 2 (0.25) */
     CHECK(tl_build_sampler(&sp, 4, 1.0f, 0.6f, 2) == 0);
     memset(counts, 0, sizeof counts);
-    for (i = 0; i < 3000; i++) {
-        int t;
-        logits[0] = 0.0f; logits[1] = 0.0f;
-        logits[2] = (float)log(2.0); logits[3] = (float)log(4.0);
-        t = tl_sample(&sp, logits);
-        if (t >= 0 && t < 4)
-            counts[t]++;
-    }
+    draw_counts(&sp, 3000, counts);
     CHECK(counts[0] == 0 && counts[1] == 0);
     CHECK(counts[3] > 1800 && counts[3] < 2200);
     tl_free_sampler(&sp);
