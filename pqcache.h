@@ -4423,7 +4423,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     }
     for (h = 0, j.rows_cap = 1; h < nh; h++) j.rows_cap = PQC__MAX(j.rows_cap, sel->count[h]);
     j.chunks = (j.rows_cap + PQC__FETCH_CHUNK - 1) / PQC__FETCH_CHUNK;
-    if (nh * 2 * j.rows_cap > c->fsrc_cap) { /* kept across steps */
+    if (!c->cu && nh * 2 * j.rows_cap > c->fsrc_cap) { /* kept across steps; the GPU tier has no use for it */
         size_t want = nh * 2 * j.rows_cap + nh * 2 * j.rows_cap / 4;
         const void **ns = (const void **)pqc__alloc(&c->alloc, want * sizeof(void *));
         if (!ns) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
@@ -6960,8 +6960,9 @@ struct pqc__cut {
     pqc__cuApi *api;
     pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
     int own_st;
-    pqc__cuEvent *ev_codes, *ev_used, ev_staged; /* [n_cs] */
-    int *used_rec, staged_rec;
+    /* [n_cs], [n_cs], one; an event not yet recorded stands for no work, so waiting on
+       it returns at once */
+    pqc__cuEvent *ev_codes, *ev_used, ev_staged;
     int K, m, bits, dsub, g, d, n_kv;
     size_t bt;
     /* slots: [sink blocks | window ring | block cache] per layer and head */
@@ -7099,7 +7100,7 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (5 * sizeof(pqc__dptr) + sizeof(uint64_t)));
     u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
     u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
-                                                       2 * sizeof(pqc__cuEvent) + 3 * sizeof(int)));
+                                                       2 * sizeof(pqc__cuEvent) + sizeof(int)));
     if (!u->pool_k || !u->nfill || !u->code) {
         pqc__cut_free_all(c, u);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
@@ -7127,7 +7128,6 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
     u->ev_used = u->ev_codes + n;
     u->code_layer = (int *)(u->ev_used + n);
-    u->used_rec = u->code_layer + n;
     for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
     u->last_slot = 1;
     u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
@@ -7356,7 +7356,7 @@ static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
     int j, uniform = 1;
     for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
     hs = cs * (size_t)u->m;
-    if (u->used_rec[sl]) PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
+    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
     if (hs * (size_t)u->n_kv > u->code_cap[sl]) {
         pqc_result r;
         PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
@@ -7501,7 +7501,6 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
         if ((r = pqc__cut_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
     }
     PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
-    u->used_rec[sl] = 1;
     u->last_slot = sl;
     /* top-k: three radix passes, per-tile counts, ordered compaction */
     tiles = pqc__cdiv(s, PQC__CU_TILE);
@@ -7563,8 +7562,7 @@ static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
     struct pqc__cut *u = c->cu;
     pqc__cut_enter(c);
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
-    if (u->staged_rec) PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
-    u->staged_rec = 0;
+    PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
     memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
     return PQC_SUCCESS;
 }
@@ -7625,7 +7623,6 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
     words = nkv * (u->nblk_cap + u->rows_cap + 2 * cb);
     PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
     PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
-    u->staged_rec = 1;
     {
         pqc__dptr dtab = u->arena, didx = u->arena + nkv * u->nblk_cap * 4, dfb = didx + nkv * u->rows_cap * 4,
                   dfs = dfb + cb * 4, zero = 0;
