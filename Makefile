@@ -9,17 +9,18 @@ LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
 
-.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache
+.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-variants test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache
 
-all: $(addprefix $(BUILD)/test_,$(LIBTESTS))
+# ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
+LIBTESTS := core cache contract
+
+# `make` alone: the library's tests and the example engine, built (nothing is run)
+all: $(addprefix $(BUILD)/test_,$(LIBTESTS)) build/tiny_llama build/tiny_llama_gen
 
 $(BUILD):
 	@mkdir -p $(BUILD)
 
 HDR := pqcache.h
-
-# ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
-LIBTESTS := core cache
 TEST_DEPS := tests/greatest.h tests/synth.h $(HDR)
 
 $(BUILD)/test_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
@@ -59,6 +60,19 @@ test-compile: $(COMPILE_SRC) $(HDR)
 	  $$cc $(WARN) -O2 -DPQCACHE_NO_SIMD -DPQCACHE_STATIC -c $(COMPILE_SRC) -o $(BUILD)/compile_check.o; \
 	done
 
+# The configuration macros: each variant compiles warning-free under gcc and clang, and the
+# library tests run in the build without threads (jobs inline, no pthreads).
+VARIANTS := PQCACHE_NO_THREADS PQCACHE_NO_CUDA PQCACHE_NO_SIMD PQCACHE_STATIC
+$(BUILD)/nothreads_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
+	$(CC) $(STD) $(CFLAGS) $(WARN) -DPQCACHE_NO_THREADS -Itests $< -o $@ -lm
+
+test-variants: $(COMPILE_SRC) $(addprefix $(BUILD)/nothreads_,$(LIBTESTS))
+	@set -e; for v in $(VARIANTS); do for cc in "$(CC) -std=c99" "$(CLANG) -std=c99" "$(CLANG) -x c++ -std=c++11"; do \
+	  echo "variant -D$$v: $$cc"; \
+	  $$cc $(WARN) -O2 -D$$v -c $(COMPILE_SRC) -o $(BUILD)/variant.o; \
+	done; done
+	@set -e; for t in $(LIBTESTS); do echo "== $$t (PQCACHE_NO_THREADS)"; $(BUILD)/nothreads_$$t; done
+
 # ----- CUDA: run-time loader, NVRTC compilation of the embedded kernels (no GPU needed)
 $(BUILD)/test_nvrtc: tests/test_nvrtc.c pqcache_kernels.cu $(HDR) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) $< -o $@ $(LDLIBS)
@@ -93,7 +107,7 @@ test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_c
 	sh tests/cuda_emu/run.sh $(BUILD)
 
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san
+TEST_GROUPS := test-compile test-variants test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san
 test:
 	@sh tests/run_all.sh $(TEST_GROUPS)
 

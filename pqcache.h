@@ -16,7 +16,7 @@
    Every other file just includes "pqcache.h". The implementation needs POSIX (pthreads,
    clock_gettime, dlopen); it defines _POSIX_C_SOURCE itself when nothing was included
    before it. Link with -lm -lpthread (and -ldl on glibc older than 2.34). Nothing else:
-   CUDA, NVRTC and cuBLASLt are opened at run time when present.
+   CUDA and NVRTC are opened at run time when present (cuBLASLt is looked for by the probe).
 
    GPU: a runtime created with backend PQC_BACKEND_CUDA (or AUTO, where a GPU is usable)
    compiles the kernels of pqcache_kernels.cu (embedded below) with NVRTC, and every
@@ -35,7 +35,9 @@
    PQC_ASSERT(x)          internal invariant check; default assert(x). Never used for
                           input validation: bad input always returns a result code.
    PQCACHE_NO_SIMD        compile only the portable scalar kernels.
-   PQCACHE_NO_THREADS     no pthreads: jobs run inline on the calling thread.
+   PQCACHE_NO_THREADS     no pthreads: jobs run inline on the calling thread (n_threads is
+                          then ignored with a warning; an engine job callback, which would
+                          need the library's locks, gives PQC_ERROR_UNSUPPORTED).
    PQCACHE_NO_CUDA        leave out the run-time CUDA loader.
 
    CONVENTIONS
@@ -43,7 +45,11 @@
    - Every function returns a pqc_result (0 = PQC_SUCCESS) unless it cannot fail;
      pqc_result_description() gives a message, and pqc_last_error() the detailed message
      of the last failure on the calling thread. Bad input never crashes, exits or aborts,
-     and a failed call leaves its outputs and objects as they were.
+     and a failed call leaves its outputs and objects as they were (a driver call that
+     fails part-way gives back its tokens at every layer; see pqc_driver_prefill).
+   - Files: every file read must be a regular file (a FIFO or device is refused, never
+     waited on); files are written to a temporary name and renamed into place.
+   - Sizes derived from caller-supplied counts are checked for overflow before use.
    - Descs are zero-initialised structs in which 0 means "the documented default".
    - Public names are pqc_*, macros PQC_*; pqc__* is private.
    - Thread safety is stated per function. Objects are not internally locked unless said.
@@ -254,8 +260,8 @@ typedef struct pqc_codes {
 } pqc_codes;
 
 /* Trains a PQ on the rows of keys (cols = d_h). The m sub-space jobs run on the runtime's
-   pool; the result is identical for any thread count. rt may be NULL (inline, scalar
-   kernels, default allocator). On failure *out is untouched. */
+   pool; the result is identical for any thread count. rt may be NULL (inline, the best
+   SIMD level the processor offers, default allocator). On failure *out is untouched. */
 PQCDEF pqc_result pqc_pq_train(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out);
 PQCDEF void pqc_pq_free(pqc_pq *pq);
 /* Mean squared reconstruction error (sum over dims, mean over rows) of keys under pq. */
@@ -309,7 +315,7 @@ PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_cod
 PQCDEF pqc_result pqc_pq_scores(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
                                 int g, const pqc_search_desc *desc, pqc_scratch *scratch, float *out);
 /* Exact reference: true scores of keys' rows under the same GQA combination, then the
-   same top-k. Used to measure recall and by the `oracle` selection. */
+   same top-k. The yardstick for recall: what a perfect selector would pick. */
 PQCDEF pqc_result pqc_exact_search(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g,
                                    const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores);
 PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
@@ -447,7 +453,9 @@ typedef struct pqc_layer_stats {
     uint64_t hits, misses;     /* selected mid tokens found / not found in the block cache */
     uint64_t bytes_h2d;        /* host -> device: missed rows, admitted blocks, codes     */
     uint64_t bytes_codes;      /* the codes' part of bytes_h2d                            */
-    uint64_t bytes_d2h;        /* device -> host: tokens leaving the window (offload)     */
+    uint64_t bytes_d2h;        /* device -> host: what offloading the tokens that leave the
+                                  window would move. An accounting figure: their rows are
+                                  already in host memory, so nothing is copied            */
     uint64_t tokens_selected;  /* sum over selects and KV heads                          */
     uint64_t builds, rebuilds;
     int last_iters;            /* T of the last build                                     */
@@ -456,13 +464,17 @@ typedef struct pqc_layer_stats {
     double wait_s;             /* time the first select waited for a build               */
 } pqc_layer_stats;
 
-/* Indices to attend, per KV head, ascending. Size it with pqc_selection_init. */
+/* Indices to attend, per KV head, ascending. Made by pqc_selection_init, which sizes it
+   for the tokens the cache holds then; pqc_cache_select grows it (through alloc) as the
+   sequence grows. A selection put together by hand (owned = 0) never grows: its
+   capacity must cover the layer's tokens. */
 typedef struct pqc_selection {
     int n_kv_heads;
     size_t capacity;  /* per head */
     size_t *count;    /* [n_kv_heads] */
     uint32_t *idx;    /* [n_kv_heads][capacity] */
     pqc_allocator alloc;
+    int owned;        /* 1: idx came from alloc and may be replaced by a larger array */
 } pqc_selection;
 
 /* Gathered K and V (fp32): head h's rows at k + h*head_stride*d_h, in selection order. */
@@ -489,8 +501,9 @@ PQCDEF void pqc_selection_free(pqc_selection *sel);
    mid tokens + the window (+ mid tokens not yet coded), deduplicated and ascending. Waits
    for the layer's build when it is still running. */
 PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel);
-/* Gathers the selected K/V through the block cache; admits the blocks holding the most
-   selected tokens afterwards. */
+/* Gathers the selected K/V through the block cache. The blocks holding the most selected
+   tokens are admitted first (see the admission rule in the README), so that they serve
+   this step's gather. */
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out);
 /* fetch without the copy, where the device tier is host memory (the CPU backend with fp32
    storage; else PQC_ERROR_UNSUPPORTED): krows[h][i] / vrows[h][i] point at the rows of
@@ -573,7 +586,11 @@ typedef struct pqc_engine {
     int accepts_device_kv;
 } pqc_engine;
 
-/* Prefill n tokens at positions [pos0, pos0+n) through every layer. */
+/* Prefill n tokens at positions [pos0, pos0+n) through every layer. On failure at any
+   layer (a callback, memory, a device) every layer gives back the tokens, codes and
+   statistics of this call, so that the cache holds what it held before and the same
+   call can be made again (the engine restarts its own state for these positions);
+   blocks admitted to the block cache by earlier layers may stay. Same for decode. */
 PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n);
 /* One decode step at position pos through every layer. */
 PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos);
@@ -628,16 +645,17 @@ PQCDEF const char *pqc_cuda_kernel_source(void);
 #include <float.h>
 #include <time.h>
 #include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <unistd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 #ifndef PQCACHE_NO_THREADS
 #include <pthread.h>
-#include <unistd.h>
 #endif
 #if !defined(PQCACHE_NO_CUDA) && (defined(__unix__) || defined(__APPLE__))
 #define PQC__CUDA_LOADER 1
 #include <dlfcn.h>
-#include <errno.h>
-#include <sys/stat.h>
-#include <sys/types.h>
 #else
 #define PQC__CUDA_LOADER 0
 #endif
@@ -757,12 +775,83 @@ static void *pqc__calloc(const pqc_allocator *a, size_t n)
     if (p) memset(p, 0, n);
     return p;
 }
-/* a*b without overflow; 0 on overflow */
-static int pqc__mul(size_t a, size_t b, size_t *out)
+/* The one size helper: *out = a*b*c, or 0 (and *out untouched) when it would overflow.
+   Every size the library derives from caller-supplied counts goes through it. */
+static int pqc__size3(size_t a, size_t b, size_t c, size_t *out)
 {
+    size_t ab;
     if (a && b > (size_t)-1 / a) return 0;
-    *out = a * b;
+    ab = a * b;
+    if (ab && c > (size_t)-1 / ab) return 0;
+    *out = ab * c;
     return 1;
+}
+static int pqc__mul(size_t a, size_t b, size_t *out) { return pqc__size3(a, b, 1, out); }
+
+/* Files: every file the library reads is opened without blocking and must be a regular
+   file (a FIFO, a device or a directory is refused, never waited on); every file it
+   writes goes to a temporary name in the same directory and is renamed into place. */
+static FILE *pqc__open_regular(const char *path, char *why, size_t why_size)
+{
+    struct stat st;
+    FILE *f;
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
+    if (fd < 0) {
+        snprintf(why, why_size, "cannot open %.200s: %.80s", path, strerror(errno));
+        return NULL;
+    }
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        snprintf(why, why_size, "%.200s is not a regular file", path);
+        close(fd);
+        return NULL;
+    }
+    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 || !(f = fdopen(fd, "rb"))) {
+        snprintf(why, why_size, "cannot open %.200s: %.80s", path, strerror(errno));
+        close(fd);
+        return NULL;
+    }
+    return f;
+}
+
+/* Writes parts[0..n) to path atomically; 0 on success, else -1 with the reason in why.
+   An existing path that is not a regular file is left alone and refused. */
+static int pqc__write_atomic(const char *path, const void *const *parts, const size_t *sizes, int n, char *why,
+                             size_t why_size)
+{
+    char tmp[1024];
+    struct stat st;
+    int fd = -1, i, ok = 1, attempt;
+    FILE *f;
+    if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+        snprintf(why, why_size, "%.200s exists and is not a regular file", path);
+        return -1;
+    }
+    for (attempt = 0; attempt < 16 && fd < 0; attempt++) {
+        if (snprintf(tmp, sizeof tmp, "%s.tmp%ld.%lx.%d", path, (long)getpid(),
+                     (unsigned long)((uintptr_t)&st >> 4), attempt) >=
+            (int)sizeof tmp) {
+            snprintf(why, why_size, "path too long: %.200s", path);
+            return -1;
+        }
+        fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0644);
+        if (fd < 0 && errno != EEXIST) break;
+    }
+    if (fd < 0 || !(f = fdopen(fd, "wb"))) {
+        snprintf(why, why_size, "cannot create %.200s: %.80s", tmp, strerror(errno));
+        if (fd >= 0) {
+            close(fd);
+            remove(tmp);
+        }
+        return -1;
+    }
+    for (i = 0; i < n && ok; i++) ok = fwrite(parts[i], 1, sizes[i], f) == sizes[i];
+    ok = (fclose(f) == 0) && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        snprintf(why, why_size, "write to %.200s failed: %.80s", path, strerror(errno));
+        remove(tmp);
+        return -1;
+    }
+    return 0;
 }
 
 PQCDEF size_t pqc_dtype_size(pqc_dtype t)
@@ -897,30 +986,48 @@ static pqc_result pqc__check_matrix(const struct pqc_runtime *rt, const pqc_matr
     if (!m->data) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "%s: null data", what);
     if (cols && m->cols != cols)
         return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "%s: %zu columns, expected %zu", what, m->cols, cols);
+    {   /* the matrix, its fp32 copy and per-row bookkeeping must be addressable */
+        size_t bytes;
+        if (m->cols == 0) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "%s: no columns", what);
+        if (m->rows > (size_t)-1 / 64 || !pqc__size3(m->rows, m->cols, 8, &bytes) ||
+            (m->row_stride && !pqc__mul(m->rows, m->row_stride, &bytes)))
+            return pqc__fail(rt, PQC_ERROR_CAPACITY, "%s: %zu x %zu elements do not fit in memory", what, m->rows,
+                             m->cols);
+    }
     if (m->row_stride && m->row_stride < m->cols * es)
         return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "%s: row stride %zu bytes < row size %zu", what, m->row_stride,
                          m->cols * es);
     return PQC_SUCCESS;
 }
 
-static int pqc__finite_row(const float *x, size_t n)
+static int pqc__within(const float *x, size_t n, float limit)
 {
     size_t i;
     for (i = 0; i < n; i++)
-        if (!(x[i] >= -PQC__KEY_LIMIT && x[i] <= PQC__KEY_LIMIT)) return 0;
+        if (!(x[i] >= -limit && x[i] <= limit)) return 0;
     return 1;
 }
+static int pqc__finite_row(const float *x, size_t n) { return pqc__within(x, n, PQC__KEY_LIMIT); }
 
-/* Checks every element of a matrix is finite and within the magnitude limit. */
-static pqc_result pqc__check_finite(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, const char *what)
+/* The largest magnitude a value may have to be stored in dtype t (and to be a key). */
+static float pqc__store_limit(pqc_dtype t) { return t == PQC_F16 ? 65504.0f : PQC__KEY_LIMIT; }
+
+/* Checks every element of a matrix is finite and at most `limit` in magnitude. */
+static pqc_result pqc__check_range(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, float limit,
+                                   const char *what)
 {
     size_t r;
     for (r = 0; r < m->rows; r++) {
         pqc__row_to_f32(pqc__row(m, r), m->dtype, m->cols, tmp);
-        if (!pqc__finite_row(tmp, m->cols))
-            return pqc__fail(rt, PQC_ERROR_NON_FINITE, "%s: row %zu holds NaN, Inf or a magnitude above 1e16", what, r);
+        if (!pqc__within(tmp, m->cols, limit))
+            return pqc__fail(rt, PQC_ERROR_NON_FINITE, "%s: row %zu holds NaN, Inf or a magnitude above %g", what, r,
+                             (double)limit);
     }
     return PQC_SUCCESS;
+}
+static pqc_result pqc__check_finite(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, const char *what)
+{
+    return pqc__check_range(rt, m, tmp, PQC__KEY_LIMIT, what);
 }
 
 /* splitmix64: small, good, and reproducible on every platform */
@@ -1017,9 +1124,9 @@ static void pqc__task_run(pqc__task *t)
 #endif
 }
 
+#ifndef PQCACHE_NO_THREADS
 static void pqc__task_entry(void *p) { pqc__task_run((pqc__task *)p); }
 
-#ifndef PQCACHE_NO_THREADS
 static void *pqc__worker(void *p)
 {
     pqc_runtime *rt = (pqc_runtime *)p;
@@ -1211,6 +1318,12 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
     rt->n_threads = d.n_threads == 0 ? 1 : (d.n_threads < 0 ? 0 : d.n_threads);
 #ifdef PQCACHE_NO_THREADS
     rt->n_threads = 0;
+    if (d.submit) { /* jobs on other threads would need the locks this build leaves out */
+        pqc__free(&d.allocator, rt);
+        return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED,
+                         "runtime: built with PQCACHE_NO_THREADS, so jobs cannot go to an engine's pool (submit)");
+    }
+    if (d.n_threads > 0) pqc__log(rt, PQC_LOG_WARN, "runtime: built with PQCACHE_NO_THREADS: jobs run inline");
 #else
     if (pthread_mutex_init(&rt->mu, NULL) != 0) {
         pqc__free(&d.allocator, rt);
@@ -2721,9 +2834,13 @@ PQCDEF pqc_result pqc_codes_reserve(pqc_codes *codes, size_t capacity)
     int j;
     if (!codes || codes->m <= 0) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_codes_reserve: bad codes");
     if (capacity <= codes->capacity) return PQC_SUCCESS;
+    if (codes->bits < 1 || codes->bits > 8 || capacity > ((size_t)-1 - 64) / 8)
+        return pqc__fail(NULL, PQC_ERROR_CAPACITY, "pqc_codes_reserve: %zu tokens of %d-bit codes do not fit in memory",
+                         capacity, codes->bits);
     stride = pqc__col_bytes(capacity, codes->bits) + 16; /* padding for wide loads */
     if (!pqc__mul(stride, (size_t)codes->m, &total))
-        return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "pqc_codes_reserve: size overflow");
+        return pqc__fail(NULL, PQC_ERROR_CAPACITY, "pqc_codes_reserve: %zu tokens x %d sub-spaces overflow", capacity,
+                         codes->m);
     p = (unsigned char *)pqc__calloc(&codes->alloc, total);
     if (!p) return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "pqc_codes_reserve: %zu bytes", total);
     if (codes->data)
@@ -2735,6 +2852,22 @@ PQCDEF pqc_result pqc_codes_reserve(pqc_codes *codes, size_t capacity)
     codes->capacity = capacity;
     codes->col_stride = stride;
     return PQC_SUCCESS;
+}
+
+/* Drops the codes of tokens [keep, count): their bits are cleared, since codes are
+   written by OR-ing into zeroed columns. */
+static void pqc__codes_drop(pqc_codes *codes, size_t keep)
+{
+    int j;
+    if (keep >= codes->count || !codes->data) return;
+    for (j = 0; j < codes->m; j++) {
+        unsigned char *col = codes->data + (size_t)j * codes->col_stride;
+        size_t bit = keep * (size_t)codes->bits, end = pqc__col_bytes(codes->count, codes->bits);
+        size_t byte = bit >> 3;
+        if (bit & 7) col[byte++] &= (unsigned char)((1u << (bit & 7)) - 1u);
+        if (end > byte) memset(col + byte, 0, end - byte);
+    }
+    codes->count = keep;
 }
 
 PQCDEF size_t pqc_codes_bytes(const pqc_codes *codes)
@@ -3144,6 +3277,7 @@ struct pqc_scheduler {
 
 #define PQC__KX 1e-6
 #define PQC__CX 1e-4
+#define PQC__SCHED_MAX_TOKENS 4294967296.0 /* sample sizes beyond any sequence are refused */
 
 static void pqc__sched_lock(pqc_scheduler *s)
 {
@@ -3204,8 +3338,10 @@ PQCDEF pqc_result pqc_scheduler_add_kmeans(pqc_scheduler *s, double tokens, int 
 {
     double x;
     if (!s) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler: null");
-    if (!(tokens > 0) || iters < 0 || !(seconds >= 0) || seconds > 1e9)
-        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: bad k-means sample");
+    if (!(tokens > 0 && tokens <= PQC__SCHED_MAX_TOKENS) || iters < 0 || iters > 1000000 || !(seconds >= 0) ||
+        seconds > 1e9)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE,
+                         "scheduler: k-means sample needs 0 < tokens <= 2^32, 0 <= iters <= 1e6, 0 <= seconds <= 1e9");
     x = tokens * iters * PQC__KX;
     pqc__sched_lock(s);
     s->k_n += 1;
@@ -3213,7 +3349,6 @@ PQCDEF pqc_result pqc_scheduler_add_kmeans(pqc_scheduler *s, double tokens, int 
     s->k_y += seconds;
     s->k_xx += x * x;
     s->k_xy += x * seconds;
-    s->have_fixed = 0;
     pqc__sched_unlock(s);
     return PQC_SUCCESS;
 }
@@ -3223,8 +3358,9 @@ PQCDEF pqc_result pqc_scheduler_add_compute(pqc_scheduler *s, double tokens, dou
     double x, p = 1;
     int i;
     if (!s) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler: null");
-    if (!(tokens > 0) || !(seconds >= 0) || seconds > 1e9)
-        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: bad compute sample");
+    if (!(tokens > 0 && tokens <= PQC__SCHED_MAX_TOKENS) || !(seconds >= 0) || seconds > 1e9)
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE,
+                         "scheduler: compute sample needs 0 < tokens <= 2^32 and 0 <= seconds <= 1e9");
     x = tokens * PQC__CX;
     pqc__sched_lock(s);
     s->c_n += 1;
@@ -3232,7 +3368,6 @@ PQCDEF pqc_result pqc_scheduler_add_compute(pqc_scheduler *s, double tokens, dou
     s->c_ys[0] += seconds;
     s->c_ys[1] += seconds * x;
     s->c_ys[2] += seconds * x * x;
-    s->have_fixed = 0;
     pqc__sched_unlock(s);
     return PQC_SUCCESS;
 }
@@ -3272,12 +3407,13 @@ static int pqc__solve3(double a[3][3], double b[3], double x[3])
     return 1;
 }
 
-/* current fit in unscaled units; n1/n2 = 0 where a fit is not determined yet */
+/* Current fit in unscaled units; n1/n2 = 0 where a line is not determined yet. A fit that
+   was set or loaded holds each line until the samples measured since determine that line
+   with at least as many samples behind it. */
 static pqc_scheduler_fit pqc__sched_fit(const pqc_scheduler *s)
 {
     pqc_scheduler_fit f;
     memset(&f, 0, sizeof f);
-    if (s->have_fixed) return s->fixed;
     if (s->k_n >= 2) {
         double den = s->k_n * s->k_xx - s->k_x * s->k_x;
         if (fabs(den) > 1e-300) {
@@ -3299,6 +3435,19 @@ static pqc_scheduler_fit pqc__sched_fit(const pqc_scheduler *s)
             f.n2 = (int)s->c_n;
         }
     }
+    if (s->have_fixed) {
+        if (f.n1 == 0 || f.n1 < s->fixed.n1) {
+            f.a1 = s->fixed.a1;
+            f.b1 = s->fixed.b1;
+            f.n1 = s->fixed.n1;
+        }
+        if (f.n2 == 0 || f.n2 < s->fixed.n2) {
+            f.a2 = s->fixed.a2;
+            f.b2 = s->fixed.b2;
+            f.g2 = s->fixed.g2;
+            f.n2 = s->fixed.n2;
+        }
+    }
     return f;
 }
 
@@ -3316,9 +3465,10 @@ PQCDEF pqc_scheduler_fit pqc_scheduler_get_fit(pqc_scheduler *s)
 PQCDEF pqc_result pqc_scheduler_set_fit(pqc_scheduler *s, const pqc_scheduler_fit *fit)
 {
     if (!s || !fit) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler: null");
-    if (!(fit->b1 > 0) || fit->n1 < 1 || fit->n2 < 1 || fit->a1 != fit->a1 || fit->a2 != fit->a2 ||
-        fit->b2 != fit->b2 || fit->g2 != fit->g2)
-        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: fit needs b1 > 0 and samples behind both lines");
+    if (!(fit->b1 > 0 && fit->b1 <= 1e9) || fit->n1 < 1 || fit->n2 < 1 || !(fabs(fit->a1) <= 1e9) ||
+        !(fabs(fit->a2) <= 1e9) || !(fabs(fit->b2) <= 1e9) || !(fabs(fit->g2) <= 1e9))
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE,
+                         "scheduler: fit needs 0 < b1, finite coefficients up to 1e9 and samples behind both lines");
     pqc__sched_lock(s);
     s->fixed = *fit;
     s->have_fixed = 1;
@@ -3331,7 +3481,7 @@ PQCDEF int pqc_scheduler_iters(pqc_scheduler *s, double tokens, int jobs)
     pqc_scheduler_fit f;
     double t, share;
     int lo, hi, def;
-    if (!s || !(tokens > 0)) return 10;
+    if (!s || !(tokens > 0 && tokens <= PQC__SCHED_MAX_TOKENS)) return s ? s->t_default : 10;
     pqc__sched_lock(s);
     f = pqc__sched_fit(s);
     lo = s->t_min;
@@ -3361,33 +3511,36 @@ static uint64_t pqc__fnv(const void *p, size_t n, uint64_t h)
 PQCDEF pqc_result pqc_scheduler_save(pqc_scheduler *s, const char *path)
 {
     pqc_scheduler_fit f;
-    char body[512];
-    FILE *fp;
+    char body[640], why[300];
+    const void *part;
+    size_t len;
     int n;
     if (!s || !path) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler save: null");
     f = pqc_scheduler_get_fit(s);
     if (f.n1 == 0 || f.n2 == 0) return pqc__fail(NULL, PQC_ERROR_BAD_STATE, "scheduler save: no fit to save yet");
-    n = snprintf(body, sizeof body, "%s\nkmeans %.17g %.17g %d\ncompute %.17g %.17g %.17g %d\n", PQC__SCHED_MAGIC, f.a1,
-                 f.b1, f.n1, f.a2, f.b2, f.g2, f.n2);
-    fp = fopen(path, "w");
-    if (!fp) return pqc__fail(NULL, PQC_ERROR_IO, "scheduler save: cannot open %s", path);
-    if (fprintf(fp, "%scheck %016llx\n", body, (unsigned long long)pqc__fnv(body, (size_t)n, 0xcbf29ce484222325ull)) < 0 ||
-        fclose(fp) != 0)
-        return pqc__fail(NULL, PQC_ERROR_IO, "scheduler save: write to %s failed", path);
+    n = snprintf(body, 512, "%s\nkmeans %.17g %.17g %d\ncompute %.17g %.17g %.17g %d\n", PQC__SCHED_MAGIC, f.a1, f.b1,
+                 f.n1, f.a2, f.b2, f.g2, f.n2);
+    if (n < 0 || n >= 512) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler save: fit does not print");
+    n += snprintf(body + n, sizeof body - (size_t)n, "check %016llx\n",
+                  (unsigned long long)pqc__fnv(body, (size_t)n, 0xcbf29ce484222325ull));
+    part = body;
+    len = (size_t)n;
+    if (pqc__write_atomic(path, &part, &len, 1, why, sizeof why) != 0)
+        return pqc__fail(NULL, PQC_ERROR_IO, "scheduler save: %s", why);
     return PQC_SUCCESS;
 }
 
 PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path)
 {
-    char buf[1024], *chk;
+    char buf[1024], *chk, why[300];
     size_t n;
     FILE *fp;
     pqc_scheduler_fit f;
     unsigned long long want = 0;
     char tail;
     if (!s || !path) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "scheduler load: null");
-    fp = fopen(path, "r");
-    if (!fp) return pqc__fail(NULL, PQC_ERROR_IO, "scheduler load: cannot open %s", path);
+    fp = pqc__open_regular(path, why, sizeof why);
+    if (!fp) return pqc__fail(NULL, PQC_ERROR_IO, "scheduler load: %s", why);
     n = fread(buf, 1, sizeof buf - 1, fp);
     fclose(fp);
     buf[n] = 0;
@@ -3472,6 +3625,7 @@ typedef struct pqc__layer {
     size_t n_coded;       /* mid tokens covered by the installed codes */
     size_t n_trained;     /* mid tokens the installed codebook was trained on */
     int building;         /* a build or rebuild is in flight */
+    size_t build_from;    /* n_tokens when it started */
     int build_pending_err;
     pqc__group group;
     pqc__build *builds;   /* [n_kv_heads] */
@@ -3497,6 +3651,8 @@ struct pqc_cache {
     size_t dbuf_floats;
     const void **fsrc; /* fetch: source row of each selected row */
     size_t fsrc_cap;
+    unsigned char *sbuf;       /* select: per head counts, results, then [heads][sbuf_cap] indices */
+    size_t sbuf_cap;
     const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
     struct pqc__cut *cu;       /* the CUDA device tier, or NULL */
@@ -3514,6 +3670,7 @@ static pqc_result pqc__cut_stored(pqc_cache *c, int layer, size_t n);
 static pqc_result pqc__cut_appended(pqc_cache *c, int layer, size_t n);
 static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx);
 static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end);
+static int pqc__cut_sized(const pqc_cache *c); /* slot pools sized by the window exist */
 static size_t pqc__cut_device_bytes(const pqc_cache *c);
 static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c);
 static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot);
@@ -3554,10 +3711,29 @@ static pqc_result pqc__cfail(const pqc_cache *c, pqc_result r, const char *fmt, 
     return r;
 }
 
+/* The three regions of n stored tokens: sinks [0, sink_end), mid tokens (PQ-indexed)
+   [sink_end, mid_end), the recent window [mid_end, n). Every bound is at most n, however
+   large n_sink and the window are. */
+static size_t pqc__sink_end(const pqc_cache *c, size_t n_tokens) { return PQC__MIN((size_t)c->d.n_sink, n_tokens); }
 static size_t pqc__mid_end(const pqc_cache *c, size_t n_tokens)
 {
-    size_t lo = (size_t)c->d.n_sink, w = (size_t)c->window;
-    return n_tokens > lo + w ? n_tokens - w : lo;
+    size_t lo = pqc__sink_end(c, n_tokens), w = (size_t)c->window;
+    return n_tokens - lo > w ? n_tokens - w : lo;
+}
+/* mid tokens of n stored tokens */
+static size_t pqc__mid_count(const pqc_cache *c, size_t n_tokens)
+{
+    return pqc__mid_end(c, n_tokens) - pqc__sink_end(c, n_tokens);
+}
+
+/* The window derived from the first prompt's budget (recent_share of it), at least one
+   token and at most max_tokens, whatever the budget settings. */
+static int pqc__derive_window(const pqc_cache *c, size_t n_tokens)
+{
+    double s_mid = (double)(n_tokens - pqc__sink_end(c, n_tokens));
+    double budget = c->d.budget_tokens ? (double)c->d.budget_tokens : ceil(c->d.budget_ratio * s_mid);
+    double w = floor(c->d.recent_share * budget + 0.5), hi = (double)PQC__MIN(c->d.max_tokens, (size_t)0x7fffffff);
+    return (int)(w < 1.0 ? 1.0 : (w > hi ? hi : w));
 }
 
 PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out)
@@ -3581,7 +3757,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     if (d.admit_blocks == 0) d.admit_blocks = d.cache_blocks;
     if (d.rebuild_share == 0) d.rebuild_share = 0.5;
     if (d.n_layers <= 0 || d.n_layers > 4096 || d.n_kv_heads <= 0 || d.n_kv_heads > 4096 || d.head_dim <= 0 ||
-        d.head_dim > 65536 || d.n_q_heads <= 0)
+        d.head_dim > 65536 || d.n_q_heads <= 0 || d.n_q_heads > 65536)
         return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_cache_create: layers %d, kv heads %d, head dim %d", d.n_layers,
                          d.n_kv_heads, d.head_dim);
     if (d.n_q_heads % d.n_kv_heads)
@@ -3593,6 +3769,9 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         !(d.rebuild_share > 0) || d.max_tokens > 0xfffffff0u || (int)d.policy < 0 || (int)d.policy > 1 ||
         (int)d.gqa < 0 || (int)d.gqa > 1 || d.codes_resident < 0 || d.codes_resident > 1)
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: a budget, window, block or policy setting is out of range");
+    /* sinks or a window beyond the capacity are the whole sequence */
+    if ((size_t)d.n_sink > d.max_tokens) d.n_sink = (int)d.max_tokens;
+    if ((size_t)d.window > d.max_tokens) d.window = (int)d.max_tokens;
     pqd = d.pq;
     if (pqd.iters == 0) pqd.iters = 1; /* validated here; the scheduler picks T later */
     {
@@ -3613,6 +3792,17 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: backend lacks alloc, free or copy_h2d");
     }
     want_cu = rt && rt->cu && !d.backend;
+    {
+        size_t slot_bytes, row_bytes, all_heads;
+        if (!pqc__size3((size_t)d.head_dim, pqc_dtype_size(d.kv_dtype), 2 * (size_t)d.block_tokens, &slot_bytes) ||
+            !pqc__mul(slot_bytes, (size_t)d.cache_blocks, &row_bytes) ||
+            !pqc__size3(row_bytes, (size_t)d.n_kv_heads, (size_t)d.n_layers, &all_heads)) {
+            pqc__free(&c->alloc, c);
+            return pqc__fail(rt, PQC_ERROR_CAPACITY,
+                             "pqc_cache_create: block cache of %d blocks x %d tokens x %d layers x %d heads overflows",
+                             d.cache_blocks, d.block_tokens, d.n_layers, d.n_kv_heads);
+        }
+    }
     c->g = d.n_q_heads / d.n_kv_heads;
     c->es = pqc_dtype_size(d.kv_dtype);
     c->row = c->es * (size_t)d.head_dim;
@@ -3690,6 +3880,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
     pqc__cut_destroy(c);
     pqc__free(&c->alloc, c->layers);
     pqc_selection_free(&c->dsel);
+    pqc__free(&c->alloc, c->sbuf);
     pqc__free(&c->alloc, c->dbuf);
     pqc__free(&c->alloc, (void *)c->fsrc);
     pqc__free(&c->alloc, (void *)c->frows);
@@ -3883,10 +4074,11 @@ static void pqc__build_job(void *arg)
 static void pqc__start_build(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
-    size_t n = pqc__mid_end(c, L->n_tokens) - (size_t)c->d.n_sink;
+    size_t n = pqc__mid_count(c, L->n_tokens);
     int h, iters = c->d.pq.iters;
     if (iters == 0) iters = pqc_scheduler_iters(c->d.scheduler, (double)n, c->d.n_kv_heads);
     L->building = 1;
+    L->build_from = L->n_tokens;
     L->st.last_iters = iters;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__build *b = &L->builds[h];
@@ -3903,11 +4095,22 @@ static void pqc__start_build(pqc_cache *c, int l)
     }
 }
 
-/* Codes mid tokens [n_coded, mid_end) of every head with the installed codebooks. */
-static pqc_result pqc__code_pending(pqc_cache *c, int l)
+/* Forgets the codes of mid tokens from `keep` on, in every head. */
+static void pqc__codes_truncate(pqc_cache *c, int l, size_t keep)
 {
     pqc__layer *L = &c->layers[l];
-    size_t end = pqc__mid_end(c, L->n_tokens) - (size_t)c->d.n_sink, from = L->n_coded;
+    int h;
+    if (keep >= L->n_coded) return;
+    for (h = 0; h < c->d.n_kv_heads; h++) pqc__codes_drop(&L->heads[h].codes, keep);
+    L->n_coded = keep;
+}
+
+/* Codes the mid tokens of layer l that an n-token sequence has beyond n_coded, with the
+   installed codebooks (nothing while a build is in flight). All heads or none. */
+static pqc_result pqc__code_pending(pqc_cache *c, int l, size_t n_tokens)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t end = pqc__mid_count(c, n_tokens), from = L->n_coded;
     int h;
     if (L->building || end <= from || L->heads[0].pq.m == 0) return PQC_SUCCESS;
     for (h = 0; h < c->d.n_kv_heads; h++) {
@@ -3917,7 +4120,7 @@ static pqc_result pqc__code_pending(pqc_cache *c, int l)
         if (H->codes.count != from) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "internal: code count mismatch");
         if ((r = pqc_pq_encode(c->rt, &H->pq, &keys, &H->codes)) != PQC_SUCCESS) {
             int g;
-            for (g = 0; g < h; g++) L->heads[g].codes.count = from; /* undo: all heads or none */
+            for (g = 0; g < h; g++) pqc__codes_drop(&L->heads[g].codes, from); /* undo: all heads or none */
             return r;
         }
     }
@@ -3925,32 +4128,29 @@ static pqc_result pqc__code_pending(pqc_cache *c, int l)
     return PQC_SUCCESS;
 }
 
-/* Joins a finished build: installs the codebooks (or reports the job's error once). */
+/* Joins a finished build (waiting for it when `wait`): installs the codebooks, or reports
+   the job's error once. A failed build changes nothing: the layer keeps what it had and
+   builds again when its tokens next grow. Installing finished work is the only effect. */
 static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
 {
     pqc__layer *L = &c->layers[l];
-    pqc_result r = PQC_SUCCESS;
     int h;
     double t0;
     if (!L->building) return PQC_SUCCESS;
     if (!wait && pqc__group_busy(c->rt, &L->group)) return PQC_SUCCESS;
     t0 = pqc__now();
     pqc__wait(c->rt, &L->group);
-    L->st.wait_s += pqc__now() - t0;
     L->building = 0;
     for (h = 0; h < c->d.n_kv_heads; h++)
-        if (L->builds[h].res != PQC_SUCCESS && r == PQC_SUCCESS) {
-            r = L->builds[h].res;
+        if (L->builds[h].res != PQC_SUCCESS) {
             pqc__cfail(c, PQC_ERROR_JOB_FAILED, "PQ build failed: %s", L->builds[h].err);
+            for (h = 0; h < c->d.n_kv_heads; h++) {
+                pqc_pq_free(&L->heads[h].pq_new);
+                pqc_codes_free(&L->heads[h].codes_new);
+            }
+            return PQC_ERROR_JOB_FAILED;
         }
-    if (r != PQC_SUCCESS) {
-        /* keep what was installed before; the failed layer attends its uncoded tokens */
-        for (h = 0; h < c->d.n_kv_heads; h++) {
-            pqc_pq_free(&L->heads[h].pq_new);
-            pqc_codes_free(&L->heads[h].codes_new);
-        }
-        return PQC_ERROR_JOB_FAILED;
-    }
+    L->st.wait_s += pqc__now() - t0;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
         L->st.build_s += L->builds[h].seconds;
@@ -3968,26 +4168,45 @@ static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
     L->st.builds++;
     L->gen++;
     L->n_coded = L->n_trained = L->builds[0].n_keys;
-    return pqc__code_pending(c, l);
+    return PQC_SUCCESS;
 }
 
-/* after tokens joined the mid region: code them, or start (re)builds when due */
-static pqc_result pqc__after_growth(pqc_cache *c, int l)
+/* After layer l grew (and its new mid tokens were coded): starts the first build once
+   there is something to learn, or a rebuild when enough tokens were coded without
+   retraining. Cannot fail. */
+static void pqc__maybe_build(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
-    size_t mid = pqc__mid_end(c, L->n_tokens) - (size_t)c->d.n_sink;
-    pqc_result r = pqc__join_build(c, l, 0);
-    if (r != PQC_SUCCESS) return r;
-    if (L->building || mid == 0) return PQC_SUCCESS;
-    if (L->heads[0].pq.m == 0) { /* no codebook yet: build once there is something to learn */
+    size_t mid = pqc__mid_count(c, L->n_tokens);
+    if (L->building || mid == 0) return;
+    if (L->heads[0].pq.m == 0) {
         if (mid >= (size_t)1 << c->d.pq.bits || mid >= 64) pqc__start_build(c, l);
-        return PQC_SUCCESS;
+        return;
     }
-    if ((r = pqc__code_pending(c, l)) != PQC_SUCCESS) return r;
-    if (c->d.rebuild_share < 1.0 && mid > L->n_trained &&
-        (double)(mid - L->n_trained) > c->d.rebuild_share * (double)mid)
+    if (c->d.rebuild_share < 1.0 && mid > L->n_trained && (double)(mid - L->n_trained) > c->d.rebuild_share * (double)mid)
         pqc__start_build(c, l);
-    return PQC_SUCCESS;
+}
+
+/* Gives back the tokens of layer l from n on (they were added by a call that then
+   failed): their codes, a build started on them, and the statistics of the call. */
+static void pqc__layer_truncate(pqc_cache *c, int l, size_t n, const pqc_layer_stats *st, uint64_t step)
+{
+    pqc__layer *L = &c->layers[l];
+    int h;
+    if (L->building && L->build_from > n) { /* trained on tokens that are going away */
+        pqc__wait(c->rt, &L->group);
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            pqc_pq_free(&L->heads[h].pq_new);
+            pqc_codes_free(&L->heads[h].codes_new);
+        }
+        L->building = 0;
+    }
+    if (n < L->n_tokens) {
+        pqc__codes_truncate(c, l, pqc__mid_count(c, n));
+        L->n_tokens = n;
+    }
+    L->st = *st;
+    L->step = step;
 }
 
 static pqc_result pqc__check_kv_matrix(const pqc_cache *c, const pqc_matrix *m, const char *what)
@@ -3997,12 +4216,15 @@ static pqc_result pqc__check_kv_matrix(const pqc_cache *c, const pqc_matrix *m, 
     return PQC_SUCCESS;
 }
 
+/* Both calls below first do everything that can fail (checks, a finished build's report,
+   growth, storing rows past the visible tokens, coding, device copies) and only then
+   make the tokens count; a failure undoes what it did, so the cache stays as it was. */
 PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k, const pqc_matrix *v)
 {
     pqc__layer *L;
     pqc_result r;
-    size_t n, t, start;
-    int h;
+    size_t n, t, start, coded;
+    int h, window;
     float *tmp;
     if ((r = pqc__check_layer(c, layer, "pqc_cache_prefill")) != PQC_SUCCESS) return r;
     if ((r = pqc__check_kv_matrix(c, k, "pqc_cache_prefill K")) != PQC_SUCCESS) return r;
@@ -4012,22 +4234,19 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     L = &c->layers[layer];
     n = k->rows;
     start = L->n_tokens;
-    if (start + n > c->d.max_tokens)
+    if (n > c->d.max_tokens - start)
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_prefill: %zu + %zu tokens exceed max_tokens %zu", start, n,
                           c->d.max_tokens);
     tmp = (float *)pqc__alloc(&c->alloc, k->cols * sizeof(float));
     if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_prefill: allocation failed");
-    r = pqc__check_finite(c->rt, k, tmp, "pqc_cache_prefill K");
-    if (r == PQC_SUCCESS) r = pqc__check_finite(c->rt, v, tmp, "pqc_cache_prefill V");
+    r = pqc__check_range(c->rt, k, tmp, pqc__store_limit(c->d.kv_dtype), "pqc_cache_prefill K");
+    if (r == PQC_SUCCESS) r = pqc__check_range(c->rt, v, tmp, pqc__store_limit(c->d.kv_dtype), "pqc_cache_prefill V");
     pqc__free(&c->alloc, tmp);
     if (r != PQC_SUCCESS) return r;
     if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r; /* the store must not move under a build */
     if ((r = pqc__cache_grow(c, start + n)) != PQC_SUCCESS) return r;
-    if (c->window == 0) { /* derive the window from the first prompt's budget */
-        double s_mid = (double)(start + n > (size_t)c->d.n_sink ? start + n - (size_t)c->d.n_sink : 0);
-        double budget = c->d.budget_tokens ? (double)c->d.budget_tokens : ceil(c->d.budget_ratio * s_mid);
-        c->window = (int)PQC__MAX(1.0, floor(c->d.recent_share * budget + 0.5));
-    }
+    window = c->window;
+    if (c->window == 0) c->window = pqc__derive_window(c, start + n);
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
         size_t off = (size_t)h * c->d.head_dim * pqc_dtype_size(k->dtype);
@@ -4036,59 +4255,101 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
             pqc__store_row(c, H->v + (start + t) * c->row, (const unsigned char *)pqc__row(v, t) + off, v->dtype);
         }
     }
-    /* the device copies the new sink and window rows before they count as stored: a
-       failure there leaves the layer as it was */
-    if (c->cu && (r = pqc__cut_stored(c, layer, start + n)) != PQC_SUCCESS) return r;
+    coded = L->n_coded;
+    r = pqc__code_pending(c, layer, start + n);
+    /* the device copies the new sink and window rows before they count as stored */
+    if (r == PQC_SUCCESS && c->cu) r = pqc__cut_stored(c, layer, start + n);
+    if (r != PQC_SUCCESS) {
+        pqc__codes_truncate(c, layer, coded);
+        if (!c->cu || !pqc__cut_sized(c)) c->window = window; /* a device tier sized by it keeps it */
+        return r;
+    }
     L->n_tokens = start + n;
     L->prefill_start = pqc__now();
-    return pqc__after_growth(c, layer);
+    pqc__maybe_build(c, layer);
+    return PQC_SUCCESS;
 }
 
 PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v)
 {
     pqc__layer *L;
     pqc_result r;
-    size_t before, after;
+    size_t before, after, coded;
     int h;
     if ((r = pqc__check_layer(c, layer, "pqc_cache_append")) != PQC_SUCCESS) return r;
     if (!k || !v) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_append: null K or V");
     L = &c->layers[layer];
     if (L->n_tokens == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_append: layer %d has no prefill yet", layer);
-    if (!pqc__finite_row(k, (size_t)c->d.n_kv_heads * c->d.head_dim) ||
-        !pqc__finite_row(v, (size_t)c->d.n_kv_heads * c->d.head_dim))
-        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_append: K or V holds NaN, Inf or a huge value");
-    if (L->n_tokens + 1 > c->cap) {
-        if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
-        if ((r = pqc__cache_grow(c, L->n_tokens + 1)) != PQC_SUCCESS) return r;
-    }
+    if (L->n_tokens >= c->d.max_tokens)
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_append: layer %d holds max_tokens %zu", layer, c->d.max_tokens);
+    if (!pqc__within(k, (size_t)c->d.n_kv_heads * c->d.head_dim, pqc__store_limit(c->d.kv_dtype)) ||
+        !pqc__within(v, (size_t)c->d.n_kv_heads * c->d.head_dim, pqc__store_limit(c->d.kv_dtype)))
+        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_append: K or V holds NaN, Inf or a magnitude above %g",
+                          (double)pqc__store_limit(c->d.kv_dtype));
+    if ((r = pqc__join_build(c, layer, L->n_tokens + 1 > c->cap)) != PQC_SUCCESS) return r;
+    if (L->n_tokens + 1 > c->cap && (r = pqc__cache_grow(c, L->n_tokens + 1)) != PQC_SUCCESS) return r;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
         pqc__store_row(c, H->k + L->n_tokens * c->row, k + (size_t)h * c->d.head_dim, PQC_F32);
         pqc__store_row(c, H->v + L->n_tokens * c->row, v + (size_t)h * c->d.head_dim, PQC_F32);
     }
-    if (c->cu && (r = pqc__cut_appended(c, layer, L->n_tokens + 1)) != PQC_SUCCESS) return r;
+    coded = L->n_coded;
+    r = pqc__code_pending(c, layer, L->n_tokens + 1); /* the token leaving the window, from its own key */
+    if (r == PQC_SUCCESS && c->cu) r = pqc__cut_appended(c, layer, L->n_tokens + 1);
+    if (r != PQC_SUCCESS) {
+        pqc__codes_truncate(c, layer, coded);
+        return r;
+    }
     before = pqc__mid_end(c, L->n_tokens);
     L->n_tokens++;
     after = pqc__mid_end(c, L->n_tokens);
     if (after > before) L->st.bytes_d2h += (after - before) * 2 * c->row * (size_t)c->d.n_kv_heads; /* offload */
-    return pqc__after_growth(c, layer);
+    pqc__maybe_build(c, layer);
+    return PQC_SUCCESS;
+}
+
+/* Gives sel room for `cap` indices per head, keeping what it holds. */
+static pqc_result pqc__selection_grow(const pqc_cache *c, pqc_selection *sel, size_t cap)
+{
+    size_t bytes, h;
+    uint32_t *idx;
+    if (!pqc__size3(cap, (size_t)sel->n_kv_heads, sizeof(uint32_t), &bytes))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "selection: %zu indices per head overflow", cap);
+    idx = (uint32_t *)pqc__alloc(&sel->alloc, bytes);
+    if (!idx) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "selection: %zu indices per head", cap);
+    if (sel->idx)
+        for (h = 0; h < (size_t)sel->n_kv_heads; h++)
+            memcpy(idx + h * cap, sel->idx + h * sel->capacity, PQC__MIN(sel->count[h], sel->capacity) * sizeof(uint32_t));
+    pqc__free(&sel->alloc, sel->idx);
+    sel->idx = idx;
+    sel->capacity = cap;
+    return PQC_SUCCESS;
+}
+
+/* capacity for n tokens with headroom, so that decode steps rarely reallocate */
+static size_t pqc__selection_cap(const pqc_cache *c, size_t n)
+{
+    size_t want = n + n / 8 + 256;
+    return PQC__MIN(want, c->d.max_tokens);
 }
 
 PQCDEF pqc_result pqc_selection_init(const pqc_cache *c, pqc_selection *sel)
 {
-    size_t cap;
+    size_t n = 0;
+    pqc_result r;
+    int l;
     if (!c || !sel) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_selection_init: null pointer");
     memset(sel, 0, sizeof *sel);
-    cap = c->d.max_tokens;
+    for (l = 0; l < c->d.n_layers; l++) n = PQC__MAX(n, c->layers[l].n_tokens);
     sel->alloc = c->alloc;
     sel->n_kv_heads = c->d.n_kv_heads;
+    sel->owned = 1;
     sel->count = (size_t *)pqc__calloc(&sel->alloc, sizeof(size_t) * (size_t)c->d.n_kv_heads);
-    sel->idx = (uint32_t *)pqc__alloc(&sel->alloc, sizeof(uint32_t) * cap * (size_t)c->d.n_kv_heads);
-    if (!sel->count || !sel->idx) {
+    if (!sel->count) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_selection_init: allocation failed");
+    if ((r = pqc__selection_grow(c, sel, pqc__selection_cap(c, n))) != PQC_SUCCESS) {
         pqc_selection_free(sel);
-        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_selection_init: %zu indices per head", cap);
+        return r;
     }
-    sel->capacity = cap;
     return PQC_SUCCESS;
 }
 
@@ -4106,7 +4367,8 @@ typedef struct pqc__sel_job {
     pqc_cache *c;
     int layer;
     const float *q;
-    pqc_selection *sel;
+    uint32_t *out;     /* [n_kv_heads][out_cap]: the selection is written here first */
+    size_t out_cap, *out_count;
     size_t take; /* coded mid tokens to take: all of them, none, or the top `take` */
     int search;  /* 0 < take < coded: PQ search */
     pqc_result *head_res;
@@ -4121,7 +4383,7 @@ static void pqc__select_head(void *ctx, size_t hi)
     pqc__head *H = &L->heads[hi];
     int h = (int)hi;
     size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0;
-    uint32_t *out = j->sel->idx + hi * j->sel->capacity;
+    uint32_t *out = j->out + hi * j->out_cap;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
     if (j->search && j->gpu_idx) {
         const int32_t *g = j->gpu_idx + hi * j->take;
@@ -4148,18 +4410,20 @@ static void pqc__select_head(void *ctx, size_t hi)
     }
     for (t = (size_t)c->d.n_sink + L->n_coded; t < mid_end; t++) out[o++] = (uint32_t)t; /* not coded yet */
     for (t = PQC__MAX(mid_end, sink); t < n; t++) out[o++] = (uint32_t)t;                /* window */
-    j->sel->count[hi] = o;
+    j->out_count[hi] = o;
     j->head_res[hi] = PQC_SUCCESS;
 }
 
 static void pqc__select_heads_pfor(void *ctx, size_t h) { pqc__select_head(ctx, h); }
 
+/* Selection is computed into the cache's own buffer and copied into sel only when every
+   head succeeded, so a failed select leaves sel (and the cache) as they were. */
 static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_selection *sel, int parallel)
 {
     pqc__layer *L;
-    pqc_result r, hr[64], *hres = hr;
+    pqc_result r;
     pqc__sel_job j;
-    size_t n, budget, mid;
+    size_t n, budget, mid, coded, nh, need;
     int h;
     double t0 = pqc__now();
     if ((r = pqc__check_layer(c, layer, "pqc_cache_select")) != PQC_SUCCESS) return r;
@@ -4169,16 +4433,31 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
         return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_select: selection sized for %d heads", sel->n_kv_heads);
     L = &c->layers[layer];
     n = L->n_tokens;
+    nh = (size_t)c->d.n_kv_heads;
     if (n == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_select: layer %d is empty", layer);
-    if (n > sel->capacity) return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_select: selection too small");
+    if (n > sel->capacity && !sel->owned)
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_select: selection holds %zu indices per head, %zu tokens",
+                          sel->capacity, n);
     if (!pqc__finite_row(q, (size_t)c->d.n_q_heads * c->d.head_dim))
         return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_select: query holds NaN, Inf or a huge value");
+    /* everything that can fail for want of memory, before anything changes */
+    if (n > c->sbuf_cap) {
+        size_t cap = pqc__selection_cap(c, n), bytes;
+        unsigned char *nb;
+        if (!pqc__size3(nh, cap * sizeof(uint32_t) + sizeof(size_t) + sizeof(pqc_result), 1, &bytes) ||
+            !(nb = (unsigned char *)pqc__alloc(&c->alloc, bytes)))
+            return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_select: %zu indices per head", cap);
+        pqc__free(&c->alloc, c->sbuf);
+        c->sbuf = nb;
+        c->sbuf_cap = cap;
+    }
+    if (n > sel->capacity && (r = pqc__selection_grow(c, sel, pqc__selection_cap(c, n))) != PQC_SUCCESS) return r;
     if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
-    if (L->n_coded < pqc__mid_end(c, n) - (size_t)c->d.n_sink && L->heads[0].pq.m && (r = pqc__code_pending(c, layer)))
-        return r;
+    coded = L->n_coded;
+    if ((r = pqc__code_pending(c, layer, n)) != PQC_SUCCESS) return r;
     /* top-k = budget - window, the budget counting the tokens beyond the sinks; without
        a codebook every coded-or-not mid token is attended */
-    mid = n > (size_t)c->d.n_sink ? n - (size_t)c->d.n_sink : 0;
+    mid = n - pqc__sink_end(c, n);
     budget = c->d.budget_tokens ? c->d.budget_tokens : (size_t)ceil(c->d.budget_ratio * (double)mid);
     j.take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
     if (L->heads[0].pq.m == 0 || j.take > L->n_coded) j.take = L->n_coded;
@@ -4186,31 +4465,38 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.c = c;
     j.layer = layer;
     j.q = q;
-    j.sel = sel;
-    if (c->d.n_kv_heads > 64) {
-        hres = (pqc_result *)pqc__alloc(&c->alloc, sizeof(pqc_result) * (size_t)c->d.n_kv_heads);
-        if (!hres) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_select: allocation failed");
-    }
-    j.head_res = hres;
+    j.out_count = (size_t *)c->sbuf;
+    j.head_res = (pqc_result *)(j.out_count + nh);
+    j.out = (uint32_t *)(j.head_res + nh);
+    j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
     if (j.search && c->cu && (r = pqc__cut_select(c, layer, q, j.take, &j.gpu_idx)) != PQC_SUCCESS) {
-        if (hres != hr) pqc__free(&c->alloc, hres);
+        pqc__codes_truncate(c, layer, coded);
         return r;
     }
-    if (parallel && j.search && !j.gpu_idx) pqc__parallel_for(c->rt, (size_t)c->d.n_kv_heads, pqc__select_heads_pfor, &j);
-    else
+    if (parallel && j.search && !j.gpu_idx) {
+        pqc__parallel_for(c->rt, nh, pqc__select_heads_pfor, &j);
+        /* a head that failed on a worker runs again here, so that its error (and message)
+           is this thread's, or it succeeds this time */
+        for (h = 0; h < c->d.n_kv_heads; h++)
+            if (j.head_res[h] != PQC_SUCCESS) pqc__select_head(&j, (size_t)h);
+    } else {
         for (h = 0; h < c->d.n_kv_heads; h++) pqc__select_head(&j, (size_t)h);
-    r = PQC_SUCCESS;
-    for (h = 0; h < c->d.n_kv_heads; h++) {
-        if (hres[h] != PQC_SUCCESS && r == PQC_SUCCESS) r = hres[h];
-        if (hres[h] == PQC_SUCCESS) L->st.tokens_selected += sel->count[h];
     }
-    if (hres != hr) pqc__free(&c->alloc, hres);
-    if (r != PQC_SUCCESS) return r;
+    for (h = 0; h < c->d.n_kv_heads; h++)
+        if ((r = j.head_res[h]) != PQC_SUCCESS) {
+            pqc__codes_truncate(c, layer, coded);
+            return r;
+        }
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        sel->count[h] = j.out_count[h];
+        memcpy(sel->idx + (size_t)h * sel->capacity, j.out + (size_t)h * j.out_cap, j.out_count[h] * sizeof(uint32_t));
+        L->st.tokens_selected += j.out_count[h];
+    }
     if (j.search) {
-        size_t cb = pqc_codes_bytes(&L->heads[0].codes) * (size_t)c->d.n_kv_heads; /* codes prefetched per step */
-        L->st.bytes_codes += cb;
-        L->st.bytes_h2d += cb;
+        need = pqc_codes_bytes(&L->heads[0].codes) * nh; /* codes prefetched per step */
+        L->st.bytes_codes += need;
+        L->st.bytes_h2d += need;
     }
     L->st.selects++;
     L->st.select_s += pqc__now() - t0;
@@ -4410,10 +4696,14 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     if (sel->n_kv_heads != c->d.n_kv_heads)
         return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_fetch: selection sized for %d heads", sel->n_kv_heads);
     L = &c->layers[layer];
+    if (L->n_tokens == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_fetch: layer %d is empty", layer);
     nh = (size_t)c->d.n_kv_heads;
     for (h = 0; h < nh; h++) {
         size_t i, cnt = sel->count[h];
         const uint32_t *idx = sel->idx + h * sel->capacity;
+        if (cnt > sel->capacity)
+            return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_fetch: head %zu holds %zu indices, capacity %zu", h, cnt,
+                              sel->capacity);
         if (copy && cnt > out->head_stride)
             return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_fetch: %zu rows selected, head_stride %zu", cnt,
                               out->head_stride);
@@ -4682,12 +4972,59 @@ PQCDEF pqc_result pqc_batch_fetch(pqc_cache *const *caches, int n, int layer, co
 
 /* ----- driver ----- */
 
+/* What a driver call restores on failure: per layer the token count, statistics and step,
+   and the window. Layers that took the call's tokens give them back. */
+typedef struct pqc__undo {
+    size_t *n_tokens;
+    uint64_t *step;
+    pqc_layer_stats *st;
+    int window;
+} pqc__undo;
+
+static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u)
+{
+    size_t nl = (size_t)c->d.n_layers;
+    int l;
+    u->n_tokens = (size_t *)pqc__alloc(&c->alloc, nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats)));
+    if (!u->n_tokens) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
+    u->st = (pqc_layer_stats *)(u->n_tokens + nl); /* size_t then stats: both 8-byte aligned */
+    u->step = (uint64_t *)(u->st + nl);
+    for (l = 0; l < c->d.n_layers; l++) {
+        u->n_tokens[l] = c->layers[l].n_tokens;
+        u->st[l] = c->layers[l].st;
+        u->step[l] = c->layers[l].step;
+    }
+    u->window = c->window;
+    return PQC_SUCCESS;
+}
+
+/* Ends a driver call: on failure every layer up to `last` is put back (r is returned). */
+static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result r)
+{
+    int l;
+    if (r != PQC_SUCCESS) {
+        char msg[sizeof pqc__errbuf];
+        memcpy(msg, pqc__errbuf, sizeof msg);
+        for (l = 0; l <= last && l < c->d.n_layers; l++) {
+            int gave_back = c->layers[l].n_tokens > u->n_tokens[l];
+            pqc__layer_truncate(c, l, u->n_tokens[l], &u->st[l], u->step[l]);
+            /* the device's sink and window slots hold the given-back rows: copy them again */
+            if (gave_back && c->cu && u->n_tokens[l] > 0) pqc__cut_stored(c, l, u->n_tokens[l]);
+        }
+        if (!c->cu || !pqc__cut_sized(c)) c->window = u->window;
+        memcpy(pqc__errbuf, msg, sizeof msg);
+    }
+    pqc__free(&c->alloc, u->n_tokens);
+    return r;
+}
+
 PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n)
 {
     size_t qn, kn, bytes;
     float *q, *k, *v;
     const void **kp;
     size_t *cnt;
+    pqc__undo undo;
     pqc_result r = PQC_SUCCESS;
     int l, h;
     if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_prefill: null");
@@ -4695,8 +5032,8 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
     if (pos0 != c->layers[0].n_tokens)
         return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_driver_prefill: position %zu, cache holds %zu tokens", pos0,
                           c->layers[0].n_tokens);
-    if (pos0 + n > c->d.max_tokens)
-        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_driver_prefill: %zu tokens exceed max_tokens", pos0 + n);
+    if (n > c->d.max_tokens - pos0)
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_driver_prefill: %zu + %zu tokens exceed max_tokens", pos0, n);
     qn = (size_t)c->d.n_q_heads * c->d.head_dim;
     kn = (size_t)c->d.n_kv_heads * c->d.head_dim;
     if (!pqc__mul(n, (qn + 2 * kn) * sizeof(float), &bytes))
@@ -4707,6 +5044,11 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
         pqc__free(&c->alloc, q);
         pqc__free(&c->alloc, kp);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_prefill: %zu bytes of Q/K/V", bytes);
+    }
+    if ((r = pqc__undo_begin(c, &undo)) != PQC_SUCCESS) {
+        pqc__free(&c->alloc, q);
+        pqc__free(&c->alloc, kp);
+        return r;
     }
     k = q + n * qn;
     v = k + n * kn;
@@ -4751,7 +5093,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
     }
     pqc__free(&c->alloc, q);
     pqc__free(&c->alloc, kp);
-    return r;
+    return pqc__undo_end(c, &undo, l, r);
 }
 
 PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos)
@@ -4760,8 +5102,9 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     float *q, *k, *v, *ko, *vo;
     const void **kp;
     const uint32_t **pp;
-    pqc_selection sel;
+    pqc_selection *sel;
     pqc_kv_out out;
+    pqc__undo undo;
     pqc_result r = PQC_SUCCESS;
     int l, h;
     if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_decode: null");
@@ -4772,6 +5115,8 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     kn = (size_t)c->d.n_kv_heads * c->d.head_dim;
     cap = pos + 1;
     if (!c->dsel.idx && (r = pqc_selection_init(c, &c->dsel)) != PQC_SUCCESS) return r;
+    if (!pqc__size3(2 * cap + 3, kn, sizeof(float), &need))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_driver_decode: %zu tokens do not fit in memory", cap);
     need = qn + 2 * kn + 2 * cap * kn;
     if (need > c->dbuf_floats) { /* grows geometrically: decode steps allocate rarely */
         size_t want = need + need / 4;
@@ -4783,7 +5128,11 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     }
     kp = (const void **)pqc__alloc(&c->alloc, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads);
     if (!kp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
-    sel = c->dsel;
+    if ((r = pqc__undo_begin(c, &undo)) != PQC_SUCCESS) {
+        pqc__free(&c->alloc, kp);
+        return r;
+    }
+    sel = &c->dsel;
     q = c->dbuf;
     k = q + qn;
     v = k + kn;
@@ -4800,13 +5149,13 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
             break;
         }
         if ((r = pqc_cache_append(c, l, k, v)) != PQC_SUCCESS) break;
-        if ((r = pqc_cache_select(c, l, q, &sel)) != PQC_SUCCESS) break;
+        if ((r = pqc_cache_select(c, l, q, sel)) != PQC_SUCCESS) break;
         view.krows = view.vrows = NULL;
         view.on_device = 0;
         if (c->cu && e->accepts_device_kv) {
-            pqc_kv_device dk;
+            pqc_kv_device dk = { 0, 0, 0 };
             size_t hb;
-            if ((r = pqc_cache_fetch_device(c, l, &sel, &dk)) != PQC_SUCCESS) break;
+            if ((r = pqc_cache_fetch_device(c, l, sel, &dk)) != PQC_SUCCESS) break;
             view.on_device = 1;
             hb = dk.head_stride * (size_t)c->d.head_dim * sizeof(float);
             for (h = 0; h < c->d.n_kv_heads; h++) { /* device addresses carried in pointers */
@@ -4814,8 +5163,8 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
                 kp[c->d.n_kv_heads + h] = (const void *)(uintptr_t)(dk.v + (uint64_t)h * hb);
             }
         } else if (e->accepts_row_pointers && pqc__zero_copy(c)) {
-            if ((r = pqc_cache_fetch_rows(c, l, &sel, &view.krows, &view.vrows)) != PQC_SUCCESS) break;
-        } else if ((r = pqc_cache_fetch(c, l, &sel, &out)) != PQC_SUCCESS) {
+            if ((r = pqc_cache_fetch_rows(c, l, sel, &view.krows, &view.vrows)) != PQC_SUCCESS) break;
+        } else if ((r = pqc_cache_fetch(c, l, sel, &out)) != PQC_SUCCESS) {
             break;
         }
         for (h = 0; h < c->d.n_kv_heads; h++) {
@@ -4823,14 +5172,14 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
                 kp[h] = view.krows ? NULL : ko + (size_t)h * cap * c->d.head_dim;
                 kp[c->d.n_kv_heads + h] = view.krows ? NULL : vo + (size_t)h * cap * c->d.head_dim;
             }
-            pp[h] = sel.idx + (size_t)h * sel.capacity;
+            pp[h] = sel->idx + (size_t)h * sel->capacity;
         }
         view.n_kv_heads = c->d.n_kv_heads;
         view.head_dim = c->d.head_dim;
         view.dtype = PQC_F32;
         view.k = kp;
         view.v = kp + c->d.n_kv_heads;
-        view.count = sel.count;
+        view.count = sel->count;
         view.pos = pp;
         if (e->attend(e->user, l, pos, 1, q, &view) != 0) {
             r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_decode: attend callback failed at layer %d", l);
@@ -4838,7 +5187,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
         }
     }
     pqc__free(&c->alloc, kp);
-    return r;
+    return pqc__undo_end(c, &undo, l, r);
 }
 
 /* =======================================================================================
@@ -5695,7 +6044,8 @@ PQC__CU_FN int pqc__cu_cache_read(pqc__cuApi *api, const char *path, uint64_t ke
     unsigned char hdr[32];
     uint64_t n;
     void *img;
-    FILE *f = fopen(path, "rb");
+    char why[300];
+    FILE *f = pqc__open_regular(path, why, sizeof why);
     *image = NULL;
     *size = 0;
     if (!f) return 0;
@@ -5726,27 +6076,20 @@ PQC__CU_FN int pqc__cu_cache_read(pqc__cuApi *api, const char *path, uint64_t ke
 PQC__CU_FN int pqc__cu_cache_write(pqc__cuApi *api, const char *path, uint64_t key,
                                    const void *image, size_t size)
 {
-    char tmp[600];
     unsigned char hdr[32];
-    FILE *f;
-    int ok;
+    char why[300];
+    const void *parts[2];
+    size_t sizes[2];
     (void)api;
-    if (snprintf(tmp, sizeof(tmp), "%s.tmp%lx", path,
-                 (unsigned long)(((uintptr_t)&f >> 4) ^ (uintptr_t)key)) >= (int)sizeof(tmp))
-        return -1;
     memcpy(hdr, PQC__CU_CACHE_MAGIC, 8);
     pqc__cu_put64(hdr + 8, key);
     pqc__cu_put64(hdr + 16, (uint64_t)size);
     pqc__cu_put64(hdr + 24, pqc__cu_fnv1a64(image, size, PQC__CU_FNV_OFFSET));
-    f = fopen(tmp, "wb");
-    if (!f) return -1;
-    ok = fwrite(hdr, 1, 32, f) == 32 && fwrite(image, 1, size, f) == size;
-    ok = (fclose(f) == 0) && ok;
-    if (!ok || rename(tmp, path) != 0) {
-        remove(tmp);
-        return -1;
-    }
-    return 0;
+    parts[0] = hdr;
+    sizes[0] = 32;
+    parts[1] = image;
+    sizes[1] = size;
+    return pqc__write_atomic(path, parts, sizes, 2, why, sizeof why);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -7266,6 +7609,8 @@ static pqc_result pqc__cut_grown(pqc_cache *c)
 }
 
 /* The slot of a block resident for good: sink blocks and the window's ring; -1 else. */
+static int pqc__cut_sized(const pqc_cache *c) { return c->cu && c->cu->ready; }
+
 static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
 {
     const struct pqc__cut *u = c->cu;
@@ -7838,6 +8183,11 @@ static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end)
     return -1;
 }
 static size_t pqc__cut_device_bytes(const pqc_cache *c)
+{
+    (void)c;
+    return 0;
+}
+static int pqc__cut_sized(const pqc_cache *c)
 {
     (void)c;
     return 0;

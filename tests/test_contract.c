@@ -1,0 +1,904 @@
+/* Contract tests: hostile sizes and values get a result code, never a crash; a call that
+   fails leaves every observable of its objects as it was; allocation failure is injected
+   at every allocation of a whole serving scenario, and each failed call, retried, ends
+   where an undisturbed run ends. */
+#define PQCACHE_IMPLEMENTATION
+#include "../pqcache.h"
+#include "greatest.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ----- helpers ----------------------------------------------------------------------- */
+
+static uint64_t g_seed = 777;
+static float urand(void)
+{
+    uint64_t z = (g_seed += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
+}
+static float *rows(size_t n, size_t cols)
+{
+    float *x = (float *)malloc(n * cols * sizeof(float) + 1);
+    size_t i;
+    for (i = 0; i < n * cols; i++) x[i] = urand();
+    return x;
+}
+
+static pqc_cache_desc small_desc(int layers, int hkv, int hq, int d)
+{
+    pqc_cache_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = layers;
+    cd.n_kv_heads = hkv;
+    cd.n_q_heads = hq;
+    cd.head_dim = d;
+    cd.max_tokens = 4096;
+    cd.pq.m = 2;
+    cd.pq.bits = 4;
+    cd.pq.iters = 3;
+    cd.pq.seed = 5;
+    cd.block_tokens = 16;
+    cd.cache_blocks = 4;
+    return cd;
+}
+
+static pqc_result prefill(pqc_cache *c, int layer, const float *k, const float *v, size_t n)
+{
+    size_t cols = (size_t)c->d.n_kv_heads * (size_t)c->d.head_dim;
+    pqc_matrix km = pqc_matrix_f32(k, n, cols), vm = pqc_matrix_f32(v, n, cols);
+    return pqc_cache_prefill(c, layer, &km, &vm);
+}
+
+/* ----- hostile sizes and values ------------------------------------------------------ */
+
+TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
+{
+    int variant;
+    for (variant = 0; variant < 3; variant++) {
+        pqc_cache_desc cd = small_desc(1, 2, 2, 8);
+        pqc_cache *c;
+        pqc_selection sel;
+        float *k = rows(40, 16), *v = rows(40, 16), q[16], *ko, *vo;
+        const void *const *const *kr, *const *const *vr;
+        pqc_kv_out out;
+        size_t n = 10, h, i;
+        if (variant == 0) cd.max_tokens = 20;      /* default 32 sinks, capacity under it */
+        if (variant == 1) cd.n_sink = 1000000;     /* huge sink count, short prompt */
+        if (variant == 2) cd.n_sink = 12, n = 11;  /* just under the sinks */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, n));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        for (i = 0; i < 16; i++) q[i] = urand();
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        ko = (float *)malloc(2 * 40 * 8 * sizeof(float));
+        vo = ko + 40 * 8;
+        out.k = ko;
+        out.v = vo;
+        out.head_stride = 20;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &out));
+        for (h = 0; h < 2; h++) {
+            ASSERT_EQ(n, sel.count[h]); /* all sinks */
+            for (i = 0; i < n; i++) ASSERT_EQ(k[i * 16 + h * 8 + 3], ko[(h * 20 + i) * 8 + 3]);
+        }
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_rows(c, 0, &sel, &kr, &vr));
+        ASSERT_EQ(v[5 * 16 + 8 + 1], ((const float *)vr[1][5])[1]);
+        for (i = 0; i < 5; i++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k + (n + i) * 16, v + (n + i) * 16));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &out));
+        free(ko);
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+        free(k);
+        free(v);
+    }
+    PASS();
+}
+
+TEST fetch_on_a_layer_without_prefill_is_refused(void)
+{
+    pqc_cache_desc cd = small_desc(2, 1, 1, 8);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *k = rows(50, 8), *v = rows(50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, buf[2 * 64 * 8];
+    pqc_kv_out out;
+    const void *const *const *kr, *const *const *vr;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 50));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    out.k = buf;
+    out.v = buf + 64 * 8;
+    out.head_stride = 64;
+    sel.count[0] = 0; /* an empty selection for the empty layer */
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_fetch(c, 1, &sel, &out));
+    ASSERT(strstr(pqc_last_error(), "empty") != NULL);
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_fetch_rows(c, 1, &sel, &kr, &vr));
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_select(c, 1, q, &sel));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    free(k);
+    free(v);
+    PASS();
+}
+
+TEST selection_count_beyond_capacity_is_refused(void)
+{
+    pqc_cache_desc cd = small_desc(1, 2, 2, 8);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *k = rows(100, 16), *v = rows(100, 16), q[16] = { 0 }, buf[2 * 2 * 200 * 8];
+    pqc_kv_out out;
+    const void *const *const *kr, *const *const *vr;
+    size_t cap;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 100));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    cap = sel.capacity;
+    sel.count[1] = cap + 1;
+    out.k = buf;
+    out.v = buf + 2 * 200 * 8;
+    out.head_stride = 200 + cap;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_fetch_rows(c, 0, &sel, &kr, &vr));
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_fetch(c, 0, &sel, &out));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    free(k);
+    free(v);
+    PASS();
+}
+
+TEST selection_is_sized_by_the_sequence_and_grows(void)
+{
+    pqc_cache_desc cd = small_desc(1, 2, 2, 8);
+    pqc_cache *c;
+    pqc_selection sel, hand;
+    float *k = rows(2000, 16), *v = rows(2000, 16), q[16] = { 0 };
+    uint32_t idx[2 * 64];
+    size_t cnt[2];
+    cd.max_tokens = (size_t)1 << 24;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT(sel.capacity < 4096); /* not max_tokens indices per head */
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 2000));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    ASSERT(sel.capacity >= 2000 && sel.capacity < 8192);
+    ASSERT(sel.count[0] > 32);
+    /* a selection put together by hand never grows: too small is an error */
+    memset(&hand, 0, sizeof hand);
+    hand.n_kv_heads = 2;
+    hand.capacity = 64;
+    hand.count = cnt;
+    hand.idx = idx;
+    cnt[0] = cnt[1] = 7;
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_select(c, 0, q, &hand));
+    ASSERT_EQ(7, cnt[0]);
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    free(k);
+    free(v);
+    PASS();
+}
+
+TEST huge_code_capacity_is_refused(void)
+{
+    pqc_pq pq;
+    pqc_codes codes;
+    pqc_pq_desc d;
+    float *k = rows(300, 8);
+    pqc_matrix km = pqc_matrix_f32(k, 300, 8);
+    int bits;
+    memset(&d, 0, sizeof d);
+    d.m = 2;
+    d.bits = 4;
+    d.iters = 2;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &km, &pq));
+    for (bits = 1; bits <= 8; bits++) {
+        pq.bits = bits;
+        ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_codes_init(&codes, &pq, (size_t)-1, NULL));
+        ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_codes_init(&codes, &pq, (size_t)-1 / 4, NULL));
+    }
+    pq.bits = 4;
+    ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, 100, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &km, &codes));
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_codes_reserve(&codes, (size_t)-1 / 2));
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_codes_reserve(&codes, ((size_t)-1 / 4) * 3));
+    ASSERT_EQ(300, codes.count); /* unchanged, and still usable */
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &km, &codes));
+    ASSERT_EQ(600, codes.count);
+    pqc_codes_free(&codes);
+    pqc_pq_free(&pq);
+    free(k);
+    PASS();
+}
+
+TEST block_cache_size_overflow_is_refused(void)
+{
+    pqc_cache_desc cd = small_desc(1, 1, 1, 65536);
+    pqc_cache *c = NULL;
+    cd.pq.m = 2;
+    cd.block_tokens = 0x7fffffff;
+    cd.cache_blocks = 0x7fffffff;
+    cd.admit_blocks = 1;
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_create(NULL, &cd, &c));
+    ASSERT(c == NULL);
+    cd = small_desc(4096, 4096, 4096, 65536);
+    cd.block_tokens = 1 << 20;
+    cd.cache_blocks = 1 << 20;
+    cd.admit_blocks = 1;
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_create(NULL, &cd, &c));
+    PASS();
+}
+
+TEST values_beyond_the_storage_range_are_refused_before_storing(void)
+{
+    pqc_dtype st;
+    for (st = PQC_F32; st <= PQC_BF16; st = (pqc_dtype)(st + 1)) {
+        pqc_cache_desc cd = small_desc(1, 1, 1, 8);
+        pqc_cache *c;
+        pqc_selection sel;
+        float *k = rows(200, 8), *v = rows(200, 8), q[8] = { 1, 1, 1, 1, 1, 1, 1, 1 };
+        cd.kv_dtype = st;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+        k[150 * 8 + 2] = 70000.0f; /* finite in fp32, Inf in fp16 */
+        if (st == PQC_F16) {
+            ASSERT_EQ(PQC_ERROR_NON_FINITE, prefill(c, 0, k, v, 200));
+            ASSERT_EQ(0, pqc_cache_tokens(c, 0));
+            ASSERT(strstr(pqc_last_error(), "65504") != NULL);
+            k[150 * 8 + 2] = 65504.0f; /* the largest fp16 value is fine */
+        }
+        ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 200));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        k[2] = -1e6f;
+        ASSERT_EQ(st == PQC_F16 ? PQC_ERROR_NON_FINITE : PQC_SUCCESS, pqc_cache_append(c, 0, k, v));
+        ASSERT_EQ(st == PQC_F16 ? 200u : 201u, pqc_cache_tokens(c, 0));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel)); /* the layer is not lost */
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+        free(k);
+        free(v);
+    }
+    PASS();
+}
+
+TEST huge_budget_gives_a_sane_window(void)
+{
+    pqc_cache_desc cd = small_desc(1, 1, 1, 8);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *k = rows(300, 8), *v = rows(300, 8), q[8] = { 0 };
+    cd.budget_tokens = (size_t)-1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 300));
+    ASSERT(pqc_cache_window(c) >= 1 && (size_t)pqc_cache_window(c) <= cd.max_tokens);
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    ASSERT_EQ(300, sel.count[0]); /* a budget beyond the sequence attends to everything */
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    cd.budget_tokens = 0;
+    cd.budget_ratio = 1e6;
+    cd.recent_share = 1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 300));
+    ASSERT_EQ((int)cd.max_tokens, pqc_cache_window(c));
+    pqc_cache_destroy(c);
+    free(k);
+    free(v);
+    PASS();
+}
+
+/* ----- scheduler ------------------------------------------------------------------- */
+
+static int fit_equal(pqc_scheduler_fit a, pqc_scheduler_fit b) { return memcmp(&a, &b, sizeof a) == 0; }
+
+TEST scheduler_refuses_samples_that_would_break_the_fit(void)
+{
+    pqc_scheduler *s;
+    pqc_scheduler_fit before;
+    double bad[7];
+    size_t i;
+    int t0;
+    bad[0] = HUGE_VAL;
+    bad[1] = -HUGE_VAL;
+    bad[2] = NAN;
+    bad[3] = 1e200;
+    bad[4] = 5e9;
+    bad[5] = -1;
+    bad[6] = 0;
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
+    for (i = 1; i <= 4; i++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_add_kmeans(s, 1000.0 * (double)i, 10, 0.001 * (double)i));
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_add_compute(s, 1000.0 * (double)i, 0.002 * (double)(i * i) + 0.001));
+    }
+    before = pqc_scheduler_get_fit(s);
+    t0 = pqc_scheduler_iters(s, 4000, 1);
+    ASSERT(before.n1 == 4 && before.n2 == 4);
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_add_kmeans(s, bad[i], 10, 0.1));
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_add_compute(s, bad[i], 0.1));
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_add_compute(s, 1000, bad[i] == 0 ? -1 : bad[i]));
+        ASSERT(fit_equal(before, pqc_scheduler_get_fit(s)));
+    }
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_add_kmeans(s, 1000, 2000000, 0.1));
+    ASSERT(fit_equal(before, pqc_scheduler_get_fit(s)));
+    ASSERT_EQ(t0, pqc_scheduler_iters(s, 4000, 1));
+    ASSERT_EQ(t0, pqc_scheduler_iters(s, 4000, 1));
+    pqc_scheduler_destroy(s);
+    PASS();
+}
+
+static void tmp_path(char *out, size_t n, const char *name)
+{
+    const char *dir = getenv("TMPDIR");
+    snprintf(out, n, "%s/pqc_contract_%ld_%s", dir && dir[0] ? dir : "/tmp", (long)getpid(), name);
+}
+
+TEST calibration_files_are_regular_files_only(void)
+{
+    pqc_scheduler *s;
+    pqc_scheduler_fit f, before;
+    char fifo[512], dir[512], good[512];
+    memset(&f, 0, sizeof f);
+    f.a1 = 0.001;
+    f.b1 = 2e-8;
+    f.n1 = 5;
+    f.a2 = 0.002;
+    f.b2 = 1e-6;
+    f.g2 = 3e-10;
+    f.n2 = 5;
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_set_fit(s, &f));
+    before = pqc_scheduler_get_fit(s);
+    tmp_path(fifo, sizeof fifo, "fifo");
+    tmp_path(dir, sizeof dir, "dir");
+    tmp_path(good, sizeof good, "calib");
+    remove(fifo);
+    ASSERT_EQ(0, mkfifo(fifo, 0600));
+    ASSERT_EQ(0, mkdir(dir, 0700));
+    /* a FIFO with no writer would block a plain open forever */
+    ASSERT_EQ(PQC_ERROR_IO, pqc_scheduler_load(s, fifo));
+    ASSERT(strstr(pqc_last_error(), "not a regular file") != NULL);
+    ASSERT_EQ(PQC_ERROR_IO, pqc_scheduler_save(s, fifo));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_scheduler_load(s, dir));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_scheduler_save(s, dir));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_scheduler_load(s, "/dev/null"));
+    ASSERT(fit_equal(before, pqc_scheduler_get_fit(s)));
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, good));
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_load(s, good));
+    ASSERT(fit_equal(before, pqc_scheduler_get_fit(s)));
+    remove(fifo);
+    rmdir(dir);
+    remove(good);
+    pqc_scheduler_destroy(s);
+    PASS();
+}
+
+/* engine for the driver tests: K/V are a pure function of (layer, position), so a call
+   repeated after a failure sees the same values; `fail_layer` makes a callback fail */
+typedef struct eng {
+    int kv, hq, d, fail_qkv, fail_attend;
+    long attends;
+} eng;
+static float eval(int layer, size_t pos, size_t i)
+{
+    uint64_t z = (uint64_t)layer * 0x9E3779B97F4A7C15ull ^ (uint64_t)pos * 0xBF58476D1CE4E5B9ull ^ (uint64_t)i * 0x94D049BB133111EBull;
+    z ^= z >> 29;
+    z *= 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 32;
+    return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
+}
+static int eng_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
+{
+    eng *e = (eng *)u;
+    size_t t, i, qn = (size_t)e->hq * e->d, kn = (size_t)e->kv * e->d;
+    if (layer == e->fail_qkv) return 1;
+    for (t = 0; t < n; t++) {
+        for (i = 0; i < qn; i++) q[t * qn + i] = eval(layer + 100, pos0 + t, i);
+        for (i = 0; i < kn; i++) {
+            k[t * kn + i] = eval(layer, pos0 + t, i);
+            v[t * kn + i] = eval(layer + 50, pos0 + t, i);
+        }
+    }
+    return 0;
+}
+static int eng_attend(void *u, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv)
+{
+    eng *e = (eng *)u;
+    (void)pos0;
+    (void)n;
+    (void)q;
+    (void)kv;
+    if (layer == e->fail_attend) return 1;
+    e->attends++;
+    return 0;
+}
+
+TEST loaded_calibration_sets_t_on_every_layer(void)
+{
+    pqc_scheduler *s;
+    pqc_scheduler_fit f;
+    pqc_cache_desc cd = small_desc(4, 1, 1, 16);
+    pqc_cache *c;
+    pqc_engine e;
+    eng en;
+    pqc_layer_stats st;
+    char path[512];
+    int want, l;
+    memset(&f, 0, sizeof f);
+    /* k-means of 1000 tokens x T costs 1e-6*T s; compute of a layer 2.35e-5 s: T = 23 */
+    f.b1 = 1e-9;
+    f.n1 = 20;
+    f.b2 = 2.35e-8;
+    f.n2 = 20;
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_set_fit(s, &f));
+    tmp_path(path, sizeof path, "fit");
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, path));
+    pqc_scheduler_destroy(s);
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_load(s, path));
+    remove(path);
+    cd.pq.iters = 0; /* T from the scheduler */
+    cd.scheduler = s;
+    cd.n_sink = -1;
+    cd.window = 1;
+    want = pqc_scheduler_iters(s, 1999, 1);
+    ASSERT_EQ(23, want);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    memset(&en, 0, sizeof en);
+    en.kv = en.hq = 1;
+    en.d = 16;
+    en.fail_qkv = en.fail_attend = -1;
+    memset(&e, 0, sizeof e);
+    e.user = &en;
+    e.qkv = eng_qkv;
+    e.attend = eng_attend;
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 2000));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    for (l = 0; l < 4; l++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, l, &st));
+        ASSERT_EQ_FMT(want, st.last_iters, "%d"); /* every layer, not only the first */
+        ASSERT_EQ(1, (int)st.builds);
+    }
+    pqc_cache_destroy(c);
+    pqc_scheduler_destroy(s);
+    PASS();
+}
+
+/* ----- failure atomicity --------------------------------------------------------------- */
+
+/* Everything a caller can observe of a cache (and the state that decides what it will
+   select next), folded into a hash; timings excluded only where a success path set them. */
+static uint64_t fold(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = (const unsigned char *)p;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
+    return h;
+}
+/* with_blocks 0: leave out the block cache's contents, which a failed driver call may
+   have changed (it is a cache: what it holds decides hits, never what is selected) */
+static int g_with_blocks = 1;
+static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    int l, hd, w = pqc_cache_window(c);
+    h = fold(h, &w, sizeof w);
+    for (l = 0; l < c->d.n_layers; l++) {
+        const pqc__layer *L = &c->layers[l];
+        pqc_layer_stats st;
+        size_t n = pqc_cache_tokens(c, l), nb = (n + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens;
+        pqc_cache_stats(c, l, &st);
+        h = fold(h, &n, sizeof n);
+        h = fold(h, &st, sizeof st);
+        h = fold(h, &L->n_coded, sizeof L->n_coded);
+        h = fold(h, &L->n_trained, sizeof L->n_trained);
+        h = fold(h, &L->gen, sizeof L->gen);
+        h = fold(h, &L->step, sizeof L->step);
+        for (hd = 0; hd < c->d.n_kv_heads; hd++) {
+            const pqc__head *H = &L->heads[hd];
+            const void *k, *v;
+            size_t tk;
+            pqc_dtype dt;
+            int32_t blocks[64];
+            int nbk = pqc_cache_cached_blocks(c, l, hd, blocks, 64);
+            h = fold(h, &H->codes.count, sizeof H->codes.count);
+            if (H->codes.data) {
+                int j;
+                for (j = 0; j < H->codes.m; j++)
+                    h = fold(h, H->codes.data + (size_t)j * H->codes.col_stride, pqc__col_bytes(H->codes.count, H->codes.bits));
+            }
+            if (H->pq.centroids)
+                h = fold(h, H->pq.centroids, sizeof(float) * (size_t)H->pq.m * (size_t)H->pq.ksub * (size_t)H->pq.dsub);
+            if (g_with_blocks) {
+                h = fold(h, blocks, sizeof(int32_t) * (size_t)(nbk < 0 ? 0 : nbk));
+                if (H->score) h = fold(h, H->score, sizeof(float) * nb);
+                if (H->freq) h = fold(h, H->freq, sizeof(uint64_t) * (size_t)c->d.cache_blocks);
+                if (H->filled) h = fold(h, H->filled, sizeof(uint32_t) * (size_t)c->d.cache_blocks);
+            }
+            if (pqc_cache_kv(c, l, hd, &k, &v, &tk, &dt) == PQC_SUCCESS && tk) {
+                h = fold(h, k, tk * c->row);
+                h = fold(h, v, tk * c->row);
+            }
+        }
+    }
+    if (sel && sel->idx) {
+        for (hd = 0; hd < sel->n_kv_heads; hd++) {
+            h = fold(h, &sel->count[hd], sizeof(size_t));
+            h = fold(h, sel->idx + (size_t)hd * sel->capacity, sel->count[hd] * sizeof(uint32_t));
+        }
+    }
+    return h;
+}
+
+/* An allocator that fails once, at its n-th call from arming (thread-safe). */
+typedef struct falloc {
+    pthread_mutex_t mu;
+    long calls, fail_at, live;
+    int fired;
+} falloc;
+static void *fa_alloc(size_t n, void *u)
+{
+    falloc *f = (falloc *)u;
+    void *p = NULL;
+    pthread_mutex_lock(&f->mu);
+    if (f->calls++ == f->fail_at) f->fired = 1;
+    else if ((p = malloc(n)) != NULL) f->live++;
+    pthread_mutex_unlock(&f->mu);
+    return p;
+}
+static void fa_free(void *p, void *u)
+{
+    falloc *f = (falloc *)u;
+    if (!p) return;
+    pthread_mutex_lock(&f->mu);
+    f->live--;
+    pthread_mutex_unlock(&f->mu);
+    free(p);
+}
+
+typedef struct scen {
+    falloc fa;
+    int threads;
+    long failures, job_failures, atomicity_breaks, bad_codes, calls_total;
+    uint64_t final_hash; /* selections and gathered rows at the end */
+    char first_break[300];
+} scen;
+
+/* Runs one call: on failure the observables must not have moved; then it is retried
+   (the allocator fails only once) until it succeeds. */
+#define SCEN_CALL(S, C, SEL, EXPR)                                                                   \
+    do {                                                                                             \
+        int tries_;                                                                                  \
+        for (tries_ = 0; tries_ < 4; tries_++) {                                                     \
+            uint64_t h0_, h1_;                                                                       \
+            pqc_result r_;                                                                           \
+            if ((C) && pqc_cache_sync(C) == PQC_ERROR_JOB_FAILED) (S)->job_failures++;               \
+            h0_ = (C) ? observe((C), (SEL)) : 0;                                                     \
+            r_ = (EXPR);                                                                             \
+            if (r_ == PQC_SUCCESS) break;                                                            \
+            (S)->failures++;                                                                         \
+            if (r_ == PQC_ERROR_JOB_FAILED) (S)->job_failures++;                                     \
+            else if (r_ != PQC_ERROR_OUT_OF_MEMORY || !pqc_last_error()[0]) (S)->bad_codes++;        \
+            h1_ = (C) ? observe((C), (SEL)) : 0;                                                     \
+            if (h0_ != h1_ && !(S)->atomicity_breaks++)                                              \
+                snprintf((S)->first_break, sizeof (S)->first_break, "%.120s -> %d (%.100s)", #EXPR, (int)r_, \
+                         pqc_last_error());                                                          \
+        }                                                                                            \
+        if (tries_ == 4) return -1;                                                                  \
+    } while (0)
+
+static uint64_t fold_kv(uint64_t h, const pqc_selection *sel, const pqc_kv_out *o, int d)
+{
+    int hd;
+    for (hd = 0; hd < sel->n_kv_heads; hd++) {
+        h = fold(h, sel->idx + (size_t)hd * sel->capacity, sel->count[hd] * sizeof(uint32_t));
+        h = fold(h, o->k + (size_t)hd * o->head_stride * (size_t)d, sel->count[hd] * (size_t)d * sizeof(float));
+        h = fold(h, o->v + (size_t)hd * o->head_stride * (size_t)d, sel->count[hd] * (size_t)d * sizeof(float));
+    }
+    return h;
+}
+
+/* The scenario: a runtime, a 2-layer fp16 cache with prompt, chunked prompt, decode steps
+   with select and gather, a second turn; and a driver-run fp32 cache with row pointers.
+   Returns 0 when it ran to the end (with retries), -1 when a call failed for good. */
+static int scenario(scen *S)
+{
+    pqc_runtime_desc rd;
+    pqc_runtime *rt = NULL;
+    pqc_cache *a = NULL, *b = NULL;
+    pqc_cache_desc cd = small_desc(2, 2, 4, 16);
+    pqc_selection sel;
+    pqc_kv_out out;
+    pqc_engine e;
+    eng en;
+    float *k, *v, q[4 * 16], *obuf;
+    size_t i, step;
+    int l, res = 0;
+    uint64_t fh = 0xcbf29ce484222325ull;
+    memset(&rd, 0, sizeof rd);
+    memset(&sel, 0, sizeof sel);
+    rd.n_threads = S->threads;
+    rd.allocator.alloc = fa_alloc;
+    rd.allocator.free = fa_free;
+    rd.allocator.user = &S->fa;
+    g_seed = 99;
+    g_with_blocks = 1;
+    k = rows(600, 32);
+    v = rows(600, 32);
+    obuf = (float *)malloc(2 * 2 * 700 * 16 * sizeof(float));
+    out.k = obuf;
+    out.v = obuf + 2 * 700 * 16;
+    out.head_stride = 700;
+    for (i = 0; i < 64; i++) q[i] = urand();
+    cd.kv_dtype = PQC_F16;
+    cd.n_sink = 4;
+    cd.budget_ratio = 0.2;
+    cd.rebuild_share = 0.3;
+    if (pqc_runtime_create(&rd, &rt) != PQC_SUCCESS) goto early;
+    if (pqc_cache_create(rt, &cd, &a) != PQC_SUCCESS) goto early;
+    if (pqc_selection_init(a, &sel) != PQC_SUCCESS) goto early;
+    for (l = 0; l < 2; l++) SCEN_CALL(S, a, &sel, prefill(a, l, k, v, 300));
+    for (l = 0; l < 2; l++) SCEN_CALL(S, a, &sel, prefill(a, l, k + 300 * 32, v + 300 * 32, 100));
+    for (step = 0; step < 12; step++)
+        for (l = 0; l < 2; l++) {
+            SCEN_CALL(S, a, &sel, pqc_cache_append(a, l, k + (400 + step) * 32, v + (400 + step) * 32));
+            SCEN_CALL(S, a, &sel, pqc_cache_select(a, l, q, &sel));
+            SCEN_CALL(S, a, &sel, pqc_cache_fetch(a, l, &sel, &out));
+            fh = fold_kv(fh, &sel, &out, 16);
+        }
+    for (l = 0; l < 2; l++) SCEN_CALL(S, a, &sel, prefill(a, l, k + 424 * 32, v + 424 * 32, 150)); /* second turn */
+    for (l = 0; l < 2; l++) {
+        SCEN_CALL(S, a, &sel, pqc_cache_select(a, l, q, &sel));
+        SCEN_CALL(S, a, &sel, pqc_cache_fetch(a, l, &sel, &out));
+        fh = fold_kv(fh, &sel, &out, 16);
+    }
+    /* the driver, fp32 storage, rows by pointer */
+    cd = small_desc(2, 1, 2, 16);
+    cd.n_sink = 2;
+    cd.budget_ratio = 0.3;
+    if (pqc_cache_create(rt, &cd, &b) != PQC_SUCCESS) goto early;
+    memset(&en, 0, sizeof en);
+    en.kv = 1;
+    en.hq = 2;
+    en.d = 16;
+    en.fail_qkv = en.fail_attend = -1;
+    memset(&e, 0, sizeof e);
+    e.user = &en;
+    e.qkv = eng_qkv;
+    e.attend = eng_attend;
+    e.accepts_row_pointers = 1;
+    g_with_blocks = 0; /* the driver's documented recovery: everything but the block cache */
+    SCEN_CALL(S, b, (pqc_selection *)NULL, pqc_driver_prefill(b, &e, 0, 250));
+    for (step = 0; step < 6; step++) SCEN_CALL(S, b, (pqc_selection *)NULL, pqc_driver_decode(b, &e, 250 + step));
+    g_with_blocks = 1;
+    {
+        pqc_selection sb;
+        memset(&sb, 0, sizeof sb);
+        SCEN_CALL(S, b, &sb, pqc_selection_init(b, &sb));
+        SCEN_CALL(S, b, &sb, pqc_cache_select(b, 1, q, &sb));
+        SCEN_CALL(S, b, &sb, pqc_cache_fetch(b, 1, &sb, &out));
+        fh = fold_kv(fh, &sb, &out, 16);
+        pqc_selection_free(&sb);
+    }
+    S->final_hash = fh;
+    goto done;
+early: /* a failure while creating: it must say so */
+    if (!pqc_last_error()[0]) S->bad_codes++;
+    res = 1;
+done:
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(b);
+    pqc_cache_destroy(a);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    free(obuf);
+    return res;
+}
+
+/* Under ThreadSanitizer (10-20x slower) the sweep takes every 8th allocation: races are
+   what it is there for; the other builds take every allocation. */
+#if defined(__SANITIZE_THREAD__)
+#define SWEEP_STRIDE 8
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define SWEEP_STRIDE 8
+#endif
+#endif
+#ifndef SWEEP_STRIDE
+#define SWEEP_STRIDE 1
+#endif
+
+static enum greatest_test_res atomicity_sweep(int threads)
+{
+    scen S;
+    long total, n, runs = 0, fired = 0;
+    uint64_t ref;
+    memset(&S, 0, sizeof S);
+    pthread_mutex_init(&S.fa.mu, NULL);
+    S.threads = threads;
+    S.fa.fail_at = -1;
+    ASSERT_EQ(0, scenario(&S));
+    ASSERT_EQ(0L, S.failures);
+    ASSERT_EQ(0L, S.fa.live);
+    total = S.fa.calls;
+    ref = S.final_hash;
+    ASSERT_GT(total, 100L);
+    /* every allocation of the scenario fails once, in turn */
+    for (n = 0; n < total; n += SWEEP_STRIDE) {
+        int rc;
+        memset(&S, 0, sizeof S - sizeof S.fa);
+        S.threads = threads;
+        S.fa.calls = 0;
+        S.fa.live = 0;
+        S.fa.fired = 0;
+        S.fa.fail_at = n;
+        S.failures = S.job_failures = S.atomicity_breaks = S.bad_codes = 0;
+        S.first_break[0] = 0;
+        rc = scenario(&S);
+        runs++;
+        fired += S.fa.fired;
+        ASSERTm(S.first_break, S.atomicity_breaks == 0);
+        ASSERT_EQ_FMT(0L, S.bad_codes, "%ld");
+        ASSERT_EQ_FMT(0L, S.fa.live, "%ld");
+        ASSERT(rc == 0 || rc == 1);
+        /* a retried failure ends exactly where the undisturbed run ended, unless a
+           background build failed (the layer then rebuilds later, so it may select
+           differently, but it still selects) */
+        if (rc == 0 && S.job_failures == 0) ASSERT_EQ_FMT((unsigned long long)ref, (unsigned long long)S.final_hash, "%llx");
+    }
+    ASSERT_EQ((total + SWEEP_STRIDE - 1) / SWEEP_STRIDE, runs);
+    ASSERT_GT(fired, runs / 2);
+    printf("    %ld allocations (%s), every %d%s failed once in turn: %ld runs, the failure fired in %ld\n", total,
+           threads < 0 ? "inline" : "2 threads", SWEEP_STRIDE, SWEEP_STRIDE == 1 ? "" : "th", runs, fired);
+    pthread_mutex_destroy(&S.fa.mu);
+    PASS();
+}
+
+TEST failed_calls_change_nothing_at_every_allocation_inline(void) { return atomicity_sweep(-1); }
+TEST failed_calls_change_nothing_at_every_allocation_threaded(void) { return atomicity_sweep(2); }
+
+/* ----- the driver's recovery ------------------------------------------------------------ */
+
+TEST failed_driver_calls_give_back_their_tokens(void)
+{
+    pqc_cache_desc cd = small_desc(3, 1, 2, 16);
+    pqc_cache *c, *ref;
+    pqc_engine e;
+    eng en;
+    pqc_selection s1, s2;
+    float q[32];
+    int l, fail;
+    size_t i;
+    cd.n_sink = 2;
+    memset(&en, 0, sizeof en);
+    en.kv = 1;
+    en.hq = 2;
+    en.d = 16;
+    en.fail_qkv = en.fail_attend = -1;
+    memset(&e, 0, sizeof e);
+    e.user = &en;
+    e.qkv = eng_qkv;
+    e.attend = eng_attend;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &ref));
+    for (fail = 0; fail < 3; fail++) { /* qkv fails at layer 1, then attend at layer 2, ... */
+        en.fail_qkv = fail == 0 ? 1 : -1;
+        en.fail_attend = fail == 1 ? 2 : (fail == 2 ? 0 : -1);
+        ASSERT_EQ(PQC_ERROR_CALLBACK, pqc_driver_prefill(c, &e, 0, 400));
+        ASSERT(strstr(pqc_last_error(), "callback failed") != NULL);
+        for (l = 0; l < 3; l++) ASSERT_EQ(0, pqc_cache_tokens(c, l)); /* every layer as before */
+    }
+    en.fail_qkv = en.fail_attend = -1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 400)); /* the retry just works */
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(ref, &e, 0, 400));
+    for (i = 0; i < 10; i++) {
+        en.fail_attend = (int)(i % 3);
+        ASSERT_EQ(PQC_ERROR_CALLBACK, pqc_driver_decode(c, &e, 400 + i));
+        for (l = 0; l < 3; l++) ASSERT_EQ(400 + i, pqc_cache_tokens(c, l));
+        en.fail_attend = -1;
+        ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, 400 + i));
+        ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(ref, &e, 400 + i));
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &s1));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ref, &s2));
+    for (i = 0; i < 32; i++) q[i] = eval(7, i, 3);
+    for (l = 0; l < 3; l++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q, &s1));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(ref, l, q, &s2));
+        ASSERT_EQ(s2.count[0], s1.count[0]);
+        ASSERT_MEM_EQ(s2.idx, s1.idx, s1.count[0] * sizeof(uint32_t));
+    }
+    pqc_selection_free(&s1);
+    pqc_selection_free(&s2);
+    pqc_cache_destroy(c);
+    pqc_cache_destroy(ref);
+    PASS();
+}
+
+/* ----- worker errors reach the caller ------------------------------------------------ */
+
+static volatile int g_fail_scratch;
+static void *scratch_fail_alloc(size_t n, void *u)
+{
+    (void)u;
+    if (g_fail_scratch && n >= 4096) return NULL;
+    return malloc(n);
+}
+static void plain_free(void *p, void *u)
+{
+    (void)u;
+    free(p);
+}
+
+TEST select_failing_on_a_worker_reports_its_message(void)
+{
+    pqc_runtime_desc rd;
+    pqc_runtime *rt;
+    pqc_cache_desc cd = small_desc(1, 4, 4, 16);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *k = rows(3000, 64), *v = rows(3000, 64), q[64];
+    size_t i;
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = 2;
+    rd.allocator.alloc = scratch_fail_alloc;
+    rd.allocator.free = plain_free;
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
+    cd.max_tokens = 3500;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 3000));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    for (i = 0; i < 64; i++) q[i] = urand();
+    g_fail_scratch = 1; /* the heads' search scratch cannot be had */
+    ASSERT_EQ(PQC_ERROR_OUT_OF_MEMORY, pqc_cache_select(c, 0, q, &sel));
+    g_fail_scratch = 0;
+    ASSERT(pqc_last_error()[0] != 0);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
+SUITE(contract)
+{
+    RUN_TEST(fetch_with_fewer_tokens_than_sinks_stays_in_bounds);
+    RUN_TEST(fetch_on_a_layer_without_prefill_is_refused);
+    RUN_TEST(selection_count_beyond_capacity_is_refused);
+    RUN_TEST(selection_is_sized_by_the_sequence_and_grows);
+    RUN_TEST(huge_code_capacity_is_refused);
+    RUN_TEST(block_cache_size_overflow_is_refused);
+    RUN_TEST(values_beyond_the_storage_range_are_refused_before_storing);
+    RUN_TEST(huge_budget_gives_a_sane_window);
+    RUN_TEST(scheduler_refuses_samples_that_would_break_the_fit);
+    RUN_TEST(calibration_files_are_regular_files_only);
+    RUN_TEST(loaded_calibration_sets_t_on_every_layer);
+    RUN_TEST(failed_driver_calls_give_back_their_tokens);
+    RUN_TEST(select_failing_on_a_worker_reports_its_message);
+    RUN_TEST(failed_calls_change_nothing_at_every_allocation_inline);
+    RUN_TEST(failed_calls_change_nothing_at_every_allocation_threaded);
+}
+
+GREATEST_MAIN_DEFS();
+
+int main(int argc, char **argv)
+{
+    GREATEST_MAIN_BEGIN();
+    RUN_SUITE(contract);
+    GREATEST_MAIN_END();
+}
