@@ -538,8 +538,11 @@ PQCDEF pqc_result pqc_cache_kv(const pqc_cache *c, int layer, int head, const vo
    ascending, at most `max` of them; returns how many are cached. */
 PQCDEF int pqc_cache_cached_blocks(const pqc_cache *c, int layer, int head, int32_t *out, int max);
 
-/* Batches: several caches (sequences) sharing one runtime; the per-sequence work runs in
-   parallel on the pool. q[i] are sequence i's queries; sel[i] its selection. */
+/* Batches: several distinct caches (sequences) sharing one runtime; the per-sequence work
+   runs in parallel on the pool. q[i] are sequence i's queries; sel[i] its selection. Each
+   sequence's call is atomic on its own: on failure the result is the first failing
+   sequence's (with its message), that sequence is as it was, and the others keep what
+   their calls did. */
 PQCDEF pqc_result pqc_batch_select(pqc_cache *const *caches, int n, int layer, const float *const *q,
                                    pqc_selection *const *sel);
 PQCDEF pqc_result pqc_batch_fetch(pqc_cache *const *caches, int n, int layer, const pqc_selection *const *sel,
@@ -4933,13 +4936,21 @@ static pqc_result pqc__batch(pqc_cache *const *caches, int n, pqc__batch_job *b,
     for (i = 0; i < n; i++)
         if (!caches[i]) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "batch: cache %d is null", i);
     rt = caches[0]->rt;
-    for (i = 1; i < n; i++)
+    for (i = 1; i < n; i++) {
+        int j;
         if (caches[i]->rt != rt) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "batch: caches use different runtimes");
+        for (j = 0; j < i; j++) /* one cache twice would be driven by two threads at once */
+            if (caches[j] == caches[i])
+                return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "batch: cache %d is also sequence %d", i, j);
+    }
     b->res = (pqc_result *)pqc__alloc(&caches[0]->alloc, sizeof(pqc_result) * (size_t)n);
     if (!b->res) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "batch: allocation failed");
     pqc__parallel_for(rt, (size_t)n, fn, b);
-    for (i = 0; i < n; i++)
-        if (b->res[i] != PQC_SUCCESS && r == PQC_SUCCESS) r = b->res[i];
+    for (i = 0; i < n && r == PQC_SUCCESS; i++)
+        if (b->res[i] != PQC_SUCCESS) {
+            fn(b, (size_t)i); /* again on this thread (the call is atomic): its message is this thread's */
+            r = b->res[i];
+        }
     pqc__free(&caches[0]->alloc, b->res);
     return r;
 }

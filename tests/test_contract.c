@@ -219,6 +219,30 @@ TEST huge_code_capacity_is_refused(void)
     PASS();
 }
 
+TEST matrices_too_large_to_address_are_refused(void)
+{
+    float buf[64] = { 0 };
+    pqc_matrix m = pqc_matrix_f32(buf, (size_t)-1 / 16, 8);
+    pqc_pq_desc d;
+    pqc_pq pq;
+    pqc_cache_desc cd = small_desc(1, 1, 1, 8);
+    pqc_cache *c;
+    memset(&d, 0, sizeof d);
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_pq_train(NULL, &d, &m, &pq));
+    m.rows = 4;
+    m.row_stride = (size_t)-1 / 2; /* rows x stride overflows */
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_pq_train(NULL, &d, &m, &pq));
+    m = pqc_matrix_f32(buf, (size_t)-1 / 128, 8);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_prefill(c, 0, &m, &m));
+    ASSERT_EQ(0, pqc_cache_tokens(c, 0));
+    m.rows = 8;
+    m.cols = 0;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_train(NULL, &d, &m, &pq));
+    pqc_cache_destroy(c);
+    PASS();
+}
+
 TEST block_cache_size_overflow_is_refused(void)
 {
     pqc_cache_desc cd = small_desc(1, 1, 1, 65536);
@@ -875,13 +899,46 @@ TEST select_failing_on_a_worker_reports_its_message(void)
     PASS();
 }
 
+TEST batch_refuses_one_cache_twice(void)
+{
+    pqc_runtime *rt;
+    pqc_runtime_desc rd;
+    pqc_cache_desc cd = small_desc(1, 1, 1, 8);
+    pqc_cache *c, *cs[2];
+    pqc_selection sel, *sels[2];
+    float *k = rows(100, 8), *v = rows(100, 8), q[8] = { 0 };
+    const float *qs[2];
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = 2;
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 100));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    cs[0] = cs[1] = c;
+    qs[0] = qs[1] = q;
+    sels[0] = sels[1] = &sel;
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_batch_select(cs, 2, 0, qs, sels));
+    ASSERT(strstr(pqc_last_error(), "also sequence") != NULL);
+    ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(cs, 1, 0, qs, sels));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_batch_select(cs, 1, 3, qs, sels));
+    ASSERT(strstr(pqc_last_error(), "layer 3") != NULL); /* the worker's message reaches the caller */
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
+
 SUITE(contract)
 {
+    RUN_TEST(batch_refuses_one_cache_twice);
     RUN_TEST(fetch_with_fewer_tokens_than_sinks_stays_in_bounds);
     RUN_TEST(fetch_on_a_layer_without_prefill_is_refused);
     RUN_TEST(selection_count_beyond_capacity_is_refused);
     RUN_TEST(selection_is_sized_by_the_sequence_and_grows);
     RUN_TEST(huge_code_capacity_is_refused);
+    RUN_TEST(matrices_too_large_to_address_are_refused);
     RUN_TEST(block_cache_size_overflow_is_refused);
     RUN_TEST(values_beyond_the_storage_range_are_refused_before_storing);
     RUN_TEST(huge_budget_gives_a_sane_window);
