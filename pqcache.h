@@ -382,9 +382,9 @@ typedef struct pqc_backend_i {
     const char *name;
     void *(*alloc)(void *ctx, size_t bytes);                                  /* device memory */
     void (*free)(void *ctx, void *ptr);
-    int (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes);     /* host -> device */
-    int (*copy_d2d)(void *ctx, void *dst, const void *src, size_t bytes);     /* optional      */
-    int (*synchronize)(void *ctx);                                            /* optional      */
+    int (*copy_h2d)(void *ctx, void *dst, const void *src, size_t bytes);     /* host -> device;
+                                                        non-zero: failed (PQC_ERROR_BACKEND) */
+    int (*synchronize)(void *ctx);                    /* optional: after a fetch's copies     */
 } pqc_backend_i;
 
 typedef struct pqc_backend {
@@ -3583,7 +3583,6 @@ PQCDEF pqc_backend pqc_backend_cpu(const pqc_allocator *alloc)
     b.iface.alloc = pqc__cpu_alloc;
     b.iface.free = pqc__cpu_free;
     b.iface.copy_h2d = pqc__cpu_copy;
-    b.iface.copy_d2d = pqc__cpu_copy;
     b.ctx = (void *)alloc; /* may be NULL: default allocator */
     return b;
 }
@@ -3658,39 +3657,51 @@ struct pqc_cache {
     size_t sbuf_cap;
     const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
-    struct pqc__cut *cu;       /* the CUDA device tier, or NULL */
+    const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
+    struct pqc__cut *cu;       /* the CUDA tier's state (only that tier's functions use it) */
 };
 
-/* The CUDA device tier of a cache (defined with the CUDA loader below; without a GPU
-   c->cu stays NULL and none of these is reached except the NULL-safe ones). */
-static pqc_result pqc__cut_create(pqc_cache *c);
-static void pqc__cut_destroy(pqc_cache *c);
-static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes);
-static void pqc__cut_host_free(pqc_cache *c, void *p);
-static void pqc__cut_quiesce(pqc_cache *c);
-static pqc_result pqc__cut_grown(pqc_cache *c);
-static pqc_result pqc__cut_stored(pqc_cache *c, int layer, size_t n);
-static pqc_result pqc__cut_appended(pqc_cache *c, int layer, size_t n);
-static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx);
-static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end);
-static int pqc__cut_sized(const pqc_cache *c); /* slot pools sized by the window exist */
-static size_t pqc__cut_device_bytes(const pqc_cache *c);
-static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c);
-static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot);
-static pqc_result pqc__cut_fetch_begin(pqc_cache *c);
-static pqc_result pqc__cut_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
-                                 pqc_kv_device *dout);
+/* ----- device tiers ---------------------------------------------------------------------
+   A cache's device side: where the block-cache slots live, whether the sink and window
+   rows are held in device memory, where the search and the gather run. The host tier
+   (slots from the cache's pqc_backend, everything else read where it is in host memory)
+   and the CUDA tier (sink slots, window ring, slots, codes and the search on the GPU)
+   implement this table; pqc_cache_create picks one, and the cache's logic only ever
+   calls through it. */
+struct pqc__fetch_job;
+typedef struct pqc__tier_i {
+    const char *name;
+    int device;                                          /* rows can be handed on the device */
+    pqc_result (*create)(pqc_cache *c);                  /* the layers exist */
+    void (*destroy)(pqc_cache *c);                       /* before the layers go */
+    void *(*store_alloc)(pqc_cache *c, size_t bytes);    /* memory of the host K/V stores */
+    void (*store_free)(pqc_cache *c, void *p);
+    const pqc_allocator *(*codes_alloc)(pqc_cache *c);   /* memory of the codes a build makes */
+    void (*quiesce)(pqc_cache *c);                       /* no device work reads the stores after it */
+    pqc_result (*grown)(pqc_cache *c);                   /* the stores moved (c->cap grew) */
+    pqc_result (*stored)(pqc_cache *c, int l, size_t n); /* layer l holds n rows (prefill, or a
+                                                            give-back): sinks and window copied */
+    pqc_result (*appended)(pqc_cache *c, int l, size_t n); /* row n - 1 was appended */
+    int (*sized)(const pqc_cache *c);                    /* device memory was sized by the window */
+    /* the top `take` coded mid tokens of every head ([head][take], from 0 = the first
+       mid token), or *idx = NULL: the host searches */
+    pqc_result (*search)(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx);
+    pqc_result (*fetch_prepare)(pqc_cache *c, size_t rows_per_head); /* before any bookkeeping */
+    /* the copies into slots (j->fills) and the gather into j->out, dout, or row sources */
+    pqc_result (*fetch)(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel);
+    size_t (*device_bytes)(const pqc_cache *c);          /* 0: the cache's estimate is the figure */
+    int (*zero_copy)(const pqc_cache *c);                /* fetch_rows can hand rows in place */
+} pqc__tier_i;
 
-/* The host K/V stores: pinned and mapped with a CUDA device tier, else plain memory. */
-static void *pqc__store_alloc(pqc_cache *c, size_t bytes)
-{
-    return c->cu ? pqc__cut_host_alloc(c, bytes) : pqc__alloc(&c->alloc, bytes);
-}
+static const pqc__tier_i *pqc__host_tier(void);
+#if PQC__CUDA_LOADER
+static const pqc__tier_i *pqc__cuda_tier(void);
+#endif
+
+static void *pqc__store_alloc(pqc_cache *c, size_t bytes) { return c->tier->store_alloc(c, bytes); }
 static void pqc__store_free(pqc_cache *c, void *p)
 {
-    if (!p) return;
-    if (c->cu) pqc__cut_host_free(c, p);
-    else pqc__free(&c->alloc, p);
+    if (p) c->tier->store_free(c, p);
 }
 
 PQCDEF pqc_matrix pqc_matrix_f32(const float *data, size_t rows, size_t cols)
@@ -3745,7 +3756,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     pqc_cache *c;
     pqc_pq_desc pqd;
     pqc_result r;
-    int l, want_cu = 0;
+    int l;
     if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
     d = *desc;
     if (d.n_q_heads == 0) d.n_q_heads = d.n_kv_heads;
@@ -3794,7 +3805,11 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         pqc__free(&c->alloc, c);
         return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: backend lacks alloc, free or copy_h2d");
     }
-    want_cu = rt && rt->cu && !d.backend;
+    /* the device tier: the runtime's GPU unless the caller hands a backend of its own */
+    c->tier = pqc__host_tier();
+#if PQC__CUDA_LOADER
+    if (rt && rt->cu && !d.backend) c->tier = pqc__cuda_tier();
+#endif
     {
         size_t slot_bytes, row_bytes, all_heads;
         if (!pqc__size3((size_t)d.head_dim, pqc_dtype_size(d.kv_dtype), 2 * (size_t)d.block_tokens, &slot_bytes) ||
@@ -3823,19 +3838,16 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
             H->scratch.alloc = c->alloc;
             if (d.cache_blocks > 0) {
                 int sl;
-                size_t slot_bytes = (size_t)d.block_tokens * 2 * c->row;
                 H->block_of = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * (size_t)d.cache_blocks);
                 H->filled = (uint32_t *)pqc__calloc(&c->alloc, sizeof(uint32_t) * (size_t)d.cache_blocks);
                 H->freq = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
                 H->stamp = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
-                if (!want_cu) /* the CUDA tier keeps its slots in device memory */
-                    H->dev = (unsigned char *)c->be.iface.alloc(c->be.ctx, slot_bytes * (size_t)d.cache_blocks);
-                if (!H->block_of || !H->filled || !H->freq || !H->stamp || (!want_cu && !H->dev)) goto oom;
+                if (!H->block_of || !H->filled || !H->freq || !H->stamp) goto oom;
                 for (sl = 0; sl < d.cache_blocks; sl++) H->block_of[sl] = -1;
             }
         }
     }
-    if (want_cu && (r = pqc__cut_create(c)) != PQC_SUCCESS) {
+    if ((r = c->tier->create(c)) != PQC_SUCCESS) {
         char msg[sizeof pqc__errbuf];
         memcpy(msg, pqc__errbuf, sizeof msg);
         pqc_cache_destroy(c);
@@ -3853,7 +3865,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
 {
     int l, h;
     if (!c) return;
-    pqc__cut_quiesce(c);
+    c->tier->quiesce(c);
     if (c->layers) {
         for (l = 0; l < c->d.n_layers; l++) pqc__wait(c->rt, &c->layers[l].group);
         for (l = 0; l < c->d.n_layers; l++) {
@@ -3872,15 +3884,17 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
                     pqc__free(&c->alloc, H->freq);
                     pqc__free(&c->alloc, H->stamp);
                     pqc__free(&c->alloc, H->count_tmp); /* score lives in the same block */
-                    if (H->dev) c->be.iface.free(c->be.ctx, H->dev);
                 }
             pqc__store_free(c, L->kbase);
             pqc__store_free(c, L->vbase);
-            pqc__free(&c->alloc, L->heads);
-            pqc__free(&c->alloc, L->builds);
         }
     }
-    pqc__cut_destroy(c);
+    c->tier->destroy(c); /* the tier's memory and its slots, after the stores and codes it made */
+    if (c->layers)
+        for (l = 0; l < c->d.n_layers; l++) {
+            pqc__free(&c->alloc, c->layers[l].heads);
+            pqc__free(&c->alloc, c->layers[l].builds);
+        }
     pqc__free(&c->alloc, c->layers);
     pqc_selection_free(&c->dsel);
     pqc__free(&c->alloc, c->sbuf);
@@ -3952,7 +3966,7 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
         pqc__free(&c->alloc, nc);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "K/V store: %zu bytes per layer could not be allocated", lbytes);
     }
-    pqc__cut_quiesce(c); /* a device may still read the old stores */
+    c->tier->quiesce(c); /* a device may still read the old stores */
     for (l = 0; l < (size_t)L; l++) {
         pqc__layer *Ly = &c->layers[l];
         for (h = 0; h < (size_t)H; h++) {
@@ -3986,7 +4000,7 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
     pqc__free(&c->alloc, ns);
     pqc__free(&c->alloc, nc);
     c->cap = cap;
-    return pqc__cut_grown(c);
+    return c->tier->grown(c);
 }
 
 static pqc_result pqc__check_layer(const pqc_cache *c, int layer, const char *what)
@@ -4062,7 +4076,7 @@ static void pqc__build_job(void *arg)
     /* nested work runs inline: the pool may be the engine's and fully busy */
     r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
     if (r == PQC_SUCCESS)
-        r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, c->cu ? pqc__cut_codes_allocator(c) : &c->alloc);
+        r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, c->tier->codes_alloc(c));
     if (r == PQC_SUCCESS) r = pqc__pq_encode_nested(c->rt, &H->pq_new, &keys, &H->codes_new);
     if (r != PQC_SUCCESS) {
         snprintf(b->err, sizeof b->err, "layer %d head %d: %.150s", b->layer, b->head, pqc_last_error());
@@ -4261,10 +4275,10 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     coded = L->n_coded;
     r = pqc__code_pending(c, layer, start + n);
     /* the device copies the new sink and window rows before they count as stored */
-    if (r == PQC_SUCCESS && c->cu) r = pqc__cut_stored(c, layer, start + n);
+    if (r == PQC_SUCCESS) r = c->tier->stored(c, layer, start + n);
     if (r != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
-        if (!c->cu || !pqc__cut_sized(c)) c->window = window; /* a device tier sized by it keeps it */
+        if (!c->tier->sized(c)) c->window = window; /* a device tier sized by it keeps it */
         return r;
     }
     L->n_tokens = start + n;
@@ -4298,7 +4312,7 @@ PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, cons
     }
     coded = L->n_coded;
     r = pqc__code_pending(c, layer, L->n_tokens + 1); /* the token leaving the window, from its own key */
-    if (r == PQC_SUCCESS && c->cu) r = pqc__cut_appended(c, layer, L->n_tokens + 1);
+    if (r == PQC_SUCCESS) r = c->tier->appended(c, layer, L->n_tokens + 1);
     if (r != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
         return r;
@@ -4473,7 +4487,7 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.out = (uint32_t *)(j.head_res + nh);
     j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
-    if (j.search && c->cu && (r = pqc__cut_select(c, layer, q, j.take, &j.gpu_idx)) != PQC_SUCCESS) {
+    if (j.search && (r = c->tier->search(c, layer, q, j.take, &j.gpu_idx)) != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
         return r;
     }
@@ -4543,126 +4557,169 @@ static int pqc__victim(const pqc_cache *c, const pqc__head *H, uint64_t step)
 #define PQC__SCORE_DECAY 0.75f
 #define PQC__ADMIT_MARGIN 1.5f
 
-typedef struct pqc__fetch_job {
-    pqc_cache *c;
-    int layer;
-    const pqc_selection *sel;
-    const pqc_kv_out *out;
-    pqc_result *res;
-    uint64_t *hits, *misses, *h2d;
-    const void **src; /* [head]{[rows_cap] K rows, [rows_cap] V rows}: where each row is */
-    size_t rows_cap, chunks;
-} pqc__fetch_job;
-
-/* Copies rows [filled, valid) of block b into slot s (K and V rows interleaved) and
-   returns the bytes moved host -> device. */
-static size_t pqc__slot_fill(pqc_cache *c, size_t hi, pqc__head *H, int s, size_t b, size_t valid)
+/* Blocks every tier holds in device memory by design: those overlapping the sinks or the
+   recent window (the CUDA tier keeps them in its sink slots and window ring; the host
+   tier reads them where they are). They are never admission candidates, and their
+   selected mid tokens are hits. */
+static int pqc__block_resident(const pqc_cache *c, size_t b, size_t mid_end)
 {
-    size_t bt = (size_t)c->d.block_tokens, slot_bytes = bt * 2 * c->row, r0 = H->filled[s], r;
-    unsigned char *slot;
-    if (c->cu) { /* the device tier copies whole blocks after the admissions */
-        pqc__cut_note_fill(c, hi, b, s);
-        H->filled[s] = (uint32_t)valid;
-        return (valid - r0) * 2 * c->row;
-    }
-    slot = H->dev + (size_t)s * slot_bytes;
-    for (r = r0; r < valid; r++) {
-        c->be.iface.copy_h2d(c->be.ctx, slot + r * 2 * c->row, H->k + (b * bt + r) * c->row, c->row);
-        c->be.iface.copy_h2d(c->be.ctx, slot + (r * 2 + 1) * c->row, H->v + (b * bt + r) * c->row, c->row);
-    }
-    H->filled[s] = (uint32_t)valid;
-    return (valid - r0) * 2 * c->row;
+    size_t bt = (size_t)c->d.block_tokens;
+    return b * bt < (size_t)c->d.n_sink || (b + 1) * bt > mid_end;
 }
 
-static void pqc__fetch_head(void *ctx, size_t hi)
+/* The slot serving mid token t of head H, or -1 (not cached, or past the rows copied). */
+static int pqc__slot_of_row(const pqc_cache *c, const pqc__head *H, size_t t)
 {
-    pqc__fetch_job *j = (pqc__fetch_job *)ctx;
-    pqc_cache *c = j->c;
-    pqc__layer *L = &c->layers[j->layer];
-    pqc__head *H = &L->heads[hi];
-    size_t n = L->n_tokens, cnt = j->sel->count[hi], i, bt = (size_t)c->d.block_tokens;
-    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, n), slot_bytes = bt * 2 * c->row;
-    const uint32_t *idx = j->sel->idx + hi * j->sel->capacity;
-    uint64_t hits = 0, misses = 0, h2d = 0, step = L->step;
-    int admit = c->d.cache_blocks > 0 ? c->d.admit_blocks : 0, a;
-    if (admit > 0) {
-        /* Admission (before the gather, so admitted blocks serve this step): every block's
-           score is a decayed count of its selected tokens; the blocks selected now are
-           candidates in score order, and one enters only into a free slot or when its
-           score beats the victim's, so blocks selected once never churn the cache. */
-        uint32_t *cntb = H->count_tmp;
-        float *sc = H->score;
-        size_t b, nb = (mid_hi + bt - 1) / bt;
-        for (b = 0; b < nb; b++) sc[b] *= PQC__SCORE_DECAY;
-        for (i = 0; i < cnt; i++)
-            if (idx[i] >= mid_lo && idx[i] < mid_hi && !(c->cu && pqc__cut_fixed_slot(c, idx[i] / bt, mid_hi) >= 0))
-                cntb[idx[i] / bt]++; /* device-resident sink and window blocks are no candidates */
-        for (b = 0; b < nb; b++) sc[b] += (float)cntb[b];
-        for (a = 0; a < admit; a++) {
-            size_t best = nb;
-            int s;
-            for (b = 0; b < nb; b++)
-                if (cntb[b] > 0 && (best == nb || sc[b] > sc[best])) best = b;
-            if (best == nb) break;
-            cntb[best] = 0; /* taken */
-            s = H->slot_of[best];
-            if (s >= 0) {
-                size_t valid = PQC__MIN(bt, mid_hi - best * bt);
-                if (H->filled[s] < valid) h2d += pqc__slot_fill(c, hi, H, s, best, valid); /* a partial block grew */
-                continue;
-            }
+    size_t bt = (size_t)c->d.block_tokens;
+    int s = c->d.cache_blocks > 0 && c->d.admit_blocks > 0 ? H->slot_of[t / bt] : -1;
+    return s >= 0 && (t % bt) < H->filled[s] ? s : -1;
+}
+
+/* One copy into the block cache: rows [r0, r1) of block `block` into slot `slot`. */
+typedef struct pqc__fill {
+    int32_t block, slot;
+    uint32_t r0, r1;
+} pqc__fill;
+
+/* Admission of one head after a selection, the same on every tier: every block's score
+   is a decayed count of its selected tokens; the blocks selected now (resident ones
+   excepted) are candidates in score order, and one enters only into a free slot or when
+   its score beats the victim's by the margin, so blocks selected once never churn the
+   cache; a cached block that grew is topped up. Updates H's bookkeeping and lists the
+   copies to make in fills[] (at most admit_blocks); returns how many. Runs before the
+   gather, so admitted blocks serve the step that selected them. */
+static size_t pqc__admit(const pqc_cache *c, pqc__head *H, const uint32_t *idx, size_t cnt, size_t mid_hi,
+                         uint64_t step, pqc__fill *fills)
+{
+    uint32_t *cntb = H->count_tmp;
+    float *sc = H->score;
+    size_t bt = (size_t)c->d.block_tokens, mid_lo = (size_t)c->d.n_sink, b, i, nb = (mid_hi + bt - 1) / bt, nf = 0;
+    int a;
+    for (b = 0; b < nb; b++) sc[b] *= PQC__SCORE_DECAY;
+    for (i = 0; i < cnt; i++)
+        if (idx[i] >= mid_lo && idx[i] < mid_hi && !pqc__block_resident(c, idx[i] / bt, mid_hi)) cntb[idx[i] / bt]++;
+    for (b = 0; b < nb; b++) sc[b] += (float)cntb[b];
+    for (a = 0; a < c->d.admit_blocks; a++) {
+        size_t best = nb, valid;
+        int s;
+        for (b = 0; b < nb; b++)
+            if (cntb[b] > 0 && (best == nb || sc[b] > sc[best])) best = b;
+        if (best == nb) break;
+        cntb[best] = 0; /* taken */
+        valid = PQC__MIN(bt, mid_hi - best * bt);
+        s = H->slot_of[best];
+        if (s < 0) {
             s = pqc__victim(c, H, step + 1);
             if (s < 0) break;
             if (H->block_of[s] >= 0 && !(sc[best] > PQC__ADMIT_MARGIN * sc[H->block_of[s]] + 1.0f))
                 continue; /* not worth a block copy: hysteresis keeps near-ties from swapping */
             if (H->block_of[s] >= 0) H->slot_of[H->block_of[s]] = -1;
             H->filled[s] = 0;
-            h2d += pqc__slot_fill(c, hi, H, s, best, PQC__MIN(bt, mid_hi - best * bt));
             H->block_of[s] = (int32_t)best;
             H->slot_of[best] = s;
             H->freq[s] = 0;
             H->stamp[s] = step + 1;
         }
-        for (b = 0; b < nb; b++) cntb[b] = 0;
-    }
-    /* where each selected row comes from: a device slot (hit) or the host store (a miss,
-       or a sink or window token, device-resident in a GPU backend); the copies follow in
-       parallel chunks */
-    {
-        /* the device tier gathers the rows itself: only the hits are counted there */
-        const void **srck = c->cu ? NULL : j->src + hi * 2 * j->rows_cap, **srcv = srck ? srck + j->rows_cap : NULL;
-        for (i = 0; i < cnt; i++) {
-            size_t t = idx[i];
-            if (t >= mid_lo && t < mid_hi) {
-                int s = admit > 0 ? H->slot_of[t / bt] : -1;
-                if (c->cu && pqc__cut_fixed_slot(c, t / bt, mid_hi) >= 0) { /* a sink or window block */
-                    hits++;
-                    continue;
-                }
-                if (s >= 0 && (t % bt) < H->filled[s]) {
-                    if (srck) {
-                        const unsigned char *slot_row = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
-                        srck[i] = slot_row;
-                        srcv[i] = slot_row + c->row;
-                    }
-                    if (H->stamp[s] != step + 1) H->freq[s]++;
-                    H->stamp[s] = step + 1;
-                    hits++;
-                    continue;
-                }
-                misses++;
-                h2d += 2 * c->row;
-            }
-            if (srck) {
-                srck[i] = H->k + t * c->row;
-                srcv[i] = H->v + t * c->row;
-            }
+        if (H->filled[s] < valid) { /* admitted, or a partial block that grew */
+            fills[nf].block = (int32_t)best;
+            fills[nf].slot = s;
+            fills[nf].r0 = H->filled[s];
+            fills[nf].r1 = (uint32_t)valid;
+            nf++;
+            H->filled[s] = (uint32_t)valid;
         }
     }
+    for (b = 0; b < nb; b++) cntb[b] = 0;
+    return nf;
+}
+
+typedef struct pqc__fetch_job {
+    pqc_cache *c;
+    int layer;
+    const pqc_selection *sel;
+    const pqc_kv_out *out;
+    uint64_t *hits, *misses, *h2d;
+    int *copy_failed; /* [head] host tier: a backend copy failed */
+    pqc__fill *fills; /* [head][admit_blocks] */
+    size_t *nfill;    /* [head] */
+    const void **src; /* host tier: [head]{[rows_cap] K rows, [rows_cap] V rows}: where each row is */
+    size_t rows_cap, chunks;
+} pqc__fetch_job;
+
+/* The bookkeeping of one head, the same on every tier: admission, then hits (resident
+   blocks and cached rows), misses and bytes host -> device. */
+static void pqc__fetch_account(void *ctx, size_t hi)
+{
+    pqc__fetch_job *j = (pqc__fetch_job *)ctx;
+    pqc_cache *c = j->c;
+    pqc__layer *L = &c->layers[j->layer];
+    pqc__head *H = &L->heads[hi];
+    size_t cnt = j->sel->count[hi], i, f, bt = (size_t)c->d.block_tokens, nf = 0;
+    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, L->n_tokens);
+    const uint32_t *idx = j->sel->idx + hi * j->sel->capacity;
+    pqc__fill *fills = j->fills + hi * (size_t)c->d.admit_blocks;
+    uint64_t hits = 0, misses = 0, h2d = 0, step = L->step;
+    if (c->d.cache_blocks > 0 && c->d.admit_blocks > 0) nf = pqc__admit(c, H, idx, cnt, mid_hi, step, fills);
+    for (f = 0; f < nf; f++) h2d += (size_t)(fills[f].r1 - fills[f].r0) * 2 * c->row;
+    for (i = 0; i < cnt; i++) {
+        size_t t = idx[i];
+        int s;
+        if (t < mid_lo || t >= mid_hi) continue; /* sinks and window: not counted */
+        if (pqc__block_resident(c, t / bt, mid_hi)) {
+            hits++;
+        } else if ((s = pqc__slot_of_row(c, H, t)) >= 0) {
+            if (H->stamp[s] != step + 1) H->freq[s]++;
+            H->stamp[s] = step + 1;
+            hits++;
+        } else {
+            misses++;
+            h2d += 2 * c->row;
+        }
+    }
+    j->nfill[hi] = nf;
     j->hits[hi] = hits;
     j->misses[hi] = misses;
     j->h2d[hi] = h2d;
-    j->res[hi] = PQC_SUCCESS;
+}
+
+/* ----- the host tier's fetch: slots in memory from the cache's pqc_backend ----- */
+
+/* Makes head hi's copies into its slots, then records where each selected row is read:
+   a cached slot row or the host store. */
+static void pqc__host_fetch_head(void *ctx, size_t hi)
+{
+    pqc__fetch_job *j = (pqc__fetch_job *)ctx;
+    pqc_cache *c = j->c;
+    pqc__layer *L = &c->layers[j->layer];
+    pqc__head *H = &L->heads[hi];
+    size_t cnt = j->sel->count[hi], i, f, bt = (size_t)c->d.block_tokens, slot_bytes = bt * 2 * c->row, r;
+    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, L->n_tokens);
+    const uint32_t *idx = j->sel->idx + hi * j->sel->capacity;
+    const pqc__fill *fills = j->fills + hi * (size_t)c->d.admit_blocks;
+    const void **srck = j->src + hi * 2 * j->rows_cap, **srcv = srck + j->rows_cap;
+    j->copy_failed[hi] = 0;
+    for (f = 0; f < j->nfill[hi]; f++) {
+        unsigned char *slot = H->dev + (size_t)fills[f].slot * slot_bytes;
+        size_t b = (size_t)fills[f].block;
+        for (r = fills[f].r0; r < fills[f].r1; r++)
+            if (c->be.iface.copy_h2d(c->be.ctx, slot + r * 2 * c->row, H->k + (b * bt + r) * c->row, c->row) ||
+                c->be.iface.copy_h2d(c->be.ctx, slot + (r * 2 + 1) * c->row, H->v + (b * bt + r) * c->row, c->row)) {
+                j->copy_failed[hi] = 1;
+                return;
+            }
+    }
+    for (i = 0; i < cnt; i++) {
+        size_t t = idx[i];
+        int s = t >= mid_lo && t < mid_hi && !pqc__block_resident(c, t / bt, mid_hi) ? pqc__slot_of_row(c, H, t) : -1;
+        if (s >= 0) {
+            const unsigned char *slot_row = H->dev + (size_t)s * slot_bytes + (t % bt) * 2 * c->row;
+            srck[i] = slot_row;
+            srcv[i] = slot_row + c->row;
+        } else {
+            srck[i] = H->k + t * c->row;
+            srcv[i] = H->v + t * c->row;
+        }
+    }
 }
 
 #define PQC__FETCH_CHUNK 512
@@ -4681,8 +4738,59 @@ static void pqc__fetch_copy(void *ctx, size_t q)
     }
 }
 
-static void pqc__fetch_pfor(void *ctx, size_t h) { pqc__fetch_head(ctx, h); }
+/* Host tier: room for the row sources (kept across steps); nothing else can fail. */
+static pqc_result pqc__host_fetch_prepare(pqc_cache *c, size_t rows_cap)
+{
+    size_t nh = (size_t)c->d.n_kv_heads;
+    if (nh * 2 * rows_cap > c->fsrc_cap) {
+        size_t want = nh * 2 * rows_cap + nh * 2 * rows_cap / 4;
+        const void **ns = (const void **)pqc__alloc(&c->alloc, want * sizeof(void *));
+        if (!ns) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
+        pqc__free(&c->alloc, (void *)c->fsrc);
+        c->fsrc = ns;
+        c->fsrc_cap = want;
+    }
+    return PQC_SUCCESS;
+}
 
+/* Host tier: the copies into slots and the gather (or only the row sources, for
+   fetch_rows, when out is NULL), in parallel over heads and row chunks when worth it. */
+static pqc_result pqc__host_fetch(pqc_cache *c, pqc__fetch_job *j, int parallel)
+{
+    size_t nh = (size_t)c->d.n_kv_heads, h, rows = 0;
+    j->src = c->fsrc;
+    c->frows_cap = j->rows_cap;
+    for (h = 0; h < nh; h++) rows += j->sel->count[h];
+    /* waking the pool costs tens of microseconds: only for work worth it */
+    if (parallel && nh > 1) pqc__parallel_for(c->rt, nh, pqc__host_fetch_head, j);
+    else
+        for (h = 0; h < nh; h++) pqc__host_fetch_head(j, h);
+    for (h = 0; h < nh; h++)
+        if (j->copy_failed[h]) { /* the blocks being admitted were not copied: forget them */
+            size_t g, f;
+            for (g = 0; g < nh; g++)
+                for (f = 0; f < j->nfill[g]; f++) {
+                    pqc__head *H = &c->layers[j->layer].heads[g];
+                    const pqc__fill *fl = j->fills + g * (size_t)c->d.admit_blocks + f;
+                    if (H->block_of[fl->slot] == fl->block) H->slot_of[fl->block] = -1;
+                    H->block_of[fl->slot] = -1;
+                    H->filled[fl->slot] = 0;
+                }
+            return pqc__cfail(c, PQC_ERROR_BACKEND, "pqc_cache_fetch: the %s backend failed a copy",
+                              c->be.iface.name ? c->be.iface.name : "engine's");
+        }
+    if (j->out) {
+        if (parallel && rows >= PQC__FETCH_PARALLEL_ROWS) pqc__parallel_for(c->rt, nh * j->chunks, pqc__fetch_copy, j);
+        else
+            for (h = 0; h < nh * j->chunks; h++) pqc__fetch_copy(j, h);
+    }
+    if (c->be.iface.synchronize) c->be.iface.synchronize(c->be.ctx);
+    return PQC_SUCCESS;
+}
+
+/* The fetch shared by every tier: checks, then everything that can fail for want of
+   memory, then the bookkeeping (admission, hits, traffic), then the tier's copies and
+   gather. */
 static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
                                   pqc_kv_device *dout, int parallel)
 {
@@ -4691,7 +4799,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     pqc_result r;
     pqc__fetch_job j;
     unsigned char *mem;
-    size_t nh, h;
+    size_t nh, h, ab;
     double t0 = pqc__now();
     if ((r = pqc__check_layer(c, layer, "pqc_cache_fetch")) != PQC_SUCCESS) return r;
     if (!sel || (copy && (!out->k || !out->v)) || !sel->count || !sel->idx)
@@ -4714,20 +4822,12 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
             if (idx[i] >= L->n_tokens || (i > 0 && idx[i] <= idx[i - 1]))
                 return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_fetch: head %zu index %zu invalid or unsorted", h, i);
     }
+    memset(&j, 0, sizeof j);
     for (h = 0, j.rows_cap = 1; h < nh; h++) j.rows_cap = PQC__MAX(j.rows_cap, sel->count[h]);
     j.chunks = (j.rows_cap + PQC__FETCH_CHUNK - 1) / PQC__FETCH_CHUNK;
-    if (!c->cu && nh * 2 * j.rows_cap > c->fsrc_cap) { /* kept across steps; the GPU tier has no use for it */
-        size_t want = nh * 2 * j.rows_cap + nh * 2 * j.rows_cap / 4;
-        const void **ns = (const void **)pqc__alloc(&c->alloc, want * sizeof(void *));
-        if (!ns) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
-        pqc__free(&c->alloc, (void *)c->fsrc);
-        c->fsrc = ns;
-        c->fsrc_cap = want;
-    }
-    c->frows_cap = j.rows_cap;
-    j.src = c->fsrc;
-    if (c->cu && (r = pqc__cut_fetch_begin(c)) != PQC_SUCCESS) return r;
-    mem = (unsigned char *)pqc__alloc(&c->alloc, nh * (sizeof(pqc_result) + 3 * sizeof(uint64_t)));
+    if ((r = c->tier->fetch_prepare(c, j.rows_cap)) != PQC_SUCCESS) return r;
+    ab = (size_t)(c->d.admit_blocks > 0 ? c->d.admit_blocks : 1);
+    mem = (unsigned char *)pqc__alloc(&c->alloc, nh * (4 * sizeof(uint64_t) + ab * sizeof(pqc__fill) + sizeof(int)));
     if (!mem) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
     j.c = c;
     j.layer = layer;
@@ -4736,39 +4836,101 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     j.hits = (uint64_t *)mem;
     j.misses = j.hits + nh;
     j.h2d = j.misses + nh;
-    j.res = (pqc_result *)(j.h2d + nh);
-    if (c->cu) {
-        for (h = 0; h < nh; h++) pqc__fetch_head(&j, h); /* bookkeeping only */
-    } else if (parallel) {
-        size_t rows = 0;
-        for (h = 0; h < nh; h++) rows += sel->count[h];
-        if (nh > 1) pqc__parallel_for(c->rt, nh, pqc__fetch_pfor, &j);
-        else pqc__fetch_head(&j, 0);
-        /* waking the pool costs tens of microseconds: only for copies worth it */
-        if (!copy) (void)rows;
-        else if (rows >= PQC__FETCH_PARALLEL_ROWS) pqc__parallel_for(c->rt, nh * j.chunks, pqc__fetch_copy, &j);
-        else
-            for (h = 0; h < nh * j.chunks; h++) pqc__fetch_copy(&j, h);
-    } else {
-        for (h = 0; h < nh; h++) pqc__fetch_head(&j, h);
-        if (copy)
-            for (h = 0; h < nh * j.chunks; h++) pqc__fetch_copy(&j, h);
-    }
-    for (h = 0; h < nh; h++) {
-        L->st.hits += j.hits[h];
-        L->st.misses += j.misses[h];
-        L->st.bytes_h2d += j.h2d[h];
-    }
+    j.nfill = (size_t *)(j.h2d + nh);
+    j.fills = (pqc__fill *)(j.nfill + nh);
+    j.copy_failed = (int *)(j.fills + nh * ab);
+    for (h = 0; h < nh; h++) pqc__fetch_account(&j, h);
+    r = c->tier->fetch(c, &j, dout, parallel);
+    if (r == PQC_SUCCESS)
+        for (h = 0; h < nh; h++) {
+            L->st.hits += j.hits[h];
+            L->st.misses += j.misses[h];
+            L->st.bytes_h2d += j.h2d[h];
+        }
     pqc__free(&c->alloc, mem);
-    if (c->cu) {
-        if ((r = pqc__cut_fetch(c, layer, sel, out, dout)) != PQC_SUCCESS) return r;
-    } else if (c->be.iface.synchronize) {
-        c->be.iface.synchronize(c->be.ctx);
-    }
+    if (r != PQC_SUCCESS) return r;
     L->step++;
     L->st.fetches++;
     L->st.fetch_s += pqc__now() - t0;
     return PQC_SUCCESS;
+}
+
+/* ----- the host tier -------------------------------------------------------------------- */
+
+static pqc_result pqc__host_create(pqc_cache *c)
+{
+    size_t slot_bytes = (size_t)c->d.block_tokens * 2 * c->row;
+    int l, h;
+    if (c->d.cache_blocks <= 0) return PQC_SUCCESS;
+    for (l = 0; l < c->d.n_layers; l++)
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            pqc__head *H = &c->layers[l].heads[h];
+            H->dev = (unsigned char *)c->be.iface.alloc(c->be.ctx, slot_bytes * (size_t)c->d.cache_blocks);
+            if (!H->dev) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: block cache allocation failed");
+        }
+    return PQC_SUCCESS;
+}
+static void pqc__host_destroy(pqc_cache *c)
+{
+    int l, h;
+    for (l = 0; c->layers && l < c->d.n_layers; l++)
+        if (c->layers[l].heads)
+            for (h = 0; h < c->d.n_kv_heads; h++)
+                if (c->layers[l].heads[h].dev) c->be.iface.free(c->be.ctx, c->layers[l].heads[h].dev);
+}
+static void *pqc__host_store_alloc(pqc_cache *c, size_t bytes) { return pqc__alloc(&c->alloc, bytes); }
+static void pqc__host_store_free(pqc_cache *c, void *p) { pqc__free(&c->alloc, p); }
+static const pqc_allocator *pqc__host_codes_alloc(pqc_cache *c) { return &c->alloc; }
+static void pqc__host_quiesce(pqc_cache *c) { (void)c; }
+static pqc_result pqc__host_grown(pqc_cache *c)
+{
+    (void)c;
+    return PQC_SUCCESS;
+}
+static pqc_result pqc__host_stored(pqc_cache *c, int l, size_t n)
+{
+    (void)c;
+    (void)l;
+    (void)n;
+    return PQC_SUCCESS;
+}
+static int pqc__host_sized(const pqc_cache *c)
+{
+    (void)c;
+    return 0;
+}
+static pqc_result pqc__host_search(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx)
+{
+    (void)c;
+    (void)l;
+    (void)q;
+    (void)take;
+    *idx = NULL;
+    return PQC_SUCCESS;
+}
+static pqc_result pqc__host_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+{
+    (void)dout;
+    return pqc__host_fetch(c, j, parallel);
+}
+static size_t pqc__host_device_bytes(const pqc_cache *c)
+{
+    (void)c;
+    return 0;
+}
+static int pqc__host_zero_copy(const pqc_cache *c)
+{
+    return c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
+}
+
+static const pqc__tier_i *pqc__host_tier(void)
+{
+    static const pqc__tier_i t = { "host", 0, pqc__host_create, pqc__host_destroy, pqc__host_store_alloc,
+                                   pqc__host_store_free, pqc__host_codes_alloc, pqc__host_quiesce, pqc__host_grown,
+                                   pqc__host_stored, pqc__host_stored, pqc__host_sized, pqc__host_search,
+                                   pqc__host_fetch_prepare, pqc__host_fetch_tier, pqc__host_device_bytes,
+                                   pqc__host_zero_copy };
+    return &t;
 }
 
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out)
@@ -4780,16 +4942,14 @@ PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *
 PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_selection *sel, pqc_kv_device *out)
 {
     if (!c || !out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch_device: null pointer");
-    if (!c->cu) return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_fetch_device: the cache has no CUDA device tier");
+    if (!c->tier->device)
+        return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_fetch_device: the cache's device tier is host memory");
     return pqc__fetch_impl(c, layer, sel, NULL, out, 1);
 }
 
-PQCDEF int pqc_cache_on_device(const pqc_cache *c) { return c && c->cu ? 1 : 0; }
+PQCDEF int pqc_cache_on_device(const pqc_cache *c) { return c && c->tier->device ? 1 : 0; }
 
-static int pqc__zero_copy(const pqc_cache *c)
-{
-    return !c->cu && c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
-}
+static int pqc__zero_copy(const pqc_cache *c) { return c->tier->zero_copy(c); }
 
 PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_selection *sel,
                                        const void *const *const **krows, const void *const *const **vrows)
@@ -4868,7 +5028,7 @@ PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *f
         }
     }
     dev += codes * (size_t)c->d.n_kv_heads; /* one layer's codes in flight */
-    if (c->cu) dev = pqc__cut_device_bytes(c); /* what the GPU actually holds */
+    if (c->tier->device_bytes(c)) dev = c->tier->device_bytes(c); /* what a GPU actually holds */
     if (device_bytes) *device_bytes = dev;
     if (full_kv_bytes) *full_kv_bytes = full;
 }
@@ -5020,9 +5180,9 @@ static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result
             int gave_back = c->layers[l].n_tokens > u->n_tokens[l];
             pqc__layer_truncate(c, l, u->n_tokens[l], &u->st[l], u->step[l]);
             /* the device's sink and window slots hold the given-back rows: copy them again */
-            if (gave_back && c->cu && u->n_tokens[l] > 0) pqc__cut_stored(c, l, u->n_tokens[l]);
+            if (gave_back && u->n_tokens[l] > 0) c->tier->stored(c, l, u->n_tokens[l]);
         }
-        if (!c->cu || !pqc__cut_sized(c)) c->window = u->window;
+        if (!c->tier->sized(c)) c->window = u->window;
         memcpy(pqc__errbuf, msg, sizeof msg);
     }
     pqc__free(&c->alloc, u->n_tokens);
@@ -5163,7 +5323,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
         if ((r = pqc_cache_select(c, l, q, sel)) != PQC_SUCCESS) break;
         view.krows = view.vrows = NULL;
         view.on_device = 0;
-        if (c->cu && e->accepts_device_kv) {
+        if (c->tier->device && e->accepts_device_kv) {
             pqc_kv_device dk = { 0, 0, 0 };
             size_t hb;
             if ((r = pqc_cache_fetch_device(c, l, sel, &dk)) != PQC_SUCCESS) break;
@@ -7900,18 +8060,6 @@ static size_t pqc__cut_device_bytes(const pqc_cache *c)
     return b;
 }
 
-static void pqc__cut_note_fill(pqc_cache *c, size_t hi, size_t b, int s)
-{
-    struct pqc__cut *u = c->cu;
-    size_t cb = (size_t)c->d.cache_blocks + 1, i, n = u->nfill[hi];
-    for (i = 0; i < n; i++) /* a block topped up twice is copied once */
-        if (u->fill_b[hi * cb + i] == (int32_t)b) return;
-    if (n >= cb) return;
-    u->fill_b[hi * cb + n] = (int32_t)b;
-    u->fill_s[hi * cb + n] = u->nsb + u->wb + s;
-    u->nfill[hi] = n + 1;
-}
-
 /* Before a fetch's bookkeeping: the upload arena of the previous fetch is free again. */
 static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
 {
@@ -8038,6 +8186,46 @@ static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, 
     return r;
 }
 
+static pqc_result pqc__cut_fetch_prepare(pqc_cache *c, size_t rows_per_head)
+{
+    (void)rows_per_head;
+    return pqc__cut_fetch_begin(c);
+}
+
+/* The admissions of the shared bookkeeping become this tier's fill lists, then the
+   copies and the gather run on the device. */
+static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+{
+    struct pqc__cut *u = c->cu;
+    size_t h, f, cb = (size_t)c->d.cache_blocks + 1;
+    (void)parallel;
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        const pqc__fill *fl = j->fills + h * (size_t)c->d.admit_blocks;
+        for (f = 0; f < j->nfill[h] && f < cb; f++) {
+            u->fill_b[h * cb + f] = fl[f].block;
+            u->fill_s[h * cb + f] = u->nsb + u->wb + fl[f].slot;
+        }
+        u->nfill[h] = f;
+    }
+    return pqc__cut_fetch(c, j->layer, j->sel, j->out, dout);
+}
+
+static int pqc__cut_zero_copy(const pqc_cache *c)
+{
+    (void)c;
+    return 0;
+}
+
+static const pqc__tier_i *pqc__cuda_tier(void)
+{
+    static const pqc__tier_i t = { "CUDA", 1, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
+                                   pqc__cut_host_free, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
+                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select,
+                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier, pqc__cut_device_bytes,
+                                   pqc__cut_zero_copy };
+    return &t;
+}
+
 PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
 {
     pqc__cuApi api;
@@ -8146,80 +8334,6 @@ static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int
     (void)obj;
     snprintf(err, errsz, "built without the CUDA loader");
     return PQC_ERROR_NO_DEVICE;
-}
-static pqc_result pqc__cut_create(pqc_cache *c) { return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader"); }
-static void pqc__cut_destroy(pqc_cache *c) { (void)c; }
-static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
-{
-    (void)c;
-    (void)bytes;
-    return NULL;
-}
-static void pqc__cut_host_free(pqc_cache *c, void *p)
-{
-    (void)c;
-    (void)p;
-}
-static void pqc__cut_quiesce(pqc_cache *c) { (void)c; }
-static pqc_result pqc__cut_grown(pqc_cache *c)
-{
-    (void)c;
-    return PQC_SUCCESS;
-}
-static pqc_result pqc__cut_stored(pqc_cache *c, int layer, size_t n)
-{
-    (void)layer;
-    (void)n;
-    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
-}
-static pqc_result pqc__cut_appended(pqc_cache *c, int layer, size_t n)
-{
-    (void)layer;
-    (void)n;
-    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
-}
-static pqc_result pqc__cut_select(pqc_cache *c, int layer, const float *q, size_t take, const int32_t **idx)
-{
-    (void)layer;
-    (void)q;
-    (void)take;
-    (void)idx;
-    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
-}
-static int pqc__cut_fixed_slot(const pqc_cache *c, size_t block, size_t mid_end)
-{
-    (void)c;
-    (void)block;
-    (void)mid_end;
-    return -1;
-}
-static size_t pqc__cut_device_bytes(const pqc_cache *c)
-{
-    (void)c;
-    return 0;
-}
-static int pqc__cut_sized(const pqc_cache *c)
-{
-    (void)c;
-    return 0;
-}
-static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->alloc; }
-static void pqc__cut_note_fill(pqc_cache *c, size_t head, size_t block, int slot)
-{
-    (void)c;
-    (void)head;
-    (void)block;
-    (void)slot;
-}
-static pqc_result pqc__cut_fetch_begin(pqc_cache *c) { return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader"); }
-static pqc_result pqc__cut_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out,
-                                 pqc_kv_device *dout)
-{
-    (void)layer;
-    (void)sel;
-    (void)out;
-    (void)dout;
-    return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "no CUDA loader");
 }
 #endif
 

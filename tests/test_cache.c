@@ -266,7 +266,8 @@ TEST fetch_rows_match_fetch(void)
 /* ----- block cache against a reference model ----- */
 
 /* The documented policy, written out plainly: per-block scores decay by 3/4 a step and
-   gain the step's selected tokens; candidates (blocks selected now) go in score order;
+   gain the step's selected tokens; candidates (blocks selected now, except those that
+   overlap the sinks or the window, which every tier holds anyway) go in score order;
    a candidate takes a free slot, or evicts the victim (LRU: oldest use; LFU: lowest
    score, then oldest use; never a slot used or admitted this step) when its score beats
    1.5 x the victim's + 1. */
@@ -283,7 +284,8 @@ static void ref_step(ref_cache *rc, const uint32_t *idx, size_t n, size_t bt, si
     size_t i;
     for (b = 0; b < nb; b++) rc->score[b] *= 0.75f;
     for (i = 0; i < n; i++)
-        if (idx[i] >= mid_lo && idx[i] < mid_hi) cnt[idx[i] / bt]++;
+        if (idx[i] >= mid_lo && idx[i] < mid_hi && idx[i] / bt * bt >= mid_lo && (idx[i] / bt + 1) * bt <= mid_hi)
+            cnt[idx[i] / bt]++;
     for (b = 0; b < nb; b++) rc->score[b] += (float)cnt[b];
     for (a = 0; a < rc->admit; a++) {
         int best = -1, cached = -1, victim = -1, empty = -1;
@@ -334,7 +336,7 @@ TEST eviction_orders_match_reference(void)
         int step, s;
         uint64_t st = 99;
         cd.n_sink = -1;
-        cd.window = 1;
+        cd.window = 4; /* block 15 (tokens 120..127) overlaps the window: never a candidate */
         cd.block_tokens = (int)bt;
         cd.cache_blocks = 4;
         cd.admit_blocks = 4;
@@ -350,7 +352,7 @@ TEST eviction_orders_match_reference(void)
         rc.admit = 4;
         rc.lru = pol;
         for (s = 0; s < 4; s++) rc.block[s] = -1;
-        mid_hi = n - 1;
+        mid_hi = n - 4;
         for (step = 0; step < 60; step++) {
             /* a trace where blocks 2 and 9 stay hot, a warm block drifts slowly and the rest
                flicker: admissions, refusals and evictions all happen */
@@ -358,7 +360,7 @@ TEST eviction_orders_match_reference(void)
             int32_t got[8], want[8];
             int ng, nw = 0, i, j;
             for (t = 0; t < mid_hi; t++) {
-                int b = (int)(t / bt), hot = b == 2 || b == 9, warm = b == (step / 4) % 16;
+                int b = (int)(t / bt), hot = b == 2 || b == 9 || b == 15, warm = b == (step / 4) % 16;
                 uint64_t r = synth__next(&st) % 100;
                 if ((hot && r < 55) || (warm && r < 45) || (!hot && !warm && r < 12)) sel.idx[cnt++] = (uint32_t)t;
             }
@@ -399,6 +401,98 @@ TEST eviction_orders_match_reference(void)
 }
 
 /* ----- scheduler ----- */
+
+/* ----- a backend of the engine's holds the slots ----- */
+
+typedef struct count_be {
+    size_t live, copied;
+    int fail;
+} count_be;
+static void *cb_alloc(void *ctx, size_t n)
+{
+    ((count_be *)ctx)->live++;
+    return malloc(n);
+}
+static void cb_free(void *ctx, void *p)
+{
+    ((count_be *)ctx)->live--;
+    free(p);
+}
+static int cb_copy(void *ctx, void *dst, const void *src, size_t n)
+{
+    count_be *b = (count_be *)ctx;
+    if (b->fail) return -1;
+    memcpy(dst, src, n);
+    b->copied += n;
+    return 0;
+}
+
+TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
+{
+    pqc_runtime *rt = make_rt(2);
+    pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+    pqc_backend be;
+    count_be cnt;
+    pqc_cache *c;
+    pqc_selection sel;
+    pqc_kv_out out;
+    pqc_layer_stats st;
+    size_t n = 3000, step, h, i;
+    float *k = rand_rows(n + 40, 32), *v = rand_rows(n + 40, 32), q[32];
+    int32_t blocks[64];
+    memset(&cnt, 0, sizeof cnt);
+    memset(&be, 0, sizeof be);
+    be.iface.name = "counting";
+    be.iface.alloc = cb_alloc;
+    be.iface.free = cb_free;
+    be.iface.copy_h2d = cb_copy;
+    be.ctx = &cnt;
+    cd.backend = &be;
+    cd.block_tokens = 32;
+    cd.cache_blocks = 8;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(2u, cnt.live); /* one slot pool per (layer, head) */
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 32));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    out.head_stride = n + 40;
+    out.k = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
+    out.v = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
+    for (i = 0; i < 32; i++) q[i] = frand();
+    /* a failing copy (the first fetch admits into empty slots): an error, no statistics,
+       and no slot claims rows it does not hold */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    cnt.fail = 1;
+    ASSERT_EQ(PQC_ERROR_BACKEND, pqc_cache_fetch(c, 0, &sel, &out));
+    ASSERT(strstr(pqc_last_error(), "counting") != NULL);
+    ASSERT_EQ(0, pqc_cache_cached_blocks(c, 0, 0, blocks, 64));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ((uint64_t)0, st.hits + st.misses + st.fetches);
+    cnt.fail = 0;
+    for (step = 0; step < 20; step++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k + (n + step) * 32, v + (n + step) * 32));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &out));
+        for (h = 0; h < 2; h++)
+            for (i = 0; i < sel.count[h]; i++) {
+                size_t t = sel.idx[h * sel.capacity + i];
+                ASSERT_MEM_EQ(k + t * 32 + h * 16, out.k + (h * out.head_stride + i) * 16, 16 * sizeof(float));
+            }
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_GT(cnt.copied, (size_t)0);
+    ASSERT_GT(st.hits, (uint64_t)0);
+    /* bytes host -> device = codes + missed rows + what the backend copied into slots */
+    ASSERT_EQ((uint64_t)cnt.copied, st.bytes_h2d - st.bytes_codes - st.misses * 2 * 16 * 4);
+    free(out.k);
+    free(out.v);
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    ASSERT_EQ(0u, cnt.live);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    PASS();
+}
 
 TEST scheduler_recovers_coefficients_and_clips(void)
 {
@@ -889,6 +983,7 @@ SUITE(cache)
     RUN_TEST(full_budget_selects_everything_exactly);
     RUN_TEST(eviction_orders_match_reference);
     RUN_TEST(fetch_rows_match_fetch);
+    RUN_TEST(engine_backend_holds_the_slots_and_its_copies_are_the_traffic);
     RUN_TEST(scheduler_recovers_coefficients_and_clips);
     RUN_TEST(async_builds_and_destroy_during_build);
     RUN_TEST(growth_waits_for_other_layers_builds);
