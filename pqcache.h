@@ -791,6 +791,17 @@ static int pqc__size3(size_t a, size_t b, size_t c, size_t *out)
 }
 static int pqc__mul(size_t a, size_t b, size_t *out) { return pqc__size3(a, b, 1, out); }
 
+/* FNV-1a, 64 bits, over n bytes continuing from h: the checksums of the calibration file
+   and the kernel cache, and the kernel cache's key. */
+#define PQC__FNV_OFFSET 14695981039346656037ull
+static uint64_t pqc__fnv(const void *data, size_t n, uint64_t h)
+{
+    const unsigned char *p = (const unsigned char *)data;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
 /* Files: every file the library reads is opened without blocking and must be a regular
    file (a FIFO, a device or a directory is refused, never waited on); every file it
    writes goes to a temporary name in the same directory and is renamed into place. */
@@ -3501,14 +3512,6 @@ PQCDEF int pqc_scheduler_iters(pqc_scheduler *s, double tokens, int jobs)
     return (int)t;
 }
 
-static uint64_t pqc__fnv(const void *p, size_t n, uint64_t h)
-{
-    const unsigned char *b = (const unsigned char *)p;
-    size_t i;
-    for (i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
-    return h;
-}
-
 #define PQC__SCHED_MAGIC "pqcache-scheduler 1"
 
 PQCDEF pqc_result pqc_scheduler_save(pqc_scheduler *s, const char *path)
@@ -3525,7 +3528,7 @@ PQCDEF pqc_result pqc_scheduler_save(pqc_scheduler *s, const char *path)
                  f.n1, f.a2, f.b2, f.g2, f.n2);
     if (n < 0 || n >= 512) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler save: fit does not print");
     n += snprintf(body + n, sizeof body - (size_t)n, "check %016llx\n",
-                  (unsigned long long)pqc__fnv(body, (size_t)n, 0xcbf29ce484222325ull));
+                  (unsigned long long)pqc__fnv(body, (size_t)n, PQC__FNV_OFFSET));
     part = body;
     len = (size_t)n;
     if (pqc__write_atomic(path, &part, &len, 1, why, sizeof why) != 0)
@@ -3552,7 +3555,7 @@ PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path)
         return pqc__fail(NULL, PQC_ERROR_BAD_FILE, "scheduler load: %s is not a pqcache calibration file", path);
     chk = strstr(buf, "check ");
     if (!chk || sscanf(chk, "check %llx%c", &want, &tail) != 2 || tail != '\n' ||
-        pqc__fnv(buf, (size_t)(chk - buf), 0xcbf29ce484222325ull) != (uint64_t)want)
+        pqc__fnv(buf, (size_t)(chk - buf), PQC__FNV_OFFSET) != (uint64_t)want)
         return pqc__fail(NULL, PQC_ERROR_BAD_FILE, "scheduler load: %s is damaged or truncated (checksum)", path);
     if (sscanf(buf + strlen(PQC__SCHED_MAGIC) + 1, "kmeans %lg %lg %d\ncompute %lg %lg %lg %d", &f.a1, &f.b1, &f.n1, &f.a2,
                &f.b2, &f.g2, &f.n2) != 7)
@@ -5689,29 +5692,6 @@ static const pqc__cuSym pqc__cu_blaslt_syms[] = {
 /* Utilities                                                                            */
 /* ------------------------------------------------------------------------------------ */
 
-/* Readable name of a loader status code. */
-PQC__CU_FN const char *pqc__cu_status_string(int status)
-{
-    switch (status) {
-    case PQC__CU_OK: return "ok";
-    case PQC__CU_ERR_NO_DRIVER: return "no CUDA driver";
-    case PQC__CU_ERR_DRIVER_SYMBOL: return "CUDA driver lacks a required function";
-    case PQC__CU_ERR_DRIVER_INIT: return "CUDA driver failed to initialise";
-    case PQC__CU_ERR_NO_DEVICE: return "no CUDA device";
-    case PQC__CU_ERR_NO_NVRTC: return "NVRTC not found";
-    case PQC__CU_ERR_NVRTC_SYMBOL: return "NVRTC lacks a required function";
-    case PQC__CU_ERR_NO_CUBLASLT: return "cuBLASLt not found";
-    case PQC__CU_ERR_CUBLASLT_SYMBOL: return "cuBLASLt lacks a required function";
-    case PQC__CU_ERR_COMPILE: return "kernel compilation failed";
-    case PQC__CU_ERR_ARCH: return "NVRTC cannot target this GPU";
-    case PQC__CU_ERR_MODULE: return "the driver rejected the compiled kernels";
-    case PQC__CU_ERR_CUDA: return "CUDA call failed";
-    case PQC__CU_ERR_ALLOC: return "out of memory";
-    case PQC__CU_ERR_INVALID: return "invalid argument";
-    default: return "unknown status";
-    }
-}
-
 /* Sets api->msg (printf-style, truncated) and evaluates to status. */
 #define PQC__CU_FAIL(api, status, ...) \
     (snprintf((api)->msg, sizeof((api)->msg), __VA_ARGS__), (status))
@@ -5735,18 +5715,6 @@ PQC__CU_FN int pqc__cu_check(pqc__cuApi *api, pqc__cuResult r, const char *what)
                         pqc__cu_error_name(api, r), str ? str : "no description");
 }
 
-/* FNV-1a 64-bit hash of n bytes, continuing from h (start with 14695981039346656037). */
-#define PQC__CU_FNV_OFFSET 14695981039346656037ull
-PQC__CU_FN uint64_t pqc__cu_fnv1a64(const void *data, size_t n, uint64_t h)
-{
-    const unsigned char *p = (const unsigned char *)data;
-    size_t i;
-    for (i = 0; i < n; ++i) {
-        h ^= p[i];
-        h *= 1099511628211ull;
-    }
-    return h;
-}
 
 PQC__CU_FN void *pqc__cu_alloc(pqc__cuApi *api, size_t n)
 {
@@ -6139,13 +6107,13 @@ PQC__CU_FN int pqc__cu_compile(pqc__cuApi *api, const char *src, const char *nam
 PQC__CU_FN uint64_t pqc__cu_cache_key(const pqc__cuApi *api, const char *src, int arch, int cubin)
 {
     int meta[4];
-    uint64_t h = pqc__cu_fnv1a64(src, strlen(src), PQC__CU_FNV_OFFSET);
-    h = pqc__cu_fnv1a64(PQC__CU_NVRTC_FMAD, strlen(PQC__CU_NVRTC_FMAD), h); /* the options too */
+    uint64_t h = pqc__fnv(src, strlen(src), PQC__FNV_OFFSET);
+    h = pqc__fnv(PQC__CU_NVRTC_FMAD, strlen(PQC__CU_NVRTC_FMAD), h); /* the options too */
     meta[0] = arch;
     meta[1] = cubin;
     meta[2] = api->nvrtc_major;
     meta[3] = api->nvrtc_minor;
-    return pqc__cu_fnv1a64(meta, sizeof(meta), h);
+    return pqc__fnv(meta, sizeof(meta), h);
 }
 
 /* Makes every missing directory of path with host->make_dir (no-op without it). */
@@ -6231,7 +6199,7 @@ PQC__CU_FN int pqc__cu_cache_read(pqc__cuApi *api, const char *path, uint64_t ke
         return 0;
     }
     if (fread(img, 1, (size_t)n, f) != (size_t)n ||
-        pqc__cu_fnv1a64(img, (size_t)n, PQC__CU_FNV_OFFSET) != pqc__cu_get64(hdr + 24)) {
+        pqc__fnv(img, (size_t)n, PQC__FNV_OFFSET) != pqc__cu_get64(hdr + 24)) {
         fclose(f);
         pqc__cu_free(api, img);
         return 0;
@@ -6255,7 +6223,7 @@ PQC__CU_FN int pqc__cu_cache_write(pqc__cuApi *api, const char *path, uint64_t k
     memcpy(hdr, PQC__CU_CACHE_MAGIC, 8);
     pqc__cu_put64(hdr + 8, key);
     pqc__cu_put64(hdr + 16, (uint64_t)size);
-    pqc__cu_put64(hdr + 24, pqc__cu_fnv1a64(image, size, PQC__CU_FNV_OFFSET));
+    pqc__cu_put64(hdr + 24, pqc__fnv(image, size, PQC__FNV_OFFSET));
     parts[0] = hdr;
     sizes[0] = 32;
     parts[1] = image;

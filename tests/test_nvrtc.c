@@ -345,7 +345,6 @@ static int test_no_driver_message(void)
     T_CHECK(st == PQC__CU_ERR_NO_DRIVER, "status %d (%s)", st, api.msg);
     T_CHECK(strcmp(api.msg, "no CUDA driver (libcuda.so.1 not found)") == 0, "message: %s",
             api.msg);
-    T_CHECK(strcmp(pqc__cu_status_string(st), "no CUDA driver") == 0, "status string");
     T_CHECK(api.lib_driver == NULL && api.lib_nvrtc == NULL && api.lib_blaslt == NULL,
             "a library stayed loaded");
     T_CHECK(api.cuInit == NULL && api.nvrtcCompileProgram == NULL, "table not cleared");
@@ -434,14 +433,14 @@ static int test_stub_driver(void)
     return T_PASS;
 }
 
-static int test_fnv1a64(void)
+static int test_fnv(void)
 {
     /* published FNV-1a 64 test vectors */
-    T_CHECK(pqc__cu_fnv1a64("", 0, PQC__CU_FNV_OFFSET) == 0xcbf29ce484222325ull, "empty");
-    T_CHECK(pqc__cu_fnv1a64("a", 1, PQC__CU_FNV_OFFSET) == 0xaf63dc4c8601ec8cull, "\"a\"");
-    T_CHECK(pqc__cu_fnv1a64("foobar", 6, PQC__CU_FNV_OFFSET) == 0x85944171f73967e8ull, "foobar");
+    T_CHECK(pqc__fnv("", 0, PQC__FNV_OFFSET) == 0xcbf29ce484222325ull, "empty");
+    T_CHECK(pqc__fnv("a", 1, PQC__FNV_OFFSET) == 0xaf63dc4c8601ec8cull, "\"a\"");
+    T_CHECK(pqc__fnv("foobar", 6, PQC__FNV_OFFSET) == 0x85944171f73967e8ull, "foobar");
     /* chaining equals hashing the concatenation */
-    T_CHECK(pqc__cu_fnv1a64("bar", 3, pqc__cu_fnv1a64("foo", 3, PQC__CU_FNV_OFFSET)) ==
+    T_CHECK(pqc__fnv("bar", 3, pqc__fnv("foo", 3, PQC__FNV_OFFSET)) ==
                 0x85944171f73967e8ull, "chained");
     return T_PASS;
 }
@@ -595,7 +594,7 @@ int main(int argc, char **argv)
         if (strcmp(argv[i], "-v") == 0) g_verbose = 1;
 
     run_test("embedded_source_is_current", test_embedded_source_is_current);
-    run_test("fnv1a64", test_fnv1a64);
+    run_test("fnv1a64", test_fnv);
     run_test("cache_key_and_path", test_cache_key_and_path);
     run_test("cache_dir_defaults", test_cache_dir_defaults);
     run_test("cache_roundtrip", test_cache_roundtrip);
