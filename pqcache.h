@@ -6308,6 +6308,1080 @@ PQC__CU_FN int pqc__cu_get_functions(pqc__cuApi *api, pqc__cuModule module,
 
 #endif /* PQC__CU_FRAGMENT_INCLUDED */
 
+/* The kernels' source, embedded at the end of the implementation. */
+static const char *pqc__kernels(void);
+
+static void *pqc__cu_host_alloc(size_t n, void *u) { return pqc__alloc((const pqc_allocator *)u, n); }
+static void pqc__cu_host_free(void *p, void *u) { pqc__free((const pqc_allocator *)u, p); }
+static const char *pqc__cu_host_env(const char *name, void *u)
+{
+    (void)u;
+    return getenv(name);
+}
+
+/* the kernel cache's directories are created as needed (0755) */
+static int pqc__cu_host_mkdir(const char *path, void *u)
+{
+    (void)u;
+    return mkdir(path, 0755) == 0 || errno == EEXIST ? 0 : -1;
+}
+
+static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
+{
+    memset(h, 0, sizeof *h);
+    h->alloc = pqc__cu_host_alloc;
+    h->free = pqc__cu_host_free;
+    h->get_env = pqc__cu_host_env;
+    h->make_dir = pqc__cu_host_mkdir;
+    h->user = (void *)a;
+}
+
+/* ---------------------------------------------------------------------------------------
+   CUDA device tier. The runtime opens the device and builds the kernels once; every
+   cache on it keeps in device memory: the centroids of every layer, two code buffers
+   (the layer being searched and the next one, prefetched on a copy stream), the block
+   cache slots together with the sink blocks and a ring of window blocks, and the
+   per-step scratch. K/V stay in pinned, mapped host memory, which kernels read directly
+   for cache misses. Selection (tables, scan, top-k) and the gather run on the cache's
+   stream; the block-cache bookkeeping (admission, victims, statistics) stays on the
+   host, which reads the top-k indices back once per layer and step.
+   ------------------------------------------------------------------------------------- */
+
+enum {
+    PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
+    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_N
+};
+static const char *const pqc__k_names[PQC__K_N] = {
+    "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
+    "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
+    "pqc_kmeans_assign", "pqc_kmeans_update"
+};
+
+#define PQC__CU_RADIX_BINS 2048
+#define PQC__CU_TILE 4096
+#define PQC__CU_SMEM_DEFAULT 49152
+
+struct pqc__curt {
+    pqc__cuApi api;
+    pqc__cuDev dev;
+    pqc__cuModule mod;
+    pqc__cuFunction fn[PQC__K_N];
+    int smem_limit; /* dynamic shared memory the scan kernels may use */
+};
+
+static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+{
+    struct pqc__curt *cr;
+    pqc__cuHost host;
+    char log[2048];
+    int st, from_cache = 0;
+    pqc_result res = PQC_ERROR_NO_DEVICE;
+    cr = (struct pqc__curt *)pqc__calloc(&rt->alloc, sizeof *cr);
+    if (!cr) {
+        snprintf(why, why_size, "out of memory");
+        return PQC_ERROR_OUT_OF_MEMORY;
+    }
+    pqc__cu_host(&host, &rt->alloc);
+    pqc__cu_api_init(&cr->api, &host);
+    st = pqc__cu_load(&cr->api, 0);
+    if (st == PQC__CU_OK) st = pqc__cu_device_open(&cr->api, ordinal, &cr->dev);
+    if (st == PQC__CU_OK && !cr->dev.can_map_host) {
+        snprintf(cr->api.msg, sizeof cr->api.msg, "%s cannot map host memory", cr->dev.name);
+        st = PQC__CU_ERR_NO_DEVICE;
+    }
+    if (st == PQC__CU_OK) {
+        res = PQC_ERROR_BACKEND;
+        st = pqc__cu_build_module(&cr->api, &cr->dev, pqc__kernels(), cache_dir, &cr->mod, &from_cache, log,
+                                  sizeof log);
+        if (st == PQC__CU_ERR_COMPILE && log[0]) {
+            size_t n = strlen(cr->api.msg);
+            snprintf(cr->api.msg + n, sizeof cr->api.msg - n, "; NVRTC log: %.300s", log);
+        }
+    }
+    if (st == PQC__CU_OK) st = pqc__cu_get_functions(&cr->api, cr->mod, pqc__k_names, cr->fn, PQC__K_N);
+    if (st != PQC__CU_OK) {
+        snprintf(why, why_size, "%s", cr->api.msg[0] ? cr->api.msg : "CUDA could not be initialised");
+        if (cr->mod) cr->api.cuModuleUnload(cr->mod);
+        if (cr->dev.ctx) pqc__cu_device_close(&cr->api, &cr->dev);
+        pqc__cu_unload(&cr->api);
+        pqc__free(&rt->alloc, cr);
+        return res;
+    }
+    /* the scan kernels keep the lookup tables in dynamic shared memory; past the default
+       48 KiB they must opt in, leaving room for their own static arrays (2 KiB) */
+    cr->smem_limit = PQC__CU_SMEM_DEFAULT;
+    if (cr->dev.smem_optin - 8192 > PQC__CU_SMEM_DEFAULT &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0 &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0)
+        cr->smem_limit = cr->dev.smem_optin - 8192;
+    snprintf(why, why_size, "%s, compute capability %d.%d, %d SMs, kernels %s", cr->dev.name, cr->dev.cc_major,
+             cr->dev.cc_minor, cr->dev.sm_count, from_cache ? "from the kernel cache" : "compiled by NVRTC");
+    rt->cu = cr;
+    return PQC_SUCCESS;
+}
+
+static void pqc__curt_close(pqc_runtime *rt)
+{
+    struct pqc__curt *cr = rt->cu;
+    if (!cr) return;
+    cr->api.cuCtxSetCurrent(cr->dev.ctx);
+    if (cr->mod) cr->api.cuModuleUnload(cr->mod);
+    pqc__cu_device_close(&cr->api, &cr->dev);
+    pqc__cu_unload(&cr->api);
+    pqc__free(&rt->alloc, cr);
+    rt->cu = NULL;
+}
+
+typedef pqc__cuDeviceptr pqc__dptr;
+
+/* Lloyd iterations of one k-means problem (n points of d <= 256 dims, k centres in c) on
+   the GPU: assignment with per-cluster sums and counts, then the update; empty clusters
+   keep their centre. Runs on a stream of its own, so builds on several pool threads
+   proceed side by side. */
+static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
+                                  double *obj, char *err, size_t errsz)
+{
+    struct pqc__curt *cr = rt->cu;
+    pqc__cuApi *api = &cr->api;
+    pqc__cuStream st = NULL;
+    pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0;
+    float *md = NULL;
+    pqc__cuResult e = 0;
+    const char *what = "";
+    int it, ni = (int)n, ki = k, di = d, rows = k;
+    int64_t ld = d;
+    size_t i;
+#define PQC__LL(call, name)                                                 \
+    do {                                                                    \
+        if (e == 0 && (e = (call)) != 0) what = (name);                     \
+    } while (0)
+    PQC__LL(api->cuCtxSetCurrent(cr->dev.ctx), "cuCtxSetCurrent");
+    PQC__LL(api->cuStreamCreate(&st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    PQC__LL(api->cuMemAlloc_v2(&dx, n * (size_t)d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dc, (size_t)k * d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dsum, (size_t)k * d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dcnt, (size_t)k * 4), "cuMemAlloc");
+    if (obj) {
+        PQC__LL(api->cuMemAlloc_v2(&dmin, n * sizeof(float)), "cuMemAlloc");
+        if (e == 0 && !(md = (float *)pqc__alloc(&rt->alloc, n * sizeof(float)))) {
+            snprintf(err, errsz, "k-means: host memory for the objective");
+            e = -1;
+        }
+    }
+    PQC__LL(api->cuMemcpyHtoDAsync_v2(dx, x, n * (size_t)d * sizeof(float), st), "cuMemcpyHtoDAsync");
+    PQC__LL(api->cuMemcpyHtoDAsync_v2(dc, c, (size_t)k * d * sizeof(float), st), "cuMemcpyHtoDAsync");
+    for (it = 0; it <= iters && e == 0; it++) {
+        pqc__dptr m = obj ? dmin : 0;
+        void *pa[] = { &dx, &ld, &ni, &di, &dc, &zero, &ki, &zero, &dsum, &dcnt, &m };
+        void *pu[] = { &dc, &dsum, &dcnt, &rows, &di };
+        if (it == iters && !obj) break; /* the last assignment only serves the objective */
+        PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
+        PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
+        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_ASSIGN], (unsigned)((n + 7) / 8), 1, 1, 256, 1, 1, 0, st, pa, NULL),
+                "pqc_kmeans_assign");
+        if (obj) {
+            double o = 0.0;
+            PQC__LL(api->cuMemcpyDtoHAsync_v2(md, dmin, n * sizeof(float), st), "cuMemcpyDtoHAsync");
+            PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
+            for (i = 0; e == 0 && i < n; i++) o += md[i];
+            obj[it] = o / (double)n;
+        }
+        if (it == iters) break;
+        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_UPDATE], (unsigned)(((size_t)k * d + 255) / 256), 1, 1, 256, 1, 1, 0,
+                                    st, pu, NULL),
+                "pqc_kmeans_update");
+    }
+    PQC__LL(api->cuMemcpyDtoHAsync_v2(c, dc, (size_t)k * d * sizeof(float), st), "cuMemcpyDtoHAsync");
+    PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
+#undef PQC__LL
+    if (e > 0) snprintf(err, errsz, "k-means on the GPU: %s failed: %s", what, pqc__cu_error_name(api, e));
+    if (st) {
+        api->cuStreamSynchronize(st);
+        api->cuStreamDestroy_v2(st);
+    }
+    if (dx) api->cuMemFree_v2(dx);
+    if (dc) api->cuMemFree_v2(dc);
+    if (dsum) api->cuMemFree_v2(dsum);
+    if (dcnt) api->cuMemFree_v2(dcnt);
+    if (dmin) api->cuMemFree_v2(dmin);
+    pqc__free(&rt->alloc, md);
+    if (e == 0) return PQC_SUCCESS;
+    return e > 0 ? PQC_ERROR_BACKEND : PQC_ERROR_OUT_OF_MEMORY;
+}
+
+struct pqc__cut {
+    struct pqc__curt *r;
+    pqc__cuApi *api;
+    pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
+    int own_st;
+    /* [n_cs], [n_cs], one; an event not yet recorded stands for no work, so waiting on
+       it returns at once */
+    pqc__cuEvent *ev_codes, *ev_used, ev_staged;
+    int K, m, bits, dsub, g, d, n_kv;
+    size_t bt;
+    /* slots: [sink blocks | window ring | block cache] per layer and head */
+    int ready, nsb, wb, n_slots;
+    pqc__dptr *pool_k, *pool_v; /* [L] -> [n_kv][n_slots][bt][d] storage dtype */
+    pqc__dptr *cent;            /* [L] -> [n_kv][m][K][dsub] float */
+    uint64_t *cent_gen;         /* [L] installed-codebook generation + 1 held there; 0: none */
+    pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores */
+    size_t hstride;             /* elements between heads in the stores (cap * d) */
+    /* codes, double-buffered */
+    int n_cs;                   /* code buffers: 2 (prefetched per layer) or one per layer */
+    pqc__dptr *code;            /* [n_cs] */
+    size_t *code_cap, *code_hs, *code_cs, *code_n;
+    int *code_layer, last_slot;
+    uint64_t *code_gen;
+    /* selection scratch */
+    pqc__dptr q, lut, lut_sum, partial, stats, hist, state;
+    int p_max;
+    pqc__dptr scores, counts, topk;
+    size_t s_cap;
+    float *h_q;
+    int32_t *h_topk;
+    /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
+    pqc__dptr arena, iota, out_k, out_v;
+    int32_t *h_arena;
+    size_t arena_cap, iota_n, out_cap, nblk_cap, rows_cap, fill_cap;
+    size_t *nfill;
+    int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
+    pqc_allocator codes_alloc; /* pinned host memory for the codes (async copies) */
+};
+static void *pqc__cut_codes_alloc_fn(size_t n, void *user);
+static void pqc__cut_codes_free_fn(void *p, void *user);
+
+#define PQC__CUT_CALL(c, call, what)                                        \
+    do {                                                                    \
+        pqc__cuResult r_ = (call);                                          \
+        if (r_ != 0) return pqc__cut_err((c), r_, (what));                  \
+    } while (0)
+
+static pqc_result pqc__cut_err(const pqc_cache *c, pqc__cuResult r, const char *what)
+{
+    return pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: %s failed: %s", what, pqc__cu_error_name(c->cu->api, r));
+}
+
+static void pqc__cut_enter(pqc_cache *c) { c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx); }
+
+static unsigned pqc__cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+static pqc_result pqc__cut_launch(pqc_cache *c, int k, unsigned gx, unsigned gy, unsigned smem, void **p)
+{
+    struct pqc__cut *u = c->cu;
+    if (gx == 0 || gy == 0) return PQC_SUCCESS;
+    PQC__CUT_CALL(c, u->api->cuLaunchKernel(u->r->fn[k], gx, gy, 1, 256, 1, 1, smem, u->st, p, NULL), pqc__k_names[k]);
+    return PQC_SUCCESS;
+}
+
+static void pqc__cut_dfree(struct pqc__cut *u, pqc__dptr *p)
+{
+    if (*p) u->api->cuMemFree_v2(*p);
+    *p = 0;
+}
+
+/* (Re)allocates a device buffer to at least `bytes`; the old contents are dropped. */
+static pqc_result pqc__cut_dalloc(pqc_cache *c, pqc__dptr *p, size_t bytes)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__cut_dfree(u, p);
+    PQC__CUT_CALL(c, u->api->cuMemAlloc_v2(p, bytes ? bytes : 16), "cuMemAlloc");
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__cut_halloc(pqc_cache *c, void **p, size_t bytes)
+{
+    struct pqc__cut *u = c->cu;
+    if (*p) u->api->cuMemFreeHost(*p);
+    *p = NULL;
+    PQC__CUT_CALL(c, u->api->cuMemHostAlloc(p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+    return PQC_SUCCESS;
+}
+
+static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
+{
+    int l, i;
+    if (u->st) u->api->cuStreamSynchronize(u->st);
+    if (u->cp) u->api->cuStreamSynchronize(u->cp);
+    for (l = 0; l < c->d.n_layers; l++) {
+        if (u->pool_k) pqc__cut_dfree(u, &u->pool_k[l]);
+        if (u->pool_v) pqc__cut_dfree(u, &u->pool_v[l]);
+        if (u->cent) pqc__cut_dfree(u, &u->cent[l]);
+    }
+    for (i = 0; u->code && i < u->n_cs; i++) {
+        pqc__cut_dfree(u, &u->code[i]);
+        if (u->ev_codes[i]) u->api->cuEventDestroy_v2(u->ev_codes[i]);
+        if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
+    }
+    if (u->ev_staged) u->api->cuEventDestroy_v2(u->ev_staged);
+    pqc__cut_dfree(u, &u->q);
+    pqc__cut_dfree(u, &u->lut);
+    pqc__cut_dfree(u, &u->lut_sum);
+    pqc__cut_dfree(u, &u->partial);
+    pqc__cut_dfree(u, &u->stats);
+    pqc__cut_dfree(u, &u->hist);
+    pqc__cut_dfree(u, &u->state);
+    pqc__cut_dfree(u, &u->scores);
+    pqc__cut_dfree(u, &u->counts);
+    pqc__cut_dfree(u, &u->topk);
+    pqc__cut_dfree(u, &u->arena);
+    pqc__cut_dfree(u, &u->iota);
+    pqc__cut_dfree(u, &u->out_k);
+    pqc__cut_dfree(u, &u->out_v);
+    if (u->h_q) u->api->cuMemFreeHost(u->h_q);
+    if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
+    if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
+    if (u->cp) u->api->cuStreamDestroy_v2(u->cp);
+    if (u->own_st && u->st) u->api->cuStreamDestroy_v2(u->st);
+    pqc__free(&c->alloc, u->pool_k); /* pool_k, pool_v, cent, hk, hv, cent_gen in one block */
+    pqc__free(&c->alloc, u->nfill);
+    pqc__free(&c->alloc, u->code); /* with the other per-buffer arrays */
+    pqc__free(&c->alloc, u);
+}
+
+static pqc_result pqc__cut_create(pqc_cache *c)
+{
+    struct pqc__cut *u;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks, n;
+    pqc_result r = PQC_SUCCESS;
+    int i;
+    u = (struct pqc__cut *)pqc__calloc(&c->alloc, sizeof *u);
+    if (!u) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    u->r = c->rt->cu;
+    u->api = &u->r->api;
+    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
+    n = (size_t)u->n_cs;
+    /* three blocks of per-layer, per-head and per-code-buffer arrays */
+    u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (5 * sizeof(pqc__dptr) + sizeof(uint64_t)));
+    u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
+    u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
+                                                       2 * sizeof(pqc__cuEvent) + sizeof(int)));
+    if (!u->pool_k || !u->nfill || !u->code) {
+        pqc__cut_free_all(c, u);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    }
+    u->pool_v = u->pool_k + L;
+    u->cent = u->pool_v + L;
+    u->hk = u->cent + L;
+    u->hv = u->hk + L;
+    u->cent_gen = (uint64_t *)(u->hv + L);
+    u->fill_b = (int32_t *)(u->nfill + nkv);
+    u->fill_s = u->fill_b + nkv * (cb + 1);
+    u->m = c->d.pq.m;
+    u->bits = c->d.pq.bits;
+    u->K = 1 << u->bits;
+    u->d = c->d.head_dim;
+    u->dsub = u->d / u->m;
+    u->g = c->g;
+    u->n_kv = c->d.n_kv_heads;
+    u->bt = (size_t)c->d.block_tokens;
+    u->code_cap = (size_t *)(u->code + n);
+    u->code_hs = u->code_cap + n;
+    u->code_cs = u->code_hs + n;
+    u->code_n = u->code_cs + n;
+    u->code_gen = (uint64_t *)(u->code_n + n);
+    u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
+    u->ev_used = u->ev_codes + n;
+    u->code_layer = (int *)(u->ev_used + n);
+    for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
+    u->last_slot = 1;
+    u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
+    u->codes_alloc.alloc = pqc__cut_codes_alloc_fn;
+    u->codes_alloc.free = pqc__cut_codes_free_fn;
+    u->codes_alloc.user = c;
+    c->cu = u; /* from here on pqc__cut_free_all undoes everything */
+    pqc__cut_enter(c);
+#define PQC__CUT_TRY(call, what)                                            \
+    do {                                                                    \
+        pqc__cuResult r_ = (call);                                          \
+        if (r_ != 0) { r = pqc__cut_err(c, r_, (what)); goto fail; }        \
+    } while (0)
+    if (c->d.cuda_stream) {
+        u->st = (pqc__cuStream)c->d.cuda_stream;
+    } else {
+        PQC__CUT_TRY(u->api->cuStreamCreate(&u->st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        u->own_st = 1;
+    }
+    PQC__CUT_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (i = 0; i < u->n_cs; i++) {
+        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    }
+    PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    {
+        size_t tab = (size_t)u->m * u->K, cent = tab * (size_t)u->dsub * sizeof(float) * nkv;
+        size_t l;
+        for (l = 0; l < L; l++)
+            if ((r = pqc__cut_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
+        if ((r = pqc__cut_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->partial, nkv * (size_t)u->g * (size_t)u->p_max * 2 * sizeof(float))) !=
+                PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->stats, nkv * (size_t)u->g * 2 * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->hist, nkv * PQC__CU_RADIX_BINS * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->state, nkv * 16)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS)
+            goto fail;
+        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->hist, 0, nkv * PQC__CU_RADIX_BINS, u->st), "cuMemsetD32Async");
+        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->state, 0, nkv * 4, u->st), "cuMemsetD32Async");
+        PQC__CUT_TRY(u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    }
+#undef PQC__CUT_TRY
+    return PQC_SUCCESS;
+fail:
+    c->cu = NULL;
+    pqc__cut_free_all(c, u);
+    return r;
+}
+
+static void pqc__cut_destroy(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    if (!u) return;
+    pqc__cut_enter(c);
+    c->cu = NULL;
+    pqc__cut_free_all(c, u);
+}
+
+/* The codes live in pinned host memory, so that their copies to the device are truly
+   asynchronous. A copy in flight may read bytes the host is OR-ing new codes into: only
+   bits of tokens past the copied count change, which the device codes itself anyway.
+   Freeing (growth, a rebuild's install) first waits for the copy stream. */
+static void *pqc__cut_codes_alloc_fn(size_t n, void *user)
+{
+    pqc_cache *c = (pqc_cache *)user;
+    void *p = NULL;
+    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
+    if (c->cu->api->cuMemHostAlloc(&p, n ? n : 16, PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) return NULL;
+    return p;
+}
+static void pqc__cut_codes_free_fn(void *p, void *user)
+{
+    pqc_cache *c = (pqc_cache *)user;
+    if (!p) return;
+    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
+    c->cu->api->cuStreamSynchronize(c->cu->cp);
+    c->cu->api->cuMemFreeHost(p);
+}
+static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->cu->codes_alloc; }
+
+static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
+{
+    void *p = NULL;
+    pqc__cut_enter(c);
+    if (c->cu->api->cuMemHostAlloc(&p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE | PQC__CU_MEMHOSTALLOC_DEVICEMAP) != 0)
+        return NULL;
+    return p;
+}
+
+static void pqc__cut_host_free(pqc_cache *c, void *p)
+{
+    pqc__cut_enter(c);
+    c->cu->api->cuMemFreeHost(p);
+}
+
+static void pqc__cut_quiesce(pqc_cache *c)
+{
+    if (!c->cu) return;
+    pqc__cut_enter(c);
+    c->cu->api->cuStreamSynchronize(c->cu->st);
+    c->cu->api->cuStreamSynchronize(c->cu->cp);
+}
+
+/* After the stores moved or grew: their device addresses, the slot tables' size and
+   the block-id table (iota) the fill kernel reads its lists from. */
+static pqc_result pqc__cut_grown(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    int l;
+    size_t need, i;
+    if (!u) return PQC_SUCCESS;
+    pqc__cut_enter(c);
+    for (l = 0; l < c->d.n_layers; l++) {
+        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0), "cuMemHostGetDevicePointer");
+        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0), "cuMemHostGetDevicePointer");
+    }
+    u->hstride = c->cap * (size_t)u->d;
+    u->nblk_cap = (c->cap + u->bt - 1) / u->bt;
+    need = PQC__MAX(u->nblk_cap + 1, (size_t)u->n_slots + 1);
+    if (need > u->iota_n) {
+        int32_t *tmp = (int32_t *)pqc__alloc(&c->alloc, need * sizeof(int32_t));
+        pqc_result r;
+        if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+        for (i = 0; i < need; i++) tmp[i] = (int32_t)i;
+        r = pqc__cut_dalloc(c, &u->iota, need * sizeof(int32_t));
+        if (r == PQC_SUCCESS && u->api->cuMemcpyHtoD_v2(u->iota, tmp, need * sizeof(int32_t)) != 0)
+            r = pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: cuMemcpyHtoD failed");
+        pqc__free(&c->alloc, tmp);
+        if (r != PQC_SUCCESS) return r;
+        u->iota_n = need;
+    }
+    return PQC_SUCCESS;
+}
+
+/* The slot of a block resident for good: sink blocks and the window's ring; -1 else. */
+static int pqc__cut_sized(const pqc_cache *c) { return c->cu && c->cu->ready; }
+
+static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
+{
+    const struct pqc__cut *u = c->cu;
+    if (b < (size_t)u->nsb) return (int)b;
+    if ((b + 1) * u->bt > mid_end) return u->nsb + (int)((b - (size_t)u->nsb) % (size_t)u->wb);
+    return -1;
+}
+
+/* Copies rows [row_lo, bt) of the blocks [b0, b0 + n) into the slots [s0, s0 + n) of every
+   head of layer l, from the mapped store. */
+static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0, int s0, int n, int row_lo)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
+    int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
+    int bt = (int)u->bt, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
+    void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
+                  &u->pool_k[l], &u->pool_v[l], &pool_hs };
+    if (n <= 0) return PQC_SUCCESS;
+    return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
+}
+
+/* A prefill that brings layer l to n tokens (rows already in the store): the slot pools
+   exist (the window is known now) and every sink and window block holds its rows. */
+static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
+    pqc_result r;
+    int i;
+    pqc__cut_enter(c);
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    if (!u->ready) {
+        size_t bytes;
+        u->nsb = (int)(((size_t)c->d.n_sink + u->bt - 1) / u->bt);
+        u->wb = (int)(((size_t)c->window + u->bt - 1) / u->bt) + 1;
+        u->n_slots = u->nsb + u->wb + c->d.cache_blocks;
+        bytes = (size_t)u->n_kv * (size_t)u->n_slots * u->bt * c->row;
+        for (i = 0; i < c->d.n_layers; i++) {
+            if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
+            if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
+        } /* a failure leaves ready at 0: the next prefill tries again */
+        if ((r = pqc__cut_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
+        u->ready = 1;
+    }
+    if ((r = pqc__cut_fill_run(c, l, n, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
+    b0 = PQC__MAX((size_t)u->nsb, mid_end / u->bt);
+    for (b = b0; b < nb;) { /* the ring in at most two runs of consecutive slots */
+        int s0 = pqc__cut_fixed_slot(c, b, mid_end);
+        size_t run = PQC__MIN(nb - b, (size_t)(u->nsb + u->wb - s0));
+        if ((r = pqc__cut_fill_run(c, l, n, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
+        b += run;
+    }
+    return PQC_SUCCESS;
+}
+
+/* An append that brings layer l to n tokens (the new row already in the store): the row
+   goes to its sink or window slot. */
+static pqc_result pqc__cut_appended(pqc_cache *c, int l, size_t n)
+{
+    struct pqc__cut *u = c->cu;
+    size_t t = n - 1;
+    int s;
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    pqc__cut_enter(c);
+    s = pqc__cut_fixed_slot(c, t / u->bt, pqc__mid_end(c, n));
+    if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
+    return pqc__cut_fill_run(c, l, n, t / u->bt, s, 1, (int)(t % u->bt));
+}
+
+/* Column stride of a device copy of layer l's codes: the widest of its heads' (heads grow
+   their codes together, so they normally agree). */
+static size_t pqc__cut_codes_stride(const pqc_cache *c, int l)
+{
+    size_t cs = 0, h;
+    for (h = 0; h < (size_t)c->d.n_kv_heads; h++) cs = PQC__MAX(cs, c->layers[l].heads[h].codes.col_stride);
+    return cs;
+}
+
+/* Copies the codes of layer l into code buffer sl on the copy stream (after the last
+   scan that read the buffer) and records ev_codes[sl]. */
+static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t cs = pqc__cut_codes_stride(c, l), hs, h;
+    int j, uniform = 1;
+    for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
+    hs = cs * (size_t)u->m;
+    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
+    if (hs * (size_t)u->n_kv > u->code_cap[sl]) {
+        pqc_result r;
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
+        if ((r = pqc__cut_dalloc(c, &u->code[sl], hs * (size_t)u->n_kv + hs / 4)) != PQC_SUCCESS) {
+            u->code_cap[sl] = 0;
+            u->code_layer[sl] = -1;
+            return r;
+        }
+        u->code_cap[sl] = hs * (size_t)u->n_kv + hs / 4;
+    }
+    if (!uniform) PQC__CUT_CALL(c, u->api->cuMemsetD8Async(u->code[sl], 0, hs * (size_t)u->n_kv, u->cp), "cuMemsetD8Async");
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        const pqc_codes *cd = &L->heads[h].codes;
+        pqc__dptr dst = u->code[sl] + h * hs;
+        if (uniform) {
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst, cd->data, hs, u->cp), "cuMemcpyHtoDAsync");
+        } else {
+            for (j = 0; j < u->m; j++)
+                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst + (size_t)j * cs, cd->data + (size_t)j * cd->col_stride,
+                                                              cd->col_stride, u->cp),
+                              "cuMemcpyHtoDAsync");
+        }
+    }
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
+    u->code_layer[sl] = l;
+    u->code_gen[sl] = L->gen;
+    u->code_cs[sl] = cs;
+    u->code_hs[sl] = hs;
+    u->code_n[sl] = L->n_coded;
+    return PQC_SUCCESS;
+}
+
+/* Whether buffer sl holds layer l's current codes (up to a tail the device codes itself). */
+static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
+{
+    const struct pqc__cut *u = c->cu;
+    const pqc__layer *L = &c->layers[l];
+    return u->code_layer[sl] == l && u->code_gen[sl] == L->gen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
+           u->code_n[sl] <= L->n_coded;
+}
+
+static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx_out)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
+    int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
+    int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
+    unsigned P, tiles, smem;
+    float scale = 1.0f / sqrtf((float)u->d);
+    pqc_result r;
+    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)(tab * (size_t)dsub), l_hs = (int64_t)((size_t)g * tab),
+            ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
+    pqc__dptr zero = 0, lut_sum, lut;
+    if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
+    pqc__cut_enter(c);
+    /* score, top-k and read-back buffers */
+    if (s > u->s_cap) {
+        size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        u->s_cap = 0;
+        if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS)
+            return r;
+        u->s_cap = want;
+    }
+    /* the layer's codebooks, once per build */
+    if (u->cent_gen[l] != L->gen + 1) {
+        size_t cb = tab * (size_t)dsub * sizeof(float);
+        for (h = 0; h < nkv; h++)
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->cent[l] + h * cb, L->heads[h].pq.centroids, cb, u->st),
+                          "cuMemcpyHtoDAsync");
+        u->cent_gen[l] = L->gen + 1;
+    }
+    /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
+    if (u->n_cs > 2) {
+        sl = l;
+        if (!pqc__cut_codes_valid(c, sl, l) && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+    } else if (pqc__cut_codes_valid(c, 0, l)) {
+        sl = 0;
+    } else if (pqc__cut_codes_valid(c, 1, l)) {
+        sl = 1;
+    } else {
+        sl = u->last_slot ^ 1;
+        if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+    }
+    if (u->code_n[sl] < s && u->dsub > 256 && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS)
+        return r; /* sub-vectors too long for the coding kernel: copy the new codes instead */
+    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
+    code_hs = (int64_t)u->code_hs[sl];
+    cs = (int64_t)u->code_cs[sl];
+    if (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too */
+        int64_t x_ld = u->d, x_hs = (int64_t)u->hstride, cn_hs = 0, co_hs = 0;
+        int x_dt = (int)c->d.kv_dtype, n = (int)(s - u->code_n[sl]), t0 = (int)u->code_n[sl];
+        pqc__dptr x = u->hk[l] + ((size_t)c->d.n_sink + u->code_n[sl]) * c->row;
+        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &zero, &c_hs, &cn_hs, &m, &b, &dsub,
+                      &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
+            return r;
+        u->code_n[sl] = s;
+    }
+    /* query -> lookup tables */
+    memcpy(u->h_q, q, (size_t)c->d.n_q_heads * u->d * sizeof(float));
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float), u->st),
+                  "cuMemcpyHtoDAsync");
+    lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
+    {
+        void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &u->lut, &l_hs, &lut_sum, &ls_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    /* scan: combined scores of every coded token */
+    P = (unsigned)PQC__MIN((size_t)u->p_max, (s + 255) / 256);
+    if (P < 1) P = 1;
+    p_hs = (int64_t)g * P * 2;
+    sc_hs = (int64_t)u->s_cap;
+    if (c->d.gqa == PQC_GQA_SUM) {
+        n_luts = 1;
+        mode = 0;
+        lut = u->lut_sum;
+        l_hs = ls_hs;
+    } else {
+        n_luts = g;
+        mode = 1;
+        lut = u->lut;
+    }
+    smem = (unsigned)((size_t)n_luts * tab * sizeof(float));
+    use_smem = smem <= (unsigned)u->r->smem_limit;
+    if (!use_smem) smem = 0;
+    if (mode == 1) {
+        int np = (int)P;
+        void *p1[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &scale, &u->partial, &p_hs, &use_smem };
+        void *p2[] = { &u->partial, &p_hs, &np, &n_luts, &scale, &u->stats, &st_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
+        if ((r = pqc__cut_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
+    }
+    {
+        pqc__dptr stats = mode == 1 ? u->stats : 0;
+        void *p[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &mode, &stats, &st_hs, &scale,
+                      &u->scores, &sc_hs, &use_smem };
+        if ((r = pqc__cut_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
+    }
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
+    u->last_slot = sl;
+    /* top-k: three radix passes, per-tile counts, ordered compaction */
+    tiles = pqc__cdiv(s, PQC__CU_TILE);
+    c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
+    for (pass = 0; pass < 3; pass++) {
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state };
+        if ((r = pqc__cut_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        int64_t os_hs = 0;
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &zero, &os_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
+    /* prefetch the next layer's codes while this one finishes */
+    if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
+        !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
+        return r;
+    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    *idx_out = u->h_topk;
+    return PQC_SUCCESS;
+}
+
+/* Device memory held by the tier: slot pools, centroids, code buffers, scratch. */
+static size_t pqc__cut_device_bytes(const pqc_cache *c)
+{
+    const struct pqc__cut *u = c->cu;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
+    int i;
+    b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
+    b += L * nkv * tab * (size_t)u->dsub * sizeof(float);                 /* centroids */
+    for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
+    b += nkv * u->s_cap * 8 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k */
+    b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
+    b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
+         nkv * (size_t)u->g * ((size_t)u->p_max + 1) * 8 + (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    return b;
+}
+
+/* Before a fetch's bookkeeping: the upload arena of the previous fetch is free again. */
+static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__cut_enter(c);
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
+    PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
+    memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
+    return PQC_SUCCESS;
+}
+
+/* After the bookkeeping: admitted blocks are copied into their slots, then every selected
+   row is gathered (slots, sink and window blocks from device memory, misses straight from
+   the mapped store) as fp32, into device buffers, and copied to `out` when given. */
+static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+                                     pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n);
+    size_t rows = 1, fills = 0, h, i, b, cb = (size_t)c->d.cache_blocks + 1, words;
+    int32_t *tab, *idx, *fb, *fs;
+    pqc_result r;
+    for (h = 0; h < nkv; h++) {
+        rows = PQC__MAX(rows, sel->count[h]);
+        fills = PQC__MAX(fills, u->nfill[h]);
+    }
+    if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
+    if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
+        size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        words = nkv * (u->nblk_cap + want_rows + 2 * cb);
+        u->rows_cap = u->arena_cap = 0;
+        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
+            return r;
+        u->rows_cap = want_rows;
+        u->arena_cap = words;
+    }
+    /* arena: slot table [nkv][nblk_cap] | indices [nkv][rows_cap] | fills [nkv][2][cb] */
+    tab = u->h_arena;
+    idx = tab + nkv * u->nblk_cap;
+    fb = idx + nkv * u->rows_cap;
+    for (h = 0; h < nkv; h++) {
+        const pqc__head *H = &L->heads[h];
+        int32_t *t = tab + h * u->nblk_cap, *x = idx + h * u->rows_cap;
+        const uint32_t *si = sel->idx + h * sel->capacity;
+        size_t cnt = sel->count[h];
+        for (b = 0; b < nb; b++) {
+            int s = pqc__cut_fixed_slot(c, b, mid_end);
+            if (s < 0 && c->d.cache_blocks > 0 && H->slot_of[b] >= 0 && H->filled[H->slot_of[b]] >= (uint32_t)u->bt)
+                s = u->nsb + u->wb + H->slot_of[b];
+            t[b] = s;
+        }
+        for (i = 0; i < cnt; i++) x[i] = (int32_t)si[i];
+        for (; i < rows; i++) x[i] = 0; /* padding rows gather token 0 into unused rows */
+        fs = fb + h * 2 * cb;
+        for (i = 0; i < fills; i++) { /* padding entries name a block past the end: skipped */
+            fs[i] = i < u->nfill[h] ? u->fill_b[h * cb + i] : (int32_t)nb;
+            fs[cb + i] = i < u->nfill[h] ? u->fill_s[h * cb + i] : 0;
+        }
+    }
+    words = nkv * (u->nblk_cap + u->rows_cap + 2 * cb);
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
+    {
+        pqc__dptr dtab = u->arena, didx = u->arena + nkv * u->nblk_cap * 4, dfb = didx + nkv * u->rows_cap * 4,
+                  dfs = dfb + cb * 4, zero = 0;
+        int64_t list_hs = 2 * (int64_t)cb, hs = (int64_t)u->hstride, ld = u->d,
+                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, idx_hs = (int64_t)u->rows_cap,
+                sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d;
+        int bt = (int)u->bt, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
+        void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
+                       &u->pool_k[l], &u->pool_v[l], &pool_hs };
+        void *pg[] = { &didx, &idx_hs, &nr, &dtab, &sl_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
+                       &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d, &u->out_k, &u->out_v, &o_hs, &zero };
+        if (fills > 0 &&
+            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
+            return r;
+        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
+    }
+    if (dout) {
+        dout->k = u->out_k;
+        dout->v = u->out_v;
+        dout->head_stride = u->rows_cap;
+        return PQC_SUCCESS;
+    }
+    for (h = 0; h < nkv; h++) {
+        size_t bytes = sel->count[h] * (size_t)u->d * sizeof(float), off = h * u->rows_cap * (size_t)u->d * sizeof(float);
+        if (!bytes) continue;
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * (size_t)u->d, u->out_k + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * (size_t)u->d, u->out_v + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+    }
+    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+                                 pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    pqc_result r = pqc__cut_fetch_run(c, l, sel, out, dout);
+    size_t h, i, cb = (size_t)c->d.cache_blocks + 1;
+    if (r == PQC_SUCCESS) return r;
+    /* the blocks admitted by this fetch were never copied: forget them, so that no
+       later gather reads their slots */
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        pqc__head *H = &c->layers[l].heads[h];
+        for (i = 0; i < u->nfill[h]; i++) {
+            int s = u->fill_s[h * cb + i] - u->nsb - u->wb;
+            int32_t b = u->fill_b[h * cb + i];
+            if (H->block_of[s] == b) {
+                H->block_of[s] = -1;
+                H->slot_of[b] = -1;
+            }
+            H->filled[s] = 0;
+        }
+        u->nfill[h] = 0;
+    }
+    return r;
+}
+
+static pqc_result pqc__cut_fetch_prepare(pqc_cache *c, size_t rows_per_head)
+{
+    (void)rows_per_head;
+    return pqc__cut_fetch_begin(c);
+}
+
+/* The admissions of the shared bookkeeping become this tier's fill lists, then the
+   copies and the gather run on the device. */
+static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+{
+    struct pqc__cut *u = c->cu;
+    size_t h, f, cb = (size_t)c->d.cache_blocks + 1;
+    (void)parallel;
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        const pqc__fill *fl = j->fills + h * (size_t)c->d.admit_blocks;
+        for (f = 0; f < j->nfill[h] && f < cb; f++) {
+            u->fill_b[h * cb + f] = fl[f].block;
+            u->fill_s[h * cb + f] = u->nsb + u->wb + fl[f].slot;
+        }
+        u->nfill[h] = f;
+    }
+    return pqc__cut_fetch(c, j->layer, j->sel, j->out, dout);
+}
+
+static int pqc__cut_zero_copy(const pqc_cache *c)
+{
+    (void)c;
+    return 0;
+}
+
+static const pqc__tier_i *pqc__cuda_tier(void)
+{
+    static const pqc__tier_i t = { "CUDA", 1, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
+                                   pqc__cut_host_free, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
+                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select,
+                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier, pqc__cut_device_bytes,
+                                   pqc__cut_zero_copy };
+    return &t;
+}
+
+PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
+{
+    pqc__cuApi api;
+    pqc__cuHost host;
+    pqc__cuDev dev;
+    pqc_cuda_info tmp;
+    int st;
+    if (!info) info = &tmp;
+    memset(info, 0, sizeof *info);
+    pqc__cu_host(&host, NULL);
+    pqc__cu_api_init(&api, &host);
+    st = pqc__cu_load(&api, 1);
+    if (st != PQC__CU_OK) {
+        snprintf(info->message, sizeof info->message, "%s", api.msg);
+        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: %s", api.msg);
+    }
+    info->driver_version = api.driver_version;
+    info->device_count = api.device_count;
+    info->nvrtc_major = api.nvrtc_major;
+    info->nvrtc_minor = api.nvrtc_minor;
+    info->have_cublaslt = api.lib_blaslt != NULL;
+    memset(&dev, 0, sizeof dev);
+    st = pqc__cu_device_open(&api, 0, &dev);
+    if (st != PQC__CU_OK) {
+        snprintf(info->message, sizeof info->message, "%s", api.msg);
+        pqc__cu_unload(&api);
+        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA device 0 unusable: %s", info->message);
+    }
+    info->available = 1;
+    info->cc_major = dev.cc_major;
+    info->cc_minor = dev.cc_minor;
+    info->sm_count = dev.sm_count;
+    info->total_mem = dev.total_mem;
+    snprintf(info->name, sizeof info->name, "%s", dev.name);
+    snprintf(info->message, sizeof info->message, "%s, compute capability %d.%d, %d SMs", dev.name, dev.cc_major,
+             dev.cc_minor, dev.sm_count);
+    pqc__cu_device_close(&api, &dev);
+    pqc__cu_unload(&api);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
+{
+    pqc__cuApi api;
+    pqc__cuHost host;
+    void *img = NULL;
+    size_t size = 0;
+    int st;
+    if (arch < 50 || arch > 200) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "architecture %d not in 50..200", arch);
+    pqc__cu_host(&host, NULL);
+    pqc__cu_api_init(&api, &host);
+    st = pqc__cu_load_nvrtc(&api);
+    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "NVRTC unavailable: %s", api.msg);
+    st = pqc__cu_compile(&api, pqc__kernels(), "pqcache_kernels.cu", arch, cubin, &img, &size, log, log_size);
+    pqc__cu_free(&api, img);
+    pqc__cu_unload(&api);
+    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_BACKEND, "NVRTC: %s", api.msg);
+    if (image_bytes) *image_bytes = size;
+    return PQC_SUCCESS;
+}
+
+PQCDEF const char *pqc_cuda_kernel_source(void) { return pqc__kernels(); }
+
+#else /* no CUDA loader in this build */
+
+PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
+{
+    if (info) {
+        memset(info, 0, sizeof *info);
+        snprintf(info->message, sizeof info->message, "built without the CUDA loader");
+    }
+    return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: built without the CUDA loader");
+}
+PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
+{
+    (void)arch;
+    (void)cubin;
+    (void)image_bytes;
+    if (log && log_size) log[0] = 0;
+    return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "built without the CUDA loader");
+}
+PQCDEF const char *pqc_cuda_kernel_source(void) { return ""; }
+#endif /* PQC__CUDA_LOADER */
+
+#if !PQC__CUDA_LOADER
+/* Built without the CUDA loader: no device tier (c->cu and rt->cu stay NULL). */
+static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+{
+    (void)rt;
+    (void)ordinal;
+    (void)cache_dir;
+    snprintf(why, why_size, "built without the CUDA loader");
+    return PQC_ERROR_NO_DEVICE;
+}
+static void pqc__curt_close(pqc_runtime *rt) { (void)rt; }
+static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
+                                  double *obj, char *err, size_t errsz)
+{
+    (void)rt;
+    (void)x;
+    (void)n;
+    (void)d;
+    (void)k;
+    (void)iters;
+    (void)c;
+    (void)obj;
+    snprintf(err, errsz, "built without the CUDA loader");
+    return PQC_ERROR_NO_DEVICE;
+}
+#endif
+
+
+/* =======================================================================================
+   Kernel source: pqcache_kernels.cu, embedded as a string for NVRTC
+   ===================================================================================== */
+#if PQC__CUDA_LOADER
 /* BEGIN EMBEDDED pqcache_kernels.cu (generated by tools/embed_kernels.sh; do not edit) */
 #if defined(__GNUC__)
 #pragma GCC diagnostic push
@@ -7238,1071 +8312,7 @@ static const char pqc__kernel_source[] =
 #pragma GCC diagnostic pop
 #endif
 /* END EMBEDDED pqcache_kernels.cu */
-
-static void *pqc__cu_host_alloc(size_t n, void *u) { return pqc__alloc((const pqc_allocator *)u, n); }
-static void pqc__cu_host_free(void *p, void *u) { pqc__free((const pqc_allocator *)u, p); }
-static const char *pqc__cu_host_env(const char *name, void *u)
-{
-    (void)u;
-    return getenv(name);
-}
-
-/* the kernel cache's directories are created as needed (0755) */
-static int pqc__cu_host_mkdir(const char *path, void *u)
-{
-    (void)u;
-    return mkdir(path, 0755) == 0 || errno == EEXIST ? 0 : -1;
-}
-
-static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
-{
-    memset(h, 0, sizeof *h);
-    h->alloc = pqc__cu_host_alloc;
-    h->free = pqc__cu_host_free;
-    h->get_env = pqc__cu_host_env;
-    h->make_dir = pqc__cu_host_mkdir;
-    h->user = (void *)a;
-}
-
-/* ---------------------------------------------------------------------------------------
-   CUDA device tier. The runtime opens the device and builds the kernels once; every
-   cache on it keeps in device memory: the centroids of every layer, two code buffers
-   (the layer being searched and the next one, prefetched on a copy stream), the block
-   cache slots together with the sink blocks and a ring of window blocks, and the
-   per-step scratch. K/V stay in pinned, mapped host memory, which kernels read directly
-   for cache misses. Selection (tables, scan, top-k) and the gather run on the cache's
-   stream; the block-cache bookkeeping (admission, victims, statistics) stays on the
-   host, which reads the top-k indices back once per layer and step.
-   ------------------------------------------------------------------------------------- */
-
-enum {
-    PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
-    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_N
-};
-static const char *const pqc__k_names[PQC__K_N] = {
-    "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
-    "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
-    "pqc_kmeans_assign", "pqc_kmeans_update"
-};
-
-#define PQC__CU_RADIX_BINS 2048
-#define PQC__CU_TILE 4096
-#define PQC__CU_SMEM_DEFAULT 49152
-
-struct pqc__curt {
-    pqc__cuApi api;
-    pqc__cuDev dev;
-    pqc__cuModule mod;
-    pqc__cuFunction fn[PQC__K_N];
-    int smem_limit; /* dynamic shared memory the scan kernels may use */
-};
-
-static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
-{
-    struct pqc__curt *cr;
-    pqc__cuHost host;
-    char log[2048];
-    int st, from_cache = 0;
-    pqc_result res = PQC_ERROR_NO_DEVICE;
-    cr = (struct pqc__curt *)pqc__calloc(&rt->alloc, sizeof *cr);
-    if (!cr) {
-        snprintf(why, why_size, "out of memory");
-        return PQC_ERROR_OUT_OF_MEMORY;
-    }
-    pqc__cu_host(&host, &rt->alloc);
-    pqc__cu_api_init(&cr->api, &host);
-    st = pqc__cu_load(&cr->api, 0);
-    if (st == PQC__CU_OK) st = pqc__cu_device_open(&cr->api, ordinal, &cr->dev);
-    if (st == PQC__CU_OK && !cr->dev.can_map_host) {
-        snprintf(cr->api.msg, sizeof cr->api.msg, "%s cannot map host memory", cr->dev.name);
-        st = PQC__CU_ERR_NO_DEVICE;
-    }
-    if (st == PQC__CU_OK) {
-        res = PQC_ERROR_BACKEND;
-        st = pqc__cu_build_module(&cr->api, &cr->dev, pqc__kernel_source, cache_dir, &cr->mod, &from_cache, log,
-                                  sizeof log);
-        if (st == PQC__CU_ERR_COMPILE && log[0]) {
-            size_t n = strlen(cr->api.msg);
-            snprintf(cr->api.msg + n, sizeof cr->api.msg - n, "; NVRTC log: %.300s", log);
-        }
-    }
-    if (st == PQC__CU_OK) st = pqc__cu_get_functions(&cr->api, cr->mod, pqc__k_names, cr->fn, PQC__K_N);
-    if (st != PQC__CU_OK) {
-        snprintf(why, why_size, "%s", cr->api.msg[0] ? cr->api.msg : "CUDA could not be initialised");
-        if (cr->mod) cr->api.cuModuleUnload(cr->mod);
-        if (cr->dev.ctx) pqc__cu_device_close(&cr->api, &cr->dev);
-        pqc__cu_unload(&cr->api);
-        pqc__free(&rt->alloc, cr);
-        return res;
-    }
-    /* the scan kernels keep the lookup tables in dynamic shared memory; past the default
-       48 KiB they must opt in, leaving room for their own static arrays (2 KiB) */
-    cr->smem_limit = PQC__CU_SMEM_DEFAULT;
-    if (cr->dev.smem_optin - 8192 > PQC__CU_SMEM_DEFAULT &&
-        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0 &&
-        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0)
-        cr->smem_limit = cr->dev.smem_optin - 8192;
-    snprintf(why, why_size, "%s, compute capability %d.%d, %d SMs, kernels %s", cr->dev.name, cr->dev.cc_major,
-             cr->dev.cc_minor, cr->dev.sm_count, from_cache ? "from the kernel cache" : "compiled by NVRTC");
-    rt->cu = cr;
-    return PQC_SUCCESS;
-}
-
-static void pqc__curt_close(pqc_runtime *rt)
-{
-    struct pqc__curt *cr = rt->cu;
-    if (!cr) return;
-    cr->api.cuCtxSetCurrent(cr->dev.ctx);
-    if (cr->mod) cr->api.cuModuleUnload(cr->mod);
-    pqc__cu_device_close(&cr->api, &cr->dev);
-    pqc__cu_unload(&cr->api);
-    pqc__free(&rt->alloc, cr);
-    rt->cu = NULL;
-}
-
-typedef pqc__cuDeviceptr pqc__dptr;
-
-/* Lloyd iterations of one k-means problem (n points of d <= 256 dims, k centres in c) on
-   the GPU: assignment with per-cluster sums and counts, then the update; empty clusters
-   keep their centre. Runs on a stream of its own, so builds on several pool threads
-   proceed side by side. */
-static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
-                                  double *obj, char *err, size_t errsz)
-{
-    struct pqc__curt *cr = rt->cu;
-    pqc__cuApi *api = &cr->api;
-    pqc__cuStream st = NULL;
-    pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0;
-    float *md = NULL;
-    pqc__cuResult e = 0;
-    const char *what = "";
-    int it, ni = (int)n, ki = k, di = d, rows = k;
-    int64_t ld = d;
-    size_t i;
-#define PQC__LL(call, name)                                                 \
-    do {                                                                    \
-        if (e == 0 && (e = (call)) != 0) what = (name);                     \
-    } while (0)
-    PQC__LL(api->cuCtxSetCurrent(cr->dev.ctx), "cuCtxSetCurrent");
-    PQC__LL(api->cuStreamCreate(&st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    PQC__LL(api->cuMemAlloc_v2(&dx, n * (size_t)d * sizeof(float)), "cuMemAlloc");
-    PQC__LL(api->cuMemAlloc_v2(&dc, (size_t)k * d * sizeof(float)), "cuMemAlloc");
-    PQC__LL(api->cuMemAlloc_v2(&dsum, (size_t)k * d * sizeof(float)), "cuMemAlloc");
-    PQC__LL(api->cuMemAlloc_v2(&dcnt, (size_t)k * 4), "cuMemAlloc");
-    if (obj) {
-        PQC__LL(api->cuMemAlloc_v2(&dmin, n * sizeof(float)), "cuMemAlloc");
-        if (e == 0 && !(md = (float *)pqc__alloc(&rt->alloc, n * sizeof(float)))) {
-            snprintf(err, errsz, "k-means: host memory for the objective");
-            e = -1;
-        }
-    }
-    PQC__LL(api->cuMemcpyHtoDAsync_v2(dx, x, n * (size_t)d * sizeof(float), st), "cuMemcpyHtoDAsync");
-    PQC__LL(api->cuMemcpyHtoDAsync_v2(dc, c, (size_t)k * d * sizeof(float), st), "cuMemcpyHtoDAsync");
-    for (it = 0; it <= iters && e == 0; it++) {
-        pqc__dptr m = obj ? dmin : 0;
-        void *pa[] = { &dx, &ld, &ni, &di, &dc, &zero, &ki, &zero, &dsum, &dcnt, &m };
-        void *pu[] = { &dc, &dsum, &dcnt, &rows, &di };
-        if (it == iters && !obj) break; /* the last assignment only serves the objective */
-        PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
-        PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
-        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_ASSIGN], (unsigned)((n + 7) / 8), 1, 1, 256, 1, 1, 0, st, pa, NULL),
-                "pqc_kmeans_assign");
-        if (obj) {
-            double o = 0.0;
-            PQC__LL(api->cuMemcpyDtoHAsync_v2(md, dmin, n * sizeof(float), st), "cuMemcpyDtoHAsync");
-            PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
-            for (i = 0; e == 0 && i < n; i++) o += md[i];
-            obj[it] = o / (double)n;
-        }
-        if (it == iters) break;
-        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_UPDATE], (unsigned)(((size_t)k * d + 255) / 256), 1, 1, 256, 1, 1, 0,
-                                    st, pu, NULL),
-                "pqc_kmeans_update");
-    }
-    PQC__LL(api->cuMemcpyDtoHAsync_v2(c, dc, (size_t)k * d * sizeof(float), st), "cuMemcpyDtoHAsync");
-    PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
-#undef PQC__LL
-    if (e > 0) snprintf(err, errsz, "k-means on the GPU: %s failed: %s", what, pqc__cu_error_name(api, e));
-    if (st) {
-        api->cuStreamSynchronize(st);
-        api->cuStreamDestroy_v2(st);
-    }
-    if (dx) api->cuMemFree_v2(dx);
-    if (dc) api->cuMemFree_v2(dc);
-    if (dsum) api->cuMemFree_v2(dsum);
-    if (dcnt) api->cuMemFree_v2(dcnt);
-    if (dmin) api->cuMemFree_v2(dmin);
-    pqc__free(&rt->alloc, md);
-    if (e == 0) return PQC_SUCCESS;
-    return e > 0 ? PQC_ERROR_BACKEND : PQC_ERROR_OUT_OF_MEMORY;
-}
-
-struct pqc__cut {
-    struct pqc__curt *r;
-    pqc__cuApi *api;
-    pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
-    int own_st;
-    /* [n_cs], [n_cs], one; an event not yet recorded stands for no work, so waiting on
-       it returns at once */
-    pqc__cuEvent *ev_codes, *ev_used, ev_staged;
-    int K, m, bits, dsub, g, d, n_kv;
-    size_t bt;
-    /* slots: [sink blocks | window ring | block cache] per layer and head */
-    int ready, nsb, wb, n_slots;
-    pqc__dptr *pool_k, *pool_v; /* [L] -> [n_kv][n_slots][bt][d] storage dtype */
-    pqc__dptr *cent;            /* [L] -> [n_kv][m][K][dsub] float */
-    uint64_t *cent_gen;         /* [L] installed-codebook generation + 1 held there; 0: none */
-    pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores */
-    size_t hstride;             /* elements between heads in the stores (cap * d) */
-    /* codes, double-buffered */
-    int n_cs;                   /* code buffers: 2 (prefetched per layer) or one per layer */
-    pqc__dptr *code;            /* [n_cs] */
-    size_t *code_cap, *code_hs, *code_cs, *code_n;
-    int *code_layer, last_slot;
-    uint64_t *code_gen;
-    /* selection scratch */
-    pqc__dptr q, lut, lut_sum, partial, stats, hist, state;
-    int p_max;
-    pqc__dptr scores, counts, topk;
-    size_t s_cap;
-    float *h_q;
-    int32_t *h_topk;
-    /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
-    pqc__dptr arena, iota, out_k, out_v;
-    int32_t *h_arena;
-    size_t arena_cap, iota_n, out_cap, nblk_cap, rows_cap, fill_cap;
-    size_t *nfill;
-    int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
-    pqc_allocator codes_alloc; /* pinned host memory for the codes (async copies) */
-};
-static void *pqc__cut_codes_alloc_fn(size_t n, void *user);
-static void pqc__cut_codes_free_fn(void *p, void *user);
-
-#define PQC__CUT_CALL(c, call, what)                                        \
-    do {                                                                    \
-        pqc__cuResult r_ = (call);                                          \
-        if (r_ != 0) return pqc__cut_err((c), r_, (what));                  \
-    } while (0)
-
-static pqc_result pqc__cut_err(const pqc_cache *c, pqc__cuResult r, const char *what)
-{
-    return pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: %s failed: %s", what, pqc__cu_error_name(c->cu->api, r));
-}
-
-static void pqc__cut_enter(pqc_cache *c) { c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx); }
-
-static unsigned pqc__cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
-
-static pqc_result pqc__cut_launch(pqc_cache *c, int k, unsigned gx, unsigned gy, unsigned smem, void **p)
-{
-    struct pqc__cut *u = c->cu;
-    if (gx == 0 || gy == 0) return PQC_SUCCESS;
-    PQC__CUT_CALL(c, u->api->cuLaunchKernel(u->r->fn[k], gx, gy, 1, 256, 1, 1, smem, u->st, p, NULL), pqc__k_names[k]);
-    return PQC_SUCCESS;
-}
-
-static void pqc__cut_dfree(struct pqc__cut *u, pqc__dptr *p)
-{
-    if (*p) u->api->cuMemFree_v2(*p);
-    *p = 0;
-}
-
-/* (Re)allocates a device buffer to at least `bytes`; the old contents are dropped. */
-static pqc_result pqc__cut_dalloc(pqc_cache *c, pqc__dptr *p, size_t bytes)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__cut_dfree(u, p);
-    PQC__CUT_CALL(c, u->api->cuMemAlloc_v2(p, bytes ? bytes : 16), "cuMemAlloc");
-    return PQC_SUCCESS;
-}
-
-static pqc_result pqc__cut_halloc(pqc_cache *c, void **p, size_t bytes)
-{
-    struct pqc__cut *u = c->cu;
-    if (*p) u->api->cuMemFreeHost(*p);
-    *p = NULL;
-    PQC__CUT_CALL(c, u->api->cuMemHostAlloc(p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
-    return PQC_SUCCESS;
-}
-
-static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
-{
-    int l, i;
-    if (u->st) u->api->cuStreamSynchronize(u->st);
-    if (u->cp) u->api->cuStreamSynchronize(u->cp);
-    for (l = 0; l < c->d.n_layers; l++) {
-        if (u->pool_k) pqc__cut_dfree(u, &u->pool_k[l]);
-        if (u->pool_v) pqc__cut_dfree(u, &u->pool_v[l]);
-        if (u->cent) pqc__cut_dfree(u, &u->cent[l]);
-    }
-    for (i = 0; u->code && i < u->n_cs; i++) {
-        pqc__cut_dfree(u, &u->code[i]);
-        if (u->ev_codes[i]) u->api->cuEventDestroy_v2(u->ev_codes[i]);
-        if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
-    }
-    if (u->ev_staged) u->api->cuEventDestroy_v2(u->ev_staged);
-    pqc__cut_dfree(u, &u->q);
-    pqc__cut_dfree(u, &u->lut);
-    pqc__cut_dfree(u, &u->lut_sum);
-    pqc__cut_dfree(u, &u->partial);
-    pqc__cut_dfree(u, &u->stats);
-    pqc__cut_dfree(u, &u->hist);
-    pqc__cut_dfree(u, &u->state);
-    pqc__cut_dfree(u, &u->scores);
-    pqc__cut_dfree(u, &u->counts);
-    pqc__cut_dfree(u, &u->topk);
-    pqc__cut_dfree(u, &u->arena);
-    pqc__cut_dfree(u, &u->iota);
-    pqc__cut_dfree(u, &u->out_k);
-    pqc__cut_dfree(u, &u->out_v);
-    if (u->h_q) u->api->cuMemFreeHost(u->h_q);
-    if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
-    if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
-    if (u->cp) u->api->cuStreamDestroy_v2(u->cp);
-    if (u->own_st && u->st) u->api->cuStreamDestroy_v2(u->st);
-    pqc__free(&c->alloc, u->pool_k); /* pool_k, pool_v, cent, hk, hv, cent_gen in one block */
-    pqc__free(&c->alloc, u->nfill);
-    pqc__free(&c->alloc, u->code); /* with the other per-buffer arrays */
-    pqc__free(&c->alloc, u);
-}
-
-static pqc_result pqc__cut_create(pqc_cache *c)
-{
-    struct pqc__cut *u;
-    size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks, n;
-    pqc_result r = PQC_SUCCESS;
-    int i;
-    u = (struct pqc__cut *)pqc__calloc(&c->alloc, sizeof *u);
-    if (!u) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-    u->r = c->rt->cu;
-    u->api = &u->r->api;
-    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
-    n = (size_t)u->n_cs;
-    /* three blocks of per-layer, per-head and per-code-buffer arrays */
-    u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (5 * sizeof(pqc__dptr) + sizeof(uint64_t)));
-    u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
-    u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
-                                                       2 * sizeof(pqc__cuEvent) + sizeof(int)));
-    if (!u->pool_k || !u->nfill || !u->code) {
-        pqc__cut_free_all(c, u);
-        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-    }
-    u->pool_v = u->pool_k + L;
-    u->cent = u->pool_v + L;
-    u->hk = u->cent + L;
-    u->hv = u->hk + L;
-    u->cent_gen = (uint64_t *)(u->hv + L);
-    u->fill_b = (int32_t *)(u->nfill + nkv);
-    u->fill_s = u->fill_b + nkv * (cb + 1);
-    u->m = c->d.pq.m;
-    u->bits = c->d.pq.bits;
-    u->K = 1 << u->bits;
-    u->d = c->d.head_dim;
-    u->dsub = u->d / u->m;
-    u->g = c->g;
-    u->n_kv = c->d.n_kv_heads;
-    u->bt = (size_t)c->d.block_tokens;
-    u->code_cap = (size_t *)(u->code + n);
-    u->code_hs = u->code_cap + n;
-    u->code_cs = u->code_hs + n;
-    u->code_n = u->code_cs + n;
-    u->code_gen = (uint64_t *)(u->code_n + n);
-    u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
-    u->ev_used = u->ev_codes + n;
-    u->code_layer = (int *)(u->ev_used + n);
-    for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
-    u->last_slot = 1;
-    u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
-    u->codes_alloc.alloc = pqc__cut_codes_alloc_fn;
-    u->codes_alloc.free = pqc__cut_codes_free_fn;
-    u->codes_alloc.user = c;
-    c->cu = u; /* from here on pqc__cut_free_all undoes everything */
-    pqc__cut_enter(c);
-#define PQC__CUT_TRY(call, what)                                            \
-    do {                                                                    \
-        pqc__cuResult r_ = (call);                                          \
-        if (r_ != 0) { r = pqc__cut_err(c, r_, (what)); goto fail; }        \
-    } while (0)
-    if (c->d.cuda_stream) {
-        u->st = (pqc__cuStream)c->d.cuda_stream;
-    } else {
-        PQC__CUT_TRY(u->api->cuStreamCreate(&u->st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-        u->own_st = 1;
-    }
-    PQC__CUT_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    for (i = 0; i < u->n_cs; i++) {
-        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    }
-    PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    {
-        size_t tab = (size_t)u->m * u->K, cent = tab * (size_t)u->dsub * sizeof(float) * nkv;
-        size_t l;
-        for (l = 0; l < L; l++)
-            if ((r = pqc__cut_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
-        if ((r = pqc__cut_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->partial, nkv * (size_t)u->g * (size_t)u->p_max * 2 * sizeof(float))) !=
-                PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->stats, nkv * (size_t)u->g * 2 * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->hist, nkv * PQC__CU_RADIX_BINS * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->state, nkv * 16)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS)
-            goto fail;
-        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->hist, 0, nkv * PQC__CU_RADIX_BINS, u->st), "cuMemsetD32Async");
-        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->state, 0, nkv * 4, u->st), "cuMemsetD32Async");
-        PQC__CUT_TRY(u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-    }
-#undef PQC__CUT_TRY
-    return PQC_SUCCESS;
-fail:
-    c->cu = NULL;
-    pqc__cut_free_all(c, u);
-    return r;
-}
-
-static void pqc__cut_destroy(pqc_cache *c)
-{
-    struct pqc__cut *u = c->cu;
-    if (!u) return;
-    pqc__cut_enter(c);
-    c->cu = NULL;
-    pqc__cut_free_all(c, u);
-}
-
-/* The codes live in pinned host memory, so that their copies to the device are truly
-   asynchronous. A copy in flight may read bytes the host is OR-ing new codes into: only
-   bits of tokens past the copied count change, which the device codes itself anyway.
-   Freeing (growth, a rebuild's install) first waits for the copy stream. */
-static void *pqc__cut_codes_alloc_fn(size_t n, void *user)
-{
-    pqc_cache *c = (pqc_cache *)user;
-    void *p = NULL;
-    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
-    if (c->cu->api->cuMemHostAlloc(&p, n ? n : 16, PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) return NULL;
-    return p;
-}
-static void pqc__cut_codes_free_fn(void *p, void *user)
-{
-    pqc_cache *c = (pqc_cache *)user;
-    if (!p) return;
-    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
-    c->cu->api->cuStreamSynchronize(c->cu->cp);
-    c->cu->api->cuMemFreeHost(p);
-}
-static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->cu->codes_alloc; }
-
-static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
-{
-    void *p = NULL;
-    pqc__cut_enter(c);
-    if (c->cu->api->cuMemHostAlloc(&p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE | PQC__CU_MEMHOSTALLOC_DEVICEMAP) != 0)
-        return NULL;
-    return p;
-}
-
-static void pqc__cut_host_free(pqc_cache *c, void *p)
-{
-    pqc__cut_enter(c);
-    c->cu->api->cuMemFreeHost(p);
-}
-
-static void pqc__cut_quiesce(pqc_cache *c)
-{
-    if (!c->cu) return;
-    pqc__cut_enter(c);
-    c->cu->api->cuStreamSynchronize(c->cu->st);
-    c->cu->api->cuStreamSynchronize(c->cu->cp);
-}
-
-/* After the stores moved or grew: their device addresses, the slot tables' size and
-   the block-id table (iota) the fill kernel reads its lists from. */
-static pqc_result pqc__cut_grown(pqc_cache *c)
-{
-    struct pqc__cut *u = c->cu;
-    int l;
-    size_t need, i;
-    if (!u) return PQC_SUCCESS;
-    pqc__cut_enter(c);
-    for (l = 0; l < c->d.n_layers; l++) {
-        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0), "cuMemHostGetDevicePointer");
-        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0), "cuMemHostGetDevicePointer");
-    }
-    u->hstride = c->cap * (size_t)u->d;
-    u->nblk_cap = (c->cap + u->bt - 1) / u->bt;
-    need = PQC__MAX(u->nblk_cap + 1, (size_t)u->n_slots + 1);
-    if (need > u->iota_n) {
-        int32_t *tmp = (int32_t *)pqc__alloc(&c->alloc, need * sizeof(int32_t));
-        pqc_result r;
-        if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-        for (i = 0; i < need; i++) tmp[i] = (int32_t)i;
-        r = pqc__cut_dalloc(c, &u->iota, need * sizeof(int32_t));
-        if (r == PQC_SUCCESS && u->api->cuMemcpyHtoD_v2(u->iota, tmp, need * sizeof(int32_t)) != 0)
-            r = pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: cuMemcpyHtoD failed");
-        pqc__free(&c->alloc, tmp);
-        if (r != PQC_SUCCESS) return r;
-        u->iota_n = need;
-    }
-    return PQC_SUCCESS;
-}
-
-/* The slot of a block resident for good: sink blocks and the window's ring; -1 else. */
-static int pqc__cut_sized(const pqc_cache *c) { return c->cu && c->cu->ready; }
-
-static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
-{
-    const struct pqc__cut *u = c->cu;
-    if (b < (size_t)u->nsb) return (int)b;
-    if ((b + 1) * u->bt > mid_end) return u->nsb + (int)((b - (size_t)u->nsb) % (size_t)u->wb);
-    return -1;
-}
-
-/* Copies rows [row_lo, bt) of the blocks [b0, b0 + n) into the slots [s0, s0 + n) of every
-   head of layer l, from the mapped store. */
-static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0, int s0, int n, int row_lo)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
-    int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
-    int bt = (int)u->bt, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
-    void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
-                  &u->pool_k[l], &u->pool_v[l], &pool_hs };
-    if (n <= 0) return PQC_SUCCESS;
-    return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
-}
-
-/* A prefill that brings layer l to n tokens (rows already in the store): the slot pools
-   exist (the window is known now) and every sink and window block holds its rows. */
-static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
-{
-    struct pqc__cut *u = c->cu;
-    size_t nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
-    pqc_result r;
-    int i;
-    pqc__cut_enter(c);
-    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
-    if (!u->ready) {
-        size_t bytes;
-        u->nsb = (int)(((size_t)c->d.n_sink + u->bt - 1) / u->bt);
-        u->wb = (int)(((size_t)c->window + u->bt - 1) / u->bt) + 1;
-        u->n_slots = u->nsb + u->wb + c->d.cache_blocks;
-        bytes = (size_t)u->n_kv * (size_t)u->n_slots * u->bt * c->row;
-        for (i = 0; i < c->d.n_layers; i++) {
-            if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
-            if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
-        } /* a failure leaves ready at 0: the next prefill tries again */
-        if ((r = pqc__cut_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
-        u->ready = 1;
-    }
-    if ((r = pqc__cut_fill_run(c, l, n, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
-    b0 = PQC__MAX((size_t)u->nsb, mid_end / u->bt);
-    for (b = b0; b < nb;) { /* the ring in at most two runs of consecutive slots */
-        int s0 = pqc__cut_fixed_slot(c, b, mid_end);
-        size_t run = PQC__MIN(nb - b, (size_t)(u->nsb + u->wb - s0));
-        if ((r = pqc__cut_fill_run(c, l, n, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
-        b += run;
-    }
-    return PQC_SUCCESS;
-}
-
-/* An append that brings layer l to n tokens (the new row already in the store): the row
-   goes to its sink or window slot. */
-static pqc_result pqc__cut_appended(pqc_cache *c, int l, size_t n)
-{
-    struct pqc__cut *u = c->cu;
-    size_t t = n - 1;
-    int s;
-    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
-    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
-    pqc__cut_enter(c);
-    s = pqc__cut_fixed_slot(c, t / u->bt, pqc__mid_end(c, n));
-    if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
-    return pqc__cut_fill_run(c, l, n, t / u->bt, s, 1, (int)(t % u->bt));
-}
-
-/* Column stride of a device copy of layer l's codes: the widest of its heads' (heads grow
-   their codes together, so they normally agree). */
-static size_t pqc__cut_codes_stride(const pqc_cache *c, int l)
-{
-    size_t cs = 0, h;
-    for (h = 0; h < (size_t)c->d.n_kv_heads; h++) cs = PQC__MAX(cs, c->layers[l].heads[h].codes.col_stride);
-    return cs;
-}
-
-/* Copies the codes of layer l into code buffer sl on the copy stream (after the last
-   scan that read the buffer) and records ev_codes[sl]. */
-static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t cs = pqc__cut_codes_stride(c, l), hs, h;
-    int j, uniform = 1;
-    for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
-    hs = cs * (size_t)u->m;
-    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
-    if (hs * (size_t)u->n_kv > u->code_cap[sl]) {
-        pqc_result r;
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
-        if ((r = pqc__cut_dalloc(c, &u->code[sl], hs * (size_t)u->n_kv + hs / 4)) != PQC_SUCCESS) {
-            u->code_cap[sl] = 0;
-            u->code_layer[sl] = -1;
-            return r;
-        }
-        u->code_cap[sl] = hs * (size_t)u->n_kv + hs / 4;
-    }
-    if (!uniform) PQC__CUT_CALL(c, u->api->cuMemsetD8Async(u->code[sl], 0, hs * (size_t)u->n_kv, u->cp), "cuMemsetD8Async");
-    for (h = 0; h < (size_t)u->n_kv; h++) {
-        const pqc_codes *cd = &L->heads[h].codes;
-        pqc__dptr dst = u->code[sl] + h * hs;
-        if (uniform) {
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst, cd->data, hs, u->cp), "cuMemcpyHtoDAsync");
-        } else {
-            for (j = 0; j < u->m; j++)
-                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst + (size_t)j * cs, cd->data + (size_t)j * cd->col_stride,
-                                                              cd->col_stride, u->cp),
-                              "cuMemcpyHtoDAsync");
-        }
-    }
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
-    u->code_layer[sl] = l;
-    u->code_gen[sl] = L->gen;
-    u->code_cs[sl] = cs;
-    u->code_hs[sl] = hs;
-    u->code_n[sl] = L->n_coded;
-    return PQC_SUCCESS;
-}
-
-/* Whether buffer sl holds layer l's current codes (up to a tail the device codes itself). */
-static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
-{
-    const struct pqc__cut *u = c->cu;
-    const pqc__layer *L = &c->layers[l];
-    return u->code_layer[sl] == l && u->code_gen[sl] == L->gen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
-           u->code_n[sl] <= L->n_coded;
-}
-
-static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx_out)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
-    int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
-    int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
-    unsigned P, tiles, smem;
-    float scale = 1.0f / sqrtf((float)u->d);
-    pqc_result r;
-    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)(tab * (size_t)dsub), l_hs = (int64_t)((size_t)g * tab),
-            ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
-    pqc__dptr zero = 0, lut_sum, lut;
-    if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
-    pqc__cut_enter(c);
-    /* score, top-k and read-back buffers */
-    if (s > u->s_cap) {
-        size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-        u->s_cap = 0;
-        if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS)
-            return r;
-        u->s_cap = want;
-    }
-    /* the layer's codebooks, once per build */
-    if (u->cent_gen[l] != L->gen + 1) {
-        size_t cb = tab * (size_t)dsub * sizeof(float);
-        for (h = 0; h < nkv; h++)
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->cent[l] + h * cb, L->heads[h].pq.centroids, cb, u->st),
-                          "cuMemcpyHtoDAsync");
-        u->cent_gen[l] = L->gen + 1;
-    }
-    /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
-    if (u->n_cs > 2) {
-        sl = l;
-        if (!pqc__cut_codes_valid(c, sl, l) && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
-    } else if (pqc__cut_codes_valid(c, 0, l)) {
-        sl = 0;
-    } else if (pqc__cut_codes_valid(c, 1, l)) {
-        sl = 1;
-    } else {
-        sl = u->last_slot ^ 1;
-        if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
-    }
-    if (u->code_n[sl] < s && u->dsub > 256 && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS)
-        return r; /* sub-vectors too long for the coding kernel: copy the new codes instead */
-    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
-    code_hs = (int64_t)u->code_hs[sl];
-    cs = (int64_t)u->code_cs[sl];
-    if (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too */
-        int64_t x_ld = u->d, x_hs = (int64_t)u->hstride, cn_hs = 0, co_hs = 0;
-        int x_dt = (int)c->d.kv_dtype, n = (int)(s - u->code_n[sl]), t0 = (int)u->code_n[sl];
-        pqc__dptr x = u->hk[l] + ((size_t)c->d.n_sink + u->code_n[sl]) * c->row;
-        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &zero, &c_hs, &cn_hs, &m, &b, &dsub,
-                      &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
-        if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
-            return r;
-        u->code_n[sl] = s;
-    }
-    /* query -> lookup tables */
-    memcpy(u->h_q, q, (size_t)c->d.n_q_heads * u->d * sizeof(float));
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float), u->st),
-                  "cuMemcpyHtoDAsync");
-    lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
-    {
-        void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &u->lut, &l_hs, &lut_sum, &ls_hs };
-        if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    /* scan: combined scores of every coded token */
-    P = (unsigned)PQC__MIN((size_t)u->p_max, (s + 255) / 256);
-    if (P < 1) P = 1;
-    p_hs = (int64_t)g * P * 2;
-    sc_hs = (int64_t)u->s_cap;
-    if (c->d.gqa == PQC_GQA_SUM) {
-        n_luts = 1;
-        mode = 0;
-        lut = u->lut_sum;
-        l_hs = ls_hs;
-    } else {
-        n_luts = g;
-        mode = 1;
-        lut = u->lut;
-    }
-    smem = (unsigned)((size_t)n_luts * tab * sizeof(float));
-    use_smem = smem <= (unsigned)u->r->smem_limit;
-    if (!use_smem) smem = 0;
-    if (mode == 1) {
-        int np = (int)P;
-        void *p1[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &scale, &u->partial, &p_hs, &use_smem };
-        void *p2[] = { &u->partial, &p_hs, &np, &n_luts, &scale, &u->stats, &st_hs };
-        if ((r = pqc__cut_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
-        if ((r = pqc__cut_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
-    }
-    {
-        pqc__dptr stats = mode == 1 ? u->stats : 0;
-        void *p[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &mode, &stats, &st_hs, &scale,
-                      &u->scores, &sc_hs, &use_smem };
-        if ((r = pqc__cut_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
-    }
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
-    u->last_slot = sl;
-    /* top-k: three radix passes, per-tile counts, ordered compaction */
-    tiles = pqc__cdiv(s, PQC__CU_TILE);
-    c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
-    for (pass = 0; pass < 3; pass++) {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state };
-        if ((r = pqc__cut_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs };
-        if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    {
-        int64_t os_hs = 0;
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &zero, &os_hs };
-        if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
-    /* prefetch the next layer's codes while this one finishes */
-    if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
-        !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
-        return r;
-    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-    *idx_out = u->h_topk;
-    return PQC_SUCCESS;
-}
-
-/* Device memory held by the tier: slot pools, centroids, code buffers, scratch. */
-static size_t pqc__cut_device_bytes(const pqc_cache *c)
-{
-    const struct pqc__cut *u = c->cu;
-    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
-    int i;
-    b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
-    b += L * nkv * tab * (size_t)u->dsub * sizeof(float);                 /* centroids */
-    for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
-    b += nkv * u->s_cap * 8 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k */
-    b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
-    b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
-         nkv * (size_t)u->g * ((size_t)u->p_max + 1) * 8 + (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    return b;
-}
-
-/* Before a fetch's bookkeeping: the upload arena of the previous fetch is free again. */
-static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__cut_enter(c);
-    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
-    PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
-    memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
-    return PQC_SUCCESS;
-}
-
-/* After the bookkeeping: admitted blocks are copied into their slots, then every selected
-   row is gathered (slots, sink and window blocks from device memory, misses straight from
-   the mapped store) as fp32, into device buffers, and copied to `out` when given. */
-static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
-                                     pqc_kv_device *dout)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n);
-    size_t rows = 1, fills = 0, h, i, b, cb = (size_t)c->d.cache_blocks + 1, words;
-    int32_t *tab, *idx, *fb, *fs;
-    pqc_result r;
-    for (h = 0; h < nkv; h++) {
-        rows = PQC__MAX(rows, sel->count[h]);
-        fills = PQC__MAX(fills, u->nfill[h]);
-    }
-    if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
-    if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
-        size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-        words = nkv * (u->nblk_cap + want_rows + 2 * cb);
-        u->rows_cap = u->arena_cap = 0;
-        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
-            return r;
-        u->rows_cap = want_rows;
-        u->arena_cap = words;
-    }
-    /* arena: slot table [nkv][nblk_cap] | indices [nkv][rows_cap] | fills [nkv][2][cb] */
-    tab = u->h_arena;
-    idx = tab + nkv * u->nblk_cap;
-    fb = idx + nkv * u->rows_cap;
-    for (h = 0; h < nkv; h++) {
-        const pqc__head *H = &L->heads[h];
-        int32_t *t = tab + h * u->nblk_cap, *x = idx + h * u->rows_cap;
-        const uint32_t *si = sel->idx + h * sel->capacity;
-        size_t cnt = sel->count[h];
-        for (b = 0; b < nb; b++) {
-            int s = pqc__cut_fixed_slot(c, b, mid_end);
-            if (s < 0 && c->d.cache_blocks > 0 && H->slot_of[b] >= 0 && H->filled[H->slot_of[b]] >= (uint32_t)u->bt)
-                s = u->nsb + u->wb + H->slot_of[b];
-            t[b] = s;
-        }
-        for (i = 0; i < cnt; i++) x[i] = (int32_t)si[i];
-        for (; i < rows; i++) x[i] = 0; /* padding rows gather token 0 into unused rows */
-        fs = fb + h * 2 * cb;
-        for (i = 0; i < fills; i++) { /* padding entries name a block past the end: skipped */
-            fs[i] = i < u->nfill[h] ? u->fill_b[h * cb + i] : (int32_t)nb;
-            fs[cb + i] = i < u->nfill[h] ? u->fill_s[h * cb + i] : 0;
-        }
-    }
-    words = nkv * (u->nblk_cap + u->rows_cap + 2 * cb);
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
-    {
-        pqc__dptr dtab = u->arena, didx = u->arena + nkv * u->nblk_cap * 4, dfb = didx + nkv * u->rows_cap * 4,
-                  dfs = dfb + cb * 4, zero = 0;
-        int64_t list_hs = 2 * (int64_t)cb, hs = (int64_t)u->hstride, ld = u->d,
-                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, idx_hs = (int64_t)u->rows_cap,
-                sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d;
-        int bt = (int)u->bt, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
-        void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
-                       &u->pool_k[l], &u->pool_v[l], &pool_hs };
-        void *pg[] = { &didx, &idx_hs, &nr, &dtab, &sl_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
-                       &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d, &u->out_k, &u->out_v, &o_hs, &zero };
-        if (fills > 0 &&
-            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
-            return r;
-        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
-    }
-    if (dout) {
-        dout->k = u->out_k;
-        dout->v = u->out_v;
-        dout->head_stride = u->rows_cap;
-        return PQC_SUCCESS;
-    }
-    for (h = 0; h < nkv; h++) {
-        size_t bytes = sel->count[h] * (size_t)u->d * sizeof(float), off = h * u->rows_cap * (size_t)u->d * sizeof(float);
-        if (!bytes) continue;
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * (size_t)u->d, u->out_k + off, bytes, u->st),
-                      "cuMemcpyDtoHAsync");
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * (size_t)u->d, u->out_v + off, bytes, u->st),
-                      "cuMemcpyDtoHAsync");
-    }
-    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-    return PQC_SUCCESS;
-}
-
-static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
-                                 pqc_kv_device *dout)
-{
-    struct pqc__cut *u = c->cu;
-    pqc_result r = pqc__cut_fetch_run(c, l, sel, out, dout);
-    size_t h, i, cb = (size_t)c->d.cache_blocks + 1;
-    if (r == PQC_SUCCESS) return r;
-    /* the blocks admitted by this fetch were never copied: forget them, so that no
-       later gather reads their slots */
-    for (h = 0; h < (size_t)u->n_kv; h++) {
-        pqc__head *H = &c->layers[l].heads[h];
-        for (i = 0; i < u->nfill[h]; i++) {
-            int s = u->fill_s[h * cb + i] - u->nsb - u->wb;
-            int32_t b = u->fill_b[h * cb + i];
-            if (H->block_of[s] == b) {
-                H->block_of[s] = -1;
-                H->slot_of[b] = -1;
-            }
-            H->filled[s] = 0;
-        }
-        u->nfill[h] = 0;
-    }
-    return r;
-}
-
-static pqc_result pqc__cut_fetch_prepare(pqc_cache *c, size_t rows_per_head)
-{
-    (void)rows_per_head;
-    return pqc__cut_fetch_begin(c);
-}
-
-/* The admissions of the shared bookkeeping become this tier's fill lists, then the
-   copies and the gather run on the device. */
-static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
-{
-    struct pqc__cut *u = c->cu;
-    size_t h, f, cb = (size_t)c->d.cache_blocks + 1;
-    (void)parallel;
-    for (h = 0; h < (size_t)u->n_kv; h++) {
-        const pqc__fill *fl = j->fills + h * (size_t)c->d.admit_blocks;
-        for (f = 0; f < j->nfill[h] && f < cb; f++) {
-            u->fill_b[h * cb + f] = fl[f].block;
-            u->fill_s[h * cb + f] = u->nsb + u->wb + fl[f].slot;
-        }
-        u->nfill[h] = f;
-    }
-    return pqc__cut_fetch(c, j->layer, j->sel, j->out, dout);
-}
-
-static int pqc__cut_zero_copy(const pqc_cache *c)
-{
-    (void)c;
-    return 0;
-}
-
-static const pqc__tier_i *pqc__cuda_tier(void)
-{
-    static const pqc__tier_i t = { "CUDA", 1, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
-                                   pqc__cut_host_free, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
-                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select,
-                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier, pqc__cut_device_bytes,
-                                   pqc__cut_zero_copy };
-    return &t;
-}
-
-PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
-{
-    pqc__cuApi api;
-    pqc__cuHost host;
-    pqc__cuDev dev;
-    pqc_cuda_info tmp;
-    int st;
-    if (!info) info = &tmp;
-    memset(info, 0, sizeof *info);
-    pqc__cu_host(&host, NULL);
-    pqc__cu_api_init(&api, &host);
-    st = pqc__cu_load(&api, 1);
-    if (st != PQC__CU_OK) {
-        snprintf(info->message, sizeof info->message, "%s", api.msg);
-        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: %s", api.msg);
-    }
-    info->driver_version = api.driver_version;
-    info->device_count = api.device_count;
-    info->nvrtc_major = api.nvrtc_major;
-    info->nvrtc_minor = api.nvrtc_minor;
-    info->have_cublaslt = api.lib_blaslt != NULL;
-    memset(&dev, 0, sizeof dev);
-    st = pqc__cu_device_open(&api, 0, &dev);
-    if (st != PQC__CU_OK) {
-        snprintf(info->message, sizeof info->message, "%s", api.msg);
-        pqc__cu_unload(&api);
-        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA device 0 unusable: %s", info->message);
-    }
-    info->available = 1;
-    info->cc_major = dev.cc_major;
-    info->cc_minor = dev.cc_minor;
-    info->sm_count = dev.sm_count;
-    info->total_mem = dev.total_mem;
-    snprintf(info->name, sizeof info->name, "%s", dev.name);
-    snprintf(info->message, sizeof info->message, "%s, compute capability %d.%d, %d SMs", dev.name, dev.cc_major,
-             dev.cc_minor, dev.sm_count);
-    pqc__cu_device_close(&api, &dev);
-    pqc__cu_unload(&api);
-    return PQC_SUCCESS;
-}
-
-PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
-{
-    pqc__cuApi api;
-    pqc__cuHost host;
-    void *img = NULL;
-    size_t size = 0;
-    int st;
-    if (arch < 50 || arch > 200) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "architecture %d not in 50..200", arch);
-    pqc__cu_host(&host, NULL);
-    pqc__cu_api_init(&api, &host);
-    st = pqc__cu_load_nvrtc(&api);
-    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "NVRTC unavailable: %s", api.msg);
-    st = pqc__cu_compile(&api, pqc__kernel_source, "pqcache_kernels.cu", arch, cubin, &img, &size, log, log_size);
-    pqc__cu_free(&api, img);
-    pqc__cu_unload(&api);
-    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_BACKEND, "NVRTC: %s", api.msg);
-    if (image_bytes) *image_bytes = size;
-    return PQC_SUCCESS;
-}
-
-PQCDEF const char *pqc_cuda_kernel_source(void) { return pqc__kernel_source; }
-
-#else /* no CUDA loader in this build */
-
-PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
-{
-    if (info) {
-        memset(info, 0, sizeof *info);
-        snprintf(info->message, sizeof info->message, "built without the CUDA loader");
-    }
-    return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: built without the CUDA loader");
-}
-PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
-{
-    (void)arch;
-    (void)cubin;
-    (void)image_bytes;
-    if (log && log_size) log[0] = 0;
-    return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "built without the CUDA loader");
-}
-PQCDEF const char *pqc_cuda_kernel_source(void) { return ""; }
-#endif /* PQC__CUDA_LOADER */
-
-#if !PQC__CUDA_LOADER
-/* Built without the CUDA loader: no device tier (c->cu and rt->cu stay NULL). */
-static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
-{
-    (void)rt;
-    (void)ordinal;
-    (void)cache_dir;
-    snprintf(why, why_size, "built without the CUDA loader");
-    return PQC_ERROR_NO_DEVICE;
-}
-static void pqc__curt_close(pqc_runtime *rt) { (void)rt; }
-static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
-                                  double *obj, char *err, size_t errsz)
-{
-    (void)rt;
-    (void)x;
-    (void)n;
-    (void)d;
-    (void)k;
-    (void)iters;
-    (void)c;
-    (void)obj;
-    snprintf(err, errsz, "built without the CUDA loader");
-    return PQC_ERROR_NO_DEVICE;
-}
+static const char *pqc__kernels(void) { return pqc__kernel_source; }
 #endif
 
 
