@@ -9,7 +9,7 @@ LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
 
-.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-variants test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache
+.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
 LIBTESTS := core cache contract
@@ -47,6 +47,10 @@ test-tsan: $(addprefix $(BUILD)/tsan_,$(LIBTESTS))
 
 test-harness: $(BUILD)/test_harness
 	sh tests/harness_selftest.sh $(BUILD)/test_harness
+
+# the table of contents at the top of pqcache.h matches its section banners
+test-header:
+	sh tests/header_toc.sh pqcache.h
 
 # The header must compile warning-free as C99 and as C++ under gcc and clang.
 COMPILE_SRC := $(BUILD)/compile_check.c
@@ -107,7 +111,7 @@ test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_c
 	sh tests/cuda_emu/run.sh $(BUILD)
 
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-variants test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san
+TEST_GROUPS := test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san
 test:
 	@sh tests/run_all.sh $(TEST_GROUPS)
 
@@ -118,15 +122,19 @@ clean:
 include examples/tiny_llama/build.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
-$(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tiny_llama.h examples/tiny_llama/tl_test.h | $(BUILD)
-	$(CC) $(STD) -O1 -g $(SAN) $< -o $@ $(LDLIBS)
+$(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 $(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(SAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+# clang's UBSan reports pointer arithmetic on null, which gcc's does not
+$(BUILD)/clang_asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+	$(CLANG) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 $(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(TSAN) $< -o $@ $(LDLIBS)
-test-example-san: $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/tsan_pqcache_mode
+	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
+test-example-san: $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/clang_asan_pqcache_mode $(BUILD)/tsan_pqcache_mode
 	$(BUILD)/asan_tiny_llama
 	$(BUILD)/asan_pqcache_mode --quick
+	$(BUILD)/clang_asan_pqcache_mode --quick
 	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_pqcache_mode --quick
 
 # `make run`: the passkey model at a 32K context, full vs pqcache vs oracle vs window

@@ -23,6 +23,40 @@
    sequence cache made on it keeps its device tier on the GPU. Environment:
    PQC_CUDA_DRIVER_PATH (a libcuda to open instead of libcuda.so.1), PQC_NVRTC_PATH.
 
+   RECIPE
+   ------
+     1. pqc_runtime_create        a thread pool (or your engine's) and the device tier
+     2. pqc_cache_create          one per request: layers, heads, budget, PQ settings
+     3. pqc_cache_prefill         per layer: the prompt's K/V; the PQ build starts behind it
+     4. per decode step and layer:
+          pqc_cache_append        the new token's K/V
+          pqc_cache_select        sinks + top-k + window for this step's queries
+          pqc_cache_fetch         the selected K/V, through the block cache
+        (or pqc_driver_prefill / pqc_driver_decode over two callbacks of your engine)
+     5. pqc_cache_destroy, pqc_runtime_destroy
+
+   CONTENTS OF THE IMPLEMENTATION (each section opens with a banner "N. Title"; grep
+   for it; every section depends only on those above it)
+     1. Base                  results, messages, allocation, the size helper, files,
+                              half precision
+     2. Runtime and thread pool
+     3. CPU kernels           scalar references, AVX2, AVX-512, run-time dispatch
+     4. Scratch memory
+     5. Top-k                 radix select
+     6. PQ codebook training  k-means++ seeding, Lloyd iterations (their GPU loop runs
+                              through the CUDA device tier, section 15)
+     7. Codes and encoding
+     8. Search                lookup tables, scans, GQA combination, the exact reference
+     9. Scheduler             the adaptive T_max fits and the calibration file
+    10. CPU backend           the host tier's slot memory (pqc_backend)
+    11. Sequence cache        device-tier table, token store, builds, prefill, append,
+                              select
+    12. Block cache and fetch  admission (shared by every tier), the host tier
+    13. Batches and driver    Algorithms 1 and 2 over the engine's callbacks
+    14. CUDA loader           driver API, NVRTC, kernel cache, module (dlopen)
+    15. CUDA device tier
+    16. Kernel source         pqcache_kernels.cu as a string
+
    CONFIGURATION MACROS (define before including the implementation)
    ----------------------------------------------------------------
    PQCACHE_STATIC         make every public function static (private to one file).
@@ -707,7 +741,7 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------------------------------
-   Base
+   1. Base
    ------------------------------------------------------------------------------------- */
 
 static PQC__TLS char pqc__errbuf[512];
@@ -1056,7 +1090,7 @@ static double pqc__rng_unit(uint64_t *s) { return (double)(pqc__rng_next(s) >> 1
 static size_t pqc__rng_below(uint64_t *s, size_t n) { return (size_t)(pqc__rng_unit(s) * (double)n) % (n ? n : 1); }
 
 /* ---------------------------------------------------------------------------------------
-   Runtime and thread pool
+   2. Runtime and thread pool
    ------------------------------------------------------------------------------------- */
 
 /* A job the caller owns until it completes; jobs complete into a group. */
@@ -1414,7 +1448,7 @@ static pqc_simd pqc__simd(const pqc_runtime *rt) { return rt ? rt->simd : pqc_cp
 static const pqc_allocator *pqc__rt_alloc(const pqc_runtime *rt) { return rt ? &rt->alloc : NULL; }
 
 /* ---------------------------------------------------------------------------------------
-   CPU kernels. Each has a scalar reference; the SIMD variants perform the very same
+   3. CPU kernels. Each has a scalar reference; the SIMD variants perform the very same
    floating-point operations in the same order (vectorised across centroids or tokens,
    never across the summed dimension), so codes, indices and scores match bit for bit.
    ------------------------------------------------------------------------------------- */
@@ -2104,7 +2138,7 @@ static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t
 }
 
 /* ---------------------------------------------------------------------------------------
-   Scratch memory
+   4. Scratch memory
    ------------------------------------------------------------------------------------- */
 
 PQCDEF void pqc_scratch_free(pqc_scratch *s)
@@ -2139,7 +2173,7 @@ static void *pqc__scratch_get(pqc_scratch *s, const pqc_allocator *a, size_t n, 
 #define PQC__ALIGN_UP(x) (((x) + 63u) & ~(size_t)63u)
 
 /* ---------------------------------------------------------------------------------------
-   Top-k by radix select: three histogram levels (11 + 11 + 10 bits) over an
+   5. Top-k by radix select: three histogram levels (11 + 11 + 10 bits) over an
    order-preserving integer image of the scores find the k-th largest key exactly; one
    final pass then emits every index above it plus the lowest-index ties, in index order.
    ------------------------------------------------------------------------------------- */
@@ -2376,7 +2410,7 @@ PQCDEF double pqc_recall(const uint32_t *truth, size_t n_truth, const uint32_t *
 }
 
 /* ---------------------------------------------------------------------------------------
-   PQ codebook training
+   6. PQ codebook training
    ------------------------------------------------------------------------------------- */
 
 static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *in, int dim, pqc_pq_desc *d)
@@ -2814,7 +2848,7 @@ static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, c
 }
 
 /* ---------------------------------------------------------------------------------------
-   Codes and encoding
+   7. Codes and encoding
    ------------------------------------------------------------------------------------- */
 
 static size_t pqc__col_bytes(size_t tokens, int bits) { return (tokens * (size_t)bits + 7) / 8; }
@@ -3025,7 +3059,7 @@ PQCDEF pqc_result pqc_pq_mse(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix
 }
 
 /* ---------------------------------------------------------------------------------------
-   Search
+   8. Search
    ------------------------------------------------------------------------------------- */
 
 PQCDEF pqc_result pqc_pq_lut(pqc_runtime *rt, const pqc_pq *pq, const float *queries, int g, float *lut)
@@ -3272,7 +3306,7 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 }
 
 /* ---------------------------------------------------------------------------------------
-   Scheduler
+   9. Scheduler
    ------------------------------------------------------------------------------------- */
 
 struct pqc_scheduler {
@@ -3566,7 +3600,7 @@ PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path)
 }
 
 /* ---------------------------------------------------------------------------------------
-   CPU backend
+   10. CPU backend
    ------------------------------------------------------------------------------------- */
 
 static void *pqc__cpu_alloc(void *ctx, size_t n) { return pqc__alloc((const pqc_allocator *)ctx, n); }
@@ -3591,7 +3625,7 @@ PQCDEF pqc_backend pqc_backend_cpu(const pqc_allocator *alloc)
 }
 
 /* ---------------------------------------------------------------------------------------
-   Sequence cache
+   11. Sequence cache
    ------------------------------------------------------------------------------------- */
 
 typedef struct pqc__head {
@@ -4528,6 +4562,11 @@ PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_
     return pqc__select_impl(c, layer, q, sel, 1);
 }
 
+/* ---------------------------------------------------------------------------------------
+   12. Block cache and fetch: admission (one function for every tier), the bookkeeping of
+   hits and traffic, and the host tier
+   ------------------------------------------------------------------------------------- */
+
 /* row t of head H as fp32 from host or from a device slot */
 static void pqc__row_out(const pqc_cache *c, const unsigned char *src, float *dst)
 {
@@ -5067,6 +5106,10 @@ PQCDEF int pqc_cache_cached_blocks(const pqc_cache *c, int layer, int head, int3
     return n;
 }
 
+/* ---------------------------------------------------------------------------------------
+   13. Batches and driver
+   ------------------------------------------------------------------------------------- */
+
 /* ----- batches ----- */
 
 typedef struct pqc__batch_job {
@@ -5365,7 +5408,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
 }
 
 /* =======================================================================================
-   CUDA (optional): run-time loader of the driver API, NVRTC and cuBLASLt, the kernels of
+   14. CUDA loader (optional): run-time loader of the driver API, NVRTC and cuBLASLt, the kernels of
    pqcache_kernels.cu embedded as a string, and the probe/compile entry points. Nothing is
    linked: every library is opened with dlopen, and its absence is a clean CPU fallback.
    ===================================================================================== */
@@ -6337,7 +6380,7 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
 }
 
 /* ---------------------------------------------------------------------------------------
-   CUDA device tier. The runtime opens the device and builds the kernels once; every
+   15. CUDA device tier. The runtime opens the device and builds the kernels once; every
    cache on it keeps in device memory: the centroids of every layer, two code buffers
    (the layer being searched and the next one, prefetched on a copy stream), the block
    cache slots together with the sink blocks and a ring of window blocks, and the
@@ -7379,7 +7422,7 @@ static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int
 
 
 /* =======================================================================================
-   Kernel source: pqcache_kernels.cu, embedded as a string for NVRTC
+   16. Kernel source: pqcache_kernels.cu, embedded as a string for NVRTC
    ===================================================================================== */
 #if PQC__CUDA_LOADER
 /* BEGIN EMBEDDED pqcache_kernels.cu (generated by tools/embed_kernels.sh; do not edit) */
