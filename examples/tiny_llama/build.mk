@@ -14,8 +14,8 @@
 #                           speed, pqcache's select/fetch time, hit rate, bytes
 #                           moved, device memory, agreement and KL vs full)
 
-CFLAGS ?= -O2 -std=c99 -Wall -Wextra -Werror -pedantic
-
+# Compile flags: $(CFLAGS), then -std=c99 and the warnings (flags.mk).
+include examples/tiny_llama/flags.mk
 include examples/tiny_llama/passkey.mk
 include examples/tiny_llama/needle.mk
 
@@ -24,25 +24,24 @@ TINY_LLAMA_LIBS := -lm -lpthread
 TINY_LLAMA_SRCS := $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_DIR)/gen_random.c \
                    $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/test_pqcache_mode.c \
                    $(TINY_LLAMA_DIR)/needle.c $(TINY_LLAMA_DIR)/make_passkey.c
-TINY_LLAMA_WARN := -Wall -Wextra -Werror -pedantic
 TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_pqcache.h pqcache.h
 
 build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
 build/tiny_llama_gen: $(TINY_LLAMA_DIR)/gen_random.c $(TINY_LLAMA_DIR)/tiny_llama.h
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
 build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_test.h
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
 build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(TINY_LLAMA_DIR)/make_passkey.c $(TINY_LLAMA_DIR)/tl_test.h \
                          $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
 .PHONY: tiny_llama tiny_llama_test tiny_llama_check tiny_llama_demo
 
@@ -64,8 +63,9 @@ tiny_llama_check:
 
 # The smoke test runs the command line: every mode on a small random model
 # (full attention compared with itself, and pqcache at budget 1, must agree
-# exactly; pqcache reports its statistics), and the errors for a pqcache
-# budget of 0 and a truncated checkpoint.
+# exactly; pqcache reports its statistics), a sink count far beyond the
+# context (pqcache must finish or fail with a message, not crash), and the
+# errors for a pqcache budget of 0 and a truncated checkpoint.
 TINY_LLAMA_SMOKE := build/tiny_llama_smoke
 
 tiny_llama_test: build/test_tiny_llama build/test_pqcache_mode build/tiny_llama \
@@ -87,6 +87,12 @@ tiny_llama_test: build/test_tiny_llama build/test_pqcache_mode build/tiny_llama 
 	@grep -q "agreement 100.00% (19/19), mean KL(full || pqcache) 0.000000" $(TINY_LLAMA_SMOKE).log
 	@! ./build/tiny_llama $(TINY_LLAMA_SMOKE).bin -a pqcache -b 0 2>$(TINY_LLAMA_SMOKE).log
 	@grep -q "pqcache needs a budget ratio above 0" $(TINY_LLAMA_SMOKE).log
+	@st=0; ./build/tiny_llama $(TINY_LLAMA_SMOKE).bin -P 100 -n 8 -a pqcache -S 1000000 -q -t 0 \
+	  >/dev/null 2>$(TINY_LLAMA_SMOKE).log || st=$$?; \
+	if [ $$st -ge 128 ]; then cat $(TINY_LLAMA_SMOKE).log; \
+	  echo "tiny_llama -a pqcache -S 1000000 crashed (exit status $$st)"; exit 1; fi; \
+	if [ $$st -ne 0 ] && ! grep -q "error" $(TINY_LLAMA_SMOKE).log; then cat $(TINY_LLAMA_SMOKE).log; \
+	  echo "tiny_llama -a pqcache -S 1000000 failed (exit status $$st) without an error message"; exit 1; fi
 	@head -c 1000 $(TINY_LLAMA_SMOKE).bin >$(TINY_LLAMA_SMOKE)_cut.bin
 	@! ./build/tiny_llama $(TINY_LLAMA_SMOKE)_cut.bin 2>$(TINY_LLAMA_SMOKE).log
 	@grep -q "truncated" $(TINY_LLAMA_SMOKE).log

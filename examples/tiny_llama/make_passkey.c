@@ -187,12 +187,19 @@
  * - Start prompts with <s> (id 1), as --prompt does.
  */
 
+#if !defined(_POSIX_C_SOURCE) && !defined(__cplusplus)
+#define _POSIX_C_SOURCE 200809L
+#endif
+
+#include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------------ */
 /* Construction constants                                                    */
@@ -496,17 +503,73 @@ fail:
     return -1;
 }
 
+/* Opens a checkpoint for reading. Only a regular file is read: the open does
+   not block (a named pipe without a writer would wait forever) and anything
+   else (directory, device, pipe) is refused. NULL after a message. */
+static FILE *open_regular(const char *path, off_t *size)
+{
+    struct stat st;
+    FILE *f;
+    int fd = open(path, O_RDONLY | O_NONBLOCK), flags;
+    if (fd < 0) {
+        fprintf(stderr, "cannot open %s\n", path);
+        return NULL;
+    }
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        fprintf(stderr, "%s is not a regular file\n", path);
+        close(fd);
+        return NULL;
+    }
+    flags = fcntl(fd, F_GETFL);
+    if (flags == -1 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == -1 ||
+        !(f = fdopen(fd, "rb"))) {
+        fprintf(stderr, "cannot read %s\n", path);
+        close(fd);
+        return NULL;
+    }
+    *size = st.st_size;
+    return f;
+}
+
+/* a * b + c, clearing *ok when it does not fit in size_t */
+static size_t mul_add(size_t a, size_t b, size_t c, int *ok)
+{
+    if (a != 0 && b > ((size_t)-1 - c) / a) {
+        *ok = 0;
+        return 0;
+    }
+    return a * b + c;
+}
+
+/* Bytes of a version-1 checkpoint with m's header; 0 if that overflows. */
+static size_t model_file_size(const Model *m)
+{
+    size_t L = (size_t)m->n_layers, d = (size_t)m->dim, h = (size_t)m->hidden;
+    size_t kv = (size_t)kv_dim(m), v = (size_t)m->vocab, n = 0;
+    int ok = 1, i;
+    n = mul_add(mul_add(2, L, 1, &ok), d, n, &ok);   /* RMSNorm weights */
+    for (i = 0; i < (m->shared ? 1 : 2); i++)
+        n = mul_add(v, d, n, &ok);                   /* embedding, classifier */
+    for (i = 0; i < 2; i++) {
+        n = mul_add(mul_add(L, d, 0, &ok), d, n, &ok);  /* wq, wo */
+        n = mul_add(mul_add(L, kv, 0, &ok), d, n, &ok); /* wk, wv */
+    }
+    for (i = 0; i < 3; i++)
+        n = mul_add(mul_add(L, h, 0, &ok), d, n, &ok);  /* w1, w2, w3 */
+    n = mul_add(n, 4, 256, &ok);
+    return ok ? n : 0;
+}
+
 static int model_read(Model *m, const char *path)
 {
     unsigned char hdr[256], buf[4096];
     Tensor t[12];
     int i, n;
-    FILE *f = fopen(path, "rb");
+    off_t size = 0;
+    FILE *f = open_regular(path, &size);
     memset(m, 0, sizeof *m);
-    if (!f) {
-        fprintf(stderr, "cannot open %s\n", path);
+    if (!f)
         return -1;
-    }
     if (fread(hdr, 1, sizeof hdr, f) != sizeof hdr || get_u32(hdr) != 0x616b3432u ||
         get_i32(hdr + 4) != 1) {
         fprintf(stderr, "%s: not a version-1 checkpoint\n", path);
@@ -529,6 +592,20 @@ static int model_read(Model *m, const char *path)
         fprintf(stderr, "%s: bad header\n", path);
         fclose(f);
         return -1;
+    }
+    {   /* the size before any allocation: a header may claim anything */
+        size_t want = model_file_size(m);
+        if (want == 0 || (uintmax_t)size != (uintmax_t)want) {
+            if (want == 0)
+                fprintf(stderr, "%s: bad header (its sizes overflow)\n", path);
+            else
+                fprintf(stderr, "%s: %s (the header needs %zu bytes, the file has %jd)\n",
+                        path, (uintmax_t)size > (uintmax_t)want ? "trailing bytes" : "truncated",
+                        want, (intmax_t)size);
+            fclose(f);
+            memset(m, 0, sizeof *m);
+            return -1;
+        }
     }
     model_alloc(m);
     n = model_tensors(m, t);

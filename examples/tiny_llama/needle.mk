@@ -1,7 +1,8 @@
 # needle.mk - needle-in-a-haystack evaluation of the attention modes on the
 # passkey model (examples/tiny_llama/needle.c). Include from the top-level
 # Makefile (build.mk includes it too; including it twice is harmless); paths
-# are relative to the repository root. Uses the includer's CC and CFLAGS.
+# are relative to the repository root. Uses the includer's CC and CFLAGS
+# (NEEDLE_CFLAGS overrides them), with -std=c99 and the warnings of flags.mk.
 #
 #   make needle          build/needle and build/passkey.bin, then the grid:
 #                        lengths 4K 8K 16K 32K x depths 0 25 50 75 100 % x
@@ -17,6 +18,7 @@
 ifndef TINY_LLAMA_NEEDLE_MK
 TINY_LLAMA_NEEDLE_MK := 1
 
+include examples/tiny_llama/flags.mk
 include examples/tiny_llama/passkey.mk
 
 NEEDLE_ARGS ?=
@@ -28,7 +30,7 @@ NEEDLE_DEPS := examples/tiny_llama/needle.c examples/tiny_llama/make_passkey.c \
 
 build/needle: $(NEEDLE_DEPS)
 	@mkdir -p build
-	$(CC) $(NEEDLE_CFLAGS) -o $@ examples/tiny_llama/needle.c -lm -lpthread
+	$(CC) $(NEEDLE_CFLAGS) $(TINY_LLAMA_STD) $(TINY_LLAMA_WARN) -o $@ examples/tiny_llama/needle.c -lm -lpthread
 
 # Draws the heatmap from the data the grid wrote; installs gnuplot if missing.
 define NEEDLE_PLOT

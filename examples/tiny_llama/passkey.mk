@@ -11,17 +11,18 @@
 ifndef TINY_LLAMA_PASSKEY_MK
 TINY_LLAMA_PASSKEY_MK := 1
 
+include examples/tiny_llama/flags.mk
+
 PASSKEY_SRC := examples/tiny_llama/make_passkey.c
-PASSKEY_WARN := -Wall -Wextra -Werror -pedantic
 PASSKEY_VERIFY ?= --quick
 
 build/make_passkey: $(PASSKEY_SRC)
 	@mkdir -p build
-	$(CC) -O2 -std=c99 $(PASSKEY_WARN) -o $@ $(PASSKEY_SRC) -lm
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $(PASSKEY_SRC) -lm
 
 build/make_passkey_cxx: $(PASSKEY_SRC)
 	@mkdir -p build
-	$(CXX) -O2 -x c++ $(PASSKEY_WARN) -o $@ $(PASSKEY_SRC) -lm
+	$(CXX) $(CFLAGS) -x c++ -std=c++11 $(TINY_LLAMA_WARN) -o $@ $(PASSKEY_SRC) -lm
 
 build/passkey.bin: build/make_passkey
 	build/make_passkey $@

@@ -213,8 +213,10 @@ static int *build_prompt(const options *o, const tl_tokenizer *tok, int vocab_si
     int *tokens = (int *)malloc(cap * sizeof(int));
     int i;
     *n = 0;
-    if (!tokens)
+    if (!tokens) {
+        fprintf(stderr, "error: out of memory for the prompt\n");
         return NULL;
+    }
     if (o->synthetic > 0) {
         unsigned long long rng = tl_rng_seed(o->seed ^ 0x5EEDull);
         for (i = 0; i < o->synthetic; i++)
@@ -222,6 +224,7 @@ static int *build_prompt(const options *o, const tl_tokenizer *tok, int vocab_si
         *n = o->synthetic;
     } else if (tok) {
         if (tl_encode(tok, o->input ? o->input : "", 1, 0, tokens, n) != 0) {
+            fprintf(stderr, "error: cannot encode the prompt (out of memory)\n");
             free(tokens);
             return NULL;
         }

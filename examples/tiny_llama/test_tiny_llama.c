@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "tl_test.h"
@@ -1058,7 +1059,234 @@ static void test_tokenizer(void)
     tl_free_tokenizer(&t);
     /* a vocabulary larger than the file holds is an error, not a crash */
     CHECK(tl_build_tokenizer(&t, tmp_path("tok.bin"), vocab + 1, err, sizeof err) != 0);
+    /* a vocabulary the file's size cannot hold is refused before allocating */
+    err[0] = '\0';
+    CHECK(tl_build_tokenizer(&t, tmp_path("tok.bin"), 1 << 30, err, sizeof err) != 0);
+    CHECK(strstr(err, "cannot hold 1073741824 tokens") != NULL && t.vocab == NULL);
     CHECK(tl_build_tokenizer(&t, tmp_path("nope.bin"), vocab, err, sizeof err) != 0);
+}
+
+/* A tokenizer file of the given pieces and scores (max_token_length 8). */
+static int write_pieces(const char *path, const char *const *pieces, const float *scores, int n)
+{
+    FILE *f = fopen(path, "wb");
+    int max_len = 8, i;
+    if (!f)
+        return -1;
+    fwrite(&max_len, 4, 1, f);
+    for (i = 0; i < n; i++) {
+        int len = (int)strlen(pieces[i]);
+        fwrite(&scores[i], 4, 1, f);
+        fwrite(&len, 4, 1, f);
+        fwrite(pieces[i], 1, (size_t)len, f);
+    }
+    return fclose(f);
+}
+
+/* <s> is a marker, not text: it stays first even when its piece joined to
+   the next one spells a token (an empty piece for <s> joins with anything) */
+static void test_tokenizer_keeps_bos(void)
+{
+    const char *pieces[] = { "<unk>", "", "</s>", "a", "b", "ab", " ", "x", "xa" };
+    const float scores[] = { 0.0f, 0.0f, 0.0f, -1.0f, -1.0f, 1.0f, -1.0f, -1.0f, 5.0f };
+    tl_tokenizer t;
+    char err[TL_ERR_LEN];
+    int tokens[16], n = -1;
+    CHECK(write_pieces(tmp_path("tok_bos.bin"), pieces, scores, 9) == 0);
+    CHECK(tl_build_tokenizer(&t, tmp_path("tok_bos.bin"), 9, err, sizeof err) == 0);
+    /* " " a b -> " " ab; <s> stays in front */
+    CHECK(tl_encode(&t, "ab", 1, 1, tokens, &n) == 0);
+    CHECK(n == 4 && tokens[0] == TL_BOS && tokens[1] == 6 && tokens[2] == 5 && tokens[3] == TL_EOS);
+    /* without <s>, the same pieces merge as before */
+    CHECK(tl_encode(&t, "xa", 0, 0, tokens, &n) == 0);
+    CHECK(n == 2 && tokens[0] == 6 && tokens[1] == 8);
+    tl_free_tokenizer(&t);
+    /* <s> spelled "x" and no dummy prefix (" " is "y" now): "x" + "a" would
+       be "xa", the best-scored merge */
+    pieces[1] = "x";
+    pieces[6] = "y";
+    CHECK(write_pieces(tmp_path("tok_bos2.bin"), pieces, scores, 9) == 0);
+    CHECK(tl_build_tokenizer(&t, tmp_path("tok_bos2.bin"), 9, err, sizeof err) == 0);
+    CHECK(tl_encode(&t, "a", 1, 0, tokens, &n) == 0);
+    CHECK(n == 2 && tokens[0] == TL_BOS && tokens[1] == 3);
+    tl_free_tokenizer(&t);
+}
+
+/* A vocabulary without room for the ids of <s> (1) and </s> (2) is refused
+   when the tokenizer is read, and tl_encode refuses a tokenizer built by
+   hand with one (it would look up the pieces of ids past the end). */
+static void test_tokenizer_too_small(void)
+{
+    tl_tokenizer t;
+    char err[TL_ERR_LEN];
+    char piece_a[] = "a", piece_b[] = "b";
+    char *vocab[2];
+    float scores[2] = { 0.0f, 0.0f };
+    tl_token_index sorted[2];
+    int full = 0, tokens[16], n = -1, size;
+    CHECK(write_tokenizer(tmp_path("tok_small.bin"), &full) == 0);
+    for (size = -1; size < 3; size++) {
+        err[0] = '\0';
+        CHECK(tl_build_tokenizer(&t, tmp_path("tok_small.bin"), size, err, sizeof err) != 0);
+        CHECK(strstr(err, "too small") != NULL);
+        CHECK(t.vocab == NULL && t.vocab_size == 0);
+    }
+    CHECK(tl_build_tokenizer(&t, tmp_path("tok_small.bin"), 3, err, sizeof err) == 0);
+    /* three tokens are enough: the bytes of "ab" fall back to <unk> (0) */
+    CHECK(tl_encode(&t, "ab", 1, 1, tokens, &n) == 0 && n == 4 && tokens[0] == TL_BOS &&
+          tokens[1] == 0 && tokens[2] == 0 && tokens[3] == TL_EOS);
+    tl_free_tokenizer(&t);
+
+    vocab[0] = piece_a;
+    vocab[1] = piece_b;
+    sorted[0].str = piece_a;
+    sorted[0].id = 0;
+    sorted[1].str = piece_b;
+    sorted[1].id = 1;
+    memset(&t, 0, sizeof t);
+    t.max_token_length = 1;
+    t.vocab = vocab;
+    t.scores = scores;
+    t.sorted = sorted;
+    for (size = 1; size <= 2; size++) {
+        t.vocab_size = size;
+        n = -1;
+        CHECK(tl_encode(&t, "ab", 1, 1, tokens, &n) != 0 && n == 0);
+        n = -1;
+        CHECK(tl_encode(&t, "a", 0, 0, tokens, &n) != 0 && n == 0);
+    }
+    /* an empty (freed or failed) tokenizer encodes nothing */
+    memset(&t, 0, sizeof t);
+    CHECK(tl_encode(&t, "a", 1, 0, tokens, &n) != 0 && n == 0);
+}
+
+/* The loaders read regular files only; a named pipe must not block them (it
+   would wait for a writer forever), and a device or directory is refused. */
+static void test_loaders_refuse_non_regular_files(void)
+{
+    tl_model m;
+    tl_tokenizer t;
+    char err[TL_ERR_LEN];
+    const char *fifo = tmp_path("pipe");
+    double t0 = tl_time_s();
+    CHECK(mkfifo(fifo, 0600) == 0);
+    err[0] = '\0';
+    CHECK(tl_build_model(&m, fifo, err, sizeof err) != 0);
+    CHECK(strstr(err, "named pipe") != NULL && strstr(err, "not a regular file") != NULL);
+    CHECK(m.map == NULL);
+    err[0] = '\0';
+    CHECK(tl_build_tokenizer(&t, fifo, 300, err, sizeof err) != 0);
+    CHECK(strstr(err, "named pipe") != NULL && t.vocab == NULL);
+    /* a directory */
+    err[0] = '\0';
+    CHECK(tl_build_model(&m, g_dir, err, sizeof err) != 0 && strstr(err, "directory") != NULL);
+    err[0] = '\0';
+    CHECK(tl_build_tokenizer(&t, g_dir, 300, err, sizeof err) != 0 &&
+          strstr(err, "directory") != NULL);
+    /* character devices: /dev/null reads as empty, /dev/zero as an endless
+       run of zeros (which would make a tokenizer of empty tokens) */
+    if (access("/dev/null", R_OK) == 0) {
+        err[0] = '\0';
+        CHECK(tl_build_model(&m, "/dev/null", err, sizeof err) != 0 &&
+              strstr(err, "character device") != NULL);
+        err[0] = '\0';
+        CHECK(tl_build_tokenizer(&t, "/dev/null", 300, err, sizeof err) != 0 &&
+              strstr(err, "character device") != NULL);
+    }
+    if (access("/dev/zero", R_OK) == 0) {
+        err[0] = '\0';
+        CHECK(tl_build_model(&m, "/dev/zero", err, sizeof err) != 0 &&
+              strstr(err, "character device") != NULL);
+        err[0] = '\0';
+        CHECK(tl_build_tokenizer(&t, "/dev/zero", 300, err, sizeof err) != 0 &&
+              strstr(err, "character device") != NULL);
+    }
+    /* a missing file still says why */
+    err[0] = '\0';
+    CHECK(tl_build_model(&m, tmp_path("missing.bin"), err, sizeof err) != 0 &&
+          strstr(err, "cannot open") != NULL);
+    CHECK(tl_time_s() - t0 < 10.0);
+}
+
+/* A state without the host KV cache has no rows to point at (tl_key_row and
+   tl_value_row give NULL, tl_select refuses it), and attention over explicit
+   rows (krow, vrow) on it gives the logits of full attention over the host
+   cache exactly. */
+static void test_explicit_rows_without_kv_cache(void)
+{
+    spec sp = small_spec();
+    tl_model m;
+    tl_state full, bare;
+    tl_policy pol;
+    char err[TL_ERR_LEN];
+    const tl_config *c;
+    enum { N = 12 };
+    float *keys = NULL, *vals = NULL;
+    const void **krow = NULL, **vrow = NULL;
+    int pos, l, g, i, same = 1;
+    size_t row;
+
+    CHECK(write_spec(tmp_path("rows.bin"), &sp) == 0);
+    if (tl_build_model(&m, tmp_path("rows.bin"), err, sizeof err) != 0) {
+        printf("  %s\n", err);
+        g_failed_now = 1;
+        return;
+    }
+    c = &m.config;
+    CHECK(tl_build_state(&full, c, N, 1, err, sizeof err) == 0);
+    CHECK(tl_build_state_ex(&bare, c, N, 1, TL_STATE_NO_KV_CACHE, err, sizeof err) == 0);
+    CHECK(bare.key_cache == NULL && bare.value_cache == NULL);
+    CHECK(tl_key_row(c, &bare, 0, 0) == NULL && tl_value_row(c, &bare, 1, 3) == NULL);
+    CHECK(tl_key_row(c, &full, 1, 3) == full.key_cache + (size_t)(N + 3) * (size_t)c->kv_dim);
+    tl_default_policy(&pol, TL_ATTN_WINDOW);
+    bare.err[0] = '\0';
+    CHECK(tl_select(&m, &bare, NULL, 0, 0) != 0 && strstr(bare.err, "no KV cache") != NULL);
+    CHECK(tl_select(&m, &bare, &pol, 0, 0) != 0);
+
+    row = (size_t)c->kv_dim;
+    keys = (float *)calloc((size_t)c->n_layers * N * row, sizeof(float));
+    vals = (float *)calloc((size_t)c->n_layers * N * row, sizeof(float));
+    krow = (const void **)calloc((size_t)c->n_kv_heads * N, sizeof(void *));
+    vrow = (const void **)calloc((size_t)c->n_kv_heads * N, sizeof(void *));
+    CHECK(keys && vals && krow && vrow);
+    for (pos = 0; keys && vals && krow && vrow && pos < N; pos++) {
+        int token = (pos * 7 + 3) % c->vocab_size;
+        float *want = tl_forward(&m, &full, NULL, token, pos), *got;
+        if (!want) {
+            printf("  forward: %s\n", full.err);
+            same = 0;
+            break;
+        }
+        tl_embed(&m, &bare, token);
+        for (l = 0; l < c->n_layers; l++) {
+            float *k = keys + ((size_t)l * N) * row, *v = vals + ((size_t)l * N) * row;
+            tl_layer_qkv_rows(&m, &bare, l, pos, k + (size_t)pos * row, v + (size_t)pos * row);
+            for (g = 0; g < c->n_kv_heads; g++) {
+                tl_kv_list *lst = &bare.lists[g];
+                for (i = 0; i <= pos; i++) {
+                    lst->pos[i] = i;
+                    krow[g * N + i] = k + (size_t)i * row + (size_t)g * (size_t)c->head_size;
+                    vrow[g * N + i] = v + (size_t)i * row + (size_t)g * (size_t)c->head_size;
+                }
+                lst->n = pos + 1;
+                lst->k = lst->v = NULL;
+                lst->krow = krow + g * N;
+                lst->vrow = vrow + g * N;
+            }
+            tl_layer_attention(&m, &bare, l, bare.lists);
+            tl_layer_ffn(&m, &bare, l);
+        }
+        got = tl_classify(&m, &bare);
+        same &= memcmp(want, got, (size_t)c->vocab_size * sizeof(float)) == 0;
+    }
+    CHECK(same);
+    free(keys);
+    free(vals);
+    free(krow);
+    free(vrow);
+    tl_free_state(&full);
+    tl_free_state(&bare);
+    tl_free_model(&m);
 }
 
 /* ----------------------------------------------------------------------------
@@ -1102,6 +1330,10 @@ int main(void)
     run_test("forward rejects bad tokens and positions", test_forward_rejects_bad_input);
     run_test("sampler", test_sampler);
     run_test("tokenizer", test_tokenizer);
+    run_test("tokenizer refuses a vocabulary too small for <s> and </s>", test_tokenizer_too_small);
+    run_test("tokenizer keeps <s> first", test_tokenizer_keeps_bos);
+    run_test("loaders refuse pipes, devices and directories", test_loaders_refuse_non_regular_files);
+    run_test("explicit rows need no host KV cache", test_explicit_rows_without_kv_cache);
     remove_dir();
     return test_summary();
 }

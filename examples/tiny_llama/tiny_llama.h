@@ -139,6 +139,8 @@ int tl_check_config(tl_config *c, char *err, size_t errlen);
 /* Bytes a checkpoint with this config and header kind must have; 0 if the
    size does not fit in size_t. */
 size_t tl_checkpoint_size(const tl_config *c, int version);
+/* Maps the checkpoint at path, which must be a regular file (a pipe, device
+   or directory is refused without reading it), and checks its header. */
 int tl_build_model(tl_model *m, const char *path, char *err, size_t errlen);
 void tl_free_model(tl_model *m);
 /* Writes a checkpoint with random weights (seeded): version 1 (legacy = 0)
@@ -195,7 +197,8 @@ int tl_build_state(tl_state *s, const tl_config *c, int ctx, int n_threads,
 int tl_build_state_ex(tl_state *s, const tl_config *c, int ctx, int n_threads, int flags,
                       char *err, size_t errlen);
 void tl_free_state(tl_state *s);
-/* Key / value row (kv_dim floats) of a layer and position in the cache. */
+/* Key / value row (kv_dim floats) of a layer and position in the cache;
+   NULL for a state without the host KV cache (TL_STATE_NO_KV_CACHE). */
 float *tl_key_row(const tl_config *c, const tl_state *s, int layer, int pos);
 float *tl_value_row(const tl_config *c, const tl_state *s, int layer, int pos);
 
@@ -316,10 +319,14 @@ typedef struct {
     char byte_pieces[512];         /* byte b as a string at 2 * b */
 } tl_tokenizer;
 
+/* Reads vocab_size (at least 3) tokens from path, which must be a regular
+   file (a pipe, device or directory is refused without reading it). */
 int tl_build_tokenizer(tl_tokenizer *t, const char *path, int vocab_size,
                        char *err, size_t errlen);
 void tl_free_tokenizer(tl_tokenizer *t);
-/* tokens needs room for strlen(text) + 3 ids. Returns 0, -1 on no memory. */
+/* tokens needs room for strlen(text) + 3 ids. Returns 0, or -1 (no tokens)
+   when memory runs out or the tokenizer has fewer than 3 tokens (the ids of
+   <s> and </s> are TL_BOS and TL_EOS), which tl_build_tokenizer refuses. */
 int tl_encode(const tl_tokenizer *t, const char *text, int bos, int eos,
               int *tokens, int *n_tokens);
 /* The text of `token`, which follows `prev`. */
@@ -654,6 +661,48 @@ static void tl__map_weights(tl_model *m, const float *p)
     m->w.wcls = c->shared_classifier ? at[TL__EMB] : at[TL__WCLS];
 }
 
+/* What a file that is not a regular file is, for error messages. */
+static const char *tl__file_kind(mode_t mode)
+{
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a named pipe";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+#ifdef S_ISSOCK
+    if (S_ISSOCK(mode)) return "a socket";
+#endif
+    return "not a regular file";
+}
+
+/* Opens a file for reading; only regular files are accepted. The open does
+   not block (a named pipe without a writer would wait forever), and blocking
+   reads are restored once the file is known to be regular. Returns the file
+   descriptor with its status in *st, or -1 with a message in err. */
+static int tl__open_regular(const char *path, const char *what, struct stat *st,
+                            char *err, size_t errlen)
+{
+    int fd = open(path, O_RDONLY | O_NONBLOCK), flags;
+    if (fd < 0)
+        return tl__fail(err, errlen, "cannot open %s %s: %s", what, path, strerror(errno));
+    if (fstat(fd, st) != 0) {
+        int e = errno;
+        close(fd);
+        return tl__fail(err, errlen, "cannot stat %s %s: %s", what, path, strerror(e));
+    }
+    if (!S_ISREG(st->st_mode)) {
+        close(fd);
+        return tl__fail(err, errlen, "%s %s is %s, not a regular file", what, path,
+                        tl__file_kind(st->st_mode));
+    }
+    flags = fcntl(fd, F_GETFL);
+    if (flags == -1 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) == -1) {
+        int e = errno;
+        close(fd);
+        return tl__fail(err, errlen, "cannot read %s %s: %s", what, path, strerror(e));
+    }
+    return fd;
+}
+
 int tl_build_model(tl_model *m, const char *path, char *err, size_t errlen)
 {
     struct stat st;
@@ -663,13 +712,9 @@ int tl_build_model(tl_model *m, const char *path, char *err, size_t errlen)
     int fd;
 
     memset(m, 0, sizeof *m);
-    fd = open(path, O_RDONLY);
+    fd = tl__open_regular(path, "checkpoint", &st, err, errlen);
     if (fd < 0)
-        return tl__fail(err, errlen, "cannot open %s: %s", path, strerror(errno));
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return tl__fail(err, errlen, "%s is not a regular file", path);
-    }
+        return -1;
     size = (size_t)st.st_size;
     if (size == 0) {
         close(fd);
@@ -871,11 +916,15 @@ void tl_free_state(tl_state *s)
 
 float *tl_key_row(const tl_config *c, const tl_state *s, int layer, int pos)
 {
+    if (!s->key_cache)
+        return NULL;
     return s->key_cache + ((size_t)layer * (size_t)s->ctx + (size_t)pos) * (size_t)c->kv_dim;
 }
 
 float *tl_value_row(const tl_config *c, const tl_state *s, int layer, int pos)
 {
+    if (!s->value_cache)
+        return NULL;
     return s->value_cache + ((size_t)layer * (size_t)s->ctx + (size_t)pos) * (size_t)c->kv_dim;
 }
 
@@ -1014,18 +1063,15 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
     int hs = c->head_size, group = c->n_heads / c->n_kv_heads;
     int h0 = g * group, i, j, n = l->n;
     float scale = 1.0f / sqrtf((float)hs);
-    const float *kbase, *vbase;
-    size_t stride;
+    const float *kbase = NULL, *vbase = NULL;
+    size_t stride = l->k ? (size_t)hs : (size_t)c->kv_dim;
 
-    if (l->k) {
-        kbase = l->k;
-        vbase = l->v;
-        stride = (size_t)hs;
-    } else {
-        kbase = tl_key_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
-        vbase = tl_value_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
-        stride = (size_t)c->kv_dim;
-    }
+    /* A base is only formed where rows are not given one by one (krow, vrow):
+       a state without the host KV cache has no base to offer. */
+    if (!l->krow)
+        kbase = l->k ? l->k : tl_key_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
+    if (!l->vrow)
+        vbase = l->k ? l->v : tl_value_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
     for (i = 0; i < n; i++) {
         const float *k = l->krow ? (const float *)l->krow[i] : kbase + (size_t)(l->k ? i : l->pos[i]) * stride;
 #if defined(__GNUC__) || defined(__clang__)
@@ -1275,7 +1321,6 @@ static void tl__select_oracle(const tl_model *m, tl_state *s, int layer, int g, 
     int hs = c->head_size, group = c->n_heads / c->n_kv_heads, i, j, cnt = 0;
     int lo = n_sink, hi = n - n_window, n_mid = hi - lo;
     float scale = 1.0f / sqrtf((float)hs);
-    const float *kbase = tl_key_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
 
     for (i = 0; i < n_sink; i++)
         l->pos[cnt++] = i;
@@ -1283,6 +1328,7 @@ static void tl__select_oracle(const tl_model *m, tl_state *s, int layer, int g, 
         for (i = lo; i < hi; i++)
             l->pos[cnt++] = i;
     } else if (n_topk > 0) {
+        const float *kbase = tl_key_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
         float thr;
         int ties;
         memset(s->mass, 0, (size_t)n * sizeof(float));
@@ -1323,6 +1369,8 @@ int tl_select(const tl_model *m, tl_state *s, const tl_policy *p, int layer, int
             return tl__fail(s->err, sizeof s->err, "pqcache mode not built in this binary");
         return p->select(p->select_user, m, s, layer, pos, s->lists);
     }
+    if (!s->key_cache)   /* the lists below point into the host KV cache */
+        return tl__fail(s->err, sizeof s->err, "this run state has no KV cache");
     if (mode == TL_ATTN_FULL) {
         for (g = 0; g < c->n_kv_heads; g++) {
             tl_kv_list *l = &s->lists[g];
@@ -1498,13 +1546,29 @@ int tl_build_tokenizer(tl_tokenizer *t, const char *path, int vocab_size,
                        char *err, size_t errlen)
 {
     FILE *f;
-    int i, max_len = 0, longest = 0;
+    struct stat st;
+    int i, fd, max_len = 0, longest = 0;
     memset(t, 0, sizeof *t);
-    if (vocab_size <= 0)
-        return tl__fail(err, errlen, "tokenizer: vocabulary size %d", vocab_size);
-    f = fopen(path, "rb");
-    if (!f)
-        return tl__fail(err, errlen, "cannot open tokenizer %s: %s", path, strerror(errno));
+    if (vocab_size < 3)
+        return tl__fail(err, errlen, "tokenizer: vocabulary size %d is too small (at least 3: "
+                        "the ids of <s> and </s> are %d and %d)", vocab_size, TL_BOS, TL_EOS);
+    fd = tl__open_regular(path, "tokenizer", &st, err, errlen);
+    if (fd < 0)
+        return -1;
+    /* each token takes at least 8 bytes: refuse a vocabulary the file cannot
+       hold before allocating for it */
+    if (st.st_size < 4 || (unsigned long long)(st.st_size - 4) / 8u < (unsigned long long)vocab_size) {
+        close(fd);
+        return tl__fail(err, errlen, "tokenizer %s: %lld bytes cannot hold %d tokens "
+                        "(does the tokenizer belong to this model?)", path,
+                        (long long)st.st_size, vocab_size);
+    }
+    f = fdopen(fd, "rb");
+    if (!f) {
+        int e = errno;
+        close(fd);
+        return tl__fail(err, errlen, "cannot read tokenizer %s: %s", path, strerror(e));
+    }
     t->vocab_size = vocab_size;
     t->vocab = (char **)calloc((size_t)vocab_size, sizeof(char *));
     t->scores = (float *)calloc((size_t)vocab_size, sizeof(float));
@@ -1571,10 +1635,15 @@ static int tl__lookup(const tl_tokenizer *t, const char *str)
 int tl_encode(const tl_tokenizer *t, const char *text, int bos, int eos,
               int *tokens, int *n_tokens)
 {
-    size_t cap = 2 * (size_t)t->max_token_length + 8;
-    char *buf = (char *)malloc(cap);
+    size_t cap;
+    char *buf;
     const char *p;
     int n = 0;
+    *n_tokens = 0;
+    if (t->vocab_size < 3 || !t->vocab || !t->scores || !t->sorted || t->max_token_length < 0)
+        return -1;   /* no tokenizer, or no room for the ids of <s> and </s> */
+    cap = 2 * (size_t)t->max_token_length + 8;
+    buf = (char *)malloc(cap);
     if (!buf)
         return -1;
     if (bos)
@@ -1604,11 +1673,12 @@ int tl_encode(const tl_tokenizer *t, const char *text, int bos, int eos,
         }
         p += len;
     }
-    /* merge the adjacent pair whose union scores best, until none is a token */
+    /* merge the adjacent pair whose union scores best, until none is a token;
+       <s> is a marker, not text: it never merges */
     for (;;) {
         float best = -1e30f;
         int best_id = -1, best_i = -1, i;
-        for (i = 0; i + 1 < n; i++) {
+        for (i = bos ? 1 : 0; i + 1 < n; i++) {
             size_t la = strlen(t->vocab[tokens[i]]), lb = strlen(t->vocab[tokens[i + 1]]);
             int id;
             if (la + lb + 1 > cap)

@@ -536,11 +536,11 @@ int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
                           n, dst->ctx, dst->key_cache ? "" : " without a KV cache");
     for (l = 0; l < c->n_layers; l++)
         for (h = 0; h < c->n_kv_heads; h++) {
-            const void *k, *v;
-            size_t tokens;
-            pqc_dtype dt;
+            const void *k = NULL, *v = NULL;
+            size_t tokens = 0;
+            pqc_dtype dt = PQC_F32;
             if (pqc_cache_kv(p->cache, l, h, &k, &v, &tokens, &dt) != PQC_SUCCESS ||
-                dt != PQC_F32 || tokens < (size_t)n)
+                dt != PQC_F32 || tokens < (size_t)n || (n > 0 && (!k || !v)))
                 return tl__fail(p->err, sizeof p->err, "pqcache holds no fp32 rows 0..%d "
                                   "of layer %d head %d", n - 1, l, h);
             for (pos = 0; pos < n; pos++) {
