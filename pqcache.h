@@ -3272,6 +3272,11 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     bytes = oc + (all_out ? 0 : pqc__select_scratch(n));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_exact_search: scratch allocation failed");
+    /* keys with NaN or Inf have no ranking: refused like such queries */
+    if ((r = pqc__check_finite(rt, keys, (float *)(mem + orow), "pqc_exact_search keys")) != PQC_SUCCESS) {
+        pqc__free(pqc__rt_alloc(rt), tmpmem);
+        return r;
+    }
     c.simd = pqc__simd(rt);
     c.keys = keys;
     c.q = (const float *)(mem + oq);
@@ -4303,10 +4308,11 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     if (c->window == 0) c->window = pqc__derive_window(c, start + n);
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
-        size_t off = (size_t)h * c->d.head_dim * pqc_dtype_size(k->dtype);
+        size_t koff = (size_t)h * c->d.head_dim * pqc_dtype_size(k->dtype);
+        size_t voff = (size_t)h * c->d.head_dim * pqc_dtype_size(v->dtype); /* K and V may differ in dtype */
         for (t = 0; t < n; t++) {
-            pqc__store_row(c, H->k + (start + t) * c->row, (const unsigned char *)pqc__row(k, t) + off, k->dtype);
-            pqc__store_row(c, H->v + (start + t) * c->row, (const unsigned char *)pqc__row(v, t) + off, v->dtype);
+            pqc__store_row(c, H->k + (start + t) * c->row, (const unsigned char *)pqc__row(k, t) + koff, k->dtype);
+            pqc__store_row(c, H->v + (start + t) * c->row, (const unsigned char *)pqc__row(v, t) + voff, v->dtype);
         }
     }
     coded = L->n_coded;
@@ -6898,11 +6904,14 @@ static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
     pqc__cut_enter(c);
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
     if (!u->ready) {
-        size_t bytes;
-        u->nsb = (int)(((size_t)c->d.n_sink + u->bt - 1) / u->bt);
-        u->wb = (int)(((size_t)c->window + u->bt - 1) / u->bt) + 1;
+        size_t bytes, nsb = ((size_t)c->d.n_sink + u->bt - 1) / u->bt, wb = ((size_t)c->window + u->bt - 1) / u->bt + 1;
+        if (nsb + wb + (size_t)c->d.cache_blocks > 0x3fffffff ||
+            !pqc__size3((size_t)u->n_kv * (nsb + wb + (size_t)c->d.cache_blocks), u->bt, c->row, &bytes))
+            return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: %zu sink, %zu window and %d cache blocks overflow", nsb,
+                              wb, c->d.cache_blocks);
+        u->nsb = (int)nsb;
+        u->wb = (int)wb;
         u->n_slots = u->nsb + u->wb + c->d.cache_blocks;
-        bytes = (size_t)u->n_kv * (size_t)u->n_slots * u->bt * c->row;
         for (i = 0; i < c->d.n_layers; i++) {
             if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
             if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;

@@ -243,6 +243,53 @@ TEST matrices_too_large_to_address_are_refused(void)
     PASS();
 }
 
+TEST exact_search_refuses_keys_without_a_ranking(void)
+{
+    float *k = rows(50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, all[50];
+    pqc_matrix m = pqc_matrix_f32(k, 50, 8);
+    pqc_search_desc sd;
+    uint32_t idx[5];
+    memset(&sd, 0, sizeof sd);
+    sd.k = 5;
+    ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &m, q, 1, &sd, NULL, idx, NULL));
+    k[17 * 8 + 3] = HUGE_VAL;
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_exact_search(NULL, &m, q, 1, &sd, NULL, idx, NULL));
+    ASSERT(strstr(pqc_last_error(), "row 17") != NULL);
+    k[17 * 8 + 3] = NAN;
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_exact_scores(NULL, &m, q, 1, PQC_GQA_SUM, NULL, all));
+    free(k);
+    PASS();
+}
+
+TEST prefill_with_k_and_v_of_different_dtypes(void)
+{
+    pqc_cache_desc cd = small_desc(1, 2, 2, 8);
+    pqc_cache *c;
+    float *k = rows(40, 16);
+    uint16_t v16[40 * 16];
+    pqc_matrix km = pqc_matrix_f32(k, 40, 16), vm;
+    const void *kr, *vr;
+    size_t n, i;
+    pqc_dtype dt;
+    for (i = 0; i < 40 * 16; i++) v16[i] = pqc_f32_to_f16((float)i / 64.0f);
+    vm.data = v16;
+    vm.dtype = PQC_F16;
+    vm.rows = 40;
+    vm.cols = 16;
+    vm.row_stride = 0;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &vm));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv(c, 0, 1, &kr, &vr, &n, &dt));
+    ASSERT_EQ(40u, n);
+    for (i = 0; i < 40; i++) { /* head 1's V row i: the fp16 values at [i][8..16) */
+        ASSERT_EQ(pqc_f16_to_f32(v16[i * 16 + 8 + 5]), ((const float *)vr)[i * 8 + 5]);
+        ASSERT_EQ(k[i * 16 + 8 + 5], ((const float *)kr)[i * 8 + 5]);
+    }
+    pqc_cache_destroy(c);
+    free(k);
+    PASS();
+}
+
 TEST block_cache_size_overflow_is_refused(void)
 {
     pqc_cache_desc cd = small_desc(1, 1, 1, 65536);
@@ -939,6 +986,8 @@ SUITE(contract)
     RUN_TEST(selection_is_sized_by_the_sequence_and_grows);
     RUN_TEST(huge_code_capacity_is_refused);
     RUN_TEST(matrices_too_large_to_address_are_refused);
+    RUN_TEST(exact_search_refuses_keys_without_a_ranking);
+    RUN_TEST(prefill_with_k_and_v_of_different_dtypes);
     RUN_TEST(block_cache_size_overflow_is_refused);
     RUN_TEST(values_beyond_the_storage_range_are_refused_before_storing);
     RUN_TEST(huge_budget_gives_a_sane_window);
