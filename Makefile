@@ -165,4 +165,7 @@ bench-cache: $(BUILD)/bench_cache
 	@echo "=== sequence cache: select+fetch, block cache traffic, build overlap ==="
 	$(BUILD)/bench_cache --sizes 4096,16384,65536,131072 --threads 2
 
+# fidelity against exact attention on hard LLM-like keys (bench-fidelity, bench-fidelity-quick)
+include bench/fidelity.mk
+
 bench: bench-pq bench-cache

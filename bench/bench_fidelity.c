@@ -1,0 +1,492 @@
+/* bench_fidelity: how much of the attention that matters PQ selection keeps, measured
+   against exact attention on hard LLM-like keys (bench/hardkeys.h).
+
+   Data sets: difficulty (easy, medium, hard) x RoPE layout (half-split, interleaved) x
+   RoPE base (1e4, 5e5); one KV head, 4 query heads (GQA), d_h 128, s tokens. Half of the
+   data sets have queries with a strong recency component (half-split with base 1e4 and
+   interleaved with base 5e5), the others none.
+
+   Reference: exact attention, each query head's softmax(q.k / sqrt(d_h)) over all s tokens,
+   summed over the 4 heads (softmax-sum GQA) and normalised to total 1. That distribution
+   is the "attention mass" below.
+
+   1. Search path: pqc_pq_train + pqc_pq_encode + pqc_pq_search (softmax-sum, k = s/10)
+      for each PQ setting (m2b6, the default, m2b8, m4b8, m16b4, m8b8, each with k-means++
+      and with random initialisation; 10 Lloyd iterations, seed 1), against exact top-k
+      (pqc_exact_search, same k):
+        B/tok       bytes per token per KV head: codes m*b/8 plus the centroids
+                    (2^b * d_h floats) spread over the s tokens
+        recall      |selection and exact top-k| / k
+        mass sel    attention mass on the selected tokens (of total 1)
+        mass ref    attention mass on the exact top-k tokens
+        gap         mass ref - mass sel
+        rare        rare tokens kept by the selection / rare tokens in the exact top-k
+        train, search  median of --reps runs, ns per token
+   2. Cache path: a pqc_cache (1 layer, 1 KV head, 4 query heads, d_h 128, default budget
+      0.1: 32 sinks, window = half the budget, top-k = the other half), the keys prefilled,
+      pqc_cache_sync, one pqc_cache_select with the queries. Compared with a cache-shaped
+      oracle: the same sinks and window plus the exact top-k (softmax-sum over the same mid
+      tokens the cache searches) of the same size. Columns as above; recall is over the
+      top-k part (the mid tokens); B/tok spreads the centroids over the coded tokens.
+   3. Per data set: the mass on the sink token, the 32 sinks, the rare tokens and the
+      recent window; what exact top-k and the oracle hold.
+   4. A summary per difficulty (means over the four data sets of each level), also
+      written to --out (default build/fidelity.dat) for bench/fidelity.gp.
+
+   usage: bench_fidelity [--s N] [--reps R] [--threads T] [--out FILE] [--quick]
+   --quick: s = 8192 and reps 1 unless given. */
+#define PQCACHE_IMPLEMENTATION
+#include "../pqcache.h"
+#include "hardkeys.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_util.h"
+
+enum { N_SETTINGS = 10, N_LEVELS = 3, N_SETS = 12, N_SINK = 32, MAXREPS = 31 };
+
+typedef struct setting {
+    const char *name;
+    int m, bits;
+    pqc_init init;
+} setting;
+
+/* ordered by bytes per token; k-means++ and random initialisation of each */
+static const setting settings[N_SETTINGS] = {
+    {"m2b6 k++", 2, 6, PQC_INIT_KMEANSPP},  {"m2b6 rnd", 2, 6, PQC_INIT_RANDOM},
+    {"m2b8 k++", 2, 8, PQC_INIT_KMEANSPP},  {"m2b8 rnd", 2, 8, PQC_INIT_RANDOM},
+    {"m4b8 k++", 4, 8, PQC_INIT_KMEANSPP},  {"m4b8 rnd", 4, 8, PQC_INIT_RANDOM},
+    {"m16b4 k++", 16, 4, PQC_INIT_KMEANSPP}, {"m16b4 rnd", 16, 4, PQC_INIT_RANDOM},
+    {"m8b8 k++", 8, 8, PQC_INIT_KMEANSPP},  {"m8b8 rnd", 8, 8, PQC_INIT_RANDOM},
+};
+
+/* what one selection achieved against its reference */
+typedef struct result {
+    double bytes, recall, mass, mass_ref, train_ns, search_ns;
+    int rare_kept, rare_ref;
+} result;
+
+typedef struct dataset {
+    char name[40];
+    int level, layout, recency;
+    double base;
+    int n_rare;
+    size_t window, k, k_mid;
+    double m_sink, m_sinks, m_rare, m_window, m_exact, m_oracle, exact_ns;
+    int rare_exact, rare_oracle;
+    result search[N_SETTINGS], cache[N_SETTINGS];
+} dataset;
+
+static void die(const char *what)
+{
+    fprintf(stderr, "bench_fidelity: %s: %s\n", what, pqc_last_error());
+    exit(1);
+}
+
+static void *xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n, size);
+    if (!p) {
+        fprintf(stderr, "bench_fidelity: out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+/* mark[t] = v for the n indices */
+static void mark(unsigned char *m, const uint32_t *idx, size_t n, unsigned char v)
+{
+    size_t i;
+    for (i = 0; i < n; i++) m[idx[i]] = v;
+}
+
+static double mass_of(const double *p, const uint32_t *idx, size_t n)
+{
+    double a = 0;
+    size_t i;
+    for (i = 0; i < n; i++) a += p[idx[i]];
+    return a;
+}
+
+/* rare tokens in the reference (ref[t] != 0) and, of those, in the selection */
+static void rare_count(const hardkeys *hk, const unsigned char *ref, const unsigned char *sel, int *kept, int *in_ref)
+{
+    int r;
+    *kept = *in_ref = 0;
+    for (r = 0; r < hk->n_rare; r++) {
+        uint32_t t = hk->rare[r];
+        if (!ref[t]) continue;
+        (*in_ref)++;
+        if (sel[t]) (*kept)++;
+    }
+}
+
+static double overlap(const unsigned char *ref, const uint32_t *idx, size_t n)
+{
+    size_t i, c = 0;
+    for (i = 0; i < n; i++) c += ref[idx[i]] != 0;
+    return (double)c;
+}
+
+static double bytes_per_token(const setting *st, size_t tokens)
+{
+    return st->m * st->bits / 8.0 + (double)((size_t)1 << st->bits) * HK_D * sizeof(float) / (double)tokens;
+}
+
+static void print_rule(int n)
+{
+    while (n-- > 0) putchar('-');
+    putchar('\n');
+}
+
+int main(int argc, char **argv)
+{
+    size_t s = 32768, k, t;
+    int reps = 3, threads = 1, quick = 0, s_set = 0, reps_set = 0, i, di, si, r;
+    const char *out_path = "build/fidelity.dat";
+    pqc_runtime_desc rd;
+    pqc_runtime *rt;
+    pqc_scratch scr;
+    dataset *sets;
+    double *p, tt[MAXREPS], t_all = now();
+    float *sc;
+    uint32_t *exact_idx, *idx, *oracle;
+    unsigned char *in_ref, *in_sel;
+    FILE *f;
+
+    for (i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--s") && i + 1 < argc) {
+            s = (size_t)strtoull(argv[++i], NULL, 10);
+            s_set = 1;
+        } else if (!strcmp(argv[i], "--reps") && i + 1 < argc) {
+            reps = atoi(argv[++i]);
+            reps_set = 1;
+        } else if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+            threads = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--out") && i + 1 < argc) {
+            out_path = argv[++i];
+        } else if (!strcmp(argv[i], "--quick")) {
+            quick = 1;
+        } else {
+            fprintf(stderr, "usage: %s [--s N] [--reps R] [--threads T] [--out FILE] [--quick]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (quick && !s_set) s = 8192;
+    if (quick && !reps_set) reps = 1;
+    if (s < 4096 || s > ((size_t)1 << 24) || reps < 1 || reps > MAXREPS || threads < 1) {
+        fprintf(stderr, "bench_fidelity: bad arguments (s in 4096..16M, reps in 1..%d, threads >= 1)\n", MAXREPS);
+        return 2;
+    }
+    k = s / 10;
+
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = threads > 1 ? threads - 1 : -1; /* the caller is one of the threads */
+    if (pqc_runtime_create(&rd, &rt) != PQC_SUCCESS) die("runtime");
+    memset(&scr, 0, sizeof scr);
+    sets = (dataset *)xcalloc(N_SETS, sizeof *sets);
+    p = (double *)xcalloc(s, sizeof *p);
+    sc = (float *)xcalloc(s, sizeof *sc);
+    exact_idx = (uint32_t *)xcalloc(s, sizeof *exact_idx);
+    idx = (uint32_t *)xcalloc(s, sizeof *idx);
+    oracle = (uint32_t *)xcalloc(s, sizeof *oracle);
+    in_ref = (unsigned char *)xcalloc(s, 1);
+    in_sel = (unsigned char *)xcalloc(s, 1);
+
+    printf("bench_fidelity: pqcache %s, simd %s, threads %d, s = %zu, k = s/10 = %zu, d_h 128, 1 KV head, "
+           "4 query heads (softmax-sum), reps %d\n",
+           pqc_version(), pqc_simd_name(pqc_runtime_simd(rt)), threads, s, k, reps);
+    fflush(stdout);
+
+    for (di = 0; di < N_SETS; di++) {
+        dataset *ds = &sets[di];
+        hardkeys hk;
+        pqc_matrix keys = pqc_matrix_f32(NULL, 0, 0);
+        pqc_search_desc sd;
+        double tot = 0, t_set = now();
+
+        ds->level = di / 4;
+        ds->layout = (di / 2) % 2;
+        ds->base = di % 2 ? 5e5 : 1e4;
+        ds->recency = (ds->layout == HK_HALF) == (ds->base < 1e5);
+        snprintf(ds->name, sizeof ds->name, "%s %s %s%s", hk_level_name(ds->level), ds->layout == HK_HALF ? "half" : "intl",
+                ds->base < 1e5 ? "1e4" : "5e5", ds->recency ? " rec" : "");
+        memset(&hk, 0, sizeof hk);
+        hk.s = s;
+        hk.level = ds->level;
+        hk.layout = ds->layout;
+        hk.base = ds->base;
+        hk.recency = ds->recency ? 1.0 : 0.0;
+        hk.seed = 1000 + (uint64_t)di;
+        if (hk_make(&hk)) {
+            fprintf(stderr, "bench_fidelity: cannot make data set %s\n", ds->name);
+            return 1;
+        }
+        ds->n_rare = hk.n_rare;
+        ds->k = k;
+        keys = pqc_matrix_f32(hk.keys, s, HK_D);
+
+        /* the reference distribution */
+        if (pqc_exact_scores(rt, &keys, hk.queries, HK_G, PQC_GQA_SOFTMAX_SUM, &scr, sc)) die("exact scores");
+        for (t = 0; t < s; t++) tot += sc[t];
+        for (t = 0; t < s; t++) p[t] = sc[t] / tot;
+        memset(&sd, 0, sizeof sd);
+        sd.k = k;
+        sd.gqa = PQC_GQA_SOFTMAX_SUM;
+        for (r = 0; r < reps; r++) {
+            double t0 = now();
+            if (pqc_exact_search(rt, &keys, hk.queries, HK_G, &sd, &scr, exact_idx, NULL)) die("exact search");
+            tt[r] = now() - t0;
+        }
+        ds->exact_ns = median(tt, reps) * 1e9 / (double)s;
+        memset(in_ref, 0, s);
+        mark(in_ref, exact_idx, k, 1);
+        ds->m_exact = mass_of(p, exact_idx, k);
+        ds->m_sink = p[0];
+        for (t = 0; t < N_SINK; t++) ds->m_sinks += p[t];
+        for (r = 0; r < hk.n_rare; r++) ds->m_rare += p[hk.rare[r]];
+        memset(in_sel, 1, s);
+        rare_count(&hk, in_ref, in_sel, &r, &ds->rare_exact);
+
+        /* 1. search path */
+        for (si = 0; si < N_SETTINGS; si++) {
+            const setting *st = &settings[si];
+            result *res = &ds->search[si];
+            pqc_pq_desc pd;
+            pqc_pq pq;
+            pqc_codes codes;
+            memset(&pd, 0, sizeof pd);
+            pd.m = st->m;
+            pd.bits = st->bits;
+            pd.init = st->init;
+            pd.iters = 10;
+            pd.seed = 1;
+            for (r = 0; r < reps; r++) {
+                double t0 = now();
+                if (pqc_pq_train(rt, &pd, &keys, &pq)) die("train");
+                tt[r] = now() - t0;
+                if (r + 1 < reps) pqc_pq_free(&pq);
+            }
+            res->train_ns = median(tt, reps) * 1e9 / (double)s;
+            if (pqc_codes_init(&codes, &pq, s, NULL) || pqc_pq_encode(rt, &pq, &keys, &codes)) die("encode");
+            for (r = 0; r < reps; r++) {
+                double t0 = now();
+                if (pqc_pq_search(rt, &pq, &codes, hk.queries, HK_G, &sd, &scr, idx, NULL)) die("search");
+                tt[r] = now() - t0;
+            }
+            res->search_ns = median(tt, reps) * 1e9 / (double)s;
+            res->bytes = bytes_per_token(st, s);
+            res->recall = pqc_recall(exact_idx, k, idx, k);
+            res->mass = mass_of(p, idx, k);
+            res->mass_ref = ds->m_exact;
+            memset(in_sel, 0, s);
+            mark(in_sel, idx, k, 1);
+            rare_count(&hk, in_ref, in_sel, &res->rare_kept, &res->rare_ref);
+            pqc_codes_free(&codes);
+            pqc_pq_free(&pq);
+        }
+
+        /* 2. cache path */
+        for (si = 0; si < N_SETTINGS; si++) {
+            const setting *st = &settings[si];
+            result *res = &ds->cache[si];
+            pqc_cache_desc cd;
+            pqc_cache *c;
+            pqc_selection sel;
+            size_t cnt, w, mid_end, take, n_or = 0;
+            memset(&cd, 0, sizeof cd);
+            cd.n_layers = 1;
+            cd.n_kv_heads = 1;
+            cd.n_q_heads = HK_G;
+            cd.head_dim = HK_D;
+            cd.max_tokens = s + 64;
+            cd.pq.m = st->m;
+            cd.pq.bits = st->bits;
+            cd.pq.init = st->init;
+            cd.pq.iters = 10;
+            cd.pq.seed = 1;
+            if (pqc_cache_create(rt, &cd, &c)) die("cache create");
+            if (pqc_cache_prefill(c, 0, &keys, &keys)) die("prefill");
+            if (pqc_cache_sync(c)) die("build");
+            if (pqc_selection_init(c, &sel) || pqc_cache_select(c, 0, hk.queries, &sel)) die("select");
+            cnt = sel.count[0];
+            w = (size_t)pqc_cache_window(c);
+            mid_end = s - w;
+            if (cnt < N_SINK + w || sel.idx[0] != 0 || sel.idx[N_SINK - 1] != N_SINK - 1) {
+                fprintf(stderr, "bench_fidelity: unexpected selection shape (%zu tokens, window %zu)\n", cnt, w);
+                return 1;
+            }
+            take = cnt - N_SINK - w;
+            if (si == 0) {
+                /* the oracle: sinks + exact top-`take` of the mid tokens + window */
+                pqc_matrix mid = pqc_matrix_f32(hk.keys + (size_t)N_SINK * HK_D, mid_end - N_SINK, HK_D);
+                pqc_search_desc od = sd;
+                od.k = take;
+                for (t = 0; t < N_SINK; t++) oracle[n_or++] = (uint32_t)t;
+                if (take > 0 && pqc_exact_search(rt, &mid, hk.queries, HK_G, &od, &scr, oracle + n_or, NULL))
+                    die("oracle");
+                for (t = 0; t < take; t++) oracle[n_or + t] += N_SINK;
+                n_or += take;
+                for (t = mid_end; t < s; t++) oracle[n_or++] = (uint32_t)t;
+                ds->window = w;
+                ds->k_mid = take;
+                ds->m_oracle = mass_of(p, oracle, n_or);
+                for (t = mid_end; t < s; t++) ds->m_window += p[t];
+            } else if (take != ds->k_mid || w != ds->window) {
+                fprintf(stderr, "bench_fidelity: the budget changed between settings\n");
+                return 1;
+            }
+            memset(in_ref, 0, s);
+            mark(in_ref, oracle, N_SINK + take + w, 1);
+            if (si == 0) {
+                memset(in_sel, 1, s);
+                rare_count(&hk, in_ref, in_sel, &r, &ds->rare_oracle);
+            }
+            memset(in_sel, 0, s);
+            mark(in_sel, sel.idx, cnt, 1);
+            res->bytes = bytes_per_token(st, mid_end - N_SINK);
+            res->recall = take ? overlap(in_ref, sel.idx + N_SINK, take) / (double)take : 1.0;
+            res->mass = mass_of(p, sel.idx, cnt);
+            res->mass_ref = ds->m_oracle;
+            rare_count(&hk, in_ref, in_sel, &res->rare_kept, &res->rare_ref);
+            pqc_selection_free(&sel);
+            pqc_cache_destroy(c);
+        }
+        /* in_ref holds the oracle now; the next data set rebuilds it */
+        fprintf(stderr, "bench_fidelity: %-20s done in %.1f s\n", ds->name, now() - t_set);
+        hk_free(&hk);
+    }
+
+    /* ---- tables ---- */
+    printf("\nData sets: attention mass (exact softmax-sum over all %zu tokens, total 1)\n", s);
+    printf("%-20s %4s %7s %7s %7s %7s %8s %10s %7s %10s %9s\n", "data set", "rare", "m sink", "m sinks", "m rare",
+           "window", "m window", "m exact-k", "rare in", "m oracle", "exact");
+    printf("%-20s %4s %7s %7s %7s %7s %8s %10s %7s %10s %9s\n", "", "", "(t=0)", "(32)", "", "tokens", "", "", "exact-k",
+           "", "ns/tok");
+    print_rule(106);
+    for (di = 0; di < N_SETS; di++) {
+        const dataset *ds = &sets[di];
+        printf("%-20s %4d %7.3f %7.3f %7.3f %7zu %8.3f %10.3f %3d/%-3d %10.3f %9.2f\n", ds->name, ds->n_rare, ds->m_sink,
+               ds->m_sinks, ds->m_rare, ds->window, ds->m_window, ds->m_exact, ds->rare_exact, ds->n_rare, ds->m_oracle,
+               ds->exact_ns);
+    }
+
+    printf("\nSearch path: pqc_pq_search, k = %zu, against exact top-k (mass ref = exact top-k's mass)\n", k);
+    printf("%-20s %-10s %6s %7s %8s %8s %7s %7s %10s %10s\n", "data set", "setting", "B/tok", "recall", "mass sel",
+           "mass ref", "gap", "rare", "train", "search");
+    printf("%-20s %-10s %6s %7s %8s %8s %7s %7s %10s %10s\n", "", "", "", "@k", "", "", "", "kept", "ns/tok", "ns/tok");
+    print_rule(102);
+    for (di = 0; di < N_SETS; di++) {
+        for (si = 0; si < N_SETTINGS; si++) {
+            const result *res = &sets[di].search[si];
+            printf("%-20s %-10s %6.2f %7.3f %8.3f %8.3f %7.3f %3d/%-3d %10.1f %10.2f\n", sets[di].name, settings[si].name,
+                   res->bytes, res->recall, res->mass, res->mass_ref, res->mass_ref - res->mass, res->rare_kept,
+                   res->rare_ref, res->train_ns, res->search_ns);
+        }
+        if (di + 1 < N_SETS) putchar('\n');
+    }
+
+    printf("\nCache path: pqc_cache_select (budget 0.1: %d sinks + top-%zu + window %zu), against the cache-shaped oracle\n",
+           N_SINK, sets[0].k_mid, sets[0].window);
+    printf("(mass ref = the oracle's mass; recall over the top-k part)\n");
+    printf("%-20s %-10s %6s %7s %8s %8s %7s %7s\n", "data set", "setting", "B/tok", "recall", "mass sel", "mass ref", "gap",
+           "rare");
+    printf("%-20s %-10s %6s %7s %8s %8s %7s %7s\n", "", "", "", "top-k", "", "", "", "kept");
+    print_rule(80);
+    for (di = 0; di < N_SETS; di++) {
+        for (si = 0; si < N_SETTINGS; si++) {
+            const result *res = &sets[di].cache[si];
+            printf("%-20s %-10s %6.2f %7.3f %8.3f %8.3f %7.3f %3d/%-3d\n", sets[di].name, settings[si].name, res->bytes,
+                   res->recall, res->mass, res->mass_ref, res->mass_ref - res->mass, res->rare_kept, res->rare_ref);
+        }
+        if (di + 1 < N_SETS) putchar('\n');
+    }
+
+    /* ---- summary per level, and the plot data ---- */
+    f = fopen(out_path, "w");
+    if (!f) fprintf(stderr, "bench_fidelity: cannot write %s; the summary is printed only\n", out_path);
+    if (f) {
+        fprintf(f, "# bench_fidelity, s = %zu, k = %zu: means over the 4 data sets of each level\n", s, k);
+        fprintf(f, "# blocks (gnuplot index i = path*6 + level*2 + init): path 0 search, 1 cache;\n");
+        fprintf(f, "# level 0 easy, 1 medium, 2 hard; init 0 k-means++, 1 random\n");
+        fprintf(f, "# columns: bytes_per_token mass_sel mass_ref mass_recall(sel/ref) recall rare_kept rare_ref setting\n");
+    }
+    printf("\nSummary: means over the 4 data sets of each level (mass recall = mass sel / mass ref;\n"
+           "target: every rare token of the reference kept and mass gap <= 0.05)\n");
+    printf("%-6s %-7s %-10s %6s %7s %8s %8s %7s %8s %7s\n", "path", "level", "setting", "B/tok", "recall", "mass sel",
+           "mass ref", "gap", "mass rec", "rare");
+    print_rule(80);
+    for (i = 0; i < 2; i++) {
+        int lv, init;
+        for (lv = 0; lv < N_LEVELS; lv++) {
+            for (init = 0; init < 2; init++) {
+                for (si = init; si < N_SETTINGS; si += 2) {
+                    double b = 0, rc = 0, ms = 0, mr = 0;
+                    int kept = 0, ref = 0;
+                    for (di = lv * 4; di < lv * 4 + 4; di++) {
+                        const result *res = i == 0 ? &sets[di].search[si] : &sets[di].cache[si];
+                        b += res->bytes / 4;
+                        rc += res->recall / 4;
+                        ms += res->mass / 4;
+                        mr += res->mass_ref / 4;
+                        kept += res->rare_kept;
+                        ref += res->rare_ref;
+                    }
+                    if (init == 0 || si < 2)
+                        printf("%-6s %-7s %-10s %6.2f %7.3f %8.3f %8.3f %7.3f %8.3f %3d/%-3d\n", i ? "cache" : "search",
+                               hk_level_name(lv), settings[si].name, b, rc, ms, mr, mr - ms, ms / mr, kept, ref);
+                    if (f)
+                        fprintf(f, "%.4f %.4f %.4f %.4f %.4f %d %d \"%s\"\n", b, ms, mr, ms / mr, rc, kept, ref,
+                                settings[si].name);
+                }
+                if (f) fprintf(f, "\n\n");
+            }
+        }
+        if (i == 0) putchar('\n');
+    }
+    /* the random-init rows complete the table for the other settings */
+    printf("\nk-means++ vs random initialisation (rare kept, summed over the 4 data sets of each level)\n");
+    printf("%-6s %-7s", "path", "level");
+    for (si = 0; si < N_SETTINGS; si += 2) printf(" %13.*s", (int)strcspn(settings[si].name, " "), settings[si].name);
+    printf("\n%-6s %-7s", "", "");
+    for (si = 0; si < N_SETTINGS; si += 2) printf(" %13s", "k++ / rnd");
+    printf("\n");
+    print_rule(14 + 14 * N_SETTINGS / 2);
+    for (i = 0; i < 2; i++) {
+        int lv;
+        for (lv = 0; lv < N_LEVELS; lv++) {
+            printf("%-6s %-7s", i ? "cache" : "search", hk_level_name(lv));
+            for (si = 0; si < N_SETTINGS; si += 2) {
+                int kp = 0, kr = 0, ref = 0;
+                for (di = lv * 4; di < lv * 4 + 4; di++) {
+                    const result *a = i == 0 ? &sets[di].search[si] : &sets[di].cache[si];
+                    const result *b = i == 0 ? &sets[di].search[si + 1] : &sets[di].cache[si + 1];
+                    kp += a->rare_kept;
+                    kr += b->rare_kept;
+                    ref += a->rare_ref;
+                }
+                printf("   %3d/%3d/%-3d", kp, kr, ref);
+            }
+            printf("\n");
+        }
+    }
+    if (f) {
+        if (fclose(f)) fprintf(stderr, "bench_fidelity: error writing %s\n", out_path);
+        else printf("\nwrote %s\n", out_path);
+    }
+    printf("total %.1f s\n", now() - t_all);
+
+    free(sets);
+    free(p);
+    free(sc);
+    free(exact_idx);
+    free(idx);
+    free(oracle);
+    free(in_ref);
+    free(in_sel);
+    pqc_scratch_free(&scr);
+    pqc_runtime_destroy(rt);
+    return 0;
+}

@@ -1,0 +1,47 @@
+# fidelity.gp - draws the attention mass that PQ selection keeps against its bytes per token,
+# from the summary bench_fidelity writes (means over the four data sets of each level).
+# Left: the search path (pqc_pq_search) against exact top-k; right: the cache path
+# (pqc_cache_select) against the cache-shaped oracle. Filled points: k-means++
+# initialisation; open points: random initialisation; the settings are labelled on the
+# hard level.
+#
+# usage, from the repository root:
+#   gnuplot bench/fidelity.gp                      (build/fidelity.dat -> build/fidelity.png)
+#   gnuplot -e "dat='build/x.dat'; png='build/x.png'" bench/fidelity.gp
+if (!exists("dat")) dat = 'build/fidelity.dat'
+if (!exists("png")) png = 'build/fidelity.png'
+
+if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {
+    set terminal pngcairo size 1200,540 font 'sans,10' noenhanced
+} else {
+    set terminal png size 1200,540 noenhanced
+}
+set output png
+
+levels = 'easy medium hard'
+colors = '#1b9e77 #d95f02 #7570b3'
+paths = 'search cache'
+refs = 'exact top-k|cache-shaped oracle'
+
+set multiplot layout 1,2 title 'PQ selection on hard LLM-like keys: attention mass kept vs bytes per token and KV head'
+set logscale x 2
+set xrange [2:32]
+set xtics (2, 4, 8, 16, 32)
+set yrange [0:1.08]
+set ytics 0.1
+set grid
+set key bottom right
+set xlabel 'bytes per token per KV head (codes + centroids)'
+set arrow 1 from graph 0, first 1 to graph 1, first 1 nohead dashtype 2 lc rgb '#888888'
+
+do for [p=0:1] {
+    ref = p == 0 ? 'exact top-k' : 'cache-shaped oracle'
+    set title sprintf('%s path: mass of the selection / mass of %s', word(paths, p + 1), ref)
+    set ylabel sprintf('mass recall vs %s', ref)
+    plot for [l=0:2] dat index (p*6 + l*2) using 1:4 with points pt 7 ps 1.3 \
+             lc rgb word(colors, l + 1) title word(levels, l + 1).' (k-means++)', \
+         for [l=0:2] dat index (p*6 + l*2 + 1) using 1:4 with points pt 6 ps 1.4 \
+             lc rgb word(colors, l + 1) title word(levels, l + 1).' (random init)', \
+         dat index (p*6 + 4) using 1:4:(word(stringcolumn(8), 1)) with labels offset 0,-1.1 font ',8' notitle
+}
+unset multiplot
