@@ -111,7 +111,7 @@ test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_c
 	sh tests/cuda_emu/run.sh $(BUILD)
 
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san
+TEST_GROUPS := test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san test-fuzz
 test:
 	@sh tests/run_all.sh $(TEST_GROUPS)
 
@@ -169,3 +169,4 @@ bench-cache: $(BUILD)/bench_cache
 include bench/fidelity.mk
 
 bench: bench-pq bench-cache
+include tests/fuzz/fuzz.mk

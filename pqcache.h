@@ -3534,7 +3534,7 @@ PQCDEF int pqc_scheduler_iters(pqc_scheduler *s, double tokens, int jobs)
     pqc_scheduler_fit f;
     double t, share;
     int lo, hi, def;
-    if (!s || !(tokens > 0 && tokens <= PQC__SCHED_MAX_TOKENS)) return s ? s->t_default : 10;
+    if (!s) return 10;
     pqc__sched_lock(s);
     f = pqc__sched_fit(s);
     lo = s->t_min;
@@ -3544,7 +3544,9 @@ PQCDEF int pqc_scheduler_iters(pqc_scheduler *s, double tokens, int jobs)
     share = jobs > 0 ? s->parallel / (double)jobs : 1.0;
     if (share > 1.0) share = 1.0;
     pqc__sched_unlock(s);
-    if (f.n1 == 0 || f.n2 == 0 || !(f.b1 > 0)) return def < lo ? lo : (def > hi ? hi : def);
+    /* no fit yet, or no sequence to fit: the default, within the clip */
+    if (f.n1 == 0 || f.n2 == 0 || !(f.b1 > 0) || !(tokens > 0 && tokens <= PQC__SCHED_MAX_TOKENS))
+        return def < lo ? lo : (def > hi ? hi : def);
     t = ((f.g2 * tokens * tokens + f.b2 * tokens + f.a2) * share - f.a1) / (f.b1 * tokens);
     if (!(t >= lo)) return lo; /* also catches NaN */
     if (t > hi) return hi;

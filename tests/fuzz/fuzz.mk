@@ -1,0 +1,66 @@
+# tests/fuzz/fuzz.mk - libFuzzer targets. Included from the top-level Makefile, whose
+# BUILD, CLANG and LDLIBS it uses; paths are relative to the repository root.
+#
+# Every tests/fuzz/fuzz_NAME.c is built into $(BUILD)/fuzz_NAME (clang, libFuzzer,
+# ASan+UBSan); its seed corpus is tests/fuzz/corpus/NAME/.
+#
+#   make fuzz [FUZZ_SECONDS=600]   each target for FUZZ_SECONDS on a scratch copy of its
+#                                  corpus ($(BUILD)/fuzz_corpus/NAME: the seed corpus in
+#                                  the repository stays hand-picked); prints each
+#                                  target's "Done N runs in S second(s)" line and fails
+#                                  on a crash, leak, timeout or sanitizer report
+#                                  (reproducers under $(BUILD)/fuzz_artifacts/NAME/,
+#                                  logs under $(BUILD)/fuzz_logs/)
+#   make test-fuzz                 the bounded run of the test suite: every seed replayed,
+#                                  then FUZZ_RUNS inputs per target from a fixed seed
+#                                  (FUZZ_RUNS_NAME overrides it for one target); ends
+#                                  with "N passed, N failed", one test per target
+#   make fuzz-build                builds the targets only
+#
+# Reproduce a finding: $(BUILD)/fuzz_NAME FILE (add -runs=100 to repeat it); for fuzz_api,
+# FUZZ_API_TRACE=1 lists every operation and call of the input. The seeds of fuzz_api are
+# written by tests/fuzz/api_seeds.py from readable programs.
+
+FUZZ_DIR     := tests/fuzz
+FUZZ_SRCS    := $(sort $(wildcard $(FUZZ_DIR)/fuzz_*.c))
+FUZZ_NAMES   := $(patsubst $(FUZZ_DIR)/fuzz_%.c,%,$(FUZZ_SRCS))
+FUZZ_BINS    := $(addprefix $(BUILD)/fuzz_,$(FUZZ_NAMES))
+FUZZ_CFLAGS  := -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -std=c99 \
+                -Wall -Wextra -Werror -pedantic -Iexamples/tiny_llama -Itests
+FUZZ_DEPS    := $(or $(HDR),pqcache.h) $(wildcard examples/tiny_llama/*.h) $(wildcard $(FUZZ_DIR)/*.h)
+FUZZ_SECONDS ?= 600
+FUZZ_RUNS    ?= 10000
+FUZZ_RUNS_api ?= 12000
+# a cap on each bounded run, whatever its run count
+FUZZ_TEST_SECONDS ?= 40
+# limits: a hostile size is a failure only when it really exhausts memory or time
+FUZZ_LIMITS  := -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=10
+FUZZ_TOOLCHAIN := $(BUILD)/.fuzz_toolchain
+
+.PHONY: fuzz test-fuzz fuzz-build
+
+# clang and the libFuzzer runtime must be there; say which Debian package is missing
+$(FUZZ_TOOLCHAIN):
+	@mkdir -p $(BUILD)
+	@command -v $(CLANG) >/dev/null 2>&1 || { \
+	  echo "fuzz: '$(CLANG)' not found: install clang (Debian: apt-get install clang libclang-rt-14-dev)" >&2; exit 1; }
+	@printf 'int LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n);\nint LLVMFuzzerTestOneInput(const unsigned char *d, unsigned long n) { (void)d; (void)n; return 0; }\n' \
+	  > $(BUILD)/fuzz_probe.c
+	@$(CLANG) -fsanitize=fuzzer,address,undefined $(BUILD)/fuzz_probe.c -o $(BUILD)/fuzz_probe > $(BUILD)/fuzz_probe.log 2>&1 || { \
+	  echo "fuzz: $(CLANG) cannot link -fsanitize=fuzzer,address,undefined (libFuzzer or sanitizer runtime missing):" >&2; \
+	  echo "      install libclang-rt-14-dev (Debian; the libclang-rt-N-dev matching your clang-N) and clang" >&2; \
+	  sed 's/^/      | /' $(BUILD)/fuzz_probe.log >&2; exit 1; }
+	@rm -f $(BUILD)/fuzz_probe $(BUILD)/fuzz_probe.c $(BUILD)/fuzz_probe.log
+	@touch $@
+
+$(BUILD)/fuzz_%: $(FUZZ_DIR)/fuzz_%.c $(FUZZ_DEPS) | $(FUZZ_TOOLCHAIN)
+	$(CLANG) $(FUZZ_CFLAGS) $< -o $@ $(LDLIBS)
+
+fuzz-build: $(FUZZ_BINS)
+
+fuzz: $(FUZZ_BINS)
+	@sh $(FUZZ_DIR)/run.sh time $(BUILD) "$(FUZZ_LIMITS)" $(foreach n,$(FUZZ_NAMES),$(n):$(FUZZ_SECONDS))
+
+test-fuzz: $(FUZZ_BINS)
+	@sh $(FUZZ_DIR)/run.sh test $(BUILD) "$(FUZZ_LIMITS) -max_total_time=$(FUZZ_TEST_SECONDS)" \
+	  $(foreach n,$(FUZZ_NAMES),$(n):$(or $(FUZZ_RUNS_$(n)),$(FUZZ_RUNS)))
