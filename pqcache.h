@@ -5197,6 +5197,17 @@ PQCDEF pqc_result pqc_batch_fetch(pqc_cache *const *caches, int n, int layer, co
 
 /* ----- driver ----- */
 
+/* The driver runs every layer at one position: each must hold exactly pos tokens. */
+static pqc_result pqc__driver_check_pos(const pqc_cache *c, size_t pos, const char *what)
+{
+    int l;
+    for (l = 0; l < c->d.n_layers; l++)
+        if (c->layers[l].n_tokens != pos)
+            return pqc__cfail(c, PQC_ERROR_BAD_STATE, "%s: position %zu, but layer %d holds %zu tokens", what, pos, l,
+                              c->layers[l].n_tokens);
+    return PQC_SUCCESS;
+}
+
 /* What a driver call restores on failure: per layer the token count, statistics and step,
    and the window. Layers that took the call's tokens give them back. */
 typedef struct pqc__undo {
@@ -5254,9 +5265,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
     int l, h;
     if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_prefill: null");
     if (n == 0) return pqc__cfail(c, PQC_ERROR_EMPTY, "pqc_driver_prefill: no tokens");
-    if (pos0 != c->layers[0].n_tokens)
-        return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_driver_prefill: position %zu, cache holds %zu tokens", pos0,
-                          c->layers[0].n_tokens);
+    if ((r = pqc__driver_check_pos(c, pos0, "pqc_driver_prefill")) != PQC_SUCCESS) return r;
     if (n > c->d.max_tokens - pos0)
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_driver_prefill: %zu + %zu tokens exceed max_tokens", pos0, n);
     qn = (size_t)c->d.n_q_heads * c->d.head_dim;
@@ -5333,9 +5342,8 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     pqc_result r = PQC_SUCCESS;
     int l, h;
     if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_decode: null");
-    if (pos != c->layers[0].n_tokens || pos == 0)
-        return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_driver_decode: position %zu, cache holds %zu tokens", pos,
-                          c->layers[0].n_tokens);
+    if (pos == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_driver_decode: position 0: prefill first");
+    if ((r = pqc__driver_check_pos(c, pos, "pqc_driver_decode")) != PQC_SUCCESS) return r;
     qn = (size_t)c->d.n_q_heads * c->d.head_dim;
     kn = (size_t)c->d.n_kv_heads * c->d.head_dim;
     cap = pos + 1;

@@ -898,6 +898,35 @@ TEST failed_driver_calls_give_back_their_tokens(void)
     PASS();
 }
 
+TEST driver_refuses_layers_of_unequal_length(void)
+{
+    pqc_cache_desc cd = small_desc(2, 1, 1, 8);
+    pqc_cache *c;
+    pqc_engine e;
+    eng en;
+    float *k = rows(20, 8), *v = rows(20, 8);
+    memset(&en, 0, sizeof en);
+    en.kv = en.hq = 1;
+    en.d = 8;
+    en.fail_qkv = en.fail_attend = -1;
+    memset(&e, 0, sizeof e);
+    e.user = &en;
+    e.qkv = eng_qkv;
+    e.attend = eng_attend;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 17));
+    ASSERT_EQ(PQC_SUCCESS, prefill(c, 1, k, v, 16));
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_driver_decode(c, &e, 17));
+    ASSERT(strstr(pqc_last_error(), "layer 1 holds 16") != NULL);
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_driver_prefill(c, &e, 17, 4));
+    ASSERT_EQ(0L, en.attends); /* refused before any callback */
+    ASSERT_EQ(17u, pqc_cache_tokens(c, 0));
+    pqc_cache_destroy(c);
+    free(k);
+    free(v);
+    PASS();
+}
+
 /* ----- worker errors reach the caller ------------------------------------------------ */
 
 static volatile int g_fail_scratch;
@@ -995,6 +1024,7 @@ SUITE(contract)
     RUN_TEST(calibration_files_are_regular_files_only);
     RUN_TEST(loaded_calibration_sets_t_on_every_layer);
     RUN_TEST(failed_driver_calls_give_back_their_tokens);
+    RUN_TEST(driver_refuses_layers_of_unequal_length);
     RUN_TEST(select_failing_on_a_worker_reports_its_message);
     RUN_TEST(failed_calls_change_nothing_at_every_allocation_inline);
     RUN_TEST(failed_calls_change_nothing_at_every_allocation_threaded);
