@@ -494,6 +494,20 @@ static int eng_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
     return 0;
 }
 
+/* an engine over eng_qkv / eng_attend for kv KV heads, hq query heads of d dims */
+static void eng_init(pqc_engine *e, eng *en, int kv, int hq, int d)
+{
+    memset(en, 0, sizeof *en);
+    en->kv = kv;
+    en->hq = hq;
+    en->d = d;
+    en->fail_qkv = en->fail_attend = -1;
+    memset(e, 0, sizeof *e);
+    e->user = en;
+    e->qkv = eng_qkv;
+    e->attend = eng_attend;
+}
+
 TEST loaded_calibration_sets_t_on_every_layer(void)
 {
     pqc_scheduler *s;
@@ -526,14 +540,7 @@ TEST loaded_calibration_sets_t_on_every_layer(void)
     want = pqc_scheduler_iters(s, 1999, 1);
     ASSERT_EQ(23, want);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
-    memset(&en, 0, sizeof en);
-    en.kv = en.hq = 1;
-    en.d = 16;
-    en.fail_qkv = en.fail_attend = -1;
-    memset(&e, 0, sizeof e);
-    e.user = &en;
-    e.qkv = eng_qkv;
-    e.attend = eng_attend;
+    eng_init(&e, &en, 1, 1, 16);
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 2000));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
     for (l = 0; l < 4; l++) {
@@ -739,15 +746,7 @@ static int scenario(scen *S)
     cd.n_sink = 2;
     cd.budget_ratio = 0.3;
     if (pqc_cache_create(rt, &cd, &b) != PQC_SUCCESS) goto early;
-    memset(&en, 0, sizeof en);
-    en.kv = 1;
-    en.hq = 2;
-    en.d = 16;
-    en.fail_qkv = en.fail_attend = -1;
-    memset(&e, 0, sizeof e);
-    e.user = &en;
-    e.qkv = eng_qkv;
-    e.attend = eng_attend;
+    eng_init(&e, &en, 1, 2, 16);
     e.accepts_row_pointers = 1;
     g_with_blocks = 0; /* the driver's documented recovery: everything but the block cache */
     SCEN_CALL(S, b, (pqc_selection *)NULL, pqc_driver_prefill(b, &e, 0, 250));
@@ -853,15 +852,7 @@ TEST failed_driver_calls_give_back_their_tokens(void)
     int l, fail;
     size_t i;
     cd.n_sink = 2;
-    memset(&en, 0, sizeof en);
-    en.kv = 1;
-    en.hq = 2;
-    en.d = 16;
-    en.fail_qkv = en.fail_attend = -1;
-    memset(&e, 0, sizeof e);
-    e.user = &en;
-    e.qkv = eng_qkv;
-    e.attend = eng_attend;
+    eng_init(&e, &en, 1, 2, 16);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &ref));
     for (fail = 0; fail < 3; fail++) { /* qkv fails at layer 1, then attend at layer 2, ... */
@@ -905,14 +896,7 @@ TEST driver_refuses_layers_of_unequal_length(void)
     pqc_engine e;
     eng en;
     float *k = rows(20, 8), *v = rows(20, 8);
-    memset(&en, 0, sizeof en);
-    en.kv = en.hq = 1;
-    en.d = 8;
-    en.fail_qkv = en.fail_attend = -1;
-    memset(&e, 0, sizeof e);
-    e.user = &en;
-    e.qkv = eng_qkv;
-    e.attend = eng_attend;
+    eng_init(&e, &en, 1, 1, 8);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 17));
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 1, k, v, 16));

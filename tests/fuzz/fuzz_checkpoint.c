@@ -23,6 +23,7 @@
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
 #include "tiny_llama.h"
+#include "fuzz/fuzz_util.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -32,7 +33,6 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-static char g_dir[512], g_file[600];
 
 static void fz_fail(const char *what, const char *detail)
 {
@@ -40,38 +40,13 @@ static void fz_fail(const char *what, const char *detail)
     abort();
 }
 
-static void fz_cleanup(void)
-{
-    if (g_file[0])
-        unlink(g_file);
-    if (g_dir[0])
-        rmdir(g_dir);
-}
 
 /* the file the loader reads: one per process, in a directory of its own */
 static const char *fz_file(void)
 {
-    if (!g_dir[0]) {
-        const char *tmp = getenv("TMPDIR");
-        snprintf(g_dir, sizeof g_dir, "%s/fuzz_checkpoint_XXXXXX", tmp && *tmp ? tmp : "/tmp");
-        if (!mkdtemp(g_dir)) {
-            perror("fuzz_checkpoint: mkdtemp");
-            abort();
-        }
-        snprintf(g_file, sizeof g_file, "%s/checkpoint.bin", g_dir);
-        atexit(fz_cleanup);
-    }
-    return g_file;
+    return fz_scratch_path("fuzz_checkpoint", "checkpoint.bin");
 }
 
-static void fz_write(const char *path, const uint8_t *data, size_t size)
-{
-    FILE *f = fopen(path, "wb");
-    if (!f || (size > 0 && fwrite(data, 1, size, f) != size) || fclose(f) != 0) {
-        perror("fuzz_checkpoint: writing the input");
-        abort();
-    }
-}
 
 static int fz_same_config(const tl_config *a, const tl_config *b)
 {
@@ -128,7 +103,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fz_fail("tl_parse_header failed without a message", "");
     }
 
-    fz_write(fz_file(), data, size);
+    fz_write_file(fz_file(), data, size);
     err[0] = '\0';
     if (tl_build_model(&m, fz_file(), err, sizeof err) == 0) {
         loaded = m.config;

@@ -25,6 +25,7 @@
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
 #include "tiny_llama.h"
+#include "fuzz/fuzz_util.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -37,7 +38,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 #define FZ_MAX_VOCAB 65536
 #define FZ_MAX_TEXT 64
 
-static char g_dir[512], g_file[600];
 static FILE *g_null;
 
 static void fz_fail(const char *what, const char *detail)
@@ -46,45 +46,20 @@ static void fz_fail(const char *what, const char *detail)
     abort();
 }
 
-static void fz_cleanup(void)
-{
-    if (g_file[0])
-        unlink(g_file);
-    if (g_dir[0])
-        rmdir(g_dir);
-    if (g_null)
-        fclose(g_null);
-}
 
 /* the file the loader reads: one per process, in a directory of its own */
 static const char *fz_file(void)
 {
-    if (!g_dir[0]) {
-        const char *tmp = getenv("TMPDIR");
-        snprintf(g_dir, sizeof g_dir, "%s/fuzz_tokenizer_XXXXXX", tmp && *tmp ? tmp : "/tmp");
-        if (!mkdtemp(g_dir)) {
-            perror("fuzz_tokenizer: mkdtemp");
-            abort();
-        }
-        snprintf(g_file, sizeof g_file, "%s/tokenizer.bin", g_dir);
+    if (!g_null) {
         g_null = fopen("/dev/null", "w");
         if (!g_null) {
             perror("fuzz_tokenizer: /dev/null");
             abort();
         }
-        atexit(fz_cleanup);
     }
-    return g_file;
+    return fz_scratch_path("fuzz_tokenizer", "tokenizer.bin");
 }
 
-static void fz_write(const char *path, const uint8_t *data, size_t size)
-{
-    FILE *f = fopen(path, "wb");
-    if (!f || (size > 0 && fwrite(data, 1, size, f) != size) || fclose(f) != 0) {
-        perror("fuzz_tokenizer: writing the input");
-        abort();
-    }
-}
 
 static int fz_i32(const uint8_t *p)
 {
@@ -159,7 +134,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int n = fz_count_tokens(data, size), i, tokens[8], m = -1;
     size_t tail;
 
-    fz_write(path, data, size);
+    fz_write_file(path, data, size);
     fz_refused(&t, path, (int)(size % 3), "a vocabulary below 3 was accepted");
     if (n < FZ_MAX_VOCAB)
         fz_refused(&t, path, n + 1, "a vocabulary larger than the file holds was accepted");

@@ -1,0 +1,56 @@
+/* fuzz_util.h - what the fuzz targets share: a scratch directory made once per process
+   (under TMPDIR, removed at exit with the files named in it) and writing an input to a
+   file there. A failure to set these up aborts: it is the harness's, not the target's. */
+#ifndef PQC_FUZZ_UTIL_H
+#define PQC_FUZZ_UTIL_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define FZ_MAX_FILES 8
+static char fz__dir[512];
+static char fz__files[FZ_MAX_FILES][600];
+static int fz__n_files;
+
+static void fz__cleanup(void)
+{
+    int i;
+    for (i = 0; i < fz__n_files; i++) remove(fz__files[i]);
+    if (fz__dir[0]) rmdir(fz__dir);
+}
+
+/* The path of `name` in this process's scratch directory (made on first use; the file
+   is removed at exit). Names must be few and fixed: at most FZ_MAX_FILES. */
+static const char *fz_scratch_path(const char *target, const char *name)
+{
+    int i;
+    if (!fz__dir[0]) {
+        const char *tmp = getenv("TMPDIR");
+        if (!tmp || !*tmp || strlen(tmp) > 400) tmp = "/tmp";
+        snprintf(fz__dir, sizeof fz__dir, "%s/pqc_%s_XXXXXX", tmp, target);
+        if (!mkdtemp(fz__dir)) {
+            perror("fuzz: mkdtemp");
+            abort();
+        }
+        atexit(fz__cleanup);
+    }
+    for (i = 0; i < fz__n_files; i++)
+        if (strcmp(strrchr(fz__files[i], '/') + 1, name) == 0) return fz__files[i];
+    if (fz__n_files == FZ_MAX_FILES) abort();
+    snprintf(fz__files[fz__n_files], sizeof fz__files[0], "%s/%s", fz__dir, name);
+    return fz__files[fz__n_files++];
+}
+
+/* Writes size bytes to path, or aborts. */
+static void fz_write_file(const char *path, const void *data, size_t size)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f || (size > 0 && fwrite(data, 1, size, f) != size) || fclose(f) != 0) {
+        perror("fuzz: writing the input");
+        abort();
+    }
+}
+
+#endif
