@@ -5061,7 +5061,7 @@ PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats
 
 PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *full_kv_bytes)
 {
-    size_t dev = 0, full = 0, per_head_fixed, codes = 0;
+    size_t dev = 0, full = 0, per_head_fixed, codes = 0, tier_bytes;
     int l, h;
     if (!c) return;
     for (l = 0; l < c->d.n_layers; l++) {
@@ -5078,7 +5078,8 @@ PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *f
         }
     }
     dev += codes * (size_t)c->d.n_kv_heads; /* one layer's codes in flight */
-    if (c->tier->device_bytes(c)) dev = c->tier->device_bytes(c); /* what a GPU actually holds */
+    tier_bytes = c->tier->device_bytes(c); /* what a GPU actually holds, where there is one */
+    if (tier_bytes) dev = tier_bytes;
     if (device_bytes) *device_bytes = dev;
     if (full_kv_bytes) *full_kv_bytes = full;
 }
