@@ -412,6 +412,8 @@ PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path);
    it is chosen by the runtime (PQC_BACKEND_CUDA / AUTO) when desc.backend is NULL.
    ------------------------------------------------------------------------------------- */
 
+/* A fetch calls copy_h2d from several threads at once (one per KV head, on the runtime's
+   pool), each into its own slots: it must be safe to call concurrently. */
 typedef struct pqc_backend_i {
     const char *name;
     void *(*alloc)(void *ctx, size_t bytes);                                  /* device memory */

@@ -404,26 +404,38 @@ TEST eviction_orders_match_reference(void)
 
 /* ----- a backend of the engine's holds the slots ----- */
 
+/* copies may come from several threads at once (one per KV head): counted under a lock */
 typedef struct count_be {
+    pthread_mutex_t mu;
     size_t live, copied;
     int fail;
 } count_be;
 static void *cb_alloc(void *ctx, size_t n)
 {
-    ((count_be *)ctx)->live++;
+    count_be *b = (count_be *)ctx;
+    pthread_mutex_lock(&b->mu);
+    b->live++;
+    pthread_mutex_unlock(&b->mu);
     return malloc(n);
 }
 static void cb_free(void *ctx, void *p)
 {
-    ((count_be *)ctx)->live--;
+    count_be *b = (count_be *)ctx;
+    pthread_mutex_lock(&b->mu);
+    b->live--;
+    pthread_mutex_unlock(&b->mu);
     free(p);
 }
 static int cb_copy(void *ctx, void *dst, const void *src, size_t n)
 {
     count_be *b = (count_be *)ctx;
-    if (b->fail) return -1;
+    int fail;
+    pthread_mutex_lock(&b->mu);
+    fail = b->fail;
+    if (!fail) b->copied += n;
+    pthread_mutex_unlock(&b->mu);
+    if (fail) return -1;
     memcpy(dst, src, n);
-    b->copied += n;
     return 0;
 }
 
@@ -441,6 +453,7 @@ TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
     float *k = rand_rows(n + 40, 32), *v = rand_rows(n + 40, 32), q[32];
     int32_t blocks[64];
     memset(&cnt, 0, sizeof cnt);
+    pthread_mutex_init(&cnt.mu, NULL);
     memset(&be, 0, sizeof be);
     be.iface.name = "counting";
     be.iface.alloc = cb_alloc;
@@ -488,6 +501,7 @@ TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
     pqc_selection_free(&sel);
     pqc_cache_destroy(c);
     ASSERT_EQ(0u, cnt.live);
+    pthread_mutex_destroy(&cnt.mu);
     pqc_runtime_destroy(rt);
     free(k);
     free(v);
