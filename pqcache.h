@@ -4807,9 +4807,10 @@ static pqc_result pqc__host_fetch_prepare(pqc_cache *c, size_t rows_cap)
 
 /* Host tier: the copies into slots and the gather (or only the row sources, for
    fetch_rows, when out is NULL), in parallel over heads and row chunks when worth it. */
-static pqc_result pqc__host_fetch(pqc_cache *c, pqc__fetch_job *j, int parallel)
+static pqc_result pqc__host_fetch(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
 {
     size_t nh = (size_t)c->d.n_kv_heads, h, rows = 0;
+    (void)dout; /* rows stay in host memory on this tier */
     j->src = c->fsrc;
     c->frows_cap = j->rows_cap;
     for (h = 0; h < nh; h++) rows += j->sel->count[h];
@@ -4960,11 +4961,6 @@ static pqc_result pqc__host_search(pqc_cache *c, int l, const float *q, size_t t
     *idx = NULL;
     return PQC_SUCCESS;
 }
-static pqc_result pqc__host_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
-{
-    (void)dout;
-    return pqc__host_fetch(c, j, parallel);
-}
 static size_t pqc__host_device_bytes(const pqc_cache *c)
 {
     (void)c;
@@ -4980,7 +4976,7 @@ static const pqc__tier_i *pqc__host_tier(void)
     static const pqc__tier_i t = { "host", 0, pqc__host_create, pqc__host_destroy, pqc__host_store_alloc,
                                    pqc__host_store_free, pqc__host_codes_alloc, pqc__host_quiesce, pqc__host_grown,
                                    pqc__host_stored, pqc__host_stored, pqc__host_sized, pqc__host_search,
-                                   pqc__host_fetch_prepare, pqc__host_fetch_tier, pqc__host_device_bytes,
+                                   pqc__host_fetch_prepare, pqc__host_fetch, pqc__host_device_bytes,
                                    pqc__host_zero_copy };
     return &t;
 }
