@@ -12,7 +12,7 @@ TSAN    := -fsanitize=thread
 .PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
-LIBTESTS := core cache contract
+LIBTESTS := core cache contract fidelity
 
 # `make` alone: the library's tests and the example engine, built (nothing is run)
 all: $(addprefix $(BUILD)/test_,$(LIBTESTS)) build/tiny_llama build/tiny_llama_gen
@@ -21,7 +21,7 @@ $(BUILD):
 	@mkdir -p $(BUILD)
 
 HDR := pqcache.h
-TEST_DEPS := tests/greatest.h tests/synth.h $(HDR)
+TEST_DEPS := tests/greatest.h tests/synth.h $(HDR) bench/hardkeys.h
 
 $(BUILD)/test_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)

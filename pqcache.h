@@ -265,6 +265,13 @@ typedef struct pqc_pq_desc {
                                     in no fixed order, so results vary in the last bits
                                     and with the run. Needs a CUDA runtime, else
                                     PQC_ERROR_NO_DEVICE. 0 (default): the CPU          */
+    const float *metric;         /* optional: d_h per-dimension weights w of the distance
+                                    that training and coding minimise, sum_e w_e (x_e -
+                                    c_e)^2 (positive, finite, max/min <= 1e12; copied).
+                                    With w = the mean squared query per dimension, that
+                                    distance is the expected squared error of q.k: the
+                                    codebook spends its centroids where queries look
+                                    (score-aware quantization). NULL: Euclidean        */
 } pqc_pq_desc;
 
 /* A trained product quantizer for one (layer, KV head). Fields are read-only. */
@@ -278,6 +285,8 @@ typedef struct pqc_pq {
     float *centroids; /* [m][ksub][dsub]              */
     float *cent_t;    /* [m][dsub][ksub_pad], private */
     float *cnorm;     /* [m][ksub_pad], private       */
+    float *metric;    /* [dim] the desc's weights, or NULL (Euclidean)      */
+    float *wnorm;     /* [m][ksub_pad] weighted centroid norms, private     */
     pqc_allocator alloc;
 } pqc_pq;
 
@@ -443,6 +452,14 @@ typedef enum pqc_policy {
     PQC_POLICY_LRU = 1  /* least recently used                                              */
 } pqc_policy;
 
+typedef enum pqc_metric {
+    PQC_METRIC_QUERY = 0, /* each head's codebook weighs dimensions by the mean squared query
+                             its heads were observed with (pqc_cache_observe; the driver
+                             observes the prompt's last queries); Euclidean until a head
+                             has observations (default)                                  */
+    PQC_METRIC_L2 = 1     /* plain Euclidean k-means, observations ignored                */
+} pqc_metric;
+
 typedef struct pqc_cache_desc {
     int n_layers;            /* L                                                         */
     int n_kv_heads;          /* h_kv                                                      */
@@ -456,7 +473,13 @@ typedef struct pqc_cache_desc {
     double budget_ratio;     /* tokens attended beyond the sinks: ratio * (s - sinks); 0 = 0.1 */
     size_t budget_tokens;    /* a fixed budget instead of the ratio (0 = use the ratio)   */
     double recent_share;     /* share of the budget for the window; 0 = 0.5             */
-    pqc_pq_desc pq;          /* m, bits, init, seed; pq.iters > 0 fixes T, 0 = scheduler   */
+    pqc_pq_desc pq;          /* m, bits, init, seed; pq.iters > 0 fixes T, 0 = scheduler;
+                                pq.metric must be NULL (see metric below)                 */
+    pqc_metric metric;       /* distance of the PQ builds; 0 = PQC_METRIC_QUERY            */
+    double metric_floor;     /* QUERY: weight of a dimension = its mean squared query over
+                                the mean over dimensions, plus this; 0 = 0.01             */
+    int observe;             /* driver prefill: the last `observe` queries of each call are
+                                observed; 0 = 32, -1 = none                               */
     pqc_gqa gqa;             /* how query heads sharing a KV head combine; 0 = softmax-sum */
     int block_tokens;        /* block size of the block cache; 0 = 128                    */
     int cache_blocks;        /* blocks per layer and KV head; 0 = 32; -1 = no block cache */
@@ -528,6 +551,16 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c);
    background; later calls (more prompt chunks, multi-turn) extend the layer and code the
    tokens with the existing codebooks. Nothing is stored on failure. */
 PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k, const pqc_matrix *v);
+/* Observes n queries of one layer (n rows of n_q_heads*d_h fp32, post-RoPE; best the
+   prompt's last ones, which look for what decoding will look for). Under
+   PQC_METRIC_QUERY each KV head's next build (the first prefill's, or a rebuild) trains
+   and codes with the distance sum_e w_e (k_e - c_e)^2, w_e = the mean over the head's
+   group and every observation so far of q_e^2, normalised (see metric_floor): the
+   codebook spends its centroids where queries look, so a rare key that differs from its
+   cluster only where queries look keeps its own centroid. Call it before the layer's
+   first pqc_cache_prefill (pqc_driver_prefill does); later observations count from the
+   next rebuild. Nothing changes on failure. */
+PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n);
 /* Decode: one new token's K and V (n_kv_heads*d_h fp32 each) for one layer. The oldest
    window token leaves the window and is coded from its own stored key. */
 PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v);
@@ -2435,6 +2468,21 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
     if (d->device < 0 || d->device > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.device = %d not 0 or 1", d->device);
     if (d->device && !(rt && rt->cu))
         return pqc__fail(rt, PQC_ERROR_NO_DEVICE, "pq.device: the runtime has no CUDA GPU (create it with PQC_BACKEND_CUDA)");
+    if (d->metric) {
+        float lo = INFINITY, hi = 0.0f;
+        int e;
+        for (e = 0; e < dim; e++) {
+            float w = d->metric[e];
+            if (!(w > 0.0f) || !(w <= 3.0e38f))
+                return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.metric[%d] = %g: weights must be positive and finite", e,
+                                 (double)w);
+            if (w < lo) lo = w;
+            if (w > hi) hi = w;
+        }
+        if ((double)hi > 1e12 * (double)lo)
+            return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.metric: largest/smallest weight %g exceeds 1e12",
+                             (double)hi / (double)lo);
+    }
     return PQC_SUCCESS;
 }
 
@@ -2446,10 +2494,12 @@ PQCDEF void pqc_pq_free(pqc_pq *pq)
     pqc__free(&pq->alloc, pq->centroids);
     pqc__free(&pq->alloc, pq->cent_t);
     pqc__free(&pq->alloc, pq->cnorm);
+    pqc__free(&pq->alloc, pq->metric);
+    pqc__free(&pq->alloc, pq->wnorm);
     pqc__pq_zero(pq);
 }
 
-static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits)
+static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *metric)
 {
     size_t kpad;
     pqc__pq_zero(pq);
@@ -2464,7 +2514,12 @@ static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int 
     pq->centroids = (float *)pqc__calloc(&pq->alloc, (size_t)m * pq->ksub * pq->dsub * sizeof(float));
     pq->cent_t = (float *)pqc__calloc(&pq->alloc, (size_t)m * pq->dsub * kpad * sizeof(float));
     pq->cnorm = (float *)pqc__calloc(&pq->alloc, (size_t)m * kpad * sizeof(float));
-    if (!pq->centroids || !pq->cent_t || !pq->cnorm) {
+    if (metric) {
+        pq->metric = (float *)pqc__alloc(&pq->alloc, (size_t)dim * sizeof(float));
+        pq->wnorm = (float *)pqc__calloc(&pq->alloc, (size_t)m * kpad * sizeof(float));
+        if (pq->metric) memcpy(pq->metric, metric, (size_t)dim * sizeof(float));
+    }
+    if (!pq->centroids || !pq->cent_t || !pq->cnorm || (metric && (!pq->metric || !pq->wnorm))) {
         pqc_pq_free(pq);
         return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "PQ codebook allocation failed");
     }
@@ -2493,6 +2548,22 @@ static void pqc__pq_finish_sub(pqc_pq *pq, int j)
     size_t kpad = (size_t)pq->ksub_pad;
     pqc__transpose_centroids(pq->centroids + (size_t)j * pq->ksub * pq->dsub, pq->ksub, pq->dsub, pq->ksub_pad,
                              pq->cent_t + (size_t)j * pq->dsub * kpad, pq->cnorm + (size_t)j * kpad);
+    if (pq->metric) {
+        /* weighted norms sum_e (w_e c_e) c_e, sequential fmaf from 0: coding compares
+           these with 2 (w o x).c, which orders centroids by sum_e w_e (x_e - c_e)^2 */
+        const float *w = pq->metric + (size_t)j * pq->dsub;
+        int i, e;
+        for (i = 0; i < pq->ksub_pad; i++) {
+            const float *cc = pq->centroids + ((size_t)j * pq->ksub + (size_t)i) * pq->dsub;
+            float acc = 0.0f;
+            if (i >= pq->ksub) {
+                pq->wnorm[(size_t)j * kpad + (size_t)i] = INFINITY;
+                continue;
+            }
+            for (e = 0; e < pq->dsub; e++) acc = fmaf(w[e] * cc[e], cc[e], acc);
+            pq->wnorm[(size_t)j * kpad + (size_t)i] = acc;
+        }
+    }
 }
 
 typedef struct pqc__train_job {
@@ -2696,9 +2767,9 @@ static void pqc__sub_to_f32(const pqc_matrix *keys, size_t r, int j, int d, floa
 /* The training sample for sub-space j when the cap binds: with 64+ centroids the cap/32
    points farthest from the sub-space mean (rare, distinctive keys must shape the
    codebook: they are what a query is looking for), the rest uniformly at random;
-   returned in token order. */
+   returned in token order. sw: square roots of the metric's weights, or NULL. */
 static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, int k, size_t cap, uint64_t *rng,
-                                    const pqc_allocator *al, uint32_t *sel)
+                                    const pqc_allocator *al, const float *sw, uint32_t *sel)
 {
     size_t n = keys->rows, nfar = k >= 64 ? cap / 32 : 0, i, got = 0, left, want;
     double *mean = (double *)pqc__alloc(al, (size_t)d * sizeof(double) + (n + (size_t)d) * sizeof(float));
@@ -2719,12 +2790,16 @@ static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, int k,
         memset(mean, 0, (size_t)d * sizeof(double));
         for (i = 0; i < n; i++) {
             pqc__sub_to_f32(keys, i, j, d, row);
+            if (sw)
+                for (e = 0; e < d; e++) row[e] *= sw[e];
             for (e = 0; e < d; e++) mean[e] += row[e];
         }
         for (e = 0; e < d; e++) mean[e] /= (double)n;
         for (i = 0; i < n; i++) {
             double acc = 0.0;
             pqc__sub_to_f32(keys, i, j, d, row);
+            if (sw)
+                for (e = 0; e < d; e++) row[e] *= sw[e];
             for (e = 0; e < d; e++) acc += (row[e] - mean[e]) * (row[e] - mean[e]);
             dist[i] = (float)acc;
         }
@@ -2759,29 +2834,49 @@ static void pqc__train_sub(void *arg)
     size_t n = keys->rows, cap, i;
     uint64_t rng = jb->desc->seed ^ (0x5851F42D4C957F2Dull * (uint64_t)(j + 1));
     uint32_t *sel = NULL;
-    float *x = NULL;
+    float *x = NULL, sw[256];
+    const float *swp = NULL;
     double *obj = jb->desc->objective ? jb->desc->objective + (size_t)j * (jb->desc->iters + 1) : NULL;
     pqc_simd simd = pqc__simd(jb->rt);
     (void)pqc__rng_next(&rng);
     cap = n;
     if (jb->desc->max_points_per_centroid > 0 && (size_t)jb->desc->max_points_per_centroid * k < n)
         cap = (size_t)jb->desc->max_points_per_centroid * k;
-    x = (float *)pqc__alloc(al, cap * d * sizeof(float));
+    x = (float *)pqc__alloc(al, cap * d * sizeof(float) + (pq->metric ? (size_t)d * sizeof(float) : 0));
     if (cap < n) sel = (uint32_t *)pqc__alloc(al, cap * sizeof(uint32_t));
+    if (x && pq->metric) { /* training runs in the space scaled by sqrt(w): k-means there
+                              minimises the weighted distance; the means scale back exactly */
+        float *t = d <= 256 ? sw : x + cap * (size_t)d;
+        int e;
+        for (e = 0; e < d; e++) t[e] = sqrtf(pq->metric[(size_t)j * d + e]);
+        swp = t;
+    }
     if (!x || (cap < n && !sel)) {
         jb->res = PQC_ERROR_OUT_OF_MEMORY;
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
     }
-    if (cap < n && pqc__train_sample(keys, j, d, k, cap, &rng, al, sel) != PQC_SUCCESS) {
+    if (cap < n && pqc__train_sample(keys, j, d, k, cap, &rng, al, swp, sel) != PQC_SUCCESS) {
         jb->res = PQC_ERROR_OUT_OF_MEMORY;
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
     }
-    for (i = 0; i < cap; i++) pqc__sub_to_f32(keys, sel ? sel[i] : i, j, d, x + i * d);
+    for (i = 0; i < cap; i++) {
+        pqc__sub_to_f32(keys, sel ? sel[i] : i, j, d, x + i * d);
+        if (swp) {
+            int e;
+            for (e = 0; e < d; e++) x[i * d + e] *= swp[e];
+        }
+    }
     jb->res = pqc__kmeans(simd, al, x, cap, d, k, pq->ksub_pad, jb->desc->iters, jb->desc->init, &rng,
                           pq->centroids + (size_t)j * k * d, obj, jb->err, sizeof jb->err,
                           jb->desc->device ? jb->rt : NULL);
+    if (jb->res == PQC_SUCCESS && swp) {
+        float *cc = pq->centroids + (size_t)j * k * d;
+        int ci, e;
+        for (ci = 0; ci < k; ci++)
+            for (e = 0; e < d; e++) cc[(size_t)ci * d + e] /= swp[e];
+    }
     if (jb->res == PQC_SUCCESS) pqc__pq_finish_sub(pq, j);
 done:
     pqc__free(al, x);
@@ -2820,7 +2915,7 @@ static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, c
     r = pqc__check_finite(rt, keys, tmp, "pqc_pq_train keys");
     pqc__free(pqc__rt_alloc(rt), tmp);
     if (r != PQC_SUCCESS) return r;
-    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits)) != PQC_SUCCESS) return r;
+    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric)) != PQC_SUCCESS) return r;
     jobs = (pqc__train_job *)pqc__calloc(&pq.alloc, (size_t)d.m * sizeof *jobs);
     if (!jobs) {
         pqc_pq_free(&pq);
@@ -2953,12 +3048,17 @@ static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *
     int j;
     size_t i;
     for (j = 0; j < pq->m; j++) {
+        const float *w = pq->metric ? pq->metric + (size_t)j * pq->dsub : NULL;
         for (i = 0; i < n; i++) {
             pqc__row_to_f32(pqc__row(keys, r0 + i), keys->dtype, keys->cols, row);
             memcpy(x + i * pq->dsub, row + (size_t)j * pq->dsub, (size_t)pq->dsub * sizeof(float));
+            if (w) { /* (w o x).c against the weighted norms: the weighted nearest centroid */
+                int e;
+                for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[e];
+            }
         }
         pqc__k_assign(simd, x, n, pq->dsub, pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad,
-                      pq->cnorm + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
+                      (w ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
         for (i = 0; i < n; i++) pqc__codes_put(codes, at + i, j, idx[i]);
     }
 }
@@ -3658,6 +3758,7 @@ typedef struct pqc__build {
     struct pqc_cache *cache;
     int layer, head;
     size_t n_keys;        /* mid tokens the build trains on and codes */
+    const float *metric;  /* the distance's weights (into the layer's bmetric), or NULL */
     int iters;
     pqc_result res;
     char err[200];
@@ -3677,6 +3778,9 @@ typedef struct pqc__layer {
     int build_pending_err;
     pqc__group group;
     pqc__build *builds;   /* [n_kv_heads] */
+    double *qsq;          /* [n_kv_heads][d_h] sums of squared observed queries, then
+                             [n_kv_heads] the rows counted in them */
+    float *bmetric;       /* [n_kv_heads][d_h] the weights of the build in flight */
     pqc_layer_stats st;
     uint64_t step;
     double prefill_start;
@@ -3816,6 +3920,16 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     else if (d.cache_blocks < 0) d.cache_blocks = 0;
     if (d.admit_blocks == 0) d.admit_blocks = d.cache_blocks;
     if (d.rebuild_share == 0) d.rebuild_share = 0.5;
+    if (d.metric_floor == 0) d.metric_floor = 0.01;
+    if (d.observe == 0) d.observe = 32;
+    else if (d.observe < 0) d.observe = 0;
+    if ((int)d.metric < 0 || (int)d.metric > 1 || !(d.metric_floor > 0 && d.metric_floor <= 1e6))
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: metric %d or metric_floor %g out of range",
+                         (int)d.metric, d.metric_floor);
+    if (d.pq.metric)
+        return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT,
+                         "pqc_cache_create: pq.metric must be NULL (the cache derives each head's metric from observed "
+                         "queries; see metric)");
     if (d.n_layers <= 0 || d.n_layers > 4096 || d.n_kv_heads <= 0 || d.n_kv_heads > 4096 || d.head_dim <= 0 ||
         d.head_dim > 65536 || d.n_q_heads <= 0 || d.n_q_heads > 65536)
         return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_cache_create: layers %d, kv heads %d, head dim %d", d.n_layers,
@@ -3878,7 +3992,9 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         int h;
         L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
         L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
-        if (!L->heads || !L->builds) goto oom;
+        L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1));
+        L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
+        if (!L->heads || !L->builds || !L->qsq || !L->bmetric) goto oom;
         for (h = 0; h < d.n_kv_heads; h++) {
             pqc__head *H = &L->heads[h];
             H->scratch.alloc = c->alloc;
@@ -3940,6 +4056,8 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
         for (l = 0; l < c->d.n_layers; l++) {
             pqc__free(&c->alloc, c->layers[l].heads);
             pqc__free(&c->alloc, c->layers[l].builds);
+            pqc__free(&c->alloc, c->layers[l].qsq);
+            pqc__free(&c->alloc, c->layers[l].bmetric);
         }
     pqc__free(&c->alloc, c->layers);
     pqc_selection_free(&c->dsel);
@@ -4118,6 +4236,7 @@ static void pqc__build_job(void *arg)
     pqc_result r;
     double t0 = pqc__now();
     d.iters = b->iters > 0 ? b->iters : -1;
+    d.metric = b->metric;
     d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + b->head + 1));
     /* nested work runs inline: the pool may be the engine's and fully busy */
     r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
@@ -4131,6 +4250,22 @@ static void pqc__build_job(void *arg)
     }
     b->res = r;
     b->seconds = pqc__now() - t0;
+}
+
+/* The distance's weights for head h's next build (into the layer's bmetric), or NULL
+   for Euclidean: w_e = mean q_e^2 / (mean over e of it) + metric_floor. */
+static const float *pqc__build_metric(pqc_cache *c, int l, int h)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t d = (size_t)c->d.head_dim, e;
+    const double *qs = L->qsq + (size_t)h * d;
+    float *w = L->bmetric + (size_t)h * d;
+    double tot = 0.0;
+    if (c->d.metric != PQC_METRIC_QUERY || L->qsq[(size_t)c->d.n_kv_heads * d + (size_t)h] <= 0.0) return NULL;
+    for (e = 0; e < d; e++) tot += qs[e];
+    if (!(tot > 0.0) || !(tot < 1e300)) return NULL;
+    for (e = 0; e < d; e++) w[e] = (float)(qs[e] * (double)d / tot + c->d.metric_floor);
+    return w;
 }
 
 /* Starts the build of layer l over its current mid tokens. */
@@ -4149,6 +4284,7 @@ static void pqc__start_build(pqc_cache *c, int l)
         b->layer = l;
         b->head = h;
         b->n_keys = n;
+        b->metric = pqc__build_metric(c, l, h);
         b->iters = iters;
         b->res = PQC_SUCCESS;
         b->err[0] = 0;
@@ -4331,6 +4467,34 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     L->n_tokens = start + n;
     L->prefill_start = pqc__now();
     pqc__maybe_build(c, layer);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n)
+{
+    pqc__layer *L;
+    size_t d, qn, all, i, e;
+    int h, hh;
+    pqc_result r;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_observe")) != PQC_SUCCESS) return r;
+    if (!q) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_observe: null queries");
+    if (n == 0) return pqc__cfail(c, PQC_ERROR_EMPTY, "pqc_cache_observe: no queries");
+    d = (size_t)c->d.head_dim;
+    qn = (size_t)c->d.n_q_heads * d;
+    if (!pqc__mul(n, qn, &all) || all > ((size_t)-1) / sizeof(float))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_observe: %zu rows overflow", n);
+    if (!pqc__finite_row(q, all))
+        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_observe: queries hold NaN, Inf or a huge value");
+    L = &c->layers[layer];
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        double *qs = L->qsq + (size_t)h * d;
+        for (i = 0; i < n; i++)
+            for (hh = 0; hh < c->g; hh++) {
+                const float *row = q + i * qn + ((size_t)h * (size_t)c->g + (size_t)hh) * d;
+                for (e = 0; e < d; e++) qs[e] += (double)row[e] * (double)row[e];
+            }
+        L->qsq[(size_t)c->d.n_kv_heads * d + (size_t)h] += (double)n * (double)c->g;
+    }
     return PQC_SUCCESS;
 }
 
@@ -5213,21 +5377,31 @@ typedef struct pqc__undo {
     size_t *n_tokens;
     uint64_t *step;
     pqc_layer_stats *st;
+    double *qsq; /* the layers' observation sums, when the call observes */
     int window;
 } pqc__undo;
 
-static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u)
+/* doubles of one layer's observation sums */
+static size_t pqc__qsq_len(const pqc_cache *c) { return (size_t)c->d.n_kv_heads * ((size_t)c->d.head_dim + 1); }
+
+static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
 {
-    size_t nl = (size_t)c->d.n_layers;
+    size_t nl = (size_t)c->d.n_layers, qs = observes ? pqc__qsq_len(c) : 0, bytes;
     int l;
-    u->n_tokens = (size_t *)pqc__alloc(&c->alloc, nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats)));
+    if (!pqc__size3(nl, qs, sizeof(double), &bytes) ||
+        bytes > (size_t)-1 - nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats)))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "driver: undo record too large");
+    bytes += nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats));
+    u->n_tokens = (size_t *)pqc__alloc(&c->alloc, bytes);
     if (!u->n_tokens) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
     u->st = (pqc_layer_stats *)(u->n_tokens + nl); /* size_t then stats: both 8-byte aligned */
     u->step = (uint64_t *)(u->st + nl);
+    u->qsq = qs ? (double *)(u->step + nl) : NULL;
     for (l = 0; l < c->d.n_layers; l++) {
         u->n_tokens[l] = c->layers[l].n_tokens;
         u->st[l] = c->layers[l].st;
         u->step[l] = c->layers[l].step;
+        if (qs) memcpy(u->qsq + (size_t)l * qs, c->layers[l].qsq, qs * sizeof(double));
     }
     u->window = c->window;
     return PQC_SUCCESS;
@@ -5243,6 +5417,7 @@ static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result
         for (l = 0; l <= last && l < c->d.n_layers; l++) {
             int gave_back = c->layers[l].n_tokens > u->n_tokens[l];
             pqc__layer_truncate(c, l, u->n_tokens[l], &u->st[l], u->step[l]);
+            if (u->qsq) memcpy(c->layers[l].qsq, u->qsq + (size_t)l * pqc__qsq_len(c), pqc__qsq_len(c) * sizeof(double));
             /* the device's sink and window slots hold the given-back rows: copy them again */
             if (gave_back && u->n_tokens[l] > 0) c->tier->stored(c, l, u->n_tokens[l]);
         }
@@ -5278,7 +5453,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
         pqc__free(&c->alloc, kp);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_prefill: %zu bytes of Q/K/V", bytes);
     }
-    if ((r = pqc__undo_begin(c, &undo)) != PQC_SUCCESS) {
+    if ((r = pqc__undo_begin(c, &undo, c->d.observe > 0)) != PQC_SUCCESS) {
         pqc__free(&c->alloc, q);
         pqc__free(&c->alloc, kp);
         return r;
@@ -5301,6 +5476,11 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
         km.row_stride = 0;
         vm = km;
         vm.data = v;
+        /* the last queries shape the distance of this layer's build (metric) */
+        if (c->d.observe > 0) {
+            size_t no = PQC__MIN(n, (size_t)c->d.observe);
+            if ((r = pqc_cache_observe(c, l, q + (n - no) * qn, no)) != PQC_SUCCESS) break;
+        }
         /* offload + background PQ build of this layer, overlapped with the next layers */
         if ((r = pqc_cache_prefill(c, l, &km, &vm)) != PQC_SUCCESS) break;
         for (h = 0; h < c->d.n_kv_heads; h++) {
@@ -5360,7 +5540,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     }
     kp = (const void **)pqc__alloc(&c->alloc, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads);
     if (!kp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
-    if ((r = pqc__undo_begin(c, &undo)) != PQC_SUCCESS) {
+    if ((r = pqc__undo_begin(c, &undo, 0)) != PQC_SUCCESS) {
         pqc__free(&c->alloc, kp);
         return r;
     }
@@ -6596,6 +6776,7 @@ struct pqc__cut {
     pqc__dptr scores, counts, topk;
     size_t s_cap;
     float *h_q;
+    float *h_ones;              /* [d_h] 1.0f: the weights of a head without a metric */
     int32_t *h_topk;
     /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
     pqc__dptr arena, iota, out_k, out_v;
@@ -6686,6 +6867,7 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
     pqc__cut_dfree(u, &u->out_k);
     pqc__cut_dfree(u, &u->out_v);
     if (u->h_q) u->api->cuMemFreeHost(u->h_q);
+    pqc__free(&c->alloc, u->h_ones);
     if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
     if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
     if (u->cp) u->api->cuStreamDestroy_v2(u->cp);
@@ -6694,6 +6876,25 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
     pqc__free(&c->alloc, u->nfill);
     pqc__free(&c->alloc, u->code); /* with the other per-buffer arrays */
     pqc__free(&c->alloc, u);
+}
+
+/* Floats per KV head of a layer's codebook buffer: the centroids [m][K][dsub], then the
+   norms the coding kernel compares with [m][K] and the metric's weights [d_h] (uploaded
+   when a head of the layer has a metric). */
+static size_t pqc__cut_cent_floats(const pqc_cache *c)
+{
+    const struct pqc__cut *u = c->cu;
+    size_t tab = (size_t)u->m * u->K;
+    return tab * (size_t)u->dsub + tab + (size_t)u->d;
+}
+
+/* 1 when a head of layer l codes with a metric */
+static int pqc__layer_metric(const pqc_cache *c, int l)
+{
+    int h;
+    for (h = 0; h < c->d.n_kv_heads; h++)
+        if (c->layers[l].heads[h].pq.metric) return 1;
+    return 0;
 }
 
 static pqc_result pqc__cut_create(pqc_cache *c)
@@ -6766,10 +6967,16 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     }
     PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     {
-        size_t tab = (size_t)u->m * u->K, cent = tab * (size_t)u->dsub * sizeof(float) * nkv;
+        size_t tab = (size_t)u->m * u->K, cent = pqc__cut_cent_floats(c) * sizeof(float) * nkv;
         size_t l;
         for (l = 0; l < L; l++)
             if ((r = pqc__cut_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
+        u->h_ones = (float *)pqc__alloc(&c->alloc, (size_t)u->d * sizeof(float));
+        if (!u->h_ones) {
+            r = pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+            goto fail;
+        }
+        for (l = 0; l < (size_t)u->d; l++) u->h_ones[l] = 1.0f;
         if ((r = pqc__cut_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
             (r = pqc__cut_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
             (r = pqc__cut_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
@@ -7025,7 +7232,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     unsigned P, tiles, smem;
     float scale = 1.0f / sqrtf((float)u->d);
     pqc_result r;
-    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)(tab * (size_t)dsub), l_hs = (int64_t)((size_t)g * tab),
+    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)pqc__cut_cent_floats(c), l_hs = (int64_t)((size_t)g * tab),
             ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
     pqc__dptr zero = 0, lut_sum, lut;
     if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
@@ -7044,10 +7251,24 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     }
     /* the layer's codebooks, once per build */
     if (u->cent_gen[l] != L->gen + 1) {
-        size_t cb = tab * (size_t)dsub * sizeof(float);
-        for (h = 0; h < nkv; h++)
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->cent[l] + h * cb, L->heads[h].pq.centroids, cb, u->st),
+        size_t cb = tab * (size_t)dsub * sizeof(float), hb = (size_t)c_hs * sizeof(float);
+        int weighted = pqc__layer_metric(c, l), j;
+        for (h = 0; h < nkv; h++) {
+            const pqc_pq *pq = &L->heads[h].pq;
+            pqc__dptr base = u->cent[l] + h * hb;
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base, pq->centroids, cb, u->st), "cuMemcpyHtoDAsync");
+            if (!weighted) continue;
+            /* the norms coding compares with (weighted where the head has a metric; the
+               plain ones with weights 1 are the same numbers) and the weights */
+            for (j = 0; j < m; j++)
+                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
+                                                              (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad,
+                                                              (size_t)K * sizeof(float), u->st),
+                              "cuMemcpyHtoDAsync");
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
+                                                          (size_t)u->d * sizeof(float), u->st),
                           "cuMemcpyHtoDAsync");
+        }
         u->cent_gen[l] = L->gen + 1;
     }
     /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
@@ -7068,11 +7289,15 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     code_hs = (int64_t)u->code_hs[sl];
     cs = (int64_t)u->code_cs[sl];
     if (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too */
-        int64_t x_ld = u->d, x_hs = (int64_t)u->hstride, cn_hs = 0, co_hs = 0;
+        int64_t x_ld = u->d, x_hs = (int64_t)u->hstride, co_hs = 0;
         int x_dt = (int)c->d.kv_dtype, n = (int)(s - u->code_n[sl]), t0 = (int)u->code_n[sl];
-        pqc__dptr x = u->hk[l] + ((size_t)c->d.n_sink + u->code_n[sl]) * c->row;
-        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &zero, &c_hs, &cn_hs, &m, &b, &dsub,
+        pqc__dptr x = u->hk[l] + ((size_t)c->d.n_sink + u->code_n[sl]) * c->row, cn = 0, w = 0;
+        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub,
                       &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
+        if (pqc__layer_metric(c, l)) { /* weighted coding: the uploaded norms and weights */
+            cn = u->cent[l] + tab * (size_t)dsub * sizeof(float);
+            w = cn + tab * sizeof(float);
+        }
         if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
             return r;
         u->code_n[sl] = s;
@@ -7152,7 +7377,7 @@ static size_t pqc__cut_device_bytes(const pqc_cache *c)
     size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
     int i;
     b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
-    b += L * nkv * tab * (size_t)u->dsub * sizeof(float);                 /* centroids */
+    b += L * nkv * pqc__cut_cent_floats(c) * sizeof(float);              /* centroids, norms, weights */
     for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
     b += nkv * u->s_cap * 8 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k */
     b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
@@ -8267,6 +8492,10 @@ static const char pqc__kernel_source[] =
 " *             elements (d_h = m*d_sub used); d_sub <= 256\n"
 " *   centroids float [m][K][d_sub] per KV head; cnorm float [m][K] per KV head\n"
 " *             (pqc_centroid_norms) or NULL to compute the norms on the fly\n"
+" *   metric    float [d_h] per KV head (+ kv*metric_head_stride), or NULL: the weights w\n"
+" *             of a weighted distance. The key is multiplied by them (x_e * w_e, one\n"
+" *             rounding) before the search, and cnorm must then hold the weighted norms\n"
+" *             sum_e (w_e c_e) c_e: the order is that of sum_e w_e (x_e - c_e)^2\n"
 " *   codes     packed columns per KV head (codes + kv*code_head_stride, column j at\n"
 " *             + j*col_stride): the code of key i is OR-ed (32-bit atomicOr) into the\n"
 " *             bits of token t_start + i, which must be zero beforehand; or NULL\n"
@@ -8276,6 +8505,7 @@ static const char pqc__kernel_source[] =
 "pqc_assign_codes(const void *x, int x_dtype, pqc_i64 x_ld, pqc_i64 x_head_stride, int n,\n"
 "                 const float *__restrict__ centroids, const float *__restrict__ cnorm,\n"
 "                 pqc_i64 cent_head_stride, pqc_i64 cnorm_head_stride,\n"
+"                 const float *__restrict__ metric, pqc_i64 metric_head_stride,\n"
 "                 int m, int b, int d_sub,\n"
 "                 pqc_u8 *codes, pqc_i64 code_head_stride, pqc_i64 col_stride, int t_start,\n"
 "                 pqc_u8 *codes_out, pqc_i64 codes_out_head_stride)\n"
@@ -8290,7 +8520,11 @@ static const char pqc__kernel_source[] =
 "    const void *xr = (const char *)x +\n"
 "                     (kv * x_head_stride + (pqc_i64)i * x_ld + (pqc_i64)j * d_sub) *\n"
 "                         pqc_dtype_size(x_dtype);\n"
-"    for (int e = lane; e < d_sub; e += 32) xs[wib][e] = pqc_load_elem(xr, e, x_dtype);\n"
+"    const float *wj = metric \? metric + kv * metric_head_stride + (pqc_i64)j * d_sub : metric;\n"
+"    for (int e = lane; e < d_sub; e += 32) {\n"
+"        float xe = pqc_load_elem(xr, e, x_dtype);\n"
+"        xs[wib][e] = wj \? xe * wj[e] : xe;\n"
+"    }\n"
 "    __syncwarp();\n"
 "    const float *cen = centroids + kv * cent_head_stride + (pqc_i64)j * K * d_sub;\n"
 "    const float *cn = cnorm \? cnorm + kv * cnorm_head_stride + (pqc_i64)j * K : cnorm;\n"

@@ -816,6 +816,10 @@ pqc_centroid_norms(const float *__restrict__ c, int rows, int d, float *__restri
  *             elements (d_h = m*d_sub used); d_sub <= 256
  *   centroids float [m][K][d_sub] per KV head; cnorm float [m][K] per KV head
  *             (pqc_centroid_norms) or NULL to compute the norms on the fly
+ *   metric    float [d_h] per KV head (+ kv*metric_head_stride), or NULL: the weights w
+ *             of a weighted distance. The key is multiplied by them (x_e * w_e, one
+ *             rounding) before the search, and cnorm must then hold the weighted norms
+ *             sum_e (w_e c_e) c_e: the order is that of sum_e w_e (x_e - c_e)^2
  *   codes     packed columns per KV head (codes + kv*code_head_stride, column j at
  *             + j*col_stride): the code of key i is OR-ed (32-bit atomicOr) into the
  *             bits of token t_start + i, which must be zero beforehand; or NULL
@@ -825,6 +829,7 @@ extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_assign_codes(const void *x, int x_dtype, pqc_i64 x_ld, pqc_i64 x_head_stride, int n,
                  const float *__restrict__ centroids, const float *__restrict__ cnorm,
                  pqc_i64 cent_head_stride, pqc_i64 cnorm_head_stride,
+                 const float *__restrict__ metric, pqc_i64 metric_head_stride,
                  int m, int b, int d_sub,
                  pqc_u8 *codes, pqc_i64 code_head_stride, pqc_i64 col_stride, int t_start,
                  pqc_u8 *codes_out, pqc_i64 codes_out_head_stride)
@@ -839,7 +844,11 @@ pqc_assign_codes(const void *x, int x_dtype, pqc_i64 x_ld, pqc_i64 x_head_stride
     const void *xr = (const char *)x +
                      (kv * x_head_stride + (pqc_i64)i * x_ld + (pqc_i64)j * d_sub) *
                          pqc_dtype_size(x_dtype);
-    for (int e = lane; e < d_sub; e += 32) xs[wib][e] = pqc_load_elem(xr, e, x_dtype);
+    const float *wj = metric ? metric + kv * metric_head_stride + (pqc_i64)j * d_sub : metric;
+    for (int e = lane; e < d_sub; e += 32) {
+        float xe = pqc_load_elem(xr, e, x_dtype);
+        xs[wib][e] = wj ? xe * wj[e] : xe;
+    }
     __syncwarp();
     const float *cen = centroids + kv * cent_head_stride + (pqc_i64)j * K * d_sub;
     const float *cn = cnorm ? cnorm + kv * cnorm_head_stride + (pqc_i64)j * K : cnorm;

@@ -33,6 +33,11 @@
      neighbours, whatever delta is; plus noise in every other dimension (which meets the
      topics' and the massive channels' content), the sink direction, and, scaled by
      `recency`, the recency component (heads 0..3 at 1, 0.7, 0.4, 0.2 of it).
+   - Observation queries (n_obs per head, optional): the queries of the prompt's last
+     tokens, at positions s - n_obs .. s - 1, what an engine has at the end of prefill.
+     Each is drawn the way the decode query is, with fresh strengths and noise. With
+     obs_unrelated set they look for something else: a random direction in the slow band
+     instead of the distinctive direction (the prompt ends on another subject).
 
    Levels (how close the rare tokens sit to their cluster and how dense the clusters are;
    ordinary tokens' noise in the retrieval pairs has std 0.06 * delta per coordinate):
@@ -74,11 +79,14 @@ typedef struct hardkeys {
     double recency;    /* strength of the queries' recency component, 0..1        */
     int n_rare;        /* 0 = 20 per 32768 tokens, at least 4                     */
     double delta;      /* the rare tokens' offset; 0 = the level's                */
+    int n_obs;         /* observation queries per head (0: none)                  */
+    int obs_unrelated; /* 1: they look for another direction (see above)          */
     uint64_t seed;
     /* filled by hk_make */
     int d, g;          /* 128, 4                                                  */
     float *keys;       /* s x d, post-RoPE                                        */
     float *queries;    /* g x d, post-RoPE, at position s                         */
+    float *obs;        /* n_obs x g x d: row i at position s - n_obs + i          */
     uint32_t *rare;    /* n_rare ascending token indices                          */
 } hardkeys;
 
@@ -136,7 +144,8 @@ HK_FN void hk_free(hardkeys *hk)
     free(hk->keys);
     free(hk->queries);
     free(hk->rare);
-    hk->keys = hk->queries = NULL;
+    free(hk->obs);
+    hk->keys = hk->queries = hk->obs = NULL;
     hk->rare = NULL;
 }
 
@@ -154,7 +163,8 @@ HK_FN int hk_make(hardkeys *hk)
     double n2sum = 0, deff;
     int i, h, r, topic = 0, nr;
     float sig_ret, delta;
-    if (hk->s < 1024 || hk->level < 0 || hk->level > 2 || (hk->layout != HK_HALF && hk->layout != HK_INTERLEAVED))
+    if (hk->s < 1024 || hk->level < 0 || hk->level > 2 || (hk->layout != HK_HALF && hk->layout != HK_INTERLEAVED) ||
+        hk->n_obs < 0 || (size_t)hk->n_obs > hk->s)
         return -1;
     lv = &hk_levels[hk->level];
     nr = hk->n_rare > 0 ? hk->n_rare : (int)((hk->s * 20 + 16384) / 32768);
@@ -166,8 +176,9 @@ HK_FN int hk_make(hardkeys *hk)
     hk->keys = (float *)malloc(sizeof(float) * hk->s * d);
     hk->queries = (float *)malloc(sizeof(float) * (size_t)g * d);
     hk->rare = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)nr);
-    cent = (float *)malloc(sizeof(float) * ((size_t)lv->topics * d + 5 * d));
-    if (!hk->keys || !hk->queries || !hk->rare || !cent) {
+    hk->obs = (float *)malloc(sizeof(float) * ((size_t)hk->n_obs * g * d + 1));
+    cent = (float *)malloc(sizeof(float) * ((size_t)lv->topics * d + 6 * d));
+    if (!hk->keys || !hk->queries || !hk->rare || !hk->obs || !cent) {
         free(cent);
         hk_free(hk);
         return -1;
@@ -273,22 +284,43 @@ HK_FN int hk_make(hardkeys *hk)
         for (i = 0; i < d; i++) k[i] = (float)(k[i] * sqrt(n0 / n1));
     }
 
-    /* queries, in pair space at the decode position, then in layout order */
-    for (h = 0; h < g; h++) {
-        static const double rec_share[HK_G] = {1.0, 0.7, 0.4, 0.2};
-        double a = 9.0 * lscale / deff * (0.8 + 0.4 * hk__unit(&st)); /* strength along dir */
-        double cs = 1.3 * (0.7 + 0.6 * hk__unit(&st));                       /* along the sink     */
-        double beta = 4.5 * hk->recency * rec_share[h];                       /* recency           */
-        float qrot[HK_D], rrot[HK_D];
-        for (i = 0; i < d; i++) {
-            if (i >= 2 * HK_RET_BEGIN) pq[i] = (float)(a * (dir[i] + 0.12f * hk__normal(&st)));
-            else pq[i] = 0.5f * hk__normal(&st) + (float)(cs * sinkdir[i]);
+    /* queries, in pair space at their position, then in layout order: the decode query
+       (row -1) and the observation queries */
+    for (r = -1; r < hk->n_obs; r++) {
+        float *odir = pq + d;
+        int unrelated = r >= 0 && hk->obs_unrelated;
+        double qpos = r < 0 ? (double)hk->s : (double)(hk->s - (size_t)hk->n_obs + (size_t)r);
+        float *qout = r < 0 ? hk->queries : hk->obs + (size_t)r * g * d;
+        if (r == 0) {
+            /* another direction, over the slow band, for unrelated observation queries
+               (drawn after the decode query, which stays as it was) */
+            double n2 = 0;
+            memset(odir, 0, sizeof(float) * d);
+            for (i = 2 * HK_MID_END; i < 2 * HK_RET_BEGIN; i++) {
+                odir[i] = hk__normal(&st);
+                n2 += (double)odir[i] * odir[i];
+            }
+            for (i = 0; i < d; i++) odir[i] = (float)(odir[i] / sqrt(n2));
         }
-        /* the recency content as a key at the decode position would hold it */
-        hk__rope(rec, (double)hk->s, base, hk->layout, rrot);
-        /* the rest is post-RoPE already: write it in layout order without rotating */
-        hk__rope(pq, 0.0, base, hk->layout, qrot);
-        for (i = 0; i < d; i++) hk->queries[(size_t)h * d + i] = qrot[i] + (float)beta * rrot[i];
+        for (h = 0; h < g; h++) {
+            static const double rec_share[HK_G] = {1.0, 0.7, 0.4, 0.2};
+            double a = 9.0 * lscale / deff * (0.8 + 0.4 * hk__unit(&st)); /* strength along dir */
+            double cs = 1.3 * (0.7 + 0.6 * hk__unit(&st));                       /* along the sink     */
+            double beta = 4.5 * hk->recency * rec_share[h];                       /* recency           */
+            float qrot[HK_D], rrot[HK_D];
+            for (i = 0; i < d; i++) {
+                if (i >= 2 * HK_RET_BEGIN)
+                    pq[i] = unrelated ? 0.5f * hk__normal(&st) : (float)(a * (dir[i] + 0.12f * hk__normal(&st)));
+                else
+                    pq[i] = 0.5f * hk__normal(&st) + (float)(cs * sinkdir[i]) +
+                            (unrelated ? (float)(a * odir[i]) : 0.0f);
+            }
+            /* the recency content as a key at the query's position would hold it */
+            hk__rope(rec, qpos, base, hk->layout, rrot);
+            /* the rest is post-RoPE already: write it in layout order without rotating */
+            hk__rope(pq, 0.0, base, hk->layout, qrot);
+            for (i = 0; i < d; i++) qout[(size_t)h * d + i] = qrot[i] + (float)beta * rrot[i];
+        }
     }
 
     /* ascending rare positions (they are generated in order; keep the invariant anyway) */

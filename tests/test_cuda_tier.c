@@ -254,8 +254,28 @@ typedef struct shape {
     int L, hkv, hq, d, m, bits, steps;
     size_t n1, n2;
     int resident; /* codes_resident */
+    int observe;  /* queries observed before the prompt: the builds code with a metric
+                     (KV head 1's observations are zero: it stays Euclidean) */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0 };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0 };
+
+/* the same observations on both caches: rows whose energy sits in a few dimensions */
+static int observe_both(pair *p, int layers, int hkv, int hq, int d)
+{
+    const size_t rows = 8, qn = (size_t)hq * d;
+    float *q = rand_rows(rows, qn);
+    size_t i, e;
+    int l, g = hq / hkv, ok = q != NULL;
+    for (i = 0; ok && i < rows * qn; i++) {
+        size_t head = (i % qn) / (size_t)d;
+        e = i % (size_t)d;
+        q[i] = head / (size_t)g == 1 ? 0.0f : q[i] * (e % 16 == 3 ? 8.0f : 0.5f);
+    }
+    for (l = 0; ok && l < layers; l++)
+        ok = pqc_cache_observe(p->cc, l, q, rows) == PQC_SUCCESS && pqc_cache_observe(p->cg, l, q, rows) == PQC_SUCCESS;
+    free(q);
+    return ok;
+}
 
 static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, const shape *sh)
 {
@@ -283,6 +303,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     ka = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
     va = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
     ASSERT(k1 && k2 && v1 && v2 && q && ka && va);
+    if (sh->observe) ASSERT(observe_both(&p, L, hkv, hq, d));
     ASSERT(prefill_both(&p, L, k1, v1, n1, (size_t)hkv * d));
     for (s = 0; s < 2 * steps; s++) {
         if (s == steps) ASSERT(prefill_both(&p, L, k2, v2, n2, (size_t)hkv * d)); /* a second turn */
@@ -317,6 +338,11 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
         pqc_cache_memory(p.cg, &dev, &full);
         ASSERT(dev > 0 && full > 0);
     }
+    if (sh->observe) /* head 0 codes with a metric, head 1 (zero observations) without */
+        for (l = 0; l < L; l++) {
+            ASSERT(p.cg->layers[l].heads[0].pq.metric != NULL);
+            ASSERT(p.cg->layers[l].heads[1].pq.metric == NULL);
+        }
     fprintf(stderr, "  gqa %s, %s: %zu tokens selected, %zu differ, %zu rows compared, %zu differ\n",
             gqa == PQC_GQA_SUM ? "sum" : "softmax-sum", dt == PQC_F16 ? "fp16" : dt == PQC_BF16 ? "bf16" : "fp32", st.selected, st.differ,
             st.rows_compared, st.rows_differ);
@@ -341,7 +367,7 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0 };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0 };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* three layers through two code buffers: every select finds its codes prefetched */
@@ -350,6 +376,13 @@ TEST decode_matches_cpu_softmax_fp16(void)
     shape sh = g_small;
     sh.L = 3;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
+}
+/* observed queries: the builds code with a metric, the device codes new tokens with it */
+TEST decode_matches_cpu_with_metric(void)
+{
+    shape sh = g_small;
+    sh.observe = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
 }
 /* every layer's codes resident in device memory */
 TEST decode_matches_cpu_sum_bf16_resident(void)
@@ -844,6 +877,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_softmax_fp16);
     RUN_TEST(decode_matches_cpu_sum_bf16_resident);
     RUN_TEST(decode_matches_cpu_long_subvectors);
+    RUN_TEST(decode_matches_cpu_with_metric);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_allocation_failure);

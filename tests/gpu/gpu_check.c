@@ -311,12 +311,12 @@ static void k_norms(dptr c, int rows, int d, dptr out)
 }
 
 static void k_assign(int n_kv, dptr x, int x_dt, long long x_ld, long long x_hs, int n,
-                     dptr cent, dptr cnorm, long long c_hs, long long cn_hs, int m, int b,
-                     int d_sub, dptr codes, long long code_hs, long long col_stride,
-                     int t_start, dptr codes_out, long long co_hs)
+                     dptr cent, dptr cnorm, long long c_hs, long long cn_hs, dptr metric,
+                     long long w_hs, int m, int b, int d_sub, dptr codes, long long code_hs,
+                     long long col_stride, int t_start, dptr codes_out, long long co_hs)
 {
-    void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &cent, &cnorm, &c_hs, &cn_hs, &m, &b, &d_sub,
-                  &codes, &code_hs, &col_stride, &t_start, &codes_out, &co_hs };
+    void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &cent, &cnorm, &c_hs, &cn_hs, &metric, &w_hs,
+                  &m, &b, &d_sub, &codes, &code_hs, &col_stride, &t_start, &codes_out, &co_hs };
     launch(K_ASSIGN, cdiv((long long)n * m, 8), (unsigned)n_kv, 0, p);
 }
 
@@ -501,15 +501,18 @@ static int ref_topk(const float *sc, int s, int k, int *out)
 }
 
 /* nearest centroid: ||c||^2 - 2 x.c, sequential fmaf, ties to the lower index */
-static int ref_nearest(const float *x, const float *cent, int K, int d, float *best_out)
+/* nearest centroid by ||c||^2 - 2 x.c; with w (d weights, or NULL) by the weighted
+   distance: x scaled by w and the weighted norms sum (w c) c */
+static int ref_nearest_w(const float *x, const float *cent, int K, int d, const float *w, float *best_out)
 {
     int c, e, bi = 0;
     float best = INFINITY;
     for (c = 0; c < K; ++c) {
         float dot = 0.0f, nrm = 0.0f, dist;
         for (e = 0; e < d; ++e) {
-            dot = fmaf(x[e], cent[(long long)c * d + e], dot);
-            nrm = fmaf(cent[(long long)c * d + e], cent[(long long)c * d + e], nrm);
+            float ce = cent[(long long)c * d + e];
+            dot = fmaf(w ? x[e] * w[e] : x[e], ce, dot);
+            nrm = fmaf(w ? w[e] * ce : ce, ce, nrm);
         }
         dist = nrm - 2.0f * dot;
         if (c == 0 || dist < best) {
@@ -519,6 +522,11 @@ static int ref_nearest(const float *x, const float *cent, int K, int d, float *b
     }
     if (best_out) *best_out = best;
     return bi;
+}
+
+static int ref_nearest(const float *x, const float *cent, int K, int d, float *best_out)
+{
+    return ref_nearest_w(x, cent, K, d, NULL, best_out);
 }
 
 /* |a - b| <= tol * |b| (+ a tiny absolute floor); NaN only matches NaN */
@@ -992,10 +1000,12 @@ done:
 /* Checks: codes of new keys, centroid norms, k-means                                   */
 /* ------------------------------------------------------------------------------------ */
 
+/* with_norms 2: a weighted metric, its weighted norms given */
 static void check_assign_case(int b, int dt, int with_norms)
 {
     char name[160], msg[256];
     uint64_t rs = g_seed ^ (uint64_t)(b * 17 + dt * 5 + with_norms);
+    int weighted = with_norms == 2;
     int n_kv = 2, m = 4, d_sub = 32, d_h = m * d_sub, K = 1 << b;
     int t_start = 13, n = g_quick ? 40 : 301, s_cap = t_start + n + 5, es = dt == 0 ? 4 : 2;
     long long col_stride = ((long long)s_cap * b + 7) / 8 + 9; /* odd stride on purpose */
@@ -1009,15 +1019,19 @@ static void check_assign_case(int b, int dt, int with_norms)
     uint8_t *got = (uint8_t *)xmalloc(ncode);
     uint8_t *cout = (uint8_t *)xmalloc((size_t)n_kv * n * m), *cout_ref;
     float *nrm_gpu = (float *)xmalloc(sizeof(float) * (size_t)n_kv * m * K);
-    dptr d_cent, d_x, d_codes, d_cout, d_nrm = 0;
+    float *wt = (float *)xmalloc(sizeof(float) * (size_t)n_kv * d_h);
+    dptr d_cent, d_x, d_codes, d_cout, d_nrm = 0, d_w = 0;
     int kv, i, j, e, ok = 1;
     long long t;
     cout_ref = (uint8_t *)xmalloc((size_t)n_kv * n * m);
 
     snprintf(name, sizeof(name), "assign_codes b=%d x=%s norms=%s t_start=%d n=%d", b,
-             dt == 0 ? "fp32" : dt == 1 ? "fp16" : "bf16", with_norms ? "given" : "computed",
+             dt == 0 ? "fp32" : dt == 1 ? "fp16" : "bf16",
+             weighted ? "weighted" : with_norms ? "given" : "computed",
              t_start, n);
     for (t = 0; t < (long long)n_kv * m * K * d_sub; ++t) cent[t] = rng_gauss(&rs);
+    for (t = 0; t < (long long)n_kv * d_h; ++t) wt[t] = 0.01f + 4.0f * (float)rng_gauss(&rs) * (float)rng_gauss(&rs);
+    for (t = 0; t < (long long)n_kv * d_h; ++t) wt[t] = wt[t] < 0.0f ? -wt[t] + 0.01f : wt[t];
     /* duplicate centroid (ties must go to the lower index): c = K-1 copies c = 1 */
     if (K >= 4)
         for (kv = 0; kv < n_kv; ++kv)
@@ -1046,8 +1060,9 @@ static void check_assign_case(int b, int dt, int with_norms)
     for (kv = 0; kv < n_kv; ++kv)
         for (i = 0; i < n; ++i)
             for (j = 0; j < m; ++j) {
-                int c = ref_nearest(xf + ((long long)kv * n + i) * x_ld + j * d_sub,
-                                    cent + ((long long)kv * m + j) * K * d_sub, K, d_sub, NULL);
+                int c = ref_nearest_w(xf + ((long long)kv * n + i) * x_ld + j * d_sub,
+                                      cent + ((long long)kv * m + j) * K * d_sub, K, d_sub,
+                                      weighted ? wt + (long long)kv * d_h + j * d_sub : NULL, NULL);
                 cout_ref[((long long)kv * n + i) * m + j] = (uint8_t)c;
                 pack_code(codes_ref + kv * code_hs + j * col_stride, t_start + i, b, (uint32_t)c);
             }
@@ -1056,7 +1071,19 @@ static void check_assign_case(int b, int dt, int with_norms)
     d_x = dupload(xraw, (size_t)n_kv * n * x_ld * es);
     d_codes = dupload(codes, ncode);
     d_cout = dalloc((size_t)n_kv * n * m);
-    if (with_norms) {
+    if (weighted) { /* the host's weighted norms, as the library uploads them */
+        for (kv = 0; kv < n_kv; ++kv)
+            for (j = 0; j < m; ++j)
+                for (i = 0; i < K; ++i) {
+                    const float *cc = cent + (((long long)kv * m + j) * K + i) * d_sub;
+                    const float *ww = wt + (long long)kv * d_h + j * d_sub;
+                    float r = 0.0f;
+                    for (e = 0; e < d_sub; ++e) r = fmaf(ww[e] * cc[e], cc[e], r);
+                    nrm_gpu[((long long)kv * m + j) * K + i] = r;
+                }
+        d_nrm = dupload(nrm_gpu, sizeof(float) * (size_t)n_kv * m * K);
+        d_w = dupload(wt, sizeof(float) * (size_t)n_kv * d_h);
+    } else if (with_norms) {
         d_nrm = dalloc(sizeof(float) * (size_t)n_kv * m * K);
         k_norms(d_cent, n_kv * m * K, d_sub, d_nrm);
         down(nrm_gpu, d_nrm, sizeof(float) * (size_t)n_kv * m * K);
@@ -1072,7 +1099,7 @@ static void check_assign_case(int b, int dt, int with_norms)
         if (!report(ok, "centroid_norms", ok ? "bit-exact" : msg)) goto done;
     }
     k_assign(n_kv, d_x, dt, x_ld, (long long)n * x_ld, n, d_cent, d_nrm,
-             (long long)m * K * d_sub, (long long)m * K, m, b, d_sub, d_codes, code_hs,
+             (long long)m * K * d_sub, (long long)m * K, d_w, d_h, m, b, d_sub, d_codes, code_hs,
              col_stride, t_start, d_cout, (long long)n * m);
     down(got, d_codes, ncode);
     down(cout, d_cout, (size_t)n_kv * n * m);
@@ -1089,9 +1116,9 @@ static void check_assign_case(int b, int dt, int with_norms)
         }
     report(ok, name, ok ? "codes and packed columns exact" : msg);
 done:
-    dfree(d_cent); dfree(d_x); dfree(d_codes); dfree(d_cout); dfree(d_nrm);
+    dfree(d_cent); dfree(d_x); dfree(d_codes); dfree(d_cout); dfree(d_nrm); dfree(d_w);
     free(cent); free(xf); free(xraw); free(codes); free(codes_ref); free(got); free(cout);
-    free(cout_ref); free(nrm_gpu);
+    free(cout_ref); free(nrm_gpu); free(wt);
 }
 
 static void check_kmeans(void)
@@ -1580,6 +1607,8 @@ int main(int argc, char **argv)
     check_assign_case(8, 2, 0);
     check_assign_case(6, 1, 1);
     check_assign_case(5, 0, 0);
+    check_assign_case(6, 1, 2);
+    check_assign_case(8, 0, 2);
     check_assign_case(3, 2, 1);
     check_assign_case(1, 0, 1);
     check_kmeans();

@@ -1,0 +1,425 @@
+/* Fidelity tests: selection measured against exact attention on hard LLM-like keys
+   (bench/hardkeys.h), and the score-aware metric that keeps the rare tokens plain PQ
+   loses: the PQ core's metric, the cache's observations, the driver's. */
+#define PQCACHE_IMPLEMENTATION
+#include "../pqcache.h"
+#include "../bench/hardkeys.h"
+#include "greatest.h"
+
+enum { S = 8192, N_OBS = 16, D = HK_D, G = HK_G };
+
+/* ----- helpers ----------------------------------------------------------------------- */
+
+static pqc_pq_desc pq_desc(int m, int bits)
+{
+    pqc_pq_desc d;
+    memset(&d, 0, sizeof d);
+    d.m = m;
+    d.bits = bits;
+    d.iters = 10;
+    d.seed = 1;
+    return d;
+}
+
+/* the hard data set `i` (0..3: half-split / interleaved x base 1e4 / 5e5) */
+static int make_hard(hardkeys *hk, int i, int unrelated)
+{
+    memset(hk, 0, sizeof *hk);
+    hk->s = S;
+    hk->level = HK_HARD;
+    hk->layout = i / 2 ? HK_INTERLEAVED : HK_HALF;
+    hk->base = i % 2 ? 5e5 : 1e4;
+    hk->recency = (hk->layout == HK_HALF) == (hk->base < 1e5) ? 1.0 : 0.0;
+    hk->n_obs = N_OBS;
+    hk->obs_unrelated = unrelated;
+    hk->seed = 500 + (uint64_t)i;
+    return hk_make(hk);
+}
+
+/* per-dimension mean squared observed query (over every row and head), normalised to a
+   mean of 1, plus floor */
+static void obs_metric(const hardkeys *hk, float floor_, float *w)
+{
+    double acc[D], tot = 0;
+    int e;
+    size_t r;
+    for (e = 0; e < D; e++) acc[e] = 0;
+    for (r = 0; r < (size_t)hk->n_obs * G; r++)
+        for (e = 0; e < D; e++) acc[e] += (double)hk->obs[r * D + e] * hk->obs[r * D + e];
+    for (e = 0; e < D; e++) tot += acc[e];
+    for (e = 0; e < D; e++) w[e] = (float)(acc[e] * D / tot) + floor_;
+}
+
+/* rare tokens in `ref` (n indices) and, of those, in `sel` (m indices) */
+static void rare_kept(const hardkeys *hk, const uint32_t *ref, size_t n, const uint32_t *sel, size_t m, int *kept,
+                      int *in_ref)
+{
+    int r;
+    size_t i;
+    *kept = *in_ref = 0;
+    for (r = 0; r < hk->n_rare; r++) {
+        int a = 0, b = 0;
+        for (i = 0; i < n; i++) a |= ref[i] == hk->rare[r];
+        for (i = 0; i < m; i++) b |= sel[i] == hk->rare[r];
+        *in_ref += a;
+        *kept += a && b;
+    }
+}
+
+/* attention mass (softmax-sum over the g heads, normalised to 1) on the n indices */
+static double mass(const float *p, const uint32_t *idx, size_t n)
+{
+    double a = 0;
+    size_t i;
+    for (i = 0; i < n; i++) a += p[idx[i]];
+    return a;
+}
+
+/* ----- the PQ core's metric ---------------------------------------------------------- */
+
+TEST metric_codes_each_key_to_its_weighted_nearest_centroid(void)
+{
+    enum { N = 1200, DD = 16 };
+    float *x = (float *)malloc(sizeof(float) * N * DD), w[DD];
+    pqc_pq pq;
+    pqc_codes codes;
+    pqc_pq_desc d = pq_desc(2, 5);
+    pqc_matrix keys;
+    uint64_t st = 7;
+    size_t t;
+    int e, j, c;
+    ASSERT(x != NULL);
+    for (t = 0; t < (size_t)N * DD; t++) x[t] = hk__normal(&st) * (t % DD < 4 ? 0.2f : 2.0f);
+    for (e = 0; e < DD; e++) w[e] = e < 4 ? 50.0f : 0.5f + 0.1f * (float)e;
+    d.metric = w;
+    keys = pqc_matrix_f32(x, N, DD);
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+    ASSERT(pq.metric != NULL && pq.metric != w);
+    ASSERT_MEM_EQ(w, pq.metric, sizeof w); /* a copy of the caller's weights */
+    ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, N, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
+    for (t = 0; t < N; t++)
+        for (j = 0; j < 2; j++) {
+            /* brute force in double precision; accept a float-rounding tie */
+            double best = 1e300, got = 0;
+            for (c = 0; c < pq.ksub; c++) {
+                double dd = 0;
+                for (e = 0; e < 8; e++) {
+                    double df = (double)x[t * DD + (size_t)j * 8 + (size_t)e] - pq.centroids[((size_t)j * pq.ksub + c) * 8 + e];
+                    dd += w[j * 8 + e] * df * df;
+                }
+                if (dd < best) best = dd;
+                if ((unsigned)c == pqc_codes_get(&codes, t, j)) got = dd;
+            }
+            ASSERT_IN_RANGE(best, got, 1e-4 * (1.0 + best));
+        }
+    pqc_codes_free(&codes);
+    pqc_pq_free(&pq);
+    free(x);
+    PASS();
+}
+
+TEST metric_out_of_range_is_refused(void)
+{
+    float x[64 * 4], w[4] = {1, 1, 1, 1};
+    static const float bad[5] = {0.0f, -1.0f, NAN, INFINITY, 1e-13f};
+    pqc_pq pq, before;
+    pqc_pq_desc d = pq_desc(2, 2);
+    pqc_matrix keys = pqc_matrix_f32(x, 64, 4);
+    int i;
+    for (i = 0; i < 64 * 4; i++) x[i] = (float)(i % 7) - 3.0f;
+    d.metric = w;
+    memset(&pq, 0x5a, sizeof pq);
+    before = pq;
+    for (i = 0; i < 5; i++) {
+        w[2] = bad[i]; /* zero, negative, NaN, Inf, and a ratio of 1e13 */
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
+        ASSERT(strstr(pqc_last_error(), "metric") != NULL);
+        ASSERT_MEM_EQ(&before, &pq, sizeof pq);
+    }
+    w[2] = 1e-11f; /* within 1e12 of the largest */
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+    pqc_pq_free(&pq);
+    PASS();
+}
+
+/* On the hard keys, plain PQ at the default m = 2, b = 6 loses most rare tokens exact
+   top-k keeps; weighting the distance by the observed queries keeps every one of them,
+   and nearly the mass of exact top-k. */
+TEST metric_keeps_the_rare_tokens_plain_pq_loses(void)
+{
+    pqc_scratch scr;
+    float *sc = (float *)malloc(sizeof(float) * S);
+    uint32_t *ex = (uint32_t *)malloc(sizeof(uint32_t) * S), *id = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    int i, kept_plain = 0, kept_metric = 0, in_ref = 0;
+    double gap_max = 0;
+    ASSERT(sc && ex && id);
+    memset(&scr, 0, sizeof scr);
+    for (i = 0; i < 4; i++) {
+        hardkeys hk;
+        pqc_matrix keys;
+        pqc_search_desc sd;
+        float w[D];
+        double tot = 0, m_exact;
+        int mode, kp, r;
+        size_t t;
+        ASSERT_EQ(0, make_hard(&hk, i, 0));
+        keys = pqc_matrix_f32(hk.keys, S, D);
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(NULL, &keys, hk.queries, G, PQC_GQA_SOFTMAX_SUM, &scr, sc));
+        for (t = 0; t < S; t++) tot += sc[t];
+        for (t = 0; t < S; t++) sc[t] = (float)(sc[t] / tot);
+        memset(&sd, 0, sizeof sd);
+        sd.k = S / 10;
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &keys, hk.queries, G, &sd, &scr, ex, NULL));
+        m_exact = mass(sc, ex, sd.k);
+        obs_metric(&hk, 0.01f, w);
+        for (mode = 0; mode < 2; mode++) {
+            pqc_pq_desc d = pq_desc(2, 6);
+            pqc_pq pq;
+            pqc_codes codes;
+            if (mode) d.metric = w;
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+            ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, S, NULL));
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+            rare_kept(&hk, ex, sd.k, id, sd.k, &kp, &r);
+            if (mode) {
+                double gap = m_exact - mass(sc, id, sd.k);
+                kept_metric += kp;
+                in_ref += r;
+                if (gap > gap_max) gap_max = gap;
+            } else {
+                kept_plain += kp;
+            }
+            pqc_codes_free(&codes);
+            pqc_pq_free(&pq);
+        }
+        hk_free(&hk);
+    }
+    fprintf(stderr, "  rare tokens kept of %d: plain %d, metric %d; largest mass gap with the metric %.3f\n", in_ref,
+            kept_plain, kept_metric, gap_max);
+    ASSERT(in_ref >= 16);
+    ASSERT(kept_plain * 2 <= in_ref); /* the data is hard: plain PQ loses most */
+    ASSERT_EQ(in_ref, kept_metric);
+    ASSERT(gap_max < 0.1);
+    pqc_scratch_free(&scr);
+    free(sc);
+    free(ex);
+    free(id);
+    PASS();
+}
+
+/* ----- the cache's observations ------------------------------------------------------ */
+
+static pqc_cache_desc hard_desc(pqc_metric metric)
+{
+    pqc_cache_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 1;
+    cd.n_kv_heads = 1;
+    cd.n_q_heads = G;
+    cd.head_dim = D;
+    cd.max_tokens = S + 64;
+    cd.pq.iters = 10;
+    cd.pq.seed = 1;
+    cd.metric = metric;
+    return cd;
+}
+
+/* sinks + exact top-k of the mid tokens + window, the same shape as sel (head 0) */
+static size_t oracle_of(const hardkeys *hk, const pqc_selection *sel, int window, pqc_scratch *scr, uint32_t *out)
+{
+    size_t n = 0, t, mid_end = S - (size_t)window, take = sel->count[0] - 32 - (size_t)window;
+    pqc_matrix mid = pqc_matrix_f32(hk->keys + 32 * D, mid_end - 32, D);
+    pqc_search_desc sd;
+    memset(&sd, 0, sizeof sd);
+    sd.k = take;
+    for (t = 0; t < 32; t++) out[n++] = (uint32_t)t;
+    if (pqc_exact_search(NULL, &mid, hk->queries, G, &sd, scr, out + n, NULL) != PQC_SUCCESS) return 0;
+    for (t = 0; t < take; t++) out[n + t] += 32;
+    n += take;
+    for (t = mid_end; t < S; t++) out[n++] = (uint32_t)t;
+    return n;
+}
+
+TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
+{
+    pqc_scratch scr;
+    uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    int i, kept[2] = {0, 0}, in_ref = 0;
+    ASSERT(orc != NULL);
+    memset(&scr, 0, sizeof scr);
+    for (i = 0; i < 4; i++) {
+        hardkeys hk;
+        pqc_matrix km;
+        int mode;
+        ASSERT_EQ(0, make_hard(&hk, i, 0));
+        km = pqc_matrix_f32(hk.keys, S, D);
+        for (mode = 0; mode < 2; mode++) {
+            pqc_cache_desc cd = hard_desc(mode ? PQC_METRIC_QUERY : PQC_METRIC_L2);
+            pqc_cache *c;
+            pqc_selection sel;
+            size_t n_or;
+            int kp, r;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+            /* observed in both modes: L2 ignores them */
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+            ASSERT(mode ? c->layers[0].heads[0].pq.metric != NULL : c->layers[0].heads[0].pq.metric == NULL);
+            n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
+            ASSERT_EQ(sel.count[0], n_or);
+            rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
+            kept[mode] += kp;
+            if (mode) in_ref += r;
+            pqc_selection_free(&sel);
+            pqc_cache_destroy(c);
+        }
+        hk_free(&hk);
+    }
+    fprintf(stderr, "  cache: rare tokens kept of the oracle's %d: L2 %d, observed queries %d\n", in_ref, kept[0],
+            kept[1]);
+    ASSERT(in_ref >= 16);
+    ASSERT(kept[0] * 2 <= in_ref);
+    ASSERT_EQ(in_ref, kept[1]);
+    pqc_scratch_free(&scr);
+    free(orc);
+    PASS();
+}
+
+TEST observe_misuse_is_refused_and_changes_nothing(void)
+{
+    pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+    pqc_cache *c;
+    float q[G * D];
+    double before[D + 1];
+    int i;
+    for (i = 0; i < G * D; i++) q[i] = (float)(i % 5) - 2.0f;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, q, 1));
+    memcpy(before, c->layers[0].qsq, sizeof before);
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_observe(NULL, 0, q, 1));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_observe(c, 0, NULL, 1));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_observe(c, 1, q, 1));
+    ASSERT_EQ(PQC_ERROR_EMPTY, pqc_cache_observe(c, 0, q, 0));
+    ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_observe(c, 0, q, (size_t)-1 / 4));
+    q[G * D - 1] = NAN;
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_cache_observe(c, 0, q, 1));
+    ASSERT_MEM_EQ(before, c->layers[0].qsq, sizeof before);
+    ASSERT_EQ(1.0 * G, c->layers[0].qsq[D]); /* rows x heads counted */
+    pqc_cache_destroy(c);
+    /* settings */
+    cd.metric_floor = -1;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    cd.metric_floor = 0;
+    cd.metric = (pqc_metric)2;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    cd.metric = PQC_METRIC_QUERY;
+    cd.pq.metric = q;
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_create(NULL, &cd, &c));
+    PASS();
+}
+
+/* ----- the driver's observations ----------------------------------------------------- */
+
+/* an engine over a hard data set: Q, K and V of token t are those of the data set
+   (V = K); the last N_OBS prompt queries are its observation queries */
+typedef struct heng {
+    const hardkeys *hk;
+    int fail_attend;
+} heng;
+static int heng_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
+{
+    const heng *e = (const heng *)u;
+    size_t t;
+    (void)layer;
+    for (t = 0; t < n; t++) {
+        size_t p = pos0 + t;
+        const float *qs = p + N_OBS >= S ? e->hk->obs + (p + N_OBS - S) * G * D : e->hk->queries;
+        memcpy(q + t * G * D, qs, sizeof(float) * G * D);
+        memcpy(k + t * D, e->hk->keys + p * D, sizeof(float) * D);
+        memcpy(v + t * D, e->hk->keys + p * D, sizeof(float) * D);
+    }
+    return 0;
+}
+static int heng_attend(void *u, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv)
+{
+    (void)pos0;
+    (void)n;
+    (void)q;
+    (void)kv;
+    return layer == ((heng *)u)->fail_attend;
+}
+
+TEST driver_observes_the_prompt_and_gives_observations_back_on_failure(void)
+{
+    pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+    pqc_cache *c, *ref;
+    pqc_engine e;
+    heng en;
+    hardkeys hk;
+    pqc_selection s1, s2;
+    pqc_scratch scr;
+    uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    size_t n_or;
+    int kp, r;
+    ASSERT(orc != NULL);
+    memset(&scr, 0, sizeof scr);
+    ASSERT_EQ(0, make_hard(&hk, 3, 0));
+    cd.n_layers = 2;
+    cd.observe = N_OBS; /* exactly the observation queries (earlier tokens carry the decode query) */
+    memset(&e, 0, sizeof e);
+    en.hk = &hk;
+    en.fail_attend = 1; /* layer 0 observes and builds, then layer 1 fails */
+    e.user = &en;
+    e.qkv = heng_qkv;
+    e.attend = heng_attend;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &ref));
+    ASSERT_EQ(PQC_ERROR_CALLBACK, pqc_driver_prefill(c, &e, 0, S));
+    ASSERT_EQ(0.0, c->layers[0].qsq[D]); /* the observations went back with the tokens */
+    en.fail_attend = -1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, S));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(ref, &e, 0, S));
+    ASSERT_EQ((double)N_OBS * G, c->layers[0].qsq[D]);
+    ASSERT_MEM_EQ(ref->layers[0].qsq, c->layers[0].qsq, sizeof(double) * (D + 1));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &s1));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ref, &s2));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &s1));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(ref, 0, hk.queries, &s2));
+    ASSERT_EQ(s2.count[0], s1.count[0]);
+    ASSERT_MEM_EQ(s2.idx, s1.idx, s1.count[0] * sizeof(uint32_t));
+    /* and the observed prompt keeps the rare tokens */
+    n_or = oracle_of(&hk, &s1, pqc_cache_window(c), &scr, orc);
+    rare_kept(&hk, orc, n_or, s1.idx, s1.count[0], &kp, &r);
+    ASSERT(r >= 3);
+    ASSERT_EQ(r, kp);
+    pqc_selection_free(&s1);
+    pqc_selection_free(&s2);
+    pqc_cache_destroy(c);
+    pqc_cache_destroy(ref);
+    pqc_scratch_free(&scr);
+    hk_free(&hk);
+    free(orc);
+    PASS();
+}
+
+SUITE(fidelity)
+{
+    RUN_TEST(metric_codes_each_key_to_its_weighted_nearest_centroid);
+    RUN_TEST(metric_out_of_range_is_refused);
+    RUN_TEST(metric_keeps_the_rare_tokens_plain_pq_loses);
+    RUN_TEST(observed_queries_keep_the_rare_tokens_the_oracle_keeps);
+    RUN_TEST(observe_misuse_is_refused_and_changes_nothing);
+    RUN_TEST(driver_observes_the_prompt_and_gives_observations_back_on_failure);
+}
+
+GREATEST_MAIN_DEFS();
+
+int main(int argc, char **argv)
+{
+    GREATEST_MAIN_BEGIN();
+    RUN_SUITE(fidelity);
+    GREATEST_MAIN_END();
+}
