@@ -1,9 +1,10 @@
 # fidelity.gp - draws the attention mass that PQ selection keeps against its bytes per token,
 # from the summary bench_fidelity writes (means over the four data sets of each level).
 # Left: the search path (pqc_pq_search) against exact top-k; right: the cache path
-# (pqc_cache_select) against the cache-shaped oracle. Filled points: k-means++
-# initialisation; open points: random initialisation; the settings are labelled on the
-# hard level.
+# (pqc_cache_select) against the cache-shaped oracle. Colour: difficulty level; solid
+# lines and filled circles: plain PQ; dashed lines and filled squares: the score-aware
+# metric (q-metric, the default); open triangles: the metric from unrelated observation
+# queries (q-unrel). The settings are labelled on the hard level.
 #
 # usage, from the repository root:
 #   gnuplot bench/fidelity.gp                      (build/fidelity.dat -> build/fidelity.png)
@@ -38,10 +39,12 @@ do for [p=0:1] {
     ref = p == 0 ? 'exact top-k' : 'cache-shaped oracle'
     set title sprintf('%s path: mass of the selection / mass of %s', word(paths, p + 1), ref)
     set ylabel sprintf('mass recall vs %s', ref)
-    plot for [l=0:2] dat index (p*6 + l*2) using 1:4 with points pt 7 ps 1.3 \
-             lc rgb word(colors, l + 1) title word(levels, l + 1).' (k-means++)', \
-         for [l=0:2] dat index (p*6 + l*2 + 1) using 1:4 with points pt 6 ps 1.4 \
-             lc rgb word(colors, l + 1) title word(levels, l + 1).' (random init)', \
-         dat index (p*6 + 4) using 1:4:(word(stringcolumn(8), 1)) with labels offset 0,-1.1 font ',8' notitle
+    plot for [l=0:2] dat index (p*9 + l*3) using 1:4 with linespoints dt 1 pt 7 ps 1.2 \
+             lc rgb word(colors, l + 1) title word(levels, l + 1).' plain', \
+         for [l=0:2] dat index (p*9 + l*3 + 1) using 1:4 with linespoints dt 2 pt 5 ps 1.2 \
+             lc rgb word(colors, l + 1) title word(levels, l + 1).' q-metric', \
+         for [l=0:2] dat index (p*9 + l*3 + 2) using 1:4 with points pt 8 ps 1.5 \
+             lc rgb word(colors, l + 1) title word(levels, l + 1).' q-unrel', \
+         dat index (p*9 + 6) using 1:4:(word(stringcolumn(8), 1)) with labels offset 0,-1.1 font ',8' notitle
 }
 unset multiplot

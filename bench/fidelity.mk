@@ -4,8 +4,9 @@
 # repository root.
 #
 #   make bench-fidelity         build/bench_fidelity, then the run at s = 32768 (12 data sets
-#                               x 10 PQ settings, 3 repetitions of each timing; about 10-15
-#                               minutes on 2 cores), then build/fidelity.png
+#                               x 10 settings of PQ and technique, 3 repetitions of each
+#                               timing; about 10-15 minutes on 2 cores), then
+#                               build/fidelity.png
 #   make bench-fidelity-quick   s = 8192, 1 repetition (a minute or two), then
 #                               build/fidelity_quick.png
 #   make bench-fidelity-plot    only the drawing, from an earlier run's build/fidelity.dat
