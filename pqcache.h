@@ -3778,8 +3778,13 @@ typedef struct pqc__layer {
     int build_pending_err;
     pqc__group group;
     pqc__build *builds;   /* [n_kv_heads] */
-    double *qsq;          /* [n_kv_heads][d_h] sums of squared observed queries, then
-                             [n_kv_heads] the rows counted in them */
+    double *qsq;          /* observations (pqc__qsq_len doubles): [n_kv_heads][d_h] sums of
+                             squared observed queries, [n_kv_heads] the rows counted;
+                             then the same for decode queries that drifted from the
+                             metric; then the drift flag and the coded count at the last
+                             drift rebuild + 1 (0: none) */
+    double *qpend;        /* [n_kv_heads][d_h + 1] drifted decode queries of a driver step,
+                             added to qsq when the whole step succeeded; then the flag */
     float *bmetric;       /* [n_kv_heads][d_h] the weights of the build in flight */
     pqc_layer_stats st;
     uint64_t step;
@@ -3809,6 +3814,7 @@ struct pqc_cache {
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
     const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
     struct pqc__cut *cu;       /* the CUDA tier's state (only that tier's functions use it) */
+    int in_step;               /* a driver decode step is running: drift commits at its end */
 };
 
 /* ----- device tiers ---------------------------------------------------------------------
@@ -3899,6 +3905,11 @@ static int pqc__derive_window(const pqc_cache *c, size_t n_tokens)
     double w = floor(c->d.recent_share * budget + 0.5), hi = (double)PQC__MIN(c->d.max_tokens, (size_t)0x7fffffff);
     return (int)(w < 1.0 ? 1.0 : (w > hi ? hi : w));
 }
+
+/* The layout of a layer's observations (pqc__layer.qsq): observed queries, drifted
+   decode queries, the drift flag and the coded count at the last drift rebuild + 1. */
+static size_t pqc__qsq_part(const pqc_cache *c) { return (size_t)c->d.n_kv_heads * ((size_t)c->d.head_dim + 1); }
+static size_t pqc__qsq_len(const pqc_cache *c) { return 2 * pqc__qsq_part(c) + 2; }
 
 PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out)
 {
@@ -3992,9 +4003,13 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         int h;
         L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
         L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
-        L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1));
+        {
+            size_t part = (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1);
+            L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (2 * part + 2));
+            L->qpend = (double *)pqc__calloc(&c->alloc, sizeof(double) * (part + 1));
+        }
         L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
-        if (!L->heads || !L->builds || !L->qsq || !L->bmetric) goto oom;
+        if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric) goto oom;
         for (h = 0; h < d.n_kv_heads; h++) {
             pqc__head *H = &L->heads[h];
             H->scratch.alloc = c->alloc;
@@ -4057,6 +4072,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
             pqc__free(&c->alloc, c->layers[l].heads);
             pqc__free(&c->alloc, c->layers[l].builds);
             pqc__free(&c->alloc, c->layers[l].qsq);
+            pqc__free(&c->alloc, c->layers[l].qpend);
             pqc__free(&c->alloc, c->layers[l].bmetric);
         }
     pqc__free(&c->alloc, c->layers);
@@ -4253,15 +4269,17 @@ static void pqc__build_job(void *arg)
 }
 
 /* The distance's weights for head h's next build (into the layer's bmetric), or NULL
-   for Euclidean: w_e = mean q_e^2 / (mean over e of it) + metric_floor. */
+   for Euclidean: w_e = mean q_e^2 / (mean over e of it) + metric_floor, over the decode
+   queries that drifted from the metric when there are any, else over the observed ones. */
 static const float *pqc__build_metric(pqc_cache *c, int l, int h)
 {
     pqc__layer *L = &c->layers[l];
-    size_t d = (size_t)c->d.head_dim, e;
-    const double *qs = L->qsq + (size_t)h * d;
+    size_t d = (size_t)c->d.head_dim, e, part = pqc__qsq_part(c), nkv = (size_t)c->d.n_kv_heads;
+    const double *base = L->qsq[part + nkv * d + (size_t)h] > 0.0 ? L->qsq + part : L->qsq;
+    const double *qs = base + (size_t)h * d;
     float *w = L->bmetric + (size_t)h * d;
     double tot = 0.0;
-    if (c->d.metric != PQC_METRIC_QUERY || L->qsq[(size_t)c->d.n_kv_heads * d + (size_t)h] <= 0.0) return NULL;
+    if (c->d.metric != PQC_METRIC_QUERY || base[nkv * d + (size_t)h] <= 0.0) return NULL;
     for (e = 0; e < d; e++) tot += qs[e];
     if (!(tot > 0.0) || !(tot < 1e300)) return NULL;
     for (e = 0; e < d; e++) w[e] = (float)(qs[e] * (double)d / tot + c->d.metric_floor);
@@ -4646,6 +4664,66 @@ static void pqc__select_heads_pfor(void *ctx, size_t h) { pqc__select_head(ctx, 
 
 /* Selection is computed into the cache's own buffer and copied into sel only when every
    head succeeded, so a failed select leaves sel (and the cache) as they were. */
+/* Metric drift. A head's codebook spends its centroids where the observed queries
+   looked; a decode query that puts most of its energy where they did not (dimensions
+   weighted below PQC__DRIFT_WEIGHT of the mean) is served by the coarse part of the
+   codebook. Such queries are counted (into qpend), and the layer is rebuilt in the
+   background with the metric of the drifted queries (at most once per 1/8 growth of its
+   coded tokens). */
+#define PQC__DRIFT_WEIGHT 0.1
+#define PQC__DRIFT_SHARE 0.5
+
+static void pqc__drift_note(pqc_cache *c, int l, const float *q)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t d = (size_t)c->d.head_dim, e, nkv = (size_t)c->d.n_kv_heads;
+    int h, hh;
+    if (c->d.metric != PQC_METRIC_QUERY) return;
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        const pqc_pq *pq = &L->heads[h].pq;
+        double all = 0.0, off = 0.0, wsum = 0.0;
+        if (!pq->metric) continue;
+        for (e = 0; e < d; e++) wsum += pq->metric[e];
+        for (hh = 0; hh < c->g; hh++) {
+            const float *qr = q + ((size_t)h * (size_t)c->g + (size_t)hh) * d;
+            for (e = 0; e < d; e++) {
+                double v = (double)qr[e] * (double)qr[e];
+                all += v;
+                if ((double)pq->metric[e] * (double)d < PQC__DRIFT_WEIGHT * wsum) off += v;
+            }
+        }
+        if (!(all > 0.0) || off <= PQC__DRIFT_SHARE * all) continue;
+        for (hh = 0; hh < c->g; hh++) {
+            const float *qr = q + ((size_t)h * (size_t)c->g + (size_t)hh) * d;
+            for (e = 0; e < d; e++) L->qpend[(size_t)h * d + e] += (double)qr[e] * (double)qr[e];
+        }
+        L->qpend[nkv * d + (size_t)h] += (double)c->g;
+        L->qpend[nkv * (d + 1)] = 1.0;
+    }
+}
+
+/* Adds layer l's pending drifted queries to its observations and starts the drift
+   rebuild when one is due; or forgets them (a failed driver step). */
+static void pqc__drift_commit(pqc_cache *c, int l, int keep)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t part = pqc__qsq_part(c), i, last;
+    double *flag = L->qsq + 2 * part;
+    if (L->qpend[part] != 0.0) {
+        if (keep) {
+            for (i = 0; i < part; i++) L->qsq[part + i] += L->qpend[i];
+            flag[0] = 1.0;
+        }
+        memset(L->qpend, 0, (part + 1) * sizeof(double));
+    }
+    if (!keep || flag[0] == 0.0 || L->building || L->heads[0].pq.m == 0) return;
+    last = (size_t)flag[1]; /* coded count at the last drift rebuild + 1 */
+    if (last > 0 && L->n_coded < last - 1 + PQC__MAX((size_t)256, (last - 1) / 8)) return;
+    flag[0] = 0.0;
+    flag[1] = (double)L->n_coded + 1.0;
+    pqc__start_build(c, l);
+}
+
 static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_selection *sel, int parallel)
 {
     pqc__layer *L;
@@ -4728,6 +4806,8 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     }
     L->st.selects++;
     L->st.select_s += pqc__now() - t0;
+    pqc__drift_note(c, layer, q);
+    if (!c->in_step) pqc__drift_commit(c, layer, 1); /* a driver step commits at its end */
     return PQC_SUCCESS;
 }
 
@@ -5296,7 +5376,9 @@ typedef struct pqc__batch_job {
 static void pqc__batch_select_one(void *ctx, size_t i)
 {
     pqc__batch_job *b = (pqc__batch_job *)ctx;
+    b->caches[i]->in_step = 1; /* drift rebuilds start on the caller's thread, after the batch */
     b->res[i] = pqc__select_impl(b->caches[i], b->layer, b->q[i], b->sel[i], 0);
+    b->caches[i]->in_step = 0;
 }
 static void pqc__batch_fetch_one(void *ctx, size_t i)
 {
@@ -5338,11 +5420,17 @@ PQCDEF pqc_result pqc_batch_select(pqc_cache *const *caches, int n, int layer, c
     pqc__batch_job b;
     memset(&b, 0, sizeof b);
     if (!q || !sel) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_batch_select: null arrays");
+    pqc_result r;
+    int i;
     b.caches = caches;
     b.layer = layer;
     b.q = q;
     b.sel = sel;
-    return pqc__batch(caches, n, &b, pqc__batch_select_one);
+    r = pqc__batch(caches, n, &b, pqc__batch_select_one);
+    /* only successful selects noted drifted queries; the layer index was checked by them */
+    for (i = 0; caches && i < n; i++)
+        if (caches[i] && layer >= 0 && layer < caches[i]->d.n_layers) pqc__drift_commit(caches[i], layer, 1);
+    return r;
 }
 
 PQCDEF pqc_result pqc_batch_fetch(pqc_cache *const *caches, int n, int layer, const pqc_selection *const *sel,
@@ -5381,8 +5469,6 @@ typedef struct pqc__undo {
     int window;
 } pqc__undo;
 
-/* doubles of one layer's observation sums */
-static size_t pqc__qsq_len(const pqc_cache *c) { return (size_t)c->d.n_kv_heads * ((size_t)c->d.head_dim + 1); }
 
 static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
 {
@@ -5554,6 +5640,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     out.k = ko;
     out.v = vo;
     out.head_stride = cap;
+    c->in_step = 1;
     for (l = 0; l < c->d.n_layers; l++) {
         pqc_kv_view view;
         if (e->qkv(e->user, l, pos, 1, q, k, v) != 0) {
@@ -5599,7 +5686,10 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
         }
     }
     pqc__free(&c->alloc, kp);
-    return pqc__undo_end(c, &undo, l, r);
+    c->in_step = 0;
+    r = pqc__undo_end(c, &undo, l, r);
+    for (l = 0; l < c->d.n_layers; l++) pqc__drift_commit(c, l, r == PQC_SUCCESS);
+    return r;
 }
 
 /* =======================================================================================

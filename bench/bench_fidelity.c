@@ -19,6 +19,10 @@
       q-unrel   the same metric from observation queries that look for something else
                 (obs_unrelated): what the metric costs when the prompt's end does not
                 predict the decode query
+      q-drift   q-unrel, after the cache noticed the drift: the first select finds the
+                decode query's energy where the metric did not look and rebuilds with the
+                decode query's metric; the figures are those of the select after that
+                rebuild (search path: the codebook trained with the decode query's metric)
 
    1. Search path: pqc_pq_train + pqc_pq_encode + pqc_pq_search (softmax-sum, k = s/10)
       for each setting, against exact top-k (pqc_exact_search, same k):
@@ -56,8 +60,8 @@
 
 #include "bench_util.h"
 
-enum { N_SETTINGS = 10, N_LEVELS = 3, N_SETS = 12, N_SINK = 32, MAXREPS = 31, N_OBS = 16 };
-enum { T_PLAIN, T_METRIC, T_UNREL, N_TECH };
+enum { N_SETTINGS = 11, N_LEVELS = 3, N_SETS = 12, N_SINK = 32, MAXREPS = 31, N_OBS = 16 };
+enum { T_PLAIN, T_METRIC, T_UNREL, T_DRIFT, N_TECH };
 
 typedef struct setting {
     const char *name;
@@ -67,6 +71,7 @@ typedef struct setting {
 /* ordered by bytes per token */
 static const setting settings[N_SETTINGS] = {
     {"m2b6 plain", 2, 6, T_PLAIN},   {"m2b6 q-metric", 2, 6, T_METRIC}, {"m2b6 q-unrel", 2, 6, T_UNREL},
+    {"m2b6 q-drift", 2, 6, T_DRIFT},
     {"m2b8 plain", 2, 8, T_PLAIN},   {"m2b8 q-metric", 2, 8, T_METRIC}, {"m4b8 plain", 4, 8, T_PLAIN},
     {"m4b8 q-metric", 4, 8, T_METRIC}, {"m16b4 plain", 16, 4, T_PLAIN}, {"m16b4 q-metric", 16, 4, T_METRIC},
     {"m8b8 plain", 8, 8, T_PLAIN},
@@ -228,7 +233,7 @@ int main(int argc, char **argv)
         dataset *ds = &sets[di];
         hardkeys hk, hu;
         pqc_matrix keys = pqc_matrix_f32(NULL, 0, 0);
-        float w_obs[HK_D], w_unrel[HK_D];
+        float w_obs[HK_D], w_unrel[HK_D], w_dec[HK_D];
         pqc_search_desc sd;
         double tot = 0, t_set = now();
 
@@ -254,6 +259,7 @@ int main(int argc, char **argv)
         }
         obs_metric(hk.obs, N_OBS, w_obs);
         obs_metric(hu.obs, N_OBS, w_unrel);
+        obs_metric(hk.queries, 1, w_dec);
         ds->n_rare = hk.n_rare;
         ds->k = k;
         keys = pqc_matrix_f32(hk.keys, s, HK_D);
@@ -292,7 +298,7 @@ int main(int argc, char **argv)
             pd.bits = st->bits;
             pd.iters = 10;
             pd.seed = 1;
-            pd.metric = st->tech == T_METRIC ? w_obs : st->tech == T_UNREL ? w_unrel : NULL;
+            pd.metric = st->tech == T_METRIC ? w_obs : st->tech == T_UNREL ? w_unrel : st->tech == T_DRIFT ? w_dec : NULL;
             for (r = 0; r < reps; r++) {
                 double t0 = now();
                 if (pqc_pq_train(rt, &pd, &keys, &pq)) die("train");
@@ -338,10 +344,16 @@ int main(int argc, char **argv)
             cd.pq.seed = 1;
             cd.metric = st->tech == T_PLAIN ? PQC_METRIC_L2 : PQC_METRIC_QUERY;
             if (pqc_cache_create(rt, &cd, &c)) die("cache create");
-            if (pqc_cache_observe(c, 0, st->tech == T_UNREL ? hu.obs : hk.obs, N_OBS)) die("observe");
+            if (pqc_cache_observe(c, 0, st->tech >= T_UNREL ? hu.obs : hk.obs, N_OBS)) die("observe");
             if (pqc_cache_prefill(c, 0, &keys, &keys)) die("prefill");
             if (pqc_cache_sync(c)) die("build");
             if (pqc_selection_init(c, &sel) || pqc_cache_select(c, 0, hk.queries, &sel)) die("select");
+            if (st->tech == T_DRIFT) {
+                pqc_layer_stats ls;
+                if (pqc_cache_sync(c) || pqc_cache_select(c, 0, hk.queries, &sel) || pqc_cache_stats(c, 0, &ls))
+                    die("select after the drift");
+                if (ls.rebuilds != 1) fprintf(stderr, "bench_fidelity: %s: %d drift rebuilds\n", ds->name, (int)ls.rebuilds);
+            }
             cnt = sel.count[0];
             w = (size_t)pqc_cache_window(c);
             mid_end = s - w;
@@ -441,8 +453,8 @@ int main(int argc, char **argv)
     if (!f) fprintf(stderr, "bench_fidelity: cannot write %s; the summary is printed only\n", out_path);
     if (f) {
         fprintf(f, "# bench_fidelity, s = %zu, k = %zu: means over the 4 data sets of each level\n", s, k);
-        fprintf(f, "# blocks (gnuplot index i = path*9 + level*3 + technique): path 0 search, 1 cache;\n");
-        fprintf(f, "# level 0 easy, 1 medium, 2 hard; technique 0 plain, 1 q-metric, 2 q-unrel\n");
+        fprintf(f, "# blocks (gnuplot index i = path*12 + level*4 + technique): path 0 search, 1 cache;\n");
+        fprintf(f, "# level 0 easy, 1 medium, 2 hard; technique 0 plain, 1 q-metric, 2 q-unrel, 3 q-drift\n");
         fprintf(f, "# columns: bytes_per_token mass_sel mass_ref mass_recall(sel/ref) recall rare_kept rare_ref setting\n");
     }
     printf("\nSummary: means over the 4 data sets of each level (mass recall = mass sel / mass ref;\n"

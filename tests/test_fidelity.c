@@ -327,6 +327,7 @@ TEST observe_misuse_is_refused_and_changes_nothing(void)
    (V = K); the last N_OBS prompt queries are its observation queries */
 typedef struct heng {
     const hardkeys *hk;
+    size_t obs_from; /* positions [obs_from, obs_from + N_OBS) carry the observation queries */
     int fail_attend;
 } heng;
 static int heng_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
@@ -336,7 +337,8 @@ static int heng_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *
     (void)layer;
     for (t = 0; t < n; t++) {
         size_t p = pos0 + t;
-        const float *qs = p + N_OBS >= S ? e->hk->obs + (p + N_OBS - S) * G * D : e->hk->queries;
+        const float *qs = p >= e->obs_from && p < e->obs_from + N_OBS ? e->hk->obs + (p - e->obs_from) * G * D
+                                                                      : e->hk->queries;
         memcpy(q + t * G * D, qs, sizeof(float) * G * D);
         memcpy(k + t * D, e->hk->keys + p * D, sizeof(float) * D);
         memcpy(v + t * D, e->hk->keys + p * D, sizeof(float) * D);
@@ -371,6 +373,7 @@ TEST driver_observes_the_prompt_and_gives_observations_back_on_failure(void)
     cd.observe = N_OBS; /* exactly the observation queries (earlier tokens carry the decode query) */
     memset(&e, 0, sizeof e);
     en.hk = &hk;
+    en.obs_from = S - N_OBS;
     en.fail_attend = 1; /* layer 0 observes and builds, then layer 1 fails */
     e.user = &en;
     e.qkv = heng_qkv;
@@ -405,6 +408,97 @@ TEST driver_observes_the_prompt_and_gives_observations_back_on_failure(void)
     PASS();
 }
 
+/* Observations that look elsewhere than decoding does: the first selection loses the
+   rare tokens, the cache notices that the decode query's energy lies where its metric
+   did not look, and rebuilds in the background with the decode queries' metric. */
+TEST drifted_queries_rebuild_the_codebook_with_their_metric(void)
+{
+    pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+    pqc_cache *c;
+    pqc_selection sel;
+    pqc_layer_stats st;
+    pqc_scratch scr;
+    hardkeys hk;
+    pqc_matrix km;
+    uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    size_t n_or, part = (size_t)(D + 1);
+    int kp1, kp2, r;
+    ASSERT(orc != NULL);
+    memset(&scr, 0, sizeof scr);
+    ASSERT_EQ(0, make_hard(&hk, 3, 1));
+    km = pqc_matrix_f32(hk.keys, S, D);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+    n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
+    rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp1, &r);
+    ASSERT_EQ((double)G, c->layers[0].qsq[part + D]); /* the decode query was counted */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ(1, (int)st.rebuilds);
+    rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp2, &r);
+    fprintf(stderr, "  unrelated observations: rare tokens kept of %d: %d, after the drift rebuild %d\n", r, kp1, kp2);
+    ASSERT(r >= 3);
+    ASSERT(kp1 * 2 <= r);
+    ASSERT_EQ(r, kp2);
+    /* the rebuilt metric serves the query: no further drift, no further rebuild */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ(1, (int)st.rebuilds);
+    ASSERT_EQ((double)G, c->layers[0].qsq[part + D]);
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    pqc_scratch_free(&scr);
+    hk_free(&hk);
+    free(orc);
+    PASS();
+}
+
+/* In a driver step the drifted queries count only when the whole step succeeds. */
+TEST a_failed_decode_step_leaves_no_drift_behind(void)
+{
+    pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+    pqc_cache *c;
+    pqc_engine e;
+    heng en;
+    hardkeys hk;
+    pqc_layer_stats st;
+    const size_t P = S - 8, part = (size_t)(D + 1);
+    ASSERT_EQ(0, make_hard(&hk, 3, 1));
+    cd.n_layers = 2;
+    cd.observe = N_OBS;
+    memset(&e, 0, sizeof e);
+    en.hk = &hk;
+    en.obs_from = P - N_OBS;
+    en.fail_attend = -1;
+    e.user = &en;
+    e.qkv = heng_qkv;
+    e.attend = heng_attend;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, P));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    en.fail_attend = 1; /* layer 0 selects (and notes the drift), layer 1 fails */
+    ASSERT_EQ(PQC_ERROR_CALLBACK, pqc_driver_decode(c, &e, P));
+    ASSERT_EQ(0.0, c->layers[0].qsq[part + D]);
+    ASSERT_EQ(0.0, c->layers[0].qpend[part]);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ(0, (int)st.rebuilds);
+    en.fail_attend = -1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, P));
+    ASSERT_EQ((double)G, c->layers[0].qsq[part + D]);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ(1, (int)st.rebuilds);
+    pqc_cache_destroy(c);
+    hk_free(&hk);
+    PASS();
+}
+
 SUITE(fidelity)
 {
     RUN_TEST(metric_codes_each_key_to_its_weighted_nearest_centroid);
@@ -413,6 +507,8 @@ SUITE(fidelity)
     RUN_TEST(observed_queries_keep_the_rare_tokens_the_oracle_keeps);
     RUN_TEST(observe_misuse_is_refused_and_changes_nothing);
     RUN_TEST(driver_observes_the_prompt_and_gives_observations_back_on_failure);
+    RUN_TEST(drifted_queries_rebuild_the_codebook_with_their_metric);
+    RUN_TEST(a_failed_decode_step_leaves_no_drift_behind);
 }
 
 GREATEST_MAIN_DEFS();
