@@ -568,7 +568,12 @@ PQCDEF pqc_result pqc_selection_init(const pqc_cache *c, pqc_selection *sel);
 PQCDEF void pqc_selection_free(pqc_selection *sel);
 /* Per KV head the tokens to attend for queries q (n_q_heads x d_h fp32): sinks + top-k
    mid tokens + the window (+ mid tokens not yet coded), deduplicated and ascending. Waits
-   for the layer's build when it is still running. */
+   for the layer's build when it is still running. Under PQC_METRIC_QUERY, a query that
+   puts more than half its energy in dimensions its head's metric weighted below a tenth
+   of the mean (it looks where the observed queries did not) is counted, and the layer is
+   rebuilt in the background with the metric of such queries, at most once per 1/8
+   growth of its coded tokens (within pqc_driver_decode and pqc_batch_select: once the
+   whole call succeeded). */
 PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel);
 /* Gathers the selected K/V through the block cache. The blocks holding the most selected
    tokens are admitted first (see the admission rule in the README), so that they serve

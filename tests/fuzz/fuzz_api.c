@@ -297,6 +297,12 @@ static const double t_rebuild[] = {0, 0.5, 0.1, 1, 2};
 static const double t_rebuild_bad[] = {NAN, -1, INFINITY, 1e-300, -0.0};
 static const int t_resident[] = {0};
 static const int t_resident_bad[] = {1, 2, -1};
+static const int t_metric[] = {PQC_METRIC_QUERY, PQC_METRIC_L2};
+static const int t_metric_bad[] = {2, -1, INT_MAX};
+static const double t_mfloor[] = {0, 0.01, 1, 1e-6, 1e6};
+static const double t_mfloor_bad[] = {-1, NAN, INFINITY, 1e7, -1e-300};
+static const int t_observe[] = {0, 1, 4, -1};
+static const int t_observe_bad[] = {INT_MAX, INT_MIN}; /* both valid: all, none */
 static const size_t t_rows[] = {16, 1, 2, 3, 5, 8, 31, 32, 33, 64, 65, 100, 128, 129, 200, 256, 300, 500, 70, 40};
 static const size_t t_rows_bad[] = {0};
 static const float t_special[] = {NAN, INFINITY, -INFINITY, 1e30f, 70000.0f, -70000.0f, 65504.0f, 65520.0f,
@@ -759,6 +765,9 @@ static void op_cache_create(fz_state *S)
     d.policy = (pqc_policy)PICK_I(f, t_policy);
     d.rebuild_share = PICK_D(f, t_rebuild);
     d.codes_resident = PICK_I(f, t_resident);
+    d.metric = (pqc_metric)PICK_I(f, t_metric);
+    d.metric_floor = PICK_D(f, t_mfloor);
+    d.observe = PICK_I(f, t_observe);
     bsel = rd8(f);
     if (bsel & 1) d.scheduler = S->sched;
     switch ((bsel >> 1) & 7) {
@@ -787,6 +796,9 @@ static void op_cache_create(fz_state *S)
     if (bits_eff < 1 || bits_eff > 8 || m_eff < 1 || (d.head_dim > 0 && (m_eff > d.head_dim || d.head_dim % m_eff)))
         must_fail = 1;
     if (d.pq.device != 0 || d.codes_resident < 0 || d.codes_resident > 1) must_fail = 1;
+    if ((int)d.metric < 0 || (int)d.metric > 1 || d.metric_floor != d.metric_floor || d.metric_floor < 0 ||
+        d.metric_floor > 1e6)
+        must_fail = 1;
     if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1 || d.pq.max_points_per_centroid < -1)
         must_fail = 1;
     if (d.backend == &g_be_nocopy || (d.backend == &g_be_noalloc && blocks > 0)) must_fail = 1;
@@ -1214,6 +1226,38 @@ static void op_fetch(fz_state *S, int rows_only)
     }
     free(ko);
     free(vo);
+}
+
+/* observed queries: refused when bad, and then nothing changes */
+static void op_observe(fz_state *S)
+{
+    fz *f = &S->f;
+    fz_cache *C = fz_pick_cache(S);
+    int layer = fz_pick_layer(f, C), must_fail = 0, may_fail = 0, nf = 0, hg = 0;
+    unsigned mode = rd8(f);
+    size_t rows = mode % 5, nq, qlen = 0;
+    double *before = NULL;
+    float *q = NULL;
+    pqc_result r;
+    if (!C->c) return;
+    nq = (size_t)C->Q * (size_t)C->D;
+    if (rows * nq > FZ_MAX_FLOATS) return;
+    if (rows) q = fz_vec(f, S->seed + 9, rows * nq, &nf, &hg);
+    if (rows == 0 || nf || mode >= HOSTILE) must_fail = 1;
+    if (hg) may_fail = 1;
+    if (!fz_layer_ok(C, layer)) must_fail = 1;
+    else {
+        qlen = pqc__qsq_len(C->c);
+        before = (double *)fz_xalloc(qlen * sizeof(double));
+        memcpy(before, C->c->layers[layer].qsq, qlen * sizeof(double));
+    }
+    fz_arm();
+    r = fz_expect(pqc_cache_observe(C->c, layer, mode >= HOSTILE ? NULL : q, rows), "pqc_cache_observe");
+    fz_outcome(r, must_fail, may_fail, "pqc_cache_observe");
+    if (r != PQC_SUCCESS && before && memcmp(before, C->c->layers[layer].qsq, qlen * sizeof(double)))
+        fz_fail("failed pqc_cache_observe changed the observations");
+    free(before);
+    free(q);
 }
 
 static void op_sync(fz_state *S)
@@ -2340,6 +2384,7 @@ static const fz_op fz_ops[] = {
     op_topk,          /* 24 */
     op_sched,         /* 25 */
     op_convert,       /* 26 */
+    op_observe,       /* 27 */
 };
 
 static size_t g_tok_scratch[4097];
