@@ -569,8 +569,8 @@ PQCDEF void pqc_selection_free(pqc_selection *sel);
 /* Per KV head the tokens to attend for queries q (n_q_heads x d_h fp32): sinks + top-k
    mid tokens + the window (+ mid tokens not yet coded), deduplicated and ascending. Waits
    for the layer's build when it is still running. Under PQC_METRIC_QUERY, a query that
-   puts more than half its energy in dimensions its head's metric weighted below a tenth
-   of the mean (it looks where the observed queries did not) is counted, and the layer is
+   looks where its head's observed queries did not (its energy over the metric's weights,
+   against a query shaped like the metric, above 1.5) is counted, and the layer is
    rebuilt in the background with the metric of such queries, at most once per 1/8
    growth of its coded tokens (within pqc_driver_decode and pqc_batch_select: once the
    whole call succeeded). */
@@ -4670,13 +4670,14 @@ static void pqc__select_heads_pfor(void *ctx, size_t h) { pqc__select_head(ctx, 
 /* Selection is computed into the cache's own buffer and copied into sel only when every
    head succeeded, so a failed select leaves sel (and the cache) as they were. */
 /* Metric drift. A head's codebook spends its centroids where the observed queries
-   looked; a decode query that puts most of its energy where they did not (dimensions
-   weighted below PQC__DRIFT_WEIGHT of the mean) is served by the coarse part of the
-   codebook. Such queries are counted (into qpend), and the layer is rebuilt in the
-   background with the metric of the drifted queries (at most once per 1/8 growth of its
-   coded tokens). */
-#define PQC__DRIFT_WEIGHT 0.1
-#define PQC__DRIFT_SHARE 0.5
+   looked: weighted k-means leaves a residual in dimension e of roughly 1/w_e (relative).
+   A decode query q then sees the score error M = (sum_e q_e^2 / w_e) (sum_e w_e) /
+   (d_h sum_e q_e^2) relative to a query shaped like the metric (M = 1 for q_e^2 ~ w_e;
+   on the hard-keys suite, decode queries like the observed ones give 0.3-1.2, queries
+   looking elsewhere 2-80). Above PQC__DRIFT_RATIO the query is counted (into qpend), and
+   the layer is rebuilt in the background with the metric of the drifted queries (at
+   most once per 1/8 growth of its coded tokens). */
+#define PQC__DRIFT_RATIO 1.5
 
 static void pqc__drift_note(pqc_cache *c, int l, const float *q)
 {
@@ -4686,7 +4687,7 @@ static void pqc__drift_note(pqc_cache *c, int l, const float *q)
     if (c->d.metric != PQC_METRIC_QUERY) return;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         const pqc_pq *pq = &L->heads[h].pq;
-        double all = 0.0, off = 0.0, wsum = 0.0;
+        double all = 0.0, inv = 0.0, wsum = 0.0;
         if (!pq->metric) continue;
         for (e = 0; e < d; e++) wsum += pq->metric[e];
         for (hh = 0; hh < c->g; hh++) {
@@ -4694,10 +4695,10 @@ static void pqc__drift_note(pqc_cache *c, int l, const float *q)
             for (e = 0; e < d; e++) {
                 double v = (double)qr[e] * (double)qr[e];
                 all += v;
-                if ((double)pq->metric[e] * (double)d < PQC__DRIFT_WEIGHT * wsum) off += v;
+                inv += v / (double)pq->metric[e];
             }
         }
-        if (!(all > 0.0) || off <= PQC__DRIFT_SHARE * all) continue;
+        if (!(all > 0.0) || !(inv * wsum > PQC__DRIFT_RATIO * (double)d * all)) continue;
         for (hh = 0; hh < c->g; hh++) {
             const float *qr = q + ((size_t)h * (size_t)c->g + (size_t)hh) * d;
             for (e = 0; e < d; e++) L->qpend[(size_t)h * d + e] += (double)qr[e] * (double)qr[e];

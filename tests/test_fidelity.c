@@ -268,6 +268,13 @@ TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
             ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
             ASSERT(mode ? c->layers[0].heads[0].pq.metric != NULL : c->layers[0].heads[0].pq.metric == NULL);
+            { /* decode queries like the observed ones: no drift, no rebuild */
+                pqc_layer_stats ls;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &ls));
+                ASSERT_EQ(0, (int)ls.rebuilds);
+                ASSERT_EQ(0.0, c->layers[0].qsq[(size_t)(D + 1) + D]);
+            }
             n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
             ASSERT_EQ(sel.count[0], n_or);
             rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
