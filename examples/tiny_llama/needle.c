@@ -432,8 +432,9 @@ static int needle_compare(const tl_model *m, const needle_options *o)
             printf("         device tier (sinks, window, block cache, codebooks, one layer's codes) "
                    "= %.1f%% of the full KV cache\n", r.st.full_bytes ?
                    100.0 * (double)r.st.device_bytes / (double)r.st.full_bytes : 0.0);
-            printf("         k-means T = %d..%d, PQ build %.3f s (worker time), decode waited "
-                   "%.3f s for builds\n", r.st.iters_min, r.st.iters_max, r.st.build_s, r.st.wait_s);
+            printf("         k-means T = %d..%d, %llu builds + %llu rebuilds, PQ build %.3f s (worker time), "
+                   "decode waited %.3f s for builds\n", r.st.iters_min, r.st.iters_max, r.st.builds - r.st.rebuilds,
+                   r.st.rebuilds, r.st.build_s, r.st.wait_s);
         }
         if (!r.ok) {
             printf("         decoded");
