@@ -460,6 +460,13 @@ typedef enum pqc_metric {
     PQC_METRIC_L2 = 1     /* plain Euclidean k-means, observations ignored                */
 } pqc_metric;
 
+typedef enum pqc_split {
+    PQC_SPLIT_ADAPTIVE = 0, /* each KV head's share of the layer's top-k from the attention
+                               the observed queries paid outside its sinks and window
+                               (default; the even split until a build measured it)       */
+    PQC_SPLIT_FIXED = 1     /* every head takes the same top-k                            */
+} pqc_split;
+
 typedef struct pqc_cache_desc {
     int n_layers;            /* L                                                         */
     int n_kv_heads;          /* h_kv                                                      */
@@ -480,6 +487,7 @@ typedef struct pqc_cache_desc {
                                 the mean over dimensions, plus this; 0 = 0.01             */
     int observe;             /* driver prefill: the last `observe` queries of each call are
                                 observed; 0 = 32, -1 = none                               */
+    pqc_split split;         /* how the heads of a layer share its top-k; 0 = adaptive     */
     pqc_gqa gqa;             /* how query heads sharing a KV head combine; 0 = softmax-sum */
     int block_tokens;        /* block size of the block cache; 0 = 128                    */
     int cache_blocks;        /* blocks per layer and KV head; 0 = 32; -1 = no block cache */
@@ -561,6 +569,13 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
    first pqc_cache_prefill (pqc_driver_prefill does); later observations count from the
    next rebuild. Nothing changes on failure. */
 PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n);
+/* The attention the observed queries paid (the last 4 observed rows, exact softmax over
+   every token the layer held when its last build started, summed over the head's group
+   and averaged): the share on the sinks and on the recent window of one (layer, KV
+   head). PQC_ERROR_BAD_STATE until a build with observations has finished. Under
+   PQC_SPLIT_ADAPTIVE each head's top-k is the layer's total (heads x the even top-k) in
+   proportion to 1 - sinks - window, at least a quarter of the even top-k. */
+PQCDEF pqc_result pqc_cache_observed_mass(const pqc_cache *c, int layer, int head, double *sinks, double *window);
 /* Decode: one new token's K and V (n_kv_heads*d_h fp32 each) for one layer. The oldest
    window token leaves the window and is coded from its own stored key. */
 PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v);
@@ -3759,11 +3774,18 @@ typedef struct pqc__head {
     float *score;         /* per block: decayed count of selected tokens (admission filter) */
 } pqc__head;
 
+#define PQC__OBS_KEEP 4 /* observed rows kept per layer to measure where attention goes */
+#define PQC__OBS_BINS 64 /* mid tokens by observed attention p: bin b holds 2^-(b+1)/2 < p <= 2^-b/2 */
+
 typedef struct pqc__build {
     struct pqc_cache *cache;
     int layer, head;
     size_t n_keys;        /* mid tokens the build trains on and codes */
     const float *metric;  /* the distance's weights (into the layer's bmetric), or NULL */
+    size_t n_all;         /* tokens the layer held when the build started */
+    int n_obs;            /* observation rows to measure the attention of (0: none) */
+    double mass[2];       /* their attention on the sinks and on the window */
+    double hist[PQC__OBS_BINS]; /* mid tokens per bin of their attention */
     int iters;
     pqc_result res;
     char err[200];
@@ -3791,6 +3813,13 @@ typedef struct pqc__layer {
     double *qpend;        /* [n_kv_heads][d_h + 1] drifted decode queries of a driver step,
                              added to qsq when the whole step succeeded; then the flag */
     float *bmetric;       /* [n_kv_heads][d_h] the weights of the build in flight */
+    float *qobs;          /* [PQC__OBS_KEEP][n_q_heads * d_h] the last observed rows, oldest
+                             first; n_qobs of them */
+    int n_qobs;
+    double *omass;        /* [n_kv_heads][2] observed attention on sinks and window, -1:
+                             not measured */
+    double *ohist;        /* [n_kv_heads][PQC__OBS_BINS] mid tokens per bin of observed
+                             attention (see PQC__OBS_BINS) */
     pqc_layer_stats st;
     uint64_t step;
     double prefill_start;
@@ -3820,6 +3849,7 @@ struct pqc_cache {
     const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
     struct pqc__cut *cu;       /* the CUDA tier's state (only that tier's functions use it) */
     int in_step;               /* a driver decode step is running: drift commits at its end */
+    size_t *takes;             /* [n_kv_heads] select: each head's top-k this step */
 };
 
 /* ----- device tiers ---------------------------------------------------------------------
@@ -3844,9 +3874,11 @@ typedef struct pqc__tier_i {
                                                             give-back): sinks and window copied */
     pqc_result (*appended)(pqc_cache *c, int l, size_t n); /* row n - 1 was appended */
     int (*sized)(const pqc_cache *c);                    /* device memory was sized by the window */
-    /* the top `take` coded mid tokens of every head ([head][take], from 0 = the first
-       mid token), or *idx = NULL: the host searches */
-    pqc_result (*search)(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx);
+    /* the top `take` coded mid tokens of every head ([head][take], ascending, from 0 = the
+       first mid token) and, when `scores`, their combined scores in *sc; or *idx = NULL:
+       the host searches */
+    pqc_result (*search)(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
+                         const float **sc);
     pqc_result (*fetch_prepare)(pqc_cache *c, size_t rows_per_head); /* before any bookkeeping */
     /* the copies into slots (j->fills) and the gather into j->out, dout, or row sources */
     pqc_result (*fetch)(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel);
@@ -3939,9 +3971,10 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     if (d.metric_floor == 0) d.metric_floor = 0.01;
     if (d.observe == 0) d.observe = 32;
     else if (d.observe < 0) d.observe = 0;
-    if ((int)d.metric < 0 || (int)d.metric > 1 || !(d.metric_floor > 0 && d.metric_floor <= 1e6))
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: metric %d or metric_floor %g out of range",
-                         (int)d.metric, d.metric_floor);
+    if ((int)d.metric < 0 || (int)d.metric > 1 || !(d.metric_floor > 0 && d.metric_floor <= 1e6) || (int)d.split < 0 ||
+        (int)d.split > 1)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: metric %d, metric_floor %g or split %d out of range",
+                         (int)d.metric, d.metric_floor, (int)d.split);
     if (d.pq.metric)
         return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT,
                          "pqc_cache_create: pq.metric must be NULL (the cache derives each head's metric from observed "
@@ -4002,7 +4035,8 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     c->row = c->es * (size_t)d.head_dim;
     c->window = d.window;
     c->layers = (pqc__layer *)pqc__calloc(&c->alloc, sizeof(pqc__layer) * (size_t)d.n_layers);
-    if (!c->layers) goto oom;
+    c->takes = (size_t *)pqc__alloc(&c->alloc, sizeof(size_t) * (size_t)d.n_kv_heads);
+    if (!c->layers || !c->takes) goto oom;
     for (l = 0; l < d.n_layers; l++) {
         pqc__layer *L = &c->layers[l];
         int h;
@@ -4014,7 +4048,12 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
             L->qpend = (double *)pqc__calloc(&c->alloc, sizeof(double) * (part + 1));
         }
         L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
-        if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric) goto oom;
+        L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
+        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * (size_t)d.n_kv_heads);
+        L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads);
+        if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
+            goto oom;
+        for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
         for (h = 0; h < d.n_kv_heads; h++) {
             pqc__head *H = &L->heads[h];
             H->scratch.alloc = c->alloc;
@@ -4078,9 +4117,13 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
             pqc__free(&c->alloc, c->layers[l].builds);
             pqc__free(&c->alloc, c->layers[l].qsq);
             pqc__free(&c->alloc, c->layers[l].qpend);
+            pqc__free(&c->alloc, c->layers[l].qobs);
+            pqc__free(&c->alloc, c->layers[l].omass);
+            pqc__free(&c->alloc, c->layers[l].ohist);
             pqc__free(&c->alloc, c->layers[l].bmetric);
         }
     pqc__free(&c->alloc, c->layers);
+    pqc__free(&c->alloc, c->takes);
     pqc_selection_free(&c->dsel);
     pqc__free(&c->alloc, c->sbuf);
     pqc__free(&c->alloc, c->dbuf);
@@ -4246,6 +4289,60 @@ static pqc_matrix pqc__keys_view(const pqc_cache *c, const pqc__head *H, size_t 
     return m;
 }
 
+/* The attention the layer's kept observation rows pay, per row and query head of the
+   group an exact softmax (scale 1/sqrt(d_h)) over the n_all tokens held when the build
+   started, averaged (P): the shares on the sinks (mass[0]) and the window (mass[1]), and
+   the mid tokens counted by their P into the bins of PQC__OBS_BINS (hist). */
+static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *mass, double *hist)
+{
+    pqc__layer *L = &c->layers[b->layer];
+    const pqc__head *H = &L->heads[b->head];
+    size_t n = b->n_all, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, t, e;
+    size_t sink = pqc__sink_end(c, n), mid_end = pqc__mid_end(c, n);
+    double scale = 1.0 / sqrt((double)d), acc_s = 0.0, acc_w = 0.0, *pt;
+    float *sc = (float *)pqc__alloc(&c->alloc, (n + d) * sizeof(float)), *row;
+    int r, hh;
+    pt = (double *)pqc__calloc(&c->alloc, (n + 1) * sizeof(double));
+    if (!sc || !pt) {
+        pqc__free(&c->alloc, sc);
+        pqc__free(&c->alloc, pt);
+        return PQC_ERROR_OUT_OF_MEMORY;
+    }
+    row = sc + n;
+    for (r = 0; r < b->n_obs; r++)
+        for (hh = 0; hh < c->g; hh++) {
+            const float *q = L->qobs + (size_t)r * qn + ((size_t)b->head * (size_t)c->g + (size_t)hh) * d;
+            double mx = -INFINITY, z = 0.0, zs = 0.0, zw = 0.0;
+            for (t = 0; t < n; t++) {
+                float a = 0.0f;
+                pqc__row_to_f32(H->k + t * c->row, c->d.kv_dtype, d, row);
+                for (e = 0; e < d; e++) a = fmaf(q[e], row[e], a);
+                sc[t] = a;
+                if ((double)a > mx) mx = (double)a;
+            }
+            for (t = 0; t < n; t++) {
+                double p = exp(((double)sc[t] - mx) * scale);
+                z += p;
+                if (t < sink) zs += p;
+                else if (t >= mid_end) zw += p;
+            }
+            acc_s += zs / z;
+            acc_w += zw / z;
+            for (t = sink; t < mid_end; t++) pt[t] += exp(((double)sc[t] - mx) * scale) / z;
+        }
+    mass[0] = acc_s / (double)(b->n_obs * c->g);
+    mass[1] = acc_w / (double)(b->n_obs * c->g);
+    for (r = 0; r < PQC__OBS_BINS; r++) hist[r] = 0.0;
+    for (t = sink; t < mid_end; t++) {
+        double p = pt[t] / (double)(b->n_obs * c->g);
+        int bin = p > 0.0 ? (int)floor(-2.0 * log2(p)) : PQC__OBS_BINS - 1;
+        hist[bin < 0 ? 0 : (bin >= PQC__OBS_BINS ? PQC__OBS_BINS - 1 : bin)] += 1.0;
+    }
+    pqc__free(&c->alloc, sc);
+    pqc__free(&c->alloc, pt);
+    return PQC_SUCCESS;
+}
+
 /* background build of one (layer, head): train on mid tokens, then code them */
 static void pqc__build_job(void *arg)
 {
@@ -4264,6 +4361,8 @@ static void pqc__build_job(void *arg)
     if (r == PQC_SUCCESS)
         r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, c->tier->codes_alloc(c));
     if (r == PQC_SUCCESS) r = pqc__pq_encode_nested(c->rt, &H->pq_new, &keys, &H->codes_new);
+    if (r == PQC_SUCCESS && b->n_obs > 0 && (r = pqc__observed_mass(c, b, b->mass, b->hist)) != PQC_SUCCESS)
+        pqc__fail(c->rt, r, "observed attention: allocation failed");
     if (r != PQC_SUCCESS) {
         snprintf(b->err, sizeof b->err, "layer %d head %d: %.150s", b->layer, b->head, pqc_last_error());
         pqc_pq_free(&H->pq_new);
@@ -4308,6 +4407,8 @@ static void pqc__start_build(pqc_cache *c, int l)
         b->head = h;
         b->n_keys = n;
         b->metric = pqc__build_metric(c, l, h);
+        b->n_all = L->n_tokens;
+        b->n_obs = L->n_qobs;
         b->iters = iters;
         b->res = PQC_SUCCESS;
         b->err[0] = 0;
@@ -4383,6 +4484,11 @@ static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
         pqc_codes_free(&H->codes);
         H->pq = H->pq_new;
         H->codes = H->codes_new;
+        if (L->builds[h].n_obs > 0) {
+            L->omass[2 * h] = L->builds[h].mass[0];
+            L->omass[2 * h + 1] = L->builds[h].mass[1];
+            memcpy(L->ohist + (size_t)h * PQC__OBS_BINS, L->builds[h].hist, sizeof L->builds[h].hist);
+        }
         memset(&H->pq_new, 0, sizeof H->pq_new);
         memset(&H->codes_new, 0, sizeof H->codes_new);
     }
@@ -4508,7 +4614,15 @@ PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, siz
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_observe: %zu rows overflow", n);
     if (!pqc__finite_row(q, all))
         return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_observe: queries hold NaN, Inf or a huge value");
+    /* a build of this layer reads the kept rows: it finishes first (as prefill does) */
+    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
     L = &c->layers[layer];
+    { /* the last PQC__OBS_KEEP rows, oldest first */
+        size_t keep = PQC__MIN(n, (size_t)PQC__OBS_KEEP), old = PQC__MIN((size_t)L->n_qobs, PQC__OBS_KEEP - keep);
+        if (old > 0) memmove(L->qobs, L->qobs + ((size_t)L->n_qobs - old) * qn, old * qn * sizeof(float));
+        memcpy(L->qobs + old * qn, q + (n - keep) * qn, keep * qn * sizeof(float));
+        L->n_qobs = (int)(old + keep);
+    }
     for (h = 0; h < c->d.n_kv_heads; h++) {
         double *qs = L->qsq + (size_t)h * d;
         for (i = 0; i < n; i++)
@@ -4518,6 +4632,23 @@ PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, siz
             }
         L->qsq[(size_t)c->d.n_kv_heads * d + (size_t)h] += (double)n * (double)c->g;
     }
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_observed_mass(const pqc_cache *c, int layer, int head, double *sinks, double *window)
+{
+    pqc_result r;
+    const double *m;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_observed_mass")) != PQC_SUCCESS) return r;
+    if (head < 0 || head >= c->d.n_kv_heads)
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_observed_mass: head %d not in 0..%d", head,
+                          c->d.n_kv_heads - 1);
+    m = c->layers[layer].omass + 2 * head;
+    if (m[0] < 0.0)
+        return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_observed_mass: layer %d has no build with observations yet",
+                          layer);
+    if (sinks) *sinks = m[0];
+    if (window) *window = m[1];
     return PQC_SUCCESS;
 }
 
@@ -4620,10 +4751,13 @@ typedef struct pqc__sel_job {
     const float *q;
     uint32_t *out;     /* [n_kv_heads][out_cap]: the selection is written here first */
     size_t out_cap, *out_count;
-    size_t take; /* coded mid tokens to take: all of them, none, or the top `take` */
+    size_t take; /* coded mid tokens to take: all of them, none, or the top `take` (the
+                    largest of the heads' takes) */
+    const size_t *takes; /* [n_kv_heads] each head's top-k, at most take */
     int search;  /* 0 < take < coded: PQ search */
     pqc_result *head_res;
     const int32_t *gpu_idx; /* the device tier's top-k, [n_kv_heads][take], or NULL */
+    const float *gpu_sc;    /* their scores, when a head takes fewer */
 } pqc__sel_job;
 
 static void pqc__select_head(void *ctx, size_t hi)
@@ -4636,7 +4770,18 @@ static void pqc__select_head(void *ctx, size_t hi)
     size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0;
     uint32_t *out = j->out + hi * j->out_cap;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
-    if (j->search && j->gpu_idx) {
+    if (j->search && j->gpu_idx && j->takes[hi] < j->take) {
+        /* the head's best takes[hi] of the device's top `take`, by score (ties to the lower
+           token: the candidates are ascending), ascending */
+        const int32_t *g = j->gpu_idx + hi * j->take;
+        pqc_result r = pqc_topk(c->rt, j->gpu_sc + hi * j->take, j->take, j->takes[hi], &H->scratch, out + o, NULL);
+        if (r != PQC_SUCCESS) {
+            j->head_res[hi] = r;
+            return;
+        }
+        for (t = 0; t < j->takes[hi]; t++) out[o + t] = (uint32_t)g[out[o + t]] + (uint32_t)c->d.n_sink;
+        o += j->takes[hi];
+    } else if (j->search && j->gpu_idx) {
         const int32_t *g = j->gpu_idx + hi * j->take;
         for (t = 0; t < j->take; t++) out[o + t] = (uint32_t)g[t] + (uint32_t)c->d.n_sink;
         o += j->take;
@@ -4644,7 +4789,7 @@ static void pqc__select_head(void *ctx, size_t hi)
         pqc_search_desc sd;
         pqc_result r;
         memset(&sd, 0, sizeof sd);
-        sd.k = j->take;
+        sd.k = j->takes[hi];
         sd.gqa = c->d.gqa;
         sd.first = 0;
         sd.count = L->n_coded;
@@ -4654,8 +4799,8 @@ static void pqc__select_head(void *ctx, size_t hi)
             j->head_res[hi] = r;
             return;
         }
-        for (t = 0; t < j->take; t++) out[o + t] += (uint32_t)c->d.n_sink;
-        o += j->take;
+        for (t = 0; t < j->takes[hi]; t++) out[o + t] += (uint32_t)c->d.n_sink;
+        o += j->takes[hi];
     } else if (j->take > 0) {
         for (t = 0; t < L->n_coded; t++) out[o++] = (uint32_t)(sink + t); /* budget covers all coded */
     }
@@ -4730,6 +4875,40 @@ static void pqc__drift_commit(pqc_cache *c, int l, int keep)
     pqc__start_build(c, l);
 }
 
+/* Each head's top-k (into takes) from the even top-k `take`; returns the largest. Under
+   PQC_SPLIT_ADAPTIVE, once every head's observed attention was measured, the layer's
+   total (heads x take) goes to the mid tokens with the most observed attention, whatever
+   their head (water-filling over the heads' histograms: every token of the bins above a
+   common threshold, the threshold bin shared in proportion), each head at least take/4
+   (decode queries are not the observed ones) and at most its coded tokens. */
+static size_t pqc__head_takes(const pqc_cache *c, const pqc__layer *L, size_t take, size_t *takes)
+{
+    size_t nh = (size_t)c->d.n_kv_heads, h, mx = 0, lo = take / 4;
+    double total = (double)take * (double)nh, cum = 0.0, in_bin = 0.0;
+    int adaptive = c->d.split == PQC_SPLIT_ADAPTIVE && take > 0 && nh > 1 && L->heads[0].pq.m != 0, b = 0;
+    for (h = 0; adaptive && h < nh; h++) adaptive = L->omass[2 * h] >= 0.0;
+    for (h = 0; h < nh; h++) takes[h] = take;
+    if (!adaptive) return take;
+    for (b = 0; b < PQC__OBS_BINS; b++) { /* the threshold bin: the first one that does not fit */
+        in_bin = 0.0;
+        for (h = 0; h < nh; h++) in_bin += L->ohist[h * PQC__OBS_BINS + (size_t)b];
+        if (cum + in_bin > total) break;
+        cum += in_bin;
+    }
+    for (h = 0; h < nh; h++) {
+        const double *hist = L->ohist + h * PQC__OBS_BINS;
+        double k = 0.0;
+        int i;
+        for (i = 0; i < b && i < PQC__OBS_BINS; i++) k += hist[i];
+        if (b < PQC__OBS_BINS && in_bin > 0.0) k += (total - cum) * hist[b] / in_bin;
+        takes[h] = (size_t)floor(k);
+        if (takes[h] < lo) takes[h] = lo;
+        if (takes[h] > L->n_coded) takes[h] = L->n_coded;
+        if (takes[h] > mx) mx = takes[h];
+    }
+    return mx;
+}
+
 static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_selection *sel, int parallel)
 {
     pqc__layer *L;
@@ -4773,6 +4952,8 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     budget = c->d.budget_tokens ? c->d.budget_tokens : (size_t)ceil(c->d.budget_ratio * (double)mid);
     j.take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
     if (L->heads[0].pq.m == 0 || j.take > L->n_coded) j.take = L->n_coded;
+    j.take = pqc__head_takes(c, L, j.take, c->takes);
+    j.takes = c->takes;
     j.search = j.take > 0 && j.take < L->n_coded;
     j.c = c;
     j.layer = layer;
@@ -4782,7 +4963,9 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.out = (uint32_t *)(j.head_res + nh);
     j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
-    if (j.search && (r = c->tier->search(c, layer, q, j.take, &j.gpu_idx)) != PQC_SUCCESS) {
+    j.gpu_sc = NULL;
+    for (h = 0, need = 0; h < c->d.n_kv_heads; h++) need |= c->takes[h] < j.take;
+    if (j.search && (r = c->tier->search(c, layer, q, j.take, need != 0, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
         return r;
     }
@@ -5202,13 +5385,16 @@ static int pqc__host_sized(const pqc_cache *c)
     (void)c;
     return 0;
 }
-static pqc_result pqc__host_search(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx)
+static pqc_result pqc__host_search(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
+                                   const float **sc)
 {
     (void)c;
     (void)l;
     (void)q;
     (void)take;
+    (void)scores;
     *idx = NULL;
+    *sc = NULL;
     return PQC_SUCCESS;
 }
 static size_t pqc__host_device_bytes(const pqc_cache *c)
@@ -5472,8 +5658,16 @@ typedef struct pqc__undo {
     uint64_t *step;
     pqc_layer_stats *st;
     double *qsq; /* the layers' observation sums, when the call observes */
+    float *qobs; /* and their kept rows, n_qobs of them */
+    int *n_qobs;
     int window;
 } pqc__undo;
+
+/* floats of one layer's kept observation rows */
+static size_t pqc__qobs_len(const pqc_cache *c)
+{
+    return PQC__OBS_KEEP * (size_t)c->d.n_q_heads * (size_t)c->d.head_dim;
+}
 
 
 static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
@@ -5489,11 +5683,26 @@ static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
     u->st = (pqc_layer_stats *)(u->n_tokens + nl); /* size_t then stats: both 8-byte aligned */
     u->step = (uint64_t *)(u->st + nl);
     u->qsq = qs ? (double *)(u->step + nl) : NULL;
+    u->qobs = NULL;
+    u->n_qobs = NULL;
+    if (qs) {
+        size_t fb;
+        if (!pqc__size3(nl, pqc__qobs_len(c), sizeof(float), &fb) || !(u->qobs = (float *)pqc__alloc(&c->alloc, fb)) ||
+            !(u->n_qobs = (int *)pqc__alloc(&c->alloc, nl * sizeof(int)))) {
+            pqc__free(&c->alloc, u->qobs);
+            pqc__free(&c->alloc, u->n_tokens);
+            return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
+        }
+    }
     for (l = 0; l < c->d.n_layers; l++) {
         u->n_tokens[l] = c->layers[l].n_tokens;
         u->st[l] = c->layers[l].st;
         u->step[l] = c->layers[l].step;
-        if (qs) memcpy(u->qsq + (size_t)l * qs, c->layers[l].qsq, qs * sizeof(double));
+        if (qs) {
+            memcpy(u->qsq + (size_t)l * qs, c->layers[l].qsq, qs * sizeof(double));
+            memcpy(u->qobs + (size_t)l * pqc__qobs_len(c), c->layers[l].qobs, pqc__qobs_len(c) * sizeof(float));
+            u->n_qobs[l] = c->layers[l].n_qobs;
+        }
     }
     u->window = c->window;
     return PQC_SUCCESS;
@@ -5509,7 +5718,11 @@ static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result
         for (l = 0; l <= last && l < c->d.n_layers; l++) {
             int gave_back = c->layers[l].n_tokens > u->n_tokens[l];
             pqc__layer_truncate(c, l, u->n_tokens[l], &u->st[l], u->step[l]);
-            if (u->qsq) memcpy(c->layers[l].qsq, u->qsq + (size_t)l * pqc__qsq_len(c), pqc__qsq_len(c) * sizeof(double));
+            if (u->qsq) {
+                memcpy(c->layers[l].qsq, u->qsq + (size_t)l * pqc__qsq_len(c), pqc__qsq_len(c) * sizeof(double));
+                memcpy(c->layers[l].qobs, u->qobs + (size_t)l * pqc__qobs_len(c), pqc__qobs_len(c) * sizeof(float));
+                c->layers[l].n_qobs = u->n_qobs[l];
+            }
             /* the device's sink and window slots hold the given-back rows: copy them again */
             if (gave_back && u->n_tokens[l] > 0) c->tier->stored(c, l, u->n_tokens[l]);
         }
@@ -5517,6 +5730,8 @@ static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result
         memcpy(pqc__errbuf, msg, sizeof msg);
     }
     pqc__free(&c->alloc, u->n_tokens);
+    pqc__free(&c->alloc, u->qobs);
+    pqc__free(&c->alloc, u->n_qobs);
     return r;
 }
 
@@ -6869,11 +7084,12 @@ struct pqc__cut {
     /* selection scratch */
     pqc__dptr q, lut, lut_sum, partial, stats, hist, state;
     int p_max;
-    pqc__dptr scores, counts, topk;
+    pqc__dptr scores, counts, topk, topk_sc;
     size_t s_cap;
     float *h_q;
     float *h_ones;              /* [d_h] 1.0f: the weights of a head without a metric */
     int32_t *h_topk;
+    float *h_topk_sc;           /* the top-k's scores, read back when a head takes fewer */
     /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
     pqc__dptr arena, iota, out_k, out_v;
     int32_t *h_arena;
@@ -6958,6 +7174,7 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
     pqc__cut_dfree(u, &u->scores);
     pqc__cut_dfree(u, &u->counts);
     pqc__cut_dfree(u, &u->topk);
+    pqc__cut_dfree(u, &u->topk_sc);
     pqc__cut_dfree(u, &u->arena);
     pqc__cut_dfree(u, &u->iota);
     pqc__cut_dfree(u, &u->out_k);
@@ -6965,6 +7182,7 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
     if (u->h_q) u->api->cuMemFreeHost(u->h_q);
     pqc__free(&c->alloc, u->h_ones);
     if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
+    if (u->h_topk_sc) u->api->cuMemFreeHost(u->h_topk_sc);
     if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
     if (u->cp) u->api->cuStreamDestroy_v2(u->cp);
     if (u->own_st && u->st) u->api->cuStreamDestroy_v2(u->st);
@@ -7318,7 +7536,8 @@ static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
            u->code_n[sl] <= L->n_coded;
 }
 
-static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, const int32_t **idx_out)
+static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, int want_scores,
+                                  const int32_t **idx_out, const float **sc_out)
 {
     struct pqc__cut *u = c->cu;
     pqc__layer *L = &c->layers[l];
@@ -7341,7 +7560,9 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
         if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
             (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
             (r = pqc__cut_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS)
+            (r = pqc__cut_dalloc(c, &u->topk_sc, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_topk_sc, nkv * want * 4)) != PQC_SUCCESS)
             return r;
         u->s_cap = want;
     }
@@ -7452,17 +7673,22 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
         if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
-        int64_t os_hs = 0;
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &zero, &os_hs };
+        int64_t os_hs = want_scores ? idx_hs : 0;
+        pqc__dptr osc = want_scores ? u->topk_sc : 0;
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &osc, &os_hs };
         if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
+    if (want_scores)
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
+                      "cuMemcpyDtoHAsync");
     /* prefetch the next layer's codes while this one finishes */
     if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
         !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
         return r;
     PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     *idx_out = u->h_topk;
+    *sc_out = want_scores ? u->h_topk_sc : NULL;
     return PQC_SUCCESS;
 }
 
@@ -7475,7 +7701,7 @@ static size_t pqc__cut_device_bytes(const pqc_cache *c)
     b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
     b += L * nkv * pqc__cut_cent_floats(c) * sizeof(float);              /* centroids, norms, weights */
     for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
-    b += nkv * u->s_cap * 8 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k */
+    b += nkv * u->s_cap * 12 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k, its scores */
     b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
     b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
          nkv * (size_t)u->g * ((size_t)u->p_max + 1) * 8 + (size_t)c->d.n_q_heads * u->d * sizeof(float);

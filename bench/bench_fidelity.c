@@ -45,6 +45,11 @@
       recent window; what exact top-k and the oracle hold.
    4. A summary per difficulty (means over the four data sets of each level), also
       written to --out (default build/fidelity.dat) for bench/fidelity.gp.
+   5. Heads sharing a budget: the 12 data sets as the 12 KV heads of one cache (48 query
+      heads), observed and selected once with the even split (PQC_SPLIT_FIXED) and once
+      with the adaptive split: per head the attention the observed queries paid to its
+      sinks and window (pqc_cache_observed_mass), its top-k and the mass it kept; and
+      the rare tokens kept of each head's oracle of the same shape.
    (Random k-means initialisation instead of k-means++ was measured too, with no
    consistent difference on these keys; it is no longer a setting here.)
 
@@ -183,6 +188,8 @@ int main(int argc, char **argv)
     float *sc;
     uint32_t *exact_idx, *idx, *oracle;
     unsigned char *in_ref, *in_sel;
+    float *all_k, *all_obs, *all_q, *all_p; /* section 5: every data set as a head */
+    hardkeys *all_hk;
     FILE *f;
 
     for (i = 1; i < argc; i++) {
@@ -223,6 +230,11 @@ int main(int argc, char **argv)
     oracle = (uint32_t *)xcalloc(s, sizeof *oracle);
     in_ref = (unsigned char *)xcalloc(s, 1);
     in_sel = (unsigned char *)xcalloc(s, 1);
+    all_k = (float *)xcalloc(s * N_SETS * HK_D, sizeof(float));
+    all_obs = (float *)xcalloc((size_t)N_OBS * N_SETS * HK_G * HK_D, sizeof(float));
+    all_q = (float *)xcalloc((size_t)N_SETS * HK_G * HK_D, sizeof(float));
+    all_p = (float *)xcalloc(s * N_SETS, sizeof(float));
+    all_hk = (hardkeys *)xcalloc(N_SETS, sizeof *all_hk);
 
     printf("bench_fidelity: pqcache %s, simd %s, threads %d, s = %zu, k = s/10 = %zu, d_h 128, 1 KV head, "
            "4 query heads (softmax-sum), %d observation queries per head, reps %d\n",
@@ -399,9 +411,99 @@ int main(int argc, char **argv)
         }
         /* in_ref holds the oracle now; the next data set rebuilds it */
         fprintf(stderr, "bench_fidelity: %-20s done in %.1f s\n", ds->name, now() - t_set);
-        hk_free(&hk);
+        for (t = 0; t < s; t++) {
+            memcpy(all_k + (t * N_SETS + (size_t)di) * HK_D, hk.keys + t * HK_D, sizeof(float) * HK_D);
+            all_p[(size_t)di * s + t] = (float)p[t];
+        }
+        for (t = 0; t < N_OBS; t++)
+            memcpy(all_obs + (t * N_SETS + (size_t)di) * HK_G * HK_D, hk.obs + t * HK_G * HK_D, sizeof(float) * HK_G * HK_D);
+        memcpy(all_q + (size_t)di * HK_G * HK_D, hk.queries, sizeof(float) * HK_G * HK_D);
+        free(hk.keys); /* the rare positions stay for section 5 */
+        hk.keys = NULL;
+        all_hk[di] = hk;
         hk_free(&hu);
     }
+
+    /* ---- 5. heads sharing a budget ---- */
+    {
+        double m_kept[2] = {0, 0}, win[N_SETS], snk[N_SETS], mh[2][N_SETS];
+        size_t cnt[2][N_SETS];
+        int rk[2] = {0, 0}, rr[2] = {0, 0}, sp;
+        pqc_matrix km = pqc_matrix_f32(all_k, s, (size_t)N_SETS * HK_D);
+        for (sp = 0; sp < 2; sp++) {
+            pqc_cache_desc cd;
+            pqc_cache *c;
+            pqc_selection sel;
+            size_t w;
+            double t0 = now();
+            memset(&cd, 0, sizeof cd);
+            cd.n_layers = 1;
+            cd.n_kv_heads = N_SETS;
+            cd.n_q_heads = N_SETS * HK_G;
+            cd.head_dim = HK_D;
+            cd.max_tokens = s + 64;
+            cd.pq.iters = 10;
+            cd.pq.seed = 1;
+            cd.split = sp ? PQC_SPLIT_ADAPTIVE : PQC_SPLIT_FIXED;
+            if (pqc_cache_create(rt, &cd, &c) || pqc_cache_observe(c, 0, all_obs, N_OBS) ||
+                pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) || pqc_selection_init(c, &sel) ||
+                pqc_cache_select(c, 0, all_q, &sel))
+                die("section 5");
+            w = (size_t)pqc_cache_window(c);
+            for (di = 0; di < N_SETS; di++) {
+                const uint32_t *ix = sel.idx + (size_t)di * sel.capacity;
+                size_t cn = sel.count[di], take = cn - N_SINK - w, n_or = 0, u;
+                const hardkeys *hh = &all_hk[di];
+                pqc_search_desc od;
+                float *kd = (float *)xcalloc(s * HK_D, sizeof(float));
+                pqc_matrix mid;
+                if (pqc_cache_observed_mass(c, 0, di, &snk[di], &win[di])) die("observed mass");
+                cnt[sp][di] = take;
+                mh[sp][di] = 0;
+                for (u = 0; u < cn; u++) mh[sp][di] += all_p[(size_t)di * s + ix[u]];
+                m_kept[sp] += mh[sp][di];
+                /* the head's oracle of the same shape */
+                for (t = 0; t < s; t++) memcpy(kd + t * HK_D, all_k + (t * N_SETS + (size_t)di) * HK_D, sizeof(float) * HK_D);
+                mid = pqc_matrix_f32(kd + (size_t)N_SINK * HK_D, s - w - N_SINK, HK_D);
+                memset(&od, 0, sizeof od);
+                od.k = take;
+                for (t = 0; t < N_SINK; t++) oracle[n_or++] = (uint32_t)t;
+                if (take > 0 && pqc_exact_search(rt, &mid, all_q + (size_t)di * HK_G * HK_D, HK_G, &od, &scr, oracle + n_or, NULL))
+                    die("oracle");
+                for (t = 0; t < take; t++) oracle[n_or + t] += N_SINK;
+                n_or += take;
+                for (t = s - w; t < s; t++) oracle[n_or++] = (uint32_t)t;
+                memset(in_ref, 0, s);
+                mark(in_ref, oracle, n_or, 1);
+                memset(in_sel, 0, s);
+                mark(in_sel, ix, cn, 1);
+                rare_count(hh, in_ref, in_sel, &r, &i);
+                rk[sp] += r;
+                rr[sp] += i;
+                free(kd);
+            }
+            fprintf(stderr, "bench_fidelity: heads sharing a budget, %s split, done in %.1f s\n", sp ? "adaptive" : "even",
+                    now() - t0);
+            pqc_selection_free(&sel);
+            pqc_cache_destroy(c);
+        }
+        printf("\nHeads sharing a budget: the 12 data sets as the KV heads of one cache, the same total top-k\n");
+        printf("%-20s %9s %9s %9s %9s %9s %9s\n", "head (data set)", "obs sinks", "obs wind", "top-k", "top-k",
+               "mass", "mass");
+        printf("%-20s %9s %9s %9s %9s %9s %9s\n", "", "", "", "even", "adaptive", "even", "adaptive");
+        print_rule(82);
+        for (di = 0; di < N_SETS; di++)
+            printf("%-20s %9.3f %9.3f %9zu %9zu %9.3f %9.3f\n", sets[di].name, snk[di], win[di], cnt[0][di], cnt[1][di],
+                   mh[0][di], mh[1][di]);
+        printf("%-20s %9s %9s %9s %9s %9.3f %9.3f  (of %d)\n", "total", "", "", "", "", m_kept[0], m_kept[1], N_SETS);
+        printf("rare tokens kept of the heads' oracles: even %d/%d, adaptive %d/%d\n", rk[0], rr[0], rk[1], rr[1]);
+    }
+    for (di = 0; di < N_SETS; di++) hk_free(&all_hk[di]);
+    free(all_k);
+    free(all_obs);
+    free(all_q);
+    free(all_p);
+    free(all_hk);
 
     /* ---- tables ---- */
     printf("\nData sets: attention mass (exact softmax-sum over all %zu tokens, total 1)\n", s);

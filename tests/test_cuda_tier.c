@@ -340,8 +340,15 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     }
     if (sh->observe) /* head 0 codes with a metric, head 1 (zero observations) without */
         for (l = 0; l < L; l++) {
+            double a[2], b[2];
             ASSERT(p.cg->layers[l].heads[0].pq.metric != NULL);
             ASSERT(p.cg->layers[l].heads[1].pq.metric == NULL);
+            /* the observed attention, measured alike, split the top-k unevenly */
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(p.cc, l, 0, &a[0], &a[1]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(p.cg, l, 0, &b[0], &b[1]));
+            ASSERT_EQ(a[0], b[0]);
+            ASSERT_EQ(a[1], b[1]);
+            ASSERT(p.cg->takes[0] != p.cg->takes[1]);
         }
     fprintf(stderr, "  gqa %s, %s: %zu tokens selected, %zu differ, %zu rows compared, %zu differ\n",
             gqa == PQC_GQA_SUM ? "sum" : "softmax-sum", dt == PQC_F16 ? "fp16" : dt == PQC_BF16 ? "bf16" : "fp32", st.selected, st.differ,
@@ -377,12 +384,20 @@ TEST decode_matches_cpu_softmax_fp16(void)
     sh.L = 3;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
-/* observed queries: the builds code with a metric, the device codes new tokens with it */
+/* observed queries: the builds code with a metric, the device codes new tokens with it,
+   and the heads share the top-k unevenly (the device's candidates trimmed by score) */
 TEST decode_matches_cpu_with_metric(void)
 {
     shape sh = g_small;
     sh.observe = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
+}
+TEST decode_matches_cpu_with_metric_softmax(void)
+{
+    shape sh = g_small;
+    sh.observe = 1;
+    sh.steps = 6;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* every layer's codes resident in device memory */
 TEST decode_matches_cpu_sum_bf16_resident(void)
@@ -878,6 +893,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_sum_bf16_resident);
     RUN_TEST(decode_matches_cpu_long_subvectors);
     RUN_TEST(decode_matches_cpu_with_metric);
+    RUN_TEST(decode_matches_cpu_with_metric_softmax);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_allocation_failure);

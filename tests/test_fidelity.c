@@ -506,6 +506,110 @@ TEST a_failed_decode_step_leaves_no_drift_behind(void)
     PASS();
 }
 
+/* ----- the budget where the mass is --------------------------------------------------- */
+
+/* Two KV heads that attend differently: head 0's queries carry a strong recency
+   component (its attention is spread over many mid tokens and the window), head 1's
+   attention is concentrated on a few rare tokens far back. The observed queries measure
+   it; the adaptive split moves top-k from head 1 to head 0, and the two heads together
+   keep more of their attention than with the even split, every rare token of either
+   head's oracle included. */
+TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
+{
+    hardkeys hk[2];
+    float *k2 = (float *)malloc(sizeof(float) * S * 2 * D), *obs2 = (float *)malloc(sizeof(float) * N_OBS * 2 * G * D);
+    float q2[2 * G * D], *p[2];
+    pqc_scratch scr;
+    uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    double kept_mass[2] = {0, 0}, sinks, win[2];
+    int split, h, kept_rare = 0, ref_rare = 0;
+    size_t t, cnt[2][2];
+    ASSERT(k2 && obs2 && orc);
+    memset(&scr, 0, sizeof scr);
+    for (h = 0; h < 2; h++) {
+        memset(&hk[h], 0, sizeof hk[h]);
+        hk[h].s = S;
+        hk[h].level = h ? HK_HARD : HK_EASY;
+        hk[h].layout = HK_INTERLEAVED;
+        hk[h].base = h ? 1e4 : 5e5;
+        hk[h].recency = h ? 0.0 : 1.0;
+        hk[h].n_obs = N_OBS;
+        hk[h].seed = 77 + (uint64_t)h;
+        ASSERT_EQ(0, hk_make(&hk[h]));
+        for (t = 0; t < S; t++) memcpy(k2 + (t * 2 + (size_t)h) * D, hk[h].keys + t * D, sizeof(float) * D);
+        for (t = 0; t < N_OBS; t++)
+            memcpy(obs2 + (t * 2 + (size_t)h) * G * D, hk[h].obs + t * G * D, sizeof(float) * G * D);
+        memcpy(q2 + (size_t)h * G * D, hk[h].queries, sizeof(float) * G * D);
+        /* head h's exact attention distribution (softmax-sum, normalised to 1) */
+        p[h] = (float *)malloc(sizeof(float) * S);
+        ASSERT(p[h] != NULL);
+        {
+            pqc_matrix km = pqc_matrix_f32(hk[h].keys, S, D);
+            double tot = 0;
+            ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(NULL, &km, hk[h].queries, G, PQC_GQA_SOFTMAX_SUM, &scr, p[h]));
+            for (t = 0; t < S; t++) tot += p[h][t];
+            for (t = 0; t < S; t++) p[h][t] = (float)(p[h][t] / tot);
+        }
+    }
+    for (split = 0; split < 2; split++) {
+        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+        pqc_cache *c;
+        pqc_selection sel;
+        pqc_matrix km = pqc_matrix_f32(k2, S, 2 * D);
+        cd.n_kv_heads = 2;
+        cd.n_q_heads = 2 * G;
+        cd.split = split ? PQC_SPLIT_FIXED : PQC_SPLIT_ADAPTIVE;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+        ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_observed_mass(c, 0, 0, &sinks, &win[0]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, obs2, N_OBS));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q2, &sel));
+        for (h = 0; h < 2; h++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(c, 0, h, &sinks, &win[h]));
+            ASSERT(sinks >= 0.0 && win[h] >= 0.0 && sinks + win[h] <= 1.0 + 1e-9);
+            cnt[split][h] = sel.count[h];
+            kept_mass[split] += mass(p[h], sel.idx + (size_t)h * sel.capacity, sel.count[h]);
+            if (split == 0) { /* every rare token of the head's oracle (same shape) kept */
+                pqc_selection one = sel;
+                size_t counts1[1], n_or;
+                int kp, r;
+                one.n_kv_heads = 1;
+                one.count = counts1;
+                counts1[0] = sel.count[h];
+                one.idx = sel.idx + (size_t)h * sel.capacity;
+                n_or = oracle_of(&hk[h], &one, pqc_cache_window(c), &scr, orc);
+                rare_kept(&hk[h], orc, n_or, one.idx, one.count[0], &kp, &r);
+                kept_rare += kp;
+                ref_rare += r;
+            }
+        }
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_observed_mass(c, 0, 2, &sinks, &win[0]));
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_observed_mass(c, 1, 0, &sinks, &win[0]));
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+    }
+    fprintf(stderr, "  observed window mass: head 0 %.3f, head 1 %.3f; selected %zu + %zu (adaptive) vs %zu + %zu "
+            "(even); attention kept %.3f vs %.3f of 2; rare kept %d of %d\n", win[0], win[1], cnt[0][0], cnt[0][1],
+            cnt[1][0], cnt[1][1], kept_mass[0], kept_mass[1], kept_rare, ref_rare);
+    ASSERT(win[0] > win[1] + 0.05);
+    ASSERT(cnt[0][0] > cnt[0][1] + 100);    /* head 0 takes more */
+    ASSERT_EQ(cnt[1][0], cnt[1][1]);        /* the even split */
+    ASSERT(cnt[0][0] + cnt[0][1] <= cnt[1][0] + cnt[1][1] + 2);
+    ASSERT(kept_mass[0] > kept_mass[1]);
+    ASSERT(ref_rare >= 3);
+    ASSERT_EQ(ref_rare, kept_rare);
+    for (h = 0; h < 2; h++) {
+        hk_free(&hk[h]);
+        free(p[h]);
+    }
+    pqc_scratch_free(&scr);
+    free(k2);
+    free(obs2);
+    free(orc);
+    PASS();
+}
+
 SUITE(fidelity)
 {
     RUN_TEST(metric_codes_each_key_to_its_weighted_nearest_centroid);
@@ -516,6 +620,7 @@ SUITE(fidelity)
     RUN_TEST(driver_observes_the_prompt_and_gives_observations_back_on_failure);
     RUN_TEST(drifted_queries_rebuild_the_codebook_with_their_metric);
     RUN_TEST(a_failed_decode_step_leaves_no_drift_behind);
+    RUN_TEST(adaptive_split_gives_the_top_k_to_the_head_that_needs_it);
 }
 
 GREATEST_MAIN_DEFS();
