@@ -302,6 +302,8 @@ static const int t_metric_bad[] = {2, -1, INT_MAX};
 static const double t_mfloor[] = {0, 0.01, 1, 1e-6, 1e6};
 static const double t_mfloor_bad[] = {-1, NAN, INFINITY, 1e7, -1e-300};
 static const int t_observe[] = {0, 1, 4, -1};
+static const int t_split[] = {PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED};
+static const int t_split_bad[] = {2, -1};
 static const int t_observe_bad[] = {INT_MAX, INT_MIN}; /* both valid: all, none */
 static const size_t t_rows[] = {16, 1, 2, 3, 5, 8, 31, 32, 33, 64, 65, 100, 128, 129, 200, 256, 300, 500, 70, 40};
 static const size_t t_rows_bad[] = {0};
@@ -768,6 +770,7 @@ static void op_cache_create(fz_state *S)
     d.metric = (pqc_metric)PICK_I(f, t_metric);
     d.metric_floor = PICK_D(f, t_mfloor);
     d.observe = PICK_I(f, t_observe);
+    d.split = (pqc_split)PICK_I(f, t_split);
     bsel = rd8(f);
     if (bsel & 1) d.scheduler = S->sched;
     switch ((bsel >> 1) & 7) {
@@ -797,7 +800,7 @@ static void op_cache_create(fz_state *S)
         must_fail = 1;
     if (d.pq.device != 0 || d.codes_resident < 0 || d.codes_resident > 1) must_fail = 1;
     if ((int)d.metric < 0 || (int)d.metric > 1 || d.metric_floor != d.metric_floor || d.metric_floor < 0 ||
-        d.metric_floor > 1e6)
+        d.metric_floor > 1e6 || (int)d.split < 0 || (int)d.split > 1)
         must_fail = 1;
     if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1 || d.pq.max_points_per_centroid < -1)
         must_fail = 1;
@@ -1277,6 +1280,18 @@ static void op_info(fz_state *S)
     int layer = fz_pick_layer(f, C), head = (int)rd8(f) - 2;
     pqc_result r;
     if (!C->c) return;
+    if ((what >> 4) == 15) { /* observed attention: measured or BAD_STATE, shares in [0, 1] */
+        double sk = -1, wn = -1;
+        fz_arm();
+        r = fz_expect(pqc_cache_observed_mass(C->c, layer, head, &sk, &wn), "pqc_cache_observed_mass");
+        if (r == PQC_SUCCESS && (!fz_layer_ok(C, layer) || head < 0 || head >= C->H))
+            fz_fail("pqc_cache_observed_mass accepted a bad layer or head");
+        if (r == PQC_SUCCESS && !(sk >= 0 && wn >= 0 && sk + wn <= 1.0 + 1e-6))
+            fz_fail("pqc_cache_observed_mass: shares %g and %g", sk, wn);
+        if (r != PQC_SUCCESS && r != PQC_ERROR_BAD_STATE && r != PQC_ERROR_OUT_OF_RANGE)
+            fz_fail("pqc_cache_observed_mass: unexpected result %d", (int)r);
+        return;
+    }
     switch (what % 6) {
     case 0: {
         pqc_layer_stats st;
