@@ -120,6 +120,19 @@ HK_FN float hk__normal(uint64_t *st)
     return (float)(sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
 }
 
+/* v[0..d) = a random unit vector over dimensions [from, to), zero elsewhere */
+HK_FN void hk__unit_vec(float *v, int d, int from, int to, uint64_t *st)
+{
+    double n2 = 0;
+    int i;
+    memset(v, 0, sizeof(float) * (size_t)d);
+    for (i = from; i < to; i++) {
+        v[i] = hk__normal(st);
+        n2 += (double)v[i] * v[i];
+    }
+    for (i = 0; i < d; i++) v[i] = (float)(v[i] / sqrt(n2));
+}
+
 /* the dimension of coordinate c (0: x, 1: y) of RoPE pair i */
 HK_FN int hk_dim(int layout, int pair, int c) { return layout == HK_INTERLEAVED ? 2 * pair + c : pair + c * HK_PAIRS; }
 
@@ -214,25 +227,9 @@ HK_FN int hk_make(hardkeys *hk)
         rec[2 * i + 1] = (float)sin(ph);
     }
     /* the sink's direction: a random unit vector over the slow band */
-    {
-        double n2 = 0;
-        memset(sinkdir, 0, sizeof(float) * d);
-        for (i = 2 * HK_MID_END; i < 2 * HK_RET_BEGIN; i++) {
-            sinkdir[i] = hk__normal(&st);
-            n2 += (double)sinkdir[i] * sinkdir[i];
-        }
-        for (i = 0; i < d; i++) sinkdir[i] = (float)(sinkdir[i] / sqrt(n2));
-    }
+    hk__unit_vec(sinkdir, d, 2 * HK_MID_END, 2 * HK_RET_BEGIN, &st);
     /* the distinctive direction: a random unit vector over the retrieval pairs */
-    {
-        double n2 = 0;
-        memset(dir, 0, sizeof(float) * d);
-        for (i = 2 * HK_RET_BEGIN; i < d; i++) {
-            dir[i] = hk__normal(&st);
-            n2 += (double)dir[i] * dir[i];
-        }
-        for (i = 0; i < d; i++) dir[i] = (float)(dir[i] / sqrt(n2));
-    }
+    hk__unit_vec(dir, d, 2 * HK_RET_BEGIN, d, &st);
 
     /* every token: topic centre + noise + recency content + massive channels, RoPE */
     for (t = 0; t < hk->s; t++) {
@@ -291,17 +288,9 @@ HK_FN int hk_make(hardkeys *hk)
         int unrelated = r >= 0 && hk->obs_unrelated;
         double qpos = r < 0 ? (double)hk->s : (double)(hk->s - (size_t)hk->n_obs + (size_t)r);
         float *qout = r < 0 ? hk->queries : hk->obs + (size_t)r * g * d;
-        if (r == 0) {
-            /* another direction, over the slow band, for unrelated observation queries
-               (drawn after the decode query, which stays as it was) */
-            double n2 = 0;
-            memset(odir, 0, sizeof(float) * d);
-            for (i = 2 * HK_MID_END; i < 2 * HK_RET_BEGIN; i++) {
-                odir[i] = hk__normal(&st);
-                n2 += (double)odir[i] * odir[i];
-            }
-            for (i = 0; i < d; i++) odir[i] = (float)(odir[i] / sqrt(n2));
-        }
+        /* another direction, over the slow band, for unrelated observation queries (drawn
+           after the decode query, which stays as it was) */
+        if (r == 0) hk__unit_vec(odir, d, 2 * HK_MID_END, 2 * HK_RET_BEGIN, &st);
         for (h = 0; h < g; h++) {
             static const double rec_share[HK_G] = {1.0, 0.7, 0.4, 0.2};
             double a = 9.0 * lscale / deff * (0.8 + 0.4 * hk__unit(&st)); /* strength along dir */
