@@ -27,7 +27,9 @@
    ------
      1. pqc_runtime_create        a thread pool (or your engine's) and the device tier
      2. pqc_cache_create          one per request: layers, heads, budget, PQ settings
-     3. pqc_cache_prefill         per layer: the prompt's K/V; the PQ build starts behind it
+     3. pqc_cache_observe         per layer, optional: the prompt's last queries (they shape
+                                  the codebooks and the heads' shares of the top-k)
+        pqc_cache_prefill         per layer: the prompt's K/V; the PQ build starts behind it
      4. per decode step and layer:
           pqc_cache_append        the new token's K/V
           pqc_cache_select        sinks + top-k + window for this step's queries
