@@ -569,7 +569,9 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
    codebook spends its centroids where queries look, so a rare key that differs from its
    cluster only where queries look keeps its own centroid. Call it before the layer's
    first pqc_cache_prefill (pqc_driver_prefill does); later observations count from the
-   next rebuild. Nothing changes on failure. */
+   next rebuild. The last 4 rows are kept to measure where the heads' attention goes
+   (see pqc_cache_observed_mass). Waits for a build of the layer that is running, as
+   prefill does. Nothing changes on failure. */
 PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n);
 /* The attention the observed queries paid (the last 4 observed rows, exact softmax over
    every token the layer held when its last build started, summed over the head's group
@@ -4327,10 +4329,11 @@ static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *
                 z += p;
                 if (t < sink) zs += p;
                 else if (t >= mid_end) zw += p;
+                sc[t] = (float)p; /* the unnormalised weight, for the mid tokens' histogram */
             }
             acc_s += zs / z;
             acc_w += zw / z;
-            for (t = sink; t < mid_end; t++) pt[t] += exp(((double)sc[t] - mx) * scale) / z;
+            for (t = sink; t < mid_end; t++) pt[t] += (double)sc[t] / z;
         }
     mass[0] = acc_s / (double)(b->n_obs * c->g);
     mass[1] = acc_w / (double)(b->n_obs * c->g);
@@ -4917,7 +4920,7 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     pqc_result r;
     pqc__sel_job j;
     size_t n, budget, mid, coded, nh, need;
-    int h;
+    int h, trim;
     double t0 = pqc__now();
     if ((r = pqc__check_layer(c, layer, "pqc_cache_select")) != PQC_SUCCESS) return r;
     if (!q || !sel || !sel->idx || !sel->count)
@@ -4966,8 +4969,8 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
     j.gpu_sc = NULL;
-    for (h = 0, need = 0; h < c->d.n_kv_heads; h++) need |= c->takes[h] < j.take;
-    if (j.search && (r = c->tier->search(c, layer, q, j.take, need != 0, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
+    for (h = 0, trim = 0; h < c->d.n_kv_heads; h++) trim |= c->takes[h] < j.take; /* a head takes fewer */
+    if (j.search && (r = c->tier->search(c, layer, q, j.take, trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
         return r;
     }
