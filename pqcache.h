@@ -4884,13 +4884,16 @@ static void pqc__drift_commit(pqc_cache *c, int l, int keep)
    PQC_SPLIT_ADAPTIVE, once every head's observed attention was measured, the layer's
    total (heads x take) goes to the mid tokens with the most observed attention, whatever
    their head (water-filling over the heads' histograms: every token of the bins above a
-   common threshold, the threshold bin shared in proportion), each head at least take/4
-   (decode queries are not the observed ones) and at most its coded tokens. */
+   common threshold, the threshold bin shared in proportion; what the histograms do not
+   cover, such as tokens coded since, shared evenly), each head at least take/4 (decode
+   queries are not the observed ones) and at most its coded tokens. A budget that covers
+   every coded token stays with every head. */
 static size_t pqc__head_takes(const pqc_cache *c, const pqc__layer *L, size_t take, size_t *takes)
 {
-    size_t nh = (size_t)c->d.n_kv_heads, h, mx = 0, lo = take / 4;
+    size_t nh = (size_t)c->d.n_kv_heads, h, mx = 0, lo = take / 4, given = 0, spare;
     double total = (double)take * (double)nh, cum = 0.0, in_bin = 0.0;
-    int adaptive = c->d.split == PQC_SPLIT_ADAPTIVE && take > 0 && nh > 1 && L->heads[0].pq.m != 0, b = 0;
+    int adaptive = c->d.split == PQC_SPLIT_ADAPTIVE && take > 0 && take < L->n_coded && nh > 1 &&
+                   L->heads[0].pq.m != 0, b = 0;
     for (h = 0; adaptive && h < nh; h++) adaptive = L->omass[2 * h] >= 0.0;
     for (h = 0; h < nh; h++) takes[h] = take;
     if (!adaptive) return take;
@@ -4909,6 +4912,11 @@ static size_t pqc__head_takes(const pqc_cache *c, const pqc__layer *L, size_t ta
         takes[h] = (size_t)floor(k);
         if (takes[h] < lo) takes[h] = lo;
         if (takes[h] > L->n_coded) takes[h] = L->n_coded;
+        given += takes[h];
+    }
+    spare = given < take * nh ? (take * nh - given) / nh : 0;
+    for (h = 0; h < nh; h++) {
+        takes[h] = PQC__MIN(takes[h] + spare, L->n_coded);
         if (takes[h] > mx) mx = takes[h];
     }
     return mx;

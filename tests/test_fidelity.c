@@ -599,6 +599,28 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
     ASSERT(kept_mass[0] > kept_mass[1]);
     ASSERT(ref_rare >= 3);
     ASSERT_EQ(ref_rare, kept_rare);
+    { /* a budget that covers every token: every head attends every token, split or not */
+        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+        pqc_cache *c;
+        pqc_selection sel;
+        pqc_matrix km = pqc_matrix_f32(k2, S, 2 * D);
+        cd.n_kv_heads = 2;
+        cd.n_q_heads = 2 * G;
+        cd.budget_ratio = 1.0;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, obs2, N_OBS));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+        for (t = 0; t < 5; t++) /* decode tokens, coded since the measurement */
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k2 + (S - 1 - t) * 2 * D, k2 + (S - 1 - t) * 2 * D));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q2, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(c, 0, 0, &sinks, &win[0]));
+        ASSERT_EQ((size_t)S + 5, sel.count[0]);
+        ASSERT_EQ((size_t)S + 5, sel.count[1]);
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+    }
     for (h = 0; h < 2; h++) {
         hk_free(&hk[h]);
         free(p[h]);
