@@ -1184,7 +1184,7 @@ static void op_fetch(fz_state *S, int rows_only)
     stride = maxc + (mode >> 4 & 3);
     if (mode >= HOSTILE) {
         if (rows_only || (mode & 3) == 3) must_fail = 1; /* null outputs */
-        else if (maxc > 0) {
+        else if (maxc > 1) { /* (a stride of 0 would be raised to 1 below: enough for 1 row) */
             stride = maxc - 1; /* too small */
             must_fail = 1;
         }
