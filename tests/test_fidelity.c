@@ -304,6 +304,7 @@ TEST observe_misuse_is_refused_and_changes_nothing(void)
     int i;
     for (i = 0; i < G * D; i++) q[i] = (float)(i % 5) - 2.0f;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_observed_mass(c, 0, 0, NULL, NULL)); /* no build yet */
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, q, 1));
     memcpy(before, c->layers[0].qsq, sizeof before);
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_observe(NULL, 0, q, 1));
@@ -508,6 +509,24 @@ TEST a_failed_decode_step_leaves_no_drift_behind(void)
 
 /* ----- the budget where the mass is --------------------------------------------------- */
 
+/* a cache over two KV heads (keys k2: rows of 2 x D), the observations obs2 observed and
+   the keys prefilled */
+static pqc_result open_two_heads(pqc_split split, double ratio, const float *k2, const float *obs2, pqc_cache **out)
+{
+    pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+    pqc_matrix km = pqc_matrix_f32(k2, S, 2 * D);
+    pqc_result r;
+    cd.n_kv_heads = 2;
+    cd.n_q_heads = 2 * G;
+    cd.split = split;
+    cd.budget_ratio = ratio;
+    if ((r = pqc_cache_create(NULL, &cd, out)) != PQC_SUCCESS) return r;
+    if ((r = pqc_cache_observe(*out, 0, obs2, N_OBS)) != PQC_SUCCESS ||
+        (r = pqc_cache_prefill(*out, 0, &km, &km)) != PQC_SUCCESS)
+        pqc_cache_destroy(*out);
+    return r;
+}
+
 /* Two KV heads that attend differently: head 0's queries carry a strong recency
    component (its attention is spread over many mid tokens and the window), head 1's
    attention is concentrated on a few rare tokens far back. The observed queries measure
@@ -552,17 +571,9 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
         }
     }
     for (split = 0; split < 2; split++) {
-        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
         pqc_cache *c;
         pqc_selection sel;
-        pqc_matrix km = pqc_matrix_f32(k2, S, 2 * D);
-        cd.n_kv_heads = 2;
-        cd.n_q_heads = 2 * G;
-        cd.split = split ? PQC_SPLIT_FIXED : PQC_SPLIT_ADAPTIVE;
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
-        ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_observed_mass(c, 0, 0, &sinks, &win[0]));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, obs2, N_OBS));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, open_two_heads(split ? PQC_SPLIT_FIXED : PQC_SPLIT_ADAPTIVE, 0.0, k2, obs2, &c));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q2, &sel));
         for (h = 0; h < 2; h++) {
@@ -600,16 +611,9 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
     ASSERT(ref_rare >= 3);
     ASSERT_EQ(ref_rare, kept_rare);
     { /* a budget that covers every token: every head attends every token, split or not */
-        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
         pqc_cache *c;
         pqc_selection sel;
-        pqc_matrix km = pqc_matrix_f32(k2, S, 2 * D);
-        cd.n_kv_heads = 2;
-        cd.n_q_heads = 2 * G;
-        cd.budget_ratio = 1.0;
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, obs2, N_OBS));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, open_two_heads(PQC_SPLIT_ADAPTIVE, 1.0, k2, obs2, &c));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
         for (t = 0; t < 5; t++) /* decode tokens, coded since the measurement */
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k2 + (S - 1 - t) * 2 * D, k2 + (S - 1 - t) * 2 * D));
