@@ -251,6 +251,28 @@ typedef enum pqc_init {
     PQC_INIT_RANDOM = 1    /* 2^b distinct random training points (the authors' choice)    */
 } pqc_init;
 
+/* How the engine rotates keys and queries (RoPE): which dims form a rotation pair. Pair i
+   turns by pos * base^(-2i/d_h), so low i is fast (position), high i slow (content). */
+typedef enum pqc_rope {
+    PQC_ROPE_NONE = 0,       /* no rotation, or not stated (default)                     */
+    PQC_ROPE_HALF = 1,       /* pair i = dims (i, i + d_h/2): Hugging Face Llama, Mistral,
+                                Qwen ("rotate_half")                                      */
+    PQC_ROPE_INTERLEAVED = 2 /* pair i = dims (2i, 2i+1): llama2.c, GPT-J, GGML's "norm"  */
+} pqc_rope;
+
+/* Which dims form sub-space j. */
+typedef enum pqc_subspaces {
+    PQC_SUBSPACES_CONTIGUOUS = 0, /* dims [j d_h/m, (j+1) d_h/m) (default)                 */
+    PQC_SUBSPACES_ROPE_BANDS = 1  /* whole rotation pairs, band j of the frequencies: pairs
+                                     [j P/m, (j+1) P/m) of the P = d_h/2 pairs, so slow
+                                     (content) pairs share sub-spaces and fast (position)
+                                     pairs share others. Needs a rope layout and m dividing
+                                     d_h/2. For PQC_ROPE_INTERLEAVED the same dims as
+                                     contiguous; for PQC_ROPE_HALF sub-space j is dims
+                                     [j h, (j+1) h) and [d_h/2 + j h, d_h/2 + (j+1) h),
+                                     h = d_h/(2m), in that order                         */
+} pqc_subspaces;
+
 typedef struct pqc_pq_desc {
     int m;                       /* sub-spaces; must divide d_h. 0 = 2                     */
     int bits;                    /* bits per code, 1..8 (2^bits centroids). 0 = 6          */
@@ -274,6 +296,10 @@ typedef struct pqc_pq_desc {
                                     distance is the expected squared error of q.k: the
                                     codebook spends its centroids where queries look
                                     (score-aware quantization). NULL: Euclidean        */
+    pqc_rope rope;               /* the keys' RoPE layout (default none). The sequence
+                                    cache ties the metric's weights within each pair:
+                                    rotation moves a pair's energy between its two dims */
+    pqc_subspaces subspaces;     /* default contiguous                                      */
 } pqc_pq_desc;
 
 /* A trained product quantizer for one (layer, KV head). Fields are read-only. */
@@ -289,8 +315,13 @@ typedef struct pqc_pq {
     float *cnorm;     /* [m][ksub_pad], private       */
     float *metric;    /* [dim] the desc's weights, or NULL (Euclidean)      */
     float *wnorm;     /* [m][ksub_pad] weighted centroid norms, private     */
+    int half_bands;   /* 1: rope bands over the half-split layout: element e of
+                         sub-space j is dim pqc_pq_dim(pq, j, e); 0: j*dsub + e */
     pqc_allocator alloc;
 } pqc_pq;
+
+/* The key dim of element e of sub-space j (centroid element e of sub-space j). */
+PQCDEF int pqc_pq_dim(const pqc_pq *pq, int j, int e);
 
 /* PQ codes of a growing sequence: column-major, one bit-packed column per sub-space;
    token t's code in sub-space j is bits [t*bits, t*bits+bits) of column j (LSB first). */
@@ -2490,6 +2521,18 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
     if (d->max_points_per_centroid < -1)
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "max_points_per_centroid %d", d->max_points_per_centroid);
     if (d->device < 0 || d->device > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.device = %d not 0 or 1", d->device);
+    if ((int)d->rope < 0 || (int)d->rope > 2) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown pq.rope %d", (int)d->rope);
+    if ((int)d->subspaces < 0 || (int)d->subspaces > 1)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown pq.subspaces %d", (int)d->subspaces);
+    if (d->rope != PQC_ROPE_NONE && dim % 2)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pq.rope: a RoPE layout needs an even d_h, not %d", dim);
+    if (d->subspaces == PQC_SUBSPACES_ROPE_BANDS) {
+        if (d->rope == PQC_ROPE_NONE)
+            return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pq.subspaces: rope bands need a RoPE layout (pq.rope)");
+        if ((dim / 2) % d->m)
+            return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pq.subspaces: rope bands need m (%d) to divide the %d pairs", d->m,
+                             dim / 2);
+    }
     if (d->device && !(rt && rt->cu))
         return pqc__fail(rt, PQC_ERROR_NO_DEVICE, "pq.device: the runtime has no CUDA GPU (create it with PQC_BACKEND_CUDA)");
     if (d->metric) {
@@ -2523,11 +2566,13 @@ PQCDEF void pqc_pq_free(pqc_pq *pq)
     pqc__pq_zero(pq);
 }
 
-static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *metric)
+static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *metric,
+                                int half_bands)
 {
     size_t kpad;
     pqc__pq_zero(pq);
     if (rt) pq->alloc = rt->alloc;
+    pq->half_bands = half_bands && m > 0 && (dim / m) % 2 == 0;
     pq->dim = dim;
     pq->m = m;
     pq->bits = bits;
@@ -2548,6 +2593,26 @@ static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int 
         return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "PQ codebook allocation failed");
     }
     return PQC_SUCCESS;
+}
+
+PQCDEF int pqc_pq_dim(const pqc_pq *pq, int j, int e)
+{
+    int h;
+    if (!pq->half_bands) return j * pq->dsub + e;
+    h = pq->dsub / 2;
+    return e < h ? j * h + e : pq->dim / 2 + j * h + (e - h);
+}
+
+/* Sub-vector j of a dim-float row x (in pq's sub-space order) into out. */
+static void pqc__gather_sub(const pqc_pq *pq, const float *x, int j, float *out)
+{
+    int h = pq->dsub / 2;
+    if (!pq->half_bands) {
+        memcpy(out, x + (size_t)j * pq->dsub, (size_t)pq->dsub * sizeof(float));
+        return;
+    }
+    memcpy(out, x + (size_t)j * h, (size_t)h * sizeof(float));
+    memcpy(out + h, x + (size_t)pq->dim / 2 + (size_t)j * h, (size_t)h * sizeof(float));
 }
 
 /* transposed, padded copy of k centroids (k x d) and their squared norms (pad = +inf) */
@@ -2575,7 +2640,6 @@ static void pqc__pq_finish_sub(pqc_pq *pq, int j)
     if (pq->metric) {
         /* weighted norms sum_e (w_e c_e) c_e, sequential fmaf from 0: coding compares
            these with 2 (w o x).c, which orders centroids by sum_e w_e (x_e - c_e)^2 */
-        const float *w = pq->metric + (size_t)j * pq->dsub;
         int i, e;
         for (i = 0; i < pq->ksub_pad; i++) {
             const float *cc = pq->centroids + ((size_t)j * pq->ksub + (size_t)i) * pq->dsub;
@@ -2584,7 +2648,7 @@ static void pqc__pq_finish_sub(pqc_pq *pq, int j)
                 pq->wnorm[(size_t)j * kpad + (size_t)i] = INFINITY;
                 continue;
             }
-            for (e = 0; e < pq->dsub; e++) acc = fmaf(w[e] * cc[e], cc[e], acc);
+            for (e = 0; e < pq->dsub; e++) acc = fmaf(pq->metric[pqc_pq_dim(pq, j, e)] * cc[e], cc[e], acc);
             pq->wnorm[(size_t)j * kpad + (size_t)i] = acc;
         }
     }
@@ -2781,54 +2845,116 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
     return PQC_SUCCESS;
 }
 
-/* sub-vector j (d dims) of row r as fp32 */
-static void pqc__sub_to_f32(const pqc_matrix *keys, size_t r, int j, int d, float *out)
+/* sub-vector j (pq->dsub dims, in the sub-space's order) of row r as fp32 */
+static void pqc__sub_to_f32(const pqc_pq *pq, const pqc_matrix *keys, size_t r, int j, float *out)
 {
-    size_t es = pqc_dtype_size(keys->dtype);
-    pqc__row_to_f32((const unsigned char *)pqc__row(keys, r) + (size_t)j * d * es, keys->dtype, (size_t)d, out);
+    size_t es = pqc_dtype_size(keys->dtype), h = (size_t)pq->dsub / 2;
+    const unsigned char *row = (const unsigned char *)pqc__row(keys, r);
+    if (!pq->half_bands) {
+        pqc__row_to_f32(row + (size_t)j * pq->dsub * es, keys->dtype, (size_t)pq->dsub, out);
+        return;
+    }
+    pqc__row_to_f32(row + (size_t)j * h * es, keys->dtype, h, out);
+    pqc__row_to_f32(row + ((size_t)pq->dim / 2 + (size_t)j * h) * es, keys->dtype, h, out + h);
 }
 
 /* The training sample for sub-space j when the cap binds: with 64+ centroids the cap/32
-   points farthest from the sub-space mean (rare, distinctive keys must shape the
-   codebook: they are what a query is looking for), the rest uniformly at random;
-   returned in token order. sw: square roots of the metric's weights, or NULL. */
-static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, int k, size_t cap, uint64_t *rng,
-                                    const pqc_allocator *al, const float *sw, uint32_t *sel)
+   points worst served by a few probe centres, and the probes (rare, distinctive keys must
+   shape the codebook: they are what a query is looking for, and a uniform sample keeps a
+   lone needle only with probability cap/n), the rest uniformly at random; returned in
+   token order. The probes are PQC__PROBES k-means++ (D^2) draws over a uniform subset, so
+   they sit in the dense clusters; a point far from all of them is an outlier wherever the
+   mean lies (a needle inside the cloud of a multi-cluster sub-space is no farther from the
+   mean than the clusters are). sw: square roots of the metric's weights, or NULL. */
+#define PQC__PROBES 16
+#define PQC__PROBE_POOL 1024
+#define PQC__PROBE_BLOCK 1024
+static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *keys, int j, int d, int k,
+                                    size_t cap, uint64_t *rng, const pqc_allocator *al, const float *sw, uint32_t *sel)
 {
     size_t n = keys->rows, nfar = k >= 64 ? cap / 32 : 0, i, got = 0, left, want;
-    double *mean = (double *)pqc__alloc(al, (size_t)d * sizeof(double) + (n + (size_t)d) * sizeof(float));
-    uint32_t *tmp = (uint32_t *)pqc__alloc(al, n * sizeof(uint32_t) + n);
+    size_t pool = PQC__MIN(n, (size_t)PQC__PROBE_POOL), fl_bytes;
+    float *fl, *dist, *blk, *bxn, *bval, *probe, *ct, *cn, *pd;
+    uint32_t *tmp = (uint32_t *)pqc__alloc(al, n * sizeof(uint32_t) + n), *pidx;
+    uint16_t *bidx;
     unsigned char *flag;
-    float *row, *dist;
-    int e;
-    if (!mean || !tmp) {
-        pqc__free(al, mean);
+    int e, pi;
+    fl_bytes = (n + (size_t)PQC__PROBE_BLOCK * (d + 2) + (size_t)PQC__PROBES * d * 2 + PQC__PROBES + pool) *
+                   sizeof(float) + pool * sizeof(uint32_t) + (size_t)PQC__PROBE_BLOCK * sizeof(uint16_t);
+    fl = (float *)pqc__alloc(al, fl_bytes);
+    if (!fl || !tmp) {
+        pqc__free(al, fl);
         pqc__free(al, tmp);
         return PQC_ERROR_OUT_OF_MEMORY;
     }
-    dist = (float *)(mean + d);
-    row = dist + n;
+    dist = fl;
+    blk = dist + n;
+    bxn = blk + (size_t)PQC__PROBE_BLOCK * d;
+    bval = bxn + PQC__PROBE_BLOCK;
+    probe = bval + PQC__PROBE_BLOCK;
+    ct = probe + (size_t)PQC__PROBES * d;
+    cn = ct + (size_t)PQC__PROBES * d;
+    pd = cn + PQC__PROBES;
+    pidx = (uint32_t *)(pd + pool);
+    bidx = (uint16_t *)(pidx + pool);
     flag = (unsigned char *)(tmp + n);
     memset(flag, 0, n);
     if (nfar > 0) {
-        memset(mean, 0, (size_t)d * sizeof(double));
-        for (i = 0; i < n; i++) {
-            pqc__sub_to_f32(keys, i, j, d, row);
-            if (sw)
-                for (e = 0; e < d; e++) row[e] *= sw[e];
-            for (e = 0; e < d; e++) mean[e] += row[e];
+        size_t b;
+        /* probes: D^2 draws over a uniform pool (row by row in the weighted space) */
+        for (i = 0; i < pool; i++) {
+            pidx[i] = (uint32_t)pqc__rng_below(rng, n);
+            pd[i] = INFINITY;
         }
-        for (e = 0; e < d; e++) mean[e] /= (double)n;
-        for (i = 0; i < n; i++) {
-            double acc = 0.0;
-            pqc__sub_to_f32(keys, i, j, d, row);
+        for (pi = 0; pi < PQC__PROBES; pi++) {
+            size_t pick = 0;
+            double total = 0.0, u;
+            if (pi == 0) {
+                pick = pqc__rng_below(rng, pool);
+            } else {
+                for (i = 0; i < pool; i++) total += pd[i];
+                u = pqc__rng_unit(rng) * total;
+                for (i = 0; i + 1 < pool && (u -= pd[i]) > 0.0; i++) {}
+                pick = total > 0.0 ? i : pqc__rng_below(rng, pool);
+            }
+            pqc__sub_to_f32(pq, keys, pidx[pick], j, probe + (size_t)pi * d);
             if (sw)
-                for (e = 0; e < d; e++) row[e] *= sw[e];
-            for (e = 0; e < d; e++) acc += (row[e] - mean[e]) * (row[e] - mean[e]);
-            dist[i] = (float)acc;
+                for (e = 0; e < d; e++) probe[(size_t)pi * d + e] *= sw[e];
+            flag[pidx[pick]] = 1; /* a probe is a cluster's typical point: keep it too */
+            for (i = 0; i < pool; i++) {
+                double acc = 0.0;
+                pqc__sub_to_f32(pq, keys, pidx[i], j, blk);
+                if (sw)
+                    for (e = 0; e < d; e++) blk[e] *= sw[e];
+                for (e = 0; e < d; e++) {
+                    double t = (double)blk[e] - probe[(size_t)pi * d + e];
+                    acc += t * t;
+                }
+                if ((float)acc < pd[i]) pd[i] = (float)acc;
+            }
         }
+        /* every point's squared distance to its nearest probe, a block at a time */
+        pqc__transpose_centroids(probe, PQC__PROBES, d, PQC__PROBES, ct, cn);
+        for (b = 0; b < n; b += PQC__PROBE_BLOCK) {
+            size_t nb = PQC__MIN((size_t)PQC__PROBE_BLOCK, n - b);
+            for (i = 0; i < nb; i++) {
+                float *row = blk + i * d;
+                pqc__sub_to_f32(pq, keys, b + i, j, row);
+                if (sw)
+                    for (e = 0; e < d; e++) row[e] *= sw[e];
+                bxn[i] = pqc__sqnorm(row, d);
+            }
+            pqc__k_assign(simd, blk, nb, d, ct, cn, PQC__PROBES, PQC__PROBES, bidx, bval);
+            for (i = 0; i < nb; i++) {
+                float v = bxn[i] + bval[i];
+                dist[b + i] = v > 0.0f ? v : 0.0f;
+            }
+        }
+        for (i = 0; i < n; i++) /* the probes are in already; they can only be at distance 0 */
+            if (flag[i]) dist[i] = -1.0f;
         pqc__topk_core(dist, n, nfar, tmp, sel, NULL);
         for (i = 0; i < nfar; i++) flag[sel[i]] = 1;
+        for (i = 0, nfar = 0; i < n; i++) nfar += flag[i];
     }
     left = n - nfar;
     want = cap - nfar;
@@ -2843,7 +2969,7 @@ static pqc_result pqc__train_sample(const pqc_matrix *keys, int j, int d, int k,
     for (i = 0; i < n; i++)
         if (flag[i]) sel[got++] = (uint32_t)i;
     PQC_ASSERT(got == cap);
-    pqc__free(al, mean);
+    pqc__free(al, fl);
     pqc__free(al, tmp);
     return PQC_SUCCESS;
 }
@@ -2872,7 +2998,7 @@ static void pqc__train_sub(void *arg)
                               minimises the weighted distance; the means scale back exactly */
         float *t = d <= 256 ? sw : x + cap * (size_t)d;
         int e;
-        for (e = 0; e < d; e++) t[e] = sqrtf(pq->metric[(size_t)j * d + e]);
+        for (e = 0; e < d; e++) t[e] = sqrtf(pq->metric[pqc_pq_dim(pq, j, e)]);
         swp = t;
     }
     if (!x || (cap < n && !sel)) {
@@ -2880,13 +3006,13 @@ static void pqc__train_sub(void *arg)
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
     }
-    if (cap < n && pqc__train_sample(keys, j, d, k, cap, &rng, al, swp, sel) != PQC_SUCCESS) {
+    if (cap < n && pqc__train_sample(simd, pq, keys, j, d, k, cap, &rng, al, swp, sel) != PQC_SUCCESS) {
         jb->res = PQC_ERROR_OUT_OF_MEMORY;
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
     }
     for (i = 0; i < cap; i++) {
-        pqc__sub_to_f32(keys, sel ? sel[i] : i, j, d, x + i * d);
+        pqc__sub_to_f32(pq, keys, sel ? sel[i] : i, j, x + i * d);
         if (swp) {
             int e;
             for (e = 0; e < d; e++) x[i * d + e] *= swp[e];
@@ -2939,7 +3065,9 @@ static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, c
     r = pqc__check_finite(rt, keys, tmp, "pqc_pq_train keys");
     pqc__free(pqc__rt_alloc(rt), tmp);
     if (r != PQC_SUCCESS) return r;
-    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric)) != PQC_SUCCESS) return r;
+    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric,
+                           d.subspaces == PQC_SUBSPACES_ROPE_BANDS && d.rope == PQC_ROPE_HALF)) != PQC_SUCCESS)
+        return r;
     jobs = (pqc__train_job *)pqc__calloc(&pq.alloc, (size_t)d.m * sizeof *jobs);
     if (!jobs) {
         pqc_pq_free(&pq);
@@ -3072,13 +3200,13 @@ static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *
     int j;
     size_t i;
     for (j = 0; j < pq->m; j++) {
-        const float *w = pq->metric ? pq->metric + (size_t)j * pq->dsub : NULL;
+        const float *w = pq->metric;
         for (i = 0; i < n; i++) {
             pqc__row_to_f32(pqc__row(keys, r0 + i), keys->dtype, keys->cols, row);
-            memcpy(x + i * pq->dsub, row + (size_t)j * pq->dsub, (size_t)pq->dsub * sizeof(float));
+            pqc__gather_sub(pq, row, j, x + i * pq->dsub);
             if (w) { /* (w o x).c against the weighted norms: the weighted nearest centroid */
                 int e;
-                for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[e];
+                for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[pqc_pq_dim(pq, j, e)];
             }
         }
         pqc__k_assign(simd, x, n, pq->dsub, pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad,
@@ -3145,9 +3273,11 @@ PQCDEF pqc_result pqc_pq_decode(const pqc_pq *pq, const pqc_codes *codes, size_t
     if ((r = pqc__check_pq(NULL, pq, "pqc_pq_decode")) != PQC_SUCCESS) return r;
     if (!codes || !out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_decode: null pointer");
     if (t >= codes->count) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_decode: token %zu of %zu", t, codes->count);
-    for (j = 0; j < pq->m; j++)
-        memcpy(out + (size_t)j * pq->dsub, pq->centroids + ((size_t)j * pq->ksub + pqc_codes_get(codes, t, j)) * pq->dsub,
-               (size_t)pq->dsub * sizeof(float));
+    for (j = 0; j < pq->m; j++) {
+        const float *c = pq->centroids + ((size_t)j * pq->ksub + pqc_codes_get(codes, t, j)) * pq->dsub;
+        int e;
+        for (e = 0; e < pq->dsub; e++) out[pqc_pq_dim(pq, j, e)] = c[e];
+    }
     return PQC_SUCCESS;
 }
 
@@ -3197,6 +3327,23 @@ PQCDEF pqc_result pqc_pq_lut(pqc_runtime *rt, const pqc_pq *pq, const float *que
     if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_lut: g = %d", g);
     if (!pqc__finite_row(queries, (size_t)g * pq->dim))
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_lut: query holds NaN, Inf or a huge value");
+    if (pq->half_bands) { /* each query row in sub-space order first */
+        float stack[1024], *qp = pq->dim <= 1024 ? stack : (float *)pqc__alloc(pqc__rt_alloc(rt), (size_t)pq->dim * sizeof(float));
+        if (!qp) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_lut: scratch allocation failed");
+        for (h = 0; h < g; h++) {
+            for (j = 0; j < pq->m; j++) {
+                int e;
+                for (e = 0; e < pq->dsub; e++)
+                    qp[(size_t)j * pq->dsub + e] = queries[(size_t)h * pq->dim + (size_t)pqc_pq_dim(pq, j, e)];
+            }
+            for (j = 0; j < pq->m; j++)
+                pqc__k_dots(pqc__simd(rt), qp + (size_t)j * pq->dsub, pq->dsub,
+                            pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad, pq->ksub_pad, pq->ksub,
+                            lut + ((size_t)h * pq->m + j) * pq->ksub);
+        }
+        if (qp != stack) pqc__free(pqc__rt_alloc(rt), qp);
+        return PQC_SUCCESS;
+    }
     for (h = 0; h < g; h++)
         for (j = 0; j < pq->m; j++)
             pqc__k_dots(pqc__simd(rt), queries + (size_t)h * pq->dim + (size_t)j * pq->dsub, pq->dsub,
@@ -4391,7 +4538,13 @@ static const float *pqc__build_metric(pqc_cache *c, int l, int h)
     if (c->d.metric != PQC_METRIC_QUERY || base[nkv * d + (size_t)h] <= 0.0) return NULL;
     for (e = 0; e < d; e++) tot += qs[e];
     if (!(tot > 0.0) || !(tot < 1e300)) return NULL;
-    for (e = 0; e < d; e++) w[e] = (float)(qs[e] * (double)d / tot + c->d.metric_floor);
+    for (e = 0; e < d; e++) {
+        /* with a RoPE layout, one weight per rotation pair: rotation moves a key's (and a
+           later query's) energy between the pair's two dims */
+        size_t p = c->d.pq.rope == PQC_ROPE_HALF ? (e < d / 2 ? e + d / 2 : e - d / 2)
+                 : c->d.pq.rope == PQC_ROPE_INTERLEAVED ? (e ^ 1u) : e;
+        w[e] = (float)(0.5 * (qs[e] + qs[p]) * (double)d / tot + c->d.metric_floor);
+    }
     return w;
 }
 
@@ -7556,6 +7709,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     pqc__layer *L = &c->layers[l];
     size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
     int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
+    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
     int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
     unsigned P, tiles, smem;
     float scale = 1.0f / sqrtf((float)u->d);
@@ -7622,7 +7776,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
         int64_t x_ld = u->d, x_hs = (int64_t)u->hstride, co_hs = 0;
         int x_dt = (int)c->d.kv_dtype, n = (int)(s - u->code_n[sl]), t0 = (int)u->code_n[sl];
         pqc__dptr x = u->hk[l] + ((size_t)c->d.n_sink + u->code_n[sl]) * c->row, cn = 0, w = 0;
-        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub,
+        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub, &half,
                       &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
         if (pqc__layer_metric(c, l)) { /* weighted coding: the uploaded norms and weights */
             cn = u->cent[l] + tab * (size_t)dsub * sizeof(float);
@@ -7638,7 +7792,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
                   "cuMemcpyHtoDAsync");
     lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
     {
-        void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &u->lut, &l_hs, &lut_sum, &ls_hs };
+        void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &half, &u->lut, &l_hs, &lut_sum, &ls_hs };
         if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     /* scan: combined scores of every coded token */
@@ -8268,18 +8422,30 @@ static const char pqc__kernel_source[] =
 "/* (a) Lookup tables                                                                    */\n"
 "/* ------------------------------------------------------------------------------------ */\n"
 "\n"
+"/* The key dim of element e of sub-space j: j*d_sub + e, or with half = 1 (rope bands\n"
+"   over the half-split layout) the two runs [j h, (j+1) h) and [d_h/2 + j h, ...),\n"
+"   h = d_sub/2, in that order (pqc_pq_dim on the host). */\n"
+"__device__ __forceinline__ int pqc_sub_dim(int j, int e, int d_sub, int d_h, int half)\n"
+"{\n"
+"    if (!half) return j * d_sub + e;\n"
+"    int h2 = d_sub >> 1;\n"
+"    return e < h2 \? j * h2 + e : (d_h >> 1) + j * h2 + (e - h2);\n"
+"}\n"
+"\n"
 "/* pqc_lut_build: lookup tables of the g query heads of each KV head.\n"
 " *   grid  (ceil(m*K / 256), n_kv), block 256; one thread per (sub-space j, centroid c).\n"
 " *   q         float [g][d_h] per KV head (q + kv*q_head_stride), d_h = m*d_sub\n"
 " *   centroids float [m][K][d_sub] per KV head\n"
+" *   half      the sub-space layout of pqc_sub_dim\n"
 " *   lut       float [g][m][K] per KV head, or NULL\n"
 " *   lut_sum   float [m][K] per KV head, or NULL: sum over h in head order (from 0) of\n"
 " *             the g tables, the table of the GQA \"sum\" mode.\n"
-" * LUT[h][j][c] = sequential fmaf over e of q[h][j*d_sub+e] * centroids[j][c][e], from 0. */\n"
+" * LUT[h][j][c] = sequential fmaf over e of q[h][pqc_sub_dim(j, e)] * centroids[j][c][e],\n"
+" * from 0. */\n"
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_lut_build(const float *__restrict__ q, pqc_i64 q_head_stride,\n"
 "              const float *__restrict__ centroids, pqc_i64 cent_head_stride,\n"
-"              int g, int m, int K, int d_sub,\n"
+"              int g, int m, int K, int d_sub, int half,\n"
 "              float *__restrict__ lut, pqc_i64 lut_head_stride,\n"
 "              float *__restrict__ lut_sum, pqc_i64 lut_sum_head_stride)\n"
 "{\n"
@@ -8289,12 +8455,12 @@ static const char pqc__kernel_source[] =
 "    int j = idx / K;\n"
 "    int d_h = m * d_sub;\n"
 "    const float *cr = centroids + kv * cent_head_stride + (pqc_i64)idx * d_sub;\n"
-"    const float *qj = q + kv * q_head_stride + (pqc_i64)j * d_sub;\n"
+"    const float *qk = q + kv * q_head_stride;\n"
 "    float sum = 0.0f;\n"
 "    for (int h = 0; h < g; ++h) {\n"
-"        const float *qh = qj + (pqc_i64)h * d_h;\n"
+"        const float *qh = qk + (pqc_i64)h * d_h;\n"
 "        float acc = 0.0f;\n"
-"        for (int e = 0; e < d_sub; ++e) acc = fmaf(qh[e], cr[e], acc);\n"
+"        for (int e = 0; e < d_sub; ++e) acc = fmaf(qh[pqc_sub_dim(j, e, d_sub, d_h, half)], cr[e], acc);\n"
 "        if (lut) lut[kv * lut_head_stride + (pqc_i64)h * m * K + idx] = acc;\n"
 "        sum += acc;\n"
 "    }\n"
@@ -8824,10 +8990,12 @@ static const char pqc__kernel_source[] =
 "/* pqc_assign_codes: PQ codes of n new keys (nearest centroid per sub-space).\n"
 " *   grid (ceil(n*m / 8), n_kv), block 256; one warp per (token i, sub-space j), i = w / m.\n"
 " *   x         n key rows of x_dtype per KV head: row i at x + kv*x_head_stride + i*x_ld\n"
-" *             elements (d_h = m*d_sub used); d_sub <= 256\n"
+" *             elements (d_h = m*d_sub used); d_sub <= 256; element e of sub-space j is\n"
+" *             dim pqc_sub_dim(j, e, d_sub, d_h, half)\n"
 " *   centroids float [m][K][d_sub] per KV head; cnorm float [m][K] per KV head\n"
 " *             (pqc_centroid_norms) or NULL to compute the norms on the fly\n"
-" *   metric    float [d_h] per KV head (+ kv*metric_head_stride), or NULL: the weights w\n"
+" *   metric    float [d_h] per KV head (+ kv*metric_head_stride, indexed by dim), or NULL:\n"
+" *             the weights w\n"
 " *             of a weighted distance. The key is multiplied by them (x_e * w_e, one\n"
 " *             rounding) before the search, and cnorm must then hold the weighted norms\n"
 " *             sum_e (w_e c_e) c_e: the order is that of sum_e w_e (x_e - c_e)^2\n"
@@ -8841,7 +9009,7 @@ static const char pqc__kernel_source[] =
 "                 const float *__restrict__ centroids, const float *__restrict__ cnorm,\n"
 "                 pqc_i64 cent_head_stride, pqc_i64 cnorm_head_stride,\n"
 "                 const float *__restrict__ metric, pqc_i64 metric_head_stride,\n"
-"                 int m, int b, int d_sub,\n"
+"                 int m, int b, int d_sub, int half,\n"
 "                 pqc_u8 *codes, pqc_i64 code_head_stride, pqc_i64 col_stride, int t_start,\n"
 "                 pqc_u8 *codes_out, pqc_i64 codes_out_head_stride)\n"
 "{\n"
@@ -8852,13 +9020,13 @@ static const char pqc__kernel_source[] =
 "    if (w >= (pqc_i64)n * m || d_sub > PQC_MAX_DSUB) return; /* whole warp */\n"
 "    int i = (int)(w / m), j = (int)(w % m);\n"
 "    int K = 1 << b;\n"
-"    const void *xr = (const char *)x +\n"
-"                     (kv * x_head_stride + (pqc_i64)i * x_ld + (pqc_i64)j * d_sub) *\n"
-"                         pqc_dtype_size(x_dtype);\n"
-"    const float *wj = metric \? metric + kv * metric_head_stride + (pqc_i64)j * d_sub : metric;\n"
+"    int d_h = m * d_sub;\n"
+"    const void *xr = (const char *)x + (kv * x_head_stride + (pqc_i64)i * x_ld) * pqc_dtype_size(x_dtype);\n"
+"    const float *wk = metric \? metric + kv * metric_head_stride : metric;\n"
 "    for (int e = lane; e < d_sub; e += 32) {\n"
-"        float xe = pqc_load_elem(xr, e, x_dtype);\n"
-"        xs[wib][e] = wj \? xe * wj[e] : xe;\n"
+"        int col = pqc_sub_dim(j, e, d_sub, d_h, half);\n"
+"        float xe = pqc_load_elem(xr, col, x_dtype);\n"
+"        xs[wib][e] = wk \? xe * wk[col] : xe;\n"
 "    }\n"
 "    __syncwarp();\n"
 "    const float *cen = centroids + kv * cent_head_stride + (pqc_i64)j * K * d_sub;\n"

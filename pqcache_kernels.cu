@@ -257,18 +257,30 @@ __device__ __forceinline__ int pqc_warp_nearest(const float *xs, int d,
 /* (a) Lookup tables                                                                    */
 /* ------------------------------------------------------------------------------------ */
 
+/* The key dim of element e of sub-space j: j*d_sub + e, or with half = 1 (rope bands
+   over the half-split layout) the two runs [j h, (j+1) h) and [d_h/2 + j h, ...),
+   h = d_sub/2, in that order (pqc_pq_dim on the host). */
+__device__ __forceinline__ int pqc_sub_dim(int j, int e, int d_sub, int d_h, int half)
+{
+    if (!half) return j * d_sub + e;
+    int h2 = d_sub >> 1;
+    return e < h2 ? j * h2 + e : (d_h >> 1) + j * h2 + (e - h2);
+}
+
 /* pqc_lut_build: lookup tables of the g query heads of each KV head.
  *   grid  (ceil(m*K / 256), n_kv), block 256; one thread per (sub-space j, centroid c).
  *   q         float [g][d_h] per KV head (q + kv*q_head_stride), d_h = m*d_sub
  *   centroids float [m][K][d_sub] per KV head
+ *   half      the sub-space layout of pqc_sub_dim
  *   lut       float [g][m][K] per KV head, or NULL
  *   lut_sum   float [m][K] per KV head, or NULL: sum over h in head order (from 0) of
  *             the g tables, the table of the GQA "sum" mode.
- * LUT[h][j][c] = sequential fmaf over e of q[h][j*d_sub+e] * centroids[j][c][e], from 0. */
+ * LUT[h][j][c] = sequential fmaf over e of q[h][pqc_sub_dim(j, e)] * centroids[j][c][e],
+ * from 0. */
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_lut_build(const float *__restrict__ q, pqc_i64 q_head_stride,
               const float *__restrict__ centroids, pqc_i64 cent_head_stride,
-              int g, int m, int K, int d_sub,
+              int g, int m, int K, int d_sub, int half,
               float *__restrict__ lut, pqc_i64 lut_head_stride,
               float *__restrict__ lut_sum, pqc_i64 lut_sum_head_stride)
 {
@@ -278,12 +290,12 @@ pqc_lut_build(const float *__restrict__ q, pqc_i64 q_head_stride,
     int j = idx / K;
     int d_h = m * d_sub;
     const float *cr = centroids + kv * cent_head_stride + (pqc_i64)idx * d_sub;
-    const float *qj = q + kv * q_head_stride + (pqc_i64)j * d_sub;
+    const float *qk = q + kv * q_head_stride;
     float sum = 0.0f;
     for (int h = 0; h < g; ++h) {
-        const float *qh = qj + (pqc_i64)h * d_h;
+        const float *qh = qk + (pqc_i64)h * d_h;
         float acc = 0.0f;
-        for (int e = 0; e < d_sub; ++e) acc = fmaf(qh[e], cr[e], acc);
+        for (int e = 0; e < d_sub; ++e) acc = fmaf(qh[pqc_sub_dim(j, e, d_sub, d_h, half)], cr[e], acc);
         if (lut) lut[kv * lut_head_stride + (pqc_i64)h * m * K + idx] = acc;
         sum += acc;
     }
@@ -813,10 +825,12 @@ pqc_centroid_norms(const float *__restrict__ c, int rows, int d, float *__restri
 /* pqc_assign_codes: PQ codes of n new keys (nearest centroid per sub-space).
  *   grid (ceil(n*m / 8), n_kv), block 256; one warp per (token i, sub-space j), i = w / m.
  *   x         n key rows of x_dtype per KV head: row i at x + kv*x_head_stride + i*x_ld
- *             elements (d_h = m*d_sub used); d_sub <= 256
+ *             elements (d_h = m*d_sub used); d_sub <= 256; element e of sub-space j is
+ *             dim pqc_sub_dim(j, e, d_sub, d_h, half)
  *   centroids float [m][K][d_sub] per KV head; cnorm float [m][K] per KV head
  *             (pqc_centroid_norms) or NULL to compute the norms on the fly
- *   metric    float [d_h] per KV head (+ kv*metric_head_stride), or NULL: the weights w
+ *   metric    float [d_h] per KV head (+ kv*metric_head_stride, indexed by dim), or NULL:
+ *             the weights w
  *             of a weighted distance. The key is multiplied by them (x_e * w_e, one
  *             rounding) before the search, and cnorm must then hold the weighted norms
  *             sum_e (w_e c_e) c_e: the order is that of sum_e w_e (x_e - c_e)^2
@@ -830,7 +844,7 @@ pqc_assign_codes(const void *x, int x_dtype, pqc_i64 x_ld, pqc_i64 x_head_stride
                  const float *__restrict__ centroids, const float *__restrict__ cnorm,
                  pqc_i64 cent_head_stride, pqc_i64 cnorm_head_stride,
                  const float *__restrict__ metric, pqc_i64 metric_head_stride,
-                 int m, int b, int d_sub,
+                 int m, int b, int d_sub, int half,
                  pqc_u8 *codes, pqc_i64 code_head_stride, pqc_i64 col_stride, int t_start,
                  pqc_u8 *codes_out, pqc_i64 codes_out_head_stride)
 {
@@ -841,13 +855,13 @@ pqc_assign_codes(const void *x, int x_dtype, pqc_i64 x_ld, pqc_i64 x_head_stride
     if (w >= (pqc_i64)n * m || d_sub > PQC_MAX_DSUB) return; /* whole warp */
     int i = (int)(w / m), j = (int)(w % m);
     int K = 1 << b;
-    const void *xr = (const char *)x +
-                     (kv * x_head_stride + (pqc_i64)i * x_ld + (pqc_i64)j * d_sub) *
-                         pqc_dtype_size(x_dtype);
-    const float *wj = metric ? metric + kv * metric_head_stride + (pqc_i64)j * d_sub : metric;
+    int d_h = m * d_sub;
+    const void *xr = (const char *)x + (kv * x_head_stride + (pqc_i64)i * x_ld) * pqc_dtype_size(x_dtype);
+    const float *wk = metric ? metric + kv * metric_head_stride : metric;
     for (int e = lane; e < d_sub; e += 32) {
-        float xe = pqc_load_elem(xr, e, x_dtype);
-        xs[wib][e] = wj ? xe * wj[e] : xe;
+        int col = pqc_sub_dim(j, e, d_sub, d_h, half);
+        float xe = pqc_load_elem(xr, col, x_dtype);
+        xs[wib][e] = wk ? xe * wk[col] : xe;
     }
     __syncwarp();
     const float *cen = centroids + kv * cent_head_stride + (pqc_i64)j * K * d_sub;

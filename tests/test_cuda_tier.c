@@ -256,8 +256,9 @@ typedef struct shape {
     int resident; /* codes_resident */
     int observe;  /* queries observed before the prompt: the builds code with a metric
                      (KV head 1's observations are zero: it stays Euclidean) */
+    int bands;    /* 1: sub-spaces of rope bands over the half-split layout */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0 };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0 };
 
 /* the same observations on both caches: rows whose energy sits in a few dimensions */
 static int observe_both(pair *p, int layers, int hkv, int hq, int d)
@@ -291,6 +292,10 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.pq.m = sh->m;
     cd.pq.bits = sh->bits;
     cd.codes_resident = sh->resident;
+    if (sh->bands) {
+        cd.pq.rope = PQC_ROPE_HALF;
+        cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+    }
     memset(&st, 0, sizeof st);
     ASSERT(pair_open(&p, &cd));
     ASSERT_EQ(1, pqc_cache_on_device(p.cg));
@@ -374,7 +379,7 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0 };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0 };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* three layers through two code buffers: every select finds its codes prefetched */
@@ -395,6 +400,22 @@ TEST decode_matches_cpu_with_metric(void)
 TEST decode_matches_cpu_with_metric_softmax(void)
 {
     shape sh = g_small;
+    sh.observe = 1;
+    sh.steps = 6;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
+}
+/* sub-spaces of rope bands over the half-split layout (the kernels gather each sub-space
+   from two runs of dims), with and without a metric (tied within rotation pairs) */
+TEST decode_matches_cpu_rope_bands(void)
+{
+    shape sh = g_small;
+    sh.bands = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
+}
+TEST decode_matches_cpu_rope_bands_with_metric(void)
+{
+    shape sh = g_small;
+    sh.bands = 1;
     sh.observe = 1;
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
@@ -894,6 +915,8 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_long_subvectors);
     RUN_TEST(decode_matches_cpu_with_metric);
     RUN_TEST(decode_matches_cpu_with_metric_softmax);
+    RUN_TEST(decode_matches_cpu_rope_bands);
+    RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_allocation_failure);

@@ -143,6 +143,106 @@ TEST metric_out_of_range_is_refused(void)
     PASS();
 }
 
+/* Rope bands over the half-split layout are a permutation of the dims: training, coding,
+   decoding and the lookup tables equal those of contiguous sub-spaces on keys, weights
+   and queries whose columns are permuted into band order. */
+TEST rope_bands_are_the_band_ordered_contiguous_pq(void)
+{
+    enum { N = 3000, DD = 32, M = 4, HS = DD / (2 * M) };
+    float *x = (float *)malloc(sizeof(float) * N * DD), *xp = (float *)malloc(sizeof(float) * N * DD);
+    float w[DD], wp[DD], q[2 * DD], qp[2 * DD], lut_a[2 * M * 64], lut_b[2 * M * 64], rec_a[DD], rec_b[DD];
+    int perm[DD], j, e, t, seen[DD];
+    pqc_pq a, b;
+    pqc_codes ca, cb;
+    pqc_pq_desc da = pq_desc(M, 6), db = pq_desc(M, 6);
+    pqc_matrix ka, kb;
+    uint64_t st = 11;
+    ASSERT(x && xp);
+    da.rope = PQC_ROPE_HALF;
+    da.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+    da.max_points_per_centroid = 16; /* the sample is drawn too (N > 16 * 64) */
+    db.max_points_per_centroid = 16;
+    memset(seen, 0, sizeof seen);
+    /* element e of band j is dim j*HS + e, then DD/2 + j*HS + (e - HS) */
+    for (j = 0; j < M; j++)
+        for (e = 0; e < 2 * HS; e++) {
+            perm[j * 2 * HS + e] = e < HS ? j * HS + e : DD / 2 + j * HS + (e - HS);
+            seen[perm[j * 2 * HS + e]]++;
+        }
+    for (e = 0; e < DD; e++) ASSERT_EQ(1, seen[e]);
+    for (t = 0; t < N * DD; t++) x[t] = hk__normal(&st) * ((t % DD) % (DD / 2) < 4 ? 3.0f : 1.0f);
+    for (t = 0; t < N; t++)
+        for (e = 0; e < DD; e++) xp[t * DD + e] = x[t * DD + perm[e]];
+    for (e = 0; e < DD; e++) w[e] = 0.2f + (float)(e % 5);
+    for (e = 0; e < DD; e++) wp[e] = w[perm[e]];
+    for (e = 0; e < 2 * DD; e++) q[e] = hk__normal(&st);
+    for (e = 0; e < 2 * DD; e++) qp[e] = q[(e / DD) * DD + perm[e % DD]];
+    da.metric = w;
+    db.metric = wp;
+    ka = pqc_matrix_f32(x, N, DD);
+    kb = pqc_matrix_f32(xp, N, DD);
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &da, &ka, &a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &db, &kb, &b));
+    ASSERT_EQ(1, a.half_bands);
+    for (j = 0; j < M; j++)
+        for (e = 0; e < 2 * HS; e++) ASSERT_EQ(perm[j * 2 * HS + e], pqc_pq_dim(&a, j, e));
+    ASSERT_MEM_EQ(b.centroids, a.centroids, sizeof(float) * M * 64 * 2 * HS);
+    ASSERT_MEM_EQ(w, a.metric, sizeof w); /* the caller's weights, by dim */
+    ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&ca, &a, N, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&cb, &b, N, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &a, &ka, &ca));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &b, &kb, &cb));
+    for (t = 0; t < N; t++)
+        for (j = 0; j < M; j++) ASSERT_EQ(pqc_codes_get(&cb, (size_t)t, j), pqc_codes_get(&ca, (size_t)t, j));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_decode(&a, &ca, 17, rec_a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_decode(&b, &cb, 17, rec_b));
+    for (e = 0; e < DD; e++) ASSERT_EQ(rec_b[e], rec_a[perm[e]]);
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_lut(NULL, &a, q, 2, lut_a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_lut(NULL, &b, qp, 2, lut_b));
+    ASSERT_MEM_EQ(lut_b, lut_a, sizeof lut_a);
+    pqc_codes_free(&ca);
+    pqc_codes_free(&cb);
+    pqc_pq_free(&a);
+    pqc_pq_free(&b);
+    free(x);
+    free(xp);
+    PASS();
+}
+
+TEST rope_layout_misuse_is_refused(void)
+{
+    float x[64 * 8];
+    pqc_pq pq, before;
+    pqc_pq_desc d = pq_desc(2, 2);
+    pqc_matrix keys = pqc_matrix_f32(x, 64, 8), odd = pqc_matrix_f32(x, 64, 7);
+    int i;
+    for (i = 0; i < 64 * 8; i++) x[i] = (float)(i % 7) - 3.0f;
+    memset(&pq, 0x5a, sizeof pq);
+    before = pq;
+    d.subspaces = PQC_SUBSPACES_ROPE_BANDS; /* bands without a layout */
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_train(NULL, &d, &keys, &pq));
+    ASSERT(strstr(pqc_last_error(), "rope") != NULL);
+    d.rope = PQC_ROPE_HALF;
+    d.m = 8; /* 8 sub-spaces over 4 pairs */
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_train(NULL, &d, &keys, &pq));
+    d.m = 7;
+    d.subspaces = PQC_SUBSPACES_CONTIGUOUS; /* an odd d_h has no pairs */
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_train(NULL, &d, &odd, &pq));
+    d.m = 2;
+    d.rope = (pqc_rope)3;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
+    d.rope = PQC_ROPE_INTERLEAVED;
+    d.subspaces = (pqc_subspaces)2;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
+    ASSERT_MEM_EQ(&before, &pq, sizeof pq);
+    d.subspaces = PQC_SUBSPACES_ROPE_BANDS; /* interleaved bands: the contiguous dims */
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+    ASSERT_EQ(0, pq.half_bands);
+    ASSERT_EQ(5, pqc_pq_dim(&pq, 1, 1));
+    pqc_pq_free(&pq);
+    PASS();
+}
+
 /* On the hard keys, plain PQ at the default m = 2, b = 6 loses most rare tokens exact
    top-k keeps; weighting the distance by the observed queries keeps every one of them,
    and nearly the mass of exact top-k. */
@@ -640,6 +740,8 @@ SUITE(fidelity)
 {
     RUN_TEST(metric_codes_each_key_to_its_weighted_nearest_centroid);
     RUN_TEST(metric_out_of_range_is_refused);
+    RUN_TEST(rope_bands_are_the_band_ordered_contiguous_pq);
+    RUN_TEST(rope_layout_misuse_is_refused);
     RUN_TEST(metric_keeps_the_rare_tokens_plain_pq_loses);
     RUN_TEST(observed_queries_keep_the_rare_tokens_the_oracle_keeps);
     RUN_TEST(observe_misuse_is_refused_and_changes_nothing);

@@ -305,6 +305,20 @@ static const int t_observe[] = {0, 1, 4, -1};
 static const int t_split[] = {PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED};
 static const int t_split_bad[] = {2, -1};
 static const int t_observe_bad[] = {INT_MAX, INT_MIN}; /* both valid: all, none */
+static const int t_rope[] = {PQC_ROPE_NONE, PQC_ROPE_HALF, PQC_ROPE_INTERLEAVED, PQC_ROPE_NONE};
+static const int t_rope_bad[] = {3, -1};
+static const int t_subsp[] = {PQC_SUBSPACES_CONTIGUOUS, PQC_SUBSPACES_ROPE_BANDS};
+static const int t_subsp_bad[] = {2, -1};
+
+/* what the documentation says about a pq desc's RoPE layout and sub-spaces: 1 = refused */
+static int fz_rope_bad(int rope, int subsp, long long dim, int m_eff)
+{
+    if (rope < 0 || rope > 2 || subsp < 0 || subsp > 1) return 1;
+    if (rope != PQC_ROPE_NONE && dim > 0 && dim % 2) return 1;
+    if (subsp == PQC_SUBSPACES_ROPE_BANDS && (rope == PQC_ROPE_NONE || (m_eff > 0 && dim > 0 && (dim / 2) % m_eff)))
+        return 1;
+    return 0;
+}
 static const size_t t_rows[] = {16, 1, 2, 3, 5, 8, 31, 32, 33, 64, 65, 100, 128, 129, 200, 256, 300, 500, 70, 40};
 static const size_t t_rows_bad[] = {0};
 static const float t_special[] = {NAN, INFINITY, -INFINITY, 1e30f, 70000.0f, -70000.0f, 65504.0f, 65520.0f,
@@ -771,6 +785,8 @@ static void op_cache_create(fz_state *S)
     d.metric_floor = PICK_D(f, t_mfloor);
     d.observe = PICK_I(f, t_observe);
     d.split = (pqc_split)PICK_I(f, t_split);
+    d.pq.rope = (pqc_rope)PICK_I(f, t_rope);
+    d.pq.subspaces = (pqc_subspaces)PICK_I(f, t_subsp);
     bsel = rd8(f);
     if (bsel & 1) d.scheduler = S->sched;
     switch ((bsel >> 1) & 7) {
@@ -804,6 +820,7 @@ static void op_cache_create(fz_state *S)
         must_fail = 1;
     if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1 || d.pq.max_points_per_centroid < -1)
         must_fail = 1;
+    if (fz_rope_bad((int)d.pq.rope, (int)d.pq.subspaces, d.head_dim, m_eff)) must_fail = 1;
     if (d.backend == &g_be_nocopy || (d.backend == &g_be_noalloc && blocks > 0)) must_fail = 1;
     /* a block-cache slot array the allocator cannot grant (the sizes are exact in double
        up to 2^53, and anything beyond the request limit fails) */
@@ -1746,6 +1763,8 @@ static void op_pq_train(fz_state *S)
     d.max_points_per_centroid = PICK_I(f, t_mppc);
     d.seed = rd8(f);
     d.device = PICK_I(f, t_device);
+    d.rope = (pqc_rope)PICK_I(f, t_rope);
+    d.subspaces = (pqc_subspaces)PICK_I(f, t_subsp);
     if (dim == INT_MAX || dim == 65537) cols = 65537; /* too wide: rejected before any work */
     else cols = dim > 0 ? (size_t)dim : 0;
     if (cols && rows > FZ_MAX_LAYER_FLOATS / cols) rows = FZ_MAX_LAYER_FLOATS / cols;
@@ -1763,6 +1782,7 @@ static void op_pq_train(fz_state *S)
     if (m_eff < 1 || (cols && (size_t)m_eff > cols) || (cols && cols % (size_t)m_eff) || bits_eff < 1 || bits_eff > 8 ||
         it_eff > 100000 || (int)d.init < 0 || (int)d.init > 1 || d.max_points_per_centroid < -1 || d.device != 0)
         must_fail = 1;
+    if (cols > 0 && cols <= 65536 && fz_rope_bad((int)d.rope, (int)d.subspaces, (long long)cols, m_eff)) must_fail = 1;
     if (!must_fail && (flags & 2)) {
         nobj = (size_t)m_eff * (size_t)(it_eff + 1);
         obj = (double *)fz_xalloc(nobj * sizeof(double));

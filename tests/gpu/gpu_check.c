@@ -194,7 +194,8 @@ static void k_lut_build(int n_kv, dptr q, long long q_hs, dptr cent, long long c
                         int m, int K, int d_sub, dptr lut, long long l_hs, dptr lut_sum,
                         long long ls_hs)
 {
-    void *p[] = { &q, &q_hs, &cent, &c_hs, &g, &m, &K, &d_sub, &lut, &l_hs, &lut_sum, &ls_hs };
+    int half = 0; /* contiguous sub-spaces (the band layout is checked by the library's tests) */
+    void *p[] = { &q, &q_hs, &cent, &c_hs, &g, &m, &K, &d_sub, &half, &lut, &l_hs, &lut_sum, &ls_hs };
     launch(K_LUT, cdiv((long long)m * K, 256), (unsigned)n_kv, 0, p);
 }
 
@@ -312,11 +313,11 @@ static void k_norms(dptr c, int rows, int d, dptr out)
 
 static void k_assign(int n_kv, dptr x, int x_dt, long long x_ld, long long x_hs, int n,
                      dptr cent, dptr cnorm, long long c_hs, long long cn_hs, dptr metric,
-                     long long w_hs, int m, int b, int d_sub, dptr codes, long long code_hs,
+                     long long w_hs, int m, int b, int d_sub, int half, dptr codes, long long code_hs,
                      long long col_stride, int t_start, dptr codes_out, long long co_hs)
 {
     void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &cent, &cnorm, &c_hs, &cn_hs, &metric, &w_hs,
-                  &m, &b, &d_sub, &codes, &code_hs, &col_stride, &t_start, &codes_out, &co_hs };
+                  &m, &b, &d_sub, &half, &codes, &code_hs, &col_stride, &t_start, &codes_out, &co_hs };
     launch(K_ASSIGN, cdiv((long long)n * m, 8), (unsigned)n_kv, 0, p);
 }
 
@@ -1000,8 +1001,17 @@ done:
 /* Checks: codes of new keys, centroid norms, k-means                                   */
 /* ------------------------------------------------------------------------------------ */
 
-/* with_norms 2: a weighted metric, its weighted norms given */
-static void check_assign_case(int b, int dt, int with_norms)
+/* The key dim of element e of sub-space j (pqc_sub_dim of the kernels) */
+static int sub_dim(int j, int e, int d_sub, int d_h, int half)
+{
+    int h2 = d_sub / 2;
+    if (!half) return j * d_sub + e;
+    return e < h2 ? j * h2 + e : d_h / 2 + j * h2 + (e - h2);
+}
+
+/* with_norms 2: a weighted metric, its weighted norms given; half: sub-spaces of rope
+   bands over the half-split layout */
+static void check_assign_case(int b, int dt, int with_norms, int half)
 {
     char name[160], msg[256];
     uint64_t rs = g_seed ^ (uint64_t)(b * 17 + dt * 5 + with_norms);
@@ -1025,10 +1035,10 @@ static void check_assign_case(int b, int dt, int with_norms)
     long long t;
     cout_ref = (uint8_t *)xmalloc((size_t)n_kv * n * m);
 
-    snprintf(name, sizeof(name), "assign_codes b=%d x=%s norms=%s t_start=%d n=%d", b,
+    snprintf(name, sizeof(name), "assign_codes b=%d x=%s norms=%s t_start=%d n=%d%s", b,
              dt == 0 ? "fp32" : dt == 1 ? "fp16" : "bf16",
              weighted ? "weighted" : with_norms ? "given" : "computed",
-             t_start, n);
+             t_start, n, half ? " rope-bands" : "");
     for (t = 0; t < (long long)n_kv * m * K * d_sub; ++t) cent[t] = rng_gauss(&rs);
     for (t = 0; t < (long long)n_kv * d_h; ++t) wt[t] = 0.01f + 4.0f * (float)rng_gauss(&rs) * (float)rng_gauss(&rs);
     for (t = 0; t < (long long)n_kv * d_h; ++t) wt[t] = wt[t] < 0.0f ? -wt[t] + 0.01f : wt[t];
@@ -1044,8 +1054,13 @@ static void check_assign_case(int b, int dt, int with_norms)
                 long long o = ((long long)kv * n + i) * x_ld + e;
                 float v = rng_gauss(&rs);
                 /* some keys sit exactly on the duplicated centroid */
-                if (K >= 4 && i % 7 == 3 && e < d_h)
-                    v = cent[(((long long)kv * m + e / d_sub) * K + (K - 1)) * d_sub + e % d_sub];
+                if (K >= 4 && i % 7 == 3 && e < d_h) {
+                    int jj, ee; /* the sub-space element that dim e holds */
+                    for (jj = 0; jj < m; ++jj)
+                        for (ee = 0; ee < d_sub; ++ee)
+                            if (sub_dim(jj, ee, d_sub, d_h, half) == e)
+                                v = cent[(((long long)kv * m + jj) * K + (K - 1)) * d_sub + ee];
+                }
                 if (dt == 0) { ((float *)xraw)[o] = v; xf[o] = v; }
                 else if (dt == 1) { uint16_t hb = to_f16(v); ((uint16_t *)xraw)[o] = hb; xf[o] = ref_f16(hb); }
                 else { uint16_t hb = to_bf16(v); ((uint16_t *)xraw)[o] = hb; xf[o] = ref_bf16(hb); }
@@ -1060,9 +1075,15 @@ static void check_assign_case(int b, int dt, int with_norms)
     for (kv = 0; kv < n_kv; ++kv)
         for (i = 0; i < n; ++i)
             for (j = 0; j < m; ++j) {
-                int c = ref_nearest_w(xf + ((long long)kv * n + i) * x_ld + j * d_sub,
-                                      cent + ((long long)kv * m + j) * K * d_sub, K, d_sub,
-                                      weighted ? wt + (long long)kv * d_h + j * d_sub : NULL, NULL);
+                float xs[256], ws[256];
+                int c;
+                for (e = 0; e < d_sub; ++e) {
+                    int col = sub_dim(j, e, d_sub, d_h, half);
+                    xs[e] = xf[((long long)kv * n + i) * x_ld + col];
+                    ws[e] = wt[(long long)kv * d_h + col];
+                }
+                c = ref_nearest_w(xs, cent + ((long long)kv * m + j) * K * d_sub, K, d_sub,
+                                  weighted ? ws : NULL, NULL);
                 cout_ref[((long long)kv * n + i) * m + j] = (uint8_t)c;
                 pack_code(codes_ref + kv * code_hs + j * col_stride, t_start + i, b, (uint32_t)c);
             }
@@ -1076,9 +1097,9 @@ static void check_assign_case(int b, int dt, int with_norms)
             for (j = 0; j < m; ++j)
                 for (i = 0; i < K; ++i) {
                     const float *cc = cent + (((long long)kv * m + j) * K + i) * d_sub;
-                    const float *ww = wt + (long long)kv * d_h + j * d_sub;
+                    const float *ww = wt + (long long)kv * d_h;
                     float r = 0.0f;
-                    for (e = 0; e < d_sub; ++e) r = fmaf(ww[e] * cc[e], cc[e], r);
+                    for (e = 0; e < d_sub; ++e) r = fmaf(ww[sub_dim(j, e, d_sub, d_h, half)] * cc[e], cc[e], r);
                     nrm_gpu[((long long)kv * m + j) * K + i] = r;
                 }
         d_nrm = dupload(nrm_gpu, sizeof(float) * (size_t)n_kv * m * K);
@@ -1099,7 +1120,7 @@ static void check_assign_case(int b, int dt, int with_norms)
         if (!report(ok, "centroid_norms", ok ? "bit-exact" : msg)) goto done;
     }
     k_assign(n_kv, d_x, dt, x_ld, (long long)n * x_ld, n, d_cent, d_nrm,
-             (long long)m * K * d_sub, (long long)m * K, d_w, d_h, m, b, d_sub, d_codes, code_hs,
+             (long long)m * K * d_sub, (long long)m * K, d_w, d_h, m, b, d_sub, half, d_codes, code_hs,
              col_stride, t_start, d_cout, (long long)n * m);
     down(got, d_codes, ncode);
     down(cout, d_cout, (size_t)n_kv * n * m);
@@ -1603,14 +1624,16 @@ int main(int argc, char **argv)
             check_gather_case(dt, 128, 1, 0); /* no cache: every row from host memory */
         }
     }
-    check_assign_case(8, 0, 1);
-    check_assign_case(8, 2, 0);
-    check_assign_case(6, 1, 1);
-    check_assign_case(5, 0, 0);
-    check_assign_case(6, 1, 2);
-    check_assign_case(8, 0, 2);
-    check_assign_case(3, 2, 1);
-    check_assign_case(1, 0, 1);
+    check_assign_case(8, 0, 1, 0);
+    check_assign_case(8, 2, 0, 0);
+    check_assign_case(6, 1, 1, 0);
+    check_assign_case(5, 0, 0, 0);
+    check_assign_case(6, 1, 2, 0);
+    check_assign_case(8, 0, 2, 0);
+    check_assign_case(3, 2, 1, 0);
+    check_assign_case(1, 0, 1, 0);
+    check_assign_case(6, 0, 1, 1);
+    check_assign_case(6, 1, 2, 1);
     check_kmeans();
     if (g_blaslt) check_blaslt();
 
