@@ -4928,7 +4928,10 @@ static void pqc__select_head(void *ctx, size_t hi)
     size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0;
     uint32_t *out = j->out + hi * j->out_cap;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
-    if (j->search && j->gpu_idx && j->takes[hi] < j->take) {
+    if (j->search && j->takes[hi] == 0) {
+        /* the adaptive split gave this head none of the layer's top-k (a total of under 4
+           per head leaves no floor): sinks, uncoded tokens and window only */
+    } else if (j->search && j->gpu_idx && j->takes[hi] < j->take) {
         /* the head's best takes[hi] of the device's top `take`, by score (ties to the lower
            token: the candidates are ascending), ascending */
         const int32_t *g = j->gpu_idx + hi * j->take;

@@ -736,6 +736,58 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
     PASS();
 }
 
+/* A top-k of 2 per head leaves no floor (a quarter of 2 is 0): when the observed
+   attention of one head sits on four tokens and the other's is spread thin, the split
+   gives the first head the layer's whole top-k and the second none, which must select
+   sinks and window for it, not fail (found by the API fuzzer through the driver). */
+TEST adaptive_split_may_give_a_head_no_top_k(void)
+{
+    enum { N = 600, DH = 16 };
+    float *k = (float *)malloc(sizeof(float) * N * 2 * DH), obs[4 * 2 * DH], q[2 * DH];
+    pqc_cache_desc cd;
+    pqc_cache *c;
+    pqc_selection sel;
+    pqc_matrix km;
+    uint64_t st = 5;
+    size_t t, w;
+    int r, e;
+    ASSERT(k != NULL);
+    for (t = 0; t < (size_t)N * 2 * DH; t++) k[t] = 0.1f * hk__normal(&st);
+    for (t = 0; t < 4; t++) /* head 1: four tokens its queries find */
+        for (e = 0; e < DH; e++) k[((100 + 150 * t) * 2 + 1) * DH + (size_t)e] = e == 0 ? 4.0f : 0.0f;
+    memset(obs, 0, sizeof obs);
+    for (r = 0; r < 4; r++) obs[(r * 2 + 1) * DH] = 8.0f; /* head 0's queries are zero: uniform */
+    memcpy(q, obs, sizeof q);
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 1;
+    cd.n_kv_heads = 2;
+    cd.n_q_heads = 2;
+    cd.head_dim = DH;
+    cd.n_sink = 4;
+    cd.budget_tokens = 4; /* window 2, top-k 2 per head */
+    cd.pq.bits = 4;
+    cd.pq.iters = 3;
+    km = pqc_matrix_f32(k, N, 2 * DH);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, obs, 4));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    w = (size_t)pqc_cache_window(c);
+    ASSERT_EQ((size_t)2, w);
+    ASSERT_EQ((size_t)4 + w, sel.count[0]);     /* head 0: sinks and window */
+    ASSERT_EQ((size_t)4 + w + 4, sel.count[1]); /* head 1: the layer's 4, its own 4 tokens */
+    for (t = 0; t < 4; t++) {
+        size_t i, hit = 0;
+        for (i = 0; i < sel.count[1]; i++) hit += sel.idx[sel.capacity + i] == 100 + 150 * t;
+        ASSERT_EQ((size_t)1, hit);
+    }
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    free(k);
+    PASS();
+}
+
 SUITE(fidelity)
 {
     RUN_TEST(metric_codes_each_key_to_its_weighted_nearest_centroid);
@@ -749,6 +801,7 @@ SUITE(fidelity)
     RUN_TEST(drifted_queries_rebuild_the_codebook_with_their_metric);
     RUN_TEST(a_failed_decode_step_leaves_no_drift_behind);
     RUN_TEST(adaptive_split_gives_the_top_k_to_the_head_that_needs_it);
+    RUN_TEST(adaptive_split_may_give_a_head_no_top_k);
 }
 
 GREATEST_MAIN_DEFS();

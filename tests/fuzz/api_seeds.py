@@ -40,13 +40,15 @@ class P:
 
     def create(self, slot=0, strict=None, layers=0, kvh=1, group=1, dim=0, dtype=0, maxt=0, sink=1, window=1, ratio=1, budget=0,
                share=1, m=2, bits=1, iters=1, init=0, mppc=0, seed=1, device=0, gqa=0, bt=2, blocks=2, admit=0,
-               policy=0, rebuild=0, resident=0, backend=0, rt=0):
+               policy=0, rebuild=0, resident=0, metric=0, mfloor=0, observe=0, split=0, rope=0, subsp=0, backend=0,
+               rt=0):
         if strict is None:  # hostile fields need the hostile mode
             strict = 255 if 224 <= max(layers, kvh, group, dim, dtype, maxt, sink, window, ratio, budget, share, m, bits,
                                        iters, init, mppc, device, gqa, bt, blocks, admit, policy, rebuild, resident,
-                                       backend) else 0
+                                       metric, mfloor, observe, split, rope, subsp, backend) else 0
         return self.raw(0, slot, strict, layers, kvh, group, dim, dtype, maxt, sink, window, ratio, budget, share, m, bits, iters,
-                        init, mppc, seed, device, gqa, bt, blocks, admit, policy, rebuild, resident, backend, rt)
+                        init, mppc, seed, device, gqa, bt, blocks, admit, policy, rebuild, resident, metric, mfloor,
+                        observe, split, rope, subsp, backend, rt)
 
     def prefill(self, slot=0, layer=0, rows=14, mode=0, k=None, v=None):
         self.raw(1, slot, layer, mode, rows)
@@ -104,8 +106,9 @@ class P:
     def destroy(self, slot=0):
         return self.raw(16, slot)
 
-    def pq_train(self, slot=0, flags=6, dim=0, rows=9, m=2, bits=1, iters=1, init=0, mppc=0, seed=1, device=0, k=None):
-        self.raw(17, slot, flags, dim, rows, m, bits, iters, init, mppc, seed, device)
+    def pq_train(self, slot=0, flags=6, dim=0, rows=9, m=2, bits=1, iters=1, init=0, mppc=0, seed=1, device=0, rope=0,
+                 subsp=0, k=None):
+        self.raw(17, slot, flags, dim, rows, m, bits, iters, init, mppc, seed, device, rope, subsp)
         return self.mat(**(k or {}))
 
     def codes_init(self, cs=0, ps=0, how=0, cap=2):
@@ -144,6 +147,10 @@ class P:
 
     def sched_iters(self, tok=0, jobs=0):
         return self.raw(25, 3, tok, jobs)
+
+    def observe(self, slot=0, layer=0, mode=2, q=None):  # mode % 5 query rows
+        self.raw(27, slot, layer, mode)
+        return self.vec(**(q or {})) if mode % 5 else self
 
     def convert(self, h=0x3c00, bits=0x3f800000):
         return self.raw(26, h & 255, h >> 8, bits & 255, bits >> 8 & 255, bits >> 16 & 255, bits >> 24)
@@ -263,6 +270,13 @@ def seeds():
     p = P(threads=3).create(layers=1).driver_prefill(n=3, qkv_fail=1).driver_decode(qkv_fail=1)
     p.driver_decode(qkv_fail=1).driver_decode(qkv_fail=1).info(what=1)
     s["driver_row_pointers"] = p
+    # observed queries, then sub-spaces of rope bands over the half-split layout (d_h 8,
+    # m 2: each sub-space two pairs), the metric tied within pairs
+    p = P().create(layers=1, m=2, rope=1, subsp=1).observe(layer=0).observe(layer=1).prefill(rows=14)
+    p.prefill(layer=1, rows=14).sel_init().select().fetch().append().select(layer=1).fetch(layer=1).sync()
+    s["rope_bands"] = p
+    # the PQ core with interleaved rope bands
+    s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     return s
 
 
