@@ -65,8 +65,10 @@
 
 #include "bench_util.h"
 
-enum { N_SETTINGS = 11, N_LEVELS = 3, N_SETS = 12, N_SINK = 32, MAXREPS = 31, N_OBS = 16 };
-enum { T_PLAIN, T_METRIC, T_UNREL, T_DRIFT, N_TECH };
+enum { N_SETTINGS = 13, N_LEVELS = 3, N_SETS = 12, N_SINK = 32, MAXREPS = 31, N_OBS = 16 };
+/* bands: sub-spaces of rope bands (pqc_pq_desc.subspaces), Euclidean; q-bands: the same
+   with the metric, the RoPE layout stated (the cache then ties the weights within pairs) */
+enum { T_PLAIN, T_METRIC, T_UNREL, T_DRIFT, T_BANDS, T_QBANDS, N_TECH };
 
 typedef struct setting {
     const char *name;
@@ -76,7 +78,7 @@ typedef struct setting {
 /* ordered by bytes per token */
 static const setting settings[N_SETTINGS] = {
     {"m2b6 plain", 2, 6, T_PLAIN},   {"m2b6 q-metric", 2, 6, T_METRIC}, {"m2b6 q-unrel", 2, 6, T_UNREL},
-    {"m2b6 q-drift", 2, 6, T_DRIFT},
+    {"m2b6 q-drift", 2, 6, T_DRIFT}, {"m2b6 bands", 2, 6, T_BANDS}, {"m2b6 q-bands", 2, 6, T_QBANDS},
     {"m2b8 plain", 2, 8, T_PLAIN},   {"m2b8 q-metric", 2, 8, T_METRIC}, {"m4b8 plain", 4, 8, T_PLAIN},
     {"m4b8 q-metric", 4, 8, T_METRIC}, {"m16b4 plain", 16, 4, T_PLAIN}, {"m16b4 q-metric", 16, 4, T_METRIC},
     {"m8b8 plain", 8, 8, T_PLAIN},
@@ -310,7 +312,12 @@ int main(int argc, char **argv)
             pd.bits = st->bits;
             pd.iters = 10;
             pd.seed = 1;
-            pd.metric = st->tech == T_METRIC ? w_obs : st->tech == T_UNREL ? w_unrel : st->tech == T_DRIFT ? w_dec : NULL;
+            pd.metric = st->tech == T_METRIC || st->tech == T_QBANDS ? w_obs : st->tech == T_UNREL ? w_unrel
+                      : st->tech == T_DRIFT ? w_dec : NULL;
+            if (st->tech >= T_BANDS) {
+                pd.rope = ds->layout == HK_HALF ? PQC_ROPE_HALF : PQC_ROPE_INTERLEAVED;
+                pd.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+            }
             for (r = 0; r < reps; r++) {
                 double t0 = now();
                 if (pqc_pq_train(rt, &pd, &keys, &pq)) die("train");
@@ -354,9 +361,14 @@ int main(int argc, char **argv)
             cd.pq.bits = st->bits;
             cd.pq.iters = 10;
             cd.pq.seed = 1;
-            cd.metric = st->tech == T_PLAIN ? PQC_METRIC_L2 : PQC_METRIC_QUERY;
+            cd.metric = st->tech == T_PLAIN || st->tech == T_BANDS ? PQC_METRIC_L2 : PQC_METRIC_QUERY;
+            if (st->tech >= T_BANDS) {
+                cd.pq.rope = ds->layout == HK_HALF ? PQC_ROPE_HALF : PQC_ROPE_INTERLEAVED;
+                cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+            }
             if (pqc_cache_create(rt, &cd, &c)) die("cache create");
-            if (pqc_cache_observe(c, 0, st->tech >= T_UNREL ? hu.obs : hk.obs, N_OBS)) die("observe");
+            if (pqc_cache_observe(c, 0, st->tech == T_UNREL || st->tech == T_DRIFT ? hu.obs : hk.obs, N_OBS))
+                die("observe");
             if (pqc_cache_prefill(c, 0, &keys, &keys)) die("prefill");
             if (pqc_cache_sync(c)) die("build");
             if (pqc_selection_init(c, &sel) || pqc_cache_select(c, 0, hk.queries, &sel)) die("select");
@@ -555,8 +567,9 @@ int main(int argc, char **argv)
     if (!f) fprintf(stderr, "bench_fidelity: cannot write %s; the summary is printed only\n", out_path);
     if (f) {
         fprintf(f, "# bench_fidelity, s = %zu, k = %zu: means over the 4 data sets of each level\n", s, k);
-        fprintf(f, "# blocks (gnuplot index i = path*12 + level*4 + technique): path 0 search, 1 cache;\n");
-        fprintf(f, "# level 0 easy, 1 medium, 2 hard; technique 0 plain, 1 q-metric, 2 q-unrel, 3 q-drift\n");
+        fprintf(f, "# blocks (gnuplot index i = path*18 + level*6 + technique): path 0 search, 1 cache;\n");
+        fprintf(f, "# level 0 easy, 1 medium, 2 hard; technique 0 plain, 1 q-metric, 2 q-unrel, 3 q-drift,\n"
+                   "# 4 bands, 5 q-bands\n");
         fprintf(f, "# columns: bytes_per_token mass_sel mass_ref mass_recall(sel/ref) recall rare_kept rare_ref setting\n");
     }
     printf("\nSummary: means over the 4 data sets of each level (mass recall = mass sel / mass ref;\n"

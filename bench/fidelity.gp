@@ -4,7 +4,9 @@
 # (pqc_cache_select) against the cache-shaped oracle. Colour: difficulty level; solid
 # lines and filled circles: plain PQ; dashed lines and filled squares: the score-aware
 # metric (q-metric, the default); open triangles: the metric from unrelated observation
-# queries (q-unrel); crosses: the same after the drift rebuild (q-drift). The settings are
+# queries (q-unrel); crosses: the same after the drift rebuild (q-drift); open squares:
+# sub-spaces of rope bands, Euclidean (bands); diamonds: rope bands with the metric, the
+# RoPE layout stated (q-bands). The settings are
 # labelled on the hard level.
 #
 # usage, from the repository root:
@@ -40,14 +42,18 @@ do for [p=0:1] {
     ref = p == 0 ? 'exact top-k' : 'cache-shaped oracle'
     set title sprintf('%s path: mass of the selection / mass of %s', word(paths, p + 1), ref)
     set ylabel sprintf('mass recall vs %s', ref)
-    plot for [l=0:2] dat index (p*12 + l*4) using 1:4 with linespoints dt 1 pt 7 ps 1.2 \
+    plot for [l=0:2] dat index (p*18 + l*6) using 1:4 with linespoints dt 1 pt 7 ps 1.2 \
              lc rgb word(colors, l + 1) title word(levels, l + 1).' plain', \
-         for [l=0:2] dat index (p*12 + l*4 + 1) using 1:4 with linespoints dt 2 pt 5 ps 1.2 \
+         for [l=0:2] dat index (p*18 + l*6 + 1) using 1:4 with linespoints dt 2 pt 5 ps 1.2 \
              lc rgb word(colors, l + 1) title word(levels, l + 1).' q-metric', \
-         for [l=0:2] dat index (p*12 + l*4 + 2) using 1:4 with points pt 8 ps 1.5 \
+         for [l=0:2] dat index (p*18 + l*6 + 2) using 1:4 with points pt 8 ps 1.5 \
              lc rgb word(colors, l + 1) title word(levels, l + 1).' q-unrel', \
-         for [l=0:2] dat index (p*12 + l*4 + 3) using 1:4 with points pt 2 ps 1.5 \
+         for [l=0:2] dat index (p*18 + l*6 + 3) using 1:4 with points pt 2 ps 1.5 \
              lc rgb word(colors, l + 1) title word(levels, l + 1).' q-drift', \
-         dat index (p*12 + 8) using 1:4:(word(stringcolumn(8), 1)) with labels offset 0,-1.1 font ',8' notitle
+         for [l=0:2] dat index (p*18 + l*6 + 4) using 1:4 with points pt 4 ps 1.5 \
+             lc rgb word(colors, l + 1) title word(levels, l + 1).' bands', \
+         for [l=0:2] dat index (p*18 + l*6 + 5) using 1:4 with points pt 13 ps 1.5 \
+             lc rgb word(colors, l + 1) title word(levels, l + 1).' q-bands', \
+         dat index (p*18 + 12) using 1:4:(word(stringcolumn(8), 1)) with labels offset 0,-1.1 font ',8' notitle
 }
 unset multiplot

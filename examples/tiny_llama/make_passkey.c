@@ -7,6 +7,7 @@
  *   make_passkey --roles                                   token ids of the roles
  *   make_passkey --prompt LEN DEPTH SEED                   a haystack prompt
  *   make_passkey --ref OUT.bin LEN DEPTH SEED              reference logits
+ *   --hard with any of these: the harder variant (see THE HARDER VARIANT)
  *
  * Plain C99 (also compiles as C++), libc and libm only.
  *
@@ -172,6 +173,37 @@
  *   decode, layer 0's output only changes RMSNorm scales and the keys of the
  *   decode positions themselves, not which position is retrieved.
  *
+ * THE HARDER VARIANT (--hard)
+ *
+ * Above, every layer-1 key of a filler is zero, so any quantizer tells the
+ * needle apart and the model cannot show what a selector loses. `--hard`
+ * (vocabulary 256) gives layer 1 keys shaped like a real model's, on which
+ * plain PQ (Euclidean k-means, m = 2, b = 6) loses the needle while full
+ * attention still retrieves it at every depth:
+ * - 221 fillers (ids 3..31 and 64..255). Filler i has topic g = i mod 8 and a
+ *   random unit noise vector: embedding ONE + (topic axis + noise) / sqrt 2 in
+ *   residual dims 100..107 and 108..127; norm sqrt 2 as before, so layer 0
+ *   and every layer-0 fact above are unchanged. <unk>, <s>, </s> keep their
+ *   energy dims 97..99.
+ * - Layer-1 key of a filler: along u_g = (codes 4g..4g+3) / 2 in the match
+ *   dims with a needle key's norm (22.86 after a filler), plus noise of twice
+ *   that norm in head dims 64..95 (RoPE pairs 32..47; an orthonormal image of
+ *   the 20 noise dims) that no query reads. Every content token carries a
+ *   fixed noise vector of the same norm in the same dims, so the needle's key
+ *   has its neighbours' norm (51.1 against <= 56) and sits in their cloud.
+ * - Layer-1 query of a filler: along u_g (what the prompt's end looks like to
+ *   a selector that observes queries; filler outputs are never read).
+ * - The K query scores the needle 46-57 and the fillers of K's topic half of
+ *   that (cos 0.5); `--verify` measures a match gap of at least 22.8 logits
+ *   and at most 1.9e-6 of the mass off the needle up to 131072 tokens.
+ * Why plain PQ fails: in the second sub-space (head dims 64..127) the noise
+ * carries four times the variance of the match dims, so Euclidean k-means
+ * spends its 64 centroids on the noise; the needle's code lands on a centroid
+ * whose match part is an average over fillers, and it scores like them. A
+ * codebook weighted by the observed queries (pqcache's default metric) gives
+ * the noise dims almost no weight and keeps the needle (examples/tiny_llama/
+ * needle.c, `make needle`).
+ *
  * WHAT THE ENGINE MUST DO
  *
  * - Read rope_theta from header offset 40 (1e9 here); with 10000 both heads
@@ -245,6 +277,17 @@
 
 #define MATCH_HEAD_DIM0 (PK_HEAD_SIZE - N_CODE) /* pairs 48..63 of the head  */
 
+/* the harder variant (--hard) */
+#define PK_HARD_VOCAB 256   /* fillers 3..31 and 64..255 (221)              */
+#define HARD_TOPICS 8       /* filler topics; topic g owns codes 4g..4g+3   */
+#define HARD_TOPIC_DIM0 (R_ENERGY + 3)  /* residual 100..107: topic axis    */
+#define HARD_NOISE_DIM0 (HARD_TOPIC_DIM0 + HARD_TOPICS) /* 108..127: noise  */
+#define HARD_NOISE_DIMS 20
+#define HARD_NOISE_HEAD0 64 /* layer-1 head dims 64..95 carry the noise     */
+#define HARD_NOISE_HEAD_DIMS 32
+#define HARD_KAPPA 1.0      /* filler match-key norm / needle match-key norm */
+#define HARD_NU 2.0         /* noise norm / needle match-key norm            */
+
 /* ------------------------------------------------------------------------ */
 /* Model in memory (llama2.c layout: matrices row-major [out][in])           */
 
@@ -314,6 +357,115 @@ static double rope_freq(double theta, int i, int head_size)
     return pow(theta, -2.0 * i / head_size);
 }
 
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int rng_below(uint64_t *s, int n) { return (int)(rng_next(s) % (uint64_t)n); }
+
+/* Vocabulary of the model in use: PK_VOCAB, or PK_HARD_VOCAB for the harder
+   variant (--hard). Prompts draw their fillers from it. */
+static int pk_vocab = PK_VOCAB;
+
+static int n_fillers(void) { return N_FILLER + (pk_vocab - PK_VOCAB); }
+
+/* Filler i (0 .. n_fillers()-1): ids 3..31, then 64.. in the harder variant. */
+static int filler_token(int i) { return i < N_FILLER ? FILLER_FIRST + i : PK_VOCAB + (i - N_FILLER); }
+
+/* Selects the variant from a checkpoint's vocabulary; -1 when it is neither. */
+static int pk_use_vocab(int vocab)
+{
+    if (vocab != PK_VOCAB && vocab != PK_HARD_VOCAB)
+        return -1;
+    pk_vocab = vocab;
+    return 0;
+}
+
+/* A standard normal deviate (Box-Muller) from the generator. */
+static double rng_gauss(uint64_t *s)
+{
+    double u = ((double)(rng_next(s) >> 11) + 0.5) / 9007199254740992.0;
+    double v = (double)(rng_next(s) >> 11) / 9007199254740992.0;
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+/* A random unit vector of n dims. */
+static void rng_unit(uint64_t *s, double *x, int n)
+{
+    double nn = 0.0;
+    int i;
+    for (i = 0; i < n; i++) {
+        x[i] = rng_gauss(s);
+        nn += x[i] * x[i];
+    }
+    for (i = 0; i < n; i++) x[i] /= sqrt(nn);
+}
+
+/* The harder variant: fillers with topics and noise, layer-1 keys no longer
+   zero (see THE HARDER VARIANT above). Runs after the plain construction. */
+static void model_build_hard(Model *m)
+{
+    const int D = PK_DIM;
+    const double rho0 = 1.0 / sqrt(2.0 / D + PK_EPS), rho1 = 1.0 / sqrt(3.0 / D + PK_EPS);
+    const double cn = MATCH_GAIN * rho1; /* norm of a needle's match key */
+    double basis[HARD_NOISE_HEAD_DIMS][HARD_NOISE_DIMS], u[HARD_NOISE_DIMS];
+    float *wq = m->wq + (size_t)D * D, *wk = m->wk + (size_t)D * D;
+    uint64_t s = 0x5eed0fa11e75ull;
+    int t, i, j, g, c;
+
+    /* an orthonormal map of the 20 noise energy dims into head dims 64..95 */
+    for (j = 0; j < HARD_NOISE_DIMS; j++) {
+        int jj;
+        double nn = 0.0;
+        for (i = 0; i < HARD_NOISE_HEAD_DIMS; i++) basis[i][j] = rng_gauss(&s);
+        for (jj = 0; jj < j; jj++) { /* Gram-Schmidt */
+            double dot = 0.0;
+            for (i = 0; i < HARD_NOISE_HEAD_DIMS; i++) dot += basis[i][j] * basis[i][jj];
+            for (i = 0; i < HARD_NOISE_HEAD_DIMS; i++) basis[i][j] -= dot * basis[i][jj];
+        }
+        for (i = 0; i < HARD_NOISE_HEAD_DIMS; i++) nn += basis[i][j] * basis[i][j];
+        for (i = 0; i < HARD_NOISE_HEAD_DIMS; i++) basis[i][j] /= sqrt(nn);
+    }
+
+    /* filler embeddings: ONE + (topic axis + unit noise) / sqrt 2, norm sqrt 2 */
+    for (t = 0; t < n_fillers(); t++) {
+        float *e = m->emb + (size_t)filler_token(t) * D;
+        memset(e, 0, (size_t)D * sizeof(float));
+        e[R_ONE] = 1.0f;
+        e[HARD_TOPIC_DIM0 + t % HARD_TOPICS] = (float)(1.0 / sqrt(2.0));
+        rng_unit(&s, u, HARD_NOISE_DIMS);
+        for (j = 0; j < HARD_NOISE_DIMS; j++) e[HARD_NOISE_DIM0 + j] = (float)(u[j] / sqrt(2.0));
+    }
+
+    /* layer 1: topic g -> key and query along u_g = (sum of codes 4g..4g+3) / 2
+       in the match dims, key norm HARD_KAPPA * cn after a filler */
+    for (g = 0; g < HARD_TOPICS; g++)
+        for (c = 4 * g; c < 4 * g + 4; c++) {
+            float w = (float)(HARD_KAPPA * cn * 0.5 * sqrt(2.0) / rho0);
+            wk[(size_t)(MATCH_HEAD_DIM0 + c) * D + HARD_TOPIC_DIM0 + g] = w;
+            wq[(size_t)(MATCH_HEAD_DIM0 + c) * D + HARD_TOPIC_DIM0 + g] = w;
+        }
+    /* noise: filler noise (norm HARD_NU * cn after a filler) and a fixed noise
+       direction per content token in the same sub-space (norm HARD_NU * cn at
+       a needle position, where 1/rms is rho1) */
+    for (i = 0; i < HARD_NOISE_HEAD_DIMS; i++)
+        for (j = 0; j < HARD_NOISE_DIMS; j++)
+            wk[(size_t)(HARD_NOISE_HEAD0 + i) * D + HARD_NOISE_DIM0 + j] =
+                (float)(HARD_NU * cn * sqrt(2.0) / rho0 * basis[i][j]);
+    for (c = 0; c < N_CODE; c++) {
+        rng_unit(&s, u, HARD_NOISE_DIMS);
+        for (i = 0; i < HARD_NOISE_HEAD_DIMS; i++) {
+            double b = 0.0;
+            for (j = 0; j < HARD_NOISE_DIMS; j++) b += basis[i][j] * u[j];
+            wk[(size_t)(HARD_NOISE_HEAD0 + i) * D + R_CUR + c] = (float)(HARD_NU * cn / rho1 * b);
+        }
+    }
+}
+
 static void model_build(Model *m, int seq_len)
 {
     const int D = PK_DIM;
@@ -328,7 +480,7 @@ static void model_build(Model *m, int seq_len)
     m->n_layers = PK_LAYERS;
     m->n_heads = PK_HEADS;
     m->n_kv_heads = PK_HEADS;
-    m->vocab = PK_VOCAB;
+    m->vocab = pk_vocab;
     m->seq_len = seq_len;
     m->shared = 0;
     m->theta = (float)PK_THETA;
@@ -377,6 +529,8 @@ static void model_build(Model *m, int seq_len)
     for (k = 0; k < N_CODE; k++)
         m->wcls[(size_t)(CODE_FIRST + k) * D + R_OUT + k] = (float)CLS_GAIN;
     m->wcls[(size_t)TOK_UNK * D + R_ONE] = (float)ABSTAIN_GAIN;
+    if (pk_vocab != PK_VOCAB)
+        model_build_hard(m);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -636,16 +790,6 @@ static int model_read(Model *m, const char *path)
 /* ------------------------------------------------------------------------ */
 /* Prompts                                                                   */
 
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static int rng_below(uint64_t *s, int n) { return (int)(rng_next(s) % (uint64_t)n); }
-
 /* Prompt of len tokens: <s>, fillers, and the needle K v1..vn starting at
  * 1 + round(depth/100 * (len - n - 2)). Returns the needle position. */
 static int make_prompt(int len, double depth_pct, uint64_t seed, int n, int *toks,
@@ -666,7 +810,7 @@ static int make_prompt(int len, double depth_pct, uint64_t seed, int n, int *tok
         answer[i] = vals[i];
     }
     toks[0] = TOK_BOS;
-    for (i = 1; i < len; i++) toks[i] = FILLER_FIRST + rng_below(&s, N_FILLER);
+    for (i = 1; i < len; i++) toks[i] = filler_token(rng_below(&s, n_fillers()));
     toks[pos] = *query;
     for (i = 0; i < n; i++) toks[pos + 1 + i] = answer[i];
     return pos;
@@ -1050,10 +1194,12 @@ static int layer0_table(Ref *r, Layer0 *t)
             memcpy(k0, r->k, (size_t)r->kvd * sizeof(double));
             continue;
         }
+        /* 1e-6: the harder variant's filler embeddings have norm sqrt 2 up to float
+           rounding (a few 1e-8 relative), which moves layer-0 scores by < 1e-5 */
         for (i = 0; i < r->D; i++)
-            if (fabs(r->q[i] - q0[i]) > 1e-12 * (1.0 + fabs(q0[i]))) goto dependent;
+            if (fabs(r->q[i] - q0[i]) > 1e-6 * (1.0 + fabs(q0[i]))) goto dependent;
         for (i = 0; i < r->kvd; i++)
-            if (fabs(r->k[i] - k0[i]) > 1e-12 * (1.0 + fabs(k0[i]))) goto dependent;
+            if (fabs(r->k[i] - k0[i]) > 1e-6 * (1.0 + fabs(k0[i]))) goto dependent;
     }
     for (h = 0; h < H; h++) {
         const double *qh = q0 + (size_t)h * hs, *kh = k0 + (size_t)(h / mul) * hs;
@@ -1299,6 +1445,12 @@ static int verify(const char *path, int n, int quick)
     int ctx, nd = quick ? 5 : 11, di, fails = 0, where = 0;
     double gap, off_peak, far_gap;
     if (model_read(&m, path)) return 1;
+    if (pk_use_vocab(m.vocab)) {
+        fprintf(stderr, "%s: vocabulary %d is neither variant's (%d, %d)\n", path, m.vocab,
+                PK_VOCAB, PK_HARD_VOCAB);
+        model_free(&m);
+        return 1;
+    }
     if (m.n_layers != 2) {
         fprintf(stderr, "verify: expects a two-layer model\n");
         model_free(&m);
@@ -1405,6 +1557,12 @@ static int reference(const char *path, int len, double depth, uint64_t seed, int
     int query, answer[N_VALUE], needle, s, i, j, ok;
     int *toks;
     if (model_read(&m, path)) return 1;
+    if (pk_use_vocab(m.vocab)) {
+        fprintf(stderr, "%s: vocabulary %d is neither variant's (%d, %d)\n", path, m.vocab,
+                PK_VOCAB, PK_HARD_VOCAB);
+        model_free(&m);
+        return 1;
+    }
     if (m.n_layers != 2 || len < n + 2 || len + n > m.seq_len) {
         fprintf(stderr, "--ref: needs a two-layer model and passkey_len + 2 <= LEN <= "
                         "max_seq_len - passkey_len\n");
@@ -1456,12 +1614,12 @@ static int reference(const char *path, int len, double depth, uint64_t seed, int
 static void print_roles(int n)
 {
     int i;
-    printf("vocab %d\n", PK_VOCAB);
+    printf("vocab %d\n", pk_vocab);
     printf("unk %d\n", TOK_UNK);
     printf("bos %d\n", TOK_BOS);
     printf("eos %d\n", TOK_EOS);
-    printf("fillers %d", N_FILLER);
-    for (i = 0; i < N_FILLER; i++) printf(" %d", FILLER_FIRST + i);
+    printf("fillers %d", n_fillers());
+    for (i = 0; i < n_fillers(); i++) printf(" %d", filler_token(i));
     printf("\nkeys %d", N_KEY);
     for (i = 0; i < N_KEY; i++) printf(" %d", KEY_FIRST + i);
     printf("\nvalues %d", N_VALUE);
@@ -1491,7 +1649,7 @@ static int print_prompt(int len, double depth, uint64_t seed, int n)
 static void usage(void)
 {
     fprintf(stderr,
-            "usage: make_passkey OUT.bin [--seq-len N] [--passkey-len n]\n"
+            "usage: make_passkey OUT.bin [--seq-len N] [--passkey-len n] [--hard]\n"
             "       make_passkey --verify OUT.bin [--seq-len N] [--passkey-len n] [--quick]\n"
             "       make_passkey --roles [--passkey-len n]\n"
             "       make_passkey --prompt LEN DEPTH SEED [--passkey-len n]\n"
@@ -1505,8 +1663,10 @@ static void usage(void)
             "  --ref          reference logits (double precision, full attention) of the\n"
             "                 decode steps after that prompt, for checking an engine\n"
             "  --seq-len N    max_seq_len of the checkpoint (default %d)\n"
-            "  --passkey-len n  number of value tokens, 1..%d (default %d)\n",
-            PK_SEQ_LEN, N_VALUE, PK_PASSKEY_LEN);
+            "  --passkey-len n  number of value tokens, 1..%d (default %d)\n"
+            "  --hard         the harder variant (vocabulary %d; with --roles, --prompt:\n"
+            "                 its fillers)\n",
+            PK_SEQ_LEN, N_VALUE, PK_PASSKEY_LEN, PK_HARD_VOCAB);
 }
 
 int main(int argc, char **argv)
@@ -1527,6 +1687,8 @@ int main(int argc, char **argv)
             do_verify = 1;
         } else if (!strcmp(a, "--quick")) {
             quick = 1;
+        } else if (!strcmp(a, "--hard")) {
+            pk_vocab = PK_HARD_VOCAB;
         } else if (!strcmp(a, "--roles")) {
             roles = 1;
         } else if ((!strcmp(a, "--prompt") && i + 3 < argc) ||

@@ -41,10 +41,16 @@
 #include <string.h>
 
 #define NEEDLE_MAX_LIST 16
-#define NEEDLE_N_MODES 4
+#define NEEDLE_N_MODES 5
+#define NEEDLE_PLAIN 1 /* index of pq-plain in needle_modes */
 
+/* pq-plain is the pqcache mode with plain PQ: Euclidean codebooks and the
+   fixed budget split (PQC_METRIC_L2, PQC_SPLIT_FIXED), on its own library state */
 static const tl_attn_mode needle_modes[NEEDLE_N_MODES] = {
-    TL_ATTN_FULL, TL_ATTN_PQCACHE, TL_ATTN_ORACLE, TL_ATTN_WINDOW
+    TL_ATTN_FULL, TL_ATTN_PQCACHE, TL_ATTN_PQCACHE, TL_ATTN_ORACLE, TL_ATTN_WINDOW
+};
+static const char *const needle_names[NEEDLE_N_MODES] = {
+    "full", "pq-plain", "pqcache", "oracle", "window"
 };
 
 typedef struct {
@@ -59,6 +65,7 @@ typedef struct {
     tlpq_config pq;
     const char *out;              /* data file prefix */
     const char *png;
+    int long_ctx;                 /* --long: the last two lengths, capped to the model */
     int compare_len, steps;       /* --compare */
     double compare_depth;
 } needle_options;
@@ -68,9 +75,12 @@ static void needle_usage(void)
     fprintf(stderr,
         "usage: needle <passkey.bin> [options]\n"
         "  --lengths L,..   context lengths (default 4096,8192,16384,32768)\n"
-        "  --long           add 65536 and 131072 to the lengths\n"
+        "  --long           add 65536 and 131072 to the lengths (capped to the model's\n"
+        "                   positions less the passkey)\n"
         "  --depths D,..    needle depths in percent (default 0,25,50,75,100)\n"
-        "  --modes M,..     among full,pqcache,oracle,window (default all four)\n"
+        "  --modes M,..     among full,pq-plain,pqcache,oracle,window (default all five;\n"
+        "                   pq-plain: pqcache with plain PQ, Euclidean codebooks and the\n"
+        "                   fixed budget split)\n"
         "  --seeds N        prompts per cell (default 1); --seed S the first (default 1)\n"
         "  --passkey-len n  passkey tokens (default 4)\n"
         "  -b <float>       budget ratio of the selection modes (default 0.1)\n"
@@ -173,10 +183,10 @@ static int parse_needle_options(int argc, char **argv, needle_options *o)
                 o->use[j] = 0;
             for (tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
                 for (j = 0; j < NEEDLE_N_MODES; j++)
-                    if (strcmp(tok, tl_mode_name(needle_modes[j])) == 0)
+                    if (strcmp(tok, needle_names[j]) == 0)
                         o->use[j] = 1;
                 for (j = 0; j < NEEDLE_N_MODES; j++)
-                    if (strcmp(tok, tl_mode_name(needle_modes[j])) == 0)
+                    if (strcmp(tok, needle_names[j]) == 0)
                         break;
                 if (j == NEEDLE_N_MODES)
                     bad = 1;
@@ -221,6 +231,7 @@ static int parse_needle_options(int argc, char **argv, needle_options *o)
     if (long_ctx) {
         o->lengths[o->n_lengths++] = 65536;
         o->lengths[o->n_lengths++] = 131072;
+        o->long_ctx = 1;
     }
     o->pq.n_sink = o->n_sink;
     o->pq.ratio = o->ratio;
@@ -336,9 +347,13 @@ static int needle_decode(const tl_model *m, tl_attn_mode mode, const needle_opti
 }
 
 /* The shared prefill: through the library (the pqcache mode's state), then a
-   copy of the keys and values into the engine states of the other modes. */
+   copy of the keys and values into the engine states of the other modes. The
+   PQ builds are waited for, so that decode times do not include them.
+   plain (may be NULL): pq-plain's library state, given the same keys and values
+   (tlpq_prefill_from: no second forward pass; plain PQ needs no observations). */
 static int needle_prefill(const tl_model *m, const needle_options *o, const needle_prompt *pr,
-                          int positions, tlpq *lib, tl_state *s, tl_state *ref, double *secs)
+                          int positions, tlpq *lib, tlpq *plain, tl_state *s, tl_state *ref,
+                          double *secs)
 {
     char err[TL_ERR_LEN];
     double t0 = tl_time_s();
@@ -350,7 +365,24 @@ static int needle_prefill(const tl_model *m, const needle_options *o, const need
         fprintf(stderr, "error: prefill: %s\n", lib->err);
         return -1;
     }
+    if (pqc_cache_sync(lib->cache) != PQC_SUCCESS) { /* decode times without the builds */
+        fprintf(stderr, "error: PQ build: %s\n", pqc_last_error());
+        return -1;
+    }
     *secs = tl_time_s() - t0;
+    if (plain) {
+        tlpq_config pc = o->pq;
+        pc.metric = PQC_METRIC_L2;
+        pc.split = PQC_SPLIT_FIXED;
+        if (tlpq_create(plain, m, positions, &pc, err, sizeof err)) {
+            fprintf(stderr, "error: %s\n", err);
+            return -1;
+        }
+        if (tlpq_prefill_from(plain, lib, pr->len) || pqc_cache_sync(plain->cache) != PQC_SUCCESS) {
+            fprintf(stderr, "error: prefill (pq-plain): %s\n", plain->err[0] ? plain->err : pqc_last_error());
+            return -1;
+        }
+    }
     if ((s && tlpq_copy_kv(lib, s, pr->len)) || (ref && tlpq_copy_kv(lib, ref, pr->len))) {
         fprintf(stderr, "error: %s\n", lib->err);
         return -1;
@@ -366,7 +398,7 @@ static int needle_compare(const tl_model *m, const needle_options *o)
     const tl_config *c = &m->config;
     needle_prompt pr;
     tl_state s, ref;
-    tlpq lib;
+    tlpq lib, plain;
     char err[TL_ERR_LEN], desc[200];
     double prefill_s = 0.0, full_tps = 0.0, pq_tps = 0.0;
     int j, i, positions, steps = o->steps, rc = 1, all_ok = 1;
@@ -381,6 +413,7 @@ static int needle_compare(const tl_model *m, const needle_options *o)
     if (needle_make_prompt(&pr, o->compare_len, o->compare_depth, o->first_seed, o->passkey_len))
         return 1;
     memset(&lib, 0, sizeof lib);
+    memset(&plain, 0, sizeof plain);
     if (tl_build_state(&s, c, positions, o->threads, err, sizeof err) ||
         tl_build_state(&ref, c, positions, o->threads, err, sizeof err)) {
         fprintf(stderr, "error: %s\n", err);
@@ -392,7 +425,8 @@ static int needle_compare(const tl_model *m, const needle_options *o)
         printf(" %d", pr.answer[i]);
     printf("\nselection modes attend over %d sinks + a budget of %g of the rest; each mode feeds "
            "the key %d and decodes %d tokens greedily\n", o->n_sink, (double)o->ratio, pr.query, steps);
-    if (needle_prefill(m, o, &pr, positions, &lib, &s, &ref, &prefill_s))
+    if (needle_prefill(m, o, &pr, positions, &lib, o->use[NEEDLE_PLAIN] ? &plain : NULL, &s, &ref,
+                       &prefill_s))
         goto done;
     tlpq_describe(&lib, desc, sizeof desc);
     printf("prefill: %d tokens in %.2f s, %.0f tok/s (full attention, layer-major through "
@@ -408,9 +442,9 @@ static int needle_compare(const tl_model *m, const needle_options *o)
         char sel[16] = "-", fet[16] = "-", hit[16] = "-", h2d[16] = "-", mem[32] = "-";
         if (!o->use[j])
             continue;
-        if (needle_decode(m, mode, o, &lib, &s, &ref, &pr, steps, &r))
+        if (needle_decode(m, mode, o, j == NEEDLE_PLAIN ? &plain : &lib, &s, &ref, &pr, steps, &r))
             goto done;
-        all_ok &= r.ok || mode == TL_ATTN_WINDOW;
+        all_ok &= r.ok || mode == TL_ATTN_WINDOW || j == NEEDLE_PLAIN; /* expected to miss */
         if (mode == TL_ATTN_PQCACHE) {
             unsigned long long looked = r.st.hits + r.st.misses;
             snprintf(sel, sizeof sel, "%.1f", 1e6 * r.st.select_s / r.steps);
@@ -420,12 +454,12 @@ static int needle_compare(const tl_model *m, const needle_options *o)
             snprintf(mem, sizeof mem, "%.2f / %.2f", (double)r.st.device_bytes / 1048576.0,
                      (double)r.st.full_bytes / 1048576.0);
         }
-        printf("%-8s %-9s %9.1f %8d %9s %9s %7s %11s %17s %9.2f%% %9.6f\n", tl_mode_name(mode),
+        printf("%-8s %-9s %9.1f %8d %9s %9s %7s %11s %17s %9.2f%% %9.6f\n", needle_names[j],
                r.ok ? "retrieved" : "MISSED", r.decode_s > 0 ? r.steps / r.decode_s : 0.0,
                r.attended, sel, fet, hit, h2d, mem, 100.0 * r.agree / r.steps, r.kl_sum / r.steps);
         if (mode == TL_ATTN_FULL)
             full_tps = r.decode_s > 0 ? r.steps / r.decode_s : 0.0;
-        if (mode == TL_ATTN_PQCACHE) {
+        if (j != NEEDLE_PLAIN && mode == TL_ATTN_PQCACHE) {
             pq_tps = r.decode_s > 0 ? r.steps / r.decode_s : 0.0;
             printf("         select + fetch over all %d layers; h2d = missed rows + admitted blocks "
                    "+ codes (%.1f KB/tok)\n", c->n_layers, (double)r.st.bytes_codes / r.steps / 1024.0);
@@ -452,6 +486,7 @@ static int needle_compare(const tl_model *m, const needle_options *o)
     rc = all_ok ? 0 : 2;
 done:
     tlpq_destroy(&lib);
+    tlpq_destroy(&plain);
     tl_free_state(&s);
     tl_free_state(&ref);
     free(pr.tokens);
@@ -477,7 +512,7 @@ static int write_plot(const needle_options *o, const double *acc, int n_modes_us
                "# one block per mode: depth_index length_index depth_percent length accuracy\n");
     for (p = 0; p < n_modes_used; p++) {
         int j = mode_of_panel[p];
-        fprintf(f, "# mode %s\n", tl_mode_name(needle_modes[j]));
+        fprintf(f, "# mode %s\n", needle_names[j]);
         for (li = 0; li < o->n_lengths; li++) {
             for (di = 0; di < o->n_depths; di++)
                 fprintf(f, "%d %d %g %d %.4f\n", di, li, o->depths[di], o->lengths[li],
@@ -515,7 +550,7 @@ static int write_plot(const needle_options *o, const double *acc, int n_modes_us
         fprintf(f, "%s'%dK' %d", li ? ", " : "", o->lengths[li] / 1024, li);
     fprintf(f, ")\n");
     for (p = 0; p < n_modes_used; p++) {
-        fprintf(f, "set title '%s'\n", tl_mode_name(needle_modes[mode_of_panel[p]]));
+        fprintf(f, "set title '%s'\n", needle_names[mode_of_panel[p]]);
         if (p == n_modes_used - 1)
             fprintf(f, "set colorbox\nset cblabel 'accuracy'\n");
         fprintf(f, "plot '%s.dat' index %d using 1:2:5 with image notitle, \\\n"
@@ -564,12 +599,14 @@ static int needle_grid(const tl_model *m, const needle_options *o)
         for (di = 0; di < o->n_depths; di++)
             for (t = 0; t < o->seeds; t++) {
                 needle_prompt pr;
-                tlpq lib;
+                tlpq lib, plain;
                 double ps = 0.0;
                 memset(&lib, 0, sizeof lib);
+                memset(&plain, 0, sizeof plain);
                 if (needle_make_prompt(&pr, len, o->depths[di], o->first_seed + t, o->passkey_len))
                     return 1;
-                if (needle_prefill(m, o, &pr, len + steps, &lib, need_state ? &s : NULL, NULL, &ps))
+                if (needle_prefill(m, o, &pr, len + steps, &lib, o->use[NEEDLE_PLAIN] ? &plain : NULL,
+                                   need_state ? &s : NULL, NULL, &ps))
                     return 1;
                 t_prefill += ps;
                 fprintf(stderr, "%6d tokens, depth %5.1f%%, seed %d: prefill %6.2f s;", len,
@@ -578,17 +615,19 @@ static int needle_grid(const tl_model *m, const needle_options *o)
                     needle_result r;
                     if (!o->use[j])
                         continue;
-                    if (needle_decode(m, needle_modes[j], o, &lib, &s, NULL, &pr, steps, &r))
+                    if (needle_decode(m, needle_modes[j], o, j == NEEDLE_PLAIN ? &plain : &lib, &s, NULL,
+                                      &pr, steps, &r))
                         return 1;
                     t_decode[j] += r.decode_s;
                     acc[((size_t)j * NEEDLE_MAX_LIST + (size_t)li) * NEEDLE_MAX_LIST + (size_t)di] +=
                         (double)r.ok / o->seeds;
-                    fprintf(stderr, " %s %s", tl_mode_name(needle_modes[j]), r.ok ? "ok" : "MISS");
+                    fprintf(stderr, " %s %s", needle_names[j], r.ok ? "ok" : "MISS");
                 }
                 fprintf(stderr, "\n");
                 if (li == 0 && di == 0 && t == 0)
                     tlpq_describe(&lib, desc, sizeof desc);
                 tlpq_destroy(&lib);
+                tlpq_destroy(&plain);
                 free(pr.tokens);
             }
         tl_free_state(&s);
@@ -606,7 +645,7 @@ static int needle_grid(const tl_model *m, const needle_options *o)
         j = panel[t];
         for (li = 0; li < o->n_lengths; li++) {
             double sum = 0.0;
-            printf("%-8s %7d", li == 0 ? tl_mode_name(needle_modes[j]) : "", o->lengths[li]);
+            printf("%-8s %7d", li == 0 ? needle_names[j] : "", o->lengths[li]);
             for (di = 0; di < o->n_depths; di++) {
                 double a = acc[((size_t)j * NEEDLE_MAX_LIST + (size_t)li) * NEEDLE_MAX_LIST + (size_t)di];
                 printf(" %6.2f", a);
@@ -639,11 +678,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "error: %s\n", err);
         return 1;
     }
-    if (m.config.vocab_size != PK_VOCAB) {
-        fprintf(stderr, "error: %s is not the passkey model (vocabulary %d, expected %d); "
-                "write it with make_passkey\n", o.checkpoint, m.config.vocab_size, PK_VOCAB);
+    if (pk_use_vocab(m.config.vocab_size)) {
+        fprintf(stderr, "error: %s is not a passkey model (vocabulary %d, expected %d or %d); "
+                "write it with make_passkey\n", o.checkpoint, m.config.vocab_size, PK_VOCAB,
+                PK_HARD_VOCAB);
         tl_free_model(&m);
         return 1;
+    }
+    if (o.long_ctx) { /* a model of 131072 positions holds a prompt of 131072 - n */
+        int li, room = m.config.seq_len - o.passkey_len;
+        for (li = o.n_lengths - 2; li < o.n_lengths; li++)
+            if (o.lengths[li] > room) o.lengths[li] = room;
     }
     rc = o.compare_len > 0 ? needle_compare(&m, &o) : needle_grid(&m, &o);
     tl_free_model(&m);

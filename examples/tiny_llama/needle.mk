@@ -4,14 +4,16 @@
 # are relative to the repository root. Uses the includer's CC and CFLAGS
 # (NEEDLE_CFLAGS overrides them), with -std=c99 and the warnings of flags.mk.
 #
-#   make needle          build/needle and build/passkey.bin, then the grid:
-#                        lengths 4K 8K 16K 32K x depths 0 25 50 75 100 % x
-#                        modes full, pqcache, oracle, window at budget 0.1
-#                        (about 1.5-2.5 minutes on 2 cores); prints the accuracy
-#                        table, writes build/needle.dat and build/needle.gp and
-#                        draws examples/tiny_llama/needle.png with gnuplot
-#                        (installed with apt-get when missing and running as
-#                        root; otherwise a message says how to get it)
+#   make needle          build/needle and the harder passkey model
+#                        (build/passkey_hard.bin), then the grid: lengths 4K 8K
+#                        16K 32K x depths 0 25 50 75 100 % x modes full,
+#                        pq-plain (plain PQ), pqcache (the default), oracle and
+#                        window at budget 0.1 (about 2.5 minutes on 2 cores);
+#                        prints the accuracy table, writes build/needle.dat and
+#                        build/needle.gp and draws examples/tiny_llama/needle.png
+#                        with gnuplot (installed with apt-get when missing and
+#                        running as root; otherwise a message says how to get it)
+#   make needle NEEDLE_MODEL=build/passkey.bin the original passkey model
 #   make needle NEEDLE_ARGS=--long             adds 64K and 128K (much longer)
 #   make needle NEEDLE_ARGS="--depths 0,10,20,30,40,50,60,70,80,90,100 --seeds 3"
 
@@ -22,6 +24,7 @@ include examples/tiny_llama/flags.mk
 include examples/tiny_llama/passkey.mk
 
 NEEDLE_ARGS ?=
+NEEDLE_MODEL ?= build/passkey_hard.bin
 NEEDLE_OUT ?= build/needle
 NEEDLE_PNG ?= examples/tiny_llama/needle.png
 NEEDLE_CFLAGS ?= $(if $(CFLAGS),$(CFLAGS),-O2)
@@ -51,8 +54,8 @@ if command -v gnuplot >/dev/null 2>&1; then \
 fi
 endef
 
-needle: build/needle build/passkey.bin
-	build/needle build/passkey.bin $(NEEDLE_ARGS) --out $(NEEDLE_OUT) --png $(NEEDLE_PNG)
+needle: build/needle $(NEEDLE_MODEL)
+	build/needle $(NEEDLE_MODEL) $(NEEDLE_ARGS) --out $(NEEDLE_OUT) --png $(NEEDLE_PNG)
 	@$(NEEDLE_PLOT)
 
 # Only the drawing, from an earlier run's data.

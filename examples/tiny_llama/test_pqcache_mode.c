@@ -218,8 +218,8 @@ static void test_layer_major_prefill(void)
 
 #define PK_TEST_LEN 2048
 
-static tl_model g_pk;
-static int g_pk_ok;
+static tl_model g_pk, g_pkh;  /* the passkey model and its harder variant */
+static int g_pk_ok, g_pkh_ok;
 
 static int passkey_model(void)
 {
@@ -241,13 +241,37 @@ static int passkey_model(void)
     return 0;
 }
 
+/* The harder variant (make_passkey --hard), 8192 positions */
+static int passkey_hard_model(void)
+{
+    Model pm;
+    char err[TL_ERR_LEN];
+    int rc = 0;
+    if (g_pkh_ok)
+        return 0;
+    pk_vocab = PK_HARD_VOCAB;
+    model_build(&pm, 8192);
+    pk_vocab = PK_VOCAB;
+    if (model_write(&pm, tmp_path("passkey_hard.bin")))
+        rc = -1;
+    model_free(&pm);
+    if (rc == 0 && tl_build_model(&g_pkh, tmp_path("passkey_hard.bin"), err, sizeof err)) {
+        printf("  %s\n", err);
+        rc = -1;
+    }
+    g_pkh_ok = rc == 0;
+    return rc;
+}
+
 /* Prefills a haystack (needle at depth%) and decodes the passkey greedily in
    one mode: 1 if all tokens match, 0 if not, -1 on error. The prompt is
    prefilled token by token with full attention, except for pqcache whose
-   prefill goes through the driver (layer-major, also full attention). */
-static int retrieve(tl_attn_mode mode, int len, double depth, float ratio, int *first)
+   prefill goes through the driver (layer-major, also full attention). m: the
+   model (its vocabulary picks the variant's fillers); cfg: pqcache's
+   configuration (NULL: the defaults at this ratio). */
+static int retrieve_on(const tl_model *m, tl_attn_mode mode, int len, double depth, float ratio,
+                       int *first, const tlpq_config *base)
 {
-    const tl_model *m = &g_pk;
     int n = PK_PASSKEY_LEN, query, answer[N_VALUE], i, pos, tok, ok = 1;
     int *toks = (int *)malloc((size_t)len * sizeof(int));
     char err[TL_ERR_LEN];
@@ -257,14 +281,20 @@ static int retrieve(tl_attn_mode mode, int len, double depth, float ratio, int *
     float *logits = NULL;
     memset(&s, 0, sizeof s);
     memset(&lib, 0, sizeof lib);
-    if (!toks)
+    if (!toks || pk_use_vocab(m->config.vocab_size)) {
+        free(toks);
         return -1;
+    }
     make_prompt(len, depth, 7, n, toks, &query, answer);
+    pk_vocab = PK_VOCAB;
     tl_default_policy(&pol, mode);
     pol.ratio = ratio;
     if (mode == TL_ATTN_PQCACHE) {
         tlpq_config cfg;
-        tlpq_default_config(&cfg);
+        if (base)
+            cfg = *base;
+        else
+            tlpq_default_config(&cfg);
         cfg.ratio = ratio;
         if (tlpq_create(&lib, m, len + n, &cfg, err, sizeof err) ||
             !tlpq_prefill(&lib, toks, len)) {
@@ -297,6 +327,11 @@ static int retrieve(tl_attn_mode mode, int len, double depth, float ratio, int *
         tl_free_state(&s);
     free(toks);
     return ok;
+}
+
+static int retrieve(tl_attn_mode mode, int len, double depth, float ratio, int *first)
+{
+    return retrieve_on(&g_pk, mode, len, depth, ratio, first, NULL);
 }
 
 static const double g_depths[5] = { 0, 25, 50, 75, 100 };
@@ -355,6 +390,34 @@ static void test_passkey_selection(void)
     }
     /* with a smaller budget still: 1/50 */
     CHECK(retrieve(TL_ATTN_PQCACHE, PK_TEST_LEN, 50.0, 0.02f, NULL) == 1);
+}
+
+/* The harder variant at 4K: full attention and the default pqcache (codebooks
+   weighted by the observed queries, adaptive split) retrieve the passkey at
+   every depth; plain PQ (Euclidean codebooks, fixed split) loses it wherever
+   it is outside the sinks and the window. */
+static void test_passkey_hard(void)
+{
+    tlpq_config plain;
+    int d;
+    if (passkey_hard_model()) {
+        CHECK(0);
+        return;
+    }
+    tlpq_default_config(&plain);
+    plain.metric = PQC_METRIC_L2;
+    plain.split = PQC_SPLIT_FIXED;
+    for (d = 0; d < 5; d++) {
+        int inside = g_depths[d] == 0.0 || g_depths[d] == 100.0;
+        int rf = retrieve_on(&g_pkh, TL_ATTN_FULL, 4096, g_depths[d], 0.1f, NULL, NULL);
+        int rp = retrieve_on(&g_pkh, TL_ATTN_PQCACHE, 4096, g_depths[d], 0.1f, NULL, NULL);
+        int rl = retrieve_on(&g_pkh, TL_ATTN_PQCACHE, 4096, g_depths[d], 0.1f, NULL, &plain);
+        if (rf != 1 || rp != 1 || rl != inside)
+            printf("  depth %g%%: full %d, pqcache %d, plain PQ %d\n", g_depths[d], rf, rp, rl);
+        CHECK(rf == 1);
+        CHECK(rp == 1);
+        CHECK(rl == inside);
+    }
 }
 
 /* ----------------------------------------------------------------------------
@@ -442,9 +505,14 @@ int main(int argc, char **argv)
         run_test("passkey: full attention retrieves it at every depth (2K)", test_passkey_full);
         run_test("passkey: window misses it outside sinks and window (2K)", test_passkey_window);
         run_test("passkey: pqcache and oracle retrieve it at budget 0.1 (2K)", test_passkey_selection);
+        run_test("harder passkey: full and pqcache retrieve it, plain PQ loses it (4K)",
+                 test_passkey_hard);
     }
     if (g_pk_ok)
         tl_free_model(&g_pk);
+    if (g_pkh_ok)
+        tl_free_model(&g_pkh);
+    unlink(tmp_path("passkey_hard.bin"));
     unlink(tmp_path("random.bin"));
     unlink(tmp_path("passkey.bin"));
     rmdir(g_dir);

@@ -57,6 +57,9 @@ typedef struct {
     unsigned long long seed; /* k-means seed */
     int all_outputs;       /* 1: run the last layer for every prompt token, not just the last */
     int backend;           /* device tier: PQC_BACKEND_CPU (default), AUTO or CUDA */
+    int metric;            /* PQC_METRIC_QUERY (default: codebooks weighted by the observed
+                              queries) or PQC_METRIC_L2 (plain PQ) */
+    int split;             /* PQC_SPLIT_ADAPTIVE (default) or PQC_SPLIT_FIXED */
 } tlpq_config;
 
 /* Called from the prefill about every block of tokens: layer (0-based), tokens of
@@ -108,6 +111,11 @@ float *tlpq_decode(tlpq *p, int token, int pos);
 /* Copies the stored keys and values of positions 0..n-1 into an engine state's
    KV cache (to start a full-attention reference from the same prefill). */
 int tlpq_copy_kv(tlpq *p, tl_state *dst, int n);
+/* Hands the first n stored positions of src (every layer's keys and values) to a
+   new dst through pqc_cache_prefill, without running the model: a second
+   configuration over the same prompt (its observations are not copied, so a
+   query-weighted metric falls back to plain codebooks). dst must be empty. */
+int tlpq_prefill_from(tlpq *dst, tlpq *src, int n);
 void tlpq_get_stats(const tlpq *p, tlpq_stats *st);
 /* "m=2 bits=6 T=adaptive ..." */
 void tlpq_describe(const tlpq *p, char *buf, size_t len);
@@ -441,9 +449,12 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     cd.pq.bits = cfg->pq_bits;
     cd.pq.iters = cfg->iters;
     cd.pq.seed = cfg->seed;
+    cd.pq.rope = PQC_ROPE_INTERLEAVED; /* llama2.c's RoPE: pair i = dims (2i, 2i+1) */
     cd.block_tokens = cfg->block_tokens;
     cd.cache_blocks = cfg->cache_blocks;
     cd.policy = cfg->policy;
+    cd.metric = (pqc_metric)cfg->metric;
+    cd.split = (pqc_split)cfg->split;
     cd.scheduler = p->sched;
     if ((r = pqc_cache_create(p->rt, &cd, &p->cache)) != PQC_SUCCESS) {
         tl__fail(err, errlen, "pqcache: %s", pqc_last_error());
@@ -553,6 +564,57 @@ int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
     return 0;
 }
 
+int tlpq_prefill_from(tlpq *dst, tlpq *src, int n)
+{
+    const tl_config *c = &src->m->config;
+    size_t hs = (size_t)c->head_size, kvd = hs * (size_t)c->n_kv_heads;
+    float *kb = NULL, *vb = NULL;
+    int l, h, pos, rc = 0;
+    if (dst->m != src->m || n < 1 || n > dst->max_tokens || pqc_cache_tokens(dst->cache, 0) != 0)
+        return tl__fail(dst->err, sizeof dst->err, "prefill_from: %d positions into a cache of %d "
+                        "(it must be empty and of the same model)", n, dst->max_tokens);
+    kb = (float *)malloc((size_t)n * kvd * sizeof(float));
+    vb = (float *)malloc((size_t)n * kvd * sizeof(float));
+    if (!kb || !vb) {
+        rc = tl__fail(dst->err, sizeof dst->err, "prefill_from: out of memory");
+        goto done;
+    }
+    for (l = 0; l < c->n_layers && rc == 0; l++) {
+        pqc_matrix km, vm;
+        pqc_result r;
+        for (h = 0; h < c->n_kv_heads; h++) {
+            const void *k = NULL, *v = NULL;
+            size_t tokens = 0;
+            pqc_dtype dt = PQC_F32;
+            if (pqc_cache_kv(src->cache, l, h, &k, &v, &tokens, &dt) != PQC_SUCCESS ||
+                dt != PQC_F32 || tokens < (size_t)n || !k || !v) {
+                rc = tl__fail(dst->err, sizeof dst->err, "prefill_from: the source holds no fp32 "
+                              "rows 0..%d of layer %d head %d", n - 1, l, h);
+                goto done;
+            }
+            for (pos = 0; pos < n; pos++) {
+                memcpy(kb + (size_t)pos * kvd + (size_t)h * hs, (const float *)k + (size_t)pos * hs,
+                       hs * sizeof(float));
+                memcpy(vb + (size_t)pos * kvd + (size_t)h * hs, (const float *)v + (size_t)pos * hs,
+                       hs * sizeof(float));
+            }
+        }
+        memset(&km, 0, sizeof km);
+        km.data = kb;
+        km.dtype = PQC_F32;
+        km.rows = (size_t)n;
+        km.cols = kvd;
+        vm = km;
+        vm.data = vb;
+        if ((r = pqc_cache_prefill(dst->cache, l, &km, &vm)) != PQC_SUCCESS)
+            rc = tl__fail(dst->err, sizeof dst->err, "prefill_from, layer %d: %s", l, pqc_last_error());
+    }
+done:
+    free(kb);
+    free(vb);
+    return rc;
+}
+
 void tlpq_get_stats(const tlpq *p, tlpq_stats *st)
 {
     int l;
@@ -593,8 +655,10 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len)
         snprintf(iters, sizeof iters, "%d", p->cfg.iters);
     else
         snprintf(iters, sizeof iters, "adaptive");
-    snprintf(buf, len, "m=%d bits=%d T=%s, %d sinks, ratio %g, %d blocks of %d (%s), %d thread%s",
-             p->cfg.pq_m, p->cfg.pq_bits, iters, p->cfg.n_sink, (double)p->cfg.ratio,
+    snprintf(buf, len, "m=%d bits=%d T=%s, %s metric, %s split, %d sinks, ratio %g, %d blocks of %d "
+             "(%s), %d thread%s", p->cfg.pq_m, p->cfg.pq_bits, iters,
+             p->cfg.metric == PQC_METRIC_L2 ? "L2" : "query", p->cfg.split == PQC_SPLIT_FIXED ? "fixed" : "adaptive",
+             p->cfg.n_sink, (double)p->cfg.ratio,
              p->cfg.cache_blocks < 0 ? 0 : p->cfg.cache_blocks, p->cfg.block_tokens,
              p->cfg.policy == PQC_POLICY_LRU ? "LRU" : "LFU", p->n_workers,
              p->n_workers == 1 ? "" : "s");
