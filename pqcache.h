@@ -3200,17 +3200,27 @@ static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *
     int j;
     size_t i;
     for (j = 0; j < pq->m; j++) {
-        const float *w = pq->metric;
+        /* the sub-space's weights in its element order (rope bands over 256 dims: by dim) */
+        float wb[256];
+        const float *w = pq->metric && !pq->half_bands ? pq->metric + (size_t)j * pq->dsub : NULL;
+        if (pq->metric && pq->half_bands && pq->dsub <= 256) {
+            pqc__gather_sub(pq, pq->metric, j, wb);
+            w = wb;
+        }
         for (i = 0; i < n; i++) {
             pqc__row_to_f32(pqc__row(keys, r0 + i), keys->dtype, keys->cols, row);
             pqc__gather_sub(pq, row, j, x + i * pq->dsub);
-            if (w) { /* (w o x).c against the weighted norms: the weighted nearest centroid */
+            if (pq->metric) { /* (w o x).c against the weighted norms: the weighted nearest centroid */
                 int e;
-                for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[pqc_pq_dim(pq, j, e)];
+                if (w)
+                    for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[e];
+                else
+                    for (e = 0; e < pq->dsub; e++)
+                        x[i * pq->dsub + e] = x[i * pq->dsub + e] * pq->metric[pqc_pq_dim(pq, j, e)];
             }
         }
         pqc__k_assign(simd, x, n, pq->dsub, pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad,
-                      (w ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
+                      (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
         for (i = 0; i < n; i++) pqc__codes_put(codes, at + i, j, idx[i]);
     }
 }
