@@ -1957,7 +1957,7 @@ static void op_pq_encode(fz_state *S)
             fz_fail("pqc_pq_decode of a coded token failed");
         for (j = 0; j < pq->m; j++)
             for (e = 0; e < (size_t)pq->dsub; e++)
-                if (!fz_same(rec[(size_t)j * pq->dsub + e],
+                if (!fz_same(rec[pqc_pq_dim(pq, j, (int)e)], /* element e of sub-space j is that dim */
                              pq->centroids[((size_t)j * pq->ksub + pqc_codes_get(codes, tt, j)) * pq->dsub + e]))
                     fz_fail("pqc_pq_decode is not the centroid of the code");
         fz_arm();
