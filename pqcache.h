@@ -2867,8 +2867,8 @@ static void pqc__sub_to_f32(const pqc_pq *pq, const pqc_matrix *keys, size_t r, 
    mean lies (a needle inside the cloud of a multi-cluster sub-space is no farther from the
    mean than the clusters are). sw: square roots of the metric's weights, or NULL. */
 #define PQC__PROBES 16
-#define PQC__PROBE_POOL 1024
 #define PQC__PROBE_BLOCK 1024
+#define PQC__PROBE_POOL PQC__PROBE_BLOCK /* the pool's rows are held in one block */
 static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *keys, int j, int d, int k,
                                     size_t cap, uint64_t *rng, const pqc_allocator *al, const float *sw, uint32_t *sel)
 {
@@ -2901,10 +2901,14 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
     memset(flag, 0, n);
     if (nfar > 0) {
         size_t b;
-        /* probes: D^2 draws over a uniform pool (row by row in the weighted space) */
+        /* probes: D^2 draws over a uniform pool, its rows in the weighted space in blk
+           (pool <= PQC__PROBE_BLOCK rows) */
         for (i = 0; i < pool; i++) {
             pidx[i] = (uint32_t)pqc__rng_below(rng, n);
             pd[i] = INFINITY;
+            pqc__sub_to_f32(pq, keys, pidx[i], j, blk + i * d);
+            if (sw)
+                for (e = 0; e < d; e++) blk[i * d + e] *= sw[e];
         }
         for (pi = 0; pi < PQC__PROBES; pi++) {
             size_t pick = 0;
@@ -2917,17 +2921,12 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
                 for (i = 0; i + 1 < pool && (u -= pd[i]) > 0.0; i++) {}
                 pick = total > 0.0 ? i : pqc__rng_below(rng, pool);
             }
-            pqc__sub_to_f32(pq, keys, pidx[pick], j, probe + (size_t)pi * d);
-            if (sw)
-                for (e = 0; e < d; e++) probe[(size_t)pi * d + e] *= sw[e];
+            memcpy(probe + (size_t)pi * d, blk + pick * d, (size_t)d * sizeof(float));
             flag[pidx[pick]] = 1; /* a probe is a cluster's typical point: keep it too */
             for (i = 0; i < pool; i++) {
                 double acc = 0.0;
-                pqc__sub_to_f32(pq, keys, pidx[i], j, blk);
-                if (sw)
-                    for (e = 0; e < d; e++) blk[e] *= sw[e];
                 for (e = 0; e < d; e++) {
-                    double t = (double)blk[e] - probe[(size_t)pi * d + e];
+                    double t = (double)blk[i * d + e] - probe[(size_t)pi * d + e];
                     acc += t * t;
                 }
                 if ((float)acc < pd[i]) pd[i] = (float)acc;
@@ -3192,7 +3191,7 @@ static void pqc__codes_put(pqc_codes *codes, size_t t, int j, unsigned v)
 }
 
 /* Encodes rows [r0, r0+n) of keys into codes slots starting at `at`. x: n*dsub floats,
-   row: dim floats, idx: n uint16 scratch. */
+   row: dim + dsub floats (the row, then the sub-space's weights), idx: n uint16 scratch. */
 #define PQC__ENC_CHUNK 256
 static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *keys, size_t r0, size_t n,
                              pqc_codes *codes, size_t at, float *x, float *row, uint16_t *idx)
@@ -3200,27 +3199,18 @@ static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *
     int j;
     size_t i;
     for (j = 0; j < pq->m; j++) {
-        /* the sub-space's weights in its element order (rope bands over 256 dims: by dim) */
-        float wb[256];
-        const float *w = pq->metric && !pq->half_bands ? pq->metric + (size_t)j * pq->dsub : NULL;
-        if (pq->metric && pq->half_bands && pq->dsub <= 256) {
-            pqc__gather_sub(pq, pq->metric, j, wb);
-            w = wb;
-        }
+        float *w = pq->metric ? row + pq->dim : NULL; /* the sub-space's weights, its order */
+        if (w) pqc__gather_sub(pq, pq->metric, j, w);
         for (i = 0; i < n; i++) {
             pqc__row_to_f32(pqc__row(keys, r0 + i), keys->dtype, keys->cols, row);
             pqc__gather_sub(pq, row, j, x + i * pq->dsub);
-            if (pq->metric) { /* (w o x).c against the weighted norms: the weighted nearest centroid */
+            if (w) { /* (w o x).c against the weighted norms: the weighted nearest centroid */
                 int e;
-                if (w)
-                    for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[e];
-                else
-                    for (e = 0; e < pq->dsub; e++)
-                        x[i * pq->dsub + e] = x[i * pq->dsub + e] * pq->metric[pqc_pq_dim(pq, j, e)];
+                for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[e];
             }
         }
         pqc__k_assign(simd, x, n, pq->dsub, pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad,
-                      (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
+                      (w ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
         for (i = 0; i < n; i++) pqc__codes_put(codes, at + i, j, idx[i]);
     }
 }
@@ -3248,13 +3238,13 @@ PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_mat
                          codes->m, codes->bits, pq->m, pq->bits);
     if ((r = pqc__check_matrix(rt, keys, (size_t)pq->dim, "pqc_pq_encode keys")) != PQC_SUCCESS) return r;
     n = keys->rows;
-    bytes = PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)) + PQC__ALIGN_UP((size_t)pq->dim * sizeof(float)) +
-            PQC__ENC_CHUNK * sizeof(uint16_t);
+    bytes = PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)) +
+            PQC__ALIGN_UP((size_t)(pq->dim + pq->dsub) * sizeof(float)) + PQC__ENC_CHUNK * sizeof(uint16_t);
     mem = (unsigned char *)pqc__alloc(pqc__rt_alloc(rt), bytes);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_encode: scratch allocation failed");
     x = (float *)mem;
     row = (float *)(mem + PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)));
-    idx = (uint16_t *)((unsigned char *)row + PQC__ALIGN_UP((size_t)pq->dim * sizeof(float)));
+    idx = (uint16_t *)((unsigned char *)row + PQC__ALIGN_UP((size_t)(pq->dim + pq->dsub) * sizeof(float)));
     if ((r = pqc__check_finite(rt, keys, row, "pqc_pq_encode keys")) != PQC_SUCCESS) goto out;
     at = codes->count;
     need = at + n;
@@ -3331,34 +3321,30 @@ PQCDEF pqc_result pqc_pq_mse(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix
 PQCDEF pqc_result pqc_pq_lut(pqc_runtime *rt, const pqc_pq *pq, const float *queries, int g, float *lut)
 {
     int h, j;
+    float stack[1024], *qp = NULL;
     pqc_result r;
     if ((r = pqc__check_pq(rt, pq, "pqc_pq_lut")) != PQC_SUCCESS) return r;
     if (!queries || !lut) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_lut: null pointer");
     if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_lut: g = %d", g);
     if (!pqc__finite_row(queries, (size_t)g * pq->dim))
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_lut: query holds NaN, Inf or a huge value");
-    if (pq->half_bands) { /* each query row in sub-space order first */
-        float stack[1024], *qp = pq->dim <= 1024 ? stack : (float *)pqc__alloc(pqc__rt_alloc(rt), (size_t)pq->dim * sizeof(float));
+    if (pq->half_bands) { /* rope bands over the half-split layout: each query row in
+                             sub-space order first */
+        qp = pq->dim <= 1024 ? stack : (float *)pqc__alloc(pqc__rt_alloc(rt), (size_t)pq->dim * sizeof(float));
         if (!qp) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_lut: scratch allocation failed");
-        for (h = 0; h < g; h++) {
-            for (j = 0; j < pq->m; j++) {
-                int e;
-                for (e = 0; e < pq->dsub; e++)
-                    qp[(size_t)j * pq->dsub + e] = queries[(size_t)h * pq->dim + (size_t)pqc_pq_dim(pq, j, e)];
-            }
-            for (j = 0; j < pq->m; j++)
-                pqc__k_dots(pqc__simd(rt), qp + (size_t)j * pq->dsub, pq->dsub,
-                            pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad, pq->ksub_pad, pq->ksub,
-                            lut + ((size_t)h * pq->m + j) * pq->ksub);
-        }
-        if (qp != stack) pqc__free(pqc__rt_alloc(rt), qp);
-        return PQC_SUCCESS;
     }
-    for (h = 0; h < g; h++)
+    for (h = 0; h < g; h++) {
+        const float *qh = queries + (size_t)h * pq->dim;
+        if (qp) {
+            for (j = 0; j < pq->m; j++) pqc__gather_sub(pq, qh, j, qp + (size_t)j * pq->dsub);
+            qh = qp;
+        }
         for (j = 0; j < pq->m; j++)
-            pqc__k_dots(pqc__simd(rt), queries + (size_t)h * pq->dim + (size_t)j * pq->dsub, pq->dsub,
+            pqc__k_dots(pqc__simd(rt), qh + (size_t)j * pq->dsub, pq->dsub,
                         pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad, pq->ksub_pad, pq->ksub,
                         lut + ((size_t)h * pq->m + j) * pq->ksub);
+    }
+    if (qp && qp != stack) pqc__free(pqc__rt_alloc(rt), qp);
     return PQC_SUCCESS;
 }
 
