@@ -538,6 +538,21 @@ float *tlpq_decode(tlpq *p, int token, int pos)
     return tl_classify(p->m, &p->s);
 }
 
+/* The fp32 key and value rows 0..n-1 the library stores for (layer l, KV head h), row
+   pos at + pos * head_size; -1 when it holds no such rows. */
+static int tlpq__stored_rows(const tlpq *p, int l, int h, int n, const float **k, const float **v)
+{
+    const void *kp = NULL, *vp = NULL;
+    size_t tokens = 0;
+    pqc_dtype dt = PQC_F32;
+    if (pqc_cache_kv(p->cache, l, h, &kp, &vp, &tokens, &dt) != PQC_SUCCESS || dt != PQC_F32 ||
+        tokens < (size_t)n || (n > 0 && (!kp || !vp)))
+        return -1;
+    *k = (const float *)kp;
+    *v = (const float *)vp;
+    return 0;
+}
+
 int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
 {
     const tl_config *c = &p->m->config;
@@ -547,18 +562,15 @@ int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
                           n, dst->ctx, dst->key_cache ? "" : " without a KV cache");
     for (l = 0; l < c->n_layers; l++)
         for (h = 0; h < c->n_kv_heads; h++) {
-            const void *k = NULL, *v = NULL;
-            size_t tokens = 0;
-            pqc_dtype dt = PQC_F32;
-            if (pqc_cache_kv(p->cache, l, h, &k, &v, &tokens, &dt) != PQC_SUCCESS ||
-                dt != PQC_F32 || tokens < (size_t)n || (n > 0 && (!k || !v)))
+            const float *k = NULL, *v = NULL;
+            if (tlpq__stored_rows(p, l, h, n, &k, &v))
                 return tl__fail(p->err, sizeof p->err, "pqcache holds no fp32 rows 0..%d "
                                   "of layer %d head %d", n - 1, l, h);
             for (pos = 0; pos < n; pos++) {
-                memcpy(tl_key_row(c, dst, l, pos) + (size_t)h * (size_t)hs,
-                       (const float *)k + (size_t)pos * (size_t)hs, (size_t)hs * sizeof(float));
-                memcpy(tl_value_row(c, dst, l, pos) + (size_t)h * (size_t)hs,
-                       (const float *)v + (size_t)pos * (size_t)hs, (size_t)hs * sizeof(float));
+                memcpy(tl_key_row(c, dst, l, pos) + (size_t)h * (size_t)hs, k + (size_t)pos * (size_t)hs,
+                       (size_t)hs * sizeof(float));
+                memcpy(tl_value_row(c, dst, l, pos) + (size_t)h * (size_t)hs, v + (size_t)pos * (size_t)hs,
+                       (size_t)hs * sizeof(float));
             }
         }
     return 0;
@@ -583,20 +595,15 @@ int tlpq_prefill_from(tlpq *dst, tlpq *src, int n)
         pqc_matrix km, vm;
         pqc_result r;
         for (h = 0; h < c->n_kv_heads; h++) {
-            const void *k = NULL, *v = NULL;
-            size_t tokens = 0;
-            pqc_dtype dt = PQC_F32;
-            if (pqc_cache_kv(src->cache, l, h, &k, &v, &tokens, &dt) != PQC_SUCCESS ||
-                dt != PQC_F32 || tokens < (size_t)n || !k || !v) {
+            const float *k = NULL, *v = NULL;
+            if (tlpq__stored_rows(src, l, h, n, &k, &v)) {
                 rc = tl__fail(dst->err, sizeof dst->err, "prefill_from: the source holds no fp32 "
                               "rows 0..%d of layer %d head %d", n - 1, l, h);
                 goto done;
             }
             for (pos = 0; pos < n; pos++) {
-                memcpy(kb + (size_t)pos * kvd + (size_t)h * hs, (const float *)k + (size_t)pos * hs,
-                       hs * sizeof(float));
-                memcpy(vb + (size_t)pos * kvd + (size_t)h * hs, (const float *)v + (size_t)pos * hs,
-                       hs * sizeof(float));
+                memcpy(kb + (size_t)pos * kvd + (size_t)h * hs, k + (size_t)pos * hs, hs * sizeof(float));
+                memcpy(vb + (size_t)pos * kvd + (size_t)h * hs, v + (size_t)pos * hs, hs * sizeof(float));
             }
         }
         memset(&km, 0, sizeof km);
