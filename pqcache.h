@@ -377,8 +377,25 @@ typedef struct pqc_search_desc {
     pqc_gqa gqa;      /* 0 = softmax-sum                                              */
     size_t first;     /* search tokens [first, first+count) of the codes (0, 0 = all) */
     size_t count;
+    double rerank;    /* 0 = off; >= 1: the top ceil(rerank * k) by PQ score are scored
+                         again with the exact keys (pqc_rerank) and the best k kept      */
+    const pqc_matrix *keys; /* with rerank: the exact keys, row t = token t of the codes */
+    /* residual-aware scoring: each head's score of token t gains residual_weight * sum_j
+       |q_j| * residual_scale[j] * residuals[t * m + j] (an optimistic bound on the q.r
+       the code dropped when the weight is 1), with the residual bytes of pqc_pq_residuals */
+    const uint8_t *residuals;     /* NULL = off; m bytes per token, row t = token t       */
+    const float *residual_scale;  /* [m] the norm of one step of sub-space j's bytes       */
+    float residual_weight;        /* > 0 with residuals                                   */
 } pqc_search_desc;
 
+/* Residual norms for residual-aware scoring: for rows [0, keys->rows) of keys (their
+   codes at tokens first.. of codes), out[i * m + j] = the norm of the residual of
+   sub-space j (key minus its centroid, Euclidean) in steps of scale[j], rounded up and
+   capped at 255. scale[j] <= 0 on entry: set to the largest of these norms / 255 (so
+   nothing is capped); otherwise used as given (tokens coded later, against the scale of
+   the build). */
+PQCDEF pqc_result pqc_pq_residuals(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, size_t first,
+                                   const pqc_matrix *keys, float *scale, uint8_t *out);
 /* Builds the lookup table lut[g][m][ksub] (query head x centroid dot products). */
 PQCDEF pqc_result pqc_pq_lut(pqc_runtime *rt, const pqc_pq *pq, const float *queries, int g, float *lut);
 /* Approximate top-k for g query heads (queries: g x d_h fp32) over the codes: writes k
@@ -396,6 +413,14 @@ PQCDEF pqc_result pqc_exact_search(pqc_runtime *rt, const pqc_matrix *keys, cons
                                    const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores);
 PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
                                    pqc_scratch *scratch, float *out);
+/* Re-ranking: exact scores of the n candidate rows `cand` of keys (strictly ascending row
+   indices), the g heads combined as gqa says over the candidates alone (softmax-sum: each
+   head's softmax over the n candidates, summed), and their top k: k row indices (values
+   of cand) ascending, ties to the lower index; scores, when not NULL, their combined
+   scores. idx may be cand itself. Cost: n key rows read, n*g dot products. */
+PQCDEF pqc_result pqc_rerank(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
+                             const uint32_t *cand, size_t n, size_t k, pqc_scratch *scratch, uint32_t *idx,
+                             float *scores);
 /* O(n) top-k of n scores (radix select): k indices ascending, ties to the lower index.
    NaN scores are rejected. */
 PQCDEF pqc_result pqc_topk(pqc_runtime *rt, const float *scores, size_t n, size_t k, pqc_scratch *scratch,
@@ -522,6 +547,24 @@ typedef struct pqc_cache_desc {
                                 observed; 0 = 32, -1 = none                               */
     pqc_split split;         /* how the heads of a layer share its top-k; 0 = adaptive     */
     pqc_gqa gqa;             /* how query heads sharing a KV head combine; 0 = softmax-sum */
+    double rerank;           /* re-ranking: each head's top ceil(rerank x k) coded tokens by
+                                PQ score (plus its exact list) are scored again with the
+                                exact stored keys in host memory (pqc_rerank: softmax-sum
+                                over those candidates) and the best k kept. 0 = off
+                                (default); else at least 1                               */
+    int outliers;            /* exact list: per head, the coded tokens its codebook serves
+                                worst (largest residual, weighted by the head's metric),
+                                `outliers` of them at each build plus up to as many coded
+                                since whose residual beats the build's smallest; they join
+                                the candidates that are scored exactly each step (with
+                                rerank 0 the candidates are the PQ top-k). 0 = none
+                                (default); 4 bytes per listed token                       */
+    double residual_weight;  /* residual-aware scoring (pqc_search_desc.residuals): each
+                                coded token keeps its m residual norms (m bytes, weighted
+                                by the head's metric) and each head's score gains this
+                                times sum_j |q_j| |r_j|, a share of the optimistic bound.
+                                0 = off (default); measured best near 0.15. On the CUDA
+                                tier the search then runs on the host                    */
     int block_tokens;        /* block size of the block cache; 0 = 128                    */
     int cache_blocks;        /* blocks per layer and KV head; 0 = 32; -1 = no block cache */
     pqc_policy policy;       /* 0 = LFU                                                   */
@@ -3266,6 +3309,75 @@ static pqc_result pqc__pq_encode_nested(pqc_runtime *rt, const pqc_pq *pq, const
     return pqc_pq_encode(rt, pq, keys, codes); /* encoding never submits jobs */
 }
 
+/* The squared residual of token t's sub-space j: x (a key row, dim order) against its
+   centroid, weighted by wj (the sub-space's metric weights in sub-space order) or not.
+   sub: dsub floats. */
+static float pqc__sub_residual(const pqc_pq *pq, const pqc_codes *codes, size_t t, const float *x, int j,
+                               const float *wj, float *sub)
+{
+    const float *cc = pq->centroids + ((size_t)j * pq->ksub + pqc_codes_get(codes, t, j)) * pq->dsub;
+    float a = 0.0f;
+    int e;
+    pqc__gather_sub(pq, x, j, sub);
+    for (e = 0; e < pq->dsub; e++) {
+        float d = sub[e] - cc[e];
+        a += (wj ? wj[e] * d : d) * d; /* not fmaf: a library call where FMA is not compiled in */
+    }
+    return a;
+}
+
+PQCDEF pqc_result pqc_pq_residuals(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, size_t first,
+                                   const pqc_matrix *keys, float *scale, uint8_t *out)
+{
+    pqc_result r;
+    size_t n, t;
+    float *row, *nrm, *wsub, *sub;
+    int j, set[256];
+    if ((r = pqc__check_pq(rt, pq, "pqc_pq_residuals")) != PQC_SUCCESS) return r;
+    if ((r = pqc__check_matrix(rt, keys, (size_t)pq->dim, "pqc_pq_residuals keys")) != PQC_SUCCESS) return r;
+    if (!codes || !scale || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_residuals: null pointer");
+    if (codes->m != pq->m || codes->bits != pq->bits)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_pq_residuals: codes do not belong to this PQ");
+    n = keys->rows;
+    if (first > codes->count || n > codes->count - first)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_residuals: tokens [%zu, %zu) beyond %zu coded", first,
+                         first + n, codes->count);
+    if (pq->m > 256) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_residuals: m = %d over 256", pq->m);
+    for (j = 0; j < pq->m; j++) {
+        if (!(scale[j] <= 1e30f)) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_residuals: scale[%d]", j);
+        set[j] = scale[j] > 0.0f;
+    }
+    row = (float *)pqc__alloc(pqc__rt_alloc(rt), (3 * (size_t)pq->dim + n * (size_t)pq->m) * sizeof(float));
+    if (!row) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_residuals: %zu rows", n);
+    wsub = row + pq->dim; /* the metric's weights in sub-space order */
+    sub = wsub + pq->dim;
+    nrm = sub + pq->dim;
+    for (j = 0; pq->metric && j < pq->m; j++) pqc__gather_sub(pq, pq->metric, j, wsub + (size_t)j * pq->dsub);
+    for (t = 0; t < n; t++) {
+        pqc__row_to_f32(pqc__row(keys, t), keys->dtype, (size_t)pq->dim, row);
+        if (!pqc__finite_row(row, (size_t)pq->dim)) {
+            pqc__free(pqc__rt_alloc(rt), row);
+            return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_residuals: key row %zu holds NaN, Inf or a huge value", t);
+        }
+        for (j = 0; j < pq->m; j++)
+            nrm[t * (size_t)pq->m + (size_t)j] =
+                sqrtf(pqc__sub_residual(pq, codes, first + t, row, j, pq->metric ? wsub + (size_t)j * pq->dsub : NULL, sub));
+    }
+    for (j = 0; j < pq->m; j++)
+        if (!set[j]) {
+            float mx = 0.0f;
+            for (t = 0; t < n; t++) mx = nrm[t * (size_t)pq->m + (size_t)j] > mx ? nrm[t * (size_t)pq->m + (size_t)j] : mx;
+            scale[j] = mx > 0.0f ? mx / 255.0f : 1.0f;
+        }
+    for (t = 0; t < n; t++)
+        for (j = 0; j < pq->m; j++) {
+            float q = ceilf(nrm[t * (size_t)pq->m + (size_t)j] / scale[j]);
+            out[t * (size_t)pq->m + (size_t)j] = (uint8_t)(q >= 255.0f ? 255 : q <= 0.0f ? 0 : (int)q);
+        }
+    pqc__free(pqc__rt_alloc(rt), row);
+    return PQC_SUCCESS;
+}
+
 PQCDEF pqc_result pqc_pq_decode(const pqc_pq *pq, const pqc_codes *codes, size_t t, float *out)
 {
     int j;
@@ -3379,6 +3491,8 @@ typedef struct pqc__pq_ctx {
     const float *lut; /* [g][m][ksub] then the summed table [m][ksub] */
     int g;
     size_t first, count;
+    const uint8_t *res; /* residual-aware scoring, or NULL */
+    const float *rw;    /* [g + 1][m] weight of one residual byte per head (then the sum) */
 } pqc__pq_ctx;
 
 static void pqc__pq_head(void *p, int h, float *out)
@@ -3387,6 +3501,22 @@ static void pqc__pq_head(void *p, int h, float *out)
     size_t tl = (size_t)c->pq->m * c->pq->ksub;
     const float *lut = h < 0 ? c->lut + (size_t)c->g * tl : c->lut + (size_t)h * tl;
     pqc__k_scan(c->simd, c->codes, lut, c->pq->ksub, c->first, c->count, out);
+    if (c->res) {
+        const float *w = c->rw + (size_t)(h < 0 ? c->g : h) * (size_t)c->pq->m;
+        const uint8_t *r = c->res + c->first * (size_t)c->pq->m;
+        size_t t, m = (size_t)c->pq->m;
+        int j;
+        if (m == 2) {
+            float w0 = w[0], w1 = w[1];
+            for (t = 0; t < c->count; t++) out[t] += w0 * (float)r[2 * t] + w1 * (float)r[2 * t + 1];
+        } else {
+            for (t = 0; t < c->count; t++) {
+                float a = 0.0f;
+                for (j = 0; j < (int)m; j++) a += w[j] * (float)r[t * m + (size_t)j];
+                out[t] += a;
+            }
+        }
+    }
 }
 
 static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
@@ -3407,12 +3537,25 @@ static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: tokens [%zu, %zu) beyond %zu coded", *first,
                          *first + *count, codes->count);
     if (*count > 0xffffffffu) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: more than 2^32 tokens");
+    if (desc->residuals) {
+        int j;
+        if (!desc->residual_scale)
+            return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_search: residuals without residual_scale");
+        if (!(desc->residual_weight > 0.0f && desc->residual_weight <= 1e6f))
+            return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: residual_weight %g (0 < w <= 1e6)",
+                             (double)desc->residual_weight);
+        for (j = 0; j < pq->m; j++)
+            if (!(desc->residual_scale[j] >= 0.0f && desc->residual_scale[j] <= 1e30f))
+                return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: residual_scale[%d] = %g", j,
+                                 (double)desc->residual_scale[j]);
+    }
     return PQC_SUCCESS;
 }
 
 /* scores of the searched range into out; work: lut + tmp from scratch */
 static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
-                                      int g, pqc_gqa gqa, size_t first, size_t count, float *lut, float *tmp, float *out)
+                                      int g, pqc_gqa gqa, size_t first, size_t count, const pqc_search_desc *desc,
+                                      float *lut, float *rw, float *tmp, float *out)
 {
     pqc__pq_ctx c;
     pqc_result r;
@@ -3434,6 +3577,25 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
     c.g = g;
     c.first = first;
     c.count = count;
+    c.res = NULL;
+    c.rw = rw;
+    if (desc && desc->residuals) { /* per head and sub-space: weight x |q_j| x one step */
+        int j, e;
+        c.res = desc->residuals;
+        for (j = 0; j < pq->m; j++) rw[(size_t)g * pq->m + (size_t)j] = 0.0f;
+        for (h = 0; h < g; h++)
+            for (j = 0; j < pq->m; j++) {
+                const float *qh = queries + (size_t)h * pq->dim;
+                float a = 0.0f, v;
+                for (e = 0; e < pq->dsub; e++) {
+                    int dim = pqc_pq_dim(pq, j, e);
+                    a += qh[dim] * qh[dim] / (pq->metric ? pq->metric[dim] : 1.0f);
+                }
+                v = desc->residual_weight * sqrtf(a) * desc->residual_scale[j];
+                rw[(size_t)h * pq->m + (size_t)j] = v;
+                rw[(size_t)g * pq->m + (size_t)j] += v; /* SUM: the heads' bounds add up */
+            }
+    }
     pqc__combine(c.simd, gqa, g, count, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
     return PQC_SUCCESS;
 }
@@ -3443,7 +3605,7 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
                                       int g, const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx,
                                       float *scores, float *all_out)
 {
-    size_t first = 0, count = 0, ol, ot, os, oc, bytes;
+    size_t first = 0, count = 0, ol, orw, ot, os, oc, bytes;
     pqc_gqa gqa = PQC_GQA_SOFTMAX_SUM;
     pqc_result r;
     unsigned char *mem;
@@ -3455,14 +3617,15 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
             return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, count);
     }
     ol = 0;
-    ot = PQC__ALIGN_UP(((size_t)g + 1) * pq->m * pq->ksub * sizeof(float));
+    orw = PQC__ALIGN_UP(((size_t)g + 1) * pq->m * pq->ksub * sizeof(float));
+    ot = orw + PQC__ALIGN_UP(((size_t)g + 1) * pq->m * sizeof(float));
     os = ot + PQC__ALIGN_UP(count * sizeof(float));
     oc = os + PQC__ALIGN_UP(count * sizeof(float));
     bytes = oc + (all_out ? 0 : pqc__select_scratch(count));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_search: scratch allocation failed");
-    r = pqc__pq_scores_into(rt, pq, codes, queries, g, gqa, first, count, (float *)(mem + ol), (float *)(mem + ot),
-                            all_out ? all_out : (float *)(mem + os));
+    r = pqc__pq_scores_into(rt, pq, codes, queries, g, gqa, first, count, desc, (float *)(mem + ol),
+                            (float *)(mem + orw), (float *)(mem + ot), all_out ? all_out : (float *)(mem + os));
     if (r == PQC_SUCCESS && !all_out) {
         size_t i;
         pqc__select(pqc__simd(rt), (const float *)(mem + os), count, desc->k, mem + oc, idx, scores);
@@ -3471,12 +3634,6 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
     }
     pqc__free(pqc__rt_alloc(rt), tmpmem);
     return r;
-}
-
-PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
-                                const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores)
-{
-    return pqc__pq_search_impl(rt, pq, codes, queries, g, desc, scratch, idx, scores, NULL);
 }
 
 PQCDEF pqc_result pqc_pq_scores(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
@@ -3577,6 +3734,135 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 {
     if (!out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_scores: null output");
     return pqc__exact_impl(rt, keys, queries, g, gqa, 0, scratch, NULL, NULL, out);
+}
+
+/* ----- re-ranking ----- */
+
+/* The caller has checked the arguments (and, unless `check`, that the candidates' rows
+   are finite: the cache stores only such rows). scratch: per-candidate head scores
+   [n][g] | combined [n] | positions [k] | selection scratch | one converted row [d].
+   The candidates' rows are scattered over the keys: at long contexts each costs a memory
+   latency or more (software prefetching ahead was measured and did not help). */
+static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
+                                   const uint32_t *cand, size_t n, size_t k, pqc_scratch *scratch, uint32_t *idx,
+                                   float *scores, int check)
+{
+    size_t d = keys->cols, i, oc, op, os, orow, bytes;
+    float scale = 1.0f / sqrtf((float)d), *hs, *comb, *row;
+    uint32_t *pos;
+    unsigned char *mem;
+    void *tmpmem;
+    pqc_simd simd = pqc__simd(rt);
+    int h, direct = keys->dtype == PQC_F32 && pqc__stride(keys) % sizeof(float) == 0 &&
+                    ((uintptr_t)keys->data % sizeof(float)) == 0;
+    oc = PQC__ALIGN_UP(n * (size_t)g * sizeof(float));
+    op = oc + PQC__ALIGN_UP(n * sizeof(float));
+    os = op + PQC__ALIGN_UP(k * sizeof(uint32_t));
+    orow = os + PQC__ALIGN_UP(pqc__select_scratch(n));
+    bytes = orow + d * sizeof(float);
+    mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
+    if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_rerank: scratch allocation failed");
+    hs = (float *)mem;
+    comb = (float *)(mem + oc);
+    pos = (uint32_t *)(mem + op);
+    row = (float *)(mem + orow);
+    for (i = 0; i < n; i++) {
+        const float *kr = row;
+        if (direct) kr = (const float *)pqc__row(keys, cand[i]);
+        else pqc__row_to_f32(pqc__row(keys, cand[i]), keys->dtype, d, row);
+        if (check && !pqc__finite_row(kr, d)) {
+            pqc__free(pqc__rt_alloc(rt), tmpmem);
+            return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: key row %u holds NaN, Inf or a huge value",
+                             (unsigned)cand[i]);
+        }
+        pqc__k_rowdots(simd, kr, queries, (size_t)g, d, (int)d, hs + i * (size_t)g);
+    }
+    if (gqa == PQC_GQA_SUM) {
+        for (i = 0; i < n; i++) {
+            float a = 0.0f;
+            for (h = 0; h < g; h++) a += hs[i * (size_t)g + (size_t)h];
+            comb[i] = a;
+        }
+    } else {
+        memset(comb, 0, n * sizeof(float));
+        for (h = 0; h < g; h++) {
+            float mx = -INFINITY, z = 0.0f;
+            for (i = 0; i < n; i++) mx = hs[i * (size_t)g + (size_t)h] > mx ? hs[i * (size_t)g + (size_t)h] : mx;
+            for (i = 0; i < n; i++) {
+                float *e = &hs[i * (size_t)g + (size_t)h];
+                *e = expf((*e - mx) * scale);
+                z += *e;
+            }
+            for (i = 0; i < n; i++) comb[i] += hs[i * (size_t)g + (size_t)h] / z;
+        }
+    }
+    pqc__select(simd, comb, n, k, mem + os, pos, NULL);
+    /* pos is ascending, so pos[i] >= i: idx may overwrite cand in place */
+    for (i = 0; i < k; i++) {
+        if (scores) scores[i] = comb[pos[i]];
+        idx[i] = cand[pos[i]];
+    }
+    pqc__free(pqc__rt_alloc(rt), tmpmem);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_rerank(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
+                             const uint32_t *cand, size_t n, size_t k, pqc_scratch *scratch, uint32_t *idx,
+                             float *scores)
+{
+    pqc_result r;
+    size_t i;
+    if ((r = pqc__check_matrix(rt, keys, 0, "pqc_rerank keys")) != PQC_SUCCESS) return r;
+    if (!queries || !cand || !idx) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_rerank: null pointer");
+    if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_rerank: g = %d", g);
+    if (keys->cols > 65536) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_rerank: %zu columns", keys->cols);
+    if ((int)gqa < 0 || (int)gqa > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown gqa mode");
+    if (n == 0) return pqc__fail(rt, PQC_ERROR_EMPTY, "pqc_rerank: no candidates");
+    if (n > 0xffffffffu) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_rerank: more than 2^32 candidates");
+    if (k == 0 || k > n) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_rerank: k = %zu not in 1..%zu", k, n);
+    for (i = 0; i < n; i++)
+        if (cand[i] >= keys->rows || (i > 0 && cand[i] <= cand[i - 1]))
+            return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                             "pqc_rerank: candidate %zu (row %u) beyond %zu rows or not strictly ascending", i,
+                             (unsigned)cand[i], keys->rows);
+    if (!pqc__finite_row(queries, (size_t)g * keys->cols))
+        return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: query holds NaN, Inf or a huge value");
+    return pqc__rerank_impl(rt, keys, queries, g, gqa, cand, n, k, scratch, idx, scores, 1);
+}
+
+PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
+                                const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores)
+{
+    pqc_search_desc wide;
+    size_t first = 0, count = 0, kk;
+    pqc_gqa gqa = PQC_GQA_SOFTMAX_SUM;
+    pqc_result r;
+    uint32_t *cand;
+    if (!desc || desc->rerank == 0) return pqc__pq_search_impl(rt, pq, codes, queries, g, desc, scratch, idx, scores, NULL);
+    /* re-ranked: the PQ top ceil(rerank * k), scored again with the exact keys */
+    if ((r = pqc__search_prep(rt, pq, codes, queries, g, desc, &first, &count, &gqa)) != PQC_SUCCESS) return r;
+    if (!(desc->rerank >= 1.0 && desc->rerank <= 1e6))
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: rerank %g (0 = off, else 1..1e6)", desc->rerank);
+    if ((r = pqc__check_matrix(rt, desc->keys, (size_t)pq->dim, "pqc_pq_search rerank keys")) != PQC_SUCCESS) return r;
+    if (desc->keys->rows < codes->count)
+        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_pq_search: %zu exact keys for %zu coded tokens", desc->keys->rows,
+                         codes->count);
+    if (!idx) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_search: null idx");
+    if (desc->k == 0 || desc->k > count)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, count);
+    kk = (size_t)PQC__MIN(ceil(desc->rerank * (double)desc->k), (double)count);
+    cand = (uint32_t *)pqc__alloc(pqc__rt_alloc(rt), kk * sizeof(uint32_t));
+    if (!cand) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_search: %zu candidates", kk);
+    wide = *desc;
+    wide.k = kk;
+    r = pqc__pq_search_impl(rt, pq, codes, queries, g, &wide, scratch, cand, NULL, NULL);
+    if (r == PQC_SUCCESS) {
+        if (!pqc__finite_row(queries, (size_t)g * (size_t)pq->dim))
+            r = pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_search: query holds NaN, Inf or a huge value");
+        else r = pqc__rerank_impl(rt, desc->keys, queries, g, gqa, cand, kk, desc->k, scratch, idx, scores, 1);
+    }
+    pqc__free(pqc__rt_alloc(rt), cand);
+    return r;
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -3919,6 +4205,19 @@ typedef struct pqc__head {
     unsigned char *dev;   /* device tier: [slots][block_tokens][2][d] storage dtype */
     uint32_t *count_tmp;  /* per block: selected tokens this step */
     float *score;         /* per block: decayed count of selected tokens (admission filter) */
+    /* exact list (desc.outliers): coded mid tokens, ascending; the build's on_build first,
+       then up to `outliers` coded since: of those whose residual beats othr, the largest
+       residuals (ores, parallel to olist + on_build). olist: [2 * outliers] */
+    uint32_t *olist, *olist_new;
+    float *ores;
+    size_t on, on_build, on_new;
+    float othr, othr_new;
+    pqc_scratch cscratch; /* candidates of a select that scores exactly */
+    /* residual-aware scoring (desc.residual_weight): m bytes per coded token, [rq_cap][m],
+       and the norm of one step per sub-space; _new: from a build */
+    uint8_t *rq, *rq_new;
+    size_t rq_cap, rq_new_cap;
+    float *rscale, *rscale_new; /* [m] each */
 } pqc__head;
 
 #define PQC__OBS_KEEP 4 /* observed rows kept per layer to measure where attention goes */
@@ -3997,6 +4296,8 @@ struct pqc_cache {
     struct pqc__cut *cu;       /* the CUDA tier's state (only that tier's functions use it) */
     int in_step;               /* a driver decode step is running: drift commits at its end */
     size_t *takes;             /* [n_kv_heads] select: each head's top-k this step */
+    size_t *cands;             /* [n_kv_heads] select: each head's candidates to score exactly */
+    float *orow;               /* [3 d_h] the exact list's residual scratch (outliers > 0)  */
 };
 
 /* ----- device tiers ---------------------------------------------------------------------
@@ -4137,8 +4438,12 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     if (!(d.budget_ratio > 0 && d.budget_ratio <= 1e6) || !(d.recent_share >= 0 && d.recent_share <= 1) ||
         d.window < 0 || d.block_tokens < 1 || d.admit_blocks < 0 || d.admit_blocks > d.cache_blocks ||
         !(d.rebuild_share > 0) || d.max_tokens > 0xfffffff0u || (int)d.policy < 0 || (int)d.policy > 1 ||
-        (int)d.gqa < 0 || (int)d.gqa > 1 || d.codes_resident < 0 || d.codes_resident > 1)
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: a budget, window, block or policy setting is out of range");
+        (int)d.gqa < 0 || (int)d.gqa > 1 || d.codes_resident < 0 || d.codes_resident > 1 ||
+        !(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6)) || d.outliers < 0 || d.outliers > (1 << 24) ||
+        !(d.residual_weight >= 0 && d.residual_weight <= 1e6))
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                         "pqc_cache_create: a budget, window, block, policy, rerank, outliers or residual_weight "
+                         "setting is out of range");
     /* sinks or a window beyond the capacity are the whole sequence */
     if ((size_t)d.n_sink > d.max_tokens) d.n_sink = (int)d.max_tokens;
     if ((size_t)d.window > d.max_tokens) d.window = (int)d.max_tokens;
@@ -4182,8 +4487,10 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     c->row = c->es * (size_t)d.head_dim;
     c->window = d.window;
     c->layers = (pqc__layer *)pqc__calloc(&c->alloc, sizeof(pqc__layer) * (size_t)d.n_layers);
-    c->takes = (size_t *)pqc__alloc(&c->alloc, sizeof(size_t) * (size_t)d.n_kv_heads);
+    c->takes = (size_t *)pqc__alloc(&c->alloc, sizeof(size_t) * 2 * (size_t)d.n_kv_heads);
     if (!c->layers || !c->takes) goto oom;
+    c->cands = c->takes + d.n_kv_heads;
+    if (d.outliers > 0 && !(c->orow = (float *)pqc__alloc(&c->alloc, sizeof(float) * 3 * (size_t)d.head_dim))) goto oom;
     for (l = 0; l < d.n_layers; l++) {
         pqc__layer *L = &c->layers[l];
         int h;
@@ -4204,6 +4511,18 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         for (h = 0; h < d.n_kv_heads; h++) {
             pqc__head *H = &L->heads[h];
             H->scratch.alloc = c->alloc;
+            H->cscratch.alloc = c->alloc;
+            if (d.outliers > 0) {
+                H->olist = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->olist_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.outliers);
+                if (!H->olist || !H->olist_new || !H->ores) goto oom;
+            }
+            if (d.residual_weight > 0) {
+                H->rscale = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.pq.m);
+                if (!H->rscale) goto oom;
+                H->rscale_new = H->rscale + d.pq.m;
+            }
             if (d.cache_blocks > 0) {
                 int sl;
                 H->block_of = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * (size_t)d.cache_blocks);
@@ -4246,6 +4565,13 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
                     pqc_pq_free(&H->pq_new);
                     pqc_codes_free(&H->codes_new);
                     pqc_scratch_free(&H->scratch);
+                    pqc_scratch_free(&H->cscratch);
+                    pqc__free(&c->alloc, H->olist);
+                    pqc__free(&c->alloc, H->olist_new);
+                    pqc__free(&c->alloc, H->ores);
+                    pqc__free(&c->alloc, H->rq);
+                    pqc__free(&c->alloc, H->rq_new);
+                    pqc__free(&c->alloc, H->rscale < H->rscale_new ? H->rscale : H->rscale_new);
                     pqc__free(&c->alloc, H->slot_of);
                     pqc__free(&c->alloc, H->block_of);
                     pqc__free(&c->alloc, H->filled);
@@ -4271,6 +4597,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
         }
     pqc__free(&c->alloc, c->layers);
     pqc__free(&c->alloc, c->takes);
+    pqc__free(&c->alloc, c->orow);
     pqc_selection_free(&c->dsel);
     pqc__free(&c->alloc, c->sbuf);
     pqc__free(&c->alloc, c->dbuf);
@@ -4491,6 +4818,43 @@ static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *
     return PQC_SUCCESS;
 }
 
+/* How badly token t's code serves its key row (storage dtype): the squared residual,
+   each dim weighted by the codebook's metric when it has one. tmp: 3 d floats. */
+static float pqc__residual(const pqc_pq *pq, const pqc_codes *codes, size_t t, const void *krow, pqc_dtype dt,
+                           float *tmp)
+{
+    float acc = 0.0f, *w = tmp + pq->dim, *sub = w + pq->dim;
+    int j;
+    pqc__row_to_f32(krow, dt, (size_t)pq->dim, tmp);
+    for (j = 0; j < pq->m; j++) {
+        if (pq->metric) pqc__gather_sub(pq, pq->metric, j, w);
+        acc += pqc__sub_residual(pq, codes, t, tmp, j, pq->metric ? w : NULL, sub);
+    }
+    return acc;
+}
+
+/* The build's exact list: its `outliers` coded tokens of largest residual (ascending). */
+static pqc_result pqc__pick_outliers(pqc_cache *c, pqc__head *H, const pqc_matrix *keys)
+{
+    size_t n = H->codes_new.count, k = PQC__MIN((size_t)c->d.outliers, n), t, bytes;
+    float *res, *row, mn = INFINITY;
+    H->on_new = 0;
+    H->othr_new = INFINITY;
+    if (k == 0) return PQC_SUCCESS;
+    bytes = PQC__ALIGN_UP((n + 3 * (size_t)c->d.head_dim) * sizeof(float)) + pqc__select_scratch(n);
+    res = (float *)pqc__alloc(&c->alloc, bytes);
+    if (!res) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "exact list: residuals of %zu tokens", n);
+    row = res + n;
+    for (t = 0; t < n; t++) res[t] = pqc__residual(&H->pq_new, &H->codes_new, t, pqc__row(keys, t), keys->dtype, row);
+    pqc__select(pqc__simd(c->rt), res, n, k, (unsigned char *)res + PQC__ALIGN_UP((n + 3 * (size_t)c->d.head_dim) * sizeof(float)),
+                H->olist_new, NULL);
+    for (t = 0; t < k; t++) mn = res[H->olist_new[t]] < mn ? res[H->olist_new[t]] : mn;
+    H->on_new = k;
+    H->othr_new = mn;
+    pqc__free(&c->alloc, res);
+    return PQC_SUCCESS;
+}
+
 /* background build of one (layer, head): train on mid tokens, then code them */
 static void pqc__build_job(void *arg)
 {
@@ -4509,12 +4873,24 @@ static void pqc__build_job(void *arg)
     if (r == PQC_SUCCESS)
         r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, c->tier->codes_alloc(c));
     if (r == PQC_SUCCESS) r = pqc__pq_encode_nested(c->rt, &H->pq_new, &keys, &H->codes_new);
+    if (r == PQC_SUCCESS && c->d.outliers > 0) r = pqc__pick_outliers(c, H, &keys);
+    if (r == PQC_SUCCESS && c->d.residual_weight > 0) {
+        size_t cap = b->n_keys + 256;
+        int j;
+        H->rq_new = (uint8_t *)pqc__alloc(&c->alloc, cap * (size_t)c->d.pq.m);
+        H->rq_new_cap = cap;
+        for (j = 0; j < c->d.pq.m; j++) H->rscale_new[j] = 0.0f;
+        if (!H->rq_new) r = pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "residual norms of %zu tokens", b->n_keys);
+        else r = pqc_pq_residuals(c->rt, &H->pq_new, &H->codes_new, 0, &keys, H->rscale_new, H->rq_new);
+    }
     if (r == PQC_SUCCESS && b->n_obs > 0 && (r = pqc__observed_mass(c, b, b->mass, b->hist)) != PQC_SUCCESS)
         pqc__fail(c->rt, r, "observed attention: allocation failed");
     if (r != PQC_SUCCESS) {
         snprintf(b->err, sizeof b->err, "layer %d head %d: %.150s", b->layer, b->head, pqc_last_error());
         pqc_pq_free(&H->pq_new);
         pqc_codes_free(&H->codes_new);
+        pqc__free(&c->alloc, H->rq_new);
+        H->rq_new = NULL;
     }
     b->res = r;
     b->seconds = pqc__now() - t0;
@@ -4572,6 +4948,50 @@ static void pqc__start_build(pqc_cache *c, int l)
     }
 }
 
+/* Offers coded token t to head H's exact list (tokens coded since the build): above the
+   build's smallest residual it joins, evicting the smallest of a full list if it beats
+   it. The list is a function of the tokens offered in order, so it can be replayed. */
+static void pqc__olist_offer(const pqc_cache *c, pqc__head *H, size_t t)
+{
+    size_t ne = H->on - H->on_build, i, mi = 0;
+    float r = pqc__residual(&H->pq, &H->codes, t, H->k + ((size_t)c->d.n_sink + t) * c->row, c->d.kv_dtype, c->orow);
+    if (!(r > H->othr)) return;
+    if (ne == (size_t)c->d.outliers) {
+        for (i = 1; i < ne; i++) mi = H->ores[i] < H->ores[mi] ? i : mi;
+        if (!(r > H->ores[mi])) return;
+        for (i = mi; i + 1 < ne; i++) { /* out, keeping the index order */
+            H->olist[H->on_build + i] = H->olist[H->on_build + i + 1];
+            H->ores[i] = H->ores[i + 1];
+        }
+        H->on--;
+        ne--;
+    }
+    H->olist[H->on++] = (uint32_t)t;
+    H->ores[ne] = r;
+}
+
+/* The exact lists after the codes from `keep` on were dropped: the build's list loses
+   those tokens; a list of tokens coded since that held any is replayed from the build's
+   end to keep, as if the dropped tokens had never been coded. */
+static void pqc__olist_truncate(pqc_cache *c, pqc__layer *L, size_t keep)
+{
+    int h;
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        size_t i, t, nb = H->on_build;
+        int replay = 0;
+        while (nb > 0 && H->olist[nb - 1] >= keep) nb--;
+        if (nb < H->on_build) { /* keep lies inside the build's tokens: none coded since remain */
+            H->on_build = H->on = nb;
+            continue;
+        }
+        for (i = H->on_build; i < H->on; i++) replay |= H->olist[i] >= keep;
+        if (!replay) continue;
+        H->on = H->on_build;
+        for (t = L->n_trained; t < keep; t++) pqc__olist_offer(c, H, t);
+    }
+}
+
 /* Forgets the codes of mid tokens from `keep` on, in every head. */
 static void pqc__codes_truncate(pqc_cache *c, int l, size_t keep)
 {
@@ -4579,6 +4999,7 @@ static void pqc__codes_truncate(pqc_cache *c, int l, size_t keep)
     int h;
     if (keep >= L->n_coded) return;
     for (h = 0; h < c->d.n_kv_heads; h++) pqc__codes_drop(&L->heads[h].codes, keep);
+    if (c->d.outliers > 0) pqc__olist_truncate(c, L, keep);
     L->n_coded = keep;
 }
 
@@ -4590,6 +5011,18 @@ static pqc_result pqc__code_pending(pqc_cache *c, int l, size_t n_tokens)
     size_t end = pqc__mid_count(c, n_tokens), from = L->n_coded;
     int h;
     if (L->building || end <= from || L->heads[0].pq.m == 0) return PQC_SUCCESS;
+    for (h = 0; c->d.residual_weight > 0 && h < c->d.n_kv_heads; h++) { /* room for the residual bytes */
+        pqc__head *H = &L->heads[h];
+        size_t m = (size_t)c->d.pq.m, cap = end + end / 8 + 256;
+        uint8_t *nb;
+        if (end <= H->rq_cap) continue;
+        if (!(nb = (uint8_t *)pqc__alloc(&c->alloc, cap * m)))
+            return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "residual norms of %zu tokens", end);
+        if (from) memcpy(nb, H->rq, from * m);
+        pqc__free(&c->alloc, H->rq);
+        H->rq = nb;
+        H->rq_cap = cap;
+    }
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
         pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink + from, (size_t)c->d.n_sink + end);
@@ -4600,6 +5033,21 @@ static pqc_result pqc__code_pending(pqc_cache *c, int l, size_t n_tokens)
             for (g = 0; g < h; g++) pqc__codes_drop(&L->heads[g].codes, from); /* undo: all heads or none */
             return r;
         }
+    }
+    for (h = 0; c->d.residual_weight > 0 && h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink + from, (size_t)c->d.n_sink + end);
+        pqc_result r = pqc_pq_residuals(c->rt, &H->pq, &H->codes, from, &keys, H->rscale, H->rq + from * (size_t)c->d.pq.m);
+        if (r != PQC_SUCCESS) {
+            int g;
+            for (g = 0; g < c->d.n_kv_heads; g++) pqc__codes_drop(&L->heads[g].codes, from);
+            return r;
+        }
+    }
+    if (c->d.outliers > 0) { /* tokens the codebook serves badly join the exact list */
+        size_t t;
+        for (h = 0; h < c->d.n_kv_heads; h++)
+            for (t = from; t < end; t++) pqc__olist_offer(c, &L->heads[h], t);
     }
     L->n_coded = end;
     return PQC_SUCCESS;
@@ -4624,6 +5072,8 @@ static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
             for (h = 0; h < c->d.n_kv_heads; h++) {
                 pqc_pq_free(&L->heads[h].pq_new);
                 pqc_codes_free(&L->heads[h].codes_new);
+                pqc__free(&c->alloc, L->heads[h].rq_new);
+                L->heads[h].rq_new = NULL;
             }
             return PQC_ERROR_JOB_FAILED;
         }
@@ -4638,6 +5088,22 @@ static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
         pqc_codes_free(&H->codes);
         H->pq = H->pq_new;
         H->codes = H->codes_new;
+        if (c->d.residual_weight > 0) {
+            float *sc = H->rscale;
+            pqc__free(&c->alloc, H->rq);
+            H->rq = H->rq_new;
+            H->rq_cap = H->rq_new_cap;
+            H->rq_new = NULL;
+            H->rscale = H->rscale_new;
+            H->rscale_new = sc;
+        }
+        if (c->d.outliers > 0) {
+            uint32_t *ol = H->olist;
+            H->olist = H->olist_new;
+            H->olist_new = ol;
+            H->on = H->on_build = H->on_new;
+            H->othr = H->othr_new;
+        }
         if (L->builds[h].n_obs > 0) {
             L->omass[2 * h] = L->builds[h].mass[0];
             L->omass[2 * h + 1] = L->builds[h].mass[1];
@@ -4680,6 +5146,8 @@ static void pqc__layer_truncate(pqc_cache *c, int l, size_t n, const pqc_layer_s
         for (h = 0; h < c->d.n_kv_heads; h++) {
             pqc_pq_free(&L->heads[h].pq_new);
             pqc_codes_free(&L->heads[h].codes_new);
+            pqc__free(&c->alloc, L->heads[h].rq_new);
+            L->heads[h].rq_new = NULL;
         }
         L->building = 0;
     }
@@ -4909,10 +5377,78 @@ typedef struct pqc__sel_job {
                     largest of the heads' takes) */
     const size_t *takes; /* [n_kv_heads] each head's top-k, at most take */
     int search;  /* 0 < take < coded: PQ search */
+    int exact;   /* the candidates are scored again exactly (rerank or an exact list) */
+    const size_t *cands; /* exact: [n_kv_heads] each head's PQ candidates, takes <= cands <= coded */
+    size_t ctake;        /* the largest of cands (or take): the device's top-k per head */
     pqc_result *head_res;
-    const int32_t *gpu_idx; /* the device tier's top-k, [n_kv_heads][take], or NULL */
+    const int32_t *gpu_idx; /* the device tier's top-k, [n_kv_heads][ctake], or NULL */
     const float *gpu_sc;    /* their scores, when a head takes fewer */
 } pqc__sel_job;
+
+/* residual-aware scoring of a head's search, when the cache has it */
+static void pqc__residual_desc(const pqc_cache *c, const pqc__head *H, pqc_search_desc *sd)
+{
+    if (c->d.residual_weight <= 0) return;
+    sd->residuals = H->rq;
+    sd->residual_scale = H->rscale;
+    sd->residual_weight = (float)c->d.residual_weight;
+}
+
+/* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
+   or the host's top cands, or every coded token) merged with its exact list, scored with
+   the stored keys, the best takes kept (coded indices, ascending) into out. */
+static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
+{
+    pqc_cache *c = j->c;
+    pqc__layer *L = &c->layers[j->layer];
+    pqc__head *H = &L->heads[hi];
+    size_t nc = j->cands[hi], no = H->on, coded = L->n_coded, t, a, b, nm;
+    uint32_t *cb, *mg;
+    void *tmp;
+    pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + coded);
+    pqc_result r = PQC_SUCCESS;
+    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no) * sizeof(uint32_t), &tmp);
+    if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
+    mg = cb + nc + no;
+    if (nc >= coded) {
+        for (t = 0; t < coded; t++) cb[t] = (uint32_t)t;
+        nc = coded;
+    } else if (j->gpu_idx) {
+        const int32_t *g = j->gpu_idx + hi * j->ctake;
+        if (nc < j->ctake) { /* the best nc of the device's top ctake, by score */
+            r = pqc_topk(c->rt, j->gpu_sc + hi * j->ctake, j->ctake, nc, &H->scratch, cb, NULL);
+            for (t = 0; r == PQC_SUCCESS && t < nc; t++) cb[t] = (uint32_t)g[cb[t]];
+        } else {
+            for (t = 0; t < nc; t++) cb[t] = (uint32_t)g[t];
+        }
+    } else {
+        pqc_search_desc sd;
+        memset(&sd, 0, sizeof sd);
+        sd.k = nc;
+        sd.gqa = c->d.gqa;
+        sd.count = coded;
+        pqc__residual_desc(c, H, &sd);
+        r = pqc__pq_search_impl(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, &H->scratch, cb,
+                                NULL, NULL);
+    }
+    if (r == PQC_SUCCESS) { /* merge with the exact list (both ascending) */
+        a = b = nm = 0;
+        while (a < nc || b < no) {
+            uint32_t x = a < nc ? cb[a] : 0xffffffffu, y = b < no ? H->olist[b] : 0xffffffffu;
+            if (b < no && y >= coded) { /* listed but not coded now (cannot happen; kept safe) */
+                b++;
+                continue;
+            }
+            mg[nm++] = x <= y ? x : y;
+            a += x <= y;
+            b += y <= x;
+        }
+        r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->d.gqa, mg, nm, j->takes[hi],
+                             &H->scratch, out, NULL, 0);
+    }
+    pqc__free(&c->alloc, tmp);
+    return r;
+}
 
 static void pqc__select_head(void *ctx, size_t hi)
 {
@@ -4927,6 +5463,14 @@ static void pqc__select_head(void *ctx, size_t hi)
     if (j->search && j->takes[hi] == 0) {
         /* the adaptive split gave this head none of the layer's top-k (a total of under 4
            per head leaves no floor): sinks, uncoded tokens and window only */
+    } else if (j->search && j->exact) {
+        pqc_result r = pqc__select_exact(j, hi, out + o);
+        if (r != PQC_SUCCESS) {
+            j->head_res[hi] = r;
+            return;
+        }
+        for (t = 0; t < j->takes[hi]; t++) out[o + t] += (uint32_t)c->d.n_sink;
+        o += j->takes[hi];
     } else if (j->search && j->gpu_idx && j->takes[hi] < j->take) {
         /* the head's best takes[hi] of the device's top `take`, by score (ties to the lower
            token: the candidates are ascending), ascending */
@@ -4950,6 +5494,7 @@ static void pqc__select_head(void *ctx, size_t hi)
         sd.gqa = c->d.gqa;
         sd.first = 0;
         sd.count = L->n_coded;
+        pqc__residual_desc(c, H, &sd);
         r = pqc_pq_search(c->rt, &H->pq, &H->codes, j->q + (size_t)h * c->g * c->d.head_dim, c->g, &sd, &H->scratch,
                           out + o, NULL);
         if (r != PQC_SUCCESS) {
@@ -5120,6 +5665,16 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.take = pqc__head_takes(c, L, j.take, c->takes);
     j.takes = c->takes;
     j.search = j.take > 0 && j.take < L->n_coded;
+    /* exact scoring: each head's candidates are its top ceil(rerank x takes) by PQ score */
+    j.exact = j.search && (c->d.rerank > 0 || c->d.outliers > 0);
+    j.cands = c->cands;
+    j.ctake = j.take;
+    if (j.exact)
+        for (h = 0, j.ctake = 0; h < c->d.n_kv_heads; h++) {
+            double want = c->d.rerank > 0 ? ceil(c->d.rerank * (double)c->takes[h]) : (double)c->takes[h];
+            c->cands[h] = want >= (double)L->n_coded ? L->n_coded : (size_t)want;
+            if (c->cands[h] > j.ctake) j.ctake = c->cands[h];
+        }
     j.c = c;
     j.layer = layer;
     j.q = q;
@@ -5129,8 +5684,12 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
     j.gpu_sc = NULL;
-    for (h = 0, trim = 0; h < c->d.n_kv_heads; h++) trim |= c->takes[h] < j.take; /* a head takes fewer */
-    if (j.search && (r = c->tier->search(c, layer, q, j.take, trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
+    for (h = 0, trim = 0; h < c->d.n_kv_heads; h++) /* a head takes fewer */
+        trim |= (j.exact ? c->cands[h] : c->takes[h]) < j.ctake;
+    /* candidates covering every coded token need no search (the host lists them); the
+       device kernels do not add residual terms (the host searches then) */
+    if (j.search && j.ctake < L->n_coded && c->d.residual_weight <= 0 &&
+        (r = c->tier->search(c, layer, q, j.ctake, trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
         return r;
     }

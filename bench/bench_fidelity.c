@@ -23,6 +23,18 @@
                 decode query's energy where the metric did not look and rebuilds with the
                 decode query's metric; the figures are those of the select after that
                 rebuild (search path: the codebook trained with the decode query's metric)
+      bands / q-bands  sub-spaces of rope bands (pqc_pq_desc.subspaces), Euclidean / with
+                the metric and the RoPE layout stated
+      q-rerank2 q-metric, then the PQ top 2k scored again with the exact keys and the best
+                k kept (pqc_search_desc.rerank, pqc_cache_desc.rerank = 2)
+      q-outl    q-metric plus an exact list of 64 tokens per head, those of largest
+                metric-weighted residual, merged with the PQ top-k and scored exactly
+                (pqc_cache_desc.outliers = 64; the search path builds the same list)
+      q-rr2+outl  both
+      q-resid   q-metric with residual-aware scoring: each token's two residual norms
+                (one byte per sub-space, under the metric, pqc_pq_residuals) and each
+                head's score plus 0.15 x sum_j |q_j| |r_j| (the query's norm under the
+                inverse metric; pqc_cache_desc.residual_weight = 0.15)
 
    1. Search path: pqc_pq_train + pqc_pq_encode + pqc_pq_search (softmax-sum, k = s/10)
       for each setting, against exact top-k (pqc_exact_search, same k):
@@ -65,10 +77,14 @@
 
 #include "bench_util.h"
 
-enum { N_SETTINGS = 13, N_LEVELS = 3, N_SETS = 12, N_SINK = 32, MAXREPS = 31, N_OBS = 16 };
+enum { N_SETTINGS = 17, N_LEVELS = 3, N_SETS = 12, N_SINK = 32, MAXREPS = 31, N_OBS = 16 };
 /* bands: sub-spaces of rope bands (pqc_pq_desc.subspaces), Euclidean; q-bands: the same
    with the metric, the RoPE layout stated (the cache then ties the weights within pairs) */
-enum { T_PLAIN, T_METRIC, T_UNREL, T_DRIFT, T_BANDS, T_QBANDS, N_TECH };
+enum { T_PLAIN, T_METRIC, T_UNREL, T_DRIFT, T_BANDS, T_QBANDS, T_RERANK, T_OUTL, T_RROUT, T_RESID, N_TECH };
+#define IS_BANDS(t) ((t) == T_BANDS || (t) == T_QBANDS)
+#define RERANK 2.0  /* q-rerank2: the PQ top 2k scored again with the exact keys */
+#define OUTLIERS 64 /* q-outl: the exact list of each head (desc.outliers)      */
+#define RESID 0.15f /* q-resid: residual-aware scoring's weight (desc.residual_weight) */
 
 typedef struct setting {
     const char *name;
@@ -79,6 +95,8 @@ typedef struct setting {
 static const setting settings[N_SETTINGS] = {
     {"m2b6 plain", 2, 6, T_PLAIN},   {"m2b6 q-metric", 2, 6, T_METRIC}, {"m2b6 q-unrel", 2, 6, T_UNREL},
     {"m2b6 q-drift", 2, 6, T_DRIFT}, {"m2b6 bands", 2, 6, T_BANDS}, {"m2b6 q-bands", 2, 6, T_QBANDS},
+    {"m2b6 q-rerank2", 2, 6, T_RERANK}, {"m2b6 q-outl", 2, 6, T_OUTL}, {"m2b6 q-rr2+outl", 2, 6, T_RROUT},
+    {"m2b6 q-resid", 2, 6, T_RESID},
     {"m2b8 plain", 2, 8, T_PLAIN},   {"m2b8 q-metric", 2, 8, T_METRIC}, {"m4b8 plain", 4, 8, T_PLAIN},
     {"m4b8 q-metric", 4, 8, T_METRIC}, {"m16b4 plain", 16, 4, T_PLAIN}, {"m16b4 q-metric", 16, 4, T_METRIC},
     {"m8b8 plain", 8, 8, T_PLAIN},
@@ -168,7 +186,29 @@ static double overlap(const unsigned char *ref, const uint32_t *idx, size_t n)
 
 static double bytes_per_token(const setting *st, size_t tokens)
 {
-    return st->m * st->bits / 8.0 + (double)((size_t)1 << st->bits) * HK_D * sizeof(float) / (double)tokens;
+    double b = st->m * st->bits / 8.0 + (double)((size_t)1 << st->bits) * HK_D * sizeof(float) / (double)tokens;
+    if (st->tech == T_OUTL || st->tech == T_RROUT) b += 16.0 * OUTLIERS / (double)tokens; /* 2 lists of 2 x OUTLIERS */
+    if (st->tech == T_RESID) b += st->m + 4.0 * st->m / (double)tokens; /* a byte per sub-space, the scales */
+    return b;
+}
+
+/* the search path's exact list: the OUTLIERS tokens of largest (metric-weighted) residual */
+static void worst_served(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *keys, size_t s,
+                         pqc_scratch *scr, float *res, uint32_t *out)
+{
+    float dec[HK_D];
+    size_t t;
+    int e;
+    for (t = 0; t < s; t++) {
+        double a = 0;
+        if (pqc_pq_decode(pq, codes, t, dec)) die("decode");
+        for (e = 0; e < HK_D; e++) {
+            double r = keys[t * HK_D + e] - dec[e];
+            a += (pq->metric ? pq->metric[e] : 1.0) * r * r;
+        }
+        res[t] = (float)a;
+    }
+    if (pqc_topk(rt, res, s, OUTLIERS, scr, out, NULL)) die("outliers");
 }
 
 static void print_rule(int n)
@@ -188,7 +228,9 @@ int main(int argc, char **argv)
     dataset *sets;
     double *p, tt[MAXREPS], t_all = now();
     float *sc;
-    uint32_t *exact_idx, *idx, *oracle;
+    uint32_t *exact_idx, *idx, *oracle, *merged, outl[OUTLIERS];
+    uint8_t *resb;
+    float rscale[2];
     unsigned char *in_ref, *in_sel;
     float *all_k, *all_obs, *all_q, *all_p; /* section 5: every data set as a head */
     hardkeys *all_hk;
@@ -229,6 +271,8 @@ int main(int argc, char **argv)
     sc = (float *)xcalloc(s, sizeof *sc);
     exact_idx = (uint32_t *)xcalloc(s, sizeof *exact_idx);
     idx = (uint32_t *)xcalloc(s, sizeof *idx);
+    merged = (uint32_t *)xcalloc(s + OUTLIERS, sizeof *merged);
+    resb = (uint8_t *)xcalloc(s, 2);
     oracle = (uint32_t *)xcalloc(s, sizeof *oracle);
     in_ref = (unsigned char *)xcalloc(s, 1);
     in_sel = (unsigned char *)xcalloc(s, 1);
@@ -312,9 +356,9 @@ int main(int argc, char **argv)
             pd.bits = st->bits;
             pd.iters = 10;
             pd.seed = 1;
-            pd.metric = st->tech == T_METRIC || st->tech == T_QBANDS ? w_obs : st->tech == T_UNREL ? w_unrel
-                      : st->tech == T_DRIFT ? w_dec : NULL;
-            if (st->tech >= T_BANDS) {
+            pd.metric = st->tech == T_PLAIN || st->tech == T_BANDS ? NULL : st->tech == T_UNREL ? w_unrel
+                      : st->tech == T_DRIFT ? w_dec : w_obs;
+            if (IS_BANDS(st->tech)) {
                 pd.rope = ds->layout == HK_HALF ? PQC_ROPE_HALF : PQC_ROPE_INTERLEAVED;
                 pd.subspaces = PQC_SUBSPACES_ROPE_BANDS;
             }
@@ -326,9 +370,41 @@ int main(int argc, char **argv)
             }
             res->train_ns = median(tt, reps) * 1e9 / (double)s;
             if (pqc_codes_init(&codes, &pq, s, NULL) || pqc_pq_encode(rt, &pq, &keys, &codes)) die("encode");
+            if (st->tech == T_OUTL || st->tech == T_RROUT) worst_served(rt, &pq, &codes, hk.keys, s, &scr, sc, outl);
+            if (st->tech == T_RESID) {
+                rscale[0] = rscale[1] = 0;
+                if (pqc_pq_residuals(rt, &pq, &codes, 0, &keys, rscale, resb)) die("residuals");
+            }
             for (r = 0; r < reps; r++) {
                 double t0 = now();
-                if (pqc_pq_search(rt, &pq, &codes, hk.queries, HK_G, &sd, &scr, idx, NULL)) die("search");
+                if (st->tech == T_OUTL || st->tech == T_RROUT) {
+                    /* the PQ candidates merged with the exact list, scored exactly */
+                    pqc_search_desc wd = sd;
+                    size_t a = 0, b = 0, nm = 0;
+                    wd.k = st->tech == T_RROUT ? (size_t)(RERANK * (double)k) : k;
+                    if (pqc_pq_search(rt, &pq, &codes, hk.queries, HK_G, &wd, &scr, idx, NULL)) die("search");
+                    while (a < wd.k || b < OUTLIERS) {
+                        uint32_t x = a < wd.k ? idx[a] : 0xffffffffu, y = b < OUTLIERS ? outl[b] : 0xffffffffu;
+                        merged[nm++] = x <= y ? x : y;
+                        a += x <= y;
+                        b += y <= x;
+                    }
+                    if (pqc_rerank(rt, &keys, hk.queries, HK_G, PQC_GQA_SOFTMAX_SUM, merged, nm, k, &scr, idx, NULL))
+                        die("rerank");
+                } else if (st->tech == T_RESID) {
+                    pqc_search_desc wd = sd;
+                    wd.residuals = resb;
+                    wd.residual_scale = rscale;
+                    wd.residual_weight = RESID;
+                    if (pqc_pq_search(rt, &pq, &codes, hk.queries, HK_G, &wd, &scr, idx, NULL)) die("search");
+                } else if (st->tech == T_RERANK) {
+                    pqc_search_desc wd = sd;
+                    wd.rerank = RERANK;
+                    wd.keys = &keys;
+                    if (pqc_pq_search(rt, &pq, &codes, hk.queries, HK_G, &wd, &scr, idx, NULL)) die("search");
+                } else if (pqc_pq_search(rt, &pq, &codes, hk.queries, HK_G, &sd, &scr, idx, NULL)) {
+                    die("search");
+                }
                 tt[r] = now() - t0;
             }
             res->search_ns = median(tt, reps) * 1e9 / (double)s;
@@ -362,7 +438,10 @@ int main(int argc, char **argv)
             cd.pq.iters = 10;
             cd.pq.seed = 1;
             cd.metric = st->tech == T_PLAIN || st->tech == T_BANDS ? PQC_METRIC_L2 : PQC_METRIC_QUERY;
-            if (st->tech >= T_BANDS) {
+            if (st->tech == T_RERANK || st->tech == T_RROUT) cd.rerank = RERANK;
+            if (st->tech == T_OUTL || st->tech == T_RROUT) cd.outliers = OUTLIERS;
+            if (st->tech == T_RESID) cd.residual_weight = RESID;
+            if (IS_BANDS(st->tech)) {
                 cd.pq.rope = ds->layout == HK_HALF ? PQC_ROPE_HALF : PQC_ROPE_INTERLEAVED;
                 cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
             }
@@ -567,9 +646,9 @@ int main(int argc, char **argv)
     if (!f) fprintf(stderr, "bench_fidelity: cannot write %s; the summary is printed only\n", out_path);
     if (f) {
         fprintf(f, "# bench_fidelity, s = %zu, k = %zu: means over the 4 data sets of each level\n", s, k);
-        fprintf(f, "# blocks (gnuplot index i = path*18 + level*6 + technique): path 0 search, 1 cache;\n");
+        fprintf(f, "# blocks (gnuplot index i = path*30 + level*10 + technique): path 0 search, 1 cache;\n");
         fprintf(f, "# level 0 easy, 1 medium, 2 hard; technique 0 plain, 1 q-metric, 2 q-unrel, 3 q-drift,\n"
-                   "# 4 bands, 5 q-bands\n");
+                   "# 4 bands, 5 q-bands, 6 q-rerank2, 7 q-outl, 8 q-rr2+outl, 9 q-resid\n");
         fprintf(f, "# columns: bytes_per_token mass_sel mass_ref mass_recall(sel/ref) recall rare_kept rare_ref setting\n");
     }
     printf("\nSummary: means over the 4 data sets of each level (mass recall = mass sel / mass ref;\n"
@@ -620,6 +699,8 @@ int main(int argc, char **argv)
     free(sc);
     free(exact_idx);
     free(idx);
+    free(merged);
+    free(resb);
     free(oracle);
     free(in_ref);
     free(in_sel);

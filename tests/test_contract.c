@@ -688,7 +688,8 @@ static uint64_t fold_kv(uint64_t h, const pqc_selection *sel, const pqc_kv_out *
 }
 
 /* The scenario: a runtime, a 2-layer fp16 cache with prompt, chunked prompt, decode steps
-   with select and gather, a second turn; and a driver-run fp32 cache with row pointers.
+   with select and gather, a second turn (re-ranked, with exact lists); and a driver-run
+   fp32 cache with row pointers (exact lists, residual-aware scoring).
    Returns 0 when it ran to the end (with retries), -1 when a call failed for good. */
 static int scenario(scen *S)
 {
@@ -723,6 +724,8 @@ static int scenario(scen *S)
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
     cd.rebuild_share = 0.3;
+    cd.rerank = 2; /* exact scoring: the failures inside it, and exact lists given back */
+    cd.outliers = 4;
     if (pqc_runtime_create(&rd, &rt) != PQC_SUCCESS) goto early;
     if (pqc_cache_create(rt, &cd, &a) != PQC_SUCCESS) goto early;
     if (pqc_selection_init(a, &sel) != PQC_SUCCESS) goto early;
@@ -745,6 +748,8 @@ static int scenario(scen *S)
     cd = small_desc(2, 1, 2, 16);
     cd.n_sink = 2;
     cd.budget_ratio = 0.3;
+    cd.outliers = 3;
+    cd.residual_weight = 0.15;
     if (pqc_cache_create(rt, &cd, &b) != PQC_SUCCESS) goto early;
     eng_init(&e, &en, 1, 2, 16);
     e.accepts_row_pointers = 1;

@@ -257,8 +257,11 @@ typedef struct shape {
     int observe;  /* queries observed before the prompt: the builds code with a metric
                      (KV head 1's observations are zero: it stays Euclidean) */
     int bands;    /* 1: sub-spaces of rope bands over the half-split layout */
+    double rerank; /* desc.rerank */
+    int outliers;  /* desc.outliers */
+    double resid;  /* desc.residual_weight */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0 };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0 };
 
 /* the same observations on both caches: rows whose energy sits in a few dimensions */
 static int observe_both(pair *p, int layers, int hkv, int hq, int d)
@@ -292,6 +295,9 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.pq.m = sh->m;
     cd.pq.bits = sh->bits;
     cd.codes_resident = sh->resident;
+    cd.rerank = sh->rerank;
+    cd.outliers = sh->outliers;
+    cd.residual_weight = sh->resid;
     if (sh->bands) {
         cd.pq.rope = PQC_ROPE_HALF;
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
@@ -379,7 +385,7 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0 };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0 };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* three layers through two code buffers: every select finds its codes prefetched */
@@ -419,6 +425,39 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     sh.observe = 1;
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
+}
+/* exact scoring on the host of the device's candidates: re-ranked (the device's top
+   2 x k, trimmed per head by score under the adaptive split), and with exact lists */
+TEST decode_matches_cpu_rerank(void)
+{
+    shape sh = g_small;
+    sh.rerank = 2.0;
+    sh.observe = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
+}
+TEST decode_matches_cpu_exact_list(void)
+{
+    shape sh = g_small;
+    sh.outliers = 16;
+    sh.steps = 6;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
+}
+TEST decode_matches_cpu_rerank_exact_list_resident(void)
+{
+    shape sh = g_small;
+    sh.rerank = 3.0;
+    sh.outliers = 16;
+    sh.resident = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_BF16, &sh);
+}
+/* residual-aware scoring: the host searches for the device tier */
+TEST decode_matches_cpu_residual_scoring(void)
+{
+    shape sh = g_small;
+    sh.resid = 0.15;
+    sh.observe = 1;
+    sh.steps = 6;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
 /* every layer's codes resident in device memory */
 TEST decode_matches_cpu_sum_bf16_resident(void)
@@ -917,6 +956,10 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_with_metric_softmax);
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
+    RUN_TEST(decode_matches_cpu_rerank);
+    RUN_TEST(decode_matches_cpu_exact_list);
+    RUN_TEST(decode_matches_cpu_rerank_exact_list_resident);
+    RUN_TEST(decode_matches_cpu_residual_scoring);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_allocation_failure);

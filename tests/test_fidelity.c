@@ -788,6 +788,515 @@ TEST adaptive_split_may_give_a_head_no_top_k(void)
     PASS();
 }
 
+/* ----- re-ranking and the exact list ------------------------------------------------- */
+
+/* Re-ranking every row is the exact search: the candidates are all the tokens, so the
+   softmax over them is the exact one. Through pqc_rerank (idx overwriting the candidates)
+   and through pqc_pq_search with a rerank factor that covers every coded token. */
+TEST rerank_over_every_row_is_the_exact_search(void)
+{
+    hardkeys hk;
+    pqc_scratch scr;
+    pqc_matrix keys;
+    uint32_t *ex = (uint32_t *)malloc(sizeof(uint32_t) * S), *id = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    float *exs = (float *)malloc(sizeof(float) * S), *ids = (float *)malloc(sizeof(float) * S);
+    int gq;
+    size_t t;
+    ASSERT(ex && id && exs && ids);
+    memset(&scr, 0, sizeof scr);
+    ASSERT_EQ(0, make_hard(&hk, 1, 0));
+    keys = pqc_matrix_f32(hk.keys, S, D);
+    for (gq = 0; gq < 2; gq++) {
+        pqc_search_desc sd;
+        pqc_pq_desc d = pq_desc(2, 6);
+        pqc_pq pq;
+        pqc_codes codes;
+        double rc;
+        memset(&sd, 0, sizeof sd);
+        sd.k = S / 10;
+        sd.gqa = (pqc_gqa)gq;
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &keys, hk.queries, G, &sd, &scr, ex, exs));
+        for (t = 0; t < S; t++) id[t] = (uint32_t)t;
+        ASSERT_EQ(PQC_SUCCESS, pqc_rerank(NULL, &keys, hk.queries, G, sd.gqa, id, S, sd.k, &scr, id, ids));
+        rc = pqc_recall(ex, sd.k, id, sd.k);
+        ASSERT(rc >= 0.999); /* float rounding may swap a boundary tie */
+        for (t = 1; t < sd.k; t++) ASSERT(id[t] > id[t - 1]);
+        if (gq == PQC_GQA_SOFTMAX_SUM) /* the same probabilities, up to rounding */
+            for (t = 0; t < sd.k; t++)
+                if (id[t] == ex[t]) ASSERT_IN_RANGE(exs[t], ids[t], 1e-3f * exs[t] + 1e-9f);
+        /* the PQ core with a factor covering every token */
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+        ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, S, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
+        sd.rerank = 1e6;
+        sd.keys = &keys;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+        ASSERT(pqc_recall(ex, sd.k, id, sd.k) >= 0.999);
+        /* a factor of 1 re-orders nothing it did not find: a subset of the plain search */
+        sd.rerank = 1;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+        sd.rerank = 0;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, ex, NULL));
+        ASSERT_EQ(1.0, pqc_recall(ex, sd.k, id, sd.k));
+        pqc_codes_free(&codes);
+        pqc_pq_free(&pq);
+    }
+    hk_free(&hk);
+    pqc_scratch_free(&scr);
+    free(ex);
+    free(id);
+    free(exs);
+    free(ids);
+    PASS();
+}
+
+TEST rerank_misuse_is_refused(void)
+{
+    float k[4 * 8], q[2 * 8], out_s[2];
+    uint32_t cand[4] = {0, 1, 2, 3}, bad_order[3] = {0, 2, 2}, beyond[2] = {1, 4}, idx[4];
+    pqc_matrix km = pqc_matrix_f32(k, 4, 8), narrow = pqc_matrix_f32(k, 4, 4);
+    pqc_pq_desc d = pq_desc(2, 1);
+    pqc_pq pq;
+    pqc_codes codes;
+    pqc_search_desc sd;
+    int i;
+    for (i = 0; i < 32; i++) k[i] = (float)((i * 7) % 11) - 5.0f;
+    for (i = 0; i < 16; i++) q[i] = (float)((i * 3) % 5) - 2.0f;
+    ASSERT_EQ(PQC_SUCCESS, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SOFTMAX_SUM, cand, 4, 2, NULL, idx, out_s));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_rerank(NULL, NULL, q, 2, PQC_GQA_SUM, cand, 4, 2, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, NULL, 4, 2, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_EMPTY, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, cand, 0, 1, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, cand, 4, 5, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, cand, 4, 0, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_rerank(NULL, &km, q, 0, PQC_GQA_SUM, cand, 4, 2, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_rerank(NULL, &km, q, 2, (pqc_gqa)7, cand, 4, 2, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, bad_order, 3, 2, NULL, idx, NULL));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, beyond, 2, 1, NULL, idx, NULL));
+    q[3] = NAN;
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, cand, 4, 2, NULL, idx, NULL));
+    q[3] = 0.0f;
+    k[9] = INFINITY; /* row 1 */
+    ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, cand, 4, 2, NULL, idx, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SUM, cand + 2, 2, 1, NULL, idx, NULL)); /* row 1 unread */
+    ASSERT(idx[0] == 2 || idx[0] == 3);
+    k[9] = 1.0f;
+    /* the PQ core's re-ranked search */
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &km, &pq));
+    ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, 4, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &km, &codes));
+    memset(&sd, 0, sizeof sd);
+    sd.k = 2;
+    sd.rerank = 2;
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_search(NULL, &pq, &codes, q, 2, &sd, NULL, idx, NULL)); /* no keys */
+    sd.keys = &narrow;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_search(NULL, &pq, &codes, q, 2, &sd, NULL, idx, NULL));
+    narrow = pqc_matrix_f32(k, 3, 8); /* fewer rows than coded tokens */
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_search(NULL, &pq, &codes, q, 2, &sd, NULL, idx, NULL));
+    sd.keys = &km;
+    sd.rerank = 0.5;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_search(NULL, &pq, &codes, q, 2, &sd, NULL, idx, NULL));
+    sd.rerank = NAN;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_search(NULL, &pq, &codes, q, 2, &sd, NULL, idx, NULL));
+    sd.rerank = 3;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, q, 2, &sd, NULL, idx, NULL));
+    pqc_codes_free(&codes);
+    pqc_pq_free(&pq);
+    { /* the cache's settings */
+        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+        pqc_cache *c = NULL;
+        double bad[4] = {0.5, -1, NAN, 2e6};
+        for (i = 0; i < 4; i++) {
+            cd.rerank = bad[i];
+            ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+            ASSERT(c == NULL);
+        }
+        cd.rerank = 0;
+        cd.outliers = -1;
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+        ASSERT(c == NULL);
+    }
+    PASS();
+}
+
+/* The cache's exact scoring on the hard data sets: re-ranking the PQ top 2k and the exact
+   list each keep every rare token the cache-shaped oracle keeps and at least the mass of
+   the plain selection; a factor covering every coded token selects the oracle itself. */
+TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
+{
+    pqc_scratch scr;
+    uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    float *p = (float *)malloc(sizeof(float) * S);
+    double m[4] = {0, 0, 0, 0};
+    int i, kept[4] = {0, 0, 0, 0}, in_ref = 0;
+    ASSERT(orc && p);
+    memset(&scr, 0, sizeof scr);
+    for (i = 0; i < 4; i++) {
+        hardkeys hk;
+        pqc_matrix km;
+        double tot = 0;
+        size_t t;
+        int mode;
+        ASSERT_EQ(0, make_hard(&hk, i, 0));
+        km = pqc_matrix_f32(hk.keys, S, D);
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(NULL, &km, hk.queries, G, PQC_GQA_SOFTMAX_SUM, &scr, p));
+        for (t = 0; t < S; t++) tot += p[t];
+        for (t = 0; t < S; t++) p[t] = (float)(p[t] / tot);
+        for (mode = 0; mode < 5; mode++) { /* plain, rerank 2, exact list, both, rerank all */
+            pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+            pqc_cache *c;
+            pqc_selection sel;
+            size_t n_or;
+            int kp, r;
+            cd.rerank = mode == 1 || mode == 3 ? 2.0 : mode == 4 ? 1e6 : 0.0;
+            cd.outliers = mode == 2 || mode == 3 ? 64 : 0;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+            n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
+            ASSERT_EQ(sel.count[0], n_or);
+            if (cd.outliers) ASSERT_EQ(64, (int)c->layers[0].heads[0].on);
+            rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
+            if (mode == 4) {
+                size_t same = 0;
+                for (t = 0; t < n_or; t++) same += orc[t] == sel.idx[t];
+                ASSERT(same + 2 >= n_or); /* the oracle, but for a rounding tie */
+                ASSERT_EQ(r, kp);
+            } else {
+                kept[mode] += kp;
+                m[mode] += mass(p, sel.idx, sel.count[0]);
+            }
+            if (mode == 0) in_ref += r;
+            pqc_selection_free(&sel);
+            pqc_cache_destroy(c);
+        }
+        hk_free(&hk);
+    }
+    fprintf(stderr, "  rare tokens kept of the oracle's %d: plain %d, rerank 2 %d, exact list %d, both %d; "
+            "mass %.3f %.3f %.3f %.3f\n", in_ref, kept[0], kept[1], kept[2], kept[3], m[0] / 4, m[1] / 4, m[2] / 4, m[3] / 4);
+    ASSERT(in_ref >= 16);
+    for (i = 1; i < 4; i++) {
+        ASSERT_EQ(in_ref, kept[i]);
+        ASSERT(m[i] >= m[0] - 1e-9);
+    }
+    ASSERT(m[1] > m[0] + 0.03); /* re-ranking recovers mass the codes lose */
+    pqc_scratch_free(&scr);
+    free(orc);
+    free(p);
+    PASS();
+}
+
+/* The exact list holds the tokens the codebook serves worst: the build's list beats every
+   unlisted token's residual; a token coded later whose residual beats the list joins it;
+   tokens given back leave it. */
+TEST exact_list_holds_the_worst_served_tokens(void)
+{
+    hardkeys hk;
+    pqc_cache_desc cd = hard_desc(PQC_METRIC_L2);
+    pqc_cache *c;
+    pqc__head *H;
+    pqc_matrix km;
+    float row[D], far[D], *res = (float *)malloc(sizeof(float) * S);
+    unsigned char *listed = (unsigned char *)calloc(S, 1);
+    float lo = INFINITY, hi = 0;
+    size_t t, n, before;
+    int e, w;
+    ASSERT(res && listed);
+    ASSERT_EQ(0, make_hard(&hk, 2, 0));
+    km = pqc_matrix_f32(hk.keys, S, D);
+    cd.outliers = 32;
+    cd.max_tokens = 2 * S;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+    H = &c->layers[0].heads[0];
+    n = H->codes.count;
+    ASSERT(n > 1000);
+    ASSERT_EQ(32, (int)H->on);
+    ASSERT_EQ(32, (int)H->on_build);
+    for (t = 0; t < H->on; t++) {
+        ASSERT(t == 0 || H->olist[t] > H->olist[t - 1]);
+        listed[H->olist[t]] = 1;
+    }
+    for (t = 0; t < n; t++) {
+        double a = 0;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_decode(&H->pq, &H->codes, t, row));
+        for (e = 0; e < D; e++) {
+            double r = hk.keys[(32 + t) * D + e] - row[e];
+            a += r * r;
+        }
+        res[t] = (float)a;
+        if (listed[t] && res[t] < lo) lo = res[t];
+        if (!listed[t] && res[t] > hi) hi = res[t];
+    }
+    ASSERT(lo >= hi * (1 - 1e-4f));
+    ASSERT_IN_RANGE(lo, H->othr, 1e-3f * lo);
+    /* a served-badly token appended: once it leaves the window and is coded, it is listed */
+    for (e = 0; e < D; e++) far[e] = (e % 7 == 0 ? 40.0f : 0.0f) * (e % 2 ? -1.0f : 1.0f);
+    before = H->on;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, far, far));
+    w = pqc_cache_window(c);
+    for (e = 0; e < w + 1; e++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, hk.keys + (size_t)(100 + e) * D, row));
+    {
+        pqc_selection sel;
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+        pqc_selection_free(&sel);
+    }
+    ASSERT(H->on > before);
+    ASSERT(H->on <= 64);
+    {
+        int found = 0;
+        for (t = before; t < H->on; t++) found |= H->olist[t] == (uint32_t)(S - 32);
+        ASSERT(found);
+    }
+    /* giving the tokens back takes them off the list: it is what a cache that never coded
+       them holds (the same prompt, then ordinary tokens until the same tokens are coded) */
+    pqc__codes_truncate(c, 0, S - 32);
+    {
+        pqc_cache *b;
+        pqc_selection sel;
+        pqc__head *HB;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &b));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(b, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(b));
+        for (e = 0; e < w; e++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, 0, hk.keys + (size_t)(100 + e) * D, row));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, hk.queries, &sel));
+        pqc_selection_free(&sel);
+        HB = &b->layers[0].heads[0];
+        ASSERT_EQ((size_t)(S - 32), HB->codes.count);
+        ASSERT_EQ(HB->on, H->on);
+        ASSERT_EQ(HB->on_build, H->on_build);
+        ASSERT_MEM_EQ(HB->olist, H->olist, H->on * sizeof(uint32_t));
+        ASSERT(H->on > H->on_build); /* tokens coded since the build are listed too */
+        pqc_cache_destroy(b);
+    }
+    pqc_cache_destroy(c);
+    hk_free(&hk);
+    free(res);
+    free(listed);
+    PASS();
+}
+
+/* ----- residual-aware scoring -------------------------------------------------------- */
+
+/* The residual bytes: each is the sub-space's residual norm under the codebook's metric,
+   in steps of the scale, rounded up; a given scale caps at 255. */
+TEST residual_bytes_hold_each_sub_space_residual_norm(void)
+{
+    hardkeys hk;
+    pqc_pq_desc d = pq_desc(2, 6);
+    pqc_pq pq;
+    pqc_codes codes;
+    pqc_matrix keys;
+    float w[D], scale[2] = {0, 0}, half[2], row[D];
+    uint8_t *rb = (uint8_t *)malloc(2 * S), *rb2 = (uint8_t *)malloc(2 * S);
+    size_t t;
+    int j, e, top[2] = {0, 0}, capped = 0;
+    ASSERT(rb && rb2);
+    ASSERT_EQ(0, make_hard(&hk, 0, 0));
+    keys = pqc_matrix_f32(hk.keys, S, D);
+    obs_metric(&hk, 0.01f, w);
+    d.metric = w;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+    ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, S, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_residuals(NULL, &pq, &codes, 0, &keys, scale, rb));
+    ASSERT(scale[0] > 0 && scale[1] > 0);
+    for (t = 0; t < S; t++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_decode(&pq, &codes, t, row));
+        for (j = 0; j < 2; j++) {
+            double a = 0, n;
+            for (e = 0; e < 64; e++) {
+                int dim = pqc_pq_dim(&pq, j, e);
+                double r = hk.keys[t * D + (size_t)dim] - row[dim];
+                a += w[dim] * r * r;
+            }
+            n = sqrt(a) / scale[j];
+            ASSERT(rb[t * 2 + (size_t)j] >= n - 1e-3 && rb[t * 2 + (size_t)j] <= n + 1 + 1e-3);
+            top[j] |= rb[t * 2 + (size_t)j] == 255;
+        }
+    }
+    ASSERT(top[0] && top[1]); /* the largest norm is the top step */
+    /* a given, finer scale: rows [100, 200) against it, capped at 255 */
+    half[0] = scale[0] / 2;
+    half[1] = scale[1] / 2;
+    keys = pqc_matrix_f32(hk.keys + 100 * D, 100, D);
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_residuals(NULL, &pq, &codes, 100, &keys, half, rb2));
+    ASSERT_EQ(scale[0] / 2, half[0]);
+    for (t = 0; t < 100; t++)
+        for (j = 0; j < 2; j++) {
+            int want = 2 * rb[(100 + t) * 2 + (size_t)j];
+            int got = rb2[t * 2 + (size_t)j];
+            ASSERT(got <= 255 && got >= (want > 255 ? 255 : want) - 2 && got <= want);
+            capped += got == 255;
+        }
+    /* misuse */
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_residuals(NULL, &pq, &codes, 0, &keys, NULL, rb2));
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_residuals(NULL, &pq, &codes, S - 50, &keys, half, rb2));
+    half[1] = NAN;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_residuals(NULL, &pq, &codes, 0, &keys, half, rb2));
+    pqc_codes_free(&codes);
+    pqc_pq_free(&pq);
+    hk_free(&hk);
+    free(rb);
+    free(rb2);
+    (void)capped;
+    PASS();
+}
+
+/* On the hard data sets the search with residual-aware scoring (weight 0.15) keeps every
+   rare token of exact top-k, and the mass stays within 0.01 of the search without it
+   (the weighted bound adds little where the metric already serves the queries); bad
+   settings are refused. */
+TEST residual_aware_search_keeps_the_rare_tokens(void)
+{
+    pqc_scratch scr;
+    float *sc = (float *)malloc(sizeof(float) * S);
+    uint32_t *ex = (uint32_t *)malloc(sizeof(uint32_t) * S), *id = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    uint8_t *rb = (uint8_t *)malloc(2 * S);
+    int i, kept = 0, in_ref = 0;
+    double worst = 0;
+    ASSERT(sc && ex && id && rb);
+    memset(&scr, 0, sizeof scr);
+    for (i = 0; i < 4; i++) {
+        hardkeys hk;
+        pqc_matrix keys;
+        pqc_search_desc sd;
+        pqc_pq_desc d = pq_desc(2, 6);
+        pqc_pq pq;
+        pqc_codes codes;
+        float w[D], scale[2] = {0, 0};
+        double tot = 0, m0, m1;
+        int kp, r;
+        size_t t;
+        ASSERT_EQ(0, make_hard(&hk, i, 0));
+        keys = pqc_matrix_f32(hk.keys, S, D);
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(NULL, &keys, hk.queries, G, PQC_GQA_SOFTMAX_SUM, &scr, sc));
+        for (t = 0; t < S; t++) tot += sc[t];
+        for (t = 0; t < S; t++) sc[t] = (float)(sc[t] / tot);
+        memset(&sd, 0, sizeof sd);
+        sd.k = S / 10;
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &keys, hk.queries, G, &sd, &scr, ex, NULL));
+        obs_metric(&hk, 0.01f, w);
+        d.metric = w;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+        ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, S, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_residuals(NULL, &pq, &codes, 0, &keys, scale, rb));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+        m0 = mass(sc, id, sd.k);
+        sd.residuals = rb;
+        sd.residual_scale = scale;
+        sd.residual_weight = 0.15f;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+        m1 = mass(sc, id, sd.k);
+        if (m0 - m1 > worst) worst = m0 - m1;
+        rare_kept(&hk, ex, sd.k, id, sd.k, &kp, &r);
+        kept += kp;
+        in_ref += r;
+        if (i == 0) { /* misuse */
+            sd.residual_weight = 0;
+            ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+            sd.residual_weight = NAN;
+            ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+            sd.residual_weight = 0.15f;
+            sd.residual_scale = NULL;
+            ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+            scale[1] = -1;
+            sd.residual_scale = scale;
+            ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_search(NULL, &pq, &codes, hk.queries, G, &sd, &scr, id, NULL));
+        }
+        pqc_codes_free(&codes);
+        pqc_pq_free(&pq);
+        hk_free(&hk);
+    }
+    fprintf(stderr, "  residual-aware: rare kept %d of %d, largest mass loss %.4f\n", kept, in_ref, worst);
+    ASSERT(in_ref >= 16);
+    ASSERT_EQ(in_ref, kept);
+    ASSERT(worst < 0.01);
+    { /* the cache's setting */
+        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+        pqc_cache *c = NULL;
+        double bad[3] = {-0.1, NAN, 2e6};
+        for (i = 0; i < 3; i++) {
+            cd.residual_weight = bad[i];
+            ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+            ASSERT(c == NULL);
+        }
+    }
+    pqc_scratch_free(&scr);
+    free(sc);
+    free(ex);
+    free(id);
+    free(rb);
+    PASS();
+}
+
+/* The cache keeps each head's residual bytes as the PQ core computes them (the build's,
+   then tokens coded later against the build's scale) and its selection is the core's
+   residual-aware search over them. */
+TEST cache_residual_scoring_is_the_core_search(void)
+{
+    hardkeys hk;
+    pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+    pqc_cache *c;
+    pqc__head *H;
+    pqc_selection sel;
+    pqc_matrix km;
+    pqc_search_desc sd;
+    uint8_t *rb = (uint8_t *)malloc(2 * S);
+    uint32_t *id = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    float sc2[2];
+    size_t n, t, take;
+    int e;
+    ASSERT(rb && id);
+    ASSERT_EQ(0, make_hard(&hk, 3, 0));
+    km = pqc_matrix_f32(hk.keys, S, D);
+    cd.residual_weight = 0.15;
+    cd.max_tokens = 2 * S;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+    for (e = 0; e < 40; e++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, hk.keys + (size_t)(200 + e) * D, hk.keys));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+    H = &c->layers[0].heads[0];
+    n = H->codes.count;
+    ASSERT(n > c->layers[0].n_trained); /* some tokens coded after the build */
+    /* the build's bytes, then the later ones against the build's scale */
+    sc2[0] = sc2[1] = 0;
+    km = pqc_matrix_f32(hk.keys + 32 * D, c->layers[0].n_trained, D);
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_residuals(NULL, &H->pq, &H->codes, 0, &km, sc2, rb));
+    ASSERT_EQ(sc2[0], H->rscale[0]);
+    ASSERT_EQ(sc2[1], H->rscale[1]);
+    ASSERT_MEM_EQ(rb, H->rq, c->layers[0].n_trained * 2);
+    for (t = c->layers[0].n_trained; t < n; t++) {
+        const float *kr = 32 + t < S ? hk.keys + (32 + t) * D : hk.keys + (200 + (32 + t - S)) * D;
+        km = pqc_matrix_f32(kr, 1, D);
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_residuals(NULL, &H->pq, &H->codes, t, &km, sc2, rb + t * 2));
+        ASSERT_MEM_EQ(rb + t * 2, H->rq + t * 2, 2);
+    }
+    /* the selection's top-k part is the core's residual-aware search */
+    take = sel.count[0] - 32 - (size_t)pqc_cache_window(c) - (c->layers[0].n_tokens - (size_t)pqc_cache_window(c) - 32 - n);
+    memset(&sd, 0, sizeof sd);
+    sd.k = take;
+    sd.count = n;
+    sd.residuals = H->rq;
+    sd.residual_scale = H->rscale;
+    sd.residual_weight = 0.15f;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &H->pq, &H->codes, hk.queries, G, &sd, NULL, id, NULL));
+    for (t = 0; t < take; t++) ASSERT_EQ(id[t] + 32, sel.idx[32 + t]);
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    hk_free(&hk);
+    free(rb);
+    free(id);
+    PASS();
+}
+
 SUITE(fidelity)
 {
     RUN_TEST(metric_codes_each_key_to_its_weighted_nearest_centroid);
@@ -802,6 +1311,13 @@ SUITE(fidelity)
     RUN_TEST(a_failed_decode_step_leaves_no_drift_behind);
     RUN_TEST(adaptive_split_gives_the_top_k_to_the_head_that_needs_it);
     RUN_TEST(adaptive_split_may_give_a_head_no_top_k);
+    RUN_TEST(rerank_over_every_row_is_the_exact_search);
+    RUN_TEST(rerank_misuse_is_refused);
+    RUN_TEST(rerank_and_exact_list_keep_what_the_oracle_keeps);
+    RUN_TEST(exact_list_holds_the_worst_served_tokens);
+    RUN_TEST(residual_bytes_hold_each_sub_space_residual_norm);
+    RUN_TEST(residual_aware_search_keeps_the_rare_tokens);
+    RUN_TEST(cache_residual_scoring_is_the_core_search);
 }
 
 GREATEST_MAIN_DEFS();

@@ -40,15 +40,15 @@ class P:
 
     def create(self, slot=0, strict=None, layers=0, kvh=1, group=1, dim=0, dtype=0, maxt=0, sink=1, window=1, ratio=1, budget=0,
                share=1, m=2, bits=1, iters=1, init=0, mppc=0, seed=1, device=0, gqa=0, bt=2, blocks=2, admit=0,
-               policy=0, rebuild=0, resident=0, metric=0, mfloor=0, observe=0, split=0, rope=0, subsp=0, backend=0,
-               rt=0):
+               policy=0, rebuild=0, resident=0, metric=0, mfloor=0, observe=0, split=0, rope=0, subsp=0, rerank=0,
+               outl=0, resw=0, backend=0, rt=0):
         if strict is None:  # hostile fields need the hostile mode
             strict = 255 if 224 <= max(layers, kvh, group, dim, dtype, maxt, sink, window, ratio, budget, share, m, bits,
                                        iters, init, mppc, device, gqa, bt, blocks, admit, policy, rebuild, resident,
-                                       metric, mfloor, observe, split, rope, subsp, backend) else 0
+                                       metric, mfloor, observe, split, rope, subsp, rerank, outl, resw, backend) else 0
         return self.raw(0, slot, strict, layers, kvh, group, dim, dtype, maxt, sink, window, ratio, budget, share, m, bits, iters,
                         init, mppc, seed, device, gqa, bt, blocks, admit, policy, rebuild, resident, metric, mfloor,
-                        observe, split, rope, subsp, backend, rt)
+                        observe, split, rope, subsp, rerank, outl, resw, backend, rt)
 
     def prefill(self, slot=0, layer=0, rows=14, mode=0, k=None, v=None):
         self.raw(1, slot, layer, mode, rows)
@@ -275,6 +275,12 @@ def seeds():
     p = P().create(layers=1, m=2, rope=1, subsp=1).observe(layer=0).observe(layer=1).prefill(rows=14)
     p.prefill(layer=1, rows=14).sel_init().select().fetch().append().select(layer=1).fetch(layer=1).sync()
     s["rope_bands"] = p
+    # exact scoring: the PQ top 2k re-ranked with the exact keys, exact lists of 4 tokens
+    # per head, residual-aware scoring; appends code tokens (their residual bytes, and they
+    # may join the lists), a failed select gives them back
+    p = P().create(layers=1, rerank=1, outl=1, resw=1, ratio=1).prefill(rows=14).prefill(layer=1, rows=14).sel_init()
+    p.select().fetch().append().append().select().append(layer=1).select(layer=1).fetch(layer=1).sync()
+    s["rerank_exact_list"] = p
     # the PQ core with interleaved rope bands
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     return s

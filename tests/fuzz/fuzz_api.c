@@ -309,6 +309,12 @@ static const int t_rope[] = {PQC_ROPE_NONE, PQC_ROPE_HALF, PQC_ROPE_INTERLEAVED,
 static const int t_rope_bad[] = {3, -1};
 static const int t_subsp[] = {PQC_SUBSPACES_CONTIGUOUS, PQC_SUBSPACES_ROPE_BANDS};
 static const int t_subsp_bad[] = {2, -1};
+static const double t_rerank[] = {0, 2, 1, 1e6};
+static const double t_rerank_bad[] = {0.5, -1, NAN, INFINITY, 2e6};
+static const int t_outl[] = {0, 4, 1, 64};
+static const int t_outl_bad[] = {-1, INT_MAX, INT_MIN};
+static const double t_resw[] = {0, 0.15, 1, 1e6};
+static const double t_resw_bad[] = {-0.1, NAN, INFINITY, 2e6};
 
 /* what the documentation says about a pq desc's RoPE layout and sub-spaces: 1 = refused */
 static int fz_rope_bad(int rope, int subsp, long long dim, int m_eff)
@@ -787,6 +793,9 @@ static void op_cache_create(fz_state *S)
     d.split = (pqc_split)PICK_I(f, t_split);
     d.pq.rope = (pqc_rope)PICK_I(f, t_rope);
     d.pq.subspaces = (pqc_subspaces)PICK_I(f, t_subsp);
+    d.rerank = PICK_D(f, t_rerank);
+    d.outliers = PICK_I(f, t_outl);
+    d.residual_weight = PICK_D(f, t_resw);
     bsel = rd8(f);
     if (bsel & 1) d.scheduler = S->sched;
     switch ((bsel >> 1) & 7) {
@@ -821,6 +830,9 @@ static void op_cache_create(fz_state *S)
     if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1 || d.pq.max_points_per_centroid < -1)
         must_fail = 1;
     if (fz_rope_bad((int)d.pq.rope, (int)d.pq.subspaces, d.head_dim, m_eff)) must_fail = 1;
+    if (!(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6)) || d.outliers < 0 || d.outliers > (1 << 24) ||
+        !(d.residual_weight >= 0 && d.residual_weight <= 1e6))
+        must_fail = 1;
     if (d.backend == &g_be_nocopy || (d.backend == &g_be_noalloc && blocks > 0)) must_fail = 1;
     /* a block-cache slot array the allocator cannot grant (the sizes are exact in double
        up to 2^53, and anything beyond the request limit fails) */
