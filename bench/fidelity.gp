@@ -19,9 +19,9 @@ if (!exists("dat")) dat = 'build/fidelity.dat'
 if (!exists("png")) png = 'build/fidelity.png'
 
 if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {
-    set terminal pngcairo size 1200,540 font 'sans,10' noenhanced
+    set terminal pngcairo size 1300,820 font 'sans,10' noenhanced
 } else {
-    set terminal png size 1200,540 noenhanced
+    set terminal png size 1300,820 noenhanced
 }
 set output png
 
@@ -37,7 +37,7 @@ set xtics (2, 4, 8, 16, 32)
 set yrange [0:1.08]
 set ytics 0.1
 set grid
-set key bottom right
+set key outside below maxrows 10 font ',8' spacing 0.9
 set xlabel 'bytes per token per KV head (codes + centroids)'
 set arrow 1 from graph 0, first 1 to graph 1, first 1 nohead dashtype 2 lc rgb '#888888'
 
