@@ -75,6 +75,22 @@ static double mass(const float *p, const uint32_t *idx, size_t n)
     return a;
 }
 
+/* the exact attention of hk's queries (softmax-sum over the g heads) normalised to total
+   1 into p[S]; with ex, the exact top-S/10 into it */
+static int exact_attention(const hardkeys *hk, pqc_scratch *scr, float *p, uint32_t *ex)
+{
+    pqc_matrix keys = pqc_matrix_f32(hk->keys, S, D);
+    pqc_search_desc sd;
+    double tot = 0;
+    size_t t;
+    if (pqc_exact_scores(NULL, &keys, hk->queries, G, PQC_GQA_SOFTMAX_SUM, scr, p) != PQC_SUCCESS) return 0;
+    for (t = 0; t < S; t++) tot += p[t];
+    for (t = 0; t < S; t++) p[t] = (float)(p[t] / tot);
+    memset(&sd, 0, sizeof sd);
+    sd.k = S / 10;
+    return !ex || pqc_exact_search(NULL, &keys, hk->queries, G, &sd, scr, ex, NULL) == PQC_SUCCESS;
+}
+
 /* ----- the PQ core's metric ---------------------------------------------------------- */
 
 TEST metric_codes_each_key_to_its_weighted_nearest_centroid(void)
@@ -260,17 +276,13 @@ TEST metric_keeps_the_rare_tokens_plain_pq_loses(void)
         pqc_matrix keys;
         pqc_search_desc sd;
         float w[D];
-        double tot = 0, m_exact;
+        double m_exact;
         int mode, kp, r;
-        size_t t;
         ASSERT_EQ(0, make_hard(&hk, i, 0));
         keys = pqc_matrix_f32(hk.keys, S, D);
-        ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(NULL, &keys, hk.queries, G, PQC_GQA_SOFTMAX_SUM, &scr, sc));
-        for (t = 0; t < S; t++) tot += sc[t];
-        for (t = 0; t < S; t++) sc[t] = (float)(sc[t] / tot);
+        ASSERT(exact_attention(&hk, &scr, sc, ex));
         memset(&sd, 0, sizeof sd);
         sd.k = S / 10;
-        ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &keys, hk.queries, G, &sd, &scr, ex, NULL));
         m_exact = mass(sc, ex, sd.k);
         obs_metric(&hk, 0.01f, w);
         for (mode = 0; mode < 2; mode++) {
@@ -326,6 +338,18 @@ static pqc_cache_desc hard_desc(pqc_metric metric)
     return cd;
 }
 
+/* a cache of cd over hk: the observations, the prompt, one selection with hk's queries */
+static pqc_result open_and_select(const pqc_cache_desc *cd, const hardkeys *hk, pqc_cache **c, pqc_selection *sel)
+{
+    pqc_matrix km = pqc_matrix_f32(hk->keys, S, D);
+    pqc_result r = pqc_cache_create(NULL, cd, c);
+    if (r != PQC_SUCCESS) return r;
+    if ((r = pqc_cache_observe(*c, 0, hk->obs, N_OBS)) != PQC_SUCCESS || (r = pqc_cache_prefill(*c, 0, &km, &km)) != PQC_SUCCESS ||
+        (r = pqc_selection_init(*c, sel)) != PQC_SUCCESS)
+        return r;
+    return pqc_cache_select(*c, 0, hk->queries, sel);
+}
+
 /* sinks + exact top-k of the mid tokens + window, the same shape as sel (head 0) */
 static size_t oracle_of(const hardkeys *hk, const pqc_selection *sel, int window, pqc_scratch *scr, uint32_t *out)
 {
@@ -351,22 +375,16 @@ TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
     memset(&scr, 0, sizeof scr);
     for (i = 0; i < 4; i++) {
         hardkeys hk;
-        pqc_matrix km;
         int mode;
         ASSERT_EQ(0, make_hard(&hk, i, 0));
-        km = pqc_matrix_f32(hk.keys, S, D);
         for (mode = 0; mode < 2; mode++) {
             pqc_cache_desc cd = hard_desc(mode ? PQC_METRIC_QUERY : PQC_METRIC_L2);
             pqc_cache *c;
             pqc_selection sel;
             size_t n_or;
             int kp, r;
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
             /* observed in both modes: L2 ignores them */
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
-            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+            ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
             ASSERT(mode ? c->layers[0].heads[0].pq.metric != NULL : c->layers[0].heads[0].pq.metric == NULL);
             { /* decode queries like the observed ones: no drift, no rebuild */
                 pqc_layer_stats ls;
@@ -527,19 +545,13 @@ TEST drifted_queries_rebuild_the_codebook_with_their_metric(void)
     pqc_layer_stats st;
     pqc_scratch scr;
     hardkeys hk;
-    pqc_matrix km;
     uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
     size_t n_or, part = (size_t)(D + 1);
     int kp1, kp2, r;
     ASSERT(orc != NULL);
     memset(&scr, 0, sizeof scr);
     ASSERT_EQ(0, make_hard(&hk, 3, 1));
-    km = pqc_matrix_f32(hk.keys, S, D);
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
-    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+    ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
     n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
     rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp1, &r);
     ASSERT_EQ((double)G, c->layers[0].qsq[part + D]); /* the decode query was counted */
@@ -932,15 +944,10 @@ TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
     memset(&scr, 0, sizeof scr);
     for (i = 0; i < 4; i++) {
         hardkeys hk;
-        pqc_matrix km;
-        double tot = 0;
         size_t t;
         int mode;
         ASSERT_EQ(0, make_hard(&hk, i, 0));
-        km = pqc_matrix_f32(hk.keys, S, D);
-        ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(NULL, &km, hk.queries, G, PQC_GQA_SOFTMAX_SUM, &scr, p));
-        for (t = 0; t < S; t++) tot += p[t];
-        for (t = 0; t < S; t++) p[t] = (float)(p[t] / tot);
+        ASSERT(exact_attention(&hk, &scr, p, NULL));
         for (mode = 0; mode < 5; mode++) { /* plain, rerank 2, exact list, both, rerank all */
             pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
             pqc_cache *c;
@@ -949,11 +956,7 @@ TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
             int kp, r;
             cd.rerank = mode == 1 || mode == 3 ? 2.0 : mode == 4 ? 1e6 : 0.0;
             cd.outliers = mode == 2 || mode == 3 ? 64 : 0;
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
-            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
+            ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
             n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
             ASSERT_EQ(sel.count[0], n_or);
             if (cd.outliers) ASSERT_EQ(64, (int)c->layers[0].heads[0].on);
@@ -1169,17 +1172,13 @@ TEST residual_aware_search_keeps_the_rare_tokens(void)
         pqc_pq pq;
         pqc_codes codes;
         float w[D], scale[2] = {0, 0};
-        double tot = 0, m0, m1;
+        double m0, m1;
         int kp, r;
-        size_t t;
         ASSERT_EQ(0, make_hard(&hk, i, 0));
         keys = pqc_matrix_f32(hk.keys, S, D);
-        ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(NULL, &keys, hk.queries, G, PQC_GQA_SOFTMAX_SUM, &scr, sc));
-        for (t = 0; t < S; t++) tot += sc[t];
-        for (t = 0; t < S; t++) sc[t] = (float)(sc[t] / tot);
+        ASSERT(exact_attention(&hk, &scr, sc, ex));
         memset(&sd, 0, sizeof sd);
         sd.k = S / 10;
-        ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &keys, hk.queries, G, &sd, &scr, ex, NULL));
         obs_metric(&hk, 0.01f, w);
         d.metric = w;
         ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
