@@ -344,6 +344,19 @@ PQCDEF void pqc_pq_free(pqc_pq *pq);
 PQCDEF pqc_result pqc_pq_mse(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, double *mse);
 /* Reconstructs token t's key from its codes into out[dim]. */
 PQCDEF pqc_result pqc_pq_decode(const pqc_pq *pq, const pqc_codes *codes, size_t t, float *out);
+/* A trained quantizer to and from a file. The file, little-endian throughout:
+     8 bytes  "PQCPQ\0\0\0"      4 bytes  format version (1)
+     4 bytes  dim, m, bits, flags each (flags: 1 = metric weights present,
+              2 = rope bands over the half-split layout)
+     m * 2^bits * dim/m floats: the centroids ([m][2^bits][dim/m], IEEE binary32),
+     then dim floats of metric weights when flag 1 is set
+     8 bytes  FNV-1a 64 of everything before it
+   Saving writes a temporary file next to path and renames it into place. Loading
+   refuses a truncated, damaged or foreign file (PQC_ERROR_BAD_FILE), something other
+   than a regular file (PQC_ERROR_IO), and leaves *out untouched on any failure; the
+   loaded quantizer codes and searches exactly as the saved one. */
+PQCDEF pqc_result pqc_pq_save(const pqc_pq *pq, const char *path);
+PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out);
 
 PQCDEF pqc_result pqc_codes_init(pqc_codes *codes, const pqc_pq *pq, size_t capacity, const pqc_allocator *alloc);
 PQCDEF void pqc_codes_free(pqc_codes *codes);
@@ -3307,6 +3320,148 @@ out:
 static pqc_result pqc__pq_encode_nested(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, pqc_codes *codes)
 {
     return pqc_pq_encode(rt, pq, keys, codes); /* encoding never submits jobs */
+}
+
+/* ----- quantizer files ----- */
+
+#define PQC__PQ_MAGIC "PQCPQ\0\0\0"
+#define PQC__PQ_VERSION 1u
+#define PQC__PQ_HEAD 28 /* magic, version, dim, m, bits, flags */
+typedef char pqc__float_is_binary32[sizeof(float) == 4 && sizeof(uint32_t) == 4 ? 1 : -1];
+
+static void pqc__put_u32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+static uint32_t pqc__get_u32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static void pqc__put_f32s(unsigned char *p, const float *x, size_t n)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &x[i], 4);
+        pqc__put_u32(p + 4 * i, u);
+    }
+}
+
+PQCDEF pqc_result pqc_pq_save(const pqc_pq *pq, const char *path)
+{
+    size_t nc, nw, bytes, i, len;
+    unsigned char *buf;
+    const void *part;
+    uint64_t h;
+    char why[300];
+    pqc_result r;
+    if ((r = pqc__check_pq(NULL, pq, "pqc_pq_save")) != PQC_SUCCESS) return r;
+    if (!path) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_save: null path");
+    nc = (size_t)pq->m * (size_t)pq->ksub * (size_t)pq->dsub;
+    nw = pq->metric ? (size_t)pq->dim : 0;
+    bytes = PQC__PQ_HEAD + 4 * (nc + nw) + 8;
+    if (!(buf = (unsigned char *)pqc__alloc(&pq->alloc, bytes)))
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_save: %zu bytes", bytes);
+    memcpy(buf, PQC__PQ_MAGIC, 8);
+    pqc__put_u32(buf + 8, PQC__PQ_VERSION);
+    pqc__put_u32(buf + 12, (uint32_t)pq->dim);
+    pqc__put_u32(buf + 16, (uint32_t)pq->m);
+    pqc__put_u32(buf + 20, (uint32_t)pq->bits);
+    pqc__put_u32(buf + 24, (pq->metric ? 1u : 0u) | (pq->half_bands ? 2u : 0u));
+    pqc__put_f32s(buf + PQC__PQ_HEAD, pq->centroids, nc);
+    if (nw) pqc__put_f32s(buf + PQC__PQ_HEAD + 4 * nc, pq->metric, nw);
+    h = pqc__fnv(buf, bytes - 8, PQC__FNV_OFFSET);
+    for (i = 0; i < 8; i++) buf[bytes - 8 + i] = (unsigned char)(h >> (8 * i));
+    part = buf;
+    len = bytes;
+    r = pqc__write_atomic(path, &part, &len, 1, why, sizeof why) != 0
+            ? pqc__fail(NULL, PQC_ERROR_IO, "pqc_pq_save: %s", why)
+            : PQC_SUCCESS;
+    pqc__free(&pq->alloc, buf);
+    return r;
+}
+
+PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
+{
+    unsigned char head[PQC__PQ_HEAD], *buf = NULL, extra;
+    uint32_t dim, m, bits, flags;
+    size_t nc, nw, bytes, i;
+    uint64_t h = 0;
+    char why[300];
+    FILE *fp;
+    pqc_pq pq;
+    pqc_result r;
+    float *w = NULL;
+    int j;
+    if (!path || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_load: null argument");
+    if (!(fp = pqc__open_regular(path, why, sizeof why))) return pqc__fail(rt, PQC_ERROR_IO, "pqc_pq_load: %s", why);
+    if (fread(head, 1, sizeof head, fp) != sizeof head || memcmp(head, PQC__PQ_MAGIC, 8) != 0) {
+        fclose(fp);
+        return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s is not a pqcache quantizer file", path);
+    }
+    dim = pqc__get_u32(head + 12);
+    m = pqc__get_u32(head + 16);
+    bits = pqc__get_u32(head + 20);
+    flags = pqc__get_u32(head + 24);
+    if (pqc__get_u32(head + 8) != PQC__PQ_VERSION || dim == 0 || dim > 65536 || m == 0 || m > dim || dim % m ||
+        bits < 1 || bits > 8 || flags > 3 || ((flags & 2) && (dim / m) % 2)) {
+        fclose(fp);
+        return pqc__fail(rt, PQC_ERROR_BAD_FILE,
+                         "pqc_pq_load: %.200s: version %u, dim %u, m %u, bits %u or flags %u not understood", path,
+                         (unsigned)pqc__get_u32(head + 8), (unsigned)dim, (unsigned)m, (unsigned)bits, (unsigned)flags);
+    }
+    nc = (size_t)dim << bits; /* m * 2^bits * dim/m */
+    nw = (flags & 1) ? dim : 0;
+    bytes = PQC__PQ_HEAD + 4 * (nc + nw) + 8;
+    if (!(buf = (unsigned char *)pqc__alloc(pqc__rt_alloc(rt), bytes))) {
+        fclose(fp);
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_load: %zu bytes", bytes);
+    }
+    memcpy(buf, head, sizeof head);
+    i = fread(buf + sizeof head, 1, bytes - sizeof head, fp);
+    if (i != bytes - sizeof head || fread(&extra, 1, 1, fp) != 0) {
+        fclose(fp);
+        pqc__free(pqc__rt_alloc(rt), buf);
+        return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s is truncated or has trailing bytes", path);
+    }
+    fclose(fp);
+    for (i = 0; i < 8; i++) h |= (uint64_t)buf[bytes - 8 + i] << (8 * i);
+    if (h != pqc__fnv(buf, bytes - 8, PQC__FNV_OFFSET)) {
+        pqc__free(pqc__rt_alloc(rt), buf);
+        return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s is damaged (checksum)", path);
+    }
+    /* the floats, in place (a float is 4 bytes: pqc__float_is_binary32), then checked */
+    for (i = 0; i < nc + nw; i++) {
+        uint32_t u = pqc__get_u32(buf + PQC__PQ_HEAD + 4 * i);
+        memcpy(buf + PQC__PQ_HEAD + 4 * i, &u, 4);
+    }
+    if (!pqc__within((const float *)(buf + PQC__PQ_HEAD), nc, PQC__KEY_LIMIT) ||
+        (nw && !pqc__within((const float *)(buf + PQC__PQ_HEAD) + nc, nw, 1e30f))) {
+        pqc__free(pqc__rt_alloc(rt), buf);
+        return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s holds NaN, Inf or huge values", path);
+    }
+    if (nw) {
+        w = (float *)(buf + PQC__PQ_HEAD) + nc;
+        for (i = 0; i < nw; i++)
+            if (!(w[i] > 0.0f)) {
+                pqc__free(pqc__rt_alloc(rt), buf);
+                return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s holds a metric weight <= 0", path);
+            }
+    }
+    if ((r = pqc__pq_alloc(rt, &pq, (int)dim, (int)m, (int)bits, w, (flags & 2) != 0)) != PQC_SUCCESS) {
+        pqc__free(pqc__rt_alloc(rt), buf);
+        return r;
+    }
+    memcpy(pq.centroids, buf + PQC__PQ_HEAD, nc * sizeof(float));
+    for (j = 0; j < pq.m; j++) pqc__pq_finish_sub(&pq, j);
+    pqc__free(pqc__rt_alloc(rt), buf);
+    *out = pq;
+    return PQC_SUCCESS;
 }
 
 /* The squared residual of token t's sub-space j: x (a key row, dim order) against its

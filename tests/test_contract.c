@@ -468,6 +468,159 @@ static float eval(int layer, size_t pos, size_t i)
     z ^= z >> 32;
     return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
 }
+
+/* a small trained quantizer: 300 keys of d_h 16, m 4, 3 bits; with a metric and rope
+   bands when `rich` */
+static int small_pq(int rich, pqc_pq *pq, float *keys)
+{
+    pqc_pq_desc d;
+    pqc_matrix km = pqc_matrix_f32(keys, 300, 16);
+    float w[16];
+    int i;
+    for (i = 0; i < 300 * 16; i++) keys[i] = eval(1, (size_t)i / 16, (size_t)i % 16) * (i % 16 < 4 ? 5.0f : 1.0f);
+    for (i = 0; i < 16; i++) w[i] = 0.25f + (float)(i % 4);
+    memset(&d, 0, sizeof d);
+    d.m = rich ? 2 : 4;
+    d.bits = 3;
+    d.iters = 4;
+    d.seed = 7;
+    if (rich) {
+        d.metric = w;
+        d.rope = PQC_ROPE_HALF;
+        d.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+    }
+    return pqc_pq_train(NULL, &d, &km, pq) == PQC_SUCCESS;
+}
+
+/* A saved quantizer loads back bit for bit and codes and searches as the original. */
+TEST quantizer_files_round_trip(void)
+{
+    float keys[300 * 16], q[2 * 16];
+    char path[512];
+    int rich, i;
+    tmp_path(path, sizeof path, "pq");
+    for (i = 0; i < 32; i++) q[i] = eval(2, 0, (size_t)i);
+    for (rich = 0; rich < 2; rich++) {
+        pqc_pq a, b;
+        pqc_codes ca, cb;
+        pqc_search_desc sd;
+        pqc_matrix km = pqc_matrix_f32(keys, 300, 16);
+        uint32_t ia[30], ib[30];
+        ASSERT(small_pq(rich, &a, keys));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_save(&a, path));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_load(NULL, path, &b));
+        ASSERT_EQ(a.dim, b.dim);
+        ASSERT_EQ(a.m, b.m);
+        ASSERT_EQ(a.bits, b.bits);
+        ASSERT_EQ(a.half_bands, b.half_bands);
+        ASSERT_EQ(rich, a.half_bands);
+        ASSERT_MEM_EQ(a.centroids, b.centroids, sizeof(float) * (size_t)a.m * (size_t)a.ksub * (size_t)a.dsub);
+        ASSERT_EQ(a.metric == NULL, b.metric == NULL);
+        if (a.metric) ASSERT_MEM_EQ(a.metric, b.metric, sizeof(float) * 16);
+        ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&ca, &a, 300, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&cb, &b, 300, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &a, &km, &ca));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &b, &km, &cb));
+        ASSERT_MEM_EQ(ca.data, cb.data, pqc_codes_bytes(&ca));
+        memset(&sd, 0, sizeof sd);
+        sd.k = 30;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &a, &ca, q, 2, &sd, NULL, ia, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &b, &cb, q, 2, &sd, NULL, ib, NULL));
+        ASSERT_MEM_EQ(ia, ib, sizeof ia);
+        pqc_codes_free(&ca);
+        pqc_codes_free(&cb);
+        pqc_pq_free(&a);
+        pqc_pq_free(&b);
+    }
+    remove(path);
+    PASS();
+}
+
+/* Every truncation, every flipped byte, trailing bytes, a foreign file and paths that are
+   no regular file are refused, and the output is left as it was. */
+TEST quantizer_file_damage_is_refused(void)
+{
+    float keys[300 * 16];
+    char path[512], bad[512], dir[512];
+    unsigned char *img;
+    long size, i;
+    FILE *f;
+    pqc_pq a, out;
+    int refused = 0;
+    tmp_path(path, sizeof path, "pqgood");
+    tmp_path(bad, sizeof bad, "pqbad");
+    tmp_path(dir, sizeof dir, "pqdir");
+    ASSERT(small_pq(1, &a, keys));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_save(&a, path));
+    f = fopen(path, "rb");
+    ASSERT(f != NULL);
+    fseek(f, 0, SEEK_END);
+    size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    img = (unsigned char *)malloc((size_t)size + 1);
+    ASSERT(img && fread(img, 1, (size_t)size, f) == (size_t)size);
+    fclose(f);
+    memset(&out, 0x5a, sizeof out);
+    for (i = 0; i <= size; i += i < 40 ? 1 : 97) { /* truncations (and, at size + 1, a trailing byte) */
+        img[size] = 7;
+        f = fopen(bad, "wb");
+        ASSERT(f && fwrite(img, 1, (size_t)(i == size ? size + 1 : i), f) == (size_t)(i == size ? size + 1 : i));
+        fclose(f);
+        ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
+        refused++;
+    }
+    for (i = 0; i < size; i += i < 40 ? 1 : 61) { /* a flipped bit anywhere */
+        img[i] ^= 0x10;
+        f = fopen(bad, "wb");
+        ASSERT(f && fwrite(img, 1, (size_t)size, f) == (size_t)size);
+        fclose(f);
+        ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
+        img[i] ^= 0x10;
+        refused++;
+    }
+    { /* the scheduler's file is foreign here */
+        pqc_scheduler *s;
+        pqc_scheduler_fit fit;
+        memset(&fit, 0, sizeof fit);
+        fit.a1 = 0.001;
+        fit.b1 = 2e-8;
+        fit.n1 = 5;
+        fit.a2 = 0.002;
+        fit.b2 = 1e-6;
+        fit.g2 = 3e-10;
+        fit.n2 = 5;
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_set_fit(s, &fit));
+        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, bad));
+        pqc_scheduler_destroy(s);
+        ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
+    }
+    remove(bad);
+    ASSERT_EQ(PQC_ERROR_IO, pqc_pq_load(NULL, bad, &out)); /* no such file */
+    ASSERT_EQ(0, mkdir(dir, 0700));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_pq_load(NULL, dir, &out));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_pq_save(&a, dir));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_pq_load(NULL, "/dev/null", &out));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_load(NULL, NULL, &out));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_load(NULL, path, NULL));
+    {
+        unsigned char want[sizeof out];
+        memset(want, 0x5a, sizeof want);
+        ASSERT_MEM_EQ(want, &out, sizeof out); /* untouched by every failure */
+    }
+    {
+        pqc_pq none;
+        memset(&none, 0, sizeof none);
+        ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_save(&none, bad));
+        ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_save(&a, NULL));
+    }
+    ASSERT(refused > 60);
+    rmdir(dir);
+    remove(path);
+    free(img);
+    pqc_pq_free(&a);
+    PASS();
+}
 static int eng_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
 {
     eng *e = (eng *)u;
@@ -1011,6 +1164,8 @@ SUITE(contract)
     RUN_TEST(huge_budget_gives_a_sane_window);
     RUN_TEST(scheduler_refuses_samples_that_would_break_the_fit);
     RUN_TEST(calibration_files_are_regular_files_only);
+    RUN_TEST(quantizer_files_round_trip);
+    RUN_TEST(quantizer_file_damage_is_refused);
     RUN_TEST(loaded_calibration_sets_t_on_every_layer);
     RUN_TEST(failed_driver_calls_give_back_their_tokens);
     RUN_TEST(driver_refuses_layers_of_unequal_length);

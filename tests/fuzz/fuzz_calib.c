@@ -1,5 +1,6 @@
-/* fuzz_calib.c - libFuzzer target for the scheduler's calibration file
-   (pqc_scheduler_load, pqc_scheduler_save).
+/* fuzz_calib.c - libFuzzer target for the library's files: the scheduler's calibration
+   file (pqc_scheduler_load, pqc_scheduler_save) and, when byte 1 is 128 or more, the
+   quantizer file (pqc_pq_load, pqc_pq_save).
 
    Input layout:
      byte 0  how the rest reaches pqc_scheduler_load (low 3 bits):
@@ -10,7 +11,11 @@
                2: the path is a directory      3: the path is a FIFO nobody writes to
                4: the path names no file       7: an empty path, then null arguments
      byte 1  the scheduler before the load: 0 mod 3 = no fit; 1 = a fit measured from
-             samples; 2 = a fit set with pqc_scheduler_set_fit
+             samples; 2 = a fit set with pqc_scheduler_set_fit. 128 or more: the input
+             is a quantizer file instead (modes as above; for 1 and 6 the file's 8-byte
+             FNV-1a 64 is appended, little-endian, so that mutations pass the checksum);
+             a failed pqc_pq_load must leave its output untouched, a successful one must
+             give a consistent quantizer that saves and loads back bit for bit
    Checks: a result is PQC_SUCCESS or a negative pqc_result, a failure sets
    pqc_last_error(); a load returns within 2 s (a FIFO must not be waited on); a failed
    load leaves pqc_scheduler_get_fit as it was; a successful load yields finite
@@ -159,6 +164,53 @@ static pqc_scheduler *fz_scheduler(unsigned how)
     return s;
 }
 
+static void fz_quantizer(unsigned mode, const unsigned char *body, size_t n)
+{
+    const char *path = g_file;
+    pqc_pq out, again;
+    unsigned char sentinel[sizeof out];
+    pqc_result r;
+    FILE *fp;
+    memset(&out, 0xa5, sizeof out);
+    memcpy(sentinel, &out, sizeof out);
+    switch (mode) {
+    case 0: case 5: case 1: case 6:
+        if (!(fp = fopen(g_file, "wb")) || (n && fwrite(body, 1, n, fp) != n)) fz_fail("cannot write the input file", PQC_SUCCESS);
+        if (mode == 1 || mode == 6) {
+            uint64_t h = fz_fnv(body, n);
+            unsigned char b[8];
+            int i;
+            for (i = 0; i < 8; i++) b[i] = (unsigned char)(h >> (8 * i));
+            if (fwrite(b, 1, 8, fp) != 8) fz_fail("cannot write the input file", PQC_SUCCESS);
+        }
+        if (fclose(fp) != 0) fz_fail("cannot write the input file", PQC_SUCCESS);
+        break;
+    case 2: path = g_dir; break;
+    case 3: path = g_fifo; break;
+    case 4: path = g_missing; break;
+    default: path = ""; break;
+    }
+    fz_arm();
+    r = fz_expect(pqc_pq_load(NULL, path, &out), "pqc_pq_load");
+    if (r != PQC_SUCCESS) {
+        if (memcmp(&out, sentinel, sizeof out)) fz_fail("a failed pqc_pq_load wrote its output", r);
+        return;
+    }
+    if (mode >= 2 && mode <= 4) fz_fail("pqc_pq_load of no regular file succeeded", r);
+    if (out.dim != out.m * out.dsub || out.bits < 1 || out.bits > 8 || out.ksub != 1 << out.bits || !out.centroids)
+        fz_fail("pqc_pq_load gave an inconsistent quantizer", r);
+    if (fz_expect(pqc_pq_save(&out, g_saved), "pqc_pq_save") != PQC_SUCCESS ||
+        fz_expect(pqc_pq_load(NULL, g_saved, &again), "pqc_pq_load of a saved quantizer") != PQC_SUCCESS)
+        fz_fail("a loaded quantizer does not save and load back", r);
+    if (again.dim != out.dim || again.m != out.m || again.bits != out.bits || again.half_bands != out.half_bands ||
+        memcmp(again.centroids, out.centroids, sizeof(float) * (size_t)out.dim * (size_t)out.ksub) ||
+        (again.metric == NULL) != (out.metric == NULL) ||
+        (out.metric && memcmp(again.metric, out.metric, sizeof(float) * (size_t)out.dim)))
+        fz_fail("a quantizer saved and loaded back differs", r);
+    pqc_pq_free(&again);
+    pqc_pq_free(&out);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     unsigned mode = size > 0 ? data[0] & 7u : 0, how = size > 1 ? data[1] : 0;
@@ -171,6 +223,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     double t0;
 
     fz_setup();
+    if (how >= 128) {
+        fz_quantizer(mode, body, n);
+        return 0;
+    }
     s = fz_scheduler(how);
     before = pqc_scheduler_get_fit(s);
     switch (mode) {
