@@ -703,6 +703,30 @@ PQCDEF int pqc_cache_on_device(const pqc_cache *c);
 PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double tokens, double seconds);
 /* Waits for every build of every layer; returns the first job error, if any. */
 PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
+/* A cache to and from a file, to resume decoding where it stopped (another process, a
+   conversation that comes back). pqc_cache_save waits for the builds, then writes every
+   layer's stored K/V (storage dtype), codebooks, codes, observations, observed attention,
+   exact lists and residual bytes, and the window, to a temporary file renamed into place.
+   pqc_cache_load creates a cache from desc and fills it from the file: it selects exactly
+   what the saved cache would have selected. The statistics and the block cache start
+   empty (hits differ, selections do not). The file, little-endian (saving and loading
+   refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
+     "PQCCACHE", u32 version (1), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
+     sinks, m, bits, rope, subspaces, metric, outliers, residual scoring on; u32 window;
+     per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
+       f64 observation sums [2 h_kv (d_h + 1) + 2]; f32 observed rows [rows][h d_h];
+       f64 observed masses [h_kv][2]; f64 histograms [h_kv][64];
+       per KV head: K rows, V rows [tokens][d_h] (storage dtype); u32 codebook present,
+         u32 metric present; if present: f32 centroids [m][2^bits][d_h/m], f32 metric
+         [d_h] (if present), the m code columns (ceil(coded bits / 8) bytes each); with
+         outliers: u64 listed, u64 of them from the build, f32 threshold, u32 tokens,
+         f32 residuals of those since the build; with residual scoring: f32 scales [m],
+         the residual bytes [coded][m]
+     u64 FNV-1a 64 of everything before it.
+   A truncated, damaged or foreign file gives PQC_ERROR_BAD_FILE, one saved with other
+   settings PQC_ERROR_BAD_SHAPE, and *out is left untouched. */
+PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path);
+PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, const char *path, pqc_cache **out);
 PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer);
 PQCDEF int pqc_cache_window(const pqc_cache *c);
 PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats *out);
@@ -4663,6 +4687,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
             goto oom;
         for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
+        memset(L->ohist, 0, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads); /* a file saves it as it is */
         for (h = 0; h < d.n_kv_heads; h++) {
             pqc__head *H = &L->heads[h];
             H->scratch.alloc = c->alloc;
@@ -6353,6 +6378,335 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
     for (l = 0; l < c->d.n_layers; l++)
         if ((x = pqc__join_build(c, l, 1)) != PQC_SUCCESS && r == PQC_SUCCESS) r = x;
     return r;
+}
+
+/* ----- cache files ----- */
+
+#define PQC__CACHE_MAGIC "PQCCACHE"
+#define PQC__CACHE_VERSION 1u
+
+static int pqc__little_endian(void)
+{
+    const uint32_t one = 1;
+    unsigned char b;
+    memcpy(&b, &one, 1);
+    return b == 1;
+}
+
+/* The parts of a file: pointers into the cache, and the small fields copied into one
+   buffer sized up front (so that its pointers stay put). */
+typedef struct pqc__parts {
+    const void **p;
+    size_t *n;
+    int count, cap;
+    unsigned char *small;
+    size_t used, small_cap;
+    uint64_t h;
+} pqc__parts;
+
+static void pqc__part(pqc__parts *w, const void *p, size_t n)
+{
+    if (n == 0) return;
+    w->p[w->count] = p;
+    w->n[w->count++] = n;
+    w->h = pqc__fnv(p, n, w->h);
+}
+
+static void pqc__part_small(pqc__parts *w, const void *p, size_t n)
+{
+    memcpy(w->small + w->used, p, n);
+    pqc__part(w, w->small + w->used, n);
+    w->used += n;
+}
+
+static void pqc__part_u64(pqc__parts *w, uint64_t v) { pqc__part_small(w, &v, 8); }
+
+/* the settings a file must agree on with the cache it loads into */
+static void pqc__cache_shape(const pqc_cache *c, uint32_t *f)
+{
+    f[0] = (uint32_t)c->d.n_layers;
+    f[1] = (uint32_t)c->d.n_kv_heads;
+    f[2] = (uint32_t)c->d.n_q_heads;
+    f[3] = (uint32_t)c->d.head_dim;
+    f[4] = (uint32_t)c->d.kv_dtype;
+    f[5] = (uint32_t)c->d.n_sink;
+    f[6] = (uint32_t)c->d.pq.m;
+    f[7] = (uint32_t)c->d.pq.bits;
+    f[8] = (uint32_t)c->d.pq.rope;
+    f[9] = (uint32_t)c->d.pq.subspaces;
+    f[10] = (uint32_t)c->d.metric;
+    f[11] = (uint32_t)c->d.outliers;
+    f[12] = c->d.residual_weight > 0;
+}
+#define PQC__CACHE_SHAPE 13
+
+PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
+{
+    pqc__parts w;
+    uint32_t shape[PQC__CACHE_SHAPE];
+    size_t nkv, d, qn, col, bound;
+    char why[300];
+    pqc_result r;
+    int l, h, j, parts;
+    if (!c || !path) return pqc__fail(c ? c->rt : NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_save: null argument");
+    if (!pqc__little_endian())
+        return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_save: cache files are written on little-endian hosts");
+    if ((r = pqc_cache_sync(c)) != PQC_SUCCESS) return r; /* no build in flight: codes and codebooks are final */
+    nkv = (size_t)c->d.n_kv_heads;
+    d = (size_t)c->d.head_dim;
+    qn = (size_t)c->d.n_q_heads * d;
+    parts = 8 + c->d.n_layers * (12 + c->d.n_kv_heads * (16 + c->d.pq.m));
+    bound = 128 + (size_t)c->d.n_layers * (64 + nkv * 64);
+    memset(&w, 0, sizeof w);
+    w.cap = parts;
+    w.small_cap = bound;
+    w.p = (const void **)pqc__alloc(&c->alloc, sizeof(void *) * (size_t)parts);
+    w.n = (size_t *)pqc__alloc(&c->alloc, sizeof(size_t) * (size_t)parts);
+    w.small = (unsigned char *)pqc__alloc(&c->alloc, bound);
+    if (!w.p || !w.n || !w.small) {
+        r = pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_save: allocation failed");
+        goto out;
+    }
+    w.h = PQC__FNV_OFFSET;
+    pqc__part_small(&w, PQC__CACHE_MAGIC, 8);
+    {
+        uint32_t v = PQC__CACHE_VERSION, win = (uint32_t)c->window;
+        pqc__cache_shape(c, shape);
+        pqc__part_small(&w, &v, 4);
+        pqc__part_small(&w, shape, sizeof shape);
+        pqc__part_small(&w, &win, 4);
+    }
+    for (l = 0; l < c->d.n_layers; l++) {
+        const pqc__layer *L = &c->layers[l];
+        uint32_t nq = (uint32_t)L->n_qobs;
+        pqc__part_u64(&w, L->n_tokens);
+        pqc__part_u64(&w, L->n_coded);
+        pqc__part_u64(&w, L->n_trained);
+        pqc__part_u64(&w, L->gen);
+        pqc__part_u64(&w, L->step);
+        pqc__part_small(&w, &nq, 4);
+        pqc__part(&w, L->qsq, pqc__qsq_len(c) * sizeof(double));
+        pqc__part(&w, L->qobs, (size_t)L->n_qobs * qn * sizeof(float));
+        pqc__part(&w, L->omass, 2 * nkv * sizeof(double));
+        pqc__part(&w, L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            const pqc__head *H = &L->heads[h];
+            uint32_t has = H->pq.m != 0, wt = has && H->pq.metric != NULL;
+            pqc__part(&w, H->k, L->n_tokens * c->row);
+            pqc__part(&w, H->v, L->n_tokens * c->row);
+            pqc__part_small(&w, &has, 4);
+            pqc__part_small(&w, &wt, 4);
+            if (!has) continue;
+            pqc__part(&w, H->pq.centroids, (size_t)H->pq.m * H->pq.ksub * H->pq.dsub * sizeof(float));
+            if (wt) pqc__part(&w, H->pq.metric, d * sizeof(float));
+            col = (L->n_coded * (size_t)H->pq.bits + 7) / 8;
+            for (j = 0; j < H->pq.m; j++) pqc__part(&w, H->codes.data + (size_t)j * H->codes.col_stride, col);
+            if (c->d.outliers > 0) {
+                pqc__part_u64(&w, H->on);
+                pqc__part_u64(&w, H->on_build);
+                pqc__part_small(&w, &H->othr, 4);
+                pqc__part(&w, H->olist, H->on * sizeof(uint32_t));
+                pqc__part(&w, H->ores, (H->on - H->on_build) * sizeof(float));
+            }
+            if (c->d.residual_weight > 0) {
+                pqc__part(&w, H->rscale, (size_t)H->pq.m * sizeof(float));
+                pqc__part(&w, H->rq, L->n_coded * (size_t)H->pq.m);
+            }
+        }
+    }
+    {
+        uint64_t sum = w.h;
+        pqc__part_small(&w, &sum, 8);
+    }
+    r = pqc__write_atomic(path, w.p, w.n, w.count, why, sizeof why) != 0
+            ? pqc__cfail(c, PQC_ERROR_IO, "pqc_cache_save: %s", why)
+            : PQC_SUCCESS;
+out:
+    pqc__free(&c->alloc, (void *)w.p);
+    pqc__free(&c->alloc, w.n);
+    pqc__free(&c->alloc, w.small);
+    return r;
+}
+
+/* reads n bytes into dst, adding them to the checksum; 0 on a short read */
+static int pqc__read_part(FILE *fp, void *dst, size_t n, uint64_t *h)
+{
+    if (n == 0) return 1;
+    if (fread(dst, 1, n, fp) != n) return 0;
+    *h = pqc__fnv(dst, n, *h);
+    return 1;
+}
+
+/* The body of pqc_cache_load: fills the new cache c from fp. Returns a result code with
+   the message set; BAD_FILE for anything the file gets wrong. */
+static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path, float *tmp)
+{
+    uint64_t h = PQC__FNV_OFFSET, want, v64[5];
+    uint32_t shape[PQC__CACHE_SHAPE], mine[PQC__CACHE_SHAPE], v, win, nq;
+    unsigned char magic[8], extra;
+    size_t nkv = (size_t)c->d.n_kv_heads, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, col, t;
+    int l, hh, j;
+    pqc_result r;
+#define PQC__RD(dst, n)                                                                                              \
+    do {                                                                                                             \
+        if (!pqc__read_part(fp, (dst), (n), &h))                                                                     \
+            return pqc__cfail(c, PQC_ERROR_BAD_FILE, "pqc_cache_load: %.200s is truncated", path);                  \
+    } while (0)
+#define PQC__BAD(...) return pqc__cfail(c, PQC_ERROR_BAD_FILE, __VA_ARGS__)
+    PQC__RD(magic, 8);
+    if (memcmp(magic, PQC__CACHE_MAGIC, 8) != 0) PQC__BAD("pqc_cache_load: %.200s is not a pqcache cache file", path);
+    PQC__RD(&v, 4);
+    if (v != PQC__CACHE_VERSION) PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
+    PQC__RD(shape, sizeof shape);
+    pqc__cache_shape(c, mine);
+    for (j = 0; j < PQC__CACHE_SHAPE; j++)
+        if (shape[j] != mine[j])
+            return pqc__cfail(c, PQC_ERROR_BAD_SHAPE,
+                              "pqc_cache_load: %.200s was saved with other settings (field %d: %u, this desc %u)", path,
+                              j, (unsigned)shape[j], (unsigned)mine[j]);
+    PQC__RD(&win, 4);
+    if (win > c->d.max_tokens) PQC__BAD("pqc_cache_load: %.200s: window %u", path, (unsigned)win);
+    c->window = (int)win;
+    for (l = 0; l < c->d.n_layers; l++) {
+        pqc__layer *L = &c->layers[l];
+        size_t n, coded, trained;
+        PQC__RD(v64, sizeof v64);
+        PQC__RD(&nq, 4);
+        n = (size_t)v64[0];
+        coded = (size_t)v64[1];
+        trained = (size_t)v64[2];
+        if (v64[0] > c->d.max_tokens || coded > pqc__mid_count(c, n) || trained > coded || nq > PQC__OBS_KEEP)
+            PQC__BAD("pqc_cache_load: %.200s: layer %d holds inconsistent counts", path, l);
+        PQC__RD(L->qsq, pqc__qsq_len(c) * sizeof(double));
+        PQC__RD(L->qobs, (size_t)nq * qn * sizeof(float));
+        PQC__RD(L->omass, 2 * nkv * sizeof(double));
+        PQC__RD(L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        if (!pqc__within(L->qobs, (size_t)nq * qn, PQC__KEY_LIMIT))
+            PQC__BAD("pqc_cache_load: %.200s: layer %d holds non-finite observations", path, l);
+        for (t = 0; t < pqc__qsq_len(c); t++)
+            if (!(L->qsq[t] >= 0.0 && L->qsq[t] < 1e300)) PQC__BAD("pqc_cache_load: %.200s: layer %d statistics", path, l);
+        for (t = 0; t < 2 * nkv; t++)
+            if (!(L->omass[t] >= -1.0 && L->omass[t] <= 1.0)) PQC__BAD("pqc_cache_load: %.200s: layer %d masses", path, l);
+        for (t = 0; t < PQC__OBS_BINS * nkv; t++)
+            if (!(L->ohist[t] >= 0.0 && L->ohist[t] < 1e300)) PQC__BAD("pqc_cache_load: %.200s: layer %d histogram", path, l);
+        L->n_qobs = (int)nq;
+        if ((r = pqc__cache_grow(c, n)) != PQC_SUCCESS) return r;
+        for (hh = 0; hh < c->d.n_kv_heads; hh++) {
+            pqc__head *H = &L->heads[hh];
+            uint32_t has, wt;
+            pqc_matrix km;
+            PQC__RD(H->k, n * c->row);
+            PQC__RD(H->v, n * c->row);
+            km = pqc__keys_view(c, H, 0, n);
+            if (n && pqc__check_range(c->rt, &km, tmp, pqc__store_limit(c->d.kv_dtype), "pqc_cache_load keys") != PQC_SUCCESS)
+                PQC__BAD("pqc_cache_load: %.200s: layer %d head %d holds non-finite keys", path, l, hh);
+            PQC__RD(&has, 4);
+            PQC__RD(&wt, 4);
+            if (has > 1 || wt > has || has != (coded > 0))
+                PQC__BAD("pqc_cache_load: %.200s: layer %d head %d codebook flags", path, l, hh);
+            if (!has) continue;
+            {
+                float *cent = NULL, *w = NULL;
+                size_t nc = (size_t)c->d.pq.m * ((size_t)1 << c->d.pq.bits) * (d / (size_t)c->d.pq.m);
+                cent = (float *)pqc__alloc(&c->alloc, (nc + d) * sizeof(float));
+                if (!cent) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_load: allocation failed");
+                if (!pqc__read_part(fp, cent, nc * sizeof(float), &h) ||
+                    (wt && !pqc__read_part(fp, cent + nc, d * sizeof(float), &h))) {
+                    pqc__free(&c->alloc, cent);
+                    PQC__BAD("pqc_cache_load: %.200s is truncated", path);
+                }
+                if (wt) w = cent + nc;
+                if (!pqc__within(cent, nc, PQC__KEY_LIMIT) || (w && !pqc__within(w, d, 1e30f))) {
+                    pqc__free(&c->alloc, cent);
+                    PQC__BAD("pqc_cache_load: %.200s: layer %d head %d holds non-finite centroids", path, l, hh);
+                }
+                for (t = 0; w && t < d; t++)
+                    if (!(w[t] > 0.0f)) {
+                        pqc__free(&c->alloc, cent);
+                        PQC__BAD("pqc_cache_load: %.200s: layer %d head %d metric weights", path, l, hh);
+                    }
+                r = pqc__pq_alloc(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, w,
+                                  c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF);
+                if (r == PQC_SUCCESS) {
+                    memcpy(H->pq.centroids, cent, nc * sizeof(float));
+                    for (j = 0; j < H->pq.m; j++) pqc__pq_finish_sub(&H->pq, j);
+                }
+                pqc__free(&c->alloc, cent);
+                if (r != PQC_SUCCESS) return r;
+            }
+            if ((r = pqc_codes_init(&H->codes, &H->pq, coded + 256, c->tier->codes_alloc(c))) != PQC_SUCCESS) return r;
+            col = (coded * (size_t)H->pq.bits + 7) / 8;
+            for (j = 0; j < H->pq.m; j++) PQC__RD(H->codes.data + (size_t)j * H->codes.col_stride, col);
+            H->codes.count = coded;
+            if (c->d.outliers > 0) {
+                uint64_t on[2];
+                size_t i;
+                PQC__RD(on, sizeof on);
+                if (on[1] > (uint64_t)c->d.outliers || on[0] < on[1] || on[0] - on[1] > (uint64_t)c->d.outliers)
+                    PQC__BAD("pqc_cache_load: %.200s: layer %d head %d exact list", path, l, hh);
+                H->on = (size_t)on[0];
+                H->on_build = (size_t)on[1];
+                PQC__RD(&H->othr, 4);
+                PQC__RD(H->olist, H->on * sizeof(uint32_t));
+                PQC__RD(H->ores, (H->on - H->on_build) * sizeof(float));
+                for (i = 0; i < H->on; i++)
+                    if (H->olist[i] >= coded || (i > 0 && i != H->on_build && H->olist[i] <= H->olist[i - 1]))
+                        PQC__BAD("pqc_cache_load: %.200s: layer %d head %d exact list entries", path, l, hh);
+            }
+            if (c->d.residual_weight > 0) {
+                H->rq_cap = coded + 256;
+                if (!(H->rq = (uint8_t *)pqc__alloc(&c->alloc, H->rq_cap * (size_t)H->pq.m)))
+                    return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_load: allocation failed");
+                PQC__RD(H->rscale, (size_t)H->pq.m * sizeof(float));
+                PQC__RD(H->rq, coded * (size_t)H->pq.m);
+                for (j = 0; j < H->pq.m; j++)
+                    if (!(H->rscale[j] > 0.0f && H->rscale[j] <= 1e30f))
+                        PQC__BAD("pqc_cache_load: %.200s: layer %d head %d residual scales", path, l, hh);
+            }
+        }
+        L->gen = v64[3];
+        L->step = v64[4];
+        L->n_coded = coded;
+        L->n_trained = trained;
+        if (n && (r = c->tier->stored(c, l, n)) != PQC_SUCCESS) return r;
+        L->n_tokens = n;
+    }
+    if (fread(&want, 1, 8, fp) != 8 || want != h)
+        PQC__BAD("pqc_cache_load: %.200s is damaged (checksum) or truncated", path);
+    if (fread(&extra, 1, 1, fp) != 0) PQC__BAD("pqc_cache_load: %.200s has trailing bytes", path);
+    return PQC_SUCCESS;
+#undef PQC__RD
+#undef PQC__BAD
+}
+
+PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, const char *path, pqc_cache **out)
+{
+    pqc_cache *c = NULL;
+    pqc_result r;
+    char why[300];
+    FILE *fp;
+    if (!desc || !path || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_load: null argument");
+    if (!pqc__little_endian())
+        return pqc__fail(rt, PQC_ERROR_UNSUPPORTED, "pqc_cache_load: cache files are read on little-endian hosts");
+    if (!(fp = pqc__open_regular(path, why, sizeof why))) return pqc__fail(rt, PQC_ERROR_IO, "pqc_cache_load: %s", why);
+    if ((r = pqc_cache_create(rt, desc, &c)) != PQC_SUCCESS) {
+        fclose(fp);
+        return r;
+    }
+    {
+        float *tmp = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)c->d.head_dim);
+        r = tmp ? pqc__cache_read(c, fp, path, tmp) : pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_load: allocation failed");
+        pqc__free(&c->alloc, tmp);
+    }
+    fclose(fp);
+    if (r != PQC_SUCCESS) {
+        char msg[sizeof pqc__errbuf];
+        memcpy(msg, pqc__errbuf, sizeof msg);
+        pqc_cache_destroy(c);
+        return pqc__fail(rt, r, "%s", msg);
+    }
+    *out = c;
+    return PQC_SUCCESS;
 }
 
 PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer)

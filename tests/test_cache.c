@@ -990,8 +990,175 @@ TEST driver_runs_both_algorithms(void)
     PASS();
 }
 
+/* A saved cache loads back and decodes exactly as the original: every later selection and
+   gather of both caches is equal. With the default settings, and with re-ranking, exact
+   lists and residual-aware scoring on fp32 storage. */
+static enum greatest_test_res save_load_resumes(int rich)
+{
+    const int L = 2, hkv = 2, hq = 4, d = 32;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache *a, *b;
+    pqc_selection sa, sb;
+    pqc_kv_out oa, ob;
+    float *k = rand_rows(900, (size_t)hkv * d), *v = rand_rows(900, (size_t)hkv * d), *q = rand_rows(64, (size_t)hq * d);
+    float *obs = rand_rows(8, (size_t)hq * d), *bufa, *bufb;
+    char path[512];
+    int l, s;
+    size_t t, rows = 0;
+    snprintf(path, sizeof path, "%s/pqc_cache_file_%ld_%d", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
+             (long)getpid(), rich);
+    cd.kv_dtype = rich ? PQC_F32 : PQC_F16;
+    cd.n_sink = 4;
+    cd.budget_ratio = 0.2;
+    if (rich) {
+        cd.rerank = 2;
+        cd.outliers = 8;
+        cd.residual_weight = 0.15;
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
+    for (l = 0; l < L; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(a, l, obs, 8));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(a, L, k, v, 700, (size_t)hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(a, &sa));
+    for (s = 0; s < 20; s++) /* decode: tokens leave the window and are coded */
+        for (l = 0; l < L; l++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, l, k + (size_t)(700 + s) * hkv * d, v + (size_t)(700 + s) * hkv * d));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, l, q + (size_t)s * hq * d, &sa));
+        }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b));
+    ASSERT_EQ(pqc_cache_window(a), pqc_cache_window(b));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
+    bufa = (float *)malloc(sizeof(float) * 4 * hkv * 1000 * d);
+    bufb = (float *)malloc(sizeof(float) * 4 * hkv * 1000 * d);
+    ASSERT(bufa && bufb);
+    oa.k = bufa;
+    oa.v = bufa + (size_t)2 * hkv * 1000 * d;
+    oa.head_stride = 1000;
+    ob.k = bufb;
+    ob.v = bufb + (size_t)2 * hkv * 1000 * d;
+    ob.head_stride = 1000;
+    for (s = 20; s < 60; s++) /* both go on alike */
+        for (l = 0; l < L; l++) {
+            const float *kk = k + (size_t)(700 + s) * hkv * d, *vv = v + (size_t)(700 + s) * hkv * d;
+            int h;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, l, kk, vv));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, l, kk, vv));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, l, q + (size_t)s * hq * d, &sa));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, l, q + (size_t)s * hq * d, &sb));
+            for (h = 0; h < hkv; h++) {
+                ASSERT_EQ(sa.count[h], sb.count[h]);
+                ASSERT_MEM_EQ(sa.idx + (size_t)h * sa.capacity, sb.idx + (size_t)h * sb.capacity, sa.count[h] * 4);
+                rows += sa.count[h];
+            }
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, l, &sa, &oa));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(b, l, &sb, &ob));
+            for (h = 0; h < hkv; h++)
+                for (t = 0; t < sa.count[h]; t++) {
+                    size_t o = ((size_t)h * 1000 + t) * d;
+                    ASSERT_MEM_EQ(oa.k + o, ob.k + o, (size_t)d * 4);
+                    ASSERT_MEM_EQ(oa.v + o, ob.v + o, (size_t)d * 4);
+                }
+        }
+    ASSERT(rows > 1000);
+    { /* a rebuild later happens alike too */
+        pqc_layer_stats x, y;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(a, 0, &x));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(b, 0, &y));
+        ASSERT_EQ(x.selects, 60u);
+        ASSERT_EQ(y.selects, 40u); /* statistics restart at zero */
+    }
+    pqc_selection_free(&sa);
+    pqc_selection_free(&sb);
+    pqc_cache_destroy(a);
+    pqc_cache_destroy(b);
+    remove(path);
+    free(k);
+    free(v);
+    free(q);
+    free(obs);
+    free(bufa);
+    free(bufb);
+    PASS();
+}
+TEST save_load_resumes_decoding(void) { return save_load_resumes(0); }
+TEST save_load_resumes_with_exact_scoring(void) { return save_load_resumes(1); }
+
+/* Damaged, truncated, foreign and mismatched files are refused; *out stays as it was. */
+TEST save_load_refuses_bad_files(void)
+{
+    pqc_cache_desc cd = base_desc(1, 2, 2, 16), other;
+    pqc_cache *a, *b = (pqc_cache *)&cd;
+    float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
+    char path[512], bad[512];
+    unsigned char *img;
+    long size, i;
+    FILE *f;
+    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
+    snprintf(path, sizeof path, "%s/pqc_cache_good_%ld", tmp, (long)getpid());
+    snprintf(bad, sizeof bad, "%s/pqc_cache_bad_%ld", tmp, (long)getpid());
+    cd.n_sink = 4;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, 300, 32));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
+    f = fopen(path, "rb");
+    ASSERT(f != NULL);
+    fseek(f, 0, SEEK_END);
+    size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    img = (unsigned char *)malloc((size_t)size + 1);
+    ASSERT(img && fread(img, 1, (size_t)size, f) == (size_t)size);
+    fclose(f);
+    for (i = 0; i <= size; i += i < 200 ? 1 : 997) { /* truncations, and a trailing byte at the end */
+        size_t n = (size_t)(i == size ? size + 1 : i);
+        img[size] = 1;
+        f = fopen(bad, "wb");
+        ASSERT(f && fwrite(img, 1, n, f) == n);
+        fclose(f);
+        ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, bad, &b));
+        ASSERT(b == (pqc_cache *)&cd);
+    }
+    for (i = 0; i < size; i += i < 200 ? 1 : 499) { /* a flipped bit */
+        pqc_result r;
+        img[i] ^= 4;
+        f = fopen(bad, "wb");
+        ASSERT(f && fwrite(img, 1, (size_t)size, f) == (size_t)size);
+        fclose(f);
+        r = pqc_cache_load(NULL, &cd, bad, &b);
+        ASSERT(r == PQC_ERROR_BAD_FILE || (i < 72 && r == PQC_ERROR_BAD_SHAPE)); /* the header's settings */
+        ASSERT(b == (pqc_cache *)&cd);
+        img[i] ^= 4;
+    }
+    other = cd; /* other settings */
+    other.pq.m = 4;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_load(NULL, &other, path, &b));
+    other = cd;
+    other.kv_dtype = PQC_F16;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_load(NULL, &other, path, &b));
+    other = cd;
+    other.max_tokens = 100; /* the file holds 300 tokens */
+    ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &other, path, &b));
+    ASSERT(b == (pqc_cache *)&cd);
+    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_load(NULL, &cd, tmp, &b)); /* a directory */
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_load(NULL, NULL, path, &b));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_save(a, NULL));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_save(a, tmp));
+    ASSERT(b == (pqc_cache *)&cd);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b)); /* the good file still loads */
+    pqc_cache_destroy(b);
+    pqc_cache_destroy(a);
+    remove(path);
+    remove(bad);
+    free(img);
+    free(k);
+    free(v);
+    PASS();
+}
+
 SUITE(cache)
 {
+    RUN_TEST(save_load_resumes_decoding);
+    RUN_TEST(save_load_resumes_with_exact_scoring);
+    RUN_TEST(save_load_refuses_bad_files);
     RUN_TEST(sinks_and_window_always_selected);
     RUN_TEST(needle_found_after_thousands_of_appends);
     RUN_TEST(full_budget_selects_everything_exactly);

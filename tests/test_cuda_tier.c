@@ -459,6 +459,58 @@ TEST decode_matches_cpu_residual_scoring(void)
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
+/* A cache saved from the host tier loads onto the device tier (sinks, window, codebooks
+   and codes go to the GPU as after a build) and decodes as the host cache goes on. */
+TEST cache_file_loads_onto_the_device(void)
+{
+    const int L = 2, hkv = 2, hq = 4, d = 64, steps = 8;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pair p;
+    cmp_stats st;
+    float *k1 = make_keys(1500, hkv, d, 11), *v1 = rand_rows(1500, (size_t)hkv * d);
+    float *q = rand_rows((size_t)2 * steps, (size_t)hq * d), *ka = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
+    char path[512];
+    int s, l;
+    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
+    snprintf(path, sizeof path, "%s/pqc_cuda_cache_%ld", tmp, (long)getpid());
+    cd.kv_dtype = PQC_F16;
+    cd.rerank = 2;
+    cd.outliers = 8;
+    memset(&st, 0, sizeof st);
+    ASSERT(k1 && v1 && q && ka);
+    ASSERT(pair_open(&p, &cd));
+    ASSERT(prefill_both(&p, L, k1, v1, 1500, (size_t)hkv * d));
+    for (s = 0; s < steps; s++)
+        for (l = 0; l < L; l++) {
+            size_t o = ((size_t)s * L + l) * hkv * d;
+            ASSERT(append_both(&p, l, ka + o, ka + o));
+            ASSERT(step_compare(&p, l, q + (size_t)s * hq * d, d, &st));
+        }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(p.cc, path));
+    pqc_cache_destroy(p.cg);
+    p.cg = NULL;
+    if (pqc_cache_load(p.rg, &cd, path, &p.cg) != PQC_SUCCESS) fprintf(stderr, "load: %s\n", pqc_last_error());
+    ASSERT(p.cg != NULL);
+    ASSERT_EQ(1, pqc_cache_on_device(p.cg));
+    for (s = steps; s < 2 * steps; s++)
+        for (l = 0; l < L; l++) {
+            size_t o = ((size_t)s * L + l) * hkv * d;
+            ASSERT(append_both(&p, l, ka + o, ka + o));
+            ASSERT(step_compare(&p, l, q + (size_t)s * hq * d, d, &st));
+        }
+    fprintf(stderr, "  loaded onto the device: %zu tokens selected, %zu differ, %zu rows compared, %zu differ\n",
+            st.selected, st.differ, st.rows_compared, st.rows_differ);
+    ASSERT_EQ(0, st.rows_differ);
+    ASSERT(st.rows_compared > 0);
+    ASSERT(st.differ * 1000 <= st.selected);
+    remove(path);
+    pair_close(&p);
+    free(k1);
+    free(v1);
+    free(q);
+    free(ka);
+    PASS();
+}
 /* every layer's codes resident in device memory */
 TEST decode_matches_cpu_sum_bf16_resident(void)
 {
@@ -960,6 +1012,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_exact_list);
     RUN_TEST(decode_matches_cpu_rerank_exact_list_resident);
     RUN_TEST(decode_matches_cpu_residual_scoring);
+    RUN_TEST(cache_file_loads_onto_the_device);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_allocation_failure);

@@ -866,13 +866,15 @@ TEST rerank_misuse_is_refused(void)
 {
     float k[4 * 8], q[2 * 8], out_s[2];
     uint32_t cand[4] = {0, 1, 2, 3}, bad_order[3] = {0, 2, 2}, beyond[2] = {1, 4}, idx[4];
-    pqc_matrix km = pqc_matrix_f32(k, 4, 8), narrow = pqc_matrix_f32(k, 4, 4);
+    pqc_matrix km, narrow;
     pqc_pq_desc d = pq_desc(2, 1);
     pqc_pq pq;
     pqc_codes codes;
     pqc_search_desc sd;
     int i;
     for (i = 0; i < 32; i++) k[i] = (float)((i * 7) % 11) - 5.0f;
+    km = pqc_matrix_f32(k, 4, 8);
+    narrow = pqc_matrix_f32(k, 4, 4);
     for (i = 0; i < 16; i++) q[i] = (float)((i * 3) % 5) - 2.0f;
     ASSERT_EQ(PQC_SUCCESS, pqc_rerank(NULL, &km, q, 2, PQC_GQA_SOFTMAX_SUM, cand, 4, 2, NULL, idx, out_s));
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_rerank(NULL, NULL, q, 2, PQC_GQA_SUM, cand, 4, 2, NULL, idx, NULL));

@@ -1,6 +1,7 @@
 /* fuzz_calib.c - libFuzzer target for the library's files: the scheduler's calibration
    file (pqc_scheduler_load, pqc_scheduler_save) and, when byte 1 is 128 or more, the
-   quantizer file (pqc_pq_load, pqc_pq_save).
+   quantizer file (pqc_pq_load, pqc_pq_save; byte 1 < 192) or the cache file
+   (pqc_cache_load, pqc_cache_save, into the small cache of fz_cache_desc; byte 1 >= 192).
 
    Input layout:
      byte 0  how the rest reaches pqc_scheduler_load (low 3 bits):
@@ -15,7 +16,9 @@
              is a quantizer file instead (modes as above; for 1 and 6 the file's 8-byte
              FNV-1a 64 is appended, little-endian, so that mutations pass the checksum);
              a failed pqc_pq_load must leave its output untouched, a successful one must
-             give a consistent quantizer that saves and loads back bit for bit
+             give a consistent quantizer that saves and loads back bit for bit; a failed
+             pqc_cache_load likewise, a loaded cache must select, append, select again
+             and save
    Checks: a result is PQC_SUCCESS or a negative pqc_result, a failure sets
    pqc_last_error(); a load returns within 2 s (a FIFO must not be waited on); a failed
    load leaves pqc_scheduler_get_fit as it was; a successful load yields finite
@@ -164,7 +167,61 @@ static pqc_scheduler *fz_scheduler(unsigned how)
     return s;
 }
 
-static void fz_quantizer(unsigned mode, const unsigned char *body, size_t n)
+/* the cache every cache file is loaded into: 1 layer, 2 KV heads, 4 query heads, d_h 8,
+   m 2, 2 bits, 2 sinks, exact lists of 2, residual-aware scoring, fp16 */
+static pqc_cache_desc fz_cache_desc(void)
+{
+    pqc_cache_desc d;
+    memset(&d, 0, sizeof d);
+    d.n_layers = 1;
+    d.n_kv_heads = 2;
+    d.n_q_heads = 4;
+    d.head_dim = 8;
+    d.kv_dtype = PQC_F16;
+    d.max_tokens = 512;
+    d.n_sink = 2;
+    d.budget_ratio = 0.3;
+    d.pq.m = 2;
+    d.pq.bits = 2;
+    d.pq.iters = 2;
+    d.pq.seed = 1;
+    d.outliers = 2;
+    d.residual_weight = 0.15;
+    d.rerank = 2;
+    d.cache_blocks = 2;
+    d.block_tokens = 4;
+    return d;
+}
+
+static void fz_cache_file(const char *path)
+{
+    pqc_cache_desc d = fz_cache_desc();
+    pqc_cache *c = (pqc_cache *)&d;
+    pqc_selection sel;
+    pqc_result r;
+    float q[4 * 8], kv[2 * 8];
+    int i;
+    fz_arm();
+    r = fz_expect(pqc_cache_load(NULL, &d, path, &c), "pqc_cache_load");
+    if (r != PQC_SUCCESS) {
+        if (c != (pqc_cache *)&d) fz_fail("a failed pqc_cache_load wrote its output", r);
+        return;
+    }
+    for (i = 0; i < 32; i++) q[i] = (float)(i % 5) - 2.0f;
+    for (i = 0; i < 16; i++) kv[i] = (float)(i % 3) - 1.0f;
+    if (pqc_cache_tokens(c, 0) > 0) {
+        if (fz_expect(pqc_selection_init(c, &sel), "pqc_selection_init") == PQC_SUCCESS) {
+            fz_expect(pqc_cache_select(c, 0, q, &sel), "pqc_cache_select");
+            fz_expect(pqc_cache_append(c, 0, kv, kv), "pqc_cache_append");
+            fz_expect(pqc_cache_select(c, 0, q, &sel), "pqc_cache_select");
+            pqc_selection_free(&sel);
+        }
+    }
+    fz_expect(pqc_cache_save(c, g_saved), "pqc_cache_save");
+    pqc_cache_destroy(c);
+}
+
+static void fz_file(unsigned mode, const unsigned char *body, size_t n, int cache)
 {
     const char *path = g_file;
     pqc_pq out, again;
@@ -189,6 +246,10 @@ static void fz_quantizer(unsigned mode, const unsigned char *body, size_t n)
     case 3: path = g_fifo; break;
     case 4: path = g_missing; break;
     default: path = ""; break;
+    }
+    if (cache) {
+        fz_cache_file(path);
+        return;
     }
     fz_arm();
     r = fz_expect(pqc_pq_load(NULL, path, &out), "pqc_pq_load");
@@ -224,7 +285,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     fz_setup();
     if (how >= 128) {
-        fz_quantizer(mode, body, n);
+        fz_file(mode, body, n, how >= 192);
         return 0;
     }
     s = fz_scheduler(how);
