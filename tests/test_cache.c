@@ -3,6 +3,7 @@
 #include "../pqcache.h"
 #include "greatest.h"
 #include "synth.h"
+#include "file_util.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -1091,8 +1092,7 @@ TEST save_load_refuses_bad_files(void)
     float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
     char path[512], bad[512];
     unsigned char *img;
-    long size, i;
-    FILE *f;
+    long size = 0, i;
     const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
     snprintf(path, sizeof path, "%s/pqc_cache_good_%ld", tmp, (long)getpid());
     snprintf(bad, sizeof bad, "%s/pqc_cache_bad_%ld", tmp, (long)getpid());
@@ -1100,29 +1100,17 @@ TEST save_load_refuses_bad_files(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, 300, 32));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
-    f = fopen(path, "rb");
-    ASSERT(f != NULL);
-    fseek(f, 0, SEEK_END);
-    size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    img = (unsigned char *)malloc((size_t)size + 1);
-    ASSERT(img && fread(img, 1, (size_t)size, f) == (size_t)size);
-    fclose(f);
+    ASSERT((img = file_image(path, &size)) != NULL);
     for (i = 0; i <= size; i += i < 200 ? 1 : 997) { /* truncations, and a trailing byte at the end */
-        size_t n = (size_t)(i == size ? size + 1 : i);
         img[size] = 1;
-        f = fopen(bad, "wb");
-        ASSERT(f && fwrite(img, 1, n, f) == n);
-        fclose(f);
+        ASSERT(file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, bad, &b));
         ASSERT(b == (pqc_cache *)&cd);
     }
     for (i = 0; i < size; i += i < 200 ? 1 : 499) { /* a flipped bit */
         pqc_result r;
         img[i] ^= 4;
-        f = fopen(bad, "wb");
-        ASSERT(f && fwrite(img, 1, (size_t)size, f) == (size_t)size);
-        fclose(f);
+        ASSERT(file_write(bad, img, (size_t)size));
         r = pqc_cache_load(NULL, &cd, bad, &b);
         ASSERT(r == PQC_ERROR_BAD_FILE || (i < 72 && r == PQC_ERROR_BAD_SHAPE)); /* the header's settings */
         ASSERT(b == (pqc_cache *)&cd);

@@ -5,6 +5,7 @@
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "greatest.h"
+#include "file_util.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -414,11 +415,11 @@ static void tmp_path(char *out, size_t n, const char *name)
     snprintf(out, n, "%s/pqc_contract_%ld_%s", dir && dir[0] ? dir : "/tmp", (long)getpid(), name);
 }
 
-TEST calibration_files_are_regular_files_only(void)
+/* a scheduler holding a fixed fit, or NULL */
+static pqc_scheduler *fitted_scheduler(void)
 {
     pqc_scheduler *s;
-    pqc_scheduler_fit f, before;
-    char fifo[512], dir[512], good[512];
+    pqc_scheduler_fit f;
     memset(&f, 0, sizeof f);
     f.a1 = 0.001;
     f.b1 = 2e-8;
@@ -427,8 +428,20 @@ TEST calibration_files_are_regular_files_only(void)
     f.b2 = 1e-6;
     f.g2 = 3e-10;
     f.n2 = 5;
-    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
-    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_set_fit(s, &f));
+    if (pqc_scheduler_create(NULL, &s) != PQC_SUCCESS) return NULL;
+    if (pqc_scheduler_set_fit(s, &f) != PQC_SUCCESS) {
+        pqc_scheduler_destroy(s);
+        return NULL;
+    }
+    return s;
+}
+
+TEST calibration_files_are_regular_files_only(void)
+{
+    pqc_scheduler *s;
+    pqc_scheduler_fit before;
+    char fifo[512], dir[512], good[512];
+    ASSERT((s = fitted_scheduler()) != NULL);
     before = pqc_scheduler_get_fit(s);
     tmp_path(fifo, sizeof fifo, "fifo");
     tmp_path(dir, sizeof dir, "dir");
@@ -543,8 +556,7 @@ TEST quantizer_file_damage_is_refused(void)
     float keys[300 * 16];
     char path[512], bad[512], dir[512];
     unsigned char *img;
-    long size, i;
-    FILE *f;
+    long size = 0, i;
     pqc_pq a, out;
     int refused = 0;
     tmp_path(path, sizeof path, "pqgood");
@@ -552,45 +564,24 @@ TEST quantizer_file_damage_is_refused(void)
     tmp_path(dir, sizeof dir, "pqdir");
     ASSERT(small_pq(1, &a, keys));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_save(&a, path));
-    f = fopen(path, "rb");
-    ASSERT(f != NULL);
-    fseek(f, 0, SEEK_END);
-    size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    img = (unsigned char *)malloc((size_t)size + 1);
-    ASSERT(img && fread(img, 1, (size_t)size, f) == (size_t)size);
-    fclose(f);
+    ASSERT((img = file_image(path, &size)) != NULL);
     memset(&out, 0x5a, sizeof out);
     for (i = 0; i <= size; i += i < 40 ? 1 : 97) { /* truncations (and, at size + 1, a trailing byte) */
         img[size] = 7;
-        f = fopen(bad, "wb");
-        ASSERT(f && fwrite(img, 1, (size_t)(i == size ? size + 1 : i), f) == (size_t)(i == size ? size + 1 : i));
-        fclose(f);
+        ASSERT(file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
         refused++;
     }
     for (i = 0; i < size; i += i < 40 ? 1 : 61) { /* a flipped bit anywhere */
         img[i] ^= 0x10;
-        f = fopen(bad, "wb");
-        ASSERT(f && fwrite(img, 1, (size_t)size, f) == (size_t)size);
-        fclose(f);
+        ASSERT(file_write(bad, img, (size_t)size));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
         img[i] ^= 0x10;
         refused++;
     }
     { /* the scheduler's file is foreign here */
         pqc_scheduler *s;
-        pqc_scheduler_fit fit;
-        memset(&fit, 0, sizeof fit);
-        fit.a1 = 0.001;
-        fit.b1 = 2e-8;
-        fit.n1 = 5;
-        fit.a2 = 0.002;
-        fit.b2 = 1e-6;
-        fit.g2 = 3e-10;
-        fit.n2 = 5;
-        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
-        ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_set_fit(s, &fit));
+        ASSERT((s = fitted_scheduler()) != NULL);
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, bad));
         pqc_scheduler_destroy(s);
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
