@@ -722,7 +722,8 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
          outliers: u64 listed, u64 of them from the build, f32 threshold, u32 tokens,
          f32 residuals of those since the build; with residual scoring: f32 scales [m],
          the residual bytes [coded][m]
-     u64 FNV-1a 64 of everything before it.
+     u64 checksum of everything before it: FNV-1a 64 taken over 64-bit little-endian
+     words (the last zero-padded), then over the length in bytes as one more word.
    A truncated, damaged or foreign file gives PQC_ERROR_BAD_FILE, one saved with other
    settings PQC_ERROR_BAD_SHAPE, and *out is left untouched. */
 PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path);
@@ -6393,6 +6394,54 @@ static int pqc__little_endian(void)
     return b == 1;
 }
 
+/* The cache file's checksum: FNV-1a 64 over the file as little-endian 64-bit words (the
+   last one zero-padded), then over its length in bytes: a byte at a time would take a
+   second per 300 MB here. */
+typedef struct pqc__whash {
+    uint64_t h, len;
+    unsigned char buf[8];
+    unsigned nb;
+} pqc__whash;
+
+static void pqc__whash_word(pqc__whash *w, const unsigned char *p)
+{
+    uint64_t x;
+    memcpy(&x, p, 8); /* little-endian hosts only (checked by the callers) */
+    w->h = (w->h ^ x) * 1099511628211ull;
+}
+
+static void pqc__whash_add(pqc__whash *w, const void *data, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)data;
+    w->len += n;
+    while (n > 0 && w->nb > 0) {
+        w->buf[w->nb++] = *p++;
+        n--;
+        if (w->nb == 8) {
+            pqc__whash_word(w, w->buf);
+            w->nb = 0;
+        }
+    }
+    for (; n >= 8; n -= 8, p += 8) pqc__whash_word(w, p);
+    while (n > 0) {
+        w->buf[w->nb++] = *p++;
+        n--;
+    }
+}
+
+static uint64_t pqc__whash_end(const pqc__whash *w0)
+{
+    pqc__whash w = *w0;
+    unsigned char len[8];
+    if (w.nb) {
+        memset(w.buf + w.nb, 0, 8 - w.nb);
+        pqc__whash_word(&w, w.buf);
+    }
+    memcpy(len, &w.len, 8);
+    pqc__whash_word(&w, len);
+    return w.h;
+}
+
 /* The parts of a file: pointers into the cache, and the small fields copied into one
    buffer sized up front (so that its pointers stay put). */
 typedef struct pqc__parts {
@@ -6401,7 +6450,7 @@ typedef struct pqc__parts {
     int count, cap;
     unsigned char *small;
     size_t used, small_cap;
-    uint64_t h;
+    pqc__whash h;
 } pqc__parts;
 
 static void pqc__part(pqc__parts *w, const void *p, size_t n)
@@ -6409,7 +6458,7 @@ static void pqc__part(pqc__parts *w, const void *p, size_t n)
     if (n == 0) return;
     w->p[w->count] = p;
     w->n[w->count++] = n;
-    w->h = pqc__fnv(p, n, w->h);
+    pqc__whash_add(&w->h, p, n);
 }
 
 static void pqc__part_small(pqc__parts *w, const void *p, size_t n)
@@ -6467,7 +6516,7 @@ PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
         r = pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_save: allocation failed");
         goto out;
     }
-    w.h = PQC__FNV_OFFSET;
+    w.h.h = PQC__FNV_OFFSET;
     pqc__part_small(&w, PQC__CACHE_MAGIC, 8);
     {
         uint32_t v = PQC__CACHE_VERSION, win = (uint32_t)c->window;
@@ -6515,7 +6564,7 @@ PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
         }
     }
     {
-        uint64_t sum = w.h;
+        uint64_t sum = pqc__whash_end(&w.h);
         pqc__part_small(&w, &sum, 8);
     }
     r = pqc__write_atomic(path, w.p, w.n, w.count, why, sizeof why) != 0
@@ -6529,19 +6578,48 @@ out:
 }
 
 /* reads n bytes into dst, adding them to the checksum; 0 on a short read */
-static int pqc__read_part(FILE *fp, void *dst, size_t n, uint64_t *h)
+static int pqc__read_part(FILE *fp, void *dst, size_t n, pqc__whash *h)
 {
     if (n == 0) return 1;
     if (fread(dst, 1, n, fp) != n) return 0;
-    *h = pqc__fnv(dst, n, *h);
+    pqc__whash_add(h, dst, n);
+    return 1;
+}
+
+/* Whether n stored elements of dtype t are finite and within the store limit, from
+   their bits (no conversion of fp16 rows). */
+static int pqc__stored_ok(const void *p, pqc_dtype t, size_t n)
+{
+    size_t i = 0;
+    if (t == PQC_F32) return pqc__within((const float *)p, n, PQC__KEY_LIMIT);
+    if (t == PQC_F16) /* four at a time: a lane whose exponent bits are all set is Inf or NaN */
+        for (; i + 4 <= n; i += 4) {
+            uint64_t x, z;
+            memcpy(&x, (const unsigned char *)p + 2 * i, 8);
+            z = (x & 0x7c007c007c007c00ull) ^ 0x7c007c007c007c00ull;
+            if (((z - 0x0001000100010001ull) & ~z & 0x8000800080008000ull) != 0) return 0;
+        }
+    for (; i < n; i++) {
+        uint16_t u;
+        memcpy(&u, (const unsigned char *)p + 2 * i, 2);
+        if (t == PQC_F16) {
+            if ((u & 0x7c00u) == 0x7c00u) return 0; /* Inf or NaN; every finite fp16 is in range */
+        } else {
+            uint32_t b = (uint32_t)u << 16;
+            float f;
+            memcpy(&f, &b, 4);
+            if (!(f >= -PQC__KEY_LIMIT && f <= PQC__KEY_LIMIT)) return 0;
+        }
+    }
     return 1;
 }
 
 /* The body of pqc_cache_load: fills the new cache c from fp. Returns a result code with
    the message set; BAD_FILE for anything the file gets wrong. */
-static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path, float *tmp)
+static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path)
 {
-    uint64_t h = PQC__FNV_OFFSET, want, v64[5];
+    uint64_t want, v64[5];
+    pqc__whash h;
     uint32_t shape[PQC__CACHE_SHAPE], mine[PQC__CACHE_SHAPE], v, win, nq;
     unsigned char magic[8], extra;
     size_t nkv = (size_t)c->d.n_kv_heads, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, col, t;
@@ -6553,6 +6631,8 @@ static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path, floa
             return pqc__cfail(c, PQC_ERROR_BAD_FILE, "pqc_cache_load: %.200s is truncated", path);                  \
     } while (0)
 #define PQC__BAD(...) return pqc__cfail(c, PQC_ERROR_BAD_FILE, __VA_ARGS__)
+    memset(&h, 0, sizeof h);
+    h.h = PQC__FNV_OFFSET;
     PQC__RD(magic, 8);
     if (memcmp(magic, PQC__CACHE_MAGIC, 8) != 0) PQC__BAD("pqc_cache_load: %.200s is not a pqcache cache file", path);
     PQC__RD(&v, 4);
@@ -6594,12 +6674,10 @@ static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path, floa
         for (hh = 0; hh < c->d.n_kv_heads; hh++) {
             pqc__head *H = &L->heads[hh];
             uint32_t has, wt;
-            pqc_matrix km;
             PQC__RD(H->k, n * c->row);
             PQC__RD(H->v, n * c->row);
-            km = pqc__keys_view(c, H, 0, n);
-            if (n && pqc__check_range(c->rt, &km, tmp, pqc__store_limit(c->d.kv_dtype), "pqc_cache_load keys") != PQC_SUCCESS)
-                PQC__BAD("pqc_cache_load: %.200s: layer %d head %d holds non-finite keys", path, l, hh);
+            if (!pqc__stored_ok(H->k, c->d.kv_dtype, n * d) || !pqc__stored_ok(H->v, c->d.kv_dtype, n * d))
+                PQC__BAD("pqc_cache_load: %.200s: layer %d head %d holds non-finite or huge K/V", path, l, hh);
             PQC__RD(&has, 4);
             PQC__RD(&wt, 4);
             if (has > 1 || wt > has || has != (coded > 0))
@@ -6671,7 +6749,7 @@ static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path, floa
         if (n && (r = c->tier->stored(c, l, n)) != PQC_SUCCESS) return r;
         L->n_tokens = n;
     }
-    if (fread(&want, 1, 8, fp) != 8 || want != h)
+    if (fread(&want, 1, 8, fp) != 8 || want != pqc__whash_end(&h))
         PQC__BAD("pqc_cache_load: %.200s is damaged (checksum) or truncated", path);
     if (fread(&extra, 1, 1, fp) != 0) PQC__BAD("pqc_cache_load: %.200s has trailing bytes", path);
     return PQC_SUCCESS;
@@ -6693,11 +6771,7 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
         fclose(fp);
         return r;
     }
-    {
-        float *tmp = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)c->d.head_dim);
-        r = tmp ? pqc__cache_read(c, fp, path, tmp) : pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_load: allocation failed");
-        pqc__free(&c->alloc, tmp);
-    }
+    r = pqc__cache_read(c, fp, path);
     fclose(fp);
     if (r != PQC_SUCCESS) {
         char msg[sizeof pqc__errbuf];

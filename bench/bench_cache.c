@@ -7,9 +7,12 @@
    3. how much of the PQ build hides behind a simulated prefill whose per-layer cost grows
       quadratically (the GPU's time is slept, as a GPU would leave the CPU free), with
       the adaptive T_max scheduler choosing the iteration count.
+   4. with --files: loading a saved cache (pqc_cache_load) against rebuilding it from the
+      keys (prefill + the PQ builds, 10 Lloyd iterations), one layer of 8 KV heads, fp16,
+      median of 3, the file in $TMPDIR (or /tmp) and in the page cache.
 
    usage: bench_cache [--sizes 4096,16384,65536,131072] [--threads T] [--quick]
-                      [--backend cpu|cuda] [--select-only]
+                      [--backend cpu|cuda] [--select-only] [--files]
    --backend cuda puts the device tier on a CUDA GPU (select and fetch then run there,
    the fetch copying the gathered rows back to the host; part 1 adds the device fetch
    without that copy); --select-only stops after part 1. */
@@ -289,10 +292,73 @@ static void bench_overlap(pqc_runtime *rt, size_t s, int layers, pqc_scheduler *
     free(needles);
 }
 
+/* part 4: save / load against rebuilding, one layer */
+static void bench_files(pqc_runtime *rt, size_t s)
+{
+    pqc_cache_desc cd;
+    float *q, *kv = NULL;
+    uint32_t *nd;
+    double tr[3], ts[3], tl[3];
+    char path[600];
+    const char *dir = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
+    long bytes = 0;
+    int r;
+    FILE *f;
+    snprintf(path, sizeof path, "%s/bench_cache_%zu.pqc", dir, s);
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 1;
+    cd.n_kv_heads = HKV;
+    cd.n_q_heads = HQ;
+    cd.head_dim = D;
+    cd.kv_dtype = PQC_F16;
+    cd.max_tokens = s + 64;
+    cd.pq.m = 2;
+    cd.pq.bits = 6;
+    cd.pq.iters = 10;
+    cd.pq.seed = 1;
+    kv = make_kv(s, 7, &q, &nd);
+    for (r = 0; r < 3; r++) {
+        pqc_cache *c, *b;
+        pqc_matrix m = pqc_matrix_f32(kv, s, (size_t)HKV * D);
+        double t0 = now();
+        if (pqc_cache_create(rt, &cd, &c) || pqc_cache_prefill(c, 0, &m, &m) || pqc_cache_sync(c)) {
+            fprintf(stderr, "bench_cache: files: %s\n", pqc_last_error());
+            exit(1);
+        }
+        tr[r] = now() - t0;
+        t0 = now();
+        if (pqc_cache_save(c, path)) {
+            fprintf(stderr, "bench_cache: save: %s\n", pqc_last_error());
+            exit(1);
+        }
+        ts[r] = now() - t0;
+        t0 = now();
+        if (pqc_cache_load(rt, &cd, path, &b)) {
+            fprintf(stderr, "bench_cache: load: %s\n", pqc_last_error());
+            exit(1);
+        }
+        tl[r] = now() - t0;
+        pqc_cache_destroy(b);
+        pqc_cache_destroy(c);
+    }
+    if ((f = fopen(path, "rb"))) {
+        fseek(f, 0, SEEK_END);
+        bytes = ftell(f);
+        fclose(f);
+    }
+    remove(path);
+    printf("files  s=%-7zu rebuild %8.3f s  save %7.3f s  load %7.3f s  (%.1fx faster than rebuilding)  file %.1f MB\n", s,
+           median(tr, 3), median(ts, 3), median(tl, 3), median(tr, 3) / median(tl, 3), (double)bytes / 1e6);
+    fflush(stdout);
+    free(kv);
+    free(q);
+    free(nd);
+}
+
 int main(int argc, char **argv)
 {
     size_t sizes[8] = {4096, 16384, 65536, 131072};
-    int ns = 4, threads = 2, quick = 0, i, backend = PQC_BACKEND_CPU, select_only = 0;
+    int ns = 4, threads = 2, quick = 0, i, backend = PQC_BACKEND_CPU, select_only = 0, files = 0;
     pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_scheduler *sch;
@@ -301,6 +367,7 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--select-only")) select_only = 1;
+        else if (!strcmp(argv[i], "--files")) files = 1;
         else if (!strcmp(argv[i], "--backend") && i + 1 < argc) {
             const char *b = argv[++i];
             if (!strcmp(b, "cpu")) backend = PQC_BACKEND_CPU;
@@ -318,7 +385,7 @@ int main(int argc, char **argv)
                 if (*p == ',') p++;
             }
         } else {
-            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only]\n",
+            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only] [--files]\n",
                     argv[0]);
             return 2;
         }
@@ -333,6 +400,11 @@ int main(int argc, char **argv)
     if (pqc_runtime_backend_note(rt)[0]) printf("# %s\n", pqc_runtime_backend_note(rt));
     printf("# pqcache %s, simd %s, %d thread(s); 8 KV heads, 32 query heads, d_h 128, m=2 b=6, budget 1/10\n",
            pqc_version(), pqc_simd_name(pqc_runtime_simd(rt)), threads);
+    if (files) {
+        for (i = 0; i < ns; i++) bench_files(rt, sizes[i]);
+        pqc_runtime_destroy(rt);
+        return 0;
+    }
     for (i = 0; i < ns; i++) bench_select_fetch(rt, sizes[i]);
     if (select_only) {
         pqc_runtime_destroy(rt);

@@ -1084,6 +1084,34 @@ static enum greatest_test_res save_load_resumes(int rich)
 TEST save_load_resumes_decoding(void) { return save_load_resumes(0); }
 TEST save_load_resumes_with_exact_scoring(void) { return save_load_resumes(1); }
 
+/* The load's check of stored K/V rows from their bits: fp16 Inf or NaN at any position
+   (the four-at-a-time part and the tail), bf16 beyond the key limit, fp32 NaN. */
+TEST stored_rows_check_finds_every_bad_value(void)
+{
+    uint16_t h[11];
+    float f[5] = {1, -2, 3e10f, 0, 5};
+    int i, j;
+    for (j = 0; j < 11; j++) h[j] = 0x7bffu; /* 65504, the largest finite fp16 */
+    ASSERT(pqc__stored_ok(h, PQC_F16, 11));
+    for (i = 0; i < 11; i++) {
+        uint16_t bad[3] = {0x7c00u, 0xfc00u, 0x7e01u}; /* +Inf, -Inf, NaN */
+        for (j = 0; j < 3; j++) {
+            uint16_t keep = h[i];
+            h[i] = bad[j];
+            ASSERT_FALSE(pqc__stored_ok(h, PQC_F16, 11));
+            h[i] = keep;
+        }
+    }
+    for (j = 0; j < 11; j++) h[j] = 0x5b00u; /* bf16 2^55 = 3.6e16 > the key limit 1e16 */
+    ASSERT_FALSE(pqc__stored_ok(h, PQC_BF16, 11));
+    for (j = 0; j < 11; j++) h[j] = 0x4000u; /* bf16 2 */
+    ASSERT(pqc__stored_ok(h, PQC_BF16, 11));
+    ASSERT(pqc__stored_ok(f, PQC_F32, 5));
+    f[3] = NAN;
+    ASSERT_FALSE(pqc__stored_ok(f, PQC_F32, 5));
+    PASS();
+}
+
 /* Damaged, truncated, foreign and mismatched files are refused; *out stays as it was. */
 TEST save_load_refuses_bad_files(void)
 {
@@ -1147,6 +1175,7 @@ SUITE(cache)
     RUN_TEST(save_load_resumes_decoding);
     RUN_TEST(save_load_resumes_with_exact_scoring);
     RUN_TEST(save_load_refuses_bad_files);
+    RUN_TEST(stored_rows_check_finds_every_bad_value);
     RUN_TEST(sinks_and_window_always_selected);
     RUN_TEST(needle_found_after_thousands_of_appends);
     RUN_TEST(full_budget_selects_everything_exactly);

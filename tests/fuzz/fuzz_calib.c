@@ -14,7 +14,8 @@
      byte 1  the scheduler before the load: 0 mod 3 = no fit; 1 = a fit measured from
              samples; 2 = a fit set with pqc_scheduler_set_fit. 128 or more: the input
              is a quantizer file instead (modes as above; for 1 and 6 the file's 8-byte
-             FNV-1a 64 is appended, little-endian, so that mutations pass the checksum);
+             checksum is appended, little-endian, so that mutations pass it: FNV-1a 64
+             for a quantizer file, the word-wise FNV-1a 64 of the format for a cache file);
              a failed pqc_pq_load must leave its output untouched, a successful one must
              give a consistent quantizer that saves and loads back bit for bit; a failed
              pqc_cache_load likewise, a loaded cache must select, append, select again
@@ -221,6 +222,20 @@ static void fz_cache_file(const char *path)
     pqc_cache_destroy(c);
 }
 
+/* the cache file's checksum: FNV-1a 64 over little-endian 64-bit words, the last one
+   zero-padded, then the length in bytes as one more word */
+static uint64_t fz_word_fnv(const unsigned char *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull, w;
+    size_t i, j;
+    for (i = 0; i < n; i += 8) {
+        w = 0;
+        for (j = 0; j < 8 && i + j < n; j++) w |= (uint64_t)p[i + j] << (8 * j);
+        h = (h ^ w) * 0x100000001b3ull;
+    }
+    return (h ^ (uint64_t)n) * 0x100000001b3ull;
+}
+
 static void fz_file(unsigned mode, const unsigned char *body, size_t n, int cache)
 {
     const char *path = g_file;
@@ -234,7 +249,7 @@ static void fz_file(unsigned mode, const unsigned char *body, size_t n, int cach
     case 0: case 5: case 1: case 6:
         if (!(fp = fopen(g_file, "wb")) || (n && fwrite(body, 1, n, fp) != n)) fz_fail("cannot write the input file", PQC_SUCCESS);
         if (mode == 1 || mode == 6) {
-            uint64_t h = fz_fnv(body, n);
+            uint64_t h = cache ? fz_word_fnv(body, n) : fz_fnv(body, n);
             unsigned char b[8];
             int i;
             for (i = 0; i < 8; i++) b[i] = (unsigned char)(h >> (8 * i));
