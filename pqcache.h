@@ -455,7 +455,7 @@ typedef struct pqc_scheduler pqc_scheduler;
 
 typedef struct pqc_scheduler_desc {
     int t_min;        /* 0 = 3   */
-    int t_max;        /* 0 = 300 */
+    int t_max;        /* 0 = 300; at most 100000, the PQ core's limit on iterations */
     int t_default;    /* iterations used before both fits exist; 0 = 10 */
     double parallel;  /* k-means jobs that run side by side (worker threads); 0 = 1 */
     pqc_allocator allocator;
@@ -4095,8 +4095,10 @@ PQCDEF pqc_result pqc_scheduler_create(const pqc_scheduler_desc *desc, pqc_sched
     if (d.t_max == 0) d.t_max = 300;
     if (d.t_default == 0) d.t_default = 10;
     if (d.parallel == 0) d.parallel = 1;
-    if (d.t_min < 0 || d.t_max < d.t_min || d.t_default < 0 || !(d.parallel > 0))
-        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "scheduler: need 0 <= t_min <= t_max, parallel > 0");
+    if (d.t_min < 0 || d.t_max < d.t_min || d.t_max > 100000 || d.t_default < 0 || d.t_default > 100000 ||
+        !(d.parallel > 0))
+        return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE,
+                         "scheduler: need 0 <= t_min <= t_max <= 100000, t_default <= 100000, parallel > 0");
     s = (pqc_scheduler *)pqc__calloc(&d.allocator, sizeof *s);
     if (!s) return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "scheduler: allocation failed");
     s->alloc = d.allocator;

@@ -436,6 +436,25 @@ static pqc_scheduler *fitted_scheduler(void)
     return s;
 }
 
+/* A scheduler that could hand the builds more iterations than k-means takes is refused
+   when it is created, not by every build later. */
+TEST scheduler_iterations_stay_within_the_pq_limit(void)
+{
+    pqc_scheduler_desc d;
+    pqc_scheduler *s = NULL;
+    memset(&d, 0, sizeof d);
+    d.t_max = 100001;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_create(&d, &s));
+    d.t_max = 0;
+    d.t_default = 100001;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_scheduler_create(&d, &s));
+    d.t_min = d.t_max = d.t_default = 100000;
+    ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(&d, &s));
+    ASSERT_EQ(100000, pqc_scheduler_iters(s, 4096, 1));
+    pqc_scheduler_destroy(s);
+    PASS();
+}
+
 TEST calibration_files_are_regular_files_only(void)
 {
     pqc_scheduler *s;
@@ -1154,6 +1173,7 @@ SUITE(contract)
     RUN_TEST(values_beyond_the_storage_range_are_refused_before_storing);
     RUN_TEST(huge_budget_gives_a_sane_window);
     RUN_TEST(scheduler_refuses_samples_that_would_break_the_fit);
+    RUN_TEST(scheduler_iterations_stay_within_the_pq_limit);
     RUN_TEST(calibration_files_are_regular_files_only);
     RUN_TEST(quantizer_files_round_trip);
     RUN_TEST(quantizer_file_damage_is_refused);

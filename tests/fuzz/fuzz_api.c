@@ -2270,7 +2270,8 @@ static void op_sched(fz_state *S)
         tmi = d.t_min ? d.t_min : 3;
         tma = d.t_max ? d.t_max : 300;
         tde = d.t_default ? d.t_default : 10;
-        must_fail = tmi < 0 || tma < tmi || tde < 0 || !(d.parallel >= 0) || d.parallel < 0;
+        must_fail = tmi < 0 || tma < tmi || tma > 100000 || tde < 0 || tde > 100000 || !(d.parallel >= 0) ||
+                    d.parallel < 0; /* iterations beyond the PQ core's limit are refused up front */
         if (S->sched) return; /* caches may hold it: one scheduler per input */
         fz_arm();
         r = fz_expect(pqc_scheduler_create(&d, &s), "pqc_scheduler_create");
