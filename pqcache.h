@@ -36,6 +36,9 @@
           pqc_cache_fetch         the selected K/V, through the block cache
         (or pqc_driver_prefill / pqc_driver_decode over two callbacks of your engine)
      5. pqc_cache_destroy, pqc_runtime_destroy
+   Reuse: pqc_cache_fork starts a request from another's prefix (a system prompt, a
+   document) without copying its K/V or rebuilding; pqc_cache_save / pqc_cache_load keep
+   a cache across processes.
 
    CONTENTS OF THE IMPLEMENTATION (each section opens with a banner "N. Title"; grep
    for it; every section depends only on those above it)
@@ -46,7 +49,7 @@
      4. Scratch memory
      5. Top-k                 radix select
      6. PQ codebook training  k-means++ seeding, Lloyd iterations (their GPU loop runs
-                              through the CUDA device tier, section 15)
+                              through the CUDA device tier, section 16)
      7. Codes and encoding
      8. Search                lookup tables, scans, GQA combination, the exact reference
      9. Scheduler             the adaptive T_max fits and the calibration file
@@ -54,10 +57,11 @@
     11. Sequence cache        device-tier table, token store, builds, prefill, append,
                               select
     12. Block cache and fetch  admission (shared by every tier), the host tier
-    13. Batches and driver    Algorithms 1 and 2 over the engine's callbacks
-    14. CUDA loader           driver API, NVRTC, kernel cache, module (dlopen)
-    15. CUDA device tier
-    16. Kernel source         pqcache_kernels.cu as a string
+    13. Files and forks       cache files, prefix sharing, what a cache holds
+    14. Batches and driver    Algorithms 1 and 2 over the engine's callbacks
+    15. CUDA loader           driver API, NVRTC, kernel cache, module (dlopen)
+    16. CUDA device tier
+    17. Kernel source         pqcache_kernels.cu as a string
 
    CONFIGURATION MACROS (define before including the implementation)
    ----------------------------------------------------------------
@@ -728,6 +732,27 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    settings PQC_ERROR_BAD_SHAPE, and *out is left untouched. */
 PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path);
 PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, const char *path, pqc_cache **out);
+/* Prefix sharing: a child cache that holds the parent's tokens as they are now, every
+   layer (the layers must hold the same number of tokens: between decode steps). The
+   stored K/V rows are not copied: the parent's stores become a read-only prefix shared
+   by the parent and all its children (and theirs), reference counted, freed with the
+   last cache that uses it; rows appended afterwards are each cache's own. The child
+   gets copies of the small state: codebooks, codes, observations, exact lists,
+   residual bytes (a few bytes per token and head, against 2 d_h elements of K/V), and
+   the rows the parent appended since its prefix was first shared. It selects exactly
+   what the parent would select after the same calls; a rebuild in a child re-clusters
+   its own view and leaves the parent's codebooks alone. Waits for the parent's builds
+   (pqc_cache_sync). Parent and children may be used, and destroyed in any order, from
+   different threads (one thread per cache at a time, as for any cache); they share the
+   parent's runtime, backend, scheduler and CUDA stream. The child's statistics and
+   block cache start empty. On failure *child is untouched and the parent selects as
+   before. */
+PQCDEF pqc_result pqc_cache_fork(pqc_cache *parent, pqc_cache **child);
+/* Host memory of a cache: own_bytes, what it holds alone (its own K/V rows as
+   allocated, codes, codebooks, block tables, observations, exact lists, residual
+   bytes); shared_bytes, the allocated size of the prefix it shares with forks (0 when
+   none: count it once for a family of forks). */
+PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t *shared_bytes);
 PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer);
 PQCDEF int pqc_cache_window(const pqc_cache *c);
 PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats *out);
@@ -735,9 +760,16 @@ PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats
    on a CUDA GPU everything the tier allocated there, two code buffers and the scratch
    included) and, for comparison, the bytes of the whole K/V cache in the storage dtype. */
 PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *full_kv_bytes);
-/* Read-only view of the stored K/V rows of one (layer, KV head): row t at base + t*d_h. */
+/* Read-only view of the stored K/V rows of one (layer, KV head): row t at base + t*d_h.
+   A fork whose rows lie in two parts (its shared prefix, then its own) gives
+   PQC_ERROR_BAD_STATE: read it with pqc_cache_kv_part. */
 PQCDEF pqc_result pqc_cache_kv(const pqc_cache *c, int layer, int head, const void **k, const void **v,
                                size_t *tokens, pqc_dtype *dtype);
+/* The stored rows of one (layer, KV head) from token `from` on that lie contiguously:
+   row from + i at k + i*d_h (storage dtype) for i < *count; *count = 0 when from is the
+   layer's token count. A loop over from = 0, from + count, ... reads every row. */
+PQCDEF pqc_result pqc_cache_kv_part(const pqc_cache *c, int layer, int head, size_t from, const void **k,
+                                    const void **v, size_t *count);
 
 /* The blocks (token index / block_tokens) held in the block cache of one (layer, KV head),
    ascending, at most `max` of them; returns how many are cached. */
@@ -4373,7 +4405,8 @@ PQCDEF pqc_backend pqc_backend_cpu(const pqc_allocator *alloc)
    ------------------------------------------------------------------------------------- */
 
 typedef struct pqc__head {
-    unsigned char *k, *v; /* [cap][d] in the storage dtype */
+    unsigned char *k, *v; /* own rows pn .. pn + cap - 1: [cap][d] in the storage dtype */
+    unsigned char *pk, *pv; /* a fork's shared prefix, rows 0 .. pn - 1 (read-only), or NULL */
     pqc_pq pq;            /* current codebook (pq.m == 0: none yet)  */
     pqc_codes codes;      /* codes of mid tokens n_sink .. n_sink + count */
     pqc_pq pq_new;        /* a finished build waiting to be installed */
@@ -4453,6 +4486,22 @@ typedef struct pqc__layer {
     double prefill_start;
 } pqc__layer;
 
+/* The stored prefix shared by forked caches: the first n rows of every layer's K and V
+   stores of the cache that was forked first, read-only from then on, freed by the last
+   cache that lets go of it. */
+typedef struct pqc__share {
+    size_t n;                 /* rows shared (tokens of every layer)  */
+    size_t cap;               /* rows between heads in the stores     */
+    int n_layers, refs;
+    unsigned char **k, **v;   /* [n_layers] */
+    pqc_runtime *rt;
+    pqc_allocator alloc;
+    void (*release)(pqc_runtime *rt, const pqc_allocator *a, void *p); /* the stores' tier frees them */
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_t mu;       /* guards refs: forks are made and destroyed on any thread */
+#endif
+} pqc__share;
+
 struct pqc_cache {
     pqc_runtime *rt;
     pqc_allocator alloc;
@@ -4461,7 +4510,11 @@ struct pqc_cache {
     int g;                /* query heads per KV head */
     size_t es;            /* storage element size */
     size_t row;           /* bytes of one row (d_h elements) */
-    size_t cap;           /* tokens allocated per head */
+    size_t cap;           /* own rows allocated per head (rows pn .. pn + cap - 1) */
+    size_t pn;            /* rows of the shared prefix (a fork's; 0: none) */
+    pqc__share *share;    /* the shared prefix, or NULL */
+    size_t nblk;          /* entries of each head's block tables (slot_of, score) */
+    pqc_cache_desc udesc; /* the desc as given (a fork is created from it) */
     int window;           /* fixed once known; 0 until the first prefill when derived */
     pqc__layer *layers;
     char err[256];
@@ -4497,6 +4550,7 @@ typedef struct pqc__tier_i {
     void (*destroy)(pqc_cache *c);                       /* before the layers go */
     void *(*store_alloc)(pqc_cache *c, size_t bytes);    /* memory of the host K/V stores */
     void (*store_free)(pqc_cache *c, void *p);
+    void (*store_release)(pqc_runtime *rt, const pqc_allocator *a, void *p); /* a shared prefix's store */
     const pqc_allocator *(*codes_alloc)(pqc_cache *c);   /* memory of the codes a build makes */
     void (*quiesce)(pqc_cache *c);                       /* no device work reads the stores after it */
     pqc_result (*grown)(pqc_cache *c);                   /* the stores moved (c->cap grew) */
@@ -4526,6 +4580,19 @@ static void pqc__store_free(pqc_cache *c, void *p)
 {
     if (p) c->tier->store_free(c, p);
 }
+
+/* The stored K and V rows of token t of a head: in the shared prefix (a fork's) or in
+   the cache's own store. */
+static unsigned char *pqc__krow(const pqc_cache *c, const pqc__head *H, size_t t)
+{
+    return t < c->pn ? H->pk + t * c->row : H->k + (t - c->pn) * c->row;
+}
+static unsigned char *pqc__vrow(const pqc_cache *c, const pqc__head *H, size_t t)
+{
+    return t < c->pn ? H->pv + t * c->row : H->v + (t - c->pn) * c->row;
+}
+/* tokens the stores hold room for */
+static size_t pqc__room(const pqc_cache *c) { return c->pn + c->cap; }
 
 PQCDEF pqc_matrix pqc_matrix_f32(const float *data, size_t rows, size_t cols)
 {
@@ -4643,6 +4710,8 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     c->rt = rt;
     if (rt) c->alloc = rt->alloc;
     c->d = d;
+    c->udesc = *desc;
+    if (desc->backend) c->udesc.backend = &c->be; /* a fork copies it from here */
     c->be = d.backend ? *d.backend : pqc_backend_cpu(&c->alloc);
     if (!c->be.iface.alloc || !c->be.iface.free || !c->be.iface.copy_h2d) {
         pqc__free(&c->alloc, c);
@@ -4731,6 +4800,32 @@ oom:
     return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
 }
 
+/* Lets go of a fork's shared prefix; the last cache to do so frees it. */
+static void pqc__share_drop(pqc_cache *c)
+{
+    pqc__share *s = c->share;
+    int l, last;
+    if (!s) return;
+    c->share = NULL;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&s->mu);
+#endif
+    last = --s->refs == 0;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&s->mu);
+#endif
+    if (!last) return;
+    for (l = 0; l < s->n_layers; l++) {
+        if (s->k[l]) s->release(s->rt, &s->alloc, s->k[l]);
+        if (s->v[l]) s->release(s->rt, &s->alloc, s->v[l]);
+    }
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_destroy(&s->mu);
+#endif
+    pqc__free(&s->alloc, (void *)s->k);
+    pqc__free(&s->alloc, s);
+}
+
 PQCDEF void pqc_cache_destroy(pqc_cache *c)
 {
     int l, h;
@@ -4766,6 +4861,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
             pqc__store_free(c, L->vbase);
         }
     }
+    pqc__share_drop(c);
     c->tier->destroy(c); /* the tier's memory and its slots, after the stores and codes it made */
     if (c->layers)
         for (l = 0; l < c->d.n_layers; l++) {
@@ -4794,24 +4890,26 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
    device can address every head's rows with one base and a head stride. */
 static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
 {
-    size_t cap = c->cap ? c->cap : 256, nblk, l, h, bytes, lbytes;
+    size_t cap = c->cap ? c->cap : 256, nblk, l, h, bytes, lbytes, own;
     int L = c->d.n_layers, H = c->d.n_kv_heads;
     unsigned char **nk, **nv;
     int32_t **ns;
     uint32_t **nc;
     size_t i, n = (size_t)L * H, ok = 0;
-    if (need <= c->cap) return PQC_SUCCESS;
+    if (need <= pqc__room(c)) return PQC_SUCCESS;
     if (need > c->d.max_tokens)
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence of %zu tokens exceeds max_tokens %zu", need, c->d.max_tokens);
-    /* headroom, so that the decode steps after a prompt rarely grow the store */
-    while (cap < need + PQC__MAX((size_t)256, need / 16)) cap = cap + cap / 2;
-    if (cap > c->d.max_tokens) cap = c->d.max_tokens;
+    /* headroom, so that the decode steps after a prompt rarely grow the store; a fork's
+       own rows start after its shared prefix */
+    own = need - c->pn;
+    while (cap < own + PQC__MAX((size_t)256, own / 16)) cap = cap + cap / 2;
+    if (cap > c->d.max_tokens - c->pn) cap = c->d.max_tokens - c->pn;
     /* every layer's builds read the stores being replaced: let them finish first (their
        results are installed at each layer's next call) */
     for (l = 0; l < (size_t)L; l++) pqc__wait(c->rt, &c->layers[l].group);
     if (!pqc__mul(cap, c->row, &bytes) || !pqc__mul(bytes, (size_t)H, &lbytes))
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence too large");
-    nblk = (cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens;
+    nblk = (c->pn + cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens;
     nk = (unsigned char **)pqc__calloc(&c->alloc, sizeof(void *) * (size_t)L * 2);
     ns = (int32_t **)pqc__calloc(&c->alloc, sizeof(void *) * n);
     nc = (uint32_t **)pqc__calloc(&c->alloc, sizeof(void *) * n);
@@ -4856,13 +4954,12 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
         pqc__layer *Ly = &c->layers[l];
         for (h = 0; h < (size_t)H; h++) {
             pqc__head *hd = &Ly->heads[h];
-            size_t j = l * H + h, used = Ly->n_tokens * c->row, ob;
+            size_t j = l * H + h, used = Ly->n_tokens > c->pn ? (Ly->n_tokens - c->pn) * c->row : 0, ob = c->nblk;
             if (hd->k) memcpy(nk[l] + h * bytes, hd->k, used);
             if (hd->v) memcpy(nv[l] + h * bytes, hd->v, used);
             hd->k = nk[l] + h * bytes;
             hd->v = nv[l] + h * bytes;
             if (c->d.cache_blocks > 0) {
-                ob = c->cap ? (c->cap + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens : 0;
                 for (i = 0; i < nblk; i++) ns[j][i] = i < ob ? hd->slot_of[i] : -1;
                 {
                     float *nsc = (float *)(nc[j] + nblk);
@@ -4885,6 +4982,7 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
     pqc__free(&c->alloc, ns);
     pqc__free(&c->alloc, nc);
     c->cap = cap;
+    c->nblk = nblk;
     return c->tier->grown(c);
 }
 
@@ -4934,16 +5032,42 @@ static void pqc__store_row(pqc_cache *c, unsigned char *dst, const void *src, pq
     }
 }
 
-/* view of mid tokens [from, to) (absolute positions) of one head as a key matrix */
+/* view of tokens [from, to) (absolute positions) of one head as a key matrix; the rows
+   lie in one part of the stores (all shared or all own: see pqc__keys_gather) */
 static pqc_matrix pqc__keys_view(const pqc_cache *c, const pqc__head *H, size_t from, size_t to)
 {
     pqc_matrix m;
-    m.data = H->k + from * c->row;
+    m.data = pqc__krow(c, H, from);
     m.dtype = c->d.kv_dtype;
     m.rows = to - from;
     m.cols = (size_t)c->d.head_dim;
     m.row_stride = c->row;
     return m;
+}
+
+/* A fork's tokens [from, to) may straddle its shared prefix and its own rows: then they
+   are copied into *buf (freed by the caller) and the view is over the copy. */
+static pqc_result pqc__keys_gather(const pqc_cache *c, const pqc__head *H, size_t from, size_t to, pqc_matrix *m,
+                                   unsigned char **buf)
+{
+    *buf = NULL;
+    *m = pqc__keys_view(c, H, from, to);
+    if (from < c->pn && to > c->pn) {
+        size_t a = (c->pn - from) * c->row;
+        if (!(*buf = (unsigned char *)pqc__alloc(&c->alloc, (to - from) * c->row)))
+            return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "keys of %zu tokens", to - from);
+        memcpy(*buf, pqc__krow(c, H, from), a);
+        memcpy(*buf + a, pqc__krow(c, H, c->pn), (to - c->pn) * c->row);
+        m->data = *buf;
+    }
+    return PQC_SUCCESS;
+}
+
+/* mid token index where a fork's own rows start, clipped into [from, to] */
+static size_t pqc__mid_cut(const pqc_cache *c, size_t from, size_t to)
+{
+    size_t cut = c->pn > (size_t)c->d.n_sink ? c->pn - (size_t)c->d.n_sink : 0;
+    return cut < from ? from : (cut > to ? to : cut);
 }
 
 /* The attention the layer's kept observation rows pay, per row and query head of the
@@ -4972,7 +5096,7 @@ static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *
             double mx = -INFINITY, z = 0.0, zs = 0.0, zw = 0.0;
             for (t = 0; t < n; t++) {
                 float a = 0.0f;
-                pqc__row_to_f32(H->k + t * c->row, c->d.kv_dtype, d, row);
+                pqc__row_to_f32(pqc__krow(c, H, t), c->d.kv_dtype, d, row);
                 for (e = 0; e < d; e++) a = fmaf(q[e], row[e], a);
                 sc[t] = a;
                 if ((double)a > mx) mx = (double)a;
@@ -5045,14 +5169,16 @@ static void pqc__build_job(void *arg)
     pqc_cache *c = b->cache;
     pqc__head *H = &c->layers[b->layer].heads[b->head];
     pqc_pq_desc d = c->d.pq;
-    pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + b->n_keys);
+    pqc_matrix keys;
+    unsigned char *kbuf;
     pqc_result r;
     double t0 = pqc__now();
     d.iters = b->iters > 0 ? b->iters : -1;
     d.metric = b->metric;
     d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + b->head + 1));
     /* nested work runs inline: the pool may be the engine's and fully busy */
-    r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
+    r = pqc__keys_gather(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + b->n_keys, &keys, &kbuf);
+    if (r == PQC_SUCCESS) r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
     if (r == PQC_SUCCESS)
         r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, c->tier->codes_alloc(c));
     if (r == PQC_SUCCESS) r = pqc__pq_encode_nested(c->rt, &H->pq_new, &keys, &H->codes_new);
@@ -5066,6 +5192,7 @@ static void pqc__build_job(void *arg)
         if (!H->rq_new) r = pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "residual norms of %zu tokens", b->n_keys);
         else r = pqc_pq_residuals(c->rt, &H->pq_new, &H->codes_new, 0, &keys, H->rscale_new, H->rq_new);
     }
+    pqc__free(&c->alloc, kbuf);
     if (r == PQC_SUCCESS && b->n_obs > 0 && (r = pqc__observed_mass(c, b, b->mass, b->hist)) != PQC_SUCCESS)
         pqc__fail(c->rt, r, "observed attention: allocation failed");
     if (r != PQC_SUCCESS) {
@@ -5137,7 +5264,7 @@ static void pqc__start_build(pqc_cache *c, int l)
 static void pqc__olist_offer(const pqc_cache *c, pqc__head *H, size_t t)
 {
     size_t ne = H->on - H->on_build, i, mi = 0;
-    float r = pqc__residual(&H->pq, &H->codes, t, H->k + ((size_t)c->d.n_sink + t) * c->row, c->d.kv_dtype, c->orow);
+    float r = pqc__residual(&H->pq, &H->codes, t, pqc__krow(c, H, (size_t)c->d.n_sink + t), c->d.kv_dtype, c->orow);
     if (!(r > H->othr)) return;
     if (ne == (size_t)c->d.outliers) {
         for (i = 1; i < ne; i++) mi = H->ores[i] < H->ores[mi] ? i : mi;
@@ -5208,19 +5335,38 @@ static pqc_result pqc__code_pending(pqc_cache *c, int l, size_t n_tokens)
     }
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
-        pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink + from, (size_t)c->d.n_sink + end);
-        pqc_result r;
+        size_t cut = pqc__mid_cut(c, from, end), sk = (size_t)c->d.n_sink;
+        pqc_matrix keys;
+        pqc_result r = PQC_SUCCESS;
         if (H->codes.count != from) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "internal: code count mismatch");
-        if ((r = pqc_pq_encode(c->rt, &H->pq, &keys, &H->codes)) != PQC_SUCCESS) {
+        /* a fork's shared rows, then its own */
+        if (cut > from) {
+            keys = pqc__keys_view(c, H, sk + from, sk + cut);
+            r = pqc_pq_encode(c->rt, &H->pq, &keys, &H->codes);
+        }
+        if (r == PQC_SUCCESS && end > cut) {
+            keys = pqc__keys_view(c, H, sk + cut, sk + end);
+            r = pqc_pq_encode(c->rt, &H->pq, &keys, &H->codes);
+        }
+        if (r != PQC_SUCCESS) {
             int g;
-            for (g = 0; g < h; g++) pqc__codes_drop(&L->heads[g].codes, from); /* undo: all heads or none */
+            for (g = 0; g <= h; g++) pqc__codes_drop(&L->heads[g].codes, from); /* undo: all heads or none */
             return r;
         }
     }
     for (h = 0; c->d.residual_weight > 0 && h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
-        pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink + from, (size_t)c->d.n_sink + end);
-        pqc_result r = pqc_pq_residuals(c->rt, &H->pq, &H->codes, from, &keys, H->rscale, H->rq + from * (size_t)c->d.pq.m);
+        size_t cut = pqc__mid_cut(c, from, end), sk = (size_t)c->d.n_sink, m = (size_t)c->d.pq.m;
+        pqc_matrix keys;
+        pqc_result r = PQC_SUCCESS;
+        if (cut > from) {
+            keys = pqc__keys_view(c, H, sk + from, sk + cut);
+            r = pqc_pq_residuals(c->rt, &H->pq, &H->codes, from, &keys, H->rscale, H->rq + from * m);
+        }
+        if (r == PQC_SUCCESS && end > cut) {
+            keys = pqc__keys_view(c, H, sk + cut, sk + end);
+            r = pqc_pq_residuals(c->rt, &H->pq, &H->codes, cut, &keys, H->rscale, H->rq + cut * m);
+        }
         if (r != PQC_SUCCESS) {
             int g;
             for (g = 0; g < c->d.n_kv_heads; g++) pqc__codes_drop(&L->heads[g].codes, from);
@@ -5385,8 +5531,8 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
         size_t koff = (size_t)h * c->d.head_dim * pqc_dtype_size(k->dtype);
         size_t voff = (size_t)h * c->d.head_dim * pqc_dtype_size(v->dtype); /* K and V may differ in dtype */
         for (t = 0; t < n; t++) {
-            pqc__store_row(c, H->k + (start + t) * c->row, (const unsigned char *)pqc__row(k, t) + koff, k->dtype);
-            pqc__store_row(c, H->v + (start + t) * c->row, (const unsigned char *)pqc__row(v, t) + voff, v->dtype);
+            pqc__store_row(c, pqc__krow(c, H, start + t), (const unsigned char *)pqc__row(k, t) + koff, k->dtype);
+            pqc__store_row(c, pqc__vrow(c, H, start + t), (const unsigned char *)pqc__row(v, t) + voff, v->dtype);
         }
     }
     coded = L->n_coded;
@@ -5473,12 +5619,12 @@ PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, cons
         !pqc__within(v, (size_t)c->d.n_kv_heads * c->d.head_dim, pqc__store_limit(c->d.kv_dtype)))
         return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_append: K or V holds NaN, Inf or a magnitude above %g",
                           (double)pqc__store_limit(c->d.kv_dtype));
-    if ((r = pqc__join_build(c, layer, L->n_tokens + 1 > c->cap)) != PQC_SUCCESS) return r;
-    if (L->n_tokens + 1 > c->cap && (r = pqc__cache_grow(c, L->n_tokens + 1)) != PQC_SUCCESS) return r;
+    if ((r = pqc__join_build(c, layer, L->n_tokens + 1 > pqc__room(c))) != PQC_SUCCESS) return r;
+    if (L->n_tokens + 1 > pqc__room(c) && (r = pqc__cache_grow(c, L->n_tokens + 1)) != PQC_SUCCESS) return r;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
-        pqc__store_row(c, H->k + L->n_tokens * c->row, k + (size_t)h * c->d.head_dim, PQC_F32);
-        pqc__store_row(c, H->v + L->n_tokens * c->row, v + (size_t)h * c->d.head_dim, PQC_F32);
+        pqc__store_row(c, pqc__krow(c, H, L->n_tokens), k + (size_t)h * c->d.head_dim, PQC_F32);
+        pqc__store_row(c, pqc__vrow(c, H, L->n_tokens), v + (size_t)h * c->d.head_dim, PQC_F32);
     }
     coded = L->n_coded;
     r = pqc__code_pending(c, layer, L->n_tokens + 1); /* the token leaving the window, from its own key */
@@ -5626,8 +5772,28 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             a += x <= y;
             b += y <= x;
         }
-        r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->d.gqa, mg, nm, j->takes[hi],
-                             &H->scratch, out, NULL, 0);
+        if (c->pn > (size_t)c->d.n_sink && coded > c->pn - (size_t)c->d.n_sink) {
+            /* a fork's keys in two parts: score copies of the candidates' rows */
+            unsigned char *kb = (unsigned char *)pqc__alloc(&c->alloc, nm * (c->row + sizeof(uint32_t)));
+            uint32_t *id = (uint32_t *)(kb + nm * c->row);
+            if (!kb) {
+                pqc__free(&c->alloc, tmp);
+                return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nm);
+            }
+            for (t = 0; t < nm; t++) {
+                memcpy(kb + t * c->row, pqc__krow(c, H, (size_t)c->d.n_sink + mg[t]), c->row);
+                id[t] = (uint32_t)t;
+            }
+            keys.data = kb;
+            keys.rows = nm;
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->d.gqa, id, nm, j->takes[hi],
+                                 &H->scratch, out, NULL, 0);
+            for (t = 0; r == PQC_SUCCESS && t < j->takes[hi]; t++) out[t] = mg[out[t]];
+            pqc__free(&c->alloc, kb);
+        } else {
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->d.gqa, mg, nm, j->takes[hi],
+                                 &H->scratch, out, NULL, 0);
+        }
     }
     pqc__free(&c->alloc, tmp);
     return r;
@@ -6094,8 +6260,8 @@ static void pqc__host_fetch_head(void *ctx, size_t hi)
         unsigned char *slot = H->dev + (size_t)fills[f].slot * slot_bytes;
         size_t b = (size_t)fills[f].block;
         for (r = fills[f].r0; r < fills[f].r1; r++)
-            if (c->be.iface.copy_h2d(c->be.ctx, slot + r * 2 * c->row, H->k + (b * bt + r) * c->row, c->row) ||
-                c->be.iface.copy_h2d(c->be.ctx, slot + (r * 2 + 1) * c->row, H->v + (b * bt + r) * c->row, c->row)) {
+            if (c->be.iface.copy_h2d(c->be.ctx, slot + r * 2 * c->row, pqc__krow(c, H, b * bt + r), c->row) ||
+                c->be.iface.copy_h2d(c->be.ctx, slot + (r * 2 + 1) * c->row, pqc__vrow(c, H, b * bt + r), c->row)) {
                 j->copy_failed[hi] = 1;
                 return;
             }
@@ -6108,8 +6274,8 @@ static void pqc__host_fetch_head(void *ctx, size_t hi)
             srck[i] = slot_row;
             srcv[i] = slot_row + c->row;
         } else {
-            srck[i] = H->k + t * c->row;
-            srcv[i] = H->v + t * c->row;
+            srck[i] = pqc__krow(c, H, t);
+            srcv[i] = pqc__vrow(c, H, t);
         }
     }
 }
@@ -6273,6 +6439,11 @@ static void pqc__host_destroy(pqc_cache *c)
 }
 static void *pqc__host_store_alloc(pqc_cache *c, size_t bytes) { return pqc__alloc(&c->alloc, bytes); }
 static void pqc__host_store_free(pqc_cache *c, void *p) { pqc__free(&c->alloc, p); }
+static void pqc__host_store_release(pqc_runtime *rt, const pqc_allocator *a, void *p)
+{
+    (void)rt;
+    pqc__free(a, p);
+}
 static const pqc_allocator *pqc__host_codes_alloc(pqc_cache *c) { return &c->alloc; }
 static void pqc__host_quiesce(pqc_cache *c) { (void)c; }
 static pqc_result pqc__host_grown(pqc_cache *c)
@@ -6317,7 +6488,7 @@ static int pqc__host_zero_copy(const pqc_cache *c)
 static const pqc__tier_i *pqc__host_tier(void)
 {
     static const pqc__tier_i t = { "host", 0, pqc__host_create, pqc__host_destroy, pqc__host_store_alloc,
-                                   pqc__host_store_free, pqc__host_codes_alloc, pqc__host_quiesce, pqc__host_grown,
+                                   pqc__host_store_free, pqc__host_store_release, pqc__host_codes_alloc, pqc__host_quiesce, pqc__host_grown,
                                    pqc__host_stored, pqc__host_stored, pqc__host_sized, pqc__host_search,
                                    pqc__host_fetch_prepare, pqc__host_fetch, pqc__host_device_bytes,
                                    pqc__host_zero_copy };
@@ -6382,6 +6553,11 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
         if ((x = pqc__join_build(c, l, 1)) != PQC_SUCCESS && r == PQC_SUCCESS) r = x;
     return r;
 }
+
+/* ---------------------------------------------------------------------------------------
+   13. Files and forks: a cache saved and loaded, a cache forked over its prefix, and what a
+   cache holds (tokens, statistics, memory, its rows)
+   ------------------------------------------------------------------------------------- */
 
 /* ----- cache files ----- */
 
@@ -6506,7 +6682,7 @@ PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
     nkv = (size_t)c->d.n_kv_heads;
     d = (size_t)c->d.head_dim;
     qn = (size_t)c->d.n_q_heads * d;
-    parts = 8 + c->d.n_layers * (12 + c->d.n_kv_heads * (16 + c->d.pq.m));
+    parts = 8 + c->d.n_layers * (12 + c->d.n_kv_heads * (18 + c->d.pq.m));
     bound = 128 + (size_t)c->d.n_layers * (64 + nkv * 64);
     memset(&w, 0, sizeof w);
     w.cap = parts;
@@ -6543,8 +6719,11 @@ PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
         for (h = 0; h < c->d.n_kv_heads; h++) {
             const pqc__head *H = &L->heads[h];
             uint32_t has = H->pq.m != 0, wt = has && H->pq.metric != NULL;
-            pqc__part(&w, H->k, L->n_tokens * c->row);
-            pqc__part(&w, H->v, L->n_tokens * c->row);
+            size_t ns = PQC__MIN(L->n_tokens, c->pn); /* a fork's shared rows, then its own */
+            pqc__part(&w, H->pk, ns * c->row);
+            pqc__part(&w, H->k, (L->n_tokens - ns) * c->row);
+            pqc__part(&w, H->pv, ns * c->row);
+            pqc__part(&w, H->v, (L->n_tokens - ns) * c->row);
             pqc__part_small(&w, &has, 4);
             pqc__part_small(&w, &wt, 4);
             if (!has) continue;
@@ -6785,6 +6964,229 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
     return PQC_SUCCESS;
 }
 
+/* ----- prefix sharing ----- */
+
+/* Room for one more token in the own stores after a fork moved the prefix (the tier
+   learns where the rows are either way). */
+static pqc_result pqc__fork_room(pqc_cache *c, size_t n)
+{
+    return n < c->d.max_tokens ? pqc__cache_grow(c, n + 1) : c->tier->grown(c);
+}
+
+/* A copy of a codebook into the cache's memory. */
+static pqc_result pqc__pq_copy(pqc_cache *c, pqc_pq *dst, const pqc_pq *src)
+{
+    int j;
+    pqc_result r = pqc__pq_alloc(c->rt, dst, src->dim, src->m, src->bits, src->metric, src->half_bands);
+    if (r != PQC_SUCCESS) return r;
+    memcpy(dst->centroids, src->centroids, (size_t)src->m * src->ksub * src->dsub * sizeof(float));
+    for (j = 0; j < dst->m; j++) pqc__pq_finish_sub(dst, j);
+    return PQC_SUCCESS;
+}
+
+/* The child's copy of the parent's selection state: window, observations, and per head
+   codebook, codes, exact list and residual bytes, and the parent's own rows. */
+static pqc_result pqc__fork_copy(pqc_cache *c, const pqc_cache *p, size_t n)
+{
+    size_t nkv = (size_t)c->d.n_kv_heads, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, j;
+    int l, h;
+    pqc_result r;
+    c->window = p->window;
+    for (l = 0; l < c->d.n_layers; l++) {
+        pqc__layer *L = &c->layers[l];
+        const pqc__layer *P = &p->layers[l];
+        memcpy(L->qsq, P->qsq, pqc__qsq_len(c) * sizeof(double));
+        memcpy(L->qobs, P->qobs, (size_t)P->n_qobs * qn * sizeof(float));
+        memcpy(L->omass, P->omass, 2 * nkv * sizeof(double));
+        memcpy(L->ohist, P->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        L->n_qobs = P->n_qobs;
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            pqc__head *H = &L->heads[h];
+            const pqc__head *Q = &P->heads[h];
+            size_t coded = P->n_coded, col;
+            if (n > c->pn) { /* the parent's rows since its prefix was shared */
+                memcpy(H->k, pqc__krow(p, Q, c->pn), (n - c->pn) * c->row);
+                memcpy(H->v, pqc__vrow(p, Q, c->pn), (n - c->pn) * c->row);
+            }
+            if (!Q->pq.m) continue;
+            if ((r = pqc__pq_copy(c, &H->pq, &Q->pq)) != PQC_SUCCESS) return r;
+            if ((r = pqc_codes_init(&H->codes, &H->pq, coded + 256, c->tier->codes_alloc(c))) != PQC_SUCCESS) return r;
+            col = (coded * (size_t)H->pq.bits + 7) / 8;
+            for (j = 0; j < (size_t)H->pq.m; j++)
+                memcpy(H->codes.data + j * H->codes.col_stride, Q->codes.data + j * Q->codes.col_stride, col);
+            H->codes.count = coded;
+            if (c->d.outliers > 0) {
+                H->on = Q->on;
+                H->on_build = Q->on_build;
+                H->othr = Q->othr;
+                memcpy(H->olist, Q->olist, Q->on * sizeof(uint32_t));
+                memcpy(H->ores, Q->ores, (Q->on - Q->on_build) * sizeof(float));
+            }
+            if (c->d.residual_weight > 0) {
+                H->rq_cap = coded + 256;
+                if (!(H->rq = (uint8_t *)pqc__alloc(&c->alloc, H->rq_cap * (size_t)H->pq.m)))
+                    return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fork: allocation failed");
+                memcpy(H->rscale, Q->rscale, (size_t)H->pq.m * sizeof(float));
+                memcpy(H->rq, Q->rq, coded * (size_t)H->pq.m);
+            }
+        }
+        L->gen = P->gen;
+        L->step = P->step;
+        L->n_coded = P->n_coded;
+        L->n_trained = P->n_trained;
+        if (n && (r = c->tier->stored(c, l, n)) != PQC_SUCCESS) return r;
+        L->n_tokens = n;
+    }
+    return PQC_SUCCESS;
+}
+
+/* The parent's first fork: its stores become the shared prefix of n rows, and its own
+   rows start after them. */
+static pqc_result pqc__share_make(pqc_cache *p, size_t n)
+{
+    pqc__share *s;
+    int l, h, L = p->d.n_layers;
+    size_t cap = p->cap;
+    pqc_result r;
+    s = (pqc__share *)pqc__calloc(&p->alloc, sizeof *s);
+    if (s && !(s->k = (unsigned char **)pqc__calloc(&p->alloc, 2 * sizeof(void *) * (size_t)L))) {
+        pqc__free(&p->alloc, s);
+        s = NULL;
+    }
+    if (!s) return pqc__cfail(p, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fork: allocation failed");
+    s->v = s->k + L;
+#ifndef PQCACHE_NO_THREADS
+    if (pthread_mutex_init(&s->mu, NULL) != 0) {
+        pqc__free(&p->alloc, (void *)s->k);
+        pqc__free(&p->alloc, s);
+        return pqc__cfail(p, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fork: mutex");
+    }
+#endif
+    s->n = n;
+    s->cap = cap;
+    s->n_layers = L;
+    s->refs = 1;
+    s->rt = p->rt;
+    s->alloc = p->alloc;
+    s->release = p->tier->store_release;
+    for (l = 0; l < L; l++) {
+        pqc__layer *Ly = &p->layers[l];
+        s->k[l] = Ly->kbase;
+        s->v[l] = Ly->vbase;
+        Ly->kbase = Ly->vbase = NULL;
+        for (h = 0; h < p->d.n_kv_heads; h++) {
+            pqc__head *H = &Ly->heads[h];
+            H->pk = H->k;
+            H->pv = H->v;
+            H->k = H->v = NULL;
+        }
+    }
+    p->share = s;
+    p->pn = n;
+    p->cap = 0;
+    if ((r = pqc__fork_room(p, n)) != PQC_SUCCESS && p->cap == 0) { /* nothing moved: as it was */
+        for (l = 0; l < L; l++) {
+            pqc__layer *Ly = &p->layers[l];
+            Ly->kbase = s->k[l];
+            Ly->vbase = s->v[l];
+            s->k[l] = s->v[l] = NULL;
+            for (h = 0; h < p->d.n_kv_heads; h++) {
+                pqc__head *H = &Ly->heads[h];
+                H->k = H->pk;
+                H->v = H->pv;
+                H->pk = H->pv = NULL;
+            }
+        }
+        p->pn = 0;
+        p->cap = cap;
+        pqc__share_drop(p);
+        p->tier->grown(p);
+    }
+    return r;
+}
+
+PQCDEF pqc_result pqc_cache_fork(pqc_cache *p, pqc_cache **out)
+{
+    pqc_cache *c = NULL;
+    pqc_cache_desc d;
+    pqc_result r;
+    size_t n;
+    int l, h;
+    if (!p || !out) return pqc__fail(p ? p->rt : NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fork: null argument");
+    if (p->in_step) return pqc__cfail(p, PQC_ERROR_BAD_STATE, "pqc_cache_fork: a decode step is running");
+    n = p->layers[0].n_tokens;
+    for (l = 1; l < p->d.n_layers; l++)
+        if (p->layers[l].n_tokens != n)
+            return pqc__cfail(p, PQC_ERROR_BAD_STATE,
+                              "pqc_cache_fork: layer %d holds %zu tokens, layer 0 %zu (fork between decode steps)", l,
+                              p->layers[l].n_tokens, n);
+    if ((r = pqc_cache_sync(p)) != PQC_SUCCESS) return r;
+    d = p->udesc;
+    if ((r = pqc_cache_create(p->rt, &d, &c)) != PQC_SUCCESS) return r;
+    if (n > 0 && !p->share && (r = pqc__share_make(p, n)) != PQC_SUCCESS) goto fail;
+    if (n > 0) {
+        pqc__share *s = p->share;
+#ifndef PQCACHE_NO_THREADS
+        pthread_mutex_lock(&s->mu);
+#endif
+        s->refs++;
+#ifndef PQCACHE_NO_THREADS
+        pthread_mutex_unlock(&s->mu);
+#endif
+        c->share = s;
+        c->pn = s->n;
+        for (l = 0; l < c->d.n_layers; l++)
+            for (h = 0; h < c->d.n_kv_heads; h++) {
+                c->layers[l].heads[h].pk = s->k[l] + (size_t)h * s->cap * c->row;
+                c->layers[l].heads[h].pv = s->v[l] + (size_t)h * s->cap * c->row;
+            }
+        if ((r = pqc__fork_room(c, n)) != PQC_SUCCESS) goto fail;
+    }
+    if ((r = pqc__fork_copy(c, p, n)) != PQC_SUCCESS) goto fail;
+    *out = c;
+    return PQC_SUCCESS;
+fail:
+    {
+        char msg[sizeof pqc__errbuf];
+        memcpy(msg, pqc__errbuf, sizeof msg);
+        pqc_cache_destroy(c);
+        memcpy(pqc__errbuf, msg, sizeof msg);
+    }
+    return r;
+}
+
+PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t *shared_bytes)
+{
+    size_t own = 0, shared = 0, nkv, qn;
+    int l, h;
+    if (c) {
+        nkv = (size_t)c->d.n_kv_heads;
+        qn = (size_t)c->d.n_q_heads * (size_t)c->d.head_dim;
+        for (l = 0; l < c->d.n_layers; l++) {
+            const pqc__layer *L = &c->layers[l];
+            own += 2 * nkv * c->cap * c->row;
+            own += (pqc__qsq_len(c) + pqc__qsq_part(c) + 1 + 2 * nkv + PQC__OBS_BINS * nkv) * sizeof(double);
+            own += (PQC__OBS_KEEP * qn + nkv * (size_t)c->d.head_dim) * sizeof(float);
+            for (h = 0; h < c->d.n_kv_heads; h++) {
+                const pqc__head *H = &L->heads[h];
+                if (H->pq.m) {
+                    size_t kc = (size_t)H->pq.m * (size_t)H->pq.ksub * (size_t)H->pq.dsub;
+                    own += (2 * kc + 2 * (size_t)H->pq.m * (size_t)H->pq.ksub_pad) * sizeof(float);
+                    if (H->pq.metric) own += (size_t)c->d.head_dim * sizeof(float);
+                }
+                own += pqc_codes_bytes(&H->codes) + H->rq_cap * (size_t)c->d.pq.m;
+                own += (size_t)c->d.outliers * (3 * sizeof(uint32_t) + sizeof(float));
+                if (c->d.cache_blocks > 0)
+                    own += c->nblk * (sizeof(int32_t) + sizeof(uint32_t) + sizeof(float)) +
+                           (size_t)c->d.cache_blocks * (sizeof(int32_t) + sizeof(uint32_t) + 2 * sizeof(uint64_t));
+            }
+        }
+        if (c->share) shared = 2 * (size_t)c->d.n_layers * nkv * c->share->cap * c->row;
+    }
+    if (own_bytes) *own_bytes = own;
+    if (shared_bytes) *shared_bytes = shared;
+}
+
 PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer)
 {
     if (!c || layer < 0 || layer >= c->d.n_layers) return 0;
@@ -6833,10 +7235,33 @@ PQCDEF pqc_result pqc_cache_kv(const pqc_cache *c, int layer, int head, const vo
     pqc_result r;
     if ((r = pqc__check_layer(c, layer, "pqc_cache_kv")) != PQC_SUCCESS) return r;
     if (head < 0 || head >= c->d.n_kv_heads) return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_kv: head %d", head);
-    if (k) *k = c->layers[layer].heads[head].k;
-    if (v) *v = c->layers[layer].heads[head].v;
+    if (c->pn && c->layers[layer].n_tokens > c->pn)
+        return pqc__cfail(c, PQC_ERROR_BAD_STATE,
+                          "pqc_cache_kv: the rows of a fork lie in two parts (shared prefix, own rows): use "
+                          "pqc_cache_kv_part");
+    if (k) *k = pqc__krow(c, &c->layers[layer].heads[head], 0);
+    if (v) *v = pqc__vrow(c, &c->layers[layer].heads[head], 0);
     if (tokens) *tokens = c->layers[layer].n_tokens;
     if (dtype) *dtype = c->d.kv_dtype;
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_kv_part(const pqc_cache *c, int layer, int head, size_t from, const void **k,
+                                    const void **v, size_t *count)
+{
+    pqc_result r;
+    size_t n;
+    const pqc__head *H;
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_kv_part")) != PQC_SUCCESS) return r;
+    if (head < 0 || head >= c->d.n_kv_heads)
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_kv_part: head %d", head);
+    if (!k || !v || !count) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_kv_part: null output");
+    n = c->layers[layer].n_tokens;
+    if (from > n) return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_kv_part: token %zu of %zu", from, n);
+    H = &c->layers[layer].heads[head];
+    *count = from < c->pn ? PQC__MIN(n, c->pn) - from : n - from;
+    *k = *count ? pqc__krow(c, H, from) : NULL;
+    *v = *count ? pqc__vrow(c, H, from) : NULL;
     return PQC_SUCCESS;
 }
 
@@ -6859,7 +7284,7 @@ PQCDEF int pqc_cache_cached_blocks(const pqc_cache *c, int layer, int head, int3
 }
 
 /* ---------------------------------------------------------------------------------------
-   13. Batches and driver
+   14. Batches and driver
    ------------------------------------------------------------------------------------- */
 
 /* ----- batches ----- */
@@ -7223,7 +7648,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
 }
 
 /* =======================================================================================
-   14. CUDA loader (optional): run-time loader of the driver API, NVRTC and cuBLASLt, the kernels of
+   15. CUDA loader (optional): run-time loader of the driver API, NVRTC and cuBLASLt, the kernels of
    pqcache_kernels.cu embedded as a string, and the probe/compile entry points. Nothing is
    linked: every library is opened with dlopen, and its absence is a clean CPU fallback.
    ===================================================================================== */
@@ -8195,7 +8620,7 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
 }
 
 /* ---------------------------------------------------------------------------------------
-   15. CUDA device tier. The runtime opens the device and builds the kernels once; every
+   16. CUDA device tier. The runtime opens the device and builds the kernels once; every
    cache on it keeps in device memory: the centroids of every layer, two code buffers
    (the layer being searched and the next one, prefetched on a copy stream), the block
    cache slots together with the sink blocks and a ring of window blocks, and the
@@ -8382,8 +8807,10 @@ struct pqc__cut {
     pqc__dptr *pool_k, *pool_v; /* [L] -> [n_kv][n_slots][bt][d] storage dtype */
     pqc__dptr *cent;            /* [L] -> [n_kv][m][K][dsub] float */
     uint64_t *cent_gen;         /* [L] installed-codebook generation + 1 held there; 0: none */
-    pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores */
-    size_t hstride;             /* elements between heads in the stores (cap * d) */
+    pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores (own rows) */
+    pqc__dptr *pk, *pv;         /* [L] those of a fork's shared prefix (rows < c->pn), or 0 */
+    size_t hstride, phstride;   /* elements between heads in the own stores (cap * d) and
+                                   in the shared prefix's */
     /* codes, double-buffered */
     int n_cs;                   /* code buffers: 2 (prefetched per layer) or one per layer */
     pqc__dptr *code;            /* [n_cs] */
@@ -8533,7 +8960,7 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
     n = (size_t)u->n_cs;
     /* three blocks of per-layer, per-head and per-code-buffer arrays */
-    u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (5 * sizeof(pqc__dptr) + sizeof(uint64_t)));
+    u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (7 * sizeof(pqc__dptr) + sizeof(uint64_t)));
     u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
     u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
                                                        2 * sizeof(pqc__cuEvent) + sizeof(int)));
@@ -8545,7 +8972,9 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->cent = u->pool_v + L;
     u->hk = u->cent + L;
     u->hv = u->hk + L;
-    u->cent_gen = (uint64_t *)(u->hv + L);
+    u->pk = u->hv + L;
+    u->pv = u->pk + L;
+    u->cent_gen = (uint64_t *)(u->pv + L);
     u->fill_b = (int32_t *)(u->nfill + nkv);
     u->fill_s = u->fill_b + nkv * (cb + 1);
     u->m = c->d.pq.m;
@@ -8668,6 +9097,14 @@ static void pqc__cut_host_free(pqc_cache *c, void *p)
     c->cu->api->cuMemFreeHost(p);
 }
 
+/* a shared prefix's store, freed by the last fork that used it (the runtime's device) */
+static void pqc__cut_host_release(pqc_runtime *rt, const pqc_allocator *a, void *p)
+{
+    (void)a;
+    rt->cu->api.cuCtxSetCurrent(rt->cu->dev.ctx);
+    rt->cu->api.cuMemFreeHost(p);
+}
+
 static void pqc__cut_quiesce(pqc_cache *c)
 {
     if (!c->cu) return;
@@ -8686,11 +9123,23 @@ static pqc_result pqc__cut_grown(pqc_cache *c)
     if (!u) return PQC_SUCCESS;
     pqc__cut_enter(c);
     for (l = 0; l < c->d.n_layers; l++) {
-        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0), "cuMemHostGetDevicePointer");
-        PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0), "cuMemHostGetDevicePointer");
+        u->hk[l] = u->hv[l] = u->pk[l] = u->pv[l] = 0;
+        if (c->layers[l].kbase) {
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0),
+                          "cuMemHostGetDevicePointer");
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0),
+                          "cuMemHostGetDevicePointer");
+        }
+        if (c->share) { /* mapped by the cache that made it, portable to this context */
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pk[l], c->share->k[l], 0),
+                          "cuMemHostGetDevicePointer");
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pv[l], c->share->v[l], 0),
+                          "cuMemHostGetDevicePointer");
+        }
     }
     u->hstride = c->cap * (size_t)u->d;
-    u->nblk_cap = (c->cap + u->bt - 1) / u->bt;
+    u->phstride = c->share ? c->share->cap * (size_t)u->d : 0;
+    u->nblk_cap = (pqc__room(c) + u->bt - 1) / u->bt;
     need = PQC__MAX(u->nblk_cap + 1, (size_t)u->n_slots + 1);
     if (need > u->iota_n) {
         int32_t *tmp = (int32_t *)pqc__alloc(&c->alloc, need * sizeof(int32_t));
@@ -8725,9 +9174,10 @@ static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0,
     struct pqc__cut *u = c->cu;
     pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
     int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
+    int64_t phs = (int64_t)u->phstride, split = (int64_t)c->pn;
     int bt = (int)u->bt, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
-    void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
-                  &u->pool_k[l], &u->pool_v[l], &pool_hs };
+    void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
+                  &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
     if (n <= 0) return PQC_SUCCESS;
     return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
 }
@@ -8915,10 +9365,13 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
     code_hs = (int64_t)u->code_hs[sl];
     cs = (int64_t)u->code_cs[sl];
-    if (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too */
-        int64_t x_ld = u->d, x_hs = (int64_t)u->hstride, co_hs = 0;
-        int x_dt = (int)c->d.kv_dtype, n = (int)(s - u->code_n[sl]), t0 = (int)u->code_n[sl];
-        pqc__dptr x = u->hk[l] + ((size_t)c->d.n_sink + u->code_n[sl]) * c->row, cn = 0, w = 0;
+    while (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too (a
+                                   fork's shared rows and its own rows in one launch each) */
+        size_t t0z = u->code_n[sl], cut = pqc__mid_cut(c, t0z, s), end = cut > t0z ? cut : s;
+        size_t row0 = (size_t)c->d.n_sink + t0z;
+        int64_t x_ld = u->d, x_hs = (int64_t)(row0 < c->pn ? u->phstride : u->hstride), co_hs = 0;
+        int x_dt = (int)c->d.kv_dtype, n = (int)(end - t0z), t0 = (int)t0z;
+        pqc__dptr x = row0 < c->pn ? u->pk[l] + row0 * c->row : u->hk[l] + (row0 - c->pn) * c->row, cn = 0, w = 0;
         void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub, &half,
                       &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
         if (pqc__layer_metric(c, l)) { /* weighted coding: the uploaded norms and weights */
@@ -8927,7 +9380,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
         }
         if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
             return r;
-        u->code_n[sl] = s;
+        u->code_n[sl] = end;
     }
     /* query -> lookup tables */
     memcpy(u->h_q, q, (size_t)c->d.n_q_heads * u->d * sizeof(float));
@@ -9090,12 +9543,14 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
                   dfs = dfb + cb * 4, zero = 0;
         int64_t list_hs = 2 * (int64_t)cb, hs = (int64_t)u->hstride, ld = u->d,
                 pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, idx_hs = (int64_t)u->rows_cap,
-                sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d;
+                sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d, phs = (int64_t)u->phstride,
+                split = (int64_t)c->pn;
         int bt = (int)u->bt, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
-        void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d,
-                       &u->pool_k[l], &u->pool_v[l], &pool_hs };
+        void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
+                       &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
         void *pg[] = { &didx, &idx_hs, &nr, &dtab, &sl_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
-                       &u->hk[l], &u->hv[l], &hs, &ld, &dt, &d, &u->out_k, &u->out_v, &o_hs, &zero };
+                       &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
+                       &u->out_v, &o_hs, &zero };
         if (fills > 0 &&
             (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
             return r;
@@ -9177,7 +9632,7 @@ static int pqc__cut_zero_copy(const pqc_cache *c)
 static const pqc__tier_i *pqc__cuda_tier(void)
 {
     static const pqc__tier_i t = { "CUDA", 1, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
-                                   pqc__cut_host_free, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
+                                   pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
                                    pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select,
                                    pqc__cut_fetch_prepare, pqc__cut_fetch_tier, pqc__cut_device_bytes,
                                    pqc__cut_zero_copy };
@@ -9297,7 +9752,7 @@ static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int
 
 
 /* =======================================================================================
-   16. Kernel source: pqcache_kernels.cu, embedded as a string for NVRTC
+   17. Kernel source: pqcache_kernels.cu, embedded as a string for NVRTC
    ===================================================================================== */
 #if PQC__CUDA_LOADER
 /* BEGIN EMBEDDED pqcache_kernels.cu (generated by tools/embed_kernels.sh; do not edit) */
@@ -10037,7 +10492,9 @@ static const char pqc__kernel_source[] =
 " *              (+ kv*cache_head_stride elements): row of token t in slot p is\n"
 " *              p*block_tokens + t % block_tokens\n"
 " *   host_k/v   device-accessible pointers to pinned, mapped host memory of host_dtype:\n"
-" *              row of token t at + kv*host_head_stride + t*host_ld elements\n"
+" *              row of token t at + kv*host_head_stride + (t - split)*host_ld elements\n"
+" *   pre_k/v    the same for tokens t < split (a forked cache's shared prefix): row at\n"
+" *              + kv*pre_head_stride + t*host_ld; unused when split is 0\n"
 " *   out_k/v    float [n][d_h] per KV head (+ kv*out_head_stride); either may be NULL to\n"
 " *              skip K or V\n"
 " *   miss_count uint32 [n_kv] or NULL: incremented once per row read from host memory. */\n"
@@ -10047,6 +10504,7 @@ static const char pqc__kernel_source[] =
 "              const void *cache_k, const void *cache_v, pqc_i64 cache_head_stride,\n"
 "              int cache_dtype,\n"
 "              const void *host_k, const void *host_v, pqc_i64 host_head_stride,\n"
+"              const void *pre_k, const void *pre_v, pqc_i64 pre_head_stride, pqc_i64 split,\n"
 "              pqc_i64 host_ld, int host_dtype, int d_h,\n"
 "              float *out_k, float *out_v, pqc_i64 out_head_stride, pqc_u32 *miss_count)\n"
 "{\n"
@@ -10066,9 +10524,11 @@ static const char pqc__kernel_source[] =
 "        srcv = (const char *)cache_v + off;\n"
 "        dt = cache_dtype;\n"
 "    } else {\n"
-"        pqc_i64 off = (kv * host_head_stride + t * host_ld) * pqc_dtype_size(host_dtype);\n"
-"        srck = (const char *)host_k + off;\n"
-"        srcv = (const char *)host_v + off;\n"
+"        int pre = t < split;\n"
+"        pqc_i64 off = (kv * (pre \? pre_head_stride : host_head_stride) + (pre \? t : t - split) * host_ld) *\n"
+"                      pqc_dtype_size(host_dtype);\n"
+"        srck = (const char *)(pre \? pre_k : host_k) + off;\n"
+"        srcv = (const char *)(pre \? pre_v : host_v) + off;\n"
 "        dt = host_dtype;\n"
 "        if (miss_count && lane == 0) atomicAdd(&miss_count[kv], 1u);\n"
 "    }\n"
@@ -10084,12 +10544,14 @@ static const char pqc__kernel_source[] =
 " *   every KV head: blocks + kv*list_head_stride, slots + kv*list_head_stride)\n"
 " *   row_lo: first row of each block to copy (0: whole blocks; the row of one new token\n"
 " *   with n_blocks = 1 appends it)\n"
-" *   rows of tokens >= s (a partial last block) are left untouched. Layouts as for\n"
-" *   pqc_gather_kv; cache_v / host_v may be NULL to copy K only. */\n"
+" *   rows of tokens >= s (a partial last block) are left untouched. Layouts (and the\n"
+" *   shared prefix below split) as for pqc_gather_kv; cache_v / host_v may be NULL to\n"
+" *   copy K only. */\n"
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,\n"
 "               pqc_i64 list_head_stride, int n_blocks, int block_tokens, int row_lo, int s,\n"
 "               const void *host_k, const void *host_v, pqc_i64 host_head_stride,\n"
+"               const void *pre_k, const void *pre_v, pqc_i64 pre_head_stride, pqc_i64 split,\n"
 "               pqc_i64 host_ld, int dtype, int d_h,\n"
 "               void *cache_k, void *cache_v, pqc_i64 cache_head_stride)\n"
 "{\n"
@@ -10103,13 +10565,13 @@ static const char pqc__kernel_source[] =
 "    pqc_i64 slot = slots[kv * list_head_stride + bi];\n"
 "    pqc_i64 t = blk * block_tokens + r;\n"
 "    if (t >= s) return;\n"
-"    int es = pqc_dtype_size(dtype);\n"
-"    pqc_i64 src = (kv * host_head_stride + t * host_ld) * es;\n"
+"    int es = pqc_dtype_size(dtype), pre = t < split;\n"
+"    pqc_i64 src = (kv * (pre \? pre_head_stride : host_head_stride) + (pre \? t : t - split) * host_ld) * es;\n"
 "    pqc_i64 dst = (kv * cache_head_stride + (slot * block_tokens + r) * d_h) * es;\n"
 "    pqc_u64 nbytes = (pqc_u64)d_h * es;\n"
-"    pqc_warp_row_copy((const char *)host_k + src, (char *)cache_k + dst, nbytes, lane);\n"
-"    if (host_v && cache_v)\n"
-"        pqc_warp_row_copy((const char *)host_v + src, (char *)cache_v + dst, nbytes, lane);\n"
+"    const char *hk = (const char *)(pre \? pre_k : host_k), *hv = (const char *)(pre \? pre_v : host_v);\n"
+"    pqc_warp_row_copy(hk + src, (char *)cache_k + dst, nbytes, lane);\n"
+"    if (hv && cache_v) pqc_warp_row_copy(hv + src, (char *)cache_v + dst, nbytes, lane);\n"
 "}\n"
 "\n"
 "/* ------------------------------------------------------------------------------------ */\n"

@@ -729,7 +729,9 @@ __device__ __forceinline__ void pqc_warp_row_copy(const void *src, void *dst, pq
  *              (+ kv*cache_head_stride elements): row of token t in slot p is
  *              p*block_tokens + t % block_tokens
  *   host_k/v   device-accessible pointers to pinned, mapped host memory of host_dtype:
- *              row of token t at + kv*host_head_stride + t*host_ld elements
+ *              row of token t at + kv*host_head_stride + (t - split)*host_ld elements
+ *   pre_k/v    the same for tokens t < split (a forked cache's shared prefix): row at
+ *              + kv*pre_head_stride + t*host_ld; unused when split is 0
  *   out_k/v    float [n][d_h] per KV head (+ kv*out_head_stride); either may be NULL to
  *              skip K or V
  *   miss_count uint32 [n_kv] or NULL: incremented once per row read from host memory. */
@@ -739,6 +741,7 @@ pqc_gather_kv(const int *__restrict__ idx, pqc_i64 idx_head_stride, int n,
               const void *cache_k, const void *cache_v, pqc_i64 cache_head_stride,
               int cache_dtype,
               const void *host_k, const void *host_v, pqc_i64 host_head_stride,
+              const void *pre_k, const void *pre_v, pqc_i64 pre_head_stride, pqc_i64 split,
               pqc_i64 host_ld, int host_dtype, int d_h,
               float *out_k, float *out_v, pqc_i64 out_head_stride, pqc_u32 *miss_count)
 {
@@ -758,9 +761,11 @@ pqc_gather_kv(const int *__restrict__ idx, pqc_i64 idx_head_stride, int n,
         srcv = (const char *)cache_v + off;
         dt = cache_dtype;
     } else {
-        pqc_i64 off = (kv * host_head_stride + t * host_ld) * pqc_dtype_size(host_dtype);
-        srck = (const char *)host_k + off;
-        srcv = (const char *)host_v + off;
+        int pre = t < split;
+        pqc_i64 off = (kv * (pre ? pre_head_stride : host_head_stride) + (pre ? t : t - split) * host_ld) *
+                      pqc_dtype_size(host_dtype);
+        srck = (const char *)(pre ? pre_k : host_k) + off;
+        srcv = (const char *)(pre ? pre_v : host_v) + off;
         dt = host_dtype;
         if (miss_count && lane == 0) atomicAdd(&miss_count[kv], 1u);
     }
@@ -776,12 +781,14 @@ pqc_gather_kv(const int *__restrict__ idx, pqc_i64 idx_head_stride, int n,
  *   every KV head: blocks + kv*list_head_stride, slots + kv*list_head_stride)
  *   row_lo: first row of each block to copy (0: whole blocks; the row of one new token
  *   with n_blocks = 1 appends it)
- *   rows of tokens >= s (a partial last block) are left untouched. Layouts as for
- *   pqc_gather_kv; cache_v / host_v may be NULL to copy K only. */
+ *   rows of tokens >= s (a partial last block) are left untouched. Layouts (and the
+ *   shared prefix below split) as for pqc_gather_kv; cache_v / host_v may be NULL to
+ *   copy K only. */
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,
                pqc_i64 list_head_stride, int n_blocks, int block_tokens, int row_lo, int s,
                const void *host_k, const void *host_v, pqc_i64 host_head_stride,
+               const void *pre_k, const void *pre_v, pqc_i64 pre_head_stride, pqc_i64 split,
                pqc_i64 host_ld, int dtype, int d_h,
                void *cache_k, void *cache_v, pqc_i64 cache_head_stride)
 {
@@ -795,13 +802,13 @@ pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,
     pqc_i64 slot = slots[kv * list_head_stride + bi];
     pqc_i64 t = blk * block_tokens + r;
     if (t >= s) return;
-    int es = pqc_dtype_size(dtype);
-    pqc_i64 src = (kv * host_head_stride + t * host_ld) * es;
+    int es = pqc_dtype_size(dtype), pre = t < split;
+    pqc_i64 src = (kv * (pre ? pre_head_stride : host_head_stride) + (pre ? t : t - split) * host_ld) * es;
     pqc_i64 dst = (kv * cache_head_stride + (slot * block_tokens + r) * d_h) * es;
     pqc_u64 nbytes = (pqc_u64)d_h * es;
-    pqc_warp_row_copy((const char *)host_k + src, (char *)cache_k + dst, nbytes, lane);
-    if (host_v && cache_v)
-        pqc_warp_row_copy((const char *)host_v + src, (char *)cache_v + dst, nbytes, lane);
+    const char *hk = (const char *)(pre ? pre_k : host_k), *hv = (const char *)(pre ? pre_v : host_v);
+    pqc_warp_row_copy(hk + src, (char *)cache_k + dst, nbytes, lane);
+    if (hv && cache_v) pqc_warp_row_copy(hv + src, (char *)cache_v + dst, nbytes, lane);
 }
 
 /* ------------------------------------------------------------------------------------ */

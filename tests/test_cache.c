@@ -1170,8 +1170,334 @@ TEST save_load_refuses_bad_files(void)
     PASS();
 }
 
+
+/* ----- prefix sharing ----- */
+
+/* Cache b selects and fetches for one layer what reference a did (sa, oa). */
+static enum greatest_test_res same_step(pqc_cache *b, int l, const float *q, const pqc_selection *sa,
+                                        pqc_selection *sb, const pqc_kv_out *oa, const pqc_kv_out *ob, int d)
+{
+    int h;
+    size_t t;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, l, q, sb));
+    for (h = 0; h < sa->n_kv_heads; h++) {
+        ASSERT_EQ(sa->count[h], sb->count[h]);
+        ASSERT_MEM_EQ(sa->idx + (size_t)h * sa->capacity, sb->idx + (size_t)h * sb->capacity, sa->count[h] * 4);
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(b, l, sb, ob));
+    for (h = 0; h < sa->n_kv_heads; h++)
+        for (t = 0; t < sa->count[h]; t++) {
+            size_t o = ((size_t)h * oa->head_stride + t) * (size_t)d;
+            ASSERT_MEM_EQ(oa->k + o, ob->k + o, (size_t)d * 4);
+            ASSERT_MEM_EQ(oa->v + o, ob->v + o, (size_t)d * 4);
+        }
+    PASS();
+}
+
+/* A family of forks (a fork of a fork, a second fork after the parent appended, the
+   parent destroyed first, a rebuild across the shared prefix, a fork saved to a file)
+   decodes exactly like one cache that never shared anything. */
+static enum greatest_test_res forks_decode_like_unshared(int rich)
+{
+    enum { NC = 6 }; /* ref, a, b (fork of a), c (2nd fork of a), e (fork of b), f (loaded from e's file) */
+    const int L = 2, hkv = 2, hq = 4, d = 32, S = 700, STEPS = 120;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache *cs[NC] = { NULL, NULL, NULL, NULL, NULL, NULL };
+    pqc_selection sel[NC];
+    pqc_kv_out out[NC];
+    float *k = rand_rows((size_t)S + STEPS, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS, (size_t)hkv * d);
+    float *q = rand_rows(STEPS, (size_t)hq * d), *obs = rand_rows(8, (size_t)hq * d), *buf[NC];
+    char path[512];
+    int l, s, i;
+    pqc_layer_stats st;
+    snprintf(path, sizeof path, "%s/pqc_fork_file_%ld_%d", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
+             (long)getpid(), rich);
+    cd.kv_dtype = rich ? PQC_F32 : PQC_F16;
+    cd.n_sink = 4;
+    cd.budget_ratio = 0.2;
+    cd.rebuild_share = 0.05; /* rebuilds during the run, over the shared prefix and own rows */
+    if (rich) {
+        cd.rerank = 2;
+        cd.outliers = 8;
+        cd.residual_weight = 0.15;
+    }
+    for (i = 0; i < 2; i++) {
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &cs[i]));
+        for (l = 0; l < L; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(cs[i], l, obs, 8));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(cs[i], L, k, v, (size_t)S, (size_t)hkv * d));
+    }
+    for (i = 0; i < NC; i++) {
+        buf[i] = (float *)malloc(sizeof(float) * 4 * hkv * 2000 * d);
+        ASSERT(buf[i]);
+        out[i].k = buf[i];
+        out[i].v = buf[i] + (size_t)2 * hkv * 2000 * d;
+        out[i].head_stride = 2000;
+        memset(&sel[i], 0, sizeof sel[i]);
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[0], &sel[0]));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[1], &sel[1]));
+    for (s = 0; s < STEPS; s++) {
+        if (s == 20) { /* the first fork: a's stores become the shared prefix */
+            size_t own, shared;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(cs[1], &cs[2]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[2], &sel[2]));
+            ASSERT_EQ(pqc_cache_tokens(cs[1], 1), pqc_cache_tokens(cs[2], 1));
+            pqc_cache_host_memory(cs[2], &own, &shared);
+            ASSERT(shared >= (size_t)2 * L * hkv * (S + 20) * d * 2);
+            ASSERT(own < shared); /* own rows: room for a few hundred appended tokens */
+        }
+        if (s == 40) { /* a second fork of a (its rows since the first are copied), a fork of b */
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(cs[1], &cs[3]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(cs[2], &cs[4]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[3], &sel[3]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[4], &sel[4]));
+        }
+        if (s == 60) { /* the parent goes first; e, saved and loaded, goes on as f */
+            const void *kp, *vp;
+            size_t n;
+            pqc_dtype dt;
+            pqc_cache_destroy(cs[1]);
+            cs[1] = NULL;
+            ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_kv(cs[4], 0, 0, &kp, &vp, &n, &dt));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(cs[4], path));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &cs[5]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[5], &sel[5]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv(cs[5], 0, 0, &kp, &vp, &n, &dt));
+            { /* the fork's rows, part by part, are the loaded cache's */
+                size_t from = 0, cnt, parts = 0;
+                const void *kq, *vq;
+                for (;; parts++) {
+                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv_part(cs[4], 0, 0, from, &kq, &vq, &cnt));
+                    if (!cnt) break;
+                    ASSERT_MEM_EQ((const char *)kp + from * d * pqc_dtype_size(cd.kv_dtype), kq, cnt * d * pqc_dtype_size(cd.kv_dtype));
+                    ASSERT_MEM_EQ((const char *)vp + from * d * pqc_dtype_size(cd.kv_dtype), vq, cnt * d * pqc_dtype_size(cd.kv_dtype));
+                    from += cnt;
+                }
+                ASSERT_EQ(n, from);
+                ASSERT_EQ(2u, parts);
+            }
+        }
+        for (l = 0; l < L; l++) {
+            const float *kk = k + (size_t)(S + s) * hkv * d, *vv = v + (size_t)(S + s) * hkv * d;
+            for (i = 0; i < NC; i++)
+                if (cs[i]) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(cs[i], l, kk, vv));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(cs[0], l, q + (size_t)s * hq * d, &sel[0]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(cs[0], l, &sel[0], &out[0]));
+            for (i = 1; i < NC; i++)
+                if (cs[i]) CHECK_CALL(same_step(cs[i], l, q + (size_t)s * hq * d, &sel[0], &sel[i], &out[0], &out[i], d));
+        }
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(cs[4], 0, &st));
+    ASSERT(st.rebuilds >= 1); /* e re-clustered its view: shared prefix and own rows */
+    for (i = 0; i < NC; i++) {
+        pqc_selection_free(&sel[i]);
+        pqc_cache_destroy(cs[i]);
+        free(buf[i]);
+    }
+    remove(path);
+    free(k);
+    free(v);
+    free(q);
+    free(obs);
+    PASS();
+}
+TEST forks_decode_like_unshared_caches(void) { return forks_decode_like_unshared(0); }
+TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode_like_unshared(1); }
+
+/* 8 children over a 32K prefix: the family holds the prefix once (at most 1.2x one
+   cache holding it), and a child decodes like a cache that never shared. */
+TEST forks_hold_the_prefix_once(void)
+{
+    enum { NCH = 8, S = 32768, STEPS = 16 };
+    const int L = 2, hkv = 2, hq = 4, d = 128;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache *p, *one, *ch[NCH];
+    pqc_selection s1, sc;
+    pqc_kv_out o1, oc;
+    float *k = rand_rows((size_t)S + STEPS * NCH, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS * NCH, (size_t)hkv * d);
+    float *q = rand_rows(STEPS, (size_t)hq * d), *b1, *bc;
+    size_t own, shared, total, one_own, one_shared;
+    int i, s, l;
+    cd.kv_dtype = PQC_F16;
+    cd.pq.iters = 2;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &p));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &one));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(p, L, k, v, S, (size_t)hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(one, L, k, v, S, (size_t)hkv * d));
+    for (i = 0; i < NCH; i++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p, &ch[i]));
+    /* each child decodes its own continuation; the unshared cache that of child 0 */
+    b1 = (float *)malloc(sizeof(float) * 4 * hkv * 8192 * d);
+    bc = (float *)malloc(sizeof(float) * 4 * hkv * 8192 * d);
+    ASSERT(b1 && bc);
+    o1.k = b1;
+    o1.v = b1 + (size_t)2 * hkv * 8192 * d;
+    o1.head_stride = 8192;
+    oc.k = bc;
+    oc.v = bc + (size_t)2 * hkv * 8192 * d;
+    oc.head_stride = 8192;
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(one, &s1));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ch[0], &sc));
+    for (s = 0; s < STEPS; s++)
+        for (l = 0; l < L; l++) {
+            for (i = 0; i < NCH; i++) {
+                size_t t = (size_t)S + (size_t)i * STEPS + (size_t)s;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(ch[i], l, k + t * hkv * d, v + t * hkv * d));
+                if (i == 0) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(one, l, k + t * hkv * d, v + t * hkv * d));
+            }
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(one, l, q + (size_t)s * hq * d, &s1));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(one, l, &s1, &o1));
+            CHECK_CALL(same_step(ch[0], l, q + (size_t)s * hq * d, &s1, &sc, &o1, &oc, d));
+        }
+    pqc_cache_host_memory(one, &one_own, &one_shared);
+    ASSERT_EQ(0u, one_shared);
+    pqc_cache_host_memory(p, &own, &shared);
+    ASSERT(shared >= (size_t)2 * L * hkv * S * d * 2); /* K and V of the prefix */
+    total = own + shared;
+    for (i = 0; i < NCH; i++) {
+        size_t o2, s2;
+        pqc_cache_host_memory(ch[i], &o2, &s2);
+        ASSERT_EQ(shared, s2); /* one prefix */
+        total += o2;
+    }
+    fprintf(stderr, "    prefix sharing: 1 + %d caches over %d tokens hold %.1f MB, one cache %.1f MB (%.3fx)\n", NCH, S,
+            (double)total / 1e6, (double)one_own / 1e6, (double)total / (double)one_own);
+    ASSERT((double)total <= 1.2 * (double)one_own);
+    pqc_selection_free(&s1);
+    pqc_selection_free(&sc);
+    pqc_cache_destroy(one);
+    pqc_cache_destroy(p);
+    for (i = 0; i < NCH; i++) pqc_cache_destroy(ch[i]);
+    free(k);
+    free(v);
+    free(q);
+    free(b1);
+    free(bc);
+    PASS();
+}
+
+typedef struct fork_worker {
+    pqc_cache *c;
+    const float *k, *v, *q;
+    int steps, hkv, hq, d, L;
+    pqc_result res;
+    size_t selected;
+} fork_worker;
+
+static void *fork_worker_run(void *arg)
+{
+    fork_worker *w = (fork_worker *)arg;
+    pqc_selection sel;
+    int s, l, h;
+    w->res = pqc_selection_init(w->c, &sel);
+    for (s = 0; w->res == PQC_SUCCESS && s < w->steps; s++)
+        for (l = 0; l < w->L && w->res == PQC_SUCCESS; l++) {
+            w->res = pqc_cache_append(w->c, l, w->k + (size_t)s * w->hkv * w->d, w->v + (size_t)s * w->hkv * w->d);
+            if (w->res == PQC_SUCCESS) w->res = pqc_cache_select(w->c, l, w->q + (size_t)s * w->hq * w->d, &sel);
+            for (h = 0; w->res == PQC_SUCCESS && h < w->hkv; h++) w->selected += sel.count[h];
+        }
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(w->c); /* the last one frees the shared prefix */
+    return NULL;
+}
+
+/* Children decode and are destroyed on their own threads while the parent goes away on
+   another (runtime with a pool: builds run there too). */
+TEST forks_live_on_other_threads(void)
+{
+    enum { NW = 4 };
+    const int L = 2, hkv = 2, hq = 4, d = 32, S = 600, STEPS = 40;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_runtime *rt = make_rt(2);
+    pqc_cache *p;
+    pthread_t th[NW];
+    fork_worker w[NW];
+    float *k = rand_rows((size_t)S + STEPS, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS, (size_t)hkv * d);
+    float *q = rand_rows(STEPS, (size_t)hq * d);
+    int i;
+    ASSERT(rt);
+    cd.rebuild_share = 0.05;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &p));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(p, L, k, v, S, (size_t)hkv * d));
+    for (i = 0; i < NW; i++) {
+        memset(&w[i], 0, sizeof w[i]);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p, &w[i].c));
+        w[i].k = k + (size_t)S * hkv * d;
+        w[i].v = v + (size_t)S * hkv * d;
+        w[i].q = q;
+        w[i].steps = STEPS;
+        w[i].hkv = hkv;
+        w[i].hq = hq;
+        w[i].d = d;
+        w[i].L = L;
+        ASSERT_EQ(0, pthread_create(&th[i], NULL, fork_worker_run, &w[i]));
+    }
+    pqc_cache_destroy(p);
+    for (i = 0; i < NW; i++) {
+        ASSERT_EQ(0, pthread_join(th[i], NULL));
+        ASSERT_EQ(PQC_SUCCESS, w[i].res);
+        ASSERT_EQ(w[0].selected, w[i].selected); /* the same continuation selects alike */
+        ASSERT(w[i].selected > (size_t)STEPS * L * hkv * 50);
+    }
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    free(q);
+    PASS();
+}
+
+/* A fork between the layers of a step, or of nothing, and null arguments. */
+TEST fork_misuse_is_refused(void)
+{
+    const int L = 2, hkv = 1, d = 16;
+    pqc_cache_desc cd = base_desc(L, hkv, hkv, d);
+    pqc_cache *p, *c = NULL, *e = NULL;
+    float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d);
+    pqc_matrix km = pqc_matrix_f32(k, 300, (size_t)hkv * d), vm = pqc_matrix_f32(v, 300, (size_t)hkv * d);
+    size_t own, shared;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &p));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_fork(NULL, &c));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_fork(p, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p, &e)); /* of an empty cache: an empty cache */
+    ASSERT_EQ(0u, pqc_cache_tokens(e, 0));
+    pqc_cache_host_memory(e, &own, &shared);
+    ASSERT_EQ(0u, shared);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(e, 0, &km, &vm)); /* and it works */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(p, 0, &km, &vm));
+    ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_cache_fork(p, &c));
+    ASSERT(c == NULL);
+    ASSERT(strstr(pqc_last_error(), "between decode steps") != NULL);
+    pqc_cache_host_memory(p, &own, &shared);
+    ASSERT_EQ(0u, shared); /* nothing shared yet */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(p, 1, &km, &vm));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p, &c));
+    {
+        const void *kp, *vp;
+        size_t cnt;
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_kv_part(c, 0, 0, 301, &kp, &vp, &cnt));
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_kv_part(c, 0, 1, 0, &kp, &vp, &cnt));
+        ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_kv_part(c, 0, 0, 0, NULL, &vp, &cnt));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv_part(c, 1, 0, 300, &kp, &vp, &cnt));
+        ASSERT_EQ(0u, cnt);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv_part(c, 1, 0, 10, &kp, &vp, &cnt));
+        ASSERT_EQ(290u, cnt);
+        ASSERT_MEM_EQ(k + 10 * d, kp, 290 * d * 4);
+        ASSERT_MEM_EQ(v + 10 * d, vp, 290 * d * 4);
+    }
+    pqc_cache_destroy(c);
+    pqc_cache_destroy(e);
+    pqc_cache_destroy(p);
+    free(k);
+    free(v);
+    PASS();
+}
+
 SUITE(cache)
 {
+    RUN_TEST(forks_decode_like_unshared_caches);
+    RUN_TEST(forks_decode_like_unshared_caches_exact_scoring);
+    RUN_TEST(forks_hold_the_prefix_once);
+    RUN_TEST(forks_live_on_other_threads);
+    RUN_TEST(fork_misuse_is_refused);
     RUN_TEST(save_load_resumes_decoding);
     RUN_TEST(save_load_resumes_with_exact_scoring);
     RUN_TEST(save_load_refuses_bad_files);

@@ -511,6 +511,59 @@ TEST cache_file_loads_onto_the_device(void)
     free(ka);
     PASS();
 }
+/* Prefix sharing on the device tier: the parent after its first fork (its stores became
+   the shared prefix), then the child alone after the parent is gone, both against a CPU
+   cache that never shared; codes resident, so the device codes tokens of the shared
+   prefix and of its own rows. */
+TEST fork_on_the_device_matches_cpu(void)
+{
+    const int L = 2, hkv = 2, hq = 4, d = 64, steps = 90;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pair p;
+    cmp_stats st;
+    pqc_cache *child = NULL;
+    float *k1 = make_keys(1500, hkv, d, 13), *v1 = rand_rows(1500, (size_t)hkv * d);
+    float *q = rand_rows((size_t)steps, (size_t)hq * d), *ka = rand_rows((size_t)steps * L, (size_t)hkv * d);
+    int s, l;
+    size_t own, shared;
+    cd.kv_dtype = PQC_F16;
+    cd.codes_resident = 1;
+    memset(&st, 0, sizeof st);
+    ASSERT(k1 && v1 && q && ka);
+    ASSERT(pair_open(&p, &cd));
+    ASSERT(prefill_both(&p, L, k1, v1, 1500, (size_t)hkv * d));
+    for (s = 0; s < steps; s++) {
+        if (s == 4) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p.cg, &child));
+            ASSERT_EQ(1, pqc_cache_on_device(child));
+            pqc_cache_host_memory(child, &own, &shared);
+            ASSERT(shared > own);
+        }
+        if (s == 40) { /* the parent goes; the child goes on over the shared prefix */
+            pqc_cache_destroy(p.cg);
+            p.cg = child;
+            child = NULL;
+        }
+        for (l = 0; l < L; l++) {
+            size_t o = ((size_t)s * L + l) * hkv * d;
+            ASSERT(append_both(&p, l, ka + o, ka + o));
+            if (child) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(child, l, ka + o, ka + o));
+            ASSERT(step_compare(&p, l, q + (size_t)s * hq * d, d, &st));
+        }
+    }
+    fprintf(stderr, "  forks on the device: %zu tokens selected, %zu differ, %zu rows compared, %zu differ\n",
+            st.selected, st.differ, st.rows_compared, st.rows_differ);
+    ASSERT_EQ(0, st.rows_differ);
+    ASSERT(st.rows_compared > 0);
+    ASSERT(st.differ * 1000 <= st.selected);
+    pair_close(&p);
+    free(k1);
+    free(v1);
+    free(q);
+    free(ka);
+    PASS();
+}
+
 /* every layer's codes resident in device memory */
 TEST decode_matches_cpu_sum_bf16_resident(void)
 {
@@ -1009,6 +1062,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
     RUN_TEST(decode_matches_cpu_rerank);
+    RUN_TEST(fork_on_the_device_matches_cpu);
     RUN_TEST(decode_matches_cpu_exact_list);
     RUN_TEST(decode_matches_cpu_rerank_exact_list_resident);
     RUN_TEST(decode_matches_cpu_residual_scoring);

@@ -89,6 +89,7 @@ typedef struct {
     int prefill_n, prefill_done;
     pqc_runtime *rt;
     pqc_scheduler *sched;
+    int borrowed;                 /* rt and sched belong to the tlpq this one was forked from */
     pqc_cache *cache;
     pqc_engine engine;
     tlpq_progress_fn progress;
@@ -101,6 +102,11 @@ void tlpq_default_config(tlpq_config *cfg);
 int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *cfg,
                 char *err, size_t errlen);
 void tlpq_destroy(tlpq *p);
+/* A second sequence over src's tokens so far, as a second request over the same
+   document: its cache is a fork of src's (pqc_cache_fork: the stored keys and values
+   are shared, not copied, and no PQ build runs), on src's runtime and scheduler, so
+   src must outlive it. */
+int tlpq_fork(tlpq *dst, tlpq *src, char *err, size_t errlen);
 /* Prefills tokens[0..n-1] at positions from the current length on (0 for a new
    sequence) through pqc_driver_prefill. Returns the logits of the last token,
    or NULL with p->err set. */
@@ -350,8 +356,10 @@ void tlpq_destroy(tlpq *p)
 {
     int t;
     pqc_cache_destroy(p->cache);
-    pqc_scheduler_destroy(p->sched);
-    pqc_runtime_destroy(p->rt);
+    if (!p->borrowed) {
+        pqc_scheduler_destroy(p->sched);
+        pqc_runtime_destroy(p->rt);
+    }
     if (p->workers)
         for (t = 0; t < p->n_workers; t++)
             tl_free_state(&p->workers[t]);
@@ -369,14 +377,11 @@ void tlpq_destroy(tlpq *p)
     memset(p, 0, sizeof *p);
 }
 
-int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *cfg,
-                char *err, size_t errlen)
+/* The engine side of a tlpq: decode state, prefill workers and their scratch. */
+static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *cfg,
+                             char *err, size_t errlen)
 {
     const tl_config *c = &m->config;
-    pqc_runtime_desc rd;
-    pqc_scheduler_desc sd;
-    pqc_cache_desc cd;
-    pqc_result r;
     size_t att_floats;
     int t;
 
@@ -418,7 +423,39 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
             return tl__fail(err, errlen, "pqcache: out of memory for the prefill blocks");
         }
     }
+    p->engine.user = p;
+    p->engine.qkv = tlpq__qkv;
+    p->engine.attend = tlpq__attend;
+    p->engine.accepts_row_pointers = 1;
+    return 0;
+}
 
+int tlpq_fork(tlpq *dst, tlpq *src, char *err, size_t errlen)
+{
+    if (tlpq__engine_init(dst, src->m, src->max_tokens, &src->cfg, err, errlen))
+        return -1;
+    dst->rt = src->rt;
+    dst->sched = src->sched;
+    dst->borrowed = 1;
+    if (pqc_cache_fork(src->cache, &dst->cache) != PQC_SUCCESS) {
+        tl__fail(err, errlen, "pqcache fork: %s", pqc_last_error());
+        tlpq_destroy(dst);
+        return -1;
+    }
+    return 0;
+}
+
+int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *cfg,
+                char *err, size_t errlen)
+{
+    const tl_config *c = &m->config;
+    pqc_runtime_desc rd;
+    pqc_scheduler_desc sd;
+    pqc_cache_desc cd;
+    pqc_result r;
+
+    if (tlpq__engine_init(p, m, max_tokens, cfg, err, errlen))
+        return -1;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = p->n_workers;
     rd.backend = cfg->backend;
@@ -461,10 +498,6 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
         tlpq_destroy(p);
         return -1;
     }
-    p->engine.user = p;
-    p->engine.qkv = tlpq__qkv;
-    p->engine.attend = tlpq__attend;
-    p->engine.accepts_row_pointers = 1;
     return 0;
 }
 

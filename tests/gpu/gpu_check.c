@@ -288,9 +288,11 @@ static void k_gather(int n_kv, dptr idx, long long idx_hs, int n, dptr slots, lo
                      dptr host_k, dptr host_v, long long h_hs, long long host_ld, int h_dt,
                      int d_h, dptr out_k, dptr out_v, long long o_hs, dptr miss)
 {
+    dptr pre = 0; /* no shared prefix */
+    long long pre_hs = 0, split = 0;
     void *p[] = { &idx, &idx_hs, &n, &slots, &sl_hs, &block_tokens, &cache_k, &cache_v, &c_hs,
-                  &c_dt, &host_k, &host_v, &h_hs, &host_ld, &h_dt, &d_h, &out_k, &out_v,
-                  &o_hs, &miss };
+                  &c_dt, &host_k, &host_v, &h_hs, &pre, &pre, &pre_hs, &split, &host_ld, &h_dt, &d_h,
+                  &out_k, &out_v, &o_hs, &miss };
     launch(K_GATHER, cdiv(n, 8), (unsigned)n_kv, 0, p);
 }
 
@@ -300,8 +302,10 @@ static void k_cache_fill(int n_kv, dptr blocks, dptr slots, long long list_hs, i
                          long long c_hs)
 {
     int row_lo = 0;
+    dptr pre = 0; /* no shared prefix */
+    long long pre_hs = 0, split = 0;
     void *p[] = { &blocks, &slots, &list_hs, &n_blocks, &block_tokens, &row_lo, &s, &host_k, &host_v,
-                  &h_hs, &host_ld, &dt, &d_h, &cache_k, &cache_v, &c_hs };
+                  &h_hs, &pre, &pre, &pre_hs, &split, &host_ld, &dt, &d_h, &cache_k, &cache_v, &c_hs };
     launch(K_FILL, cdiv((long long)n_blocks * block_tokens, 8), (unsigned)n_kv, 0, p);
 }
 
