@@ -9,7 +9,7 @@ LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
 
-.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache
+.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
 LIBTESTS := core cache contract fidelity
@@ -110,8 +110,22 @@ $(BUILD)/asan_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
 test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier build/test_pqcache_mode
 	sh tests/cuda_emu/run.sh $(BUILD)
 
+# ----- the Python binding: pqcache.h as a shared library, python/pqcache.py over ctypes
+LIB := $(BUILD)/libpqcache.so
+# python3 from PATH when it has numpy and pytest, else the system's (Debian: python3-numpy, python3-pytest)
+PYTHON ?= $(shell /usr/bin/env python3 -c 'import numpy, pytest' >/dev/null 2>&1 && echo /usr/bin/env python3 || \
+	{ test -x /usr/bin/python3 && echo /usr/bin/python3 || echo /usr/bin/env python3; })
+
+$(LIB): python/libpqcache.c $(HDR) | $(BUILD)
+	$(CC) $(STD) -O2 -fPIC -shared $(WARN) $< -o $@ $(LDLIBS)
+
+lib: $(LIB)
+
+test-python: $(LIB)
+	PQCACHE_LIB=$(CURDIR)/$(LIB) $(PYTHON) -m pytest -q -p no:cacheprovider python/
+
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu test-core test-asan test-tsan tiny_llama_test test-example-san test-fuzz
+TEST_GROUPS := test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu test-core test-python test-asan test-tsan tiny_llama_test test-example-san test-fuzz
 test:
 	@sh tests/run_all.sh $(TEST_GROUPS)
 
@@ -168,5 +182,9 @@ bench-cache: $(BUILD)/bench_cache
 # fidelity against exact attention on hard LLM-like keys (bench-fidelity, bench-fidelity-quick)
 include bench/fidelity.mk
 
-bench: bench-pq bench-cache
+# the Python binding's overhead per select against the same call timed in C (about 20 s)
+bench-python: $(LIB)
+	PQCACHE_LIB=$(CURDIR)/$(LIB) $(PYTHON) bench/bench_python.py
+
+bench: bench-pq bench-cache bench-python
 include tests/fuzz/fuzz.mk
