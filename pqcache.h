@@ -713,14 +713,21 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    exact lists and residual bytes, and the window, to a temporary file renamed into place.
    pqc_cache_load creates a cache from desc and fills it from the file: it selects exactly
    what the saved cache would have selected. The statistics and the block cache start
-   empty (hits differ, selections do not). The file, little-endian (saving and loading
+   empty (hits differ, selections do not). On the host tier the file is mapped read-only
+   and its K/V rows become the cache's shared prefix, read in place through the page
+   cache (not copied: loading takes the time of checking the file; processes that load
+   one file share its pages); rows appended later are the cache's own. So the file must
+   not be truncated or rewritten in place while such a cache (or a fork of it) lives:
+   pqc_cache_save replaces a file by renaming a new one over it, which is safe. The CUDA
+   tier copies the rows into its pinned stores. The file, little-endian (saving and loading
    refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
-     "PQCCACHE", u32 version (1), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
+     "PQCCACHE", u32 version (2), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
      sinks, m, bits, rope, subspaces, metric, outliers, residual scoring on; u32 window;
      per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
        f64 observation sums [2 h_kv (d_h + 1) + 2]; f32 observed rows [rows][h d_h];
        f64 observed masses [h_kv][2]; f64 histograms [h_kv][64];
-       per KV head: K rows, V rows [tokens][d_h] (storage dtype); u32 codebook present,
+       per KV head: K rows, V rows [tokens][d_h] (storage dtype, each preceded by zero
+         bytes up to a file offset that is a multiple of 64); u32 codebook present,
          u32 metric present; if present: f32 centroids [m][2^bits][d_h/m], f32 metric
          [d_h] (if present), the m code columns (ceil(coded bits / 8) bytes each); with
          outliers: u64 listed, u64 of them from the build, f32 threshold, u32 tokens,
@@ -890,6 +897,7 @@ PQCDEF const char *pqc_cuda_kernel_source(void);
 #include <unistd.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <sys/mman.h>
 #ifndef PQCACHE_NO_THREADS
 #include <pthread.h>
 #endif
@@ -4493,7 +4501,10 @@ typedef struct pqc__share {
     size_t n;                 /* rows shared (tokens of every layer)  */
     size_t cap;               /* rows between heads in the stores     */
     int n_layers, refs;
-    unsigned char **k, **v;   /* [n_layers] */
+    unsigned char **k, **v;   /* [n_layers] the stores of a forked cache, or NULL */
+    unsigned char **hk, **hv; /* [n_layers * n_kv_heads] each head's first row */
+    void *map;                /* or a cache file mapped read-only (pqc_cache_load) */
+    size_t map_len;
     pqc_runtime *rt;
     pqc_allocator alloc;
     void (*release)(pqc_runtime *rt, const pqc_allocator *a, void *p); /* the stores' tier frees them */
@@ -4819,11 +4830,42 @@ static void pqc__share_drop(pqc_cache *c)
         if (s->k[l]) s->release(s->rt, &s->alloc, s->k[l]);
         if (s->v[l]) s->release(s->rt, &s->alloc, s->v[l]);
     }
+    if (s->map) munmap(s->map, s->map_len);
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_destroy(&s->mu);
 #endif
     pqc__free(&s->alloc, (void *)s->k);
     pqc__free(&s->alloc, s);
+}
+
+/* A shared prefix of n rows for cache c: pointer tables, one reference; the caller
+   fills in where the rows are. */
+static pqc__share *pqc__share_new(pqc_cache *c, size_t n)
+{
+    size_t L = (size_t)c->d.n_layers, ptrs = 2 * L + 2 * L * (size_t)c->d.n_kv_heads;
+    pqc__share *s = (pqc__share *)pqc__calloc(&c->alloc, sizeof *s);
+    if (s && !(s->k = (unsigned char **)pqc__calloc(&c->alloc, ptrs * sizeof(void *)))) {
+        pqc__free(&c->alloc, s);
+        s = NULL;
+    }
+#ifndef PQCACHE_NO_THREADS
+    if (s && pthread_mutex_init(&s->mu, NULL) != 0) {
+        pqc__free(&c->alloc, (void *)s->k);
+        pqc__free(&c->alloc, s);
+        s = NULL;
+    }
+#endif
+    if (!s) return NULL;
+    s->v = s->k + L;
+    s->hk = s->v + L;
+    s->hv = s->hk + L * (size_t)c->d.n_kv_heads;
+    s->n = n;
+    s->n_layers = (int)L;
+    s->refs = 1;
+    s->rt = c->rt;
+    s->alloc = c->alloc;
+    s->release = c->tier->store_release;
+    return s;
 }
 
 PQCDEF void pqc_cache_destroy(pqc_cache *c)
@@ -4896,14 +4938,14 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
     int32_t **ns;
     uint32_t **nc;
     size_t i, n = (size_t)L * H, ok = 0;
-    if (need <= pqc__room(c)) return PQC_SUCCESS;
+    if (need <= pqc__room(c) && (c->nblk || !c->pn)) return PQC_SUCCESS; /* (a new fork: tables) */
     if (need > c->d.max_tokens)
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "sequence of %zu tokens exceeds max_tokens %zu", need, c->d.max_tokens);
     /* headroom, so that the decode steps after a prompt rarely grow the store; a fork's
        own rows start after its shared prefix */
     own = need - c->pn;
     while (cap < own + PQC__MAX((size_t)256, own / 16)) cap = cap + cap / 2;
-    if (cap > c->d.max_tokens - c->pn) cap = c->d.max_tokens - c->pn;
+    if (cap > c->d.max_tokens - c->pn) cap = PQC__MAX(c->d.max_tokens - c->pn, (size_t)1);
     /* every layer's builds read the stores being replaced: let them finish first (their
        results are installed at each layer's next call) */
     for (l = 0; l < (size_t)L; l++) pqc__wait(c->rt, &c->layers[l].group);
@@ -6562,7 +6604,8 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
 /* ----- cache files ----- */
 
 #define PQC__CACHE_MAGIC "PQCCACHE"
-#define PQC__CACHE_VERSION 1u
+#define PQC__CACHE_VERSION 2u
+#define PQC__CACHE_ALIGN 64 /* K and V rows start at file offsets of a multiple of it */
 
 static int pqc__little_endian(void)
 {
@@ -6648,6 +6691,13 @@ static void pqc__part_small(pqc__parts *w, const void *p, size_t n)
 
 static void pqc__part_u64(pqc__parts *w, uint64_t v) { pqc__part_small(w, &v, 8); }
 
+/* zero bytes up to the next file offset that is a multiple of PQC__CACHE_ALIGN */
+static void pqc__part_pad(pqc__parts *w)
+{
+    static const unsigned char zeros[PQC__CACHE_ALIGN] = { 0 };
+    pqc__part(w, zeros, (PQC__CACHE_ALIGN - (size_t)(w->h.len % PQC__CACHE_ALIGN)) % PQC__CACHE_ALIGN);
+}
+
 /* the settings a file must agree on with the cache it loads into */
 static void pqc__cache_shape(const pqc_cache *c, uint32_t *f)
 {
@@ -6682,7 +6732,7 @@ PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
     nkv = (size_t)c->d.n_kv_heads;
     d = (size_t)c->d.head_dim;
     qn = (size_t)c->d.n_q_heads * d;
-    parts = 8 + c->d.n_layers * (12 + c->d.n_kv_heads * (18 + c->d.pq.m));
+    parts = 8 + c->d.n_layers * (12 + c->d.n_kv_heads * (20 + c->d.pq.m));
     bound = 128 + (size_t)c->d.n_layers * (64 + nkv * 64);
     memset(&w, 0, sizeof w);
     w.cap = parts;
@@ -6720,8 +6770,10 @@ PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
             const pqc__head *H = &L->heads[h];
             uint32_t has = H->pq.m != 0, wt = has && H->pq.metric != NULL;
             size_t ns = PQC__MIN(L->n_tokens, c->pn); /* a fork's shared rows, then its own */
+            pqc__part_pad(&w);
             pqc__part(&w, H->pk, ns * c->row);
             pqc__part(&w, H->k, (L->n_tokens - ns) * c->row);
+            pqc__part_pad(&w);
             pqc__part(&w, H->pv, ns * c->row);
             pqc__part(&w, H->v, (L->n_tokens - ns) * c->row);
             pqc__part_small(&w, &has, 4);
@@ -6758,12 +6810,36 @@ out:
     return r;
 }
 
-/* reads n bytes into dst, adding them to the checksum; 0 on a short read */
-static int pqc__read_part(FILE *fp, void *dst, size_t n, pqc__whash *h)
+/* A file image being read: the bytes left, and the checksum of those read. */
+typedef struct pqc__rd {
+    const unsigned char *base, *p, *end;
+    pqc__whash h;
+} pqc__rd;
+
+/* the next n bytes (added to the checksum) at *at; 0 when fewer are left */
+static int pqc__rd_take(pqc__rd *r, size_t n, const unsigned char **at)
 {
-    if (n == 0) return 1;
-    if (fread(dst, 1, n, fp) != n) return 0;
-    pqc__whash_add(h, dst, n);
+    if ((size_t)(r->end - r->p) < n) return 0;
+    *at = r->p;
+    pqc__whash_add(&r->h, r->p, n);
+    r->p += n;
+    return 1;
+}
+static int pqc__rd_copy(pqc__rd *r, void *dst, size_t n)
+{
+    const unsigned char *at;
+    if (!pqc__rd_take(r, n, &at)) return 0;
+    if (n) memcpy(dst, at, n);
+    return 1;
+}
+/* the zero bytes before K or V rows; 0 when short or not zero */
+static int pqc__rd_pad(pqc__rd *r)
+{
+    size_t n = (PQC__CACHE_ALIGN - (size_t)(r->p - r->base) % PQC__CACHE_ALIGN) % PQC__CACHE_ALIGN, i;
+    const unsigned char *at;
+    if (!pqc__rd_take(r, n, &at)) return 0;
+    for (i = 0; i < n; i++)
+        if (at[i]) return 0;
     return 1;
 }
 
@@ -6797,23 +6873,34 @@ static int pqc__stored_ok(const void *p, pqc_dtype t, size_t n)
 
 /* The body of pqc_cache_load: fills the new cache c from fp. Returns a result code with
    the message set; BAD_FILE for anything the file gets wrong. */
-static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path)
+#define PQC__RETRY_COPY ((pqc_result)-1000) /* a mapped load meets layers of other lengths */
+static pqc_result pqc__fork_room(pqc_cache *c, size_t n);
+
+/* Fills a new cache from a file image. mapped: img stays mapped for the cache's life and
+   its K/V rows are the cache's shared prefix (read in place, not copied); the image
+   then belongs to the cache from the first layer on (*taken = 1). Else the rows are
+   copied into the stores. */
+static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t len, const char *path, int mapped,
+                                  int *taken)
 {
     uint64_t want, v64[5];
-    pqc__whash h;
+    pqc__rd rd;
     uint32_t shape[PQC__CACHE_SHAPE], mine[PQC__CACHE_SHAPE], v, win, nq;
-    unsigned char magic[8], extra;
+    unsigned char magic[8];
+    const unsigned char *kp, *vp;
     size_t nkv = (size_t)c->d.n_kv_heads, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, col, t;
     int l, hh, j;
     pqc_result r;
 #define PQC__RD(dst, n)                                                                                              \
     do {                                                                                                             \
-        if (!pqc__read_part(fp, (dst), (n), &h))                                                                     \
+        if (!pqc__rd_copy(&rd, (dst), (n)))                                                                          \
             return pqc__cfail(c, PQC_ERROR_BAD_FILE, "pqc_cache_load: %.200s is truncated", path);                  \
     } while (0)
 #define PQC__BAD(...) return pqc__cfail(c, PQC_ERROR_BAD_FILE, __VA_ARGS__)
-    memset(&h, 0, sizeof h);
-    h.h = PQC__FNV_OFFSET;
+    memset(&rd, 0, sizeof rd);
+    rd.base = rd.p = img;
+    rd.end = img + len;
+    rd.h.h = PQC__FNV_OFFSET;
     PQC__RD(magic, 8);
     if (memcmp(magic, PQC__CACHE_MAGIC, 8) != 0) PQC__BAD("pqc_cache_load: %.200s is not a pqcache cache file", path);
     PQC__RD(&v, 4);
@@ -6851,14 +6938,34 @@ static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path)
         for (t = 0; t < PQC__OBS_BINS * nkv; t++)
             if (!(L->ohist[t] >= 0.0 && L->ohist[t] < 1e300)) PQC__BAD("pqc_cache_load: %.200s: layer %d histogram", path, l);
         L->n_qobs = (int)nq;
-        if ((r = pqc__cache_grow(c, n)) != PQC_SUCCESS) return r;
+        if (mapped && l == 0) { /* the file's rows become the shared prefix of every layer */
+            if (!(c->share = pqc__share_new(c, n)))
+                return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_load: allocation failed");
+            c->share->map = (void *)(uintptr_t)img;
+            c->share->map_len = len;
+            *taken = 1;
+            c->pn = n;
+            if ((r = pqc__fork_room(c, n)) != PQC_SUCCESS) return r;
+        } else if (mapped && n != c->pn) {
+            return PQC__RETRY_COPY;
+        } else if (!mapped && (r = pqc__cache_grow(c, n)) != PQC_SUCCESS) {
+            return r;
+        }
         for (hh = 0; hh < c->d.n_kv_heads; hh++) {
             pqc__head *H = &L->heads[hh];
             uint32_t has, wt;
-            PQC__RD(H->k, n * c->row);
-            PQC__RD(H->v, n * c->row);
-            if (!pqc__stored_ok(H->k, c->d.kv_dtype, n * d) || !pqc__stored_ok(H->v, c->d.kv_dtype, n * d))
+            if (!pqc__rd_pad(&rd) || !pqc__rd_take(&rd, n * c->row, &kp) || !pqc__rd_pad(&rd) ||
+                !pqc__rd_take(&rd, n * c->row, &vp))
+                PQC__BAD("pqc_cache_load: %.200s is truncated or damaged", path);
+            if (!pqc__stored_ok(kp, c->d.kv_dtype, n * d) || !pqc__stored_ok(vp, c->d.kv_dtype, n * d))
                 PQC__BAD("pqc_cache_load: %.200s: layer %d head %d holds non-finite or huge K/V", path, l, hh);
+            if (mapped) {
+                H->pk = c->share->hk[l * c->d.n_kv_heads + hh] = (unsigned char *)(uintptr_t)kp;
+                H->pv = c->share->hv[l * c->d.n_kv_heads + hh] = (unsigned char *)(uintptr_t)vp;
+            } else if (n) {
+                memcpy(H->k, kp, n * c->row);
+                memcpy(H->v, vp, n * c->row);
+            }
             PQC__RD(&has, 4);
             PQC__RD(&wt, 4);
             if (has > 1 || wt > has || has != (coded > 0))
@@ -6869,8 +6976,8 @@ static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path)
                 size_t nc = (size_t)c->d.pq.m * ((size_t)1 << c->d.pq.bits) * (d / (size_t)c->d.pq.m);
                 cent = (float *)pqc__alloc(&c->alloc, (nc + d) * sizeof(float));
                 if (!cent) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_load: allocation failed");
-                if (!pqc__read_part(fp, cent, nc * sizeof(float), &h) ||
-                    (wt && !pqc__read_part(fp, cent + nc, d * sizeof(float), &h))) {
+                if (!pqc__rd_copy(&rd, cent, nc * sizeof(float)) ||
+                    (wt && !pqc__rd_copy(&rd, cent + nc, d * sizeof(float)))) {
                     pqc__free(&c->alloc, cent);
                     PQC__BAD("pqc_cache_load: %.200s is truncated", path);
                 }
@@ -6930,9 +7037,9 @@ static pqc_result pqc__cache_read(pqc_cache *c, FILE *fp, const char *path)
         if (n && (r = c->tier->stored(c, l, n)) != PQC_SUCCESS) return r;
         L->n_tokens = n;
     }
-    if (fread(&want, 1, 8, fp) != 8 || want != pqc__whash_end(&h))
+    if ((size_t)(rd.end - rd.p) < 8 || (memcpy(&want, rd.p, 8), want != pqc__whash_end(&rd.h)))
         PQC__BAD("pqc_cache_load: %.200s is damaged (checksum) or truncated", path);
-    if (fread(&extra, 1, 1, fp) != 0) PQC__BAD("pqc_cache_load: %.200s has trailing bytes", path);
+    if ((size_t)(rd.end - rd.p) > 8) PQC__BAD("pqc_cache_load: %.200s has trailing bytes", path);
     return PQC_SUCCESS;
 #undef PQC__RD
 #undef PQC__BAD
@@ -6942,22 +7049,45 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
 {
     pqc_cache *c = NULL;
     pqc_result r;
-    char why[300];
+    char why[300], msg[sizeof pqc__errbuf];
     FILE *fp;
+    struct stat st;
+    void *img = NULL;
+    size_t len = 0;
+    int taken = 0, mapped, attempt;
     if (!desc || !path || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_load: null argument");
     if (!pqc__little_endian())
         return pqc__fail(rt, PQC_ERROR_UNSUPPORTED, "pqc_cache_load: cache files are read on little-endian hosts");
     if (!(fp = pqc__open_regular(path, why, sizeof why))) return pqc__fail(rt, PQC_ERROR_IO, "pqc_cache_load: %s", why);
-    if ((r = pqc_cache_create(rt, desc, &c)) != PQC_SUCCESS) {
+    if (fstat(fileno(fp), &st) != 0 || st.st_size < 0 || (uint64_t)st.st_size > (uint64_t)(size_t)-1) {
         fclose(fp);
-        return r;
+        return pqc__fail(rt, PQC_ERROR_IO, "pqc_cache_load: %.200s: cannot stat", path);
     }
-    r = pqc__cache_read(c, fp, path);
-    fclose(fp);
-    if (r != PQC_SUCCESS) {
-        char msg[sizeof pqc__errbuf];
+    len = (size_t)st.st_size;
+    if (len > 0 && (img = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fileno(fp), 0)) == MAP_FAILED) {
+        fclose(fp);
+        return pqc__fail(rt, PQC_ERROR_IO, "pqc_cache_load: %.200s: cannot map: %s", path, strerror(errno));
+    }
+    fclose(fp); /* the mapping stays */
+    /* a host tier reads the rows where the file maps them; a device tier copies them
+       into its pinned stores (as does a file whose layers hold different lengths) */
+    for (attempt = 0, r = PQC_ERROR_BAD_STATE; attempt < 2; attempt++) {
+        if ((r = pqc_cache_create(rt, desc, &c)) != PQC_SUCCESS) break;
+        mapped = attempt == 0 && len > 0 && !c->tier->device;
+        taken = 0;
+        r = pqc__cache_read(c, (const unsigned char *)img, len, path, mapped, &taken);
+        if (r == PQC_SUCCESS) break;
         memcpy(msg, pqc__errbuf, sizeof msg);
+        if (taken && c->share) c->share->map = NULL; /* the image stays the caller's */
+        taken = 0;
         pqc_cache_destroy(c);
+        c = NULL;
+        memcpy(pqc__errbuf, msg, sizeof msg);
+        if (r != PQC__RETRY_COPY) break;
+    }
+    if (img && !taken) munmap(img, len);
+    if (r != PQC_SUCCESS) {
+        memcpy(msg, pqc__errbuf, sizeof msg);
         return pqc__fail(rt, r, "%s", msg);
     }
     *out = c;
@@ -6970,7 +7100,9 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
    learns where the rows are either way). */
 static pqc_result pqc__fork_room(pqc_cache *c, size_t n)
 {
-    return n < c->d.max_tokens ? pqc__cache_grow(c, n + 1) : c->tier->grown(c);
+    pqc_result r = pqc__cache_grow(c, n < c->d.max_tokens ? n + 1 : n);
+    if (r == PQC_SUCCESS && !c->layers[0].kbase) r = c->tier->grown(c); /* full: no own rows */
+    return r;
 }
 
 /* A copy of a codebook into the cache's memory. */
@@ -7048,27 +7180,8 @@ static pqc_result pqc__share_make(pqc_cache *p, size_t n)
     int l, h, L = p->d.n_layers;
     size_t cap = p->cap;
     pqc_result r;
-    s = (pqc__share *)pqc__calloc(&p->alloc, sizeof *s);
-    if (s && !(s->k = (unsigned char **)pqc__calloc(&p->alloc, 2 * sizeof(void *) * (size_t)L))) {
-        pqc__free(&p->alloc, s);
-        s = NULL;
-    }
-    if (!s) return pqc__cfail(p, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fork: allocation failed");
-    s->v = s->k + L;
-#ifndef PQCACHE_NO_THREADS
-    if (pthread_mutex_init(&s->mu, NULL) != 0) {
-        pqc__free(&p->alloc, (void *)s->k);
-        pqc__free(&p->alloc, s);
-        return pqc__cfail(p, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fork: mutex");
-    }
-#endif
-    s->n = n;
+    if (!(s = pqc__share_new(p, n))) return pqc__cfail(p, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fork: allocation failed");
     s->cap = cap;
-    s->n_layers = L;
-    s->refs = 1;
-    s->rt = p->rt;
-    s->alloc = p->alloc;
-    s->release = p->tier->store_release;
     for (l = 0; l < L; l++) {
         pqc__layer *Ly = &p->layers[l];
         s->k[l] = Ly->kbase;
@@ -7076,8 +7189,8 @@ static pqc_result pqc__share_make(pqc_cache *p, size_t n)
         Ly->kbase = Ly->vbase = NULL;
         for (h = 0; h < p->d.n_kv_heads; h++) {
             pqc__head *H = &Ly->heads[h];
-            H->pk = H->k;
-            H->pv = H->v;
+            H->pk = s->hk[l * p->d.n_kv_heads + h] = H->k;
+            H->pv = s->hv[l * p->d.n_kv_heads + h] = H->v;
             H->k = H->v = NULL;
         }
     }
@@ -7137,8 +7250,8 @@ PQCDEF pqc_result pqc_cache_fork(pqc_cache *p, pqc_cache **out)
         c->pn = s->n;
         for (l = 0; l < c->d.n_layers; l++)
             for (h = 0; h < c->d.n_kv_heads; h++) {
-                c->layers[l].heads[h].pk = s->k[l] + (size_t)h * s->cap * c->row;
-                c->layers[l].heads[h].pv = s->v[l] + (size_t)h * s->cap * c->row;
+                c->layers[l].heads[h].pk = s->hk[l * c->d.n_kv_heads + h];
+                c->layers[l].heads[h].pv = s->hv[l * c->d.n_kv_heads + h];
             }
         if ((r = pqc__fork_room(c, n)) != PQC_SUCCESS) goto fail;
     }
@@ -7181,7 +7294,8 @@ PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t 
                            (size_t)c->d.cache_blocks * (sizeof(int32_t) + sizeof(uint32_t) + 2 * sizeof(uint64_t));
             }
         }
-        if (c->share) shared = 2 * (size_t)c->d.n_layers * nkv * c->share->cap * c->row;
+        if (c->share)
+            shared = c->share->map ? c->share->map_len : 2 * (size_t)c->d.n_layers * nkv * c->share->cap * c->row;
     }
     if (own_bytes) *own_bytes = own;
     if (shared_bytes) *shared_bytes = shared;

@@ -1491,6 +1491,83 @@ TEST fork_misuse_is_refused(void)
     PASS();
 }
 
+/* A loaded cache maps its file on the host tier (the rows are its shared prefix, the
+   pages the file's), forks share the mapping, and a file whose layers hold different
+   lengths (saved between the layers of a step) is copied instead; all select alike. */
+TEST loaded_cache_maps_its_file(void)
+{
+    const int L = 2, hkv = 2, hq = 4, d = 32;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache *a, *b, *e, *f;
+    pqc_selection sa, sb;
+    pqc_kv_out oa, ob;
+    float *k = rand_rows(400, (size_t)hkv * d), *v = rand_rows(400, (size_t)hkv * d), *q = rand_rows(40, (size_t)hq * d);
+    float *bufa = (float *)malloc(sizeof(float) * 4 * hkv * 500 * d), *bufb = (float *)malloc(sizeof(float) * 4 * hkv * 500 * d);
+    char path[512];
+    size_t own, shared;
+    long bytes;
+    int l, s;
+    snprintf(path, sizeof path, "%s/pqc_map_file_%ld", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
+             (long)getpid());
+    ASSERT(bufa && bufb);
+    oa.k = bufa;
+    oa.v = bufa + (size_t)2 * hkv * 500 * d;
+    oa.head_stride = 500;
+    ob.k = bufb;
+    ob.v = bufb + (size_t)2 * hkv * 500 * d;
+    ob.head_stride = 500;
+    cd.kv_dtype = PQC_F16;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(a, L, k, v, 300, (size_t)hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, 0, k + (size_t)300 * hkv * d, v + (size_t)300 * hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path)); /* layer 0 holds one token more */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b));
+    pqc_cache_host_memory(b, &own, &shared);
+    ASSERT_EQ(0u, shared); /* copied */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, 1, k + (size_t)300 * hkv * d, v + (size_t)300 * hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, 1, k + (size_t)300 * hkv * d, v + (size_t)300 * hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &e));
+    {
+        FILE *fp = fopen(path, "rb");
+        ASSERT(fp);
+        fseek(fp, 0, SEEK_END);
+        bytes = ftell(fp);
+        fclose(fp);
+    }
+    pqc_cache_host_memory(e, &own, &shared);
+    ASSERT_EQ((size_t)bytes, shared); /* mapped: the file's pages */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(e, &f));
+    pqc_cache_host_memory(f, &own, &shared);
+    ASSERT_EQ((size_t)bytes, shared);
+    pqc_cache_destroy(e);
+    remove(path); /* the mapping outlives the name */
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(a, &sa));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
+    for (s = 0; s < 30; s++)
+        for (l = 0; l < L; l++) {
+            const float *kk = k + (size_t)(301 + s) * hkv * d, *vv = v + (size_t)(301 + s) * hkv * d;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, l, kk, vv));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, l, kk, vv));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(f, l, kk, vv));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, l, q + (size_t)s * hq * d, &sa));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, l, &sa, &oa));
+            CHECK_CALL(same_step(b, l, q + (size_t)s * hq * d, &sa, &sb, &oa, &ob, d));
+            CHECK_CALL(same_step(f, l, q + (size_t)s * hq * d, &sa, &sb, &oa, &ob, d));
+        }
+    pqc_selection_free(&sa);
+    pqc_selection_free(&sb);
+    pqc_cache_destroy(a);
+    pqc_cache_destroy(b);
+    pqc_cache_destroy(f);
+    free(k);
+    free(v);
+    free(q);
+    free(bufa);
+    free(bufb);
+    PASS();
+}
+
 SUITE(cache)
 {
     RUN_TEST(forks_decode_like_unshared_caches);
@@ -1498,6 +1575,7 @@ SUITE(cache)
     RUN_TEST(forks_hold_the_prefix_once);
     RUN_TEST(forks_live_on_other_threads);
     RUN_TEST(fork_misuse_is_refused);
+    RUN_TEST(loaded_cache_maps_its_file);
     RUN_TEST(save_load_resumes_decoding);
     RUN_TEST(save_load_resumes_with_exact_scoring);
     RUN_TEST(save_load_refuses_bad_files);

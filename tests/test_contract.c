@@ -749,8 +749,7 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
         for (hd = 0; hd < c->d.n_kv_heads; hd++) {
             const pqc__head *H = &L->heads[hd];
             const void *k, *v;
-            size_t tk;
-            pqc_dtype dt;
+            size_t tk, nr = 0;
             int32_t blocks[64];
             int nbk = pqc_cache_cached_blocks(c, l, hd, blocks, 64);
             h = fold(h, &H->codes.count, sizeof H->codes.count);
@@ -767,9 +766,10 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
                 if (H->freq) h = fold(h, H->freq, sizeof(uint64_t) * (size_t)c->d.cache_blocks);
                 if (H->filled) h = fold(h, H->filled, sizeof(uint32_t) * (size_t)c->d.cache_blocks);
             }
-            if (pqc_cache_kv(c, l, hd, &k, &v, &tk, &dt) == PQC_SUCCESS && tk) {
-                h = fold(h, k, tk * c->row);
-                h = fold(h, v, tk * c->row);
+            for (tk = 0; tk < n; tk += nr) { /* rows in one or two parts (a fork) */
+                if (pqc_cache_kv_part(c, l, hd, tk, &k, &v, &nr) != PQC_SUCCESS || !nr) break;
+                h = fold(h, k, nr * c->row);
+                h = fold(h, v, nr * c->row);
             }
         }
     }
@@ -901,6 +901,30 @@ static int scenario(scen *S)
             SCEN_CALL(S, a, &sel, pqc_cache_fetch(a, l, &sel, &out));
             fh = fold_kv(fh, &sel, &out, 16);
         }
+    { /* a fork over the prefix decodes on its own, then a fork of the fork */
+        pqc_cache *f1 = NULL, *f2 = NULL;
+        pqc_selection sf;
+        memset(&sf, 0, sizeof sf);
+        SCEN_CALL(S, a, &sel, pqc_cache_fork(a, &f1));
+        SCEN_CALL(S, f1, &sf, pqc_selection_init(f1, &sf));
+        for (step = 0; step < 4; step++)
+            for (l = 0; l < 2; l++) {
+                SCEN_CALL(S, f1, &sf, pqc_cache_append(f1, l, k + (440 + step) * 32, v + (440 + step) * 32));
+                SCEN_CALL(S, f1, &sf, pqc_cache_select(f1, l, q, &sf));
+                SCEN_CALL(S, f1, &sf, pqc_cache_fetch(f1, l, &sf, &out));
+                fh = fold_kv(fh, &sf, &out, 16);
+            }
+        SCEN_CALL(S, f1, &sf, pqc_cache_fork(f1, &f2));
+        for (l = 0; l < 2; l++) {
+            SCEN_CALL(S, f2, &sf, pqc_cache_append(f2, l, k + 450 * 32, v + 450 * 32));
+            SCEN_CALL(S, f2, &sf, pqc_cache_select(f2, l, q, &sf));
+            SCEN_CALL(S, f2, &sf, pqc_cache_fetch(f2, l, &sf, &out));
+            fh = fold_kv(fh, &sf, &out, 16);
+        }
+        pqc_selection_free(&sf);
+        pqc_cache_destroy(f2);
+        pqc_cache_destroy(f1);
+    }
     for (l = 0; l < 2; l++) SCEN_CALL(S, a, &sel, prefill(a, l, k + 424 * 32, v + 424 * 32, 150)); /* second turn */
     for (l = 0; l < 2; l++) {
         SCEN_CALL(S, a, &sel, pqc_cache_select(a, l, q, &sel));

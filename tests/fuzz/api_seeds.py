@@ -106,6 +106,9 @@ class P:
     def destroy(self, slot=0):
         return self.raw(16, slot)
 
+    def fork(self, parent=0, child=1):  # child slot == parent slot: the fork is dropped again
+        return self.raw(28, parent | child << 1)
+
     def pq_train(self, slot=0, flags=6, dim=0, rows=9, m=2, bits=1, iters=1, init=0, mppc=0, seed=1, device=0, rope=0,
                  subsp=0, k=None):
         self.raw(17, slot, flags, dim, rows, m, bits, iters, init, mppc, seed, device, rope, subsp)
@@ -281,6 +284,13 @@ def seeds():
     p = P().create(layers=1, rerank=1, outl=1, resw=1, ratio=1).prefill(rows=14).prefill(layer=1, rows=14).sel_init()
     p.select().fetch().append().append().select().append(layer=1).select(layer=1).fetch(layer=1).sync()
     s["rerank_exact_list"] = p
+    # prefix sharing: a fork decodes on its own, the parent is destroyed first, a fork of
+    # the fork replaces it; a fork between the layers of a step is refused
+    p = P().create(layers=1, rerank=1, outl=1).prefill(rows=14).prefill(layer=1, rows=14).sel_init().select().fork()
+    p.sel_init(slot=1).append(slot=1).select(slot=1).fetch(slot=1).append(slot=1, layer=1).fork(parent=1, child=1)
+    p.destroy(slot=0).append(slot=1).select(slot=1, layer=1).fetch(slot=1, layer=1).fork(parent=1, child=0)
+    p.append(slot=0).select(slot=0).fetch_rows(slot=0).sync(slot=0)
+    s["fork_family"] = p
     # the PQ core with interleaved rope bands
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     return s

@@ -648,9 +648,32 @@ static int fz_layer_fits(const fz_cache *C, size_t tokens)
 }
 
 /* ----- a cache's stored rows, as fp32 ----- */
-static float fz_stored(const fz_cache *C, const void *base, size_t t, size_t e)
+/* The stored rows of one (layer, head), in one part or two (a fork's shared prefix,
+   then its own rows), read through pqc_cache_kv_part. */
+typedef struct fz_rows {
+    const void *k[2], *v[2];
+    size_t n0, n;
+} fz_rows;
+
+static void fz_rows_get(const fz_cache *C, int layer, int h, fz_rows *R)
 {
-    return fz_get((const unsigned char *)base + (t * (size_t)C->D + e) * C->es, C->st);
+    size_t n1 = 0;
+    memset(R, 0, sizeof *R);
+    R->n = pqc_cache_tokens(C->c, layer);
+    fz_arm();
+    if (fz_expect(pqc_cache_kv_part(C->c, layer, h, 0, &R->k[0], &R->v[0], &R->n0), "pqc_cache_kv_part") != PQC_SUCCESS ||
+        (R->n0 < R->n &&
+         fz_expect(pqc_cache_kv_part(C->c, layer, h, R->n0, &R->k[1], &R->v[1], &n1), "pqc_cache_kv_part") != PQC_SUCCESS))
+        fz_fail("pqc_cache_kv_part failed on a valid head");
+    if (R->n0 + n1 != R->n || (R->n0 < R->n && !n1)) fz_fail("pqc_cache_kv_part: parts of %zu + %zu rows for %zu", R->n0, n1, R->n);
+}
+
+/* element e of token t's K (which 0) or V (1) row */
+static float fz_stored(const fz_cache *C, const fz_rows *R, int which, size_t t, size_t e)
+{
+    int p = t >= R->n0;
+    const void *base = which ? R->v[p] : R->k[p];
+    return fz_get((const unsigned char *)base + ((t - (p ? R->n0 : 0)) * (size_t)C->D + e) * C->es, C->st);
 }
 
 static void fz_check_fit_finite(fz_state *S, const char *after)
@@ -712,19 +735,14 @@ static void fz_check_fetched(const fz_cache *C, int layer, const pqc_selection *
 {
     size_t h, i, e, D = (size_t)C->D;
     for (h = 0; h < (size_t)C->H; h++) {
-        const void *k = NULL, *v = NULL;
-        size_t tokens = 0;
-        pqc_dtype dt = PQC_F32;
-        fz_arm();
-        if (fz_expect(pqc_cache_kv(C->c, layer, (int)h, &k, &v, &tokens, &dt), "pqc_cache_kv") != PQC_SUCCESS)
-            fz_fail("%s: pqc_cache_kv failed on a valid head", call);
-        if (tokens != pqc_cache_tokens(C->c, layer) || (int)dt != C->st) fz_fail("pqc_cache_kv: tokens or dtype wrong");
+        fz_rows R;
+        fz_rows_get(C, layer, (int)h, &R);
         for (i = 0; i < sel->count[h]; i++) {
             size_t t = sel->idx[h * sel->capacity + i];
             for (e = 0; e < D; e++) {
-                if (ko && !fz_same(ko[(h * stride + i) * D + e], fz_stored(C, k, t, e)))
+                if (ko && !fz_same(ko[(h * stride + i) * D + e], fz_stored(C, &R, 0, t, e)))
                     fz_fail("%s: head %zu row %zu (token %zu) K[%zu] differs from the store", call, h, i, t, e);
-                if (vo && !fz_same(vo[(h * stride + i) * D + e], fz_stored(C, v, t, e)))
+                if (vo && !fz_same(vo[(h * stride + i) * D + e], fz_stored(C, &R, 1, t, e)))
                     fz_fail("%s: head %zu row %zu (token %zu) V[%zu] differs from the store", call, h, i, t, e);
             }
         }
@@ -880,6 +898,49 @@ static void op_cache_destroy(fz_state *S)
     C->c = NULL;
 }
 
+/* a fork of one slot's cache into a slot (its own: the child is dropped again, the
+   parent stays); the slot it replaces is destroyed first */
+static void op_fork(fz_state *S)
+{
+    fz *f = &S->f;
+    unsigned which = rd8(f);
+    fz_cache *P = &S->cache[which & 1], *C = &S->cache[(which >> 1) & 1];
+    pqc_cache *sentinel = (pqc_cache *)&g_sentinel, *out = sentinel;
+    pqc_result r;
+    int l, uneven = 0;
+    if (!P->c) {
+        fz_arm();
+        if (fz_expect(pqc_cache_fork(NULL, &out), "pqc_cache_fork(NULL)") == PQC_SUCCESS || out != sentinel)
+            fz_fail("pqc_cache_fork of a null cache succeeded or wrote its output");
+        return;
+    }
+    for (l = 1; l < P->L; l++) uneven |= pqc_cache_tokens(P->c, l) != pqc_cache_tokens(P->c, 0);
+    fz_arm();
+    r = fz_expect(pqc_cache_fork(P->c, &out), "pqc_cache_fork");
+    if (r == PQC_SUCCESS && uneven) fz_fail("pqc_cache_fork between layers of unequal length succeeded");
+    if (r != PQC_SUCCESS) {
+        if (out != sentinel) fz_fail("failed pqc_cache_fork wrote its output");
+        return;
+    }
+    if (!out || out == sentinel) fz_fail("pqc_cache_fork succeeded without an output");
+    for (l = 0; l < P->L; l++)
+        if (pqc_cache_tokens(out, l) != pqc_cache_tokens(P->c, l) || pqc_cache_window(out) != pqc_cache_window(P->c))
+            fz_fail("a fork holds %zu tokens of layer %d, its parent %zu", pqc_cache_tokens(out, l), l,
+                    pqc_cache_tokens(P->c, l));
+    if (C == P) {
+        pqc_cache_destroy(out);
+        return;
+    }
+    pqc_cache_destroy(C->c);
+    {
+        fz_sel s0 = C->sel[0], s1 = C->sel[1]; /* the slot keeps its selections */
+        *C = *P;
+        C->sel[0] = s0;
+        C->sel[1] = s1;
+    }
+    C->c = out;
+}
+
 static void op_prefill(fz_state *S)
 {
     fz *f = &S->f;
@@ -948,20 +1009,18 @@ static void op_prefill(fz_state *S)
         fz_fail("pqc_cache_prefill: window %d -> %d", snap.window, pqc_cache_window(C->c));
     /* the new rows, as the storage dtype holds them */
     for (h = 0; h < (size_t)C->H; h++) {
-        const void *k = NULL, *v = NULL;
+        fz_rows R;
         size_t kes = fz_dsize(K.m.dtype), ves = fz_dsize(V.m.dtype);
         size_t ks = K.m.row_stride ? K.m.row_stride : cols * kes, vs = V.m.row_stride ? V.m.row_stride : cols * ves;
-        fz_arm();
-        if (fz_expect(pqc_cache_kv(C->c, layer, (int)h, &k, &v, NULL, NULL), "pqc_cache_kv") != PQC_SUCCESS)
-            fz_fail("pqc_cache_kv failed on a valid head");
+        fz_rows_get(C, layer, (int)h, &R);
         for (t = 0; t < rows; t++)
             for (e = 0; e < (size_t)C->D; e++) {
                 float ek = fz_round(fz_get(K.buf + t * ks + (h * C->D + e) * kes, K.m.dtype), C->st);
                 float ev = fz_round(fz_get(V.buf + t * vs + (h * C->D + e) * ves, V.m.dtype), C->st);
-                if (!fz_same(fz_stored(C, k, tok + t, e), ek) || !fz_same(fz_stored(C, v, tok + t, e), ev))
+                if (!fz_same(fz_stored(C, &R, 0, tok + t, e), ek) || !fz_same(fz_stored(C, &R, 1, tok + t, e), ev))
                     fz_fail("pqc_cache_prefill stored head %zu token %zu element %zu as K %g V %g, not K %g V %g "
                             "(input dtypes %d %d, storage %d)",
-                            h, tok + t, e, (double)fz_stored(C, k, tok + t, e), (double)fz_stored(C, v, tok + t, e),
+                            h, tok + t, e, (double)fz_stored(C, &R, 0, tok + t, e), (double)fz_stored(C, &R, 1, tok + t, e),
                             (double)ek, (double)ev, (int)K.m.dtype, (int)V.m.dtype, C->st);
             }
     }
@@ -1012,13 +1071,11 @@ static void op_append(fz_state *S)
             if (pqc_cache_tokens(C->c, layer) != tok + 1) fz_fail("pqc_cache_append did not add one token");
             if (pqc_cache_window(C->c) != snap.window) fz_fail("pqc_cache_append changed the window");
             for (h = 0; h < (size_t)C->H; h++) {
-                const void *kb = NULL, *vb = NULL;
-                fz_arm();
-                if (fz_expect(pqc_cache_kv(C->c, layer, (int)h, &kb, &vb, NULL, NULL), "pqc_cache_kv") != PQC_SUCCESS)
-                    fz_fail("pqc_cache_kv failed on a valid head");
+                fz_rows R;
+                fz_rows_get(C, layer, (int)h, &R);
                 for (e = 0; e < (size_t)C->D; e++)
-                    if (!fz_same(fz_stored(C, kb, tok, e), fz_round(k[h * C->D + e], C->st)) ||
-                        !fz_same(fz_stored(C, vb, tok, e), fz_round(v[h * C->D + e], C->st)))
+                    if (!fz_same(fz_stored(C, &R, 0, tok, e), fz_round(k[h * C->D + e], C->st)) ||
+                        !fz_same(fz_stored(C, &R, 1, tok, e), fz_round(v[h * C->D + e], C->st)))
                         fz_fail("pqc_cache_append stored head %zu element %zu wrongly", h, e);
             }
         }
@@ -1243,15 +1300,13 @@ static void op_fetch(fz_state *S, int rows_only)
     } else {
         size_t h, i, e;
         for (h = 0; h < (size_t)C->H; h++) {
-            const void *k = NULL, *v = NULL;
-            fz_arm();
-            if (fz_expect(pqc_cache_kv(C->c, layer, (int)h, &k, &v, NULL, NULL), "pqc_cache_kv") != PQC_SUCCESS)
-                fz_fail("pqc_cache_kv failed on a valid head");
+            fz_rows R;
+            fz_rows_get(C, layer, (int)h, &R);
             for (i = 0; i < s->s.count[h]; i++) {
                 size_t t = s->s.idx[h * s->s.capacity + i];
                 const float *kr = (const float *)krows[h][i], *vr = (const float *)vrows[h][i];
                 for (e = 0; e < (size_t)C->D; e++)
-                    if (!fz_same(kr[e], fz_stored(C, k, t, e)) || !fz_same(vr[e], fz_stored(C, v, t, e)))
+                    if (!fz_same(kr[e], fz_stored(C, &R, 0, t, e)) || !fz_same(vr[e], fz_stored(C, &R, 1, t, e)))
                         fz_fail("pqc_cache_fetch_rows: head %zu row %zu (token %zu) differs from the store", h, i, t);
             }
         }
@@ -1344,6 +1399,11 @@ static void op_info(fz_state *S)
         size_t tokens = 0;
         pqc_dtype dt = PQC_F32;
         int ok = fz_layer_ok(C, layer) && head >= 0 && head < C->H;
+        if (ok) { /* a fork's rows in two parts are refused: read them part by part */
+            fz_rows R;
+            fz_rows_get(C, layer, head, &R);
+            ok = R.n0 == R.n;
+        }
         fz_arm();
         r = fz_expect(pqc_cache_kv(C->c, layer, head, (what & 8) ? NULL : &k, (what & 16) ? NULL : &v, &tokens, &dt),
                       "pqc_cache_kv");
@@ -2433,6 +2493,7 @@ static const fz_op fz_ops[] = {
     op_sched,         /* 25 */
     op_convert,       /* 26 */
     op_observe,       /* 27 */
+    op_fork,          /* 28 */
 };
 
 static size_t g_tok_scratch[4097];
