@@ -45,6 +45,17 @@ static float *rand_rows(size_t n, size_t cols)
     return x;
 }
 
+/* a gather buffer of `rows` rows per KV head for K and V (the returned memory, freed by
+   the caller; NULL when it cannot be had) */
+static float *kv_out_make(pqc_kv_out *o, int hkv, size_t rows, int d)
+{
+    float *b = (float *)malloc(sizeof(float) * 2 * (size_t)hkv * rows * (size_t)d);
+    o->k = b;
+    o->v = b ? b + (size_t)hkv * rows * (size_t)d : NULL;
+    o->head_stride = rows;
+    return b;
+}
+
 /* prefill every layer with the same random K/V */
 static pqc_result prefill_all(pqc_cache *c, int layers, const float *k, const float *v, size_t n, size_t cols)
 {
@@ -1029,15 +1040,9 @@ static enum greatest_test_res save_load_resumes(int rich)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b));
     ASSERT_EQ(pqc_cache_window(a), pqc_cache_window(b));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
-    bufa = (float *)malloc(sizeof(float) * 4 * hkv * 1000 * d);
-    bufb = (float *)malloc(sizeof(float) * 4 * hkv * 1000 * d);
+    bufa = kv_out_make(&oa, hkv, 1000, d);
+    bufb = kv_out_make(&ob, hkv, 1000, d);
     ASSERT(bufa && bufb);
-    oa.k = bufa;
-    oa.v = bufa + (size_t)2 * hkv * 1000 * d;
-    oa.head_stride = 1000;
-    ob.k = bufb;
-    ob.v = bufb + (size_t)2 * hkv * 1000 * d;
-    ob.head_stride = 1000;
     for (s = 20; s < 60; s++) /* both go on alike */
         for (l = 0; l < L; l++) {
             const float *kk = k + (size_t)(700 + s) * hkv * d, *vv = v + (size_t)(700 + s) * hkv * d;
@@ -1227,11 +1232,7 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
         ASSERT_EQ(PQC_SUCCESS, prefill_all(cs[i], L, k, v, (size_t)S, (size_t)hkv * d));
     }
     for (i = 0; i < NC; i++) {
-        buf[i] = (float *)malloc(sizeof(float) * 4 * hkv * 2000 * d);
-        ASSERT(buf[i]);
-        out[i].k = buf[i];
-        out[i].v = buf[i] + (size_t)2 * hkv * 2000 * d;
-        out[i].head_stride = 2000;
+        ASSERT((buf[i] = kv_out_make(&out[i], hkv, 2000, d)) != NULL);
         memset(&sel[i], 0, sizeof sel[i]);
     }
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[0], &sel[0]));
@@ -1326,15 +1327,9 @@ TEST forks_hold_the_prefix_once(void)
     ASSERT_EQ(PQC_SUCCESS, prefill_all(one, L, k, v, S, (size_t)hkv * d));
     for (i = 0; i < NCH; i++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p, &ch[i]));
     /* each child decodes its own continuation; the unshared cache that of child 0 */
-    b1 = (float *)malloc(sizeof(float) * 4 * hkv * 8192 * d);
-    bc = (float *)malloc(sizeof(float) * 4 * hkv * 8192 * d);
+    b1 = kv_out_make(&o1, hkv, 8192, d);
+    bc = kv_out_make(&oc, hkv, 8192, d);
     ASSERT(b1 && bc);
-    o1.k = b1;
-    o1.v = b1 + (size_t)2 * hkv * 8192 * d;
-    o1.head_stride = 8192;
-    oc.k = bc;
-    oc.v = bc + (size_t)2 * hkv * 8192 * d;
-    oc.head_stride = 8192;
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(one, &s1));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ch[0], &sc));
     for (s = 0; s < STEPS; s++)
@@ -1502,7 +1497,7 @@ TEST loaded_cache_maps_its_file(void)
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;
     float *k = rand_rows(400, (size_t)hkv * d), *v = rand_rows(400, (size_t)hkv * d), *q = rand_rows(40, (size_t)hq * d);
-    float *bufa = (float *)malloc(sizeof(float) * 4 * hkv * 500 * d), *bufb = (float *)malloc(sizeof(float) * 4 * hkv * 500 * d);
+    float *bufa = kv_out_make(&oa, hkv, 500, d), *bufb = kv_out_make(&ob, hkv, 500, d);
     char path[512];
     size_t own, shared;
     long bytes;
@@ -1510,12 +1505,6 @@ TEST loaded_cache_maps_its_file(void)
     snprintf(path, sizeof path, "%s/pqc_map_file_%ld", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
              (long)getpid());
     ASSERT(bufa && bufb);
-    oa.k = bufa;
-    oa.v = bufa + (size_t)2 * hkv * 500 * d;
-    oa.head_stride = 500;
-    ob.k = bufb;
-    ob.v = bufb + (size_t)2 * hkv * 500 * d;
-    ob.head_stride = 500;
     cd.kv_dtype = PQC_F16;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(a, L, k, v, 300, (size_t)hkv * d));
