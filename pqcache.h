@@ -3451,6 +3451,25 @@ PQCDEF pqc_result pqc_pq_save(const pqc_pq *pq, const char *path)
     return r;
 }
 
+/* A codebook from read-in floats: centroids [m][2^bits][dim/m] and metric weights (or
+   NULL), refused with PQC_ERROR_BAD_FILE (the message naming `what`) unless they are
+   finite and the weights positive. */
+static pqc_result pqc__pq_from_floats(pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *cent,
+                                      const float *w, int half_bands, const char *what)
+{
+    size_t nc = (size_t)dim << bits, i;
+    pqc_result r;
+    int j;
+    if (!pqc__within(cent, nc, PQC__KEY_LIMIT) || (w && !pqc__within(w, (size_t)dim, 1e30f)))
+        return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds NaN, Inf or huge centroids or weights", what);
+    for (i = 0; w && i < (size_t)dim; i++)
+        if (!(w[i] > 0.0f)) return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds a metric weight <= 0", what);
+    if ((r = pqc__pq_alloc(rt, pq, dim, m, bits, w, half_bands)) != PQC_SUCCESS) return r;
+    memcpy(pq->centroids, cent, nc * sizeof(float));
+    for (j = 0; j < m; j++) pqc__pq_finish_sub(pq, j);
+    return PQC_SUCCESS;
+}
+
 PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
 {
     unsigned char head[PQC__PQ_HEAD], *buf = NULL, extra;
@@ -3462,7 +3481,6 @@ PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
     pqc_pq pq;
     pqc_result r;
     float *w = NULL;
-    int j;
     if (!path || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_load: null argument");
     if (!(fp = pqc__open_regular(path, why, sizeof why))) return pqc__fail(rt, PQC_ERROR_IO, "pqc_pq_load: %s", why);
     if (fread(head, 1, sizeof head, fp) != sizeof head || memcmp(head, PQC__PQ_MAGIC, 8) != 0) {
@@ -3505,26 +3523,12 @@ PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
         uint32_t u = pqc__get_u32(buf + PQC__PQ_HEAD + 4 * i);
         memcpy(buf + PQC__PQ_HEAD + 4 * i, &u, 4);
     }
-    if (!pqc__within((const float *)(buf + PQC__PQ_HEAD), nc, PQC__KEY_LIMIT) ||
-        (nw && !pqc__within((const float *)(buf + PQC__PQ_HEAD) + nc, nw, 1e30f))) {
-        pqc__free(pqc__rt_alloc(rt), buf);
-        return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s holds NaN, Inf or huge values", path);
-    }
-    if (nw) {
-        w = (float *)(buf + PQC__PQ_HEAD) + nc;
-        for (i = 0; i < nw; i++)
-            if (!(w[i] > 0.0f)) {
-                pqc__free(pqc__rt_alloc(rt), buf);
-                return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s holds a metric weight <= 0", path);
-            }
-    }
-    if ((r = pqc__pq_alloc(rt, &pq, (int)dim, (int)m, (int)bits, w, (flags & 2) != 0)) != PQC_SUCCESS) {
-        pqc__free(pqc__rt_alloc(rt), buf);
-        return r;
-    }
-    memcpy(pq.centroids, buf + PQC__PQ_HEAD, nc * sizeof(float));
-    for (j = 0; j < pq.m; j++) pqc__pq_finish_sub(&pq, j);
+    if (nw) w = (float *)(buf + PQC__PQ_HEAD) + nc;
+    snprintf(why, sizeof why, "pqc_pq_load: %.200s", path);
+    r = pqc__pq_from_floats(rt, &pq, (int)dim, (int)m, (int)bits, (const float *)(buf + PQC__PQ_HEAD), w,
+                            (flags & 2) != 0, why);
     pqc__free(pqc__rt_alloc(rt), buf);
+    if (r != PQC_SUCCESS) return r;
     *out = pq;
     return PQC_SUCCESS;
 }
@@ -6981,22 +6985,12 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
                     pqc__free(&c->alloc, cent);
                     PQC__BAD("pqc_cache_load: %.200s is truncated", path);
                 }
+                char what[300];
                 if (wt) w = cent + nc;
-                if (!pqc__within(cent, nc, PQC__KEY_LIMIT) || (w && !pqc__within(w, d, 1e30f))) {
-                    pqc__free(&c->alloc, cent);
-                    PQC__BAD("pqc_cache_load: %.200s: layer %d head %d holds non-finite centroids", path, l, hh);
-                }
-                for (t = 0; w && t < d; t++)
-                    if (!(w[t] > 0.0f)) {
-                        pqc__free(&c->alloc, cent);
-                        PQC__BAD("pqc_cache_load: %.200s: layer %d head %d metric weights", path, l, hh);
-                    }
-                r = pqc__pq_alloc(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, w,
-                                  c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF);
-                if (r == PQC_SUCCESS) {
-                    memcpy(H->pq.centroids, cent, nc * sizeof(float));
-                    for (j = 0; j < H->pq.m; j++) pqc__pq_finish_sub(&H->pq, j);
-                }
+                snprintf(what, sizeof what, "pqc_cache_load: %.200s: layer %d head %d", path, l, hh);
+                r = pqc__pq_from_floats(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, cent, w,
+                                        c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF,
+                                        what);
                 pqc__free(&c->alloc, cent);
                 if (r != PQC_SUCCESS) return r;
             }
@@ -7108,12 +7102,8 @@ static pqc_result pqc__fork_room(pqc_cache *c, size_t n)
 /* A copy of a codebook into the cache's memory. */
 static pqc_result pqc__pq_copy(pqc_cache *c, pqc_pq *dst, const pqc_pq *src)
 {
-    int j;
-    pqc_result r = pqc__pq_alloc(c->rt, dst, src->dim, src->m, src->bits, src->metric, src->half_bands);
-    if (r != PQC_SUCCESS) return r;
-    memcpy(dst->centroids, src->centroids, (size_t)src->m * src->ksub * src->dsub * sizeof(float));
-    for (j = 0; j < dst->m; j++) pqc__pq_finish_sub(dst, j);
-    return PQC_SUCCESS;
+    return pqc__pq_from_floats(c->rt, dst, src->dim, src->m, src->bits, src->centroids, src->metric, src->half_bands,
+                               "pqc_cache_fork");
 }
 
 /* The child's copy of the parent's selection state: window, observations, and per head
