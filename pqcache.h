@@ -6901,6 +6901,7 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
             return pqc__cfail(c, PQC_ERROR_BAD_FILE, "pqc_cache_load: %.200s is truncated", path);                  \
     } while (0)
 #define PQC__BAD(...) return pqc__cfail(c, PQC_ERROR_BAD_FILE, __VA_ARGS__)
+    if (!img || len == 0) return pqc__cfail(c, PQC_ERROR_BAD_FILE, "pqc_cache_load: %.200s is empty", path);
     memset(&rd, 0, sizeof rd);
     rd.base = rd.p = img;
     rd.end = img + len;
