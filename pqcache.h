@@ -7344,8 +7344,8 @@ PQCDEF pqc_result pqc_cache_kv(const pqc_cache *c, int layer, int head, const vo
         return pqc__cfail(c, PQC_ERROR_BAD_STATE,
                           "pqc_cache_kv: the rows of a fork lie in two parts (shared prefix, own rows): use "
                           "pqc_cache_kv_part");
-    if (k) *k = pqc__krow(c, &c->layers[layer].heads[head], 0);
-    if (v) *v = pqc__vrow(c, &c->layers[layer].heads[head], 0);
+    if (k) *k = c->layers[layer].n_tokens ? pqc__krow(c, &c->layers[layer].heads[head], 0) : NULL;
+    if (v) *v = c->layers[layer].n_tokens ? pqc__vrow(c, &c->layers[layer].heads[head], 0) : NULL;
     if (tokens) *tokens = c->layers[layer].n_tokens;
     if (dtype) *dtype = c->d.kv_dtype;
     return PQC_SUCCESS;
