@@ -597,6 +597,11 @@ typedef struct pqc_cache_desc {
                                 (updated in place as tokens are coded: no copies per step);
                                 0 = two code buffers, the next layer's codes copied while
                                 the current layer computes (device memory for two layers) */
+    int first_kv_head;       /* the model's index of this cache's KV head 0, where caches
+                                hold a slice of the heads (a tensor-parallel rank's): head
+                                h's codebooks are seeded as model head first_kv_head + h,
+                                so that the slices build and select what one cache over
+                                every head would (with split = PQC_SPLIT_FIXED). 0 = 0   */
 } pqc_cache_desc;
 
 typedef struct pqc_cache pqc_cache;
@@ -606,6 +611,7 @@ typedef struct pqc_cache pqc_cache;
 typedef struct pqc_kv_device {
     uint64_t k, v;
     size_t head_stride;
+    uint64_t pos; /* the selected tokens (uint32, ascending): head h's at pos + h*head_stride*4 */
 } pqc_kv_device;
 
 typedef struct pqc_layer_stats {
@@ -701,6 +707,17 @@ PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_select
    belong to the cache and stay valid until its next fetch. Admission and statistics
    are those of pqc_cache_fetch. */
 PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_selection *sel, pqc_kv_device *out);
+/* select + fetch_device of one decode step in one call (CUDA device tier; else
+   PQC_ERROR_UNSUPPORTED). The search, the top-k, the selection, the block-cache
+   admission and the gather are all enqueued on the cache's stream and the call returns
+   without waiting: no host synchronisation, and nothing but the queries and each head's
+   top-k count goes to the device (the rest of the bookkeeping lives there). out as for
+   pqc_cache_fetch_device, out->pos the selected tokens; count[h] (n_kv_heads entries)
+   the rows of head h. Selection and admission equal those of pqc_cache_select +
+   pqc_cache_fetch_device; hits, misses and bytes are counted on the device and read by
+   pqc_cache_stats (which waits for the stream). Caches that score candidates exactly
+   (rerank, outliers) or with residuals select on the host: one synchronisation. */
+PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count);
 /* 1 when the cache's device tier is on a CUDA GPU, else 0. */
 PQCDEF int pqc_cache_on_device(const pqc_cache *c);
 /* Reports the engine's compute time for one layer's prefill (feeds the scheduler). */
@@ -812,7 +829,8 @@ typedef struct pqc_kv_view {
     const void *const *const *krows;
     const void *const *const *vrows;
     /* Only for engines with accepts_device_kv on a CUDA cache: non-zero when k[h] and
-       v[h] are device addresses (fp32 rows, stride d_h) ordered on the cache's stream. */
+       v[h] are device addresses (fp32 rows, stride d_h) ordered on the cache's stream;
+       pos[h] are then device addresses too (uint32 tokens). */
     int on_device;
 } pqc_kv_view;
 
@@ -4583,7 +4601,16 @@ typedef struct pqc__tier_i {
     pqc_result (*fetch)(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel);
     size_t (*device_bytes)(const pqc_cache *c);          /* 0: the cache's estimate is the figure */
     int (*zero_copy)(const pqc_cache *c);                /* fetch_rows can hand rows in place */
+    /* a whole decode step of layer l where the tier keeps it (see pqc__step_impl), or
+       PQC__NOT_SERVED: the sequence cache selects and fetches */
+    pqc_result (*step)(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+                       const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
+                       size_t pos_stride);
+    pqc_result (*adm_pull)(pqc_cache *c, int l);         /* the block-cache bookkeeping is the host's */
+    pqc_result (*stats)(const pqc_cache *c, int l, pqc_layer_stats *st); /* adds what the tier counted */
 } pqc__tier_i;
+
+#define PQC__NOT_SERVED ((pqc_result)-1001) /* the tier leaves this step to the host */
 
 static const pqc__tier_i *pqc__host_tier(void);
 #if PQC__CUDA_LOADER
@@ -4687,6 +4714,8 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         (int)d.split > 1)
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: metric %d, metric_floor %g or split %d out of range",
                          (int)d.metric, d.metric_floor, (int)d.split);
+    if (d.first_kv_head < 0 || d.first_kv_head > (1 << 20))
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: first_kv_head %d not in 0..2^20", d.first_kv_head);
     if (d.pq.metric)
         return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT,
                          "pqc_cache_create: pq.metric must be NULL (the cache derives each head's metric from observed "
@@ -4908,6 +4937,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
         }
     }
     pqc__share_drop(c);
+    pqc__store_free(c, c->dbuf); /* the driver's rows: store memory (pinned on a GPU) */
     c->tier->destroy(c); /* the tier's memory and its slots, after the stores and codes it made */
     if (c->layers)
         for (l = 0; l < c->d.n_layers; l++) {
@@ -4925,7 +4955,6 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
     pqc__free(&c->alloc, c->orow);
     pqc_selection_free(&c->dsel);
     pqc__free(&c->alloc, c->sbuf);
-    pqc__free(&c->alloc, c->dbuf);
     pqc__free(&c->alloc, (void *)c->fsrc);
     pqc__free(&c->alloc, (void *)c->frows);
     pqc__free(&c->alloc, c);
@@ -5221,7 +5250,7 @@ static void pqc__build_job(void *arg)
     double t0 = pqc__now();
     d.iters = b->iters > 0 ? b->iters : -1;
     d.metric = b->metric;
-    d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + b->head + 1));
+    d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + c->d.first_kv_head + b->head + 1));
     /* nested work runs inline: the pool may be the engine's and fully busy */
     r = pqc__keys_gather(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + b->n_keys, &keys, &kbuf);
     if (r == PQC_SUCCESS) r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
@@ -6218,6 +6247,13 @@ static size_t pqc__admit(const pqc_cache *c, pqc__head *H, const uint32_t *idx, 
             if (H->block_of[s] >= 0 && !(sc[best] > PQC__ADMIT_MARGIN * sc[H->block_of[s]] + 1.0f))
                 continue; /* not worth a block copy: hysteresis keeps near-ties from swapping */
             if (H->block_of[s] >= 0) H->slot_of[H->block_of[s]] = -1;
+            { /* the slot was topped up earlier in this step: that copy is moot (and two
+                 copies into one slot must not race on a device) */
+                size_t f, g = 0;
+                for (f = 0; f < nf; f++)
+                    if (fills[f].slot != s) fills[g++] = fills[f];
+                nf = g;
+            }
             H->filled[s] = 0;
             H->block_of[s] = (int32_t)best;
             H->slot_of[best] = s;
@@ -6427,6 +6463,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
             if (idx[i] >= L->n_tokens || (i > 0 && idx[i] <= idx[i - 1]))
                 return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_fetch: head %zu index %zu invalid or unsorted", h, i);
     }
+    if ((r = c->tier->adm_pull(c, layer)) != PQC_SUCCESS) return r; /* after device steps */
     memset(&j, 0, sizeof j);
     for (h = 0, j.rows_cap = 1; h < nh; h++) j.rows_cap = PQC__MAX(j.rows_cap, sel->count[h]);
     j.chunks = (j.rows_cap + PQC__FETCH_CHUNK - 1) / PQC__FETCH_CHUNK;
@@ -6531,13 +6568,44 @@ static int pqc__host_zero_copy(const pqc_cache *c)
     return c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
 }
 
+static pqc_result pqc__host_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+                                 const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
+                                 size_t pos_stride)
+{
+    (void)c;
+    (void)l;
+    (void)q;
+    (void)takes;
+    (void)search;
+    (void)ctake;
+    (void)count;
+    (void)out;
+    (void)dout;
+    (void)pos;
+    (void)pos_stride;
+    return PQC__NOT_SERVED;
+}
+static pqc_result pqc__host_adm_pull(pqc_cache *c, int l)
+{
+    (void)c;
+    (void)l;
+    return PQC_SUCCESS;
+}
+static pqc_result pqc__host_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
+{
+    (void)c;
+    (void)l;
+    (void)st;
+    return PQC_SUCCESS;
+}
+
 static const pqc__tier_i *pqc__host_tier(void)
 {
     static const pqc__tier_i t = { "host", 0, pqc__host_create, pqc__host_destroy, pqc__host_store_alloc,
                                    pqc__host_store_free, pqc__host_store_release, pqc__host_codes_alloc, pqc__host_quiesce, pqc__host_grown,
                                    pqc__host_stored, pqc__host_stored, pqc__host_sized, pqc__host_search,
                                    pqc__host_fetch_prepare, pqc__host_fetch, pqc__host_device_bytes,
-                                   pqc__host_zero_copy };
+                                   pqc__host_zero_copy, pqc__host_step, pqc__host_adm_pull, pqc__host_stats };
     return &t;
 }
 
@@ -6556,6 +6624,92 @@ PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_sele
 }
 
 PQCDEF int pqc_cache_on_device(const pqc_cache *c) { return c && c->tier->device ? 1 : 0; }
+
+/* A decode step's select and fetch of one layer in one call, where the tier runs the
+   whole step (the CUDA tier: selection, admission and gather on the device, no host
+   round trip). The rules are pqc__select_impl's and pqc__fetch_impl's (the same tops-k
+   per head, the same admission); caches that score candidates exactly (rerank, outliers)
+   or with residuals, and tiers without steps, give PQC__NOT_SERVED before changing
+   anything that matters (tokens coded meanwhile stay coded), and the caller selects and
+   fetches. count[h] receives head h's rows; with out the rows and the selection (into
+   pos, head h at pos + h * pos_stride) come to the host, with dout they stay on the
+   device. Hits, misses and bytes are counted by the tier (see pqc_cache_stats). */
+static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const pqc_kv_out *out, pqc_kv_device *dout,
+                                 size_t *count, uint32_t *pos, size_t pos_stride)
+{
+    pqc__layer *L;
+    pqc_result r;
+    size_t n, coded, mid, budget, take, sink, unc, win0, mid_end, h, nh;
+    int search;
+    double t0 = pqc__now();
+    if ((r = pqc__check_layer(c, layer, "pqc_cache_step_device")) != PQC_SUCCESS) return r;
+    if (!q || !count || (out && (!out->k || !out->v || !pos)))
+        return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_step_device: null query or output");
+    if (c->d.rerank > 0 || c->d.outliers > 0 || c->d.residual_weight > 0) return PQC__NOT_SERVED;
+    L = &c->layers[layer];
+    n = L->n_tokens;
+    nh = (size_t)c->d.n_kv_heads;
+    if (n == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_step_device: layer %d is empty", layer);
+    if (!pqc__finite_row(q, (size_t)c->d.n_q_heads * c->d.head_dim))
+        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_step_device: query holds NaN, Inf or a huge value");
+    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
+    coded = L->n_coded;
+    if ((r = pqc__code_pending(c, layer, n)) != PQC_SUCCESS) return r;
+    mid = n - pqc__sink_end(c, n);
+    budget = c->d.budget_tokens ? c->d.budget_tokens : (size_t)ceil(c->d.budget_ratio * (double)mid);
+    take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
+    if (L->heads[0].pq.m == 0 || take > L->n_coded) take = L->n_coded;
+    take = pqc__head_takes(c, L, take, c->takes);
+    search = take > 0 && take < L->n_coded;
+    mid_end = pqc__mid_end(c, n);
+    sink = PQC__MIN((size_t)c->d.n_sink, n);
+    unc = mid_end > (size_t)c->d.n_sink + L->n_coded ? mid_end - ((size_t)c->d.n_sink + L->n_coded) : 0;
+    win0 = PQC__MAX(mid_end, sink);
+    for (h = 0; h < nh; h++) {
+        if (!search) c->takes[h] = take; /* every coded token, or none */
+        count[h] = sink + c->takes[h] + unc + (n > win0 ? n - win0 : 0);
+        if ((out && count[h] > out->head_stride) || (pos && count[h] > pos_stride)) {
+            pqc__codes_truncate(c, layer, coded);
+            return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_step_device: %zu rows selected, room for %zu", count[h],
+                              out ? PQC__MIN(out->head_stride, pos_stride) : pos_stride);
+        }
+    }
+    r = c->tier->step(c, layer, q, c->takes, search, take, count, out, dout, pos, pos_stride);
+    if (r == PQC__NOT_SERVED) return r;
+    if (r != PQC_SUCCESS) {
+        pqc__codes_truncate(c, layer, coded);
+        return r;
+    }
+    for (h = 0; h < nh; h++) L->st.tokens_selected += count[h];
+    if (search) {
+        size_t need = pqc_codes_bytes(&L->heads[0].codes) * nh; /* codes prefetched per step */
+        L->st.bytes_codes += need;
+        L->st.bytes_h2d += need;
+    }
+    L->st.selects++;
+    L->st.fetches++;
+    L->step++;
+    L->st.select_s += pqc__now() - t0;
+    pqc__drift_note(c, layer, q);
+    if (!c->in_step) pqc__drift_commit(c, layer, 1);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count)
+{
+    pqc_result r;
+    if (!c || !out || !count) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_step_device: null pointer");
+    if (!c->tier->device)
+        return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_step_device: the cache's device tier is host memory");
+    r = pqc__step_impl(c, layer, q, NULL, out, count, NULL, 0);
+    if (r != PQC__NOT_SERVED) return r;
+    /* exact scoring or residuals: the host selects (one synchronisation), the device gathers */
+    if (!c->dsel.idx && (r = pqc_selection_init(c, &c->dsel)) != PQC_SUCCESS) return r;
+    if ((r = pqc_cache_select(c, layer, q, &c->dsel)) != PQC_SUCCESS) return r;
+    if ((r = pqc_cache_fetch_device(c, layer, &c->dsel, out)) != PQC_SUCCESS) return r;
+    memcpy(count, c->dsel.count, (size_t)c->d.n_kv_heads * sizeof(size_t));
+    return PQC_SUCCESS;
+}
 
 static int pqc__zero_copy(const pqc_cache *c) { return c->tier->zero_copy(c); }
 
@@ -7306,7 +7460,7 @@ PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats
     if ((r = pqc__check_layer(c, layer, "pqc_cache_stats")) != PQC_SUCCESS) return r;
     if (!out) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_stats: null output");
     *out = c->layers[layer].st;
-    return PQC_SUCCESS;
+    return c->tier->stats(c, layer, out); /* what device steps counted */
 }
 
 PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *full_kv_bytes)
@@ -7375,6 +7529,8 @@ PQCDEF int pqc_cache_cached_blocks(const pqc_cache *c, int layer, int head, int3
     int s, n = 0, i;
     const pqc__head *H;
     if (!c || layer < 0 || layer >= c->d.n_layers || head < 0 || head >= c->d.n_kv_heads) return 0;
+    /* after device steps, the device's bookkeeping (a failed read leaves the last known) */
+    (void)c->tier->adm_pull((pqc_cache *)(uintptr_t)c, layer);
     H = &c->layers[layer].heads[head];
     for (s = 0; s < c->d.cache_blocks; s++) {
         int32_t b = H->block_of[s];
@@ -7678,9 +7834,10 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     need = qn + 2 * kn + 2 * cap * kn;
     if (need > c->dbuf_floats) { /* grows geometrically: decode steps allocate rarely */
         size_t want = need + need / 4;
-        float *nb = (float *)pqc__alloc(&c->alloc, want * sizeof(float));
+        /* store memory: pinned on a GPU, so that rows come back without staging */
+        float *nb = (float *)pqc__store_alloc(c, want * sizeof(float));
         if (!nb) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
-        pqc__free(&c->alloc, c->dbuf);
+        pqc__store_free(c, c->dbuf);
         c->dbuf = nb;
         c->dbuf_floats = want;
     }
@@ -7703,35 +7860,45 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     c->in_step = 1;
     for (l = 0; l < c->d.n_layers; l++) {
         pqc_kv_view view;
+        pqc_kv_device dk = { 0, 0, 0, 0 };
         if (e->qkv(e->user, l, pos, 1, q, k, v) != 0) {
             r = pqc__cfail(c, PQC_ERROR_CALLBACK, "pqc_driver_decode: qkv callback failed at layer %d", l);
             break;
         }
         if ((r = pqc_cache_append(c, l, k, v)) != PQC_SUCCESS) break;
-        if ((r = pqc_cache_select(c, l, q, sel)) != PQC_SUCCESS) break;
         view.krows = view.vrows = NULL;
-        view.on_device = 0;
-        if (c->tier->device && e->accepts_device_kv) {
-            pqc_kv_device dk = { 0, 0, 0 };
-            size_t hb;
-            if ((r = pqc_cache_fetch_device(c, l, sel, &dk)) != PQC_SUCCESS) break;
-            view.on_device = 1;
-            hb = dk.head_stride * (size_t)c->d.head_dim * sizeof(float);
-            for (h = 0; h < c->d.n_kv_heads; h++) { /* device addresses carried in pointers */
-                kp[h] = (const void *)(uintptr_t)(dk.k + (uint64_t)h * hb);
-                kp[c->d.n_kv_heads + h] = (const void *)(uintptr_t)(dk.v + (uint64_t)h * hb);
+        view.on_device = c->tier->device && e->accepts_device_kv;
+        if (c->layers[l].n_tokens > sel->capacity &&
+            (r = pqc__selection_grow(c, sel, pqc__selection_cap(c, c->layers[l].n_tokens))) != PQC_SUCCESS)
+            break;
+        /* the whole step on the device tier where it can (no round trip; with host rows
+           one synchronisation, for the rows), else select, then fetch */
+        r = c->tier->device ? pqc__step_impl(c, l, q, view.on_device ? NULL : &out, view.on_device ? &dk : NULL,
+                                             sel->count, sel->idx, sel->capacity)
+                            : PQC__NOT_SERVED;
+        if (r == PQC__NOT_SERVED) {
+            if ((r = pqc_cache_select(c, l, q, sel)) != PQC_SUCCESS) break;
+            if (view.on_device) {
+                if ((r = pqc_cache_fetch_device(c, l, sel, &dk)) != PQC_SUCCESS) break;
+            } else if (e->accepts_row_pointers && pqc__zero_copy(c)) {
+                if ((r = pqc_cache_fetch_rows(c, l, sel, &view.krows, &view.vrows)) != PQC_SUCCESS) break;
+            } else if ((r = pqc_cache_fetch(c, l, sel, &out)) != PQC_SUCCESS) {
+                break;
             }
-        } else if (e->accepts_row_pointers && pqc__zero_copy(c)) {
-            if ((r = pqc_cache_fetch_rows(c, l, sel, &view.krows, &view.vrows)) != PQC_SUCCESS) break;
-        } else if ((r = pqc_cache_fetch(c, l, sel, &out)) != PQC_SUCCESS) {
+        } else if (r != PQC_SUCCESS) {
             break;
         }
         for (h = 0; h < c->d.n_kv_heads; h++) {
-            if (!view.on_device) {
+            if (view.on_device) { /* device addresses carried in pointers */
+                size_t hb = dk.head_stride * (size_t)c->d.head_dim * sizeof(float);
+                kp[h] = (const void *)(uintptr_t)(dk.k + (uint64_t)h * hb);
+                kp[c->d.n_kv_heads + h] = (const void *)(uintptr_t)(dk.v + (uint64_t)h * hb);
+                pp[h] = (const uint32_t *)(uintptr_t)(dk.pos + (uint64_t)h * dk.head_stride * sizeof(uint32_t));
+            } else {
                 kp[h] = view.krows ? NULL : ko + (size_t)h * cap * c->d.head_dim;
                 kp[c->d.n_kv_heads + h] = view.krows ? NULL : vo + (size_t)h * cap * c->d.head_dim;
+                pp[h] = sel->idx + (size_t)h * sel->capacity;
             }
-            pp[h] = sel->idx + (size_t)h * sel->capacity;
         }
         view.n_kv_heads = c->d.n_kv_heads;
         view.head_dim = c->d.head_dim;
@@ -7914,6 +8081,7 @@ typedef struct pqc__cuApi {
     pqc__cuResult (*cuEventDestroy_v2)(pqc__cuEvent ev);
     pqc__cuResult (*cuEventRecord)(pqc__cuEvent ev, pqc__cuStream stream);
     pqc__cuResult (*cuEventSynchronize)(pqc__cuEvent ev);
+    pqc__cuResult (*cuEventQuery)(pqc__cuEvent ev);
     pqc__cuResult (*cuEventElapsedTime)(float *ms, pqc__cuEvent start, pqc__cuEvent end);
     pqc__cuResult (*cuGetErrorString)(pqc__cuResult err, const char **str);
     pqc__cuResult (*cuGetErrorName)(pqc__cuResult err, const char **str);
@@ -8036,6 +8204,7 @@ static const pqc__cuSym pqc__cu_driver_syms[] = {
     PQC__CU_SYM(cuEventDestroy_v2, NULL, 0),
     PQC__CU_SYM(cuEventRecord, NULL, 0),
     PQC__CU_SYM(cuEventSynchronize, NULL, 0),
+    PQC__CU_SYM(cuEventQuery, NULL, 0),
     /* cuEventElapsedTime_v2 (CUDA 12.8+) has the same signature as the original */
     { "cuEventElapsedTime_v2", "cuEventElapsedTime", offsetof(pqc__cuApi, cuEventElapsedTime), 0 },
     PQC__CU_SYM(cuGetErrorString, NULL, 0),
@@ -8730,19 +8899,24 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
    (the layer being searched and the next one, prefetched on a copy stream), the block
    cache slots together with the sink blocks and a ring of window blocks, and the
    per-step scratch. K/V stay in pinned, mapped host memory, which kernels read directly
-   for cache misses. Selection (tables, scan, top-k) and the gather run on the cache's
-   stream; the block-cache bookkeeping (admission, victims, statistics) stays on the
-   host, which reads the top-k indices back once per layer and step.
+   for cache misses. A decode step (pqc_cache_step_device, and pqc_driver_decode) runs
+   whole on the cache's stream: tables, scan, top-k, the selection with the block-cache
+   admission and statistics (pqc_select_admit, the host's rules bit for bit, on
+   bookkeeping that lives on the device), the block copies and the gather; nothing comes
+   back to the host unless it takes the rows there (one wait per layer). Selections made
+   on the host (pqc_cache_select: exact scoring, residuals, or a caller who wants the
+   indices) read the top-k back once per layer and step, and the bookkeeping follows
+   whichever side used it last.
    ------------------------------------------------------------------------------------- */
 
 enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
-    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_N
+    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
     "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
-    "pqc_kmeans_assign", "pqc_kmeans_update"
+    "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit"
 };
 
 #define PQC__CU_RADIX_BINS 2048
@@ -8938,6 +9112,16 @@ struct pqc__cut {
     size_t *nfill;
     int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
     pqc_allocator codes_alloc; /* pinned host memory for the codes (async copies) */
+    /* the decode step on the device (pqc__cut_step), made at its first use */
+    pqc__dptr *adm;           /* [L] every head's block-cache bookkeeping (pqc__cut_adm_bytes) */
+    size_t *adm_nbc;          /* [L] blocks it has room for */
+    int *adm_dev;             /* [L] 1: the device's copy is the current one, the host's stale */
+    pqc__dptr dstat;          /* [L][n_kv][3] hits, misses, bytes host -> device of device steps */
+    pqc__dptr rfill, dtakes;  /* [n_kv][3][admit] fill lists; [n_kv] int32 tops-k */
+    unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries and tops-k */
+    pqc__cuEvent *ev_stage;   /* [2L] their copies done */
+    size_t stage_bytes, pos_cap;
+    uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
 };
 static void *pqc__cut_codes_alloc_fn(size_t n, void *user);
 static void pqc__cut_codes_free_fn(void *p, void *user);
@@ -9005,6 +9189,17 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
         if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
     }
     if (u->ev_staged) u->api->cuEventDestroy_v2(u->ev_staged);
+    for (l = 0; u->adm && l < c->d.n_layers; l++) {
+        pqc__cut_dfree(u, &u->adm[l]);
+        if (u->ev_stage[l]) u->api->cuEventDestroy_v2(u->ev_stage[l]);
+        if (u->ev_stage[c->d.n_layers + l]) u->api->cuEventDestroy_v2(u->ev_stage[c->d.n_layers + l]);
+    }
+    pqc__cut_dfree(u, &u->dstat);
+    pqc__cut_dfree(u, &u->rfill);
+    pqc__cut_dfree(u, &u->dtakes);
+    if (u->h_stage) u->api->cuMemFreeHost(u->h_stage);
+    if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
+    pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
     pqc__cut_dfree(u, &u->q);
     pqc__cut_dfree(u, &u->lut);
     pqc__cut_dfree(u, &u->lut_sum);
@@ -9400,8 +9595,11 @@ static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
            u->code_n[sl] <= L->n_coded;
 }
 
-static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, int want_scores,
-                                  const int32_t **idx_out, const float **sc_out)
+/* Enqueues layer l's search on the cache's stream: codebooks and codes where needed, the
+   lookup tables of the queries already in u->q, the scan and the top-k of every head
+   (`take`, or k_head[h] where the device list k_head gives fewer) into u->topk (and
+   their scores into u->topk_sc when want_scores). Nothing waits. */
+static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
 {
     struct pqc__cut *u = c->cu;
     pqc__layer *L = &c->layers[l];
@@ -9488,9 +9686,6 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
         u->code_n[sl] = end;
     }
     /* query -> lookup tables */
-    memcpy(u->h_q, q, (size_t)c->d.n_q_heads * u->d * sizeof(float));
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float), u->st),
-                  "cuMemcpyHtoDAsync");
     lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
     {
         void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &half, &u->lut, &l_hs, &lut_sum, &ls_hs };
@@ -9533,27 +9728,44 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     tiles = pqc__cdiv(s, PQC__CU_TILE);
     c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
     for (pass = 0; pass < 3; pass++) {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state };
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state, &k_head };
         if ((r = pqc__cut_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs };
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &k_head };
         if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
         int64_t os_hs = want_scores ? idx_hs : 0;
         pqc__dptr osc = want_scores ? u->topk_sc : 0;
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &osc, &os_hs };
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &osc, &os_hs,
+                      &k_head };
         if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
-    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
-    if (want_scores)
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
-                      "cuMemcpyDtoHAsync");
     /* prefetch the next layer's codes while this one finishes */
     if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
         !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
         return r;
+    return PQC_SUCCESS;
+}
+
+/* The tier's search for a host-side selection: the top-k indices (and scores) come back
+   to the host, one synchronisation. */
+static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, int want_scores,
+                                  const int32_t **idx_out, const float **sc_out)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nkv = (size_t)u->n_kv;
+    pqc_result r;
+    pqc__cut_enter(c);
+    memcpy(u->h_q, q, (size_t)c->d.n_q_heads * u->d * sizeof(float));
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float), u->st),
+                  "cuMemcpyHtoDAsync");
+    if ((r = pqc__cut_search(c, l, take, 0, want_scores)) != PQC_SUCCESS) return r;
+    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
+    if (want_scores)
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
+                      "cuMemcpyDtoHAsync");
     PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     *idx_out = u->h_topk;
     *sc_out = want_scores ? u->h_topk_sc : NULL;
@@ -9587,6 +9799,31 @@ static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
     return PQC_SUCCESS;
 }
 
+/* Room for `rows` gathered rows per head: the upload arena [slot table | indices | fill
+   lists] on host and device and the output rows (grown by a quarter more; growing waits
+   for the stream, which happens rarely). */
+static pqc_result pqc__cut_rows_room(pqc_cache *c, size_t rows)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nkv = (size_t)u->n_kv, cb = (size_t)c->d.cache_blocks + 1, words;
+    pqc_result r;
+    if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
+    if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
+        size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        words = nkv * (u->nblk_cap + want_rows + 2 * cb);
+        u->rows_cap = u->arena_cap = 0;
+        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
+            return r;
+        u->rows_cap = want_rows;
+        u->arena_cap = words;
+    }
+    return PQC_SUCCESS;
+}
+
 /* After the bookkeeping: admitted blocks are copied into their slots, then every selected
    row is gathered (slots, sink and window blocks from device memory, misses straight from
    the mapped store) as fp32, into device buffers, and copied to `out` when given. */
@@ -9603,20 +9840,7 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
         rows = PQC__MAX(rows, sel->count[h]);
         fills = PQC__MAX(fills, u->nfill[h]);
     }
-    if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
-    if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
-        size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-        words = nkv * (u->nblk_cap + want_rows + 2 * cb);
-        u->rows_cap = u->arena_cap = 0;
-        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
-            return r;
-        u->rows_cap = want_rows;
-        u->arena_cap = words;
-    }
+    if ((r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
     /* arena: slot table [nkv][nblk_cap] | indices [nkv][rows_cap] | fills [nkv][2][cb] */
     tab = u->h_arena;
     idx = tab + nkv * u->nblk_cap;
@@ -9665,6 +9889,7 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
         dout->k = u->out_k;
         dout->v = u->out_v;
         dout->head_stride = u->rows_cap;
+        dout->pos = u->arena + nkv * u->nblk_cap * 4;
         return PQC_SUCCESS;
     }
     for (h = 0; h < nkv; h++) {
@@ -9728,6 +9953,239 @@ static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pq
     return pqc__cut_fetch(c, j->layer, j->sel, j->out, dout);
 }
 
+/* ----- the decode step on the device: selection, bookkeeping and gather enqueued, no
+   host round trip ----- */
+
+/* Layer l's block-cache bookkeeping on the device for nbc blocks, every head:
+   freq, stamp u64 [n_kv][slots] | score f32, slot_of i32, cnt u32 [n_kv][nbc] |
+   block_of i32, filled u32, touched u32 [n_kv][slots]. */
+static size_t pqc__cut_adm_slots(const pqc_cache *c) { return (size_t)(c->d.cache_blocks > 0 ? c->d.cache_blocks : 1); }
+static size_t pqc__cut_adm_bytes(const pqc_cache *c, size_t nbc)
+{
+    return (size_t)c->d.n_kv_heads * (16 * pqc__cut_adm_slots(c) + 12 * nbc + 12 * pqc__cut_adm_slots(c));
+}
+
+/* Moves layer l's bookkeeping between host and device (to_dev: the host's copy up;
+   else the device's back, after waiting for the stream). The move leaves the other side's
+   copy the current one. */
+static pqc_result pqc__cut_adm_move(pqc_cache *c, int l, int to_dev)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nkv = (size_t)u->n_kv, ns = pqc__cut_adm_slots(c), nbc = u->adm_nbc[l], bytes = pqc__cut_adm_bytes(c, nbc);
+    size_t h, i, nb = PQC__MIN(nbc, c->nblk), cbk = (size_t)PQC__MAX(c->d.cache_blocks, 0);
+    unsigned char *m = (unsigned char *)pqc__alloc(&c->alloc, bytes);
+    uint64_t *fq, *stp;
+    float *sc;
+    int32_t *so, *bo;
+    uint32_t *cn, *fl, *tc;
+    pqc__cuResult cr;
+    if (!m) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: %zu bytes of block-cache bookkeeping", bytes);
+    fq = (uint64_t *)m;
+    stp = fq + nkv * ns;
+    sc = (float *)(stp + nkv * ns);
+    so = (int32_t *)(sc + nkv * nbc);
+    cn = (uint32_t *)(so + nkv * nbc);
+    bo = (int32_t *)(cn + nkv * nbc);
+    fl = (uint32_t *)(bo + nkv * ns);
+    tc = fl + nkv * ns;
+    if (!to_dev) {
+        cr = u->api->cuStreamSynchronize(u->st);
+        if (cr == 0) cr = u->api->cuMemcpyDtoH_v2(m, u->adm[l], bytes);
+        if (cr != 0) {
+            pqc__free(&c->alloc, m);
+            return pqc__cut_err(c, cr, "reading the block-cache bookkeeping");
+        }
+    } else {
+        memset(m, 0, bytes);
+    }
+    for (h = 0; h < nkv; h++) {
+        pqc__head *H = &c->layers[l].heads[h];
+        for (i = 0; to_dev && i < nbc; i++) {
+            so[h * nbc + i] = i < nb && cbk ? H->slot_of[i] : -1;
+            sc[h * nbc + i] = i < nb && cbk ? H->score[i] : 0.0f;
+        }
+        for (i = 0; to_dev && i < ns; i++) {
+            bo[h * ns + i] = i < cbk ? H->block_of[i] : -1;
+            fl[h * ns + i] = i < cbk ? H->filled[i] : 0;
+            fq[h * ns + i] = i < cbk ? H->freq[i] : 0;
+            stp[h * ns + i] = i < cbk ? H->stamp[i] : 0;
+        }
+        for (i = 0; !to_dev && cbk && i < nb; i++) {
+            H->slot_of[i] = so[h * nbc + i];
+            H->score[i] = sc[h * nbc + i];
+        }
+        for (i = 0; !to_dev && i < cbk; i++) {
+            H->block_of[i] = bo[h * ns + i];
+            H->filled[i] = fl[h * ns + i];
+            H->freq[i] = fq[h * ns + i];
+            H->stamp[i] = stp[h * ns + i];
+        }
+    }
+    (void)tc;
+    cr = to_dev ? u->api->cuMemcpyHtoD_v2(u->adm[l], m, bytes) : 0;
+    pqc__free(&c->alloc, m);
+    if (cr != 0) return pqc__cut_err(c, cr, "writing the block-cache bookkeeping");
+    u->adm_dev[l] = to_dev;
+    return PQC_SUCCESS;
+}
+
+/* Before the host reads or changes layer l's block-cache bookkeeping: the device's copy,
+   when a device step made it the current one. */
+static pqc_result pqc__cut_adm_pull(pqc_cache *c, int l)
+{
+    if (!c->cu || !c->cu->adm || !c->cu->adm_dev[l]) return PQC_SUCCESS;
+    pqc__cut_enter(c);
+    return pqc__cut_adm_move(c, l, 0);
+}
+
+/* Adds the hits, misses and bytes that device steps counted at layer l. Waits for the
+   stream (a statistics read is a natural synchronisation point). */
+static pqc_result pqc__cut_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
+{
+    const struct pqc__cut *u = c->cu;
+    uint64_t v[3 * 64];
+    size_t nkv = (size_t)u->n_kv, h, done;
+    if (!u->dstat) return PQC_SUCCESS;
+    u->api->cuCtxSetCurrent(u->r->dev.ctx);
+    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    for (done = 0; done < nkv; done += 64) { /* 64 heads at a time */
+        size_t part = PQC__MIN((size_t)64, nkv - done);
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoH_v2(v, u->dstat + ((size_t)l * nkv + done) * 24, part * 24), "cuMemcpyDtoH");
+        for (h = 0; h < part; h++) {
+            st->hits += v[3 * h];
+            st->misses += v[3 * h + 1];
+            st->bytes_h2d += v[3 * h + 2];
+        }
+    }
+    return PQC_SUCCESS;
+}
+
+/* What device steps need, made at the first one: bookkeeping tables, statistics, fill
+   lists, the tops-k, the staging of queries (two steps deep per layer, in pinned
+   memory, so that a step's copies never wait) and their events. */
+static pqc_result pqc__cut_step_init(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), i;
+    pqc_result r;
+    if (u->adm) return PQC_SUCCESS;
+    u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + nkv * sizeof(int32_t) + 63) / 64 * 64;
+    if ((r = pqc__cut_dalloc(c, &u->dstat, L * nkv * 24)) != PQC_SUCCESS ||
+        (r = pqc__cut_dalloc(c, &u->rfill, nkv * 3 * ab * 4)) != PQC_SUCCESS ||
+        (r = pqc__cut_dalloc(c, &u->dtakes, nkv * 4)) != PQC_SUCCESS ||
+        (r = pqc__cut_halloc(c, (void **)&u->h_stage, 2 * L * u->stage_bytes)) != PQC_SUCCESS)
+        return r;
+    PQC__CUT_CALL(c, u->api->cuMemsetD32Async(u->dstat, 0, L * nkv * 6, u->st), "cuMemsetD32Async");
+    u->adm = (pqc__dptr *)pqc__calloc(&c->alloc, L * (sizeof(pqc__dptr) + sizeof(size_t) + sizeof(int) +
+                                                      2 * sizeof(pqc__cuEvent)) + 16);
+    if (!u->adm) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    u->ev_stage = (pqc__cuEvent *)(u->adm + L);
+    u->adm_nbc = (size_t *)(u->ev_stage + 2 * L);
+    u->adm_dev = (int *)(u->adm_nbc + L);
+    for (i = 0; i < 2 * L; i++)
+        PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_stage[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    return PQC_SUCCESS;
+}
+
+/* One decode step of layer l on the device: the queries and each head's top-k count
+   (takes; search: the top-k of the codes, else every coded token or none, as takes
+   says) go up, then the search, pqc_select_admit (selection, admission, hits), the block
+   copies and the gather are enqueued on the stream. With dout the rows stay on the
+   device and nothing waits; with out the rows and the selection (into pos, head h at
+   pos + h * pos_stride) come back after one synchronisation. */
+static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+                                const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
+                                size_t pos_stride)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
+    unsigned char *stage;
+    int32_t *tk;
+    pqc__cuResult cr;
+    pqc_result r;
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: decode before prefill");
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    pqc__cut_enter(c);
+    for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
+    if ((r = pqc__cut_step_init(c)) != PQC_SUCCESS || (r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
+    if (out && u->pos_cap < u->rows_cap) {
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        u->pos_cap = 0;
+        if ((r = pqc__cut_halloc(c, (void **)&u->h_pos, nkv * u->rows_cap * 4)) != PQC_SUCCESS) return r;
+        u->pos_cap = u->rows_cap;
+    }
+    if (u->adm_nbc[l] < c->nblk) { /* the tables grow with the stores: through the host */
+        if ((r = pqc__cut_adm_pull(c, l)) != PQC_SUCCESS) return r;
+        u->adm_nbc[l] = 0;
+        if ((r = pqc__cut_dalloc(c, &u->adm[l], pqc__cut_adm_bytes(c, c->nblk))) != PQC_SUCCESS) return r;
+        u->adm_nbc[l] = c->nblk;
+    }
+    if (!u->adm_dev[l] && (r = pqc__cut_adm_move(c, l, 1)) != PQC_SUCCESS) return r;
+    /* the staging slot of this layer two steps ago is free (it always is, unless the
+       device runs two whole steps behind) */
+    cr = u->api->cuEventQuery(u->ev_stage[slot]);
+    if (cr != 0) PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_stage[slot]), "cuEventSynchronize");
+    stage = u->h_stage + slot * u->stage_bytes;
+    memcpy(stage, q, qb);
+    tk = (int32_t *)(stage + qb);
+    for (h = 0; h < nkv; h++) tk[h] = (int32_t)takes[h];
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, nkv * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
+    if (search && (r = pqc__cut_search(c, l, ctake, u->dtakes, 0)) != PQC_SUCCESS) return r;
+    {
+        size_t nbc = u->adm_nbc[l], ns = pqc__cut_adm_slots(c), mid_end = pqc__mid_end(c, n);
+        pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
+                  cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
+        pqc__dptr topk = search ? u->topk : 0, tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
+        pqc__dptr fb = u->rfill, fs = fb + ab * 4, fr = fs + ab * 4, stat = u->dstat + (size_t)l * nkv * 24, zero = 0;
+        int64_t topk_hs = (int64_t)ctake, sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,
+                tab_hs = (int64_t)u->nblk_cap, fill_hs = 3 * (int64_t)ab, hs = (int64_t)u->hstride, ld = u->d,
+                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, phs = (int64_t)u->phstride, split = (int64_t)c->pn,
+                o_hs = (int64_t)u->rows_cap * u->d;
+        int n_sink = c->d.n_sink, coded = (int)L->n_coded, me = (int)mid_end, ni = (int)n, nr = (int)rows, bt = (int)u->bt;
+        int nsb = u->nsb, wb = u->wb, cbk = c->d.cache_blocks, adm = c->d.admit_blocks, lfu = c->d.policy != PQC_POLICY_LRU;
+        int nf = (int)ab, row_lo = 0, dt = (int)c->d.kv_dtype, d = u->d;
+        uint64_t step = L->step, rb = c->row;
+        void *pa[] = { &topk, &topk_hs, &u->dtakes, &n_sink, &coded, &me, &ni, &nr, &idx, &sel_hs, &bt, &nsb, &wb, &cbk,
+                       &adm, &lfu, &step, &sc, &so, &cn, &blk_hs, &bo, &fl, &tc, &fq, &stp, &slot_hs, &tab, &tab_hs,
+                       &fb, &fs, &fr, &fill_hs, &stat, &rb };
+        void *pf[] = { &fb, &fs, &fill_hs, &nf, &bt, &row_lo, &ni, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
+                       &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
+        void *pg[] = { &idx, &sel_hs, &nr, &tab, &tab_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
+                       &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
+                       &u->out_v, &o_hs, &zero };
+        if ((r = pqc__cut_launch(c, PQC__K_SELECT_ADMIT, 1, (unsigned)nkv, 0, pa)) != PQC_SUCCESS) return r;
+        if (cbk > 0 && adm > 0 &&
+            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(ab * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
+            return r;
+        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
+        if (dout) {
+            dout->k = u->out_k;
+            dout->v = u->out_v;
+            dout->head_stride = u->rows_cap;
+            dout->pos = idx;
+            return PQC_SUCCESS;
+        }
+        for (h = 0; h < nkv; h++) {
+            size_t bytes = count[h] * (size_t)u->d * sizeof(float), off = h * u->rows_cap * (size_t)u->d * sizeof(float);
+            if (!count[h]) continue;
+            PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * (size_t)u->d, u->out_k + off,
+                                                          bytes, u->st),
+                          "cuMemcpyDtoHAsync");
+            PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * (size_t)u->d, u->out_v + off,
+                                                          bytes, u->st),
+                          "cuMemcpyDtoHAsync");
+        }
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_pos, idx, nkv * u->rows_cap * 4, u->st), "cuMemcpyDtoHAsync");
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        for (h = 0; h < nkv; h++) memcpy(pos + h * pos_stride, u->h_pos + h * u->rows_cap, count[h] * sizeof(uint32_t));
+    }
+    return PQC_SUCCESS;
+}
+
 static int pqc__cut_zero_copy(const pqc_cache *c)
 {
     (void)c;
@@ -9740,7 +10198,7 @@ static const pqc__tier_i *pqc__cuda_tier(void)
                                    pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
                                    pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select,
                                    pqc__cut_fetch_prepare, pqc__cut_fetch_tier, pqc__cut_device_bytes,
-                                   pqc__cut_zero_copy };
+                                   pqc__cut_zero_copy, pqc__cut_step, pqc__cut_adm_pull, pqc__cut_stats };
     return &t;
 }
 
@@ -9928,6 +10386,12 @@ static const char pqc__kernel_source[] =
 "/* ------------------------------------------------------------------------------------ */\n"
 "/* Device functions                                                                     */\n"
 "/* ------------------------------------------------------------------------------------ */\n"
+"\n"
+"/* The top-k of head kv: k, or less where a per-head list gives less. */\n"
+"__device__ __forceinline__ int pqc_head_k(int k, const int *k_head, pqc_i64 kv)\n"
+"{\n"
+"    return k_head && k_head[kv] < k \? k_head[kv] : k;\n"
+"}\n"
 "\n"
 "/* IEEE binary16 -> binary32, exact (normals, subnormals, zeros, inf, NaN). */\n"
 "__device__ __forceinline__ float pqc_f16_to_f32(pqc_u32 h)\n"
@@ -10344,16 +10808,18 @@ static const char pqc__kernel_source[] =
 " *   holds the k-th largest key, appends it to the prefix and subtracts the keys above it:\n"
 " *   after pass 2, state[0] = T (key of the k-th largest score) and state[1] = number of\n"
 " *   keys equal to T to take (the lowest-index ones). k is clamped to s; k <= 0 or s <= 0\n"
-" *   does nothing. */\n"
+" *   does nothing. k_head int32 [n_kv] or NULL: head kv takes min(k, k_head[kv]) (the\n"
+" *   three kernels must be given the same k and k_head). */\n"
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_topk_pass(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,\n"
-"              int pass, pqc_u32 *hist, pqc_u32 *state)\n"
+"              int pass, pqc_u32 *hist, pqc_u32 *state, const int *__restrict__ k_head)\n"
 "{\n"
 "    __shared__ pqc_u32 sh[PQC_RADIX_BINS];\n"
 "    __shared__ pqc_u32 scan_tmp[PQC_WARPS];\n"
 "    __shared__ pqc_u32 s_last, s_bin, s_above;\n"
-"    if (k <= 0 || s <= 0) return;\n"
 "    pqc_i64 kv = blockIdx.y;\n"
+"    k = pqc_head_k(k, k_head, kv);\n"
+"    if (k <= 0 || s <= 0) return;\n"
 "    int tid = threadIdx.x;\n"
 "    const float *sc = scores + kv * score_head_stride;\n"
 "    pqc_u32 *hg = hist + kv * PQC_RADIX_BINS;\n"
@@ -10420,11 +10886,12 @@ static const char pqc__kernel_source[] =
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_topk_count(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,\n"
 "               const pqc_u32 *__restrict__ state, pqc_u32 *__restrict__ counts,\n"
-"               pqc_i64 counts_head_stride)\n"
+"               pqc_i64 counts_head_stride, const int *__restrict__ k_head)\n"
 "{\n"
 "    __shared__ pqc_u32 scan_tmp[PQC_WARPS];\n"
-"    if (k <= 0 || s <= 0) return;\n"
 "    pqc_i64 kv = blockIdx.y;\n"
+"    k = pqc_head_k(k, k_head, kv);\n"
+"    if (k <= 0 || s <= 0) return;\n"
 "    const float *sc = scores + kv * score_head_stride;\n"
 "    pqc_u32 T = state[kv * 4];\n"
 "    pqc_u32 gt = 0u, eq = 0u;\n"
@@ -10459,14 +10926,15 @@ static const char pqc__kernel_source[] =
 "                 const pqc_u32 *__restrict__ state, const pqc_u32 *__restrict__ counts,\n"
 "                 pqc_i64 counts_head_stride, int *__restrict__ out_idx,\n"
 "                 pqc_i64 idx_head_stride, float *__restrict__ out_scores,\n"
-"                 pqc_i64 scores_out_head_stride)\n"
+"                 pqc_i64 scores_out_head_stride, const int *__restrict__ k_head)\n"
 "{\n"
 "    /* tile of keys, padded by one word per 32 so that thread-contiguous reads are\n"
 "       free of bank conflicts */\n"
 "    __shared__ pqc_u32 tile[PQC_TOPK_TILE + PQC_TOPK_TILE / 32];\n"
 "    __shared__ pqc_u32 scan_tmp[PQC_WARPS];\n"
-"    if (k <= 0 || s <= 0) return;\n"
 "    pqc_i64 kv = blockIdx.y;\n"
+"    k = pqc_head_k(k, k_head, kv);\n"
+"    if (k <= 0 || s <= 0) return;\n"
 "    int tid = threadIdx.x;\n"
 "    const float *sc = scores + kv * score_head_stride;\n"
 "    const pqc_u32 *cn = counts + kv * counts_head_stride;\n"
@@ -10677,6 +11145,217 @@ static const char pqc__kernel_source[] =
 "    const char *hk = (const char *)(pre \? pre_k : host_k), *hv = (const char *)(pre \? pre_v : host_v);\n"
 "    pqc_warp_row_copy(hk + src, (char *)cache_k + dst, nbytes, lane);\n"
 "    if (hv && cache_v) pqc_warp_row_copy(hv + src, (char *)cache_v + dst, nbytes, lane);\n"
+"}\n"
+"\n"
+"/* Token at position i of a head's decode selection (see pqc_select_admit). */\n"
+"__device__ __forceinline__ int pqc_sel_token(int i, int sink, int take, const int *tk, int n_sink, int unc0,\n"
+"                                             int unc, int win0)\n"
+"{\n"
+"    if (i < sink) return i;\n"
+"    i -= sink;\n"
+"    if (i < take) return (tk \? tk[i] : i) + n_sink;\n"
+"    i -= take;\n"
+"    if (i < unc) return unc0 + i;\n"
+"    return win0 + (i - unc);\n"
+"}\n"
+"\n"
+"/* pqc_select_admit: a decode step's selection and block-cache bookkeeping, per KV head, on\n"
+" *   the device: the library's host rules (pqc__select_head, pqc__admit, pqc__victim,\n"
+" *   pqc__fetch_account) bit for bit, so that the step needs no host round trip.\n"
+" *   grid (1, n_kv), block 256.\n"
+" *   Selection of head kv, ascending, into sel (+ kv*sel_head_stride), zeros after it up\n"
+" *   to `rows`: the sinks [0, min(n_sink, n)); the top-k, topk[i] + n_sink for i < take\n"
+" *   (take = takes[kv]; topk NULL: the coded tokens i + n_sink for i < take); the tokens not\n"
+" *   coded yet [n_sink + coded, mid_end); the window [max(mid_end, sinks), n).\n"
+" *   Admission (cache_blocks > 0 and admit_blocks > 0): every mid block's score decays by\n"
+" *   0.75 and gains its selected tokens (blocks overlapping the sinks or the window\n"
+" *   excepted); up to admit_blocks selected blocks in score order (ties to the lower\n"
+" *   block) enter a free slot, or the policy's victim (lfu: lowest score, then oldest\n"
+" *   stamp; else oldest stamp; never one stamped step + 1) when their score beats the\n"
+" *   victim's by 1.5x + 1; a cached block that grew is topped up.\n"
+" *   Per head, block tables (+ kv*blk_head_stride): score f32, slot_of i32 (-1: none),\n"
+" *   cnt u32 (zero between calls); slot tables (+ kv*slot_head_stride): block_of i32,\n"
+" *   filled u32, touched u32 (zero between calls), freq u64, stamp u64.\n"
+" *   Outputs: slot_table i32 (+ kv*table_head_stride), for the blocks of the n tokens: the\n"
+" *   pool slot of sink and window blocks and of fully cached blocks, else -1 (pool slots:\n"
+" *   sink_slots, ring_slots, then the cache's); fill_b/fill_s/fill_rows (+ kv*\n"
+" *   fill_head_stride): the copies to make (block, pool slot, rows new), padded up to\n"
+" *   admit_blocks with block ceil(n / block_tokens), which pqc_cache_fill skips;\n"
+" *   stat u64 (+ kv*3): hits, misses and bytes host -> device added. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const int *__restrict__ takes,\n"
+"                 int n_sink, int coded, int mid_end, int n, int rows, int *__restrict__ sel,\n"
+"                 pqc_i64 sel_head_stride, int block_tokens, int sink_slots, int ring_slots, int cache_blocks,\n"
+"                 int admit_blocks, int lfu, pqc_u64 step, float *score, int *slot_of, pqc_u32 *cnt,\n"
+"                 pqc_i64 blk_head_stride, int *block_of, pqc_u32 *filled, pqc_u32 *touched, pqc_u64 *freq,\n"
+"                 pqc_u64 *stamp, pqc_i64 slot_head_stride, int *slot_table, pqc_i64 table_head_stride,\n"
+"                 int *fill_b, int *fill_s, int *fill_rows, pqc_i64 fill_head_stride, pqc_u64 *stat,\n"
+"                 pqc_u64 row_bytes)\n"
+"{\n"
+"    __shared__ float r_sc[PQC_BLOCK];\n"
+"    __shared__ int r_b[PQC_BLOCK];\n"
+"    __shared__ int s_stop, s_nf;\n"
+"    __shared__ pqc_u32 s_hits, s_miss;\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int tid = threadIdx.x, bt = block_tokens;\n"
+"    const int *tk = topk \? topk + kv * topk_head_stride : 0;\n"
+"    int take = takes[kv];\n"
+"    int sink = n_sink < n \? n_sink : n;\n"
+"    int unc0 = n_sink + coded, unc = mid_end > unc0 \? mid_end - unc0 : 0;\n"
+"    int win0 = mid_end > sink \? mid_end : sink, win = n > win0 \? n - win0 : 0;\n"
+"    int count = sink + take + unc + win;\n"
+"    int nb = (mid_end + bt - 1) / bt, nb_all = (n + bt - 1) / bt;\n"
+"    int admit = cache_blocks > 0 && admit_blocks > 0, pool0 = sink_slots + ring_slots;\n"
+"    pqc_u64 next = step + 1;\n"
+"    int *out = sel + kv * sel_head_stride;\n"
+"    float *sc = score + kv * blk_head_stride;\n"
+"    int *so = slot_of + kv * blk_head_stride;\n"
+"    pqc_u32 *cb = cnt + kv * blk_head_stride;\n"
+"    int *bo = block_of + kv * slot_head_stride;\n"
+"    pqc_u32 *fl = filled + kv * slot_head_stride, *tc = touched + kv * slot_head_stride;\n"
+"    pqc_u64 *fq = freq + kv * slot_head_stride, *stp = stamp + kv * slot_head_stride;\n"
+"    int *fb = fill_b + kv * fill_head_stride, *fs = fill_s + kv * fill_head_stride;\n"
+"    int *fr = fill_rows + kv * fill_head_stride;\n"
+"\n"
+"    for (int i = tid; i < rows; i += PQC_BLOCK)\n"
+"        out[i] = i < count \? pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0) : 0;\n"
+"    if (tid == 0) {\n"
+"        s_stop = 0;\n"
+"        s_nf = 0;\n"
+"        s_hits = 0u;\n"
+"        s_miss = 0u;\n"
+"    }\n"
+"    __syncthreads();\n"
+"    if (admit) {\n"
+"        for (int b = tid; b < nb; b += PQC_BLOCK) sc[b] = __fmul_rn(sc[b], 0.75f);\n"
+"        for (int i = tid; i < count; i += PQC_BLOCK) {\n"
+"            int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt;\n"
+"            if (t >= n_sink && t < mid_end && !(b * bt < n_sink || (b + 1) * bt > mid_end)) atomicAdd(&cb[b], 1u);\n"
+"        }\n"
+"        __syncthreads();\n"
+"        for (int b = tid; b < nb; b += PQC_BLOCK) sc[b] = __fadd_rn(sc[b], (float)cb[b]);\n"
+"        __syncthreads();\n"
+"        for (int a = 0; a < admit_blocks; ++a) {\n"
+"            float bs = 0.0f;\n"
+"            int bb = nb;\n"
+"            for (int b = tid; b < nb; b += PQC_BLOCK)\n"
+"                if (cb[b] > 0u && (bb == nb || sc[b] > bs)) {\n"
+"                    bb = b;\n"
+"                    bs = sc[b];\n"
+"                }\n"
+"            r_sc[tid] = bs;\n"
+"            r_b[tid] = bb;\n"
+"            __syncthreads();\n"
+"            for (int w = PQC_BLOCK / 2; w > 0; w >>= 1) {\n"
+"                if (tid < w) {\n"
+"                    int j = tid + w;\n"
+"                    if (r_b[j] != nb &&\n"
+"                        (r_b[tid] == nb || r_sc[j] > r_sc[tid] || (r_sc[j] == r_sc[tid] && r_b[j] < r_b[tid]))) {\n"
+"                        r_sc[tid] = r_sc[j];\n"
+"                        r_b[tid] = r_b[j];\n"
+"                    }\n"
+"                }\n"
+"                __syncthreads();\n"
+"            }\n"
+"            if (tid == 0) {\n"
+"                int best = r_b[0], s = -1, go = 1;\n"
+"                if (best == nb) {\n"
+"                    s_stop = 1;\n"
+"                    go = 0;\n"
+"                } else {\n"
+"                    int valid = mid_end - best * bt < bt \? mid_end - best * bt : bt;\n"
+"                    cb[best] = 0u;\n"
+"                    s = so[best];\n"
+"                    if (s < 0) { /* the victim: a free slot, else by policy */\n"
+"                        for (int x = 0; x < cache_blocks; ++x) {\n"
+"                            if (bo[x] < 0) {\n"
+"                                s = x;\n"
+"                                break;\n"
+"                            }\n"
+"                            if (stp[x] == next) continue;\n"
+"                            if (s < 0) {\n"
+"                                s = x;\n"
+"                            } else if (!lfu) {\n"
+"                                if (stp[x] < stp[s]) s = x;\n"
+"                            } else {\n"
+"                                float va = sc[bo[x]], vb = sc[bo[s]];\n"
+"                                if (va < vb || (va == vb && stp[x] < stp[s])) s = x;\n"
+"                            }\n"
+"                        }\n"
+"                        if (s < 0) {\n"
+"                            s_stop = 1;\n"
+"                            go = 0;\n"
+"                        } else if (bo[s] >= 0 && !(sc[best] > __fadd_rn(__fmul_rn(1.5f, sc[bo[s]]), 1.0f))) {\n"
+"                            go = 0; /* not worth a copy */\n"
+"                        } else {\n"
+"                            int f, g = 0;\n"
+"                            if (bo[s] >= 0) so[bo[s]] = -1;\n"
+"                            for (f = 0; f < s_nf; ++f) /* a copy into this slot listed earlier */\n"
+"                                if (fs[f] != pool0 + s) {\n"
+"                                    fb[g] = fb[f];\n"
+"                                    fs[g] = fs[f];\n"
+"                                    fr[g] = fr[f];\n"
+"                                    ++g;\n"
+"                                }\n"
+"                            s_nf = g;\n"
+"                            fl[s] = 0u;\n"
+"                            bo[s] = best;\n"
+"                            so[best] = s;\n"
+"                            fq[s] = 0ull;\n"
+"                            stp[s] = next;\n"
+"                        }\n"
+"                    }\n"
+"                    if (go && fl[s] < (pqc_u32)valid) {\n"
+"                        fb[s_nf] = best;\n"
+"                        fs[s_nf] = pool0 + s;\n"
+"                        fr[s_nf] = valid - (int)fl[s];\n"
+"                        ++s_nf;\n"
+"                        fl[s] = (pqc_u32)valid;\n"
+"                    }\n"
+"                }\n"
+"            }\n"
+"            __syncthreads();\n"
+"            if (s_stop) break;\n"
+"        }\n"
+"        for (int b = tid; b < nb; b += PQC_BLOCK) cb[b] = 0u;\n"
+"    }\n"
+"    /* hits: blocks resident by design, cached rows; misses: rows read from host memory */\n"
+"    for (int i = tid; i < count; i += PQC_BLOCK) {\n"
+"        int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt, s;\n"
+"        if (t < n_sink || t >= mid_end) continue;\n"
+"        if (b * bt < n_sink || (b + 1) * bt > mid_end) {\n"
+"            atomicAdd(&s_hits, 1u);\n"
+"        } else if (admit && (s = so[b]) >= 0 && (pqc_u32)(t % bt) < fl[s]) {\n"
+"            tc[s] = 1u;\n"
+"            atomicAdd(&s_hits, 1u);\n"
+"        } else {\n"
+"            atomicAdd(&s_miss, 1u);\n"
+"        }\n"
+"    }\n"
+"    __syncthreads();\n"
+"    for (int x = tid; admit && x < cache_blocks; x += PQC_BLOCK)\n"
+"        if (tc[x]) {\n"
+"            if (stp[x] != next) fq[x] += 1ull;\n"
+"            stp[x] = next;\n"
+"            tc[x] = 0u;\n"
+"        }\n"
+"    for (int f = s_nf + tid; f < admit_blocks; f += PQC_BLOCK) {\n"
+"        fb[f] = nb_all;\n"
+"        fs[f] = 0;\n"
+"        fr[f] = 0;\n"
+"    }\n"
+"    for (int b = tid; b < nb_all; b += PQC_BLOCK) {\n"
+"        int s = b < sink_slots \? b : ((b + 1) * bt > mid_end \? sink_slots + (b - sink_slots) % ring_slots : -1);\n"
+"        if (s < 0 && cache_blocks > 0 && so[b] >= 0 && fl[so[b]] >= (pqc_u32)bt) s = pool0 + so[b];\n"
+"        slot_table[kv * table_head_stride + b] = s;\n"
+"    }\n"
+"    if (tid == 0) {\n"
+"        pqc_u64 h2d = (pqc_u64)s_miss * 2ull * row_bytes;\n"
+"        for (int f = 0; f < s_nf; ++f) h2d += (pqc_u64)fr[f] * 2ull * row_bytes;\n"
+"        stat[kv * 3] += s_hits;\n"
+"        stat[kv * 3 + 1] += s_miss;\n"
+"        stat[kv * 3 + 2] += h2d;\n"
+"    }\n"
 "}\n"
 "\n"
 "/* ------------------------------------------------------------------------------------ */\n"

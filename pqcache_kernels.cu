@@ -61,6 +61,12 @@ typedef long long          pqc_i64;
 /* Device functions                                                                     */
 /* ------------------------------------------------------------------------------------ */
 
+/* The top-k of head kv: k, or less where a per-head list gives less. */
+__device__ __forceinline__ int pqc_head_k(int k, const int *k_head, pqc_i64 kv)
+{
+    return k_head && k_head[kv] < k ? k_head[kv] : k;
+}
+
 /* IEEE binary16 -> binary32, exact (normals, subnormals, zeros, inf, NaN). */
 __device__ __forceinline__ float pqc_f16_to_f32(pqc_u32 h)
 {
@@ -476,16 +482,18 @@ pqc_scan(const pqc_u8 *__restrict__ codes, pqc_i64 code_head_stride, pqc_i64 col
  *   holds the k-th largest key, appends it to the prefix and subtracts the keys above it:
  *   after pass 2, state[0] = T (key of the k-th largest score) and state[1] = number of
  *   keys equal to T to take (the lowest-index ones). k is clamped to s; k <= 0 or s <= 0
- *   does nothing. */
+ *   does nothing. k_head int32 [n_kv] or NULL: head kv takes min(k, k_head[kv]) (the
+ *   three kernels must be given the same k and k_head). */
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_topk_pass(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,
-              int pass, pqc_u32 *hist, pqc_u32 *state)
+              int pass, pqc_u32 *hist, pqc_u32 *state, const int *__restrict__ k_head)
 {
     __shared__ pqc_u32 sh[PQC_RADIX_BINS];
     __shared__ pqc_u32 scan_tmp[PQC_WARPS];
     __shared__ pqc_u32 s_last, s_bin, s_above;
-    if (k <= 0 || s <= 0) return;
     pqc_i64 kv = blockIdx.y;
+    k = pqc_head_k(k, k_head, kv);
+    if (k <= 0 || s <= 0) return;
     int tid = threadIdx.x;
     const float *sc = scores + kv * score_head_stride;
     pqc_u32 *hg = hist + kv * PQC_RADIX_BINS;
@@ -552,11 +560,12 @@ pqc_topk_pass(const float *__restrict__ scores, pqc_i64 score_head_stride, int s
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_topk_count(const float *__restrict__ scores, pqc_i64 score_head_stride, int s, int k,
                const pqc_u32 *__restrict__ state, pqc_u32 *__restrict__ counts,
-               pqc_i64 counts_head_stride)
+               pqc_i64 counts_head_stride, const int *__restrict__ k_head)
 {
     __shared__ pqc_u32 scan_tmp[PQC_WARPS];
-    if (k <= 0 || s <= 0) return;
     pqc_i64 kv = blockIdx.y;
+    k = pqc_head_k(k, k_head, kv);
+    if (k <= 0 || s <= 0) return;
     const float *sc = scores + kv * score_head_stride;
     pqc_u32 T = state[kv * 4];
     pqc_u32 gt = 0u, eq = 0u;
@@ -591,14 +600,15 @@ pqc_topk_compact(const float *__restrict__ scores, pqc_i64 score_head_stride, in
                  const pqc_u32 *__restrict__ state, const pqc_u32 *__restrict__ counts,
                  pqc_i64 counts_head_stride, int *__restrict__ out_idx,
                  pqc_i64 idx_head_stride, float *__restrict__ out_scores,
-                 pqc_i64 scores_out_head_stride)
+                 pqc_i64 scores_out_head_stride, const int *__restrict__ k_head)
 {
     /* tile of keys, padded by one word per 32 so that thread-contiguous reads are
        free of bank conflicts */
     __shared__ pqc_u32 tile[PQC_TOPK_TILE + PQC_TOPK_TILE / 32];
     __shared__ pqc_u32 scan_tmp[PQC_WARPS];
-    if (k <= 0 || s <= 0) return;
     pqc_i64 kv = blockIdx.y;
+    k = pqc_head_k(k, k_head, kv);
+    if (k <= 0 || s <= 0) return;
     int tid = threadIdx.x;
     const float *sc = scores + kv * score_head_stride;
     const pqc_u32 *cn = counts + kv * counts_head_stride;
@@ -809,6 +819,217 @@ pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,
     const char *hk = (const char *)(pre ? pre_k : host_k), *hv = (const char *)(pre ? pre_v : host_v);
     pqc_warp_row_copy(hk + src, (char *)cache_k + dst, nbytes, lane);
     if (hv && cache_v) pqc_warp_row_copy(hv + src, (char *)cache_v + dst, nbytes, lane);
+}
+
+/* Token at position i of a head's decode selection (see pqc_select_admit). */
+__device__ __forceinline__ int pqc_sel_token(int i, int sink, int take, const int *tk, int n_sink, int unc0,
+                                             int unc, int win0)
+{
+    if (i < sink) return i;
+    i -= sink;
+    if (i < take) return (tk ? tk[i] : i) + n_sink;
+    i -= take;
+    if (i < unc) return unc0 + i;
+    return win0 + (i - unc);
+}
+
+/* pqc_select_admit: a decode step's selection and block-cache bookkeeping, per KV head, on
+ *   the device: the library's host rules (pqc__select_head, pqc__admit, pqc__victim,
+ *   pqc__fetch_account) bit for bit, so that the step needs no host round trip.
+ *   grid (1, n_kv), block 256.
+ *   Selection of head kv, ascending, into sel (+ kv*sel_head_stride), zeros after it up
+ *   to `rows`: the sinks [0, min(n_sink, n)); the top-k, topk[i] + n_sink for i < take
+ *   (take = takes[kv]; topk NULL: the coded tokens i + n_sink for i < take); the tokens not
+ *   coded yet [n_sink + coded, mid_end); the window [max(mid_end, sinks), n).
+ *   Admission (cache_blocks > 0 and admit_blocks > 0): every mid block's score decays by
+ *   0.75 and gains its selected tokens (blocks overlapping the sinks or the window
+ *   excepted); up to admit_blocks selected blocks in score order (ties to the lower
+ *   block) enter a free slot, or the policy's victim (lfu: lowest score, then oldest
+ *   stamp; else oldest stamp; never one stamped step + 1) when their score beats the
+ *   victim's by 1.5x + 1; a cached block that grew is topped up.
+ *   Per head, block tables (+ kv*blk_head_stride): score f32, slot_of i32 (-1: none),
+ *   cnt u32 (zero between calls); slot tables (+ kv*slot_head_stride): block_of i32,
+ *   filled u32, touched u32 (zero between calls), freq u64, stamp u64.
+ *   Outputs: slot_table i32 (+ kv*table_head_stride), for the blocks of the n tokens: the
+ *   pool slot of sink and window blocks and of fully cached blocks, else -1 (pool slots:
+ *   sink_slots, ring_slots, then the cache's); fill_b/fill_s/fill_rows (+ kv*
+ *   fill_head_stride): the copies to make (block, pool slot, rows new), padded up to
+ *   admit_blocks with block ceil(n / block_tokens), which pqc_cache_fill skips;
+ *   stat u64 (+ kv*3): hits, misses and bytes host -> device added. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const int *__restrict__ takes,
+                 int n_sink, int coded, int mid_end, int n, int rows, int *__restrict__ sel,
+                 pqc_i64 sel_head_stride, int block_tokens, int sink_slots, int ring_slots, int cache_blocks,
+                 int admit_blocks, int lfu, pqc_u64 step, float *score, int *slot_of, pqc_u32 *cnt,
+                 pqc_i64 blk_head_stride, int *block_of, pqc_u32 *filled, pqc_u32 *touched, pqc_u64 *freq,
+                 pqc_u64 *stamp, pqc_i64 slot_head_stride, int *slot_table, pqc_i64 table_head_stride,
+                 int *fill_b, int *fill_s, int *fill_rows, pqc_i64 fill_head_stride, pqc_u64 *stat,
+                 pqc_u64 row_bytes)
+{
+    __shared__ float r_sc[PQC_BLOCK];
+    __shared__ int r_b[PQC_BLOCK];
+    __shared__ int s_stop, s_nf;
+    __shared__ pqc_u32 s_hits, s_miss;
+    pqc_i64 kv = blockIdx.y;
+    int tid = threadIdx.x, bt = block_tokens;
+    const int *tk = topk ? topk + kv * topk_head_stride : 0;
+    int take = takes[kv];
+    int sink = n_sink < n ? n_sink : n;
+    int unc0 = n_sink + coded, unc = mid_end > unc0 ? mid_end - unc0 : 0;
+    int win0 = mid_end > sink ? mid_end : sink, win = n > win0 ? n - win0 : 0;
+    int count = sink + take + unc + win;
+    int nb = (mid_end + bt - 1) / bt, nb_all = (n + bt - 1) / bt;
+    int admit = cache_blocks > 0 && admit_blocks > 0, pool0 = sink_slots + ring_slots;
+    pqc_u64 next = step + 1;
+    int *out = sel + kv * sel_head_stride;
+    float *sc = score + kv * blk_head_stride;
+    int *so = slot_of + kv * blk_head_stride;
+    pqc_u32 *cb = cnt + kv * blk_head_stride;
+    int *bo = block_of + kv * slot_head_stride;
+    pqc_u32 *fl = filled + kv * slot_head_stride, *tc = touched + kv * slot_head_stride;
+    pqc_u64 *fq = freq + kv * slot_head_stride, *stp = stamp + kv * slot_head_stride;
+    int *fb = fill_b + kv * fill_head_stride, *fs = fill_s + kv * fill_head_stride;
+    int *fr = fill_rows + kv * fill_head_stride;
+
+    for (int i = tid; i < rows; i += PQC_BLOCK)
+        out[i] = i < count ? pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0) : 0;
+    if (tid == 0) {
+        s_stop = 0;
+        s_nf = 0;
+        s_hits = 0u;
+        s_miss = 0u;
+    }
+    __syncthreads();
+    if (admit) {
+        for (int b = tid; b < nb; b += PQC_BLOCK) sc[b] = __fmul_rn(sc[b], 0.75f);
+        for (int i = tid; i < count; i += PQC_BLOCK) {
+            int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt;
+            if (t >= n_sink && t < mid_end && !(b * bt < n_sink || (b + 1) * bt > mid_end)) atomicAdd(&cb[b], 1u);
+        }
+        __syncthreads();
+        for (int b = tid; b < nb; b += PQC_BLOCK) sc[b] = __fadd_rn(sc[b], (float)cb[b]);
+        __syncthreads();
+        for (int a = 0; a < admit_blocks; ++a) {
+            float bs = 0.0f;
+            int bb = nb;
+            for (int b = tid; b < nb; b += PQC_BLOCK)
+                if (cb[b] > 0u && (bb == nb || sc[b] > bs)) {
+                    bb = b;
+                    bs = sc[b];
+                }
+            r_sc[tid] = bs;
+            r_b[tid] = bb;
+            __syncthreads();
+            for (int w = PQC_BLOCK / 2; w > 0; w >>= 1) {
+                if (tid < w) {
+                    int j = tid + w;
+                    if (r_b[j] != nb &&
+                        (r_b[tid] == nb || r_sc[j] > r_sc[tid] || (r_sc[j] == r_sc[tid] && r_b[j] < r_b[tid]))) {
+                        r_sc[tid] = r_sc[j];
+                        r_b[tid] = r_b[j];
+                    }
+                }
+                __syncthreads();
+            }
+            if (tid == 0) {
+                int best = r_b[0], s = -1, go = 1;
+                if (best == nb) {
+                    s_stop = 1;
+                    go = 0;
+                } else {
+                    int valid = mid_end - best * bt < bt ? mid_end - best * bt : bt;
+                    cb[best] = 0u;
+                    s = so[best];
+                    if (s < 0) { /* the victim: a free slot, else by policy */
+                        for (int x = 0; x < cache_blocks; ++x) {
+                            if (bo[x] < 0) {
+                                s = x;
+                                break;
+                            }
+                            if (stp[x] == next) continue;
+                            if (s < 0) {
+                                s = x;
+                            } else if (!lfu) {
+                                if (stp[x] < stp[s]) s = x;
+                            } else {
+                                float va = sc[bo[x]], vb = sc[bo[s]];
+                                if (va < vb || (va == vb && stp[x] < stp[s])) s = x;
+                            }
+                        }
+                        if (s < 0) {
+                            s_stop = 1;
+                            go = 0;
+                        } else if (bo[s] >= 0 && !(sc[best] > __fadd_rn(__fmul_rn(1.5f, sc[bo[s]]), 1.0f))) {
+                            go = 0; /* not worth a copy */
+                        } else {
+                            int f, g = 0;
+                            if (bo[s] >= 0) so[bo[s]] = -1;
+                            for (f = 0; f < s_nf; ++f) /* a copy into this slot listed earlier */
+                                if (fs[f] != pool0 + s) {
+                                    fb[g] = fb[f];
+                                    fs[g] = fs[f];
+                                    fr[g] = fr[f];
+                                    ++g;
+                                }
+                            s_nf = g;
+                            fl[s] = 0u;
+                            bo[s] = best;
+                            so[best] = s;
+                            fq[s] = 0ull;
+                            stp[s] = next;
+                        }
+                    }
+                    if (go && fl[s] < (pqc_u32)valid) {
+                        fb[s_nf] = best;
+                        fs[s_nf] = pool0 + s;
+                        fr[s_nf] = valid - (int)fl[s];
+                        ++s_nf;
+                        fl[s] = (pqc_u32)valid;
+                    }
+                }
+            }
+            __syncthreads();
+            if (s_stop) break;
+        }
+        for (int b = tid; b < nb; b += PQC_BLOCK) cb[b] = 0u;
+    }
+    /* hits: blocks resident by design, cached rows; misses: rows read from host memory */
+    for (int i = tid; i < count; i += PQC_BLOCK) {
+        int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt, s;
+        if (t < n_sink || t >= mid_end) continue;
+        if (b * bt < n_sink || (b + 1) * bt > mid_end) {
+            atomicAdd(&s_hits, 1u);
+        } else if (admit && (s = so[b]) >= 0 && (pqc_u32)(t % bt) < fl[s]) {
+            tc[s] = 1u;
+            atomicAdd(&s_hits, 1u);
+        } else {
+            atomicAdd(&s_miss, 1u);
+        }
+    }
+    __syncthreads();
+    for (int x = tid; admit && x < cache_blocks; x += PQC_BLOCK)
+        if (tc[x]) {
+            if (stp[x] != next) fq[x] += 1ull;
+            stp[x] = next;
+            tc[x] = 0u;
+        }
+    for (int f = s_nf + tid; f < admit_blocks; f += PQC_BLOCK) {
+        fb[f] = nb_all;
+        fs[f] = 0;
+        fr[f] = 0;
+    }
+    for (int b = tid; b < nb_all; b += PQC_BLOCK) {
+        int s = b < sink_slots ? b : ((b + 1) * bt > mid_end ? sink_slots + (b - sink_slots) % ring_slots : -1);
+        if (s < 0 && cache_blocks > 0 && so[b] >= 0 && fl[so[b]] >= (pqc_u32)bt) s = pool0 + so[b];
+        slot_table[kv * table_head_stride + b] = s;
+    }
+    if (tid == 0) {
+        pqc_u64 h2d = (pqc_u64)s_miss * 2ull * row_bytes;
+        for (int f = 0; f < s_nf; ++f) h2d += (pqc_u64)fr[f] * 2ull * row_bytes;
+        stat[kv * 3] += s_hits;
+        stat[kv * 3 + 1] += s_miss;
+        stat[kv * 3 + 2] += h2d;
+    }
 }
 
 /* ------------------------------------------------------------------------------------ */

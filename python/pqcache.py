@@ -152,11 +152,11 @@ class pqc_cache_desc(Structure):
                 ("residual_weight", c_double), ("block_tokens", c_int), ("cache_blocks", c_int),
                 ("policy", c_int), ("admit_blocks", c_int), ("rebuild_share", c_double),
                 ("scheduler", c_void_p), ("backend", POINTER(pqc_backend)), ("cuda_stream", c_void_p),
-                ("codes_resident", c_int)]
+                ("codes_resident", c_int), ("first_kv_head", c_int)]
 
 
 class pqc_kv_device(Structure):
-    _fields_ = [("k", c_uint64), ("v", c_uint64), ("head_stride", c_size_t)]
+    _fields_ = [("k", c_uint64), ("v", c_uint64), ("head_stride", c_size_t), ("pos", c_uint64)]
 
 
 class pqc_layer_stats(Structure):
@@ -1041,7 +1041,7 @@ _CACHE_FIELDS = {
     "block_tokens": ("block_tokens", c_int), "cache_blocks": ("cache_blocks", c_int),
     "policy": ("policy", "policy"), "admit_blocks": ("admit_blocks", c_int),
     "rebuild_share": ("rebuild_share", float), "cuda_stream": ("cuda_stream", c_void_p),
-    "codes_resident": ("codes_resident", c_int),
+    "codes_resident": ("codes_resident", c_int), "first_kv_head": ("first_kv_head", c_int),
     # the PQ settings (pqc_cache_desc.pq)
     "m": ("pq.m", c_int), "bits": ("pq.bits", c_int), "iters": ("pq.iters", c_int), "init": ("pq.init", "init"),
     "max_points_per_centroid": ("pq.max_points_per_centroid", c_int), "seed": ("pq.seed", c_uint64),

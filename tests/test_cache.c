@@ -1307,6 +1307,93 @@ TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode
 
 /* 8 children over a 32K prefix: the family holds the prefix once (at most 1.2x one
    cache holding it), and a child decodes like a cache that never shared. */
+/* Caches over slices of a model's KV heads (tensor-parallel ranks), each told its first
+   head, train the codebooks of one cache over every head and select what it selects. */
+TEST head_slices_build_like_one_cache(void)
+{
+    const int d = 32, n = 900, hkv = 3;
+    pqc_runtime *rt = NULL;
+    pqc_runtime_desc rd;
+    pqc_cache_desc cd;
+    pqc_cache *all = NULL, *part[3] = { NULL, NULL, NULL };
+    pqc_selection sa, sp;
+    float *k = rand_rows((size_t)n, (size_t)hkv * d), *v = rand_rows((size_t)n, (size_t)hkv * d);
+    float *q = rand_rows(1, (size_t)hkv * d), *ks = (float *)malloc((size_t)n * d * sizeof(float) * 2), *vs = ks + (size_t)n * d;
+    int h, t, sliced_same = 0;
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = 1;
+    ASSERT(k && v && q && ks);
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 1;
+    cd.n_kv_heads = hkv;
+    cd.n_q_heads = hkv;
+    cd.head_dim = d;
+    cd.max_tokens = 2048;
+    cd.budget_ratio = 0.1;
+    cd.split = PQC_SPLIT_FIXED;
+    cd.pq.m = 4;
+    cd.pq.bits = 5;
+    cd.pq.iters = 5;
+    cd.pq.seed = 9;
+    {
+        pqc_matrix km = pqc_matrix_f32(k, (size_t)n, (size_t)hkv * d), vm = pqc_matrix_f32(v, (size_t)n, (size_t)hkv * d);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &all));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(all, 0, &km, &vm));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(all));
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(all, &sa));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(all, 0, q, &sa));
+    for (h = 0; h < hkv; h++) { /* one cache per head, as ranks of one head each */
+        pqc_cache_desc pd = cd;
+        pqc_matrix km, vm;
+        const pqc_pq *a, *b;
+        for (t = 0; t < n; t++) {
+            memcpy(ks + (size_t)t * d, k + ((size_t)t * hkv + h) * d, (size_t)d * sizeof(float));
+            memcpy(vs + (size_t)t * d, v + ((size_t)t * hkv + h) * d, (size_t)d * sizeof(float));
+        }
+        km = pqc_matrix_f32(ks, (size_t)n, (size_t)d);
+        vm = pqc_matrix_f32(vs, (size_t)n, (size_t)d);
+        pd.n_kv_heads = 1;
+        pd.n_q_heads = 1;
+        pd.first_kv_head = h;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &pd, &part[h]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(part[h], 0, &km, &vm));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(part[h]));
+        a = &all->layers[0].heads[h].pq;
+        b = &part[h]->layers[0].heads[0].pq;
+        ASSERT_EQ(a->ksub, b->ksub);
+        ASSERT_MEM_EQ(a->centroids, b->centroids, (size_t)a->m * a->ksub * a->dsub * sizeof(float));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(part[h], &sp));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(part[h], 0, q + (size_t)h * d, &sp));
+        ASSERT_EQ(sa.count[h], sp.count[0]);
+        ASSERT_MEM_EQ(sa.idx + (size_t)h * sa.capacity, sp.idx, sp.count[0] * sizeof(uint32_t));
+        pqc_selection_free(&sp);
+        if (h > 0) { /* the same slice without its first head trains other codebooks */
+            pqc_cache *other = NULL;
+            pd.first_kv_head = 0;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &pd, &other));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(other, 0, &km, &vm));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(other));
+            sliced_same += !memcmp(other->layers[0].heads[0].pq.centroids, a->centroids,
+                                   (size_t)a->m * a->ksub * a->dsub * sizeof(float));
+            pqc_cache_destroy(other);
+        }
+    }
+    ASSERT_EQ(0, sliced_same);
+    cd.first_kv_head = -1;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(rt, &cd, &part[0]));
+    for (h = 0; h < hkv; h++) pqc_cache_destroy(part[h]);
+    pqc_selection_free(&sa);
+    pqc_cache_destroy(all);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    free(q);
+    free(ks);
+    PASS();
+}
+
 TEST forks_hold_the_prefix_once(void)
 {
     enum { NCH = 8, S = 32768, STEPS = 16 };
@@ -1583,6 +1670,7 @@ SUITE(cache)
     RUN_TEST(batch_matches_individual);
     RUN_TEST(bad_inputs_leave_cache_intact);
     RUN_TEST(driver_runs_both_algorithms);
+    RUN_TEST(head_slices_build_like_one_cache);
 }
 
 GREATEST_MAIN_DEFS();

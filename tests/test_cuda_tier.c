@@ -31,6 +31,8 @@ typedef int (*stream_destroy_fn)(void *s);
 typedef int (*dtoh_fn)(void *dst, unsigned long long src, size_t n);
 typedef int (*ctx_retain_fn)(void **ctx, int dev);
 typedef int (*ctx_set_fn)(void *ctx);
+typedef int (*ctx_sync_fn)(void);
+typedef void (*emu_counters_fn)(unsigned long long *out, int reset);
 static void *g_drv;
 static stream_create_fn p_stream_create;
 static stream_sync_fn p_stream_sync;
@@ -38,6 +40,7 @@ static stream_destroy_fn p_stream_destroy;
 static dtoh_fn p_dtoh;
 static ctx_retain_fn p_ctx_retain;
 static ctx_set_fn p_ctx_set;
+static ctx_sync_fn p_ctx_sync;
 
 static int open_driver(void)
 {
@@ -57,6 +60,7 @@ static int open_driver(void)
     LOAD(p_dtoh, "cuMemcpyDtoH_v2", dtoh_fn);
     LOAD(p_ctx_retain, "cuDevicePrimaryCtxRetain", ctx_retain_fn);
     LOAD(p_ctx_set, "cuCtxSetCurrent", ctx_set_fn);
+    LOAD(p_ctx_sync, "cuCtxSynchronize", ctx_sync_fn);
 #undef LOAD
     return 1;
 }
@@ -225,6 +229,64 @@ static int step_compare(pair *p, int layer, const float *q, int d, cmp_stats *st
     return 1;
 }
 
+/* the same as step_compare, the GPU cache decoding with pqc_cache_step_device: its
+   selection and rows read back from the device */
+static int step_compare_dev(pair *p, int layer, const float *q, int d, cmp_stats *st)
+{
+    pqc_kv_out oc;
+    pqc_kv_device dk;
+    size_t cnt[16];
+    int h, nkv = p->sc.n_kv_heads;
+    if (nkv > 16 || pqc_cache_select(p->cc, layer, q, &p->sc) != PQC_SUCCESS) return 0;
+    oc.k = p->kc;
+    oc.v = p->vc;
+    oc.head_stride = p->cap;
+    if (pqc_cache_fetch(p->cc, layer, &p->sc, &oc) != PQC_SUCCESS) return 0;
+    memset(&dk, 0, sizeof dk);
+    if (pqc_cache_step_device(p->cg, layer, q, &dk, cnt) != PQC_SUCCESS) {
+        fprintf(stderr, "GPU step: %s\n", pqc_last_error());
+        return 0;
+    }
+    if (pqc_cache_tokens(p->cg, layer) > p->sg.capacity) { /* room for the device's selection */
+        pqc_selection_free(&p->sg);
+        if (pqc_selection_init(p->cg, &p->sg) != PQC_SUCCESS) return 0;
+    }
+    for (h = 0; h < nkv; h++) { /* the device's selection and rows, into the sg/kg/vg layout */
+        size_t rb = (size_t)d * sizeof(float), hb = dk.head_stride * rb;
+        if (cnt[h] > p->sg.capacity || cnt[h] > p->cap) return 0;
+        p->sg.count[h] = cnt[h];
+        if (!cnt[h]) continue;
+        if (p_dtoh(p->sg.idx + (size_t)h * p->sg.capacity, dk.pos + (uint64_t)h * dk.head_stride * 4, cnt[h] * 4) ||
+            p_dtoh(p->kg + (size_t)h * p->cap * d, dk.k + (uint64_t)h * hb, cnt[h] * rb) ||
+            p_dtoh(p->vg + (size_t)h * p->cap * d, dk.v + (uint64_t)h * hb, cnt[h] * rb))
+            return 0;
+    }
+    for (h = 0; h < nkv; h++) {
+        const uint32_t *a = p->sc.idx + (size_t)h * p->sc.capacity, *b = p->sg.idx + (size_t)h * p->sg.capacity;
+        size_t na = p->sc.count[h], nb = p->sg.count[h], i = 0, j = 0;
+        if (na != nb) return 0;
+        st->selected += na;
+        while (i < na && j < nb) {
+            if (a[i] == b[j]) {
+                const float *ka = p->kc + ((size_t)h * p->cap + i) * d, *kb = p->kg + ((size_t)h * p->cap + j) * d;
+                const float *va = p->vc + ((size_t)h * p->cap + i) * d, *vb = p->vg + ((size_t)h * p->cap + j) * d;
+                st->rows_compared++;
+                if (memcmp(ka, kb, (size_t)d * sizeof(float)) || memcmp(va, vb, (size_t)d * sizeof(float)))
+                    st->rows_differ++;
+                i++;
+                j++;
+            } else if (a[i] < b[j]) {
+                st->differ++;
+                i++;
+            } else {
+                j++;
+            }
+        }
+        st->differ += na - i;
+    }
+    return 1;
+}
+
 /* reports a comparison: every row both selected is the same, and at most 0.1% of the
    selected tokens differ (boundary ties) */
 static enum greatest_test_res cmp_report(const char *what, const cmp_stats *st)
@@ -272,8 +334,11 @@ typedef struct shape {
     double rerank; /* desc.rerank */
     int outliers;  /* desc.outliers */
     double resid;  /* desc.residual_weight */
+    int dstep;     /* the GPU cache decodes with pqc_cache_step_device: 1 always, 2 with
+                      select + fetch every third step (the bookkeeping goes back and forth) */
+    int lru;       /* desc.policy LRU */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0 };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0 };
 
 /* the same observations on both caches: rows whose energy sits in a few dimensions */
 static int observe_both(pair *p, int layers, int hkv, int hq, int d)
@@ -310,6 +375,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.rerank = sh->rerank;
     cd.outliers = sh->outliers;
     cd.residual_weight = sh->resid;
+    if (sh->lru) cd.policy = PQC_POLICY_LRU;
     if (sh->bands) {
         cd.pq.rope = PQC_ROPE_HALF;
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
@@ -333,7 +399,10 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
         for (l = 0; l < L; l++) {
             size_t o = ((size_t)s * L + l) * hkv * d;
             ASSERT(append_both(&p, l, ka + o, va + o));
-            ASSERT(step_compare(&p, l, q + (size_t)s * hq * d, d, &st));
+            if (sh->dstep && !(sh->dstep == 2 && s % 3 == 2))
+                ASSERT(step_compare_dev(&p, l, q + (size_t)s * hq * d, d, &st));
+            else
+                ASSERT(step_compare(&p, l, q + (size_t)s * hq * d, d, &st));
         }
     }
     {
@@ -348,10 +417,20 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
             ASSERT_EQ(a.rebuilds, b.rebuilds);
             if (gqa == PQC_GQA_SUM) ASSERT_EQ(a.hits + a.misses, b.hits + b.misses);
             ASSERT(b.hits > 0); /* blocks of the sinks, the window and admitted ones are device-resident */
-            if (st.differ == 0) { /* one admission function: the same traffic on both tiers */
+            if (st.differ == 0) { /* one admission rule: the same traffic and blocks on both tiers */
+                int h;
                 ASSERT_EQ(a.hits, b.hits);
                 ASSERT_EQ(a.misses, b.misses);
                 ASSERT_EQ(a.bytes_h2d, b.bytes_h2d);
+                ASSERT_EQ(a.tokens_selected, b.tokens_selected);
+                ASSERT_EQ(a.selects, b.selects);
+                for (h = 0; h < hkv; h++) {
+                    int32_t ba[64], bb[64];
+                    int na = pqc_cache_cached_blocks(p.cc, l, h, ba, 64), nb = pqc_cache_cached_blocks(p.cg, l, h, bb, 64);
+                    ASSERT_EQ(na, nb);
+                    ASSERT(na > 0);
+                    ASSERT_MEM_EQ(ba, bb, (size_t)PQC__MIN(na, 64) * sizeof(int32_t));
+                }
             }
         }
         ASSERT(a.rebuilds + b.rebuilds > 0);
@@ -397,7 +476,7 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0 };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0, 0, 0 };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* three layers through two code buffers: every select finds its codes prefetched */
@@ -414,6 +493,49 @@ TEST decode_matches_cpu_with_metric(void)
     shape sh = g_small;
     sh.observe = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
+}
+/* the whole decode step on the device (pqc_cache_step_device): the same selection,
+   rows, admissions and statistics as the CPU tier's select + fetch; three layers through
+   two code buffers */
+TEST device_steps_match_cpu(void)
+{
+    shape sh = g_small;
+    sh.L = 3;
+    sh.dstep = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F32, &sh);
+}
+/* ... with the heads' uneven tops-k (observed queries), the device's top-k per head */
+TEST device_steps_match_cpu_with_metric(void)
+{
+    shape sh = g_small;
+    sh.observe = 1;
+    sh.dstep = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
+}
+/* ... resident codes, LRU, and select + fetch every third step: the bookkeeping moves
+   between host and device without losing a block */
+TEST device_steps_mixed_with_host_steps(void)
+{
+    shape sh = g_small;
+    sh.resident = 1;
+    sh.dstep = 2;
+    sh.lru = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_BF16, &sh);
+}
+/* ... softmax-sum (boundary ties allowed, as for select + fetch) */
+TEST device_steps_match_cpu_softmax(void)
+{
+    shape sh = g_small;
+    sh.dstep = 1;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
+}
+/* ... exact re-scoring stays with the host: the call selects there, gathers here */
+TEST device_steps_with_rerank(void)
+{
+    shape sh = g_small;
+    sh.rerank = 2.0;
+    sh.dstep = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F32, &sh);
 }
 TEST decode_matches_cpu_with_metric_softmax(void)
 {
@@ -653,6 +775,9 @@ TEST device_fetch_on_engine_stream(void)
 typedef struct toy {
     int d, hkv, hq, device_views, host_views;
     size_t rows;
+    int glance; /* device views: only wait for the device once per step, at the last layer
+                   (as an engine reading its logits), instead of reading every row */
+    int layers;
 } toy;
 static float toy_val(int layer, size_t pos, int i, int which)
 {
@@ -682,12 +807,19 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
     (void)q;
     if (kv->on_device) {
         float row[64];
+        uint32_t tok;
         size_t i;
         t->device_views++;
+        if (t->glance) {
+            t->rows += kv->count[0];
+            return layer == t->layers - 1 ? p_ctx_sync() != 0 : 0;
+        }
         for (i = 0; i < kv->count[0]; i++) { /* every row readable and equal to the stored K */
             unsigned long long a = (unsigned long long)(uintptr_t)kv->k[0] + i * (size_t)t->d * sizeof(float);
+            /* the tokens are device addresses too */
+            if (p_dtoh(&tok, (unsigned long long)(uintptr_t)kv->pos[0] + i * 4, 4) != 0) return 1;
             if (p_dtoh(row, a, (size_t)t->d * sizeof(float)) != 0) return 1;
-            if (row[0] != toy_val(layer, kv->pos[0][i], 0, 1)) return 1;
+            if (row[0] != toy_val(layer, tok, 0, 1)) return 1;
         }
         t->rows += kv->count[0];
     } else {
@@ -721,6 +853,71 @@ TEST driver_hands_device_rows(void)
     ASSERT_EQ(2, t.host_views);    /* prefill: two layers over the host store */
     ASSERT_EQ(12, t.device_views); /* decode: 6 steps x 2 layers */
     ASSERT(t.rows > 0);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rg);
+    PASS();
+}
+
+/* What the host does to the device during decode, counted by the stand-in driver: with
+   device rows a step waits for nothing (the engine's own wait for its logits aside) and
+   copies nothing up but each layer's queries and tops-k, and nothing down; with host rows
+   it waits once per layer, for the rows (the engine needs them before the next layer). */
+TEST device_steps_never_wait(void)
+{
+    toy t;
+    pqc_engine e;
+    pqc_cache_desc cd = base_desc(2, 2, 4, 32);
+    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA);
+    pqc_cache *c = NULL;
+    emu_counters_fn counters;
+    unsigned long long n[4];
+    const unsigned long long steps = 6, L = 2, up = (4 * 32 * 4 + 2 * 4) * L; /* per step */
+    size_t pos = 700, i;
+    pqc_layer_stats st;
+    void *sym;
+    ASSERT(rg && open_driver());
+    sym = dlsym(g_drv, "pqc_emu_counters");
+    if (!sym) SKIPm("the driver is not the stand-in: nothing counts its calls");
+    memcpy(&counters, &sym, sizeof counters);
+    memset(&t, 0, sizeof t);
+    t.d = 32;
+    t.hkv = 2;
+    t.hq = 4;
+    t.glance = 1;
+    t.layers = 2;
+    memset(&e, 0, sizeof e);
+    e.user = &t;
+    e.qkv = toy_qkv;
+    e.attend = toy_attend;
+    e.accepts_device_kv = 1;
+    cd.pq.m = 2;
+    cd.codes_resident = 1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, pos));
+    for (i = 0; i < 2; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++)); /* first steps set up */
+    counters(n, 1);
+    for (i = 0; i < steps; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++));
+    counters(n, 1);
+    fprintf(stderr, "  device rows, %llu steps x %llu layers: %llu waits (the engine's %llu), %llu bytes up in %llu copies, %llu down\n",
+            steps, L, n[0], steps, n[1], n[3], n[2]);
+    ASSERT_EQ(steps, n[0]);      /* the engine's own, one per step */
+    ASSERT_EQ(steps * up, n[1]); /* queries and tops-k: no index round trips */
+    ASSERT_EQ(steps * L * 2, n[3]);
+    ASSERT_EQ(0, n[2]);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 1, &st)); /* counted on the device */
+    ASSERT(st.hits + st.misses > 0);
+    ASSERT_EQ(st.selects, st.fetches);
+    /* host rows */
+    e.accepts_device_kv = 0;
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++));
+    counters(n, 1);
+    for (i = 0; i < steps; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++));
+    counters(n, 1);
+    fprintf(stderr, "  host rows, %llu steps x %llu layers: %llu waits, %llu bytes up in %llu copies, %llu down\n", steps, L,
+            n[0], n[1], n[3], n[2]);
+    ASSERT_EQ(steps * L, n[0]);
+    ASSERT_EQ(steps * up, n[1]);
+    ASSERT(n[2] > 0);
     pqc_cache_destroy(c);
     pqc_runtime_destroy(rg);
     PASS();
@@ -1063,6 +1260,11 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_long_subvectors);
     RUN_TEST(decode_matches_cpu_with_metric);
     RUN_TEST(decode_matches_cpu_with_metric_softmax);
+    RUN_TEST(device_steps_match_cpu);
+    RUN_TEST(device_steps_match_cpu_with_metric);
+    RUN_TEST(device_steps_mixed_with_host_steps);
+    RUN_TEST(device_steps_match_cpu_softmax);
+    RUN_TEST(device_steps_with_rerank);
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
     RUN_TEST(decode_matches_cpu_rerank);
@@ -1073,6 +1275,7 @@ SUITE(cuda_tier)
     RUN_TEST(cache_file_loads_onto_the_device);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
+    RUN_TEST(device_steps_never_wait);
     RUN_TEST(device_allocation_failure);
     RUN_TEST(device_kmeans);
     RUN_TEST(batch_on_device_matches_cpu);

@@ -251,6 +251,7 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_topk_compact);
         K(pqc_gather_kv);
         K(pqc_cache_fill);
+        K(pqc_select_admit);
         K(pqc_centroid_norms);
         K(pqc_assign_codes);
         K(pqc_kmeans_assign);
@@ -283,6 +284,11 @@ thread_local void *t_ctx;
         }                                                                                \
     } while (0)
 long g_fail_alloc = -1; /* device allocations left before one fails; -1: never */
+/* what the host did to the device, for tests: [0] waits (stream, event and context
+   synchronisations, and copies that return only when done: synchronous ones, device to
+   pageable host memory), [1] bytes host -> device and [2] device -> host by copies, [3]
+   host -> device copies */
+unsigned long long g_count[4];
 
 } // namespace
 
@@ -319,7 +325,7 @@ CUresult cuCtxSetCurrent(void *ctx)
     t_ctx = ctx;
     return OK;
 }
-CUresult cuCtxSynchronize(void) { EMU_LOCK; NEED_CTX; run_everything(); return OK; }
+CUresult cuCtxSynchronize(void) { EMU_LOCK; NEED_CTX; g_count[0]++; run_everything(); return OK; }
 CUresult cuModuleLoadData(void **mod, const void *image)
 {
     EMU_LOCK;
@@ -371,6 +377,14 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
 /* Test control (not part of the driver API): the device allocation after the next n
    succeeds fails with CUDA_ERROR_OUT_OF_MEMORY; n < 0 turns the failure off. */
 void pqc_emu_fail_alloc_after(long n) { g_fail_alloc = n; }
+/* Test control: the counters above (4 values), then zeroes them when reset. */
+void pqc_emu_counters(unsigned long long *out, int reset)
+{
+    EMU_LOCK;
+    for (int i = 0; i < 4; i++) out[i] = g_count[i];
+    if (reset)
+        for (int i = 0; i < 4; i++) g_count[i] = 0;
+}
 
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 {
@@ -454,6 +468,8 @@ CUresult cuMemHostUnregister(void *p)
 static CUresult copy_in(CUdeviceptr dst, const void *src, size_t n, Stream *s)
 {
     if (!is_device((uintptr_t)dst, n)) return complain("copy to device", (uintptr_t)dst, n);
+    g_count[1] += n;
+    g_count[3]++;
     if (is_pinned(src, n)) { /* read when it runs */
         enqueue(s, [dst, src, n]() { memcpy((void *)(uintptr_t)dst, src, n); });
     } else { /* staged now */
@@ -466,8 +482,12 @@ static CUresult copy_in(CUdeviceptr dst, const void *src, size_t n, Stream *s)
 static CUresult copy_out(void *dst, CUdeviceptr src, size_t n, Stream *s)
 {
     if (!is_device((uintptr_t)src, n)) return complain("copy from device", (uintptr_t)src, n);
+    g_count[2] += n;
     enqueue(s, [dst, src, n]() { memcpy(dst, (const void *)(uintptr_t)src, n); });
-    if (!is_pinned(dst, n)) run_all(s); /* pageable destination: the call waits */
+    if (!is_pinned(dst, n)) { /* pageable destination: the call waits */
+        g_count[0]++;
+        run_all(s);
+    }
     return OK;
 }
 
@@ -475,6 +495,7 @@ CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n)
 {
     EMU_LOCK;
     NEED_CTX;
+    g_count[0]++;
     run_everything();
     CUresult r = copy_in(dst, src, n, &g_default);
     run_all(&g_default);
@@ -484,6 +505,7 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n)
 {
     EMU_LOCK;
     NEED_CTX;
+    if (is_pinned(dst, n)) g_count[0]++; /* else copy_out counts it */
     run_everything();
     CUresult r = copy_out(dst, src, n, &g_default);
     run_all(&g_default);
@@ -541,7 +563,7 @@ CUresult cuStreamDestroy_v2(void *s)
         }
     return ERR_INVALID_HANDLE;
 }
-CUresult cuStreamSynchronize(void *s) { EMU_LOCK; NEED_CTX; run_all(S(s)); return OK; }
+CUresult cuStreamSynchronize(void *s) { EMU_LOCK; NEED_CTX; g_count[0]++; run_all(S(s)); return OK; }
 CUresult cuStreamWaitEvent(void *s, void *e, unsigned)
 {
     EMU_LOCK;
@@ -580,7 +602,19 @@ CUresult cuEventSynchronize(void *e)
     EMU_LOCK;
     NEED_CTX;
     Event *ev = (Event *)e;
+    g_count[0]++;
     if (ev->s) run_until(ev->s, ev->seq);
+    return OK;
+}
+CUresult cuEventQuery(void *e)
+{
+    EMU_LOCK;
+    NEED_CTX;
+    Event *ev = (Event *)e;
+    if (ev->s && ev->s->done < ev->seq) {
+        /* a stream's queue runs when waited for: what is queued has not run yet */
+        return 600; /* CUDA_ERROR_NOT_READY */
+    }
     return OK;
 }
 CUresult cuEventElapsedTime_v2(float *ms, void *, void *) { *ms = 0.0f; return OK; }

@@ -10,7 +10,8 @@
 #      (selections, gathered rows, statistics, growth, rebuilds, the engine's stream);
 #   3. test_pqcache_mode --cuda: a whole tiny_llama decode with the CUDA device tier
 #      against the CPU tier (same next tokens, logits);
-#   4. bench_cache --backend cuda: select and fetch through the library at 32K and 128K.
+#   4. bench_cache --backend cuda: select and fetch through the library at 32K and 128K,
+#      as separate calls (a round trip per layer) and as the device step (none).
 # The CUDA driver, NVRTC and cuBLASLt are opened at run time; nothing links against them.
 #
 # usage: tests/gpu/check.sh [--quick] [--driver PATH]

@@ -266,19 +266,19 @@ static void k_topk(int n_kv, const topk_ws *w, dptr scores, long long sc_hs, int
     int pass;
     unsigned P = stride_grid(s, n_kv);
     unsigned tiles = cdiv(s, TOPK_TILE);
-    dptr hist = w->hist, state = w->state, counts = w->counts;
+    dptr hist = w->hist, state = w->state, counts = w->counts, no_k_head = 0;
     long long c_hs = w->counts_hs;
     for (pass = 0; pass < 3; ++pass) {
-        void *p[] = { &scores, &sc_hs, &s, &k, &pass, &hist, &state };
+        void *p[] = { &scores, &sc_hs, &s, &k, &pass, &hist, &state, &no_k_head };
         launch(K_PASS, P, (unsigned)n_kv, 0, p);
     }
     {
-        void *p[] = { &scores, &sc_hs, &s, &k, &state, &counts, &c_hs };
+        void *p[] = { &scores, &sc_hs, &s, &k, &state, &counts, &c_hs, &no_k_head };
         launch(K_COUNT, tiles, (unsigned)n_kv, 0, p);
     }
     {
         void *p[] = { &scores, &sc_hs, &s, &k, &state, &counts, &c_hs, &idx, &idx_hs,
-                      &oscores, &os_hs };
+                      &oscores, &os_hs, &no_k_head };
         launch(K_COMPACT, tiles, (unsigned)n_kv, 0, p);
     }
 }
