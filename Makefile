@@ -134,6 +134,8 @@ clean:
 
 # ----- the example engine, the passkey model and the needle evaluation -----------------
 include examples/tiny_llama/build.mk
+# tensor parallel over MPI: build/tiny_llama_mpi, run-mpi, test-mpi (joins TEST_GROUPS; skipped without MPI)
+include examples/tiny_llama/mpi.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
 $(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)

@@ -1,0 +1,1622 @@
+/* tl_mpi.c - tiny_llama with tensor parallelism over MPI: one pqcache per rank.
+
+   Megatron-style tensor parallelism over P ranks (mpirun -np P):
+     - rank r holds a contiguous run of KV heads (whole GQA groups) and the
+       query heads that read them: the rows of wq, wk, wv for those heads and
+       the columns of wo that take their outputs;
+     - the FFN's hidden units are split in contiguous runs: rows of w1 and w3,
+       columns of w2;
+     - the token embedding, the norms and the classifier are replicated;
+     - after the attention output projection and after the FFN every rank
+       holds a partial sum of the residual update; one MPI_Allreduce (sum)
+       completes it. The partial sums are accumulated in double and reduced
+       in double, so the split changes the fp32 residual only where two double
+       roundings straddle a float rounding boundary (see README, "Serving at
+       scale").
+   Each rank's keys and values live only for its own KV heads: in pqcache mode
+   in the rank's own pqc_cache (its own pqc_runtime, pqc_cache_desc.n_kv_heads =
+   the rank's KV heads, driven by pqc_driver_prefill / pqc_driver_decode over
+   this file's callbacks); in full, window and oracle modes in a host KV cache
+   of the rank's heads. Selection is per KV head, so it needs no communication.
+
+   The passkey models have a single KV head; --widen K makes from any model an
+   equivalent one (the same function up to float rounding) with K times the
+   heads, FFN units and residual width (K
+   copies of the residual stream, each copy's heads and units reading their
+   own copy, the output projections averaging the copies), so that K ranks
+   each hold one copy's heads.
+
+   Usage: see usage() below, or examples/tiny_llama/mpi.mk (make run-mpi,
+   make test-mpi). Plain C99 plus MPI; link with -lm -lpthread. */
+
+#define PQCACHE_IMPLEMENTATION
+#include "../../pqcache.h"
+#define TINY_LLAMA_IMPLEMENTATION
+#include "tiny_llama.h"
+
+#include <math.h>
+#include <mpi.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TP_MAX_THREADS 64
+#define TP_BLOCK 32          /* prefill: tokens per causal-attention block */
+#define TP_CHUNK 512         /* prefill: tokens per all-reduce */
+
+typedef enum { TP_FULL = 0, TP_WINDOW, TP_ORACLE, TP_PQCACHE } tp_mode;
+
+typedef struct {
+    const char *model, *prompt_file, *save, *check;
+    int widen, random_len, steps, threads, quiet;
+    unsigned long long seed;
+    tp_mode mode;
+    int n_sink, pq_m, pq_bits, iters, cache_blocks, split, metric;
+    float ratio;
+    double tol;
+    int same_sel, sel_only, sel_ref_head, vs_engine;
+} tp_opts;
+
+typedef struct {
+    int rank, size;
+    tp_opts o;
+    tl_model model;             /* the checkpoint as mapped */
+    tl_config c;                /* the model in use (widened when --widen > 1) */
+    tl_weights w;               /* its weights (full; only the replicated ones are read) */
+    float *wide;                /* storage of the widened weights */
+    tl_config lc;               /* the rank's attention as a config: its heads only */
+    int kv0, nkv, q0, nq, f0, nf, hs, qd; /* slices; qd = nq * hs */
+    float *wq, *wk, *wv, *wo, *w1, *w2, *w3;
+    int ctx, nthreads;
+    /* host KV cache of the rank's heads (full, window, oracle): [layer][head][ctx][hs] */
+    float *kc, *vc;
+    /* decode scratch */
+    float *x, *xb, *q, *k, *v, *ob, *att, *logits, *mass, *tmp, *rcos, *rsin;
+    double *part;
+    int rope_pos;
+    /* prefill */
+    float *hidden;              /* (n, dim) */
+    int prefill_n;
+    float *patt[TP_MAX_THREADS], *pout[TP_MAX_THREADS], *pxb[TP_MAX_THREADS], *phb[TP_MAX_THREADS],
+          *phb2[TP_MAX_THREADS];
+    double *ppart;              /* (TP_CHUNK, dim) */
+    /* the current decode step's selection: [layer][local head] counts and positions */
+    int *sel_n;
+    uint32_t *sel_pos;
+    /* pqcache */
+    pqc_runtime *rt;
+    pqc_scheduler *sched;
+    pqc_cache *cache;
+    pqc_engine eng;
+    char err[256];
+} tp;
+
+/* ----------------------------------------------------------------------------
+   Errors: a message and a clean stop of every rank */
+
+static void tp_die(const tp *t, const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "tiny_llama_mpi: rank %d: error: ", t ? t->rank : 0);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+    exit(1);
+}
+
+/* An error every rank finds alike (bad options, a bad file): rank 0 says it,
+   every rank stops. */
+static void tp_fail_all(const tp *t, const char *msg)
+{
+    if (t->rank == 0)
+        fprintf(stderr, "tiny_llama_mpi: error: %s\n", msg);
+    MPI_Finalize();
+    exit(1);
+}
+
+static void *tp_alloc(const tp *t, size_t n, size_t size)
+{
+    void *p;
+    if (n == 0)
+        n = 1;
+    if (size != 0 && n > (size_t)-1 / size)
+        tp_die(t, "allocation of %zu x %zu bytes overflows", n, size);
+    p = calloc(n, size);
+    if (!p)
+        tp_die(t, "out of memory (%zu bytes)", n * size);
+    return p;
+}
+
+/* ----------------------------------------------------------------------------
+   Kernels: the same arithmetic as tiny_llama.h's (eight partial sums) */
+
+static float tp_dot(const float *a, const float *b, int n)
+{
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0, sum;
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        s0 += a[i] * b[i];
+        s1 += a[i + 1] * b[i + 1];
+        s2 += a[i + 2] * b[i + 2];
+        s3 += a[i + 3] * b[i + 3];
+        s4 += a[i + 4] * b[i + 4];
+        s5 += a[i + 5] * b[i + 5];
+        s6 += a[i + 6] * b[i + 6];
+        s7 += a[i + 7] * b[i + 7];
+    }
+    sum = ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7));
+    for (; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
+/* the partial products of a row-parallel matrix, in double */
+static double tp_dot_d(const float *a, const float *b, int n)
+{
+    double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += (double)a[i] * (double)b[i];
+        s1 += (double)a[i + 1] * (double)b[i + 1];
+        s2 += (double)a[i + 2] * (double)b[i + 2];
+        s3 += (double)a[i + 3] * (double)b[i + 3];
+    }
+    s0 = (s0 + s2) + (s1 + s3);
+    for (; i < n; i++)
+        s0 += (double)a[i] * (double)b[i];
+    return s0;
+}
+
+static void tp_matmul(float *out, const float *x, const float *w, int n, int d)
+{
+    int i;
+    for (i = 0; i < d; i++)
+        out[i] = tp_dot(w + (size_t)i * (size_t)n, x, n);
+}
+
+static void tp_matmul_d(double *out, const float *x, const float *w, int n, int d)
+{
+    int i;
+    for (i = 0; i < d; i++)
+        out[i] = tp_dot_d(w + (size_t)i * (size_t)n, x, n);
+}
+
+static void tp_rmsnorm(float *out, const float *x, const float *weight, int n)
+{
+    float ss = tp_dot(x, x, n) / (float)n + TL_RMS_EPS;
+    float inv = 1.0f / sqrtf(ss);
+    int i;
+    for (i = 0; i < n; i++)
+        out[i] = weight[i] * (inv * x[i]);
+}
+
+static void tp_axpy(float *out, float a, const float *x, int n)
+{
+    int i;
+    for (i = 0; i < n; i++)
+        out[i] += a * x[i];
+}
+
+static void tp_rope_angles(const tl_config *c, int pos, float *cs, float *sn)
+{
+    int i;
+    for (i = 0; i < c->head_size / 2; i++) {
+        double freq = pow((double)c->rope_theta, -2.0 * i / (double)c->head_size);
+        double angle = (double)pos * freq;
+        cs[i] = (float)cos(angle);
+        sn[i] = (float)sin(angle);
+    }
+}
+
+static void tp_rope(float *x, int n_heads, int hs, const float *cs, const float *sn)
+{
+    int h, i;
+    for (h = 0; h < n_heads; h++) {
+        float *v = x + (size_t)h * (size_t)hs;
+        for (i = 0; i < hs / 2; i++) {
+            float v0 = v[2 * i], v1 = v[2 * i + 1];
+            v[2 * i] = v0 * cs[i] - v1 * sn[i];
+            v[2 * i + 1] = v0 * sn[i] + v1 * cs[i];
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------------
+   Threads: fn(arg, worker, n_workers) on n_workers threads, worker 0 here */
+
+typedef void (*tp_job_fn)(void *arg, int worker, int n_workers);
+typedef struct { tp_job_fn fn; void *arg; int worker, n; } tp_job;
+
+static void *tp_job_main(void *p)
+{
+    tp_job *j = (tp_job *)p;
+    j->fn(j->arg, j->worker, j->n);
+    return NULL;
+}
+
+static void tp_parallel(int n, tp_job_fn fn, void *arg)
+{
+    tp_job jobs[TP_MAX_THREADS];
+    pthread_t th[TP_MAX_THREADS];
+    int started[TP_MAX_THREADS], i;
+    if (n < 1)
+        n = 1;
+    for (i = 0; i < n; i++) {
+        jobs[i].fn = fn;
+        jobs[i].arg = arg;
+        jobs[i].worker = i;
+        jobs[i].n = n;
+        started[i] = 0;
+    }
+    for (i = 1; i < n; i++)
+        started[i] = pthread_create(&th[i], NULL, tp_job_main, &jobs[i]) == 0;
+    fn(arg, 0, n);
+    for (i = 1; i < n; i++) {
+        if (started[i])
+            pthread_join(th[i], NULL);
+        else
+            fn(arg, i, n);
+    }
+}
+
+/* ----------------------------------------------------------------------------
+   The model: widening and the rank's slices */
+
+/* K copies of the residual stream (dim K*d), of the heads (K*H query heads,
+   K*G KV heads, head_size unchanged) and of the FFN units (K*F): copy c's
+   heads and units read residual copy c (block-diagonal wq, wk, wv, w1, w3),
+   wo and w2 write the mean over copies to every copy, the classifier reads
+   the mean of the copies. Every copy of the residual stays equal to the
+   original model's, so the widened model computes the same function. */
+static void tp_widen(tp *t, int K)
+{
+    const tl_config *oc = &t->model.config;
+    const tl_weights *ow = &t->model.w;
+    tl_config c = *oc;
+    size_t d = (size_t)oc->dim, D, F = (size_t)oc->hidden_dim, FF, kvd = (size_t)oc->kv_dim, KVD,
+           L = (size_t)oc->n_layers, V = (size_t)oc->vocab_size, l, i, j, a, b, total;
+    float inv = 1.0f / (float)K, *p;
+    float *emb, *ra, *rf, *rfin, *wq, *wk, *wv, *wo, *w1, *w2, *w3, *wc;
+
+    c.dim = oc->dim * K;
+    c.hidden_dim = oc->hidden_dim * K;
+    c.n_heads = oc->n_heads * K;
+    c.n_kv_heads = oc->n_kv_heads * K;
+    c.kv_dim = oc->kv_dim * K;
+    c.shared_classifier = 0;
+    D = (size_t)c.dim;
+    FF = (size_t)c.hidden_dim;
+    KVD = (size_t)c.kv_dim;
+    total = V * D * 2 + L * D * 2 + D + L * (D * D * 2 + KVD * D * 2 + FF * D * 3);
+    t->wide = p = (float *)tp_alloc(t, total, sizeof(float));
+    emb = p; p += V * D;
+    wc = p; p += V * D;
+    ra = p; p += L * D;
+    rf = p; p += L * D;
+    rfin = p; p += D;
+    wq = p; p += L * D * D;
+    wk = p; p += L * KVD * D;
+    wv = p; p += L * KVD * D;
+    wo = p; p += L * D * D;
+    w1 = p; p += L * FF * D;
+    w2 = p; p += L * D * FF;
+    w3 = p;
+    for (i = 0; i < V; i++)
+        for (a = 0; a < (size_t)K; a++)
+            for (j = 0; j < d; j++) {
+                emb[i * D + a * d + j] = ow->token_embedding[i * d + j];
+                wc[i * D + a * d + j] = ow->wcls[i * d + j] * inv;
+            }
+    for (a = 0; a < (size_t)K; a++) {
+        for (j = 0; j < d; j++)
+            rfin[a * d + j] = ow->rms_final[j];
+        for (l = 0; l < L; l++)
+            for (j = 0; j < d; j++) {
+                ra[l * D + a * d + j] = ow->rms_att[l * d + j];
+                rf[l * D + a * d + j] = ow->rms_ffn[l * d + j];
+            }
+    }
+    for (l = 0; l < L; l++)
+        for (a = 0; a < (size_t)K; a++) {
+            for (i = 0; i < d; i++)        /* wq: (D, D), wo: (D, D) */
+                for (j = 0; j < d; j++) {
+                    wq[l * D * D + (a * d + i) * D + a * d + j] = ow->wq[l * d * d + i * d + j];
+                    for (b = 0; b < (size_t)K; b++)
+                        wo[l * D * D + (b * d + i) * D + a * d + j] = ow->wo[l * d * d + i * d + j] * inv;
+                }
+            for (i = 0; i < kvd; i++)      /* wk, wv: (KVD, D) */
+                for (j = 0; j < d; j++) {
+                    wk[l * KVD * D + (a * kvd + i) * D + a * d + j] = ow->wk[l * kvd * d + i * d + j];
+                    wv[l * KVD * D + (a * kvd + i) * D + a * d + j] = ow->wv[l * kvd * d + i * d + j];
+                }
+            for (i = 0; i < F; i++)        /* w1, w3: (FF, D) */
+                for (j = 0; j < d; j++) {
+                    w1[l * FF * D + (a * F + i) * D + a * d + j] = ow->w1[l * F * d + i * d + j];
+                    w3[l * FF * D + (a * F + i) * D + a * d + j] = ow->w3[l * F * d + i * d + j];
+                }
+            for (i = 0; i < d; i++)        /* w2: (D, FF) */
+                for (j = 0; j < F; j++)
+                    for (b = 0; b < (size_t)K; b++)
+                        w2[l * D * FF + (b * d + i) * FF + a * F + j] = ow->w2[l * d * F + i * F + j] * inv;
+        }
+    t->c = c;
+    t->w.token_embedding = emb;
+    t->w.wcls = wc;
+    t->w.rms_att = ra;
+    t->w.rms_ffn = rf;
+    t->w.rms_final = rfin;
+    t->w.wq = wq;
+    t->w.wk = wk;
+    t->w.wv = wv;
+    t->w.wo = wo;
+    t->w.w1 = w1;
+    t->w.w2 = w2;
+    t->w.w3 = w3;
+}
+
+/* rows [r0, r0 + nr) of every layer's (rows, cols) matrix */
+static float *tp_rows(const tp *t, const float *w, int L, int rows, int cols, int r0, int nr)
+{
+    float *out = (float *)tp_alloc(t, (size_t)L * (size_t)nr * (size_t)cols, sizeof(float));
+    int l;
+    for (l = 0; l < L; l++)
+        memcpy(out + (size_t)l * (size_t)nr * (size_t)cols,
+               w + ((size_t)l * (size_t)rows + (size_t)r0) * (size_t)cols,
+               (size_t)nr * (size_t)cols * sizeof(float));
+    return out;
+}
+
+/* columns [c0, c0 + nc) of every layer's (rows, cols) matrix */
+static float *tp_cols(const tp *t, const float *w, int L, int rows, int cols, int c0, int nc)
+{
+    float *out = (float *)tp_alloc(t, (size_t)L * (size_t)rows * (size_t)nc, sizeof(float));
+    int l, i;
+    for (l = 0; l < L; l++)
+        for (i = 0; i < rows; i++)
+            memcpy(out + ((size_t)l * (size_t)rows + (size_t)i) * (size_t)nc,
+                   w + ((size_t)l * (size_t)rows + (size_t)i) * (size_t)cols + (size_t)c0,
+                   (size_t)nc * sizeof(float));
+    return out;
+}
+
+/* contiguous share r of n items over p ranks: [lo, hi) */
+static void tp_share(int n, int p, int r, int *lo, int *cnt)
+{
+    int a = (int)((long long)n * r / p), b = (int)((long long)n * (r + 1) / p);
+    *lo = a;
+    *cnt = b - a;
+}
+
+static void tp_slice(tp *t)
+{
+    const tl_config *c = &t->c;
+    int group = c->n_heads / c->n_kv_heads, L = c->n_layers;
+    char msg[256];
+    if (t->size > c->n_kv_heads) {
+        snprintf(msg, sizeof msg, "%d ranks but the model has %d KV heads: every rank needs at "
+                 "least one (whole GQA groups per rank; --widen K multiplies the heads by K)",
+                 t->size, c->n_kv_heads);
+        tp_fail_all(t, msg);
+    }
+    if (t->size > c->hidden_dim) {
+        snprintf(msg, sizeof msg, "%d ranks but the FFN has %d hidden units", t->size, c->hidden_dim);
+        tp_fail_all(t, msg);
+    }
+    t->hs = c->head_size;
+    tp_share(c->n_kv_heads, t->size, t->rank, &t->kv0, &t->nkv);
+    t->q0 = t->kv0 * group;
+    t->nq = t->nkv * group;
+    t->qd = t->nq * t->hs;
+    tp_share(c->hidden_dim, t->size, t->rank, &t->f0, &t->nf);
+    t->wq = tp_rows(t, t->w.wq, L, c->n_heads * t->hs, c->dim, t->q0 * t->hs, t->qd);
+    t->wk = tp_rows(t, t->w.wk, L, c->kv_dim, c->dim, t->kv0 * t->hs, t->nkv * t->hs);
+    t->wv = tp_rows(t, t->w.wv, L, c->kv_dim, c->dim, t->kv0 * t->hs, t->nkv * t->hs);
+    t->wo = tp_cols(t, t->w.wo, L, c->dim, c->n_heads * t->hs, t->q0 * t->hs, t->qd);
+    t->w1 = tp_rows(t, t->w.w1, L, c->hidden_dim, c->dim, t->f0, t->nf);
+    t->w3 = tp_rows(t, t->w.w3, L, c->hidden_dim, c->dim, t->f0, t->nf);
+    t->w2 = tp_cols(t, t->w.w2, L, c->dim, c->hidden_dim, t->f0, t->nf);
+    /* the rank's attention seen as a model of its own heads (tl_attend_causal reads
+       head_size, n_heads and n_kv_heads) */
+    t->lc = *c;
+    t->lc.n_heads = t->nq;
+    t->lc.n_kv_heads = t->nkv;
+    t->lc.kv_dim = t->nkv * t->hs;
+    t->lc.dim = t->qd;
+}
+
+/* ----------------------------------------------------------------------------
+   Per-rank forward pieces */
+
+/* q (qd), k, v (nkv * hs) of the rank's heads for residual x at pos */
+static void tp_qkv(const tp *t, int layer, const float *x, float *xb, const float *cs, const float *sn,
+                   float *q, float *k, float *v)
+{
+    const tl_config *c = &t->c;
+    size_t l = (size_t)layer, dim = (size_t)c->dim, kvl = (size_t)t->nkv * (size_t)t->hs;
+    tp_rmsnorm(xb, x, t->w.rms_att + l * dim, c->dim);
+    tp_matmul(q, xb, t->wq + l * (size_t)t->qd * dim, c->dim, t->qd);
+    tp_matmul(k, xb, t->wk + l * kvl * dim, c->dim, (int)kvl);
+    tp_matmul(v, xb, t->wv + l * kvl * dim, c->dim, (int)kvl);
+    tp_rope(q, t->nq, t->hs, cs, sn);
+    tp_rope(k, t->nkv, t->hs, cs, sn);
+}
+
+/* partial residual update of the attention output projection: part = wo_r ob */
+static void tp_attn_part(const tp *t, int layer, const float *ob, double *part)
+{
+    size_t l = (size_t)layer, dim = (size_t)t->c.dim;
+    tp_matmul_d(part, ob, t->wo + l * dim * (size_t)t->qd, t->qd, t->c.dim);
+}
+
+/* partial residual update of the FFN for residual x */
+static void tp_ffn_part(const tp *t, int layer, const float *x, float *xb, float *hb, float *hb2,
+                        double *part)
+{
+    const tl_config *c = &t->c;
+    size_t l = (size_t)layer, dim = (size_t)c->dim, nf = (size_t)t->nf;
+    int i;
+    tp_rmsnorm(xb, x, t->w.rms_ffn + l * dim, c->dim);
+    tp_matmul(hb, xb, t->w1 + l * nf * dim, c->dim, t->nf);
+    tp_matmul(hb2, xb, t->w3 + l * nf * dim, c->dim, t->nf);
+    for (i = 0; i < t->nf; i++) {
+        float a = hb[i];
+        hb[i] = a / (1.0f + expf(-a)) * hb2[i];
+    }
+    tp_matmul_d(part, hb, t->w2 + l * dim * nf, t->nf, c->dim);
+}
+
+/* x (n tokens of dim) += the all-reduced partial sums */
+static void tp_allreduce_add(const tp *t, double *part, float *x, size_t n)
+{
+    size_t i;
+    if (t->size > 1 && MPI_Allreduce(MPI_IN_PLACE, part, (int)n, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD)
+        != MPI_SUCCESS)
+        tp_die(t, "MPI_Allreduce failed");
+    for (i = 0; i < n; i++)
+        x[i] += (float)part[i];
+}
+
+/* ----------------------------------------------------------------------------
+   Prefill, layer-major, threads over tokens (both the pqcache driver's callbacks
+   and the host-cache modes run these) */
+
+typedef struct {
+    tp *t;
+    int layer, pos0, n;
+    float *q, *k, *v;              /* qkv outputs: (n, qd), (n, nkv*hs) x 2 */
+    const float *cq;               /* attend: queries (n, qd) */
+    const float *const *kr, *const *vr; /* attend: per local head, rows 0.. at stride hs */
+    int first;                     /* attend: first token to run (last layer: n - 1) */
+    int c0, c1;                    /* attend: the chunk of tokens [c0, c1) */
+} tp_pjob;
+
+static void tp_qkv_worker(void *arg, int wk, int nw)
+{
+    tp_pjob *j = (tp_pjob *)arg;
+    tp *t = j->t;
+    size_t kvl = (size_t)t->nkv * (size_t)t->hs, dim = (size_t)t->c.dim;
+    float cs[512], sn[512];
+    int i;
+    for (i = wk; i < j->n; i += nw) {
+        tp_rope_angles(&t->c, j->pos0 + i, cs, sn);
+        tp_qkv(t, j->layer, t->hidden + (size_t)i * dim, t->pxb[wk], cs, sn,
+               j->q + (size_t)i * (size_t)t->qd, j->k + (size_t)i * kvl, j->v + (size_t)i * kvl);
+    }
+}
+
+/* causal attention of tokens [c0, c1) (blocks of TP_BLOCK), then wo: partial sums */
+static void tp_attend_worker(void *arg, int wk, int nw)
+{
+    tp_pjob *j = (tp_pjob *)arg;
+    tp *t = j->t;
+    size_t dim = (size_t)t->c.dim;
+    int b0, i;
+    for (b0 = j->c0 + wk * TP_BLOCK; b0 < j->c1; b0 += nw * TP_BLOCK) {
+        int nb = j->c1 - b0 < TP_BLOCK ? j->c1 - b0 : TP_BLOCK;
+        tl_attend_causal(&t->lc, j->pos0 + b0, nb, j->cq + (size_t)b0 * (size_t)t->qd, j->kr, j->vr,
+                         (size_t)t->hs, t->patt[wk], t->pout[wk]);
+        for (i = 0; i < nb; i++)
+            tp_attn_part(t, j->layer, t->pout[wk] + (size_t)i * (size_t)t->qd,
+                         t->ppart + (size_t)(b0 - j->c0 + i) * dim);
+    }
+}
+
+static void tp_ffn_worker(void *arg, int wk, int nw)
+{
+    tp_pjob *j = (tp_pjob *)arg;
+    tp *t = j->t;
+    size_t dim = (size_t)t->c.dim;
+    int i;
+    for (i = j->c0 + wk; i < j->c1; i += nw)
+        tp_ffn_part(t, j->layer, t->hidden + (size_t)i * dim, t->pxb[wk], t->phb[wk], t->phb2[wk],
+                    t->ppart + (size_t)(i - j->c0) * dim);
+}
+
+/* qkv of the n prompt tokens at this layer */
+static void tp_prefill_qkv(tp *t, int layer, int pos0, int n, float *q, float *k, float *v)
+{
+    tp_pjob j;
+    memset(&j, 0, sizeof j);
+    j.t = t;
+    j.layer = layer;
+    j.pos0 = pos0;
+    j.n = n;
+    j.q = q;
+    j.k = k;
+    j.v = v;
+    tp_parallel(t->nthreads, tp_qkv_worker, &j);
+}
+
+/* attention over rows kr/vr (0 .. pos0+n-1 per local head), wo, all-reduce, FFN,
+   all-reduce, for the prompt's tokens; the last layer only for the last token */
+static void tp_prefill_attend(tp *t, int layer, int pos0, int n, const float *q,
+                              const float *const *kr, const float *const *vr)
+{
+    tp_pjob j;
+    size_t dim = (size_t)t->c.dim;
+    int first = layer == t->c.n_layers - 1 ? n - 1 : 0, c0;
+    memset(&j, 0, sizeof j);
+    j.t = t;
+    j.layer = layer;
+    j.pos0 = pos0;
+    j.n = n;
+    j.cq = q;
+    j.kr = kr;
+    j.vr = vr;
+    for (c0 = first; c0 < n; c0 += TP_CHUNK) {
+        int c1 = c0 + TP_CHUNK < n ? c0 + TP_CHUNK : n;
+        size_t m = (size_t)(c1 - c0) * dim;
+        j.c0 = c0;
+        j.c1 = c1;
+        tp_parallel(t->nthreads, tp_attend_worker, &j);
+        tp_allreduce_add(t, t->ppart, t->hidden + (size_t)c0 * dim, m);
+        tp_parallel(t->nthreads, tp_ffn_worker, &j);
+        tp_allreduce_add(t, t->ppart, t->hidden + (size_t)c0 * dim, m);
+    }
+}
+
+/* ----------------------------------------------------------------------------
+   Decode attention over a selection (rows by pointer) */
+
+typedef struct {
+    tp *t;
+    int layer;
+    const float *const *const *krow, *const *const *vrow; /* [local head][i] */
+    const int *cnt;
+} tp_djob;
+
+static void tp_attend_head(tp *t, int g, int n, const float *const *krow, const float *const *vrow)
+{
+    int hs = t->hs, group = t->nq / t->nkv, i, j;
+    float scale = 1.0f / sqrtf((float)hs);
+    for (j = 0; j < group; j++) {
+        int h = g * group + j;
+        float *att = t->att + (size_t)h * (size_t)t->ctx, *o = t->ob + (size_t)h * (size_t)hs;
+        const float *q = t->q + (size_t)h * (size_t)hs;
+        for (i = 0; i < n; i++)
+            att[i] = tp_dot(q, krow[i], hs) * scale;
+        if (n > 0)
+            tl_softmax(att, n);
+        memset(o, 0, (size_t)hs * sizeof(float));
+        for (i = 0; i < n; i++)
+            tp_axpy(o, att[i], vrow[i], hs);
+    }
+}
+
+static void tp_decode_worker(void *arg, int wk, int nw)
+{
+    tp_djob *j = (tp_djob *)arg;
+    int g;
+    for (g = wk; g < j->t->nkv; g += nw)
+        tp_attend_head(j->t, g, j->cnt[g], j->krow[g], j->vrow[g]);
+}
+
+static void tp_decode_attend(tp *t, int layer, const int *cnt, const float *const *const *krow,
+                             const float *const *const *vrow)
+{
+    tp_djob j;
+    long work = 0;
+    int g, nt = t->nthreads < t->nkv ? t->nthreads : t->nkv;
+    for (g = 0; g < t->nkv; g++)
+        work += cnt[g];
+    if (work < 4096)
+        nt = 1;
+    j.t = t;
+    j.layer = layer;
+    j.krow = krow;
+    j.vrow = vrow;
+    j.cnt = cnt;
+    tp_parallel(nt, tp_decode_worker, &j);
+    tp_attn_part(t, layer, t->ob, t->part);
+    tp_allreduce_add(t, t->part, t->x, (size_t)t->c.dim);
+    tp_ffn_part(t, layer, t->x, t->xb, t->phb[0], t->phb2[0], t->part);
+    tp_allreduce_add(t, t->part, t->x, (size_t)t->c.dim);
+}
+
+static float *tp_classify(tp *t)
+{
+    tp_rmsnorm(t->xb, t->x, t->w.rms_final, t->c.dim);
+    tp_matmul(t->logits, t->xb, t->w.wcls, t->c.dim, t->c.vocab_size);
+    return t->logits;
+}
+
+/* ----------------------------------------------------------------------------
+   pqcache: the driver's callbacks over the rank's heads */
+
+static int tp_cb_qkv(void *user, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
+{
+    tp *t = (tp *)user;
+    if (t->prefill_n > 0) {
+        if (n != (size_t)t->prefill_n) {
+            snprintf(t->err, sizeof t->err, "qkv: %zu tokens, expected %d", n, t->prefill_n);
+            return -1;
+        }
+        tp_prefill_qkv(t, layer, (int)pos0, (int)n, q, k, v);
+        return 0;
+    }
+    if (n != 1) {
+        snprintf(t->err, sizeof t->err, "qkv: %zu tokens in a decode step", n);
+        return -1;
+    }
+    if (t->rope_pos != (int)pos0) {
+        tp_rope_angles(&t->c, (int)pos0, t->rcos, t->rsin);
+        t->rope_pos = (int)pos0;
+    }
+    tp_qkv(t, layer, t->x, t->xb, t->rcos, t->rsin, q, k, v);
+    return 0;
+}
+
+static int tp_cb_attend(void *user, int layer, size_t pos0, size_t n, const float *q,
+                        const pqc_kv_view *kv)
+{
+    tp *t = (tp *)user;
+    const float *kr[TP_MAX_THREADS * 4], *vr[TP_MAX_THREADS * 4];
+    const float *const *krow[TP_MAX_THREADS * 4], *const *vrow[TP_MAX_THREADS * 4];
+    const float **own_k = NULL, **own_v = NULL;
+    int cnt[TP_MAX_THREADS * 4], g;
+    size_t i;
+    if (kv->dtype != PQC_F32 || kv->n_kv_heads != t->nkv || kv->head_dim != t->hs) {
+        snprintf(t->err, sizeof t->err, "attend: a K/V view of %d heads x %d, expected %d x %d fp32",
+                 kv->n_kv_heads, kv->head_dim, t->nkv, t->hs);
+        return -1;
+    }
+    if (t->prefill_n > 0) {
+        if (kv->pos != NULL || n != (size_t)t->prefill_n) {
+            snprintf(t->err, sizeof t->err, "attend: unexpected prefill view");
+            return -1;
+        }
+        for (g = 0; g < t->nkv; g++) {
+            if (kv->count[g] != pos0 + n) {
+                snprintf(t->err, sizeof t->err, "attend: head %d has %zu rows", g, kv->count[g]);
+                return -1;
+            }
+            kr[g] = (const float *)kv->k[g];
+            vr[g] = (const float *)kv->v[g];
+        }
+        tp_prefill_attend(t, layer, (int)pos0, (int)n, q, kr, vr);
+        return 0;
+    }
+    if (n != 1 || kv->pos == NULL) {
+        snprintf(t->err, sizeof t->err, "attend: unexpected decode view");
+        return -1;
+    }
+    memcpy(t->q, q, (size_t)t->qd * sizeof(float));
+    for (g = 0; g < t->nkv; g++) {
+        size_t c = kv->count[g];
+        uint32_t *rec = t->sel_pos + ((size_t)layer * (size_t)t->nkv + (size_t)g) * (size_t)t->ctx;
+        if (c > (size_t)t->ctx) {
+            snprintf(t->err, sizeof t->err, "attend: %zu rows selected", c);
+            return -1;
+        }
+        cnt[g] = (int)c;
+        t->sel_n[layer * t->nkv + g] = (int)c;
+        for (i = 0; i < c; i++)
+            rec[i] = kv->pos[g][i];
+        if (kv->krows) {
+            krow[g] = (const float *const *)kv->krows[g];
+            vrow[g] = (const float *const *)kv->vrows[g];
+        }
+    }
+    if (!kv->krows) {   /* gathered rows: point at them one by one */
+        size_t tot = 0, off = 0;
+        for (g = 0; g < t->nkv; g++)
+            tot += (size_t)cnt[g];
+        own_k = (const float **)malloc((tot ? tot : 1) * sizeof(float *));
+        own_v = (const float **)malloc((tot ? tot : 1) * sizeof(float *));
+        if (!own_k || !own_v) {
+            free(own_k);
+            free(own_v);
+            snprintf(t->err, sizeof t->err, "attend: out of memory");
+            return -1;
+        }
+        for (g = 0; g < t->nkv; g++) {
+            for (i = 0; i < (size_t)cnt[g]; i++) {
+                own_k[off + i] = (const float *)kv->k[g] + i * (size_t)t->hs;
+                own_v[off + i] = (const float *)kv->v[g] + i * (size_t)t->hs;
+            }
+            krow[g] = own_k + off;
+            vrow[g] = own_v + off;
+            off += (size_t)cnt[g];
+        }
+    }
+    tp_decode_attend(t, layer, cnt, krow, vrow);
+    free(own_k);
+    free(own_v);
+    return 0;
+}
+
+static void tp_pqcache_create(tp *t, int max_tokens)
+{
+    pqc_runtime_desc rd;
+    pqc_scheduler_desc sd;
+    pqc_cache_desc cd;
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = t->nthreads;
+    if (pqc_runtime_create(&rd, &t->rt) != PQC_SUCCESS)
+        tp_die(t, "pqcache runtime: %s", pqc_last_error());
+    if (t->o.iters == 0) {
+        memset(&sd, 0, sizeof sd);
+        sd.parallel = (double)t->nthreads;
+        if (pqc_scheduler_create(&sd, &t->sched) != PQC_SUCCESS)
+            tp_die(t, "pqcache scheduler: %s", pqc_last_error());
+    }
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = t->c.n_layers;
+    cd.n_kv_heads = t->nkv;          /* this rank's KV heads only */
+    cd.first_kv_head = t->kv0;       /* seeded as in one cache over every head */
+    cd.n_q_heads = t->nq;
+    cd.head_dim = t->hs;
+    cd.kv_dtype = PQC_F32;
+    cd.max_tokens = (size_t)max_tokens;
+    cd.n_sink = t->o.n_sink > 0 ? t->o.n_sink : -1;
+    cd.budget_ratio = (double)t->o.ratio;
+    cd.pq.m = t->o.pq_m;
+    cd.pq.bits = t->o.pq_bits;
+    cd.pq.iters = t->o.iters;
+    cd.pq.seed = t->o.seed;
+    cd.pq.rope = PQC_ROPE_INTERLEAVED;
+    cd.cache_blocks = t->o.cache_blocks;
+    cd.metric = (pqc_metric)t->o.metric;
+    cd.split = (pqc_split)t->o.split;
+    cd.scheduler = t->sched;
+    if (pqc_cache_create(t->rt, &cd, &t->cache) != PQC_SUCCESS)
+        tp_die(t, "pqcache: %s", pqc_last_error());
+    t->eng.user = t;
+    t->eng.qkv = tp_cb_qkv;
+    t->eng.attend = tp_cb_attend;
+    t->eng.accepts_row_pointers = 1;
+}
+
+/* ----------------------------------------------------------------------------
+   Host-cache modes: full, window, oracle */
+
+static float *tp_krow(const tp *t, int layer, int g, int pos)
+{
+    return t->kc + (((size_t)layer * (size_t)t->nkv + (size_t)g) * (size_t)t->ctx + (size_t)pos) *
+           (size_t)t->hs;
+}
+
+static float *tp_vrow(const tp *t, int layer, int g, int pos)
+{
+    return t->vc + (((size_t)layer * (size_t)t->nkv + (size_t)g) * (size_t)t->ctx + (size_t)pos) *
+           (size_t)t->hs;
+}
+
+static float tp_kth_largest(float *a, int n, int k)
+{
+    int lo = 0, hi = n - 1, target = k - 1;
+    while (lo < hi) {
+        float pivot = a[lo + (hi - lo) / 2], x;
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) {
+                x = a[i]; a[i] = a[j]; a[j] = x;
+                i++;
+                j--;
+            }
+        }
+        if (target <= j)
+            hi = j;
+        else if (target >= i)
+            lo = i;
+        else
+            break;
+    }
+    return a[target];
+}
+
+/* positions of local head g for a context of n (the current token included) */
+static int tp_select_host(tp *t, int layer, int g, int n, uint32_t *out)
+{
+    tl_policy p;
+    int n_sink, n_window, n_topk, cnt = 0, i, j;
+    if (t->o.mode == TP_FULL) {
+        for (i = 0; i < n; i++)
+            out[i] = (uint32_t)i;
+        return n;
+    }
+    tl_default_policy(&p, t->o.mode == TP_WINDOW ? TL_ATTN_WINDOW : TL_ATTN_ORACLE);
+    p.n_sink = t->o.n_sink;
+    p.ratio = t->o.ratio;
+    tl_budget(&p, n, &n_sink, &n_window, &n_topk);
+    {
+        int lo = n_sink, hi = n - n_window, n_mid = hi - lo, hs = t->hs, group = t->nq / t->nkv;
+        float scale = 1.0f / sqrtf((float)hs);
+        for (i = 0; i < n_sink; i++)
+            out[cnt++] = (uint32_t)i;
+        if (n_topk >= n_mid) {
+            for (i = lo; i < hi; i++)
+                out[cnt++] = (uint32_t)i;
+        } else if (n_topk > 0) {
+            float thr;
+            int ties;
+            memset(t->mass, 0, (size_t)n * sizeof(float));
+            for (j = 0; j < group; j++) {
+                int h = g * group + j;
+                float *att = t->att + (size_t)h * (size_t)t->ctx;
+                const float *q = t->q + (size_t)h * (size_t)hs;
+                for (i = 0; i < n; i++)
+                    att[i] = tp_dot(q, tp_krow(t, layer, g, i), hs) * scale;
+                tl_softmax(att, n);
+                for (i = 0; i < n; i++)
+                    t->mass[i] += att[i];
+            }
+            memcpy(t->tmp, t->mass + lo, (size_t)n_mid * sizeof(float));
+            thr = tp_kth_largest(t->tmp, n_mid, n_topk);
+            ties = n_topk;
+            for (i = lo; i < hi; i++)
+                if (t->mass[i] > thr)
+                    ties--;
+            for (i = lo; i < hi; i++)
+                if (t->mass[i] > thr || (t->mass[i] == thr && ties-- > 0))
+                    out[cnt++] = (uint32_t)i;
+        }
+        for (i = hi; i < n; i++)
+            out[cnt++] = (uint32_t)i;
+    }
+    return cnt;
+}
+
+static void tp_host_prefill(tp *t, const int *tokens, int n)
+{
+    size_t dim = (size_t)t->c.dim, kvl = (size_t)t->nkv * (size_t)t->hs;
+    float *q = (float *)tp_alloc(t, (size_t)n * (size_t)t->qd, sizeof(float));
+    float *k = (float *)tp_alloc(t, (size_t)n * kvl, sizeof(float));
+    float *v = (float *)tp_alloc(t, (size_t)n * kvl, sizeof(float));
+    const float *kr[256], *vr[256];
+    int layer, i, g;
+    for (i = 0; i < n; i++)
+        memcpy(t->hidden + (size_t)i * dim, t->w.token_embedding + (size_t)tokens[i] * dim,
+               dim * sizeof(float));
+    for (layer = 0; layer < t->c.n_layers; layer++) {
+        tp_prefill_qkv(t, layer, 0, n, q, k, v);
+        for (g = 0; g < t->nkv; g++) {
+            for (i = 0; i < n; i++) {
+                memcpy(tp_krow(t, layer, g, i), k + (size_t)i * kvl + (size_t)g * (size_t)t->hs,
+                       (size_t)t->hs * sizeof(float));
+                memcpy(tp_vrow(t, layer, g, i), v + (size_t)i * kvl + (size_t)g * (size_t)t->hs,
+                       (size_t)t->hs * sizeof(float));
+            }
+            kr[g] = tp_krow(t, layer, g, 0);
+            vr[g] = tp_vrow(t, layer, g, 0);
+        }
+        tp_prefill_attend(t, layer, 0, n, q, kr, vr);
+    }
+    free(q);
+    free(k);
+    free(v);
+}
+
+static void tp_host_decode(tp *t, int pos)
+{
+    const float **rows = (const float **)tp_alloc(t, (size_t)2 * (size_t)t->nkv * (size_t)(pos + 1),
+                                                  sizeof(float *));
+    const float *const *krow[256], *const *vrow[256];
+    int cnt[256], layer, g, i;
+    if (t->rope_pos != pos) {
+        tp_rope_angles(&t->c, pos, t->rcos, t->rsin);
+        t->rope_pos = pos;
+    }
+    for (layer = 0; layer < t->c.n_layers; layer++) {
+        tp_qkv(t, layer, t->x, t->xb, t->rcos, t->rsin, t->q, t->k, t->v);
+        for (g = 0; g < t->nkv; g++) {
+            memcpy(tp_krow(t, layer, g, pos), t->k + (size_t)g * (size_t)t->hs, (size_t)t->hs * sizeof(float));
+            memcpy(tp_vrow(t, layer, g, pos), t->v + (size_t)g * (size_t)t->hs, (size_t)t->hs * sizeof(float));
+        }
+        for (g = 0; g < t->nkv; g++) {
+            uint32_t *sel = t->sel_pos + ((size_t)layer * (size_t)t->nkv + (size_t)g) * (size_t)t->ctx;
+            const float **kp = rows + (size_t)2 * (size_t)g * (size_t)(pos + 1), **vp = kp + pos + 1;
+            cnt[g] = tp_select_host(t, layer, g, pos + 1, sel);
+            t->sel_n[layer * t->nkv + g] = cnt[g];
+            for (i = 0; i < cnt[g]; i++) {
+                kp[i] = tp_krow(t, layer, g, (int)sel[i]);
+                vp[i] = tp_vrow(t, layer, g, (int)sel[i]);
+            }
+            krow[g] = kp;
+            vrow[g] = vp;
+        }
+        tp_decode_attend(t, layer, cnt, krow, vrow);
+    }
+    free(rows);
+}
+
+/* ----------------------------------------------------------------------------
+   Setup */
+
+static void tp_setup(tp *t, int ctx)
+{
+    int w;
+    size_t dim = (size_t)t->c.dim, att;
+    t->ctx = ctx;
+    t->nthreads = t->o.threads < 1 ? 1 : t->o.threads > TP_MAX_THREADS ? TP_MAX_THREADS : t->o.threads;
+    t->x = (float *)tp_alloc(t, dim, sizeof(float));
+    t->xb = (float *)tp_alloc(t, dim, sizeof(float));
+    t->q = (float *)tp_alloc(t, (size_t)t->qd, sizeof(float));
+    t->k = (float *)tp_alloc(t, (size_t)t->nkv * (size_t)t->hs, sizeof(float));
+    t->v = (float *)tp_alloc(t, (size_t)t->nkv * (size_t)t->hs, sizeof(float));
+    t->ob = (float *)tp_alloc(t, (size_t)t->qd, sizeof(float));
+    t->att = (float *)tp_alloc(t, (size_t)t->nq * (size_t)ctx, sizeof(float));
+    t->logits = (float *)tp_alloc(t, (size_t)t->c.vocab_size, sizeof(float));
+    t->mass = (float *)tp_alloc(t, (size_t)ctx, sizeof(float));
+    t->tmp = (float *)tp_alloc(t, (size_t)ctx, sizeof(float));
+    t->rcos = (float *)tp_alloc(t, (size_t)t->hs / 2, sizeof(float));
+    t->rsin = (float *)tp_alloc(t, (size_t)t->hs / 2, sizeof(float));
+    t->part = (double *)tp_alloc(t, dim, sizeof(double));
+    t->ppart = (double *)tp_alloc(t, (size_t)TP_CHUNK * dim, sizeof(double));
+    t->rope_pos = -1;
+    att = (size_t)TP_BLOCK * (size_t)t->nq * (size_t)ctx;
+    for (w = 0; w < t->nthreads; w++) {
+        t->patt[w] = (float *)tp_alloc(t, att, sizeof(float));
+        t->pout[w] = (float *)tp_alloc(t, (size_t)TP_BLOCK * (size_t)t->qd, sizeof(float));
+        t->pxb[w] = (float *)tp_alloc(t, dim, sizeof(float));
+        t->phb[w] = (float *)tp_alloc(t, (size_t)t->nf, sizeof(float));
+        t->phb2[w] = (float *)tp_alloc(t, (size_t)t->nf, sizeof(float));
+    }
+    t->sel_n = (int *)tp_alloc(t, (size_t)t->c.n_layers * (size_t)t->nkv, sizeof(int));
+    t->sel_pos = (uint32_t *)tp_alloc(t, (size_t)t->c.n_layers * (size_t)t->nkv * (size_t)ctx,
+                                      sizeof(uint32_t));
+    if (t->o.mode == TP_PQCACHE) {
+        tp_pqcache_create(t, ctx);
+    } else {
+        size_t kv = (size_t)t->c.n_layers * (size_t)t->nkv * (size_t)ctx * (size_t)t->hs;
+        t->kc = (float *)tp_alloc(t, kv, sizeof(float));
+        t->vc = (float *)tp_alloc(t, kv, sizeof(float));
+    }
+}
+
+static void tp_teardown(tp *t)
+{
+    int w;
+    pqc_cache_destroy(t->cache);
+    pqc_scheduler_destroy(t->sched);
+    pqc_runtime_destroy(t->rt);
+    for (w = 0; w < t->nthreads; w++) {
+        free(t->patt[w]);
+        free(t->pout[w]);
+        free(t->pxb[w]);
+        free(t->phb[w]);
+        free(t->phb2[w]);
+    }
+    free(t->x); free(t->xb); free(t->q); free(t->k); free(t->v); free(t->ob); free(t->att);
+    free(t->logits); free(t->mass); free(t->tmp); free(t->rcos); free(t->rsin); free(t->part);
+    free(t->ppart); free(t->sel_n); free(t->sel_pos); free(t->kc); free(t->vc); free(t->hidden);
+    free(t->wq); free(t->wk); free(t->wv); free(t->wo); free(t->w1); free(t->w2); free(t->w3);
+    free(t->wide);
+    tl_free_model(&t->model);
+}
+
+/* ----------------------------------------------------------------------------
+   Prompt */
+
+typedef struct {
+    int *tokens;    /* prompt, then the decode inputs that are forced (random prompts) */
+    int n_prompt, n_total;
+    int query;      /* passkey: the token fed after the prompt; -1 none */
+    int answer[64], n_answer;
+} tp_prompt;
+
+/* make_passkey --prompt's output: "prompt LEN t...", "query K", "answer n v...", "needle P" */
+static int tp_read_prompt(const char *path, int vocab, tp_prompt *p, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    char word[32];
+    int n, i, ok = 1;
+    memset(p, 0, sizeof *p);
+    p->query = -1;
+    if (!f) {
+        snprintf(err, errlen, "cannot open the prompt file %s", path);
+        return -1;
+    }
+    if (fscanf(f, "%31s %d", word, &n) != 2 || strcmp(word, "prompt") != 0 || n < 1 || n > (1 << 24)) {
+        snprintf(err, errlen, "%s: not a prompt file (it must start with \"prompt LEN\")", path);
+        fclose(f);
+        return -1;
+    }
+    p->tokens = (int *)malloc((size_t)n * sizeof(int) + 64 * sizeof(int));
+    if (!p->tokens) {
+        fclose(f);
+        snprintf(err, errlen, "out of memory for %d prompt tokens", n);
+        return -1;
+    }
+    for (i = 0; i < n && ok; i++)
+        ok = fscanf(f, "%d", &p->tokens[i]) == 1 && p->tokens[i] >= 0 && p->tokens[i] < vocab;
+    if (ok && fscanf(f, "%31s %d", word, &p->query) == 2 && strcmp(word, "query") == 0) {
+        ok = p->query >= 0 && p->query < vocab;
+        if (ok && fscanf(f, "%31s %d", word, &p->n_answer) == 2 && strcmp(word, "answer") == 0) {
+            ok = p->n_answer >= 0 && p->n_answer <= 64;
+            for (i = 0; ok && i < p->n_answer; i++)
+                ok = fscanf(f, "%d", &p->answer[i]) == 1;
+        } else {
+            p->n_answer = 0;
+        }
+    } else if (ok) {
+        p->query = -1;
+    }
+    fclose(f);
+    if (!ok) {
+        free(p->tokens);
+        p->tokens = NULL;
+        snprintf(err, errlen, "%s: a token is missing or outside the vocabulary (0..%d)", path, vocab - 1);
+        return -1;
+    }
+    p->n_prompt = p->n_total = n;
+    return 0;
+}
+
+static int tp_random_prompt(int n, int steps, int vocab, unsigned long long seed, tp_prompt *p)
+{
+    unsigned long long rng = tl_rng_seed(seed);
+    int i;
+    memset(p, 0, sizeof *p);
+    p->query = -1;
+    p->tokens = (int *)malloc((size_t)(n + steps + 1) * sizeof(int));
+    if (!p->tokens)
+        return -1;
+    p->tokens[0] = TL_BOS < vocab ? TL_BOS : 0;
+    for (i = 1; i < n + steps + 1; i++)
+        p->tokens[i] = (int)(tl_rng_next(&rng) % (unsigned long long)vocab);
+    p->n_prompt = n;
+    p->n_total = n + steps + 1;
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------
+   Record of a run (rank 0): logits and per global KV head selections per step */
+
+typedef struct {
+    FILE *f;
+    int *cnt;            /* gathered: [layer][global head] */
+    uint32_t *pos;       /* gathered: [layer][global head][ctx] */
+    int *head_bad;       /* check: steps x layers that differ, per global head */
+} tp_rec;
+
+/* gathers every rank's selections of this step to rank 0 */
+static void tp_gather_sel(tp *t, tp_rec *r)
+{
+    int L = t->c.n_layers, G = t->c.n_kv_heads, l, p;
+    int *counts = NULL, *displs = NULL;
+    uint32_t *buf;
+    size_t per = (size_t)t->ctx;
+    /* [layer][local head] -> sent as [local head][layer] blocks, so ranks' heads concatenate */
+    int *cn = (int *)tp_alloc(t, (size_t)L * (size_t)t->nkv, sizeof(int));
+    int *gc = t->rank == 0 ? (int *)tp_alloc(t, (size_t)L * (size_t)G, sizeof(int)) : NULL;
+    uint32_t *gp = NULL;
+    int g;
+    buf = (uint32_t *)tp_alloc(t, (size_t)t->nkv * (size_t)L * per, sizeof(uint32_t));
+    for (g = 0; g < t->nkv; g++)
+        for (l = 0; l < L; l++) {
+            cn[g * L + l] = t->sel_n[l * t->nkv + g];
+            memcpy(buf + ((size_t)g * (size_t)L + (size_t)l) * per,
+                   t->sel_pos + ((size_t)l * (size_t)t->nkv + (size_t)g) * per, per * sizeof(uint32_t));
+        }
+    if (t->rank == 0) {
+        counts = (int *)tp_alloc(t, (size_t)t->size, sizeof(int));
+        displs = (int *)tp_alloc(t, (size_t)t->size, sizeof(int));
+        for (p = 0; p < t->size; p++) {
+            int lo, n;
+            tp_share(G, t->size, p, &lo, &n);
+            counts[p] = n * L;
+            displs[p] = lo * L;
+        }
+    }
+    MPI_Gatherv(cn, t->nkv * L, MPI_INT, gc, counts, displs, MPI_INT, 0, MPI_COMM_WORLD);
+    if (t->rank == 0) {
+        gp = (uint32_t *)tp_alloc(t, (size_t)G * (size_t)L * per, sizeof(uint32_t));
+        for (p = 0; p < t->size; p++) {
+            counts[p] *= (int)per;
+            displs[p] *= (int)per;
+        }
+    }
+    MPI_Gatherv(buf, t->nkv * L * (int)per, MPI_UNSIGNED, gp, counts, displs, MPI_UNSIGNED, 0,
+                MPI_COMM_WORLD);
+    if (t->rank == 0) {   /* back to [layer][global head] */
+        for (l = 0; l < L; l++)
+            for (g = 0; g < G; g++) {
+                r->cnt[l * G + g] = gc[g * L + l];
+                memcpy(r->pos + ((size_t)l * (size_t)G + (size_t)g) * per,
+                       gp + ((size_t)g * (size_t)L + (size_t)l) * per, per * sizeof(uint32_t));
+            }
+    }
+    free(cn); free(gc); free(gp); free(buf); free(counts); free(displs);
+}
+
+/* rank 0: writes (save) or compares (check) one step. Returns the mismatching
+   (layer, head) selections; *maxdiff gets the largest logit difference. */
+static int tp_record_step(tp *t, tp_rec *r, int check, double *maxdiff, int *head_bad)
+{
+    int L = t->c.n_layers, G = t->c.n_kv_heads, V = t->c.vocab_size, i, bad = 0;
+    size_t per = (size_t)t->ctx;
+    if (!check) {
+        fwrite(t->logits, sizeof(float), (size_t)V, r->f);
+        for (i = 0; i < L * G; i++) {
+            fwrite(&r->cnt[i], sizeof(int), 1, r->f);
+            fwrite(r->pos + (size_t)i * per, sizeof(uint32_t), (size_t)r->cnt[i], r->f);
+        }
+        return 0;
+    } else {
+        float *ref = (float *)tp_alloc(t, (size_t)V, sizeof(float));
+        int *rc = (int *)tp_alloc(t, (size_t)(L * G), sizeof(int));
+        uint32_t *rp = (uint32_t *)tp_alloc(t, (size_t)(L * G) * per, sizeof(uint32_t));
+        if (fread(ref, sizeof(float), (size_t)V, r->f) != (size_t)V)
+            tp_die(t, "the reference run is shorter than this one");
+        for (i = 0; i < V; i++) {
+            double d = fabs((double)ref[i] - (double)t->logits[i]);
+            if (!(d <= *maxdiff))
+                *maxdiff = d != d ? INFINITY : d;
+        }
+        for (i = 0; i < L * G; i++)
+            if (fread(&rc[i], sizeof(int), 1, r->f) != 1 || rc[i] < 0 || (size_t)rc[i] > per ||
+                fread(rp + (size_t)i * per, sizeof(uint32_t), (size_t)rc[i], r->f) != (size_t)rc[i])
+                tp_die(t, "the reference run's file is damaged or of another model");
+        for (i = 0; i < L * G; i++) {
+            /* the reference head: the same one, or --sel-ref-head's */
+            int j = t->o.sel_ref_head >= 0 ? (i / G) * G + t->o.sel_ref_head : i;
+            if (rc[j] != r->cnt[i] ||
+                memcmp(rp + (size_t)j * per, r->pos + (size_t)i * per, (size_t)rc[j] * sizeof(uint32_t)) != 0) {
+                bad++;
+                head_bad[i % G]++;
+            }
+        }
+        free(rc);
+        free(ref);
+        free(rp);
+        return bad;
+    }
+}
+
+/* ----------------------------------------------------------------------------
+   Command line */
+
+static void usage(void)
+{
+    fprintf(stderr,
+        "usage: mpirun -np P tiny_llama_mpi MODEL.bin [options]\n"
+        "  tensor parallel over P ranks: each holds its KV heads (and their query heads), its\n"
+        "  share of the FFN units and, in pqcache mode, its own pqc_cache over its KV heads\n"
+        "  --prompt-file F  a prompt from make_passkey --prompt (query and answer: a passkey run)\n"
+        "  --random N       a random prompt of N tokens; decode inputs are random too\n"
+        "  --seed S         random prompt and k-means seed (default 1)\n"
+        "  --widen K        run the model with K copies of every head and FFN unit (default 1)\n"
+        "  -a MODE          full, window, oracle or pqcache (default pqcache)\n"
+        "  -n STEPS         decode steps (default 16)\n"
+        "  -t THREADS       threads per rank (default 1)\n"
+        "  -b RATIO         budget ratio (default 0.1; >= 1 attends to everything)\n"
+        "  -S SINKS         sink tokens (default 32)\n"
+        "  -m M, -B BITS    PQ sub-spaces and bits (default 2, 6)\n"
+        "  -T ITERS         k-means iterations (default 0: the adaptive scheduler)\n"
+        "  -C BLOCKS        block-cache blocks per layer and KV head (default 32, -1 none)\n"
+        "  --split S        fixed or adaptive (default fixed; see README)\n"
+        "  --metric M       query or l2 (default query)\n"
+        "  --save F         rank 0 writes every decode step's logits and per-head selections\n"
+        "  --check F        compare with a --save file: logits within --tol, selections\n"
+        "  --tol X          largest logit difference allowed by --check (default 1e-4)\n"
+        "  --same-sel       --check fails unless every selection is identical\n"
+        "  --sel-only       --check compares the selections only, not the logits\n"
+        "  --sel-ref-head H --check compares every KV head's selection with the reference's head H\n"
+        "                   (a widened model's copies of one head)\n"
+        "  --vs-engine      rank 0 also runs tiny_llama.h's own tl_forward (full attention) over\n"
+        "                   the same tokens and fails unless the decode logits agree within --tol\n"
+        "  -q               quiet: only the summary\n");
+}
+
+static int tp_parse(int argc, char **argv, tp_opts *o, char *err, size_t errlen)
+{
+    int i;
+    memset(o, 0, sizeof *o);
+    o->widen = 1;
+    o->steps = 16;
+    o->threads = 1;
+    o->seed = 1;
+    o->mode = TP_PQCACHE;
+    o->n_sink = 32;
+    o->pq_m = 2;
+    o->pq_bits = 6;
+    o->cache_blocks = 32;
+    o->split = PQC_SPLIT_FIXED;
+    o->metric = PQC_METRIC_QUERY;
+    o->ratio = 0.1f;
+    o->tol = 1e-4;
+    o->sel_ref_head = -1;
+    for (i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        char *end = NULL;
+        int takes = 1;
+        if (a[0] != '-') {
+            if (o->model) {
+                snprintf(err, errlen, "two models given (%s, %s)", o->model, a);
+                return -1;
+            }
+            o->model = a;
+            continue;
+        }
+        if (!strcmp(a, "-q")) { o->quiet = 1; continue; }
+        if (!strcmp(a, "--same-sel")) { o->same_sel = 1; continue; }
+        if (!strcmp(a, "--sel-only")) { o->sel_only = 1; continue; }
+        if (!strcmp(a, "--vs-engine")) { o->vs_engine = 1; continue; }
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) return 1;
+        if (!v) {
+            snprintf(err, errlen, "option %s needs a value", a);
+            return -1;
+        }
+#define TP_INT(name, field, lo, hi) \
+        else if (!strcmp(a, name)) { long x = strtol(v, &end, 10); \
+            if (*v == '\0' || *end != '\0' || x < (lo) || x > (hi)) { \
+                snprintf(err, errlen, "%s %s: expected an integer in %ld..%ld", a, v, (long)(lo), (long)(hi)); \
+                return -1; } o->field = (int)x; }
+        if (0) {}
+        TP_INT("--widen", widen, 1, 64)
+        TP_INT("--random", random_len, 1, 1 << 24)
+        TP_INT("-n", steps, 1, 1 << 20)
+        TP_INT("-t", threads, 1, TP_MAX_THREADS)
+        TP_INT("-S", n_sink, 0, 1 << 24)
+        TP_INT("-m", pq_m, 1, 1024)
+        TP_INT("-B", pq_bits, 1, 8)
+        TP_INT("-T", iters, 0, 1000)
+        TP_INT("-C", cache_blocks, -1, 1 << 20)
+        TP_INT("--sel-ref-head", sel_ref_head, 0, 1 << 20)
+        else if (!strcmp(a, "--prompt-file")) o->prompt_file = v;
+        else if (!strcmp(a, "--save")) o->save = v;
+        else if (!strcmp(a, "--check")) o->check = v;
+        else if (!strcmp(a, "--seed")) {
+            o->seed = strtoull(v, &end, 10);
+            if (*v == '\0' || *end != '\0') { snprintf(err, errlen, "--seed %s: not a number", v); return -1; }
+        } else if (!strcmp(a, "-b") || !strcmp(a, "--tol")) {
+            double x = strtod(v, &end);
+            if (*v == '\0' || *end != '\0' || !(x > 0.0) || x > 1e30) {
+                snprintf(err, errlen, "%s %s: expected a positive number", a, v);
+                return -1;
+            }
+            if (a[1] == 'b') o->ratio = (float)x; else o->tol = x;
+        } else if (!strcmp(a, "-a")) {
+            if (!strcmp(v, "full")) o->mode = TP_FULL;
+            else if (!strcmp(v, "window")) o->mode = TP_WINDOW;
+            else if (!strcmp(v, "oracle")) o->mode = TP_ORACLE;
+            else if (!strcmp(v, "pqcache")) o->mode = TP_PQCACHE;
+            else { snprintf(err, errlen, "-a %s: expected full, window, oracle or pqcache", v); return -1; }
+        } else if (!strcmp(a, "--split")) {
+            if (!strcmp(v, "fixed")) o->split = PQC_SPLIT_FIXED;
+            else if (!strcmp(v, "adaptive")) o->split = PQC_SPLIT_ADAPTIVE;
+            else { snprintf(err, errlen, "--split %s: expected fixed or adaptive", v); return -1; }
+        } else if (!strcmp(a, "--metric")) {
+            if (!strcmp(v, "query")) o->metric = PQC_METRIC_QUERY;
+            else if (!strcmp(v, "l2")) o->metric = PQC_METRIC_L2;
+            else { snprintf(err, errlen, "--metric %s: expected query or l2", v); return -1; }
+        } else {
+            snprintf(err, errlen, "unknown option %s", a);
+            return -1;
+        }
+#undef TP_INT
+        i += takes;
+    }
+    if (!o->model) {
+        snprintf(err, errlen, "no model given");
+        return -1;
+    }
+    if ((o->prompt_file != NULL) == (o->random_len > 0)) {
+        snprintf(err, errlen, "give exactly one of --prompt-file and --random");
+        return -1;
+    }
+    if (o->save && o->check) {
+        snprintf(err, errlen, "--save and --check exclude each other");
+        return -1;
+    }
+    return 0;
+}
+
+/* rank 0: tiny_llama.h's own forward (full attention, token by token) over the
+   run's inputs; the largest difference from the logits of the decode steps */
+static double tp_vs_engine(tp *t, const tp_prompt *pr, const int *inputs, const float *logits, int steps)
+{
+    tl_state s;
+    tl_policy pol;
+    char err[TL_ERR_LEN];
+    double maxd = 0.0;
+    int pos, i, V = t->c.vocab_size;
+    if (tl_build_state(&s, &t->model.config, pr->n_prompt + steps, 1, err, sizeof err) != 0)
+        tp_die(t, "--vs-engine: %s", err);
+    tl_default_policy(&pol, TL_ATTN_FULL);
+    for (pos = 0; pos < pr->n_prompt + steps; pos++) {
+        int tok = pos < pr->n_prompt ? pr->tokens[pos] : inputs[pos - pr->n_prompt];
+        const float *lg = tl_forward(&t->model, &s, &pol, tok, pos);
+        if (!lg)
+            tp_die(t, "--vs-engine: %s", s.err);
+        if (pos >= pr->n_prompt)
+            for (i = 0; i < V; i++) {
+                double d = fabs((double)lg[i] - (double)logits[(size_t)(pos - pr->n_prompt) * (size_t)V + (size_t)i]);
+                if (!(d <= maxd))
+                    maxd = d != d ? INFINITY : d;
+            }
+    }
+    tl_free_state(&s);
+    return maxd;
+}
+
+static const char *tp_mode_name(tp_mode m)
+{
+    return m == TP_FULL ? "full" : m == TP_WINDOW ? "window" : m == TP_ORACLE ? "oracle" : "pqcache";
+}
+
+static double tp_mb(double b) { return b / (1024.0 * 1024.0); }
+
+int main(int argc, char **argv)
+{
+    tp t;
+    tp_prompt pr;
+    tp_rec rec;
+    char err[512];
+    int rc, step, pos, token, ctx, n_dec, bad_sel = 0, got[64], n_got = 0, i;
+    double t0, t_prefill, t_decode, maxdiff = 0.0;
+    unsigned long long mem[6], *all = NULL;
+    int *inputs = NULL;
+    float *run_logits = NULL;
+
+    memset(&t, 0, sizeof t);
+    memset(&rec, 0, sizeof rec);
+    if (MPI_Init(&argc, &argv) != MPI_SUCCESS) {
+        fprintf(stderr, "tiny_llama_mpi: MPI_Init failed\n");
+        return 1;
+    }
+    MPI_Comm_rank(MPI_COMM_WORLD, &t.rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &t.size);
+    rc = tp_parse(argc, argv, &t.o, err, sizeof err);
+    if (rc != 0) {
+        if (t.rank == 0) {
+            if (rc < 0)
+                fprintf(stderr, "tiny_llama_mpi: error: %s\n", err);
+            usage();
+        }
+        MPI_Finalize();
+        return rc < 0 ? 1 : 0;
+    }
+    if (tl_build_model(&t.model, t.o.model, err, sizeof err) != 0)
+        tp_fail_all(&t, err);
+    if (!t.model.w.wq || !t.model.w.wk || !t.model.w.wv || !t.model.w.wo || !t.model.w.w1 ||
+        !t.model.w.w2 || !t.model.w.w3 || !t.model.w.token_embedding || !t.model.w.wcls ||
+        !t.model.w.rms_att || !t.model.w.rms_ffn || !t.model.w.rms_final ||
+        t.model.config.head_size * t.model.config.n_heads != t.model.config.dim)
+        tp_fail_all(&t, "the tensor-parallel engine runs llama2.c checkpoints (fp32 weights) only");
+    if (t.o.widen > 1) {
+        tp_widen(&t, t.o.widen);
+    } else {
+        t.c = t.model.config;
+        t.w = t.model.w;
+    }
+    if (t.c.head_size > 1024)
+        tp_fail_all(&t, "head size above 1024 is not supported");
+    tp_slice(&t);
+    if (t.nkv > 256)
+        tp_fail_all(&t, "more than 256 KV heads per rank are not supported");
+    if (t.o.sel_ref_head >= t.c.n_kv_heads)
+        tp_fail_all(&t, "--sel-ref-head is not a KV head of the model");
+    if (t.o.prompt_file) {
+        if (tp_read_prompt(t.o.prompt_file, t.c.vocab_size, &pr, err, sizeof err) != 0)
+            tp_fail_all(&t, err);
+    } else if (tp_random_prompt(t.o.random_len, t.o.steps, t.c.vocab_size, t.o.seed, &pr) != 0) {
+        tp_fail_all(&t, "out of memory for the prompt");
+    }
+    ctx = pr.n_prompt + t.o.steps;
+    if (t.o.vs_engine && (t.o.widen > 1 || t.o.mode != TP_FULL))
+        tp_fail_all(&t, "--vs-engine compares full attention on the model as stored (no --widen)");
+    if (ctx > t.c.seq_len) {
+        snprintf(err, sizeof err, "the prompt (%d) and %d decode steps need %d positions, the model "
+                 "holds %d", pr.n_prompt, t.o.steps, ctx, t.c.seq_len);
+        tp_fail_all(&t, err);
+    }
+    tp_setup(&t, ctx);
+    t.hidden = (float *)tp_alloc(&t, (size_t)pr.n_prompt, (size_t)t.c.dim * sizeof(float));
+    if (t.rank == 0) {
+        rec.cnt = (int *)tp_alloc(&t, (size_t)t.c.n_layers * (size_t)t.c.n_kv_heads, sizeof(int));
+        rec.head_bad = (int *)tp_alloc(&t, (size_t)t.c.n_kv_heads, sizeof(int));
+        rec.pos = (uint32_t *)tp_alloc(&t, (size_t)t.c.n_layers * (size_t)t.c.n_kv_heads * (size_t)ctx,
+                                       sizeof(uint32_t));
+        if (t.o.save || t.o.check) {
+            rec.f = fopen(t.o.save ? t.o.save : t.o.check, t.o.save ? "wb" : "rb");
+            if (!rec.f)
+                tp_die(&t, "cannot open %s", t.o.save ? t.o.save : t.o.check);
+        }
+        if (!t.o.quiet)
+            printf("tiny_llama_mpi: %d rank%s x %d thread%s, model dim %d, %d layers, %d heads / %d KV heads "
+                   "(head %d), FFN %d%s; %s, prompt %d tokens, %d decode steps\n",
+                   t.size, t.size == 1 ? "" : "s", t.nthreads, t.nthreads == 1 ? "" : "s", t.c.dim,
+                   t.c.n_layers, t.c.n_heads, t.c.n_kv_heads, t.hs, t.c.hidden_dim,
+                   t.o.widen > 1 ? " (widened)" : "", tp_mode_name(t.o.mode), pr.n_prompt, t.o.steps);
+    }
+
+    /* prefill */
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = tl_time_s();
+    if (t.o.mode == TP_PQCACHE) {
+        size_t dim = (size_t)t.c.dim;
+        for (i = 0; i < pr.n_prompt; i++)
+            memcpy(t.hidden + (size_t)i * dim, t.w.token_embedding + (size_t)pr.tokens[i] * dim,
+                   dim * sizeof(float));
+        t.prefill_n = pr.n_prompt;
+        if (pqc_driver_prefill(t.cache, &t.eng, 0, (size_t)pr.n_prompt) != PQC_SUCCESS)
+            tp_die(&t, "prefill: %s", t.err[0] ? t.err : pqc_last_error());
+        t.prefill_n = 0;
+    } else {
+        tp_host_prefill(&t, pr.tokens, pr.n_prompt);
+    }
+    memcpy(t.x, t.hidden + (size_t)(pr.n_prompt - 1) * (size_t)t.c.dim, (size_t)t.c.dim * sizeof(float));
+    tp_classify(&t);
+    if (t.o.mode == TP_PQCACHE && pqc_cache_sync(t.cache) != PQC_SUCCESS)
+        tp_die(&t, "pqcache build: %s", pqc_last_error());
+    MPI_Barrier(MPI_COMM_WORLD);
+    t_prefill = tl_time_s() - t0;
+
+    /* decode: the passkey query then greedy tokens, or the random stream */
+    token = pr.query >= 0 ? pr.query : pr.tokens[pr.n_prompt];
+    n_dec = t.o.steps;
+    if (t.o.vs_engine && t.rank == 0) {
+        inputs = (int *)tp_alloc(&t, (size_t)n_dec, sizeof(int));
+        run_logits = (float *)tp_alloc(&t, (size_t)n_dec * (size_t)t.c.vocab_size, sizeof(float));
+    }
+    t0 = tl_time_s();
+    for (step = 0; step < n_dec; step++) {
+        pos = pr.n_prompt + step;
+        memcpy(t.x, t.w.token_embedding + (size_t)token * (size_t)t.c.dim, (size_t)t.c.dim * sizeof(float));
+        if (t.o.mode == TP_PQCACHE) {
+            if (pqc_driver_decode(t.cache, &t.eng, (size_t)pos) != PQC_SUCCESS)
+                tp_die(&t, "decode at %d: %s", pos, t.err[0] ? t.err : pqc_last_error());
+        } else {
+            tp_host_decode(&t, pos);
+        }
+        tp_classify(&t);
+        if (inputs) {
+            inputs[step] = token;
+            memcpy(run_logits + (size_t)step * (size_t)t.c.vocab_size, t.logits,
+                   (size_t)t.c.vocab_size * sizeof(float));
+        }
+        if (t.o.save || t.o.check) {
+            tp_gather_sel(&t, &rec);
+            if (t.rank == 0)
+                bad_sel += tp_record_step(&t, &rec, t.o.check != NULL, &maxdiff, rec.head_bad);
+        }
+        /* the next input: rank 0 decides, every rank follows */
+        if (t.rank == 0)
+            token = pr.query >= 0 ? tl_argmax(t.logits, t.c.vocab_size) : pr.tokens[pos + 1];
+        MPI_Bcast(&token, 1, MPI_INT, 0, MPI_COMM_WORLD);
+        if (pr.query >= 0 && n_got < pr.n_answer)
+            got[n_got++] = token;
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    t_decode = tl_time_s() - t0;
+
+    /* per-rank memory */
+    {
+        size_t dev = 0, full = 0, own = 0, shared = 0;
+        size_t tokens = (size_t)pr.n_prompt + (size_t)n_dec;
+        mem[0] = (unsigned long long)((size_t)t.c.n_layers * (size_t)t.nkv * tokens * (size_t)t.hs * 2 *
+                                      sizeof(float));   /* K/V rows held */
+        if (t.cache) {
+            pqc_cache_memory(t.cache, &dev, &full);
+            pqc_cache_host_memory(t.cache, &own, &shared);
+        } else {
+            own = (size_t)2 * (size_t)t.c.n_layers * (size_t)t.nkv * (size_t)t.ctx * (size_t)t.hs * sizeof(float);
+        }
+        mem[1] = own;
+        mem[2] = dev;
+        mem[3] = full;
+        mem[4] = (unsigned long long)t.kv0;
+        mem[5] = (unsigned long long)t.nkv;
+        if (t.rank == 0)
+            all = (unsigned long long *)tp_alloc(&t, (size_t)t.size * 6, sizeof(unsigned long long));
+        MPI_Gather(mem, 6, MPI_UNSIGNED_LONG_LONG, all, 6, MPI_UNSIGNED_LONG_LONG, 0, MPI_COMM_WORLD);
+    }
+    if (t.rank == 0) {
+        int p, retrieved = pr.n_answer > 0 && n_got >= pr.n_answer;
+        for (i = 0; i < pr.n_answer && i < n_got; i++)
+            if (got[i] != pr.answer[i])
+                retrieved = 0;
+        {
+            double host = 0, dev = 0;
+            for (p = 0; p < t.size; p++) {
+                const unsigned long long *a = all + (size_t)p * 6;
+                host += (double)a[0];
+                dev += (double)a[2];
+                if (t.cache)
+                    printf("rank %d: KV heads %llu..%llu of %d: host K/V %.2f MB (pqc_cache_host_memory %.2f MB), "
+                           "device tier %.2f MB (pqc_cache_memory; full K/V %.2f MB)\n", p, a[4], a[4] + a[5] - 1,
+                           t.c.n_kv_heads, tp_mb((double)a[0]), tp_mb((double)a[1]), tp_mb((double)a[2]),
+                           tp_mb((double)a[3]));
+                else
+                    printf("rank %d: KV heads %llu..%llu of %d: host K/V %.2f MB (%.2f MB allocated for the "
+                           "context), no device tier (%s attention on the host)\n", p, a[4], a[4] + a[5] - 1,
+                           t.c.n_kv_heads, tp_mb((double)a[0]), tp_mb((double)a[1]), tp_mode_name(t.o.mode));
+            }
+            if (t.cache)
+                printf("all %d rank%s: host K/V %.2f MB, device tier %.2f MB\n", t.size, t.size == 1 ? "" : "s",
+                       tp_mb(host), tp_mb(dev));
+        }
+        printf("prefill %d tokens: %.2f s; decode %d tokens: %.2f s, %.2f tok/s (%d rank%s x %d thread%s)\n",
+               pr.n_prompt, t_prefill, n_dec, t_decode, t_decode > 0 ? n_dec / t_decode : 0.0, t.size,
+               t.size == 1 ? "" : "s", t.nthreads, t.nthreads == 1 ? "" : "s");
+        if (t.cache) {
+            pqc_layer_stats ls;
+            double sel_s = 0, fetch_s = 0, wait_s = 0;
+            unsigned long long builds = 0, rebuilds = 0, hits = 0, misses = 0;
+            int l;
+            for (l = 0; l < t.c.n_layers; l++)
+                if (pqc_cache_stats(t.cache, l, &ls) == PQC_SUCCESS) {
+                    sel_s += ls.select_s;
+                    fetch_s += ls.fetch_s;
+                    wait_s += ls.wait_s;
+                    builds += ls.builds;
+                    rebuilds += ls.rebuilds;
+                    hits += ls.hits;
+                    misses += ls.misses;
+                }
+            printf("pqcache (rank 0): select %.1f us/token, fetch %.1f us/token, block cache hit rate "
+                   "%.1f%%, builds %llu, rebuilds %llu, waited %.3f s for builds\n",
+                   1e6 * sel_s / n_dec, 1e6 * fetch_s / n_dec,
+                   hits + misses ? 100.0 * (double)hits / (double)(hits + misses) : 0.0, builds, rebuilds, wait_s);
+        }
+        if (pr.n_answer > 0) {
+            printf("passkey: expected");
+            for (i = 0; i < pr.n_answer; i++)
+                printf(" %d", pr.answer[i]);
+            printf(", got");
+            for (i = 0; i < n_got && i < pr.n_answer; i++)
+                printf(" %d", got[i]);
+            printf(": %s\n", retrieved ? "retrieved" : "NOT retrieved");
+        }
+        if (t.o.check) {
+            printf("check: max |logit - reference| %.3g (tolerance %.3g); selections differing from the "
+                   "reference: %d of %d (step, layer, KV head)\n", maxdiff, t.o.tol, bad_sel,
+                   n_dec * t.c.n_layers * t.c.n_kv_heads);
+            printf("check: differing selections per KV head (%d steps x %d layers each):", n_dec, t.c.n_layers);
+            for (i = 0; i < t.c.n_kv_heads; i++)
+                printf(" %d", rec.head_bad[i]);
+            printf("\n");
+        }
+        if (rec.f)
+            fclose(rec.f);
+    }
+    rc = 0;
+    if (inputs) {
+        double d = tp_vs_engine(&t, &pr, inputs, run_logits, n_dec);
+        printf("vs-engine: max |logit - tiny_llama.h tl_forward| %.3g (tolerance %.3g)\n", d, t.o.tol);
+        if (!(d <= t.o.tol))
+            rc = 2;
+    }
+    if (t.rank == 0 && t.o.check && rc == 0 && ((!t.o.sel_only && !(maxdiff <= t.o.tol)) || (t.o.same_sel && bad_sel > 0)))
+        rc = 2;
+    MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    free(all);
+    free(inputs);
+    free(run_logits);
+    free(rec.cnt);
+    free(rec.pos);
+    free(rec.head_bad);
+    free(pr.tokens);
+    tp_teardown(&t);
+    MPI_Finalize();
+    return rc;
+}
