@@ -9,6 +9,9 @@
 #   make tiny_llama_check   compile every file with -Wall -Wextra -Werror
 #                           -pedantic as C99 (gcc, clang) and as C++ (g++,
 #                           clang++); compilers that are missing are skipped
+#   make bench-hf           memory bandwidth and the decode of a generated
+#                           Llama-3.2-1B-shaped bf16 model at a 4K context:
+#                           GB/s of weights read per token vs the bandwidth
 #   make tiny_llama_demo    the passkey model at a 32K context: full, pqcache,
 #                           oracle and window side by side (retrieval, decode
 #                           speed, pqcache's select/fetch time, hit rate, bytes
@@ -23,7 +26,8 @@ TINY_LLAMA_DIR := examples/tiny_llama
 TINY_LLAMA_LIBS := -lm -lpthread
 TINY_LLAMA_SRCS := $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_DIR)/gen_random.c \
                    $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/test_pqcache_mode.c \
-                   $(TINY_LLAMA_DIR)/needle.c $(TINY_LLAMA_DIR)/make_passkey.c
+                   $(TINY_LLAMA_DIR)/needle.c $(TINY_LLAMA_DIR)/make_passkey.c \
+                   $(TINY_LLAMA_DIR)/bench_hf.c
 TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_pqcache.h pqcache.h
 
 build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS)
@@ -43,7 +47,25 @@ build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(TINY_LLAMA_DIR)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-.PHONY: tiny_llama tiny_llama_test tiny_llama_check tiny_llama_demo
+build/bench_hf: $(TINY_LLAMA_DIR)/bench_hf.c $(TINY_LLAMA_DIR)/tiny_llama.h
+	@mkdir -p $(@D)
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+
+# Hugging Face checkpoints (test_hf.py) and the token helper (tools/test_hf_tokens.py):
+# python3 with numpy, pytest and tokenizers (the top-level Makefile's PYTHON when set)
+TINY_LLAMA_PY ?= $(or $(PYTHON),python3)
+TINY_LLAMA_PYTEST := $(TINY_LLAMA_PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: tiny_llama tiny_llama_test tiny_llama_check tiny_llama_demo bench-hf tiny_llama_hf_test
+
+# BENCH_HF_ARGS: e.g. --threads 1 --ctx 8192 --steps 32 --mb 2048
+BENCH_HF_ARGS ?=
+bench-hf: build/bench_hf
+	@echo "=== Hugging Face layout: memory bandwidth vs decode of a 1B-shaped bf16 model at 4K ==="
+	build/bench_hf $(BENCH_HF_ARGS)
+
+tiny_llama_hf_test: build/tiny_llama
+	$(TINY_LLAMA_PYTEST) $(TINY_LLAMA_DIR)/test_hf.py tools/test_hf_tokens.py
 
 tiny_llama: build/tiny_llama build/tiny_llama_gen
 
@@ -72,6 +94,7 @@ tiny_llama_test: build/test_tiny_llama build/test_pqcache_mode build/tiny_llama 
                  build/tiny_llama_gen tiny_llama_check
 	./build/test_tiny_llama
 	./build/test_pqcache_mode
+	$(TINY_LLAMA_PYTEST) $(TINY_LLAMA_DIR)/test_hf.py tools/test_hf_tokens.py
 	@./build/tiny_llama_gen $(TINY_LLAMA_SMOKE).bin -d 64 -f 128 -v 64 -s 512 -t 50000 2>/dev/null
 	@for a in full window oracle pqcache; do \
 	  ./build/tiny_llama $(TINY_LLAMA_SMOKE).bin -P 200 -n 20 -a $$a -c -q -t 0 \

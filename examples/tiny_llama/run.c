@@ -1,6 +1,6 @@
 /* run.c - command-line driver for the tiny_llama engine.
 
-   Loads a llama2.c checkpoint, prefills a prompt with full attention, then
+   Loads a llama2.c checkpoint or a Hugging Face model directory, prefills a prompt with full attention, then
    decodes with the chosen attention mode (full, window, oracle, pqcache),
    reporting tokens/second per phase. With -c it runs a full-attention
    reference next to the chosen mode and reports how often the two agree on
@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define PREFILL_CHUNK 256   /* tokens per tl_forward_chunk call (a progress line each) */
+
 /* ----------------------------------------------------------------------------
    Options */
 
@@ -29,6 +31,8 @@ typedef struct {
     const char *checkpoint;
     const char *tokenizer;   /* -z */
     const char *input;       /* -i: text with -z, else token ids */
+    const char *ids_file;    /* -I: token ids from a file, "-" = stdin */
+    const char *logits_out;  /* -o: every step's logits (float32) to this file */
     int synthetic;           /* -P: length of a random prompt */
     int steps;               /* -n: tokens to generate */
     int ctx;                 /* -L: context capacity, 0 = model seq_len */
@@ -45,10 +49,16 @@ typedef struct {
 static void usage(void)
 {
     fprintf(stderr,
-        "usage: tiny_llama <checkpoint.bin> [options]\n"
+        "usage: tiny_llama <checkpoint.bin | model directory> [options]\n"
+        "  a model directory holds a Hugging Face checkpoint: config.json and\n"
+        "  model.safetensors (or model.safetensors.index.json and its shards);\n"
+        "  prompts and output are then token ids (tools/hf_tokens.py converts text)\n"
         "  -z <path>   tokenizer.bin (llama2.c format): -i is then text and the\n"
         "              output is printed as text\n"
         "  -i <str>    prompt: text with -z, else token ids, e.g. -i \"1 2 3\"\n"
+        "  -I <path>   instead of -i: token ids from a file (\"-\" = standard input)\n"
+        "  -o <path>   write the logits of every step (prefill, then each decode\n"
+        "              step) to this file, vocab_size float32 values per step\n"
         "  -P <int>    instead of -i: a prompt of this many random token ids (seeded)\n"
         "  -n <int>    tokens to generate (default 64); the first comes from the\n"
         "              prefill, each further one costs a decode step\n"
@@ -129,6 +139,8 @@ static int parse_options(int argc, char **argv, options *o)
         switch (flag[1]) {
         case 'z': o->tokenizer = val; break;
         case 'i': o->input = val; break;
+        case 'I': o->ids_file = val; break;
+        case 'o': o->logits_out = val; break;
         case 'P': bad = parse_int(val, 1, 1 << 30, &o->synthetic); break;
         case 'n': bad = parse_int(val, 1, 1 << 30, &o->steps); break;
         case 'L': bad = parse_int(val, 1, 1 << 30, &o->ctx); break;
@@ -206,22 +218,72 @@ static int parse_ids(const char *s, int vocab_size, int *tokens, int cap, int *n
     return 0;
 }
 
+/* The whole of a file ("-" = standard input) as a string; NULL on failure. */
+static char *read_text(const char *path)
+{
+    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
+    size_t len = 0, cap = 4096, got;
+    char *buf;
+    if (!f) {
+        fprintf(stderr, "error: cannot open %s\n", path);
+        return NULL;
+    }
+    buf = (char *)malloc(cap + 1);
+    while (buf && (got = fread(buf + len, 1, cap - len, f)) > 0) {
+        len += got;
+        if (len == cap) {
+            char *nb = cap < ((size_t)1 << 30) ? (char *)realloc(buf, 2 * cap + 1) : NULL;
+            if (!nb) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    if (f != stdin)
+        fclose(f);
+    if (!buf) {
+        fprintf(stderr, "error: %s is too large or memory ran out\n", path);
+        return NULL;
+    }
+    buf[len] = '\0';
+    return buf;
+}
+
 static int *build_prompt(const options *o, const tl_tokenizer *tok, int vocab_size, int *n)
 {
-    size_t cap = o->synthetic > 0 ? (size_t)o->synthetic :
-                 (o->input ? strlen(o->input) : 0) + 3;
-    int *tokens = (int *)malloc(cap * sizeof(int));
+    char *text = o->ids_file ? read_text(o->ids_file) : NULL;
+    size_t cap;
+    int *tokens;
     int i;
     *n = 0;
+    if (o->ids_file && !text)
+        return NULL;
+    cap = o->synthetic > 0 ? (size_t)o->synthetic :
+          (text ? strlen(text) : o->input ? strlen(o->input) : 0) + 3;
+    tokens = (int *)malloc(cap * sizeof(int));
     if (!tokens) {
+        free(text);
         fprintf(stderr, "error: out of memory for the prompt\n");
         return NULL;
+    }
+    if (text) {
+        int bad = parse_ids(text, vocab_size, tokens, (int)cap, n);
+        free(text);
+        if (bad) {
+            free(tokens);
+            return NULL;
+        }
     }
     if (o->synthetic > 0) {
         unsigned long long rng = tl_rng_seed(o->seed ^ 0x5EEDull);
         for (i = 0; i < o->synthetic; i++)
             tokens[i] = (int)(tl_rng_next(&rng) % (unsigned long long)vocab_size);
         *n = o->synthetic;
+    } else if (o->ids_file) {
+        /* read above */
     } else if (tok) {
         if (tl_encode(tok, o->input ? o->input : "", 1, 0, tokens, n) != 0) {
             fprintf(stderr, "error: cannot encode the prompt (out of memory)\n");
@@ -344,6 +406,7 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
     int pq = o->policy.mode == TL_ATTN_PQCACHE;
     tl_sampler sampler;
     char err[TL_ERR_LEN];
+    FILE *dump = NULL;
     float *logits = NULL, *ref_logits;
     double t0, t_prefill, t_decode = 0.0, t_ref = 0.0, last_report, kl_sum = 0.0;
     int ctx = o->ctx ? o->ctx : c->seq_len, pos, token, next, step, agree = 0;
@@ -379,6 +442,10 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
         fprintf(stderr, "error: out of memory\n");
         goto done;
     }
+    if (o->logits_out && !(dump = fopen(o->logits_out, "wb"))) {
+        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
+        goto done_sampler;
+    }
 
     /* prefill: full attention, logits only for the last prompt token */
     t0 = last_report = tl_time_s();
@@ -394,17 +461,19 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
             goto done_sampler;
         }
     }
-    for (pos = 0; !pq && pos < n_prompt; pos++) {
-        int ok = pos + 1 < n_prompt ? tl_forward_layers(m, &s, NULL, prompt[pos], pos) == 0
-                                    : (logits = tl_forward(m, &s, NULL, prompt[pos], pos)) != NULL;
-        double now = tl_time_s();
-        if (!ok) {
+    for (pos = 0; !pq && pos < n_prompt; pos += PREFILL_CHUNK) {
+        /* chunks of tokens: the projections run as matrix-matrix products */
+        int nb = n_prompt - pos < PREFILL_CHUNK ? n_prompt - pos : PREFILL_CHUNK;
+        double now;
+        logits = tl_forward_chunk(m, &s, prompt + pos, nb, pos);
+        now = tl_time_s();
+        if (!logits) {
             fprintf(stderr, "\nerror: %s\n", s.err);
             goto done_sampler;
         }
-        if (now - last_report >= 0.25 && pos + 1 < n_prompt) {
-            fprintf(stderr, "\rprefill %d/%d tokens (%.0f%%), %.1f tok/s   ", pos + 1,
-                    n_prompt, 100.0 * (pos + 1) / n_prompt, (pos + 1) / (now - t0));
+        if (now - last_report >= 0.25 && pos + nb < n_prompt) {
+            fprintf(stderr, "\rprefill %d/%d tokens (%.0f%%), %.1f tok/s   ", pos + nb,
+                    n_prompt, 100.0 * (pos + nb) / n_prompt, (pos + nb) / (now - t0));
             last_report = now;
             progress = 1;
         }
@@ -419,6 +488,10 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
     if (o->compare && !pq)
         copy_prefix(c, &ref, &s, n_prompt);
 
+    if (dump && fwrite(logits, sizeof(float), (size_t)c->vocab_size, dump) != (size_t)c->vocab_size) {
+        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
+        goto done_sampler;
+    }
     token = tl_sample(&sampler, logits);
     print_token(o, tok, prompt[n_prompt - 1], token);
 
@@ -432,6 +505,10 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
         t_decode += tl_time_s() - t0;
         if (!logits) {
             fprintf(stderr, "\nerror: %s\n", pq ? lib.err : s.err);
+            goto done_sampler;
+        }
+        if (dump && fwrite(logits, sizeof(float), (size_t)c->vocab_size, dump) != (size_t)c->vocab_size) {
+            fprintf(stderr, "\nerror: cannot write %s\n", o->logits_out);
             goto done_sampler;
         }
         if (o->compare) {
@@ -490,6 +567,10 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
     rc = 0;
 done_sampler:
     tl_free_sampler(&sampler);
+    if (dump && fclose(dump) != 0 && rc == 0) {
+        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
+        rc = 1;
+    }
 done:
     if (o->compare)
         tl_free_state(&ref);
@@ -502,6 +583,18 @@ done:
 
 /* ----------------------------------------------------------------------------
    Main */
+
+static void print_model(const tl_model *m)
+{
+    const tl_config *c = &m->config;
+    if (!m->layers)
+        return;
+    fprintf(stderr, "model: %s, %d layers, dim %d, %d heads (%d KV) of %d, hidden %d, vocab %d, "
+            "%s weights (%.2f GB read per token)%s\n", tl_arch_name(c->arch), c->n_layers, c->dim,
+            c->n_heads, c->n_kv_heads, c->head_size, c->hidden_dim, c->vocab_size,
+            tl_dtype_name(c->wtype), tl_weight_bytes_per_token(m) / 1e9,
+            c->shared_classifier ? ", tied embeddings" : "");
+}
 
 int main(int argc, char **argv)
 {
@@ -528,14 +621,16 @@ int main(int argc, char **argv)
             return 1;
         }
     }
-    if (o.input && o.synthetic > 0) {
-        fprintf(stderr, "error: -i and -P exclude each other\n");
+    if ((o.input != NULL) + (o.synthetic > 0) + (o.ids_file != NULL) > 1) {
+        fprintf(stderr, "error: -i, -I and -P exclude each other\n");
         return 1;
     }
     if (tl_build_model(&model, o.checkpoint, err, sizeof err)) {
         fprintf(stderr, "error: %s\n", err);
         return 1;
     }
+    if (!o.quiet || model.layers)
+        print_model(&model);
     if (o.tokenizer &&
         tl_build_tokenizer(&tok, o.tokenizer, model.config.vocab_size, err, sizeof err)) {
         fprintf(stderr, "error: %s\n", err);

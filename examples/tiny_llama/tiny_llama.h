@@ -1,7 +1,10 @@
 /* tiny_llama.h - a small Llama-architecture inference engine in plain C.
 
-   The example engine of pqcache. It loads llama2.c checkpoints (fp32), runs
-   the transformer one token at a time on the CPU and splits every layer into
+   The example engine of pqcache. It loads llama2.c checkpoints (fp32) and
+   Hugging Face model directories (Llama, Mistral, Qwen2; bf16, fp16 or fp32
+   safetensors, see "Hugging Face checkpoints" below), runs the transformer
+   on the CPU (a token at a time, or the prompt in chunks of tokens) and
+   splits every layer into
    stages, so that the attention of a decode step can run over an explicit
    subset of the past tokens (sinks + recent window + top-k): the subset a
    KV-cache selection library such as pqcache chooses.
@@ -14,9 +17,12 @@
      Link with -lm -lpthread. Needs POSIX (mmap, clock_gettime, pthreads).
 
    Model
-     RMSNorm (eps 1e-5), rotary embeddings (RoPE) with llama2.c's interleaved
-     pairs: pair i of a head is dims (2i, 2i+1), rotated by the angle
-     pos * theta^(-2i/head_size); grouped-query attention (query head h uses
+     RMSNorm (eps 1e-5, or the config's rms_norm_eps), rotary embeddings
+     (RoPE) with llama2.c's interleaved pairs: pair i of a head is dims
+     (2i, 2i+1), rotated by the angle pos * theta^(-2i/head_size) (Hugging
+     Face models: pair i is dims (i, i + head_size/2), rotate_half, and the
+     frequencies follow the config's rope_scaling: linear or llama3);
+     optional q/k/v biases (Qwen2); grouped-query attention (query head h uses
      KV head h / (n_heads / n_kv_heads)); SwiGLU FFN w2(silu(w1 x) * w3 x);
      optional classifier shared with the token embedding.
 
@@ -103,9 +109,41 @@ typedef struct {
     int shared_classifier; /* 1: logits use token_embedding; 0: own wcls */
     float rope_theta;      /* RoPE base */
     int version;           /* header kind: 0 legacy, 1 versioned */
-    int head_size;         /* derived: dim / n_heads */
+    int head_size;         /* derived: dim / n_heads (a Hugging Face model may set it:
+                              its config's head_dim) */
     int kv_dim;            /* derived: n_kv_heads * head_size */
+    /* Hugging Face models (all zero for llama2.c checkpoints) */
+    int arch;              /* tl_arch */
+    int rope_layout;       /* tl_rope_layout: llama2.c interleaved, or rotate_half */
+    float rms_eps;         /* 0 means 1e-5 (TL_RMS_EPS) */
+    int q_dim;             /* derived: n_heads * head_size (dim for llama2.c) */
+    int rope_scaling;      /* tl_rope_scaling */
+    float rope_factor;     /* linear and llama3: the scaling factor */
+    float rope_low_freq_factor, rope_high_freq_factor; /* llama3 */
+    int rope_orig_ctx;     /* llama3: original_max_position_embeddings */
+    int qkv_bias;          /* 1: q, k and v projections have biases (Qwen2) */
+    int wtype;             /* tl_dtype of the projection matrices */
 } tl_config;
+
+typedef enum { TL_ARCH_LLAMA2C = 0, TL_ARCH_LLAMA, TL_ARCH_MISTRAL, TL_ARCH_QWEN2 } tl_arch;
+typedef enum { TL_ROPE_INTERLEAVED = 0, TL_ROPE_HALF = 1 } tl_rope_layout;
+typedef enum { TL_ROPE_SCALING_NONE = 0, TL_ROPE_SCALING_LINEAR, TL_ROPE_SCALING_LLAMA3 } tl_rope_scaling;
+typedef enum { TL_F32 = 0, TL_BF16 = 1, TL_F16 = 2 } tl_dtype;
+
+/* A weight matrix as stored: row-major (out, in), elements of type dtype. */
+typedef struct {
+    const void *data;
+    int dtype;             /* tl_dtype */
+} tl_mat;
+
+/* One layer's weights of a Hugging Face model (matrices as stored in the
+   mapped files; norms and biases as fp32 copies). */
+typedef struct {
+    tl_mat wq, wk, wv, wo;         /* q_proj, k_proj, v_proj, o_proj */
+    tl_mat w1, w2, w3;             /* gate_proj, down_proj, up_proj */
+    const float *rms_att, *rms_ffn;
+    const float *bq, *bk, *bv;     /* NULL without biases */
+} tl_layer_weights;
 
 typedef struct {
     const float *token_embedding; /* (vocab_size, dim) */
@@ -127,6 +165,13 @@ typedef struct {
     tl_weights w;
     void *map;        /* the mmapped checkpoint */
     size_t map_size;
+    /* Hugging Face models: w holds only rms_final (fp32); the rest is here */
+    tl_layer_weights *layers;  /* (n_layers), NULL for a llama2.c checkpoint */
+    tl_mat emb, cls;           /* token embedding and classifier as stored */
+    float *owned;              /* fp32 copies of norms and biases */
+    void **shard_maps;         /* the mapped safetensors files */
+    size_t *shard_sizes;
+    int n_shards;
 } tl_model;
 
 /* Reads and validates a header. `data` holds the first min(file_size, 256)
@@ -143,6 +188,49 @@ size_t tl_checkpoint_size(const tl_config *c, int version);
    or directory is refused without reading it), and checks its header. */
 int tl_build_model(tl_model *m, const char *path, char *err, size_t errlen);
 void tl_free_model(tl_model *m);
+
+/* ----------------------------------------------------------------------------
+   Hugging Face checkpoints: a directory with config.json and model.safetensors,
+   or model.safetensors.index.json and the shards it names. tl_build_model
+   takes such a directory (tl_build_hf_model directly). Architectures:
+   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; weights in bf16,
+   fp16 or fp32, used as stored in the mapped files. */
+int tl_build_hf_model(tl_model *m, const char *dir, char *err, size_t errlen);
+
+/* A tensor of a safetensors file */
+typedef struct {
+    char name[160];
+    int dtype;             /* tl_dtype, or -1 for a type the engine does not use */
+    int ndim;
+    long long shape[8];
+    size_t begin, end;     /* byte range in the file */
+} tl_st_tensor;
+
+typedef struct {
+    int n;
+    tl_st_tensor *t;       /* sorted by name */
+} tl_st_file;
+
+/* Parses and validates a safetensors file held in memory (data, size): the
+   8-byte header length, the JSON header, the dtypes, shapes and data offsets
+   (inside the file, sized as the shape says, not overlapping). */
+int tl_st_parse(const unsigned char *data, size_t size, tl_st_file *f, char *err, size_t errlen);
+void tl_st_free(tl_st_file *f);
+/* Reads a config.json (text of len bytes) into c, checked as tl_check_config
+   does. */
+int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, size_t errlen);
+/* Checks that the tensors of files[0 .. n_files-1] hold every tensor the
+   config needs, each once and with the right shape and a usable dtype. With
+   m not NULL and bases[i] the data of files[i], fills m's weights (fp32
+   copies of the norms and biases in m->owned). */
+int tl_hf_bind(const tl_config *c, const tl_st_file *files, const unsigned char *const *bases,
+               int n_files, tl_model *m, char *err, size_t errlen);
+
+/* Bytes of weights one decode token reads (every matrix once, the
+   classifier whole, one embedding row). */
+double tl_weight_bytes_per_token(const tl_model *m);
+const char *tl_dtype_name(int dtype);
+const char *tl_arch_name(int arch);
 /* Writes a checkpoint with random weights (seeded): version 1 (legacy = 0)
    or a legacy header (legacy = 1, which cannot hold rope_theta). The same
    config and seed give the same model in both formats. */
@@ -183,6 +271,8 @@ typedef struct {
     int n_threads;            /* threads for attention, split over KV heads */
     int thread_min_work;      /* attended rows per layer below which 1 thread */
     char err[TL_ERR_LEN];     /* message of the last failed forward */
+    void *pool;               /* worker threads of the projections (n_threads > 1) */
+    double *rope_freq;        /* (head_size / 2) inverse frequencies, scaling applied */
 } tl_state;
 
 /* ctx: positions to hold; 0 (or more than seq_len) means seq_len.
@@ -273,6 +363,21 @@ float *tl_classify(const tl_model *m, tl_state *s);
 int tl_forward_layers(const tl_model *m, tl_state *s, const tl_policy *p, int token, int pos);
 /* The whole forward; returns s->logits, or NULL with s->err set. */
 float *tl_forward(const tl_model *m, tl_state *s, const tl_policy *p, int token, int pos);
+
+/* Chunked prefill with full attention into s's KV cache: tokens[0 .. n-1] at
+   positions pos0 .. pos0+n-1, the projections as matrix-matrix products over
+   blocks of tokens. Returns the last token's logits, or NULL with s->err set.
+   The logits equal those of tl_forward token by token, to the bit. */
+float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n, int pos0);
+/* Batched stages (n tokens, rows of x are dim floats): (b) for n tokens at
+   positions pos0 .. : q (n, q_dim), k and v (n, kv_dim); and (c, d) after
+   attention: x += wo heads, then the FFN. 0, or -1 when memory runs out. */
+int tl_layer_qkv_batch(const tl_model *m, tl_state *s, int layer, int pos0, int n,
+                       const float *x, float *q, float *k, float *v);
+int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, float *x,
+                           const float *heads);
+/* Runs fn(arg, part, nparts) for part 0 .. nparts-1 on s's threads. */
+void tl_parallel(tl_state *s, void (*fn)(void *arg, int part, int nparts), void *arg);
 
 /* ----------------------------------------------------------------------------
    Sampling */
@@ -530,16 +635,39 @@ int tl_check_config(tl_config *c, char *err, size_t errlen)
     for (i = 0; i < 7; i++)
         if (vals[i] <= 0)
             return tl__fail(err, errlen, "%s is %d, must be positive", names[i], vals[i]);
-    if (c->dim % c->n_heads != 0)
-        return tl__fail(err, errlen, "dim %d is not a multiple of n_heads %d", c->dim, c->n_heads);
+    if (c->arch == TL_ARCH_LLAMA2C || c->head_size <= 0) {
+        if (c->dim % c->n_heads != 0)
+            return tl__fail(err, errlen, "dim %d is not a multiple of n_heads %d", c->dim, c->n_heads);
+        c->head_size = c->dim / c->n_heads;
+    }
     if (c->n_kv_heads > c->n_heads || c->n_heads % c->n_kv_heads != 0)
         return tl__fail(err, errlen, "n_heads %d is not a multiple of n_kv_heads %d",
                         c->n_heads, c->n_kv_heads);
-    c->head_size = c->dim / c->n_heads;
     if (c->head_size % 2 != 0)
         return tl__fail(err, errlen, "head size %d (dim / n_heads) is odd; RoPE needs pairs",
                         c->head_size);
+    if ((long long)c->n_heads * (long long)c->head_size > (1 << 24))
+        return tl__fail(err, errlen, "n_heads %d x head size %d is too large", c->n_heads,
+                        c->head_size);
+    c->q_dim = c->n_heads * c->head_size;
     c->kv_dim = c->n_kv_heads * c->head_size;
+    if (c->arch < 0 || c->arch > TL_ARCH_QWEN2)
+        return tl__fail(err, errlen, "unknown architecture %d", c->arch);
+    if (c->rope_layout != TL_ROPE_INTERLEAVED && c->rope_layout != TL_ROPE_HALF)
+        return tl__fail(err, errlen, "unknown RoPE layout %d", c->rope_layout);
+    if (!(c->rms_eps >= 0.0f && c->rms_eps < 1.0f))
+        return tl__fail(err, errlen, "rms_norm_eps %g is not in [0, 1)", (double)c->rms_eps);
+    if (c->rope_scaling < 0 || c->rope_scaling > TL_ROPE_SCALING_LLAMA3)
+        return tl__fail(err, errlen, "unknown rope scaling %d", c->rope_scaling);
+    if (c->rope_scaling != TL_ROPE_SCALING_NONE && !(c->rope_factor >= 1e-6f && c->rope_factor <= 1e6f))
+        return tl__fail(err, errlen, "rope_scaling factor %g is not a positive number",
+                        (double)c->rope_factor);
+    if (c->rope_scaling == TL_ROPE_SCALING_LLAMA3 &&
+        (!(c->rope_low_freq_factor > 0.0f && c->rope_low_freq_factor <= 1e6f) ||
+         !(c->rope_high_freq_factor > c->rope_low_freq_factor && c->rope_high_freq_factor <= 1e6f) ||
+         c->rope_orig_ctx <= 0))
+        return tl__fail(err, errlen, "llama3 rope_scaling needs low_freq_factor > 0, "
+                        "high_freq_factor > low_freq_factor and original_max_position_embeddings > 0");
     if (c->shared_classifier != 0 && c->shared_classifier != 1)
         return tl__fail(err, errlen, "shared_classifier is %d, must be 0 or 1", c->shared_classifier);
     /* the negation rejects NaN as well */
@@ -712,6 +840,8 @@ int tl_build_model(tl_model *m, const char *path, char *err, size_t errlen)
     int fd;
 
     memset(m, 0, sizeof *m);
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode))
+        return tl_build_hf_model(m, path, err, errlen);
     fd = tl__open_regular(path, "checkpoint", &st, err, errlen);
     if (fd < 0)
         return -1;
@@ -738,9 +868,1150 @@ int tl_build_model(tl_model *m, const char *path, char *err, size_t errlen)
 
 void tl_free_model(tl_model *m)
 {
+    int i;
     if (m->map)
         munmap(m->map, m->map_size);
+    if (m->shard_maps)
+        for (i = 0; i < m->n_shards; i++)
+            if (m->shard_maps[i])
+                munmap(m->shard_maps[i], m->shard_sizes[i]);
+    free(m->shard_maps);
+    free(m->shard_sizes);
+    free(m->layers);
+    free(m->owned);
     memset(m, 0, sizeof *m);
+}
+
+/* ----------------------------------------------------------------------------
+   Hugging Face checkpoints: a strict JSON reader */
+
+enum { TL__J_NULL, TL__J_BOOL, TL__J_NUM, TL__J_STR, TL__J_ARR, TL__J_OBJ };
+
+typedef struct {
+    int type;
+    size_t start, end;     /* the value's text (a string: inside the quotes) */
+    int first, next;       /* first child, next sibling (-1: none); an object's
+                              children alternate key and value */
+    int count;             /* children */
+} tl__jnode;
+
+typedef struct {
+    const char *s;
+    size_t len, pos;
+    tl__jnode *nodes;
+    int n, cap, depth;
+    char *err;
+    size_t errlen;
+} tl__jparser;
+
+#define TL__JSON_MAX_DEPTH 64
+
+static int tl__jfail(tl__jparser *p, const char *what)
+{
+    return tl__fail(p->err, p->errlen, "bad JSON at byte %zu: %s", p->pos, what);
+}
+
+static void tl__jspace(tl__jparser *p)
+{
+    while (p->pos < p->len && (p->s[p->pos] == ' ' || p->s[p->pos] == '\t' ||
+                               p->s[p->pos] == '\n' || p->s[p->pos] == '\r'))
+        p->pos++;
+}
+
+static int tl__jnew(tl__jparser *p, int type)
+{
+    tl__jnode *d;
+    if (p->n >= p->cap)
+        return -1;
+    d = &p->nodes[p->n];
+    d->type = type;
+    d->start = p->pos;
+    d->end = p->pos;
+    d->first = d->next = -1;
+    d->count = 0;
+    return p->n++;
+}
+
+static int tl__jhex(char ch)
+{
+    if (ch >= '0' && ch <= '9') return ch - '0';
+    if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
+    if (ch >= 'A' && ch <= 'F') return ch - 'A' + 10;
+    return -1;
+}
+
+static int tl__jstring(tl__jparser *p, int *out)
+{
+    int id;
+    p->pos++;   /* the opening quote */
+    if ((id = tl__jnew(p, TL__J_STR)) < 0)
+        return tl__jfail(p, "too many values");
+    while (p->pos < p->len) {
+        unsigned char ch = (unsigned char)p->s[p->pos];
+        if (ch == '"') {
+            p->nodes[id].end = p->pos++;
+            *out = id;
+            return 0;
+        }
+        if (ch < 0x20)
+            return tl__jfail(p, "control character in a string");
+        if (ch == '\\') {
+            char e;
+            if (p->pos + 1 >= p->len)
+                break;
+            e = p->s[p->pos + 1];
+            if (e == 'u') {
+                int k;
+                if (p->pos + 6 > p->len)
+                    break;
+                for (k = 2; k < 6; k++)
+                    if (tl__jhex(p->s[p->pos + (size_t)k]) < 0)
+                        return tl__jfail(p, "bad \\u escape");
+                p->pos += 6;
+                continue;
+            }
+            if (!strchr("\"\\/bfnrt", e) || e == '\0')
+                return tl__jfail(p, "bad escape");
+            p->pos += 2;
+            continue;
+        }
+        p->pos++;
+    }
+    return tl__jfail(p, "unterminated string");
+}
+
+static int tl__jnumber(tl__jparser *p, int *out)
+{
+    size_t i = p->pos;
+    int id;
+    if (i < p->len && p->s[i] == '-') i++;
+    if (i >= p->len || !(p->s[i] >= '0' && p->s[i] <= '9'))
+        return tl__jfail(p, "bad number");
+    if (p->s[i] == '0') i++;
+    else while (i < p->len && p->s[i] >= '0' && p->s[i] <= '9') i++;
+    if (i < p->len && p->s[i] == '.') {
+        i++;
+        if (i >= p->len || !(p->s[i] >= '0' && p->s[i] <= '9'))
+            return tl__jfail(p, "bad fraction");
+        while (i < p->len && p->s[i] >= '0' && p->s[i] <= '9') i++;
+    }
+    if (i < p->len && (p->s[i] == 'e' || p->s[i] == 'E')) {
+        i++;
+        if (i < p->len && (p->s[i] == '+' || p->s[i] == '-')) i++;
+        if (i >= p->len || !(p->s[i] >= '0' && p->s[i] <= '9'))
+            return tl__jfail(p, "bad exponent");
+        while (i < p->len && p->s[i] >= '0' && p->s[i] <= '9') i++;
+    }
+    if ((id = tl__jnew(p, TL__J_NUM)) < 0)
+        return tl__jfail(p, "too many values");
+    p->nodes[id].end = i;
+    p->pos = i;
+    *out = id;
+    return 0;
+}
+
+static int tl__jvalue(tl__jparser *p, int *out);
+
+static int tl__jcontainer(tl__jparser *p, int *out)
+{
+    int obj = p->s[p->pos] == '{', id, last = -1;
+    char close = obj ? '}' : ']';
+    if (++p->depth > TL__JSON_MAX_DEPTH)
+        return tl__jfail(p, "nested too deeply");
+    if ((id = tl__jnew(p, obj ? TL__J_OBJ : TL__J_ARR)) < 0)
+        return tl__jfail(p, "too many values");
+    p->pos++;
+    tl__jspace(p);
+    if (p->pos < p->len && p->s[p->pos] == close) {
+        p->pos++;
+        p->nodes[id].end = p->pos;
+        p->depth--;
+        *out = id;
+        return 0;
+    }
+    for (;;) {
+        int child, val;
+        tl__jspace(p);
+        if (obj) {
+            if (p->pos >= p->len || p->s[p->pos] != '"')
+                return tl__jfail(p, "expected a key");
+            if (tl__jstring(p, &child))
+                return -1;
+            if (last >= 0) p->nodes[last].next = child; else p->nodes[id].first = child;
+            last = child;
+            tl__jspace(p);
+            if (p->pos >= p->len || p->s[p->pos] != ':')
+                return tl__jfail(p, "expected ':'");
+            p->pos++;
+        }
+        if (tl__jvalue(p, &val))
+            return -1;
+        if (last >= 0) p->nodes[last].next = val; else p->nodes[id].first = val;
+        last = val;
+        p->nodes[id].count++;
+        tl__jspace(p);
+        if (p->pos < p->len && p->s[p->pos] == ',') {
+            p->pos++;
+            continue;
+        }
+        if (p->pos < p->len && p->s[p->pos] == close) {
+            p->pos++;
+            p->nodes[id].end = p->pos;
+            p->depth--;
+            *out = id;
+            return 0;
+        }
+        return tl__jfail(p, obj ? "expected ',' or '}'" : "expected ',' or ']'");
+    }
+}
+
+static int tl__jvalue(tl__jparser *p, int *out)
+{
+    char ch;
+    tl__jspace(p);
+    if (p->pos >= p->len)
+        return tl__jfail(p, "unexpected end");
+    ch = p->s[p->pos];
+    if (ch == '{' || ch == '[')
+        return tl__jcontainer(p, out);
+    if (ch == '"')
+        return tl__jstring(p, out);
+    if (ch == '-' || (ch >= '0' && ch <= '9'))
+        return tl__jnumber(p, out);
+    {
+        static const char *const words[3] = { "true", "false", "null" };
+        int w;
+        for (w = 0; w < 3; w++) {
+            size_t k = strlen(words[w]);
+            if (p->len - p->pos >= k && memcmp(p->s + p->pos, words[w], k) == 0) {
+                int id = tl__jnew(p, w == 2 ? TL__J_NULL : TL__J_BOOL);
+                if (id < 0)
+                    return tl__jfail(p, "too many values");
+                p->pos += k;
+                p->nodes[id].end = p->pos;
+                *out = id;
+                return 0;
+            }
+        }
+    }
+    return tl__jfail(p, "unexpected character");
+}
+
+/* Parses a whole JSON text (one value, nothing after it but spaces). *nodes
+   is allocated (free it); the root is node 0. */
+static int tl__json_parse(const char *s, size_t len, tl__jnode **nodes, char *err, size_t errlen)
+{
+    tl__jparser p;
+    int root;
+    memset(&p, 0, sizeof p);
+    *nodes = NULL;
+    if (len > ((size_t)1 << 30))
+        return tl__fail(err, errlen, "JSON text of %zu bytes is too large", len);
+    p.s = s;
+    p.len = len;
+    p.cap = (int)(len / 2 + 2);   /* every value but the first needs 2 bytes at least */
+    p.nodes = (tl__jnode *)malloc((size_t)p.cap * sizeof(tl__jnode));
+    p.err = err;
+    p.errlen = errlen;
+    if (!p.nodes)
+        return tl__fail(err, errlen, "out of memory for a JSON text of %zu bytes", len);
+    if (tl__jvalue(&p, &root)) {
+        free(p.nodes);
+        return -1;
+    }
+    tl__jspace(&p);
+    if (p.pos != len) {
+        tl__jfail(&p, "text after the value");
+        free(p.nodes);
+        return -1;
+    }
+    *nodes = p.nodes;
+    return 0;
+}
+
+/* Decodes a string node into buf (NUL-terminated, UTF-8); -1 when it does not
+   fit or holds an escaped NUL or a lone surrogate. */
+static int tl__jstr(const char *s, const tl__jnode *d, char *buf, size_t cap)
+{
+    size_t i = d->start, o = 0;
+    while (i < d->end) {
+        unsigned long cp;
+        if (s[i] != '\\') {
+            if (o + 1 >= cap) return -1;
+            buf[o++] = s[i++];
+            continue;
+        }
+        switch (s[i + 1]) {
+        case 'b': cp = 8; break;
+        case 'f': cp = 12; break;
+        case 'n': cp = 10; break;
+        case 'r': cp = 13; break;
+        case 't': cp = 9; break;
+        case 'u':
+            cp = (unsigned long)(tl__jhex(s[i + 2]) << 12 | tl__jhex(s[i + 3]) << 8 |
+                                 tl__jhex(s[i + 4]) << 4 | tl__jhex(s[i + 5]));
+            i += 4;
+            if (cp >= 0xD800 && cp < 0xDC00) {   /* a high surrogate needs its low half */
+                unsigned long lo;
+                if (i + 8 > d->end || s[i + 2] != '\\' || s[i + 3] != 'u')
+                    return -1;
+                lo = (unsigned long)(tl__jhex(s[i + 4]) << 12 | tl__jhex(s[i + 5]) << 8 |
+                                     tl__jhex(s[i + 6]) << 4 | tl__jhex(s[i + 7]));
+                if (lo < 0xDC00 || lo > 0xDFFF)
+                    return -1;
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                i += 6;
+            } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                return -1;
+            }
+            break;
+        default: cp = (unsigned long)(unsigned char)s[i + 1]; break;
+        }
+        i += 2;
+        if (cp == 0) return -1;
+        if (o + 5 >= cap) return -1;
+        if (cp < 0x80) {
+            buf[o++] = (char)cp;
+        } else if (cp < 0x800) {
+            buf[o++] = (char)(0xC0 | (cp >> 6));
+            buf[o++] = (char)(0x80 | (cp & 0x3F));
+        } else if (cp < 0x10000) {
+            buf[o++] = (char)(0xE0 | (cp >> 12));
+            buf[o++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+            buf[o++] = (char)(0x80 | (cp & 0x3F));
+        } else {
+            buf[o++] = (char)(0xF0 | (cp >> 18));
+            buf[o++] = (char)(0x80 | ((cp >> 12) & 0x3F));
+            buf[o++] = (char)(0x80 | ((cp >> 6) & 0x3F));
+            buf[o++] = (char)(0x80 | (cp & 0x3F));
+        }
+    }
+    buf[o] = '\0';
+    return 0;
+}
+
+/* The value of key in object node obj, or -1. */
+static int tl__jget(const char *s, const tl__jnode *nodes, int obj, const char *key)
+{
+    int k;
+    char buf[256];
+    if (obj < 0 || nodes[obj].type != TL__J_OBJ)
+        return -1;
+    for (k = nodes[obj].first; k >= 0; k = nodes[nodes[k].next].next)
+        if (tl__jstr(s, &nodes[k], buf, sizeof buf) == 0 && strcmp(buf, key) == 0)
+            return nodes[k].next;
+    return -1;
+}
+
+/* A non-negative integer (no sign, fraction or exponent) up to max. */
+static int tl__juint(const char *s, const tl__jnode *d, unsigned long long max,
+                     unsigned long long *out)
+{
+    size_t i;
+    unsigned long long v = 0;
+    if (d->type != TL__J_NUM || d->start == d->end)
+        return -1;
+    for (i = d->start; i < d->end; i++) {
+        unsigned digit;
+        if (s[i] < '0' || s[i] > '9')
+            return -1;
+        digit = (unsigned)(s[i] - '0');
+        if (v > (max - digit) / 10)
+            return -1;
+        v = v * 10 + digit;
+    }
+    *out = v;
+    return 0;
+}
+
+static int tl__jdouble(const char *s, const tl__jnode *d, double *out)
+{
+    char buf[64];
+    size_t n = d->end - d->start;
+    char *end;
+    if (d->type != TL__J_NUM || n == 0 || n >= sizeof buf)
+        return -1;
+    memcpy(buf, s + d->start, n);
+    buf[n] = '\0';
+    *out = strtod(buf, &end);
+    return *end == '\0' && *out == *out ? 0 : -1;
+}
+
+/* ----------------------------------------------------------------------------
+   Hugging Face checkpoints: safetensors */
+
+static const char *const tl__st_dtypes[] = {
+    "F32", "BF16", "F16", "F64", "I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64",
+    "BOOL", "F8_E4M3", "F8_E5M2"
+};
+static const int tl__st_sizes[] = { 4, 2, 2, 8, 8, 4, 2, 1, 1, 2, 4, 8, 1, 1, 1 };
+
+#define TL__ST_MAX_HEADER ((size_t)100 << 20)
+
+static int tl__by_tensor_name(const void *a, const void *b)
+{
+    return strcmp(((const tl_st_tensor *)a)->name, ((const tl_st_tensor *)b)->name);
+}
+
+static int tl__by_begin(const void *a, const void *b)
+{
+    const tl_st_tensor *x = *(const tl_st_tensor *const *)a, *y = *(const tl_st_tensor *const *)b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin ? 1 : (x->end < y->end ? -1 : x->end > y->end);
+}
+
+void tl_st_free(tl_st_file *f)
+{
+    free(f->t);
+    f->t = NULL;
+    f->n = 0;
+}
+
+int tl_st_parse(const unsigned char *data, size_t size, tl_st_file *f, char *err, size_t errlen)
+{
+    unsigned long long hlen = 0;
+    size_t data0, i;
+    const char *js;
+    tl__jnode *nodes = NULL;
+    tl_st_tensor **by_begin = NULL;
+    int k, n = 0, rc = -1;
+    char why[TL_ERR_LEN];
+
+    f->n = 0;
+    f->t = NULL;
+    if (size < 8)
+        return tl__fail(err, errlen, "truncated: %zu bytes, a safetensors file starts with an "
+                        "8-byte header length", size);
+    for (k = 7; k >= 0; k--)
+        hlen = hlen << 8 | data[k];
+    if (hlen < 2 || hlen > TL__ST_MAX_HEADER || hlen > (unsigned long long)(size - 8))
+        return tl__fail(err, errlen, "header length %llu does not fit the file of %zu bytes%s", hlen,
+                        size, hlen > TL__ST_MAX_HEADER ? " (limit 100 MB)" : " (truncated?)");
+    js = (const char *)data + 8;
+    data0 = 8 + (size_t)hlen;
+    if (js[0] != '{')
+        return tl__fail(err, errlen, "the header is not a JSON object");
+    if (tl__json_parse(js, (size_t)hlen, &nodes, why, sizeof why))
+        return tl__fail(err, errlen, "header: %s", why);
+    if (nodes[0].type != TL__J_OBJ) {
+        free(nodes);
+        return tl__fail(err, errlen, "the header is not a JSON object");
+    }
+    f->t = (tl_st_tensor *)calloc((size_t)nodes[0].count + 1, sizeof(tl_st_tensor));
+    if (!f->t) {
+        int cnt = nodes[0].count;
+        free(nodes);
+        return tl__fail(err, errlen, "out of memory for %d tensors", cnt);
+    }
+    for (k = nodes[0].first; k >= 0; k = nodes[nodes[k].next].next) {
+        int v = nodes[k].next, dt, sh, off, d, ti;
+        tl_st_tensor *t = &f->t[n];
+        char dts[32];
+        unsigned long long b, e, numel = 1;
+        if (tl__jstr(js, &nodes[k], t->name, sizeof t->name) != 0) {
+            tl__fail(err, errlen, "a tensor name is longer than %zu bytes or badly escaped",
+                     sizeof t->name - 1);
+            goto out;
+        }
+        if (strcmp(t->name, "__metadata__") == 0) {
+            if (nodes[v].type != TL__J_OBJ) {
+                tl__fail(err, errlen, "__metadata__ is not an object");
+                goto out;
+            }
+            continue;
+        }
+        if (nodes[v].type != TL__J_OBJ) {
+            tl__fail(err, errlen, "tensor %s: not an object", t->name);
+            goto out;
+        }
+        dt = tl__jget(js, nodes, v, "dtype");
+        sh = tl__jget(js, nodes, v, "shape");
+        off = tl__jget(js, nodes, v, "data_offsets");
+        if (dt < 0 || sh < 0 || off < 0 || nodes[dt].type != TL__J_STR ||
+            nodes[sh].type != TL__J_ARR || nodes[off].type != TL__J_ARR) {
+            tl__fail(err, errlen, "tensor %s: needs dtype (string), shape and data_offsets (arrays)",
+                     t->name);
+            goto out;
+        }
+        if (tl__jstr(js, &nodes[dt], dts, sizeof dts) != 0)
+            dts[0] = '\0';
+        for (ti = 0; ti < (int)(sizeof tl__st_sizes / sizeof tl__st_sizes[0]); ti++)
+            if (strcmp(dts, tl__st_dtypes[ti]) == 0)
+                break;
+        if (ti == (int)(sizeof tl__st_sizes / sizeof tl__st_sizes[0])) {
+            tl__fail(err, errlen, "tensor %s: unknown dtype '%s'", t->name, dts);
+            goto out;
+        }
+        t->dtype = ti <= 2 ? ti : -1;   /* F32, BF16, F16 are tl_dtype's values */
+        if (nodes[sh].count > 8) {
+            tl__fail(err, errlen, "tensor %s: %d dimensions (at most 8)", t->name, nodes[sh].count);
+            goto out;
+        }
+        t->ndim = 0;
+        for (d = nodes[sh].first; d >= 0; d = nodes[d].next) {
+            unsigned long long dimv;
+            if (tl__juint(js, &nodes[d], (unsigned long long)1 << 40, &dimv) != 0) {
+                tl__fail(err, errlen, "tensor %s: a shape entry is not an integer in 0..2^40", t->name);
+                goto out;
+            }
+            t->shape[t->ndim++] = (long long)dimv;
+            if (dimv != 0 && numel > ((unsigned long long)1 << 50) / dimv) {
+                tl__fail(err, errlen, "tensor %s: its shape is too large", t->name);
+                goto out;
+            }
+            numel *= dimv;
+        }
+        if (nodes[off].count != 2 ||
+            tl__juint(js, &nodes[nodes[off].first], (unsigned long long)-1, &b) != 0 ||
+            tl__juint(js, &nodes[nodes[nodes[off].first].next], (unsigned long long)-1, &e) != 0) {
+            tl__fail(err, errlen, "tensor %s: data_offsets must be two non-negative integers", t->name);
+            goto out;
+        }
+        if (b > e || e > (unsigned long long)(size - data0)) {
+            tl__fail(err, errlen, "tensor %s: data_offsets [%llu, %llu] are outside the %zu data bytes "
+                     "of the file (truncated?)", t->name, b, e, size - data0);
+            goto out;
+        }
+        if (e - b != numel * (unsigned long long)tl__st_sizes[ti]) {
+            tl__fail(err, errlen, "tensor %s: %llu bytes for %llu elements of %s", t->name, e - b,
+                     numel, dts);
+            goto out;
+        }
+        t->begin = data0 + (size_t)b;
+        t->end = data0 + (size_t)e;
+        n++;
+    }
+    qsort(f->t, (size_t)n, sizeof(tl_st_tensor), tl__by_tensor_name);
+    for (k = 1; k < n; k++)
+        if (strcmp(f->t[k - 1].name, f->t[k].name) == 0) {
+            tl__fail(err, errlen, "tensor %s appears twice", f->t[k].name);
+            goto out;
+        }
+    by_begin = (tl_st_tensor **)malloc((size_t)(n + 1) * sizeof(tl_st_tensor *));
+    if (!by_begin) {
+        tl__fail(err, errlen, "out of memory");
+        goto out;
+    }
+    for (k = 0; k < n; k++)
+        by_begin[k] = &f->t[k];
+    qsort(by_begin, (size_t)n, sizeof(tl_st_tensor *), tl__by_begin);
+    for (i = 1; i < (size_t)n; i++)
+        if (by_begin[i]->begin < by_begin[i - 1]->end) {
+            tl__fail(err, errlen, "tensors %s and %s overlap in the file", by_begin[i - 1]->name,
+                     by_begin[i]->name);
+            goto out;
+        }
+    f->n = n;
+    rc = 0;
+out:
+    free(by_begin);
+    free(nodes);
+    if (rc != 0)
+        tl_st_free(f);
+    return rc;
+}
+
+static const tl_st_tensor *tl__st_find(const tl_st_file *f, const char *name)
+{
+    tl_st_tensor key;
+    size_t n = strlen(name);
+    if (n >= sizeof key.name || f->n == 0)
+        return NULL;
+    memcpy(key.name, name, n + 1);
+    return (const tl_st_tensor *)bsearch(&key, f->t, (size_t)f->n, sizeof(tl_st_tensor),
+                                         tl__by_tensor_name);
+}
+
+/* ----------------------------------------------------------------------------
+   Hugging Face checkpoints: config.json */
+
+static int tl__jcfg_int(const char *s, const tl__jnode *nodes, const char *key, int required,
+                        int def, int lo, int hi, int *out, char *err, size_t errlen)
+{
+    int v = tl__jget(s, nodes, 0, key);
+    unsigned long long x;
+    if (v < 0 || nodes[v].type == TL__J_NULL) {
+        if (required)
+            return tl__fail(err, errlen, "config.json: %s is missing", key);
+        *out = def;
+        return 0;
+    }
+    if (tl__juint(s, &nodes[v], (unsigned long long)hi, &x) != 0 || x < (unsigned long long)lo)
+        return tl__fail(err, errlen, "config.json: %s must be an integer in %d..%d", key, lo, hi);
+    *out = (int)x;
+    return 0;
+}
+
+static int tl__jcfg_float(const char *s, const tl__jnode *nodes, int obj, const char *key,
+                          double def, double lo, double hi, float *out, char *err, size_t errlen)
+{
+    int v = tl__jget(s, nodes, obj, key);
+    double x;
+    if (v < 0 || nodes[v].type == TL__J_NULL) {
+        *out = (float)def;
+        return 0;
+    }
+    if (tl__jdouble(s, &nodes[v], &x) != 0 || !(x >= lo && x <= hi))
+        return tl__fail(err, errlen, "config.json: %s must be a number in [%g, %g]", key, lo, hi);
+    *out = (float)x;
+    return 0;
+}
+
+static int tl__jcfg_bool(const char *s, const tl__jnode *nodes, const char *key, int def,
+                         int *out, char *err, size_t errlen)
+{
+    int v = tl__jget(s, nodes, 0, key);
+    if (v < 0 || nodes[v].type == TL__J_NULL) {
+        *out = def;
+        return 0;
+    }
+    if (nodes[v].type != TL__J_BOOL)
+        return tl__fail(err, errlen, "config.json: %s must be true or false", key);
+    *out = s[nodes[v].start] == 't';
+    return 0;
+}
+
+int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, size_t errlen)
+{
+    tl__jnode *nodes = NULL;
+    char why[TL_ERR_LEN], buf[64];
+    int v, rc = -1, tie = 0, flag = 0;
+    memset(c, 0, sizeof *c);
+    if (tl__json_parse(json, len, &nodes, why, sizeof why))
+        return tl__fail(err, errlen, "config.json: %s", why);
+    if (nodes[0].type != TL__J_OBJ) {
+        tl__fail(err, errlen, "config.json is not a JSON object");
+        goto out;
+    }
+    v = tl__jget(json, nodes, 0, "architectures");
+    if (v < 0 || nodes[v].type != TL__J_ARR || nodes[v].count < 1 ||
+        nodes[nodes[v].first].type != TL__J_STR ||
+        tl__jstr(json, &nodes[nodes[v].first], buf, sizeof buf) != 0) {
+        tl__fail(err, errlen, "config.json: architectures must be a list naming the model class");
+        goto out;
+    }
+    if (strcmp(buf, "LlamaForCausalLM") == 0) c->arch = TL_ARCH_LLAMA;
+    else if (strcmp(buf, "MistralForCausalLM") == 0) c->arch = TL_ARCH_MISTRAL;
+    else if (strcmp(buf, "Qwen2ForCausalLM") == 0) c->arch = TL_ARCH_QWEN2;
+    else {
+        tl__fail(err, errlen, "config.json: architecture %s is not supported (LlamaForCausalLM, "
+                 "MistralForCausalLM, Qwen2ForCausalLM)", buf);
+        goto out;
+    }
+    v = tl__jget(json, nodes, 0, "hidden_act");
+    if (v >= 0 && (nodes[v].type != TL__J_STR || tl__jstr(json, &nodes[v], buf, sizeof buf) != 0 ||
+                   strcmp(buf, "silu") != 0)) {
+        tl__fail(err, errlen, "config.json: hidden_act must be \"silu\"");
+        goto out;
+    }
+    if (tl__jcfg_int(json, nodes, "hidden_size", 1, 0, 1, 1 << 20, &c->dim, err, errlen) ||
+        tl__jcfg_int(json, nodes, "intermediate_size", 1, 0, 1, 1 << 22, &c->hidden_dim, err, errlen) ||
+        tl__jcfg_int(json, nodes, "num_hidden_layers", 1, 0, 1, 4096, &c->n_layers, err, errlen) ||
+        tl__jcfg_int(json, nodes, "num_attention_heads", 1, 0, 1, 4096, &c->n_heads, err, errlen) ||
+        tl__jcfg_int(json, nodes, "num_key_value_heads", 0, c->n_heads, 1, 4096, &c->n_kv_heads,
+                     err, errlen) ||
+        tl__jcfg_int(json, nodes, "vocab_size", 1, 0, 1, 1 << 24, &c->vocab_size, err, errlen) ||
+        tl__jcfg_int(json, nodes, "max_position_embeddings", 0, 2048, 1, 1 << 30, &c->seq_len,
+                     err, errlen) ||
+        tl__jcfg_int(json, nodes, "head_dim", 0, 0, 2, 1 << 16, &c->head_size, err, errlen) ||
+        tl__jcfg_float(json, nodes, 0, "rms_norm_eps", 1e-6, 1e-12, 0.5, &c->rms_eps, err, errlen) ||
+        tl__jcfg_float(json, nodes, 0, "rope_theta", 10000.0, 1.0, 3.0e38, &c->rope_theta, err, errlen) ||
+        tl__jcfg_bool(json, nodes, "tie_word_embeddings", 0, &tie, err, errlen))
+        goto out;
+    if (c->arch == TL_ARCH_LLAMA && (tl__jcfg_bool(json, nodes, "attention_bias", 0, &flag, err, errlen) || flag ||
+                                     tl__jcfg_bool(json, nodes, "mlp_bias", 0, &flag, err, errlen) || flag)) {
+        if (flag)
+            tl__fail(err, errlen, "config.json: attention_bias / mlp_bias are not supported");
+        goto out;
+    }
+    if (c->arch == TL_ARCH_QWEN2 && (tl__jcfg_bool(json, nodes, "use_sliding_window", 0, &flag, err, errlen) || flag)) {
+        if (flag)
+            tl__fail(err, errlen, "config.json: use_sliding_window is not supported");
+        goto out;
+    }
+    if (c->arch == TL_ARCH_MISTRAL) {   /* the model attends over the window only: cap the context */
+        int sw = 0;
+        if (tl__jcfg_int(json, nodes, "sliding_window", 0, 0, 1, 1 << 30, &sw, err, errlen))
+            goto out;
+        if (sw > 0 && sw < c->seq_len)
+            c->seq_len = sw;
+    }
+    c->shared_classifier = tie;
+    c->qkv_bias = c->arch == TL_ARCH_QWEN2;
+    c->rope_layout = TL_ROPE_HALF;
+    c->version = 2;
+    v = tl__jget(json, nodes, 0, "rope_scaling");
+    if (v >= 0 && nodes[v].type != TL__J_NULL) {
+        int t = tl__jget(json, nodes, v, "rope_type");
+        if (nodes[v].type != TL__J_OBJ) {
+            tl__fail(err, errlen, "config.json: rope_scaling must be an object or null");
+            goto out;
+        }
+        if (t < 0)
+            t = tl__jget(json, nodes, v, "type");
+        if (t < 0 || nodes[t].type != TL__J_STR || tl__jstr(json, &nodes[t], buf, sizeof buf) != 0) {
+            tl__fail(err, errlen, "config.json: rope_scaling needs a rope_type");
+            goto out;
+        }
+        if (strcmp(buf, "default") == 0) {
+            c->rope_scaling = TL_ROPE_SCALING_NONE;
+        } else if (strcmp(buf, "linear") == 0 || strcmp(buf, "llama3") == 0) {
+            c->rope_scaling = buf[1] == 'i' ? TL_ROPE_SCALING_LINEAR : TL_ROPE_SCALING_LLAMA3;
+            if (tl__jget(json, nodes, v, "factor") < 0) {
+                tl__fail(err, errlen, "config.json: rope_scaling needs a factor");
+                goto out;
+            }
+            if (tl__jcfg_float(json, nodes, v, "factor", 1.0, 1e-6, 1e6, &c->rope_factor, err, errlen))
+                goto out;
+            if (c->rope_scaling == TL_ROPE_SCALING_LLAMA3) {
+                int o = tl__jget(json, nodes, v, "original_max_position_embeddings");
+                unsigned long long x;
+                if (tl__jcfg_float(json, nodes, v, "low_freq_factor", 1.0, 1e-6, 1e6,
+                                   &c->rope_low_freq_factor, err, errlen) ||
+                    tl__jcfg_float(json, nodes, v, "high_freq_factor", 4.0, 1e-6, 1e6,
+                                   &c->rope_high_freq_factor, err, errlen))
+                    goto out;
+                if (o < 0 || tl__juint(json, &nodes[o], 1u << 30, &x) != 0 || x == 0) {
+                    tl__fail(err, errlen, "config.json: llama3 rope_scaling needs "
+                             "original_max_position_embeddings (a positive integer)");
+                    goto out;
+                }
+                c->rope_orig_ctx = (int)x;
+            }
+        } else {
+            tl__fail(err, errlen, "config.json: rope_scaling type '%s' is not supported "
+                     "(linear, llama3)", buf);
+            goto out;
+        }
+    }
+    if (tl_check_config(c, why, sizeof why)) {
+        tl__fail(err, errlen, "config.json: %s", why);
+        goto out;
+    }
+    rc = 0;
+out:
+    free(nodes);
+    return rc;
+}
+
+/* ----------------------------------------------------------------------------
+   Hugging Face checkpoints: binding the tensors */
+
+const char *tl_dtype_name(int dtype)
+{
+    return dtype == TL_F32 ? "fp32" : dtype == TL_BF16 ? "bf16" : dtype == TL_F16 ? "fp16" : "?";
+}
+
+const char *tl_arch_name(int arch)
+{
+    switch (arch) {
+    case TL_ARCH_LLAMA2C: return "llama2.c";
+    case TL_ARCH_LLAMA: return "LlamaForCausalLM";
+    case TL_ARCH_MISTRAL: return "MistralForCausalLM";
+    case TL_ARCH_QWEN2: return "Qwen2ForCausalLM";
+    default: return "?";
+    }
+}
+
+static float tl__half_to_float(unsigned short h)
+{
+    unsigned int sign = (unsigned int)(h >> 15) << 31, e = (h >> 10) & 31u, mant = h & 0x3FFu, bits;
+    float f;
+    if (e == 0) {
+        f = (float)mant * (1.0f / 16777216.0f);   /* subnormal: mant * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    if (e == 31)
+        bits = sign | 0x7F800000u | (mant << 13);
+    else
+        bits = sign | ((e + 112u) << 23) | (mant << 13);
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static float tl__bf16_to_float(unsigned short h)
+{
+    unsigned int bits = (unsigned int)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* element i of a stored vector as fp32 */
+static float tl__elem(const void *p, int dtype, size_t i)
+{
+    unsigned short h;
+    float f;
+    if (dtype == TL_F32) {
+        memcpy(&f, (const unsigned char *)p + i * 4, 4);
+        return f;
+    }
+    memcpy(&h, (const unsigned char *)p + i * 2, 2);
+    return dtype == TL_BF16 ? tl__bf16_to_float(h) : tl__half_to_float(h);
+}
+
+typedef struct {
+    const tl_config *c;
+    const tl_st_file *files;
+    const unsigned char *const *bases;
+    int n_files;
+    char *err;
+    size_t errlen;
+} tl__binder;
+
+/* Finds name (exactly one file holds it), checks its shape (rows x cols; cols 0
+   for a vector) and dtype; *data is its bytes when bases are given. */
+static int tl__bind_one(const tl__binder *b, const char *name, long long rows, long long cols,
+                        const void **data, int *dtype)
+{
+    const tl_st_tensor *t = NULL;
+    int i, file = -1;
+    for (i = 0; i < b->n_files; i++) {
+        const tl_st_tensor *x = tl__st_find(&b->files[i], name);
+        if (x) {
+            if (t)
+                return tl__fail(b->err, b->errlen, "tensor %s is in two files", name);
+            t = x;
+            file = i;
+        }
+    }
+    if (!t)
+        return tl__fail(b->err, b->errlen, "tensor %s is missing", name);
+    if (t->dtype < 0)
+        return tl__fail(b->err, b->errlen, "tensor %s: its dtype is not bf16, fp16 or fp32", name);
+    if (cols == 0 ? (t->ndim != 1 || t->shape[0] != rows)
+                  : (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols)) {
+        char got[96];
+        int k, o = 0;
+        got[0] = '\0';
+        for (k = 0; k < t->ndim && o < 80; k++)
+            o += snprintf(got + o, sizeof got - (size_t)o, "%s%lld", k ? ", " : "", t->shape[k]);
+        if (cols == 0)
+            return tl__fail(b->err, b->errlen, "tensor %s has shape [%s], expected [%lld]", name,
+                            got, rows);
+        return tl__fail(b->err, b->errlen, "tensor %s has shape [%s], expected [%lld, %lld]", name,
+                        got, rows, cols);
+    }
+    if (t->begin % (t->dtype == TL_F32 ? 4u : 2u) != 0)
+        return tl__fail(b->err, b->errlen, "tensor %s is not aligned to its element size", name);
+    *dtype = t->dtype;
+    *data = b->bases ? (const void *)(b->bases[file] + t->begin) : NULL;
+    return 0;
+}
+
+static int tl__bind_mat(const tl__binder *b, const char *name, long long rows, long long cols,
+                        tl_mat *m)
+{
+    return tl__bind_one(b, name, rows, cols, &m->data, &m->dtype);
+}
+
+/* a vector bound and copied to fp32 at *dst (when dst is given) */
+static int tl__bind_vec(const tl__binder *b, const char *name, long long n, float *dst)
+{
+    const void *data;
+    int dtype;
+    long long i;
+    if (tl__bind_one(b, name, n, 0, &data, &dtype))
+        return -1;
+    if (dst && data)
+        for (i = 0; i < n; i++)
+            dst[i] = tl__elem(data, dtype, (size_t)i);
+    return 0;
+}
+
+int tl_hf_bind(const tl_config *c, const tl_st_file *files, const unsigned char *const *bases,
+               int n_files, tl_model *m, char *err, size_t errlen)
+{
+    tl__binder b;
+    char name[160];
+    size_t dim = (size_t)c->dim, qd = (size_t)c->q_dim, kv = (size_t)c->kv_dim, per, total;
+    long long D = c->dim, H = c->hidden_dim, Q = c->q_dim, K = c->kv_dim, V = c->vocab_size;
+    tl_layer_weights lw, *layers = NULL;
+    float *owned = NULL, *o;
+    tl_mat emb, cls;
+    int l, ok = 1;
+    if (m && tl_hf_bind(c, files, NULL, n_files, NULL, err, errlen))
+        return -1;   /* everything checked before anything is allocated */
+    b.c = c;
+    b.files = files;
+    b.bases = bases;
+    b.n_files = n_files;
+    b.err = err;
+    b.errlen = errlen;
+    per = 2 * dim + (c->qkv_bias ? qd + 2 * kv : 0);
+    total = tl__add(tl__mul(per, (size_t)c->n_layers, &ok), dim, &ok);
+    if (!ok)
+        return tl__fail(err, errlen, "the model's sizes overflow");
+    if (m) {
+        layers = (tl_layer_weights *)calloc((size_t)c->n_layers, sizeof(tl_layer_weights));
+        owned = (float *)malloc(total * sizeof(float));
+        if (!layers || !owned) {
+            free(layers);
+            free(owned);
+            return tl__fail(err, errlen, "out of memory for the model's norms");
+        }
+    }
+    o = owned;
+    if (tl__bind_mat(&b, "model.embed_tokens.weight", V, D, &emb))
+        goto fail;
+    if (c->shared_classifier)
+        cls = emb;
+    else if (tl__bind_mat(&b, "lm_head.weight", V, D, &cls))
+        goto fail;
+    if (tl__bind_vec(&b, "model.norm.weight", D, o))
+        goto fail;
+    if (o) o += dim;
+    for (l = 0; l < c->n_layers; l++) {
+        struct { const char *suffix; long long rows, cols; tl_mat *dst; } mats[7];
+        int i;
+        memset(&lw, 0, sizeof lw);
+        mats[0].suffix = "self_attn.q_proj.weight"; mats[0].rows = Q; mats[0].cols = D; mats[0].dst = &lw.wq;
+        mats[1].suffix = "self_attn.k_proj.weight"; mats[1].rows = K; mats[1].cols = D; mats[1].dst = &lw.wk;
+        mats[2].suffix = "self_attn.v_proj.weight"; mats[2].rows = K; mats[2].cols = D; mats[2].dst = &lw.wv;
+        mats[3].suffix = "self_attn.o_proj.weight"; mats[3].rows = D; mats[3].cols = Q; mats[3].dst = &lw.wo;
+        mats[4].suffix = "mlp.gate_proj.weight"; mats[4].rows = H; mats[4].cols = D; mats[4].dst = &lw.w1;
+        mats[5].suffix = "mlp.down_proj.weight"; mats[5].rows = D; mats[5].cols = H; mats[5].dst = &lw.w2;
+        mats[6].suffix = "mlp.up_proj.weight"; mats[6].rows = H; mats[6].cols = D; mats[6].dst = &lw.w3;
+        for (i = 0; i < 7; i++) {
+            snprintf(name, sizeof name, "model.layers.%d.%s", l, mats[i].suffix);
+            if (tl__bind_mat(&b, name, mats[i].rows, mats[i].cols, mats[i].dst))
+                goto fail;
+        }
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        if (tl__bind_vec(&b, name, D, o))
+            goto fail;
+        lw.rms_att = o;
+        if (o) o += dim;
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        if (tl__bind_vec(&b, name, D, o))
+            goto fail;
+        lw.rms_ffn = o;
+        if (o) o += dim;
+        if (c->qkv_bias) {
+            snprintf(name, sizeof name, "model.layers.%d.self_attn.q_proj.bias", l);
+            if (tl__bind_vec(&b, name, Q, o))
+                goto fail;
+            lw.bq = o;
+            if (o) o += qd;
+            snprintf(name, sizeof name, "model.layers.%d.self_attn.k_proj.bias", l);
+            if (tl__bind_vec(&b, name, K, o))
+                goto fail;
+            lw.bk = o;
+            if (o) o += kv;
+            snprintf(name, sizeof name, "model.layers.%d.self_attn.v_proj.bias", l);
+            if (tl__bind_vec(&b, name, K, o))
+                goto fail;
+            lw.bv = o;
+            if (o) o += kv;
+        }
+        if (layers)
+            layers[l] = lw;
+    }
+    if (m) {
+        m->layers = layers;
+        m->owned = owned;
+        m->emb = emb;
+        m->cls = cls;
+        m->w.rms_final = owned;
+        if (emb.dtype == TL_F32)
+            m->w.token_embedding = (const float *)emb.data;
+        if (cls.dtype == TL_F32)
+            m->w.wcls = (const float *)cls.data;
+    }
+    return 0;
+fail:
+    free(layers);
+    free(owned);
+    return -1;
+}
+
+/* Reads a small file (config.json, the index) whole; NUL-terminated. */
+static char *tl__read_small(const char *path, const char *what, size_t max, size_t *len,
+                            char *err, size_t errlen)
+{
+    struct stat st;
+    char *buf;
+    size_t got = 0;
+    int fd = tl__open_regular(path, what, &st, err, errlen);
+    if (fd < 0)
+        return NULL;
+    if ((size_t)st.st_size > max) {
+        close(fd);
+        tl__fail(err, errlen, "%s %s is larger than %zu bytes", what, path, max);
+        return NULL;
+    }
+    buf = (char *)malloc((size_t)st.st_size + 1);
+    if (!buf) {
+        close(fd);
+        tl__fail(err, errlen, "out of memory reading %s", path);
+        return NULL;
+    }
+    while (got < (size_t)st.st_size) {
+        ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
+        if (r <= 0) {
+            if (r < 0 && errno == EINTR)
+                continue;
+            close(fd);
+            free(buf);
+            tl__fail(err, errlen, "cannot read %s %s", what, path);
+            return NULL;
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    buf[got] = '\0';
+    *len = got;
+    return buf;
+}
+
+#define TL__MAX_SHARDS 256
+
+static int tl__map_file(const char *path, void **map, size_t *size, char *err, size_t errlen)
+{
+    struct stat st;
+    int fd = tl__open_regular(path, "weights file", &st, err, errlen);
+    if (fd < 0)
+        return -1;
+    *size = (size_t)st.st_size;
+    if (*size == 0) {
+        close(fd);
+        return tl__fail(err, errlen, "%s: empty file", path);
+    }
+    *map = mmap(NULL, *size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (*map == MAP_FAILED) {
+        *map = NULL;
+        return tl__fail(err, errlen, "cannot mmap %s: %s", path, strerror(errno));
+    }
+    return 0;
+}
+
+/* The shard file names of an index (model.safetensors.index.json): the
+   distinct values of its weight_map, each a plain file name. */
+static int tl__index_shards(const char *json, size_t len, char names[][128], int *n,
+                            char *err, size_t errlen)
+{
+    tl__jnode *nodes = NULL;
+    char why[TL_ERR_LEN], buf[128];
+    int wm, k, i, rc = -1;
+    *n = 0;
+    if (tl__json_parse(json, len, &nodes, why, sizeof why))
+        return tl__fail(err, errlen, "model.safetensors.index.json: %s", why);
+    wm = tl__jget(json, nodes, 0, "weight_map");
+    if (wm < 0 || nodes[wm].type != TL__J_OBJ || nodes[wm].count == 0) {
+        tl__fail(err, errlen, "model.safetensors.index.json: weight_map must be a non-empty object");
+        goto out;
+    }
+    for (k = nodes[wm].first; k >= 0; k = nodes[nodes[k].next].next) {
+        int v = nodes[k].next;
+        size_t bl;
+        if (nodes[v].type != TL__J_STR || tl__jstr(json, &nodes[v], buf, sizeof buf) != 0 ||
+            (bl = strlen(buf)) < 13 || strcmp(buf + bl - 12, ".safetensors") != 0 ||
+            strchr(buf, '/') || buf[0] == '.') {
+            tl__fail(err, errlen, "model.safetensors.index.json: a weight_map entry is not a "
+                     "plain *.safetensors file name");
+            goto out;
+        }
+        for (i = 0; i < *n; i++)
+            if (strcmp(names[i], buf) == 0)
+                break;
+        if (i == *n) {
+            if (*n >= TL__MAX_SHARDS) {
+                tl__fail(err, errlen, "model.safetensors.index.json names more than %d files",
+                         TL__MAX_SHARDS);
+                goto out;
+            }
+            memcpy(names[(*n)++], buf, strlen(buf) + 1);
+        }
+    }
+    rc = 0;
+out:
+    free(nodes);
+    return rc;
+}
+
+int tl_build_hf_model(tl_model *m, const char *dir, char *err, size_t errlen)
+{
+    char path[4096], why[TL_ERR_LEN];
+    char (*names)[128] = NULL;
+    char *text = NULL;
+    size_t len;
+    tl_st_file *files = NULL;
+    const unsigned char **bases = NULL;
+    int n = 0, i, rc = -1;
+    struct stat st;
+
+    memset(m, 0, sizeof *m);
+    if (strlen(dir) > sizeof path - 64)
+        return tl__fail(err, errlen, "model directory path is too long");
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (stat(path, &st) != 0)
+        return tl__fail(err, errlen, "%s is a directory without config.json (not a Hugging Face "
+                        "model directory)", dir);
+    if (!(text = tl__read_small(path, "config", (size_t)16 << 20, &len, why, sizeof why)) ||
+        tl_hf_parse_config(text, len, &m->config, why, sizeof why)) {
+        free(text);
+        memset(m, 0, sizeof *m);
+        return tl__fail(err, errlen, "%s: %s", dir, why);
+    }
+    free(text);
+    text = NULL;
+    names = (char (*)[128])calloc(TL__MAX_SHARDS, 128);
+    if (!names) {
+        tl__fail(err, errlen, "out of memory");
+        goto out;
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (stat(path, &st) == 0) {
+        memcpy(names[0], "model.safetensors", 18);
+        n = 1;
+    } else {
+        snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+        if (stat(path, &st) != 0) {
+            tl__fail(err, errlen, "%s: neither model.safetensors nor model.safetensors.index.json", dir);
+            goto out;
+        }
+        if (!(text = tl__read_small(path, "index", (size_t)64 << 20, &len, why, sizeof why)) ||
+            tl__index_shards(text, len, names, &n, why, sizeof why)) {
+            tl__fail(err, errlen, "%s: %s", dir, why);
+            goto out;
+        }
+    }
+    m->shard_maps = (void **)calloc((size_t)n, sizeof(void *));
+    m->shard_sizes = (size_t *)calloc((size_t)n, sizeof(size_t));
+    files = (tl_st_file *)calloc((size_t)n, sizeof(tl_st_file));
+    bases = (const unsigned char **)calloc((size_t)n, sizeof(unsigned char *));
+    if (!m->shard_maps || !m->shard_sizes || !files || !bases) {
+        tl__fail(err, errlen, "out of memory");
+        goto out;
+    }
+    for (i = 0; i < n; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        if (tl__map_file(path, &m->shard_maps[i], &m->shard_sizes[i], err, errlen))
+            goto out;
+        m->n_shards = i + 1;
+        bases[i] = (const unsigned char *)m->shard_maps[i];
+        if (tl_st_parse(bases[i], m->shard_sizes[i], &files[i], why, sizeof why)) {
+            tl__fail(err, errlen, "%s: %s", path, why);
+            goto out;
+        }
+    }
+    if (tl_hf_bind(&m->config, files, bases, n, m, why, sizeof why)) {
+        tl__fail(err, errlen, "%s: %s", dir, why);
+        goto out;
+    }
+    m->config.wtype = m->layers[0].wq.dtype;
+    rc = 0;
+out:
+    if (files)
+        for (i = 0; i < n; i++)
+            tl_st_free(&files[i]);
+    free(files);
+    free(bases);
+    free(names);
+    free(text);
+    if (rc != 0)
+        tl_free_model(m);
+    return rc;
 }
 
 /* ----------------------------------------------------------------------------
@@ -850,6 +2121,36 @@ int tl_write_random_checkpoint(const char *path, const tl_config *config, int le
     return 0;
 }
 
+typedef struct tl__pool tl__pool;
+static tl__pool *tl__pool_create(int n);
+static void tl__pool_destroy(tl__pool *p);
+
+/* RoPE inverse frequencies: theta^(-2i/head_size), then the config's scaling
+   (linear: divided by the factor; llama3: long wavelengths divided by the
+   factor, short ones kept, a smooth blend between) */
+static void tl__rope_freqs(const tl_config *c, double *f)
+{
+    int i, half = c->head_size / 2;
+    for (i = 0; i < half; i++) {
+        double freq = pow((double)c->rope_theta, -2.0 * i / (double)c->head_size);
+        if (c->rope_scaling == TL_ROPE_SCALING_LINEAR) {
+            freq /= (double)c->rope_factor;
+        } else if (c->rope_scaling == TL_ROPE_SCALING_LLAMA3) {
+            double wavelen = 2.0 * 3.14159265358979323846 / freq;
+            double low_wl = (double)c->rope_orig_ctx / (double)c->rope_low_freq_factor;
+            double high_wl = (double)c->rope_orig_ctx / (double)c->rope_high_freq_factor;
+            if (wavelen > low_wl) {
+                freq /= (double)c->rope_factor;
+            } else if (wavelen >= high_wl) {
+                double smooth = ((double)c->rope_orig_ctx / wavelen - (double)c->rope_low_freq_factor) /
+                                ((double)c->rope_high_freq_factor - (double)c->rope_low_freq_factor);
+                freq = (1.0 - smooth) * freq / (double)c->rope_factor + smooth * freq;
+            }
+        }
+        f[i] = freq;
+    }
+}
+
 /* ----------------------------------------------------------------------------
    Run state */
 
@@ -864,7 +2165,7 @@ int tl_build_state_ex(tl_state *s, const tl_config *c, int ctx, int n_threads, i
 {
     int kv = !(flags & TL_STATE_NO_KV_CACHE);
     size_t cache, ctxz;
-    int ok = 1, g;
+    int ok = 1, g, qd = c->q_dim > 0 ? c->q_dim : c->dim;
     memset(s, 0, sizeof *s);
     if (ctx <= 0 || ctx > c->seq_len)
         ctx = c->seq_len;
@@ -876,11 +2177,11 @@ int tl_build_state_ex(tl_state *s, const tl_config *c, int ctx, int n_threads, i
     if (!ok)
         return tl__fail(err, errlen, "run state for a context of %d does not fit in memory", ctx);
     s->x = (float *)calloc((size_t)c->dim, sizeof(float));
-    s->xb = (float *)calloc((size_t)c->dim, sizeof(float));
+    s->xb = (float *)calloc((size_t)(qd > c->dim ? qd : c->dim), sizeof(float));
     s->xb2 = (float *)calloc((size_t)c->dim, sizeof(float));
     s->hb = (float *)calloc((size_t)c->hidden_dim, sizeof(float));
     s->hb2 = (float *)calloc((size_t)c->hidden_dim, sizeof(float));
-    s->q = (float *)calloc((size_t)c->dim, sizeof(float));
+    s->q = (float *)calloc((size_t)qd, sizeof(float));
     s->att = (float *)calloc((size_t)c->n_heads * ctxz, sizeof(float));
     s->logits = (float *)calloc((size_t)c->vocab_size, sizeof(float));
     s->key_cache = kv ? (float *)calloc(cache, sizeof(float)) : NULL;
@@ -891,7 +2192,8 @@ int tl_build_state_ex(tl_state *s, const tl_config *c, int ctx, int n_threads, i
     s->list_pos = (int *)calloc((size_t)c->n_kv_heads * ctxz, sizeof(int));
     s->mass = (float *)calloc(ctxz, sizeof(float));
     s->select_tmp = (float *)calloc(ctxz, sizeof(float));
-    if (!s->x || !s->xb || !s->xb2 || !s->hb || !s->hb2 || !s->q || !s->att ||
+    s->rope_freq = (double *)calloc((size_t)c->head_size / 2 + 1, sizeof(double));
+    if (!s->rope_freq || !s->x || !s->xb || !s->xb2 || !s->hb || !s->hb2 || !s->q || !s->att ||
         !s->logits || (kv && (!s->key_cache || !s->value_cache)) || !s->rope_cos ||
         !s->rope_sin || !s->lists || !s->list_pos || !s->mass || !s->select_tmp) {
         tl_free_state(s);
@@ -900,7 +2202,9 @@ int tl_build_state_ex(tl_state *s, const tl_config *c, int ctx, int n_threads, i
     for (g = 0; g < c->n_kv_heads; g++)
         s->lists[g].pos = s->list_pos + (size_t)g * ctxz;
     s->rope_pos = -1;
+    tl__rope_freqs(c, s->rope_freq);
     s->n_threads = n_threads < 1 ? 1 : n_threads;
+    s->pool = tl__pool_create(s->n_threads);
     s->thread_min_work = 4096;
     return 0;
 }
@@ -910,7 +2214,8 @@ void tl_free_state(tl_state *s)
     free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
     free(s->q); free(s->att); free(s->logits); free(s->key_cache);
     free(s->value_cache); free(s->rope_cos); free(s->rope_sin); free(s->lists);
-    free(s->list_pos); free(s->mass); free(s->select_tmp);
+    free(s->list_pos); free(s->mass); free(s->select_tmp); free(s->rope_freq);
+    tl__pool_destroy((tl__pool *)s->pool);
     memset(s, 0, sizeof *s);
 }
 
@@ -933,7 +2238,7 @@ float *tl_value_row(const tl_config *c, const tl_state *s, int layer, int pos)
    compiler vectorises them at -O2 without -ffast-math: the dot product keeps
    eight independent partial sums (no reordering of additions needed). */
 
-static float tl__dot(const float *a, const float *b, int n)
+static float tl__dot_scalar(const float *a, const float *b, int n)
 {
     float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0, sum;
     int i = 0;
@@ -955,7 +2260,7 @@ static float tl__dot(const float *a, const float *b, int n)
 
 /* out += a * x. Blocks of eight are loaded before they are stored, so the
    compiler may vectorise them without proving that out and x do not overlap. */
-static void tl__axpy(float *out, float a, const float *x, int n)
+static void tl__axpy_scalar(float *out, float a, const float *x, int n)
 {
     float t[8];
     int i = 0, j;
@@ -969,17 +2274,593 @@ static void tl__axpy(float *out, float a, const float *x, int n)
         out[i] += a * x[i];
 }
 
-/* out (d) = W (d, n) x (n) */
-static void tl__matmul(float *out, const float *x, const float *w, int n, int d)
+
+
+/* ----------------------------------------------------------------------------
+   Projection kernels: matrix-vector (decode) and matrix-matrix (prefill)
+   products with weights as stored (fp32, bf16, fp16) and fp32 arithmetic.
+   Every output is the dot product of one weight row (converted exactly to
+   fp32) with the input, summed as tl__dot sums: eight lanes, lane j adding
+   the products of elements 8i + j, then ((s0+s4)+(s1+s5))+((s2+s6)+(s3+s7)),
+   then the tail. The AVX2 versions (chosen at run time) keep the lanes in a
+   vector register and perform the same operations in the same order, so the
+   portable and SIMD kernels, and the decode and prefill paths, agree to the
+   bit. */
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(TINY_LLAMA_NO_SIMD)
+#define TL__X86 1
+#include <cpuid.h>
+#include <immintrin.h>
+#define TL__AVX2 __attribute__((target("avx2,f16c")))
+#endif
+
+/* the reduction of the eight lanes and the tail, as in tl__dot */
+static float tl__finish(const float *lanes, const void *row, int dtype, const float *x, int i, int n)
 {
-    int i;
-    for (i = 0; i < d; i++)
-        out[i] = tl__dot(w + (size_t)i * (size_t)n, x, n);
+    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+                ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (; i < n; i++)
+        sum += tl__elem(row, dtype, (size_t)i) * x[i];
+    return sum;
 }
 
-static void tl__rmsnorm(float *out, const float *x, const float *weight, int n)
+#ifdef TL__X86
+static int tl__avx2_flag;
+static pthread_once_t tl__avx2_once = PTHREAD_ONCE_INIT;
+
+static void tl__avx2_probe(void)
 {
-    float ss = tl__dot(x, x, n) / (float)n + TL_RMS_EPS;
+    unsigned int a = 0, b = 0, c = 0, d = 0;
+    __builtin_cpu_init();
+    /* F16C is CPUID leaf 1, ECX bit 29 (not every compiler's cpu_supports names it) */
+    tl__avx2_flag = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) &&
+                    (c >> 29 & 1u);
+}
+
+static int tl__have_avx2(void)
+{
+    pthread_once(&tl__avx2_once, tl__avx2_probe);
+    return tl__avx2_flag;
+}
+
+TL__AVX2 static float tl__dot_avx2(const float *a, const float *b, int n)
+{
+    __m256 acc = _mm256_setzero_ps();
+    float l[8];
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    _mm256_storeu_ps(l, acc);
+    return tl__finish(l, a, TL_F32, b, i, n);
+}
+
+TL__AVX2 static void tl__axpy_avx2(float *out, float a, const float *x, int n)
+{
+    __m256 av = _mm256_set1_ps(a);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(out + i),
+                                                _mm256_mul_ps(av, _mm256_loadu_ps(x + i))));
+    for (; i < n; i++)
+        out[i] += a * x[i];
+}
+
+/* att[j * stride] = dot(q + j * hs, k) * scale for j < group; hs a multiple of 8
+   (each dot as tl__dot: lanes, then ((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7))) */
+TL__AVX2 static void tl__scores_avx2(const float *q, const float *k, int group, int hs, float scale,
+                                     float *att, size_t stride)
+{
+    int j, i;
+    for (j = 0; j < group; j++) {
+        const float *qj = q + (size_t)j * (size_t)hs;
+        __m256 acc = _mm256_setzero_ps();
+        __m128 t;
+        for (i = 0; i < hs; i += 8)
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qj + i), _mm256_loadu_ps(k + i)));
+        t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        t = _mm_hadd_ps(t, t);
+        t = _mm_hadd_ps(t, t);
+        att[(size_t)j * stride] = _mm_cvtss_f32(t) * scale;
+    }
+}
+
+/* out + j * hs += att[j * stride] * v for j < group; hs a multiple of 8 */
+TL__AVX2 static void tl__axpys_avx2(float *out, const float *att, size_t stride, const float *v,
+                                    int group, int hs)
+{
+    int j, i;
+    for (j = 0; j < group; j++) {
+        float *o = out + (size_t)j * (size_t)hs;
+        __m256 a = _mm256_set1_ps(att[(size_t)j * stride]);
+        for (i = 0; i < hs; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i),
+                                                  _mm256_mul_ps(a, _mm256_loadu_ps(v + i))));
+    }
+}
+#endif
+
+/* the dot product and out += a * x, with the AVX2 versions where the CPU has them
+   (the same operations in the same order: the same results to the bit) */
+static float tl__dot(const float *a, const float *b, int n)
+{
+#ifdef TL__X86
+    if (tl__have_avx2())
+        return tl__dot_avx2(a, b, n);
+#endif
+    return tl__dot_scalar(a, b, n);
+}
+
+static void tl__axpy(float *out, float a, const float *x, int n)
+{
+#ifdef TL__X86
+    if (tl__have_avx2()) {
+        tl__axpy_avx2(out, a, x, n);
+        return;
+    }
+#endif
+    tl__axpy_scalar(out, a, x, n);
+}
+
+/* portable: one row (any dtype) with x */
+static float tl__dot_row(const void *row, int dtype, const float *x, int n)
+{
+    float s[8] = { 0, 0, 0, 0, 0, 0, 0, 0 };
+    int i = 0, j;
+    if (dtype == TL_F32)
+        return tl__dot((const float *)row, x, n);
+    if (dtype == TL_BF16) {
+        const unsigned short *h = (const unsigned short *)row;
+        for (; i + 8 <= n; i += 8)
+            for (j = 0; j < 8; j++)
+                s[j] += tl__bf16_to_float(h[i + j]) * x[i + j];
+    } else {
+        const unsigned short *h = (const unsigned short *)row;
+        for (; i + 8 <= n; i += 8)
+            for (j = 0; j < 8; j++)
+                s[j] += tl__half_to_float(h[i + j]) * x[i + j];
+    }
+    return tl__finish(s, row, dtype, x, i, n);
+}
+
+#ifdef TL__X86
+TL__AVX2 __attribute__((always_inline)) static inline __m256 tl__load8(const void *row, int dtype, int i)
+{
+    if (dtype == TL_F32)
+        return _mm256_loadu_ps((const float *)row + i);
+    if (dtype == TL_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)(const void *)((const unsigned short *)row + i))), 16));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)((const unsigned short *)row + i)));
+}
+
+/* rows r0 .. r1-1 of w with x, four rows at a time */
+#ifndef TL__PREFETCH
+#define TL__PREFETCH 512    /* bytes ahead in each weight row */
+#endif
+#define TL__ROWS4(DT)                                                                       \
+    for (; r + 4 <= r1; r += 4) {                                                           \
+        const unsigned char *p0 = base + (size_t)r * rb, *p1 = p0 + rb, *p2 = p1 + rb,      \
+                            *p3 = p2 + rb;                                                  \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                         \
+        float l[4][8];                                                                      \
+        int i = 0;                                                                          \
+        for (; i + 8 <= n; i += 8) {                                                        \
+            __m256 xv = _mm256_loadu_ps(x + i);                                             \
+            if ((i & 31) == 0) { /* a cache line of each row, ahead of the loads */         \
+                size_t ahead = (size_t)i * es + TL__PREFETCH;                               \
+                _mm_prefetch((const char *)p0 + ahead, _MM_HINT_T0);                        \
+                _mm_prefetch((const char *)p1 + ahead, _MM_HINT_T0);                        \
+                _mm_prefetch((const char *)p2 + ahead, _MM_HINT_T0);                        \
+                _mm_prefetch((const char *)p3 + ahead, _MM_HINT_T0);                        \
+            }                                                                               \
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(tl__load8(p0, DT, i), xv));                \
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(tl__load8(p1, DT, i), xv));                \
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(tl__load8(p2, DT, i), xv));                \
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(tl__load8(p3, DT, i), xv));                \
+        }                                                                                   \
+        _mm256_storeu_ps(l[0], a0); _mm256_storeu_ps(l[1], a1);                             \
+        _mm256_storeu_ps(l[2], a2); _mm256_storeu_ps(l[3], a3);                             \
+        out[r] = tl__finish(l[0], p0, DT, x, i, n);                                         \
+        out[r + 1] = tl__finish(l[1], p1, DT, x, i, n);                                     \
+        out[r + 2] = tl__finish(l[2], p2, DT, x, i, n);                                     \
+        out[r + 3] = tl__finish(l[3], p3, DT, x, i, n);                                     \
+    }
+
+TL__AVX2 static void tl__rows_avx2(const tl_mat *w, int n, const float *x, float *out, int r0, int r1)
+{
+    const unsigned char *base = (const unsigned char *)w->data;
+    size_t es = w->dtype == TL_F32 ? 4u : 2u, rb = (size_t)n * es;
+    int r = r0;
+    if (w->dtype == TL_F32) { TL__ROWS4(TL_F32) }
+    else if (w->dtype == TL_BF16) { TL__ROWS4(TL_BF16) }
+    else { TL__ROWS4(TL_F16) }
+    for (; r < r1; r++)
+        out[r] = tl__dot_row(base + (size_t)r * rb, w->dtype, x, n);
+}
+
+/* a (fp32, n) with b[0..3]: four dot products sharing the row */
+/* a stored row (bf16 or fp16) to fp32, 8 at a time (n / 8 * 8 elements) */
+TL__AVX2 static void tl__convert_avx2(const void *row, int dtype, int n, float *dst)
+{
+    int i;
+    for (i = 0; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, tl__load8(row, dtype, i));
+}
+
+/* rows a0, a1 (fp32, n) with b[0..3]: eight dot products, out[4 * r + k] for row r
+   and input k, each summed as tl__dot sums */
+TL__AVX2 static void tl__dot_2x4_avx2(const float *a0, const float *a1, const float *const *b, int n,
+                                      float *out)
+{
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
+    __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+    float l[8];
+    int i = 0, k;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x0 = _mm256_loadu_ps(a0 + i), x1 = _mm256_loadu_ps(a1 + i), y;
+        y = _mm256_loadu_ps(b[0] + i);
+        c00 = _mm256_add_ps(c00, _mm256_mul_ps(x0, y));
+        c10 = _mm256_add_ps(c10, _mm256_mul_ps(x1, y));
+        y = _mm256_loadu_ps(b[1] + i);
+        c01 = _mm256_add_ps(c01, _mm256_mul_ps(x0, y));
+        c11 = _mm256_add_ps(c11, _mm256_mul_ps(x1, y));
+        y = _mm256_loadu_ps(b[2] + i);
+        c02 = _mm256_add_ps(c02, _mm256_mul_ps(x0, y));
+        c12 = _mm256_add_ps(c12, _mm256_mul_ps(x1, y));
+        y = _mm256_loadu_ps(b[3] + i);
+        c03 = _mm256_add_ps(c03, _mm256_mul_ps(x0, y));
+        c13 = _mm256_add_ps(c13, _mm256_mul_ps(x1, y));
+    }
+    for (k = 0; k < 8; k++) {
+        __m256 c = k == 0 ? c00 : k == 1 ? c01 : k == 2 ? c02 : k == 3 ? c03 :
+                   k == 4 ? c10 : k == 5 ? c11 : k == 6 ? c12 : c13;
+        _mm256_storeu_ps(l, c);
+        out[k] = tl__finish(l, k < 4 ? a0 : a1, TL_F32, b[k % 4], i, n);
+    }
+}
+
+TL__AVX2 static void tl__dot_1x4_avx2(const float *a, const float *const *b, int n, float *out)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float l[4][8];
+    int i = 0, k;
+    for (; i + 8 <= n; i += 8) {
+        __m256 av = _mm256_loadu_ps(a + i);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(av, _mm256_loadu_ps(b[0] + i)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(av, _mm256_loadu_ps(b[1] + i)));
+        a2 = _mm256_add_ps(a2, _mm256_mul_ps(av, _mm256_loadu_ps(b[2] + i)));
+        a3 = _mm256_add_ps(a3, _mm256_mul_ps(av, _mm256_loadu_ps(b[3] + i)));
+    }
+    _mm256_storeu_ps(l[0], a0); _mm256_storeu_ps(l[1], a1);
+    _mm256_storeu_ps(l[2], a2); _mm256_storeu_ps(l[3], a3);
+    for (k = 0; k < 4; k++)
+        out[k] = tl__finish(l[k], a, TL_F32, b[k], i, n);
+}
+
+#endif
+
+static void tl__rows(const tl_mat *w, int n, const float *x, float *out, int r0, int r1)
+{
+    size_t rb = (size_t)n * (w->dtype == TL_F32 ? 4u : 2u);
+    int r;
+#ifdef TL__X86
+    if (tl__have_avx2()) {
+        tl__rows_avx2(w, n, x, out, r0, r1);
+        return;
+    }
+#endif
+    for (r = r0; r < r1; r++)
+        out[r] = tl__dot_row((const unsigned char *)w->data + (size_t)r * rb, w->dtype, x, n);
+}
+
+static void tl__dot_1x4(const float *a, const float *const *b, int n, float *out);
+
+static void tl__dot_2x4(const float *a0, const float *a1, const float *const *b, int n, float *out)
+{
+#ifdef TL__X86
+    if (tl__have_avx2()) {
+        tl__dot_2x4_avx2(a0, a1, b, n, out);
+        return;
+    }
+#endif
+    tl__dot_1x4(a0, b, n, out);
+    tl__dot_1x4(a1, b, n, out + 4);
+}
+
+static void tl__dot_1x4(const float *a, const float *const *b, int n, float *out)
+{
+    int k;
+#ifdef TL__X86
+    if (tl__have_avx2()) {
+        tl__dot_1x4_avx2(a, b, n, out);
+        return;
+    }
+#endif
+    for (k = 0; k < 4; k++)
+        out[k] = tl__dot(a, b[k], n);
+}
+
+/* ----------------------------------------------------------------------------
+   Worker threads for the projections (one pool per run state) */
+
+#define TL__POOL_MAX 63
+
+struct tl__pool {
+    int n;                    /* threads including the caller */
+    int n_started;
+    pthread_t th[TL__POOL_MAX];
+    pthread_mutex_t mu;
+    pthread_cond_t go, done;
+    unsigned long gen;
+    int pending, quit;
+    void (*fn)(void *, int, int);
+    void *arg;
+};
+
+static void *tl__pool_main(void *arg)
+{
+    tl__pool *p = (tl__pool *)((void **)arg)[0];
+    int part = (int)(size_t)((void **)arg)[1];
+    unsigned long seen = 0;
+    free(arg);
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        void (*fn)(void *, int, int);
+        void *a;
+        while (p->gen == seen && !p->quit)
+            pthread_cond_wait(&p->go, &p->mu);
+        if (p->quit)
+            break;
+        seen = p->gen;
+        fn = p->fn;
+        a = p->arg;
+        pthread_mutex_unlock(&p->mu);
+        fn(a, part, p->n);
+        pthread_mutex_lock(&p->mu);
+        if (--p->pending == 0)
+            pthread_cond_signal(&p->done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+static void tl__pool_destroy(tl__pool *p)
+{
+    int t;
+    if (!p)
+        return;
+    pthread_mutex_lock(&p->mu);
+    p->quit = 1;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    for (t = 0; t < p->n_started; t++)
+        pthread_join(p->th[t], NULL);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->go);
+    pthread_cond_destroy(&p->done);
+    free(p);
+}
+
+/* n threads in all (the caller is part 0); NULL when n < 2 or nothing starts */
+static tl__pool *tl__pool_create(int n)
+{
+    tl__pool *p;
+    int t;
+    if (n < 2)
+        return NULL;
+    if (n > TL__POOL_MAX + 1)
+        n = TL__POOL_MAX + 1;
+    p = (tl__pool *)calloc(1, sizeof *p);
+    if (!p)
+        return NULL;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->go, NULL);
+    pthread_cond_init(&p->done, NULL);
+    for (t = 1; t < n; t++) {
+        void **a = (void **)malloc(2 * sizeof(void *));
+        if (!a)
+            break;
+        a[0] = p;
+        a[1] = (void *)(size_t)t;
+        if (pthread_create(&p->th[t - 1], NULL, tl__pool_main, a) != 0) {
+            free(a);
+            break;
+        }
+        p->n_started = t;
+    }
+    p->n = p->n_started + 1;
+    if (p->n < 2) {
+        tl__pool_destroy(p);
+        return NULL;
+    }
+    return p;
+}
+
+void tl_parallel(tl_state *s, void (*fn)(void *arg, int part, int nparts), void *arg)
+{
+    tl__pool *p = (tl__pool *)s->pool;
+    if (!p) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->fn = fn;
+    p->arg = arg;
+    p->pending = p->n - 1;
+    p->gen++;
+    pthread_cond_broadcast(&p->go);
+    pthread_mutex_unlock(&p->mu);
+    fn(arg, 0, p->n);
+    pthread_mutex_lock(&p->mu);
+    while (p->pending > 0)
+        pthread_cond_wait(&p->done, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Up to three products sharing the input x (n): out[j] (d[j]) = w[j] x. */
+typedef struct {
+    int count, n;
+    const float *x;
+    const tl_mat *w[3];
+    float *out[3];
+    int d[3];
+    long next;                /* the next row to hand out */
+} tl__mv_job;
+
+/* rows lo .. hi-1 of the products, counted over all of them */
+static void tl__mv_range(const tl__mv_job *j, long lo, long hi)
+{
+    long base = 0;
+    int k;
+    for (k = 0; k < j->count; k++) {
+        long a = lo > base ? lo : base, b = hi < base + j->d[k] ? hi : base + j->d[k];
+        if (a < b)
+            tl__rows(j->w[k], j->n, j->x, j->out[k], (int)(a - base), (int)(b - base));
+        base += j->d[k];
+    }
+}
+
+#define TL__MV_BLOCK 64   /* rows a thread takes at a time */
+
+static void tl__mv_part(void *arg, int part, int nparts)
+{
+    tl__mv_job *j = (tl__mv_job *)arg;
+    long total = 0, lo, hi;
+    int k;
+    for (k = 0; k < j->count; k++)
+        total += j->d[k];
+#if defined(__GNUC__) || defined(__clang__)
+    /* blocks of rows handed out as threads ask: a thread that runs late (a busy
+       machine) takes fewer */
+    (void)part;
+    (void)nparts;
+    for (;;) {
+        lo = __atomic_fetch_add(&j->next, (long)TL__MV_BLOCK, __ATOMIC_RELAXED);
+        if (lo >= total)
+            break;
+        hi = lo + TL__MV_BLOCK < total ? lo + TL__MV_BLOCK : total;
+        tl__mv_range(j, lo, hi);
+    }
+#else
+    /* split the rows of all products in blocks of 4 */
+    lo = (total / 4 * part / nparts) * 4;
+    hi = part == nparts - 1 ? total : (total / 4 * (part + 1) / nparts) * 4;
+    tl__mv_range(j, lo, hi);
+#endif
+}
+
+static void tl__mv_run(tl_state *s, tl__mv_job *j)
+{
+    double work = 0;
+    int k;
+    for (k = 0; k < j->count; k++)
+        work += (double)j->d[k] * (double)j->n;
+    if (!s->pool || work < 65536.0)
+        tl__mv_part(j, 0, 1);
+    else
+        tl_parallel(s, tl__mv_part, j);
+}
+
+/* out (d) = w (d, n) x (n) */
+static void tl__mv(tl_state *s, float *out, const float *x, const tl_mat *w, int n, int d)
+{
+    tl__mv_job j;
+    j.next = 0;
+    j.count = 1;
+    j.n = n;
+    j.x = x;
+    j.w[0] = w;
+    j.out[0] = out;
+    j.d[0] = d;
+    tl__mv_run(s, &j);
+}
+
+/* Matrix-matrix: out (t, d) = x (t, n) w^T for t tokens; each thread converts
+   its rows to fp32 once and multiplies them with every token. */
+typedef struct {
+    const tl_mat *w;
+    int n, d, t;
+    const float *x;
+    float *out;
+    float *buf;               /* nparts * 2 * n floats */
+} tl__mm_job;
+
+/* row r of w as fp32: the stored floats, or a conversion into buf */
+static const float *tl__row_f32(const tl_mat *w, int n, int r, float *buf)
+{
+    size_t rb = (size_t)n * (w->dtype == TL_F32 ? 4u : 2u);
+    const unsigned char *row = (const unsigned char *)w->data + (size_t)r * rb;
+    int i = 0;
+    if (w->dtype == TL_F32)
+        return (const float *)(const void *)row;
+#ifdef TL__X86
+    if (tl__have_avx2()) {
+        tl__convert_avx2(row, w->dtype, n, buf);
+        i = n / 8 * 8;
+    }
+#endif
+    for (; i < n; i++)
+        buf[i] = tl__elem(row, w->dtype, (size_t)i);
+    return buf;
+}
+
+static void tl__mm_part(void *arg, int part, int nparts)
+{
+    const tl__mm_job *j = (const tl__mm_job *)arg;
+    int r0 = (int)((long)j->d * part / nparts), r1 = (int)((long)j->d * (part + 1) / nparts), r, t, k;
+    size_t n = (size_t)j->n, d = (size_t)j->d;
+    float *buf = j->buf + (size_t)part * 2 * n;
+    for (r = r0; r < r1; r += 2) {
+        int two = r + 1 < r1;
+        const float *a0 = tl__row_f32(j->w, j->n, r, buf);
+        const float *a1 = two ? tl__row_f32(j->w, j->n, r + 1, buf + n) : NULL;
+        for (t = 0; t + 4 <= j->t; t += 4) {
+            const float *b[4];
+            float o[8];
+            for (k = 0; k < 4; k++)
+                b[k] = j->x + (size_t)(t + k) * n;
+            if (two) {
+                tl__dot_2x4(a0, a1, b, j->n, o);
+                for (k = 0; k < 4; k++) {
+                    j->out[(size_t)(t + k) * d + (size_t)r] = o[k];
+                    j->out[(size_t)(t + k) * d + (size_t)r + 1] = o[4 + k];
+                }
+            } else {
+                tl__dot_1x4(a0, b, j->n, o);
+                for (k = 0; k < 4; k++)
+                    j->out[(size_t)(t + k) * d + (size_t)r] = o[k];
+            }
+        }
+        for (; t < j->t; t++) {
+            j->out[(size_t)t * d + (size_t)r] = tl__dot(a0, j->x + (size_t)t * n, j->n);
+            if (two)
+                j->out[(size_t)t * d + (size_t)r + 1] = tl__dot(a1, j->x + (size_t)t * n, j->n);
+        }
+    }
+}
+
+static int tl__mm(tl_state *s, float *out, const float *x, int t, const tl_mat *w, int n, int d)
+{
+    tl__mm_job j;
+    int parts = s->pool ? ((tl__pool *)s->pool)->n : 1;
+    j.w = w;
+    j.n = n;
+    j.d = d;
+    j.t = t;
+    j.x = x;
+    j.out = out;
+    j.buf = (float *)malloc((size_t)parts * 2 * (size_t)n * sizeof(float));
+    if (!j.buf)
+        return -1;
+    tl_parallel(s, tl__mm_part, &j);
+    free(j.buf);
+    return 0;
+}
+
+static void tl__rmsnorm(float *out, const float *x, const float *weight, int n, float eps)
+{
+    float ss = tl__dot(x, x, n) / (float)n + (eps > 0.0f ? eps : TL_RMS_EPS);
     float inv = 1.0f / sqrtf(ss);
     int i;
     for (i = 0; i < n; i++)
@@ -1001,17 +2882,66 @@ void tl_softmax(float *x, int n)
         x[i] /= sum;
 }
 
-/* rotate each (2i, 2i+1) pair of every head in x by the current angles */
-static void tl__rope(float *x, int n_heads, int head_size, const float *cs, const float *sn)
+/* rotate pair i of every head in x by the current angles: dims (2i, 2i+1)
+   (llama2.c) or (i, i + head_size/2) (rotate_half, Hugging Face) */
+static void tl__rope(float *x, int n_heads, int head_size, const float *cs, const float *sn,
+                     int layout)
 {
-    int h, i;
+    int h, i, half = head_size / 2;
     for (h = 0; h < n_heads; h++) {
         float *v = x + (size_t)h * (size_t)head_size;
-        for (i = 0; i < head_size / 2; i++) {
+        if (layout == TL_ROPE_HALF) {
+            for (i = 0; i < half; i++) {
+                float v0 = v[i], v1 = v[i + half];
+                v[i] = v0 * cs[i] - v1 * sn[i];
+                v[i + half] = v1 * cs[i] + v0 * sn[i];
+            }
+            continue;
+        }
+        for (i = 0; i < half; i++) {
             float v0 = v[2 * i], v1 = v[2 * i + 1];
             v[2 * i] = v0 * cs[i] - v1 * sn[i];
             v[2 * i + 1] = v0 * sn[i] + v1 * cs[i];
         }
+    }
+}
+
+/* A layer's weights: a Hugging Face model's as bound, a llama2.c
+   checkpoint's as slices of its fp32 tensors. */
+static void tl__layer(const tl_model *m, int layer, tl_layer_weights *lw)
+{
+    const tl_config *c = &m->config;
+    size_t l = (size_t)layer, dim = (size_t)c->dim, kv = (size_t)c->kv_dim;
+    size_t hidden = (size_t)c->hidden_dim, qd = (size_t)(c->q_dim > 0 ? c->q_dim : c->dim);
+    if (m->layers) {
+        *lw = m->layers[layer];
+        return;
+    }
+    memset(lw, 0, sizeof *lw);
+    lw->wq.data = m->w.wq + l * qd * dim;
+    lw->wk.data = m->w.wk + l * kv * dim;
+    lw->wv.data = m->w.wv + l * kv * dim;
+    lw->wo.data = m->w.wo + l * dim * qd;
+    lw->w1.data = m->w.w1 + l * hidden * dim;
+    lw->w2.data = m->w.w2 + l * dim * hidden;
+    lw->w3.data = m->w.w3 + l * hidden * dim;
+    lw->rms_att = m->w.rms_att + l * dim;
+    lw->rms_ffn = m->w.rms_ffn + l * dim;
+}
+
+static int tl__qdim(const tl_config *c)
+{
+    return c->q_dim > 0 ? c->q_dim : c->dim;
+}
+
+/* angles of position pos into cs, sn (head_size / 2 each) */
+static void tl__rope_angles(const tl_config *c, const double *freq, int pos, float *cs, float *sn)
+{
+    int i;
+    for (i = 0; i < c->head_size / 2; i++) {
+        double angle = (double)pos * freq[i];
+        cs[i] = (float)cos(angle);
+        sn[i] = (float)sin(angle);
     }
 }
 
@@ -1021,6 +2951,12 @@ static void tl__rope(float *x, int n_heads, int head_size, const float *cs, cons
 void tl_embed(const tl_model *m, tl_state *s, int token)
 {
     const tl_config *c = &m->config;
+    if (m->layers) {
+        size_t row = (size_t)token * (size_t)c->dim, i;
+        for (i = 0; i < (size_t)c->dim; i++)
+            s->x[i] = tl__elem(m->emb.data, m->emb.dtype, row + i);
+        return;
+    }
     memcpy(s->x, m->w.token_embedding + (size_t)token * (size_t)c->dim,
            (size_t)c->dim * sizeof(float));
 }
@@ -1034,24 +2970,34 @@ void tl_layer_qkv(const tl_model *m, tl_state *s, int layer, int pos)
 void tl_layer_qkv_rows(const tl_model *m, tl_state *s, int layer, int pos, float *k, float *v)
 {
     const tl_config *c = &m->config;
-    size_t l = (size_t)layer, dim = (size_t)c->dim, kv = (size_t)c->kv_dim;
+    tl_layer_weights lw;
+    tl__mv_job j;
     int i;
 
+    tl__layer(m, layer, &lw);
     if (s->rope_pos != pos) {   /* the angles depend on the position only */
-        for (i = 0; i < c->head_size / 2; i++) {
-            double freq = pow((double)c->rope_theta, -2.0 * i / (double)c->head_size);
-            double angle = (double)pos * freq;
-            s->rope_cos[i] = (float)cos(angle);
-            s->rope_sin[i] = (float)sin(angle);
-        }
+        tl__rope_angles(c, s->rope_freq, pos, s->rope_cos, s->rope_sin);
         s->rope_pos = pos;
     }
-    tl__rmsnorm(s->xb, s->x, m->w.rms_att + l * dim, c->dim);
-    tl__matmul(s->q, s->xb, m->w.wq + l * dim * dim, c->dim, c->dim);
-    tl__matmul(k, s->xb, m->w.wk + l * kv * dim, c->dim, c->kv_dim);
-    tl__matmul(v, s->xb, m->w.wv + l * kv * dim, c->dim, c->kv_dim);
-    tl__rope(s->q, c->n_heads, c->head_size, s->rope_cos, s->rope_sin);
-    tl__rope(k, c->n_kv_heads, c->head_size, s->rope_cos, s->rope_sin);
+    tl__rmsnorm(s->xb, s->x, lw.rms_att, c->dim, c->rms_eps);
+    j.count = 3;
+    j.n = c->dim;
+    j.x = s->xb;
+    j.w[0] = &lw.wq; j.out[0] = s->q; j.d[0] = tl__qdim(c);
+    j.w[1] = &lw.wk; j.out[1] = k; j.d[1] = c->kv_dim;
+    j.w[2] = &lw.wv; j.out[2] = v; j.d[2] = c->kv_dim;
+    j.next = 0;
+    tl__mv_run(s, &j);
+    if (lw.bq) {
+        for (i = 0; i < tl__qdim(c); i++)
+            s->q[i] += lw.bq[i];
+        for (i = 0; i < c->kv_dim; i++) {
+            k[i] += lw.bk[i];
+            v[i] += lw.bv[i];
+        }
+    }
+    tl__rope(s->q, c->n_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
+    tl__rope(k, c->n_kv_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
 }
 
 /* The query heads of KV head g attend over list l: scores, softmax, weighted
@@ -1065,6 +3011,9 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
     float scale = 1.0f / sqrtf((float)hs);
     const float *kbase = NULL, *vbase = NULL;
     size_t stride = l->k ? (size_t)hs : (size_t)c->kv_dim;
+#ifdef TL__X86
+    int fast = tl__have_avx2() && hs % 8 == 0;
+#endif
 
     /* A base is only formed where rows are not given one by one (krow, vrow):
        a state without the host KV cache has no base to offer. */
@@ -1082,6 +3031,18 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
                 __builtin_prefetch(nk + b);
                 __builtin_prefetch(nv + b);
             }
+        } else if (!l->krow && i + 8 < n) { /* strided rows of the cache: the same */
+            const char *nk = (const char *)(kbase + (size_t)(l->k ? i + 8 : l->pos[i + 8]) * stride);
+            int b;
+            for (b = 0; b < hs * 4; b += 64)
+                __builtin_prefetch(nk + b);
+        }
+#endif
+#ifdef TL__X86
+        if (fast) {
+            tl__scores_avx2(s->q + (size_t)h0 * (size_t)hs, k, group, hs, scale,
+                            s->att + (size_t)h0 * (size_t)s->ctx + (size_t)i, (size_t)s->ctx);
+            continue;
         }
 #endif
         for (j = 0; j < group; j++) {
@@ -1098,6 +3059,21 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
     }
     for (i = 0; i < n; i++) {
         const float *v = l->vrow ? (const float *)l->vrow[i] : vbase + (size_t)(l->k ? i : l->pos[i]) * stride;
+#if defined(__GNUC__) || defined(__clang__)
+        if (!l->vrow && i + 8 < n) {
+            const char *nv = (const char *)(vbase + (size_t)(l->k ? i + 8 : l->pos[i + 8]) * stride);
+            int b;
+            for (b = 0; b < hs * 4; b += 64)
+                __builtin_prefetch(nv + b);
+        }
+#endif
+#ifdef TL__X86
+        if (fast) {
+            tl__axpys_avx2(s->xb + (size_t)h0 * (size_t)hs, s->att + (size_t)h0 * (size_t)s->ctx + (size_t)i,
+                           (size_t)s->ctx, v, group, hs);
+            continue;
+        }
+#endif
         for (j = 0; j < group; j++) {
             int h = h0 + j;
             tl__axpy(s->xb + (size_t)h * (size_t)hs,
@@ -1120,6 +3096,12 @@ static void *tl__attn_worker(void *arg)
     for (g = job->first; g < job->m->config.n_kv_heads; g += job->step)
         tl__attend_kv_head(job->m, job->s, job->layer, g, &job->lists[g]);
     return NULL;
+}
+
+static void tl__attn_part(void *arg, int part, int nparts)
+{
+    (void)nparts;
+    tl__attn_worker((tl__attn_job *)arg + part);
 }
 
 #define TL__MAX_THREADS 64
@@ -1150,6 +3132,11 @@ void tl_layer_attention(const tl_model *m, tl_state *s, int layer, const tl_kv_l
         jobs[t].lists = lists;
         started[t] = 0;
     }
+    if (nt > 1 && s->pool && ((tl__pool *)s->pool)->n == nt) {   /* the state's threads */
+        tl_parallel(s, tl__attn_part, jobs);
+        tl_layer_attn_out(m, s, layer);
+        return;
+    }
     for (t = 1; t < nt; t++)
         started[t] = pthread_create(&threads[t], NULL, tl__attn_worker, &jobs[t]) == 0;
     tl__attn_worker(&jobs[0]);
@@ -1166,9 +3153,10 @@ void tl_layer_attention(const tl_model *m, tl_state *s, int layer, const tl_kv_l
 void tl_layer_attn_out(const tl_model *m, tl_state *s, int layer)
 {
     const tl_config *c = &m->config;
-    size_t dim = (size_t)c->dim;
+    tl_layer_weights lw;
     int i;
-    tl__matmul(s->xb2, s->xb, m->w.wo + (size_t)layer * dim * dim, c->dim, c->dim);
+    tl__layer(m, layer, &lw);
+    tl__mv(s, s->xb2, s->xb, &lw.wo, tl__qdim(c), c->dim);
     for (i = 0; i < c->dim; i++)
         s->x[i] += s->xb2[i];
 }
@@ -1214,16 +3202,23 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
 void tl_layer_ffn(const tl_model *m, tl_state *s, int layer)
 {
     const tl_config *c = &m->config;
-    size_t l = (size_t)layer, dim = (size_t)c->dim, hidden = (size_t)c->hidden_dim;
+    tl_layer_weights lw;
+    tl__mv_job j;
     int i;
-    tl__rmsnorm(s->xb, s->x, m->w.rms_ffn + l * dim, c->dim);
-    tl__matmul(s->hb, s->xb, m->w.w1 + l * hidden * dim, c->dim, c->hidden_dim);
-    tl__matmul(s->hb2, s->xb, m->w.w3 + l * hidden * dim, c->dim, c->hidden_dim);
+    tl__layer(m, layer, &lw);
+    tl__rmsnorm(s->xb, s->x, lw.rms_ffn, c->dim, c->rms_eps);
+    j.count = 2;
+    j.n = c->dim;
+    j.x = s->xb;
+    j.w[0] = &lw.w1; j.out[0] = s->hb; j.d[0] = c->hidden_dim;
+    j.w[1] = &lw.w3; j.out[1] = s->hb2; j.d[1] = c->hidden_dim;
+    j.next = 0;
+    tl__mv_run(s, &j);
     for (i = 0; i < c->hidden_dim; i++) {
         float a = s->hb[i];
         s->hb[i] = a / (1.0f + expf(-a)) * s->hb2[i];   /* silu(w1 x) * w3 x */
     }
-    tl__matmul(s->xb, s->hb, m->w.w2 + l * dim * hidden, c->hidden_dim, c->dim);
+    tl__mv(s, s->xb, s->hb, &lw.w2, c->hidden_dim, c->dim);
     for (i = 0; i < c->dim; i++)
         s->x[i] += s->xb[i];
 }
@@ -1231,9 +3226,215 @@ void tl_layer_ffn(const tl_model *m, tl_state *s, int layer)
 float *tl_classify(const tl_model *m, tl_state *s)
 {
     const tl_config *c = &m->config;
-    tl__rmsnorm(s->xb, s->x, m->w.rms_final, c->dim);
-    tl__matmul(s->logits, s->xb, m->w.wcls, c->dim, c->vocab_size);
+    tl_mat cls;
+    tl__rmsnorm(s->xb, s->x, m->w.rms_final, c->dim, c->rms_eps);
+    if (m->layers) {
+        cls = m->cls;
+    } else {
+        cls.data = m->w.wcls;
+        cls.dtype = TL_F32;
+    }
+    tl__mv(s, s->logits, s->xb, &cls, c->dim, c->vocab_size);
     return s->logits;
+}
+
+double tl_weight_bytes_per_token(const tl_model *m)
+{
+    const tl_config *c = &m->config;
+    tl_layer_weights lw;
+    double b = 0, es;
+    int l;
+    for (l = 0; l < c->n_layers; l++) {
+        tl__layer(m, l, &lw);
+        es = lw.wq.dtype == TL_F32 ? 4.0 : 2.0;
+        b += es * (double)c->dim * (2.0 * tl__qdim(c) + 2.0 * c->kv_dim + 3.0 * c->hidden_dim);
+    }
+    es = m->layers && m->cls.dtype != TL_F32 ? 2.0 : 4.0;
+    return b + es * (double)c->vocab_size * (double)c->dim + es * (double)c->dim;
+}
+
+/* ----------------------------------------------------------------------------
+   Batched stages and the chunked prefill */
+
+int tl_layer_qkv_batch(const tl_model *m, tl_state *s, int layer, int pos0, int n,
+                       const float *x, float *q, float *k, float *v)
+{
+    const tl_config *c = &m->config;
+    size_t dim = (size_t)c->dim, qd = (size_t)tl__qdim(c), kv = (size_t)c->kv_dim;
+    tl_layer_weights lw;
+    float *xn = (float *)malloc((size_t)n * dim * sizeof(float));
+    int t, i, rc = -1;
+    if (!xn)
+        return -1;
+    tl__layer(m, layer, &lw);
+    for (t = 0; t < n; t++)
+        tl__rmsnorm(xn + (size_t)t * dim, x + (size_t)t * dim, lw.rms_att, c->dim, c->rms_eps);
+    if (tl__mm(s, q, xn, n, &lw.wq, c->dim, (int)qd) || tl__mm(s, k, xn, n, &lw.wk, c->dim, (int)kv) ||
+        tl__mm(s, v, xn, n, &lw.wv, c->dim, (int)kv))
+        goto out;
+    for (t = 0; t < n; t++) {
+        float *qt = q + (size_t)t * qd, *kt = k + (size_t)t * kv, *vt = v + (size_t)t * kv;
+        if (lw.bq) {
+            for (i = 0; i < (int)qd; i++)
+                qt[i] += lw.bq[i];
+            for (i = 0; i < (int)kv; i++) {
+                kt[i] += lw.bk[i];
+                vt[i] += lw.bv[i];
+            }
+        }
+        if (s->rope_pos != pos0 + t) {
+            tl__rope_angles(c, s->rope_freq, pos0 + t, s->rope_cos, s->rope_sin);
+            s->rope_pos = pos0 + t;
+        }
+        tl__rope(qt, c->n_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
+        tl__rope(kt, c->n_kv_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
+    }
+    rc = 0;
+out:
+    free(xn);
+    return rc;
+}
+
+int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, float *x,
+                           const float *heads)
+{
+    const tl_config *c = &m->config;
+    size_t dim = (size_t)c->dim, hid = (size_t)c->hidden_dim, i, all = (size_t)n * dim;
+    tl_layer_weights lw;
+    float *tmp = (float *)malloc(all * sizeof(float));
+    float *xn = (float *)malloc(all * sizeof(float));
+    float *h1 = (float *)malloc((size_t)n * hid * sizeof(float));
+    float *h3 = (float *)malloc((size_t)n * hid * sizeof(float));
+    int t, rc = -1;
+    if (!tmp || !xn || !h1 || !h3)
+        goto out;
+    tl__layer(m, layer, &lw);
+    if (tl__mm(s, tmp, heads, n, &lw.wo, tl__qdim(c), c->dim))
+        goto out;
+    for (i = 0; i < all; i++)
+        x[i] += tmp[i];
+    for (t = 0; t < n; t++)
+        tl__rmsnorm(xn + (size_t)t * dim, x + (size_t)t * dim, lw.rms_ffn, c->dim, c->rms_eps);
+    if (tl__mm(s, h1, xn, n, &lw.w1, c->dim, c->hidden_dim) ||
+        tl__mm(s, h3, xn, n, &lw.w3, c->dim, c->hidden_dim))
+        goto out;
+    for (i = 0; i < (size_t)n * hid; i++) {
+        float a = h1[i];
+        h1[i] = a / (1.0f + expf(-a)) * h3[i];
+    }
+    if (tl__mm(s, tmp, h1, n, &lw.w2, c->hidden_dim, c->dim))
+        goto out;
+    for (i = 0; i < all; i++)
+        x[i] += tmp[i];
+    rc = 0;
+out:
+    free(tmp);
+    free(xn);
+    free(h1);
+    free(h3);
+    return rc;
+}
+
+typedef struct {
+    const tl_config *c;
+    int pos0, n;
+    const float *q;
+    const float *const *k, *const *v;
+    size_t stride;
+    float *att, *out;
+    size_t att_per_part;
+} tl__causal_job;
+
+static void tl__causal_part(void *arg, int part, int nparts)
+{
+    const tl__causal_job *j = (const tl__causal_job *)arg;
+    size_t qd = (size_t)tl__qdim(j->c);
+    int t0 = (int)((long)j->n * part / nparts), t1 = (int)((long)j->n * (part + 1) / nparts);
+    if (t1 > t0)
+        tl_attend_causal(j->c, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride,
+                         j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd);
+}
+
+#define TL_PREFILL_CHUNK 64
+
+float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n, int pos0)
+{
+    const tl_config *c = &m->config;
+    size_t dim = (size_t)c->dim, qd = (size_t)tl__qdim(c), kv = (size_t)c->kv_dim, hs = (size_t)c->head_size;
+    int parts = s->pool ? ((tl__pool *)s->pool)->n : 1, t, l, g, b0;
+    float *x = NULL, *q = NULL, *heads = NULL, *att = NULL;
+    const float **kp = NULL, **vp = NULL;
+    float *ret = NULL;
+    size_t att_part;
+
+    if (n < 1 || pos0 < 0 || pos0 + n > s->ctx) {
+        tl__fail(s->err, sizeof s->err, "prefill of %d tokens at %d: the context holds %d", n, pos0, s->ctx);
+        return NULL;
+    }
+    if (!s->key_cache) {
+        tl__fail(s->err, sizeof s->err, "this run state has no KV cache");
+        return NULL;
+    }
+    for (t = 0; t < n; t++)
+        if (tokens[t] < 0 || tokens[t] >= c->vocab_size) {
+            tl__fail(s->err, sizeof s->err, "token %d is outside the vocabulary (0..%d)", tokens[t],
+                     c->vocab_size - 1);
+            return NULL;
+        }
+    att_part = (size_t)((TL_PREFILL_CHUNK + parts - 1) / parts) * (size_t)c->n_heads * (size_t)(pos0 + n);
+    x = (float *)malloc((size_t)TL_PREFILL_CHUNK * dim * sizeof(float));
+    q = (float *)malloc((size_t)TL_PREFILL_CHUNK * qd * sizeof(float));
+    heads = (float *)malloc((size_t)TL_PREFILL_CHUNK * qd * sizeof(float));
+    att = (float *)malloc((size_t)parts * att_part * sizeof(float));
+    kp = (const float **)malloc((size_t)c->n_kv_heads * sizeof(float *));
+    vp = (const float **)malloc((size_t)c->n_kv_heads * sizeof(float *));
+    if (!x || !q || !heads || !att || !kp || !vp) {
+        tl__fail(s->err, sizeof s->err, "out of memory for the prefill of %d tokens", n);
+        goto out;
+    }
+    for (b0 = 0; b0 < n; b0 += TL_PREFILL_CHUNK) {
+        int nb = n - b0 < TL_PREFILL_CHUNK ? n - b0 : TL_PREFILL_CHUNK, p0 = pos0 + b0;
+        for (t = 0; t < nb; t++) {
+            tl_embed(m, s, tokens[b0 + t]);
+            memcpy(x + (size_t)t * dim, s->x, dim * sizeof(float));
+        }
+        for (l = 0; l < c->n_layers; l++) {
+            tl__causal_job j;
+            if (tl_layer_qkv_batch(m, s, l, p0, nb, x, q, tl_key_row(c, s, l, p0),
+                                   tl_value_row(c, s, l, p0)))
+                goto oom;
+            for (g = 0; g < c->n_kv_heads; g++) {
+                kp[g] = tl_key_row(c, s, l, 0) + (size_t)g * hs;
+                vp[g] = tl_value_row(c, s, l, 0) + (size_t)g * hs;
+            }
+            j.c = c;
+            j.pos0 = p0;
+            j.n = nb;
+            j.q = q;
+            j.k = kp;
+            j.v = vp;
+            j.stride = kv;
+            j.att = att;
+            j.out = heads;
+            j.att_per_part = att_part;
+            tl_parallel(s, tl__causal_part, &j);
+            if (tl_layer_out_ffn_batch(m, s, l, nb, x, heads))
+                goto oom;
+        }
+        memcpy(s->x, x + (size_t)(nb - 1) * dim, dim * sizeof(float));
+    }
+    ret = tl_classify(m, s);
+    goto out;
+oom:
+    tl__fail(s->err, sizeof s->err, "out of memory for the prefill of %d tokens", n);
+out:
+    free(x);
+    free(q);
+    free(heads);
+    free(att);
+    free((void *)kp);
+    free((void *)vp);
+    return ret;
 }
 
 /* ----------------------------------------------------------------------------

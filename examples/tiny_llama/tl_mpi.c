@@ -1397,7 +1397,7 @@ int main(int argc, char **argv)
     }
     if (tl_build_model(&t.model, t.o.model, err, sizeof err) != 0)
         tp_fail_all(&t, err);
-    if (!t.model.w.wq || !t.model.w.wk || !t.model.w.wv || !t.model.w.wo || !t.model.w.w1 ||
+    if (t.model.layers || !t.model.w.wq || !t.model.w.wk || !t.model.w.wv || !t.model.w.wo || !t.model.w.w1 ||
         !t.model.w.w2 || !t.model.w.w3 || !t.model.w.token_embedding || !t.model.w.wcls ||
         !t.model.w.rms_att || !t.model.w.rms_ffn || !t.model.w.rms_final ||
         t.model.config.head_size * t.model.config.n_heads != t.model.config.dim)

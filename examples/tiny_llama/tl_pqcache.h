@@ -6,13 +6,17 @@
      prefill  pqc_driver_prefill runs the prompt layer by layer (layer-major).
               The hidden states of all prompt tokens are kept; per layer the
               qkv callback computes every token's query, key and value
-              (tl_layer_qkv_rows), the library stores the keys and values and
-              starts that layer's PQ build in the background, and the attend
-              callback runs full causal attention over the rows the library
-              hands back (tl_attend_causal, blocks of tokens so each row is
-              read once per block), then wo, residual and FFN. Tokens are
-              independent within a layer, so both callbacks split them over
-              the threads. The last layer's attention and FFN only matter for
+              (tl_layer_qkv_batch: the projections as matrix-matrix products
+              over blocks of 64 tokens, their rows split over the threads),
+              the library stores the keys and values and starts that layer's
+              PQ build in the background, and the attend callback runs full
+              causal attention over the rows the library hands back
+              (tl_attend_causal, blocks of tokens so each row is read once per
+              block, the blocks split over the threads), then wo, residual
+              and FFN for each chunk of blocks (tl_layer_out_ffn_batch). The
+              RoPE layout handed to the library is the model's: interleaved
+              for llama2.c checkpoints, half-split (PQC_ROPE_HALF) for Hugging
+              Face models. The last layer's attention and FFN only matter for
               the last token (the logits); the other tokens skip them unless
               all_outputs is set. Keys, values and the logits are those of
               token-by-token full attention, to the bit.
@@ -82,8 +86,10 @@ typedef struct {
     int max_tokens;
     tl_state s;                   /* decode state, no KV cache */
     int n_workers, block;         /* prefill threads, tokens per attention block */
-    tl_state *workers;            /* per prefill thread */
-    float **att, **out;           /* per prefill thread: block scratch */
+    tl_state *workers;            /* per prefill thread (kept for callers; the prefill
+                                     now runs its projections on s's threads) */
+    float **att, **out;           /* per prefill thread: block scratch (out[t] is a part
+                                     of heads) */
     float *hidden;                /* (max prompt, dim) hidden states during a prefill */
     const int *tokens;
     int prefill_n, prefill_done;
@@ -95,6 +101,7 @@ typedef struct {
     tlpq_progress_fn progress;
     void *progress_user;
     char err[TL_ERR_LEN];
+    float *heads;                 /* (n_workers * block, q_dim): a chunk's attention outputs */
 } tlpq;
 
 void tlpq_default_config(tlpq_config *cfg);
@@ -145,6 +152,7 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len);
 
 #define TLPQ__MAX_THREADS 64
 #define TLPQ__BLOCK 32                      /* tokens per attention block */
+#define TLPQ__CHUNK 64                      /* tokens per projection block (prefill) */
 #define TLPQ__ATT_FLOATS (16u * 1024u * 1024u) /* block scratch cap per thread */
 
 /* errors go through the engine's tl__fail (its implementation is in this file) */
@@ -174,6 +182,8 @@ typedef struct tlpq__job {
     const float *cq;                /* attend: queries */
     const pqc_kv_view *kv;
     pthread_mutex_t *mu;
+    size_t c0;                      /* attend: the chunk's first token */
+    int last_only;
 } tlpq__job;
 
 /* Runs fn on one copy of the job per worker (worker = 0 .. n_workers-1), worker 0 on the
@@ -199,64 +209,22 @@ static void tlpq__run_jobs(tlpq *p, const tlpq__job *proto, void *(*fn)(void *))
     }
 }
 
-static void *tlpq__qkv_worker(void *arg)
-{
-    tlpq__job *j = (tlpq__job *)arg;
-    tlpq *p = j->p;
-    const tl_config *c = &p->m->config;
-    tl_state *w = &p->workers[j->worker];
-    size_t t, dim = (size_t)c->dim, kv = (size_t)c->kv_dim;
-    for (t = (size_t)j->worker; t < j->n; t += (size_t)p->n_workers) {
-        memcpy(w->x, p->hidden + t * dim, dim * sizeof(float));
-        tl_layer_qkv_rows(p->m, w, j->layer, (int)(j->pos0 + t), j->k + t * kv, j->v + t * kv);
-        memcpy(j->q + t * dim, w->q, dim * sizeof(float));
-    }
-    return NULL;
-}
-
+/* Attention of one block of the chunk at j->c0 (worker w: tokens c0 + w * block ..)
+   into its part of p->heads. */
 static void *tlpq__attend_worker(void *arg)
 {
     tlpq__job *j = (tlpq__job *)arg;
     tlpq *p = j->p;
     const tl_config *c = &p->m->config;
-    tl_state *w = &p->workers[j->worker];
-    size_t dim = (size_t)c->dim, first = 0, b0, t;
+    size_t qd = (size_t)c->n_heads * (size_t)c->head_size;
+    size_t b0 = j->c0 + (size_t)j->worker * (size_t)p->block, nb;
     const float *const *kr = (const float *const *)j->kv->k;
     const float *const *vr = (const float *const *)j->kv->v;
-    int last_only = !p->cfg.all_outputs && j->layer == c->n_layers - 1;
-    size_t step = (size_t)p->block * (size_t)p->n_workers;
-
-    if (last_only) {   /* nothing reads the other tokens' last-layer outputs */
-        if (j->worker != 0)
-            return NULL;
-        first = j->n - 1;
-    }
-    for (b0 = first + (size_t)j->worker * (size_t)p->block; b0 < j->n; b0 += step) {
-        size_t nb = j->n - b0 < (size_t)p->block ? j->n - b0 : (size_t)p->block;
-        if (last_only)
-            nb = 1;
-        tl_attend_causal(c, (int)(j->pos0 + b0), (int)nb, j->cq + b0 * dim, kr, vr,
-                         (size_t)c->head_size, p->att[j->worker], p->out[j->worker]);
-        for (t = 0; t < nb; t++) {
-            float *h = p->hidden + (b0 + t) * dim;
-            memcpy(w->x, h, dim * sizeof(float));
-            memcpy(w->xb, p->out[j->worker] + t * dim, dim * sizeof(float));
-            tl_layer_attn_out(p->m, w, j->layer);
-            tl_layer_ffn(p->m, w, j->layer);
-            memcpy(h, w->x, dim * sizeof(float));
-        }
-        pthread_mutex_lock(j->mu);
-        p->prefill_done += (int)nb;
-        pthread_mutex_unlock(j->mu);
-        if (j->worker == 0 && p->progress) {
-            int done;
-            pthread_mutex_lock(j->mu);
-            done = p->prefill_done;
-            pthread_mutex_unlock(j->mu);
-            p->progress(p->progress_user, j->layer, c->n_layers, done,
-                        last_only ? 1 : (int)j->n);
-        }
-    }
+    if (b0 >= j->n || (j->last_only && j->worker != 0))
+        return NULL;
+    nb = j->n - b0 < (size_t)p->block ? j->n - b0 : (size_t)p->block;
+    tl_attend_causal(c, (int)(j->pos0 + b0), (int)nb, j->cq + b0 * qd, kr, vr,
+                     (size_t)c->head_size, p->att[j->worker], p->out[j->worker]);
     return NULL;
 }
 
@@ -267,24 +235,24 @@ static int tlpq__qkv(void *user, int layer, size_t pos0, size_t n, float *q, flo
 {
     tlpq *p = (tlpq *)user;
     const tl_config *c = &p->m->config;
-    if (p->prefill_n > 0) {
-        tlpq__job job;
+    size_t qd = (size_t)c->n_heads * (size_t)c->head_size, kv = (size_t)c->kv_dim;
+    if (p->prefill_n > 0) {   /* blocks of tokens: the projections as matrix products */
+        size_t b0, nb;
         if (n != (size_t)p->prefill_n)
             return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens, expected %d", n, p->prefill_n);
-        memset(&job, 0, sizeof job);
-        job.layer = layer;
-        job.pos0 = pos0;
-        job.n = n;
-        job.q = q;
-        job.k = k;
-        job.v = v;
-        tlpq__run_jobs(p, &job, tlpq__qkv_worker);
+        for (b0 = 0; b0 < n; b0 += nb) {
+            nb = n - b0 < TLPQ__CHUNK ? n - b0 : TLPQ__CHUNK;
+            if (tl_layer_qkv_batch(p->m, &p->s, layer, (int)(pos0 + b0), (int)nb,
+                                   p->hidden + b0 * (size_t)c->dim, q + b0 * qd, k + b0 * kv,
+                                   v + b0 * kv))
+                return tl__fail(p->err, sizeof p->err, "qkv: out of memory");
+        }
         return 0;
     }
     if (n != 1)
         return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens in a decode step", n);
     tl_layer_qkv_rows(p->m, &p->s, layer, (int)pos0, k, v);
-    memcpy(q, p->s.q, (size_t)c->dim * sizeof(float));
+    memcpy(q, p->s.q, qd * sizeof(float));
     return 0;
 }
 
@@ -315,6 +283,8 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
             if (kv->count[g] != pos0 + n)
                 return tl__fail(p->err, sizeof p->err, "attend: head %d has %zu rows, "
                                   "expected %zu", g, kv->count[g], pos0 + n);
+        size_t chunk = (size_t)p->block * (size_t)p->n_workers, c0, dim = (size_t)c->dim;
+        int last_only = !p->cfg.all_outputs && layer == c->n_layers - 1;
         pthread_mutex_init(&mu, NULL);
         p->prefill_done = 0;
         memset(&job, 0, sizeof job);
@@ -324,7 +294,21 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
         job.cq = q;
         job.kv = kv;
         job.mu = &mu;
-        tlpq__run_jobs(p, &job, tlpq__attend_worker);
+        job.last_only = last_only;
+        /* nothing reads the other tokens' last-layer outputs */
+        for (c0 = last_only ? n - 1 : 0; c0 < n; c0 += chunk) {
+            size_t cnt = last_only ? 1 : (n - c0 < chunk ? n - c0 : chunk);
+            job.c0 = c0;
+            tlpq__run_jobs(p, &job, tlpq__attend_worker);
+            if (tl_layer_out_ffn_batch(p->m, &p->s, layer, (int)cnt, p->hidden + c0 * dim, p->heads)) {
+                pthread_mutex_destroy(&mu);
+                return tl__fail(p->err, sizeof p->err, "attend: out of memory");
+            }
+            p->prefill_done += (int)cnt;
+            if (p->progress)
+                p->progress(p->progress_user, layer, c->n_layers, p->prefill_done,
+                            last_only ? 1 : (int)n);
+        }
         pthread_mutex_destroy(&mu);
         return 0;
     }
@@ -343,7 +327,7 @@ static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const floa
         l->krow = kv->krows ? kv->krows[g] : NULL; /* rows in place: no copy */
         l->vrow = kv->vrows ? kv->vrows[g] : NULL;
     }
-    memcpy(p->s.q, q, (size_t)c->dim * sizeof(float));
+    memcpy(p->s.q, q, (size_t)c->n_heads * (size_t)c->head_size * sizeof(float));
     tl_layer_attention(p->m, &p->s, layer, p->s.lists);
     tl_layer_ffn(p->m, &p->s, layer);
     return 0;
@@ -366,13 +350,11 @@ void tlpq_destroy(tlpq *p)
     if (p->att)
         for (t = 0; t < p->n_workers; t++)
             free(p->att[t]);
-    if (p->out)
-        for (t = 0; t < p->n_workers; t++)
-            free(p->out[t]);
     free(p->workers);
     free(p->att);
     free(p->out);
     free(p->hidden);
+    free(p->heads);
     tl_free_state(&p->s);
     memset(p, 0, sizeof *p);
 }
@@ -407,7 +389,9 @@ static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const t
     p->workers = (tl_state *)calloc((size_t)p->n_workers, sizeof(tl_state));
     p->att = (float **)calloc((size_t)p->n_workers, sizeof(float *));
     p->out = (float **)calloc((size_t)p->n_workers, sizeof(float *));
-    if (!p->workers || !p->att || !p->out) {
+    p->heads = (float *)malloc((size_t)p->n_workers * (size_t)p->block *
+                               (size_t)c->n_heads * (size_t)c->head_size * sizeof(float));
+    if (!p->workers || !p->att || !p->out || !p->heads) {
         tlpq_destroy(p);
         return tl__fail(err, errlen, "pqcache: out of memory");
     }
@@ -417,8 +401,9 @@ static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const t
             return -1;
         }
         p->att[t] = (float *)malloc((size_t)p->block * att_floats * sizeof(float));
-        p->out[t] = (float *)malloc((size_t)p->block * (size_t)c->dim * sizeof(float));
-        if (!p->att[t] || !p->out[t]) {
+        p->out[t] = p->heads + (size_t)t * (size_t)p->block * (size_t)c->n_heads *
+                    (size_t)c->head_size;
+        if (!p->att[t]) {
             tlpq_destroy(p);
             return tl__fail(err, errlen, "pqcache: out of memory for the prefill blocks");
         }
@@ -486,7 +471,9 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     cd.pq.bits = cfg->pq_bits;
     cd.pq.iters = cfg->iters;
     cd.pq.seed = cfg->seed;
-    cd.pq.rope = PQC_ROPE_INTERLEAVED; /* llama2.c's RoPE: pair i = dims (2i, 2i+1) */
+    /* llama2.c's RoPE: pair i = dims (2i, 2i+1); Hugging Face models' rotate_half:
+       pair i = dims (i, i + head_dim/2) */
+    cd.pq.rope = c->rope_layout == TL_ROPE_HALF ? PQC_ROPE_HALF : PQC_ROPE_INTERLEAVED;
     cd.block_tokens = cfg->block_tokens;
     cd.cache_blocks = cfg->cache_blocks;
     cd.policy = cfg->policy;
