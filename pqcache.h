@@ -16,12 +16,17 @@
    Every other file just includes "pqcache.h". The implementation needs POSIX (pthreads,
    clock_gettime, dlopen); it defines _POSIX_C_SOURCE itself when nothing was included
    before it. Link with -lm -lpthread (and -ldl on glibc older than 2.34). Nothing else:
-   CUDA and NVRTC are opened at run time when present (cuBLASLt is looked for by the probe).
+   CUDA, NVRTC and cuBLASLt are opened at run time when present (cuBLASLt is optional).
 
    GPU: a runtime created with backend PQC_BACKEND_CUDA (or AUTO, where a GPU is usable)
    compiles the kernels of pqcache_kernels.cu (embedded below) with NVRTC, and every
    sequence cache made on it keeps its device tier on the GPU. Environment:
-   PQC_CUDA_DRIVER_PATH (a libcuda to open instead of libcuda.so.1), PQC_NVRTC_PATH.
+   PQC_CUDA_DRIVER_PATH (a libcuda to open instead of libcuda.so.1), PQC_NVRTC_PATH,
+   PQC_CUBLASLT_PATH (the cuBLASLt library to use, and no other; when it cannot be
+   opened cuBLASLt is not used), PQC_KMEANS_GEMM (0 or 1: the assignment step of the
+   k-means on the GPU by the hand-written kernel, or as a cuBLASLt GEMM X C^T followed by
+   an argmin kernel; unset, the runtime times both the first time it meets a shape of
+   problem and keeps the faster; without cuBLASLt the kernel is always used).
 
    RECIPE
    ------
@@ -8456,13 +8461,23 @@ PQC__CU_FN int pqc__cu_open_blaslt(pqc__cuApi *api, const char *const *names, in
     return PQC__CU_OK;
 }
 
-/* Opens cuBLASLt from its usual names (loader path, then /usr/local/cuda/lib64). */
+/* Opens cuBLASLt: $PQC_CUBLASLT_PATH alone when set (a library named explicitly is the
+   one wanted: when it cannot be opened, cuBLASLt is not used), else its usual names
+   (loader path, then /usr/local/cuda/lib64). */
 PQC__CU_FN int pqc__cu_load_blaslt(pqc__cuApi *api)
 {
     static const char *const names[] = {
         "libcublasLt.so.13", "libcublasLt.so.12",
         "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12"
     };
+    const char *env = pqc__cu_getenv(api, "PQC_CUBLASLT_PATH");
+    if (env) {
+        int st = pqc__cu_open_blaslt(api, &env, 1);
+        if (st == PQC__CU_ERR_NO_CUBLASLT)
+            snprintf(api->msg, sizeof(api->msg), "cuBLASLt not found (PQC_CUBLASLT_PATH %.200s cannot be opened)",
+                     env);
+        return st;
+    }
     return pqc__cu_open_blaslt(api, names, PQC__CU_COUNT(names));
 }
 
@@ -8911,17 +8926,35 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
 
 enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
-    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT, PQC__K_N
+    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
+    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
     "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
-    "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit"
+    "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
+    "pqc_centroid_norms"
 };
 
 #define PQC__CU_RADIX_BINS 2048
 #define PQC__CU_TILE 4096
 #define PQC__CU_SMEM_DEFAULT 49152
+
+/* The k-means assignment step has two implementations: the kernel pqc_kmeans_assign,
+   and a cuBLASLt GEMM of the dot products X C^T followed by pqc_kmeans_assign_dots.
+   Unless PQC_KMEANS_GEMM forces one, the first build of a shape class (n rounded up to
+   a power of two, d, k) times both on its own first four assignment steps (alternating,
+   the faster of two runs each) and the class keeps the faster for the runtime. */
+#define PQC__KM_CLASSES 32
+#ifndef PQC__KM_DOTS_BYTES /* (tests set it small to exercise the chunking) */
+#define PQC__KM_DOTS_BYTES ((size_t)64 << 20) /* dot products of one GEMM, at most */
+#endif
+
+typedef struct pqc__km_class {
+    int nlog, d, k; /* n <= 2^nlog */
+    int gemm;       /* 1: the GEMM path is faster */
+    float ms_kernel, ms_gemm;
+} pqc__km_class;
 
 struct pqc__curt {
     pqc__cuApi api;
@@ -8929,6 +8962,13 @@ struct pqc__curt {
     pqc__cuModule mod;
     pqc__cuFunction fn[PQC__K_N];
     int smem_limit; /* dynamic shared memory the scan kernels may use */
+    pqc__cuBlasLtHandle lt; /* cuBLASLt (thread safe), or NULL: no GEMM path */
+    int km_force;           /* PQC_KMEANS_GEMM: -1 unset (measure), 0 kernel, 1 GEMM */
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_t km_mu;  /* guards km, km_n, km_next: builds run on pool threads */
+#endif
+    pqc__km_class km[PQC__KM_CLASSES];
+    int km_n, km_next;
 };
 
 static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
@@ -8945,6 +8985,7 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
     }
     pqc__cu_host(&host, &rt->alloc);
     pqc__cu_api_init(&cr->api, &host);
+    cr->km_force = -1;
     st = pqc__cu_load(&cr->api, 0);
     if (st == PQC__CU_OK) st = pqc__cu_device_open(&cr->api, ordinal, &cr->dev);
     if (st == PQC__CU_OK && !cr->dev.can_map_host) {
@@ -8976,8 +9017,43 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
         cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0 &&
         cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0)
         cr->smem_limit = cr->dev.smem_optin - 8192;
-    snprintf(why, why_size, "%s, compute capability %d.%d, %d SMs, kernels %s", cr->dev.name, cr->dev.cc_major,
-             cr->dev.cc_minor, cr->dev.sm_count, from_cache ? "from the kernel cache" : "compiled by NVRTC");
+    {
+        /* cuBLASLt, optional: without it the k-means assignment uses its kernel */
+        char lt_note[300];
+        const char *force = pqc__cu_getenv(&cr->api, "PQC_KMEANS_GEMM");
+        if (pqc__cu_load_blaslt(&cr->api) != PQC__CU_OK) {
+            snprintf(lt_note, sizeof lt_note, "no cuBLASLt (%.200s): k-means assignment by its kernel", cr->api.msg);
+        } else {
+            pqc__cuBlasStatus ls = cr->api.cublasLtCreate(&cr->lt);
+            if (ls != PQC__CUBLAS_STATUS_SUCCESS || !cr->lt) {
+                cr->lt = NULL;
+                snprintf(lt_note, sizeof lt_note, "cuBLASLt %.150s unusable (cublasLtCreate status %d): k-means "
+                         "assignment by its kernel", cr->api.blaslt_path, (int)ls);
+            } else {
+                snprintf(lt_note, sizeof lt_note, "cuBLASLt %zu", cr->api.blaslt_version);
+            }
+        }
+        cr->api.msg[0] = '\0';
+        if (force && (force[0] == '0' || force[0] == '1') && !force[1]) cr->km_force = force[0] - '0';
+        else if (force)
+            pqc__log(rt, PQC_LOG_WARN, "PQC_KMEANS_GEMM must be 0 or 1; ignored");
+        snprintf(why, why_size, "%.80s, compute capability %d.%d, %d SMs, kernels %s, %.220s%s", cr->dev.name,
+                 cr->dev.cc_major, cr->dev.cc_minor, cr->dev.sm_count,
+                 from_cache ? "from the kernel cache" : "compiled by NVRTC", lt_note,
+                 !cr->lt ? "" : cr->km_force == 0 ? " (k-means GEMM off: PQC_KMEANS_GEMM=0)"
+                                : cr->km_force == 1 ? " (k-means GEMM forced: PQC_KMEANS_GEMM=1)" : "");
+    }
+#ifndef PQCACHE_NO_THREADS
+    if (pthread_mutex_init(&cr->km_mu, NULL) != 0) {
+        snprintf(why, why_size, "a mutex could not be created");
+        if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
+        cr->api.cuModuleUnload(cr->mod);
+        pqc__cu_device_close(&cr->api, &cr->dev);
+        pqc__cu_unload(&cr->api);
+        pqc__free(&rt->alloc, cr);
+        return PQC_ERROR_THREAD;
+    }
+#endif
     rt->cu = cr;
     return PQC_SUCCESS;
 }
@@ -8987,6 +9063,10 @@ static void pqc__curt_close(pqc_runtime *rt)
     struct pqc__curt *cr = rt->cu;
     if (!cr) return;
     cr->api.cuCtxSetCurrent(cr->dev.ctx);
+    if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_destroy(&cr->km_mu);
+#endif
     if (cr->mod) cr->api.cuModuleUnload(cr->mod);
     pqc__cu_device_close(&cr->api, &cr->dev);
     pqc__cu_unload(&cr->api);
@@ -8996,23 +9076,153 @@ static void pqc__curt_close(pqc_runtime *rt)
 
 typedef pqc__cuDeviceptr pqc__dptr;
 
+/* ---- the k-means assignment step as a GEMM ---- */
+
+/* One cuBLASLt matmul of the assignment: dots = X C^T for `rows` points, i.e. in
+   cuBLASLt's column-major terms D (k x rows, ld k) = op(A) B with A = C ([k][d] row-major
+   is d x k column-major, ld d, transposed) and B = X (d x rows, ld d); D column i holds
+   point i's k dot products, so D is [rows][k] row-major. */
+typedef struct pqc__km_plan {
+    pqc__cuBlasLtMatmulDesc desc;
+    pqc__cuBlasLtMatrixLayout la, lb, lc;
+    pqc__cuBlasLtHeuristicResult algo;
+    size_t rows;
+} pqc__km_plan;
+
+static void pqc__km_plan_free(pqc__cuApi *api, pqc__km_plan *p)
+{
+    if (p->la) api->cublasLtMatrixLayoutDestroy(p->la);
+    if (p->lb) api->cublasLtMatrixLayoutDestroy(p->lb);
+    if (p->lc) api->cublasLtMatrixLayoutDestroy(p->lc);
+    if (p->desc) api->cublasLtMatmulDescDestroy(p->desc);
+    memset(p, 0, sizeof *p);
+}
+
+/* Builds the plan (descriptors and an algorithm that needs no workspace); returns the
+   failing cuBLASLt status with `what` naming the call, or 0. */
+static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p, size_t rows, int d, int k,
+                                           const char **what)
+{
+    pqc__cuApi *api = &cr->api;
+    int ta = PQC__CUBLAS_OP_T, tb = PQC__CUBLAS_OP_N, found = 0;
+    uint64_t ws = 0;
+    pqc__cuBlasLtMatmulPreference pref = NULL;
+    pqc__cuBlasStatus s;
+    memset(p, 0, sizeof *p);
+    p->rows = rows;
+    *what = "cublasLtMatmulDescCreate";
+    s = api->cublasLtMatmulDescCreate(&p->desc, PQC__CUBLAS_COMPUTE_32F, PQC__CUDA_R_32F);
+    if (s == 0) {
+        *what = "cublasLtMatmulDescSetAttribute";
+        s = api->cublasLtMatmulDescSetAttribute(p->desc, PQC__CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    }
+    if (s == 0) s = api->cublasLtMatmulDescSetAttribute(p->desc, PQC__CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    if (s == 0) {
+        *what = "cublasLtMatrixLayoutCreate";
+        s = api->cublasLtMatrixLayoutCreate(&p->la, PQC__CUDA_R_32F, (uint64_t)d, (uint64_t)k, d);
+    }
+    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lb, PQC__CUDA_R_32F, (uint64_t)d, (uint64_t)rows, d);
+    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lc, PQC__CUDA_R_32F, (uint64_t)k, (uint64_t)rows, k);
+    if (s == 0) {
+        *what = "cublasLtMatmulPreferenceCreate";
+        s = api->cublasLtMatmulPreferenceCreate(&pref);
+    }
+    if (s == 0) {
+        *what = "cublasLtMatmulPreferenceSetAttribute";
+        s = api->cublasLtMatmulPreferenceSetAttribute(pref, PQC__CUBLASLT_PREF_MAX_WORKSPACE, &ws, sizeof ws);
+    }
+    if (s == 0) {
+        *what = "cublasLtMatmulAlgoGetHeuristic";
+        s = api->cublasLtMatmulAlgoGetHeuristic(cr->lt, p->desc, p->la, p->lb, p->lc, p->lc, pref, 1, &p->algo,
+                                                &found);
+        if (s == 0 && found < 1) s = -1; /* no algorithm for this shape */
+    }
+    if (pref) api->cublasLtMatmulPreferenceDestroy(pref);
+    if (s != 0) pqc__km_plan_free(api, p);
+    return s;
+}
+
+static int pqc__km_nlog(size_t n)
+{
+    int l = 0;
+    while (l < 62 && ((size_t)1 << l) < n) l++;
+    return l;
+}
+
+/* The class of (n, d, k) known to the runtime: 1 and *out filled, or 0. */
+static int pqc__km_lookup(struct pqc__curt *cr, size_t n, int d, int k, pqc__km_class *out)
+{
+    int i, nl = pqc__km_nlog(n), hit = 0;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    for (i = 0; i < cr->km_n && !hit; i++)
+        if (cr->km[i].nlog == nl && cr->km[i].d == d && cr->km[i].k == k) {
+            *out = cr->km[i];
+            hit = 1;
+        }
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
+    return hit;
+}
+
+static void pqc__km_store(struct pqc__curt *cr, const pqc__km_class *c)
+{
+    int i;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    for (i = 0; i < cr->km_n; i++)
+        if (cr->km[i].nlog == c->nlog && cr->km[i].d == c->d && cr->km[i].k == c->k) break;
+    if (i == cr->km_n) { /* a new class; when the table is full, the oldest goes */
+        if (cr->km_n < PQC__KM_CLASSES) {
+            i = cr->km_n++;
+        } else {
+            i = cr->km_next;
+            cr->km_next = (cr->km_next + 1) % PQC__KM_CLASSES;
+        }
+    }
+    cr->km[i] = *c;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
+}
+
+/* Which assignment the runtime uses for (n, d, k), for reports: 1 and *out when a
+   class has been measured, else 0. rt must be a CUDA runtime. */
+PQC__CU_FN int pqc__cuda_kmeans_choice(pqc_runtime *rt, size_t n, int d, int k,
+                                          pqc__km_class *out)
+{
+    return rt && rt->cu ? pqc__km_lookup(rt->cu, n, d, k, out) : 0;
+}
+
 /* Lloyd iterations of one k-means problem (n points of d <= 256 dims, k centres in c) on
    the GPU: assignment with per-cluster sums and counts, then the update; empty clusters
    keep their centre. Runs on a stream of its own, so builds on several pool threads
-   proceed side by side. */
+   proceed side by side. The assignment runs as the kernel or as the GEMM path (see
+   PQC__KM_CLASSES); any cuBLASLt failure sends this build back to the kernel. */
 static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
                                   double *obj, char *err, size_t errsz)
 {
     struct pqc__curt *cr = rt->cu;
     pqc__cuApi *api = &cr->api;
     pqc__cuStream st = NULL;
-    pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0;
+    pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0, dnorm = 0, ddots = 0;
     float *md = NULL;
     pqc__cuResult e = 0;
     const char *what = "";
-    int it, ni = (int)n, ki = k, di = d, rows = k;
+    int it, ni = (int)n, ki = k, di = d, rows = k, step = 0, j;
+    int mode = 0; /* assignment: 0 kernel, 1 GEMM, 2 measuring both (steps 0..3) */
+    int steps = iters + (obj ? 1 : 0);
     int64_t ld = d;
-    size_t i;
+    size_t i, chunk = 0;
+    pqc__km_plan plan[2];
+    pqc__cuEvent ev[8];
+    float ms[4];
+    pqc__km_class cls;
+    memset(plan, 0, sizeof plan);
+    memset(ev, 0, sizeof ev);
 #define PQC__LL(call, name)                                                 \
     do {                                                                    \
         if (e == 0 && (e = (call)) != 0) what = (name);                     \
@@ -9032,15 +9242,101 @@ static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int
     }
     PQC__LL(api->cuMemcpyHtoDAsync_v2(dx, x, n * (size_t)d * sizeof(float), st), "cuMemcpyHtoDAsync");
     PQC__LL(api->cuMemcpyHtoDAsync_v2(dc, c, (size_t)k * d * sizeof(float), st), "cuMemcpyHtoDAsync");
+
+    /* the path: forced, known for this class, or measured now (needs four steps) */
+    if (e == 0 && cr->lt) {
+        if (cr->km_force >= 0) mode = cr->km_force;
+        else if (pqc__km_lookup(cr, n, d, k, &cls)) mode = cls.gemm;
+        else mode = steps >= 4 ? 2 : 0;
+    }
+    if (mode) {
+        const char *lwhat = "";
+        pqc__cuBlasStatus ls = 0;
+        pqc__cuResult ce = 0;
+        /* whole multiples of 64 points, so that every chunk's X starts 256-byte aligned
+           (the alignment cuBLASLt's heuristics assume) */
+        chunk = PQC__KM_DOTS_BYTES / ((size_t)k * sizeof(float)) / 64 * 64;
+        if (chunk < 64) chunk = 64;
+        if (chunk > n) chunk = n;
+        if ((ce = api->cuMemAlloc_v2(&dnorm, (size_t)k * sizeof(float))) == 0)
+            ce = api->cuMemAlloc_v2(&ddots, chunk * (size_t)k * sizeof(float));
+        if (ce == 0) ls = pqc__km_plan_make(cr, &plan[0], chunk, d, k, &lwhat);
+        if (ce == 0 && ls == 0 && n % chunk) ls = pqc__km_plan_make(cr, &plan[1], n % chunk, d, k, &lwhat);
+        for (j = 0; mode == 2 && ce == 0 && ls == 0 && j < 8; j++) ce = api->cuEventCreate(&ev[j], PQC__CU_EVENT_DEFAULT);
+        if (ce != 0 || ls != 0) {
+            char msg[200];
+            if (ce != 0)
+                snprintf(msg, sizeof msg, "k-means: GEMM path unavailable (%s), using the kernel", pqc__cu_error_name(api, ce));
+            else
+                snprintf(msg, sizeof msg, "k-means: GEMM path unavailable (%s status %d), using the kernel", lwhat, (int)ls);
+            pqc__log(rt, PQC_LOG_WARN, msg);
+            mode = 0;
+        }
+    }
+
     for (it = 0; it <= iters && e == 0; it++) {
         pqc__dptr m = obj ? dmin : 0;
         void *pa[] = { &dx, &ld, &ni, &di, &dc, &zero, &ki, &zero, &dsum, &dcnt, &m };
         void *pu[] = { &dc, &dsum, &dcnt, &rows, &di };
+        int gemm = mode == 1 || (mode == 2 && (step & 1)), timed = mode == 2 && step < 4;
         if (it == iters && !obj) break; /* the last assignment only serves the objective */
+        if (timed) PQC__LL(api->cuEventRecord(ev[2 * step], st), "cuEventRecord");
         PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
         PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
-        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_ASSIGN], (unsigned)((n + 7) / 8), 1, 1, 256, 1, 1, 0, st, pa, NULL),
-                "pqc_kmeans_assign");
+        if (gemm && e == 0) {
+            /* norms, then per chunk of points: dots = X C^T, argmin with sums and counts */
+            void *pn[] = { &dc, &ki, &di, &dnorm };
+            float one = 1.0f, nil = 0.0f;
+            pqc__cuBlasStatus ls = 0;
+            size_t p0;
+            PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_NORMS], (unsigned)(((size_t)k + 255) / 256), 1, 1, 256, 1, 1, 0,
+                                        st, pn, NULL),
+                    "pqc_centroid_norms");
+            for (p0 = 0; p0 < n && e == 0 && ls == 0; p0 += chunk) {
+                size_t r = n - p0 < chunk ? n - p0 : chunk;
+                const pqc__km_plan *pl = r == plan[0].rows ? &plan[0] : &plan[1];
+                pqc__dptr xp = dx + p0 * (size_t)d * sizeof(float), mp = obj ? dmin + p0 * sizeof(float) : 0;
+                int ri = (int)r;
+                void *pd[] = { &ddots, &xp, &ld, &ri, &di, &dnorm, &ki, &zero, &dsum, &dcnt, &mp };
+                ls = api->cublasLtMatmul(cr->lt, pl->desc, &one, (const void *)(uintptr_t)dc, pl->la,
+                                         (const void *)(uintptr_t)xp, pl->lb, &nil, (const void *)(uintptr_t)ddots,
+                                         pl->lc, (void *)(uintptr_t)ddots, pl->lc, &pl->algo.algo, NULL, 0, st);
+                if (ls == 0)
+                    PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_DOTS], (unsigned)((r + 7) / 8), 1, 1, 256, 1, 1, 0,
+                                                st, pd, NULL),
+                            "pqc_kmeans_assign_dots");
+            }
+            if (ls != 0 && e == 0) { /* this build goes back to the kernel, from this step */
+                char msg[160];
+                snprintf(msg, sizeof msg, "k-means: cublasLtMatmul failed (status %d); using the kernel", (int)ls);
+                pqc__log(rt, PQC_LOG_WARN, msg);
+                mode = gemm = timed = 0;
+                PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
+                PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
+            }
+        }
+        if (!gemm)
+            PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_ASSIGN], (unsigned)((n + 7) / 8), 1, 1, 256, 1, 1, 0, st, pa,
+                                        NULL),
+                    "pqc_kmeans_assign");
+        if (timed) PQC__LL(api->cuEventRecord(ev[2 * step + 1], st), "cuEventRecord");
+        if (timed && step == 3 && e == 0) {
+            /* the decision: the faster of two runs each (a tie keeps the kernel) */
+            int ok = api->cuEventSynchronize(ev[7]) == 0;
+            for (j = 0; ok && j < 4; j++) ok = api->cuEventElapsedTime(&ms[j], ev[2 * j], ev[2 * j + 1]) == 0;
+            mode = 0;
+            if (ok) {
+                cls.nlog = pqc__km_nlog(n);
+                cls.d = d;
+                cls.k = k;
+                cls.ms_kernel = ms[0] < ms[2] ? ms[0] : ms[2];
+                cls.ms_gemm = ms[1] < ms[3] ? ms[1] : ms[3];
+                cls.gemm = cls.ms_gemm < cls.ms_kernel;
+                pqc__km_store(cr, &cls);
+                mode = cls.gemm;
+            }
+        }
+        step++;
         if (obj) {
             double o = 0.0;
             PQC__LL(api->cuMemcpyDtoHAsync_v2(md, dmin, n * sizeof(float), st), "cuMemcpyDtoHAsync");
@@ -9061,11 +9357,17 @@ static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int
         api->cuStreamSynchronize(st);
         api->cuStreamDestroy_v2(st);
     }
+    for (j = 0; j < 8; j++)
+        if (ev[j]) api->cuEventDestroy_v2(ev[j]);
+    pqc__km_plan_free(api, &plan[0]);
+    pqc__km_plan_free(api, &plan[1]);
     if (dx) api->cuMemFree_v2(dx);
     if (dc) api->cuMemFree_v2(dc);
     if (dsum) api->cuMemFree_v2(dsum);
     if (dcnt) api->cuMemFree_v2(dcnt);
     if (dmin) api->cuMemFree_v2(dmin);
+    if (dnorm) api->cuMemFree_v2(dnorm);
+    if (ddots) api->cuMemFree_v2(ddots);
     pqc__free(&rt->alloc, md);
     if (e == 0) return PQC_SUCCESS;
     return e > 0 ? PQC_ERROR_BACKEND : PQC_ERROR_OUT_OF_MEMORY;
@@ -10355,7 +10657,8 @@ static const char pqc__kernel_source[] =
 " * 64-bit (long long) on the host side.\n"
 " *\n"
 " * Determinism: every reduction over floats runs in a fixed order for a given launch\n"
-" * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign.\n"
+" * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign\n"
+" * and pqc_kmeans_assign_dots.\n"
 " * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over\n"
 " * blocks here, 16 interleaved lanes on the CPU: a few ulps apart) and the k-means sums.\n"
 " * That needs --fmad=false (the library passes it): only the explicit fmaf calls fuse.\n"
@@ -11478,6 +11781,61 @@ static const char pqc__kernel_source[] =
 "        for (int e = 0; e < d; ++e) xn = fmaf(xs[wib][e], xs[wib][e], xn);\n"
 "        float dd = xn + best;\n"
 "        min_dist[j * n + i] = dd > 0.0f \? dd : 0.0f;\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_kmeans_assign_dots: the assignment step of pqc_kmeans_assign for one problem from\n"
+" *   precomputed dot products (the GEMM path of the library's k-means: dots = X C^T by\n"
+" *   cuBLASLt, cnorm by pqc_centroid_norms).\n"
+" *   grid ceil(n / 8), block 256; one warp per point, the same layout as pqc_kmeans_assign.\n"
+" *   dots      float [n][K]: dots[i*K + c] = x_i . c_c\n"
+" *   x         n points of d <= 256 floats, row i at x + i*ld (for the sums and ||x||^2)\n"
+" *   cnorm     float [K], ||c||^2\n"
+" *   assign, sums, counts, min_dist as in pqc_kmeans_assign (each may be NULL).\n"
+" *   Distance ||c||^2 - 2 x.c, ties to the lower index: with dots computed as sequential\n"
+" *   fmaf from 0 the result equals pqc_kmeans_assign's bit for bit. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_kmeans_assign_dots(const float *__restrict__ dots, const float *__restrict__ x, pqc_i64 ld,\n"
+"                       int n, int d, const float *__restrict__ cnorm, int K,\n"
+"                       int *__restrict__ assign, float *sums, pqc_u32 *counts,\n"
+"                       float *__restrict__ min_dist)\n"
+"{\n"
+"    __shared__ float xs[PQC_WARPS][PQC_MAX_DSUB];\n"
+"    int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;\n"
+"    pqc_i64 i = (pqc_i64)blockIdx.x * PQC_WARPS + wib;\n"
+"    if (i >= n || d > PQC_MAX_DSUB) return; /* whole warp */\n"
+"    const float *xr = x + i * ld;\n"
+"    for (int e = lane; e < d; e += 32) xs[wib][e] = xr[e];\n"
+"    __syncwarp();\n"
+"    const float *dr = dots + i * K;\n"
+"    float best = __int_as_float(0x7f800000); /* +inf */\n"
+"    int besti = 0x7fffffff;\n"
+"    for (int c = lane; c < K; c += 32) {\n"
+"        float dist = cnorm[c] - 2.0f * dr[c];\n"
+"        if (besti == 0x7fffffff || dist < best) { best = dist; besti = c; }\n"
+"    }\n"
+"    for (int o = 16; o > 0; o >>= 1) {\n"
+"        float ob = __shfl_xor_sync(PQC_FULL, best, o);\n"
+"        int oi = __shfl_xor_sync(PQC_FULL, besti, o);\n"
+"        if (oi != 0x7fffffff &&\n"
+"            (besti == 0x7fffffff || ob < best || (ob == best && oi < besti))) {\n"
+"            best = ob;\n"
+"            besti = oi;\n"
+"        }\n"
+"    }\n"
+"    int c = besti == 0x7fffffff \? 0 : besti;\n"
+"    if (sums) {\n"
+"        float *sr = sums + (pqc_i64)c * d;\n"
+"        for (int e = lane; e < d; e += 32) atomicAdd(&sr[e], xs[wib][e]);\n"
+"    }\n"
+"    if (lane != 0) return;\n"
+"    if (assign) assign[i] = c;\n"
+"    if (counts) atomicAdd(&counts[c], 1u);\n"
+"    if (min_dist) {\n"
+"        float xn = 0.0f;\n"
+"        for (int e = 0; e < d; ++e) xn = fmaf(xs[wib][e], xs[wib][e], xn);\n"
+"        float dd = xn + best;\n"
+"        min_dist[i] = dd > 0.0f \? dd : 0.0f;\n"
 "    }\n"
 "}\n"
 "\n"

@@ -29,7 +29,8 @@
  * 64-bit (long long) on the host side.
  *
  * Determinism: every reduction over floats runs in a fixed order for a given launch
- * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign.
+ * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign
+ * and pqc_kmeans_assign_dots.
  * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over
  * blocks here, 16 interleaved lanes on the CPU: a few ulps apart) and the k-means sums.
  * That needs --fmad=false (the library passes it): only the explicit fmaf calls fuse.
@@ -1152,6 +1153,61 @@ pqc_kmeans_assign(const float *__restrict__ x, pqc_i64 ld, int n, int d,
         for (int e = 0; e < d; ++e) xn = fmaf(xs[wib][e], xs[wib][e], xn);
         float dd = xn + best;
         min_dist[j * n + i] = dd > 0.0f ? dd : 0.0f;
+    }
+}
+
+/* pqc_kmeans_assign_dots: the assignment step of pqc_kmeans_assign for one problem from
+ *   precomputed dot products (the GEMM path of the library's k-means: dots = X C^T by
+ *   cuBLASLt, cnorm by pqc_centroid_norms).
+ *   grid ceil(n / 8), block 256; one warp per point, the same layout as pqc_kmeans_assign.
+ *   dots      float [n][K]: dots[i*K + c] = x_i . c_c
+ *   x         n points of d <= 256 floats, row i at x + i*ld (for the sums and ||x||^2)
+ *   cnorm     float [K], ||c||^2
+ *   assign, sums, counts, min_dist as in pqc_kmeans_assign (each may be NULL).
+ *   Distance ||c||^2 - 2 x.c, ties to the lower index: with dots computed as sequential
+ *   fmaf from 0 the result equals pqc_kmeans_assign's bit for bit. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_kmeans_assign_dots(const float *__restrict__ dots, const float *__restrict__ x, pqc_i64 ld,
+                       int n, int d, const float *__restrict__ cnorm, int K,
+                       int *__restrict__ assign, float *sums, pqc_u32 *counts,
+                       float *__restrict__ min_dist)
+{
+    __shared__ float xs[PQC_WARPS][PQC_MAX_DSUB];
+    int lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    pqc_i64 i = (pqc_i64)blockIdx.x * PQC_WARPS + wib;
+    if (i >= n || d > PQC_MAX_DSUB) return; /* whole warp */
+    const float *xr = x + i * ld;
+    for (int e = lane; e < d; e += 32) xs[wib][e] = xr[e];
+    __syncwarp();
+    const float *dr = dots + i * K;
+    float best = __int_as_float(0x7f800000); /* +inf */
+    int besti = 0x7fffffff;
+    for (int c = lane; c < K; c += 32) {
+        float dist = cnorm[c] - 2.0f * dr[c];
+        if (besti == 0x7fffffff || dist < best) { best = dist; besti = c; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(PQC_FULL, best, o);
+        int oi = __shfl_xor_sync(PQC_FULL, besti, o);
+        if (oi != 0x7fffffff &&
+            (besti == 0x7fffffff || ob < best || (ob == best && oi < besti))) {
+            best = ob;
+            besti = oi;
+        }
+    }
+    int c = besti == 0x7fffffff ? 0 : besti;
+    if (sums) {
+        float *sr = sums + (pqc_i64)c * d;
+        for (int e = lane; e < d; e += 32) atomicAdd(&sr[e], xs[wib][e]);
+    }
+    if (lane != 0) return;
+    if (assign) assign[i] = c;
+    if (counts) atomicAdd(&counts[c], 1u);
+    if (min_dist) {
+        float xn = 0.0f;
+        for (int e = 0; e < d; ++e) xn = fmaf(xs[wib][e], xs[wib][e], xn);
+        float dd = xn + best;
+        min_dist[i] = dd > 0.0f ? dd : 0.0f;
     }
 }
 

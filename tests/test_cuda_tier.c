@@ -11,6 +11,9 @@
  * CPU's bit for bit, statistics add up, growth, rebuilds and multi-turn prefills keep it
  * consistent, device fetches are ordered on the engine's stream, and misuse gets clear
  * result codes. */
+/* the k-means GEMM path computes its dot products in chunks of at most this many bytes;
+   small here, so that the tests' problems span several chunks and a tail */
+#define PQC__KM_DOTS_BYTES ((size_t)48 << 10)
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "greatest.h"
@@ -1053,13 +1056,78 @@ TEST device_allocation_failure(void)
     PASS();
 }
 
+/* a runtime created with the environment variable `name` set to `value` (NULL: unset)
+   and restored afterwards (the runtime reads it when it opens CUDA) */
+static pqc_runtime *make_rt_env(const char *name, const char *value, int n_threads)
+{
+    pqc_runtime_desc d;
+    pqc_runtime *rt = NULL;
+    char *old = getenv(name) ? strdup(getenv(name)) : NULL;
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+    memset(&d, 0, sizeof d);
+    d.n_threads = n_threads;
+    d.backend = PQC_BACKEND_CUDA;
+    d.cuda_kernel_cache = "build/kernel-cache";
+    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) fprintf(stderr, "CUDA runtime: %s\n", pqc_last_error());
+    if (old) setenv(name, old, 1);
+    else unsetenv(name);
+    free(old);
+    return rt;
+}
+
+/* a cache of one layer whose builds run their k-means on the runtime's GPU finds the
+   needles of head 0 (7 of 8 at least); 0 on success */
+static int device_cache_finds_needles(pqc_runtime *rg, pqc_runtime *rc)
+{
+    const int d = 64, hkv = 2, hq = 2, n = 1200;
+    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache *c;
+    pqc_selection sel;
+    float *k = make_keys((size_t)n, hkv, d, 13), *v = rand_rows((size_t)n, (size_t)hkv * d), *q;
+    pqc_matrix kk = pqc_matrix_f32(k, (size_t)n, (size_t)hkv * d), vv = pqc_matrix_f32(v, (size_t)n, (size_t)hkv * d);
+    pqc_layer_stats st;
+    synth s0;
+    int found = 0, h, j, bad = 0;
+    cd.pq.device = 1;
+    cd.pq.m = 2;
+    cd.pq.bits = 5;
+    cd.pq.iters = 3;
+    if (rc && pqc_cache_create(rc, &cd, &c) != PQC_ERROR_NO_DEVICE) bad = 1;
+    if (bad || pqc_cache_create(rg, &cd, &c) != PQC_SUCCESS) {
+        free(k);
+        free(v);
+        return 1;
+    }
+    if (pqc_selection_init(c, &sel) != PQC_SUCCESS || pqc_cache_prefill(c, 0, &kk, &vv) != PQC_SUCCESS) bad = 2;
+    /* head 0's query and needles: the synth behind make_keys(., ., ., 13) */
+    if (!bad && synth_head(&s0, (size_t)n, d, 13) != 0) bad = 3;
+    if (!bad) {
+        q = (float *)calloc((size_t)hq * d, sizeof(float));
+        for (h = 0; h < hq; h++) memcpy(q + (size_t)h * d, s0.queries, (size_t)d * sizeof(float));
+        if (pqc_cache_select(c, 0, q, &sel) != PQC_SUCCESS) bad = 4;
+        for (j = 0; !bad && j < 8; j++) found += pqc_recall(s0.needles + j, 1, sel.idx, sel.count[0]) > 0;
+        if (!bad && pqc_cache_stats(c, 0, &st) != PQC_SUCCESS) bad = 5;
+        fprintf(stderr, "  cache with GPU-trained codebooks: %d of 8 needles selected\n", found);
+        if (!bad && (st.builds != 1 || found < 7)) bad = 6;
+        synth_free(&s0);
+        free(q);
+        pqc_selection_free(&sel);
+    }
+    pqc_cache_destroy(c);
+    free(k);
+    free(v);
+    return bad;
+}
+
 /* codebooks trained on the GPU (pq.device): as good as the CPU's, and a cache whose
-   builds run there still finds the needles */
+   builds run there still finds the needles. The assignment by its kernel (the GEMM
+   path has tests of its own below). */
 TEST device_kmeans(void)
 {
-    const int d = 64, hkv = 2, hq = 2;
+    const int d = 64;
     const size_t n = 1200;
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA), *rc = make_rt(PQC_BACKEND_CPU);
+    pqc_runtime *rg = make_rt_env("PQC_KMEANS_GEMM", "0", 1), *rc = make_rt(PQC_BACKEND_CPU);
     pqc_pq_desc pd;
     pqc_pq a, b;
     pqc_matrix km;
@@ -1090,42 +1158,207 @@ TEST device_kmeans(void)
     pqc_pq_free(&a);
     pqc_pq_free(&b);
     synth_free(&sy);
-    {
-        pqc_cache_desc cd = base_desc(1, hkv, hq, d);
-        pqc_cache *c;
-        pqc_selection sel;
-        float *k = make_keys(n, hkv, d, 13), *v = rand_rows(n, (size_t)hkv * d), *q;
-        pqc_matrix kk = pqc_matrix_f32(k, n, (size_t)hkv * d), vv = pqc_matrix_f32(v, n, (size_t)hkv * d);
-        pqc_layer_stats st;
-        synth s0;
-        int found = 0, h;
-        cd.pq.device = 1;
-        cd.pq.m = 2;
-        cd.pq.bits = 5;
-        cd.pq.iters = 3;
-        ASSERT_EQ(PQC_ERROR_NO_DEVICE, pqc_cache_create(rc, &cd, &c));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &c));
-        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &kk, &vv));
-        /* head 0's query and needles: the synth behind make_keys(., ., ., 13) */
-        ASSERT_EQ(0, synth_head(&s0, n, d, 13));
-        q = (float *)calloc((size_t)hq * d, sizeof(float));
-        for (h = 0; h < hq; h++) memcpy(q + (size_t)h * d, s0.queries, (size_t)d * sizeof(float));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
-        for (j = 0; j < 8; j++) found += pqc_recall(s0.needles + j, 1, sel.idx, sel.count[0]) > 0;
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
-        fprintf(stderr, "  cache with GPU-trained codebooks: %d of 8 needles selected\n", found);
-        ASSERT_EQ(1, (int)st.builds);
-        ASSERT(found >= 7);
-        synth_free(&s0);
-        pqc_selection_free(&sel);
-        pqc_cache_destroy(c);
-        free(k);
-        free(v);
-        free(q);
-    }
+    ASSERT_EQ(0, device_cache_finds_needles(rg, rc));
     pqc_runtime_destroy(rg);
     pqc_runtime_destroy(rc);
+    PASS();
+}
+
+/* the stand-in driver is also the stand-in cuBLASLt, whose GEMMs give the kernels' bits */
+static int on_emulator(void) { return open_driver() && dlsym(g_drv, "pqc_emu_fail_alloc_after") != NULL; }
+
+/* GPU k-means of 2 sub-spaces, 64 centroids each, 6 iterations (objectives after each) */
+typedef struct km_run { pqc_pq pq; double obj[2 * 7]; } km_run;
+static pqc_result km_train(pqc_runtime *rt, const pqc_matrix *km, km_run *r)
+{
+    pqc_pq_desc pd;
+    memset(&pd, 0, sizeof pd);
+    memset(r, 0, sizeof *r);
+    pd.m = 2;
+    pd.bits = 6;
+    pd.iters = 6;
+    pd.seed = 5;
+    pd.objective = r->obj;
+    pd.device = 1;
+    return pqc_pq_train(rt, &pd, km, &r->pq);
+}
+
+/* a and b trained from the same seeding: on the stand-in bit for bit; on a GPU the
+   GEMM adds in another order (and the sums are atomics), so the final objectives agree
+   within 1e-3 relative */
+static int km_same(const km_run *a, const km_run *b, int exact)
+{
+    int j;
+    size_t bytes = (size_t)a->pq.m * a->pq.ksub * a->pq.dsub * sizeof(float);
+    if (a->obj[0] != b->obj[0] || a->obj[7] != b->obj[7]) return 0; /* the same seeding */
+    if (exact) return memcmp(a->pq.centroids, b->pq.centroids, bytes) == 0 && memcmp(a->obj, b->obj, sizeof a->obj) == 0;
+    for (j = 0; j < 2; j++) {
+        double x = a->obj[j * 7 + 6], y = b->obj[j * 7 + 6];
+        if (fabs(x - y) > 1e-3 * fabs(x)) return 0;
+    }
+    return 1;
+}
+
+/* the assignment step as a cuBLASLt GEMM (forced by PQC_KMEANS_GEMM=1) trains the same
+   codebooks as the kernel, and a cache built with it finds its needles; unforced, the
+   runtime measures both once per shape class and remembers its choice */
+TEST kmeans_gemm_matches_kernel(void)
+{
+    const int d = 64;
+    const size_t n = 600;
+    pqc_runtime *rk = make_rt_env("PQC_KMEANS_GEMM", "0", 1), *rgm = make_rt_env("PQC_KMEANS_GEMM", "1", 1);
+    pqc_runtime *ra = make_rt_env("PQC_KMEANS_GEMM", NULL, 1);
+    float *x;
+    pqc_matrix km;
+    km_run a, b, c;
+    pqc__km_class cls;
+    int exact = on_emulator(), j;
+    ASSERT(rk && rgm && ra);
+    if (strstr(pqc_runtime_backend_note(rgm), "k-means GEMM forced") == NULL) {
+        pqc_runtime_destroy(rk);
+        pqc_runtime_destroy(rgm);
+        pqc_runtime_destroy(ra);
+        SKIPm("no cuBLASLt (set PQC_CUBLASLT_PATH)");
+    }
+    ASSERT(strstr(pqc_runtime_backend_note(rk), "k-means GEMM off") != NULL);
+    x = make_keys(n, 1, d, 55);
+    km = pqc_matrix_f32(x, n, (size_t)d);
+    ASSERT_EQ(PQC_SUCCESS, km_train(rk, &km, &a));
+    ASSERT_EQ(PQC_SUCCESS, km_train(rgm, &km, &b));
+    for (j = 0; j < 2; j++)
+        fprintf(stderr, "  sub-space %d: objective %.6f -> kernel %.6f, GEMM %.6f\n", j, a.obj[j * 7], a.obj[j * 7 + 6],
+                b.obj[j * 7 + 6]);
+    ASSERT(a.obj[6] < 0.9 * a.obj[0]);
+    ASSERT(km_same(&a, &b, exact));
+    /* forced runtimes measure nothing */
+    ASSERT_EQ(0, pqc__cuda_kmeans_choice(rgm, n, d / 2, 64, &cls));
+    ASSERT_EQ(0, pqc__cuda_kmeans_choice(ra, n, d / 2, 64, &cls));
+    ASSERT_EQ(PQC_SUCCESS, km_train(ra, &km, &c)); /* 7 assignment steps: measures on 4 */
+    ASSERT_EQ(1, pqc__cuda_kmeans_choice(ra, n, d / 2, 64, &cls));
+    ASSERT_EQ(1, pqc__cuda_kmeans_choice(ra, 1024, d / 2, 64, &cls)); /* the same class: n 513..1024 */
+    ASSERT_EQ(0, pqc__cuda_kmeans_choice(ra, 512, d / 2, 64, &cls));
+    ASSERT_EQ(0, pqc__cuda_kmeans_choice(ra, n, d / 2, 32, &cls));
+    fprintf(stderr, "  measured: kernel %.3f ms, GEMM %.3f ms per step: %s\n", cls.ms_kernel, cls.ms_gemm,
+            cls.gemm ? "GEMM" : "kernel");
+    ASSERT(cls.ms_kernel >= 0.0f && cls.ms_gemm >= 0.0f);
+    ASSERT_EQ(cls.gemm, cls.ms_gemm < cls.ms_kernel);
+    ASSERT(km_same(&a, &c, exact));
+    pqc_pq_free(&a.pq);
+    pqc_pq_free(&b.pq);
+    pqc_pq_free(&c.pq);
+    ASSERT_EQ(0, device_cache_finds_needles(rgm, NULL));
+    pqc_runtime_destroy(rk);
+    pqc_runtime_destroy(rgm);
+    pqc_runtime_destroy(ra);
+    free(x);
+    PASS();
+}
+
+/* several builds of one shape class on the pool at once, the runtime measuring (the
+   choice is shared under the runtime's lock): the class is measured once, and on the
+   stand-in the cache selects what a cache built by the kernel selects */
+TEST kmeans_gemm_concurrent_builds(void)
+{
+    const int d = 64, hkv = 4, hq = 4;
+    const size_t n = 700;
+    pqc_runtime *ra = make_rt_env("PQC_KMEANS_GEMM", NULL, 4), *rk = make_rt_env("PQC_KMEANS_GEMM", "0", 1);
+    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache *ca = NULL, *ck = NULL;
+    float *k = make_keys(n, hkv, d, 77), *v = rand_rows(n, (size_t)hkv * d);
+    pqc_matrix kk = pqc_matrix_f32(k, n, (size_t)hkv * d), vv = pqc_matrix_f32(v, n, (size_t)hkv * d);
+    pqc__km_class cls;
+    pqc_layer_stats sa, sk;
+    ASSERT(ra && rk);
+    cd.pq.device = 1;
+    cd.pq.m = 2;
+    cd.pq.bits = 5;
+    cd.pq.iters = 4;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(ra, &cd, &ca));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rk, &cd, &ck));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(ca, 0, &kk, &vv));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(ck, 0, &kk, &vv));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(ca));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(ck));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(ca, 0, &sa));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(ck, 0, &sk));
+    ASSERT_EQ(1, (int)sa.builds);
+    ASSERT_EQ(1, (int)sk.builds);
+    if (on_emulator()) { /* the same codebooks, so the same selections */
+        pqc_selection xa, xk;
+        float *q = rand_rows(1, (size_t)hq * d);
+        int h;
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ca, &xa));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ck, &xk));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(ca, 0, q, &xa));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(ck, 0, q, &xk));
+        for (h = 0; h < hkv; h++) {
+            ASSERT_EQ(xk.count[h], xa.count[h]);
+            ASSERT_MEM_EQ(xk.idx + (size_t)h * xk.capacity, xa.idx + (size_t)h * xa.capacity, xa.count[h] * sizeof(xa.idx[0]));
+        }
+        pqc_selection_free(&xa);
+        pqc_selection_free(&xk);
+        free(q);
+    }
+    if (strstr(pqc_runtime_backend_note(ra), "no cuBLASLt") == NULL)
+        ASSERT_EQ(1, pqc__cuda_kmeans_choice(ra, 256, d / 2, 32, &cls) + pqc__cuda_kmeans_choice(ra, 512, d / 2, 32, &cls) +
+                         pqc__cuda_kmeans_choice(ra, 1024, d / 2, 32, &cls));
+    pqc_cache_destroy(ca);
+    pqc_cache_destroy(ck);
+    pqc_runtime_destroy(ra);
+    pqc_runtime_destroy(rk);
+    free(k);
+    free(v);
+    PASS();
+}
+
+/* without cuBLASLt (PQC_CUBLASLT_PATH naming a missing file), or with every matmul
+   failing, the GEMM path falls back to the kernel: builds succeed with its results */
+typedef void (*lt_fail_fn)(long n);
+TEST kmeans_gemm_falls_back(void)
+{
+    const int d = 64;
+    const size_t n = 600;
+    pqc_runtime *rk = make_rt_env("PQC_KMEANS_GEMM", "0", 1), *rn;
+    char *old = getenv("PQC_CUBLASLT_PATH") ? strdup(getenv("PQC_CUBLASLT_PATH")) : NULL;
+    float *x = make_keys(n, 1, d, 55);
+    pqc_matrix km = pqc_matrix_f32(x, n, (size_t)d);
+    km_run a, b;
+    int exact = on_emulator();
+    long at;
+    void *sym;
+    ASSERT(rk);
+    ASSERT_EQ(PQC_SUCCESS, km_train(rk, &km, &a));
+    setenv("PQC_CUBLASLT_PATH", "build/no-such-dir/libcublasLt.so.13", 1);
+    rn = make_rt_env("PQC_KMEANS_GEMM", "1", 1);
+    if (old) setenv("PQC_CUBLASLT_PATH", old, 1);
+    else unsetenv("PQC_CUBLASLT_PATH");
+    ASSERT(rn != NULL);
+    ASSERT(strstr(pqc_runtime_backend_note(rn), "no cuBLASLt") != NULL);
+    ASSERT(strstr(pqc_runtime_backend_note(rn), "no-such-dir") != NULL);
+    ASSERT_EQ(PQC_SUCCESS, km_train(rn, &km, &b));
+    ASSERT(km_same(&a, &b, exact));
+    pqc_pq_free(&b.pq);
+    pqc_runtime_destroy(rn);
+    sym = open_driver() ? dlsym(g_drv, "pqc_emu_blaslt_fail_after") : NULL;
+    if (sym && old) { /* the stand-in's cuBLASLt: the first matmul, then one in the middle, fails */
+        lt_fail_fn fail;
+        memcpy(&fail, &sym, sizeof fail);
+        rn = make_rt_env("PQC_KMEANS_GEMM", "1", 1);
+        ASSERT(rn != NULL);
+        ASSERT(strstr(pqc_runtime_backend_note(rn), "k-means GEMM forced") != NULL);
+        for (at = 0; at < 20; at += 11) {
+            fail(at);
+            ASSERT_EQ(PQC_SUCCESS, km_train(rn, &km, &b));
+            fail(-1);
+            ASSERT(km_same(&a, &b, 1));
+            pqc_pq_free(&b.pq);
+        }
+        pqc_runtime_destroy(rn);
+    }
+    pqc_pq_free(&a.pq);
+    pqc_runtime_destroy(rk);
+    free(old);
+    free(x);
     PASS();
 }
 
@@ -1278,6 +1511,9 @@ SUITE(cuda_tier)
     RUN_TEST(device_steps_never_wait);
     RUN_TEST(device_allocation_failure);
     RUN_TEST(device_kmeans);
+    RUN_TEST(kmeans_gemm_matches_kernel);
+    RUN_TEST(kmeans_gemm_concurrent_builds);
+    RUN_TEST(kmeans_gemm_falls_back);
     RUN_TEST(batch_on_device_matches_cpu);
 }
 

@@ -16,6 +16,13 @@
  *   - kernels run through emu_device.h, their parameters captured at launch.
  * NVRTC stays the real one: the module image it produced is accepted and ignored.
  *
+ * It also stands in for cuBLASLt (libcublasLt.so; pqcache.h opens it through
+ * PQC_CUBLASLT_PATH): the cublasLt* calls the library makes, with fp32 matmuls
+ * D = alpha op(A) op(B) + beta C over column-major layouts (rows, cols, ld) that run on
+ * the emulated streams like kernels, their pointers checked the same way. Each dot
+ * product is a sequential fmaf over the inner dimension in ascending order from 0, the
+ * order of the kernels' own dot products, so a GEMM here gives the kernels' bits.
+ *
  * Build (see the Makefile): the kernel source is included with its one `extern
  * __shared__` declaration removed (the emulator provides that array).
  */
@@ -256,6 +263,7 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_assign_codes);
         K(pqc_kmeans_assign);
         K(pqc_kmeans_update);
+        K(pqc_kmeans_assign_dots);
 #undef K
         k["pqc_scan_stats"].static_smem = 2 * 256 * 4; /* red_m, red_s */
     }
@@ -630,6 +638,165 @@ CUresult cuGetErrorName(CUresult r, const char **s)
     *s = r == OK ? "CUDA_SUCCESS" : r == ERR_INVALID_VALUE ? "CUDA_ERROR_INVALID_VALUE" :
          r == ERR_OOM ? "CUDA_ERROR_OUT_OF_MEMORY" : "CUDA_ERROR_UNKNOWN";
     return OK;
+}
+
+} // extern "C"
+
+/* ----- cuBLASLt stand-in ----- */
+namespace {
+typedef int cublasStatus;
+enum { LT_OK = 0, LT_NOT_INITIALIZED = 1, LT_INVALID_VALUE = 7, LT_EXECUTION_FAILED = 13, LT_NOT_SUPPORTED = 15 };
+struct LtHandle { int tag; };
+struct LtDesc { int compute, scale, transa, transb; };
+struct LtLayout { int type; uint64_t rows, cols; int64_t ld; };
+struct LtPref { uint64_t max_ws; };
+struct LtAlgo { uint64_t data[8]; };
+struct LtHeur { LtAlgo algo; size_t ws; int state; float waves; int reserved[4]; };
+const uint64_t ALGO_TAG = 0x70716361636865ull; /* what the heuristic hands out */
+long g_lt_fail = -1; /* matmuls left before one fails; -1: never */
+
+bool lt_shape(const LtLayout *l) { return l && l->type == 0 && l->ld >= 1 && (uint64_t)l->ld >= l->rows; }
+size_t lt_bytes(const LtLayout *l) /* extent of a column-major matrix, in bytes */
+{
+    return l->cols == 0 ? 0 : (size_t)(((l->cols - 1) * (uint64_t)l->ld + l->rows) * 4);
+}
+} // namespace
+
+extern "C" {
+
+/* Test control (not part of cuBLASLt): the matmul after the next n succeeds fails with
+   CUBLAS_STATUS_EXECUTION_FAILED; n < 0 turns the failure off. */
+void pqc_emu_blaslt_fail_after(long n) { EMU_LOCK; g_lt_fail = n; }
+
+size_t cublasLtGetVersion(void) { return 130000; }
+cublasStatus cublasLtCreate(LtHandle **h)
+{
+    if (!h) return LT_INVALID_VALUE;
+    *h = new LtHandle();
+    return LT_OK;
+}
+cublasStatus cublasLtDestroy(LtHandle *h)
+{
+    if (!h) return LT_NOT_INITIALIZED;
+    delete h;
+    return LT_OK;
+}
+cublasStatus cublasLtMatmulDescCreate(LtDesc **d, int compute, int scale)
+{
+    if (!d) return LT_INVALID_VALUE;
+    if ((compute != 68 && compute != 69) || scale != 0) return LT_NOT_SUPPORTED; /* fp32 only */
+    *d = new LtDesc{ compute, scale, 0, 0 };
+    return LT_OK;
+}
+cublasStatus cublasLtMatmulDescDestroy(LtDesc *d) { delete d; return LT_OK; }
+cublasStatus cublasLtMatmulDescSetAttribute(LtDesc *d, int attr, const void *buf, size_t n)
+{
+    int v;
+    if (!d || !buf || n != sizeof(int)) return LT_INVALID_VALUE;
+    memcpy(&v, buf, sizeof v);
+    if (v != 0 && v != 1) return LT_INVALID_VALUE;
+    if (attr == 3) d->transa = v;
+    else if (attr == 4) d->transb = v;
+    else return LT_NOT_SUPPORTED;
+    return LT_OK;
+}
+cublasStatus cublasLtMatrixLayoutCreate(LtLayout **l, int type, uint64_t rows, uint64_t cols, int64_t ld)
+{
+    if (!l) return LT_INVALID_VALUE;
+    if (type != 0) return LT_NOT_SUPPORTED;
+    if (ld < 1 || (uint64_t)ld < rows) return LT_INVALID_VALUE;
+    *l = new LtLayout{ type, rows, cols, ld };
+    return LT_OK;
+}
+cublasStatus cublasLtMatrixLayoutDestroy(LtLayout *l) { delete l; return LT_OK; }
+cublasStatus cublasLtMatmulPreferenceCreate(LtPref **p)
+{
+    if (!p) return LT_INVALID_VALUE;
+    *p = new LtPref{ 0 };
+    return LT_OK;
+}
+cublasStatus cublasLtMatmulPreferenceDestroy(LtPref *p) { delete p; return LT_OK; }
+cublasStatus cublasLtMatmulPreferenceSetAttribute(LtPref *p, int attr, const void *buf, size_t n)
+{
+    if (!p || !buf) return LT_INVALID_VALUE;
+    if (attr != 1 || n != sizeof(uint64_t)) return LT_NOT_SUPPORTED;
+    memcpy(&p->max_ws, buf, sizeof p->max_ws);
+    return LT_OK;
+}
+
+/* op(A) is m x k, op(B) k x n, C and D m x n */
+static bool lt_dims(const LtDesc *d, const LtLayout *a, const LtLayout *b, const LtLayout *c,
+                    const LtLayout *dd, uint64_t *m, uint64_t *n, uint64_t *k)
+{
+    uint64_t am, ak, bk, bn;
+    if (!d || !lt_shape(a) || !lt_shape(b) || !lt_shape(c) || !lt_shape(dd)) return false;
+    am = d->transa ? a->cols : a->rows;
+    ak = d->transa ? a->rows : a->cols;
+    bk = d->transb ? b->cols : b->rows;
+    bn = d->transb ? b->rows : b->cols;
+    if (ak != bk || c->rows != am || c->cols != bn || dd->rows != am || dd->cols != bn) return false;
+    *m = am;
+    *n = bn;
+    *k = ak;
+    return true;
+}
+
+cublasStatus cublasLtMatmulAlgoGetHeuristic(LtHandle *h, LtDesc *d, LtLayout *a, LtLayout *b, LtLayout *c,
+                                            LtLayout *dd, LtPref *p, int requested, LtHeur *res, int *returned)
+{
+    uint64_t m, n, k;
+    if (!h || !p || !res || !returned || requested < 1) return LT_INVALID_VALUE;
+    if (!lt_dims(d, a, b, c, dd, &m, &n, &k)) return LT_INVALID_VALUE;
+    memset(res, 0, sizeof *res);
+    res->algo.data[0] = ALGO_TAG;
+    res->waves = 1.0f;
+    *returned = 1;
+    return LT_OK;
+}
+
+cublasStatus cublasLtMatmul(LtHandle *h, LtDesc *d, const void *alpha, const void *A, LtLayout *la,
+                            const void *B, LtLayout *lb, const void *beta, const void *C, LtLayout *lc, void *D,
+                            LtLayout *ld, const LtAlgo *algo, void *ws, size_t ws_bytes, void *stream)
+{
+    EMU_LOCK;
+    uint64_t m, n, k;
+    float al, be;
+    if (!t_ctx) {
+        fprintf(stderr, "cuda-emu: cublasLtMatmul without a current context\n");
+        return LT_EXECUTION_FAILED;
+    }
+    if (!h) return LT_NOT_INITIALIZED;
+    if (!alpha || !beta || !A || !B || !D || !algo || algo->data[0] != ALGO_TAG) return LT_INVALID_VALUE;
+    if (!lt_dims(d, la, lb, lc, ld, &m, &n, &k)) return LT_INVALID_VALUE;
+    if (ws_bytes && !is_device((uintptr_t)ws, ws_bytes)) { complain("cublasLtMatmul workspace", (uintptr_t)ws, ws_bytes); return LT_INVALID_VALUE; }
+    memcpy(&al, alpha, 4); /* host pointer mode, the default */
+    memcpy(&be, beta, 4);
+    if (!is_device((uintptr_t)A, lt_bytes(la))) { complain("cublasLtMatmul A", (uintptr_t)A, lt_bytes(la)); return LT_INVALID_VALUE; }
+    if (!is_device((uintptr_t)B, lt_bytes(lb))) { complain("cublasLtMatmul B", (uintptr_t)B, lt_bytes(lb)); return LT_INVALID_VALUE; }
+    if (!is_device((uintptr_t)D, lt_bytes(ld))) { complain("cublasLtMatmul D", (uintptr_t)D, lt_bytes(ld)); return LT_INVALID_VALUE; }
+    if (be != 0.0f && (!C || !is_device((uintptr_t)C, lt_bytes(lc)))) { complain("cublasLtMatmul C", (uintptr_t)C, lt_bytes(lc)); return LT_INVALID_VALUE; }
+    if (g_lt_fail >= 0 && g_lt_fail-- == 0) return LT_EXECUTION_FAILED;
+    LtDesc dc = *d;
+    LtLayout a = *la, b = *lb, c = *lc, o = *ld;
+    const float *pa = (const float *)A, *pb = (const float *)B, *pc = (const float *)C;
+    float *pd = (float *)D;
+    if (verbose()) fprintf(stderr, "cuda-emu: cublasLtMatmul %llu x %llu x %llu\n", (unsigned long long)m,
+                           (unsigned long long)n, (unsigned long long)k);
+    enqueue(S(stream), [=]() {
+        for (uint64_t j = 0; j < n; j++)
+            for (uint64_t i = 0; i < m; i++) {
+                float acc = 0.0f;
+                for (uint64_t e = 0; e < k; e++) {
+                    float x = dc.transa ? pa[e + i * (uint64_t)a.ld] : pa[i + e * (uint64_t)a.ld];
+                    float y = dc.transb ? pb[j + e * (uint64_t)b.ld] : pb[e + j * (uint64_t)b.ld];
+                    acc = fmaf(x, y, acc);
+                }
+                float v = al == 1.0f ? acc : al * acc;
+                if (be != 0.0f) v = v + be * pc[i + j * (uint64_t)c.ld];
+                pd[i + j * (uint64_t)o.ld] = v;
+            }
+    });
+    return LT_OK;
 }
 
 } // extern "C"

@@ -1,18 +1,20 @@
 #!/bin/sh
 # run.sh - the CUDA checks that need no GPU: every kernel (gpu_check --quick), the
 # device-tier tests (plain and under ASan+UBSan) and a whole tiny_llama decode on the
-# device tier, all on the CPU stand-in driver.
+# device tier, all on the CPU stand-in driver (which also stands in for cuBLASLt).
 # usage: tests/cuda_emu/run.sh BUILD_DIR   (make test-cuda-emu builds everything first)
 # Without NVRTC the kernels cannot be built and the checks are reported as skipped.
 set -u
 B=${1:-build}
 EMU=$(cd "$B" && pwd)/libcuda-emu.so
 export PQC_CUDA_DRIVER_PATH="$EMU"
+PQC_CUBLASLT_PATH="$EMU"  # the stand-in is cuBLASLt too
+export PQC_CUBLASLT_PATH
 XDG_CACHE_HOME=$(cd "$B" && pwd)/xdg-cache  # the kernel cache of runtimes that use the default
 export XDG_CACHE_HOME
 st=0
 echo "== kernels on the stand-in driver (gpu_check --quick)"
-"$B/gpu_check" --quick --no-bench --no-blaslt --cache -
+"$B/gpu_check" --quick --no-bench --cache -
 rc=$?
 if [ $rc = 2 ]; then
     echo "SKIP kernels on the stand-in driver: no NVRTC"

@@ -5,7 +5,9 @@
 #   1. gpu_check: every kernel against CPU reference implementations, then the per-layer
 #      selection (tables + scan + top-k, 8 KV heads, d_h 128, 32K and 128K tokens) and
 #      the K/V gather (misses from pinned host memory against the measured pinned
-#      host-to-device copy bandwidth, hits from the device block cache);
+#      host-to-device copy bandwidth, hits from the device block cache), and the k-means
+#      assignment step (n 32K and 128K, d 64 and 128, k 256): its kernel against the
+#      cuBLASLt GEMM path, as the library times them, and which one it picks;
 #   2. test_cuda_tier: sequence caches on the GPU against the same caches on the CPU
 #      (selections, gathered rows, statistics, growth, rebuilds, the engine's stream);
 #   3. test_pqcache_mode --cuda: a whole tiny_llama decode with the CUDA device tier
@@ -18,7 +20,8 @@
 #   --quick        smaller sizes, a smoke run
 #   --driver PATH  a libcuda to open instead of the system's (e.g. build/libcuda-emu.so,
 #                  the CPU stand-in of `make test-cuda-emu`, to rehearse this script
-#                  where there is no GPU; its timings mean nothing)
+#                  where there is no GPU; its timings mean nothing). A stand-in that
+#                  also provides cuBLASLt is used as cuBLASLt too (PQC_CUBLASLT_PATH)
 # exit status: 0 all checks passed, 1 a check failed, 2 no usable GPU.
 set -u
 cd "$(dirname "$0")/../.." || exit 1
@@ -31,7 +34,7 @@ EXTRA=""
 while [ $# -gt 0 ]; do
     case $1 in
         --quick) QUICK=--quick; SIZES=4096,8192 ;;
-        --driver) DRIVER=$2; EXTRA=--no-blaslt; shift ;;  # cuBLASLt needs the real driver
+        --driver) DRIVER=$2; shift ;;
         *) echo "usage: $0 [--quick] [--driver PATH]" >&2; exit 1 ;;
     esac
     shift
@@ -73,6 +76,15 @@ if [ -n "$DRIVER" ]; then
     PQC_CUDA_DRIVER_PATH=$(cd "$(dirname "$DRIVER")" && pwd)/$(basename "$DRIVER")
     export PQC_CUDA_DRIVER_PATH
     echo "== driver: $PQC_CUDA_DRIVER_PATH"
+    if [ -z "${PQC_CUBLASLT_PATH:-}" ]; then
+        if grep -q cublasLtMatmulAlgoGetHeuristic "$PQC_CUDA_DRIVER_PATH" 2>/dev/null; then
+            PQC_CUBLASLT_PATH=$PQC_CUDA_DRIVER_PATH  # the stand-in's cuBLASLt
+            export PQC_CUBLASLT_PATH
+            echo "== cuBLASLt: $PQC_CUBLASLT_PATH"
+        else
+            EXTRA=--no-blaslt  # cuBLASLt needs the real driver
+        fi
+    fi
 else
     unset PQC_CUDA_DRIVER_PATH  # the system's driver
 fi

@@ -1,7 +1,8 @@
 /* gpu_check.c - runs every kernel of pqcache_kernels.cu on an NVIDIA GPU against plain
  * CPU reference implementations, then times the decode-step selection (LUT + scan +
- * top-k) and the K/V gather. Needs an NVIDIA GPU and driver; everything else (NVRTC,
- * cuBLASLt) is dlopen'ed through pqcache.h.
+ * top-k), the K/V gather, and the k-means assignment step (its kernel against the
+ * cuBLASLt GEMM path, as the library measures them). Needs an NVIDIA GPU and driver;
+ * everything else (NVRTC, cuBLASLt) is dlopen'ed through pqcache.h.
  *
  * Build:  cc -std=c99 -O2 -o build/gpu_check tests/gpu/gpu_check.c -lm -ldl
  * Run:    tests/gpu/check.sh   (builds, runs, prints the summary table)
@@ -49,13 +50,13 @@ static int g_passed, g_failed;
 
 enum {
     K_LUT, K_STATS, K_FINAL, K_SCAN, K_PASS, K_COUNT, K_COMPACT, K_GATHER, K_FILL,
-    K_NORMS, K_ASSIGN, K_KM_ASSIGN, K_KM_UPDATE, K_N
+    K_NORMS, K_ASSIGN, K_KM_ASSIGN, K_KM_UPDATE, K_KM_DOTS, K_N
 };
 static const char *const knames[K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan",
     "pqc_topk_pass", "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv",
     "pqc_cache_fill", "pqc_centroid_norms", "pqc_assign_codes", "pqc_kmeans_assign",
-    "pqc_kmeans_update"
+    "pqc_kmeans_update", "pqc_kmeans_assign_dots"
 };
 static pqc__cuFunction F[K_N];
 
@@ -330,6 +331,13 @@ static void k_km_assign(int n_sub, dptr x, long long ld, int n, int d, dptr cent
 {
     void *p[] = { &x, &ld, &n, &d, &cent, &cnorm, &K, &assign, &sums, &counts, &min_dist };
     launch(K_KM_ASSIGN, cdiv(n, 8), (unsigned)n_sub, 0, p);
+}
+
+static void k_km_dots(dptr dots, dptr x, long long ld, int n, int d, dptr cnorm, int K, dptr assign,
+                      dptr sums, dptr counts, dptr min_dist)
+{
+    void *p[] = { &dots, &x, &ld, &n, &d, &cnorm, &K, &assign, &sums, &counts, &min_dist };
+    launch(K_KM_DOTS, cdiv(n, 8), 1, 0, p);
 }
 
 static void k_km_update(dptr cent, dptr sums, dptr counts, int rows, int d)
@@ -1234,6 +1242,44 @@ static void check_kmeans(void)
         }
         report(ok, "kmeans_update", ok ? "exact" : msg);
     }
+    if (ok) {
+        /* the GEMM path's argmin from dot products (sub-space 0, dots by sequential fmaf
+           like the kernels'): the same assignments and distances as kmeans_assign */
+        float *dots = (float *)xmalloc(sizeof(float) * (size_t)n * K);
+        int *assign2 = (int *)xmalloc(sizeof(int) * (size_t)n);
+        float *mind2 = (float *)xmalloc(sizeof(float) * (size_t)n);
+        unsigned *counts2 = (unsigned *)xmalloc(sizeof(unsigned) * (size_t)K);
+        dptr d_dots;
+        for (i = 0; i < n; ++i)
+            for (c = 0; c < K; ++c) {
+                float acc = 0.0f;
+                for (e = 0; e < d; ++e) acc = fmaf(x[(long long)i * ld + e], cent[(long long)c * d + e], acc);
+                dots[(long long)i * K + c] = acc;
+            }
+        d_dots = dupload(dots, sizeof(float) * (size_t)n * K);
+        up(d_c, cent, sizeof(float) * (size_t)n_sub * K * d);
+        k_norms(d_c, K, d, d_n);
+        dzero(d_s, sizeof(float) * (size_t)K * d);
+        dzero(d_cnt, sizeof(unsigned) * (size_t)K);
+        k_km_dots(d_dots, d_x, ld, n, d, d_n, K, d_a, d_s, d_cnt, d_md);
+        down(assign2, d_a, sizeof(int) * (size_t)n);
+        down(counts2, d_cnt, sizeof(unsigned) * (size_t)K);
+        down(mind2, d_md, sizeof(float) * (size_t)n);
+        for (i = 0; i < n && ok; ++i)
+            if (assign2[i] != assign[i] || fbits(mind2[i]) != fbits(mind[i])) {
+                ok = 0;
+                snprintf(msg, sizeof(msg), "point %d: assign %d, min_dist %.9g; kmeans_assign %d, %.9g", i,
+                         assign2[i], mind2[i], assign[i], mind[i]);
+            }
+        for (i = 0; i < K && ok; ++i)
+            if (counts2[i] != counts_ref[i]) {
+                ok = 0;
+                snprintf(msg, sizeof(msg), "count %d = %u, expected %u", i, counts2[i], counts_ref[i]);
+            }
+        report(ok, "kmeans_assign_dots", ok ? "assignments, distances, counts as kmeans_assign" : msg);
+        dfree(d_dots);
+        free(dots); free(assign2); free(mind2); free(counts2);
+    }
     dfree(d_x); dfree(d_c); dfree(d_n); dfree(d_a); dfree(d_s); dfree(d_cnt); dfree(d_md);
     free(x); free(cent); free(cent2); free(sums); free(sums_ref); free(counts);
     free(counts_ref); free(assign); free(mind);
@@ -1488,6 +1534,41 @@ static void bench_gather(gather_row *row)
     free(idx); free(slots); free(blocks);
 }
 
+/* k-means assignment through the library: a CUDA runtime times its kernel and its
+   cuBLASLt GEMM path the first time it meets a shape class (4 Lloyd steps, the faster
+   of two runs each) and keeps the faster; this reports those figures */
+typedef struct { int n, d, k, measured, gemm; float ms_kernel, ms_gemm; char note[120]; } km_row;
+
+static void bench_kmeans(pqc_runtime *rt, int n, int d, int k, km_row *row)
+{
+    uint64_t rs = g_seed ^ 4242u;
+    float *x = (float *)xmalloc(sizeof(float) * (size_t)n * d);
+    float *c = (float *)xmalloc(sizeof(float) * (size_t)k * d);
+    pqc__km_class cls;
+    char err[256];
+    pqc_result r;
+    int i;
+    memset(row, 0, sizeof *row);
+    row->n = n;
+    row->d = d;
+    row->k = k;
+    for (i = 0; i < n * d; ++i) x[i] = rng_gauss(&rs) + (float)((i / d) % 7);
+    for (i = 0; i < k; ++i) memcpy(c + (size_t)i * d, x + (size_t)((i * 131) % n) * d, sizeof(float) * (size_t)d);
+    r = pqc__cuda_lloyd(rt, x, (size_t)n, d, k, 4, c, NULL, err, sizeof err);
+    if (r != PQC_SUCCESS) {
+        report(0, "kmeans bench", err);
+    } else if (pqc__cuda_kmeans_choice(rt, (size_t)n, d, k, &cls)) {
+        row->measured = 1;
+        row->gemm = cls.gemm;
+        row->ms_kernel = cls.ms_kernel;
+        row->ms_gemm = cls.ms_gemm;
+    } else {
+        snprintf(row->note, sizeof row->note, "not measured (PQC_KMEANS_GEMM set, or no cuBLASLt)");
+    }
+    free(x);
+    free(c);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Main                                                                                 */
 /* ------------------------------------------------------------------------------------ */
@@ -1510,6 +1591,9 @@ int main(int argc, char **argv)
     sel_row rows[8];
     int n_rows = 0;
     gather_row grow;
+    km_row krows[4];
+    int n_krows = 0;
+    char km_note[700] = "";
 
     for (i = 1; i < argc; ++i) {
         if (!strcmp(argv[i], "-v")) g_verbose = 1;
@@ -1651,6 +1735,26 @@ int main(int argc, char **argv)
                     bench_select(mode, mi == 0 ? 2 : 4, 8, g_quick ? sizes[si] / 8 : sizes[si],
                                  &rows[n_rows++]);
         bench_gather(&grow);
+        {
+            pqc_runtime_desc rd;
+            pqc_runtime *rt = NULL;
+            int ni, di;
+            memset(&rd, 0, sizeof rd);
+            rd.n_threads = 1;
+            rd.backend = PQC_BACKEND_CUDA;
+            rd.cuda_kernel_cache = strcmp(g_cache, "-") ? g_cache : NULL;
+            if (pqc_runtime_create(&rd, &rt) != PQC_SUCCESS) {
+                report(0, "kmeans bench runtime", pqc_last_error());
+            } else {
+                snprintf(km_note, sizeof km_note, "%s", pqc_runtime_backend_note(rt));
+                for (ni = 0; ni < 2; ++ni)
+                    for (di = 0; di < 2; ++di)
+                        bench_kmeans(rt, g_quick ? (ni ? 1024 : 512) : (ni ? 131072 : 32768), di ? 128 : 64, 256,
+                                     &krows[n_krows++]);
+                pqc_runtime_destroy(rt);
+                CU(A.cuCtxSetCurrent(D.ctx)); /* the runtime leaves no context current */
+            }
+        }
 
         printf("\n== decode-step selection per layer: 8 KV heads x 4 query heads, d_h 128, "
                "k = s/10, median of %d ==\n", BENCH_REPS);
@@ -1669,6 +1773,18 @@ int main(int argc, char **argv)
         printf("cuMemcpyHtoD from pinned memory:                  %7.2f GB/s\n", grow.memcpy_gbs);
         printf("gather misses / pinned memcpy bandwidth:          %7.2f\n",
                grow.miss_gbs / grow.memcpy_gbs);
+        printf("\n== k-means assignment step (one Lloyd step, as the library measures it: faster of 2) ==\n");
+        if (km_note[0]) printf("runtime: %s\n", km_note);
+        printf("%8s %4s %4s %12s %12s %8s  %s\n", "n", "d", "k", "kernel_ms", "gemm_ms", "speedup", "library uses");
+        for (i = 0; i < n_krows; ++i) {
+            if (!krows[i].measured) {
+                printf("%8d %4d %4d  %s\n", krows[i].n, krows[i].d, krows[i].k, krows[i].note);
+                continue;
+            }
+            printf("%8d %4d %4d %12.3f %12.3f %8.2f  %s\n", krows[i].n, krows[i].d, krows[i].k, krows[i].ms_kernel,
+                   krows[i].ms_gemm, krows[i].ms_gemm > 0.0f ? krows[i].ms_kernel / krows[i].ms_gemm : 0.0,
+                   krows[i].gemm ? "cuBLASLt GEMM + argmin" : "kernel");
+        }
         printf("\n== targets ==\n");
         for (i = 0; i < n_rows; ++i)
             if (rows[i].s == 131072)
