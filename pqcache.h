@@ -633,6 +633,10 @@ typedef struct pqc_layer_stats {
     double select_s, fetch_s;  /* time in select and fetch                                */
     double build_s;            /* k-means + encoding time of the builds (worker time)     */
     double wait_s;             /* time the first select waited for a build               */
+    uint64_t device_waits;     /* CUDA tier: times select, fetch and the device step made
+                                  the host wait for the device (a decode step: 0 with
+                                  device rows, 1 per layer with host rows; growing a
+                                  buffer or moving the block-cache bookkeeping adds one) */
 } pqc_layer_stats;
 
 /* Indices to attend, per KV head, ascending. Made by pqc_selection_init, which sizes it
@@ -9424,6 +9428,7 @@ struct pqc__cut {
     pqc__cuEvent *ev_stage;   /* [2L] their copies done */
     size_t stage_bytes, pos_cap;
     uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
+    uint64_t waits, waits_seen; /* host waits for the device; those already counted by a layer */
 };
 static void *pqc__cut_codes_alloc_fn(size_t n, void *user);
 static void pqc__cut_codes_free_fn(void *p, void *user);
@@ -9432,6 +9437,13 @@ static void pqc__cut_codes_free_fn(void *p, void *user);
     do {                                                                    \
         pqc__cuResult r_ = (call);                                          \
         if (r_ != 0) return pqc__cut_err((c), r_, (what));                  \
+    } while (0)
+
+/* a call that makes the host wait for the device, counted (pqc_layer_stats.device_waits) */
+#define PQC__CUT_WAIT(c, call, what)                                        \
+    do {                                                                    \
+        (c)->cu->waits++;                                                   \
+        PQC__CUT_CALL(c, call, what);                                       \
     } while (0)
 
 static pqc_result pqc__cut_err(const pqc_cache *c, pqc__cuResult r, const char *what)
@@ -9920,7 +9932,7 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     /* score, top-k and read-back buffers */
     if (s > u->s_cap) {
         size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         u->s_cap = 0;
         if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
             (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
@@ -10068,7 +10080,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     if (want_scores)
         PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
                       "cuMemcpyDtoHAsync");
-    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     *idx_out = u->h_topk;
     *sc_out = want_scores ? u->h_topk_sc : NULL;
     return PQC_SUCCESS;
@@ -10096,7 +10108,7 @@ static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
     struct pqc__cut *u = c->cu;
     pqc__cut_enter(c);
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
-    PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
+    PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
     memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
     return PQC_SUCCESS;
 }
@@ -10112,7 +10124,7 @@ static pqc_result pqc__cut_rows_room(pqc_cache *c, size_t rows)
     if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
     if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
         size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         words = nkv * (u->nblk_cap + want_rows + 2 * cb);
         u->rows_cap = u->arena_cap = 0;
         if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
@@ -10202,7 +10214,7 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
         PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * (size_t)u->d, u->out_v + off, bytes, u->st),
                       "cuMemcpyDtoHAsync");
     }
-    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     return PQC_SUCCESS;
 }
 
@@ -10291,6 +10303,7 @@ static pqc_result pqc__cut_adm_move(pqc_cache *c, int l, int to_dev)
     fl = (uint32_t *)(bo + nkv * ns);
     tc = fl + nkv * ns;
     if (!to_dev) {
+        u->waits++;
         cr = u->api->cuStreamSynchronize(u->st);
         if (cr == 0) cr = u->api->cuMemcpyDtoH_v2(m, u->adm[l], bytes);
         if (cr != 0) {
@@ -10413,7 +10426,7 @@ static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_
     for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
     if ((r = pqc__cut_step_init(c)) != PQC_SUCCESS || (r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
     if (out && u->pos_cap < u->rows_cap) {
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         u->pos_cap = 0;
         if ((r = pqc__cut_halloc(c, (void **)&u->h_pos, nkv * u->rows_cap * 4)) != PQC_SUCCESS) return r;
         u->pos_cap = u->rows_cap;
@@ -10428,7 +10441,7 @@ static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_
     /* the staging slot of this layer two steps ago is free (it always is, unless the
        device runs two whole steps behind) */
     cr = u->api->cuEventQuery(u->ev_stage[slot]);
-    if (cr != 0) PQC__CUT_CALL(c, u->api->cuEventSynchronize(u->ev_stage[slot]), "cuEventSynchronize");
+    if (cr != 0) PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_stage[slot]), "cuEventSynchronize");
     stage = u->h_stage + slot * u->stage_bytes;
     memcpy(stage, q, qb);
     tk = (int32_t *)(stage + qb);
@@ -10482,7 +10495,7 @@ static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_
                           "cuMemcpyDtoHAsync");
         }
         PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_pos, idx, nkv * u->rows_cap * 4, u->st), "cuMemcpyDtoHAsync");
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         for (h = 0; h < nkv; h++) memcpy(pos + h * pos_stride, u->h_pos + h * u->rows_cap, count[h] * sizeof(uint32_t));
     }
     return PQC_SUCCESS;
@@ -10494,13 +10507,49 @@ static int pqc__cut_zero_copy(const pqc_cache *c)
     return 0;
 }
 
+/* The waits of a layer's select, fetch or step (and of the fetch's preparation before
+   it) go to its statistics. */
+static void pqc__cut_note_waits(pqc_cache *c, int l)
+{
+    struct pqc__cut *u = c->cu;
+    c->layers[l].st.device_waits += u->waits - u->waits_seen;
+    u->waits_seen = u->waits;
+}
+static pqc_result pqc__cut_select_w(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
+                                    const float **sc)
+{
+    pqc_result r = pqc__cut_select(c, l, q, take, scores, idx, sc);
+    pqc__cut_note_waits(c, l);
+    return r;
+}
+static pqc_result pqc__cut_fetch_tier_w(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+{
+    pqc_result r = pqc__cut_fetch_tier(c, j, dout, parallel);
+    pqc__cut_note_waits(c, j->layer);
+    return r;
+}
+static pqc_result pqc__cut_step_w(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+                                  const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
+                                  size_t pos_stride)
+{
+    pqc_result r = pqc__cut_step(c, l, q, takes, search, ctake, count, out, dout, pos, pos_stride);
+    pqc__cut_note_waits(c, l);
+    return r;
+}
+static pqc_result pqc__cut_adm_pull_w(pqc_cache *c, int l)
+{
+    pqc_result r = pqc__cut_adm_pull(c, l);
+    if (c->cu) pqc__cut_note_waits(c, l);
+    return r;
+}
+
 static const pqc__tier_i *pqc__cuda_tier(void)
 {
     static const pqc__tier_i t = { "CUDA", 1, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
                                    pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
-                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select,
-                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier, pqc__cut_device_bytes,
-                                   pqc__cut_zero_copy, pqc__cut_step, pqc__cut_adm_pull, pqc__cut_stats };
+                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select_w,
+                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier_w, pqc__cut_device_bytes,
+                                   pqc__cut_zero_copy, pqc__cut_step_w, pqc__cut_adm_pull_w, pqc__cut_stats };
     return &t;
 }
 

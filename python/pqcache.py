@@ -164,7 +164,7 @@ class pqc_layer_stats(Structure):
                 ("bytes_h2d", c_uint64), ("bytes_codes", c_uint64), ("bytes_d2h", c_uint64),
                 ("tokens_selected", c_uint64), ("builds", c_uint64), ("rebuilds", c_uint64),
                 ("last_iters", c_int), ("select_s", c_double), ("fetch_s", c_double), ("build_s", c_double),
-                ("wait_s", c_double)]
+                ("wait_s", c_double), ("device_waits", c_uint64)]
 
 
 class pqc_selection(Structure):

@@ -876,7 +876,7 @@ TEST device_steps_never_wait(void)
     unsigned long long n[4];
     const unsigned long long steps = 6, L = 2, up = (4 * 32 * 4 + 2 * 4) * L; /* per step */
     size_t pos = 700, i;
-    pqc_layer_stats st;
+    pqc_layer_stats st, st0, st1;
     void *sym;
     ASSERT(rg && open_driver());
     sym = dlsym(g_drv, "pqc_emu_counters");
@@ -898,6 +898,8 @@ TEST device_steps_never_wait(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, pos));
     for (i = 0; i < 2; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++)); /* first steps set up */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st0));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 1, &st1));
     counters(n, 1);
     for (i = 0; i < steps; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++));
     counters(n, 1);
@@ -910,9 +912,13 @@ TEST device_steps_never_wait(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 1, &st)); /* counted on the device */
     ASSERT(st.hits + st.misses > 0);
     ASSERT_EQ(st.selects, st.fetches);
+    ASSERT_EQ(st1.device_waits, st.device_waits); /* the library's own count agrees: none */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ(st0.device_waits, st.device_waits);
     /* host rows */
     e.accepts_device_kv = 0;
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st0));
     counters(n, 1);
     for (i = 0; i < steps; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++));
     counters(n, 1);
@@ -921,6 +927,8 @@ TEST device_steps_never_wait(void)
     ASSERT_EQ(steps * L, n[0]);
     ASSERT_EQ(steps * up, n[1]);
     ASSERT(n[2] > 0);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+    ASSERT_EQ(steps, st.device_waits - st0.device_waits); /* one per step at this layer */
     pqc_cache_destroy(c);
     pqc_runtime_destroy(rg);
     PASS();
