@@ -223,6 +223,21 @@ __device__ __forceinline__ void pqc_block_online_reduce(float mx, float sm, floa
    dist(c) = ||c||^2 - 2 x.c with x.c and ||c||^2 accumulated by sequential fmaf from 0;
    ties go to the lower index. Every lane returns the same index; *best_out gets its
    dist. All 32 lanes of the warp must call it. */
+/* The warp's smallest (best, besti) over its lanes, ties to the lower index; besti
+   0x7fffffff stands for none. Every lane ends with the result. */
+__device__ __forceinline__ void pqc_warp_argmin(float &best, int &besti)
+{
+    for (int o = 16; o > 0; o >>= 1) {
+        float ob = __shfl_xor_sync(PQC_FULL, best, o);
+        int oi = __shfl_xor_sync(PQC_FULL, besti, o);
+        if (oi != 0x7fffffff &&
+            (besti == 0x7fffffff || ob < best || (ob == best && oi < besti))) {
+            best = ob;
+            besti = oi;
+        }
+    }
+}
+
 __device__ __forceinline__ int pqc_warp_nearest(const float *xs, int d,
                                                 const float *__restrict__ cen,
                                                 const float *__restrict__ cn, int K,
@@ -247,15 +262,7 @@ __device__ __forceinline__ int pqc_warp_nearest(const float *xs, int d,
         float dist = nrm - 2.0f * dot;
         if (besti == 0x7fffffff || dist < best) { best = dist; besti = c; }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ob = __shfl_xor_sync(PQC_FULL, best, o);
-        int oi = __shfl_xor_sync(PQC_FULL, besti, o);
-        if (oi != 0x7fffffff &&
-            (besti == 0x7fffffff || ob < best || (ob == best && oi < besti))) {
-            best = ob;
-            besti = oi;
-        }
-    }
+    pqc_warp_argmin(best, besti);
     *best_out = best;
     return besti == 0x7fffffff ? 0 : besti;
 }
@@ -1186,15 +1193,7 @@ pqc_kmeans_assign_dots(const float *__restrict__ dots, const float *__restrict__
         float dist = cnorm[c] - 2.0f * dr[c];
         if (besti == 0x7fffffff || dist < best) { best = dist; besti = c; }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        float ob = __shfl_xor_sync(PQC_FULL, best, o);
-        int oi = __shfl_xor_sync(PQC_FULL, besti, o);
-        if (oi != 0x7fffffff &&
-            (besti == 0x7fffffff || ob < best || (ob == best && oi < besti))) {
-            best = ob;
-            besti = oi;
-        }
-    }
+    pqc_warp_argmin(best, besti);
     int c = besti == 0x7fffffff ? 0 : besti;
     if (sums) {
         float *sr = sums + (pqc_i64)c * d;

@@ -184,28 +184,11 @@ typedef struct cmp_stats {
     size_t selected, differ, rows_compared, rows_differ;
 } cmp_stats;
 
-/* one select + fetch on both caches; selections compared, and every row selected by both
-   compared bit for bit */
-static int step_compare(pair *p, int layer, const float *q, int d, cmp_stats *st)
+/* the selections of both caches (sc, sg) compared, and every row selected by both
+   (kc/vc, kg/vg) compared bit for bit; 0 when a head's counts differ */
+static int selections_compare(pair *p, int d, cmp_stats *st)
 {
-    pqc_kv_out oc, og;
     int h, nkv = p->sc.n_kv_heads;
-    if (pqc_cache_select(p->cc, layer, q, &p->sc) != PQC_SUCCESS) return 0;
-    if (pqc_cache_select(p->cg, layer, q, &p->sg) != PQC_SUCCESS) {
-        fprintf(stderr, "GPU select: %s\n", pqc_last_error());
-        return 0;
-    }
-    oc.k = p->kc;
-    oc.v = p->vc;
-    oc.head_stride = p->cap;
-    og.k = p->kg;
-    og.v = p->vg;
-    og.head_stride = p->cap;
-    if (pqc_cache_fetch(p->cc, layer, &p->sc, &oc) != PQC_SUCCESS) return 0;
-    if (pqc_cache_fetch(p->cg, layer, &p->sg, &og) != PQC_SUCCESS) {
-        fprintf(stderr, "GPU fetch: %s\n", pqc_last_error());
-        return 0;
-    }
     for (h = 0; h < nkv; h++) {
         const uint32_t *a = p->sc.idx + (size_t)h * p->sc.capacity, *b = p->sg.idx + (size_t)h * p->sg.capacity;
         size_t na = p->sc.count[h], nb = p->sg.count[h], i = 0, j = 0;
@@ -230,6 +213,30 @@ static int step_compare(pair *p, int layer, const float *q, int d, cmp_stats *st
         st->differ += na - i;
     }
     return 1;
+}
+
+/* one select + fetch on both caches; selections compared, and every row selected by both
+   compared bit for bit */
+static int step_compare(pair *p, int layer, const float *q, int d, cmp_stats *st)
+{
+    pqc_kv_out oc, og;
+    if (pqc_cache_select(p->cc, layer, q, &p->sc) != PQC_SUCCESS) return 0;
+    if (pqc_cache_select(p->cg, layer, q, &p->sg) != PQC_SUCCESS) {
+        fprintf(stderr, "GPU select: %s\n", pqc_last_error());
+        return 0;
+    }
+    oc.k = p->kc;
+    oc.v = p->vc;
+    oc.head_stride = p->cap;
+    og.k = p->kg;
+    og.v = p->vg;
+    og.head_stride = p->cap;
+    if (pqc_cache_fetch(p->cc, layer, &p->sc, &oc) != PQC_SUCCESS) return 0;
+    if (pqc_cache_fetch(p->cg, layer, &p->sg, &og) != PQC_SUCCESS) {
+        fprintf(stderr, "GPU fetch: %s\n", pqc_last_error());
+        return 0;
+    }
+    return selections_compare(p, d, st);
 }
 
 /* the same as step_compare, the GPU cache decoding with pqc_cache_step_device: its
@@ -264,30 +271,7 @@ static int step_compare_dev(pair *p, int layer, const float *q, int d, cmp_stats
             p_dtoh(p->vg + (size_t)h * p->cap * d, dk.v + (uint64_t)h * hb, cnt[h] * rb))
             return 0;
     }
-    for (h = 0; h < nkv; h++) {
-        const uint32_t *a = p->sc.idx + (size_t)h * p->sc.capacity, *b = p->sg.idx + (size_t)h * p->sg.capacity;
-        size_t na = p->sc.count[h], nb = p->sg.count[h], i = 0, j = 0;
-        if (na != nb) return 0;
-        st->selected += na;
-        while (i < na && j < nb) {
-            if (a[i] == b[j]) {
-                const float *ka = p->kc + ((size_t)h * p->cap + i) * d, *kb = p->kg + ((size_t)h * p->cap + j) * d;
-                const float *va = p->vc + ((size_t)h * p->cap + i) * d, *vb = p->vg + ((size_t)h * p->cap + j) * d;
-                st->rows_compared++;
-                if (memcmp(ka, kb, (size_t)d * sizeof(float)) || memcmp(va, vb, (size_t)d * sizeof(float)))
-                    st->rows_differ++;
-                i++;
-                j++;
-            } else if (a[i] < b[j]) {
-                st->differ++;
-                i++;
-            } else {
-                j++;
-            }
-        }
-        st->differ += na - i;
-    }
-    return 1;
+    return selections_compare(p, d, st);
 }
 
 /* reports a comparison: every row both selected is the same, and at most 0.1% of the

@@ -133,27 +133,8 @@ static void *tp_alloc(const tp *t, size_t n, size_t size)
 }
 
 /* ----------------------------------------------------------------------------
-   Kernels: the same arithmetic as tiny_llama.h's (eight partial sums) */
-
-static float tp_dot(const float *a, const float *b, int n)
-{
-    float s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0, sum;
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        s0 += a[i] * b[i];
-        s1 += a[i + 1] * b[i + 1];
-        s2 += a[i + 2] * b[i + 2];
-        s3 += a[i + 3] * b[i + 3];
-        s4 += a[i + 4] * b[i + 4];
-        s5 += a[i + 5] * b[i + 5];
-        s6 += a[i + 6] * b[i + 6];
-        s7 += a[i + 7] * b[i + 7];
-    }
-    sum = ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7));
-    for (; i < n; i++)
-        sum += a[i] * b[i];
-    return sum;
-}
+   Kernels: tiny_llama.h's dot product (tl__dot_scalar, eight partial sums),
+   and the partial sums of the split matrices in double */
 
 /* the partial products of a row-parallel matrix, in double */
 static double tp_dot_d(const float *a, const float *b, int n)
@@ -176,7 +157,7 @@ static void tp_matmul(float *out, const float *x, const float *w, int n, int d)
 {
     int i;
     for (i = 0; i < d; i++)
-        out[i] = tp_dot(w + (size_t)i * (size_t)n, x, n);
+        out[i] = tl__dot_scalar(w + (size_t)i * (size_t)n, x, n);
 }
 
 static void tp_matmul_d(double *out, const float *x, const float *w, int n, int d)
@@ -188,7 +169,7 @@ static void tp_matmul_d(double *out, const float *x, const float *w, int n, int 
 
 static void tp_rmsnorm(float *out, const float *x, const float *weight, int n)
 {
-    float ss = tp_dot(x, x, n) / (float)n + TL_RMS_EPS;
+    float ss = tl__dot_scalar(x, x, n) / (float)n + TL_RMS_EPS;
     float inv = 1.0f / sqrtf(ss);
     int i;
     for (i = 0; i < n; i++)
@@ -599,7 +580,7 @@ static void tp_attend_head(tp *t, int g, int n, const float *const *krow, const 
         float *att = t->att + (size_t)h * (size_t)t->ctx, *o = t->ob + (size_t)h * (size_t)hs;
         const float *q = t->q + (size_t)h * (size_t)hs;
         for (i = 0; i < n; i++)
-            att[i] = tp_dot(q, krow[i], hs) * scale;
+            att[i] = tl__dot_scalar(q, krow[i], hs) * scale;
         if (n > 0)
             tl_softmax(att, n);
         memset(o, 0, (size_t)hs * sizeof(float));
@@ -807,31 +788,6 @@ static float *tp_vrow(const tp *t, int layer, int g, int pos)
            (size_t)t->hs;
 }
 
-static float tp_kth_largest(float *a, int n, int k)
-{
-    int lo = 0, hi = n - 1, target = k - 1;
-    while (lo < hi) {
-        float pivot = a[lo + (hi - lo) / 2], x;
-        int i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pivot) i++;
-            while (a[j] < pivot) j--;
-            if (i <= j) {
-                x = a[i]; a[i] = a[j]; a[j] = x;
-                i++;
-                j--;
-            }
-        }
-        if (target <= j)
-            hi = j;
-        else if (target >= i)
-            lo = i;
-        else
-            break;
-    }
-    return a[target];
-}
-
 /* positions of local head g for a context of n (the current token included) */
 static int tp_select_host(tp *t, int layer, int g, int n, uint32_t *out)
 {
@@ -863,13 +819,13 @@ static int tp_select_host(tp *t, int layer, int g, int n, uint32_t *out)
                 float *att = t->att + (size_t)h * (size_t)t->ctx;
                 const float *q = t->q + (size_t)h * (size_t)hs;
                 for (i = 0; i < n; i++)
-                    att[i] = tp_dot(q, tp_krow(t, layer, g, i), hs) * scale;
+                    att[i] = tl__dot_scalar(q, tp_krow(t, layer, g, i), hs) * scale;
                 tl_softmax(att, n);
                 for (i = 0; i < n; i++)
                     t->mass[i] += att[i];
             }
             memcpy(t->tmp, t->mass + lo, (size_t)n_mid * sizeof(float));
-            thr = tp_kth_largest(t->tmp, n_mid, n_topk);
+            thr = tl__kth_largest(t->tmp, n_mid, n_topk);
             ties = n_topk;
             for (i = lo; i < hi; i++)
                 if (t->mass[i] > thr)
