@@ -10138,6 +10138,32 @@ static pqc_result pqc__cut_rows_room(pqc_cache *c, size_t rows)
     return PQC_SUCCESS;
 }
 
+/* The gathered rows as the caller's device view (pos: the selection on the device). */
+static void pqc__cut_rows_device(pqc_cache *c, pqc__dptr pos, pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    dout->k = u->out_k;
+    dout->v = u->out_v;
+    dout->head_stride = u->rows_cap;
+    dout->pos = pos;
+}
+
+/* Enqueues the copies of head h's count[h] gathered rows into out (the caller waits). */
+static pqc_result pqc__cut_rows_home(pqc_cache *c, const size_t *count, const pqc_kv_out *out)
+{
+    struct pqc__cut *u = c->cu;
+    size_t h, d = (size_t)u->d;
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        size_t bytes = count[h] * d * sizeof(float), off = h * u->rows_cap * d * sizeof(float);
+        if (!bytes) continue;
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * d, u->out_k + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * d, u->out_v + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+    }
+    return PQC_SUCCESS;
+}
+
 /* After the bookkeeping: admitted blocks are copied into their slots, then every selected
    row is gathered (slots, sink and window blocks from device memory, misses straight from
    the mapped store) as fp32, into device buffers, and copied to `out` when given. */
@@ -10200,20 +10226,10 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
         if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
     }
     if (dout) {
-        dout->k = u->out_k;
-        dout->v = u->out_v;
-        dout->head_stride = u->rows_cap;
-        dout->pos = u->arena + nkv * u->nblk_cap * 4;
+        pqc__cut_rows_device(c, u->arena + nkv * u->nblk_cap * 4, dout);
         return PQC_SUCCESS;
     }
-    for (h = 0; h < nkv; h++) {
-        size_t bytes = sel->count[h] * (size_t)u->d * sizeof(float), off = h * u->rows_cap * (size_t)u->d * sizeof(float);
-        if (!bytes) continue;
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * (size_t)u->d, u->out_k + off, bytes, u->st),
-                      "cuMemcpyDtoHAsync");
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * (size_t)u->d, u->out_v + off, bytes, u->st),
-                      "cuMemcpyDtoHAsync");
-    }
+    if ((r = pqc__cut_rows_home(c, sel->count, out)) != PQC_SUCCESS) return r;
     PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     return PQC_SUCCESS;
 }
@@ -10478,22 +10494,10 @@ static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_
             return r;
         if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
         if (dout) {
-            dout->k = u->out_k;
-            dout->v = u->out_v;
-            dout->head_stride = u->rows_cap;
-            dout->pos = idx;
+            pqc__cut_rows_device(c, idx, dout);
             return PQC_SUCCESS;
         }
-        for (h = 0; h < nkv; h++) {
-            size_t bytes = count[h] * (size_t)u->d * sizeof(float), off = h * u->rows_cap * (size_t)u->d * sizeof(float);
-            if (!count[h]) continue;
-            PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * (size_t)u->d, u->out_k + off,
-                                                          bytes, u->st),
-                          "cuMemcpyDtoHAsync");
-            PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * (size_t)u->d, u->out_v + off,
-                                                          bytes, u->st),
-                          "cuMemcpyDtoHAsync");
-        }
+        if ((r = pqc__cut_rows_home(c, count, out)) != PQC_SUCCESS) return r;
         PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_pos, idx, nkv * u->rows_cap * 4, u->st), "cuMemcpyDtoHAsync");
         PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         for (h = 0; h < nkv; h++) memcpy(pos + h * pos_stride, u->h_pos + h * u->rows_cap, count[h] * sizeof(uint32_t));
