@@ -2,17 +2,21 @@
    machine's memory bandwidth (make bench-hf).
 
    1. Memory bandwidth: a STREAM-like read of a large buffer (--mb MiB,
-      default 1024) by --threads threads, --reps times; the median in GB/s.
+      default 1024) by --threads threads, three times; the median in GB/s.
    2. Decode: a generated model shaped like Llama-3.2-1B (dim 2048, 16
       layers, 32 query heads, 8 KV heads of 64, hidden 8192, tied embeddings;
       vocabulary --vocab, default 32000) with random bf16 weights, written
       once to --dir (default build/bench_hf_model) as config.json and
       model.safetensors and loaded through the engine's loader (mmap). The KV
       cache is filled with random rows for --ctx positions (default 4096) and
-      --steps decode steps (default 16) run after it with full attention; the
+      --steps decode steps (default 8) run after it with full attention; the
       median step time gives the GB/s of weights read per token (every matrix
       once and the classifier), which is compared with the bandwidth. The KV
       cache read per token is reported next to it.
+
+   The two alternate for --reps rounds (default 5), so that each ratio
+   compares measurements taken side by side (a shared machine's bandwidth
+   drifts); the medians over the rounds are the figures.
 
    usage: bench_hf [--threads N] [--ctx N] [--steps N] [--reps N] [--mb N]
                    [--dir PATH] [--vocab N] */
@@ -102,18 +106,14 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-static double bandwidth(size_t mb, int threads, int reps, unsigned long long *sink)
+/* the median of reps reads of buf (n words) by threads threads, in GB/s */
+static double bandwidth(const unsigned long long *buf, size_t n, int threads, int reps,
+                        unsigned long long *sink)
 {
-    size_t n = mb * 1024 * 1024 / 8, i;
-    unsigned long long *buf = (unsigned long long *)malloc(n * 8);
     double gbs[64];
     read_job jobs[64];
     pthread_t th[64];
     int r, t;
-    if (!buf)
-        return 0;
-    for (i = 0; i < n; i++)
-        buf[i] = i;
     if (reps > 64)
         reps = 64;
     for (r = 0; r < reps; r++) {
@@ -121,10 +121,8 @@ static double bandwidth(size_t mb, int threads, int reps, unsigned long long *si
         for (t = 0; t < threads; t++) {
             jobs[t].p = buf + n / (size_t)threads * (size_t)t;
             jobs[t].n = t == threads - 1 ? n - n / (size_t)threads * (size_t)t : n / (size_t)threads;
-            if (t > 0 && pthread_create(&th[t], NULL, read_worker, &jobs[t]) != 0) {
-                free(buf);
+            if (t > 0 && pthread_create(&th[t], NULL, read_worker, &jobs[t]) != 0)
                 return 0;
-            }
         }
         read_worker(&jobs[0]);
         for (t = 1; t < threads; t++)
@@ -134,7 +132,6 @@ static double bandwidth(size_t mb, int threads, int reps, unsigned long long *si
             *sink += jobs[t].sum;
         gbs[r] = (double)(n * 8) / dt / 1e9;
     }
-    free(buf);
     return median(gbs, reps);
 }
 
@@ -266,14 +263,14 @@ static int write_model(const char *dir, int vocab)
 
 int main(int argc, char **argv)
 {
-    int threads = 2, ctx = 4096, steps = 16, reps = 5, vocab = 32000, i, pos, l;
-    size_t mb = 1024;
+    int threads = 2, ctx = 4096, steps = 8, reps = 5, vocab = 32000, i, pos, l, r, step = 0;
+    size_t mb = 1024, nwords, w;
     const char *dir = "build/bench_hf_model";
     char err[TL_ERR_LEN];
-    unsigned long long sink = 0, rng = tl_rng_seed(7);
+    unsigned long long sink = 0, rng = tl_rng_seed(7), *buf;
     tl_model m;
     tl_state s;
-    double bw, times[256], t_step, wbytes, kvbytes;
+    double bw[64], t_step[64], ratio[64], times[256], wbytes, kvbytes;
     struct stat st;
     char path[1024];
 
@@ -288,15 +285,11 @@ int main(int argc, char **argv)
         else break;
     }
     if (i != argc || threads < 1 || threads > 64 || ctx < 1 || steps < 1 || steps > 256 || reps < 1 ||
-        mb < 16 || vocab < 2) {
-        fprintf(stderr, "usage: bench_hf [--threads N] [--ctx N] [--steps N<=256] [--reps N] [--mb N] "
+        reps > 64 || steps * reps > 4096 || mb < 16 || vocab < 2) {
+        fprintf(stderr, "usage: bench_hf [--threads N] [--ctx N] [--steps N<=256] [--reps N<=64] [--mb N] "
                 "[--dir PATH] [--vocab N]\n");
         return 1;
     }
-
-    bw = bandwidth(mb, threads, reps, &sink);
-    printf("memory bandwidth: %.2f GB/s (read of %zu MiB, %d threads, median of %d)\n", bw, mb,
-           threads, reps);
 
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     if (tl_build_model(&m, dir, err, sizeof err) != 0 || m.config.vocab_size != vocab) {
@@ -308,11 +301,19 @@ int main(int argc, char **argv)
             return 1;
         }
     }
-    if (tl_build_state(&s, &m.config, ctx + steps + 1, threads, err, sizeof err) != 0) {
+    if (tl_build_state(&s, &m.config, ctx + steps * reps + 3, threads, err, sizeof err) != 0) {
         fprintf(stderr, "error: %s\n", err);
         tl_free_model(&m);
         return 1;
     }
+    nwords = mb * 1024 * 1024 / 8;
+    buf = (unsigned long long *)malloc(nwords * 8);
+    if (!buf) {
+        fprintf(stderr, "error: no memory for the %zu MiB bandwidth buffer\n", mb);
+        return 1;
+    }
+    for (w = 0; w < nwords; w++)
+        buf[w] = w;
     /* the context: random key and value rows, as if a prompt of ctx tokens had run */
     for (l = 0; l < m.config.n_layers; l++)
         for (pos = 0; pos < ctx; pos++) {
@@ -323,31 +324,45 @@ int main(int argc, char **argv)
                 v[e] = tl_rng_float(&rng) - 0.5f;
             }
         }
-    /* two warm-up steps (the mapped weights into the page cache), then the timed ones */
-    for (i = -2; i < steps; i++) {
-        double t0 = tl_time_s();
-        int p = ctx + (i < 0 ? 0 : i);
-        if (!tl_forward(&m, &s, NULL, (int)(tl_rng_next(&rng) % (unsigned long long)vocab), p)) {
-            fprintf(stderr, "error: %s\n", s.err);
-            return 1;
-        }
-        if (i >= 0)
-            times[i] = tl_time_s() - t0;
-    }
-    t_step = median(times, steps);
     wbytes = tl_weight_bytes_per_token(&m);
     kvbytes = 2.0 * m.config.n_layers * (double)ctx * m.config.kv_dim * sizeof(float);
     printf("model: %s, dim %d, %d layers, %d heads (%d KV), hidden %d, vocab %d, %s weights, "
            "%.3f GB read per token\n", tl_arch_name(m.config.arch), m.config.dim, m.config.n_layers,
            m.config.n_heads, m.config.n_kv_heads, m.config.hidden_dim, m.config.vocab_size,
            tl_dtype_name(m.config.wtype), wbytes / 1e9);
-    printf("decode at context %d, %d threads: %.1f ms/token (median of %d), %.2f tok/s\n", ctx,
-           threads, 1e3 * t_step, steps, 1.0 / t_step);
-    printf("weights: %.2f GB/s per token = %.1f%% of the measured bandwidth\n", wbytes / t_step / 1e9,
-           bw > 0 ? 100.0 * wbytes / t_step / 1e9 / bw : 0.0);
-    printf("weights + KV cache (%.3f GB fp32): %.2f GB/s = %.1f%% of the measured bandwidth\n",
-           kvbytes / 1e9, (wbytes + kvbytes) / t_step / 1e9,
-           bw > 0 ? 100.0 * (wbytes + kvbytes) / t_step / 1e9 / bw : 0.0);
+    /* two warm-up steps (the mapped weights into the page cache), then the rounds */
+    for (r = -1; r < reps; r++) {
+        int n = r < 0 ? 2 : steps;
+        if (r >= 0)
+            bw[r] = bandwidth(buf, nwords, threads, 3, &sink);
+        for (i = 0; i < n; i++) {
+            double t0 = tl_time_s();
+            if (!tl_forward(&m, &s, NULL, (int)(tl_rng_next(&rng) % (unsigned long long)vocab),
+                            ctx + step++)) {
+                fprintf(stderr, "error: %s\n", s.err);
+                return 1;
+            }
+            times[i] = tl_time_s() - t0;
+        }
+        if (r < 0)
+            continue;
+        t_step[r] = median(times, steps);
+        ratio[r] = bw[r] > 0 ? wbytes / t_step[r] / 1e9 / bw[r] : 0.0;
+        printf("round %d: bandwidth %.2f GB/s (%zu MiB, %d threads), decode %.1f ms/token (median of %d) "
+               "= %.2f GB/s of weights = %.1f%%\n", r + 1, bw[r], mb, threads, 1e3 * t_step[r], steps,
+               wbytes / t_step[r] / 1e9, 100.0 * ratio[r]);
+    }
+    {
+        double tm = median(t_step, reps), bm = median(bw, reps), rm = median(ratio, reps);
+        printf("memory bandwidth: %.2f GB/s (median of %d rounds)\n", bm, reps);
+        printf("decode at context %d, %d threads: %.1f ms/token (median of %d rounds), %.2f tok/s\n", ctx,
+               threads, 1e3 * tm, reps, 1.0 / tm);
+        printf("weights: %.2f GB/s per token = %.1f%% of the measured bandwidth (median of the rounds' "
+               "ratios)\n", wbytes / tm / 1e9, 100.0 * rm);
+        printf("weights + KV cache (%.3f GB fp32): %.2f GB/s = %.1f%% of the measured bandwidth\n",
+               kvbytes / 1e9, (wbytes + kvbytes) / tm / 1e9, bm > 0 ? 100.0 * (wbytes + kvbytes) / tm / 1e9 / bm : 0.0);
+    }
+    free(buf);
     if (sink == 42)
         printf(" ");
     tl_free_state(&s);
