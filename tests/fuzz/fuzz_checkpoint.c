@@ -23,6 +23,7 @@
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
 #include "tiny_llama.h"
+#define FZ_TARGET "fuzz_checkpoint"
 #include "fuzz/fuzz_util.h"
 
 #include <stdint.h>
@@ -33,20 +34,11 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-
-static void fz_fail(const char *what, const char *detail)
-{
-    fprintf(stderr, "FUZZ CHECK FAILED: fuzz_checkpoint: %s (%s)\n", what, detail ? detail : "");
-    abort();
-}
-
-
 /* the file the loader reads: one per process, in a directory of its own */
 static const char *fz_file(void)
 {
     return fz_scratch_path("fuzz_checkpoint", "checkpoint.bin");
 }
-
 
 static int fz_same_config(const tl_config *a, const tl_config *b)
 {

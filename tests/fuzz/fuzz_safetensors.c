@@ -24,6 +24,7 @@
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
 #include "tiny_llama.h"
+#define FZ_TARGET "fuzz_safetensors"
 #include "fuzz/fuzz_util.h"
 
 #include <stdint.h>
@@ -32,12 +33,6 @@
 #include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-static void fz_fail(const char *what, const char *detail)
-{
-    fprintf(stderr, "FUZZ CHECK FAILED: fuzz_safetensors: %s (%s)\n", what, detail ? detail : "");
-    abort();
-}
 
 static size_t fz_dtype_size(int dtype)
 {

@@ -25,6 +25,7 @@
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
 #include "tiny_llama.h"
+#define FZ_TARGET "fuzz_tokenizer"
 #include "fuzz/fuzz_util.h"
 
 #include <stdint.h>
@@ -40,13 +41,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static FILE *g_null;
 
-static void fz_fail(const char *what, const char *detail)
-{
-    fprintf(stderr, "FUZZ CHECK FAILED: fuzz_tokenizer: %s (%s)\n", what, detail ? detail : "");
-    abort();
-}
-
-
 /* the file the loader reads: one per process, in a directory of its own */
 static const char *fz_file(void)
 {
@@ -59,7 +53,6 @@ static const char *fz_file(void)
     }
     return fz_scratch_path("fuzz_tokenizer", "tokenizer.bin");
 }
-
 
 static int fz_i32(const uint8_t *p)
 {

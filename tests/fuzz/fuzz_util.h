@@ -1,6 +1,8 @@
 /* fuzz_util.h - what the fuzz targets share: a scratch directory made once per process
    (under TMPDIR, removed at exit with the files named in it) and writing an input to a
-   file there. A failure to set these up aborts: it is the harness's, not the target's. */
+   file there. A failure to set these up aborts: it is the harness's, not the target's.
+   A target that defines FZ_TARGET (its name) before the include also gets fz_fail, the
+   report of a violated check. */
 #ifndef PQC_FUZZ_UTIL_H
 #define PQC_FUZZ_UTIL_H
 
@@ -52,5 +54,15 @@ static void fz_write_file(const char *path, const void *data, size_t size)
         abort();
     }
 }
+
+#ifdef FZ_TARGET
+/* A violated check: "FUZZ CHECK FAILED" with the target's name, then abort, so that
+   libFuzzer keeps the input. */
+static void fz_fail(const char *what, const char *detail)
+{
+    fprintf(stderr, "FUZZ CHECK FAILED: %s: %s (%s)\n", FZ_TARGET, what, detail ? detail : "");
+    abort();
+}
+#endif
 
 #endif
