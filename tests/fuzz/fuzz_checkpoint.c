@@ -37,7 +37,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 /* the file the loader reads: one per process, in a directory of its own */
 static const char *fz_file(void)
 {
-    return fz_scratch_path("fuzz_checkpoint", "checkpoint.bin");
+    return fz_scratch_path(FZ_TARGET, "checkpoint.bin");
 }
 
 static int fz_same_config(const tl_config *a, const tl_config *b)

@@ -118,9 +118,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     free(copy);
 
     /* the same through the directory loader */
-    fz_write_file(fz_scratch_path("fuzz_safetensors", "config.json"), data, clen);
-    fz_write_file(fz_scratch_path("fuzz_safetensors", "model.safetensors"), st, slen);
-    snprintf(dir, sizeof dir, "%s", fz_scratch_path("fuzz_safetensors", "config.json"));
+    fz_write_file(fz_scratch_path(FZ_TARGET, "config.json"), data, clen);
+    fz_write_file(fz_scratch_path(FZ_TARGET, "model.safetensors"), st, slen);
+    snprintf(dir, sizeof dir, "%s", fz_scratch_path(FZ_TARGET, "config.json"));
     *strrchr(dir, '/') = '\0';
     err[0] = '\0';
     if (tl_build_model(&m, dir, err, sizeof err) == 0) {

@@ -51,7 +51,7 @@ static const char *fz_file(void)
             abort();
         }
     }
-    return fz_scratch_path("fuzz_tokenizer", "tokenizer.bin");
+    return fz_scratch_path(FZ_TARGET, "tokenizer.bin");
 }
 
 static int fz_i32(const uint8_t *p)
