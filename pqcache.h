@@ -26,7 +26,10 @@
    opened cuBLASLt is not used), PQC_KMEANS_GEMM (0 or 1: the assignment step of the
    k-means on the GPU by the hand-written kernel, or as a cuBLASLt GEMM X C^T followed by
    an argmin kernel; unset, the runtime times both the first time it meets a shape of
-   problem and keeps the faster; without cuBLASLt the kernel is always used).
+   problem and keeps the faster; without cuBLASLt the kernel is always used),
+   PQC_LUT_GEMM (0 or 1: the lookup tables of pqc_batch_select's sequences built per
+   sequence by the table kernel, or for the whole batch as one pointer-array cuBLASLt
+   matmul; unset, timed and chosen the same way).
 
    RECIPE
    ------
@@ -4617,6 +4620,9 @@ typedef struct pqc__tier_i {
                        size_t pos_stride);
     pqc_result (*adm_pull)(pqc_cache *c, int l);         /* the block-cache bookkeeping is the host's */
     pqc_result (*stats)(const pqc_cache *c, int l, pqc_layer_stats *st); /* adds what the tier counted */
+    /* before a batch's selects (pqc_batch_select): the tier may build the lookup tables of
+       several of the caches at once; best effort, a cache it leaves builds its own */
+    void (*batch_tables)(pqc_cache *const *caches, int n, int l, const float *const *q);
 } pqc__tier_i;
 
 #define PQC__NOT_SERVED ((pqc_result)-1001) /* the tier leaves this step to the host */
@@ -6608,13 +6614,22 @@ static pqc_result pqc__host_stats(const pqc_cache *c, int l, pqc_layer_stats *st
     return PQC_SUCCESS;
 }
 
+static void pqc__host_batch_tables(pqc_cache *const *caches, int n, int l, const float *const *q)
+{
+    (void)caches;
+    (void)n;
+    (void)l;
+    (void)q;
+}
+
 static const pqc__tier_i *pqc__host_tier(void)
 {
     static const pqc__tier_i t = { "host", 0, pqc__host_create, pqc__host_destroy, pqc__host_store_alloc,
                                    pqc__host_store_free, pqc__host_store_release, pqc__host_codes_alloc, pqc__host_quiesce, pqc__host_grown,
                                    pqc__host_stored, pqc__host_stored, pqc__host_sized, pqc__host_search,
                                    pqc__host_fetch_prepare, pqc__host_fetch, pqc__host_device_bytes,
-                                   pqc__host_zero_copy, pqc__host_step, pqc__host_adm_pull, pqc__host_stats };
+                                   pqc__host_zero_copy, pqc__host_step, pqc__host_adm_pull, pqc__host_stats,
+                                   pqc__host_batch_tables };
     return &t;
 }
 
@@ -7622,6 +7637,7 @@ PQCDEF pqc_result pqc_batch_select(pqc_cache *const *caches, int n, int layer, c
     b.layer = layer;
     b.q = q;
     b.sel = sel;
+    if (caches && n > 0 && caches[0]) caches[0]->tier->batch_tables(caches, n, layer, q);
     r = pqc__batch(caches, n, &b, pqc__batch_select_one);
     /* only successful selects noted drifted queries; the layer index was checked by them */
     for (i = 0; caches && i < n; i++)
@@ -7999,6 +8015,9 @@ typedef struct {                                        /* cublasLtMatmulHeurist
 #define PQC__CUBLASLT_MATMUL_DESC_TRANSA      3
 #define PQC__CUBLASLT_MATMUL_DESC_TRANSB      4
 #define PQC__CUBLASLT_PREF_MAX_WORKSPACE      1
+#define PQC__CUBLASLT_LAYOUT_BATCH_COUNT      5
+#define PQC__CUBLASLT_LAYOUT_BATCH_MODE       8
+#define PQC__CUBLASLT_BATCH_MODE_POINTER_ARRAY 1
 
 /* Status codes of this loader. */
 #define PQC__CU_OK                   0
@@ -8128,6 +8147,8 @@ typedef struct pqc__cuApi {
                                                     int type, uint64_t rows, uint64_t cols,
                                                     int64_t ld);
     pqc__cuBlasStatus (*cublasLtMatrixLayoutDestroy)(pqc__cuBlasLtMatrixLayout layout);
+    pqc__cuBlasStatus (*cublasLtMatrixLayoutSetAttribute)(pqc__cuBlasLtMatrixLayout layout, int attr,
+                                                          const void *buf, size_t size);
     pqc__cuBlasStatus (*cublasLtMatmulPreferenceCreate)(pqc__cuBlasLtMatmulPreference *pref);
     pqc__cuBlasStatus (*cublasLtMatmulPreferenceDestroy)(pqc__cuBlasLtMatmulPreference pref);
     pqc__cuBlasStatus (*cublasLtMatmulPreferenceSetAttribute)(
@@ -8245,6 +8266,7 @@ static const pqc__cuSym pqc__cu_blaslt_syms[] = {
     PQC__CU_SYM(cublasLtMatmulDescSetAttribute, NULL, 0),
     PQC__CU_SYM(cublasLtMatrixLayoutCreate, NULL, 0),
     PQC__CU_SYM(cublasLtMatrixLayoutDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtMatrixLayoutSetAttribute, NULL, 0),
     PQC__CU_SYM(cublasLtMatmulPreferenceCreate, NULL, 0),
     PQC__CU_SYM(cublasLtMatmulPreferenceDestroy, NULL, 0),
     PQC__CU_SYM(cublasLtMatmulPreferenceSetAttribute, NULL, 0),
@@ -8931,13 +8953,13 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
 enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
     PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
-    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_N
+    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
     "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
     "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
-    "pqc_centroid_norms"
+    "pqc_centroid_norms", "pqc_lut_sum"
 };
 
 #define PQC__CU_RADIX_BINS 2048
@@ -8968,12 +8990,15 @@ struct pqc__curt {
     int smem_limit; /* dynamic shared memory the scan kernels may use */
     pqc__cuBlasLtHandle lt; /* cuBLASLt (thread safe), or NULL: no GEMM path */
     int km_force;           /* PQC_KMEANS_GEMM: -1 unset (measure), 0 kernel, 1 GEMM */
+    int lut_force;          /* PQC_LUT_GEMM: the same for the batched lookup tables */
 #ifndef PQCACHE_NO_THREADS
-    pthread_mutex_t km_mu;  /* guards km, km_n, km_next: builds run on pool threads */
+    pthread_mutex_t km_mu;  /* guards km, km_n, km_next (builds run on pool threads) and lb */
 #endif
     pqc__km_class km[PQC__KM_CLASSES];
     int km_n, km_next;
+    struct pqc__lb *lb;     /* the batched lookup tables' state, made at first use */
 };
+static void pqc__lb_free(pqc_runtime *rt);
 
 static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
 {
@@ -8990,6 +9015,7 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
     pqc__cu_host(&host, &rt->alloc);
     pqc__cu_api_init(&cr->api, &host);
     cr->km_force = -1;
+    cr->lut_force = -1;
     st = pqc__cu_load(&cr->api, 0);
     if (st == PQC__CU_OK) st = pqc__cu_device_open(&cr->api, ordinal, &cr->dev);
     if (st == PQC__CU_OK && !cr->dev.can_map_host) {
@@ -9025,6 +9051,7 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
         /* cuBLASLt, optional: without it the k-means assignment uses its kernel */
         char lt_note[300];
         const char *force = pqc__cu_getenv(&cr->api, "PQC_KMEANS_GEMM");
+        const char *lforce = pqc__cu_getenv(&cr->api, "PQC_LUT_GEMM");
         if (pqc__cu_load_blaslt(&cr->api) != PQC__CU_OK) {
             snprintf(lt_note, sizeof lt_note, "no cuBLASLt (%.200s): k-means assignment by its kernel", cr->api.msg);
         } else {
@@ -9041,6 +9068,9 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
         if (force && (force[0] == '0' || force[0] == '1') && !force[1]) cr->km_force = force[0] - '0';
         else if (force)
             pqc__log(rt, PQC_LOG_WARN, "PQC_KMEANS_GEMM must be 0 or 1; ignored");
+        if (lforce && (lforce[0] == '0' || lforce[0] == '1') && !lforce[1]) cr->lut_force = lforce[0] - '0';
+        else if (lforce)
+            pqc__log(rt, PQC_LOG_WARN, "PQC_LUT_GEMM must be 0 or 1; ignored");
         snprintf(why, why_size, "%.80s, compute capability %d.%d, %d SMs, kernels %s, %.220s%s", cr->dev.name,
                  cr->dev.cc_major, cr->dev.cc_minor, cr->dev.sm_count,
                  from_cache ? "from the kernel cache" : "compiled by NVRTC", lt_note,
@@ -9067,6 +9097,7 @@ static void pqc__curt_close(pqc_runtime *rt)
     struct pqc__curt *cr = rt->cu;
     if (!cr) return;
     cr->api.cuCtxSetCurrent(cr->dev.ctx);
+    pqc__lb_free(rt);
     if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_destroy(&cr->km_mu);
@@ -9102,18 +9133,21 @@ static void pqc__km_plan_free(pqc__cuApi *api, pqc__km_plan *p)
     memset(p, 0, sizeof *p);
 }
 
-/* Builds the plan (descriptors and an algorithm that needs no workspace); returns the
-   failing cuBLASLt status with `what` naming the call, or 0. */
-static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p, size_t rows, int d, int k,
+/* Builds a cuBLASLt plan (descriptors and an algorithm that needs no workspace) for
+   D = op(A) B, op(A) = A^T, fp32, column-major: A a_rows x a_cols, B a_rows x b_cols,
+   D a_cols x b_cols, with leading dimensions lda, ldb, ldd; batch > 0: that many products
+   whose matrices are read from device arrays of pointers. Returns the failing cuBLASLt
+   status with `what` naming the call, or 0. */
+static pqc__cuBlasStatus pqc__lt_plan_make(struct pqc__curt *cr, pqc__km_plan *p, uint64_t a_rows, uint64_t a_cols,
+                                           int64_t lda, uint64_t b_cols, int64_t ldb, int64_t ldd, int32_t batch,
                                            const char **what)
 {
     pqc__cuApi *api = &cr->api;
-    int ta = PQC__CUBLAS_OP_T, tb = PQC__CUBLAS_OP_N, found = 0;
+    int ta = PQC__CUBLAS_OP_T, tb = PQC__CUBLAS_OP_N, found = 0, i;
     uint64_t ws = 0;
     pqc__cuBlasLtMatmulPreference pref = NULL;
     pqc__cuBlasStatus s;
     memset(p, 0, sizeof *p);
-    p->rows = rows;
     *what = "cublasLtMatmulDescCreate";
     s = api->cublasLtMatmulDescCreate(&p->desc, PQC__CUBLAS_COMPUTE_32F, PQC__CUDA_R_32F);
     if (s == 0) {
@@ -9123,10 +9157,17 @@ static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p
     if (s == 0) s = api->cublasLtMatmulDescSetAttribute(p->desc, PQC__CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
     if (s == 0) {
         *what = "cublasLtMatrixLayoutCreate";
-        s = api->cublasLtMatrixLayoutCreate(&p->la, PQC__CUDA_R_32F, (uint64_t)d, (uint64_t)k, d);
+        s = api->cublasLtMatrixLayoutCreate(&p->la, PQC__CUDA_R_32F, a_rows, a_cols, lda);
     }
-    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lb, PQC__CUDA_R_32F, (uint64_t)d, (uint64_t)rows, d);
-    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lc, PQC__CUDA_R_32F, (uint64_t)k, (uint64_t)rows, k);
+    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lb, PQC__CUDA_R_32F, a_rows, b_cols, ldb);
+    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lc, PQC__CUDA_R_32F, a_cols, b_cols, ldd);
+    for (i = 0; i < 3 && s == 0 && batch > 0; i++) {
+        pqc__cuBlasLtMatrixLayout lay = i == 0 ? p->la : i == 1 ? p->lb : p->lc;
+        uint32_t mode = PQC__CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+        *what = "cublasLtMatrixLayoutSetAttribute";
+        s = api->cublasLtMatrixLayoutSetAttribute(lay, PQC__CUBLASLT_LAYOUT_BATCH_COUNT, &batch, sizeof batch);
+        if (s == 0) s = api->cublasLtMatrixLayoutSetAttribute(lay, PQC__CUBLASLT_LAYOUT_BATCH_MODE, &mode, sizeof mode);
+    }
     if (s == 0) {
         *what = "cublasLtMatmulPreferenceCreate";
         s = api->cublasLtMatmulPreferenceCreate(&pref);
@@ -9143,6 +9184,15 @@ static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p
     }
     if (pref) api->cublasLtMatmulPreferenceDestroy(pref);
     if (s != 0) pqc__km_plan_free(api, p);
+    return s;
+}
+
+/* the assignment's plan for `rows` points (see pqc__km_plan) */
+static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p, size_t rows, int d, int k,
+                                           const char **what)
+{
+    pqc__cuBlasStatus s = pqc__lt_plan_make(cr, p, (uint64_t)d, (uint64_t)k, d, (uint64_t)rows, d, k, 0, what);
+    p->rows = rows;
     return s;
 }
 
@@ -9429,6 +9479,14 @@ struct pqc__cut {
     size_t stage_bytes, pos_cap;
     uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
     uint64_t waits, waits_seen; /* host waits for the device; those already counted by a layer */
+    /* lookup tables a batch built for this cache (pqc__cut_batch_tables) */
+    pqc__dptr qb;             /* [n_q][d] its queries with each sub-space's dims together */
+    float *h_qb;              /* pinned staging of qb */
+    float *lb_q;              /* the queries the tables are of */
+    pqc__cuEvent ev_qb;       /* qb and the codebooks are on the device */
+    int lb_ok, lb_layer;      /* u->lut holds layer lb_layer's tables of lb_q */
+    uint64_t lb_gen;          /* of codebooks cent_gen lb_gen */
+    int lut_pre;              /* the next search finds its tables built */
 };
 static void *pqc__cut_codes_alloc_fn(size_t n, void *user);
 static void pqc__cut_codes_free_fn(void *p, void *user);
@@ -9515,6 +9573,10 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
     if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
     pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
     pqc__cut_dfree(u, &u->q);
+    pqc__cut_dfree(u, &u->qb);
+    if (u->h_qb) u->api->cuMemFreeHost(u->h_qb);
+    pqc__free(&c->alloc, u->lb_q);
+    if (u->ev_qb) u->api->cuEventDestroy_v2(u->ev_qb);
     pqc__cut_dfree(u, &u->lut);
     pqc__cut_dfree(u, &u->lut_sum);
     pqc__cut_dfree(u, &u->partial);
@@ -9913,11 +9975,44 @@ static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
    lookup tables of the queries already in u->q, the scan and the top-k of every head
    (`take`, or k_head[h] where the device list k_head gives fewer) into u->topk (and
    their scores into u->topk_sc when want_scores). Nothing waits. */
+/* The layer's codebooks on the device (with the norms and weights of weighted coding),
+   copied once per build. */
+static pqc_result pqc__cut_cents(pqc_cache *c, int l)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
+    int m = u->m, K = u->K, dsub = u->dsub;
+    int64_t c_hs = (int64_t)pqc__cut_cent_floats(c);
+    if (u->cent_gen[l] != L->gen + 1) {
+        size_t cb = tab * (size_t)dsub * sizeof(float), hb = (size_t)c_hs * sizeof(float);
+        int weighted = pqc__layer_metric(c, l), j;
+        for (h = 0; h < nkv; h++) {
+            const pqc_pq *pq = &L->heads[h].pq;
+            pqc__dptr base = u->cent[l] + h * hb;
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base, pq->centroids, cb, u->st), "cuMemcpyHtoDAsync");
+            if (!weighted) continue;
+            /* the norms coding compares with (weighted where the head has a metric; the
+               plain ones with weights 1 are the same numbers) and the weights */
+            for (j = 0; j < m; j++)
+                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
+                                                              (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad,
+                                                              (size_t)K * sizeof(float), u->st),
+                              "cuMemcpyHtoDAsync");
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
+                                                          (size_t)u->d * sizeof(float), u->st),
+                          "cuMemcpyHtoDAsync");
+        }
+        u->cent_gen[l] = L->gen + 1;
+    }
+    return PQC_SUCCESS;
+}
+
 static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
 {
     struct pqc__cut *u = c->cu;
     pqc__layer *L = &c->layers[l];
-    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
+    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K;
     int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
     int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
     int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
@@ -9943,28 +10038,7 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
             return r;
         u->s_cap = want;
     }
-    /* the layer's codebooks, once per build */
-    if (u->cent_gen[l] != L->gen + 1) {
-        size_t cb = tab * (size_t)dsub * sizeof(float), hb = (size_t)c_hs * sizeof(float);
-        int weighted = pqc__layer_metric(c, l), j;
-        for (h = 0; h < nkv; h++) {
-            const pqc_pq *pq = &L->heads[h].pq;
-            pqc__dptr base = u->cent[l] + h * hb;
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base, pq->centroids, cb, u->st), "cuMemcpyHtoDAsync");
-            if (!weighted) continue;
-            /* the norms coding compares with (weighted where the head has a metric; the
-               plain ones with weights 1 are the same numbers) and the weights */
-            for (j = 0; j < m; j++)
-                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
-                                                              (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad,
-                                                              (size_t)K * sizeof(float), u->st),
-                              "cuMemcpyHtoDAsync");
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
-                                                          (size_t)u->d * sizeof(float), u->st),
-                          "cuMemcpyHtoDAsync");
-        }
-        u->cent_gen[l] = L->gen + 1;
-    }
+    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
     /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
     if (u->n_cs > 2) {
         sl = l;
@@ -10001,8 +10075,11 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     }
     /* query -> lookup tables */
     lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
-    {
+    if (u->lut_pre) { /* a batch built them (pqc__cut_batch_tables) */
+        u->lut_pre = 0;
+    } else {
         void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &half, &u->lut, &l_hs, &lut_sum, &ls_hs };
+        u->lb_ok = 0; /* the tables are this search's now */
         if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     /* scan: combined scores of every coded token */
@@ -10071,11 +10148,20 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     struct pqc__cut *u = c->cu;
     size_t nkv = (size_t)u->n_kv;
     pqc_result r;
+    size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     pqc__cut_enter(c);
-    memcpy(u->h_q, q, (size_t)c->d.n_q_heads * u->d * sizeof(float));
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float), u->st),
-                  "cuMemcpyHtoDAsync");
-    if ((r = pqc__cut_search(c, l, take, 0, want_scores)) != PQC_SUCCESS) return r;
+    /* tables a batch built for these queries and codebooks need neither the queries nor
+       the table kernel (the stream already waits for them) */
+    u->lut_pre = u->lb_ok && u->lb_layer == l && u->lb_gen == c->layers[l].gen + 1 && u->cent_gen[l] == u->lb_gen &&
+                 memcmp(u->lb_q, q, qbytes) == 0;
+    u->lb_ok = 0;
+    if (!u->lut_pre) {
+        memcpy(u->h_q, q, qbytes);
+        PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
+    }
+    r = pqc__cut_search(c, l, take, 0, want_scores);
+    u->lut_pre = 0;
+    if (r != PQC_SUCCESS) return r;
     PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
     if (want_scores)
         PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
@@ -10084,6 +10170,347 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     *idx_out = u->h_topk;
     *sc_out = want_scores ? u->h_topk_sc : NULL;
     return PQC_SUCCESS;
+}
+
+/* ---- the lookup tables of a batch of sequences in one cuBLASLt call ----
+
+   Per (cache, KV head, sub-space) the tables are a small product: D (K x g, ld m*K, the
+   layout of u->lut) = C^T Q, with C the sub-space's codebook ([K][dsub] row-major, i.e.
+   dsub x K column-major, ld dsub) and Q its query heads' dims (dsub x g, ld d; the
+   queries are staged with each sub-space's dims together, so the RoPE-band layout needs
+   no strides). pqc_batch_select makes those of all its CUDA caches one pointer-array
+   matmul before the selects run; each cache's stream waits for it and its search skips
+   the table kernel. Unless PQC_LUT_GEMM forces a path, the first four batches of a shape
+   class (g, dsub, K, entries rounded up to a power of two) alternate the table kernel
+   and the matmul, timed with events, and the class keeps the faster (a tie keeps the
+   kernel, which then leaves each cache to build its own tables, as without a batch). */
+typedef struct pqc__lb_class {
+    int g, dsub, K, elog; /* the shape; entries <= 2^elog */
+    int gemm, tries;      /* the decision (tries == 4), or batches timed so far */
+    int failed;           /* a matmul of this class failed: the kernel, even when forced */
+    float ms[4];
+} pqc__lb_class;
+
+struct pqc__lb {
+    pqc__km_plan plan;            /* the matmul of plan_key, plan_e entries */
+    int plan_key[4];              /* g, dsub, K, d */
+    int32_t plan_e;
+    pqc__dptr dptr;               /* [3][cap] device pointer arrays: codebooks, queries, tables
+                                     (the first E of each array used) */
+    uint64_t *hptr;               /* their pinned staging */
+    size_t cap;
+    pqc__cuEvent ev_done, ev_t0;  /* the last batch's work is done; a timing start */
+    pqc__lb_class cls[PQC__KM_CLASSES];
+    int n_cls, next_cls;
+    uint64_t gemm_batches, kernel_batches; /* batches whose tables each path built */
+};
+
+static void pqc__lb_free(pqc_runtime *rt)
+{
+    struct pqc__curt *cr = rt->cu;
+    struct pqc__lb *lb = cr->lb;
+    if (!lb) return;
+    if (lb->ev_done) {
+        cr->api.cuEventSynchronize(lb->ev_done);
+        cr->api.cuEventDestroy_v2(lb->ev_done);
+    }
+    if (lb->ev_t0) cr->api.cuEventDestroy_v2(lb->ev_t0);
+    pqc__km_plan_free(&cr->api, &lb->plan);
+    if (lb->dptr) cr->api.cuMemFree_v2(lb->dptr);
+    if (lb->hptr) cr->api.cuMemFreeHost(lb->hptr);
+    pqc__free(&rt->alloc, lb);
+    cr->lb = NULL;
+}
+
+/* A cache whose layer-l tables the batch led by c0 can build: CUDA tier on c0's runtime,
+   the layer coded with codebooks, no residual scoring (the host searches then), and
+   c0's shape. */
+static int pqc__cut_lb_fits(pqc_cache *c, const pqc_cache *c0, int l, const float *q)
+{
+    const struct pqc__cut *u, *u0 = c0->cu;
+    if (!c || !q || !(u = c->cu) || c->tier != c0->tier || c->rt != c0->rt || !u->ready || l < 0 ||
+        l >= c->d.n_layers)
+        return 0;
+    if (!c->layers[l].heads[0].pq.m || c->layers[l].n_coded == 0 || c->d.residual_weight > 0) return 0;
+    return u->g == u0->g && u->dsub == u0->dsub && u->K == u0->K && u->d == u0->d && u->m == u0->m &&
+           c->d.n_q_heads == c0->d.n_q_heads;
+}
+
+/* This cache's queries staged for the batch (sub-space dims together) and copied up on
+   its stream, with its codebooks; ev_qb marks both done. */
+static pqc_result pqc__cut_lb_stage(pqc_cache *c, int l, const float *q)
+{
+    struct pqc__cut *u = c->cu;
+    size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
+    int hq, j, e, h2 = u->dsub / 2;
+    pqc_result r;
+    pqc__cut_enter(c);
+    if (!u->qb && ((r = pqc__cut_dalloc(c, &u->qb, qbytes)) != PQC_SUCCESS ||
+                   (r = pqc__cut_halloc(c, (void **)&u->h_qb, qbytes)) != PQC_SUCCESS))
+        return r;
+    if (!u->lb_q && !(u->lb_q = (float *)pqc__alloc(&c->alloc, qbytes)))
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    if (!u->ev_qb) PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_qb, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
+    for (hq = 0; hq < c->d.n_q_heads; hq++) {
+        const float *src = q + (size_t)hq * u->d;
+        float *dst = u->h_qb + (size_t)hq * u->d;
+        for (j = 0; j < u->m; j++)
+            for (e = 0; e < u->dsub; e++)
+                dst[j * u->dsub + e] = src[!half ? j * u->dsub + e : e < h2 ? j * h2 + e : u->d / 2 + j * h2 + (e - h2)];
+    }
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->qb, u->h_qb, qbytes, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_qb, u->st), "cuEventRecord");
+    return PQC_SUCCESS;
+}
+
+/* The batched tables' path for a shape class, for reports: 1 and *out once the class
+   has been met (out->tries == 4: decided), else 0; batches whose tables each path built
+   in *gemm_batches, *kernel_batches. rt must be a CUDA runtime. */
+PQC__CU_FN int pqc__cuda_lut_choice(pqc_runtime *rt, int g, int dsub, int K, size_t entries, pqc__lb_class *out,
+                                    uint64_t *gemm_batches, uint64_t *kernel_batches)
+{
+    struct pqc__curt *cr = rt && rt->cu ? rt->cu : NULL;
+    int i, elog = 0, hit = 0;
+    if (!cr) return 0;
+    while (((size_t)1 << elog) < entries) elog++;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    *gemm_batches = cr->lb ? cr->lb->gemm_batches : 0;
+    *kernel_batches = cr->lb ? cr->lb->kernel_batches : 0;
+    for (i = 0; cr->lb && i < cr->lb->n_cls && !hit; i++)
+        if (cr->lb->cls[i].g == g && cr->lb->cls[i].dsub == dsub && cr->lb->cls[i].K == K && cr->lb->cls[i].elog == elog) {
+            *out = cr->lb->cls[i];
+            hit = 1;
+        }
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
+    return hit;
+}
+
+static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const float *const *q)
+{
+    pqc_cache *c0 = NULL;
+    struct pqc__curt *cr;
+    struct pqc__lb *lb;
+    pqc__cuApi *api;
+    pqc__cuStream gs;
+    pqc__lb_class *cls = NULL;
+    size_t E = 0, e = 0, tab;
+    int i, g, dsub, K, d, m, gemm, elog = 0, timed = 0, ok = 0, ci;
+    int64_t l_hs, ls_hs, c_hs;
+    const char *what = "";
+    char msg[200];
+    if (!caches || !q || n < 1) return;
+    for (i = 0; i < n && !c0; i++)
+        if (caches[i] && caches[i]->cu && pqc__cut_lb_fits(caches[i], caches[i], l, q[i])) c0 = caches[i];
+    if (!c0) return;
+    cr = c0->cu->r;
+    api = c0->cu->api;
+    g = c0->cu->g, dsub = c0->cu->dsub, K = c0->cu->K, d = c0->cu->d, m = c0->cu->m;
+    tab = (size_t)m * K;
+    if (!cr->lt || cr->lut_force == 0 || dsub % 4 || K % 4) return; /* 16-byte aligned matrices */
+    for (i = 0; i < n; i++)
+        if (pqc__cut_lb_fits(caches[i], c0, l, q[i])) E += (size_t)c0->cu->n_kv * m;
+    if (E > 0x7fffffff) return;
+    while (((size_t)1 << elog) < E) elog++;
+    l_hs = (int64_t)((size_t)g * tab);
+    ls_hs = (int64_t)tab;
+    c_hs = (int64_t)pqc__cut_cent_floats(c0);
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    api->cuCtxSetCurrent(cr->dev.ctx);
+    if (!(lb = cr->lb)) {
+        if (!(lb = (struct pqc__lb *)pqc__calloc(&c0->rt->alloc, sizeof *lb))) goto out;
+        cr->lb = lb;
+        if (api->cuEventCreate(&lb->ev_done, PQC__CU_EVENT_DEFAULT) != 0 ||
+            api->cuEventCreate(&lb->ev_t0, PQC__CU_EVENT_DEFAULT) != 0) {
+            pqc__lb_free(c0->rt);
+            goto out;
+        }
+    }
+    /* the path: forced, decided for this class, or timed now */
+    for (i = 0; i < lb->n_cls && !cls; i++)
+        if (lb->cls[i].g == g && lb->cls[i].dsub == dsub && lb->cls[i].K == K && lb->cls[i].elog == elog)
+            cls = &lb->cls[i];
+    if (!cls) {
+        if (lb->n_cls < PQC__KM_CLASSES) {
+            cls = &lb->cls[lb->n_cls++];
+        } else {
+            cls = &lb->cls[lb->next_cls];
+            lb->next_cls = (lb->next_cls + 1) % PQC__KM_CLASSES;
+        }
+        memset(cls, 0, sizeof *cls);
+        cls->g = g, cls->dsub = dsub, cls->K = K, cls->elog = elog;
+    }
+    if (cls->failed) {
+        goto out;
+    } else if (cr->lut_force == 1) {
+        gemm = 1;
+    } else if (cls->tries >= 4) {
+        if (!cls->gemm) goto out; /* the kernel: each cache builds its own */
+        gemm = 1;
+    } else {
+        gemm = cls->tries & 1;
+        timed = 1;
+    }
+    /* the previous batch's arrays are free once its work is done */
+    if (api->cuEventSynchronize(lb->ev_done) != 0) goto out;
+    if (gemm && E > lb->cap) { /* room for whole multiples of 32 pointers: each array 256-byte aligned */
+        size_t cap = (E + 31) & ~(size_t)31;
+        if (lb->dptr) api->cuMemFree_v2(lb->dptr);
+        if (lb->hptr) api->cuMemFreeHost(lb->hptr);
+        lb->dptr = 0;
+        lb->hptr = NULL;
+        lb->cap = 0;
+        if (api->cuMemAlloc_v2(&lb->dptr, 3 * cap * sizeof(uint64_t)) != 0 ||
+            api->cuMemHostAlloc((void **)&lb->hptr, 3 * cap * sizeof(uint64_t), PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) {
+            what = "pointer arrays";
+            goto fail;
+        }
+        lb->cap = cap;
+    }
+    /* every cache's queries and codebooks up, and the pointers of its products */
+    for (ci = 0; ci < n; ci++) {
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        size_t h;
+        int j;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        if (pqc__cut_lb_stage(c, l, q[ci]) != PQC_SUCCESS) {
+            what = "staging a sequence's queries";
+            goto fail;
+        }
+        for (h = 0; gemm && h < (size_t)u->n_kv; h++)
+            for (j = 0; j < m; j++, e++) {
+                lb->hptr[e] = (uint64_t)(u->cent[l] + ((size_t)h * (size_t)c_hs + (size_t)j * K * dsub) * sizeof(float));
+                lb->hptr[lb->cap + e] = (uint64_t)(u->qb + ((size_t)h * g * d + (size_t)j * dsub) * sizeof(float));
+                lb->hptr[2 * lb->cap + e] = (uint64_t)(u->lut + ((size_t)h * (size_t)l_hs + (size_t)j * K) * sizeof(float));
+            }
+    }
+    api->cuCtxSetCurrent(cr->dev.ctx);
+    gs = c0->cu->st;
+    for (ci = 0; ci < n; ci++)
+        if (pqc__cut_lb_fits(caches[ci], c0, l, q[ci]) && api->cuStreamWaitEvent(gs, caches[ci]->cu->ev_qb, 0) != 0) {
+            what = "cuStreamWaitEvent";
+            goto fail;
+        }
+    if (timed && api->cuEventRecord(lb->ev_t0, gs) != 0) goto out;
+    if (gemm) {
+        float one = 1.0f, nil = 0.0f;
+        pqc__cuBlasStatus ls = 0;
+        if (lb->plan_e != (int32_t)E || lb->plan_key[0] != g || lb->plan_key[1] != dsub || lb->plan_key[2] != K ||
+            lb->plan_key[3] != d) {
+            pqc__km_plan_free(api, &lb->plan);
+            lb->plan_e = 0;
+            ls = pqc__lt_plan_make(cr, &lb->plan, (uint64_t)dsub, (uint64_t)K, dsub, (uint64_t)g, d, (int64_t)tab,
+                                   (int32_t)E, &what);
+            if (ls != 0) {
+                snprintf(msg, sizeof msg, "batched lookup tables: no cuBLASLt plan (%s status %d); the kernel builds them",
+                         what, (int)ls);
+                pqc__log(c0->rt, PQC_LOG_WARN, msg);
+                cls->failed = 1; /* this class stays with the kernel */
+                goto out;
+            }
+            lb->plan_key[0] = g, lb->plan_key[1] = dsub, lb->plan_key[2] = K, lb->plan_key[3] = d;
+            lb->plan_e = (int32_t)E;
+        }
+        if (api->cuMemcpyHtoDAsync_v2(lb->dptr, lb->hptr, 3 * lb->cap * sizeof(uint64_t), gs) != 0) {
+            what = "cuMemcpyHtoDAsync";
+            goto fail;
+        }
+        ls = api->cublasLtMatmul(cr->lt, lb->plan.desc, &one, (const void *)(uintptr_t)lb->dptr, lb->plan.la,
+                                 (const void *)(uintptr_t)(lb->dptr + lb->cap * sizeof(uint64_t)), lb->plan.lb, &nil,
+                                 (const void *)(uintptr_t)(lb->dptr + 2 * lb->cap * sizeof(uint64_t)), lb->plan.lc,
+                                 (void *)(uintptr_t)(lb->dptr + 2 * lb->cap * sizeof(uint64_t)), lb->plan.lc,
+                                 &lb->plan.algo.algo,
+                                 NULL, 0, gs);
+        if (ls != 0) {
+            snprintf(msg, sizeof msg, "batched lookup tables: cublasLtMatmul failed (status %d); the kernel builds them",
+                     (int)ls);
+            pqc__log(c0->rt, PQC_LOG_WARN, msg);
+            cls->failed = 1;
+            goto out;
+        }
+    }
+    for (ci = 0; ci < n; ci++) { /* the GQA sum tables, or (timing the kernel) all tables */
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        pqc__dptr lut_sum;
+        int ti = (int)tab, zero = 0;
+        int64_t q_hs = (int64_t)g * d;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
+        if (gemm && lut_sum) {
+            void *p[] = { &u->lut, &l_hs, &g, &ti, &lut_sum, &ls_hs };
+            if (api->cuLaunchKernel(cr->fn[PQC__K_LUT_SUM], (unsigned)pqc__cdiv(tab, 256), (unsigned)u->n_kv, 1, 256, 1,
+                                    1, 0, gs, p, NULL) != 0) {
+                what = "pqc_lut_sum";
+                goto fail;
+            }
+        } else if (!gemm) {
+            void *p[] = { &u->qb, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &zero, &u->lut, &l_hs, &lut_sum, &ls_hs };
+            if (api->cuLaunchKernel(cr->fn[PQC__K_LUT], (unsigned)pqc__cdiv(tab, 256), (unsigned)u->n_kv, 1, 256, 1, 1,
+                                    0, gs, p, NULL) != 0) {
+                what = "pqc_lut_build";
+                goto fail;
+            }
+        }
+    }
+    if (api->cuEventRecord(lb->ev_done, gs) != 0) {
+        what = "cuEventRecord";
+        goto fail;
+    }
+    for (ci = 0; ci < n; ci++) { /* each cache's work after the tables */
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        if (api->cuStreamWaitEvent(u->st, lb->ev_done, 0) != 0) {
+            what = "cuStreamWaitEvent";
+            goto fail;
+        }
+    }
+    for (ci = 0; ci < n; ci++) { /* only now are the tables theirs */
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        u->lb_ok = 1;
+        u->lb_layer = l;
+        u->lb_gen = u->cent_gen[l];
+        memcpy(u->lb_q, q[ci], (size_t)c->d.n_q_heads * u->d * sizeof(float));
+    }
+    if (gemm) lb->gemm_batches++;
+    else lb->kernel_batches++;
+    ok = 1;
+    if (timed) {
+        float ms = 0.0f;
+        c0->cu->waits++; /* the first batches of a class wait once, to read the timer */
+        if (api->cuEventSynchronize(lb->ev_done) == 0 && api->cuEventElapsedTime(&ms, lb->ev_t0, lb->ev_done) == 0) {
+            cls->ms[cls->tries++] = ms;
+            if (cls->tries == 4) /* the faster of two runs each; a tie keeps the kernel */
+                cls->gemm = (cls->ms[1] < cls->ms[3] ? cls->ms[1] : cls->ms[3]) <
+                            (cls->ms[0] < cls->ms[2] ? cls->ms[0] : cls->ms[2]);
+        }
+    }
+    goto out;
+fail:
+    snprintf(msg, sizeof msg, "batched lookup tables: %s failed; each sequence builds its own", what);
+    pqc__log(c0->rt, PQC_LOG_WARN, msg);
+out:
+    if (!ok)
+        for (ci = 0; ci < n; ci++)
+            if (caches[ci] && caches[ci]->cu && caches[ci]->tier == c0->tier) caches[ci]->cu->lb_ok = 0;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
 }
 
 /* Device memory held by the tier: slot pools, centroids, code buffers, scratch. */
@@ -10553,7 +10980,8 @@ static const pqc__tier_i *pqc__cuda_tier(void)
                                    pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
                                    pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select_w,
                                    pqc__cut_fetch_prepare, pqc__cut_fetch_tier_w, pqc__cut_device_bytes,
-                                   pqc__cut_zero_copy, pqc__cut_step_w, pqc__cut_adm_pull_w, pqc__cut_stats };
+                                   pqc__cut_zero_copy, pqc__cut_step_w, pqc__cut_adm_pull_w, pqc__cut_stats,
+                                   pqc__cut_batch_tables };
     return &t;
 }
 
@@ -10995,6 +11423,24 @@ static const char pqc__kernel_source[] =
 "        sum += acc;\n"
 "    }\n"
 "    if (lut_sum) lut_sum[kv * lut_sum_head_stride + idx] = sum;\n"
+"}\n"
+"\n"
+"/* pqc_lut_sum: the GQA \"sum\" table from the g tables of each KV head, for tables built\n"
+" * elsewhere (the batched cuBLASLt path).\n"
+" *   grid  (ceil(m*K / 256), n_kv), block 256; one thread per (sub-space j, centroid c).\n"
+" *   lut_sum[j][c] = sum over h in head order (from 0) of lut[h][j][c]: the additions of\n"
+" *   pqc_lut_build, so equal tables give equal sums. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_lut_sum(const float *__restrict__ lut, pqc_i64 lut_head_stride, int g, int tab,\n"
+"            float *__restrict__ lut_sum, pqc_i64 lut_sum_head_stride)\n"
+"{\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int idx = blockIdx.x * PQC_BLOCK + threadIdx.x;\n"
+"    if (idx >= tab) return;\n"
+"    const float *t = lut + kv * lut_head_stride + idx;\n"
+"    float sum = 0.0f;\n"
+"    for (int h = 0; h < g; ++h) sum += t[(pqc_i64)h * tab];\n"
+"    lut_sum[kv * lut_sum_head_stride + idx] = sum;\n"
 "}\n"
 "\n"
 "/* ------------------------------------------------------------------------------------ */\n"

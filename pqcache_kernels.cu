@@ -316,6 +316,24 @@ pqc_lut_build(const float *__restrict__ q, pqc_i64 q_head_stride,
     if (lut_sum) lut_sum[kv * lut_sum_head_stride + idx] = sum;
 }
 
+/* pqc_lut_sum: the GQA "sum" table from the g tables of each KV head, for tables built
+ * elsewhere (the batched cuBLASLt path).
+ *   grid  (ceil(m*K / 256), n_kv), block 256; one thread per (sub-space j, centroid c).
+ *   lut_sum[j][c] = sum over h in head order (from 0) of lut[h][j][c]: the additions of
+ *   pqc_lut_build, so equal tables give equal sums. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_lut_sum(const float *__restrict__ lut, pqc_i64 lut_head_stride, int g, int tab,
+            float *__restrict__ lut_sum, pqc_i64 lut_sum_head_stride)
+{
+    pqc_i64 kv = blockIdx.y;
+    int idx = blockIdx.x * PQC_BLOCK + threadIdx.x;
+    if (idx >= tab) return;
+    const float *t = lut + kv * lut_head_stride + idx;
+    float sum = 0.0f;
+    for (int h = 0; h < g; ++h) sum += t[(pqc_i64)h * tab];
+    lut_sum[kv * lut_sum_head_stride + idx] = sum;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* (b) Code scan                                                                        */
 /* ------------------------------------------------------------------------------------ */

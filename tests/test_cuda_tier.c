@@ -1354,14 +1354,27 @@ TEST kmeans_gemm_falls_back(void)
     PASS();
 }
 
-/* several sequences on one CUDA runtime, selected and fetched in parallel on the pool */
-TEST batch_on_device_matches_cpu(void)
+/* How a batch test runs: PQC_LUT_GEMM for the runtime (NULL: unset, the runtime times
+   both paths), the GQA mode, RoPE-band sub-spaces, decode steps (each appends a token to
+   every sequence between batches), the stand-in's cuBLASLt failing its n-th matmul (-1:
+   never); out: the batches whose tables each path built. */
+typedef struct batch_opts {
+    const char *lut_gemm;
+    int gqa, bands, steps, layers;
+    long lt_fail_at;
+    int approx; /* selections within 97% of the CPU tier's (a real GPU's matmul), not equal */
+    unsigned long long gemm_batches, kernel_batches;
+} batch_opts;
+
+/* several sequences on one CUDA runtime, selected and fetched in parallel on the pool,
+   against the same on the CPU tier: selections and rows equal, every step and layer */
+static enum greatest_test_res batch_matches(batch_opts *o)
 {
     enum { NS = 3 };
     const int hkv = 2, hq = 4, d = 32;
     const size_t n = 1100;
-    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA), *rc = make_rt(PQC_BACKEND_CPU);
+    pqc_cache_desc cd = base_desc(o->layers, hkv, hq, d);
+    pqc_runtime *rg, *rc = make_rt(PQC_BACKEND_CPU);
     pqc_cache *cg[NS], *cc[NS];
     pqc_selection sg[NS], sc[NS];
     pqc_kv_out og[NS], oc[NS];
@@ -1370,26 +1383,38 @@ TEST batch_on_device_matches_cpu(void)
     const pqc_selection *cpsg[NS], *cpsc[NS];
     const pqc_kv_out *pog[NS], *poc[NS];
     float *k[NS], *v, *q, *buf;
-    size_t rows = n * hkv * d;
-    int i, h;
+    size_t rows = (n + (size_t)o->steps) * hkv * d;
+    int i, h, l, step;
+    char *old = getenv("PQC_KMEANS_GEMM") ? strdup(getenv("PQC_KMEANS_GEMM")) : NULL;
+    setenv("PQC_KMEANS_GEMM", "0", 1); /* the builds' k-means: no matmuls (the failure counter is the tables') */
+    rg = make_rt_env("PQC_LUT_GEMM", o->lut_gemm, 2);
+    if (old) setenv("PQC_KMEANS_GEMM", old, 1);
+    else unsetenv("PQC_KMEANS_GEMM");
+    free(old);
+    cd.gqa = (pqc_gqa)o->gqa;
+    if (o->bands) {
+        cd.pq.rope = PQC_ROPE_HALF;
+        cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+    }
     ASSERT(rg && rc);
-    v = rand_rows(n, (size_t)hkv * d);
-    q = rand_rows(NS, (size_t)hq * d);
+    v = rand_rows(n + (size_t)o->steps, (size_t)hkv * d);
+    q = rand_rows(NS * ((size_t)o->steps + 1), (size_t)hq * d);
     buf = (float *)malloc(4 * NS * rows * sizeof(float));
     ASSERT(v && q && buf);
     for (i = 0; i < NS; i++) {
-        pqc_matrix km, vm;
-        k[i] = make_keys(n, hkv, d, 100 + (uint64_t)i * 7);
+        k[i] = make_keys(n + (size_t)o->steps, hkv, d, 100 + (uint64_t)i * 7);
         ASSERT(k[i]);
-        km = pqc_matrix_f32(k[i], n, (size_t)hkv * d);
-        vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &cg[i]));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rc, &cd, &cc[i]));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cg[i], &sg[i]));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cc[i], &sc[i]));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(cg[i], 0, &km, &vm));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(cc[i], 0, &km, &vm));
-        qs[i] = q + (size_t)i * hq * d;
+        for (l = 0; l < o->layers; l++) {
+            pqc_matrix km = pqc_matrix_f32(k[i], n, (size_t)hkv * d), vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(cg[i], l, &km, &vm));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(cc[i], l, &km, &vm));
+        }
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(cg[i])); /* the codebooks, before the first batch */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(cc[i]));
         psg[i] = &sg[i];
         psc[i] = &sc[i];
         cpsg[i] = &sg[i];
@@ -1398,22 +1423,55 @@ TEST batch_on_device_matches_cpu(void)
         og[i].v = og[i].k + rows;
         oc[i].k = og[i].v + rows;
         oc[i].v = oc[i].k + rows;
-        og[i].head_stride = oc[i].head_stride = n;
+        og[i].head_stride = oc[i].head_stride = n + (size_t)o->steps;
         pog[i] = &og[i];
         poc[i] = &oc[i];
     }
-    ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(cg, NS, 0, qs, psg));
-    ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(cc, NS, 0, qs, psc));
-    ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(cg, NS, 0, cpsg, pog));
-    ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(cc, NS, 0, cpsc, poc));
-    for (i = 0; i < NS; i++)
-        for (h = 0; h < hkv; h++) {
-            size_t cnt = sc[i].count[h];
-            ASSERT_EQ(cnt, sg[i].count[h]);
-            ASSERT_MEM_EQ(sc[i].idx + (size_t)h * sc[i].capacity, sg[i].idx + (size_t)h * sg[i].capacity, cnt * 4);
-            ASSERT_MEM_EQ(oc[i].k + (size_t)h * n * d, og[i].k + (size_t)h * n * d, cnt * d * sizeof(float));
-            ASSERT_MEM_EQ(oc[i].v + (size_t)h * n * d, og[i].v + (size_t)h * n * d, cnt * d * sizeof(float));
+    if (o->lt_fail_at >= 0) {
+        void *sym = open_driver() ? dlsym(g_drv, "pqc_emu_blaslt_fail_after") : NULL;
+        lt_fail_fn fail;
+        ASSERT(sym != NULL);
+        memcpy(&fail, &sym, sizeof fail);
+        fail(o->lt_fail_at);
+    }
+    for (step = 0; step <= o->steps; step++) {
+        for (i = 0; i < NS; i++)
+            qs[i] = q + ((size_t)step * NS + (size_t)i) * hq * d;
+        for (l = 0; l < o->layers; l++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(cg, NS, l, qs, psg));
+            ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(cc, NS, l, qs, psc));
+            ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(cg, NS, l, cpsg, pog));
+            ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(cc, NS, l, cpsc, poc));
+            for (i = 0; i < NS; i++)
+                for (h = 0; h < hkv; h++) {
+                    size_t cnt = sc[i].count[h], hs = n + (size_t)o->steps;
+                    ASSERT_EQ(cnt, sg[i].count[h]);
+                    if (o->approx) { /* a real GPU's matmul adds in its own order: near-ties may swap */
+                        ASSERT(pqc_recall(sc[i].idx + (size_t)h * sc[i].capacity, cnt,
+                                          sg[i].idx + (size_t)h * sg[i].capacity, cnt) >= 0.97);
+                        continue;
+                    }
+                    ASSERT_MEM_EQ(sc[i].idx + (size_t)h * sc[i].capacity, sg[i].idx + (size_t)h * sg[i].capacity, cnt * 4);
+                    ASSERT_MEM_EQ(oc[i].k + (size_t)h * hs * d, og[i].k + (size_t)h * hs * d, cnt * d * sizeof(float));
+                    ASSERT_MEM_EQ(oc[i].v + (size_t)h * hs * d, og[i].v + (size_t)h * hs * d, cnt * d * sizeof(float));
+                }
         }
+        if (step == o->steps) break;
+        for (i = 0; i < NS; i++) /* the next token of every layer */
+            for (l = 0; l < o->layers; l++) {
+                const float *kr = k[i] + (n + (size_t)step) * hkv * d, *vr = v + (n + (size_t)step) * hkv * d;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(cg[i], l, kr, vr));
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(cc[i], l, kr, vr));
+            }
+    }
+    if (o->lt_fail_at >= 0) {
+        void *sym = dlsym(g_drv, "pqc_emu_blaslt_fail_after");
+        lt_fail_fn fail;
+        memcpy(&fail, &sym, sizeof fail);
+        fail(-1);
+    }
+    o->gemm_batches = rg->cu && rg->cu->lb ? rg->cu->lb->gemm_batches : 0;
+    o->kernel_batches = rg->cu && rg->cu->lb ? rg->cu->lb->kernel_batches : 0;
     for (i = 0; i < NS; i++) {
         pqc_selection_free(&sg[i]);
         pqc_selection_free(&sc[i]);
@@ -1426,6 +1484,59 @@ TEST batch_on_device_matches_cpu(void)
     free(v);
     free(q);
     free(buf);
+    PASS();
+}
+
+TEST batch_on_device_matches_cpu(void)
+{
+    batch_opts o = { NULL, PQC_GQA_SOFTMAX_SUM, 0, 0, 1, -1, 0, 0, 0 };
+    CHECK_CALL(batch_matches(&o));
+    if (on_emulator()) /* the stand-in's timer reads 0: the first batch of the class timed the kernel */
+        ASSERT_EQ(1ull, o.kernel_batches);
+    PASS();
+}
+
+/* The lookup tables of the whole batch in one cuBLASLt matmul (PQC_LUT_GEMM=1): every
+   batch of every layer and step builds them so, and the selections and rows are the CPU
+   tier's (to the bit on the stand-in, whose matmul adds in the kernel's order; 97% of
+   the selections on a GPU): per-head tables (softmax), summed ones (sum), RoPE-band
+   sub-spaces. PQC_LUT_GEMM=0 leaves each sequence to its kernel. */
+TEST batch_tables_in_one_matmul(void)
+{
+    batch_opts o = { "1", PQC_GQA_SOFTMAX_SUM, 0, 3, 2, -1, 0, 0, 0 };
+    o.approx = !on_emulator();
+    CHECK_CALL(batch_matches(&o));
+    ASSERT_EQ(8ull, o.gemm_batches); /* (3 steps + 1) x 2 layers */
+    ASSERT_EQ(0ull, o.kernel_batches);
+    o.gqa = PQC_GQA_SUM;
+    CHECK_CALL(batch_matches(&o));
+    ASSERT_EQ(8ull, o.gemm_batches);
+    o.bands = 1;
+    CHECK_CALL(batch_matches(&o));
+    ASSERT_EQ(8ull, o.gemm_batches);
+    o.gqa = PQC_GQA_SOFTMAX_SUM;
+    o.lut_gemm = "0";
+    CHECK_CALL(batch_matches(&o));
+    ASSERT_EQ(0ull, o.gemm_batches + o.kernel_batches);
+    PASS();
+}
+
+/* Timing decides after four batches of a class (kernel, matmul, kernel, matmul), and a
+   failing matmul leaves the kernel to each sequence, with the same results. */
+TEST batch_tables_measured_and_falls_back(void)
+{
+    batch_opts o = { NULL, PQC_GQA_SOFTMAX_SUM, 0, 3, 2, -1, 0, 0, 0 };
+    if (!on_emulator()) SKIPm("the stand-in's cuBLASLt: its timer reads 0, and it can fail a matmul");
+    CHECK_CALL(batch_matches(&o));
+    ASSERT_EQ(2ull, o.gemm_batches); /* timed: batches 2 and 4; then the tie keeps the kernel */
+    ASSERT_EQ(2ull, o.kernel_batches);
+    o.lut_gemm = "1";
+    o.lt_fail_at = 2; /* the third matmul: this class goes back to the kernel */
+    CHECK_CALL(batch_matches(&o));
+    ASSERT_EQ(2ull, o.gemm_batches);
+    o.lt_fail_at = 0;
+    CHECK_CALL(batch_matches(&o));
+    ASSERT_EQ(0ull, o.gemm_batches);
     PASS();
 }
 
@@ -1507,6 +1618,8 @@ SUITE(cuda_tier)
     RUN_TEST(kmeans_gemm_concurrent_builds);
     RUN_TEST(kmeans_gemm_falls_back);
     RUN_TEST(batch_on_device_matches_cpu);
+    RUN_TEST(batch_tables_in_one_matmul);
+    RUN_TEST(batch_tables_measured_and_falls_back);
 }
 
 GREATEST_MAIN_DEFS();

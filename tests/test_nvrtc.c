@@ -105,7 +105,7 @@ static const char *const k_kernels[] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan",
     "pqc_topk_pass", "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv",
     "pqc_cache_fill", "pqc_centroid_norms", "pqc_assign_codes", "pqc_kmeans_assign",
-    "pqc_kmeans_update", "pqc_kmeans_assign_dots", "pqc_select_admit"
+    "pqc_kmeans_update", "pqc_kmeans_assign_dots", "pqc_select_admit", "pqc_lut_sum"
 };
 #define N_KERNELS ((int)(sizeof(k_kernels) / sizeof(k_kernels[0])))
 

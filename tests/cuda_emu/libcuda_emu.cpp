@@ -264,6 +264,7 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_kmeans_assign);
         K(pqc_kmeans_update);
         K(pqc_kmeans_assign_dots);
+        K(pqc_lut_sum);
 #undef K
         k["pqc_scan_stats"].static_smem = 2 * 256 * 4; /* red_m, red_s */
     }
@@ -648,7 +649,7 @@ typedef int cublasStatus;
 enum { LT_OK = 0, LT_NOT_INITIALIZED = 1, LT_INVALID_VALUE = 7, LT_EXECUTION_FAILED = 13, LT_NOT_SUPPORTED = 15 };
 struct LtHandle { int tag; };
 struct LtDesc { int compute, scale, transa, transb; };
-struct LtLayout { int type; uint64_t rows, cols; int64_t ld; };
+struct LtLayout { int type; uint64_t rows, cols; int64_t ld; int32_t batch; int64_t bstride; uint32_t mode; };
 struct LtPref { uint64_t max_ws; };
 struct LtAlgo { uint64_t data[8]; };
 struct LtHeur { LtAlgo algo; size_t ws; int state; float waves; int reserved[4]; };
@@ -705,10 +706,32 @@ cublasStatus cublasLtMatrixLayoutCreate(LtLayout **l, int type, uint64_t rows, u
     if (!l) return LT_INVALID_VALUE;
     if (type != 0) return LT_NOT_SUPPORTED;
     if (ld < 1 || (uint64_t)ld < rows) return LT_INVALID_VALUE;
-    *l = new LtLayout{ type, rows, cols, ld };
+    *l = new LtLayout{ type, rows, cols, ld, 1, 0, 0 };
     return LT_OK;
 }
 cublasStatus cublasLtMatrixLayoutDestroy(LtLayout *l) { delete l; return LT_OK; }
+/* batch count (5, int32), strided batch offset (6, int64), batch mode (8, uint32: 0
+   strided, 1 arrays of pointers) */
+cublasStatus cublasLtMatrixLayoutSetAttribute(LtLayout *l, int attr, const void *buf, size_t n)
+{
+    if (!l || !buf) return LT_INVALID_VALUE;
+    if (attr == 5 && n == sizeof(int32_t)) {
+        int32_t v;
+        memcpy(&v, buf, n);
+        if (v < 1) return LT_INVALID_VALUE;
+        l->batch = v;
+    } else if (attr == 6 && n == sizeof(int64_t)) {
+        memcpy(&l->bstride, buf, n);
+    } else if (attr == 8 && n == sizeof(uint32_t)) {
+        uint32_t v;
+        memcpy(&v, buf, n);
+        if (v > 1) return LT_INVALID_VALUE;
+        l->mode = v;
+    } else {
+        return LT_NOT_SUPPORTED;
+    }
+    return LT_OK;
+}
 cublasStatus cublasLtMatmulPreferenceCreate(LtPref **p)
 {
     if (!p) return LT_INVALID_VALUE;
@@ -735,6 +758,8 @@ static bool lt_dims(const LtDesc *d, const LtLayout *a, const LtLayout *b, const
     bk = d->transb ? b->cols : b->rows;
     bn = d->transb ? b->rows : b->cols;
     if (ak != bk || c->rows != am || c->cols != bn || dd->rows != am || dd->cols != bn) return false;
+    if (a->batch != b->batch || a->batch != c->batch || a->batch != dd->batch) return false;
+    if (a->mode != b->mode || a->mode != c->mode || a->mode != dd->mode) return false;
     *m = am;
     *n = bn;
     *k = ak;
@@ -771,30 +796,58 @@ cublasStatus cublasLtMatmul(LtHandle *h, LtDesc *d, const void *alpha, const voi
     if (ws_bytes && !is_device((uintptr_t)ws, ws_bytes)) { complain("cublasLtMatmul workspace", (uintptr_t)ws, ws_bytes); return LT_INVALID_VALUE; }
     memcpy(&al, alpha, 4); /* host pointer mode, the default */
     memcpy(&be, beta, 4);
-    if (!is_device((uintptr_t)A, lt_bytes(la))) { complain("cublasLtMatmul A", (uintptr_t)A, lt_bytes(la)); return LT_INVALID_VALUE; }
-    if (!is_device((uintptr_t)B, lt_bytes(lb))) { complain("cublasLtMatmul B", (uintptr_t)B, lt_bytes(lb)); return LT_INVALID_VALUE; }
-    if (!is_device((uintptr_t)D, lt_bytes(ld))) { complain("cublasLtMatmul D", (uintptr_t)D, lt_bytes(ld)); return LT_INVALID_VALUE; }
-    if (be != 0.0f && (!C || !is_device((uintptr_t)C, lt_bytes(lc)))) { complain("cublasLtMatmul C", (uintptr_t)C, lt_bytes(lc)); return LT_INVALID_VALUE; }
+    /* the extent each argument must have: a matrix per instance (strided), or an array
+       of pointers (pointer-array mode, each matrix checked when the matmul runs) */
+    int32_t nb = la->batch;
+    bool arrays = la->mode == 1;
+    auto extent = [&](const LtLayout *l) {
+        return arrays ? (size_t)nb * sizeof(uint64_t) : lt_bytes(l) + (size_t)(nb - 1) * (size_t)l->bstride * 4;
+    };
+    if (!arrays && nb > 1 && (la->bstride < 0 || lb->bstride < 0 || ld->bstride < 0 || lc->bstride < 0)) return LT_INVALID_VALUE;
+    if (!is_device((uintptr_t)A, extent(la))) { complain("cublasLtMatmul A", (uintptr_t)A, extent(la)); return LT_INVALID_VALUE; }
+    if (!is_device((uintptr_t)B, extent(lb))) { complain("cublasLtMatmul B", (uintptr_t)B, extent(lb)); return LT_INVALID_VALUE; }
+    if (!is_device((uintptr_t)D, extent(ld))) { complain("cublasLtMatmul D", (uintptr_t)D, extent(ld)); return LT_INVALID_VALUE; }
+    if (be != 0.0f && (!C || !is_device((uintptr_t)C, extent(lc)))) { complain("cublasLtMatmul C", (uintptr_t)C, extent(lc)); return LT_INVALID_VALUE; }
     if (g_lt_fail >= 0 && g_lt_fail-- == 0) return LT_EXECUTION_FAILED;
     LtDesc dc = *d;
     LtLayout a = *la, b = *lb, c = *lc, o = *ld;
-    const float *pa = (const float *)A, *pb = (const float *)B, *pc = (const float *)C;
-    float *pd = (float *)D;
-    if (verbose()) fprintf(stderr, "cuda-emu: cublasLtMatmul %llu x %llu x %llu\n", (unsigned long long)m,
-                           (unsigned long long)n, (unsigned long long)k);
+    if (verbose()) fprintf(stderr, "cuda-emu: cublasLtMatmul %llu x %llu x %llu, batch %d%s\n", (unsigned long long)m,
+                           (unsigned long long)n, (unsigned long long)k, (int)nb, arrays ? " (pointer arrays)" : "");
     enqueue(S(stream), [=]() {
-        for (uint64_t j = 0; j < n; j++)
-            for (uint64_t i = 0; i < m; i++) {
-                float acc = 0.0f;
-                for (uint64_t e = 0; e < k; e++) {
-                    float x = dc.transa ? pa[e + i * (uint64_t)a.ld] : pa[i + e * (uint64_t)a.ld];
-                    float y = dc.transb ? pb[j + e * (uint64_t)b.ld] : pb[e + j * (uint64_t)b.ld];
-                    acc = fmaf(x, y, acc);
+        for (int32_t t = 0; t < nb; t++) {
+            const float *pa, *pb, *pc = nullptr;
+            float *pd;
+            if (arrays) { /* the arrays are device memory: read now, when the copies before ran */
+                uint64_t v[4] = { 0, 0, 0, 0 };
+                memcpy(&v[0], (const char *)A + (size_t)t * 8, 8);
+                memcpy(&v[1], (const char *)B + (size_t)t * 8, 8);
+                memcpy(&v[3], (const char *)D + (size_t)t * 8, 8);
+                if (be != 0.0f) memcpy(&v[2], (const char *)C + (size_t)t * 8, 8);
+                if (!is_device(v[0], lt_bytes(&a)) || !is_device(v[1], lt_bytes(&b)) || !is_device(v[3], lt_bytes(&o)) ||
+                    (be != 0.0f && !is_device(v[2], lt_bytes(&c)))) {
+                    complain("cublasLtMatmul: a matrix of the pointer arrays", v[0], lt_bytes(&a));
+                    abort(); /* a real device would fault */
                 }
-                float v = al == 1.0f ? acc : al * acc;
-                if (be != 0.0f) v = v + be * pc[i + j * (uint64_t)c.ld];
-                pd[i + j * (uint64_t)o.ld] = v;
+                pa = (const float *)(uintptr_t)v[0], pb = (const float *)(uintptr_t)v[1];
+                pc = (const float *)(uintptr_t)v[2], pd = (float *)(uintptr_t)v[3];
+            } else {
+                pa = (const float *)A + (size_t)t * (size_t)a.bstride, pb = (const float *)B + (size_t)t * (size_t)b.bstride;
+                if (C) pc = (const float *)C + (size_t)t * (size_t)c.bstride;
+                pd = (float *)D + (size_t)t * (size_t)o.bstride;
             }
+            for (uint64_t j = 0; j < n; j++)
+                for (uint64_t i = 0; i < m; i++) {
+                    float acc = 0.0f;
+                    for (uint64_t e = 0; e < k; e++) {
+                        float x = dc.transa ? pa[e + i * (uint64_t)a.ld] : pa[i + e * (uint64_t)a.ld];
+                        float y = dc.transb ? pb[j + e * (uint64_t)b.ld] : pb[e + j * (uint64_t)b.ld];
+                        acc = fmaf(x, y, acc);
+                    }
+                    float v = al == 1.0f ? acc : al * acc;
+                    if (be != 0.0f) v = v + be * pc[i + j * (uint64_t)c.ld];
+                    pd[i + j * (uint64_t)o.ld] = v;
+                }
+        }
     });
     return LT_OK;
 }

@@ -7,7 +7,9 @@
 #      the K/V gather (misses from pinned host memory against the measured pinned
 #      host-to-device copy bandwidth, hits from the device block cache), and the k-means
 #      assignment step (n 32K and 128K, d 64 and 128, k 256): its kernel against the
-#      cuBLASLt GEMM path, as the library times them, and which one it picks;
+#      cuBLASLt GEMM path, as the library times them, and which one it picks; and the
+#      lookup tables of pqc_batch_select over 8 and 32 sequences: the table kernel per
+#      sequence against one pointer-array cuBLASLt matmul, likewise;
 #   2. test_cuda_tier: sequence caches on the GPU against the same caches on the CPU
 #      (selections, gathered rows, statistics, growth, rebuilds, the engine's stream);
 #   3. test_pqcache_mode --cuda: a whole tiny_llama decode with the CUDA device tier

@@ -1,7 +1,8 @@
 /* gpu_check.c - runs every kernel of pqcache_kernels.cu on an NVIDIA GPU against plain
  * CPU reference implementations, then times the decode-step selection (LUT + scan +
- * top-k), the K/V gather, and the k-means assignment step (its kernel against the
- * cuBLASLt GEMM path, as the library measures them). Needs an NVIDIA GPU and driver;
+ * top-k), the K/V gather, the k-means assignment step (its kernel against the
+ * cuBLASLt GEMM path, as the library measures them) and the lookup tables of a batch
+ * of sequences (the table kernel against one pointer-array cuBLASLt matmul, likewise). Needs an NVIDIA GPU and driver;
  * everything else (NVRTC, cuBLASLt) is dlopen'ed through pqcache.h.
  *
  * Build:  cc -std=c99 -O2 -o build/gpu_check tests/gpu/gpu_check.c -lm -ldl
@@ -27,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <math.h>
+#include <time.h>
 #include <errno.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -50,13 +52,13 @@ static int g_passed, g_failed;
 
 enum {
     K_LUT, K_STATS, K_FINAL, K_SCAN, K_PASS, K_COUNT, K_COMPACT, K_GATHER, K_FILL,
-    K_NORMS, K_ASSIGN, K_KM_ASSIGN, K_KM_UPDATE, K_KM_DOTS, K_N
+    K_NORMS, K_ASSIGN, K_KM_ASSIGN, K_KM_UPDATE, K_KM_DOTS, K_LUT_SUM, K_N
 };
 static const char *const knames[K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan",
     "pqc_topk_pass", "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv",
     "pqc_cache_fill", "pqc_centroid_norms", "pqc_assign_codes", "pqc_kmeans_assign",
-    "pqc_kmeans_update", "pqc_kmeans_assign_dots"
+    "pqc_kmeans_update", "pqc_kmeans_assign_dots", "pqc_lut_sum"
 };
 static pqc__cuFunction F[K_N];
 
@@ -1569,6 +1571,96 @@ static void bench_kmeans(pqc_runtime *rt, int n, int d, int k, km_row *row)
     free(c);
 }
 
+/* The lookup tables of a batch of sequences: pqc_batch_select over ns sequences on one
+   CUDA runtime (one layer, 8 KV heads x 4 query heads, d_h 128, m 2, 8 bits). The
+   runtime times the table kernel against one pointer-array cuBLASLt matmul for the
+   whole batch on the first four batches of the shape class and keeps the faster; this
+   reports those figures and the batch's select time afterwards (median, wall clock:
+   each sequence's select reads its top-k back). */
+typedef struct { int ns, measured, gemm; float ms_kernel, ms_gemm; double batch_us; char note[120]; } lb_row;
+
+static double wall_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static void bench_lut_batch(pqc_runtime *rt, int ns, lb_row *row)
+{
+    enum { HKV = 8, HQ = 32, DH = 128 };
+    size_t n = g_quick ? 1024 : 4096, i;
+    uint64_t rs = g_seed ^ 777u, gb = 0, kb = 0;
+    pqc_cache_desc cd;
+    pqc_cache **cs = (pqc_cache **)xmalloc(sizeof(pqc_cache *) * (size_t)ns);
+    pqc_selection *sel = (pqc_selection *)xmalloc(sizeof(pqc_selection) * (size_t)ns);
+    pqc_selection **ps = (pqc_selection **)xmalloc(sizeof(pqc_selection *) * (size_t)ns);
+    const float **qs = (const float **)xmalloc(sizeof(float *) * (size_t)ns);
+    float *kv = (float *)xmalloc(sizeof(float) * n * HKV * DH), *q = (float *)xmalloc(sizeof(float) * (size_t)ns * HQ * DH);
+    float t[BENCH_REPS];
+    pqc__lb_class cls;
+    pqc_matrix km;
+    int s, rep, made = 0, ok = 1;
+    memset(row, 0, sizeof *row);
+    memset(&cls, 0, sizeof cls);
+    row->ns = ns;
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 1;
+    cd.n_kv_heads = HKV;
+    cd.n_q_heads = HQ;
+    cd.head_dim = DH;
+    cd.max_tokens = n + 16;
+    cd.n_sink = 16;
+    cd.budget_ratio = 0.1;
+    cd.block_tokens = 32;
+    cd.cache_blocks = 16;
+    cd.pq.m = 2;
+    cd.pq.bits = 8;
+    cd.pq.iters = 4;
+    for (i = 0; i < n * HKV * DH; ++i) kv[i] = rng_gauss(&rs);
+    for (i = 0; i < (size_t)ns * HQ * DH; ++i) q[i] = rng_gauss(&rs);
+    km = pqc_matrix_f32(kv, n, (size_t)HKV * DH);
+    for (s = 0; s < ns && ok; ++s, ++made) {
+        ok = pqc_cache_create(rt, &cd, &cs[s]) == PQC_SUCCESS;
+        if (ok) ok = pqc_selection_init(cs[s], &sel[s]) == PQC_SUCCESS;
+        else cs[s] = NULL, --made;
+        if (ok) ok = pqc_cache_prefill(cs[s], 0, &km, &km) == PQC_SUCCESS && pqc_cache_sync(cs[s]) == PQC_SUCCESS;
+        ps[s] = &sel[s];
+        qs[s] = q + (size_t)s * HQ * DH;
+    }
+    for (rep = 0; rep < 4 + BENCH_REPS && ok; ++rep) {
+        double t0 = wall_s();
+        ok = pqc_batch_select(cs, ns, 0, qs, ps) == PQC_SUCCESS;
+        if (rep >= 4) t[rep - 4] = (float)(wall_s() - t0);
+    }
+    if (!ok) {
+        char msg[300];
+        snprintf(msg, sizeof msg, "%d sequences: %.250s", ns, pqc_last_error());
+        report(0, "batched tables bench", msg);
+    } else {
+        row->batch_us = 1e6 * median(t, BENCH_REPS);
+        if (pqc__cuda_lut_choice(rt, HQ / HKV, DH / 2, 256, (size_t)ns * HKV * 2, &cls, &gb, &kb) && cls.tries == 4 &&
+            !cls.failed) {
+            row->measured = 1;
+            row->gemm = cls.gemm;
+            row->ms_kernel = cls.ms[0] < cls.ms[2] ? cls.ms[0] : cls.ms[2];
+            row->ms_gemm = cls.ms[1] < cls.ms[3] ? cls.ms[1] : cls.ms[3];
+        } else {
+            snprintf(row->note, sizeof row->note, "not measured (PQC_LUT_GEMM set, no cuBLASLt, or a matmul failed)");
+        }
+    }
+    for (s = 0; s < made; ++s) {
+        pqc_selection_free(&sel[s]);
+        pqc_cache_destroy(cs[s]);
+    }
+    free(cs);
+    free(sel);
+    free(ps);
+    free(qs);
+    free(kv);
+    free(q);
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Main                                                                                 */
 /* ------------------------------------------------------------------------------------ */
@@ -1593,6 +1685,8 @@ int main(int argc, char **argv)
     gather_row grow;
     km_row krows[4];
     int n_krows = 0;
+    lb_row lrows[2];
+    int n_lrows = 0;
     char km_note[700] = "";
 
     for (i = 1; i < argc; ++i) {
@@ -1751,6 +1845,8 @@ int main(int argc, char **argv)
                     for (di = 0; di < 2; ++di)
                         bench_kmeans(rt, g_quick ? (ni ? 1024 : 512) : (ni ? 131072 : 32768), di ? 128 : 64, 256,
                                      &krows[n_krows++]);
+                for (ni = 0; ni < 2; ++ni)
+                    bench_lut_batch(rt, g_quick ? (ni ? 4 : 2) : (ni ? 32 : 8), &lrows[n_lrows++]);
                 pqc_runtime_destroy(rt);
                 CU(A.cuCtxSetCurrent(D.ctx)); /* the runtime leaves no context current */
             }
@@ -1784,6 +1880,19 @@ int main(int argc, char **argv)
             printf("%8d %4d %4d %12.3f %12.3f %8.2f  %s\n", krows[i].n, krows[i].d, krows[i].k, krows[i].ms_kernel,
                    krows[i].ms_gemm, krows[i].ms_gemm > 0.0f ? krows[i].ms_kernel / krows[i].ms_gemm : 0.0,
                    krows[i].gemm ? "cuBLASLt GEMM + argmin" : "kernel");
+        }
+        printf("\n== lookup tables of a batch (pqc_batch_select; 8 KV x 4 query heads, d_h 128, m 2, 8 bits; "
+               "as the library measures them: faster of 2) ==\n");
+        printf("%5s %12s %12s %8s  %-24s %14s\n", "seqs", "kernel_ms", "gemm_ms", "speedup", "library uses",
+               "batch_select_us");
+        for (i = 0; i < n_lrows; ++i) {
+            if (!lrows[i].measured) {
+                printf("%5d  %s\n", lrows[i].ns, lrows[i].note);
+                continue;
+            }
+            printf("%5d %12.4f %12.4f %8.2f  %-24s %14.1f\n", lrows[i].ns, lrows[i].ms_kernel, lrows[i].ms_gemm,
+                   lrows[i].ms_gemm > 0.0f ? lrows[i].ms_kernel / lrows[i].ms_gemm : 0.0,
+                   lrows[i].gemm ? "one cuBLASLt matmul" : "kernel per sequence", lrows[i].batch_us);
         }
         printf("\n== targets ==\n");
         for (i = 0; i < n_rows; ++i)
