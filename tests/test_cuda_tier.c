@@ -1306,6 +1306,19 @@ TEST kmeans_gemm_concurrent_builds(void)
 /* without cuBLASLt (PQC_CUBLASLT_PATH naming a missing file), or with every matmul
    failing, the GEMM path falls back to the kernel: builds succeed with its results */
 typedef void (*lt_fail_fn)(long n);
+
+/* The stand-in's cuBLASLt fails the matmul after the next n (n < 0: none); 0 where the
+   driver is not the stand-in. */
+static int lt_fail_after(long n)
+{
+    void *sym = open_driver() ? dlsym(g_drv, "pqc_emu_blaslt_fail_after") : NULL;
+    lt_fail_fn fail;
+    if (!sym) return 0;
+    memcpy(&fail, &sym, sizeof fail);
+    fail(n);
+    return 1;
+}
+
 TEST kmeans_gemm_falls_back(void)
 {
     const int d = 64;
@@ -1317,7 +1330,6 @@ TEST kmeans_gemm_falls_back(void)
     km_run a, b;
     int exact = on_emulator();
     long at;
-    void *sym;
     ASSERT(rk);
     ASSERT_EQ(PQC_SUCCESS, km_train(rk, &km, &a));
     setenv("PQC_CUBLASLT_PATH", "build/no-such-dir/libcublasLt.so.13", 1);
@@ -1331,17 +1343,14 @@ TEST kmeans_gemm_falls_back(void)
     ASSERT(km_same(&a, &b, exact));
     pqc_pq_free(&b.pq);
     pqc_runtime_destroy(rn);
-    sym = open_driver() ? dlsym(g_drv, "pqc_emu_blaslt_fail_after") : NULL;
-    if (sym && old) { /* the stand-in's cuBLASLt: the first matmul, then one in the middle, fails */
-        lt_fail_fn fail;
-        memcpy(&fail, &sym, sizeof fail);
+    if (on_emulator() && old) { /* the stand-in's cuBLASLt: the first matmul, then one in the middle, fails */
         rn = make_rt_env("PQC_KMEANS_GEMM", "1", 1);
         ASSERT(rn != NULL);
         ASSERT(strstr(pqc_runtime_backend_note(rn), "k-means GEMM forced") != NULL);
         for (at = 0; at < 20; at += 11) {
-            fail(at);
+            ASSERT(lt_fail_after(at));
             ASSERT_EQ(PQC_SUCCESS, km_train(rn, &km, &b));
-            fail(-1);
+            lt_fail_after(-1);
             ASSERT(km_same(&a, &b, 1));
             pqc_pq_free(&b.pq);
         }
@@ -1427,13 +1436,7 @@ static enum greatest_test_res batch_matches(batch_opts *o)
         pog[i] = &og[i];
         poc[i] = &oc[i];
     }
-    if (o->lt_fail_at >= 0) {
-        void *sym = open_driver() ? dlsym(g_drv, "pqc_emu_blaslt_fail_after") : NULL;
-        lt_fail_fn fail;
-        ASSERT(sym != NULL);
-        memcpy(&fail, &sym, sizeof fail);
-        fail(o->lt_fail_at);
-    }
+    if (o->lt_fail_at >= 0) ASSERT(lt_fail_after(o->lt_fail_at));
     for (step = 0; step <= o->steps; step++) {
         for (i = 0; i < NS; i++)
             qs[i] = q + ((size_t)step * NS + (size_t)i) * hq * d;
@@ -1464,12 +1467,7 @@ static enum greatest_test_res batch_matches(batch_opts *o)
                 ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(cc[i], l, kr, vr));
             }
     }
-    if (o->lt_fail_at >= 0) {
-        void *sym = dlsym(g_drv, "pqc_emu_blaslt_fail_after");
-        lt_fail_fn fail;
-        memcpy(&fail, &sym, sizeof fail);
-        fail(-1);
-    }
+    if (o->lt_fail_at >= 0) lt_fail_after(-1);
     o->gemm_batches = rg->cu && rg->cu->lb ? rg->cu->lb->gemm_batches : 0;
     o->kernel_batches = rg->cu && rg->cu->lb ? rg->cu->lb->kernel_batches : 0;
     for (i = 0; i < NS; i++) {
