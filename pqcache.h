@@ -10179,7 +10179,8 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
    dsub x K column-major, ld dsub) and Q its query heads' dims (dsub x g, ld d; the
    queries are staged with each sub-space's dims together, so the RoPE-band layout needs
    no strides). pqc_batch_select makes those of all its CUDA caches one pointer-array
-   matmul before the selects run; each cache's stream waits for it and its search skips
+   matmul before the selects run, on the runtime's own stream (after every cache's
+   staging copies); each cache's stream waits for it and its search skips
    the table kernel. Unless PQC_LUT_GEMM forces a path, the first four batches of a shape
    class (g, dsub, K, entries rounded up to a power of two) alternate the table kernel
    and the matmul, timed with events, and the class keeps the faster (a tie keeps the
@@ -10199,6 +10200,7 @@ struct pqc__lb {
                                      (the first E of each array used) */
     uint64_t *hptr;               /* their pinned staging */
     size_t cap;
+    pqc__cuStream st;             /* the batches' own stream (each cache's stream waits for it) */
     pqc__cuEvent ev_done, ev_t0;  /* the last batch's work is done; a timing start */
     pqc__lb_class cls[PQC__KM_CLASSES];
     int n_cls, next_cls;
@@ -10215,6 +10217,7 @@ static void pqc__lb_free(pqc_runtime *rt)
         cr->api.cuEventDestroy_v2(lb->ev_done);
     }
     if (lb->ev_t0) cr->api.cuEventDestroy_v2(lb->ev_t0);
+    if (lb->st) cr->api.cuStreamDestroy_v2(lb->st);
     pqc__km_plan_free(&cr->api, &lb->plan);
     if (lb->dptr) cr->api.cuMemFree_v2(lb->dptr);
     if (lb->hptr) cr->api.cuMemFreeHost(lb->hptr);
@@ -10327,7 +10330,8 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     if (!(lb = cr->lb)) {
         if (!(lb = (struct pqc__lb *)pqc__calloc(&c0->rt->alloc, sizeof *lb))) goto out;
         cr->lb = lb;
-        if (api->cuEventCreate(&lb->ev_done, PQC__CU_EVENT_DEFAULT) != 0 ||
+        if (api->cuStreamCreate(&lb->st, PQC__CU_STREAM_NON_BLOCKING) != 0 ||
+            api->cuEventCreate(&lb->ev_done, PQC__CU_EVENT_DEFAULT) != 0 ||
             api->cuEventCreate(&lb->ev_t0, PQC__CU_EVENT_DEFAULT) != 0) {
             pqc__lb_free(c0->rt);
             goto out;
@@ -10394,7 +10398,7 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
             }
     }
     api->cuCtxSetCurrent(cr->dev.ctx);
-    gs = c0->cu->st;
+    gs = lb->st;
     for (ci = 0; ci < n; ci++)
         if (pqc__cut_lb_fits(caches[ci], c0, l, q[ci]) && api->cuStreamWaitEvent(gs, caches[ci]->cu->ev_qb, 0) != 0) {
             what = "cuStreamWaitEvent";

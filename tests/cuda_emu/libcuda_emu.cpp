@@ -104,6 +104,7 @@ struct Event { Stream *s = nullptr; uint64_t seq = 0; };
 
 Stream g_default;
 std::vector<Stream *> g_streams;
+std::vector<Stream *> g_retired; /* destroyed streams, drained */
 
 Stream *S(void *h) { return h ? (Stream *)h : &g_default; }
 
@@ -566,8 +567,10 @@ CUresult cuStreamDestroy_v2(void *s)
     run_all(x);
     for (size_t i = 0; i < g_streams.size(); i++)
         if (g_streams[i] == x) {
+            /* events recorded on it, and waits queued on other streams for them, stay
+               valid (complete), as on a GPU: the emptied stream is kept, not freed */
             g_streams.erase(g_streams.begin() + (long)i);
-            delete x;
+            g_retired.push_back(x);
             return OK;
         }
     return ERR_INVALID_HANDLE;
