@@ -99,14 +99,24 @@ bool is_pinned(const void *p, size_t n)
 
 /* ----- streams and events ----- */
 struct Op { uint64_t seq; std::function<void()> fn; };
-struct Stream { std::deque<Op> q; uint64_t next = 1, done = 0; };
-struct Event { Stream *s = nullptr; uint64_t seq = 0; };
+struct Stream { std::deque<Op> q; uint64_t next = 1, done = 0, id = 0; };
+/* an event names its stream by id: a stream destroyed after the record (drained
+   then) leaves the event complete, as on a GPU */
+struct Event { uint64_t sid = 0; uint64_t seq = 0; };
 
 Stream g_default;
 std::vector<Stream *> g_streams;
-std::vector<Stream *> g_retired; /* destroyed streams, drained */
+std::map<uint64_t, Stream *> g_live; /* streams by id (the default stream: 1) */
+uint64_t g_next_sid = 2;
 
 Stream *S(void *h) { return h ? (Stream *)h : &g_default; }
+uint64_t sid_of(Stream *s) { return s == &g_default ? 1 : s->id; }
+Stream *live(uint64_t sid)
+{
+    if (sid == 1) return &g_default;
+    std::map<uint64_t, Stream *>::iterator it = g_live.find(sid);
+    return it == g_live.end() ? nullptr : it->second;
+}
 
 void run_until(Stream *s, uint64_t seq)
 {
@@ -555,6 +565,8 @@ CUresult cuStreamCreate(void **s, unsigned)
     EMU_LOCK;
     NEED_CTX;
     Stream *x = new Stream();
+    x->id = g_next_sid++;
+    g_live[x->id] = x;
     g_streams.push_back(x);
     *s = x;
     return OK;
@@ -567,10 +579,9 @@ CUresult cuStreamDestroy_v2(void *s)
     run_all(x);
     for (size_t i = 0; i < g_streams.size(); i++)
         if (g_streams[i] == x) {
-            /* events recorded on it, and waits queued on other streams for them, stay
-               valid (complete), as on a GPU: the emptied stream is kept, not freed */
             g_streams.erase(g_streams.begin() + (long)i);
-            g_retired.push_back(x);
+            g_live.erase(x->id);
+            delete x;
             return OK;
         }
     return ERR_INVALID_HANDLE;
@@ -581,8 +592,11 @@ CUresult cuStreamWaitEvent(void *s, void *e, unsigned)
     EMU_LOCK;
     NEED_CTX;
     Event ev = *(Event *)e; /* the event as recorded now */
-    if (!ev.s) return OK;
-    enqueue(S(s), [ev]() { run_until(ev.s, ev.seq); });
+    if (!ev.sid) return OK;
+    enqueue(S(s), [ev]() {
+        Stream *x = live(ev.sid);
+        if (x) run_until(x, ev.seq);
+    });
     return OK;
 }
 CUresult cuEventCreate(void **e, unsigned)
@@ -604,7 +618,7 @@ CUresult cuEventRecord(void *e, void *s)
     NEED_CTX;
     Stream *x = S(s);
     Event *ev = (Event *)e;
-    ev->s = x;
+    ev->sid = sid_of(x);
     ev->seq = x->next; /* completes with the next operation queued: a marker */
     enqueue(x, []() {});
     return OK;
@@ -615,7 +629,8 @@ CUresult cuEventSynchronize(void *e)
     NEED_CTX;
     Event *ev = (Event *)e;
     g_count[0]++;
-    if (ev->s) run_until(ev->s, ev->seq);
+    Stream *x = live(ev->sid);
+    if (x) run_until(x, ev->seq);
     return OK;
 }
 CUresult cuEventQuery(void *e)
@@ -623,7 +638,8 @@ CUresult cuEventQuery(void *e)
     EMU_LOCK;
     NEED_CTX;
     Event *ev = (Event *)e;
-    if (ev->s && ev->s->done < ev->seq) {
+    Stream *x = live(ev->sid);
+    if (x && x->done < ev->seq) {
         /* a stream's queue runs when waited for: what is queued has not run yet */
         return 600; /* CUDA_ERROR_NOT_READY */
     }
