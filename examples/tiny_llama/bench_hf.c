@@ -13,18 +13,26 @@
       median step time gives the GB/s of weights read per token (every matrix
       once and the classifier), which is compared with the bandwidth. The KV
       cache read per token is reported next to it.
+   3. The same decode in pqcache mode (tl_pqcache.h, its default settings:
+      32 sinks, budget ratio 0.1, m 2, 6 bits, CPU tier): the same rows are
+      handed to the library as a prefill (it stores them and builds the
+      codebooks, waited for before timing), and each step selects sinks +
+      top-k + the window per layer and KV head and attends over those rows
+      only. --attn full or --attn pqcache runs one mode alone.
 
-   The two alternate for --reps rounds (default 5), so that each ratio
-   compares measurements taken side by side (a shared machine's bandwidth
-   drifts); the medians over the rounds are the figures.
+   They alternate for --reps rounds (default 5), so that each ratio compares
+   measurements taken side by side (a shared machine's bandwidth drifts); the
+   medians over the rounds are the figures.
 
    usage: bench_hf [--threads N] [--ctx N] [--steps N] [--reps N] [--mb N]
-                   [--dir PATH] [--vocab N] */
+                   [--dir PATH] [--vocab N] [--attn both|full|pqcache] */
 #ifndef __cplusplus
 #define _POSIX_C_SOURCE 200809L
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
 #include "tiny_llama.h"
+#define TL_PQCACHE_IMPLEMENTATION
+#include "tl_pqcache.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -261,16 +269,45 @@ static int write_model(const char *dir, int vocab)
     return fclose(f) == 0 ? 0 : -1;
 }
 
+/* The median time of n decode steps in one mode (0 full attention, 1 pqcache), from
+   position *pos on; a negative time when a step fails. */
+static double decode_steps(tl_model *m, tl_state *s, tlpq *pq, int mode, int n, int *pos,
+                           unsigned long long *rng, int vocab)
+{
+    double times[256];
+    int i;
+    for (i = 0; i < n; i++) {
+        int tok = (int)(tl_rng_next(rng) % (unsigned long long)vocab);
+        double t0 = tl_time_s();
+        if (mode == 0 ? !tl_forward(m, s, NULL, tok, *pos) : !tlpq_decode(pq, tok, *pos)) {
+            fprintf(stderr, "error: %s\n", mode == 0 ? s->err : pq->err);
+            return -1.0;
+        }
+        times[i] = tl_time_s() - t0;
+        (*pos)++;
+    }
+    return median(times, n);
+}
+
+static void report(const char *what, double wbytes, double t, double ratio)
+{
+    printf("%s %.1f ms/token = %.2f GB/s of weights = %.1f%%", what, 1e3 * t, wbytes / t / 1e9, 100.0 * ratio);
+}
+
 int main(int argc, char **argv)
 {
-    int threads = 2, ctx = 4096, steps = 8, reps = 5, vocab = 32000, i, pos, l, r, step = 0;
+    int threads = 2, ctx = 4096, steps = 8, reps = 5, vocab = 32000, i, pos, l, r, mode;
+    int modes[2] = { 1, 1 }, at[2];
     size_t mb = 1024, nwords, w;
     const char *dir = "build/bench_hf_model";
     char err[TL_ERR_LEN];
     unsigned long long sink = 0, rng = tl_rng_seed(7), *buf;
     tl_model m;
     tl_state s;
-    double bw[64], t_step[64], ratio[64], times[256], wbytes, kvbytes;
+    tlpq pq;
+    tlpq_config pcfg;
+    tlpq_stats pst;
+    double bw[64], t_step[2][64], ratio[2][64], wbytes, kvbytes, t0;
     struct stat st;
     char path[1024];
 
@@ -282,12 +319,15 @@ int main(int argc, char **argv)
         else if (strcmp(argv[i], "--mb") == 0) mb = (size_t)atol(argv[i + 1]);
         else if (strcmp(argv[i], "--dir") == 0) dir = argv[i + 1];
         else if (strcmp(argv[i], "--vocab") == 0) vocab = atoi(argv[i + 1]);
+        else if (strcmp(argv[i], "--attn") == 0 && strcmp(argv[i + 1], "both") == 0) modes[0] = modes[1] = 1;
+        else if (strcmp(argv[i], "--attn") == 0 && strcmp(argv[i + 1], "full") == 0) modes[0] = 1, modes[1] = 0;
+        else if (strcmp(argv[i], "--attn") == 0 && strcmp(argv[i + 1], "pqcache") == 0) modes[0] = 0, modes[1] = 1;
         else break;
     }
     if (i != argc || threads < 1 || threads > 64 || ctx < 1 || steps < 1 || steps > 256 || reps < 1 ||
         reps > 64 || steps * reps > 4096 || mb < 16 || vocab < 2) {
         fprintf(stderr, "usage: bench_hf [--threads N] [--ctx N] [--steps N<=256] [--reps N<=64] [--mb N] "
-                "[--dir PATH] [--vocab N]\n");
+                "[--dir PATH] [--vocab N] [--attn both|full|pqcache]\n");
         return 1;
     }
 
@@ -324,43 +364,87 @@ int main(int argc, char **argv)
                 v[e] = tl_rng_float(&rng) - 0.5f;
             }
         }
+    /* pqcache mode: the same rows handed to the library, its codebooks built */
+    if (modes[1]) {
+        tlpq_default_config(&pcfg);
+        pcfg.n_threads = threads;
+        if (tlpq_create(&pq, &m, ctx + steps * reps + 3, &pcfg, err, sizeof err) != 0) {
+            fprintf(stderr, "error: %s\n", err);
+            return 1;
+        }
+        t0 = tl_time_s();
+        for (l = 0; l < m.config.n_layers; l++) {
+            pqc_matrix km = pqc_matrix_f32(tl_key_row(&m.config, &s, l, 0), (size_t)ctx, (size_t)m.config.kv_dim);
+            pqc_matrix vm = pqc_matrix_f32(tl_value_row(&m.config, &s, l, 0), (size_t)ctx, (size_t)m.config.kv_dim);
+            if (pqc_cache_prefill(pq.cache, l, &km, &vm) != PQC_SUCCESS) {
+                fprintf(stderr, "error: pqcache prefill: %s\n", pqc_last_error());
+                return 1;
+            }
+        }
+        if (pqc_cache_sync(pq.cache) != PQC_SUCCESS) {
+            fprintf(stderr, "error: pqcache build: %s\n", pqc_last_error());
+            return 1;
+        }
+        printf("pqcache: %d positions stored and coded in %.1f s (", ctx, tl_time_s() - t0);
+        tlpq_describe(&pq, err, sizeof err);
+        printf("%s)\n", err);
+    }
     wbytes = tl_weight_bytes_per_token(&m);
     kvbytes = 2.0 * m.config.n_layers * (double)ctx * m.config.kv_dim * sizeof(float);
     printf("model: %s, dim %d, %d layers, %d heads (%d KV), hidden %d, vocab %d, %s weights, "
            "%.3f GB read per token\n", tl_arch_name(m.config.arch), m.config.dim, m.config.n_layers,
            m.config.n_heads, m.config.n_kv_heads, m.config.hidden_dim, m.config.vocab_size,
            tl_dtype_name(m.config.wtype), wbytes / 1e9);
-    /* two warm-up steps (the mapped weights into the page cache), then the rounds */
+    /* two warm-up steps per mode (the mapped weights into the page cache), then the
+       rounds: the bandwidth, then each mode's steps */
+    at[0] = at[1] = ctx;
     for (r = -1; r < reps; r++) {
         int n = r < 0 ? 2 : steps;
         if (r >= 0)
             bw[r] = bandwidth(buf, nwords, threads, 3, &sink);
-        for (i = 0; i < n; i++) {
-            double t0 = tl_time_s();
-            if (!tl_forward(&m, &s, NULL, (int)(tl_rng_next(&rng) % (unsigned long long)vocab),
-                            ctx + step++)) {
-                fprintf(stderr, "error: %s\n", s.err);
+        for (mode = 0; mode < 2; mode++) {
+            double t;
+            if (!modes[mode])
+                continue;
+            if ((t = decode_steps(&m, &s, &pq, mode, n, &at[mode], &rng, vocab)) < 0)
                 return 1;
-            }
-            times[i] = tl_time_s() - t0;
+            if (r < 0)
+                continue;
+            t_step[mode][r] = t;
+            ratio[mode][r] = bw[r] > 0 ? wbytes / t / 1e9 / bw[r] : 0.0;
         }
         if (r < 0)
             continue;
-        t_step[r] = median(times, steps);
-        ratio[r] = bw[r] > 0 ? wbytes / t_step[r] / 1e9 / bw[r] : 0.0;
-        printf("round %d: bandwidth %.2f GB/s (%zu MiB, %d threads), decode %.1f ms/token (median of %d) "
-               "= %.2f GB/s of weights = %.1f%%\n", r + 1, bw[r], mb, threads, 1e3 * t_step[r], steps,
-               wbytes / t_step[r] / 1e9, 100.0 * ratio[r]);
+        printf("round %d: bandwidth %.2f GB/s (%zu MiB, %d threads)", r + 1, bw[r], mb, threads);
+        if (modes[0])
+            report("; full attention", wbytes, t_step[0][r], ratio[0][r]);
+        if (modes[1])
+            report("; pqcache", wbytes, t_step[1][r], ratio[1][r]);
+        printf(" (step medians of %d)\n", steps);
     }
-    {
-        double tm = median(t_step, reps), bm = median(bw, reps), rm = median(ratio, reps);
-        printf("memory bandwidth: %.2f GB/s (median of %d rounds)\n", bm, reps);
-        printf("decode at context %d, %d threads: %.1f ms/token (median of %d rounds), %.2f tok/s\n", ctx,
-               threads, 1e3 * tm, reps, 1.0 / tm);
-        printf("weights: %.2f GB/s per token = %.1f%% of the measured bandwidth (median of the rounds' "
+    printf("memory bandwidth: %.2f GB/s (median of %d rounds)\n", median(bw, reps), reps);
+    for (mode = 0; mode < 2; mode++) {
+        double tm, rm;
+        if (!modes[mode])
+            continue;
+        tm = median(t_step[mode], reps);
+        rm = median(ratio[mode], reps);
+        printf("decode at context %d, %d threads, %s: %.1f ms/token (median of %d rounds), %.2f tok/s\n", ctx,
+               threads, mode ? "pqcache" : "full attention", 1e3 * tm, reps, 1.0 / tm);
+        printf("  weights: %.2f GB/s per token = %.1f%% of the measured bandwidth (median of the rounds' "
                "ratios)\n", wbytes / tm / 1e9, 100.0 * rm);
-        printf("weights + KV cache (%.3f GB fp32): %.2f GB/s = %.1f%% of the measured bandwidth\n",
-               kvbytes / 1e9, (wbytes + kvbytes) / tm / 1e9, bm > 0 ? 100.0 * (wbytes + kvbytes) / tm / 1e9 / bm : 0.0);
+        if (mode == 0)
+            printf("  weights + KV cache (%.3f GB fp32): %.2f GB/s per token\n", kvbytes / 1e9,
+                   (wbytes + kvbytes) / tm / 1e9);
+    }
+    if (modes[1]) {
+        tlpq_get_stats(&pq, &pst);
+        printf("  pqcache: %.1f tokens attended per layer and KV head on average (of %d to %d), select %.2f ms "
+               "and fetch %.2f ms per token\n",
+               pst.selects ? (double)pst.tokens_selected / (double)pst.selects / m.config.n_kv_heads : 0.0, ctx + 1,
+               at[1],
+               1e3 * pst.select_s / (double)(at[1] - ctx), 1e3 * pst.fetch_s / (double)(at[1] - ctx));
+        tlpq_destroy(&pq);
     }
     free(buf);
     if (sink == 42)

@@ -47,7 +47,7 @@ build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(TINY_LLAMA_DIR)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/bench_hf: $(TINY_LLAMA_DIR)/bench_hf.c $(TINY_LLAMA_DIR)/tiny_llama.h
+build/bench_hf: $(TINY_LLAMA_DIR)/bench_hf.c $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
