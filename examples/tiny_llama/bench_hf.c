@@ -444,6 +444,8 @@ int main(int argc, char **argv)
                pst.selects ? (double)pst.tokens_selected / (double)pst.selects / m.config.n_kv_heads : 0.0, ctx + 1,
                at[1],
                1e3 * pst.select_s / (double)(at[1] - ctx), 1e3 * pst.fetch_s / (double)(at[1] - ctx));
+        printf("  pqcache: %llu codebook builds (%llu of them rebuilds during the decode, on the library's "
+               "threads), %.2f s waited for builds (the first ones included)\n", pst.builds, pst.rebuilds, pst.wait_s);
         tlpq_destroy(&pq);
     }
     free(buf);
