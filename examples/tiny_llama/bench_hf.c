@@ -307,7 +307,7 @@ int main(int argc, char **argv)
     tlpq pq;
     tlpq_config pcfg;
     tlpq_stats pst;
-    double bw[64], t_step[2][64], ratio[2][64], wbytes, kvbytes, t0;
+    double bw[64], t_step[2][64], ratio[2][64], wbytes, kvbytes, t0, bm;
     struct stat st;
     char path[1024];
 
@@ -422,7 +422,8 @@ int main(int argc, char **argv)
             report("; pqcache", wbytes, t_step[1][r], ratio[1][r]);
         printf(" (step medians of %d)\n", steps);
     }
-    printf("memory bandwidth: %.2f GB/s (median of %d rounds)\n", median(bw, reps), reps);
+    bm = median(bw, reps);
+    printf("memory bandwidth: %.2f GB/s (median of %d rounds)\n", bm, reps);
     for (mode = 0; mode < 2; mode++) {
         double tm, rm;
         if (!modes[mode])
@@ -434,8 +435,9 @@ int main(int argc, char **argv)
         printf("  weights: %.2f GB/s per token = %.1f%% of the measured bandwidth (median of the rounds' "
                "ratios)\n", wbytes / tm / 1e9, 100.0 * rm);
         if (mode == 0)
-            printf("  weights + KV cache (%.3f GB fp32): %.2f GB/s per token\n", kvbytes / 1e9,
-                   (wbytes + kvbytes) / tm / 1e9);
+            printf("  weights + KV cache (%.3f GB fp32): %.2f GB/s per token = %.1f%% of the measured bandwidth\n",
+                   kvbytes / 1e9, (wbytes + kvbytes) / tm / 1e9,
+                   bm > 0 ? 100.0 * (wbytes + kvbytes) / tm / 1e9 / bm : 0.0);
     }
     if (modes[1]) {
         tlpq_get_stats(&pq, &pst);
