@@ -105,8 +105,7 @@ struct Stream { std::deque<Op> q; uint64_t next = 1, done = 0, id = 0; };
 struct Event { uint64_t sid = 0; uint64_t seq = 0; };
 
 Stream g_default;
-std::vector<Stream *> g_streams;
-std::map<uint64_t, Stream *> g_live; /* streams by id (the default stream: 1) */
+std::map<uint64_t, Stream *> g_live; /* the created streams by id, in creation order (the default: 1) */
 uint64_t g_next_sid = 2;
 
 Stream *S(void *h) { return h ? (Stream *)h : &g_default; }
@@ -131,7 +130,7 @@ void run_all(Stream *s) { run_until(s, ~0ull); }
 void run_everything()
 {
     run_all(&g_default);
-    for (Stream *s : g_streams) run_all(s);
+    for (auto &it : g_live) run_all(it.second);
 }
 void enqueue(Stream *s, std::function<void()> fn)
 {
@@ -567,7 +566,6 @@ CUresult cuStreamCreate(void **s, unsigned)
     Stream *x = new Stream();
     x->id = g_next_sid++;
     g_live[x->id] = x;
-    g_streams.push_back(x);
     *s = x;
     return OK;
 }
@@ -577,10 +575,9 @@ CUresult cuStreamDestroy_v2(void *s)
     NEED_CTX;
     Stream *x = (Stream *)s;
     run_all(x);
-    for (size_t i = 0; i < g_streams.size(); i++)
-        if (g_streams[i] == x) {
-            g_streams.erase(g_streams.begin() + (long)i);
-            g_live.erase(x->id);
+    for (auto it = g_live.begin(); it != g_live.end(); ++it)
+        if (it->second == x) {
+            g_live.erase(it);
             delete x;
             return OK;
         }
