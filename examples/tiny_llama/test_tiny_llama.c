@@ -1290,6 +1290,89 @@ static void test_explicit_rows_without_kv_cache(void)
 }
 
 /* ----------------------------------------------------------------------------
+   Projection kernels: the SIMD versions (where the CPU has them) against the
+   portable dot products, to the bit, for every stored type and for lengths
+   with and without a tail */
+
+static unsigned long long g_kseed = 12345;
+
+static unsigned kernel_rand(void)
+{
+    g_kseed = g_kseed * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (unsigned)(g_kseed >> 33);
+}
+
+/* a random normal number of the type: bf16, fp16 (exponents near 1) or fp32 */
+static void random_elems(void *dst, int dtype, int count)
+{
+    int i;
+    for (i = 0; i < count; i++) {
+        unsigned r = kernel_rand();
+        if (dtype == TL_BF16)
+            ((unsigned short *)dst)[i] = (unsigned short)((r & 0x8000u) | ((120u + r % 10u) << 7) | (r >> 8 & 0x7fu));
+        else if (dtype == TL_F16)
+            ((unsigned short *)dst)[i] = (unsigned short)((r & 0x8000u) | ((10u + r % 10u) << 10) | (r >> 8 & 0x3ffu));
+        else
+            ((float *)dst)[i] = ((float)(r % 20001u) - 10000.0f) / 7919.0f;
+    }
+}
+
+static void test_kernels_match_portable(void)
+{
+    static const int lens[] = { 8, 13, 64, 71, 2053 };
+    static const int types[] = { TL_F32, TL_BF16, TL_F16 };
+    int li, ti, r, k;
+    for (li = 0; li < 5; li++)
+        for (ti = 0; ti < 3; ti++) {
+            int n = lens[li], dt = types[ti], rows = 7;
+            size_t es = dt == TL_F32 ? 4u : 2u;
+            unsigned char *w = (unsigned char *)malloc((size_t)rows * (size_t)n * es);
+            float *x = (float *)malloc((size_t)n * 5 * sizeof(float)), *out = (float *)malloc((size_t)rows * sizeof(float));
+            float *row32 = (float *)malloc((size_t)n * sizeof(float));
+            tl_mat m;
+            CHECK(w && x && out && row32);
+            if (!w || !x || !out || !row32) {
+                free(w); free(x); free(out); free(row32);
+                return;
+            }
+            random_elems(w, dt, rows * n);
+            random_elems(x, TL_F32, 5 * n);
+            m.data = w;
+            m.dtype = dt;
+            tl__rows(&m, n, x, out, 0, rows);   /* four rows at a time, then three */
+            for (r = 0; r < rows; r++) {
+                const unsigned char *row = w + (size_t)r * (size_t)n * es;
+                float want;
+                for (k = 0; k < n; k++)
+                    row32[k] = tl__elem(row, dt, (size_t)k);
+                want = tl__dot_scalar(row32, x, n);
+                CHECK(memcmp(&out[r], &want, sizeof want) == 0);
+                CHECK(out[r] == tl__dot_row(row, dt, x, n));
+            }
+            {   /* the prefill products: two rows with four inputs, one row with four */
+                const float *b[4];
+                float o8[8], o4[4], a1[4096];
+                for (k = 0; k < 4; k++)
+                    b[k] = x + (size_t)(k + 1) * (size_t)n;
+                for (k = 0; k < n; k++)
+                    a1[k] = tl__elem(w + (size_t)n * es, dt, (size_t)k);
+                for (k = 0; k < n; k++)
+                    row32[k] = tl__elem(w, dt, (size_t)k);
+                tl__dot_2x4(row32, a1, b, n, o8);
+                tl__dot_1x4(row32, b, n, o4);
+                for (k = 0; k < 4; k++) {
+                    float w0 = tl__dot_scalar(row32, b[k], n), w1 = tl__dot_scalar(a1, b[k], n);
+                    CHECK(memcmp(&o8[k], &w0, sizeof w0) == 0);
+                    CHECK(memcmp(&o8[4 + k], &w1, sizeof w1) == 0);
+                    CHECK(memcmp(&o4[k], &w0, sizeof w0) == 0);
+                    CHECK(tl__dot(row32, b[k], n) == w0);
+                }
+            }
+            free(w); free(x); free(out); free(row32);
+        }
+}
+
+/* ----------------------------------------------------------------------------
    Main */
 
 static void remove_dir(void)
@@ -1334,6 +1417,7 @@ int main(void)
     run_test("tokenizer keeps <s> first", test_tokenizer_keeps_bos);
     run_test("loaders refuse pipes, devices and directories", test_loaders_refuse_non_regular_files);
     run_test("explicit rows need no host KV cache", test_explicit_rows_without_kv_cache);
+    run_test("projection kernels equal the portable dot products to the bit", test_kernels_match_portable);
     remove_dir();
     return test_summary();
 }

@@ -2324,15 +2324,29 @@ static int tl__have_avx2(void)
     return tl__avx2_flag;
 }
 
+/* tl__finish on lanes held in a register: the lanes summed in the same order,
+   ((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7)), in the register (a store and scalar
+   reloads of the lanes, and a call, at the end of every row cost a decode
+   step a third of its time), then the tail */
+TL__AVX2 __attribute__((always_inline)) static inline float tl__finish_v(__m256 v, const void *row, int dtype,
+                                                                         const float *x, int i, int n)
+{
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    float sum;
+    t = _mm_hadd_ps(t, t);
+    sum = _mm_cvtss_f32(_mm_hadd_ps(t, t));
+    for (; i < n; i++)
+        sum += tl__elem(row, dtype, (size_t)i) * x[i];
+    return sum;
+}
+
 TL__AVX2 static float tl__dot_avx2(const float *a, const float *b, int n)
 {
     __m256 acc = _mm256_setzero_ps();
-    float l[8];
     int i = 0;
     for (; i + 8 <= n; i += 8)
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    _mm256_storeu_ps(l, acc);
-    return tl__finish(l, a, TL_F32, b, i, n);
+    return tl__finish_v(acc, a, TL_F32, b, i, n);
 }
 
 TL__AVX2 static void tl__axpy_avx2(float *out, float a, const float *x, int n)
@@ -2355,13 +2369,9 @@ TL__AVX2 static void tl__scores_avx2(const float *q, const float *k, int group, 
     for (j = 0; j < group; j++) {
         const float *qj = q + (size_t)j * (size_t)hs;
         __m256 acc = _mm256_setzero_ps();
-        __m128 t;
         for (i = 0; i < hs; i += 8)
             acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qj + i), _mm256_loadu_ps(k + i)));
-        t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        t = _mm_hadd_ps(t, t);
-        t = _mm_hadd_ps(t, t);
-        att[(size_t)j * stride] = _mm_cvtss_f32(t) * scale;
+        att[(size_t)j * stride] = tl__finish_v(acc, qj, TL_F32, k, hs, hs) * scale;
     }
 }
 
@@ -2443,7 +2453,6 @@ TL__AVX2 __attribute__((always_inline)) static inline __m256 tl__load8(const voi
         const unsigned char *p0 = base + (size_t)r * rb, *p1 = p0 + rb, *p2 = p1 + rb,      \
                             *p3 = p2 + rb;                                                  \
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                         \
-        float l[4][8];                                                                      \
         int i = 0;                                                                          \
         for (; i + 8 <= n; i += 8) {                                                        \
             __m256 xv = _mm256_loadu_ps(x + i);                                             \
@@ -2459,12 +2468,10 @@ TL__AVX2 __attribute__((always_inline)) static inline __m256 tl__load8(const voi
             a2 = _mm256_add_ps(a2, _mm256_mul_ps(tl__load8(p2, DT, i), xv));                \
             a3 = _mm256_add_ps(a3, _mm256_mul_ps(tl__load8(p3, DT, i), xv));                \
         }                                                                                   \
-        _mm256_storeu_ps(l[0], a0); _mm256_storeu_ps(l[1], a1);                             \
-        _mm256_storeu_ps(l[2], a2); _mm256_storeu_ps(l[3], a3);                             \
-        out[r] = tl__finish(l[0], p0, DT, x, i, n);                                         \
-        out[r + 1] = tl__finish(l[1], p1, DT, x, i, n);                                     \
-        out[r + 2] = tl__finish(l[2], p2, DT, x, i, n);                                     \
-        out[r + 3] = tl__finish(l[3], p3, DT, x, i, n);                                     \
+        out[r] = tl__finish_v(a0, p0, DT, x, i, n);                                         \
+        out[r + 1] = tl__finish_v(a1, p1, DT, x, i, n);                                     \
+        out[r + 2] = tl__finish_v(a2, p2, DT, x, i, n);                                     \
+        out[r + 3] = tl__finish_v(a3, p3, DT, x, i, n);                                     \
     }
 
 TL__AVX2 static void tl__rows_avx2(const tl_mat *w, int n, const float *x, float *out, int r0, int r1)
@@ -2495,8 +2502,7 @@ TL__AVX2 static void tl__dot_2x4_avx2(const float *a0, const float *a1, const fl
 {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
     __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
-    float l[8];
-    int i = 0, k;
+    int i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 x0 = _mm256_loadu_ps(a0 + i), x1 = _mm256_loadu_ps(a1 + i), y;
         y = _mm256_loadu_ps(b[0] + i);
@@ -2512,19 +2518,20 @@ TL__AVX2 static void tl__dot_2x4_avx2(const float *a0, const float *a1, const fl
         c03 = _mm256_add_ps(c03, _mm256_mul_ps(x0, y));
         c13 = _mm256_add_ps(c13, _mm256_mul_ps(x1, y));
     }
-    for (k = 0; k < 8; k++) {
-        __m256 c = k == 0 ? c00 : k == 1 ? c01 : k == 2 ? c02 : k == 3 ? c03 :
-                   k == 4 ? c10 : k == 5 ? c11 : k == 6 ? c12 : c13;
-        _mm256_storeu_ps(l, c);
-        out[k] = tl__finish(l, k < 4 ? a0 : a1, TL_F32, b[k % 4], i, n);
-    }
+    out[0] = tl__finish_v(c00, a0, TL_F32, b[0], i, n);
+    out[1] = tl__finish_v(c01, a0, TL_F32, b[1], i, n);
+    out[2] = tl__finish_v(c02, a0, TL_F32, b[2], i, n);
+    out[3] = tl__finish_v(c03, a0, TL_F32, b[3], i, n);
+    out[4] = tl__finish_v(c10, a1, TL_F32, b[0], i, n);
+    out[5] = tl__finish_v(c11, a1, TL_F32, b[1], i, n);
+    out[6] = tl__finish_v(c12, a1, TL_F32, b[2], i, n);
+    out[7] = tl__finish_v(c13, a1, TL_F32, b[3], i, n);
 }
 
 TL__AVX2 static void tl__dot_1x4_avx2(const float *a, const float *const *b, int n, float *out)
 {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    float l[4][8];
-    int i = 0, k;
+    int i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 av = _mm256_loadu_ps(a + i);
         a0 = _mm256_add_ps(a0, _mm256_mul_ps(av, _mm256_loadu_ps(b[0] + i)));
@@ -2532,10 +2539,10 @@ TL__AVX2 static void tl__dot_1x4_avx2(const float *a, const float *const *b, int
         a2 = _mm256_add_ps(a2, _mm256_mul_ps(av, _mm256_loadu_ps(b[2] + i)));
         a3 = _mm256_add_ps(a3, _mm256_mul_ps(av, _mm256_loadu_ps(b[3] + i)));
     }
-    _mm256_storeu_ps(l[0], a0); _mm256_storeu_ps(l[1], a1);
-    _mm256_storeu_ps(l[2], a2); _mm256_storeu_ps(l[3], a3);
-    for (k = 0; k < 4; k++)
-        out[k] = tl__finish(l[k], a, TL_F32, b[k], i, n);
+    out[0] = tl__finish_v(a0, a, TL_F32, b[0], i, n);
+    out[1] = tl__finish_v(a1, a, TL_F32, b[1], i, n);
+    out[2] = tl__finish_v(a2, a, TL_F32, b[2], i, n);
+    out[3] = tl__finish_v(a3, a, TL_F32, b[3], i, n);
 }
 
 #endif
@@ -2582,9 +2589,26 @@ static void tl__dot_1x4(const float *a, const float *const *b, int n, float *out
 }
 
 /* ----------------------------------------------------------------------------
-   Worker threads for the projections (one pool per run state) */
+   Worker threads for the projections (one pool per run state)
+
+   A decode step hands the pool a hundred or so jobs of a few hundred
+   microseconds each. A thread that sleeps on a condition variable between
+   them wakes late (on a virtual machine an idle CPU is handed back to the
+   host, and waking it costs tens of microseconds or more), and the caller
+   runs the start of every job alone. So the workers, and the caller waiting
+   for them, first poll the job counter for a while (TL_POOL_SPIN_US, default
+   200 microseconds; 0 turns polling off) and only then sleep. */
 
 #define TL__POOL_MAX 63
+
+#if defined(__GNUC__) || defined(__clang__)
+#define TL__POOL_POLL 1
+#define TL__LOAD(p) __atomic_load_n(p, __ATOMIC_ACQUIRE)
+#define TL__STORE(p, v) __atomic_store_n(p, v, __ATOMIC_RELEASE)
+#else
+#define TL__LOAD(p) (*(p))
+#define TL__STORE(p, v) (*(p) = (v))
+#endif
 
 struct tl__pool {
     int n;                    /* threads including the caller */
@@ -2592,11 +2616,60 @@ struct tl__pool {
     pthread_t th[TL__POOL_MAX];
     pthread_mutex_t mu;
     pthread_cond_t go, done;
-    unsigned long gen;
-    int pending, quit;
+    unsigned long gen;        /* jobs handed out; written under mu */
+    int pending, quit;        /* workers still on the job; written under mu */
+    double spin_s;            /* how long to poll before sleeping */
     void (*fn)(void *, int, int);
     void *arg;
 };
+
+#ifdef TL__POOL_POLL
+#if defined(__x86_64__) || defined(__i386__)
+#define TL__PAUSE() __builtin_ia32_pause()
+#else
+#define TL__PAUSE() ((void)0)
+#endif
+/* poll until *v != unchanged (both read with acquire) or spin_s passes;
+   whether it changed */
+static int tl__poll_ulong(const unsigned long *v, unsigned long unchanged, const int *quit, double spin_s)
+{
+    double t0 = 0;
+    int i;
+    if (spin_s <= 0)
+        return 0;
+    for (;;) {
+        for (i = 0; i < 64; i++) {
+            if (TL__LOAD(v) != unchanged || TL__LOAD(quit))
+                return 1;
+            TL__PAUSE();
+        }
+        if (t0 == 0)
+            t0 = tl_time_s();
+        else if (tl_time_s() - t0 > spin_s)
+            return 0;
+    }
+}
+
+/* poll until *v == 0 or spin_s passes */
+static int tl__poll_zero(const int *v, double spin_s)
+{
+    double t0 = 0;
+    int i;
+    if (spin_s <= 0)
+        return 0;
+    for (;;) {
+        for (i = 0; i < 64; i++) {
+            if (TL__LOAD(v) == 0)
+                return 1;
+            TL__PAUSE();
+        }
+        if (t0 == 0)
+            t0 = tl_time_s();
+        else if (tl_time_s() - t0 > spin_s)
+            return 0;
+    }
+}
+#endif
 
 static void *tl__pool_main(void *arg)
 {
@@ -2604,24 +2677,30 @@ static void *tl__pool_main(void *arg)
     int part = (int)(size_t)((void **)arg)[1];
     unsigned long seen = 0;
     free(arg);
-    pthread_mutex_lock(&p->mu);
     for (;;) {
         void (*fn)(void *, int, int);
         void *a;
+#ifdef TL__POOL_POLL
+        tl__poll_ulong(&p->gen, seen, &p->quit, p->spin_s);
+#endif
+        pthread_mutex_lock(&p->mu);
         while (p->gen == seen && !p->quit)
             pthread_cond_wait(&p->go, &p->mu);
-        if (p->quit)
+        if (p->quit) {
+            pthread_mutex_unlock(&p->mu);
             break;
+        }
         seen = p->gen;
         fn = p->fn;
         a = p->arg;
         pthread_mutex_unlock(&p->mu);
         fn(a, part, p->n);
         pthread_mutex_lock(&p->mu);
-        if (--p->pending == 0)
+        TL__STORE(&p->pending, p->pending - 1);
+        if (p->pending == 0)
             pthread_cond_signal(&p->done);
+        pthread_mutex_unlock(&p->mu);
     }
-    pthread_mutex_unlock(&p->mu);
     return NULL;
 }
 
@@ -2631,7 +2710,7 @@ static void tl__pool_destroy(tl__pool *p)
     if (!p)
         return;
     pthread_mutex_lock(&p->mu);
-    p->quit = 1;
+    TL__STORE(&p->quit, 1);
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
     for (t = 0; t < p->n_started; t++)
@@ -2657,6 +2736,12 @@ static tl__pool *tl__pool_create(int n)
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->go, NULL);
     pthread_cond_init(&p->done, NULL);
+    p->spin_s = 200e-6;
+    {
+        const char *e = getenv("TL_POOL_SPIN_US");
+        if (e && *e)
+            p->spin_s = atof(e) * 1e-6;
+    }
     for (t = 1; t < n; t++) {
         void **a = (void **)malloc(2 * sizeof(void *));
         if (!a)
@@ -2687,11 +2772,14 @@ void tl_parallel(tl_state *s, void (*fn)(void *arg, int part, int nparts), void 
     pthread_mutex_lock(&p->mu);
     p->fn = fn;
     p->arg = arg;
-    p->pending = p->n - 1;
-    p->gen++;
+    TL__STORE(&p->pending, p->n - 1);
+    TL__STORE(&p->gen, p->gen + 1);  /* after fn and arg: a polling worker reads them next */
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
     fn(arg, 0, p->n);
+#ifdef TL__POOL_POLL
+    tl__poll_zero(&p->pending, p->spin_s);
+#endif
     pthread_mutex_lock(&p->mu);
     while (p->pending > 0)
         pthread_cond_wait(&p->done, &p->mu);
@@ -3002,6 +3090,10 @@ void tl_layer_qkv_rows(const tl_model *m, tl_state *s, int layer, int pos, float
 
 /* The query heads of KV head g attend over list l: scores, softmax, weighted
    sum of values into xb. Each key and value row is read once for the group. */
+#ifndef TL__KV_AHEAD
+#define TL__KV_AHEAD 8    /* cache rows fetched ahead of the one in use */
+#endif
+
 static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
                                const tl_kv_list *l)
 {
@@ -3024,15 +3116,15 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
     for (i = 0; i < n; i++) {
         const float *k = l->krow ? (const float *)l->krow[i] : kbase + (size_t)(l->k ? i : l->pos[i]) * stride;
 #if defined(__GNUC__) || defined(__clang__)
-        if (l->krow && i + 8 < n) { /* scattered rows: fetch ahead of the dot products */
-            const char *nk = (const char *)l->krow[i + 8], *nv = (const char *)l->vrow[i + 8];
+        if (l->krow && i + TL__KV_AHEAD < n) { /* scattered rows: fetch ahead of the dot products */
+            const char *nk = (const char *)l->krow[i + TL__KV_AHEAD], *nv = (const char *)l->vrow[i + TL__KV_AHEAD];
             int b;
             for (b = 0; b < hs * 4; b += 64) {
                 __builtin_prefetch(nk + b);
                 __builtin_prefetch(nv + b);
             }
-        } else if (!l->krow && i + 8 < n) { /* strided rows of the cache: the same */
-            const char *nk = (const char *)(kbase + (size_t)(l->k ? i + 8 : l->pos[i + 8]) * stride);
+        } else if (!l->krow && i + TL__KV_AHEAD < n) { /* strided rows of the cache: the same */
+            const char *nk = (const char *)(kbase + (size_t)(l->k ? i + TL__KV_AHEAD : l->pos[i + TL__KV_AHEAD]) * stride);
             int b;
             for (b = 0; b < hs * 4; b += 64)
                 __builtin_prefetch(nk + b);
@@ -3060,8 +3152,8 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
     for (i = 0; i < n; i++) {
         const float *v = l->vrow ? (const float *)l->vrow[i] : vbase + (size_t)(l->k ? i : l->pos[i]) * stride;
 #if defined(__GNUC__) || defined(__clang__)
-        if (!l->vrow && i + 8 < n) {
-            const char *nv = (const char *)(vbase + (size_t)(l->k ? i + 8 : l->pos[i + 8]) * stride);
+        if (!l->vrow && i + TL__KV_AHEAD < n) {
+            const char *nv = (const char *)(vbase + (size_t)(l->k ? i + TL__KV_AHEAD : l->pos[i + TL__KV_AHEAD]) * stride);
             int b;
             for (b = 0; b < hs * 4; b += 64)
                 __builtin_prefetch(nv + b);
