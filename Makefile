@@ -147,12 +147,16 @@ $(BUILD)/clang_asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c exampl
 	$(CLANG) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 $(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
+# the engine's thread pool (polling, then sleeping) under ThreadSanitizer
+$(BUILD)/tsan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
 # the command line under ASan+UBSan refuses damaged Hugging Face checkpoints (test_hf.py)
 $(BUILD)/asan_tiny_llama_run: examples/tiny_llama/run.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 test-example-san: $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/clang_asan_pqcache_mode $(BUILD)/tsan_pqcache_mode \
-                  $(BUILD)/asan_tiny_llama_run
+                  $(BUILD)/asan_tiny_llama_run $(BUILD)/tsan_tiny_llama
 	$(BUILD)/asan_tiny_llama
+	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_tiny_llama
 	TINY_LLAMA=$(CURDIR)/$(BUILD)/asan_tiny_llama_run ASAN_OPTIONS=detect_leaks=1 \
 	  $(PYTHON) -m pytest -q -p no:cacheprovider examples/tiny_llama/test_hf.py
 	$(BUILD)/asan_pqcache_mode --quick

@@ -1372,6 +1372,105 @@ static void test_kernels_match_portable(void)
         }
 }
 
+/* Decode attention over the host cache (every head the same positions, read
+   together for the heads of a thread) and over rows given one by one, for
+   head sizes that use each part of the kernels and lengths with partial
+   blocks, against the portable loops: scores by tl__dot_scalar, tl_softmax,
+   then out += a * v row by row. All to the bit. */
+static void test_attention_kernels_match_portable(void)
+{
+    static const int head_sizes[] = { 8, 24, 64, 96, 128 };
+    static const int lens[] = { 1, 7, 8, 33, 70 };
+    int hi, li, threads;
+    for (hi = 0; hi < 5; hi++)
+        for (li = 0; li < 5; li++)
+            for (threads = 1; threads <= 2; threads++) {
+                tl_model m;
+                tl_state st;
+                tl__attn_job jobs[2];
+                tl_config *c = &m.config;
+                char err[TL_ERR_LEN];
+                int n = lens[li], hs = head_sizes[hi], g, i, j, e, t, same_cache = 1, same_rows = 1;
+                float *att = NULL, *want = NULL, *rows_k = NULL, *rows_v = NULL;
+                float scale = 1.0f / sqrtf((float)hs);
+                memset(&m, 0, sizeof m);
+                c->n_layers = 2; c->n_heads = 8; c->n_kv_heads = 4; c->head_size = hs;
+                c->dim = c->n_heads * hs; c->hidden_dim = 16; c->vocab_size = 16; c->seq_len = 128;
+                c->rope_theta = 10000.0f; c->arch = TL_ARCH_LLAMA; c->rope_layout = TL_ROPE_HALF;
+                CHECK(tl_check_config(c, err, sizeof err) == 0);
+                if (tl_build_state(&st, c, n, threads, err, sizeof err) != 0) {
+                    printf("  %s\n", err);
+                    g_failed_now = 1;
+                    return;
+                }
+                random_elems(st.key_cache, TL_F32, c->n_layers * n * c->kv_dim);
+                random_elems(st.value_cache, TL_F32, c->n_layers * n * c->kv_dim);
+                random_elems(st.q, TL_F32, c->q_dim);
+                att = (float *)malloc((size_t)n * sizeof(float));
+                want = (float *)calloc((size_t)c->q_dim, sizeof(float));
+                rows_k = (float *)malloc((size_t)c->n_kv_heads * (size_t)n * (size_t)hs * sizeof(float));
+                rows_v = (float *)malloc((size_t)c->n_kv_heads * (size_t)n * (size_t)hs * sizeof(float));
+                CHECK(att && want && rows_k && rows_v);
+                if (!att || !want || !rows_k || !rows_v) {
+                    free(att); free(want); free(rows_k); free(rows_v);
+                    tl_free_state(&st);
+                    return;
+                }
+                for (g = 0; g < c->n_kv_heads; g++)          /* the portable loops, layer 1 */
+                    for (j = 0; j < c->n_heads / c->n_kv_heads; j++) {
+                        int h = g * (c->n_heads / c->n_kv_heads) + j;
+                        for (i = 0; i < n; i++)
+                            att[i] = tl__dot_scalar(st.q + (size_t)h * (size_t)hs,
+                                                    tl_key_row(c, &st, 1, i) + (size_t)g * (size_t)hs, hs) * scale;
+                        tl_softmax(att, n);
+                        for (i = 0; i < n; i++)
+                            for (e = 0; e < hs; e++)
+                                want[(size_t)h * (size_t)hs + (size_t)e] +=
+                                    att[i] * tl_value_row(c, &st, 1, i)[(size_t)g * (size_t)hs + (size_t)e];
+                    }
+                for (g = 0; g < c->n_kv_heads; g++) {         /* every head: positions 0 .. n-1 */
+                    for (i = 0; i < n; i++)
+                        st.lists[g].pos[i] = i;
+                    st.lists[g].n = n;
+                    st.lists[g].k = st.lists[g].v = NULL;
+                    st.lists[g].krow = st.lists[g].vrow = NULL;
+                }
+                for (t = 0; t < threads; t++) {
+                    jobs[t].m = &m;
+                    jobs[t].s = &st;
+                    jobs[t].layer = 1;
+                    jobs[t].g0 = c->n_kv_heads * t / threads;
+                    jobs[t].g1 = c->n_kv_heads * (t + 1) / threads;
+                    jobs[t].lists = st.lists;
+                }
+                if (threads > 1 && st.pool)
+                    tl_parallel(&st, tl__attn_part, jobs);   /* the state's pool */
+                else
+                    for (t = 0; t < threads; t++)
+                        tl__attn_worker(&jobs[t]);
+                same_cache = memcmp(st.xb, want, (size_t)c->q_dim * sizeof(float)) == 0;
+                memset(st.xb, 0, (size_t)c->q_dim * sizeof(float));
+                for (g = 0; g < c->n_kv_heads; g++) {         /* the same rows, copied out per head */
+                    float *kg = rows_k + (size_t)g * (size_t)n * (size_t)hs, *vg = rows_v + (size_t)g * (size_t)n * (size_t)hs;
+                    for (i = 0; i < n; i++) {
+                        memcpy(kg + (size_t)i * (size_t)hs, tl_key_row(c, &st, 1, i) + (size_t)g * (size_t)hs, (size_t)hs * sizeof(float));
+                        memcpy(vg + (size_t)i * (size_t)hs, tl_value_row(c, &st, 1, i) + (size_t)g * (size_t)hs, (size_t)hs * sizeof(float));
+                    }
+                    st.lists[g].k = kg;
+                    st.lists[g].v = vg;
+                }
+                for (t = 0; t < threads; t++)
+                    tl__attn_worker(&jobs[t]);
+                same_rows = memcmp(st.xb, want, (size_t)c->q_dim * sizeof(float)) == 0;
+                if (!same_cache || !same_rows)
+                    printf("  head size %d, %d rows, %d thread(s): cache %s, rows %s\n", hs, n, threads,
+                           same_cache ? "same" : "DIFFERENT", same_rows ? "same" : "DIFFERENT");
+                CHECK(same_cache && same_rows);
+                free(att); free(want); free(rows_k); free(rows_v);
+                tl_free_state(&st);
+            }
+}
+
 /* ----------------------------------------------------------------------------
    Main */
 
@@ -1418,6 +1517,7 @@ int main(void)
     run_test("loaders refuse pipes, devices and directories", test_loaders_refuse_non_regular_files);
     run_test("explicit rows need no host KV cache", test_explicit_rows_without_kv_cache);
     run_test("projection kernels equal the portable dot products to the bit", test_kernels_match_portable);
+    run_test("attention kernels equal the portable loops to the bit", test_attention_kernels_match_portable);
     remove_dir();
     return test_summary();
 }

@@ -2360,34 +2360,114 @@ TL__AVX2 static void tl__axpy_avx2(float *out, float a, const float *x, int n)
         out[i] += a * x[i];
 }
 
-/* att[j * stride] = dot(q + j * hs, k) * scale for j < group; hs a multiple of 8
-   (each dot as tl__dot: lanes, then ((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7))) */
-TL__AVX2 static void tl__scores_avx2(const float *q, const float *k, int group, int hs, float scale,
-                                     float *att, size_t stride)
+/* Blocks of cache rows (decode attention): row r of a block is at rows[r].
+   att[j * stride + r] = dot(q + j * hs, rows[r]) * scale for r < nr, j < group,
+   each dot as tl__dot sums it; hs a multiple of 8. */
+TL__AVX2 static void tl__scores_rows_avx2(const float *q, const float *const *rows, int nr, int group,
+                                          int hs, float scale, float *att, size_t stride)
 {
-    int j, i;
+    int j, r, i;
+    const __m256 sv = _mm256_set1_ps(scale);
     for (j = 0; j < group; j++) {
         const float *qj = q + (size_t)j * (size_t)hs;
-        __m256 acc = _mm256_setzero_ps();
-        for (i = 0; i < hs; i += 8)
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qj + i), _mm256_loadu_ps(k + i)));
-        att[(size_t)j * stride] = tl__finish_v(acc, qj, TL_F32, k, hs, hs) * scale;
+        float *a = att + (size_t)j * stride;
+        for (r = 0; r + 8 <= nr; r += 8) {   /* eight rows: their lanes reduced together */
+            const float *k0 = rows[r], *k1 = rows[r + 1], *k2 = rows[r + 2], *k3 = rows[r + 3];
+            const float *k4 = rows[r + 4], *k5 = rows[r + 5], *k6 = rows[r + 6], *k7 = rows[r + 7];
+            __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+            __m256 p04, p15, p26, p37;
+            for (i = 0; i < hs; i += 8) {
+                __m256 qv = _mm256_loadu_ps(qj + i);
+                c0 = _mm256_add_ps(c0, _mm256_mul_ps(qv, _mm256_loadu_ps(k0 + i)));
+                c1 = _mm256_add_ps(c1, _mm256_mul_ps(qv, _mm256_loadu_ps(k1 + i)));
+                c2 = _mm256_add_ps(c2, _mm256_mul_ps(qv, _mm256_loadu_ps(k2 + i)));
+                c3 = _mm256_add_ps(c3, _mm256_mul_ps(qv, _mm256_loadu_ps(k3 + i)));
+                c4 = _mm256_add_ps(c4, _mm256_mul_ps(qv, _mm256_loadu_ps(k4 + i)));
+                c5 = _mm256_add_ps(c5, _mm256_mul_ps(qv, _mm256_loadu_ps(k5 + i)));
+                c6 = _mm256_add_ps(c6, _mm256_mul_ps(qv, _mm256_loadu_ps(k6 + i)));
+                c7 = _mm256_add_ps(c7, _mm256_mul_ps(qv, _mm256_loadu_ps(k7 + i)));
+            }
+            /* per row l0+l4 .. l3+l7 (rows r and r+4 in one register, and so on),
+               then ((l0+l4)+(l1+l5)) and ((l2+l6)+(l3+l7)), then their sum: the
+               eight scores in order, each summed as tl__finish sums it */
+            p04 = _mm256_add_ps(_mm256_permute2f128_ps(c0, c4, 0x20), _mm256_permute2f128_ps(c0, c4, 0x31));
+            p15 = _mm256_add_ps(_mm256_permute2f128_ps(c1, c5, 0x20), _mm256_permute2f128_ps(c1, c5, 0x31));
+            p26 = _mm256_add_ps(_mm256_permute2f128_ps(c2, c6, 0x20), _mm256_permute2f128_ps(c2, c6, 0x31));
+            p37 = _mm256_add_ps(_mm256_permute2f128_ps(c3, c7, 0x20), _mm256_permute2f128_ps(c3, c7, 0x31));
+            _mm256_storeu_ps(a + r, _mm256_mul_ps(_mm256_hadd_ps(_mm256_hadd_ps(p04, p15),
+                                                                 _mm256_hadd_ps(p26, p37)), sv));
+        }
+        for (; r < nr; r++) {
+            const float *k = rows[r];
+            __m256 acc = _mm256_setzero_ps();
+            for (i = 0; i < hs; i += 8)
+                acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(qj + i), _mm256_loadu_ps(k + i)));
+            a[r] = tl__finish_v(acc, qj, TL_F32, k, hs, hs) * scale;
+        }
     }
 }
 
-/* out + j * hs += att[j * stride] * v for j < group; hs a multiple of 8 */
-TL__AVX2 static void tl__axpys_avx2(float *out, const float *att, size_t stride, const float *v,
-                                    int group, int hs)
+/* out + j * hs += att[j * stride + r] * rows[r] for r < nr (ascending for
+   every element, as row-by-row updates add them), j < group; the sums stay
+   in registers for the whole block. hs a multiple of 8. */
+TL__AVX2 static void tl__axpys_rows_avx2(float *out, const float *att, size_t stride,
+                                         const float *const *rows, int nr, int group, int hs)
 {
-    int j, i;
+    int j, r, c;
     for (j = 0; j < group; j++) {
         float *o = out + (size_t)j * (size_t)hs;
-        __m256 a = _mm256_set1_ps(att[(size_t)j * stride]);
-        for (i = 0; i < hs; i += 8)
-            _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i),
-                                                  _mm256_mul_ps(a, _mm256_loadu_ps(v + i))));
+        const float *a = att + (size_t)j * stride;
+        for (c = 0; c + 64 <= hs; c += 64) {   /* eight sums: two adds a cycle despite their latency */
+            __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8);
+            __m256 o2 = _mm256_loadu_ps(o + c + 16), o3 = _mm256_loadu_ps(o + c + 24);
+            __m256 o4 = _mm256_loadu_ps(o + c + 32), o5 = _mm256_loadu_ps(o + c + 40);
+            __m256 o6 = _mm256_loadu_ps(o + c + 48), o7 = _mm256_loadu_ps(o + c + 56);
+            for (r = 0; r < nr; r++) {
+                __m256 av = _mm256_set1_ps(a[r]);
+                const float *v = rows[r] + c;
+                o0 = _mm256_add_ps(o0, _mm256_mul_ps(av, _mm256_loadu_ps(v)));
+                o1 = _mm256_add_ps(o1, _mm256_mul_ps(av, _mm256_loadu_ps(v + 8)));
+                o2 = _mm256_add_ps(o2, _mm256_mul_ps(av, _mm256_loadu_ps(v + 16)));
+                o3 = _mm256_add_ps(o3, _mm256_mul_ps(av, _mm256_loadu_ps(v + 24)));
+                o4 = _mm256_add_ps(o4, _mm256_mul_ps(av, _mm256_loadu_ps(v + 32)));
+                o5 = _mm256_add_ps(o5, _mm256_mul_ps(av, _mm256_loadu_ps(v + 40)));
+                o6 = _mm256_add_ps(o6, _mm256_mul_ps(av, _mm256_loadu_ps(v + 48)));
+                o7 = _mm256_add_ps(o7, _mm256_mul_ps(av, _mm256_loadu_ps(v + 56)));
+            }
+            _mm256_storeu_ps(o + c, o0);
+            _mm256_storeu_ps(o + c + 8, o1);
+            _mm256_storeu_ps(o + c + 16, o2);
+            _mm256_storeu_ps(o + c + 24, o3);
+            _mm256_storeu_ps(o + c + 32, o4);
+            _mm256_storeu_ps(o + c + 40, o5);
+            _mm256_storeu_ps(o + c + 48, o6);
+            _mm256_storeu_ps(o + c + 56, o7);
+        }
+        for (; c + 32 <= hs; c += 32) {
+            __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8);
+            __m256 o2 = _mm256_loadu_ps(o + c + 16), o3 = _mm256_loadu_ps(o + c + 24);
+            for (r = 0; r < nr; r++) {
+                __m256 av = _mm256_set1_ps(a[r]);
+                const float *v = rows[r] + c;
+                o0 = _mm256_add_ps(o0, _mm256_mul_ps(av, _mm256_loadu_ps(v)));
+                o1 = _mm256_add_ps(o1, _mm256_mul_ps(av, _mm256_loadu_ps(v + 8)));
+                o2 = _mm256_add_ps(o2, _mm256_mul_ps(av, _mm256_loadu_ps(v + 16)));
+                o3 = _mm256_add_ps(o3, _mm256_mul_ps(av, _mm256_loadu_ps(v + 24)));
+            }
+            _mm256_storeu_ps(o + c, o0);
+            _mm256_storeu_ps(o + c + 8, o1);
+            _mm256_storeu_ps(o + c + 16, o2);
+            _mm256_storeu_ps(o + c + 24, o3);
+        }
+        for (; c < hs; c += 8) {
+            __m256 o0 = _mm256_loadu_ps(o + c);
+            for (r = 0; r < nr; r++)
+                o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_set1_ps(a[r]), _mm256_loadu_ps(rows[r] + c)));
+            _mm256_storeu_ps(o + c, o0);
+        }
     }
 }
+
 #endif
 
 /* the dot product and out += a * x, with the AVX2 versions where the CPU has them
@@ -3094,6 +3174,96 @@ void tl_layer_qkv_rows(const tl_model *m, tl_state *s, int layer, int pos, float
 #define TL__KV_AHEAD 8    /* cache rows fetched ahead of the one in use */
 #endif
 
+/* row i of a list: its key (which 0) or value (which 1) */
+static const float *tl__list_row(const tl_kv_list *l, const float *base, size_t stride, int which, int i)
+{
+    const void *const *rows = which ? l->vrow : l->krow;
+    if (rows)
+        return (const float *)rows[i];
+    return base + (size_t)(l->k ? i : l->pos[i]) * stride;
+}
+
+#ifdef TL__X86
+#define TL__ATT_BLOCK 32  /* cache rows per block of the SIMD attention */
+
+/* the block's row pointers, and the first TL__KV_AHEAD rows after it fetched ahead */
+static void tl__block_rows(const tl_kv_list *l, const float *base, size_t stride, int which, int i0,
+                           int nr, int hs, const float **rows)
+{
+    int r, b, n = l->n;
+    for (r = 0; r < nr; r++)
+        rows[r] = tl__list_row(l, base, stride, which, i0 + r);
+#if defined(__GNUC__) || defined(__clang__)
+    for (r = i0 + nr; r < i0 + nr + TL__KV_AHEAD && r < n; r++) {
+        const char *p = (const char *)tl__list_row(l, base, stride, which, r);
+        for (b = 0; b < hs * 4; b += 64)
+            __builtin_prefetch(p + b);
+    }
+#else
+    (void)b;
+    (void)n;
+#endif
+}
+
+/* tl__attend_kv_head with the SIMD kernels for KV heads g0 .. g1-1, a block
+   of rows at a time: the same operations in the same order for every score
+   and output element. Several heads only where their lists hold the same
+   positions of the host cache (full attention): then each block's rows are
+   read once for all of them, a contiguous span of each cache row. kbase and
+   vbase are head g0's columns. */
+static void tl__attend_heads_avx2(const tl_config *c, tl_state *s, int g0, int g1, const tl_kv_list *l,
+                                  const float *kbase, const float *vbase, size_t stride)
+{
+    int hs = c->head_size, group = c->n_heads / c->n_kv_heads, span = (g1 - g0) * hs;
+    int i0, j, g, r, n = l->n, nr;
+    float scale = 1.0f / sqrtf((float)hs);
+    const float *rows[TL__ATT_BLOCK], *hr[TL__ATT_BLOCK];
+    size_t ctx = (size_t)s->ctx;
+    for (i0 = 0; i0 < n; i0 += nr) {
+        nr = n - i0 < TL__ATT_BLOCK ? n - i0 : TL__ATT_BLOCK;
+        tl__block_rows(l, kbase, stride, 0, i0, nr, span, rows);
+        for (g = g0; g < g1; g++) {
+            size_t h0 = (size_t)g * (size_t)group;
+            for (r = 0; r < nr; r++)
+                hr[r] = rows[r] + (size_t)(g - g0) * (size_t)hs;
+            tl__scores_rows_avx2(s->q + h0 * (size_t)hs, hr, nr, group, hs, scale, s->att + h0 * ctx + (size_t)i0,
+                                 ctx);
+        }
+    }
+    for (j = g0 * group; j < g1 * group; j++) {
+        if (n > 0)
+            tl_softmax(s->att + (size_t)j * ctx, n);
+        memset(s->xb + (size_t)j * (size_t)hs, 0, (size_t)hs * sizeof(float));
+    }
+    for (i0 = 0; i0 < n; i0 += nr) {
+        nr = n - i0 < TL__ATT_BLOCK ? n - i0 : TL__ATT_BLOCK;
+        tl__block_rows(l, vbase, stride, 1, i0, nr, span, rows);
+        for (g = g0; g < g1; g++) {
+            size_t h0 = (size_t)g * (size_t)group;
+            for (r = 0; r < nr; r++)
+                hr[r] = rows[r] + (size_t)(g - g0) * (size_t)hs;
+            tl__axpys_rows_avx2(s->xb + h0 * (size_t)hs, s->att + h0 * ctx + (size_t)i0, ctx, hr, nr, group, hs);
+        }
+    }
+}
+
+/* whether lists g0+1 .. g1-1 hold the positions of list g0, all of the host cache */
+static int tl__lists_shared(const tl_kv_list *lists, int g0, int g1)
+{
+    const tl_kv_list *a = &lists[g0];
+    int g;
+    if (a->k || a->krow || a->vrow)
+        return 0;
+    for (g = g0 + 1; g < g1; g++) {
+        const tl_kv_list *b = &lists[g];
+        if (b->k || b->krow || b->vrow || b->n != a->n ||
+            (b->pos != a->pos && (a->n > 0 && memcmp(b->pos, a->pos, (size_t)a->n * sizeof(int)) != 0)))
+            return 0;
+    }
+    return 1;
+}
+#endif
+
 static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
                                const tl_kv_list *l)
 {
@@ -3113,6 +3283,12 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
         kbase = l->k ? l->k : tl_key_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
     if (!l->vrow)
         vbase = l->k ? l->v : tl_value_row(c, s, layer, 0) + (size_t)g * (size_t)hs;
+#ifdef TL__X86
+    if (fast) {
+        tl__attend_heads_avx2(c, s, g, g + 1, l, kbase, vbase, stride);
+        return;
+    }
+#endif
     for (i = 0; i < n; i++) {
         const float *k = l->krow ? (const float *)l->krow[i] : kbase + (size_t)(l->k ? i : l->pos[i]) * stride;
 #if defined(__GNUC__) || defined(__clang__)
@@ -3128,13 +3304,6 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
             int b;
             for (b = 0; b < hs * 4; b += 64)
                 __builtin_prefetch(nk + b);
-        }
-#endif
-#ifdef TL__X86
-        if (fast) {
-            tl__scores_avx2(s->q + (size_t)h0 * (size_t)hs, k, group, hs, scale,
-                            s->att + (size_t)h0 * (size_t)s->ctx + (size_t)i, (size_t)s->ctx);
-            continue;
         }
 #endif
         for (j = 0; j < group; j++) {
@@ -3159,13 +3328,6 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
                 __builtin_prefetch(nv + b);
         }
 #endif
-#ifdef TL__X86
-        if (fast) {
-            tl__axpys_avx2(s->xb + (size_t)h0 * (size_t)hs, s->att + (size_t)h0 * (size_t)s->ctx + (size_t)i,
-                           (size_t)s->ctx, v, group, hs);
-            continue;
-        }
-#endif
         for (j = 0; j < group; j++) {
             int h = h0 + j;
             tl__axpy(s->xb + (size_t)h * (size_t)hs,
@@ -3177,15 +3339,26 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
 typedef struct {
     const tl_model *m;
     tl_state *s;
-    int layer, first, step;
+    int layer, g0, g1;        /* KV heads g0 .. g1-1 */
     const tl_kv_list *lists;
 } tl__attn_job;
 
 static void *tl__attn_worker(void *arg)
 {
     const tl__attn_job *job = (const tl__attn_job *)arg;
+    const tl_config *c = &job->m->config;
     int g;
-    for (g = job->first; g < job->m->config.n_kv_heads; g += job->step)
+#ifdef TL__X86
+    if (job->g1 - job->g0 > 1 && tl__have_avx2() && c->head_size % 8 == 0 &&
+        tl__lists_shared(job->lists, job->g0, job->g1)) {
+        size_t off = (size_t)job->g0 * (size_t)c->head_size;
+        tl__attend_heads_avx2(c, job->s, job->g0, job->g1, &job->lists[job->g0],
+                              tl_key_row(c, job->s, job->layer, 0) + off,
+                              tl_value_row(c, job->s, job->layer, 0) + off, (size_t)c->kv_dim);
+        return NULL;
+    }
+#endif
+    for (g = job->g0; g < job->g1; g++)
         tl__attend_kv_head(job->m, job->s, job->layer, g, &job->lists[g]);
     return NULL;
 }
@@ -3219,8 +3392,8 @@ void tl_layer_attention(const tl_model *m, tl_state *s, int layer, const tl_kv_l
         jobs[t].m = m;
         jobs[t].s = s;
         jobs[t].layer = layer;
-        jobs[t].first = t;
-        jobs[t].step = nt;
+        jobs[t].g0 = (int)((long)c->n_kv_heads * t / nt);   /* contiguous heads per thread */
+        jobs[t].g1 = (int)((long)c->n_kv_heads * (t + 1) / nt);
         jobs[t].lists = lists;
         started[t] = 0;
     }
