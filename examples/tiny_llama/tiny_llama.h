@@ -2407,64 +2407,53 @@ TL__AVX2 static void tl__scores_rows_avx2(const float *q, const float *const *ro
     }
 }
 
+/* unrolled, so that an array of sums indexed by the loop lives in registers */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8)
+#define TL__UNROLL8 _Pragma("GCC unroll 8")
+#else
+#define TL__UNROLL8
+#endif
+
+/* o[c .. c + 8w) += a[r] * rows[r][c .. c + 8w) for r < nr, ascending, with
+   w (1 .. 8, a constant where it is called) sums held in registers */
+TL__AVX2 __attribute__((always_inline)) static inline void tl__axpys_cols(float *o, const float *a,
+                                                                          const float *const *rows, int nr,
+                                                                          int c, int w)
+{
+    __m256 acc[8];
+    int r, k;
+    TL__UNROLL8
+    for (k = 0; k < w; k++)
+        acc[k] = _mm256_loadu_ps(o + c + 8 * k);
+    for (r = 0; r < nr; r++) {
+        __m256 av = _mm256_set1_ps(a[r]);
+        const float *v = rows[r] + c;
+        TL__UNROLL8
+        for (k = 0; k < w; k++)
+            acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(av, _mm256_loadu_ps(v + 8 * k)));
+    }
+    TL__UNROLL8
+    for (k = 0; k < w; k++)
+        _mm256_storeu_ps(o + c + 8 * k, acc[k]);
+}
+
 /* out + j * hs += att[j * stride + r] * rows[r] for r < nr (ascending for
    every element, as row-by-row updates add them), j < group; the sums stay
-   in registers for the whole block. hs a multiple of 8. */
+   in registers for the whole block, eight of them where hs allows (two adds
+   a cycle despite their latency). hs a multiple of 8. */
 TL__AVX2 static void tl__axpys_rows_avx2(float *out, const float *att, size_t stride,
                                          const float *const *rows, int nr, int group, int hs)
 {
-    int j, r, c;
+    int j, c;
     for (j = 0; j < group; j++) {
         float *o = out + (size_t)j * (size_t)hs;
         const float *a = att + (size_t)j * stride;
-        for (c = 0; c + 64 <= hs; c += 64) {   /* eight sums: two adds a cycle despite their latency */
-            __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8);
-            __m256 o2 = _mm256_loadu_ps(o + c + 16), o3 = _mm256_loadu_ps(o + c + 24);
-            __m256 o4 = _mm256_loadu_ps(o + c + 32), o5 = _mm256_loadu_ps(o + c + 40);
-            __m256 o6 = _mm256_loadu_ps(o + c + 48), o7 = _mm256_loadu_ps(o + c + 56);
-            for (r = 0; r < nr; r++) {
-                __m256 av = _mm256_set1_ps(a[r]);
-                const float *v = rows[r] + c;
-                o0 = _mm256_add_ps(o0, _mm256_mul_ps(av, _mm256_loadu_ps(v)));
-                o1 = _mm256_add_ps(o1, _mm256_mul_ps(av, _mm256_loadu_ps(v + 8)));
-                o2 = _mm256_add_ps(o2, _mm256_mul_ps(av, _mm256_loadu_ps(v + 16)));
-                o3 = _mm256_add_ps(o3, _mm256_mul_ps(av, _mm256_loadu_ps(v + 24)));
-                o4 = _mm256_add_ps(o4, _mm256_mul_ps(av, _mm256_loadu_ps(v + 32)));
-                o5 = _mm256_add_ps(o5, _mm256_mul_ps(av, _mm256_loadu_ps(v + 40)));
-                o6 = _mm256_add_ps(o6, _mm256_mul_ps(av, _mm256_loadu_ps(v + 48)));
-                o7 = _mm256_add_ps(o7, _mm256_mul_ps(av, _mm256_loadu_ps(v + 56)));
-            }
-            _mm256_storeu_ps(o + c, o0);
-            _mm256_storeu_ps(o + c + 8, o1);
-            _mm256_storeu_ps(o + c + 16, o2);
-            _mm256_storeu_ps(o + c + 24, o3);
-            _mm256_storeu_ps(o + c + 32, o4);
-            _mm256_storeu_ps(o + c + 40, o5);
-            _mm256_storeu_ps(o + c + 48, o6);
-            _mm256_storeu_ps(o + c + 56, o7);
-        }
-        for (; c + 32 <= hs; c += 32) {
-            __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8);
-            __m256 o2 = _mm256_loadu_ps(o + c + 16), o3 = _mm256_loadu_ps(o + c + 24);
-            for (r = 0; r < nr; r++) {
-                __m256 av = _mm256_set1_ps(a[r]);
-                const float *v = rows[r] + c;
-                o0 = _mm256_add_ps(o0, _mm256_mul_ps(av, _mm256_loadu_ps(v)));
-                o1 = _mm256_add_ps(o1, _mm256_mul_ps(av, _mm256_loadu_ps(v + 8)));
-                o2 = _mm256_add_ps(o2, _mm256_mul_ps(av, _mm256_loadu_ps(v + 16)));
-                o3 = _mm256_add_ps(o3, _mm256_mul_ps(av, _mm256_loadu_ps(v + 24)));
-            }
-            _mm256_storeu_ps(o + c, o0);
-            _mm256_storeu_ps(o + c + 8, o1);
-            _mm256_storeu_ps(o + c + 16, o2);
-            _mm256_storeu_ps(o + c + 24, o3);
-        }
-        for (; c < hs; c += 8) {
-            __m256 o0 = _mm256_loadu_ps(o + c);
-            for (r = 0; r < nr; r++)
-                o0 = _mm256_add_ps(o0, _mm256_mul_ps(_mm256_set1_ps(a[r]), _mm256_loadu_ps(rows[r] + c)));
-            _mm256_storeu_ps(o + c, o0);
-        }
+        for (c = 0; c + 64 <= hs; c += 64)
+            tl__axpys_cols(o, a, rows, nr, c, 8);
+        for (; c + 32 <= hs; c += 32)
+            tl__axpys_cols(o, a, rows, nr, c, 4);
+        for (; c < hs; c += 8)
+            tl__axpys_cols(o, a, rows, nr, c, 1);
     }
 }
 
@@ -2709,44 +2698,33 @@ struct tl__pool {
 #else
 #define TL__PAUSE() ((void)0)
 #endif
-/* poll until *v != unchanged (both read with acquire) or spin_s passes;
-   whether it changed */
-static int tl__poll_ulong(const unsigned long *v, unsigned long unchanged, const int *quit, double spin_s)
+/* what a thread waits for: the caller (seen unused) all workers done, a
+   worker a job after generation seen, or the pool's end */
+static int tl__pool_ready(tl__pool *p, int caller, unsigned long seen)
 {
-    double t0 = 0;
-    int i;
-    if (spin_s <= 0)
-        return 0;
-    for (;;) {
-        for (i = 0; i < 64; i++) {
-            if (TL__LOAD(v) != unchanged || TL__LOAD(quit))
-                return 1;
-            TL__PAUSE();
-        }
-        if (t0 == 0)
-            t0 = tl_time_s();
-        else if (tl_time_s() - t0 > spin_s)
-            return 0;
-    }
+    if (caller)
+        return TL__LOAD(&p->pending) == 0;
+    return TL__LOAD(&p->gen) != seen || TL__LOAD(&p->quit);
 }
 
-/* poll until *v == 0 or spin_s passes */
-static int tl__poll_zero(const int *v, double spin_s)
+/* poll for it for up to p->spin_s seconds (then the caller sleeps on the
+   condition variable, which also covers what arrives in between) */
+static void tl__pool_poll(tl__pool *p, int caller, unsigned long seen)
 {
     double t0 = 0;
     int i;
-    if (spin_s <= 0)
-        return 0;
+    if (p->spin_s <= 0)
+        return;
     for (;;) {
         for (i = 0; i < 64; i++) {
-            if (TL__LOAD(v) == 0)
-                return 1;
+            if (tl__pool_ready(p, caller, seen))
+                return;
             TL__PAUSE();
         }
         if (t0 == 0)
             t0 = tl_time_s();
-        else if (tl_time_s() - t0 > spin_s)
-            return 0;
+        else if (tl_time_s() - t0 > p->spin_s)
+            return;
     }
 }
 #endif
@@ -2761,7 +2739,7 @@ static void *tl__pool_main(void *arg)
         void (*fn)(void *, int, int);
         void *a;
 #ifdef TL__POOL_POLL
-        tl__poll_ulong(&p->gen, seen, &p->quit, p->spin_s);
+        tl__pool_poll(p, 0, seen);
 #endif
         pthread_mutex_lock(&p->mu);
         while (p->gen == seen && !p->quit)
@@ -2858,7 +2836,7 @@ void tl_parallel(tl_state *s, void (*fn)(void *arg, int part, int nparts), void 
     pthread_mutex_unlock(&p->mu);
     fn(arg, 0, p->n);
 #ifdef TL__POOL_POLL
-    tl__poll_zero(&p->pending, p->spin_s);
+    tl__pool_poll(p, 1, 0);
 #endif
     pthread_mutex_lock(&p->mu);
     while (p->pending > 0)
@@ -3205,46 +3183,49 @@ static void tl__block_rows(const tl_kv_list *l, const float *base, size_t stride
 #endif
 }
 
-/* tl__attend_kv_head with the SIMD kernels for KV heads g0 .. g1-1, a block
-   of rows at a time: the same operations in the same order for every score
-   and output element. Several heads only where their lists hold the same
-   positions of the host cache (full attention): then each block's rows are
-   read once for all of them, a contiguous span of each cache row. kbase and
-   vbase are head g0's columns. */
-static void tl__attend_heads_avx2(const tl_config *c, tl_state *s, int g0, int g1, const tl_kv_list *l,
-                                  const float *kbase, const float *vbase, size_t stride)
+/* One pass over the rows of KV heads g0 .. g1-1, a block at a time (base:
+   head g0's column of the keys, which 0, or of the values, which 1; a block's
+   rows fetched once for all the heads): the scores, or the outputs. */
+static void tl__heads_pass(const tl_config *c, tl_state *s, int g0, int g1, const tl_kv_list *l,
+                           const float *base, size_t stride, int which)
 {
-    int hs = c->head_size, group = c->n_heads / c->n_kv_heads, span = (g1 - g0) * hs;
-    int i0, j, g, r, n = l->n, nr;
+    int hs = c->head_size, group = c->n_heads / c->n_kv_heads;
+    int i0, g, r, n = l->n, nr;
     float scale = 1.0f / sqrtf((float)hs);
     const float *rows[TL__ATT_BLOCK], *hr[TL__ATT_BLOCK];
     size_t ctx = (size_t)s->ctx;
     for (i0 = 0; i0 < n; i0 += nr) {
         nr = n - i0 < TL__ATT_BLOCK ? n - i0 : TL__ATT_BLOCK;
-        tl__block_rows(l, kbase, stride, 0, i0, nr, span, rows);
+        tl__block_rows(l, base, stride, which, i0, nr, (g1 - g0) * hs, rows);
         for (g = g0; g < g1; g++) {
             size_t h0 = (size_t)g * (size_t)group;
+            float *att = s->att + h0 * ctx + (size_t)i0;
             for (r = 0; r < nr; r++)
                 hr[r] = rows[r] + (size_t)(g - g0) * (size_t)hs;
-            tl__scores_rows_avx2(s->q + h0 * (size_t)hs, hr, nr, group, hs, scale, s->att + h0 * ctx + (size_t)i0,
-                                 ctx);
+            if (which == 0)
+                tl__scores_rows_avx2(s->q + h0 * (size_t)hs, hr, nr, group, hs, scale, att, ctx);
+            else
+                tl__axpys_rows_avx2(s->xb + h0 * (size_t)hs, att, ctx, hr, nr, group, hs);
         }
     }
+}
+
+/* tl__attend_kv_head with the SIMD kernels for KV heads g0 .. g1-1: the same
+   operations in the same order for every score and output element. Several
+   heads only where their lists hold the same positions of the host cache
+   (full attention): then each block's rows are read once for all of them, a
+   contiguous span of each cache row. kbase and vbase are head g0's columns. */
+static void tl__attend_heads_avx2(const tl_config *c, tl_state *s, int g0, int g1, const tl_kv_list *l,
+                                  const float *kbase, const float *vbase, size_t stride)
+{
+    int hs = c->head_size, group = c->n_heads / c->n_kv_heads, j;
+    tl__heads_pass(c, s, g0, g1, l, kbase, stride, 0);
     for (j = g0 * group; j < g1 * group; j++) {
-        if (n > 0)
-            tl_softmax(s->att + (size_t)j * ctx, n);
+        if (l->n > 0)
+            tl_softmax(s->att + (size_t)j * (size_t)s->ctx, l->n);
         memset(s->xb + (size_t)j * (size_t)hs, 0, (size_t)hs * sizeof(float));
     }
-    for (i0 = 0; i0 < n; i0 += nr) {
-        nr = n - i0 < TL__ATT_BLOCK ? n - i0 : TL__ATT_BLOCK;
-        tl__block_rows(l, vbase, stride, 1, i0, nr, span, rows);
-        for (g = g0; g < g1; g++) {
-            size_t h0 = (size_t)g * (size_t)group;
-            for (r = 0; r < nr; r++)
-                hr[r] = rows[r] + (size_t)(g - g0) * (size_t)hs;
-            tl__axpys_rows_avx2(s->xb + h0 * (size_t)hs, s->att + h0 * ctx + (size_t)i0, ctx, hr, nr, group, hs);
-        }
-    }
+    tl__heads_pass(c, s, g0, g1, l, vbase, stride, 1);
 }
 
 /* whether lists g0+1 .. g1-1 hold the positions of list g0, all of the host cache */
