@@ -5163,45 +5163,53 @@ static size_t pqc__mid_cut(const pqc_cache *c, size_t from, size_t to)
 /* The attention the layer's kept observation rows pay, per row and query head of the
    group an exact softmax (scale 1/sqrt(d_h)) over the n_all tokens held when the build
    started, averaged (P): the shares on the sinks (mass[0]) and the window (mass[1]), and
-   the mid tokens counted by their P into the bins of PQC__OBS_BINS (hist). */
+   the mid tokens counted by their P into the bins of PQC__OBS_BINS (hist). The scores
+   are the runtime's exact row dots: each block of PQC__OBS_BLOCK keys is converted
+   once and dotted with every observed row and head. */
+#define PQC__OBS_BLOCK 256
 static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *mass, double *hist)
 {
     pqc__layer *L = &c->layers[b->layer];
     const pqc__head *H = &L->heads[b->head];
-    size_t n = b->n_all, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, t, e;
+    size_t n = b->n_all, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, t, t0, nb, bytes = 0;
     size_t sink = pqc__sink_end(c, n), mid_end = pqc__mid_end(c, n);
     double scale = 1.0 / sqrt((double)d), acc_s = 0.0, acc_w = 0.0, *pt;
-    float *sc = (float *)pqc__alloc(&c->alloc, (n + d) * sizeof(float)), *row;
-    int r, hh;
+    int np = b->n_obs * c->g, pr, r;
+    pqc_simd simd = pqc__simd(c->rt);
+    float *sc = NULL, *buf;
+    if (pqc__size3((size_t)np, n, sizeof(float), &bytes) && bytes <= (size_t)-1 - PQC__OBS_BLOCK * d * sizeof(float))
+        sc = (float *)pqc__alloc(&c->alloc, bytes + PQC__OBS_BLOCK * d * sizeof(float));
     pt = (double *)pqc__calloc(&c->alloc, (n + 1) * sizeof(double));
     if (!sc || !pt) {
         pqc__free(&c->alloc, sc);
         pqc__free(&c->alloc, pt);
         return PQC_ERROR_OUT_OF_MEMORY;
     }
-    row = sc + n;
-    for (r = 0; r < b->n_obs; r++)
-        for (hh = 0; hh < c->g; hh++) {
-            const float *q = L->qobs + (size_t)r * qn + ((size_t)b->head * (size_t)c->g + (size_t)hh) * d;
-            double mx = -INFINITY, z = 0.0, zs = 0.0, zw = 0.0;
-            for (t = 0; t < n; t++) {
-                float a = 0.0f;
-                pqc__row_to_f32(pqc__krow(c, H, t), c->d.kv_dtype, d, row);
-                for (e = 0; e < d; e++) a = fmaf(q[e], row[e], a);
-                sc[t] = a;
-                if ((double)a > mx) mx = (double)a;
-            }
-            for (t = 0; t < n; t++) {
-                double p = exp(((double)sc[t] - mx) * scale);
-                z += p;
-                if (t < sink) zs += p;
-                else if (t >= mid_end) zw += p;
-                sc[t] = (float)p; /* the unnormalised weight, for the mid tokens' histogram */
-            }
-            acc_s += zs / z;
-            acc_w += zw / z;
-            for (t = sink; t < mid_end; t++) pt[t] += (double)sc[t] / z;
+    buf = sc + (size_t)np * n;
+    for (t0 = 0; t0 < n; t0 += nb) { /* sc[pr * n + t]: pair pr = (row pr / g, head pr % g) */
+        nb = n - t0 < PQC__OBS_BLOCK ? n - t0 : PQC__OBS_BLOCK;
+        for (t = 0; t < nb; t++) pqc__row_to_f32(pqc__krow(c, H, t0 + t), c->d.kv_dtype, d, buf + t * d);
+        for (pr = 0; pr < np; pr++) {
+            const float *q = L->qobs + (size_t)(pr / c->g) * qn + ((size_t)b->head * (size_t)c->g + (size_t)(pr % c->g)) * d;
+            pqc__k_rowdots(simd, q, buf, nb, d, (int)d, sc + (size_t)pr * n + t0);
         }
+    }
+    for (pr = 0; pr < np; pr++) {
+        float *s = sc + (size_t)pr * n;
+        double mx = -INFINITY, z = 0.0, zs = 0.0, zw = 0.0;
+        for (t = 0; t < n; t++)
+            if ((double)s[t] > mx) mx = (double)s[t];
+        for (t = 0; t < n; t++) {
+            double e = exp(((double)s[t] - mx) * scale);
+            z += e;
+            if (t < sink) zs += e;
+            else if (t >= mid_end) zw += e;
+            s[t] = (float)e; /* the unnormalised weight, for the mid tokens' histogram */
+        }
+        acc_s += zs / z;
+        acc_w += zw / z;
+        for (t = sink; t < mid_end; t++) pt[t] += (double)s[t] / z;
+    }
     mass[0] = acc_s / (double)(b->n_obs * c->g);
     mass[1] = acc_w / (double)(b->n_obs * c->g);
     for (r = 0; r < PQC__OBS_BINS; r++) hist[r] = 0.0;

@@ -623,6 +623,44 @@ TEST a_failed_decode_step_leaves_no_drift_behind(void)
 
 /* a cache over two KV heads (keys k2: rows of 2 x D), the observations obs2 observed and
    the keys prefilled */
+/* What the cache measures for KV head h of open_two_heads' data, in double precision:
+   per kept observation row (the last PQC__OBS_KEEP of N_OBS) and query head of the group,
+   the softmax over all S tokens (scale 1/sqrt(D)) summed over the sinks and the window,
+   averaged. */
+static void observed_mass_ref(const float *k2, const float *obs2, int h, size_t n_sink, size_t window,
+                              double *sinks, double *win)
+{
+    double *sc = (double *)malloc(sizeof(double) * S), acc_s = 0, acc_w = 0;
+    int r, hh, e, pairs = 0;
+    size_t t;
+    *sinks = *win = -1.0;
+    if (!sc) return;
+    for (r = N_OBS - PQC__OBS_KEEP; r < N_OBS; r++)
+        for (hh = 0; hh < G; hh++) {
+            const float *q = obs2 + ((size_t)r * 2 + (size_t)h) * G * D + (size_t)hh * D;
+            double mx = -INFINITY, z = 0, zs = 0, zw = 0;
+            for (t = 0; t < S; t++) {
+                const float *k = k2 + (t * 2 + (size_t)h) * D;
+                double a = 0;
+                for (e = 0; e < D; e++) a += (double)q[e] * (double)k[e];
+                sc[t] = a / sqrt((double)D);
+                if (sc[t] > mx) mx = sc[t];
+            }
+            for (t = 0; t < S; t++) {
+                double p = exp(sc[t] - mx);
+                z += p;
+                if (t < n_sink) zs += p;
+                else if (t >= S - window) zw += p;
+            }
+            acc_s += zs / z;
+            acc_w += zw / z;
+            pairs++;
+        }
+    *sinks = acc_s / pairs;
+    *win = acc_w / pairs;
+    free(sc);
+}
+
 static pqc_result open_two_heads(pqc_split split, double ratio, const float *k2, const float *obs2, pqc_cache **out)
 {
     pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
@@ -691,6 +729,14 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
         for (h = 0; h < 2; h++) {
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(c, 0, h, &sinks, &win[h]));
             ASSERT(sinks >= 0.0 && win[h] >= 0.0 && sinks + win[h] <= 1.0 + 1e-9);
+            { /* the measurement itself, against double precision */
+                double rs, rw;
+                observed_mass_ref(k2, obs2, h, (size_t)c->d.n_sink, (size_t)pqc_cache_window(c), &rs, &rw);
+                if (split == 0)
+                    fprintf(stderr, "  head %d observed sinks %.6f (double: %.6f), window %.6f (%.6f)\n", h, sinks, rs,
+                            win[h], rw);
+                ASSERT(fabs(sinks - rs) < 1e-5 && fabs(win[h] - rw) < 1e-5);
+            }
             cnt[split][h] = sel.count[h];
             kept_mass[split] += mass(p[h], sel.idx + (size_t)h * sel.capacity, sel.count[h]);
             if (split == 0) { /* every rare token of the head's oracle (same shape) kept */
