@@ -2662,11 +2662,11 @@ static void tl__dot_1x4(const float *a, const float *const *b, int n, float *out
 
    A decode step hands the pool a hundred or so jobs of a few hundred
    microseconds each. A thread that sleeps on a condition variable between
-   them wakes late (on a virtual machine an idle CPU is handed back to the
-   host, and waking it costs tens of microseconds or more), and the caller
-   runs the start of every job alone. So the workers, and the caller waiting
-   for them, first poll the job counter for a while (TL_POOL_SPIN_US, default
-   200 microseconds; 0 turns polling off) and only then sleep. */
+   them can wake late (on a virtual machine an idle CPU is handed back to the
+   host, and waking it can cost tens of microseconds), leaving the caller to
+   run the start of the job alone. So the workers, and the caller waiting for
+   them, first poll the job counter for a while (TL_POOL_SPIN_US, 0 to 1e6,
+   default 200 microseconds; 0 turns polling off) and only then sleep. */
 
 #define TL__POOL_MAX 63
 
@@ -2796,9 +2796,10 @@ static tl__pool *tl__pool_create(int n)
     pthread_cond_init(&p->done, NULL);
     p->spin_s = 200e-6;
     {
-        const char *e = getenv("TL_POOL_SPIN_US");
-        if (e && *e)
-            p->spin_s = atof(e) * 1e-6;
+        const char *e = getenv("TL_POOL_SPIN_US");   /* 0 .. 1e6; anything else: the default */
+        double us = e && *e ? atof(e) : -1.0;
+        if (us >= 0.0 && us <= 1e6)
+            p->spin_s = us * 1e-6;
     }
     for (t = 1; t < n; t++) {
         void **a = (void **)malloc(2 * sizeof(void *));
