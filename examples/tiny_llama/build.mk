@@ -74,7 +74,8 @@ tiny_llama_check:
 	  command -v $$cc >/dev/null 2>&1 || { echo "tiny_llama_check: $$cc not found, skipped"; continue; }; \
 	  for f in $(TINY_LLAMA_SRCS); do \
 	    $$cc -std=c99 $(TINY_LLAMA_WARN) -fsyntax-only $$f || exit 1; \
-	  done; echo "tiny_llama_check: $$cc -std=c99 ok"; \
+	    $$cc -std=c99 $(TINY_LLAMA_WARN) -DTINY_LLAMA_NO_SIMD -fsyntax-only $$f || exit 1; \
+	  done; echo "tiny_llama_check: $$cc -std=c99 ok (with and without the SIMD kernels)"; \
 	done
 	@for cxx in g++ clang++; do \
 	  command -v $$cxx >/dev/null 2>&1 || { echo "tiny_llama_check: $$cxx not found, skipped"; continue; }; \

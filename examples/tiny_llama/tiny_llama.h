@@ -2707,7 +2707,7 @@ static int tl__pool_ready(tl__pool *p, int caller, unsigned long seen)
     return TL__LOAD(&p->gen) != seen || TL__LOAD(&p->quit);
 }
 
-/* poll for it for up to p->spin_s seconds (then the caller sleeps on the
+/* poll for it for up to p->spin_s seconds (then the thread sleeps on its
    condition variable, which also covers what arrives in between) */
 static void tl__pool_poll(tl__pool *p, int caller, unsigned long seen)
 {
@@ -2832,7 +2832,7 @@ void tl_parallel(tl_state *s, void (*fn)(void *arg, int part, int nparts), void 
     p->fn = fn;
     p->arg = arg;
     TL__STORE(&p->pending, p->n - 1);
-    TL__STORE(&p->gen, p->gen + 1);  /* after fn and arg: a polling worker reads them next */
+    TL__STORE(&p->gen, p->gen + 1);  /* a worker that sees it takes mu to read fn and arg */
     pthread_cond_broadcast(&p->go);
     pthread_mutex_unlock(&p->mu);
     fn(arg, 0, p->n);
@@ -3272,7 +3272,7 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
     }
 #endif
     for (i = 0; i < n; i++) {
-        const float *k = l->krow ? (const float *)l->krow[i] : kbase + (size_t)(l->k ? i : l->pos[i]) * stride;
+        const float *k = tl__list_row(l, kbase, stride, 0, i);
 #if defined(__GNUC__) || defined(__clang__)
         if (l->krow && i + TL__KV_AHEAD < n) { /* scattered rows: fetch ahead of the dot products */
             const char *nk = (const char *)l->krow[i + TL__KV_AHEAD], *nv = (const char *)l->vrow[i + TL__KV_AHEAD];
@@ -3301,7 +3301,7 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
         memset(s->xb + (size_t)h * (size_t)hs, 0, (size_t)hs * sizeof(float));
     }
     for (i = 0; i < n; i++) {
-        const float *v = l->vrow ? (const float *)l->vrow[i] : vbase + (size_t)(l->k ? i : l->pos[i]) * stride;
+        const float *v = tl__list_row(l, vbase, stride, 1, i);
 #if defined(__GNUC__) || defined(__clang__)
         if (!l->vrow && i + TL__KV_AHEAD < n) {
             const char *nv = (const char *)(vbase + (size_t)(l->k ? i + TL__KV_AHEAD : l->pos[i + TL__KV_AHEAD]) * stride);
@@ -3328,9 +3328,9 @@ typedef struct {
 static void *tl__attn_worker(void *arg)
 {
     const tl__attn_job *job = (const tl__attn_job *)arg;
-    const tl_config *c = &job->m->config;
     int g;
 #ifdef TL__X86
+    const tl_config *c = &job->m->config;
     if (job->g1 - job->g0 > 1 && tl__have_avx2() && c->head_size % 8 == 0 &&
         tl__lists_shared(job->lists, job->g0, job->g1)) {
         size_t off = (size_t)job->g0 * (size_t)c->head_size;
