@@ -7,6 +7,12 @@
  * barriers); the scheduler then resumes the next one. A thread that returns leaves every
  * later barrier, as on the hardware. Static __shared__ arrays become function statics,
  * which is exact because one block runs at a time.
+ *
+ * The coroutines live as long as the process: each runs the kernel body of every block in
+ * turn. On x86-64 they switch with a few instructions (the callee-saved registers and the
+ * stack pointer: the kernels change neither the floating-point control word nor the
+ * signal mask); elsewhere, or with PQC_EMU_UCONTEXT defined, through swapcontext, which
+ * also saves the signal mask with a system call at every switch.
  */
 #ifndef PQC_EMU_DEVICE_H
 #define PQC_EMU_DEVICE_H
@@ -30,15 +36,24 @@ struct dim3u { unsigned x, y, z; };
 
 enum { THREADS = 256, WARPS = 8, STACK = 128 * 1024 };
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(PQC_EMU_UCONTEXT)
+#define PQC_EMU_FAST_SWITCH 1
+/* a coroutine's saved stack pointer (its callee-saved registers lie on its stack) */
+struct Context { void *sp; };
+#else
+struct Context { ucontext_t uc; };
+#endif
+
 struct Thread {
-    ucontext_t ctx;
+    Context ctx;
     char *stack;
     int done;
+    int started;
 };
 
 struct Block {
     Thread thr[THREADS];
-    ucontext_t sched;
+    Context sched;
     int cur;
     int active, arrived;
     unsigned gen;
@@ -53,7 +68,15 @@ extern Block blk;
 extern volatile dim3u cur_thread;
 extern dim3u cur_block, cur_grid, cur_dim;
 
-inline void yield_now() { swapcontext(&blk.thr[blk.cur].ctx, &blk.sched); }
+/* saves the running context in from and resumes to */
+#ifdef PQC_EMU_FAST_SWITCH
+extern "C" void pqc_emu_switch(void **from_sp, void *to_sp);
+inline void switch_to(Context *from, Context *to) { pqc_emu_switch(&from->sp, to->sp); }
+#else
+inline void switch_to(Context *from, Context *to) { swapcontext(&from->uc, &to->uc); }
+#endif
+
+inline void yield_now() { switch_to(&blk.thr[blk.cur].ctx, &blk.sched); }
 
 inline void sync_block()
 {

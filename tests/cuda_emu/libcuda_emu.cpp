@@ -141,22 +141,71 @@ void enqueue(Stream *s, std::function<void()> fn)
 }
 
 /* ----- kernels ----- */
-void thread_entry()
+#ifdef PQC_EMU_FAST_SWITCH
+/* pqc_emu_switch(from, to): pushes the callee-saved registers, stores the stack pointer
+   in *from, loads to and pops the registers saved there; the ret resumes that context */
+__asm__(".text\n"
+        ".globl pqc_emu_switch\n"
+        ".hidden pqc_emu_switch\n"
+        ".type pqc_emu_switch, @function\n"
+        "pqc_emu_switch:\n"
+        "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+        "  movq %rsp, (%rdi)\n"
+        "  movq %rsi, %rsp\n"
+        "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+        "  ret\n"
+        ".size pqc_emu_switch, .-pqc_emu_switch\n");
+#endif
+
+/* The life of coroutine i: run the block's body as thread blk.cur, leave the barriers,
+   hand control back; resumed for the next block, run it again. */
+void thread_loop()
 {
-    emu::blk.body(emu::blk.arg);
-    emu::Thread &t = emu::blk.thr[emu::blk.cur];
-    t.done = 1;
-    int w = emu::blk.cur >> 5;
-    emu::blk.active--;
-    emu::blk.w_active[w]--;
-    if (emu::blk.arrived > 0 && emu::blk.arrived == emu::blk.active) {
-        emu::blk.arrived = 0;
-        emu::blk.gen++;
+    for (;;) {
+        emu::blk.body(emu::blk.arg);
+        emu::Thread &t = emu::blk.thr[emu::blk.cur];
+        t.done = 1;
+        int w = emu::blk.cur >> 5;
+        emu::blk.active--;
+        emu::blk.w_active[w]--;
+        if (emu::blk.arrived > 0 && emu::blk.arrived == emu::blk.active) {
+            emu::blk.arrived = 0;
+            emu::blk.gen++;
+        }
+        if (emu::blk.w_arrived[w] > 0 && emu::blk.w_arrived[w] == emu::blk.w_active[w]) {
+            emu::blk.w_arrived[w] = 0;
+            emu::blk.w_gen[w]++;
+        }
+        emu::switch_to(&t.ctx, &emu::blk.sched);
     }
-    if (emu::blk.w_arrived[w] > 0 && emu::blk.w_arrived[w] == emu::blk.w_active[w]) {
-        emu::blk.w_arrived[w] = 0;
-        emu::blk.w_gen[w]++;
+}
+
+/* A new coroutine's first resume enters thread_loop on its own stack. */
+void thread_start(emu::Thread &t)
+{
+    t.stack = (char *)malloc(emu::STACK);
+    if (!t.stack) {
+        fprintf(stderr, "cuda-emu: out of memory for a thread's stack\n");
+        abort();
     }
+#ifdef PQC_EMU_FAST_SWITCH
+    /* the frame pqc_emu_switch pops: six registers, then the return address; the stack
+       pointer after that ret is 8 below a 16-byte boundary, as after a call */
+    uintptr_t top = ((uintptr_t)t.stack + emu::STACK) & ~(uintptr_t)15;
+    void **sp = (void **)(top - 8 * sizeof(void *));
+    void (*entry)() = thread_loop;
+    for (int r = 0; r < 6; r++) sp[r] = nullptr;
+    memcpy(&sp[6], &entry, sizeof entry);
+    sp[7] = nullptr; /* thread_loop never returns */
+    t.ctx.sp = sp;
+#else
+    getcontext(&t.ctx.uc);
+    t.ctx.uc.uc_stack.ss_sp = t.stack;
+    t.ctx.uc.uc_stack.ss_size = emu::STACK;
+    t.ctx.uc.uc_link = nullptr;
+    makecontext(&t.ctx.uc, thread_loop, 0);
+#endif
+    t.started = 1;
 }
 
 void run_block(void (*body)(void *), void *arg)
@@ -172,12 +221,7 @@ void run_block(void (*body)(void *), void *arg)
     }
     for (int i = 0; i < emu::THREADS; i++) {
         emu::Thread &t = b.thr[i];
-        if (!t.stack) t.stack = (char *)malloc(emu::STACK);
-        getcontext(&t.ctx);
-        t.ctx.uc_stack.ss_sp = t.stack;
-        t.ctx.uc_stack.ss_size = emu::STACK;
-        t.ctx.uc_link = &b.sched;
-        makecontext(&t.ctx, thread_entry, 0);
+        if (!t.started) thread_start(t);
         t.done = 0;
     }
     int remaining = emu::THREADS;
@@ -187,7 +231,7 @@ void run_block(void (*body)(void *), void *arg)
             b.cur = i;
             emu::cur_thread.x = (unsigned)i;
             emu::cur_thread.y = emu::cur_thread.z = 0;
-            swapcontext(&b.sched, &b.thr[i].ctx);
+            emu::switch_to(&b.sched, &b.thr[i].ctx);
             if (b.thr[i].done) remaining--;
         }
 }
