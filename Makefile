@@ -9,7 +9,7 @@ LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
 
-.PHONY: all run test bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python
+.PHONY: all run test test-long coverage bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
 LIBTESTS := core cache contract fidelity
@@ -35,17 +35,28 @@ $(BUILD)/tsan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 $(BUILD)/test_harness: tests/test_harness.c tests/greatest.h | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@
 
-test-core: $(addprefix $(BUILD)/test_,$(LIBTESTS))
+DEPS_test-core := $(addprefix $(BUILD)/test_,$(LIBTESTS))
+test-core: $(DEPS_test-core)
 	@set -e; for t in $(LIBTESTS); do echo "== $$t"; $(BUILD)/test_$$t; done
 
-test-asan: $(addprefix $(BUILD)/asan_,$(LIBTESTS))
-	@set -e; for t in $(LIBTESTS); do echo "== $$t (ASan+UBSan)"; \
-	  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/asan_$$t; done
+# The sanitizer runs take the small scenarios (tests/test_size.h); make test-long the full.
+SAN_SIZE ?= small
+# Under TSan the programs that start threads; test_fidelity never does (every cache on the
+# inline runtime), so ThreadSanitizer has nothing to check there: make test-long runs it.
+TSAN_TESTS ?= core cache contract
 
-test-tsan: $(addprefix $(BUILD)/tsan_,$(LIBTESTS))
-	@set -e; for t in $(LIBTESTS); do echo "== $$t (TSan)"; TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_$$t; done
+DEPS_test-asan := $(addprefix $(BUILD)/asan_,$(LIBTESTS))
+test-asan: $(DEPS_test-asan)
+	@set -e; for t in $(LIBTESTS); do echo "== $$t (ASan+UBSan, $(SAN_SIZE) scenarios)"; \
+	  PQC_TEST_SIZE=$(SAN_SIZE) ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/asan_$$t; done
 
-test-harness: $(BUILD)/test_harness
+DEPS_test-tsan := $(addprefix $(BUILD)/tsan_,$(TSAN_TESTS))
+test-tsan: $(DEPS_test-tsan)
+	@set -e; for t in $(TSAN_TESTS); do echo "== $$t (TSan, $(SAN_SIZE) scenarios)"; \
+	  PQC_TEST_SIZE=$(SAN_SIZE) TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_$$t; done
+
+DEPS_test-harness := $(BUILD)/test_harness
+test-harness: $(DEPS_test-harness)
 	sh tests/harness_selftest.sh $(BUILD)/test_harness
 
 # the table of contents at the top of pqcache.h matches its section banners
@@ -57,24 +68,39 @@ COMPILE_SRC := $(BUILD)/compile_check.c
 $(COMPILE_SRC): | $(BUILD)
 	@printf '#define PQCACHE_IMPLEMENTATION\n#include "../pqcache.h"\nint main(void) { return pqc_version_number() == 0; }\n' > $@
 
-test-compile: $(COMPILE_SRC) $(HDR)
-	@set -e; for cc in "$(CC) -std=c99" "$(CC) -x c++ -std=c++11" "$(CLANG) -std=c99" "$(CLANG) -x c++ -std=c++11"; do \
-	  echo "compile check: $$cc"; \
-	  $$cc $(WARN) -O2 -c $(COMPILE_SRC) -o $(BUILD)/compile_check.o; \
-	  $$cc $(WARN) -O2 -DPQCACHE_NO_SIMD -DPQCACHE_STATIC -c $(COMPILE_SRC) -o $(BUILD)/compile_check.o; \
-	done
+# Each check compiles the whole implementation once; the checks are separate targets, so
+# that a parallel make runs them side by side. build/checks/CC--DEFS.o: CC one of the
+# compilers below, DEFS "default", "nosimd-static" or one configuration macro. gcc warns
+# from its optimisers too (uninitialised values, array bounds), so its checks build at
+# -O2; clang's warnings all come from its front end, the same at every level, so its
+# checks build at -O0 (a tenth of the time).
+CHK_cc-c99 := $(CC) -std=c99 -O2
+CHK_cc-cxx := $(CC) -x c++ -std=c++11 -O2
+CHK_clang-c99 := $(CLANG) -std=c99 -O0
+CHK_clang-cxx := $(CLANG) -x c++ -std=c++11 -O0
+CHKDEF_default :=
+CHKDEF_nosimd-static := -DPQCACHE_NO_SIMD -DPQCACHE_STATIC
+$(BUILD)/checks/%.o: $(COMPILE_SRC) $(HDR)
+	@mkdir -p $(@D)
+	$(CHK_$(word 1,$(subst --, ,$*))) $(WARN) $(CHKDEF_$(word 2,$(subst --, ,$*))) -c $(COMPILE_SRC) -o $@
+
+COMPILE_CCS := cc-c99 cc-cxx clang-c99 clang-cxx
+DEPS_test-compile := $(foreach c,$(COMPILE_CCS),$(BUILD)/checks/$(c)--default.o $(BUILD)/checks/$(c)--nosimd-static.o)
+test-compile: $(DEPS_test-compile)
+	@for c in $(DEPS_test-compile); do echo "compile check: $$(basename $$c .o) ok"; done
 
 # The configuration macros: each variant compiles warning-free under gcc and clang, and the
 # library tests run in the build without threads (jobs inline, no pthreads).
 VARIANTS := PQCACHE_NO_THREADS PQCACHE_NO_CUDA PQCACHE_NO_SIMD PQCACHE_STATIC
+$(foreach v,$(VARIANTS),$(eval CHKDEF_$(v) := -D$(v)))
 $(BUILD)/nothreads_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -DPQCACHE_NO_THREADS -Itests $< -o $@ -lm
 
-test-variants: $(COMPILE_SRC) $(addprefix $(BUILD)/nothreads_,$(LIBTESTS))
-	@set -e; for v in $(VARIANTS); do for cc in "$(CC) -std=c99" "$(CLANG) -std=c99" "$(CLANG) -x c++ -std=c++11"; do \
-	  echo "variant -D$$v: $$cc"; \
-	  $$cc $(WARN) -O2 -D$$v -c $(COMPILE_SRC) -o $(BUILD)/variant.o; \
-	done; done
+VARIANT_CCS := cc-c99 clang-c99 clang-cxx
+DEPS_test-variants := $(foreach v,$(VARIANTS),$(foreach c,$(VARIANT_CCS),$(BUILD)/checks/$(c)--$(v).o)) \
+                      $(addprefix $(BUILD)/nothreads_,$(LIBTESTS))
+test-variants: $(DEPS_test-variants)
+	@for c in $(filter %.o,$(DEPS_test-variants)); do echo "compile check: $$(basename $$c .o) ok"; done
 	@set -e; for t in $(LIBTESTS); do echo "== $$t (PQCACHE_NO_THREADS)"; $(BUILD)/nothreads_$$t; done
 
 # ----- CUDA: run-time loader, NVRTC compilation of the embedded kernels (no GPU needed)
@@ -84,7 +110,8 @@ $(BUILD)/test_nvrtc: tests/test_nvrtc.c pqcache_kernels.cu $(HDR) | $(BUILD)
 $(BUILD)/gpu_check: tests/gpu/gpu_check.c $(HDR) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) $< -o $@ $(LDLIBS)
 
-test-nvrtc: $(BUILD)/test_nvrtc $(BUILD)/gpu_check
+DEPS_test-nvrtc := $(BUILD)/test_nvrtc $(BUILD)/gpu_check
+test-nvrtc: $(DEPS_test-nvrtc)
 	sh tools/embed_kernels.sh --check
 	$(BUILD)/test_nvrtc
 
@@ -111,7 +138,8 @@ $(BUILD)/test_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
 $(BUILD)/asan_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
 
-test-cuda-emu: $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier build/test_pqcache_mode
+DEPS_test-cuda-emu := $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier build/test_pqcache_mode
+test-cuda-emu: $(DEPS_test-cuda-emu)
 	sh tests/cuda_emu/run.sh $(BUILD)
 
 # ----- the Python binding: pqcache.h as a shared library, python/pqcache.py over ctypes
@@ -121,24 +149,49 @@ PYTHON ?= $(shell /usr/bin/env python3 -c 'import numpy, pytest' >/dev/null 2>&1
 	{ test -x /usr/bin/python3 && echo /usr/bin/python3 || echo /usr/bin/env python3; })
 
 $(LIB): python/libpqcache.c $(HDR) | $(BUILD)
-	$(CC) $(STD) -O2 -fPIC -shared $(WARN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(CFLAGS) -fPIC -shared $(WARN) $< -o $@ $(LDLIBS)
 
 lib: $(LIB)
 
-test-python: $(LIB)
-	PQCACHE_LIB=$(CURDIR)/$(LIB) $(PYTHON) -m pytest -q -p no:cacheprovider python/
+DEPS_test-python := $(LIB)
+test-python: $(DEPS_test-python)
+	@mkdir -p $(BUILD)/pytest
+	PQCACHE_LIB=$(CURDIR)/$(LIB) $(PYTHON) -m pytest -q -p no:cacheprovider --basetemp=$(BUILD)/pytest/python --durations=5 python/
 
 # ----- everything ---------------------------------------------------------------------
-TEST_GROUPS := test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu test-core test-python test-asan test-tsan tiny_llama_test test-example-san test-fuzz
+# The groups, longest first (a parallel make starts them in this order). `make test` runs
+# them in one parallel make: each run-GROUP target builds GROUP's programs (DEPS_GROUP)
+# alongside everything else, then runs the group (tests/run_group.sh).
+TEST_GROUPS := test-cuda-emu test-tsan test-asan test-example-san test-fuzz test-variants test-core tiny_llama_test \
+               test-mpi test-compile test-nvrtc test-python test-harness test-header
 test:
-	@sh tests/run_all.sh $(TEST_GROUPS)
+	@MAKE="$(MAKE)" sh tests/run_all.sh $(TEST_GROUPS)
+
+
+# The long suite: make test with every scenario at full size (the sanitizer runs too, and
+# ThreadSanitizer over every test program), then every fuzz target for LONG_FUZZ_SECONDS,
+# TEST_JOBS of them side by side. About 45 minutes on 2 cores.
+LONG_FUZZ_SECONDS ?= 600
+test-long:
+	@$(MAKE) --no-print-directory test SAN_SIZE=full TSAN_TESTS="$(LIBTESTS)"
+	@echo "=== every fuzz target for $(LONG_FUZZ_SECONDS) s"
+	@$(MAKE) --no-print-directory -j$${TEST_JOBS:-$$(nproc)} FUZZ_SECONDS=$(LONG_FUZZ_SECONDS) $(addprefix fuzz-,$(FUZZ_NAMES)) \
+	  > $(BUILD)/logs/fuzz-long.log 2>&1; st=$$?; \
+	  grep -E '^fuzz_|^    ' $(BUILD)/logs/fuzz-long.log; \
+	  p=$$(grep -c '^fuzz_.*Done' $(BUILD)/logs/fuzz-long.log); f=$$(grep -c '^fuzz_.*FAILED' $(BUILD)/logs/fuzz-long.log); \
+	  echo "$$p passed, $$f failed"; [ $$st = 0 ] && [ $$f = 0 ]
+
+# line and branch coverage of pqcache.h and examples/tiny_llama by make test (gcov), in
+# build/coverage/summary.txt; tests/coverage/run.sh says how
+coverage:
+	@COVERAGE_SIZE="$(COVERAGE_SIZE)" COVERAGE_GROUPS="$(COVERAGE_GROUPS)" sh tests/coverage/run.sh
 
 clean:
 	rm -rf $(BUILD)
 
 # ----- the example engine, the passkey model and the needle evaluation -----------------
 include examples/tiny_llama/build.mk
-# tensor parallel over MPI: build/tiny_llama_mpi, run-mpi, test-mpi (joins TEST_GROUPS; skipped without MPI)
+# tensor parallel over MPI: build/tiny_llama_mpi, run-mpi, test-mpi (skipped without MPI)
 include examples/tiny_llama/mpi.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
@@ -157,12 +210,14 @@ $(BUILD)/tsan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_ll
 # the command line under ASan+UBSan refuses damaged Hugging Face checkpoints (test_hf.py)
 $(BUILD)/asan_tiny_llama_run: examples/tiny_llama/run.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
-test-example-san: $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/clang_asan_pqcache_mode $(BUILD)/tsan_pqcache_mode \
-                  $(BUILD)/asan_tiny_llama_run $(BUILD)/tsan_tiny_llama
+DEPS_test-example-san := $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/clang_asan_pqcache_mode \
+                         $(BUILD)/tsan_pqcache_mode $(BUILD)/asan_tiny_llama_run $(BUILD)/tsan_tiny_llama
+test-example-san: $(DEPS_test-example-san)
+	@mkdir -p $(BUILD)/pytest
 	$(BUILD)/asan_tiny_llama
 	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_tiny_llama
 	TINY_LLAMA=$(CURDIR)/$(BUILD)/asan_tiny_llama_run ASAN_OPTIONS=detect_leaks=1 \
-	  $(PYTHON) -m pytest -q -p no:cacheprovider examples/tiny_llama/test_hf.py
+	  $(PYTHON) -m pytest -q -p no:cacheprovider --basetemp=$(BUILD)/pytest/example-san --durations=5 examples/tiny_llama/test_hf.py
 	$(BUILD)/asan_pqcache_mode --quick
 	$(BUILD)/clang_asan_pqcache_mode --quick
 	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_pqcache_mode --quick
@@ -204,3 +259,8 @@ bench-python: $(LIB)
 
 bench: bench-pq bench-cache bench-python bench-hf
 include tests/fuzz/fuzz.mk
+
+# run-GROUP (make test): GROUP's programs, then GROUP run into build/logs/GROUP.log
+.SECONDEXPANSION:
+run-%: $$(DEPS_$$*)
+	@sh tests/run_group.sh $* "$(MAKE)"

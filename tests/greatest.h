@@ -52,6 +52,9 @@
  *   failure.  Flags combine ("-vf"); values may be attached ("-tname").
  * The last line on stdout is "N passed, N failed" (", N skipped" added
  * when any test skipped); main returns EXIT_FAILURE if any test failed.
+ * With GREATEST_TIMES=FILE in the environment, every test run appends one
+ * line "PROGRAM<tab>SUITE.TEST<tab>SECONDS" (wall time, setup and teardown
+ * included) to FILE; the test runner sorts them into a list of the slowest.
  */
 #ifndef GREATEST_H
 #define GREATEST_H
@@ -104,6 +107,8 @@ struct greatest_run_info {
     greatest_teardown_cb *teardown;
     void *teardown_udata;
     clock_t begin, suite_begin;
+    const char *prog;            /* argv[0], for the timing lines */
+    double test_begin;           /* wall clock at the current test's start */
 };
 
 extern struct greatest_run_info greatest_info;
@@ -301,6 +306,32 @@ static inline void greatest_newline_if_needed(void) {
     greatest_info.col = 0;
 }
 
+/* Seconds on a monotonic clock where POSIX has one (the including file defined
+ * _POSIX_C_SOURCE), else processor time. */
+static inline double greatest_wall(void) {
+#if defined(_POSIX_C_SOURCE) && _POSIX_C_SOURCE >= 199309L && defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0) {
+        return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    }
+#endif
+    return (double)clock() / CLOCKS_PER_SEC;
+}
+
+/* Appends the finished test's wall time to $GREATEST_TIMES, when set. */
+static inline void greatest_log_time(void) {
+    struct greatest_run_info *g = &greatest_info;
+    const char *path = getenv("GREATEST_TIMES");
+    FILE *f;
+    if (path == NULL || path[0] == '\0') { return; }
+    f = fopen(path, "a");
+    if (f == NULL) { return; }
+    fprintf(f, "%s\t%s%s%s\t%.3f\n", g->prog ? g->prog : "test",
+            g->suite_name ? g->suite_name : "", g->suite_name ? "." : "",
+            g->test_name, greatest_wall() - g->test_begin);
+    fclose(f);
+}
+
 /* Decides whether to run the named test; runs setup if so. */
 static inline int greatest_test_pre(const char *name) {
     struct greatest_run_info *g = &greatest_info;
@@ -325,6 +356,7 @@ static inline int greatest_test_pre(const char *name) {
     g->fail_line = 0;
     g->detail_len = 0;
     g->detail[0] = '\0';
+    g->test_begin = greatest_wall();
     if (g->setup != NULL) { g->setup(g->setup_udata); }
     return 1;
 }
@@ -335,6 +367,7 @@ static inline void greatest_test_post(enum greatest_test_res res) {
     FILE *out = GREATEST_STDOUT;
     const char *msg = g->msg;
     if (g->teardown != NULL) { g->teardown(g->teardown_udata); }
+    greatest_log_time();
     g->tests_run++;
     if (res == GREATEST_TEST_RES_FAIL) {
         g->failed++; g->suite_failed++;
@@ -399,6 +432,7 @@ static inline void greatest_parse_options(int argc, char **argv) {
     struct greatest_run_info *g = &greatest_info;
     const char *prog = argc > 0 ? argv[0] : "test";
     int i;
+    g->prog = prog;
     for (i = 1; i < argc; i++) {
         const char *a = argv[i];
         int j, took_value = 0;

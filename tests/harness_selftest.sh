@@ -111,6 +111,18 @@ expect_not selftest-ASSERTm "-f runs nothing after the failure"
 run_env HARNESS_SELFTEST_FAIL=1 -v -f -t fail_eq_fmt
 expect_last '^0 passed, 1 failed$' "-f with -t"
 
+# GREATEST_TIMES: one line per test run, PROGRAM<tab>SUITE.TEST<tab>SECONDS
+TIMES=${TMPDIR:-/tmp}/harness_selftest_times.$$
+rm -f "$TIMES"
+run_env GREATEST_TIMES="$TIMES" -e -t asserts_basic
+if [ -f "$TIMES" ] && [ "$(wc -l < "$TIMES")" -eq 1 ] &&
+    grep -E "$(printf '^[^\t]+\t[a-z_]+\.asserts_basic\t[0-9]+\.[0-9]{3}$')" "$TIMES" >/dev/null; then
+    ok "GREATEST_TIMES records each test's wall time"
+else
+    fail "GREATEST_TIMES: '$(cat "$TIMES" 2>/dev/null)'"
+fi
+rm -f "$TIMES"
+
 if [ "$errors" -ne 0 ]; then
     echo "harness_selftest: $errors check(s) failed"
     exit 1

@@ -3,6 +3,7 @@
 #include "../pqcache.h"
 #include "greatest.h"
 #include "synth.h"
+#include "test_size.h"
 #include "file_util.h"
 
 #include <pthread.h>
@@ -553,10 +554,13 @@ TEST scheduler_recovers_coefficients_and_clips(void)
     /* save, load into a fresh scheduler, same answers */
     {
         pqc_scheduler *s2;
-        const char *path = "build/test_sched.txt";
+        char path[512];
         FILE *fp;
         char buf[1024];
         size_t n;
+        /* one file per process: the builds of this test may run side by side */
+        snprintf(path, sizeof path, "%s/pqc_sched_%ld.txt", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
+                 (long)getpid());
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, path));
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(&sd, &s2));
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_load(s2, path));
@@ -1396,7 +1400,8 @@ TEST head_slices_build_like_one_cache(void)
 
 TEST forks_hold_the_prefix_once(void)
 {
-    enum { NCH = 8, S = 32768, STEPS = 16 };
+    enum { NCH = 8 };
+    const int S = TEST_SIZE(32768, 4096), STEPS = TEST_SIZE(16, 6);
     const int L = 2, hkv = 2, hq = 4, d = 128;
     pqc_cache_desc cd = base_desc(L, hkv, hq, d);
     pqc_cache *p, *one, *ch[NCH];
@@ -1443,7 +1448,9 @@ TEST forks_hold_the_prefix_once(void)
     }
     fprintf(stderr, "    prefix sharing: 1 + %d caches over %d tokens hold %.1f MB, one cache %.1f MB (%.3fx)\n", NCH, S,
             (double)total / 1e6, (double)one_own / 1e6, (double)total / (double)one_own);
-    ASSERT((double)total <= 1.2 * (double)one_own);
+    /* nine unshared caches would hold 9x; at 4K tokens (the small size) each child's own
+       window, codes and block cache weigh more against the prefix than at 32K */
+    ASSERT((double)total <= TEST_SIZE(1.2, 3.0) * (double)one_own);
     pqc_selection_free(&s1);
     pqc_selection_free(&sc);
     pqc_cache_destroy(one);

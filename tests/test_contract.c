@@ -6,6 +6,7 @@
 #include "../pqcache.h"
 #include "greatest.h"
 #include "file_util.h"
+#include "test_size.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -720,11 +721,19 @@ TEST loaded_calibration_sets_t_on_every_layer(void)
 
 /* Everything a caller can observe of a cache (and the state that decides what it will
    select next), folded into a hash; timings excluded only where a success path set them. */
+/* h folded with n bytes at p: eight at a time (a multiply and a shift each), then the
+   tail byte by byte; any change of the bytes changes h but for a 2^-64 chance */
 static uint64_t fold(uint64_t h, const void *p, size_t n)
 {
     const unsigned char *b = (const unsigned char *)p;
-    size_t i;
-    for (i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+    }
+    for (; i < n; i++) h = (h ^ b[i]) * 0x100000001B3ull;
     return h;
 }
 /* with_blocks 0: leave out the block cache's contents, which a failed driver call may
@@ -811,6 +820,7 @@ static void fa_free(void *p, void *u)
 typedef struct scen {
     falloc fa;
     int threads;
+    int steps, fork_steps, driver_steps; /* decode steps of the cache, its fork, the driver */
     long failures, job_failures, atomicity_breaks, bad_codes, calls_total;
     uint64_t final_hash; /* selections and gathered rows at the end */
     char first_break[300];
@@ -894,7 +904,7 @@ static int scenario(scen *S)
     if (pqc_selection_init(a, &sel) != PQC_SUCCESS) goto early;
     for (l = 0; l < 2; l++) SCEN_CALL(S, a, &sel, prefill(a, l, k, v, 300));
     for (l = 0; l < 2; l++) SCEN_CALL(S, a, &sel, prefill(a, l, k + 300 * 32, v + 300 * 32, 100));
-    for (step = 0; step < 12; step++)
+    for (step = 0; step < (size_t)S->steps; step++)
         for (l = 0; l < 2; l++) {
             SCEN_CALL(S, a, &sel, pqc_cache_append(a, l, k + (400 + step) * 32, v + (400 + step) * 32));
             SCEN_CALL(S, a, &sel, pqc_cache_select(a, l, q, &sel));
@@ -907,7 +917,7 @@ static int scenario(scen *S)
         memset(&sf, 0, sizeof sf);
         SCEN_CALL(S, a, &sel, pqc_cache_fork(a, &f1));
         SCEN_CALL(S, f1, &sf, pqc_selection_init(f1, &sf));
-        for (step = 0; step < 4; step++)
+        for (step = 0; step < (size_t)S->fork_steps; step++)
             for (l = 0; l < 2; l++) {
                 SCEN_CALL(S, f1, &sf, pqc_cache_append(f1, l, k + (440 + step) * 32, v + (440 + step) * 32));
                 SCEN_CALL(S, f1, &sf, pqc_cache_select(f1, l, q, &sf));
@@ -942,7 +952,7 @@ static int scenario(scen *S)
     e.accepts_row_pointers = 1;
     g_with_blocks = 0; /* the driver's documented recovery: everything but the block cache */
     SCEN_CALL(S, b, (pqc_selection *)NULL, pqc_driver_prefill(b, &e, 0, 250));
-    for (step = 0; step < 6; step++) SCEN_CALL(S, b, (pqc_selection *)NULL, pqc_driver_decode(b, &e, 250 + step));
+    for (step = 0; step < (size_t)S->driver_steps; step++) SCEN_CALL(S, b, (pqc_selection *)NULL, pqc_driver_decode(b, &e, 250 + step));
     g_with_blocks = 1;
     {
         pqc_selection sb;
@@ -982,6 +992,16 @@ done:
 #define SWEEP_STRIDE 1
 #endif
 
+/* The scenario's decode steps: in the small size each loop still runs more than once (the
+   block cache admits and evicts, a rebuild falls due, the fork decodes past its prefix),
+   so every allocation site is reached, at a fraction of the allocations. */
+static void scen_size(scen *S)
+{
+    S->steps = TEST_SIZE(12, 3);
+    S->fork_steps = TEST_SIZE(4, 2);
+    S->driver_steps = TEST_SIZE(6, 2);
+}
+
 static enum greatest_test_res atomicity_sweep(int threads)
 {
     scen S;
@@ -990,6 +1010,7 @@ static enum greatest_test_res atomicity_sweep(int threads)
     memset(&S, 0, sizeof S);
     pthread_mutex_init(&S.fa.mu, NULL);
     S.threads = threads;
+    scen_size(&S);
     S.fa.fail_at = -1;
     ASSERT_EQ(0, scenario(&S));
     ASSERT_EQ(0L, S.failures);
@@ -1002,6 +1023,7 @@ static enum greatest_test_res atomicity_sweep(int threads)
         int rc;
         memset(&S, 0, sizeof S - sizeof S.fa);
         S.threads = threads;
+        scen_size(&S);
         S.fa.calls = 0;
         S.fa.live = 0;
         S.fa.fired = 0;

@@ -3,6 +3,7 @@
 #include "../pqcache.h"
 #include "greatest.h"
 #include "synth.h"
+#include "test_size.h"
 
 #include <pthread.h>
 
@@ -400,7 +401,7 @@ TEST topk_matches_sort_reference(void)
 TEST needles_always_retrieved(void)
 {
     uint64_t seed;
-    for (seed = 1; seed <= 4; seed++) {
+    for (seed = 1; seed <= (uint64_t)TEST_SIZE(4, 1); seed++) {
         synth sy;
         pqc_pq pq;
         pqc_codes codes;
@@ -410,7 +411,7 @@ TEST needles_always_retrieved(void)
         uint32_t *idx;
         int gq;
         memset(&sy, 0, sizeof sy);
-        sy.s = 20000;
+        sy.s = TEST_SIZE(20000, 8000);
         sy.d = 128;
         sy.g = 4;
         sy.n_needles = 5;
@@ -499,7 +500,7 @@ TEST simd_matches_scalar(void)
     int nl = simd_levels(lv), li, bits, gq;
     synth sy;
     memset(&sy, 0, sizeof sy);
-    sy.s = 4099; /* not a multiple of 16 */
+    sy.s = TEST_SIZE(4099, 515); /* not a multiple of 16; twice the 256 centroids of 8 bits */
     sy.d = 48;
     sy.g = 3;
     sy.n_needles = 2;
@@ -518,7 +519,7 @@ TEST simd_matches_scalar(void)
         pqc_pq_desc d = pq_desc(bits == 8 ? 2 : 3, bits, 4, 17);
         pqc_search_desc sd;
         memset(&sd, 0, sizeof sd);
-        sd.k = 410;
+        sd.k = TEST_SIZE(410, 52);
         for (li = 0; li < nl; li++) {
             pqc_runtime *rt = make_rt(-1, lv[li]);
             ASSERT(rt);

@@ -69,19 +69,28 @@ tiny_llama_hf_test: build/tiny_llama
 
 tiny_llama: build/tiny_llama build/tiny_llama_gen
 
-tiny_llama_check:
-	@for cc in gcc clang; do \
-	  command -v $$cc >/dev/null 2>&1 || { echo "tiny_llama_check: $$cc not found, skipped"; continue; }; \
-	  for f in $(TINY_LLAMA_SRCS); do \
-	    $$cc -std=c99 $(TINY_LLAMA_WARN) -fsyntax-only $$f || exit 1; \
-	    $$cc -std=c99 $(TINY_LLAMA_WARN) -DTINY_LLAMA_NO_SIMD -fsyntax-only $$f || exit 1; \
-	  done; echo "tiny_llama_check: $$cc -std=c99 ok (with and without the SIMD kernels)"; \
-	done
-	@for cxx in g++ clang++; do \
-	  command -v $$cxx >/dev/null 2>&1 || { echo "tiny_llama_check: $$cxx not found, skipped"; continue; }; \
-	  for f in $(TINY_LLAMA_SRCS); do \
-	    $$cxx -x c++ -std=c++11 $(TINY_LLAMA_WARN) -fsyntax-only $$f || exit 1; \
-	  done; echo "tiny_llama_check: $$cxx -x c++ ok"; \
+# tiny_llama_check: one target per file, compiler and mode (build/checks/tl/CC--FILE--MODE.ok),
+# so that a parallel make runs them side by side; a missing compiler is skipped
+TL_CHECK_CCS := $(foreach c,gcc clang,$(if $(shell command -v $(c) 2>/dev/null),$(c)))
+TL_CHECK_CXXS := $(foreach c,g++ clang++,$(if $(shell command -v $(c) 2>/dev/null),$(c)))
+TL_CHECK_MODE_c99 := -std=c99
+TL_CHECK_MODE_nosimd := -std=c99 -DTINY_LLAMA_NO_SIMD
+TL_CHECK_MODE_cxx := -x c++ -std=c++11
+TL_CHECK_STAMPS :=
+define TL_CHECK_RULE
+build/checks/tl/$(1)--$(notdir $(2))--$(3).ok: $(2) $(TINY_LLAMA_PQ_DEPS) $(wildcard $(TINY_LLAMA_DIR)/*.h)
+	@mkdir -p $$(@D)
+	$(1) $$(TL_CHECK_MODE_$(3)) $$(TINY_LLAMA_WARN) -fsyntax-only $(2)
+	@touch $$@
+TL_CHECK_STAMPS += build/checks/tl/$(1)--$(notdir $(2))--$(3).ok
+endef
+$(foreach c,$(TL_CHECK_CCS),$(foreach f,$(TINY_LLAMA_SRCS),$(foreach m,c99 nosimd,$(eval $(call TL_CHECK_RULE,$(c),$(f),$(m))))))
+$(foreach c,$(TL_CHECK_CXXS),$(foreach f,$(TINY_LLAMA_SRCS),$(eval $(call TL_CHECK_RULE,$(c),$(f),cxx))))
+
+tiny_llama_check: $(TL_CHECK_STAMPS)
+	@for c in gcc clang g++ clang++; do \
+	  case " $(TL_CHECK_CCS) $(TL_CHECK_CXXS) " in *" $$c "*) echo "tiny_llama_check: $$c ok (every source$$(case $$c in *++) echo ', as C++';; *) echo ', with and without the SIMD kernels';; esac))";; \
+	  *) echo "tiny_llama_check: $$c not found, skipped";; esac; \
 	done
 
 # The smoke test runs the command line: every mode on a small random model
@@ -91,11 +100,13 @@ tiny_llama_check:
 # errors for a pqcache budget of 0 and a truncated checkpoint.
 TINY_LLAMA_SMOKE := build/tiny_llama_smoke
 
-tiny_llama_test: build/test_tiny_llama build/test_pqcache_mode build/tiny_llama \
-                 build/tiny_llama_gen tiny_llama_check
+DEPS_tiny_llama_test := build/test_tiny_llama build/test_pqcache_mode build/tiny_llama \
+                        build/tiny_llama_gen $(TL_CHECK_STAMPS)
+tiny_llama_test: $(DEPS_tiny_llama_test) tiny_llama_check
 	./build/test_tiny_llama
 	./build/test_pqcache_mode
-	$(TINY_LLAMA_PYTEST) $(TINY_LLAMA_DIR)/test_hf.py tools/test_hf_tokens.py
+	@mkdir -p build/pytest
+	$(TINY_LLAMA_PYTEST) --basetemp=build/pytest/tiny_llama_test --durations=5 $(TINY_LLAMA_DIR)/test_hf.py tools/test_hf_tokens.py
 	@./build/tiny_llama_gen $(TINY_LLAMA_SMOKE).bin -d 64 -f 128 -v 64 -s 512 -t 50000 2>/dev/null
 	@for a in full window oracle pqcache; do \
 	  ./build/tiny_llama $(TINY_LLAMA_SMOKE).bin -P 200 -n 20 -a $$a -c -q -t 0 \

@@ -50,11 +50,13 @@ run-mpi: build/tiny_llama_mpi build/make_passkey $(RUN_MPI_MODEL)
 	$(RUN_MPI) -np 2 build/tiny_llama_mpi $(RUN_MPI_MODEL) --widen 2 --prompt-file build/passkey_prompt_mpi.txt \
 	  -n $(RUN_MPI_STEPS) -t 1 $(RUN_MPI_ARGS)
 
-test-mpi:
+# built by make test alongside the other groups' programs, where MPI is there
+ifneq ($(shell command -v $(MPICC) 2>/dev/null),)
+DEPS_test-mpi := build/tiny_llama_mpi build/tiny_llama_gen build/make_passkey build/passkey_hard.bin
+endif
+test-mpi: $(DEPS_test-mpi)
 	@MAKE="$(MAKE)" MPICC="$(MPICC)" MPIRUN="$(MPIRUN)" MPIRUN_FLAGS="$(MPIRUN_FLAGS)" \
 	  sh examples/tiny_llama/test_mpi.sh
-
-TEST_GROUPS += test-mpi
 
 .PHONY: run-mpi test-mpi
 

@@ -13,8 +13,10 @@
 #                                  logs under $(BUILD)/fuzz_logs/)
 #   make test-fuzz                 the bounded run of the test suite: every seed replayed,
 #                                  then FUZZ_RUNS inputs per target from a fixed seed
-#                                  (FUZZ_RUNS_NAME overrides it for one target); ends
+#                                  (FUZZ_RUNS_NAME overrides it for one target): the same
+#                                  inputs on every run, however fast the machine; ends
 #                                  with "N passed, N failed", one test per target
+#   make fuzz-NAME [FUZZ_SECONDS=600]  one target (make -jN runs N of them side by side)
 #   make fuzz-build                builds the targets only
 #
 # Reproduce a finding: $(BUILD)/fuzz_NAME FILE (add -runs=100 to repeat it); for fuzz_api,
@@ -31,8 +33,6 @@ FUZZ_DEPS    := $(or $(HDR),pqcache.h) $(wildcard examples/tiny_llama/*.h) $(wil
 FUZZ_SECONDS ?= 600
 FUZZ_RUNS    ?= 10000
 FUZZ_RUNS_api ?= 12000
-# a cap on each bounded run, whatever its run count
-FUZZ_TEST_SECONDS ?= 40
 # limits: a hostile size is a failure only when it really exhausts memory or time
 FUZZ_LIMITS  := -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=10
 FUZZ_TOOLCHAIN := $(BUILD)/.fuzz_toolchain
@@ -61,6 +61,11 @@ fuzz-build: $(FUZZ_BINS)
 fuzz: $(FUZZ_BINS)
 	@sh $(FUZZ_DIR)/run.sh time $(BUILD) "$(FUZZ_LIMITS)" $(foreach n,$(FUZZ_NAMES),$(n):$(FUZZ_SECONDS))
 
-test-fuzz: $(FUZZ_BINS)
-	@sh $(FUZZ_DIR)/run.sh test $(BUILD) "$(FUZZ_LIMITS) -max_total_time=$(FUZZ_TEST_SECONDS)" \
+# fuzz-NAME: one target for FUZZ_SECONDS (make -j runs several side by side: make test-long)
+$(addprefix fuzz-,$(FUZZ_NAMES)): fuzz-%: $(BUILD)/fuzz_%
+	@sh $(FUZZ_DIR)/run.sh time $(BUILD) "$(FUZZ_LIMITS)" $*:$(FUZZ_SECONDS)
+
+DEPS_test-fuzz := $(FUZZ_BINS)
+test-fuzz: $(DEPS_test-fuzz)
+	@sh $(FUZZ_DIR)/run.sh test $(BUILD) "$(FUZZ_LIMITS)" \
 	  $(foreach n,$(FUZZ_NAMES),$(n):$(or $(FUZZ_RUNS_$(n)),$(FUZZ_RUNS)))
