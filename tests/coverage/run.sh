@@ -45,7 +45,7 @@ for src in tests/fuzz/fuzz_*.c; do
 done
 echo "=== gcov"
 find build -name '*.gcda' | while read -r f; do
-    (cd "$out/json" && gcov --json-format -o "$tree/$(dirname "$f")" "$tree/$f" >/dev/null 2>&1)
+    (cd "$out/json" && gcov --json-format --branch-probabilities -o "$tree/$(dirname "$f")" "$tree/$f" >/dev/null 2>&1)
 done
 cd "$root" || exit 1
 $PY tests/coverage/merge.py "$tree" "$out" "$out"/json/*.json.gz || st=1
