@@ -382,11 +382,18 @@ TEST topk_matches_sort_reference(void)
             }
             for (ki = 0; ki < 5; ki++) {
                 size_t k = ks[ki];
+                pqc_simd lv[3];
+                int nl = simd_levels(lv), li;
                 if (k == 0 || k > n) continue;
-                ASSERT_EQ(PQC_SUCCESS, pqc_topk(NULL, s, n, k, &scr, got, vals));
                 ref_topk(s, n, k, ref);
-                ASSERT_MEM_EQ(ref, got, k * sizeof(uint32_t));
-                for (i = 0; i < k; i++) ASSERT_EQ(s[got[i]], vals[i]);
+                for (li = 0; li <= nl; li++) { /* the best level (no runtime), then each level */
+                    pqc_runtime *rt = li == nl ? NULL : make_rt(-1, lv[li]);
+                    ASSERT(li == nl || rt != NULL);
+                    ASSERT_EQ(PQC_SUCCESS, pqc_topk(rt, s, n, k, &scr, got, vals));
+                    pqc_runtime_destroy(rt);
+                    ASSERT_MEM_EQ(ref, got, k * sizeof(uint32_t));
+                    for (i = 0; i < k; i++) ASSERT_EQ(s[got[i]], vals[i]);
+                }
             }
         }
         free(s);
