@@ -567,7 +567,8 @@ typedef struct pqc_cache_desc {
                                 pq.metric must be NULL (see metric below)                 */
     pqc_metric metric;       /* distance of the PQ builds; 0 = PQC_METRIC_QUERY            */
     double metric_floor;     /* QUERY: weight of a dimension = its mean squared query over
-                                the mean over dimensions, plus this; 0 = 0.01             */
+                                the mean over dimensions, plus this; 0 = 0.01; at least
+                                head_dim x 1e-11 (the weights' spread stays below 1e12)   */
     int observe;             /* driver prefill: the last `observe` queries of each call are
                                 observed; 0 = 32, -1 = none                               */
     pqc_split split;         /* how the heads of a layer share its top-k; 0 = adaptive     */
@@ -4752,6 +4753,19 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
                          "pqc_cache_create: a budget, window, block, policy, rerank, outliers or residual_weight "
                          "setting is out of range");
+    /* checked as the float the search multiplies by: a double below float's range is 0 */
+    if (d.residual_weight > 0 && !((float)d.residual_weight > 0.0f))
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                         "pqc_cache_create: residual_weight %g is 0 as a float (the search's type): use 0 or at least 1e-38",
+                         d.residual_weight);
+    /* the query metric's weights are normalised to a mean of 1 (so at most head_dim) plus
+       the floor: a floor below head_dim x 1e-11 could spread them past the PQ core's limit
+       of 1e12 (largest / smallest) and every build of the layer would fail */
+    if (d.metric == PQC_METRIC_QUERY && d.metric_floor < 1e-11 * (double)d.head_dim)
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                         "pqc_cache_create: metric_floor %g below head_dim x 1e-11 = %g: the metric's weights could "
+                         "spread past the PQ core's 1e12",
+                         d.metric_floor, 1e-11 * (double)d.head_dim);
     /* sinks or a window beyond the capacity are the whole sequence */
     if ((size_t)d.n_sink > d.max_tokens) d.n_sink = (int)d.max_tokens;
     if ((size_t)d.window > d.max_tokens) d.window = (int)d.max_tokens;
@@ -5873,7 +5887,7 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
         if (c->pn > (size_t)c->d.n_sink && coded > c->pn - (size_t)c->d.n_sink) {
             /* a fork's keys in two parts: score copies of the candidates' rows */
             unsigned char *kb = (unsigned char *)pqc__alloc(&c->alloc, nm * (c->row + sizeof(uint32_t)));
-            uint32_t *id = (uint32_t *)(kb + nm * c->row);
+            uint32_t *id = kb ? (uint32_t *)(kb + nm * c->row) : NULL;
             if (!kb) {
                 pqc__free(&c->alloc, tmp);
                 return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nm);
@@ -7124,6 +7138,13 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
             PQC__BAD("pqc_cache_load: %.200s: layer %d holds non-finite observations", path, l);
         for (t = 0; t < pqc__qsq_len(c); t++)
             if (!(L->qsq[t] >= 0.0 && L->qsq[t] < 1e300)) PQC__BAD("pqc_cache_load: %.200s: layer %d statistics", path, l);
+        { /* the drift flags: pending (0 or 1), and the coded count at the last drift rebuild
+             + 1, a whole number of tokens (the next select converts it to a size) */
+            const double *flag = L->qsq + 2 * pqc__qsq_part(c);
+            if (!(flag[0] == 0.0 || flag[0] == 1.0) || flag[1] != floor(flag[1]) ||
+                !(flag[1] <= (double)c->d.max_tokens + 1.0))
+                PQC__BAD("pqc_cache_load: %.200s: layer %d drift state", path, l);
+        }
         for (t = 0; t < 2 * nkv; t++)
             if (!(L->omass[t] >= -1.0 && L->omass[t] <= 1.0)) PQC__BAD("pqc_cache_load: %.200s: layer %d masses", path, l);
         for (t = 0; t < PQC__OBS_BINS * nkv; t++)
@@ -7763,15 +7784,60 @@ static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result
     return r;
 }
 
+/* The rows of every head of layer l as one run each, for a prefill view (kp: K of each
+   head, then V; cnt: rows): the store's own rows, or, where they lie in two parts (a
+   fork, a cache loaded by mapping: the shared prefix, then the cache's own rows), copied
+   together into *buf (grown to *buf_bytes as needed, freed by the caller). */
+static pqc_result pqc__prefill_rows(pqc_cache *c, int l, const void **kp, size_t *cnt, unsigned char **buf,
+                                    size_t *buf_bytes)
+{
+    const pqc__layer *L = &c->layers[l];
+    const int nkv = c->d.n_kv_heads;
+    const size_t n = L->n_tokens, head = n * c->row;
+    size_t need;
+    int h;
+    if (!(c->pn > 0 && n > c->pn)) {
+        for (h = 0; h < nkv; h++) {
+            kp[h] = n ? pqc__krow(c, &L->heads[h], 0) : NULL;
+            kp[nkv + h] = n ? pqc__vrow(c, &L->heads[h], 0) : NULL;
+            cnt[h] = n;
+        }
+        return PQC_SUCCESS;
+    }
+    if (!pqc__size3(2 * (size_t)nkv, n, c->row, &need))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_driver_prefill: %zu tokens do not fit in memory", n);
+    if (need > *buf_bytes) {
+        unsigned char *nb = (unsigned char *)pqc__alloc(&c->alloc, need);
+        if (!nb) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_prefill: %zu bytes of K/V rows", need);
+        pqc__free(&c->alloc, *buf);
+        *buf = nb;
+        *buf_bytes = need;
+    }
+    for (h = 0; h < nkv; h++) {
+        const pqc__head *H = &L->heads[h];
+        unsigned char *kd = *buf + 2 * (size_t)h * head, *vd = kd + head;
+        size_t ps = c->pn * c->row;
+        memcpy(kd, H->pk, ps);
+        memcpy(kd + ps, H->k, head - ps);
+        memcpy(vd, H->pv, ps);
+        memcpy(vd + ps, H->v, head - ps);
+        kp[h] = kd;
+        kp[nkv + h] = vd;
+        cnt[h] = n;
+    }
+    return PQC_SUCCESS;
+}
+
 PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n)
 {
-    size_t qn, kn, bytes;
+    size_t qn, kn, bytes, rows_bytes = 0;
     float *q, *k, *v;
+    unsigned char *rows = NULL;
     const void **kp;
     size_t *cnt;
     pqc__undo undo;
     pqc_result r = PQC_SUCCESS;
-    int l, h;
+    int l;
     if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_prefill: null");
     if (n == 0) return pqc__cfail(c, PQC_ERROR_EMPTY, "pqc_driver_prefill: no tokens");
     if ((r = pqc__driver_check_pos(c, pos0, "pqc_driver_prefill")) != PQC_SUCCESS) return r;
@@ -7818,11 +7884,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
         }
         /* offload + background PQ build of this layer, overlapped with the next layers */
         if ((r = pqc_cache_prefill(c, l, &km, &vm)) != PQC_SUCCESS) break;
-        for (h = 0; h < c->d.n_kv_heads; h++) {
-            kp[h] = c->layers[l].heads[h].k;
-            kp[c->d.n_kv_heads + h] = c->layers[l].heads[h].v;
-            cnt[h] = c->layers[l].n_tokens;
-        }
+        if ((r = pqc__prefill_rows(c, l, kp, cnt, &rows, &rows_bytes)) != PQC_SUCCESS) break;
         view.n_kv_heads = c->d.n_kv_heads;
         view.head_dim = c->d.head_dim;
         view.dtype = c->d.kv_dtype;
@@ -7841,6 +7903,7 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
     }
     pqc__free(&c->alloc, q);
     pqc__free(&c->alloc, kp);
+    pqc__free(&c->alloc, rows);
     return pqc__undo_end(c, &undo, l, r);
 }
 

@@ -1122,6 +1122,75 @@ TEST stored_rows_check_finds_every_bad_value(void)
 }
 
 /* Damaged, truncated, foreign and mismatched files are refused; *out stays as it was. */
+/* The cache file's checksum: FNV-1a 64 over little-endian 64-bit words, the last one
+   zero-padded, then over the length in bytes as one more word (see pqc_cache_save). */
+static uint64_t file_checksum(const unsigned char *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull, w;
+    size_t i, j;
+    for (i = 0; i < n; i += 8) {
+        w = 0;
+        for (j = 0; j < 8 && i + j < n; j++) w |= (uint64_t)p[i + j] << (8 * j);
+        h = (h ^ w) * 0x100000001b3ull;
+    }
+    return (h ^ (uint64_t)n) * 0x100000001b3ull;
+}
+
+/* A file whose checksum is right (the checksum guards against damage, not against a
+   crafted file) but whose drift state names a coded count beyond any size is refused. */
+TEST save_load_refuses_a_crafted_drift_state(void)
+{
+    pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+    pqc_cache *a, *b = (pqc_cache *)&cd;
+    float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
+    char path[512];
+    unsigned char *img, pat[40], *at = NULL;
+    long size = 0, i;
+    const double bad[] = { 1e200, 0.5, 1e9 }; /* beyond any size, not whole, beyond max_tokens */
+    int j;
+    const pqc__layer *L;
+    snprintf(path, sizeof path, "%s/pqc_cache_drift_%ld", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
+             (long)getpid());
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, 300, 32));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
+    ASSERT((img = file_image(path, &size)) != NULL);
+    /* the layer's counts (u64 tokens, coded, trained, generation, step), a u32, then the
+       observation sums, whose last two doubles are the drift flags */
+    L = &a->layers[0];
+    {
+        uint64_t w[5];
+        w[0] = L->n_tokens;
+        w[1] = L->n_coded;
+        w[2] = L->n_trained;
+        w[3] = L->gen;
+        w[4] = L->step;
+        for (j = 0; j < 40; j++) pat[j] = (unsigned char)(w[j / 8] >> (8 * (j % 8)));
+    }
+    for (i = 0; i + 40 <= size && !at; i++)
+        if (!memcmp(img + i, pat, 40)) at = img + i;
+    ASSERT(at != NULL);
+    at += 40 + 4 + 8 * (2 * pqc__qsq_part(a) + 1); /* the coded count at the last drift rebuild + 1 */
+    for (j = 0; j < (int)(sizeof bad / sizeof bad[0]); j++) {
+        uint64_t h;
+        int e;
+        memcpy(at, &bad[j], 8);
+        h = file_checksum(img, (size_t)size - 8);
+        for (e = 0; e < 8; e++) img[size - 8 + e] = (unsigned char)(h >> (8 * e));
+        ASSERT(file_write(path, img, (size_t)size));
+        ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, path, &b));
+        ASSERTm(pqc_last_error(), strstr(pqc_last_error(), "drift state") != NULL);
+        ASSERT(b == (pqc_cache *)&cd);
+    }
+    remove(path);
+    free(img);
+    free(k);
+    free(v);
+    pqc_cache_destroy(a);
+    PASS();
+}
+
 TEST save_load_refuses_bad_files(void)
 {
     pqc_cache_desc cd = base_desc(1, 2, 2, 16), other;
@@ -1662,6 +1731,7 @@ SUITE(cache)
     RUN_TEST(save_load_resumes_decoding);
     RUN_TEST(save_load_resumes_with_exact_scoring);
     RUN_TEST(save_load_refuses_bad_files);
+    RUN_TEST(save_load_refuses_a_crafted_drift_state);
     RUN_TEST(stored_rows_check_finds_every_bad_value);
     RUN_TEST(sinks_and_window_always_selected);
     RUN_TEST(needle_found_after_thousands_of_appends);

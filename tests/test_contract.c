@@ -492,6 +492,10 @@ TEST calibration_files_are_regular_files_only(void)
 typedef struct eng {
     int kv, hq, d, fail_qkv, fail_attend;
     long attends;
+    /* check_rows: every prefill view (fp32 rows) is read as documented, count[h] rows of
+       k[h] and v[h], and each must be the K/V eng_qkv made for that token */
+    int check_rows;
+    long rows_read, rows_wrong;
 } eng;
 static float eval(int layer, size_t pos, size_t i)
 {
@@ -655,6 +659,21 @@ static int eng_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
     (void)kv;
     if (layer == e->fail_attend) return 1;
     e->attends++;
+    if (e->check_rows && kv->pos == NULL && kv->dtype == PQC_F32 && kv->k) {
+        int h;
+        size_t t, i;
+        for (h = 0; h < kv->n_kv_heads; h++)
+            for (t = 0; t < kv->count[h]; t++) {
+                const float *kr = (const float *)kv->k[h] + t * (size_t)e->d, *vr = (const float *)kv->v[h] + t * (size_t)e->d;
+                int wrong = 0;
+                for (i = 0; i < (size_t)e->d; i++) {
+                    size_t col = (size_t)h * (size_t)e->d + i;
+                    wrong |= kr[i] != eval(layer, t, col) || vr[i] != eval(layer + 50, t, col);
+                }
+                e->rows_read++;
+                e->rows_wrong += wrong;
+            }
+    }
     return 0;
 }
 
@@ -1103,6 +1122,40 @@ TEST failed_driver_calls_give_back_their_tokens(void)
     PASS();
 }
 
+/* A prefill through the driver on a cache whose rows lie in two parts (a fork and its
+   parent, a cache loaded by mapping its file) hands the engine every token's rows in one
+   run per head, as documented: count[h] rows, row t the token t's. */
+TEST driver_prefill_views_hold_every_token_of_forks_and_loads(void)
+{
+    pqc_cache_desc cd = small_desc(2, 2, 2, 16);
+    pqc_cache *p = NULL, *f = NULL, *m = NULL;
+    pqc_engine e;
+    eng en;
+    char path[512];
+    cd.kv_dtype = PQC_F32;
+    tmp_path(path, sizeof path, "driver_parts");
+    eng_init(&e, &en, 2, 2, 16);
+    en.check_rows = 1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &p));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(p, &e, 0, 120));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p, &f));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(f, &e, 120, 40));  /* the child's second turn */
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(p, &e, 120, 30));  /* the parent's */
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(f, &e, 160));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(f, &e, 161, 9));   /* after a decode step */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(p, path));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &m));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(m, &e, 150, 20));  /* a resumed conversation */
+    remove(path);
+    /* 2 layers x 2 heads: 120, 160, 150, 170, 170 rows */
+    ASSERT_EQ_FMT(4L * (120 + 160 + 150 + 170 + 170), en.rows_read, "%ld");
+    ASSERT_EQ_FMT(0L, en.rows_wrong, "%ld");
+    pqc_cache_destroy(m);
+    pqc_cache_destroy(f);
+    pqc_cache_destroy(p);
+    PASS();
+}
+
 TEST driver_refuses_layers_of_unequal_length(void)
 {
     pqc_cache_desc cd = small_desc(2, 1, 1, 8);
@@ -1225,6 +1278,7 @@ SUITE(contract)
     RUN_TEST(quantizer_file_damage_is_refused);
     RUN_TEST(loaded_calibration_sets_t_on_every_layer);
     RUN_TEST(failed_driver_calls_give_back_their_tokens);
+    RUN_TEST(driver_prefill_views_hold_every_token_of_forks_and_loads);
     RUN_TEST(driver_refuses_layers_of_unequal_length);
     RUN_TEST(select_failing_on_a_worker_reports_its_message);
     RUN_TEST(failed_calls_change_nothing_at_every_allocation_inline);

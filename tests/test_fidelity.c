@@ -447,6 +447,73 @@ TEST observe_misuse_is_refused_and_changes_nothing(void)
     PASS();
 }
 
+/* Settings too small for the type or the range they are used in are refused at create:
+   a residual weight that is 0 as a float (the search's type), a metric floor that could
+   spread the weights past the PQ core's 1e12. Just inside, a head whose observed queries
+   leave a dimension without energy still builds and selects. */
+TEST tiny_scoring_settings_are_refused_or_build(void)
+{
+    pqc_cache_desc cd;
+    pqc_cache *c = NULL;
+    pqc_selection sel;
+    pqc_layer_stats st;
+    float *k = (float *)malloc(sizeof(float) * 300 * 16), q[16];
+    pqc_matrix km;
+    uint64_t rng = 99;
+    int i, pass;
+    ASSERT(k);
+    for (i = 0; i < 300 * 16; i++) k[i] = hk__normal(&rng);
+    for (i = 0; i < 16; i++) q[i] = i == 0 ? 0.0f : 1.0f + (float)i; /* dimension 0: no energy */
+    km = pqc_matrix_f32(k, 300, 16);
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 1;
+    cd.n_kv_heads = 1;
+    cd.n_q_heads = 1;
+    cd.head_dim = 16;
+    cd.max_tokens = 1024;
+    cd.n_sink = 4;
+    cd.pq.m = 2;
+    cd.pq.bits = 4;
+    cd.pq.iters = 3;
+    cd.pq.seed = 1;
+    cd.residual_weight = 1e-300;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    ASSERT(strstr(pqc_last_error(), "residual_weight") != NULL);
+    ASSERT(c == NULL);
+    cd.residual_weight = 0;
+    cd.metric_floor = 1e-13;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    ASSERT(strstr(pqc_last_error(), "metric_floor") != NULL);
+    cd.metric_floor = 1e-11 * 16 * 0.99;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    ASSERT(c == NULL);
+    cd.metric = PQC_METRIC_L2; /* no weights: the floor is not used */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    pqc_cache_destroy(c);
+    c = NULL;
+    cd.metric = PQC_METRIC_QUERY;
+    for (pass = 0; pass < 2; pass++) { /* the smallest floor; the smallest float residual weight */
+        cd.metric_floor = pass == 0 ? 1e-11 * 16 : 0;
+        cd.residual_weight = pass == 0 ? 0 : 1e-38;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, q, 1));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
+        ASSERT_EQ(1, (int)st.builds);
+        ASSERT(c->layers[0].n_coded > 0);
+        ASSERT(c->layers[0].heads[0].pq.metric != NULL);
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        ASSERT(sel.count[0] > 0);
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+        c = NULL;
+    }
+    free(k);
+    PASS();
+}
+
 /* ----- the driver's observations ----------------------------------------------------- */
 
 /* an engine over a hard data set: Q, K and V of token t are those of the data set
@@ -1353,6 +1420,7 @@ SUITE(fidelity)
     RUN_TEST(metric_keeps_the_rare_tokens_plain_pq_loses);
     RUN_TEST(observed_queries_keep_the_rare_tokens_the_oracle_keeps);
     RUN_TEST(observe_misuse_is_refused_and_changes_nothing);
+    RUN_TEST(tiny_scoring_settings_are_refused_or_build);
     RUN_TEST(driver_observes_the_prompt_and_gives_observations_back_on_failure);
     RUN_TEST(drifted_queries_rebuild_the_codebook_with_their_metric);
     RUN_TEST(a_failed_decode_step_leaves_no_drift_behind);

@@ -300,7 +300,7 @@ static const int t_resident_bad[] = {1, 2, -1};
 static const int t_metric[] = {PQC_METRIC_QUERY, PQC_METRIC_L2};
 static const int t_metric_bad[] = {2, -1, INT_MAX};
 static const double t_mfloor[] = {0, 0.01, 1, 1e-6, 1e6};
-static const double t_mfloor_bad[] = {-1, NAN, INFINITY, 1e7, -1e-300};
+static const double t_mfloor_bad[] = {-1, NAN, INFINITY, 1e7, -1e-300, 1e-13};
 static const int t_observe[] = {0, 1, 4, -1};
 static const int t_split[] = {PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED};
 static const int t_split_bad[] = {2, -1};
@@ -314,7 +314,7 @@ static const double t_rerank_bad[] = {0.5, -1, NAN, INFINITY, 2e6};
 static const int t_outl[] = {0, 4, 1, 64};
 static const int t_outl_bad[] = {-1, INT_MAX, INT_MIN};
 static const double t_resw[] = {0, 0.15, 1, 1e6};
-static const double t_resw_bad[] = {-0.1, NAN, INFINITY, 2e6};
+static const double t_resw_bad[] = {-0.1, NAN, INFINITY, 2e6, 1e-300};
 
 /* what the documentation says about a pq desc's RoPE layout and sub-spaces: 1 = refused */
 static int fz_rope_bad(int rope, int subsp, long long dim, int m_eff)
@@ -849,7 +849,10 @@ static void op_cache_create(fz_state *S)
         must_fail = 1;
     if (fz_rope_bad((int)d.pq.rope, (int)d.pq.subspaces, d.head_dim, m_eff)) must_fail = 1;
     if (!(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6)) || d.outliers < 0 || d.outliers > (1 << 24) ||
-        !(d.residual_weight >= 0 && d.residual_weight <= 1e6))
+        !(d.residual_weight >= 0 && d.residual_weight <= 1e6) || (d.residual_weight > 0 && !((float)d.residual_weight > 0)))
+        must_fail = 1;
+    /* the query metric's floor against the PQ core's weight spread (1e12) */
+    if ((int)d.metric == 0 && d.head_dim > 0 && (d.metric_floor == 0 ? 0.01 : d.metric_floor) < 1e-11 * d.head_dim)
         must_fail = 1;
     if (d.backend == &g_be_nocopy || (d.backend == &g_be_noalloc && blocks > 0)) must_fail = 1;
     /* a block-cache slot array the allocator cannot grant (the sizes are exact in double
