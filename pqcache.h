@@ -746,9 +746,12 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    empty (hits differ, selections do not). On the host tier the file is mapped read-only
    and its K/V rows become the cache's shared prefix, read in place through the page
    cache (not copied: loading takes the time of checking the file; processes that load
-   one file share its pages); rows appended later are the cache's own. So the file must
-   not be truncated or rewritten in place while such a cache (or a fork of it) lives:
-   pqc_cache_save replaces a file by renaming a new one over it, which is safe. The CUDA
+   one file share its pages); rows appended later are the cache's own. While such a cache
+   (or a fork of it) lives: renaming another file over the name (pqc_cache_save does) or
+   unlinking it is safe, the mapping keeps the loaded rows; truncating the file kills the
+   process with SIGBUS at the next read of a row past the new end (fetch, re-ranking,
+   save, a fork reading the prefix); rewriting it in place changes the rows under the
+   cache (wrong rows, NaN among them, and then appends are refused). The CUDA
    tier copies the rows into its pinned stores. The file, little-endian (saving and loading
    refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
      "PQCCACHE", u32 version (2), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,

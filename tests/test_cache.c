@@ -7,6 +7,9 @@
 #include "file_util.h"
 
 #include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 #include <stdio.h>
 
 static uint64_t g_rng = 12345;
@@ -1652,6 +1655,80 @@ TEST fork_misuse_is_refused(void)
 /* A loaded cache maps its file on the host tier (the rows are its shared prefix, the
    pages the file's), forks share the mapping, and a file whose layers hold different
    lengths (saved between the layers of a step) is copied instead; all select alike. */
+/* What a file mapped by a loaded cache survives (README, "Save and resume"): a new file
+   renamed over its name (pqc_cache_save does that) leaves the cache reading the rows it
+   loaded; truncating it kills the process that reads a row past the new end with SIGBUS
+   (here a child process: fetch and save read the rows). */
+TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
+{
+    const int L = 2, hkv = 2, hq = 4, d = 32;
+    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache *a, *z, *m;
+    pqc_selection sa, sm;
+    pqc_kv_out oa, om;
+    float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d), *q = rand_rows(4, (size_t)hq * d);
+    float *bufa = kv_out_make(&oa, hkv, 400, d), *bufm = kv_out_make(&om, hkv, 400, d);
+    char path[512], other[512];
+    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
+    size_t own, shared;
+    pid_t pid;
+    int l, s, st = 0;
+    snprintf(path, sizeof path, "%s/pqc_map_rename_%ld", tmp, (long)getpid());
+    snprintf(other, sizeof other, "%s/pqc_map_resave_%ld", tmp, (long)getpid());
+    ASSERT(bufa && bufm);
+    cd.kv_dtype = PQC_F16;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(a, L, k, v, 300, (size_t)hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &m));
+    pqc_cache_host_memory(m, &own, &shared);
+    ASSERT(shared > 0); /* mapped */
+    /* another cache saved under the same name: renamed over it */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &z));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(z, L, v, k, 300, (size_t)hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(z, path));
+    pqc_cache_destroy(z);
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(a, &sa));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(m, &sm));
+    for (s = 0; s < 4; s++)
+        for (l = 0; l < L; l++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, l, q + (size_t)s * hq * d, &sa));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, l, &sa, &oa));
+            CHECK_CALL(same_step(m, l, q + (size_t)s * hq * d, &sa, &sm, &oa, &om, d));
+        }
+    pqc_selection_free(&sm);
+    pqc_cache_destroy(m);
+    /* truncation, in a child */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
+    fflush(NULL);
+    pid = fork();
+    ASSERT(pid >= 0);
+    if (pid == 0) {
+        pqc_cache *c = NULL;
+        pqc_selection sc;
+        signal(SIGBUS, SIG_DFL); /* not a sanitizer's handler: the plain outcome */
+        if (pqc_cache_load(NULL, &cd, path, &c) != PQC_SUCCESS || pqc_selection_init(c, &sc) != PQC_SUCCESS) _exit(3);
+        if (truncate(path, 0) != 0) _exit(4);
+        for (l = 0; l < L; l++)
+            if (pqc_cache_select(c, l, q, &sc) != PQC_SUCCESS || pqc_cache_fetch(c, l, &sc, &oa) != PQC_SUCCESS) _exit(5);
+        (void)pqc_cache_save(c, other);
+        _exit(0); /* survived: not what the documentation says */
+    }
+    ASSERT_EQ(pid, waitpid(pid, &st, 0));
+    ASSERTm("the child reading rows of a truncated mapped file was not killed by SIGBUS",
+            WIFSIGNALED(st) && WTERMSIG(st) == SIGBUS);
+    remove(path);
+    remove(other);
+    pqc_selection_free(&sa);
+    pqc_cache_destroy(a);
+    free(k);
+    free(v);
+    free(q);
+    free(bufa);
+    free(bufm);
+    PASS();
+}
+
 TEST loaded_cache_maps_its_file(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
@@ -1728,6 +1805,7 @@ SUITE(cache)
     RUN_TEST(forks_live_on_other_threads);
     RUN_TEST(fork_misuse_is_refused);
     RUN_TEST(loaded_cache_maps_its_file);
+    RUN_TEST(mapped_file_survives_rename_over_and_truncation_is_sigbus);
     RUN_TEST(save_load_resumes_decoding);
     RUN_TEST(save_load_resumes_with_exact_scoring);
     RUN_TEST(save_load_refuses_bad_files);
