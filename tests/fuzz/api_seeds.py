@@ -291,6 +291,11 @@ def seeds():
     p.destroy(slot=0).append(slot=1).select(slot=1, layer=1).fetch(slot=1, layer=1).fork(parent=1, child=0)
     p.append(slot=0).select(slot=0).fetch_rows(slot=0).sync(slot=0)
     s["fork_family"] = p
+    # the driver on a family: prefills of a fork, of its parent, and after a decode step,
+    # when the rows of each lie in two parts (the shared prefix and their own)
+    p = P().create(layers=1).driver_prefill(n=6).fork().driver_prefill(slot=1, n=1).driver_prefill(slot=0, n=2)
+    p.driver_decode(slot=1).driver_prefill(slot=1, n=2).driver_prefill(slot=0, n=5)
+    s["driver_on_forks"] = p
     # the PQ core with interleaved rope bands
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     return s

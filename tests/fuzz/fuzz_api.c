@@ -1523,6 +1523,16 @@ static int fz_attend(void *user, int layer, size_t pos0, size_t n, const float *
                 fz_fail("prefill view: head %zu has %zu of %zu tokens", h, cnt, tokens);
             for (i = 0; i < cnt * D; i++) acc += fz_get((const unsigned char *)kv->k[h] + i * es, kv->dtype);
             for (i = 0; i < cnt * D; i++) acc += fz_get((const unsigned char *)kv->v[h] + i * es, kv->dtype);
+            /* row t is token t's, as pqc_cache_kv_part reads the stores (a fork's or a
+               mapped cache's lie in two parts) */
+            for (i = 0; i < cnt; i += e) {
+                const void *pk, *pv;
+                if (pqc_cache_kv_part(C->c, layer, (int)h, i, &pk, &pv, &e) != PQC_SUCCESS || e == 0 || e > cnt - i)
+                    fz_fail("prefill view: pqc_cache_kv_part of head %zu at token %zu", h, i);
+                if (memcmp(pk, (const unsigned char *)kv->k[h] + i * D * es, e * D * es) ||
+                    memcmp(pv, (const unsigned char *)kv->v[h] + i * D * es, e * D * es))
+                    fz_fail("prefill view: head %zu rows %zu..%zu are not those tokens' rows", h, i, i + e - 1);
+            }
             continue;
         }
         if (kv->dtype != PQC_F32 || !pos || cnt == 0 || cnt > tokens)
