@@ -1227,6 +1227,14 @@ TEST kmeans_gemm_matches_kernel(void)
     ASSERT_EQ(0, pqc__cuda_kmeans_choice(ra, n, d / 2, 64, &cls));
     ASSERT_EQ(PQC_SUCCESS, km_train(ra, &km, &c)); /* 7 assignment steps: measures on 4 */
     ASSERT_EQ(1, pqc__cuda_kmeans_choice(ra, n, d / 2, 64, &cls));
+    { /* a class stored again (two builds that measured it side by side) keeps one entry */
+        pqc__km_class again = cls;
+        int classes = ra->cu->km_n;
+        pqc__km_store(ra->cu, &again);
+        ASSERT_EQ(classes, ra->cu->km_n);
+        ASSERT_EQ(1, pqc__cuda_kmeans_choice(ra, n, d / 2, 64, &cls));
+        ASSERT_EQ(again.gemm, cls.gemm);
+    }
     ASSERT_EQ(1, pqc__cuda_kmeans_choice(ra, 1024, d / 2, 64, &cls)); /* the same class: n 513..1024 */
     ASSERT_EQ(0, pqc__cuda_kmeans_choice(ra, 512, d / 2, 64, &cls));
     ASSERT_EQ(0, pqc__cuda_kmeans_choice(ra, n, d / 2, 32, &cls));
