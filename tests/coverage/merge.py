@@ -5,7 +5,8 @@ from gcov's JSON files of every program that `make coverage` built and ran.
 usage: merge.py ROOT OUT_DIR JSON.gz...   ROOT: the tree that was built (paths are made
        relative to it); writes OUT_DIR/summary.txt (also printed) and OUT_DIR/lines.txt
        (every executable line: FILE:LINE COVERED(0/1)), which `merge.py --compare OLD NEW`
-       reads to list the lines OLD covered and NEW does not.
+       reads to list the lines OLD covered and NEW does not; `--compare OLD NEW OLD_TREE
+       NEW_TREE` matches the lines of files that changed in between by their content.
 
 A line is executable when any program's gcov data lists it, covered when any run executed
 it; a branch (line, index within the line) is taken when any run took it.
@@ -53,7 +54,26 @@ def summary(lines, branches):
     return "\n".join(out)
 
 
-def compare(old, new):
+def line_map(old_tree, new_tree, files):
+    """FILE:LINE of the old tree -> FILE:LINE of the new one, for the lines of unchanged
+    stretches of each file (difflib); a changed line has no counterpart."""
+    import difflib
+    m = {}
+    for fn in files:
+        try:
+            with open(os.path.join(old_tree, fn)) as f:
+                a = f.read().splitlines()
+            with open(os.path.join(new_tree, fn)) as f:
+                b = f.read().splitlines()
+        except OSError:
+            continue
+        for blk in difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks():
+            for i in range(blk.size):
+                m["%s:%d" % (fn, blk.a + i + 1)] = "%s:%d" % (fn, blk.b + i + 1)
+    return m
+
+
+def compare(old, new, old_tree=None, new_tree=None):
     def load(p):
         m = {}
         with open(p) as f:
@@ -62,6 +82,11 @@ def compare(old, new):
                 m[k] = v.strip() == "1"
         return m
     a, b = load(old), load(new)
+    if old_tree and new_tree:  # the files changed between the runs: compare by content
+        mp = line_map(old_tree, new_tree, sorted({k.rsplit(":", 1)[0] for k in a}))
+        changed = sum(1 for k, v in a.items() if v and k not in mp)
+        print("covered before in lines changed since: %d" % changed)
+        a = {mp[k]: v for k, v in a.items() if k in mp}
     lost = sorted((k for k, v in a.items() if v and not b.get(k, False)),
                   key=lambda k: (k.rsplit(":", 1)[0], int(k.rsplit(":", 1)[1])))
     gained = sum(1 for k, v in b.items() if v and not a.get(k, False))
@@ -72,8 +97,8 @@ def compare(old, new):
 
 
 def main(argv):
-    if len(argv) == 4 and argv[1] == "--compare":
-        return compare(argv[2], argv[3])
+    if len(argv) in (4, 6) and argv[1] == "--compare":
+        return compare(*argv[2:])
     if len(argv) < 3:
         print(__doc__, file=sys.stderr)
         return 2
