@@ -5,6 +5,7 @@
 #include "synth.h"
 #include "test_size.h"
 #include "file_util.h"
+#include "cache_checksum.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -1125,20 +1126,6 @@ TEST stored_rows_check_finds_every_bad_value(void)
 }
 
 /* Damaged, truncated, foreign and mismatched files are refused; *out stays as it was. */
-/* The cache file's checksum: FNV-1a 64 over little-endian 64-bit words, the last one
-   zero-padded, then over the length in bytes as one more word (see pqc_cache_save). */
-static uint64_t file_checksum(const unsigned char *p, size_t n)
-{
-    uint64_t h = 0xcbf29ce484222325ull, w;
-    size_t i, j;
-    for (i = 0; i < n; i += 8) {
-        w = 0;
-        for (j = 0; j < 8 && i + j < n; j++) w |= (uint64_t)p[i + j] << (8 * j);
-        h = (h ^ w) * 0x100000001b3ull;
-    }
-    return (h ^ (uint64_t)n) * 0x100000001b3ull;
-}
-
 /* A file whose checksum is right (the checksum guards against damage, not against a
    crafted file) but whose drift state names a coded count beyond any size is refused. */
 TEST save_load_refuses_a_crafted_drift_state(void)
@@ -1179,7 +1166,7 @@ TEST save_load_refuses_a_crafted_drift_state(void)
         uint64_t h;
         int e;
         memcpy(at, &bad[j], 8);
-        h = file_checksum(img, (size_t)size - 8);
+        h = cache_file_checksum(img, (size_t)size - 8);
         for (e = 0; e < 8; e++) img[size - 8 + e] = (unsigned char)(h >> (8 * e));
         ASSERT(file_write(path, img, (size_t)size));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, path, &b));

@@ -29,6 +29,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define PQCACHE_IMPLEMENTATION
 #include "../../pqcache.h"
+#include "cache_checksum.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -222,20 +223,6 @@ static void fz_cache_file(const char *path)
     pqc_cache_destroy(c);
 }
 
-/* the cache file's checksum: FNV-1a 64 over little-endian 64-bit words, the last one
-   zero-padded, then the length in bytes as one more word */
-static uint64_t fz_word_fnv(const unsigned char *p, size_t n)
-{
-    uint64_t h = 0xcbf29ce484222325ull, w;
-    size_t i, j;
-    for (i = 0; i < n; i += 8) {
-        w = 0;
-        for (j = 0; j < 8 && i + j < n; j++) w |= (uint64_t)p[i + j] << (8 * j);
-        h = (h ^ w) * 0x100000001b3ull;
-    }
-    return (h ^ (uint64_t)n) * 0x100000001b3ull;
-}
-
 static void fz_file(unsigned mode, const unsigned char *body, size_t n, int cache)
 {
     const char *path = g_file;
@@ -249,7 +236,7 @@ static void fz_file(unsigned mode, const unsigned char *body, size_t n, int cach
     case 0: case 5: case 1: case 6:
         if (!(fp = fopen(g_file, "wb")) || (n && fwrite(body, 1, n, fp) != n)) fz_fail("cannot write the input file", PQC_SUCCESS);
         if (mode == 1 || mode == 6) {
-            uint64_t h = cache ? fz_word_fnv(body, n) : fz_fnv(body, n);
+            uint64_t h = cache ? cache_file_checksum(body, n) : fz_fnv(body, n);
             unsigned char b[8];
             int i;
             for (i = 0; i < 8; i++) b[i] = (unsigned char)(h >> (8 * i));
