@@ -465,9 +465,7 @@ TEST tiny_scoring_settings_are_refused_or_build(void)
     for (i = 0; i < 300 * 16; i++) k[i] = hk__normal(&rng);
     for (i = 0; i < 16; i++) q[i] = i == 0 ? 0.0f : 1.0f + (float)i; /* dimension 0: no energy */
     km = pqc_matrix_f32(k, 300, 16);
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = 1;
-    cd.n_kv_heads = 1;
+    cd = hard_desc(PQC_METRIC_QUERY); /* one layer and KV head, seed 1; smaller here: */
     cd.n_q_heads = 1;
     cd.head_dim = 16;
     cd.max_tokens = 1024;
@@ -475,7 +473,6 @@ TEST tiny_scoring_settings_are_refused_or_build(void)
     cd.pq.m = 2;
     cd.pq.bits = 4;
     cd.pq.iters = 3;
-    cd.pq.seed = 1;
     cd.residual_weight = 1e-300;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
     ASSERT(strstr(pqc_last_error(), "residual_weight") != NULL);
