@@ -691,7 +691,12 @@ PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, siz
    proportion to 1 - sinks - window, at least a quarter of the even top-k. */
 PQCDEF pqc_result pqc_cache_observed_mass(const pqc_cache *c, int layer, int head, double *sinks, double *window);
 /* Decode: one new token's K and V (n_kv_heads*d_h fp32 each) for one layer. The oldest
-   window token leaves the window and is coded from its own stored key. */
+   window token leaves the window and is coded from its own stored key. Like every call
+   that changes a layer or selects from it (prefill, observe, append, select, the device
+   step, sync, save, fork), it first waits for the layer's build and installs it; a build
+   starts once the call that made it due has succeeded. Which codebook serves a step is
+   thus a function of the calls made, never of the thread count or of when a worker
+   finished. A failed call installs nothing. */
 PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v);
 PQCDEF pqc_result pqc_selection_init(const pqc_cache *c, pqc_selection *sel);
 PQCDEF void pqc_selection_free(pqc_selection *sel);
@@ -735,7 +740,8 @@ PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q,
 PQCDEF int pqc_cache_on_device(const pqc_cache *c);
 /* Reports the engine's compute time for one layer's prefill (feeds the scheduler). */
 PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double tokens, double seconds);
-/* Waits for every build of every layer; returns the first job error, if any. */
+/* Waits for every build of every layer and installs it; returns the first job error,
+   if any (and then installs none). */
 PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
 /* A cache to and from a file, to resume decoding where it stopped (another process, a
    conversation that comes back). pqc_cache_save waits for the builds, then writes every
@@ -4470,9 +4476,11 @@ typedef struct pqc__head {
        then up to `outliers` coded since: of those whose residual beats othr, the largest
        residuals (ores, parallel to olist + on_build). olist: [2 * outliers] */
     uint32_t *olist, *olist_new;
-    float *ores;
+    float *ores, *ores_new; /* [outliers] each, in one block */
     size_t on, on_build, on_new;
     float othr, othr_new;
+    size_t u_on, u_on_build; /* the exact list before the running call's install */
+    float u_othr;
     pqc_scratch cscratch; /* candidates of a select that scores exactly */
     /* residual-aware scoring (desc.residual_weight): m bytes per coded token, [rq_cap][m],
        and the norm of one step per sub-space; _new: from a build */
@@ -4481,6 +4489,8 @@ typedef struct pqc__head {
     float *rscale, *rscale_new; /* [m] each */
 } pqc__head;
 
+#define PQC__DUE_GROWN 1 /* pqc__layer.due: the layer grew (pqc__maybe_build) */
+#define PQC__DUE_DRIFT 2 /* drifted queries were added (pqc__drift_commit) */
 #define PQC__OBS_KEEP 4 /* observed rows kept per layer to measure where attention goes */
 #define PQC__OBS_BINS 64 /* mid tokens by observed attention p: bin b holds 2^-(b+1)/2 < p <= 2^-b/2 */
 
@@ -4507,9 +4517,8 @@ typedef struct pqc__layer {
     size_t n_tokens;      /* stored tokens */
     size_t n_coded;       /* mid tokens covered by the installed codes */
     size_t n_trained;     /* mid tokens the installed codebook was trained on */
-    int building;         /* a build or rebuild is in flight */
+    int building;         /* a build or rebuild is in flight, or finished and not installed */
     size_t build_from;    /* n_tokens when it started */
-    int build_pending_err;
     pqc__group group;
     pqc__build *builds;   /* [n_kv_heads] */
     double *qsq;          /* observations (pqc__qsq_len doubles): [n_kv_heads][d_h] sums of
@@ -4530,6 +4539,17 @@ typedef struct pqc__layer {
     pqc_layer_stats st;
     uint64_t step;
     double prefill_start;
+    /* the running call (see "calls as units"): a build it started, a build it installed
+       (the former codebooks, codes and lists wait in the heads' _new fields, and u_*
+       hold the layer's figures from before), and the builds that fell due in it */
+    int fresh, undo, due;
+    uint64_t dgen;        /* changes with every install and every undo: what a device tier
+                             copied of the codebooks and codes is current while it holds */
+    size_t u_coded, u_trained;
+    uint64_t u_gen, u_builds, u_rebuilds;
+    int u_last_iters;
+    double u_build_s, u_wait_s;
+    double *u_omass, *u_ohist; /* [n_kv_heads][2], [n_kv_heads][PQC__OBS_BINS] */
 } pqc__layer;
 
 /* The stored prefix shared by forked caches: the first n rows of every layer's K and V
@@ -4579,6 +4599,7 @@ struct pqc_cache {
     const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
     struct pqc__cut *cu;       /* the CUDA tier's state (only that tier's functions use it) */
     int in_step;               /* a driver decode step is running: drift commits at its end */
+    int depth;                 /* public calls running on this cache (nested: the driver's) */
     size_t *takes;             /* [n_kv_heads] select: each head's top-k this step */
     size_t *cands;             /* [n_kv_heads] select: each head's candidates to score exactly */
     float *orow;               /* [3 d_h] the exact list's residual scratch (outliers > 0)  */
@@ -4830,10 +4851,12 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
         }
         L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
         L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
-        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * (size_t)d.n_kv_heads);
-        L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads);
+        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 4 * (size_t)d.n_kv_heads);
+        L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * PQC__OBS_BINS * (size_t)d.n_kv_heads);
         if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
             goto oom;
+        L->u_omass = L->omass + 2 * d.n_kv_heads;
+        L->u_ohist = L->ohist + PQC__OBS_BINS * (size_t)d.n_kv_heads;
         for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
         memset(L->ohist, 0, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads); /* a file saves it as it is */
         for (h = 0; h < d.n_kv_heads; h++) {
@@ -4843,7 +4866,8 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
             if (d.outliers > 0) {
                 H->olist = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
                 H->olist_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
-                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.outliers);
+                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.outliers);
+                if (H->ores) H->ores_new = H->ores + d.outliers;
                 if (!H->olist || !H->olist_new || !H->ores) goto oom;
             }
             if (d.residual_weight > 0) {
@@ -4953,7 +4977,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
                     pqc_scratch_free(&H->cscratch);
                     pqc__free(&c->alloc, H->olist);
                     pqc__free(&c->alloc, H->olist_new);
-                    pqc__free(&c->alloc, H->ores);
+                    pqc__free(&c->alloc, H->ores < H->ores_new ? H->ores : H->ores_new);
                     pqc__free(&c->alloc, H->rq);
                     pqc__free(&c->alloc, H->rq_new);
                     pqc__free(&c->alloc, H->rscale < H->rscale_new ? H->rscale : H->rscale_new);
@@ -5354,6 +5378,10 @@ static void pqc__start_build(pqc_cache *c, int l)
     if (iters == 0) iters = pqc_scheduler_iters(c->d.scheduler, (double)n, c->d.n_kv_heads);
     L->building = 1;
     L->build_from = L->n_tokens;
+    if (c->depth > 0 && !L->fresh) { /* a call that may still fail drops it then */
+        L->fresh = 1;
+        L->u_last_iters = L->st.last_iters;
+    }
     L->st.last_iters = iters;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__build *b = &L->builds[h];
@@ -5497,54 +5525,93 @@ static pqc_result pqc__code_pending(pqc_cache *c, int l, size_t n_tokens)
     return PQC_SUCCESS;
 }
 
-/* Joins a finished build (waiting for it when `wait`): installs the codebooks, or reports
-   the job's error once. A failed build changes nothing: the layer keeps what it had and
-   builds again when its tokens next grow. Installing finished work is the only effect. */
-static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
+/* Drops the results of layer l's build (it finished): the layer keeps what it had. */
+static void pqc__build_drop(pqc_cache *c, pqc__layer *L)
+{
+    int h;
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        pqc_pq_free(&H->pq_new);
+        pqc_codes_free(&H->codes_new);
+        pqc__free(&c->alloc, H->rq_new);
+        H->rq_new = NULL;
+    }
+    L->building = 0;
+}
+
+/* Swaps head H's installed codebook, codes, residual bytes and exact list with those in
+   its _new fields (an install, or its undo). */
+static void pqc__head_swap(const pqc_cache *c, pqc__head *H)
+{
+    pqc_pq pq = H->pq;
+    pqc_codes codes = H->codes;
+    H->pq = H->pq_new;
+    H->codes = H->codes_new;
+    H->pq_new = pq;
+    H->codes_new = codes;
+    if (c->d.residual_weight > 0) {
+        float *sc = H->rscale;
+        uint8_t *rq = H->rq;
+        size_t cap = H->rq_cap;
+        H->rq = H->rq_new;
+        H->rq_cap = H->rq_new_cap;
+        H->rq_new = rq;
+        H->rq_new_cap = cap;
+        H->rscale = H->rscale_new;
+        H->rscale_new = sc;
+    }
+    if (c->d.outliers > 0) {
+        uint32_t *ol = H->olist;
+        float *rs = H->ores;
+        H->olist = H->olist_new;
+        H->olist_new = ol;
+        H->ores = H->ores_new;
+        H->ores_new = rs;
+    }
+}
+
+/* Waits for layer l's build and installs it: its codebooks, codes, exact lists and
+   residual bytes take the place of the former ones, which wait in the _new fields until
+   the running call ends (pqc__call_end keeps the install or undoes it); or reports the
+   job's error once (the failed build changes nothing: the layer keeps what it had and
+   builds again when its tokens next grow). Every call that changes a layer or selects
+   from it joins first, so the codebook that serves a step is a function of the calls
+   made, never of when a worker finished. */
+static pqc_result pqc__join_build(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)c->d.n_kv_heads;
     int h;
     double t0;
     if (!L->building) return PQC_SUCCESS;
-    if (!wait && pqc__group_busy(c->rt, &L->group)) return PQC_SUCCESS;
     t0 = pqc__now();
     pqc__wait(c->rt, &L->group);
-    L->building = 0;
     for (h = 0; h < c->d.n_kv_heads; h++)
         if (L->builds[h].res != PQC_SUCCESS) {
             pqc__cfail(c, PQC_ERROR_JOB_FAILED, "PQ build failed: %s", L->builds[h].err);
-            for (h = 0; h < c->d.n_kv_heads; h++) {
-                pqc_pq_free(&L->heads[h].pq_new);
-                pqc_codes_free(&L->heads[h].codes_new);
-                pqc__free(&c->alloc, L->heads[h].rq_new);
-                L->heads[h].rq_new = NULL;
-            }
+            pqc__build_drop(c, L);
             return PQC_ERROR_JOB_FAILED;
         }
+    L->building = 0;
+    L->undo = 1;
+    L->u_coded = L->n_coded;
+    L->u_trained = L->n_trained;
+    L->u_gen = L->gen;
+    L->u_builds = L->st.builds;
+    L->u_rebuilds = L->st.rebuilds;
+    L->u_build_s = L->st.build_s;
+    L->u_wait_s = L->st.wait_s;
+    memcpy(L->u_omass, L->omass, 2 * nkv * sizeof(double));
+    memcpy(L->u_ohist, L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
     L->st.wait_s += pqc__now() - t0;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
         L->st.build_s += L->builds[h].seconds;
-        if (c->d.scheduler && L->builds[h].iters > 0)
-            pqc_scheduler_add_kmeans(c->d.scheduler, (double)L->builds[h].n_keys, L->builds[h].iters,
-                                     L->builds[h].seconds);
-        pqc_pq_free(&H->pq);
-        pqc_codes_free(&H->codes);
-        H->pq = H->pq_new;
-        H->codes = H->codes_new;
-        if (c->d.residual_weight > 0) {
-            float *sc = H->rscale;
-            pqc__free(&c->alloc, H->rq);
-            H->rq = H->rq_new;
-            H->rq_cap = H->rq_new_cap;
-            H->rq_new = NULL;
-            H->rscale = H->rscale_new;
-            H->rscale_new = sc;
-        }
+        H->u_on = H->on;
+        H->u_on_build = H->on_build;
+        H->u_othr = H->othr;
+        pqc__head_swap(c, H);
         if (c->d.outliers > 0) {
-            uint32_t *ol = H->olist;
-            H->olist = H->olist_new;
-            H->olist_new = ol;
             H->on = H->on_build = H->on_new;
             H->othr = H->othr_new;
         }
@@ -5553,23 +5620,82 @@ static pqc_result pqc__join_build(pqc_cache *c, int l, int wait)
             L->omass[2 * h + 1] = L->builds[h].mass[1];
             memcpy(L->ohist + (size_t)h * PQC__OBS_BINS, L->builds[h].hist, sizeof L->builds[h].hist);
         }
-        memset(&H->pq_new, 0, sizeof H->pq_new);
-        memset(&H->codes_new, 0, sizeof H->codes_new);
     }
     if (L->n_trained) L->st.rebuilds++;
     L->st.builds++;
     L->gen++;
+    L->dgen++;
     L->n_coded = L->n_trained = L->builds[0].n_keys;
     return PQC_SUCCESS;
 }
 
+/* The running call succeeded: layer l's install stays, the former state goes. */
+static void pqc__install_keep(pqc_cache *c, int l)
+{
+    pqc__layer *L = &c->layers[l];
+    int h;
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        pqc__head *H = &L->heads[h];
+        const pqc__build *b = &L->builds[h];
+        if (c->d.scheduler && b->iters > 0)
+            pqc_scheduler_add_kmeans(c->d.scheduler, (double)b->n_keys, b->iters, b->seconds);
+        pqc_pq_free(&H->pq_new);
+        pqc_codes_free(&H->codes_new);
+        pqc__free(&c->alloc, H->rq_new);
+        H->rq_new = NULL;
+    }
+    L->undo = 0;
+}
+
+/* The running call failed: layer l as it was before the call. An install is undone (the
+   build it installed waits again, finished, with the codes it made and no more), and a
+   build the call started is dropped. */
+static void pqc__install_undo(pqc_cache *c, int l)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)c->d.n_kv_heads;
+    int h;
+    if (L->undo) {
+        for (h = 0; h < c->d.n_kv_heads; h++) {
+            pqc__head *H = &L->heads[h];
+            pqc__codes_drop(&H->codes, L->builds[h].n_keys);
+            pqc__head_swap(c, H);
+            H->on = H->u_on;
+            H->on_build = H->u_on_build;
+            H->othr = H->u_othr;
+        }
+        L->n_coded = L->u_coded;
+        L->n_trained = L->u_trained;
+        L->gen = L->u_gen;
+        L->dgen++;
+        L->st.builds = L->u_builds;
+        L->st.rebuilds = L->u_rebuilds;
+        L->st.build_s = L->u_build_s;
+        L->st.wait_s = L->u_wait_s;
+        memcpy(L->omass, L->u_omass, 2 * nkv * sizeof(double));
+        memcpy(L->ohist, L->u_ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        L->building = 1;
+        L->undo = 0;
+    }
+    if (L->fresh && L->building) {
+        pqc__wait(c->rt, &L->group);
+        pqc__build_drop(c, L);
+        L->st.last_iters = L->u_last_iters;
+    }
+}
+
 /* After layer l grew (and its new mid tokens were coded): starts the first build once
    there is something to learn, or a rebuild when enough tokens were coded without
-   retraining. Cannot fail. */
+   retraining; after an install in the running call, at its end (the former state
+   still waits in the fields a build writes). Cannot fail. */
 static void pqc__maybe_build(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
     size_t mid = pqc__mid_count(c, L->n_tokens);
+    if (L->undo) {
+        L->due |= PQC__DUE_GROWN;
+        return;
+    }
     if (L->building || mid == 0) return;
     if (L->heads[0].pq.m == 0) {
         if (mid >= (size_t)1 << c->d.pq.bits || mid >= 64) pqc__start_build(c, l);
@@ -5584,16 +5710,9 @@ static void pqc__maybe_build(pqc_cache *c, int l)
 static void pqc__layer_truncate(pqc_cache *c, int l, size_t n, const pqc_layer_stats *st, uint64_t step)
 {
     pqc__layer *L = &c->layers[l];
-    int h;
     if (L->building && L->build_from > n) { /* trained on tokens that are going away */
         pqc__wait(c->rt, &L->group);
-        for (h = 0; h < c->d.n_kv_heads; h++) {
-            pqc_pq_free(&L->heads[h].pq_new);
-            pqc_codes_free(&L->heads[h].codes_new);
-            pqc__free(&c->alloc, L->heads[h].rq_new);
-            L->heads[h].rq_new = NULL;
-        }
-        L->building = 0;
+        pqc__build_drop(c, L);
     }
     if (n < L->n_tokens) {
         pqc__codes_truncate(c, l, pqc__mid_count(c, n));
@@ -5601,6 +5720,34 @@ static void pqc__layer_truncate(pqc_cache *c, int l, size_t n, const pqc_layer_s
     }
     L->st = *st;
     L->step = step;
+}
+
+static void pqc__drift_commit(pqc_cache *c, int l, int keep);
+
+/* ----- calls as units -----
+   A public call that changes a cache runs between pqc__call_begin and pqc__call_end
+   (nested calls, such as the driver's, count as one): when the outermost one ends,
+   every install it made is kept (success) or undone (failure), a build it started is
+   dropped on failure, and the builds that fell due after an install start (success). */
+static void pqc__call_begin(pqc_cache *c) { c->depth++; }
+
+static pqc_result pqc__call_end(pqc_cache *c, pqc_result r)
+{
+    int l;
+    if (--c->depth > 0) return r;
+    for (l = 0; l < c->d.n_layers; l++) {
+        pqc__layer *L = &c->layers[l];
+        int due = L->due;
+        if (!L->undo && !L->fresh && !due) continue;
+        if (r == PQC_SUCCESS && L->undo) pqc__install_keep(c, l);
+        else if (r != PQC_SUCCESS) pqc__install_undo(c, l);
+        L->fresh = 0;
+        L->due = 0;
+        if (r != PQC_SUCCESS) continue;
+        if (due & PQC__DUE_GROWN) pqc__maybe_build(c, l);
+        if (due & PQC__DUE_DRIFT) pqc__drift_commit(c, l, 1);
+    }
+    return r;
 }
 
 static pqc_result pqc__check_kv_matrix(const pqc_cache *c, const pqc_matrix *m, const char *what)
@@ -5613,7 +5760,7 @@ static pqc_result pqc__check_kv_matrix(const pqc_cache *c, const pqc_matrix *m, 
 /* Both calls below first do everything that can fail (checks, a finished build's report,
    growth, storing rows past the visible tokens, coding, device copies) and only then
    make the tokens count; a failure undoes what it did, so the cache stays as it was. */
-PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k, const pqc_matrix *v)
+static pqc_result pqc__prefill(pqc_cache *c, int layer, const pqc_matrix *k, const pqc_matrix *v)
 {
     pqc__layer *L;
     pqc_result r;
@@ -5637,7 +5784,7 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     if (r == PQC_SUCCESS) r = pqc__check_range(c->rt, v, tmp, pqc__store_limit(c->d.kv_dtype), "pqc_cache_prefill V");
     pqc__free(&c->alloc, tmp);
     if (r != PQC_SUCCESS) return r;
-    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r; /* the store must not move under a build */
+    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r; /* the store must not move under a build */
     if ((r = pqc__cache_grow(c, start + n)) != PQC_SUCCESS) return r;
     window = c->window;
     if (c->window == 0) c->window = pqc__derive_window(c, start + n);
@@ -5665,7 +5812,14 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     return PQC_SUCCESS;
 }
 
-PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n)
+PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k, const pqc_matrix *v)
+{
+    if (!c) return pqc__prefill(c, layer, k, v);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__prefill(c, layer, k, v));
+}
+
+static pqc_result pqc__observe(pqc_cache *c, int layer, const float *q, size_t n)
 {
     pqc__layer *L;
     size_t d, qn, all, i, e;
@@ -5681,7 +5835,7 @@ PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, siz
     if (!pqc__finite_row(q, all))
         return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_observe: queries hold NaN, Inf or a huge value");
     /* a build of this layer reads the kept rows: it finishes first (as prefill does) */
-    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
+    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r;
     L = &c->layers[layer];
     { /* the last PQC__OBS_KEEP rows, oldest first */
         size_t keep = PQC__MIN(n, (size_t)PQC__OBS_KEEP), old = PQC__MIN((size_t)L->n_qobs, PQC__OBS_KEEP - keep);
@@ -5701,6 +5855,13 @@ PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, siz
     return PQC_SUCCESS;
 }
 
+PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n)
+{
+    if (!c) return pqc__observe(c, layer, q, n);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__observe(c, layer, q, n));
+}
+
 PQCDEF pqc_result pqc_cache_observed_mass(const pqc_cache *c, int layer, int head, double *sinks, double *window)
 {
     pqc_result r;
@@ -5718,7 +5879,7 @@ PQCDEF pqc_result pqc_cache_observed_mass(const pqc_cache *c, int layer, int hea
     return PQC_SUCCESS;
 }
 
-PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v)
+static pqc_result pqc__append(pqc_cache *c, int layer, const float *k, const float *v)
 {
     pqc__layer *L;
     pqc_result r;
@@ -5734,7 +5895,7 @@ PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, cons
         !pqc__within(v, (size_t)c->d.n_kv_heads * c->d.head_dim, pqc__store_limit(c->d.kv_dtype)))
         return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_append: K or V holds NaN, Inf or a magnitude above %g",
                           (double)pqc__store_limit(c->d.kv_dtype));
-    if ((r = pqc__join_build(c, layer, L->n_tokens + 1 > pqc__room(c))) != PQC_SUCCESS) return r;
+    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r;
     if (L->n_tokens + 1 > pqc__room(c) && (r = pqc__cache_grow(c, L->n_tokens + 1)) != PQC_SUCCESS) return r;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
@@ -5754,6 +5915,13 @@ PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, cons
     if (after > before) L->st.bytes_d2h += (after - before) * 2 * c->row * (size_t)c->d.n_kv_heads; /* offload */
     pqc__maybe_build(c, layer);
     return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, const float *v)
+{
+    if (!c) return pqc__append(c, layer, k, v);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__append(c, layer, k, v));
 }
 
 /* Gives sel room for `cap` indices per head, keeping what it holds. */
@@ -6033,7 +6201,12 @@ static void pqc__drift_commit(pqc_cache *c, int l, int keep)
         }
         memset(L->qpend, 0, (part + 1) * sizeof(double));
     }
-    if (!keep || flag[0] == 0.0 || L->building || L->heads[0].pq.m == 0) return;
+    if (!keep || flag[0] == 0.0) return;
+    if (L->undo) { /* after the install, at the end of the call */
+        L->due |= PQC__DUE_DRIFT;
+        return;
+    }
+    if (L->building || L->heads[0].pq.m == 0) return;
     last = (size_t)flag[1]; /* coded count at the last drift rebuild + 1 */
     if (last > 0 && L->n_coded < last - 1 + PQC__MAX((size_t)256, (last - 1) / 8)) return;
     flag[0] = 0.0;
@@ -6117,7 +6290,7 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
         c->sbuf_cap = cap;
     }
     if (n > sel->capacity && (r = pqc__selection_grow(c, sel, pqc__selection_cap(c, n))) != PQC_SUCCESS) return r;
-    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
+    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r;
     coded = L->n_coded;
     if ((r = pqc__code_pending(c, layer, n)) != PQC_SUCCESS) return r;
     /* top-k = budget - window, the budget counting the tokens beyond the sinks; without
@@ -6190,7 +6363,9 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
 
 PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel)
 {
-    return pqc__select_impl(c, layer, q, sel, 1);
+    if (!c) return pqc__select_impl(c, layer, q, sel, 1);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__select_impl(c, layer, q, sel, 1));
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -6701,7 +6876,7 @@ static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const 
     if (n == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_step_device: layer %d is empty", layer);
     if (!pqc__finite_row(q, (size_t)c->d.n_q_heads * c->d.head_dim))
         return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_step_device: query holds NaN, Inf or a huge value");
-    if ((r = pqc__join_build(c, layer, 1)) != PQC_SUCCESS) return r;
+    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r;
     coded = L->n_coded;
     if ((r = pqc__code_pending(c, layer, n)) != PQC_SUCCESS) return r;
     mid = n - pqc__sink_end(c, n);
@@ -6744,7 +6919,7 @@ static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const 
     return PQC_SUCCESS;
 }
 
-PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count)
+static pqc_result pqc__step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count)
 {
     pqc_result r;
     if (!c || !out || !count) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_step_device: null pointer");
@@ -6758,6 +6933,13 @@ PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q,
     if ((r = pqc_cache_fetch_device(c, layer, &c->dsel, out)) != PQC_SUCCESS) return r;
     memcpy(count, c->dsel.count, (size_t)c->d.n_kv_heads * sizeof(size_t));
     return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count)
+{
+    if (!c) return pqc__step_device(c, layer, q, out, count);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__step_device(c, layer, q, out, count));
 }
 
 static int pqc__zero_copy(const pqc_cache *c) { return c->tier->zero_copy(c); }
@@ -6793,14 +6975,21 @@ PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double token
     return pqc_scheduler_add_compute(c->d.scheduler, tokens, seconds);
 }
 
-PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
+static pqc_result pqc__sync(pqc_cache *c)
 {
     int l;
     pqc_result r = PQC_SUCCESS, x;
     if (!c) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_sync: null cache");
     for (l = 0; l < c->d.n_layers; l++)
-        if ((x = pqc__join_build(c, l, 1)) != PQC_SUCCESS && r == PQC_SUCCESS) r = x;
+        if ((x = pqc__join_build(c, l)) != PQC_SUCCESS && r == PQC_SUCCESS) r = x;
     return r;
+}
+
+PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
+{
+    if (!c) return pqc__sync(c);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__sync(c));
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -6924,7 +7113,7 @@ static void pqc__cache_shape(const pqc_cache *c, uint32_t *f)
 }
 #define PQC__CACHE_SHAPE 13
 
-PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
+static pqc_result pqc__save(pqc_cache *c, const char *path)
 {
     pqc__parts w;
     uint32_t shape[PQC__CACHE_SHAPE];
@@ -7015,6 +7204,13 @@ out:
     pqc__free(&c->alloc, w.n);
     pqc__free(&c->alloc, w.small);
     return r;
+}
+
+PQCDEF pqc_result pqc_cache_save(pqc_cache *c, const char *path)
+{
+    if (!c) return pqc__save(c, path);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__save(c, path));
 }
 
 /* A file image being read: the bytes left, and the checksum of those read. */
@@ -7419,7 +7615,7 @@ static pqc_result pqc__share_make(pqc_cache *p, size_t n)
     return r;
 }
 
-PQCDEF pqc_result pqc_cache_fork(pqc_cache *p, pqc_cache **out)
+static pqc_result pqc__fork(pqc_cache *p, pqc_cache **out)
 {
     pqc_cache *c = NULL;
     pqc_cache_desc d;
@@ -7469,6 +7665,13 @@ fail:
     return r;
 }
 
+PQCDEF pqc_result pqc_cache_fork(pqc_cache *p, pqc_cache **out)
+{
+    if (!p) return pqc__fork(p, out);
+    pqc__call_begin(p);
+    return pqc__call_end(p, pqc__fork(p, out));
+}
+
 PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t *shared_bytes)
 {
     size_t own = 0, shared = 0, nkv, qn;
@@ -7479,7 +7682,7 @@ PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t 
         for (l = 0; l < c->d.n_layers; l++) {
             const pqc__layer *L = &c->layers[l];
             own += 2 * nkv * c->cap * c->row;
-            own += (pqc__qsq_len(c) + pqc__qsq_part(c) + 1 + 2 * nkv + PQC__OBS_BINS * nkv) * sizeof(double);
+            own += (pqc__qsq_len(c) + pqc__qsq_part(c) + 1 + 4 * nkv + 2 * PQC__OBS_BINS * nkv) * sizeof(double);
             own += (PQC__OBS_KEEP * qn + nkv * (size_t)c->d.head_dim) * sizeof(float);
             for (h = 0; h < c->d.n_kv_heads; h++) {
                 const pqc__head *H = &L->heads[h];
@@ -7489,7 +7692,7 @@ PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t 
                     if (H->pq.metric) own += (size_t)c->d.head_dim * sizeof(float);
                 }
                 own += pqc_codes_bytes(&H->codes) + H->rq_cap * (size_t)c->d.pq.m;
-                own += (size_t)c->d.outliers * (3 * sizeof(uint32_t) + sizeof(float));
+                own += (size_t)c->d.outliers * (4 * sizeof(uint32_t) + 2 * sizeof(float));
                 if (c->d.cache_blocks > 0)
                     own += c->nblk * (sizeof(int32_t) + sizeof(uint32_t) + sizeof(float)) +
                            (size_t)c->d.cache_blocks * (sizeof(int32_t) + sizeof(uint32_t) + 2 * sizeof(uint64_t));
@@ -7619,9 +7822,13 @@ typedef struct pqc__batch_job {
 static void pqc__batch_select_one(void *ctx, size_t i)
 {
     pqc__batch_job *b = (pqc__batch_job *)ctx;
-    b->caches[i]->in_step = 1; /* drift rebuilds start on the caller's thread, after the batch */
-    b->res[i] = pqc__select_impl(b->caches[i], b->layer, b->q[i], b->sel[i], 0);
-    b->caches[i]->in_step = 0;
+    pqc_cache *c = b->caches[i];
+    pqc_result r;
+    c->in_step = 1; /* drift rebuilds start on the caller's thread, after the batch */
+    pqc__call_begin(c);
+    r = pqc__select_impl(c, b->layer, b->q[i], b->sel[i], 0);
+    c->in_step = 0;
+    b->res[i] = pqc__call_end(c, r); /* nothing falls due in a select: nothing starts here */
 }
 static void pqc__batch_fetch_one(void *ctx, size_t i)
 {
@@ -7831,7 +8038,7 @@ static pqc_result pqc__prefill_rows(pqc_cache *c, int l, const void **kp, size_t
     return PQC_SUCCESS;
 }
 
-PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n)
+static pqc_result pqc__driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n)
 {
     size_t qn, kn, bytes, rows_bytes = 0;
     float *q, *k, *v;
@@ -7910,7 +8117,14 @@ PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t p
     return pqc__undo_end(c, &undo, l, r);
 }
 
-PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos)
+PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n)
+{
+    if (!c) return pqc__driver_prefill(c, e, pos0, n);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__driver_prefill(c, e, pos0, n));
+}
+
+static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos)
 {
     size_t qn, kn, cap, need;
     float *q, *k, *v, *ko, *vo;
@@ -8016,6 +8230,13 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
     r = pqc__undo_end(c, &undo, l, r);
     for (l = 0; l < c->d.n_layers; l++) pqc__drift_commit(c, l, r == PQC_SUCCESS);
     return r;
+}
+
+PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos)
+{
+    if (!c) return pqc__driver_decode(c, e, pos);
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__driver_decode(c, e, pos));
 }
 
 /* =======================================================================================
@@ -10029,7 +10250,7 @@ static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
     }
     PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
     u->code_layer[sl] = l;
-    u->code_gen[sl] = L->gen;
+    u->code_gen[sl] = L->dgen;
     u->code_cs[sl] = cs;
     u->code_hs[sl] = hs;
     u->code_n[sl] = L->n_coded;
@@ -10041,7 +10262,7 @@ static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
 {
     const struct pqc__cut *u = c->cu;
     const pqc__layer *L = &c->layers[l];
-    return u->code_layer[sl] == l && u->code_gen[sl] == L->gen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
+    return u->code_layer[sl] == l && u->code_gen[sl] == L->dgen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
            u->code_n[sl] <= L->n_coded;
 }
 
@@ -10058,7 +10279,7 @@ static pqc_result pqc__cut_cents(pqc_cache *c, int l)
     size_t nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
     int m = u->m, K = u->K, dsub = u->dsub;
     int64_t c_hs = (int64_t)pqc__cut_cent_floats(c);
-    if (u->cent_gen[l] != L->gen + 1) {
+    if (u->cent_gen[l] != L->dgen + 1) {
         size_t cb = tab * (size_t)dsub * sizeof(float), hb = (size_t)c_hs * sizeof(float);
         int weighted = pqc__layer_metric(c, l), j;
         for (h = 0; h < nkv; h++) {
@@ -10077,7 +10298,7 @@ static pqc_result pqc__cut_cents(pqc_cache *c, int l)
                                                           (size_t)u->d * sizeof(float), u->st),
                           "cuMemcpyHtoDAsync");
         }
-        u->cent_gen[l] = L->gen + 1;
+        u->cent_gen[l] = L->dgen + 1;
     }
     return PQC_SUCCESS;
 }
@@ -10226,7 +10447,7 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
     pqc__cut_enter(c);
     /* tables a batch built for these queries and codebooks need neither the queries nor
        the table kernel (the stream already waits for them) */
-    u->lut_pre = u->lb_ok && u->lb_layer == l && u->lb_gen == c->layers[l].gen + 1 && u->cent_gen[l] == u->lb_gen &&
+    u->lut_pre = u->lb_ok && u->lb_layer == l && u->lb_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->lb_gen &&
                  memcmp(u->lb_q, q, qbytes) == 0;
     u->lb_ok = 0;
     if (!u->lut_pre) {

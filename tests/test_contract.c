@@ -846,14 +846,14 @@ typedef struct scen {
 } scen;
 
 /* Runs one call: on failure the observables must not have moved; then it is retried
-   (the allocator fails only once) until it succeeds. */
+   (the allocator fails only once) until it succeeds. Nothing waits for the builds first:
+   a failed call must not install a build that finished before it either. */
 #define SCEN_CALL(S, C, SEL, EXPR)                                                                   \
     do {                                                                                             \
         int tries_;                                                                                  \
         for (tries_ = 0; tries_ < 4; tries_++) {                                                     \
             uint64_t h0_, h1_;                                                                       \
             pqc_result r_;                                                                           \
-            if ((C) && pqc_cache_sync(C) == PQC_ERROR_JOB_FAILED) (S)->job_failures++;               \
             h0_ = (C) ? observe((C), (SEL)) : 0;                                                     \
             r_ = (EXPR);                                                                             \
             if (r_ == PQC_SUCCESS) break;                                                            \
@@ -1021,6 +1021,7 @@ static void scen_size(scen *S)
     S->driver_steps = TEST_SIZE(6, 2);
 }
 
+static char g_break[300];
 static enum greatest_test_res atomicity_sweep(int threads)
 {
     scen S;
@@ -1052,7 +1053,8 @@ static enum greatest_test_res atomicity_sweep(int threads)
         rc = scenario(&S);
         runs++;
         fired += S.fa.fired;
-        ASSERTm(S.first_break, S.atomicity_breaks == 0);
+        memcpy(g_break, S.first_break, sizeof g_break); /* the message outlives S */
+        ASSERTm(g_break, S.atomicity_breaks == 0);
         ASSERT_EQ_FMT(0L, S.bad_codes, "%ld");
         ASSERT_EQ_FMT(0L, S.fa.live, "%ld");
         ASSERT(rc == 0 || rc == 1);
@@ -1071,6 +1073,185 @@ static enum greatest_test_res atomicity_sweep(int threads)
 
 TEST failed_calls_change_nothing_at_every_allocation_inline(void) { return atomicity_sweep(-1); }
 TEST failed_calls_change_nothing_at_every_allocation_threaded(void) { return atomicity_sweep(2); }
+
+/* ----- results that do not depend on timing ---------------------------------------------- */
+
+/* h folded with a selection: every head's count and indices */
+static uint64_t fold_sel(uint64_t h, const pqc_selection *s)
+{
+    int hd;
+    for (hd = 0; hd < s->n_kv_heads; hd++) {
+        h = fold(h, &s->count[hd], sizeof(size_t));
+        h = fold(h, s->idx + (size_t)hd * s->capacity, s->count[hd] * sizeof(uint32_t));
+    }
+    return h;
+}
+
+/* An allocator that makes the workers slow at random (a sleep of up to 2 ms in one of
+   four of their allocations): builds then finish before or after the next call at random */
+static pthread_t g_main_thread;
+static pthread_mutex_t g_slow_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t g_slow_state = 1;
+static void *slow_alloc(size_t n, void *u)
+{
+    (void)u;
+    if (!pthread_equal(pthread_self(), g_main_thread)) {
+        uint64_t z;
+        pthread_mutex_lock(&g_slow_mu);
+        z = (g_slow_state = g_slow_state * 6364136223846793005ull + 1442695040888963407ull) >> 33;
+        pthread_mutex_unlock(&g_slow_mu);
+        if ((z & 3) == 0) {
+            struct timespec ts;
+            ts.tv_sec = 0;
+            ts.tv_nsec = (long)(z % 2000) * 1000L;
+            nanosleep(&ts, NULL);
+        }
+    }
+    return malloc(n);
+}
+static void slow_free(void *p, void *u)
+{
+    (void)u;
+    free(p);
+}
+
+/* A random decode program (seeded) on a runtime of `threads` workers (-1: inline): a
+   2-layer cache rebuilding every `share` of its coded tokens, a chunked prompt with
+   observed queries, decode steps whose queries drift away from the observed ones half
+   way (drift rebuilds), bursts of appends, a fork that decodes alongside its parent, batched
+   selects of the two. Every selection's hash goes to out[]; then each layer's build
+   counts. Returns the number of entries, or 0 when a call failed. */
+static size_t timing_program(int threads, int seed, double share, int steps, uint64_t *out, size_t cap)
+{
+    pqc_runtime_desc rd;
+    pqc_runtime *rt = NULL;
+    pqc_cache *a = NULL, *f = NULL;
+    pqc_cache_desc cd = small_desc(2, 2, 4, 16);
+    pqc_selection sa, sf;
+    float *k, *v, q[4 * 16], qo[8 * 4 * 16];
+    size_t n = 0, i, at = 0, next = 300;
+    int l, step, ok = 1;
+    memset(&rd, 0, sizeof rd);
+    memset(&sa, 0, sizeof sa);
+    memset(&sf, 0, sizeof sf);
+    rd.n_threads = threads;
+    rd.allocator.alloc = slow_alloc;
+    rd.allocator.free = slow_free;
+    cd.n_sink = 4;
+    cd.budget_ratio = 0.2;
+    cd.rebuild_share = share;
+    cd.cache_blocks = 0;
+    if (seed % 3 == 1) {
+        cd.rerank = 2;
+        cd.outliers = 4;
+    } else if (seed % 3 == 2) {
+        cd.residual_weight = 0.1;
+    }
+    g_seed = 7000 + (uint64_t)seed;
+    k = rows(1200, 32);
+    v = rows(1200, 32);
+    for (i = 0; i < 8 * 64; i++) qo[i] = urand() * ((i % 16) < 8 ? 1.0f : 0.05f);
+#define TP(x) \
+    do { \
+        if ((x) != PQC_SUCCESS) { ok = 0; goto end; } \
+    } while (0)
+    TP(pqc_runtime_create(&rd, &rt));
+    TP(pqc_cache_create(rt, &cd, &a));
+    TP(pqc_selection_init(a, &sa));
+    for (l = 0; l < 2; l++) {
+        TP(pqc_cache_observe(a, l, qo, 8));
+        TP(prefill(a, l, k, v, 200));
+    }
+    for (l = 0; l < 2; l++) TP(prefill(a, l, k + 200 * 32, v + 200 * 32, 100));
+    for (step = 0; step < steps; step++) {
+        int drift = step > steps / 2, extra = urand() > 0.8f, batch = f && urand() > 0.5f;
+        if (step == steps / 3) {
+            TP(pqc_cache_fork(a, &f));
+            TP(pqc_selection_init(f, &sf));
+        }
+        for (l = 0; l < 2; l++) {
+            for (i = 0; i < 64; i++) q[i] = urand() * (((i % 16) < 8) == !drift ? 1.0f : 0.05f);
+            TP(pqc_cache_append(a, l, k + (next % 1200) * 32, v + (next % 1200) * 32));
+            if (f) TP(pqc_cache_append(f, l, k + ((next + 77) % 1200) * 32, v + ((next + 77) % 1200) * 32));
+            if (batch) {
+                pqc_cache *cs[2];
+                const float *qs[2];
+                pqc_selection *ss[2];
+                cs[0] = a;
+                cs[1] = f;
+                qs[0] = qs[1] = q;
+                ss[0] = &sa;
+                ss[1] = &sf;
+                TP(pqc_batch_select(cs, 2, l, qs, ss));
+            } else {
+                TP(pqc_cache_select(a, l, q, &sa));
+                if (f) TP(pqc_cache_select(f, l, q, &sf));
+            }
+            if (at + 2 > cap) { ok = 0; goto end; }
+            out[at++] = fold_sel(0xcbf29ce484222325ull, &sa);
+            if (f) out[at++] = fold_sel(0xcbf29ce484222325ull, &sf);
+        }
+        next++;
+        if (extra) { /* a burst of tokens appended to every layer with no select between */
+            int j, burst = 1 + (int)(40.0f * (urand() + 1.0f));
+            for (j = 0; j < burst; j++, next++)
+                for (l = 0; l < 2; l++) TP(pqc_cache_append(a, l, k + (next % 1200) * 32, v + (next % 1200) * 32));
+        }
+    }
+    for (l = 0; l < 2 && at + 4 <= cap; l++) {
+        pqc_layer_stats st;
+        TP(pqc_cache_stats(a, l, &st));
+        out[at++] = st.builds;
+        out[at++] = st.rebuilds;
+        TP(pqc_cache_stats(f, l, &st));
+        out[at++] = st.builds;
+        out[at++] = st.rebuilds;
+    }
+    n = at;
+end:
+#undef TP
+    pqc_selection_free(&sa);
+    pqc_selection_free(&sf);
+    pqc_cache_destroy(f);
+    pqc_cache_destroy(a);
+    pqc_runtime_destroy(rt);
+    free(k);
+    free(v);
+    return ok ? n : 0;
+}
+
+/* The codebook that serves a step is a function of the calls made: inline and on 1, 2
+   and 4 workers, the same programs select the same tokens, bit for bit, whatever the
+   rebuild share (a finished build is installed by the next call on its layer, which
+   waits for it; a build starts only once the call that made it due has succeeded). */
+TEST selections_do_not_depend_on_the_thread_count(void)
+{
+    static const double shares[] = { 0.05, 0.1, 0.2, 0.5, 0.07, 0.3 };
+    static const int threads[] = { 1, 2, 4 };
+    enum { CAP = 2048 };
+    uint64_t *ref = (uint64_t *)malloc(CAP * sizeof(uint64_t)), *got = (uint64_t *)malloc(CAP * sizeof(uint64_t));
+    int p, t, programs = TEST_SIZE(6, 3), steps = TEST_SIZE(90, 40);
+    long compared = 0, rebuilds = 0;
+    g_main_thread = pthread_self();
+    for (p = 0; p < programs; p++) {
+        size_t nr = timing_program(-1, p, shares[p], steps, ref, CAP), i;
+        ASSERT(nr > 8);
+        for (i = nr - 8; i < nr; i += 2) rebuilds += (long)ref[i + 1];
+        for (t = 0; t < 3; t++) {
+            size_t ng = timing_program(threads[t], p, shares[p], steps, got, CAP);
+            ASSERT_EQ(nr, ng);
+            for (i = 0; i < nr; i++)
+                if (ref[i] != got[i]) FAILm("a selection depends on the thread count");
+            compared += (long)nr;
+        }
+    }
+    ASSERT_GT(rebuilds, (long)programs * 4); /* the programs do rebuild */
+    printf("    %d programs, %ld selections and counts compared on 1, 2 and 4 workers with the inline run, %ld "
+           "rebuilds\n", programs, compared, rebuilds);
+    free(ref);
+    free(got);
+    PASS();
+}
 
 /* ----- the driver's recovery ------------------------------------------------------------ */
 
@@ -1283,6 +1464,7 @@ SUITE(contract)
     RUN_TEST(select_failing_on_a_worker_reports_its_message);
     RUN_TEST(failed_calls_change_nothing_at_every_allocation_inline);
     RUN_TEST(failed_calls_change_nothing_at_every_allocation_threaded);
+    RUN_TEST(selections_do_not_depend_on_the_thread_count);
 }
 
 GREATEST_MAIN_DEFS();
