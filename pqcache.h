@@ -4714,6 +4714,14 @@ static size_t pqc__mid_count(const pqc_cache *c, size_t n_tokens)
 
 /* The window derived from the first prompt's budget (recent_share of it), at least one
    token and at most max_tokens, whatever the budget settings. */
+/* The step's budget for `mid` tokens beyond the sinks: budget_tokens, or ceil(budget_ratio
+   x mid); past mid it is every token (and no ratio overflows a size_t). */
+static size_t pqc__budget(const pqc_cache *c, size_t mid)
+{
+    double b = c->d.budget_tokens ? (double)c->d.budget_tokens : ceil(c->d.budget_ratio * (double)mid);
+    return b >= (double)mid ? mid : (size_t)b;
+}
+
 static int pqc__derive_window(const pqc_cache *c, size_t n_tokens)
 {
     double s_mid = (double)(n_tokens - pqc__sink_end(c, n_tokens));
@@ -6296,7 +6304,7 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     /* top-k = budget - window, the budget counting the tokens beyond the sinks; without
        a codebook every coded-or-not mid token is attended */
     mid = n - pqc__sink_end(c, n);
-    budget = c->d.budget_tokens ? c->d.budget_tokens : (size_t)ceil(c->d.budget_ratio * (double)mid);
+    budget = pqc__budget(c, mid);
     j.take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
     if (L->heads[0].pq.m == 0 || j.take > L->n_coded) j.take = L->n_coded;
     j.take = pqc__head_takes(c, L, j.take, c->takes);
@@ -6880,7 +6888,7 @@ static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const 
     coded = L->n_coded;
     if ((r = pqc__code_pending(c, layer, n)) != PQC_SUCCESS) return r;
     mid = n - pqc__sink_end(c, n);
-    budget = c->d.budget_tokens ? c->d.budget_tokens : (size_t)ceil(c->d.budget_ratio * (double)mid);
+    budget = pqc__budget(c, mid);
     take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
     if (L->heads[0].pq.m == 0 || take > L->n_coded) take = L->n_coded;
     take = pqc__head_takes(c, L, take, c->takes);

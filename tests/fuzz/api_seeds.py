@@ -109,6 +109,9 @@ class P:
     def fork(self, parent=0, child=1):  # child slot == parent slot: the fork is dropped again
         return self.raw(28, parent | child << 1)
 
+    def save_load(self, saved=0, loaded=1):  # loaded slot == saved slot: compared, then dropped
+        return self.raw(29, saved | loaded << 1)
+
     def pq_train(self, slot=0, flags=6, dim=0, rows=9, m=2, bits=1, iters=1, init=0, mppc=0, seed=1, device=0, rope=0,
                  subsp=0, k=None):
         self.raw(17, slot, flags, dim, rows, m, bits, iters, init, mppc, seed, device, rope, subsp)
@@ -296,6 +299,18 @@ def seeds():
     p = P().create(layers=1).driver_prefill(n=6).fork().driver_prefill(slot=1, n=1).driver_prefill(slot=0, n=2)
     p.driver_decode(slot=1).driver_prefill(slot=1, n=2).driver_prefill(slot=0, n=5)
     s["driver_on_forks"] = p
+    # the driver on loaded caches: a saved prompt loaded (its rows mapped from the file),
+    # decoded and extended by a second turn; a fork's save; the saved cache goes on too
+    p = P().create(layers=1).driver_prefill(n=6).save_load().driver_decode(slot=1).driver_prefill(slot=1, n=2)
+    p.driver_decode(slot=1).fork(parent=1, child=0).save_load(saved=0, loaded=0).driver_prefill(slot=0, n=3)
+    p.save_load(saved=1, loaded=1).sel_init(slot=1).select(slot=1).fetch(slot=1).fetch_rows(slot=1)
+    s["driver_on_loads"] = p
+    # a rebuilding cache with exact lists and re-ranking saved mid-decode and loaded
+    p = P().create(rebuild=2, rerank=1, outl=1).prefill(rows=14).sel_init()
+    for _ in range(4):
+        p.append().select()
+    p.save_load().sel_init(slot=1).append(slot=1).select(slot=1).fetch(slot=1)
+    s["load_rebuilding"] = p
     # the PQ core with interleaved rope bands
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     return s

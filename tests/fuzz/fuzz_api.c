@@ -521,6 +521,7 @@ typedef struct fz_cache {
     int blocks, bt;
     int bits, iters; /* of the PQ builds, for bounding their work */
     int zero_copy;
+    pqc_cache_desc d; /* as created (a loaded cache takes it) */
     fz_sel sel[2];
 } fz_cache;
 
@@ -874,6 +875,7 @@ static void op_cache_create(fz_state *S)
     if (!out || out == sentinel) fz_fail("pqc_cache_create succeeded without an output");
     pqc_cache_destroy(C->c);
     C->c = out;
+    C->d = d;
     C->rt_null = (rsel & 7) == 7;
     C->L = d.n_layers;
     C->H = d.n_kv_heads;
@@ -930,6 +932,103 @@ static void op_fork(fz_state *S)
         if (pqc_cache_tokens(out, l) != pqc_cache_tokens(P->c, l) || pqc_cache_window(out) != pqc_cache_window(P->c))
             fz_fail("a fork holds %zu tokens of layer %d, its parent %zu", pqc_cache_tokens(out, l), l,
                     pqc_cache_tokens(P->c, l));
+    if (C == P) {
+        pqc_cache_destroy(out);
+        return;
+    }
+    pqc_cache_destroy(C->c);
+    {
+        fz_sel s0 = C->sel[0], s1 = C->sel[1]; /* the slot keeps its selections */
+        *C = *P;
+        C->sel[0] = s0;
+        C->sel[1] = s1;
+    }
+    C->c = out;
+}
+
+/* one scratch file per process, for cache files */
+static char g_dir[512], g_file[600];
+static void fz_file_cleanup(void)
+{
+    remove(g_file);
+    rmdir(g_dir);
+}
+static const char *fz_file(void)
+{
+    if (!g_dir[0]) {
+        const char *tmp = getenv("TMPDIR");
+        if (!tmp || !*tmp || strlen(tmp) > 400) tmp = "/tmp";
+        snprintf(g_dir, sizeof g_dir, "%s/pqc_fuzz_api.XXXXXX", tmp);
+        if (!mkdtemp(g_dir)) {
+            perror("fuzz_api: mkdtemp");
+            abort();
+        }
+        snprintf(g_file, sizeof g_file, "%s/cache.pqc", g_dir);
+        atexit(fz_file_cleanup);
+    }
+    return g_file;
+}
+
+/* a slot's cache saved and loaded into a slot (its own: the loaded cache is compared,
+   then dropped again; another: the cache it replaces is destroyed first), on the host
+   tier by mapping the file, which is unlinked at once (the mapping keeps the rows).
+   The loaded cache holds what was saved and selects what the saved one selects. */
+static void op_save_load(fz_state *S)
+{
+    fz *f = &S->f;
+    unsigned which = rd8(f);
+    fz_cache *P = &S->cache[which & 1], *C = &S->cache[(which >> 1) & 1];
+    pqc_cache *sentinel = (pqc_cache *)&g_sentinel, *out = sentinel;
+    const char *path = fz_file();
+    pqc_result r;
+    int l;
+    if (!P->c) {
+        fz_arm();
+        if (fz_expect(pqc_cache_save(NULL, path), "pqc_cache_save(NULL)") == PQC_SUCCESS)
+            fz_fail("pqc_cache_save of a null cache succeeded");
+        return;
+    }
+    fz_arm();
+    r = fz_expect(pqc_cache_save(P->c, path), "pqc_cache_save");
+    fz_outcome(r, 0, 0, "pqc_cache_save");
+    if (r != PQC_SUCCESS) {
+        remove(path);
+        return;
+    }
+    fz_arm();
+    r = fz_expect(pqc_cache_load(P->rt_null ? NULL : S->rt, &P->d, path, &out), "pqc_cache_load");
+    remove(path);
+    fz_outcome(r, 0, 0, "pqc_cache_load");
+    if (r != PQC_SUCCESS) {
+        if (out != sentinel) fz_fail("failed pqc_cache_load wrote its output");
+        return;
+    }
+    if (!out || out == sentinel) fz_fail("pqc_cache_load succeeded without an output");
+    if (pqc_cache_window(out) != pqc_cache_window(P->c))
+        fz_fail("a loaded cache's window is %d, the saved one's %d", pqc_cache_window(out), pqc_cache_window(P->c));
+    for (l = 0; l < P->L; l++)
+        if (pqc_cache_tokens(out, l) != pqc_cache_tokens(P->c, l))
+            fz_fail("a loaded cache holds %zu tokens of layer %d, the saved one %zu", pqc_cache_tokens(out, l), l,
+                    pqc_cache_tokens(P->c, l));
+    if (pqc_cache_tokens(out, 0) > 0 && (size_t)P->Q * (size_t)P->D <= 4096) { /* one select on each */
+        float *q = (float *)malloc(sizeof(float) * (size_t)P->Q * (size_t)P->D + 1);
+        pqc_selection a, b;
+        size_t i, h;
+        for (i = 0; q && i < (size_t)P->Q * (size_t)P->D; i++) q[i] = (float)sin(0.7 * (double)i + (double)S->seed);
+        memset(&a, 0, sizeof a);
+        memset(&b, 0, sizeof b);
+        fz_arm();
+        if (q && pqc_selection_init(P->c, &a) == PQC_SUCCESS && pqc_selection_init(out, &b) == PQC_SUCCESS &&
+            pqc_cache_select(P->c, 0, q, &a) == PQC_SUCCESS && pqc_cache_select(out, 0, q, &b) == PQC_SUCCESS)
+            for (h = 0; h < (size_t)P->H; h++)
+                if (a.count[h] != b.count[h] ||
+                    memcmp(a.idx + h * a.capacity, b.idx + h * b.capacity, a.count[h] * sizeof(uint32_t)))
+                    fz_fail("a loaded cache selects otherwise than the saved one (head %zu: %zu and %zu tokens)", h,
+                            a.count[h], b.count[h]);
+        pqc_selection_free(&a);
+        pqc_selection_free(&b);
+        free(q);
+    }
     if (C == P) {
         pqc_cache_destroy(out);
         return;
@@ -2507,6 +2606,7 @@ static const fz_op fz_ops[] = {
     op_convert,       /* 26 */
     op_observe,       /* 27 */
     op_fork,          /* 28 */
+    op_save_load,     /* 29 */
 };
 
 static size_t g_tok_scratch[4097];
