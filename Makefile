@@ -187,6 +187,8 @@ test-long:
 	  grep -E '^fuzz_|^    ' $(BUILD)/logs/fuzz-long.log; \
 	  p=$$(grep -c '^fuzz_.*Done' $(BUILD)/logs/fuzz-long.log); f=$$(grep -c '^fuzz_.*FAILED' $(BUILD)/logs/fuzz-long.log); \
 	  echo "$$p passed, $$f failed"; [ $$st = 0 ] && [ $$f = 0 ]
+	@echo "=== the engine against transformers' forward pass (torch)"
+	@$(MAKE) --no-print-directory test-transformers
 
 # line and branch coverage of pqcache.h and examples/tiny_llama by make test (gcov), in
 # build/coverage/summary.txt; tests/coverage/run.sh says how

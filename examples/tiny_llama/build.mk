@@ -56,7 +56,7 @@ build/bench_hf: $(TINY_LLAMA_DIR)/bench_hf.c $(TINY_LLAMA_PQ_DEPS)
 TINY_LLAMA_PY ?= $(or $(PYTHON),python3)
 TINY_LLAMA_PYTEST := $(TINY_LLAMA_PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: tiny_llama tiny_llama_test tiny_llama_check tiny_llama_demo bench-hf tiny_llama_hf_test
+.PHONY: tiny_llama tiny_llama_test tiny_llama_check tiny_llama_demo bench-hf tiny_llama_hf_test test-transformers
 
 # BENCH_HF_ARGS: e.g. --threads 1 --ctx 8192 --steps 32 --mb 2048
 BENCH_HF_ARGS ?=
@@ -65,7 +65,15 @@ bench-hf: build/bench_hf
 	build/bench_hf $(BENCH_HF_ARGS)
 
 tiny_llama_hf_test: build/tiny_llama
-	$(TINY_LLAMA_PYTEST) $(TINY_LLAMA_DIR)/test_hf.py tools/test_hf_tokens.py
+	$(TINY_LLAMA_PYTEST) $(TINY_LLAMA_DIR)/test_hf.py $(TINY_LLAMA_DIR)/test_transformers.py tools/test_hf_tokens.py
+
+# The engine against transformers' own forward pass: models built, saved and run by
+# transformers with torch (tests/transformers_env.sh finds or makes that python:
+# PQC_TORCH_PYTHON, else build/venv-hf, about 4 GB to download once). Part of test-long.
+test-transformers: build/tiny_llama
+	@py=$$(sh tests/transformers_env.sh) && mkdir -p build/pytest && \
+	  PQC_REQUIRE_TORCH=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 $$py -m pytest -q -s -p no:cacheprovider --basetemp=build/pytest/transformers \
+	    $(TINY_LLAMA_DIR)/test_transformers.py
 
 tiny_llama: build/tiny_llama build/tiny_llama_gen
 
@@ -106,7 +114,8 @@ tiny_llama_test: $(DEPS_tiny_llama_test) tiny_llama_check
 	./build/test_tiny_llama
 	./build/test_pqcache_mode
 	@mkdir -p build/pytest
-	$(TINY_LLAMA_PYTEST) --basetemp=build/pytest/tiny_llama_test --durations=5 $(TINY_LLAMA_DIR)/test_hf.py tools/test_hf_tokens.py
+	$(TINY_LLAMA_PYTEST) --basetemp=build/pytest/tiny_llama_test --durations=5 $(TINY_LLAMA_DIR)/test_hf.py \
+	  $(TINY_LLAMA_DIR)/test_transformers.py tools/test_hf_tokens.py
 	@./build/tiny_llama_gen $(TINY_LLAMA_SMOKE).bin -d 64 -f 128 -v 64 -s 512 -t 50000 2>/dev/null
 	@for a in full window oracle pqcache; do \
 	  ./build/tiny_llama $(TINY_LLAMA_SMOKE).bin -P 200 -n 20 -a $$a -c -q -t 0 \

@@ -81,7 +81,9 @@ ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": 
 
 def make_config(arch="llama", dim=64, hidden=96, layers=2, heads=4, kv_heads=2, vocab=97,
                 head_dim=None, tie=False, rope_scaling=None, max_pos=512, rope_theta=10000.0,
-                eps=1e-5):
+                eps=1e-5, layout="v4"):
+    """layout "v4": top-level rope_theta and rope_scaling; "v5": one rope_parameters
+    object holding both, as transformers writes it since version 5."""
     c = {
         "architectures": [ARCHS[arch]],
         "model_type": arch,
@@ -99,6 +101,13 @@ def make_config(arch="llama", dim=64, hidden=96, layers=2, heads=4, kv_heads=2, 
         "rope_scaling": rope_scaling,
         "torch_dtype": "bfloat16",
     }
+    if layout == "v5":
+        rp = {"rope_type": "default"}
+        for k, v in (rope_scaling or {}).items():
+            rp["rope_type" if k == "type" else k] = v
+        rp["rope_theta"] = rope_theta
+        del c["rope_theta"], c["rope_scaling"]
+        c["rope_parameters"] = rp
     if head_dim is not None:
         c["head_dim"] = head_dim
     if arch == "mistral":
@@ -165,10 +174,18 @@ def write_model(directory, dtype="bf16", shards=1, seed=0, **config_options):
 
 # ----- the reference forward pass ------------------------------------------------------
 
+def rope_settings(c):
+    """(theta, scaling dict or None) of a config in either layout"""
+    rp = c.get("rope_parameters")
+    if rp:
+        scaling = None if rp.get("rope_type", "default") == "default" else rp
+        return float(rp.get("rope_theta", c.get("rope_theta", 10000.0))), scaling
+    return float(c.get("rope_theta", 10000.0)), c.get("rope_scaling")
+
+
 def inv_frequencies(c, hd):
-    base = float(c.get("rope_theta", 10000.0))
+    base, rs = rope_settings(c)
     inv = 1.0 / base ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
-    rs = c.get("rope_scaling")
     if not rs:
         return inv
     kind = rs.get("rope_type", rs.get("type"))

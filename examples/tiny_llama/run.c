@@ -594,6 +594,14 @@ static void print_model(const tl_model *m)
             c->n_heads, c->n_kv_heads, c->head_size, c->hidden_dim, c->vocab_size,
             tl_dtype_name(c->wtype), tl_weight_bytes_per_token(m) / 1e9,
             c->shared_classifier ? ", tied embeddings" : "");
+    fprintf(stderr, "rope: theta %.9g", (double)c->rope_theta);
+    if (c->rope_scaling == TL_ROPE_SCALING_LINEAR)
+        fprintf(stderr, ", linear factor %.9g", (double)c->rope_factor);
+    else if (c->rope_scaling == TL_ROPE_SCALING_LLAMA3)
+        fprintf(stderr, ", llama3 factor %.9g low_freq_factor %.9g high_freq_factor %.9g original %d",
+                (double)c->rope_factor, (double)c->rope_low_freq_factor,
+                (double)c->rope_high_freq_factor, c->rope_orig_ctx);
+    fprintf(stderr, "\n");
 }
 
 int main(int argc, char **argv)

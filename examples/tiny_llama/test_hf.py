@@ -63,6 +63,14 @@ VARIANTS = {
     "mistral-bf16-gqa4": ("bf16", 1, dict(arch="mistral", heads=8, kv_heads=2)),
     "qwen2-bf16-bias-tied": ("bf16", 1, dict(arch="qwen2", tie=True, heads=4, kv_heads=2, eps=1e-6)),
     "qwen2-fp16-bias-gqa1": ("fp16", 2, dict(arch="qwen2", heads=2, kv_heads=2, dim=48, hidden=80)),
+    # the layout transformers writes since version 5: one rope_parameters object
+    "llama-bf16-llama3-v5": ("bf16", 1, dict(
+        arch="llama", heads=4, kv_heads=2, rope_theta=500000.0, layout="v5",
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral-fp32-linear-v5": ("fp32", 1, dict(arch="mistral", heads=8, kv_heads=2, rope_theta=1e6,
+                                               layout="v5", rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2-bf16-theta-v5": ("bf16", 1, dict(arch="qwen2", heads=4, kv_heads=2, rope_theta=1e6, layout="v5")),
 }
 
 
@@ -238,6 +246,45 @@ def test_refuses_missing_tensor_and_wrong_shape(tmp_path):
     expect_error(d, name, "shape")
 
 
+DROP = object()   # a key the case removes
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+# the RoPE settings, in either layout (top-level rope_theta / rope_scaling, or transformers'
+# rope_parameters since version 5): what the engine does not implement is refused by name;
+# both layouts at once must agree
+ROPE_CASES = [
+    (dict(rope_parameters={"rope_type": t, "rope_theta": 1e4, "factor": 2.0}), "rope_parameters.rope_type '%s'" % t)
+    for t in ("yarn", "dynamic", "longrope", "proportional")
+] + [
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type 'dynamic'"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "attention_factor": 1.0}),
+     "rope_parameters.attention_factor"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 2]}),
+     "rope_parameters.mrope_section"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}), "rope_type is default"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4}), "needs a factor"),
+    (dict(rope_parameters=dict(LLAMA3, rope_theta=5e5, original_max_position_embeddings=0)),
+     "original_max_position_embeddings"),
+    (dict(rope_parameters={"rope_theta": -1.0}), "rope_parameters.rope_theta"),
+    (dict(rope_parameters=[1, 2]), "rope_parameters must be an object"),
+    (dict(rope_parameters={"rope_type": 3}), "rope_type must be a string"),
+    (dict(rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), "disagree"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+          rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}), "disagree"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0},
+          rope_parameters={"rope_type": "default", "rope_theta": 1e4}), "disagree"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "layer_types[1]"),
+    (dict(layer_types="full_attention"), "layer_types must be a list"),
+    # accepted: both layouts agreeing, rope_parameters alone, a null rope_parameters
+    (dict(rope_theta=500000.0, rope_scaling=LLAMA3, rope_parameters=dict(LLAMA3, rope_theta=500000.0)), None),
+    (dict(rope_theta=DROP, rope_scaling=DROP, rope_parameters=dict(LLAMA3, rope_theta=500000.0)), None),
+    (dict(rope_parameters=None, layer_types=["full_attention", "full_attention"]), None),
+]
+
+
 def test_refuses_bad_config(tmp_path):
     d = good_model(tmp_path)
     cfg = json.loads((d / "config.json").read_text())
@@ -254,9 +301,10 @@ def test_refuses_bad_config(tmp_path):
         (dict(rms_norm_eps="small"), "rms_norm_eps"),
         (dict(tie_word_embeddings=True, vocab_size=97), None),   # accepted: lm_head unused
     ]
-    for change, word in cases:
+    for change, word in cases + ROPE_CASES:
         c = dict(cfg)
         c.update(change)
+        c = {k: v for k, v in c.items() if v is not DROP}
         (d / "config.json").write_text(json.dumps(c))
         if word is None:
             run([d, "-i", "1 2", "-n", 2, "-q"])

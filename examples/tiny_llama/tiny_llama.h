@@ -1470,6 +1470,153 @@ static int tl__jcfg_bool(const char *s, const tl__jnode *nodes, const char *key,
     return 0;
 }
 
+/* One layout's RoPE settings (the older top-level rope_theta and rope_scaling, or the
+   rope_parameters object transformers writes since version 5): what it states. */
+typedef struct tl__rope_cfg {
+    int theta_given, type_given;
+    double theta;
+    int scaling;       /* tl_rope_scaling */
+    double factor, low, high;
+    unsigned long long orig;
+} tl__rope_cfg;
+
+/* A number field of object v into *out (given: whether it was there), in [lo, hi]. */
+static int tl__jcfg_num(const char *s, const tl__jnode *nodes, int v, const char *what, const char *key,
+                        double lo, double hi, double *out, int *given, char *err, size_t errlen)
+{
+    int n = tl__jget(s, nodes, v, key);
+    double x;
+    if (given)
+        *given = 0;
+    if (n < 0 || nodes[n].type == TL__J_NULL)
+        return 0;
+    if (tl__jdouble(s, &nodes[n], &x) != 0 || !(x >= lo && x <= hi))
+        return tl__fail(err, errlen, "config.json: %s.%s must be a number in [%g, %g]", what, key, lo, hi);
+    *out = x;
+    if (given)
+        *given = 1;
+    return 0;
+}
+
+/* Reads the scaling object v (rope_scaling, or rope_parameters, which also holds
+   rope_theta: with_theta) into r: its rope_type (or type) and the fields that type
+   uses. The types the engine implements are default, linear and llama3; any other
+   type, and any field that would change the arithmetic, is refused by name. */
+static int tl__hf_rope_obj(const char *s, const tl__jnode *nodes, int v, const char *what, int with_theta,
+                           tl__rope_cfg *r, char *err, size_t errlen)
+{
+    static const char *const known[] = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
+                                        "high_freq_factor", "original_max_position_embeddings",
+                                        "partial_rotary_factor"};
+    char type[64], key[256];
+    int t, k, given;
+    size_t i;
+    double prf = 1.0;
+    if (nodes[v].type != TL__J_OBJ)
+        return tl__fail(err, errlen, "config.json: %s must be an object or null", what);
+    t = tl__jget(s, nodes, v, "rope_type");
+    if (t < 0)
+        t = tl__jget(s, nodes, v, "type");
+    if (t >= 0 && nodes[t].type == TL__J_NULL)
+        t = -1;
+    if (t >= 0 && (nodes[t].type != TL__J_STR || tl__jstr(s, &nodes[t], type, sizeof type) != 0))
+        return tl__fail(err, errlen, "config.json: %s.rope_type must be a string", what);
+    if (t < 0 && !with_theta)
+        return tl__fail(err, errlen, "config.json: %s needs a rope_type", what);
+    if (t < 0)
+        strcpy(type, "default"); /* what transformers assumes */
+    if (strcmp(type, "default") != 0 && strcmp(type, "linear") != 0 && strcmp(type, "llama3") != 0)
+        return tl__fail(err, errlen, "config.json: %s.rope_type '%s' is not supported (default, linear, llama3)",
+                        what, type);
+    for (k = nodes[v].first; k >= 0; k = nodes[nodes[k].next].next) {
+        int ok = 0;
+        if (tl__jstr(s, &nodes[k], key, sizeof key) != 0)
+            return tl__fail(err, errlen, "config.json: %s has an unreadable key", what);
+        for (i = 0; i < sizeof known / sizeof known[0]; i++)
+            ok |= strcmp(key, known[i]) == 0;
+        if (!ok || (!with_theta && strcmp(key, "rope_theta") == 0))
+            return tl__fail(err, errlen, "config.json: %s.%s is not supported (the engine implements "
+                            "rope_type default, linear and llama3 with their own fields)", what, key);
+    }
+    r->type_given = 1;
+    if (with_theta && tl__jcfg_num(s, nodes, v, what, "rope_theta", 1.0, 3.0e38, &r->theta, &r->theta_given,
+                                   err, errlen))
+        return -1;
+    if (tl__jcfg_num(s, nodes, v, what, "partial_rotary_factor", 0.0, 1.0, &prf, NULL, err, errlen))
+        return -1;
+    if (prf != 1.0)
+        return tl__fail(err, errlen, "config.json: %s.partial_rotary_factor %g is not supported (the engine "
+                        "rotates every dimension)", what, prf);
+    if (strcmp(type, "default") == 0) {
+        r->scaling = TL_ROPE_SCALING_NONE;
+        for (i = 3; i < 7; i++) /* a scaling field under the default type: a contradiction */
+            if (tl__jget(s, nodes, v, known[i]) >= 0)
+                return tl__fail(err, errlen, "config.json: %s.%s is set but rope_type is default", what, known[i]);
+        return 0;
+    }
+    r->scaling = type[1] == 'i' ? TL_ROPE_SCALING_LINEAR : TL_ROPE_SCALING_LLAMA3;
+    if (tl__jcfg_num(s, nodes, v, what, "factor", 1e-6, 1e6, &r->factor, &given, err, errlen))
+        return -1;
+    if (!given)
+        return tl__fail(err, errlen, "config.json: %s needs a factor", what);
+    if (r->scaling == TL_ROPE_SCALING_LINEAR) {
+        for (i = 4; i < 7; i++)
+            if (tl__jget(s, nodes, v, known[i]) >= 0)
+                return tl__fail(err, errlen, "config.json: %s.%s is set but rope_type is linear", what, known[i]);
+        return 0;
+    }
+    r->low = 1.0;
+    r->high = 4.0;
+    if (tl__jcfg_num(s, nodes, v, what, "low_freq_factor", 1e-6, 1e6, &r->low, NULL, err, errlen) ||
+        tl__jcfg_num(s, nodes, v, what, "high_freq_factor", 1e-6, 1e6, &r->high, NULL, err, errlen))
+        return -1;
+    k = tl__jget(s, nodes, v, "original_max_position_embeddings");
+    if (k < 0 || tl__juint(s, &nodes[k], 1u << 30, &r->orig) != 0 || r->orig == 0)
+        return tl__fail(err, errlen, "config.json: llama3 %s needs original_max_position_embeddings (a positive "
+                        "integer)", what);
+    return 0;
+}
+
+/* The RoPE settings of a config.json in either layout (both may appear: then they must
+   agree) into c: theta and the frequency scaling. */
+static int tl__hf_rope(const char *s, const tl__jnode *nodes, tl_config *c, char *err, size_t errlen)
+{
+    tl__rope_cfg o, p, *u;
+    int v;
+    double prf = 1.0;
+    memset(&o, 0, sizeof o);
+    memset(&p, 0, sizeof p);
+    if (tl__jcfg_num(s, nodes, 0, "config", "rope_theta", 1.0, 3.0e38, &o.theta, &o.theta_given, err, errlen) ||
+        tl__jcfg_num(s, nodes, 0, "config", "partial_rotary_factor", 0.0, 1.0, &prf, NULL, err, errlen))
+        return -1;
+    if (prf != 1.0)
+        return tl__fail(err, errlen, "config.json: partial_rotary_factor %g is not supported (the engine rotates "
+                        "every dimension)", prf);
+    v = tl__jget(s, nodes, 0, "rope_scaling");
+    if (v >= 0 && nodes[v].type != TL__J_NULL && tl__hf_rope_obj(s, nodes, v, "rope_scaling", 0, &o, err, errlen))
+        return -1;
+    v = tl__jget(s, nodes, 0, "rope_parameters");
+    if (v >= 0 && nodes[v].type != TL__J_NULL && tl__hf_rope_obj(s, nodes, v, "rope_parameters", 1, &p, err, errlen))
+        return -1;
+    if (p.theta_given && o.theta_given && p.theta != o.theta)
+        return tl__fail(err, errlen, "config.json: rope_theta %g and rope_parameters.rope_theta %g disagree",
+                        o.theta, p.theta);
+    if (p.type_given && o.type_given &&
+        (p.scaling != o.scaling || p.factor != o.factor || p.low != o.low || p.high != o.high || p.orig != o.orig))
+        return tl__fail(err, errlen, "config.json: rope_scaling and rope_parameters disagree");
+    u = p.type_given ? &p : &o;
+    c->rope_theta = p.theta_given ? (float)p.theta : o.theta_given ? (float)o.theta : TL_DEFAULT_ROPE_THETA;
+    c->rope_scaling = u->scaling;
+    if (u->scaling != TL_ROPE_SCALING_NONE)
+        c->rope_factor = (float)u->factor;
+    if (u->scaling == TL_ROPE_SCALING_LLAMA3) {
+        c->rope_low_freq_factor = (float)u->low;
+        c->rope_high_freq_factor = (float)u->high;
+        c->rope_orig_ctx = (int)u->orig;
+    }
+    return 0;
+}
+
 int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, size_t errlen)
 {
     tl__jnode *nodes = NULL;
@@ -1514,8 +1661,8 @@ int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, si
                      err, errlen) ||
         tl__jcfg_int(json, nodes, "head_dim", 0, 0, 2, 1 << 16, &c->head_size, err, errlen) ||
         tl__jcfg_float(json, nodes, 0, "rms_norm_eps", 1e-6, 1e-12, 0.5, &c->rms_eps, err, errlen) ||
-        tl__jcfg_float(json, nodes, 0, "rope_theta", 10000.0, 1.0, 3.0e38, &c->rope_theta, err, errlen) ||
-        tl__jcfg_bool(json, nodes, "tie_word_embeddings", 0, &tie, err, errlen))
+        tl__jcfg_bool(json, nodes, "tie_word_embeddings", 0, &tie, err, errlen) ||
+        tl__hf_rope(json, nodes, c, err, errlen))
         goto out;
     if (c->arch == TL_ARCH_LLAMA && (tl__jcfg_bool(json, nodes, "attention_bias", 0, &flag, err, errlen) || flag ||
                                      tl__jcfg_bool(json, nodes, "mlp_bias", 0, &flag, err, errlen) || flag)) {
@@ -1528,6 +1675,21 @@ int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, si
             tl__fail(err, errlen, "config.json: use_sliding_window is not supported");
         goto out;
     }
+    v = tl__jget(json, nodes, 0, "layer_types"); /* every layer full attention, or refused */
+    if (v >= 0 && nodes[v].type != TL__J_NULL) {
+        int e, i = 0;
+        if (nodes[v].type != TL__J_ARR) {
+            tl__fail(err, errlen, "config.json: layer_types must be a list");
+            goto out;
+        }
+        for (e = nodes[v].first; e >= 0; e = nodes[e].next, i++)
+            if (nodes[e].type != TL__J_STR || tl__jstr(json, &nodes[e], buf, sizeof buf) != 0 ||
+                strcmp(buf, "full_attention") != 0) {
+                tl__fail(err, errlen, "config.json: layer_types[%d] is not \"full_attention\" (only full "
+                         "attention is supported)", i);
+                goto out;
+            }
+    }
     if (c->arch == TL_ARCH_MISTRAL) {   /* the model attends over the window only: cap the context */
         int sw = 0;
         if (tl__jcfg_int(json, nodes, "sliding_window", 0, 0, 1, 1 << 30, &sw, err, errlen))
@@ -1539,50 +1701,6 @@ int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, si
     c->qkv_bias = c->arch == TL_ARCH_QWEN2;
     c->rope_layout = TL_ROPE_HALF;
     c->version = 2;
-    v = tl__jget(json, nodes, 0, "rope_scaling");
-    if (v >= 0 && nodes[v].type != TL__J_NULL) {
-        int t = tl__jget(json, nodes, v, "rope_type");
-        if (nodes[v].type != TL__J_OBJ) {
-            tl__fail(err, errlen, "config.json: rope_scaling must be an object or null");
-            goto out;
-        }
-        if (t < 0)
-            t = tl__jget(json, nodes, v, "type");
-        if (t < 0 || nodes[t].type != TL__J_STR || tl__jstr(json, &nodes[t], buf, sizeof buf) != 0) {
-            tl__fail(err, errlen, "config.json: rope_scaling needs a rope_type");
-            goto out;
-        }
-        if (strcmp(buf, "default") == 0) {
-            c->rope_scaling = TL_ROPE_SCALING_NONE;
-        } else if (strcmp(buf, "linear") == 0 || strcmp(buf, "llama3") == 0) {
-            c->rope_scaling = buf[1] == 'i' ? TL_ROPE_SCALING_LINEAR : TL_ROPE_SCALING_LLAMA3;
-            if (tl__jget(json, nodes, v, "factor") < 0) {
-                tl__fail(err, errlen, "config.json: rope_scaling needs a factor");
-                goto out;
-            }
-            if (tl__jcfg_float(json, nodes, v, "factor", 1.0, 1e-6, 1e6, &c->rope_factor, err, errlen))
-                goto out;
-            if (c->rope_scaling == TL_ROPE_SCALING_LLAMA3) {
-                int o = tl__jget(json, nodes, v, "original_max_position_embeddings");
-                unsigned long long x;
-                if (tl__jcfg_float(json, nodes, v, "low_freq_factor", 1.0, 1e-6, 1e6,
-                                   &c->rope_low_freq_factor, err, errlen) ||
-                    tl__jcfg_float(json, nodes, v, "high_freq_factor", 4.0, 1e-6, 1e6,
-                                   &c->rope_high_freq_factor, err, errlen))
-                    goto out;
-                if (o < 0 || tl__juint(json, &nodes[o], 1u << 30, &x) != 0 || x == 0) {
-                    tl__fail(err, errlen, "config.json: llama3 rope_scaling needs "
-                             "original_max_position_embeddings (a positive integer)");
-                    goto out;
-                }
-                c->rope_orig_ctx = (int)x;
-            }
-        } else {
-            tl__fail(err, errlen, "config.json: rope_scaling type '%s' is not supported "
-                     "(linear, llama3)", buf);
-            goto out;
-        }
-    }
     if (tl_check_config(c, why, sizeof why)) {
         tl__fail(err, errlen, "config.json: %s", why);
         goto out;
