@@ -163,14 +163,15 @@ lib: $(LIB)
 DEPS_test-python := $(LIB)
 test-python: $(DEPS_test-python)
 	@mkdir -p $(BUILD)/pytest
-	PQCACHE_LIB=$(CURDIR)/$(LIB) $(PYTHON) -m pytest -q -p no:cacheprovider --basetemp=$(BUILD)/pytest/python --durations=5 python/
+	PQCACHE_LIB=$(CURDIR)/$(LIB) $(PYTHON) -m pytest -q -p no:cacheprovider --basetemp=$(BUILD)/pytest/python --durations=5 \
+	  --ignore=python/test_pqcache_hf.py python/
 
 # ----- everything ---------------------------------------------------------------------
 # The groups, longest first (a parallel make starts them in this order). `make test` runs
 # them in one parallel make: each run-GROUP target builds GROUP's programs (DEPS_GROUP)
 # alongside everything else, then runs the group (tests/run_group.sh).
 TEST_GROUPS := test-cuda-emu test-tsan test-asan test-example-san test-fuzz test-variants test-core tiny_llama_test \
-               test-mpi test-compile test-nvrtc test-python test-harness test-header
+               test-mpi test-transformers test-compile test-nvrtc test-python test-harness test-header
 test:
 	@MAKE="$(MAKE)" sh tests/run_all.sh $(TEST_GROUPS)
 
@@ -187,8 +188,6 @@ test-long:
 	  grep -E '^fuzz_|^    ' $(BUILD)/logs/fuzz-long.log; \
 	  p=$$(grep -c '^fuzz_.*Done' $(BUILD)/logs/fuzz-long.log); f=$$(grep -c '^fuzz_.*FAILED' $(BUILD)/logs/fuzz-long.log); \
 	  echo "$$p passed, $$f failed"; [ $$st = 0 ] && [ $$f = 0 ]
-	@echo "=== the engine against transformers' forward pass (torch)"
-	@$(MAKE) --no-print-directory test-transformers
 
 # line and branch coverage of pqcache.h and examples/tiny_llama by make test (gcov), in
 # build/coverage/summary.txt; tests/coverage/run.sh says how

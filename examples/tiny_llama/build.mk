@@ -67,13 +67,16 @@ bench-hf: build/bench_hf
 tiny_llama_hf_test: build/tiny_llama
 	$(TINY_LLAMA_PYTEST) $(TINY_LLAMA_DIR)/test_hf.py $(TINY_LLAMA_DIR)/test_transformers.py tools/test_hf_tokens.py
 
-# The engine against transformers' own forward pass: models built, saved and run by
-# transformers with torch (tests/transformers_env.sh finds or makes that python:
-# PQC_TORCH_PYTHON, else build/venv-hf, about 4 GB to download once). Part of test-long.
-test-transformers: build/tiny_llama
-	@py=$$(sh tests/transformers_env.sh) && mkdir -p build/pytest && \
-	  PQC_REQUIRE_TORCH=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 $$py -m pytest -q -s -p no:cacheprovider --basetemp=build/pytest/transformers \
-	    $(TINY_LLAMA_DIR)/test_transformers.py
+# The example and the Python backend against transformers itself, with torch: models
+# built, saved and run by transformers (test_transformers.py), and pqcache as its
+# attention backend (python/test_pqcache_hf.py). A group of make test; the python comes
+# from tests/transformers_env.sh (.ci/run makes build/venv-hf, about 4 GB, once).
+DEPS_test-transformers := build/tiny_llama build/libpqcache.so
+test-transformers: $(DEPS_test-transformers)
+	@py=$$(sh tests/transformers_env.sh --check) && mkdir -p build/pytest && \
+	  PQC_REQUIRE_TORCH=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PQCACHE_LIB=$(CURDIR)/build/libpqcache.so \
+	  PYTHONPATH=python $$py -m pytest -q -s -p no:cacheprovider --basetemp=build/pytest/transformers --durations=5 \
+	    $(TINY_LLAMA_DIR)/test_transformers.py python/test_pqcache_hf.py
 
 tiny_llama: build/tiny_llama build/tiny_llama_gen
 

@@ -1,0 +1,252 @@
+"""pqcache as an attention backend of Hugging Face transformers (torch).
+
+    import pqcache_hf
+    model = pqcache_hf.from_pretrained(path)      # AutoModelForCausalLM, attn_implementation="pqcache"
+    out = model.generate(ids, max_new_tokens=32, do_sample=False,
+                         cache=pqcache_hf.cache_for(model, budget_ratio=0.1))
+
+or register the backend yourself (pqcache_hf.register()) and pass
+attn_implementation="pqcache" to from_pretrained / from_config. Supported: the
+decoder-only models whose attention goes through transformers' attention-function
+registry and whose keys are rotated with rotate_half (Llama, Mistral, Qwen2 and their
+relatives); greedy or sampled generate() with one sequence or a batch of unpadded ones
+(one pqcache cache per sequence).
+
+What happens: the prompt's forward pass observes each layer's last queries
+(`observe` settings: the library's default 32), stores its keys and values in the
+sequence's pqcache cache (every layer, every KV head; the layer's PQ build starts in the
+background) and attends densely and causally over the prompt, as the model would. Each
+decode step appends the new token's key and value, selects sinks + top-k + window
+per KV head with the step's queries, gathers the selected rows and attends over them.
+The settings of cache_for are pqcache.Cache's (budget_ratio, m, bits, ...); the shape
+of the model (layers, heads, head size) and the RoPE layout come from its config.
+
+Not supported (a clear error says so): a padded batch (an attention mask with zeros),
+a second prompt on a cache that already holds one, beam search, a model whose layers do
+not all use full attention, a cache used with a different model.
+"""
+import copy
+import threading
+
+import numpy as np
+import torch
+import transformers
+import transformers.masking_utils
+from transformers.cache_utils import Cache as _HFCache, CacheLayerMixin
+
+import pqcache
+
+NAME = "pqcache"
+_tls = threading.local()   # the cache whose layer is being run, set by its update
+
+
+class PQCacheError(pqcache.PQCacheError):
+    """Misuse of the transformers backend (the message says what to do instead)."""
+
+
+def _model_shape(config):
+    """(layers, query heads, KV heads, head size) of a decoder config"""
+    config = getattr(config, "get_text_config", lambda: config)()
+    try:
+        layers, hq = int(config.num_hidden_layers), int(config.num_attention_heads)
+        hkv = int(getattr(config, "num_key_value_heads", None) or hq)
+        hd = int(getattr(config, "head_dim", None) or config.hidden_size // hq)
+    except (AttributeError, TypeError) as e:
+        raise PQCacheError("pqcache backend: the model's config has no decoder shape (%s)" % e) from None
+    kinds = getattr(config, "layer_types", None)
+    if kinds and any(k != "full_attention" for k in kinds):
+        raise PQCacheError("pqcache backend: layer_types %s: every layer must use full attention" % sorted(set(kinds)))
+    if getattr(config, "use_sliding_window", False):
+        raise PQCacheError("pqcache backend: sliding-window attention is not supported")
+    return layers, hq, hkv, hd
+
+
+class _Layer(CacheLayerMixin):
+    """One layer of a PQCacheHF: counts the tokens; the rows live in the pqcache caches."""
+
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        return key_states, value_states   # the new tokens' rows: the attention function stores them
+
+    def get_mask_sizes(self, query_length):
+        return self.seen + query_length, 0
+
+    def get_seq_length(self):
+        return self.seen
+
+    def get_max_length(self):
+        return -1
+
+    def reset(self):
+        raise PQCacheError("pqcache backend: a cache cannot be reset; make a new one with cache_for(model)")
+
+    def reorder_cache(self, beam_idx):
+        raise PQCacheError("pqcache backend: beam search is not supported")
+
+
+class PQCacheHF(_HFCache):
+    """A transformers Cache whose keys and values live in pqcache caches, one per sequence
+    of the batch (made at the prompt, when the batch size is known). Made by cache_for()."""
+
+    def __init__(self, config, runtime=None, **settings):
+        self.shape = _model_shape(config)
+        layers = self.shape[0]
+        super().__init__(layers=[_Layer() for _ in range(layers)])
+        self.runtime = runtime
+        self.settings = dict(settings)
+        self.caches = []           # pqcache.Cache per sequence
+        self._sels = []
+        self.recorder = None       # tests: a callable(kind, layer, b, arrays...) seeing every call
+        self._modules = {}         # layer -> the attention module that ran it (one model per cache)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        _tls.cache = self
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _make(self, batch, hkv, hd):
+        layers, hq, mkv, mhd = self.shape
+        if (hkv, hd) != (mkv, mhd):
+            raise PQCacheError("pqcache backend: keys of %d heads of %d, the cache was made for %d of %d "
+                               "(a cache is for one model)" % (hkv, hd, mkv, mhd))
+        if not self.caches:
+            s = dict(n_layers=layers, n_q_heads=hq, n_kv_heads=hkv, head_dim=hd, rope="half")
+            s.update(self.settings)
+            self.caches = [pqcache.Cache(self.runtime, **s) for _ in range(batch)]
+            self._sels = [c.selection() for c in self.caches]
+        elif len(self.caches) != batch:
+            raise PQCacheError("pqcache backend: a batch of %d, the cache holds %d sequences" % (batch, len(self.caches)))
+
+    def close(self):
+        for c in self.caches:
+            c.close()
+        self.caches = []
+
+
+def cache_for(model, runtime=None, **settings):
+    """A PQCacheHF for model (its config's shape and RoPE layout), for generate(cache=...) (called
+    past_key_values before transformers 5.24).
+    settings: pqcache.Cache's (budget_ratio, n_sink, window, m, bits, ...); runtime: a pqcache.Runtime."""
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        raise PQCacheError("pqcache backend: the model runs attn_implementation=%r; load it with "
+                           "attn_implementation=\"pqcache\" (pqcache_hf.from_pretrained does)"
+                           % getattr(model.config, "_attn_implementation", None))
+    if "budget_ratio" in settings and not (isinstance(settings["budget_ratio"], (int, float))
+                                           and 0 < settings["budget_ratio"] <= 1e6):
+        raise PQCacheError("pqcache backend: budget_ratio %r: a share of the tokens in (0, 1e6] (1 attends "
+                           "to every token)" % (settings["budget_ratio"],))
+    cache = PQCacheHF(model.config, runtime, **settings)
+    cache.model_id = id(model)
+    return cache
+
+
+def _np(t):
+    """float32 numpy array of a CPU tensor (a view where it already is one)"""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype != torch.float32:
+        t = t.float()
+    return np.ascontiguousarray(t.numpy())
+
+
+def pqcache_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function registered as "pqcache": query (B, Hq, T, D) post-RoPE, key
+    and value (B, Hkv, T, D) of the T new tokens; returns ((B, T, Hq, D), None)."""
+    cache = getattr(_tls, "cache", None)
+    _tls.cache = None
+    if not isinstance(cache, PQCacheHF):
+        raise PQCacheError("pqcache backend: no pqcache cache for this forward pass; pass "
+                           "cache=pqcache_hf.cache_for(model) to generate() or to the model")
+    if attention_mask is not None and torch.is_tensor(attention_mask) and attention_mask.dtype == torch.bool \
+            and not bool(attention_mask.all()):
+        raise PQCacheError("pqcache backend: a padded batch is not supported (one sequence, or unpadded ones)")
+    layer = int(module.layer_idx)
+    if cache._modules.setdefault(layer, id(module)) != id(module):
+        raise PQCacheError("pqcache backend: this cache holds another model's layer %d (a cache is for one model "
+                           "and one generation; make a new one with cache_for(model))" % layer)
+    B, hq, T, D = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    scale = float(scaling) if scaling is not None else D ** -0.5
+    cache._make(B, hkv, key.shape[3])
+    out = torch.empty((B, T, hq, D), dtype=torch.float32)
+    qn, kn, vn = _np(query), _np(key), _np(value)
+    for b, c in enumerate(cache.caches):
+        held = c.tokens(layer)
+        if T > 1 or held == 0:
+            if held:
+                raise PQCacheError("pqcache backend: a second prompt on a cache that holds one is not supported; "
+                                   "make a new cache with cache_for(model)")
+            q_rows = qn[b].transpose(1, 0, 2)                     # (T, Hq, D)
+            k_rows = np.ascontiguousarray(kn[b].transpose(1, 0, 2))  # (T, Hkv, D)
+            v_rows = np.ascontiguousarray(vn[b].transpose(1, 0, 2))
+            n_obs = min(T, int(cache.settings.get("observe", 32) or 32))
+            if int(cache.settings.get("observe", 32)) >= 0:
+                c.observe(layer, np.ascontiguousarray(q_rows[T - n_obs:]))
+            c.prefill(layer, k_rows, v_rows)
+            if cache.recorder:
+                cache.recorder("prefill", layer, b, q_rows, k_rows, v_rows)
+            # the prompt attends densely and causally, as the model would
+            kq = torch.from_numpy(kn[b]).repeat_interleave(g, dim=0)
+            vq = torch.from_numpy(vn[b]).repeat_interleave(g, dim=0)
+            s = torch.from_numpy(qn[b]) @ kq.transpose(1, 2) * scale
+            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+            out[b] = (torch.softmax(s, dim=-1) @ vq).transpose(0, 1)
+            continue
+        c.append(layer, kn[b, :, 0, :], vn[b, :, 0, :])
+        q1 = qn[b, :, 0, :]
+        sel = c.select(layer, q1, out=cache._sels[b])
+        ks, vs = c.fetch(layer, sel)                             # (Hkv, S, D), rows in selection order
+        if cache.recorder:
+            cache.recorder("decode", layer, b, q1, kn[b, :, 0, :], vn[b, :, 0, :], sel.tolist())
+        counts = torch.as_tensor(np.asarray(sel.counts, dtype=np.int64))
+        kt, vt = torch.from_numpy(ks), torch.from_numpy(vs)
+        qh = torch.from_numpy(q1).view(hkv, g, D)
+        s = (qh @ kt.transpose(1, 2)) * scale                    # (Hkv, g, S)
+        pad = torch.arange(kt.shape[1])[None, :] >= counts[:, None]
+        s = s.masked_fill(pad[:, None, :], float("-inf"))
+        out[b, 0] = (torch.softmax(s, dim=-1) @ vt).reshape(hq, D)
+    return out.to(query.dtype), None
+
+
+def pqcache_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                 **kwargs):
+    """The mask function registered as "pqcache": none (the prompt attends causally and a decode step over
+    its selection); a padded batch is refused here, where the padding mask is still in sight."""
+    if attention_mask is not None and torch.is_tensor(attention_mask) and not bool(attention_mask.bool().all()):
+        raise PQCacheError("pqcache backend: a padded batch is not supported (one sequence, or unpadded ones "
+                           "of equal length)")
+    return None
+
+
+def register():
+    """Registers the "pqcache" attention and mask functions with transformers (idempotent)."""
+    transformers.AttentionInterface.register(NAME, pqcache_attention)
+    transformers.masking_utils.AttentionMaskInterface.register(NAME, pqcache_mask)
+
+
+def from_pretrained(path, **kwargs):
+    """AutoModelForCausalLM.from_pretrained(path, attn_implementation="pqcache", **kwargs)"""
+    register()
+    kwargs.setdefault("attn_implementation", NAME)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
+def from_config(config, **kwargs):
+    """AutoModelForCausalLM.from_config(config, attn_implementation="pqcache", **kwargs), on a copy of
+    config (transformers records the attention implementation in the config it is given)"""
+    register()
+    kwargs.setdefault("attn_implementation", NAME)
+    return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), **kwargs)

@@ -1,0 +1,154 @@
+"""Tests of pqcache as a transformers attention backend (pqcache_hf; make test-transformers,
+which runs them with torch and transformers installed: tests/transformers_env.sh).
+
+Random Llama, Mistral and Qwen2 models: at a budget that covers the sequence, greedy
+generate() with pqcache gives transformers' own eager tokens and logits; at budget 0.1
+the first layer's selections equal the C library's on the keys and queries transformers
+itself computed; a batch of two equals the two sequences alone; misuse raises."""
+import copy
+import os
+
+import numpy as np
+import pytest
+
+try:
+    import torch
+    import transformers
+except ImportError:
+    if os.environ.get("PQC_REQUIRE_TORCH") == "1":
+        raise
+    pytest.skip("torch and transformers are not installed (make test-transformers)", allow_module_level=True)
+
+import pqcache
+import pqcache_hf
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, dict(rope_theta=500000.0)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None, num_key_value_heads=1)),
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6)),
+}
+
+
+def make_models(arch, seed=0, **opts):
+    """(eager model, pqcache model) with the same random weights"""
+    cls, extra = ARCHS[arch]
+    base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=97, max_position_embeddings=4096, initializer_range=0.2)
+    base.update(extra)
+    base.update(opts)
+    cfg = cls(**base)
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    pq = pqcache_hf.from_config(cfg).eval()
+    pq.load_state_dict(ref.state_dict())
+    return ref, pq
+
+
+def prompt(n, seed=1, batch=1):
+    return torch.tensor(np.random.default_rng(seed).integers(0, 97, (batch, n)))
+
+
+def greedy(model, ids, steps, **kw):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=steps, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, **kw)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_covering_budget_generates_what_eager_attention_does(arch):
+    ref, pq = make_models(arch)
+    ids = prompt(300)
+    want, want_logits = greedy(ref, ids, 12)
+    got, got_logits = greedy(pq, ids, 12, cache=pqcache_hf.cache_for(pq, budget_ratio=1.0))
+    assert got.tolist() == want.tolist()
+    err = float((got_logits - want_logits).abs().max() / want_logits.abs().max())
+    print("%s: covering budget, largest logit difference %.2g of the largest logit" % (arch, err))
+    assert err < 1e-4
+
+
+class _Recorder:
+    """An attention function that records the queries and keys transformers hands it, then
+    runs eager attention."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        if module.layer_idx == 0:
+            self.calls.append((query[0].float().clone(), key[0].float().clone(), value[0].float().clone()))
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kw)
+
+
+def test_budget_selections_equal_the_c_librarys_on_transformers_keys():
+    ref, pq = make_models("llama", seed=3)
+    ids = prompt(400, seed=5)
+    steps = 10
+    settings = dict(budget_ratio=0.1, n_sink=4)
+    # pqcache: the first layer's selections of each decode step
+    cache = pqcache_hf.cache_for(pq, **settings)
+    picked = []
+    cache.recorder = lambda kind, layer, b, *a: picked.append(a[3]) if kind == "decode" and layer == 0 else None
+    tokens, _ = greedy(pq, ids, steps, cache=cache)
+    # transformers' own eager run of the same tokens (teacher-forced), recording layer 0
+    rec = _Recorder()
+    transformers.AttentionInterface.register("pqcache_test_record", rec)
+    ref.config._attn_implementation = "pqcache_test_record"
+    seq = torch.cat([ids, tokens], 1)
+    with torch.no_grad():
+        dyn = transformers.DynamicCache(config=ref.config)
+        ref(seq[:, :400], cache=dyn)
+        for t in range(400, 400 + steps - 1):
+            ref(seq[:, t:t + 1], cache=dyn)
+    # the C library (through the binding) on those queries and keys, with the settings cache_for used
+    q0, k0, v0 = rec.calls[0]                                    # (Hq, T, D), (Hkv, T, D)
+    c = pqcache.Cache(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, rope="half", **settings)
+    c.observe(0, q0.transpose(0, 1)[-32:].numpy())
+    c.prefill(0, k0.transpose(0, 1).contiguous().numpy(), v0.transpose(0, 1).contiguous().numpy())
+    same = 0
+    for i, (q, k, v) in enumerate(rec.calls[1:]):
+        c.append(0, k[:, -1].numpy(), v[:, -1].numpy())
+        sel = c.select(0, q[:, 0].numpy()).tolist()
+        assert sel == picked[i], "step %d" % i
+        same += 1
+    assert same == steps - 1
+    assert len(picked[0][0]) < 0.5 * 401                         # a real selection, not every token
+
+
+def test_a_batch_of_two_is_two_sequences():
+    _, pq = make_models("qwen2", seed=4)
+    ids = torch.cat([prompt(200, seed=6), prompt(200, seed=7)], 0)
+    both, both_logits = greedy(pq, ids, 8, cache=pqcache_hf.cache_for(pq, budget_ratio=0.1))
+    for b in range(2):
+        one, one_logits = greedy(pq, ids[b:b + 1], 8, cache=pqcache_hf.cache_for(pq, budget_ratio=0.1))
+        assert one.tolist()[0] == both.tolist()[b]
+        assert float((one_logits[0] - both_logits[b]).abs().max()) <= 1e-5 * float(one_logits.abs().max())
+
+
+def test_misuse_raises_clear_errors():
+    ref, pq = make_models("llama")
+    ids = prompt(50)
+    with pytest.raises(pqcache_hf.PQCacheError, match="attn_implementation"):
+        pqcache_hf.cache_for(ref)
+    with pytest.raises(pqcache_hf.PQCacheError, match="budget_ratio"):
+        pqcache_hf.cache_for(pq, budget_ratio=0)
+    with pytest.raises(pqcache_hf.PQCacheError, match="cache="):
+        with torch.no_grad():
+            pq(ids)                                             # no pqcache cache
+    cache = pqcache_hf.cache_for(pq)
+    greedy(pq, ids, 2, cache=cache)
+    _, other = make_models("llama", seed=9)
+    with pytest.raises(pqcache_hf.PQCacheError, match="one model"):
+        greedy(other, ids, 2, cache=cache)                       # a cache reused across models
+    with pytest.raises(pqcache_hf.PQCacheError, match="second prompt"):
+        greedy(pq, torch.cat([ids, ids], 1), 2, cache=cache)
+    mask = torch.ones(2, 50, dtype=torch.long)
+    mask[1, :5] = 0
+    with pytest.raises(pqcache_hf.PQCacheError, match="padded"):
+        greedy(pq, ids.repeat(2, 1), 2, attention_mask=mask, cache=pqcache_hf.cache_for(pq))
+    sliding = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                                       use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    with pytest.raises(pqcache_hf.PQCacheError, match="full attention|sliding"):
+        pqcache_hf.PQCacheHF(sliding)
