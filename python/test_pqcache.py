@@ -346,7 +346,7 @@ def test_attention_over_selection_matches_exact(rt):
 def test_readme_example_runs():
     """The example of the README's Python section, run as it is written there."""
     text = open(os.path.join(HERE, os.pardir, "README.md")).read()
-    section = text.split("\n## Python\n", 1)[1].split("\n## ", 1)[0]
+    section = text.split("\n## Python\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
     blocks, block = [], []
     for line in section.splitlines() + [""]:
         if line.startswith("    ") or (block and not line.strip()):
