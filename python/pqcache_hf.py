@@ -198,12 +198,12 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
             c.prefill(layer, k_rows, v_rows)
             if cache.recorder:
                 cache.recorder("prefill", layer, b, q_rows, k_rows, v_rows)
-            # the prompt attends densely and causally, as the model would
-            kq = torch.from_numpy(kn[b]).repeat_interleave(g, dim=0)
-            vq = torch.from_numpy(vn[b]).repeat_interleave(g, dim=0)
-            s = torch.from_numpy(qn[b]) @ kq.transpose(1, 2) * scale
-            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-            out[b] = (torch.softmax(s, dim=-1) @ vq).transpose(0, 1)
+            # the prompt attends densely and causally, as the model would (torch's
+            # memory-efficient kernel: no T x T matrix at long prompts)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                torch.from_numpy(qn[b])[None], torch.from_numpy(kn[b])[None], torch.from_numpy(vn[b])[None],
+                is_causal=True, scale=scale, enable_gqa=True)
+            out[b] = o[0].transpose(0, 1)
             continue
         c.append(layer, kn[b, :, 0, :], vn[b, :, 0, :])
         q1 = qn[b, :, 0, :]

@@ -4,9 +4,13 @@ which runs them with torch and transformers installed: tests/transformers_env.sh
 Random Llama, Mistral and Qwen2 models: at a budget that covers the sequence, greedy
 generate() with pqcache gives transformers' own eager tokens and logits; at budget 0.1
 the first layer's selections equal the C library's on the keys and queries transformers
-itself computed; a batch of two equals the two sequences alone; misuse raises."""
+itself computed; a batch of two equals the two sequences alone; the constructed passkey
+model, exported to the Hugging Face layout, retrieves its passkey at 8K and 32K where
+window-only attention does not; misuse raises."""
 import copy
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -166,3 +170,35 @@ def test_readme_example_runs(tmp_path):
     scope = {"path": str(tmp_path), "ids": prompt(120)}
     exec(compile(example, "README.md", "exec"), scope)
     assert scope["out"].shape == (1, 120 + 32)
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def passkey_model(tmp_path_factory):
+    """the constructed passkey model (make_passkey), exported to the Hugging Face layout"""
+    d = tmp_path_factory.mktemp("passkey")
+    subprocess.run([os.path.join(ROOT, "build", "make_passkey"), str(d / "passkey.bin")], check=True)
+    sys.path.insert(0, os.path.join(ROOT, "examples", "tiny_llama"))
+    import export_hf
+    export_hf.export(str(d / "passkey.bin"), str(d / "hf"))
+    return pqcache_hf.from_pretrained(str(d / "hf"), dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("length", [8192, 32768])
+def test_passkey_is_retrieved_through_transformers(passkey_model, length):
+    lines = subprocess.run([os.path.join(ROOT, "build", "make_passkey"), "--prompt", str(length), "50", "3"],
+                           capture_output=True, text=True, check=True).stdout.split("\n")
+    ids = torch.tensor([[int(x) for x in lines[0].split()[2:]] + [int(lines[1].split()[1])]])
+    answer = [int(x) for x in lines[2].split()[2:]]
+    got = {}
+    for name, settings in (("pqcache", dict(budget_ratio=0.1)),
+                           ("window", dict(budget_tokens=256, recent_share=1.0))):  # no top-k: window only
+        with torch.no_grad():
+            out = passkey_model.generate(ids, max_new_tokens=len(answer), do_sample=False,
+                                         cache=pqcache_hf.cache_for(passkey_model, **settings))
+        got[name] = out[0, ids.shape[1]:].tolist()
+    print("passkey at %d: answer %s, pqcache %s, window only %s" % (length, answer, got["pqcache"], got["window"]))
+    assert got["pqcache"] == answer
+    assert got["window"] != answer

@@ -71,7 +71,7 @@ tiny_llama_hf_test: build/tiny_llama
 # built, saved and run by transformers (test_transformers.py), and pqcache as its
 # attention backend (python/test_pqcache_hf.py). A group of make test; the python comes
 # from tests/transformers_env.sh (.ci/run makes build/venv-hf, about 4 GB, once).
-DEPS_test-transformers := build/tiny_llama build/libpqcache.so
+DEPS_test-transformers := build/tiny_llama build/libpqcache.so build/make_passkey
 test-transformers: $(DEPS_test-transformers)
 	@py=$$(sh tests/transformers_env.sh --check) && mkdir -p build/pytest && \
 	  PQC_REQUIRE_TORCH=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 PQCACHE_LIB=$(CURDIR)/build/libpqcache.so \
