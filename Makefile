@@ -9,7 +9,7 @@ LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
 
-.PHONY: all run test test-long coverage bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python
+.PHONY: all run test test-long coverage bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
 LIBTESTS := core cache contract fidelity
@@ -264,6 +264,13 @@ include bench/fidelity.mk
 # the Python binding's overhead per select against the same call timed in C (about 20 s)
 bench-python: $(LIB)
 	PQCACHE_LIB=$(CURDIR)/$(LIB) $(PYTHON) bench/bench_python.py
+
+# pqcache in transformers: a 1B-shaped Llama's decode steps at 4K, eager vs the pqcache
+# backend (torch from tests/transformers_env.sh; several minutes, not part of make bench)
+BENCH_TF_ARGS ?=
+bench-transformers: $(LIB)
+	@py=$$(sh tests/transformers_env.sh --check) && PQCACHE_LIB=$(CURDIR)/$(LIB) PYTHONPATH=python \
+	  $$py bench/bench_transformers.py $(BENCH_TF_ARGS)
 
 bench: bench-pq bench-cache bench-python bench-hf
 include tests/fuzz/fuzz.mk

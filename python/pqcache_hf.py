@@ -27,6 +27,7 @@ not all use full attention, a cache used with a different model.
 """
 import copy
 import threading
+import time
 
 import numpy as np
 import torch
@@ -110,6 +111,9 @@ class PQCacheHF(_HFCache):
         self._sels = []
         self.recorder = None       # tests: a callable(kind, layer, b, arrays...) seeing every call
         self._modules = {}         # layer -> the attention module that ran it (one model per cache)
+        # seconds of the decode steps' attention: in the library's calls (append, select,
+        # fetch) and in this module around them (copies, the attention over the selection)
+        self.seconds = {"library": 0.0, "backend": 0.0}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         _tls.cache = self
@@ -164,6 +168,7 @@ def _np(t):
 def pqcache_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The attention function registered as "pqcache": query (B, Hq, T, D) post-RoPE, key
     and value (B, Hkv, T, D) of the T new tokens; returns ((B, T, Hq, D), None)."""
+    t_enter = time.perf_counter()
     cache = getattr(_tls, "cache", None)
     _tls.cache = None
     if not isinstance(cache, PQCacheHF):
@@ -205,10 +210,12 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
                 is_causal=True, scale=scale, enable_gqa=True)
             out[b] = o[0].transpose(0, 1)
             continue
+        t0 = time.perf_counter()
         c.append(layer, kn[b, :, 0, :], vn[b, :, 0, :])
         q1 = qn[b, :, 0, :]
         sel = c.select(layer, q1, out=cache._sels[b])
         ks, vs = c.fetch(layer, sel)                             # (Hkv, S, D), rows in selection order
+        cache.seconds["library"] += time.perf_counter() - t0
         if cache.recorder:
             cache.recorder("decode", layer, b, q1, kn[b, :, 0, :], vn[b, :, 0, :], sel.tolist())
         counts = torch.as_tensor(np.asarray(sel.counts, dtype=np.int64))
@@ -218,6 +225,8 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
         pad = torch.arange(kt.shape[1])[None, :] >= counts[:, None]
         s = s.masked_fill(pad[:, None, :], float("-inf"))
         out[b, 0] = (torch.softmax(s, dim=-1) @ vt).reshape(hq, D)
+    if T == 1:
+        cache.seconds["backend"] += time.perf_counter() - t_enter
     return out.to(query.dtype), None
 
 
