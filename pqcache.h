@@ -613,6 +613,18 @@ typedef struct pqc_cache_desc {
                                 every head would (with split = PQC_SPLIT_FIXED). 0 = 0   */
 } pqc_cache_desc;
 
+/* What 0 means in a pqc_cache_desc (a negative n_sink, cache_blocks or observe means
+   none; pq.iters 0 means the scheduler, or PQC_DEFAULT_ITERS without one). */
+#define PQC_DEFAULT_MAX_TOKENS ((size_t)1 << 20)
+#define PQC_DEFAULT_N_SINK 32
+#define PQC_DEFAULT_BUDGET_RATIO 0.1
+#define PQC_DEFAULT_RECENT_SHARE 0.5
+#define PQC_DEFAULT_METRIC_FLOOR 0.01
+#define PQC_DEFAULT_OBSERVE 32
+#define PQC_DEFAULT_BLOCK_TOKENS 128
+#define PQC_DEFAULT_CACHE_BLOCKS 32
+#define PQC_DEFAULT_REBUILD_SHARE 0.5
+
 typedef struct pqc_cache pqc_cache;
 
 /* Gathered K and V in device memory (CUDA device tier): fp32, head h's rows at
@@ -664,6 +676,16 @@ typedef struct pqc_kv_out {
 } pqc_kv_out;
 
 PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out);
+/* The configuration pqc_cache_create makes of desc, into *out: every default filled in
+   (n_q_heads, max_tokens, n_sink, budget_ratio, recent_share, metric_floor, observe,
+   block_tokens, cache_blocks, admit_blocks, rebuild_share; "none" as 0 for n_sink,
+   cache_blocks and observe; pq.m and pq.bits as the PQ core takes them), every rule
+   checked with a message of its own; nothing is allocated. window stays 0 where it is
+   derived at the first prefill; pq.iters stays 0 for the scheduler. rt: for its log,
+   may be NULL. *out is written only on success. */
+PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out);
+/* A cache's configuration as resolved at creation, its window as fixed so far. */
+PQCDEF pqc_result pqc_cache_config(const pqc_cache *c, pqc_cache_desc *out);
 /* Safe while builds run: waits for them first. NULL is a no-op. */
 PQCDEF void pqc_cache_destroy(pqc_cache *c);
 /* Hands over n tokens of one layer (K and V: n rows of n_kv_heads*d_h, any dtype and
@@ -4735,81 +4757,171 @@ static int pqc__derive_window(const pqc_cache *c, size_t n_tokens)
 static size_t pqc__qsq_part(const pqc_cache *c) { return (size_t)c->d.n_kv_heads * ((size_t)c->d.head_dim + 1); }
 static size_t pqc__qsq_len(const pqc_cache *c) { return 2 * pqc__qsq_part(c) + 2; }
 
-PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out)
+/* ----- the configuration: a desc resolved once -----
+   Defaults first (the PQC_DEFAULT_ values), then one check per rule, each with its own
+   message; pqc_cache_create keeps the result in c->d. */
+#define PQC__RULE(ok, code, ...)                                                   \
+    do {                                                                          \
+        if (!(ok)) return pqc__fail(rt, code, "pqc_cache_create: " __VA_ARGS__);   \
+    } while (0)
+
+PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out)
 {
     pqc_cache_desc d;
-    pqc_cache *c;
-    pqc_pq_desc pqd;
+    pqc_pq_desc pqd, tmp;
     pqc_result r;
-    int l;
+    size_t slot_bytes, row_bytes, all_heads;
     if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
     d = *desc;
     if (d.n_q_heads == 0) d.n_q_heads = d.n_kv_heads;
-    if (d.max_tokens == 0) d.max_tokens = (size_t)1 << 20;
-    if (d.n_sink == 0) d.n_sink = 32;
+    if (d.max_tokens == 0) d.max_tokens = PQC_DEFAULT_MAX_TOKENS;
+    if (d.n_sink == 0) d.n_sink = PQC_DEFAULT_N_SINK;
     else if (d.n_sink < 0) d.n_sink = 0;
-    if (d.budget_ratio == 0) d.budget_ratio = 0.1;
-    if (d.recent_share == 0) d.recent_share = 0.5;
-    if (d.block_tokens == 0) d.block_tokens = 128;
-    if (d.cache_blocks == 0) d.cache_blocks = 32;
+    if (d.budget_ratio == 0) d.budget_ratio = PQC_DEFAULT_BUDGET_RATIO;
+    if (d.recent_share == 0) d.recent_share = PQC_DEFAULT_RECENT_SHARE;
+    if (d.block_tokens == 0) d.block_tokens = PQC_DEFAULT_BLOCK_TOKENS;
+    if (d.cache_blocks == 0) d.cache_blocks = PQC_DEFAULT_CACHE_BLOCKS;
     else if (d.cache_blocks < 0) d.cache_blocks = 0;
     if (d.admit_blocks == 0) d.admit_blocks = d.cache_blocks;
-    if (d.rebuild_share == 0) d.rebuild_share = 0.5;
-    if (d.metric_floor == 0) d.metric_floor = 0.01;
-    if (d.observe == 0) d.observe = 32;
+    if (d.rebuild_share == 0) d.rebuild_share = PQC_DEFAULT_REBUILD_SHARE;
+    if (d.metric_floor == 0) d.metric_floor = PQC_DEFAULT_METRIC_FLOOR;
+    if (d.observe == 0) d.observe = PQC_DEFAULT_OBSERVE;
     else if (d.observe < 0) d.observe = 0;
-    if ((int)d.metric < 0 || (int)d.metric > 1 || !(d.metric_floor > 0 && d.metric_floor <= 1e6) || (int)d.split < 0 ||
-        (int)d.split > 1)
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: metric %d, metric_floor %g or split %d out of range",
-                         (int)d.metric, d.metric_floor, (int)d.split);
-    if (d.first_kv_head < 0 || d.first_kv_head > (1 << 20))
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_create: first_kv_head %d not in 0..2^20", d.first_kv_head);
-    if (d.pq.metric)
-        return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT,
-                         "pqc_cache_create: pq.metric must be NULL (the cache derives each head's metric from observed "
-                         "queries; see metric)");
-    if (d.n_layers <= 0 || d.n_layers > 4096 || d.n_kv_heads <= 0 || d.n_kv_heads > 4096 || d.head_dim <= 0 ||
-        d.head_dim > 65536 || d.n_q_heads <= 0 || d.n_q_heads > 65536)
-        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_cache_create: layers %d, kv heads %d, head dim %d", d.n_layers,
-                         d.n_kv_heads, d.head_dim);
-    if (d.n_q_heads % d.n_kv_heads)
-        return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_cache_create: %d query heads not a multiple of %d KV heads",
-                         d.n_q_heads, d.n_kv_heads);
-    if (!pqc_dtype_size(d.kv_dtype)) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: unknown kv dtype");
-    if (!(d.budget_ratio > 0 && d.budget_ratio <= 1e6) || !(d.recent_share >= 0 && d.recent_share <= 1) ||
-        d.window < 0 || d.block_tokens < 1 || d.admit_blocks < 0 || d.admit_blocks > d.cache_blocks ||
-        !(d.rebuild_share > 0) || d.max_tokens > 0xfffffff0u || (int)d.policy < 0 || (int)d.policy > 1 ||
-        (int)d.gqa < 0 || (int)d.gqa > 1 || d.codes_resident < 0 || d.codes_resident > 1 ||
-        !(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6)) || d.outliers < 0 || d.outliers > (1 << 24) ||
-        !(d.residual_weight >= 0 && d.residual_weight <= 1e6))
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
-                         "pqc_cache_create: a budget, window, block, policy, rerank, outliers or residual_weight "
-                         "setting is out of range");
-    /* checked as the float the search multiplies by: a double below float's range is 0 */
-    if (d.residual_weight > 0 && !((float)d.residual_weight > 0.0f))
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
-                         "pqc_cache_create: residual_weight %g is 0 as a float (the search's type): use 0 or at least 1e-38",
-                         d.residual_weight);
+    PQC__RULE(d.n_layers > 0 && d.n_layers <= 4096 && d.n_kv_heads > 0 && d.n_kv_heads <= 4096 && d.head_dim > 0 &&
+                  d.head_dim <= 65536 && d.n_q_heads > 0 && d.n_q_heads <= 65536,
+              PQC_ERROR_BAD_SHAPE, "layers %d, kv heads %d, query heads %d, head dim %d (1..4096, 1..4096, 1..65536, "
+              "1..65536)", d.n_layers, d.n_kv_heads, d.n_q_heads, d.head_dim);
+    PQC__RULE(d.n_q_heads % d.n_kv_heads == 0, PQC_ERROR_BAD_SHAPE, "%d query heads not a multiple of %d KV heads",
+              d.n_q_heads, d.n_kv_heads);
+    PQC__RULE(pqc_dtype_size(d.kv_dtype) != 0, PQC_ERROR_INVALID_ARGUMENT, "unknown kv dtype %d", (int)d.kv_dtype);
+    PQC__RULE(d.max_tokens <= 0xfffffff0u, PQC_ERROR_OUT_OF_RANGE, "max_tokens %zu above 2^32 - 16", d.max_tokens);
+    PQC__RULE(d.window >= 0, PQC_ERROR_OUT_OF_RANGE, "window %d is negative", d.window);
+    PQC__RULE(d.budget_ratio > 0 && d.budget_ratio <= 1e6, PQC_ERROR_OUT_OF_RANGE, "budget_ratio %g not in (0, 1e6]",
+              d.budget_ratio);
+    PQC__RULE(d.recent_share >= 0 && d.recent_share <= 1, PQC_ERROR_OUT_OF_RANGE, "recent_share %g not in [0, 1]",
+              d.recent_share);
+    PQC__RULE((int)d.metric >= 0 && (int)d.metric <= 1, PQC_ERROR_OUT_OF_RANGE, "metric %d unknown", (int)d.metric);
+    PQC__RULE(d.metric_floor > 0 && d.metric_floor <= 1e6, PQC_ERROR_OUT_OF_RANGE, "metric_floor %g not in (0, 1e6]",
+              d.metric_floor);
     /* the query metric's weights are normalised to a mean of 1 (so at most head_dim) plus
        the floor: a floor below head_dim x 1e-11 could spread them past the PQ core's limit
        of 1e12 (largest / smallest) and every build of the layer would fail */
-    if (d.metric == PQC_METRIC_QUERY && d.metric_floor < 1e-11 * (double)d.head_dim)
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
-                         "pqc_cache_create: metric_floor %g below head_dim x 1e-11 = %g: the metric's weights could "
-                         "spread past the PQ core's 1e12",
-                         d.metric_floor, 1e-11 * (double)d.head_dim);
+    PQC__RULE(d.metric != PQC_METRIC_QUERY || d.metric_floor >= 1e-11 * (double)d.head_dim, PQC_ERROR_OUT_OF_RANGE,
+              "metric_floor %g below head_dim x 1e-11 = %g: the metric's weights could spread past the PQ core's 1e12",
+              d.metric_floor, 1e-11 * (double)d.head_dim);
+    PQC__RULE((int)d.split >= 0 && (int)d.split <= 1, PQC_ERROR_OUT_OF_RANGE, "split %d unknown", (int)d.split);
+    PQC__RULE((int)d.gqa >= 0 && (int)d.gqa <= 1, PQC_ERROR_OUT_OF_RANGE, "gqa %d unknown", (int)d.gqa);
+    PQC__RULE(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6), PQC_ERROR_OUT_OF_RANGE,
+              "rerank %g: 0 (off) or 1..1e6", d.rerank);
+    PQC__RULE(d.outliers >= 0 && d.outliers <= (1 << 24), PQC_ERROR_OUT_OF_RANGE, "outliers %d not in 0..2^24",
+              d.outliers);
+    PQC__RULE(d.residual_weight >= 0 && d.residual_weight <= 1e6, PQC_ERROR_OUT_OF_RANGE,
+              "residual_weight %g not in [0, 1e6]", d.residual_weight);
+    /* checked as the float the search multiplies by: a double below float's range is 0 */
+    PQC__RULE(!(d.residual_weight > 0) || (float)d.residual_weight > 0.0f, PQC_ERROR_OUT_OF_RANGE,
+              "residual_weight %g is 0 as a float (the search's type): use 0 or at least 1e-38", d.residual_weight);
+    PQC__RULE(d.block_tokens >= 1, PQC_ERROR_OUT_OF_RANGE, "block_tokens %d below 1", d.block_tokens);
+    PQC__RULE(d.admit_blocks >= 0 && d.admit_blocks <= d.cache_blocks, PQC_ERROR_OUT_OF_RANGE,
+              "admit_blocks %d not in 0..cache_blocks %d", d.admit_blocks, d.cache_blocks);
+    PQC__RULE((int)d.policy >= 0 && (int)d.policy <= 1, PQC_ERROR_OUT_OF_RANGE, "policy %d unknown", (int)d.policy);
+    PQC__RULE(d.rebuild_share > 0, PQC_ERROR_OUT_OF_RANGE, "rebuild_share %g: above 0 (1 or more: never)",
+              d.rebuild_share);
+    PQC__RULE(d.codes_resident >= 0 && d.codes_resident <= 1, PQC_ERROR_OUT_OF_RANGE, "codes_resident %d: 0 or 1",
+              d.codes_resident);
+    PQC__RULE(d.first_kv_head >= 0 && d.first_kv_head <= (1 << 20), PQC_ERROR_OUT_OF_RANGE,
+              "first_kv_head %d not in 0..2^20", d.first_kv_head);
+    PQC__RULE(!d.pq.metric, PQC_ERROR_INVALID_ARGUMENT,
+              "pq.metric must be NULL (the cache derives each head's metric from observed queries; see metric)");
+    PQC__RULE(pqc__size3((size_t)d.head_dim, pqc_dtype_size(d.kv_dtype), 2 * (size_t)d.block_tokens, &slot_bytes) &&
+                  pqc__mul(slot_bytes, (size_t)d.cache_blocks, &row_bytes) &&
+                  pqc__size3(row_bytes, (size_t)d.n_kv_heads, (size_t)d.n_layers, &all_heads),
+              PQC_ERROR_CAPACITY, "block cache of %d blocks x %d tokens x %d layers x %d heads overflows",
+              d.cache_blocks, d.block_tokens, d.n_layers, d.n_kv_heads);
     /* sinks or a window beyond the capacity are the whole sequence */
     if ((size_t)d.n_sink > d.max_tokens) d.n_sink = (int)d.max_tokens;
     if ((size_t)d.window > d.max_tokens) d.window = (int)d.max_tokens;
     pqd = d.pq;
     if (pqd.iters == 0) pqd.iters = 1; /* validated here; the scheduler picks T later */
-    {
-        pqc_pq_desc tmp;
-        if ((r = pqc__pq_check_desc(rt, &pqd, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
-        d.pq.m = tmp.m;
-        d.pq.bits = tmp.bits;
-        d.pq.objective = NULL;
+    if ((r = pqc__pq_check_desc(rt, &pqd, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
+    d.pq.m = tmp.m;
+    d.pq.bits = tmp.bits;
+    d.pq.objective = NULL;
+    *out = d;
+    return PQC_SUCCESS;
+}
+#undef PQC__RULE
+
+PQCDEF pqc_result pqc_cache_config(const pqc_cache *c, pqc_cache_desc *out)
+{
+    if (!c || !out) return pqc__fail(c ? c->rt : NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_config: null pointer");
+    *out = c->d;
+    out->window = c->window;
+    return PQC_SUCCESS;
+}
+
+/* Every layer's and head's arrays, as c->d says; OUT_OF_MEMORY leaves what it made for
+   pqc_cache_destroy. */
+static pqc_result pqc__layers_alloc(pqc_cache *c)
+{
+    const pqc_cache_desc d = c->d;
+    int l;
+    for (l = 0; l < d.n_layers; l++) {
+        pqc__layer *L = &c->layers[l];
+        int h;
+        L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
+        L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
+        {
+            size_t part = (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1);
+            L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (2 * part + 2));
+            L->qpend = (double *)pqc__calloc(&c->alloc, sizeof(double) * (part + 1));
+        }
+        L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
+        L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
+        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 4 * (size_t)d.n_kv_heads);
+        L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * PQC__OBS_BINS * (size_t)d.n_kv_heads);
+        if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
+            return PQC_ERROR_OUT_OF_MEMORY;
+        L->u_omass = L->omass + 2 * d.n_kv_heads;
+        L->u_ohist = L->ohist + PQC__OBS_BINS * (size_t)d.n_kv_heads;
+        for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
+        memset(L->ohist, 0, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads); /* a file saves it as it is */
+        for (h = 0; h < d.n_kv_heads; h++) {
+            pqc__head *H = &L->heads[h];
+            H->scratch.alloc = c->alloc;
+            H->cscratch.alloc = c->alloc;
+            if (d.outliers > 0) {
+                H->olist = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->olist_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.outliers);
+                if (H->ores) H->ores_new = H->ores + d.outliers;
+                if (!H->olist || !H->olist_new || !H->ores) return PQC_ERROR_OUT_OF_MEMORY;
+            }
+            if (d.residual_weight > 0) {
+                H->rscale = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.pq.m);
+                if (!H->rscale) return PQC_ERROR_OUT_OF_MEMORY;
+                H->rscale_new = H->rscale + d.pq.m;
+            }
+            if (d.cache_blocks > 0) {
+                int sl;
+                H->block_of = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * (size_t)d.cache_blocks);
+                H->filled = (uint32_t *)pqc__calloc(&c->alloc, sizeof(uint32_t) * (size_t)d.cache_blocks);
+                H->freq = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
+                H->stamp = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
+                if (!H->block_of || !H->filled || !H->freq || !H->stamp) return PQC_ERROR_OUT_OF_MEMORY;
+                for (sl = 0; sl < d.cache_blocks; sl++) H->block_of[sl] = -1;
+            }
+        }
     }
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out)
+{
+    pqc_cache_desc d;
+    pqc_cache *c;
+    pqc_result r;
+    if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
+    if ((r = pqc_cache_resolve(rt, desc, &d)) != PQC_SUCCESS) return r;
     c = (pqc_cache *)pqc__calloc(pqc__rt_alloc(rt), sizeof *c);
     if (!c) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
     c->rt = rt;
@@ -4827,17 +4939,6 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
 #if PQC__CUDA_LOADER
     if (rt && rt->cu && !d.backend) c->tier = pqc__cuda_tier();
 #endif
-    {
-        size_t slot_bytes, row_bytes, all_heads;
-        if (!pqc__size3((size_t)d.head_dim, pqc_dtype_size(d.kv_dtype), 2 * (size_t)d.block_tokens, &slot_bytes) ||
-            !pqc__mul(slot_bytes, (size_t)d.cache_blocks, &row_bytes) ||
-            !pqc__size3(row_bytes, (size_t)d.n_kv_heads, (size_t)d.n_layers, &all_heads)) {
-            pqc__free(&c->alloc, c);
-            return pqc__fail(rt, PQC_ERROR_CAPACITY,
-                             "pqc_cache_create: block cache of %d blocks x %d tokens x %d layers x %d heads overflows",
-                             d.cache_blocks, d.block_tokens, d.n_layers, d.n_kv_heads);
-        }
-    }
     c->g = d.n_q_heads / d.n_kv_heads;
     c->es = pqc_dtype_size(d.kv_dtype);
     c->row = c->es * (size_t)d.head_dim;
@@ -4847,53 +4948,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     if (!c->layers || !c->takes) goto oom;
     c->cands = c->takes + d.n_kv_heads;
     if (d.outliers > 0 && !(c->orow = (float *)pqc__alloc(&c->alloc, sizeof(float) * 3 * (size_t)d.head_dim))) goto oom;
-    for (l = 0; l < d.n_layers; l++) {
-        pqc__layer *L = &c->layers[l];
-        int h;
-        L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
-        L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
-        {
-            size_t part = (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1);
-            L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (2 * part + 2));
-            L->qpend = (double *)pqc__calloc(&c->alloc, sizeof(double) * (part + 1));
-        }
-        L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
-        L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
-        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 4 * (size_t)d.n_kv_heads);
-        L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * PQC__OBS_BINS * (size_t)d.n_kv_heads);
-        if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
-            goto oom;
-        L->u_omass = L->omass + 2 * d.n_kv_heads;
-        L->u_ohist = L->ohist + PQC__OBS_BINS * (size_t)d.n_kv_heads;
-        for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
-        memset(L->ohist, 0, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads); /* a file saves it as it is */
-        for (h = 0; h < d.n_kv_heads; h++) {
-            pqc__head *H = &L->heads[h];
-            H->scratch.alloc = c->alloc;
-            H->cscratch.alloc = c->alloc;
-            if (d.outliers > 0) {
-                H->olist = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
-                H->olist_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
-                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.outliers);
-                if (H->ores) H->ores_new = H->ores + d.outliers;
-                if (!H->olist || !H->olist_new || !H->ores) goto oom;
-            }
-            if (d.residual_weight > 0) {
-                H->rscale = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.pq.m);
-                if (!H->rscale) goto oom;
-                H->rscale_new = H->rscale + d.pq.m;
-            }
-            if (d.cache_blocks > 0) {
-                int sl;
-                H->block_of = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * (size_t)d.cache_blocks);
-                H->filled = (uint32_t *)pqc__calloc(&c->alloc, sizeof(uint32_t) * (size_t)d.cache_blocks);
-                H->freq = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
-                H->stamp = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
-                if (!H->block_of || !H->filled || !H->freq || !H->stamp) goto oom;
-                for (sl = 0; sl < d.cache_blocks; sl++) H->block_of[sl] = -1;
-            }
-        }
-    }
+    if (pqc__layers_alloc(c) != PQC_SUCCESS) goto oom;
     if ((r = c->tier->create(c)) != PQC_SUCCESS) {
         char msg[sizeof pqc__errbuf];
         memcpy(msg, pqc__errbuf, sizeof msg);

@@ -58,6 +58,107 @@ static pqc_result prefill(pqc_cache *c, int layer, const float *k, const float *
     return pqc_cache_prefill(c, layer, &km, &vm);
 }
 
+/* ----- the configuration pass ---------------------------------------------------------- */
+
+/* pqc_cache_resolve fills every default with its named value, turns "none" into 0, and
+   gives each rule a message of its own that names its field; a cache reports the
+   resolved configuration, its window once fixed. */
+TEST resolved_configuration_names_its_defaults_and_each_rule(void)
+{
+    static const struct { const char *field; int what; } bad[] = {
+        {"layers", 0}, {"multiple", 1}, {"kv dtype", 2}, {"max_tokens", 3}, {"window", 4}, {"budget_ratio", 5},
+        {"recent_share", 6}, {"metric 5 unknown", 7}, {"metric_floor", 8}, {"split", 9}, {"gqa", 10}, {"rerank", 11},
+        {"outliers", 12}, {"residual_weight", 13}, {"block_tokens", 14}, {"admit_blocks", 15}, {"policy", 16},
+        {"rebuild_share", 17}, {"codes_resident", 18}, {"first_kv_head", 19}, {"block cache", 20},
+        {"pq.metric", 21}};
+    pqc_cache_desc cd = small_desc(2, 2, 4, 16), r, sentinel, got;
+    pqc_cache *c;
+    float w = 1.0f;
+    size_t i;
+    char seen[sizeof bad / sizeof bad[0]][200];
+    cd.max_tokens = 0;
+    cd.cache_blocks = 0;
+    cd.block_tokens = 0;
+    cd.n_q_heads = 0;
+    cd.n_kv_heads = 2;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(PQC_DEFAULT_MAX_TOKENS, r.max_tokens);
+    ASSERT_EQ(PQC_DEFAULT_N_SINK, r.n_sink);
+    ASSERT_EQ(PQC_DEFAULT_BUDGET_RATIO, r.budget_ratio);
+    ASSERT_EQ(PQC_DEFAULT_RECENT_SHARE, r.recent_share);
+    ASSERT_EQ(PQC_DEFAULT_METRIC_FLOOR, r.metric_floor);
+    ASSERT_EQ(PQC_DEFAULT_OBSERVE, r.observe);
+    ASSERT_EQ(PQC_DEFAULT_BLOCK_TOKENS, r.block_tokens);
+    ASSERT_EQ(PQC_DEFAULT_CACHE_BLOCKS, r.cache_blocks);
+    ASSERT_EQ(PQC_DEFAULT_CACHE_BLOCKS, r.admit_blocks);
+    ASSERT_EQ(PQC_DEFAULT_REBUILD_SHARE, r.rebuild_share);
+    ASSERT_EQ(2, r.n_q_heads);
+    ASSERT_EQ(0, r.window);  /* derived at the first prefill */
+    ASSERT_EQ(2, r.pq.m);
+    ASSERT_EQ(4, r.pq.bits);
+    cd.n_sink = -1;
+    cd.cache_blocks = -1;
+    cd.observe = -1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(0, r.n_sink);
+    ASSERT_EQ(0, r.cache_blocks);
+    ASSERT_EQ(0, r.observe);
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        pqc_cache_desc b = small_desc(2, 2, 4, 16);
+        switch (bad[i].what) {
+        case 0: b.n_layers = 0; break;
+        case 1: b.n_q_heads = 5; break;
+        case 2: b.kv_dtype = (pqc_dtype)99; break;
+        case 3: b.max_tokens = (size_t)1 << 33; break;
+        case 4: b.window = -2; break;
+        case 5: b.budget_ratio = -1; break;
+        case 6: b.recent_share = 2; break;
+        case 7: b.metric = (pqc_metric)5; break;
+        case 8: b.metric_floor = 1e-13; break;
+        case 9: b.split = (pqc_split)7; break;
+        case 10: b.gqa = (pqc_gqa)7; break;
+        case 11: b.rerank = 0.5; break;
+        case 12: b.outliers = -3; break;
+        case 13: b.residual_weight = 1e-300; break;
+        case 14: b.block_tokens = -5; break;
+        case 15: b.admit_blocks = 99; break;
+        case 16: b.policy = (pqc_policy)9; break;
+        case 17: b.rebuild_share = -1; break;
+        case 18: b.codes_resident = 2; break;
+        case 19: b.first_kv_head = -1; break;
+        case 20: b.block_tokens = 1 << 30; b.cache_blocks = 1 << 30; b.n_layers = 4096; break;
+        default: b.pq.metric = &w; break;
+        }
+        memset(&sentinel, 0x5a, sizeof sentinel);
+        got = sentinel;
+        ASSERT(pqc_cache_resolve(NULL, &b, &got) != PQC_SUCCESS);
+        ASSERT_EQ(0, memcmp(&got, &sentinel, sizeof got)); /* *out untouched */
+        ASSERTm(pqc_last_error(), strstr(pqc_last_error(), bad[i].field) != NULL);
+        snprintf(seen[i], sizeof seen[i], "%.190s", pqc_last_error());
+        ASSERT(pqc_cache_create(NULL, &b, &c) != PQC_SUCCESS); /* create refuses it alike */
+    }
+    for (i = 1; i < sizeof bad / sizeof bad[0]; i++) /* one message per rule */
+        ASSERT(strcmp(seen[i], seen[i - 1]) != 0);
+    cd = small_desc(2, 2, 4, 16);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(c, &got));
+    ASSERT_EQ(0, memcmp(&got, &r, sizeof got));
+    {
+        float *k = rows(300, 32), *v = rows(300, 32);
+        ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 300));
+        free(k);
+        free(v);
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(c, &got));
+    ASSERT_EQ(pqc_cache_window(c), got.window);
+    ASSERT(got.window > 0);
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_config(NULL, &got));
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_resolve(NULL, NULL, &got));
+    pqc_cache_destroy(c);
+    PASS();
+}
+
 /* ----- hostile sizes and values ------------------------------------------------------ */
 
 TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
@@ -1441,6 +1542,7 @@ TEST batch_refuses_one_cache_twice(void)
 SUITE(contract)
 {
     RUN_TEST(batch_refuses_one_cache_twice);
+    RUN_TEST(resolved_configuration_names_its_defaults_and_each_rule);
     RUN_TEST(fetch_with_fewer_tokens_than_sinks_stays_in_bounds);
     RUN_TEST(fetch_on_a_layer_without_prefill_is_refused);
     RUN_TEST(selection_count_beyond_capacity_is_refused);

@@ -163,10 +163,10 @@ void tlpq_default_config(tlpq_config *cfg)
     cfg->pq_m = 2;
     cfg->pq_bits = 6;
     cfg->iters = 0;
-    cfg->n_sink = 32;
-    cfg->ratio = 0.1f;
-    cfg->cache_blocks = 32;
-    cfg->block_tokens = 128;
+    cfg->n_sink = PQC_DEFAULT_N_SINK; /* the library's own defaults, by name */
+    cfg->ratio = (float)PQC_DEFAULT_BUDGET_RATIO;
+    cfg->cache_blocks = PQC_DEFAULT_CACHE_BLOCKS;
+    cfg->block_tokens = PQC_DEFAULT_BLOCK_TOKENS;
     cfg->policy = PQC_POLICY_LFU;
     cfg->n_threads = 1;
 }
