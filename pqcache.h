@@ -732,7 +732,7 @@ PQCDEF void pqc_selection_free(pqc_selection *sel);
    whole call succeeded). */
 PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel);
 /* Gathers the selected K/V through the block cache. The blocks holding the most selected
-   tokens are admitted first (see the admission rule in the README), so that they serve
+   tokens are admitted first (see the admission rule in docs/usage.md), so that they serve
    this step's gather. */
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out);
 /* fetch without the copy, where the device tier is host memory (the CPU backend with fp32

@@ -159,16 +159,16 @@ def test_misuse_raises_clear_errors():
 
 
 def test_readme_example_runs(tmp_path):
-    """The README's "pqcache in transformers" example, run as written there on a saved random model."""
-    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "README.md")).read()
-    section = text.split("\n### pqcache in transformers\n", 1)[1].split("\n## ", 1)[0]
+    """The "pqcache in transformers" example of docs/python.md, run as written there on a saved random model."""
+    text = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs", "python.md")).read()
+    section = text.split("\n## pqcache in transformers\n", 1)[1].split("\n## ", 1)[0]
     lines = [l[4:] for l in section.splitlines() if l.startswith("    ")]
     example = "\n".join(lines)
     assert "pqcache_hf.from_pretrained" in example and "cache_for" in example
     ref, _ = make_models("llama", seed=2)
     ref.save_pretrained(str(tmp_path))
     scope = {"path": str(tmp_path), "ids": prompt(120)}
-    exec(compile(example, "README.md", "exec"), scope)
+    exec(compile(example, "docs/python.md", "exec"), scope)
     assert scope["out"].shape == (1, 120 + 32)
 
 

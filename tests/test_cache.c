@@ -1642,7 +1642,7 @@ TEST fork_misuse_is_refused(void)
 /* A loaded cache maps its file on the host tier (the rows are its shared prefix, the
    pages the file's), forks share the mapping, and a file whose layers hold different
    lengths (saved between the layers of a step) is copied instead; all select alike. */
-/* What a file mapped by a loaded cache survives (README, "Save and resume"): a new file
+/* What a file mapped by a loaded cache survives (docs/usage.md, "Save and resume"): a new file
    renamed over its name (pqc_cache_save does that) leaves the cache reading the rows it
    loaded; truncating it kills the process that reads a row past the new end with SIGBUS
    (here a child process: fetch and save read the rows). */

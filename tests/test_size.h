@@ -1,7 +1,7 @@
 /* test_size.h - how large the test scenarios are. PQC_TEST_SIZE=small (what `make test`
  * gives its sanitizer runs) picks, where a test has two sizes, the smallest scenario that
  * still reaches the code the full one reaches (`make coverage COVERAGE_SIZE=small` shows
- * what it reaches: the same lines; see the README's Testing); anything else, and no
+ * what it reaches: the same lines; see docs/testing.md); anything else, and no
  * variable, the full-size scenario (the plain runs of `make test`, and every run of
  * `make test-long`). */
 #ifndef PQC_TESTS_TEST_SIZE_H

@@ -11,8 +11,7 @@
        holds a partial sum of the residual update; one MPI_Allreduce (sum)
        completes it. The partial sums are accumulated in double and reduced
        in double, so the split changes the fp32 residual only where two double
-       roundings straddle a float rounding boundary (see README, "Serving at
-       scale").
+       roundings straddle a float rounding boundary (see docs/serving.md).
    Each rank's keys and values live only for its own KV heads: in pqcache mode
    in the rank's own pqc_cache (its own pqc_runtime, pqc_cache_desc.n_kv_heads =
    the rank's KV heads, driven by pqc_driver_prefill / pqc_driver_decode over
@@ -1168,7 +1167,7 @@ static void usage(void)
         "  -m M, -B BITS    PQ sub-spaces and bits (default 2, 6)\n"
         "  -T ITERS         k-means iterations (default 0: the adaptive scheduler)\n"
         "  -C BLOCKS        block-cache blocks per layer and KV head (default 32, -1 none)\n"
-        "  --split S        fixed or adaptive (default fixed; see README)\n"
+        "  --split S        fixed or adaptive (default fixed; see docs/serving.md)\n"
         "  --metric M       query or l2 (default query)\n"
         "  --save F         rank 0 writes every decode step's logits and per-head selections\n"
         "  --check F        compare with a --save file: logits within --tol, selections\n"
