@@ -4608,7 +4608,6 @@ struct pqc_cache {
     pqc_cache_desc udesc; /* the desc as given (a fork is created from it) */
     int window;           /* fixed once known; 0 until the first prefill when derived */
     pqc__layer *layers;
-    char err[256];
     pqc_selection dsel;   /* the driver's selection and gather buffers, kept across steps */
     float *dbuf;
     size_t dbuf_floats;
