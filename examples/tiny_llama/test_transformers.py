@@ -18,7 +18,6 @@ TINY_LLAMA (environment) names the binary, default build/tiny_llama.
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -30,8 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import hf_model  # noqa: E402
-
-BIN = os.environ.get("TINY_LLAMA", os.path.join(ROOT, "build", "tiny_llama"))
+from test_hf import prompt_ids, rel_err, run  # noqa: E402  (the engine's runner, TINY_LLAMA honoured)
 
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
            "mistral": ("MistralConfig", "MistralForCausalLM"),
@@ -77,14 +75,6 @@ def expected_rope(cfg):
     return float(cfg.rope_theta), (rs if rs and rs.get("rope_type", rs.get("type")) != "default" else None)
 
 
-def run(args, check=True):
-    p = subprocess.run([BIN] + [str(a) for a in args], capture_output=True, text=True, timeout=600)
-    assert 0 <= p.returncode < 128, "crashed (%d): %s" % (p.returncode, p.stderr)
-    if check:
-        assert p.returncode == 0, p.stderr
-    return p
-
-
 def engine_rope(stderr):
     """the engine's RoPE settings from its model lines"""
     m = re.search(r"^rope: theta (\S+?)(?:, (linear|llama3) factor (\S+))?"
@@ -101,14 +91,6 @@ def generate(d, tokens, steps, tmp_path, name):
     gen = [int(t) for t in p.stdout.split()]
     assert len(gen) == steps
     return gen, np.fromfile(out, dtype=np.float32).reshape(steps, -1), p.stderr
-
-
-def prompt_ids(n, vocab, seed=1):
-    return [int(t) for t in np.random.default_rng(seed).integers(0, vocab, n)]
-
-
-def rel_err(a, b):
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def check_rope(stderr, cfg):
