@@ -261,6 +261,8 @@ _PROTOTYPES = {
     "pqc_scheduler_save": (_R, [_P, c_char_p]),
     "pqc_scheduler_load": (_R, [_P, c_char_p]),
     "pqc_cache_create": (_R, [_P, POINTER(pqc_cache_desc), POINTER(c_void_p)]),
+    "pqc_cache_resolve": (_R, [_P, POINTER(pqc_cache_desc), POINTER(pqc_cache_desc)]),
+    "pqc_cache_config": (_R, [_P, POINTER(pqc_cache_desc)]),
     "pqc_cache_destroy": (None, [_P]),
     "pqc_cache_prefill": (_R, [_P, c_int, POINTER(pqc_matrix), POINTER(pqc_matrix)]),
     "pqc_cache_observe": (_R, [_P, c_int, _P, c_size_t]),
@@ -1072,6 +1074,33 @@ def _cache_desc(options, scheduler):
     return d
 
 
+def _desc_settings(d):
+    """The settings (Cache's keywords) of a resolved pqc_cache_desc; enums by name"""
+    names = {kind: {v: k for k, v in table.items()} for kind, table in _ENUMS.items()}
+    out = {}
+    for key, (field, kind) in _CACHE_FIELDS.items():
+        if kind is c_void_p:
+            continue
+        target = d
+        if field.startswith("pq."):
+            target, field = d.pq, field[3:]
+        value = getattr(target, field)
+        if kind == "dtype":
+            value = _DTYPE_NAMES.get(value, value)
+        elif isinstance(kind, str):
+            value = names[kind].get(value, value)
+        out[key] = value
+    return out
+
+
+def resolve(runtime=None, **settings):
+    """The configuration a Cache with these settings gets (pqc_cache_resolve): every default
+    filled in, every rule checked; a dict of Cache's keywords. Nothing is created."""
+    d, out = _cache_desc(settings, None), pqc_cache_desc()
+    _check(lib.pqc_cache_resolve(_rt(runtime), byref(d), byref(out)), "resolve")
+    return _desc_settings(out)
+
+
 class Cache(_Handle):
     """A sequence cache (pqc_cache): one per request.
 
@@ -1252,6 +1281,14 @@ class Cache(_Handle):
                         stride)
         _check(lib.pqc_cache_fetch(self._ptr, layer, sel._ref, byref(kv)), "Cache.fetch")
         return k, v
+
+    @_locked
+    def config(self):
+        """The cache's configuration as the library resolved it (pqc_cache_config), its
+        window once fixed: a dict of the keywords Cache takes."""
+        out = pqc_cache_desc()
+        _check(lib.pqc_cache_config(self._live(), byref(out)), "Cache.config")
+        return _desc_settings(out)
 
     @_locked
     def tokens(self, layer=0):

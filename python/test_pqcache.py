@@ -747,3 +747,23 @@ def test_closing_a_runtime_closes_its_caches():
     with pytest.raises(pqc.BadStateError):
         pqc.Cache(runtime, n_layers=1, n_kv_heads=1, head_dim=16)
     cache.close()
+
+
+def test_resolved_configuration_is_the_librarys(rng):
+    """resolve() and Cache.config() give every default as the library fills it in."""
+    got = pqc.resolve(n_layers=2, n_kv_heads=2, n_q_heads=4, head_dim=16)
+    assert got["n_sink"] == 32 and got["budget_ratio"] == 0.1 and got["recent_share"] == 0.5
+    assert got["max_tokens"] == 1 << 20 and got["cache_blocks"] == 32 and got["block_tokens"] == 128
+    assert got["admit_blocks"] == 32 and got["observe"] == 32 and got["rebuild_share"] == 0.5
+    assert got["metric"] == "query" and got["split"] == "adaptive" and got["kv_dtype"] == "f32"
+    assert got["window"] == 0 and got["iters"] == 0
+    assert pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, n_sink=-1)["n_sink"] == 0
+    with pytest.raises(pqc.OutOfRangeError, match="recent_share"):
+        pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, recent_share=2.0)
+    with pqc.Cache(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half") as c:
+        cfg = c.config()
+        assert cfg == pqc.resolve(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half")
+        assert cfg["rope"] == "half"
+        k = rng.standard_normal((300, 2, 16), dtype=np.float32)
+        c.prefill(0, k, k)
+        assert c.config()["window"] == c.window > 0
