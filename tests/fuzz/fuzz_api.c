@@ -903,6 +903,23 @@ static void op_cache_destroy(fz_state *S)
     C->c = NULL;
 }
 
+/* A cache made from slot P's (a fork, a loaded copy) into slot C: with C == P it is
+   dropped again; else C's cache is destroyed and C takes P's shape, keeping its own
+   selections. */
+static void fz_slot_put(fz_cache *C, const fz_cache *P, pqc_cache *out)
+{
+    fz_sel s0 = C->sel[0], s1 = C->sel[1];
+    if (C == P) {
+        pqc_cache_destroy(out);
+        return;
+    }
+    pqc_cache_destroy(C->c);
+    *C = *P;
+    C->sel[0] = s0;
+    C->sel[1] = s1;
+    C->c = out;
+}
+
 /* a fork of one slot's cache into a slot (its own: the child is dropped again, the
    parent stays); the slot it replaces is destroyed first */
 static void op_fork(fz_state *S)
@@ -932,18 +949,7 @@ static void op_fork(fz_state *S)
         if (pqc_cache_tokens(out, l) != pqc_cache_tokens(P->c, l) || pqc_cache_window(out) != pqc_cache_window(P->c))
             fz_fail("a fork holds %zu tokens of layer %d, its parent %zu", pqc_cache_tokens(out, l), l,
                     pqc_cache_tokens(P->c, l));
-    if (C == P) {
-        pqc_cache_destroy(out);
-        return;
-    }
-    pqc_cache_destroy(C->c);
-    {
-        fz_sel s0 = C->sel[0], s1 = C->sel[1]; /* the slot keeps its selections */
-        *C = *P;
-        C->sel[0] = s0;
-        C->sel[1] = s1;
-    }
-    C->c = out;
+    fz_slot_put(C, P, out);
 }
 
 /* one scratch file per process, for cache files */
@@ -1029,18 +1035,7 @@ static void op_save_load(fz_state *S)
         pqc_selection_free(&b);
         free(q);
     }
-    if (C == P) {
-        pqc_cache_destroy(out);
-        return;
-    }
-    pqc_cache_destroy(C->c);
-    {
-        fz_sel s0 = C->sel[0], s1 = C->sel[1]; /* the slot keeps its selections */
-        *C = *P;
-        C->sel[0] = s0;
-        C->sel[1] = s1;
-    }
-    C->c = out;
+    fz_slot_put(C, P, out);
 }
 
 static void op_prefill(fz_state *S)
