@@ -224,6 +224,7 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
         s = (qh @ kt.transpose(1, 2)) * scale                    # (Hkv, g, S)
         pad = torch.arange(kt.shape[1])[None, :] >= counts[:, None]
         s = s.masked_fill(pad[:, None, :], float("-inf"))
+        vt = vt.masked_fill(pad[:, :, None], 0.0)  # rows past a head's count are whatever the buffer held
         out[b, 0] = (torch.softmax(s, dim=-1) @ vt).reshape(hq, D)
     if T == 1:
         cache.seconds["backend"] += time.perf_counter() - t_enter
