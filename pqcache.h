@@ -286,11 +286,14 @@ typedef enum pqc_subspaces {
 } pqc_subspaces;
 
 typedef struct pqc_pq_desc {
-    int m;                       /* sub-spaces; must divide d_h. 0 = 2                     */
-    int bits;                    /* bits per code, 1..8 (2^bits centroids). 0 = 6          */
-    int iters;                   /* Lloyd iterations T. 0 = 10; a negative value = 0 iters */
+    int m;                       /* sub-spaces; must divide d_h. 0 = PQC_DEFAULT_M         */
+    int bits;                    /* bits per code, 1..8 (2^bits centroids). 0 = the default */
+    int iters;                   /* Lloyd iterations T. 0 = the default (PQC_DEFAULT_ITERS;
+                                    in a cache with a scheduler, the scheduler's choice);
+                                    negative = none (the seeding alone)                   */
     pqc_init init;               /* 0 = k-means++                                           */
-    int max_points_per_centroid; /* training sample cap per centroid; 0 = 256; -1 = none   */
+    int max_points_per_centroid; /* training sample cap per centroid; 0 = the default;
+                                    negative = none (every point trains)                  */
     uint64_t seed;               /* results depend only on seed and data, never on threads */
     double *objective;           /* optional out: m * (iters + 1) values, the k-means
                                     objective (mean squared error of the training sample
@@ -313,6 +316,14 @@ typedef struct pqc_pq_desc {
                                     rotation moves a pair's energy between its two dims */
     pqc_subspaces subspaces;     /* default contiguous                                      */
 } pqc_pq_desc;
+
+/* What 0 means in a pqc_pq_desc. Every desc of the library follows one rule: 0 is the
+   default (a PQC_DEFAULT_ constant), and where an option can be nothing (no sinks, no
+   block cache, no iterations, ...) a negative value means none. */
+#define PQC_DEFAULT_M 2
+#define PQC_DEFAULT_BITS 6
+#define PQC_DEFAULT_ITERS 10
+#define PQC_DEFAULT_MAX_POINTS_PER_CENTROID 256
 
 /* A trained product quantizer for one (layer, KV head). Fields are read-only. */
 typedef struct pqc_pq {
@@ -563,8 +574,9 @@ typedef struct pqc_cache_desc {
     double budget_ratio;     /* tokens attended beyond the sinks: ratio * (s - sinks); 0 = 0.1 */
     size_t budget_tokens;    /* a fixed budget instead of the ratio (0 = use the ratio)   */
     double recent_share;     /* share of the budget for the window; 0 = 0.5             */
-    pqc_pq_desc pq;          /* m, bits, init, seed; pq.iters > 0 fixes T, 0 = scheduler;
-                                pq.metric must be NULL (see metric below)                 */
+    pqc_pq_desc pq;          /* m, bits, iters, init, seed as in a PQ desc (pq.iters 0: the
+                                scheduler's T, with one); pq.metric must be NULL (see
+                                metric below)                                             */
     pqc_metric metric;       /* distance of the PQ builds; 0 = PQC_METRIC_QUERY            */
     double metric_floor;     /* QUERY: weight of a dimension = its mean squared query over
                                 the mean over dimensions, plus this; 0 = 0.01; at least
@@ -577,27 +589,29 @@ typedef struct pqc_cache_desc {
                                 PQ score (plus its exact list) are scored again with the
                                 exact stored keys in host memory (pqc_rerank: softmax-sum
                                 over those candidates) and the best k kept. 0 = off
-                                (default); else at least 1                               */
+                                (default, as is a negative value); else at least 1       */
     int outliers;            /* exact list: per head, the coded tokens its codebook serves
                                 worst (largest residual, weighted by the head's metric),
                                 `outliers` of them at each build plus up to as many coded
                                 since whose residual beats the build's smallest; they join
                                 the candidates that are scored exactly each step (with
                                 rerank 0 the candidates are the PQ top-k). 0 = none
-                                (default); 4 bytes per listed token                       */
+                                (default; negative: none too); 4 bytes per listed token   */
     double residual_weight;  /* residual-aware scoring (pqc_search_desc.residuals): each
                                 coded token keeps its m residual norms (m bytes, weighted
                                 by the head's metric) and each head's score gains this
                                 times sum_j |q_j| |r_j|, a share of the optimistic bound.
-                                0 = off (default); measured best near 0.15. On the CUDA
+                                0 = off (default; negative: off); best near 0.15. On the CUDA
                                 tier the search then runs on the host                    */
     int block_tokens;        /* block size of the block cache; 0 = 128                    */
     int cache_blocks;        /* blocks per layer and KV head; 0 = 32; -1 = no block cache */
     pqc_policy policy;       /* 0 = LFU                                                   */
-    int admit_blocks;        /* blocks admitted after each selection; 0 = cache_blocks     */
+    int admit_blocks;        /* blocks admitted after each selection; 0 = cache_blocks;
+                                -1 = none (the cache holds what the window leaves)        */
     double rebuild_share;    /* re-cluster a layer once this share of its coded tokens was
-                                coded without retraining; 0 = 0.5; >= 1 never             */
-    pqc_scheduler *scheduler;/* optional; used when pq.iters == 0                          */
+                                coded without retraining; 0 = 0.5; negative (or >= 1) =
+                                never                                                     */
+    pqc_scheduler *scheduler;/* optional: picks T for each build when pq.iters is 0        */
     const pqc_backend *backend; /* device tier; NULL = the runtime's (CUDA GPU or CPU)   */
     void *cuda_stream;       /* CUDA runtime: the engine's CUstream (cudaStream_t); every
                                 device step of this cache is ordered on it. NULL = a
@@ -613,8 +627,9 @@ typedef struct pqc_cache_desc {
                                 every head would (with split = PQC_SPLIT_FIXED). 0 = 0   */
 } pqc_cache_desc;
 
-/* What 0 means in a pqc_cache_desc (a negative n_sink, cache_blocks or observe means
-   none; pq.iters 0 means the scheduler, or PQC_DEFAULT_ITERS without one). */
+/* What 0 means in a pqc_cache_desc (the rule of every desc: 0 = the default, negative =
+   none, for n_sink, observe, cache_blocks, admit_blocks, rebuild_share, rerank, outliers,
+   residual_weight and pq.iters; pq's own defaults are the PQC_DEFAULT_ of a PQ desc). */
 #define PQC_DEFAULT_MAX_TOKENS ((size_t)1 << 20)
 #define PQC_DEFAULT_N_SINK 32
 #define PQC_DEFAULT_BUDGET_RATIO 0.1
@@ -678,11 +693,12 @@ typedef struct pqc_kv_out {
 PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out);
 /* The configuration pqc_cache_create makes of desc, into *out: every default filled in
    (n_q_heads, max_tokens, n_sink, budget_ratio, recent_share, metric_floor, observe,
-   block_tokens, cache_blocks, admit_blocks, rebuild_share; "none" as 0 for n_sink,
-   cache_blocks and observe; pq.m and pq.bits as the PQ core takes them), every rule
-   checked with a message of its own; nothing is allocated. window stays 0 where it is
-   derived at the first prefill; pq.iters stays 0 for the scheduler. rt: for its log,
-   may be NULL. *out is written only on success. */
+   block_tokens, cache_blocks, admit_blocks, rebuild_share, pq.m, pq.bits, pq.iters,
+   pq.max_points_per_centroid), "none" written as -1 (a switched-off rerank, outliers or
+   residual_weight as 0), every rule checked with a message of its own; nothing is
+   allocated. Given back to pqc_cache_create (or to this call) it makes the same cache.
+   window stays 0 where it is derived at the first prefill; pq.iters stays 0 where a
+   scheduler picks T. rt: for its log, may be NULL. *out is written only on success. */
 PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out);
 /* A cache's configuration as resolved at creation, its window as fixed so far. */
 PQCDEF pqc_result pqc_cache_config(const pqc_cache *c, pqc_cache_desc *out);
@@ -2690,19 +2706,18 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
 {
     if (in) *d = *in;
     else memset(d, 0, sizeof *d);
-    if (d->m == 0) d->m = 2;
-    if (d->bits == 0) d->bits = 6;
-    if (d->iters == 0) d->iters = 10;
+    if (d->m == 0) d->m = PQC_DEFAULT_M;
+    if (d->bits == 0) d->bits = PQC_DEFAULT_BITS;
+    if (d->iters == 0) d->iters = PQC_DEFAULT_ITERS;
     else if (d->iters < 0) d->iters = 0;
-    if (d->max_points_per_centroid == 0) d->max_points_per_centroid = 256;
+    if (d->max_points_per_centroid == 0) d->max_points_per_centroid = PQC_DEFAULT_MAX_POINTS_PER_CENTROID;
+    else if (d->max_points_per_centroid < 0) d->max_points_per_centroid = -1;
     if (dim <= 0) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "key dimension %d must be positive", dim);
     if (d->m < 0 || d->m > dim) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "m = %d not in 1..d_h (%d)", d->m, dim);
     if (dim % d->m) return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "m = %d does not divide d_h = %d", d->m, dim);
     if (d->bits < 1 || d->bits > 8) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "bits = %d not in 1..8", d->bits);
     if (d->iters > 100000) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "iters = %d too large", d->iters);
     if ((int)d->init < 0 || (int)d->init > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown init %d", (int)d->init);
-    if (d->max_points_per_centroid < -1)
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "max_points_per_centroid %d", d->max_points_per_centroid);
     if (d->device < 0 || d->device > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.device = %d not 0 or 1", d->device);
     if ((int)d->rope < 0 || (int)d->rope > 2) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown pq.rope %d", (int)d->rope);
     if ((int)d->subspaces < 0 || (int)d->subspaces > 1)
@@ -4764,10 +4779,10 @@ static size_t pqc__qsq_len(const pqc_cache *c) { return 2 * pqc__qsq_part(c) + 2
         if (!(ok)) return pqc__fail(rt, code, "pqc_cache_create: " __VA_ARGS__);   \
     } while (0)
 
-PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out)
+static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out)
 {
     pqc_cache_desc d;
-    pqc_pq_desc pqd, tmp;
+    pqc_pq_desc tmp;
     pqc_result r;
     size_t slot_bytes, row_bytes, all_heads;
     if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
@@ -4782,10 +4797,17 @@ PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc,
     if (d.cache_blocks == 0) d.cache_blocks = PQC_DEFAULT_CACHE_BLOCKS;
     else if (d.cache_blocks < 0) d.cache_blocks = 0;
     if (d.admit_blocks == 0) d.admit_blocks = d.cache_blocks;
+    else if (d.admit_blocks < 0) d.admit_blocks = 0;
     if (d.rebuild_share == 0) d.rebuild_share = PQC_DEFAULT_REBUILD_SHARE;
+    else if (d.rebuild_share < 0 || d.rebuild_share >= 1) d.rebuild_share = -1; /* never */
     if (d.metric_floor == 0) d.metric_floor = PQC_DEFAULT_METRIC_FLOOR;
     if (d.observe == 0) d.observe = PQC_DEFAULT_OBSERVE;
     else if (d.observe < 0) d.observe = 0;
+    if (d.rerank < 0) d.rerank = 0;
+    if (d.outliers < 0) d.outliers = 0;
+    if (d.residual_weight < 0) d.residual_weight = 0;
+    if (d.pq.iters == 0 && !d.scheduler) d.pq.iters = PQC_DEFAULT_ITERS;
+    else if (d.pq.iters < 0) d.pq.iters = -1;
     PQC__RULE(d.n_layers > 0 && d.n_layers <= 4096 && d.n_kv_heads > 0 && d.n_kv_heads <= 4096 && d.head_dim > 0 &&
                   d.head_dim <= 65536 && d.n_q_heads > 0 && d.n_q_heads <= 65536,
               PQC_ERROR_BAD_SHAPE, "layers %d, kv heads %d, query heads %d, head dim %d (1..4096, 1..4096, 1..65536, "
@@ -4823,8 +4845,7 @@ PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc,
     PQC__RULE(d.admit_blocks >= 0 && d.admit_blocks <= d.cache_blocks, PQC_ERROR_OUT_OF_RANGE,
               "admit_blocks %d not in 0..cache_blocks %d", d.admit_blocks, d.cache_blocks);
     PQC__RULE((int)d.policy >= 0 && (int)d.policy <= 1, PQC_ERROR_OUT_OF_RANGE, "policy %d unknown", (int)d.policy);
-    PQC__RULE(d.rebuild_share > 0, PQC_ERROR_OUT_OF_RANGE, "rebuild_share %g: above 0 (1 or more: never)",
-              d.rebuild_share);
+    PQC__RULE(d.rebuild_share == d.rebuild_share, PQC_ERROR_OUT_OF_RANGE, "rebuild_share is NaN");
     PQC__RULE(d.codes_resident >= 0 && d.codes_resident <= 1, PQC_ERROR_OUT_OF_RANGE, "codes_resident %d: 0 or 1",
               d.codes_resident);
     PQC__RULE(d.first_kv_head >= 0 && d.first_kv_head <= (1 << 20), PQC_ERROR_OUT_OF_RANGE,
@@ -4839,22 +4860,42 @@ PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc,
     /* sinks or a window beyond the capacity are the whole sequence */
     if ((size_t)d.n_sink > d.max_tokens) d.n_sink = (int)d.max_tokens;
     if ((size_t)d.window > d.max_tokens) d.window = (int)d.max_tokens;
-    pqd = d.pq;
-    if (pqd.iters == 0) pqd.iters = 1; /* validated here; the scheduler picks T later */
-    if ((r = pqc__pq_check_desc(rt, &pqd, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
+    if ((r = pqc__pq_check_desc(rt, &d.pq, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
     d.pq.m = tmp.m;
     d.pq.bits = tmp.bits;
+    d.pq.max_points_per_centroid = tmp.max_points_per_centroid;
     d.pq.objective = NULL;
     *out = d;
     return PQC_SUCCESS;
 }
 #undef PQC__RULE
 
+/* The cache keeps counts (0 sinks, 0 blocks, ...); a resolved desc given back writes
+   none as -1, so that it resolves to itself. */
+static void pqc__desc_public(pqc_cache_desc *d)
+{
+    if (d->n_sink == 0) d->n_sink = -1;
+    if (d->observe == 0) d->observe = -1;
+    if (d->cache_blocks == 0) d->cache_blocks = -1;
+    if (d->admit_blocks == 0) d->admit_blocks = -1;
+}
+
+PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out)
+{
+    pqc_cache_desc d;
+    pqc_result r = pqc__cache_resolve(rt, desc, &d);
+    if (r != PQC_SUCCESS) return r;
+    pqc__desc_public(&d);
+    *out = d;
+    return PQC_SUCCESS;
+}
+
 PQCDEF pqc_result pqc_cache_config(const pqc_cache *c, pqc_cache_desc *out)
 {
     if (!c || !out) return pqc__fail(c ? c->rt : NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_config: null pointer");
     *out = c->d;
     out->window = c->window;
+    pqc__desc_public(out);
     return PQC_SUCCESS;
 }
 
@@ -4920,7 +4961,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
     pqc_cache *c;
     pqc_result r;
     if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
-    if ((r = pqc_cache_resolve(rt, desc, &d)) != PQC_SUCCESS) return r;
+    if ((r = pqc__cache_resolve(rt, desc, &d)) != PQC_SUCCESS) return r;
     c = (pqc_cache *)pqc__calloc(pqc__rt_alloc(rt), sizeof *c);
     if (!c) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
     c->rt = rt;
@@ -5763,7 +5804,7 @@ static void pqc__maybe_build(pqc_cache *c, int l)
         if (mid >= (size_t)1 << c->d.pq.bits || mid >= 64) pqc__start_build(c, l);
         return;
     }
-    if (c->d.rebuild_share < 1.0 && mid > L->n_trained && (double)(mid - L->n_trained) > c->d.rebuild_share * (double)mid)
+    if (c->d.rebuild_share > 0 && mid > L->n_trained && (double)(mid - L->n_trained) > c->d.rebuild_share * (double)mid)
         pqc__start_build(c, l);
 }
 

@@ -756,8 +756,10 @@ def test_resolved_configuration_is_the_librarys(rng):
     assert got["max_tokens"] == 1 << 20 and got["cache_blocks"] == 32 and got["block_tokens"] == 128
     assert got["admit_blocks"] == 32 and got["observe"] == 32 and got["rebuild_share"] == 0.5
     assert got["metric"] == "query" and got["split"] == "adaptive" and got["kv_dtype"] == "f32"
-    assert got["window"] == 0 and got["iters"] == 0
-    assert pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, n_sink=-1)["n_sink"] == 0
+    assert got["window"] == 0 and got["iters"] == 10 and got["m"] == 2 and got["bits"] == 6
+    none = pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, n_sink=-1, cache_blocks=-1, rebuild_share=-1)
+    assert none["n_sink"] == -1 and none["cache_blocks"] == -1 and none["rebuild_share"] == -1
+    assert pqc.resolve(**none) == none  # a resolved configuration resolves to itself
     with pytest.raises(pqc.OutOfRangeError, match="recent_share"):
         pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, recent_share=2.0)
     with pqc.Cache(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half") as c:

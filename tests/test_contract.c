@@ -60,9 +60,10 @@ static pqc_result prefill(pqc_cache *c, int layer, const float *k, const float *
 
 /* ----- the configuration pass ---------------------------------------------------------- */
 
-/* pqc_cache_resolve fills every default with its named value, turns "none" into 0, and
-   gives each rule a message of its own that names its field; a cache reports the
-   resolved configuration, its window once fixed. */
+/* pqc_cache_resolve fills every default with its named value, writes "none" as -1 (one
+   rule: 0 = default, negative = none), resolves a resolved desc to itself, and gives each
+   rule a message of its own that names its field; a cache reports the resolved
+   configuration, its window once fixed. */
 TEST resolved_configuration_names_its_defaults_and_each_rule(void)
 {
     static const struct { const char *field; int what; } bad[] = {
@@ -96,13 +97,36 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
     ASSERT_EQ(0, r.window);  /* derived at the first prefill */
     ASSERT_EQ(2, r.pq.m);
     ASSERT_EQ(4, r.pq.bits);
+    ASSERT_EQ(3, r.pq.iters);
+    ASSERT_EQ(PQC_DEFAULT_MAX_POINTS_PER_CENTROID, r.pq.max_points_per_centroid);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &r, &got));
+    ASSERT_EQ(0, memcmp(&got, &r, sizeof got));
+    cd.pq.iters = 0; /* no scheduler: the PQ default */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(PQC_DEFAULT_ITERS, r.pq.iters);
     cd.n_sink = -1;
     cd.cache_blocks = -1;
     cd.observe = -1;
+    cd.rebuild_share = -3;
+    cd.rerank = -1;
+    cd.outliers = -7;
+    cd.pq.iters = -5;
+    cd.pq.max_points_per_centroid = -2;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
-    ASSERT_EQ(0, r.n_sink);
-    ASSERT_EQ(0, r.cache_blocks);
-    ASSERT_EQ(0, r.observe);
+    ASSERT_EQ(-1, r.n_sink);
+    ASSERT_EQ(-1, r.cache_blocks);
+    ASSERT_EQ(-1, r.admit_blocks);
+    ASSERT_EQ(-1, r.observe);
+    ASSERT_EQ(-1, r.rebuild_share);
+    ASSERT_EQ(0, r.rerank);
+    ASSERT_EQ(0, r.outliers);
+    ASSERT_EQ(-1, r.pq.iters);
+    ASSERT_EQ(-1, r.pq.max_points_per_centroid);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &r, &got));
+    ASSERT_EQ(0, memcmp(&got, &r, sizeof got));
+    cd.rebuild_share = 1.5; /* a share that can never be reached is never too */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(-1, r.rebuild_share);
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         pqc_cache_desc b = small_desc(2, 2, 4, 16);
         switch (bad[i].what) {
@@ -118,12 +142,12 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
         case 9: b.split = (pqc_split)7; break;
         case 10: b.gqa = (pqc_gqa)7; break;
         case 11: b.rerank = 0.5; break;
-        case 12: b.outliers = -3; break;
+        case 12: b.outliers = (1 << 24) + 1; break;
         case 13: b.residual_weight = 1e-300; break;
         case 14: b.block_tokens = -5; break;
         case 15: b.admit_blocks = 99; break;
         case 16: b.policy = (pqc_policy)9; break;
-        case 17: b.rebuild_share = -1; break;
+        case 17: b.rebuild_share = nan(""); break;
         case 18: b.codes_resident = 2; break;
         case 19: b.first_kv_head = -1; break;
         case 20: b.block_tokens = 1 << 30; b.cache_blocks = 1 << 30; b.n_layers = 4096; break;

@@ -1028,16 +1028,22 @@ TEST rerank_misuse_is_refused(void)
     { /* the cache's settings */
         pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
         pqc_cache *c = NULL;
-        double bad[4] = {0.5, -1, NAN, 2e6};
+        double bad[4] = {0.5, 0.999, NAN, 2e6};
+        pqc_cache_desc got;
         for (i = 0; i < 4; i++) {
             cd.rerank = bad[i];
             ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
             ASSERT(c == NULL);
         }
         cd.rerank = 0;
-        cd.outliers = -1;
+        cd.outliers = (1 << 24) + 1;
         ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
         ASSERT(c == NULL);
+        cd.rerank = -1; /* negative: none, as everywhere */
+        cd.outliers = -1;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &got));
+        ASSERT_EQ(0, got.rerank);
+        ASSERT_EQ(0, got.outliers);
     }
     PASS();
 }
@@ -1331,12 +1337,16 @@ TEST residual_aware_search_keeps_the_rare_tokens(void)
     { /* the cache's setting */
         pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
         pqc_cache *c = NULL;
-        double bad[3] = {-0.1, NAN, 2e6};
+        double bad[3] = {INFINITY, NAN, 2e6};
+        pqc_cache_desc got;
         for (i = 0; i < 3; i++) {
             cd.residual_weight = bad[i];
             ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
             ASSERT(c == NULL);
         }
+        cd.residual_weight = -0.1; /* negative: off */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &got));
+        ASSERT_EQ(0, got.residual_weight);
     }
     pqc_scratch_free(&scr);
     free(sc);
