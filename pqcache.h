@@ -4608,10 +4608,26 @@ typedef struct pqc__share {
 #endif
 } pqc__share;
 
+/* How a cache scores its steps: made once at creation by the plan (pqc__plan_init) from
+   the options and the tier's capabilities. Search, steps and the tiers read this, never
+   the options themselves. */
+typedef struct pqc__scoring {
+    pqc_gqa gqa;           /* how the query heads of a KV head combine their scores */
+    float residual_weight; /* > 0: a PQ score adds this x sum_j |q_j| |r_j| */
+    double rerank;         /* > 0: each head's candidates are ceil(rerank x its top-k) */
+    int exact;             /* candidates are scored again with the stored keys */
+    int adaptive;          /* the heads share the layer's top-k by observed attention */
+    int tier_search;       /* the tier's search can find the candidates */
+    int tier_step;         /* the tier can run a whole decode step */
+    int device_rows;       /* the tier hands rows in device memory */
+    int map_stores;        /* a loaded file's rows serve where they are mapped (host stores) */
+} pqc__scoring;
+
 struct pqc_cache {
     pqc_runtime *rt;
     pqc_allocator alloc;
     pqc_cache_desc d;
+    pqc__scoring sp;      /* the plan's part fixed at creation */
     pqc_backend be;
     int g;                /* query heads per KV head */
     size_t es;            /* storage element size */
@@ -4649,15 +4665,23 @@ struct pqc_cache {
    implement this table; pqc_cache_create picks one, and the cache's logic only ever
    calls through it. */
 struct pqc__fetch_job;
+/* What a tier can do, in pqc__tier_i.caps; the step plan (pqc__plan_init) is the one
+   reader. Optional entries of the table are NULL where the tier has nothing to do: the
+   sequence cache then does the host's part (and calls them through pqc__tier_ wrappers). */
+#define PQC__CAN_DEVICE_ROWS 1u /* rows (and a whole step, with `step`) stay in device memory */
+#define PQC__CAN_RESIDUALS 2u   /* its search and step add the residual term of the scores */
+#define PQC__CAN_EXACT 4u       /* its step scores candidates again with the stored keys */
+
 typedef struct pqc__tier_i {
     const char *name;
-    int device;                                          /* rows can be handed on the device */
+    unsigned caps;                                       /* PQC__CAN_ flags */
     pqc_result (*create)(pqc_cache *c);                  /* the layers exist */
     void (*destroy)(pqc_cache *c);                       /* before the layers go */
     void *(*store_alloc)(pqc_cache *c, size_t bytes);    /* memory of the host K/V stores */
     void (*store_free)(pqc_cache *c, void *p);
     void (*store_release)(pqc_runtime *rt, const pqc_allocator *a, void *p); /* a shared prefix's store */
     const pqc_allocator *(*codes_alloc)(pqc_cache *c);   /* memory of the codes a build makes */
+    /* optional from here on (NULL: nothing to do, or the host's way) */
     void (*quiesce)(pqc_cache *c);                       /* no device work reads the stores after it */
     pqc_result (*grown)(pqc_cache *c);                   /* the stores moved (c->cap grew) */
     pqc_result (*stored)(pqc_cache *c, int l, size_t n); /* layer l holds n rows (prefill, or a
@@ -4666,16 +4690,16 @@ typedef struct pqc__tier_i {
     int (*sized)(const pqc_cache *c);                    /* device memory was sized by the window */
     /* the top `take` coded mid tokens of every head ([head][take], ascending, from 0 = the
        first mid token) and, when `scores`, their combined scores in *sc; or *idx = NULL:
-       the host searches */
+       the host searches. NULL: the host always searches */
     pqc_result (*search)(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
                          const float **sc);
     pqc_result (*fetch_prepare)(pqc_cache *c, size_t rows_per_head); /* before any bookkeeping */
     /* the copies into slots (j->fills) and the gather into j->out, dout, or row sources */
     pqc_result (*fetch)(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel);
-    size_t (*device_bytes)(const pqc_cache *c);          /* 0: the cache's estimate is the figure */
+    size_t (*device_bytes)(const pqc_cache *c);          /* 0 or NULL: the cache's estimate is the figure */
     int (*zero_copy)(const pqc_cache *c);                /* fetch_rows can hand rows in place */
-    /* a whole decode step of layer l where the tier keeps it (see pqc__step_impl), or
-       PQC__NOT_SERVED: the sequence cache selects and fetches */
+    /* a whole decode step of layer l (see pqc__step_impl), or PQC__NOT_SERVED; NULL: the
+       sequence cache selects and fetches */
     pqc_result (*step)(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
                        const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
                        size_t pos_stride);
@@ -4694,9 +4718,49 @@ static const pqc__tier_i *pqc__cuda_tier(void);
 #endif
 
 static void *pqc__store_alloc(pqc_cache *c, size_t bytes) { return c->tier->store_alloc(c, bytes); }
+/* the optional entries: what NULL means */
+static void pqc__tier_quiesce(pqc_cache *c)
+{
+    if (c->tier->quiesce) c->tier->quiesce(c);
+}
+static pqc_result pqc__tier_grown(pqc_cache *c) { return c->tier->grown ? c->tier->grown(c) : PQC_SUCCESS; }
+static pqc_result pqc__tier_stored(pqc_cache *c, int l, size_t n)
+{
+    return c->tier->stored ? c->tier->stored(c, l, n) : PQC_SUCCESS;
+}
+static pqc_result pqc__tier_appended(pqc_cache *c, int l, size_t n)
+{
+    return c->tier->appended ? c->tier->appended(c, l, n) : PQC_SUCCESS;
+}
+static int pqc__tier_sized(const pqc_cache *c) { return c->tier->sized ? c->tier->sized(c) : 0; }
+static size_t pqc__tier_device_bytes(const pqc_cache *c) { return c->tier->device_bytes ? c->tier->device_bytes(c) : 0; }
+static pqc_result pqc__tier_adm_pull(pqc_cache *c, int l) { return c->tier->adm_pull ? c->tier->adm_pull(c, l) : PQC_SUCCESS; }
+static pqc_result pqc__tier_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
+{
+    return c->tier->stats ? c->tier->stats(c, l, st) : PQC_SUCCESS;
+}
 static void pqc__store_free(pqc_cache *c, void *p)
 {
     if (p) c->tier->store_free(c, p);
+}
+
+/* The plan's part fixed at creation: what scores a step and which of it the tier does,
+   from the options and the tier's capabilities (the one place that reads both). */
+static void pqc__plan_init(pqc_cache *c)
+{
+    pqc__scoring *sp = &c->sp;
+    unsigned caps = c->tier->caps;
+    int residual = c->d.residual_weight > 0;
+    sp->gqa = c->d.gqa;
+    sp->residual_weight = residual ? (float)c->d.residual_weight : 0.0f;
+    sp->rerank = c->d.rerank;
+    sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
+    sp->adaptive = c->d.split == PQC_SPLIT_ADAPTIVE;
+    sp->device_rows = (caps & PQC__CAN_DEVICE_ROWS) != 0;
+    sp->map_stores = !sp->device_rows;
+    sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS));
+    sp->tier_step = c->tier->step && sp->device_rows && (!residual || (caps & PQC__CAN_RESIDUALS)) &&
+                    (!sp->exact || (caps & PQC__CAN_EXACT));
 }
 
 /* The stored K and V rows of token t of a head: in the shared prefix (a fork's) or in
@@ -4979,6 +5043,7 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
 #if PQC__CUDA_LOADER
     if (rt && rt->cu && !d.backend) c->tier = pqc__cuda_tier();
 #endif
+    pqc__plan_init(c);
     c->g = d.n_q_heads / d.n_kv_heads;
     c->es = pqc_dtype_size(d.kv_dtype);
     c->row = c->es * (size_t)d.head_dim;
@@ -5064,7 +5129,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
 {
     int l, h;
     if (!c) return;
-    c->tier->quiesce(c);
+    pqc__tier_quiesce(c);
     if (c->layers) {
         for (l = 0; l < c->d.n_layers; l++) pqc__wait(c->rt, &c->layers[l].group);
         for (l = 0; l < c->d.n_layers; l++) {
@@ -5183,7 +5248,7 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
         pqc__free(&c->alloc, nc);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "K/V store: %zu bytes per layer could not be allocated", lbytes);
     }
-    c->tier->quiesce(c); /* a device may still read the old stores */
+    pqc__tier_quiesce(c); /* a device may still read the old stores */
     for (l = 0; l < (size_t)L; l++) {
         pqc__layer *Ly = &c->layers[l];
         for (h = 0; h < (size_t)H; h++) {
@@ -5217,7 +5282,7 @@ static pqc_result pqc__cache_grow(pqc_cache *c, size_t need)
     pqc__free(&c->alloc, nc);
     c->cap = cap;
     c->nblk = nblk;
-    return c->tier->grown(c);
+    return pqc__tier_grown(c);
 }
 
 static pqc_result pqc__check_layer(const pqc_cache *c, int layer, const char *what)
@@ -5903,10 +5968,10 @@ static pqc_result pqc__prefill(pqc_cache *c, int layer, const pqc_matrix *k, con
     coded = L->n_coded;
     r = pqc__code_pending(c, layer, start + n);
     /* the device copies the new sink and window rows before they count as stored */
-    if (r == PQC_SUCCESS) r = c->tier->stored(c, layer, start + n);
+    if (r == PQC_SUCCESS) r = pqc__tier_stored(c, layer, start + n);
     if (r != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
-        if (!c->tier->sized(c)) c->window = window; /* a device tier sized by it keeps it */
+        if (!pqc__tier_sized(c)) c->window = window; /* a device tier sized by it keeps it */
         return r;
     }
     L->n_tokens = start + n;
@@ -6007,7 +6072,7 @@ static pqc_result pqc__append(pqc_cache *c, int layer, const float *k, const flo
     }
     coded = L->n_coded;
     r = pqc__code_pending(c, layer, L->n_tokens + 1); /* the token leaving the window, from its own key */
-    if (r == PQC_SUCCESS) r = c->tier->appended(c, layer, L->n_tokens + 1);
+    if (r == PQC_SUCCESS) r = pqc__tier_appended(c, layer, L->n_tokens + 1);
     if (r != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, coded);
         return r;
@@ -6103,10 +6168,45 @@ typedef struct pqc__sel_job {
 /* residual-aware scoring of a head's search, when the cache has it */
 static void pqc__residual_desc(const pqc_cache *c, const pqc__head *H, pqc_search_desc *sd)
 {
-    if (c->d.residual_weight <= 0) return;
+    if (!(c->sp.residual_weight > 0)) return;
     sd->residuals = H->rq;
     sd->residual_scale = H->rscale;
-    sd->residual_weight = (float)c->d.residual_weight;
+    sd->residual_weight = c->sp.residual_weight;
+}
+
+/* Head hi's best n coded tokens by PQ score (ascending, from 0 = the first mid token)
+   into out: every coded token where n covers them (n is cut to that), else the best n
+   of the tier's candidates, else a host search. */
+static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t *n, uint32_t *out)
+{
+    pqc_cache *c = j->c;
+    pqc__layer *L = &c->layers[j->layer];
+    pqc__head *H = &L->heads[hi];
+    size_t coded = L->n_coded, t;
+    pqc_search_desc sd;
+    pqc_result r = PQC_SUCCESS;
+    if (*n >= coded) {
+        for (t = 0; t < coded; t++) out[t] = (uint32_t)t;
+        *n = coded;
+        return PQC_SUCCESS;
+    }
+    if (j->gpu_idx) {
+        const int32_t *g = j->gpu_idx + hi * j->ctake;
+        if (*n < j->ctake) { /* the best n of the tier's top ctake, by score (ties to the lower token) */
+            r = pqc_topk(c->rt, j->gpu_sc + hi * j->ctake, j->ctake, *n, &H->scratch, out, NULL);
+            for (t = 0; r == PQC_SUCCESS && t < *n; t++) out[t] = (uint32_t)g[out[t]];
+        } else {
+            for (t = 0; t < *n; t++) out[t] = (uint32_t)g[t];
+        }
+        return r;
+    }
+    memset(&sd, 0, sizeof sd);
+    sd.k = *n;
+    sd.gqa = c->sp.gqa;
+    sd.count = coded;
+    pqc__residual_desc(c, H, &sd);
+    return pqc__pq_search_impl(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, &H->scratch, out,
+                               NULL, NULL);
 }
 
 /* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
@@ -6125,27 +6225,7 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
     cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no) * sizeof(uint32_t), &tmp);
     if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
     mg = cb + nc + no;
-    if (nc >= coded) {
-        for (t = 0; t < coded; t++) cb[t] = (uint32_t)t;
-        nc = coded;
-    } else if (j->gpu_idx) {
-        const int32_t *g = j->gpu_idx + hi * j->ctake;
-        if (nc < j->ctake) { /* the best nc of the device's top ctake, by score */
-            r = pqc_topk(c->rt, j->gpu_sc + hi * j->ctake, j->ctake, nc, &H->scratch, cb, NULL);
-            for (t = 0; r == PQC_SUCCESS && t < nc; t++) cb[t] = (uint32_t)g[cb[t]];
-        } else {
-            for (t = 0; t < nc; t++) cb[t] = (uint32_t)g[t];
-        }
-    } else {
-        pqc_search_desc sd;
-        memset(&sd, 0, sizeof sd);
-        sd.k = nc;
-        sd.gqa = c->d.gqa;
-        sd.count = coded;
-        pqc__residual_desc(c, H, &sd);
-        r = pqc__pq_search_impl(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, &H->scratch, cb,
-                                NULL, NULL);
-    }
+    r = pqc__head_pq_top(j, hi, &nc, cb);
     if (r == PQC_SUCCESS) { /* merge with the exact list (both ascending) */
         a = b = nm = 0;
         while (a < nc || b < no) {
@@ -6172,12 +6252,12 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             }
             keys.data = kb;
             keys.rows = nm;
-            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->d.gqa, id, nm, j->takes[hi],
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, id, nm, j->takes[hi],
                                  &H->scratch, out, NULL, 0);
             for (t = 0; r == PQC_SUCCESS && t < j->takes[hi]; t++) out[t] = mg[out[t]];
             pqc__free(&c->alloc, kb);
         } else {
-            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->d.gqa, mg, nm, j->takes[hi],
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, mg, nm, j->takes[hi],
                                  &H->scratch, out, NULL, 0);
         }
     }
@@ -6185,60 +6265,30 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
     return r;
 }
 
+/* Head hi's selection: sinks, its top-k of the coded mid tokens (none, all of them, the
+   PQ top-k, or the top-k of its candidates scored exactly, as the plan says), the
+   tokens not coded yet, the window; ascending. */
 static void pqc__select_head(void *ctx, size_t hi)
 {
     pqc__sel_job *j = (pqc__sel_job *)ctx;
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
-    pqc__head *H = &L->heads[hi];
-    int h = (int)hi;
-    size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0;
+    size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0, k;
     uint32_t *out = j->out + hi * j->out_cap;
+    pqc_result r = PQC_SUCCESS;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
-    if (j->search && j->takes[hi] == 0) {
-        /* the adaptive split gave this head none of the layer's top-k (a total of under 4
-           per head leaves no floor): sinks, uncoded tokens and window only */
-    } else if (j->search && j->exact) {
-        pqc_result r = pqc__select_exact(j, hi, out + o);
+    if (j->search && j->takes[hi] > 0) {
+        /* (a head the adaptive split gave none of the layer's top-k takes sinks, uncoded
+           tokens and window only) */
+        k = j->takes[hi];
+        r = j->exact ? pqc__select_exact(j, hi, out + o) : pqc__head_pq_top(j, hi, &k, out + o);
         if (r != PQC_SUCCESS) {
             j->head_res[hi] = r;
             return;
         }
         for (t = 0; t < j->takes[hi]; t++) out[o + t] += (uint32_t)c->d.n_sink;
         o += j->takes[hi];
-    } else if (j->search && j->gpu_idx && j->takes[hi] < j->take) {
-        /* the head's best takes[hi] of the device's top `take`, by score (ties to the lower
-           token: the candidates are ascending), ascending */
-        const int32_t *g = j->gpu_idx + hi * j->take;
-        pqc_result r = pqc_topk(c->rt, j->gpu_sc + hi * j->take, j->take, j->takes[hi], &H->scratch, out + o, NULL);
-        if (r != PQC_SUCCESS) {
-            j->head_res[hi] = r;
-            return;
-        }
-        for (t = 0; t < j->takes[hi]; t++) out[o + t] = (uint32_t)g[out[o + t]] + (uint32_t)c->d.n_sink;
-        o += j->takes[hi];
-    } else if (j->search && j->gpu_idx) {
-        const int32_t *g = j->gpu_idx + hi * j->take;
-        for (t = 0; t < j->take; t++) out[o + t] = (uint32_t)g[t] + (uint32_t)c->d.n_sink;
-        o += j->take;
-    } else if (j->search) {
-        pqc_search_desc sd;
-        pqc_result r;
-        memset(&sd, 0, sizeof sd);
-        sd.k = j->takes[hi];
-        sd.gqa = c->d.gqa;
-        sd.first = 0;
-        sd.count = L->n_coded;
-        pqc__residual_desc(c, H, &sd);
-        r = pqc_pq_search(c->rt, &H->pq, &H->codes, j->q + (size_t)h * c->g * c->d.head_dim, c->g, &sd, &H->scratch,
-                          out + o, NULL);
-        if (r != PQC_SUCCESS) {
-            j->head_res[hi] = r;
-            return;
-        }
-        for (t = 0; t < j->takes[hi]; t++) out[o + t] += (uint32_t)c->d.n_sink;
-        o += j->takes[hi];
-    } else if (j->take > 0) {
+    } else if (!j->search && j->take > 0) {
         for (t = 0; t < L->n_coded; t++) out[o++] = (uint32_t)(sink + t); /* budget covers all coded */
     }
     for (t = (size_t)c->d.n_sink + L->n_coded; t < mid_end; t++) out[o++] = (uint32_t)t; /* not coded yet */
@@ -6329,7 +6379,7 @@ static size_t pqc__head_takes(const pqc_cache *c, const pqc__layer *L, size_t ta
 {
     size_t nh = (size_t)c->d.n_kv_heads, h, mx = 0, lo = take / 4, given = 0, spare;
     double total = (double)take * (double)nh, cum = 0.0, in_bin = 0.0;
-    int adaptive = c->d.split == PQC_SPLIT_ADAPTIVE && take > 0 && take < L->n_coded && nh > 1 &&
+    int adaptive = c->sp.adaptive && take > 0 && take < L->n_coded && nh > 1 &&
                    L->heads[0].pq.m != 0, b = 0;
     for (h = 0; adaptive && h < nh; h++) adaptive = L->omass[2 * h] >= 0.0;
     for (h = 0; h < nh; h++) takes[h] = take;
@@ -6359,28 +6409,107 @@ static size_t pqc__head_takes(const pqc_cache *c, const pqc__layer *L, size_t ta
     return mx;
 }
 
+/* ----- the step plan -----
+   One function plans a decode step of a layer for pqc_cache_select and the device step
+   alike: each head's top-k (c->takes) and exact candidates (c->cands), whether the coded
+   tokens are searched, scored again exactly, and whether the tier's search finds the
+   candidates; with the part fixed at creation (c->sp, pqc__plan_init) nothing else reads
+   the options or the tier's capabilities. */
+typedef struct pqc__plan {
+    size_t n;        /* the layer's tokens */
+    size_t coded0;   /* coded before the step: a failed step codes back to it */
+    size_t take;     /* the largest of the heads' top-k (c->takes) */
+    size_t ctake;    /* the largest of the heads' candidates (c->cands), or take */
+    int search;      /* 0 < take < coded: the coded tokens are searched */
+    int exact;       /* the candidates are scored again with the stored keys */
+    int trim;        /* a head takes fewer than ctake: the tier's search returns scores */
+    int tier_search; /* the tier's search finds the candidates */
+} pqc__plan;
+
+/* What every step checks first: the layer, a finite query, tokens to select from. */
+static pqc_result pqc__step_check(pqc_cache *c, int layer, const float *q, const char *what)
+{
+    pqc_result r;
+    if ((r = pqc__check_layer(c, layer, what)) != PQC_SUCCESS) return r;
+    if (!q) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "%s: null query", what);
+    if (c->layers[layer].n_tokens == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "%s: layer %d is empty", what, layer);
+    if (!pqc__finite_row(q, (size_t)c->d.n_q_heads * c->d.head_dim))
+        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "%s: query holds NaN, Inf or a huge value", what);
+    return PQC_SUCCESS;
+}
+
+/* Installs the layer's finished build, codes what is due, and plans the step: top-k =
+   budget - window (the budget counting the tokens beyond the sinks; without a codebook
+   every coded-or-not mid token is attended), shared over the heads as the split says;
+   exact scoring takes each head's top ceil(rerank x top-k) by PQ score (its top-k with
+   only an exact list); candidates covering every coded token need no search. */
+static pqc_result pqc__plan_step(pqc_cache *c, int layer, pqc__plan *p)
+{
+    pqc__layer *L = &c->layers[layer];
+    size_t mid, budget;
+    int h;
+    pqc_result r;
+    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r;
+    p->n = L->n_tokens;
+    p->coded0 = L->n_coded;
+    if ((r = pqc__code_pending(c, layer, p->n)) != PQC_SUCCESS) return r;
+    mid = p->n - pqc__sink_end(c, p->n);
+    budget = pqc__budget(c, mid);
+    p->take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
+    if (L->heads[0].pq.m == 0 || p->take > L->n_coded) p->take = L->n_coded;
+    p->take = pqc__head_takes(c, L, p->take, c->takes);
+    p->search = p->take > 0 && p->take < L->n_coded;
+    p->exact = p->search && c->sp.exact;
+    p->ctake = p->take;
+    if (p->exact)
+        for (h = 0, p->ctake = 0; h < c->d.n_kv_heads; h++) {
+            double want = c->sp.rerank > 0 ? ceil(c->sp.rerank * (double)c->takes[h]) : (double)c->takes[h];
+            c->cands[h] = want >= (double)L->n_coded ? L->n_coded : (size_t)want;
+            if (c->cands[h] > p->ctake) p->ctake = c->cands[h];
+        }
+    for (h = 0, p->trim = 0; h < c->d.n_kv_heads; h++) /* a head takes fewer */
+        p->trim |= (p->exact ? c->cands[h] : c->takes[h]) < p->ctake;
+    p->tier_search = p->search && p->ctake < L->n_coded && c->sp.tier_search;
+    return PQC_SUCCESS;
+}
+
+/* A step's selection made (count[h] rows of head h): its figures, and the drift note. */
+static void pqc__step_done(pqc_cache *c, int layer, const float *q, const pqc__plan *p, const size_t *count, double t0)
+{
+    pqc__layer *L = &c->layers[layer];
+    size_t h, nh = (size_t)c->d.n_kv_heads;
+    for (h = 0; h < nh; h++) L->st.tokens_selected += count[h];
+    if (p->search) {
+        size_t need = pqc_codes_bytes(&L->heads[0].codes) * nh; /* codes prefetched per step */
+        L->st.bytes_codes += need;
+        L->st.bytes_h2d += need;
+    }
+    L->st.selects++;
+    L->st.select_s += pqc__now() - t0;
+    pqc__drift_note(c, layer, q);
+    if (!c->in_step) pqc__drift_commit(c, layer, 1); /* a driver step commits at its end */
+}
+
 static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_selection *sel, int parallel)
 {
     pqc__layer *L;
     pqc_result r;
     pqc__sel_job j;
-    size_t n, budget, mid, coded, nh, need;
-    int h, trim;
+    pqc__plan p;
+    size_t n, nh;
+    int h;
     double t0 = pqc__now();
-    if ((r = pqc__check_layer(c, layer, "pqc_cache_select")) != PQC_SUCCESS) return r;
-    if (!q || !sel || !sel->idx || !sel->count)
-        return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_select: null query or selection");
+    if ((r = pqc__step_check(c, layer, q, "pqc_cache_select")) != PQC_SUCCESS) return r;
+    if (!sel || !sel->idx || !sel->count)
+        return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_select: null selection");
     if (sel->n_kv_heads != c->d.n_kv_heads)
         return pqc__cfail(c, PQC_ERROR_BAD_SHAPE, "pqc_cache_select: selection sized for %d heads", sel->n_kv_heads);
     L = &c->layers[layer];
     n = L->n_tokens;
     nh = (size_t)c->d.n_kv_heads;
-    if (n == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_select: layer %d is empty", layer);
     if (n > sel->capacity && !sel->owned)
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_select: selection holds %zu indices per head, %zu tokens",
                           sel->capacity, n);
-    if (!pqc__finite_row(q, (size_t)c->d.n_q_heads * c->d.head_dim))
-        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_select: query holds NaN, Inf or a huge value");
     /* everything that can fail for want of memory, before anything changes */
     if (n > c->sbuf_cap) {
         size_t cap = pqc__selection_cap(c, n), bytes;
@@ -6393,44 +6522,24 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
         c->sbuf_cap = cap;
     }
     if (n > sel->capacity && (r = pqc__selection_grow(c, sel, pqc__selection_cap(c, n))) != PQC_SUCCESS) return r;
-    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r;
-    coded = L->n_coded;
-    if ((r = pqc__code_pending(c, layer, n)) != PQC_SUCCESS) return r;
-    /* top-k = budget - window, the budget counting the tokens beyond the sinks; without
-       a codebook every coded-or-not mid token is attended */
-    mid = n - pqc__sink_end(c, n);
-    budget = pqc__budget(c, mid);
-    j.take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
-    if (L->heads[0].pq.m == 0 || j.take > L->n_coded) j.take = L->n_coded;
-    j.take = pqc__head_takes(c, L, j.take, c->takes);
-    j.takes = c->takes;
-    j.search = j.take > 0 && j.take < L->n_coded;
-    /* exact scoring: each head's candidates are its top ceil(rerank x takes) by PQ score */
-    j.exact = j.search && (c->d.rerank > 0 || c->d.outliers > 0);
-    j.cands = c->cands;
-    j.ctake = j.take;
-    if (j.exact)
-        for (h = 0, j.ctake = 0; h < c->d.n_kv_heads; h++) {
-            double want = c->d.rerank > 0 ? ceil(c->d.rerank * (double)c->takes[h]) : (double)c->takes[h];
-            c->cands[h] = want >= (double)L->n_coded ? L->n_coded : (size_t)want;
-            if (c->cands[h] > j.ctake) j.ctake = c->cands[h];
-        }
+    if ((r = pqc__plan_step(c, layer, &p)) != PQC_SUCCESS) return r;
     j.c = c;
     j.layer = layer;
     j.q = q;
+    j.take = p.take;
+    j.takes = c->takes;
+    j.search = p.search;
+    j.exact = p.exact;
+    j.cands = c->cands;
+    j.ctake = p.ctake;
     j.out_count = (size_t *)c->sbuf;
     j.head_res = (pqc_result *)(j.out_count + nh);
     j.out = (uint32_t *)(j.head_res + nh);
     j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
     j.gpu_sc = NULL;
-    for (h = 0, trim = 0; h < c->d.n_kv_heads; h++) /* a head takes fewer */
-        trim |= (j.exact ? c->cands[h] : c->takes[h]) < j.ctake;
-    /* candidates covering every coded token need no search (the host lists them); the
-       device kernels do not add residual terms (the host searches then) */
-    if (j.search && j.ctake < L->n_coded && c->d.residual_weight <= 0 &&
-        (r = c->tier->search(c, layer, q, j.ctake, trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
-        pqc__codes_truncate(c, layer, coded);
+    if (p.tier_search && (r = c->tier->search(c, layer, q, p.ctake, p.trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
+        pqc__codes_truncate(c, layer, p.coded0);
         return r;
     }
     if (parallel && j.search && !j.gpu_idx) {
@@ -6444,23 +6553,14 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     }
     for (h = 0; h < c->d.n_kv_heads; h++)
         if ((r = j.head_res[h]) != PQC_SUCCESS) {
-            pqc__codes_truncate(c, layer, coded);
+            pqc__codes_truncate(c, layer, p.coded0);
             return r;
         }
     for (h = 0; h < c->d.n_kv_heads; h++) {
         sel->count[h] = j.out_count[h];
         memcpy(sel->idx + (size_t)h * sel->capacity, j.out + (size_t)h * j.out_cap, j.out_count[h] * sizeof(uint32_t));
-        L->st.tokens_selected += j.out_count[h];
     }
-    if (j.search) {
-        need = pqc_codes_bytes(&L->heads[0].codes) * nh; /* codes prefetched per step */
-        L->st.bytes_codes += need;
-        L->st.bytes_h2d += need;
-    }
-    L->st.selects++;
-    L->st.select_s += pqc__now() - t0;
-    pqc__drift_note(c, layer, q);
-    if (!c->in_step) pqc__drift_commit(c, layer, 1); /* a driver step commits at its end */
+    pqc__step_done(c, layer, q, &p, j.out_count, t0);
     return PQC_SUCCESS;
 }
 
@@ -6781,7 +6881,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
             if (idx[i] >= L->n_tokens || (i > 0 && idx[i] <= idx[i - 1]))
                 return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_fetch: head %zu index %zu invalid or unsorted", h, i);
     }
-    if ((r = c->tier->adm_pull(c, layer)) != PQC_SUCCESS) return r; /* after device steps */
+    if ((r = pqc__tier_adm_pull(c, layer)) != PQC_SUCCESS) return r; /* after device steps */
     memset(&j, 0, sizeof j);
     for (h = 0, j.rows_cap = 1; h < nh; h++) j.rows_cap = PQC__MAX(j.rows_cap, sel->count[h]);
     j.chunks = (j.rows_cap + PQC__FETCH_CHUNK - 1) / PQC__FETCH_CHUNK;
@@ -6846,93 +6946,19 @@ static void pqc__host_store_release(pqc_runtime *rt, const pqc_allocator *a, voi
     pqc__free(a, p);
 }
 static const pqc_allocator *pqc__host_codes_alloc(pqc_cache *c) { return &c->alloc; }
-static void pqc__host_quiesce(pqc_cache *c) { (void)c; }
-static pqc_result pqc__host_grown(pqc_cache *c)
-{
-    (void)c;
-    return PQC_SUCCESS;
-}
-static pqc_result pqc__host_stored(pqc_cache *c, int l, size_t n)
-{
-    (void)c;
-    (void)l;
-    (void)n;
-    return PQC_SUCCESS;
-}
-static int pqc__host_sized(const pqc_cache *c)
-{
-    (void)c;
-    return 0;
-}
-static pqc_result pqc__host_search(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
-                                   const float **sc)
-{
-    (void)c;
-    (void)l;
-    (void)q;
-    (void)take;
-    (void)scores;
-    *idx = NULL;
-    *sc = NULL;
-    return PQC_SUCCESS;
-}
-static size_t pqc__host_device_bytes(const pqc_cache *c)
-{
-    (void)c;
-    return 0;
-}
 static int pqc__host_zero_copy(const pqc_cache *c)
 {
     return c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
 }
 
-static pqc_result pqc__host_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
-                                 const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
-                                 size_t pos_stride)
-{
-    (void)c;
-    (void)l;
-    (void)q;
-    (void)takes;
-    (void)search;
-    (void)ctake;
-    (void)count;
-    (void)out;
-    (void)dout;
-    (void)pos;
-    (void)pos_stride;
-    return PQC__NOT_SERVED;
-}
-static pqc_result pqc__host_adm_pull(pqc_cache *c, int l)
-{
-    (void)c;
-    (void)l;
-    return PQC_SUCCESS;
-}
-static pqc_result pqc__host_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
-{
-    (void)c;
-    (void)l;
-    (void)st;
-    return PQC_SUCCESS;
-}
 
-static void pqc__host_batch_tables(pqc_cache *const *caches, int n, int l, const float *const *q)
-{
-    (void)caches;
-    (void)n;
-    (void)l;
-    (void)q;
-}
 
 static const pqc__tier_i *pqc__host_tier(void)
 {
     static const pqc__tier_i t = { "host", 0, pqc__host_create, pqc__host_destroy, pqc__host_store_alloc,
-                                   pqc__host_store_free, pqc__host_store_release, pqc__host_codes_alloc, pqc__host_quiesce, pqc__host_grown,
-                                   pqc__host_stored, pqc__host_stored, pqc__host_sized, pqc__host_search,
-                                   pqc__host_fetch_prepare, pqc__host_fetch, pqc__host_device_bytes,
-                                   pqc__host_zero_copy, pqc__host_step, pqc__host_adm_pull, pqc__host_stats,
-                                   pqc__host_batch_tables };
+                                   pqc__host_store_free, pqc__host_store_release, pqc__host_codes_alloc,
+                                   NULL, NULL, NULL, NULL, NULL, NULL, pqc__host_fetch_prepare, pqc__host_fetch,
+                                   NULL, pqc__host_zero_copy, NULL, NULL, NULL, NULL };
     return &t;
 }
 
@@ -6945,20 +6971,19 @@ PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *
 PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_selection *sel, pqc_kv_device *out)
 {
     if (!c || !out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch_device: null pointer");
-    if (!c->tier->device)
+    if (!c->sp.device_rows)
         return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_fetch_device: the cache's device tier is host memory");
     return pqc__fetch_impl(c, layer, sel, NULL, out, 1);
 }
 
-PQCDEF int pqc_cache_on_device(const pqc_cache *c) { return c && c->tier->device ? 1 : 0; }
+PQCDEF int pqc_cache_on_device(const pqc_cache *c) { return c && c->sp.device_rows ? 1 : 0; }
 
 /* A decode step's select and fetch of one layer in one call, where the tier runs the
    whole step (the CUDA tier: selection, admission and gather on the device, no host
    round trip). The rules are pqc__select_impl's and pqc__fetch_impl's (the same tops-k
-   per head, the same admission); caches that score candidates exactly (rerank, outliers)
-   or with residuals, and tiers without steps, give PQC__NOT_SERVED before changing
-   anything that matters (tokens coded meanwhile stay coded), and the caller selects and
-   fetches. count[h] receives head h's rows; with out the rows and the selection (into
+   per head, the same admission); where the plan says the tier cannot run the step (a
+   tier without steps, or scoring its step lacks: exact candidates, residuals) it gives
+   PQC__NOT_SERVED before changing anything, and the caller selects and fetches. count[h] receives head h's rows; with out the rows and the selection (into
    pos, head h at pos + h * pos_stride) come to the host, with dout they stay on the
    device. Hits, misses and bytes are counted by the tier (see pqc_cache_stats). */
 static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const pqc_kv_out *out, pqc_kv_device *dout,
@@ -6966,59 +6991,38 @@ static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const 
 {
     pqc__layer *L;
     pqc_result r;
-    size_t n, coded, mid, budget, take, sink, unc, win0, mid_end, h, nh;
-    int search;
+    pqc__plan p;
+    size_t n, sink, unc, win0, mid_end, h, nh;
     double t0 = pqc__now();
-    if ((r = pqc__check_layer(c, layer, "pqc_cache_step_device")) != PQC_SUCCESS) return r;
-    if (!q || !count || (out && (!out->k || !out->v || !pos)))
-        return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_step_device: null query or output");
-    if (c->d.rerank > 0 || c->d.outliers > 0 || c->d.residual_weight > 0) return PQC__NOT_SERVED;
+    if ((r = pqc__step_check(c, layer, q, "pqc_cache_step_device")) != PQC_SUCCESS) return r;
+    if (!count || (out && (!out->k || !out->v || !pos)))
+        return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_step_device: null output");
+    if (!c->sp.tier_step) return PQC__NOT_SERVED;
     L = &c->layers[layer];
-    n = L->n_tokens;
     nh = (size_t)c->d.n_kv_heads;
-    if (n == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_cache_step_device: layer %d is empty", layer);
-    if (!pqc__finite_row(q, (size_t)c->d.n_q_heads * c->d.head_dim))
-        return pqc__cfail(c, PQC_ERROR_NON_FINITE, "pqc_cache_step_device: query holds NaN, Inf or a huge value");
-    if ((r = pqc__join_build(c, layer)) != PQC_SUCCESS) return r;
-    coded = L->n_coded;
-    if ((r = pqc__code_pending(c, layer, n)) != PQC_SUCCESS) return r;
-    mid = n - pqc__sink_end(c, n);
-    budget = pqc__budget(c, mid);
-    take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
-    if (L->heads[0].pq.m == 0 || take > L->n_coded) take = L->n_coded;
-    take = pqc__head_takes(c, L, take, c->takes);
-    search = take > 0 && take < L->n_coded;
+    if ((r = pqc__plan_step(c, layer, &p)) != PQC_SUCCESS) return r;
+    n = p.n;
     mid_end = pqc__mid_end(c, n);
     sink = PQC__MIN((size_t)c->d.n_sink, n);
     unc = mid_end > (size_t)c->d.n_sink + L->n_coded ? mid_end - ((size_t)c->d.n_sink + L->n_coded) : 0;
     win0 = PQC__MAX(mid_end, sink);
     for (h = 0; h < nh; h++) {
-        if (!search) c->takes[h] = take; /* every coded token, or none */
         count[h] = sink + c->takes[h] + unc + (n > win0 ? n - win0 : 0);
         if ((out && count[h] > out->head_stride) || (pos && count[h] > pos_stride)) {
-            pqc__codes_truncate(c, layer, coded);
+            pqc__codes_truncate(c, layer, p.coded0);
             return pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_step_device: %zu rows selected, room for %zu", count[h],
                               out ? PQC__MIN(out->head_stride, pos_stride) : pos_stride);
         }
     }
-    r = c->tier->step(c, layer, q, c->takes, search, take, count, out, dout, pos, pos_stride);
+    r = c->tier->step(c, layer, q, c->takes, p.search, p.take, count, out, dout, pos, pos_stride);
     if (r == PQC__NOT_SERVED) return r;
     if (r != PQC_SUCCESS) {
-        pqc__codes_truncate(c, layer, coded);
+        pqc__codes_truncate(c, layer, p.coded0);
         return r;
     }
-    for (h = 0; h < nh; h++) L->st.tokens_selected += count[h];
-    if (search) {
-        size_t need = pqc_codes_bytes(&L->heads[0].codes) * nh; /* codes prefetched per step */
-        L->st.bytes_codes += need;
-        L->st.bytes_h2d += need;
-    }
-    L->st.selects++;
     L->st.fetches++;
     L->step++;
-    L->st.select_s += pqc__now() - t0;
-    pqc__drift_note(c, layer, q);
-    if (!c->in_step) pqc__drift_commit(c, layer, 1);
+    pqc__step_done(c, layer, q, &p, count, t0);
     return PQC_SUCCESS;
 }
 
@@ -7026,7 +7030,7 @@ static pqc_result pqc__step_device(pqc_cache *c, int layer, const float *q, pqc_
 {
     pqc_result r;
     if (!c || !out || !count) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_step_device: null pointer");
-    if (!c->tier->device)
+    if (!c->sp.device_rows)
         return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_step_device: the cache's device tier is host memory");
     r = pqc__step_impl(c, layer, q, NULL, out, count, NULL, 0);
     if (r != PQC__NOT_SERVED) return r;
@@ -7538,7 +7542,7 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
         L->step = v64[4];
         L->n_coded = coded;
         L->n_trained = trained;
-        if (n && (r = c->tier->stored(c, l, n)) != PQC_SUCCESS) return r;
+        if (n && (r = pqc__tier_stored(c, l, n)) != PQC_SUCCESS) return r;
         L->n_tokens = n;
     }
     if ((size_t)(rd.end - rd.p) < 8 || (memcpy(&want, rd.p, 8), want != pqc__whash_end(&rd.h)))
@@ -7577,7 +7581,7 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
        into its pinned stores (as does a file whose layers hold different lengths) */
     for (attempt = 0, r = PQC_ERROR_BAD_STATE; attempt < 2; attempt++) {
         if ((r = pqc_cache_create(rt, desc, &c)) != PQC_SUCCESS) break;
-        mapped = attempt == 0 && len > 0 && !c->tier->device;
+        mapped = attempt == 0 && len > 0 && c->sp.map_stores;
         taken = 0;
         r = pqc__cache_read(c, (const unsigned char *)img, len, path, mapped, &taken);
         if (r == PQC_SUCCESS) break;
@@ -7605,7 +7609,7 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
 static pqc_result pqc__fork_room(pqc_cache *c, size_t n)
 {
     pqc_result r = pqc__cache_grow(c, n < c->d.max_tokens ? n + 1 : n);
-    if (r == PQC_SUCCESS && !c->layers[0].kbase) r = c->tier->grown(c); /* full: no own rows */
+    if (r == PQC_SUCCESS && !c->layers[0].kbase) r = pqc__tier_grown(c); /* full: no own rows */
     return r;
 }
 
@@ -7666,7 +7670,7 @@ static pqc_result pqc__fork_copy(pqc_cache *c, const pqc_cache *p, size_t n)
         L->step = P->step;
         L->n_coded = P->n_coded;
         L->n_trained = P->n_trained;
-        if (n && (r = c->tier->stored(c, l, n)) != PQC_SUCCESS) return r;
+        if (n && (r = pqc__tier_stored(c, l, n)) != PQC_SUCCESS) return r;
         L->n_tokens = n;
     }
     return PQC_SUCCESS;
@@ -7713,7 +7717,7 @@ static pqc_result pqc__share_make(pqc_cache *p, size_t n)
         p->pn = 0;
         p->cap = cap;
         pqc__share_drop(p);
-        p->tier->grown(p);
+        pqc__tier_grown(p);
     }
     return r;
 }
@@ -7822,7 +7826,7 @@ PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats
     if ((r = pqc__check_layer(c, layer, "pqc_cache_stats")) != PQC_SUCCESS) return r;
     if (!out) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_stats: null output");
     *out = c->layers[layer].st;
-    return c->tier->stats(c, layer, out); /* what device steps counted */
+    return pqc__tier_stats(c, layer, out); /* what device steps counted */
 }
 
 PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *full_kv_bytes)
@@ -7844,7 +7848,7 @@ PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *f
         }
     }
     dev += codes * (size_t)c->d.n_kv_heads; /* one layer's codes in flight */
-    tier_bytes = c->tier->device_bytes(c); /* what a GPU actually holds, where there is one */
+    tier_bytes = pqc__tier_device_bytes(c); /* what a GPU actually holds, where there is one */
     if (tier_bytes) dev = tier_bytes;
     if (device_bytes) *device_bytes = dev;
     if (full_kv_bytes) *full_kv_bytes = full;
@@ -7892,7 +7896,7 @@ PQCDEF int pqc_cache_cached_blocks(const pqc_cache *c, int layer, int head, int3
     const pqc__head *H;
     if (!c || layer < 0 || layer >= c->d.n_layers || head < 0 || head >= c->d.n_kv_heads) return 0;
     /* after device steps, the device's bookkeeping (a failed read leaves the last known) */
-    (void)c->tier->adm_pull((pqc_cache *)(uintptr_t)c, layer);
+    (void)pqc__tier_adm_pull((pqc_cache *)(uintptr_t)c, layer);
     H = &c->layers[layer].heads[head];
     for (s = 0; s < c->d.cache_blocks; s++) {
         int32_t b = H->block_of[s];
@@ -7979,7 +7983,7 @@ PQCDEF pqc_result pqc_batch_select(pqc_cache *const *caches, int n, int layer, c
     b.layer = layer;
     b.q = q;
     b.sel = sel;
-    if (caches && n > 0 && caches[0]) caches[0]->tier->batch_tables(caches, n, layer, q);
+    if (caches && n > 0 && caches[0] && caches[0]->tier->batch_tables) caches[0]->tier->batch_tables(caches, n, layer, q);
     r = pqc__batch(caches, n, &b, pqc__batch_select_one);
     /* only successful selects noted drifted queries; the layer index was checked by them */
     for (i = 0; caches && i < n; i++)
@@ -8086,9 +8090,9 @@ static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result
                 c->layers[l].n_qobs = u->n_qobs[l];
             }
             /* the device's sink and window slots hold the given-back rows: copy them again */
-            if (gave_back && u->n_tokens[l] > 0) c->tier->stored(c, l, u->n_tokens[l]);
+            if (gave_back && u->n_tokens[l] > 0) pqc__tier_stored(c, l, u->n_tokens[l]);
         }
-        if (!c->tier->sized(c)) c->window = u->window;
+        if (!pqc__tier_sized(c)) c->window = u->window;
         memcpy(pqc__errbuf, msg, sizeof msg);
     }
     pqc__free(&c->alloc, u->n_tokens);
@@ -8283,13 +8287,13 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
         }
         if ((r = pqc_cache_append(c, l, k, v)) != PQC_SUCCESS) break;
         view.krows = view.vrows = NULL;
-        view.on_device = c->tier->device && e->accepts_device_kv;
+        view.on_device = c->sp.device_rows && e->accepts_device_kv;
         if (c->layers[l].n_tokens > sel->capacity &&
             (r = pqc__selection_grow(c, sel, pqc__selection_cap(c, c->layers[l].n_tokens))) != PQC_SUCCESS)
             break;
         /* the whole step on the device tier where it can (no round trip; with host rows
            one synchronisation, for the rows), else select, then fetch */
-        r = c->tier->device ? pqc__step_impl(c, l, q, view.on_device ? NULL : &out, view.on_device ? &dk : NULL,
+        r = c->sp.tier_step ? pqc__step_impl(c, l, q, view.on_device ? NULL : &out, view.on_device ? &dk : NULL,
                                              sel->count, sel->idx, sel->capacity)
                             : PQC__NOT_SERVED;
         if (r == PQC__NOT_SERVED) {
@@ -10472,7 +10476,7 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
         u->code_n[sl] = end;
     }
     /* query -> lookup tables */
-    lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
+    lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
     if (u->lut_pre) { /* a batch built them (pqc__cut_batch_tables) */
         u->lut_pre = 0;
     } else {
@@ -10485,7 +10489,7 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     if (P < 1) P = 1;
     p_hs = (int64_t)g * P * 2;
     sc_hs = (int64_t)u->s_cap;
-    if (c->d.gqa == PQC_GQA_SUM) {
+    if (c->sp.gqa == PQC_GQA_SUM) {
         n_luts = 1;
         mode = 0;
         lut = u->lut_sum;
@@ -10624,15 +10628,15 @@ static void pqc__lb_free(pqc_runtime *rt)
 }
 
 /* A cache whose layer-l tables the batch led by c0 can build: CUDA tier on c0's runtime,
-   the layer coded with codebooks, no residual scoring (the host searches then), and
-   c0's shape. */
+   the layer coded with codebooks, searched by this tier (the plan's c->sp.tier_search),
+   and c0's shape. */
 static int pqc__cut_lb_fits(pqc_cache *c, const pqc_cache *c0, int l, const float *q)
 {
     const struct pqc__cut *u, *u0 = c0->cu;
     if (!c || !q || !(u = c->cu) || c->tier != c0->tier || c->rt != c0->rt || !u->ready || l < 0 ||
         l >= c->d.n_layers)
         return 0;
-    if (!c->layers[l].heads[0].pq.m || c->layers[l].n_coded == 0 || c->d.residual_weight > 0) return 0;
+    if (!c->layers[l].heads[0].pq.m || c->layers[l].n_coded == 0 || !c->sp.tier_search) return 0;
     return u->g == u0->g && u->dsub == u0->dsub && u->K == u0->K && u->d == u0->d && u->m == u0->m &&
            c->d.n_q_heads == c0->d.n_q_heads;
 }
@@ -10848,7 +10852,7 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
         int64_t q_hs = (int64_t)g * d;
         if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
         u = c->cu;
-        lut_sum = c->d.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
+        lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
         if (gemm && lut_sum) {
             void *p[] = { &u->lut, &l_hs, &g, &ti, &lut_sum, &ls_hs };
             if (api->cuLaunchKernel(cr->fn[PQC__K_LUT_SUM], (unsigned)pqc__cdiv(tab, 256), (unsigned)u->n_kv, 1, 256, 1,
@@ -11378,7 +11382,7 @@ static pqc_result pqc__cut_adm_pull_w(pqc_cache *c, int l)
 
 static const pqc__tier_i *pqc__cuda_tier(void)
 {
-    static const pqc__tier_i t = { "CUDA", 1, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
+    static const pqc__tier_i t = { "CUDA", PQC__CAN_DEVICE_ROWS, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
                                    pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
                                    pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select_w,
                                    pqc__cut_fetch_prepare, pqc__cut_fetch_tier_w, pqc__cut_device_bytes,
