@@ -49,27 +49,31 @@
    a cache across processes.
 
    CONTENTS OF THE IMPLEMENTATION (each section opens with a banner "N. Title"; grep
-   for it; every section depends only on those above it)
+   for it; every section depends only on those above it, which tests/header_toc.sh
+   checks: the one declaration ahead of its definition is the device table's getter in
+   section 1, through which sections 2-14 reach the CUDA code of 16 and 17)
      1. Base                  results, messages, allocation, the size helper, files,
-                              half precision
+                              half precision, the device table
      2. Runtime and thread pool
      3. CPU kernels           scalar references, AVX2, AVX-512, run-time dispatch
      4. Scratch memory
      5. Top-k                 radix select
-     6. PQ codebook training  k-means++ seeding, Lloyd iterations (their GPU loop runs
-                              through the CUDA device tier, section 16)
+     6. PQ codebook training  k-means++ seeding, Lloyd iterations (their GPU loop is the
+                              device table's)
      7. Codes and encoding
      8. Search                lookup tables, scans, GQA combination, the exact reference
      9. Scheduler             the adaptive T_max fits and the calibration file
     10. CPU backend           the host tier's slot memory (pqc_backend)
-    11. Sequence cache        device-tier table, token store, builds, prefill, append,
-                              select
-    12. Block cache and fetch  admission (shared by every tier), the host tier
+    11. Sequence cache        the configuration, the device-tier table and the plan's
+                              fixed part, token store, builds, prefill, append, the step
+                              plan, select
+    12. Block cache and fetch  admission (shared by every tier), the host tier, the
+                              device step, cache creation
     13. Files and forks       cache files, prefix sharing, what a cache holds
     14. Batches and driver    Algorithms 1 and 2 over the engine's callbacks
-    15. CUDA loader           driver API, NVRTC, kernel cache, module (dlopen)
-    16. CUDA device tier
-    17. Kernel source         pqcache_kernels.cu as a string
+    15. Kernel source         pqcache_kernels.cu as a string
+    16. CUDA loader           driver API, NVRTC, kernel cache, module (dlopen)
+    17. CUDA device tier      and the device table of a build with the loader
 
    CONFIGURATION MACROS (define before including the implementation)
    ----------------------------------------------------------------
@@ -1378,6 +1382,23 @@ static uint64_t pqc__rng_next(uint64_t *s)
 static double pqc__rng_unit(uint64_t *s) { return (double)(pqc__rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
 static size_t pqc__rng_below(uint64_t *s, size_t n) { return (size_t)(pqc__rng_unit(s) * (double)n) % (n ? n : 1); }
 
+/* ----- the device side, reached through a table -----
+   The sections above the CUDA code (16 and 17) reach it only through this table: the
+   runtime opens and closes its device, k-means runs its Lloyd loop there, and a cache
+   takes its device tier from it (whose own table carries the batched lookup tables).
+   Its getter is defined after the CUDA tier, or with stubs in a build without the
+   loader; declaring it here is the one use of something defined further down. */
+struct pqc__tier_i;
+typedef struct pqc__device_i {
+    pqc_result (*open)(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size);
+    void (*close)(pqc_runtime *rt);
+    /* Lloyd iterations on the runtime's GPU from the centres c */
+    pqc_result (*lloyd)(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c, double *obj,
+                        char *err, size_t errsz);
+    const struct pqc__tier_i *(*tier)(void); /* NULL: no device tier */
+} pqc__device_i;
+static const pqc__device_i *pqc__device(void);
+
 /* ---------------------------------------------------------------------------------------
    2. Runtime and thread pool
    ------------------------------------------------------------------------------------- */
@@ -1615,9 +1636,6 @@ static void pqc__parallel_for(pqc_runtime *rt, size_t n, void (*fn)(void *ctx, s
     pqc__wait(rt, &g);
 }
 
-/* The CUDA device of a runtime (defined with the CUDA loader below). */
-static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size);
-static void pqc__curt_close(pqc_runtime *rt);
 
 PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime **out)
 {
@@ -1687,7 +1705,7 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
 #endif
     if (d.backend != PQC_BACKEND_CPU) {
         char why[512];
-        pqc_result cr = pqc__curt_open(rt, d.cuda_device, d.cuda_kernel_cache, why, sizeof why);
+        pqc_result cr = pqc__device()->open(rt, d.cuda_device, d.cuda_kernel_cache, why, sizeof why);
         if (cr == PQC_SUCCESS) {
             rt->backend = PQC_BACKEND_CUDA;
             snprintf(note, sizeof note, "CUDA device tier: %s", why);
@@ -1710,7 +1728,7 @@ PQCDEF void pqc_runtime_destroy(pqc_runtime *rt)
     pqc_allocator a;
     if (!rt) return;
     a = rt->alloc;
-    pqc__curt_close(rt);
+    pqc__device()->close(rt);
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_lock(&rt->mu);
     rt->stopping = 1;
@@ -2871,9 +2889,6 @@ static float pqc__sqnorm(const float *x, int d)
 }
 
 /* k-means on n points x (n x d) into c (k x d). Work buffers come from one allocation. */
-/* Lloyd iterations on the runtime's GPU from the centres c (defined with the CUDA loader). */
-static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
-                                  double *obj, char *err, size_t errsz);
 
 static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const float *x, size_t n, int d, int k, int kpad,
                               int iters, pqc_init init, uint64_t *rng, float *c, double *obj, char *err, size_t errsz,
@@ -2993,7 +3008,7 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
     /* ----- Lloyd iterations ----- */
     if (gpu && d <= 256 && n <= 0x7fffffffu) {
         pqc__free(al, mem);
-        return pqc__cuda_lloyd(gpu, x, n, d, k, iters, c, obj, err, errsz);
+        return pqc__device()->lloyd(gpu, x, n, d, k, iters, c, obj, err, errsz);
     }
     for (it = 0; it <= iters; it++) {
         double o = 0.0;
@@ -3233,18 +3248,6 @@ done:
 static void pqc__train_pfor(void *ctx, size_t i) { pqc__train_sub((pqc__train_job *)ctx + i); }
 
 static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out,
-                                     int nested);
-PQCDEF pqc_result pqc_pq_train(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out)
-{
-    return pqc__pq_train_impl(rt, desc, keys, out, 0);
-}
-/* from inside a job: no nested submissions (the pool may be the engine's and busy) */
-static pqc_result pqc__pq_train_nested(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out)
-{
-    return pqc__pq_train_impl(rt, desc, keys, out, 1);
-}
-
-static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out,
                                      int nested)
 {
     pqc_pq_desc d;
@@ -3291,6 +3294,16 @@ static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, c
     }
     *out = pq;
     return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_pq_train(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out)
+{
+    return pqc__pq_train_impl(rt, desc, keys, out, 0);
+}
+/* from inside a job: no nested submissions (the pool may be the engine's and busy) */
+static pqc_result pqc__pq_train_nested(pqc_runtime *rt, const pqc_pq_desc *desc, const pqc_matrix *keys, pqc_pq *out)
+{
+    return pqc__pq_train_impl(rt, desc, keys, out, 1);
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -4712,10 +4725,6 @@ typedef struct pqc__tier_i {
 
 #define PQC__NOT_SERVED ((pqc_result)-1001) /* the tier leaves this step to the host */
 
-static const pqc__tier_i *pqc__host_tier(void);
-#if PQC__CUDA_LOADER
-static const pqc__tier_i *pqc__cuda_tier(void);
-#endif
 
 static void *pqc__store_alloc(pqc_cache *c, size_t bytes) { return c->tier->store_alloc(c, bytes); }
 /* the optional entries: what NULL means */
@@ -4963,112 +4972,6 @@ PQCDEF pqc_result pqc_cache_config(const pqc_cache *c, pqc_cache_desc *out)
     return PQC_SUCCESS;
 }
 
-/* Every layer's and head's arrays, as c->d says; OUT_OF_MEMORY leaves what it made for
-   pqc_cache_destroy. */
-static pqc_result pqc__layers_alloc(pqc_cache *c)
-{
-    const pqc_cache_desc d = c->d;
-    int l;
-    for (l = 0; l < d.n_layers; l++) {
-        pqc__layer *L = &c->layers[l];
-        int h;
-        L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
-        L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
-        {
-            size_t part = (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1);
-            L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (2 * part + 2));
-            L->qpend = (double *)pqc__calloc(&c->alloc, sizeof(double) * (part + 1));
-        }
-        L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
-        L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
-        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 4 * (size_t)d.n_kv_heads);
-        L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * PQC__OBS_BINS * (size_t)d.n_kv_heads);
-        if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
-            return PQC_ERROR_OUT_OF_MEMORY;
-        L->u_omass = L->omass + 2 * d.n_kv_heads;
-        L->u_ohist = L->ohist + PQC__OBS_BINS * (size_t)d.n_kv_heads;
-        for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
-        memset(L->ohist, 0, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads); /* a file saves it as it is */
-        for (h = 0; h < d.n_kv_heads; h++) {
-            pqc__head *H = &L->heads[h];
-            H->scratch.alloc = c->alloc;
-            H->cscratch.alloc = c->alloc;
-            if (d.outliers > 0) {
-                H->olist = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
-                H->olist_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
-                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.outliers);
-                if (H->ores) H->ores_new = H->ores + d.outliers;
-                if (!H->olist || !H->olist_new || !H->ores) return PQC_ERROR_OUT_OF_MEMORY;
-            }
-            if (d.residual_weight > 0) {
-                H->rscale = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.pq.m);
-                if (!H->rscale) return PQC_ERROR_OUT_OF_MEMORY;
-                H->rscale_new = H->rscale + d.pq.m;
-            }
-            if (d.cache_blocks > 0) {
-                int sl;
-                H->block_of = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * (size_t)d.cache_blocks);
-                H->filled = (uint32_t *)pqc__calloc(&c->alloc, sizeof(uint32_t) * (size_t)d.cache_blocks);
-                H->freq = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
-                H->stamp = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
-                if (!H->block_of || !H->filled || !H->freq || !H->stamp) return PQC_ERROR_OUT_OF_MEMORY;
-                for (sl = 0; sl < d.cache_blocks; sl++) H->block_of[sl] = -1;
-            }
-        }
-    }
-    return PQC_SUCCESS;
-}
-
-PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out)
-{
-    pqc_cache_desc d;
-    pqc_cache *c;
-    pqc_result r;
-    if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
-    if ((r = pqc__cache_resolve(rt, desc, &d)) != PQC_SUCCESS) return r;
-    c = (pqc_cache *)pqc__calloc(pqc__rt_alloc(rt), sizeof *c);
-    if (!c) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
-    c->rt = rt;
-    if (rt) c->alloc = rt->alloc;
-    c->d = d;
-    c->udesc = *desc;
-    if (desc->backend) c->udesc.backend = &c->be; /* a fork copies it from here */
-    c->be = d.backend ? *d.backend : pqc_backend_cpu(&c->alloc);
-    if (!c->be.iface.alloc || !c->be.iface.free || !c->be.iface.copy_h2d) {
-        pqc__free(&c->alloc, c);
-        return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: backend lacks alloc, free or copy_h2d");
-    }
-    /* the device tier: the runtime's GPU unless the caller hands a backend of its own */
-    c->tier = pqc__host_tier();
-#if PQC__CUDA_LOADER
-    if (rt && rt->cu && !d.backend) c->tier = pqc__cuda_tier();
-#endif
-    pqc__plan_init(c);
-    c->g = d.n_q_heads / d.n_kv_heads;
-    c->es = pqc_dtype_size(d.kv_dtype);
-    c->row = c->es * (size_t)d.head_dim;
-    c->window = d.window;
-    c->layers = (pqc__layer *)pqc__calloc(&c->alloc, sizeof(pqc__layer) * (size_t)d.n_layers);
-    c->takes = (size_t *)pqc__alloc(&c->alloc, sizeof(size_t) * 2 * (size_t)d.n_kv_heads);
-    if (!c->layers || !c->takes) goto oom;
-    c->cands = c->takes + d.n_kv_heads;
-    if (d.outliers > 0 && !(c->orow = (float *)pqc__alloc(&c->alloc, sizeof(float) * 3 * (size_t)d.head_dim))) goto oom;
-    if (pqc__layers_alloc(c) != PQC_SUCCESS) goto oom;
-    if ((r = c->tier->create(c)) != PQC_SUCCESS) {
-        char msg[sizeof pqc__errbuf];
-        memcpy(msg, pqc__errbuf, sizeof msg);
-        pqc_cache_destroy(c);
-        memcpy(pqc__errbuf, msg, sizeof msg);
-        return r;
-    }
-    *out = c;
-    return PQC_SUCCESS;
-oom:
-    pqc_cache_destroy(c);
-    return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
-}
-
-/* Lets go of a fork's shared prefix; the last cache to do so frees it. */
 static void pqc__share_drop(pqc_cache *c)
 {
     pqc__share *s = c->share;
@@ -5890,7 +5793,33 @@ static void pqc__layer_truncate(pqc_cache *c, int l, size_t n, const pqc_layer_s
     L->step = step;
 }
 
-static void pqc__drift_commit(pqc_cache *c, int l, int keep);
+/* Adds layer l's pending drifted queries to its observations and starts the drift
+   rebuild when one is due; or forgets them (a failed driver step). */
+static void pqc__drift_commit(pqc_cache *c, int l, int keep)
+{
+    pqc__layer *L = &c->layers[l];
+    size_t part = pqc__qsq_part(c), i, last;
+    double *flag = L->qsq + 2 * part;
+    if (L->qpend[part] != 0.0) {
+        if (keep) {
+            for (i = 0; i < part; i++) L->qsq[part + i] += L->qpend[i];
+            flag[0] = 1.0;
+        }
+        memset(L->qpend, 0, (part + 1) * sizeof(double));
+    }
+    if (!keep || flag[0] == 0.0) return;
+    if (L->undo) { /* after the install, at the end of the call */
+        L->due |= PQC__DUE_DRIFT;
+        return;
+    }
+    if (L->building || L->heads[0].pq.m == 0) return;
+    last = (size_t)flag[1]; /* coded count at the last drift rebuild + 1 */
+    if (last > 0 && L->n_coded < last - 1 + PQC__MAX((size_t)256, (last - 1) / 8)) return;
+    flag[0] = 0.0;
+    flag[1] = (double)L->n_coded + 1.0;
+    pqc__start_build(c, l);
+}
+
 
 /* ----- calls as units -----
    A public call that changes a cache runs between pqc__call_begin and pqc__call_end
@@ -6340,32 +6269,6 @@ static void pqc__drift_note(pqc_cache *c, int l, const float *q)
     }
 }
 
-/* Adds layer l's pending drifted queries to its observations and starts the drift
-   rebuild when one is due; or forgets them (a failed driver step). */
-static void pqc__drift_commit(pqc_cache *c, int l, int keep)
-{
-    pqc__layer *L = &c->layers[l];
-    size_t part = pqc__qsq_part(c), i, last;
-    double *flag = L->qsq + 2 * part;
-    if (L->qpend[part] != 0.0) {
-        if (keep) {
-            for (i = 0; i < part; i++) L->qsq[part + i] += L->qpend[i];
-            flag[0] = 1.0;
-        }
-        memset(L->qpend, 0, (part + 1) * sizeof(double));
-    }
-    if (!keep || flag[0] == 0.0) return;
-    if (L->undo) { /* after the install, at the end of the call */
-        L->due |= PQC__DUE_DRIFT;
-        return;
-    }
-    if (L->building || L->heads[0].pq.m == 0) return;
-    last = (size_t)flag[1]; /* coded count at the last drift rebuild + 1 */
-    if (last > 0 && L->n_coded < last - 1 + PQC__MAX((size_t)256, (last - 1) / 8)) return;
-    flag[0] = 0.0;
-    flag[1] = (double)L->n_coded + 1.0;
-    pqc__start_build(c, l);
-}
 
 /* Each head's top-k (into takes) from the even top-k `take`; returns the largest. Under
    PQC_SPLIT_ADAPTIVE, once every head's observed attention was measured, the layer's
@@ -6962,6 +6865,113 @@ static const pqc__tier_i *pqc__host_tier(void)
     return &t;
 }
 
+/* ----- a cache made: its configuration resolved, its layers, its tier (the host tier
+   above, or the runtime's device tier), and the plan's fixed part ----- */
+/* Every layer's and head's arrays, as c->d says; OUT_OF_MEMORY leaves what it made for
+   pqc_cache_destroy. */
+static pqc_result pqc__layers_alloc(pqc_cache *c)
+{
+    const pqc_cache_desc d = c->d;
+    int l;
+    for (l = 0; l < d.n_layers; l++) {
+        pqc__layer *L = &c->layers[l];
+        int h;
+        L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
+        L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
+        {
+            size_t part = (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1);
+            L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (2 * part + 2));
+            L->qpend = (double *)pqc__calloc(&c->alloc, sizeof(double) * (part + 1));
+        }
+        L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
+        L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
+        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 4 * (size_t)d.n_kv_heads);
+        L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * PQC__OBS_BINS * (size_t)d.n_kv_heads);
+        if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
+            return PQC_ERROR_OUT_OF_MEMORY;
+        L->u_omass = L->omass + 2 * d.n_kv_heads;
+        L->u_ohist = L->ohist + PQC__OBS_BINS * (size_t)d.n_kv_heads;
+        for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
+        memset(L->ohist, 0, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads); /* a file saves it as it is */
+        for (h = 0; h < d.n_kv_heads; h++) {
+            pqc__head *H = &L->heads[h];
+            H->scratch.alloc = c->alloc;
+            H->cscratch.alloc = c->alloc;
+            if (d.outliers > 0) {
+                H->olist = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->olist_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.outliers);
+                if (H->ores) H->ores_new = H->ores + d.outliers;
+                if (!H->olist || !H->olist_new || !H->ores) return PQC_ERROR_OUT_OF_MEMORY;
+            }
+            if (d.residual_weight > 0) {
+                H->rscale = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.pq.m);
+                if (!H->rscale) return PQC_ERROR_OUT_OF_MEMORY;
+                H->rscale_new = H->rscale + d.pq.m;
+            }
+            if (d.cache_blocks > 0) {
+                int sl;
+                H->block_of = (int32_t *)pqc__alloc(&c->alloc, sizeof(int32_t) * (size_t)d.cache_blocks);
+                H->filled = (uint32_t *)pqc__calloc(&c->alloc, sizeof(uint32_t) * (size_t)d.cache_blocks);
+                H->freq = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
+                H->stamp = (uint64_t *)pqc__calloc(&c->alloc, sizeof(uint64_t) * (size_t)d.cache_blocks);
+                if (!H->block_of || !H->filled || !H->freq || !H->stamp) return PQC_ERROR_OUT_OF_MEMORY;
+                for (sl = 0; sl < d.cache_blocks; sl++) H->block_of[sl] = -1;
+            }
+        }
+    }
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out)
+{
+    pqc_cache_desc d;
+    pqc_cache *c;
+    pqc_result r;
+    if (!desc || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: null pointer");
+    if ((r = pqc__cache_resolve(rt, desc, &d)) != PQC_SUCCESS) return r;
+    c = (pqc_cache *)pqc__calloc(pqc__rt_alloc(rt), sizeof *c);
+    if (!c) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
+    c->rt = rt;
+    if (rt) c->alloc = rt->alloc;
+    c->d = d;
+    c->udesc = *desc;
+    if (desc->backend) c->udesc.backend = &c->be; /* a fork copies it from here */
+    c->be = d.backend ? *d.backend : pqc_backend_cpu(&c->alloc);
+    if (!c->be.iface.alloc || !c->be.iface.free || !c->be.iface.copy_h2d) {
+        pqc__free(&c->alloc, c);
+        return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_create: backend lacks alloc, free or copy_h2d");
+    }
+    /* the device tier: the runtime's GPU unless the caller hands a backend of its own */
+    c->tier = pqc__host_tier();
+    if (rt && rt->cu && !d.backend && pqc__device()->tier) c->tier = pqc__device()->tier();
+    pqc__plan_init(c);
+    c->g = d.n_q_heads / d.n_kv_heads;
+    c->es = pqc_dtype_size(d.kv_dtype);
+    c->row = c->es * (size_t)d.head_dim;
+    c->window = d.window;
+    c->layers = (pqc__layer *)pqc__calloc(&c->alloc, sizeof(pqc__layer) * (size_t)d.n_layers);
+    c->takes = (size_t *)pqc__alloc(&c->alloc, sizeof(size_t) * 2 * (size_t)d.n_kv_heads);
+    if (!c->layers || !c->takes) goto oom;
+    c->cands = c->takes + d.n_kv_heads;
+    if (d.outliers > 0 && !(c->orow = (float *)pqc__alloc(&c->alloc, sizeof(float) * 3 * (size_t)d.head_dim))) goto oom;
+    if (pqc__layers_alloc(c) != PQC_SUCCESS) goto oom;
+    if ((r = c->tier->create(c)) != PQC_SUCCESS) {
+        char msg[sizeof pqc__errbuf];
+        memcpy(msg, pqc__errbuf, sizeof msg);
+        pqc_cache_destroy(c);
+        memcpy(pqc__errbuf, msg, sizeof msg);
+        return r;
+    }
+    *out = c;
+    return PQC_SUCCESS;
+oom:
+    pqc_cache_destroy(c);
+    return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_create: allocation failed");
+}
+
+/* Lets go of a fork's shared prefix; the last cache to do so frees it. */
+
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out)
 {
     if (!out) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch: null output");
@@ -7384,7 +7394,15 @@ static int pqc__stored_ok(const void *p, pqc_dtype t, size_t n)
 /* The body of pqc_cache_load: fills the new cache c from fp. Returns a result code with
    the message set; BAD_FILE for anything the file gets wrong. */
 #define PQC__RETRY_COPY ((pqc_result)-1000) /* a mapped load meets layers of other lengths */
-static pqc_result pqc__fork_room(pqc_cache *c, size_t n);
+/* Room for one more token in the own stores after a fork moved the prefix (the tier
+   learns where the rows are either way). */
+static pqc_result pqc__fork_room(pqc_cache *c, size_t n)
+{
+    pqc_result r = pqc__cache_grow(c, n < c->d.max_tokens ? n + 1 : n);
+    if (r == PQC_SUCCESS && !c->layers[0].kbase) r = pqc__tier_grown(c); /* full: no own rows */
+    return r;
+}
+
 
 /* Fills a new cache from a file image. mapped: img stays mapped for the cache's life and
    its K/V rows are the cache's shared prefix (read in place, not copied); the image
@@ -7604,14 +7622,6 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
 
 /* ----- prefix sharing ----- */
 
-/* Room for one more token in the own stores after a fork moved the prefix (the tier
-   learns where the rows are either way). */
-static pqc_result pqc__fork_room(pqc_cache *c, size_t n)
-{
-    pqc_result r = pqc__cache_grow(c, n < c->d.max_tokens ? n + 1 : n);
-    if (r == PQC_SUCCESS && !c->layers[0].kbase) r = pqc__tier_grown(c); /* full: no own rows */
-    return r;
-}
 
 /* A copy of a codebook into the cache's memory. */
 static pqc_result pqc__pq_copy(pqc_cache *c, pqc_pq *dst, const pqc_pq *src)
@@ -8347,3164 +8357,7 @@ PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t po
 }
 
 /* =======================================================================================
-   15. CUDA loader (optional): run-time loader of the driver API, NVRTC and cuBLASLt, the kernels of
-   pqcache_kernels.cu embedded as a string, and the probe/compile entry points. Nothing is
-   linked: every library is opened with dlopen, and its absence is a clean CPU fallback.
-   ===================================================================================== */
-#if PQC__CUDA_LOADER
-#ifndef PQC__CU_FRAGMENT_INCLUDED
-#define PQC__CU_FRAGMENT_INCLUDED
-
-#if defined(__GNUC__) || defined(__clang__)
-#define PQC__CU_FN static __attribute__((unused))
-#else
-#define PQC__CU_FN static
-#endif
-
-/* ------------------------------------------------------------------------------------ */
-/* CUDA types and constants used (ABI-compatible stand-ins for those of the headers)     */
-/* ------------------------------------------------------------------------------------ */
-
-typedef int pqc__cuResult;                              /* CUresult */
-typedef int pqc__cuDevice;                              /* CUdevice */
-typedef unsigned long long pqc__cuDeviceptr;            /* CUdeviceptr (64-bit) */
-typedef struct pqc__cuContextOpaque *pqc__cuContext;    /* CUcontext */
-typedef struct pqc__cuModuleOpaque *pqc__cuModule;      /* CUmodule */
-typedef struct pqc__cuFunctionOpaque *pqc__cuFunction;  /* CUfunction */
-typedef struct pqc__cuStreamOpaque *pqc__cuStream;      /* CUstream / cudaStream_t */
-typedef struct pqc__cuEventOpaque *pqc__cuEvent;        /* CUevent */
-
-typedef int pqc__cuNvrtcResult;                         /* nvrtcResult */
-typedef struct pqc__cuNvrtcProgramOpaque *pqc__cuNvrtcProgram; /* nvrtcProgram */
-
-typedef int pqc__cuBlasStatus;                          /* cublasStatus_t */
-typedef struct pqc__cuBlasLtOpaque *pqc__cuBlasLtHandle;                /* cublasLtHandle_t */
-typedef struct pqc__cuBlasLtDescOpaque *pqc__cuBlasLtMatmulDesc;        /* cublasLtMatmulDesc_t */
-typedef struct pqc__cuBlasLtLayoutOpaque *pqc__cuBlasLtMatrixLayout;    /* cublasLtMatrixLayout_t */
-typedef struct pqc__cuBlasLtPrefOpaque *pqc__cuBlasLtMatmulPreference;  /* cublasLtMatmulPreference_t */
-typedef struct { uint64_t data[8]; } pqc__cuBlasLtMatmulAlgo;           /* cublasLtMatmulAlgo_t */
-typedef struct {                                        /* cublasLtMatmulHeuristicResult_t */
-    pqc__cuBlasLtMatmulAlgo algo;
-    size_t workspaceSize;
-    pqc__cuBlasStatus state;
-    float wavesCount;
-    int reserved[4];
-} pqc__cuBlasLtHeuristicResult;
-
-#define PQC__CU_SUCCESS                       0
-#define PQC__CU_ERROR_STUB_LIBRARY            34
-#define PQC__CU_ERROR_NO_DEVICE               100
-#define PQC__CU_ERROR_INSUFFICIENT_DRIVER     35
-#define PQC__CU_ATTR_MULTIPROCESSOR_COUNT     16
-#define PQC__CU_ATTR_CAN_MAP_HOST_MEMORY      19
-#define PQC__CU_ATTR_CC_MAJOR                 75
-#define PQC__CU_ATTR_CC_MINOR                 76
-#define PQC__CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN 97
-#define PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM    8
-#define PQC__CU_MEMHOSTALLOC_PORTABLE         0x01
-#define PQC__CU_MEMHOSTALLOC_DEVICEMAP        0x02
-#define PQC__CU_MEMHOSTREGISTER_PORTABLE      0x01
-#define PQC__CU_MEMHOSTREGISTER_DEVICEMAP     0x02
-#define PQC__CU_STREAM_NON_BLOCKING           0x01
-#define PQC__CU_EVENT_DEFAULT                 0x00
-#define PQC__CU_EVENT_DISABLE_TIMING          0x02
-#define PQC__CUBLAS_STATUS_SUCCESS            0
-#define PQC__CUBLAS_COMPUTE_32F               68
-#define PQC__CUBLAS_COMPUTE_32F_PEDANTIC      69
-#define PQC__CUDA_R_32F                       0
-#define PQC__CUBLAS_OP_N                      0
-#define PQC__CUBLAS_OP_T                      1
-#define PQC__CUBLASLT_MATMUL_DESC_TRANSA      3
-#define PQC__CUBLASLT_MATMUL_DESC_TRANSB      4
-#define PQC__CUBLASLT_PREF_MAX_WORKSPACE      1
-#define PQC__CUBLASLT_LAYOUT_BATCH_COUNT      5
-#define PQC__CUBLASLT_LAYOUT_BATCH_MODE       8
-#define PQC__CUBLASLT_BATCH_MODE_POINTER_ARRAY 1
-
-/* Status codes of this loader. */
-#define PQC__CU_OK                   0
-#define PQC__CU_ERR_NO_DRIVER        1  /* libcuda.so.1 not found */
-#define PQC__CU_ERR_DRIVER_SYMBOL    2  /* the driver library lacks a required symbol */
-#define PQC__CU_ERR_DRIVER_INIT      3  /* cuInit failed (stub library, old driver, ...) */
-#define PQC__CU_ERR_NO_DEVICE        4  /* driver present, no CUDA device */
-#define PQC__CU_ERR_NO_NVRTC         5  /* libnvrtc not found */
-#define PQC__CU_ERR_NVRTC_SYMBOL     6  /* libnvrtc lacks a required symbol */
-#define PQC__CU_ERR_NO_CUBLASLT      7  /* libcublasLt not found */
-#define PQC__CU_ERR_CUBLASLT_SYMBOL  8  /* libcublasLt lacks a required symbol */
-#define PQC__CU_ERR_COMPILE          9  /* NVRTC rejected the source */
-#define PQC__CU_ERR_ARCH             10 /* NVRTC cannot target the device */
-#define PQC__CU_ERR_MODULE           11 /* the driver rejected the compiled image */
-#define PQC__CU_ERR_CUDA             12 /* a driver call failed */
-#define PQC__CU_ERR_ALLOC            13 /* out of host memory / no allocator */
-#define PQC__CU_ERR_INVALID          14 /* bad argument, or the table is not loaded */
-
-/* Services the loader needs from its host library. Any member may be NULL: without
-   alloc/free nothing can be compiled or cached; without get_env PQC_NVRTC_PATH and the
-   default cache directory are ignored; without make_dir the cache directory must exist. */
-typedef struct pqc__cuHost {
-    void *(*alloc)(size_t size, void *user);
-    void (*free)(void *ptr, void *user);
-    const char *(*get_env)(const char *name, void *user);
-    int (*make_dir)(const char *path, void *user); /* 0 on success or if it exists */
-    void *user;
-} pqc__cuHost;
-
-/* The function table. Members are named after the exact symbols they come from. */
-typedef struct pqc__cuApi {
-    void *lib_driver, *lib_nvrtc, *lib_blaslt;
-    char driver_path[256], nvrtc_path[256], blaslt_path[256];
-    int driver_version;            /* cuDriverGetVersion, e.g. 13000 */
-    int device_count;
-    int nvrtc_major, nvrtc_minor;  /* nvrtcVersion */
-    size_t blaslt_version;         /* cublasLtGetVersion */
-    pqc__cuHost host;
-    char msg[512];                 /* description of the last failure */
-
-    /* driver API (libcuda) */
-    pqc__cuResult (*cuInit)(unsigned int flags);
-    pqc__cuResult (*cuDriverGetVersion)(int *version);
-    pqc__cuResult (*cuDeviceGetCount)(int *count);
-    pqc__cuResult (*cuDeviceGet)(pqc__cuDevice *dev, int ordinal);
-    pqc__cuResult (*cuDeviceGetName)(char *name, int len, pqc__cuDevice dev);
-    pqc__cuResult (*cuDeviceGetAttribute)(int *value, int attrib, pqc__cuDevice dev);
-    pqc__cuResult (*cuDeviceTotalMem_v2)(size_t *bytes, pqc__cuDevice dev);
-    pqc__cuResult (*cuDevicePrimaryCtxRetain)(pqc__cuContext *ctx, pqc__cuDevice dev);
-    pqc__cuResult (*cuDevicePrimaryCtxRelease_v2)(pqc__cuDevice dev);
-    pqc__cuResult (*cuCtxSetCurrent)(pqc__cuContext ctx);
-    pqc__cuResult (*cuCtxSynchronize)(void);
-    pqc__cuResult (*cuModuleLoadData)(pqc__cuModule *mod, const void *image);
-    pqc__cuResult (*cuModuleUnload)(pqc__cuModule mod);
-    pqc__cuResult (*cuModuleGetFunction)(pqc__cuFunction *fn, pqc__cuModule mod,
-                                         const char *name);
-    pqc__cuResult (*cuFuncSetAttribute)(pqc__cuFunction fn, int attrib, int value);
-    pqc__cuResult (*cuLaunchKernel)(pqc__cuFunction fn, unsigned int gx, unsigned int gy,
-                                    unsigned int gz, unsigned int bx, unsigned int by,
-                                    unsigned int bz, unsigned int shared_bytes,
-                                    pqc__cuStream stream, void **params, void **extra);
-    pqc__cuResult (*cuMemAlloc_v2)(pqc__cuDeviceptr *dptr, size_t bytes);
-    pqc__cuResult (*cuMemFree_v2)(pqc__cuDeviceptr dptr);
-    pqc__cuResult (*cuMemGetInfo_v2)(size_t *free_bytes, size_t *total_bytes);
-    pqc__cuResult (*cuMemHostAlloc)(void **p, size_t bytes, unsigned int flags);
-    pqc__cuResult (*cuMemFreeHost)(void *p);
-    pqc__cuResult (*cuMemHostGetDevicePointer_v2)(pqc__cuDeviceptr *dptr, void *p,
-                                                  unsigned int flags);
-    pqc__cuResult (*cuMemHostRegister_v2)(void *p, size_t bytes, unsigned int flags);
-    pqc__cuResult (*cuMemHostUnregister)(void *p);
-    pqc__cuResult (*cuMemcpyHtoD_v2)(pqc__cuDeviceptr dst, const void *src, size_t bytes);
-    pqc__cuResult (*cuMemcpyDtoH_v2)(void *dst, pqc__cuDeviceptr src, size_t bytes);
-    pqc__cuResult (*cuMemcpyHtoDAsync_v2)(pqc__cuDeviceptr dst, const void *src, size_t bytes,
-                                          pqc__cuStream stream);
-    pqc__cuResult (*cuMemcpyDtoHAsync_v2)(void *dst, pqc__cuDeviceptr src, size_t bytes,
-                                          pqc__cuStream stream);
-    pqc__cuResult (*cuMemcpyDtoDAsync_v2)(pqc__cuDeviceptr dst, pqc__cuDeviceptr src,
-                                          size_t bytes, pqc__cuStream stream);
-    pqc__cuResult (*cuMemsetD8Async)(pqc__cuDeviceptr dst, unsigned char value, size_t n,
-                                     pqc__cuStream stream);
-    pqc__cuResult (*cuMemsetD32Async)(pqc__cuDeviceptr dst, unsigned int value, size_t n,
-                                      pqc__cuStream stream);
-    pqc__cuResult (*cuStreamCreate)(pqc__cuStream *stream, unsigned int flags);
-    pqc__cuResult (*cuStreamDestroy_v2)(pqc__cuStream stream);
-    pqc__cuResult (*cuStreamSynchronize)(pqc__cuStream stream);
-    pqc__cuResult (*cuStreamWaitEvent)(pqc__cuStream stream, pqc__cuEvent ev,
-                                       unsigned int flags);
-    pqc__cuResult (*cuEventCreate)(pqc__cuEvent *ev, unsigned int flags);
-    pqc__cuResult (*cuEventDestroy_v2)(pqc__cuEvent ev);
-    pqc__cuResult (*cuEventRecord)(pqc__cuEvent ev, pqc__cuStream stream);
-    pqc__cuResult (*cuEventSynchronize)(pqc__cuEvent ev);
-    pqc__cuResult (*cuEventQuery)(pqc__cuEvent ev);
-    pqc__cuResult (*cuEventElapsedTime)(float *ms, pqc__cuEvent start, pqc__cuEvent end);
-    pqc__cuResult (*cuGetErrorString)(pqc__cuResult err, const char **str);
-    pqc__cuResult (*cuGetErrorName)(pqc__cuResult err, const char **str);
-
-    /* NVRTC */
-    pqc__cuNvrtcResult (*nvrtcVersion)(int *major, int *minor);
-    pqc__cuNvrtcResult (*nvrtcGetNumSupportedArchs)(int *n);     /* optional */
-    pqc__cuNvrtcResult (*nvrtcGetSupportedArchs)(int *archs);    /* optional */
-    pqc__cuNvrtcResult (*nvrtcCreateProgram)(pqc__cuNvrtcProgram *prog, const char *src,
-                                             const char *name, int num_headers,
-                                             const char *const *headers,
-                                             const char *const *include_names);
-    pqc__cuNvrtcResult (*nvrtcDestroyProgram)(pqc__cuNvrtcProgram *prog);
-    pqc__cuNvrtcResult (*nvrtcCompileProgram)(pqc__cuNvrtcProgram prog, int num_options,
-                                              const char *const *options);
-    pqc__cuNvrtcResult (*nvrtcGetPTXSize)(pqc__cuNvrtcProgram prog, size_t *size);
-    pqc__cuNvrtcResult (*nvrtcGetPTX)(pqc__cuNvrtcProgram prog, char *ptx);
-    pqc__cuNvrtcResult (*nvrtcGetCUBINSize)(pqc__cuNvrtcProgram prog, size_t *size); /* optional */
-    pqc__cuNvrtcResult (*nvrtcGetCUBIN)(pqc__cuNvrtcProgram prog, char *cubin);      /* optional */
-    pqc__cuNvrtcResult (*nvrtcGetProgramLogSize)(pqc__cuNvrtcProgram prog, size_t *size);
-    pqc__cuNvrtcResult (*nvrtcGetProgramLog)(pqc__cuNvrtcProgram prog, char *log);
-    const char *(*nvrtcGetErrorString)(pqc__cuNvrtcResult result);
-
-    /* cuBLASLt (optional library) */
-    pqc__cuBlasStatus (*cublasLtCreate)(pqc__cuBlasLtHandle *handle);
-    pqc__cuBlasStatus (*cublasLtDestroy)(pqc__cuBlasLtHandle handle);
-    size_t (*cublasLtGetVersion)(void);
-    pqc__cuBlasStatus (*cublasLtMatmulDescCreate)(pqc__cuBlasLtMatmulDesc *desc,
-                                                  int compute_type, int scale_type);
-    pqc__cuBlasStatus (*cublasLtMatmulDescDestroy)(pqc__cuBlasLtMatmulDesc desc);
-    pqc__cuBlasStatus (*cublasLtMatmulDescSetAttribute)(pqc__cuBlasLtMatmulDesc desc,
-                                                        int attr, const void *buf,
-                                                        size_t size);
-    pqc__cuBlasStatus (*cublasLtMatrixLayoutCreate)(pqc__cuBlasLtMatrixLayout *layout,
-                                                    int type, uint64_t rows, uint64_t cols,
-                                                    int64_t ld);
-    pqc__cuBlasStatus (*cublasLtMatrixLayoutDestroy)(pqc__cuBlasLtMatrixLayout layout);
-    pqc__cuBlasStatus (*cublasLtMatrixLayoutSetAttribute)(pqc__cuBlasLtMatrixLayout layout, int attr,
-                                                          const void *buf, size_t size);
-    pqc__cuBlasStatus (*cublasLtMatmulPreferenceCreate)(pqc__cuBlasLtMatmulPreference *pref);
-    pqc__cuBlasStatus (*cublasLtMatmulPreferenceDestroy)(pqc__cuBlasLtMatmulPreference pref);
-    pqc__cuBlasStatus (*cublasLtMatmulPreferenceSetAttribute)(
-        pqc__cuBlasLtMatmulPreference pref, int attr, const void *buf, size_t size);
-    pqc__cuBlasStatus (*cublasLtMatmulAlgoGetHeuristic)(
-        pqc__cuBlasLtHandle handle, pqc__cuBlasLtMatmulDesc desc,
-        pqc__cuBlasLtMatrixLayout a, pqc__cuBlasLtMatrixLayout b,
-        pqc__cuBlasLtMatrixLayout c, pqc__cuBlasLtMatrixLayout d,
-        pqc__cuBlasLtMatmulPreference pref, int requested,
-        pqc__cuBlasLtHeuristicResult *results, int *returned);
-    pqc__cuBlasStatus (*cublasLtMatmul)(
-        pqc__cuBlasLtHandle handle, pqc__cuBlasLtMatmulDesc desc, const void *alpha,
-        const void *A, pqc__cuBlasLtMatrixLayout a_desc, const void *B,
-        pqc__cuBlasLtMatrixLayout b_desc, const void *beta, const void *C,
-        pqc__cuBlasLtMatrixLayout c_desc, void *D, pqc__cuBlasLtMatrixLayout d_desc,
-        const pqc__cuBlasLtMatmulAlgo *algo, void *workspace, size_t workspace_bytes,
-        pqc__cuStream stream);
-} pqc__cuApi;
-
-/* One opened device: its primary context and the properties the backend needs. */
-typedef struct pqc__cuDev {
-    pqc__cuDevice dev;
-    pqc__cuContext ctx;
-    int ordinal;
-    int cc_major, cc_minor;  /* compute capability */
-    int sm_count;
-    int can_map_host;        /* mapped pinned memory usable from kernels */
-    int smem_optin;          /* max dynamic shared memory per block after opt-in */
-    size_t total_mem;
-    char name[128];
-} pqc__cuDev;
-
-/* dlsym returns void*; ISO C has no conversion to a function pointer, so the object
-   representation is copied instead (POSIX guarantees they have the same size). */
-typedef char pqc__cu_fnptr_is_pointer_sized[sizeof(void *) == sizeof(void (*)(void)) ? 1 : -1];
-
-typedef struct pqc__cuSym {
-    const char *name;
-    const char *alt;  /* same signature under another name, or NULL */
-    size_t offset;    /* of the member in pqc__cuApi */
-    int optional;
-} pqc__cuSym;
-
-#define PQC__CU_SYM(member, alt, opt) { #member, alt, offsetof(pqc__cuApi, member), opt }
-
-static const pqc__cuSym pqc__cu_driver_syms[] = {
-    PQC__CU_SYM(cuInit, NULL, 0),
-    PQC__CU_SYM(cuDriverGetVersion, NULL, 0),
-    PQC__CU_SYM(cuDeviceGetCount, NULL, 0),
-    PQC__CU_SYM(cuDeviceGet, NULL, 0),
-    PQC__CU_SYM(cuDeviceGetName, NULL, 0),
-    PQC__CU_SYM(cuDeviceGetAttribute, NULL, 0),
-    PQC__CU_SYM(cuDeviceTotalMem_v2, NULL, 0),
-    PQC__CU_SYM(cuDevicePrimaryCtxRetain, NULL, 0),
-    PQC__CU_SYM(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 0),
-    PQC__CU_SYM(cuCtxSetCurrent, NULL, 0),
-    PQC__CU_SYM(cuCtxSynchronize, NULL, 0),
-    PQC__CU_SYM(cuModuleLoadData, NULL, 0),
-    PQC__CU_SYM(cuModuleUnload, NULL, 0),
-    PQC__CU_SYM(cuModuleGetFunction, NULL, 0),
-    PQC__CU_SYM(cuFuncSetAttribute, NULL, 0),
-    PQC__CU_SYM(cuLaunchKernel, NULL, 0),
-    PQC__CU_SYM(cuMemAlloc_v2, NULL, 0),
-    PQC__CU_SYM(cuMemFree_v2, NULL, 0),
-    PQC__CU_SYM(cuMemGetInfo_v2, NULL, 0),
-    PQC__CU_SYM(cuMemHostAlloc, NULL, 0),
-    PQC__CU_SYM(cuMemFreeHost, NULL, 0),
-    PQC__CU_SYM(cuMemHostGetDevicePointer_v2, NULL, 0),
-    PQC__CU_SYM(cuMemHostRegister_v2, NULL, 0),
-    PQC__CU_SYM(cuMemHostUnregister, NULL, 0),
-    PQC__CU_SYM(cuMemcpyHtoD_v2, NULL, 0),
-    PQC__CU_SYM(cuMemcpyDtoH_v2, NULL, 0),
-    PQC__CU_SYM(cuMemcpyHtoDAsync_v2, NULL, 0),
-    PQC__CU_SYM(cuMemcpyDtoHAsync_v2, NULL, 0),
-    PQC__CU_SYM(cuMemcpyDtoDAsync_v2, NULL, 0),
-    PQC__CU_SYM(cuMemsetD8Async, NULL, 0),
-    PQC__CU_SYM(cuMemsetD32Async, NULL, 0),
-    PQC__CU_SYM(cuStreamCreate, NULL, 0),
-    PQC__CU_SYM(cuStreamDestroy_v2, NULL, 0),
-    PQC__CU_SYM(cuStreamSynchronize, NULL, 0),
-    PQC__CU_SYM(cuStreamWaitEvent, NULL, 0),
-    PQC__CU_SYM(cuEventCreate, NULL, 0),
-    PQC__CU_SYM(cuEventDestroy_v2, NULL, 0),
-    PQC__CU_SYM(cuEventRecord, NULL, 0),
-    PQC__CU_SYM(cuEventSynchronize, NULL, 0),
-    PQC__CU_SYM(cuEventQuery, NULL, 0),
-    /* cuEventElapsedTime_v2 (CUDA 12.8+) has the same signature as the original */
-    { "cuEventElapsedTime_v2", "cuEventElapsedTime", offsetof(pqc__cuApi, cuEventElapsedTime), 0 },
-    PQC__CU_SYM(cuGetErrorString, NULL, 0),
-    PQC__CU_SYM(cuGetErrorName, NULL, 0)
-};
-
-static const pqc__cuSym pqc__cu_nvrtc_syms[] = {
-    PQC__CU_SYM(nvrtcVersion, NULL, 0),
-    PQC__CU_SYM(nvrtcGetNumSupportedArchs, NULL, 1),
-    PQC__CU_SYM(nvrtcGetSupportedArchs, NULL, 1),
-    PQC__CU_SYM(nvrtcCreateProgram, NULL, 0),
-    PQC__CU_SYM(nvrtcDestroyProgram, NULL, 0),
-    PQC__CU_SYM(nvrtcCompileProgram, NULL, 0),
-    PQC__CU_SYM(nvrtcGetPTXSize, NULL, 0),
-    PQC__CU_SYM(nvrtcGetPTX, NULL, 0),
-    PQC__CU_SYM(nvrtcGetCUBINSize, NULL, 1),
-    PQC__CU_SYM(nvrtcGetCUBIN, NULL, 1),
-    PQC__CU_SYM(nvrtcGetProgramLogSize, NULL, 0),
-    PQC__CU_SYM(nvrtcGetProgramLog, NULL, 0),
-    PQC__CU_SYM(nvrtcGetErrorString, NULL, 0)
-};
-
-static const pqc__cuSym pqc__cu_blaslt_syms[] = {
-    PQC__CU_SYM(cublasLtCreate, NULL, 0),
-    PQC__CU_SYM(cublasLtDestroy, NULL, 0),
-    PQC__CU_SYM(cublasLtGetVersion, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmulDescCreate, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmulDescDestroy, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmulDescSetAttribute, NULL, 0),
-    PQC__CU_SYM(cublasLtMatrixLayoutCreate, NULL, 0),
-    PQC__CU_SYM(cublasLtMatrixLayoutDestroy, NULL, 0),
-    PQC__CU_SYM(cublasLtMatrixLayoutSetAttribute, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmulPreferenceCreate, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmulPreferenceDestroy, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmulPreferenceSetAttribute, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmulAlgoGetHeuristic, NULL, 0),
-    PQC__CU_SYM(cublasLtMatmul, NULL, 0)
-};
-
-#define PQC__CU_COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
-
-/* ------------------------------------------------------------------------------------ */
-/* Utilities                                                                            */
-/* ------------------------------------------------------------------------------------ */
-
-/* Sets api->msg (printf-style, truncated) and evaluates to status. */
-#define PQC__CU_FAIL(api, status, ...) \
-    (snprintf((api)->msg, sizeof((api)->msg), __VA_ARGS__), (status))
-
-/* Name of a driver error code ("CUDA_ERROR_OUT_OF_MEMORY"). */
-PQC__CU_FN const char *pqc__cu_error_name(pqc__cuApi *api, pqc__cuResult r)
-{
-    const char *s = NULL;
-    if (api->cuGetErrorName && api->cuGetErrorName(r, &s) == PQC__CU_SUCCESS && s) return s;
-    return "unknown CUresult";
-}
-
-/* Checks a driver result: on failure sets api->msg to "<what>: <name> (<string>)" and
-   returns PQC__CU_ERR_CUDA, else PQC__CU_OK. */
-PQC__CU_FN int pqc__cu_check(pqc__cuApi *api, pqc__cuResult r, const char *what)
-{
-    const char *str = NULL;
-    if (r == PQC__CU_SUCCESS) return PQC__CU_OK;
-    if (api->cuGetErrorString) api->cuGetErrorString(r, &str);
-    return PQC__CU_FAIL(api, PQC__CU_ERR_CUDA, "%s failed: %s (%s)", what,
-                        pqc__cu_error_name(api, r), str ? str : "no description");
-}
-
-
-PQC__CU_FN void *pqc__cu_alloc(pqc__cuApi *api, size_t n)
-{
-    return api->host.alloc ? api->host.alloc(n, api->host.user) : NULL;
-}
-
-PQC__CU_FN void pqc__cu_free(pqc__cuApi *api, void *p)
-{
-    if (p && api->host.free) api->host.free(p, api->host.user);
-}
-
-PQC__CU_FN const char *pqc__cu_getenv(pqc__cuApi *api, const char *name)
-{
-    const char *v = api->host.get_env ? api->host.get_env(name, api->host.user) : NULL;
-    return v && v[0] ? v : NULL;
-}
-
-/* Zeroes the table and records the host services (host may be NULL). */
-PQC__CU_FN void pqc__cu_api_init(pqc__cuApi *api, const pqc__cuHost *host)
-{
-    memset(api, 0, sizeof(*api));
-    if (host) api->host = *host;
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Library loading                                                                      */
-/* ------------------------------------------------------------------------------------ */
-
-/* Resolves syms from lib into api. Returns the first missing required symbol, or NULL
-   when all are present (missing optional ones are left NULL). */
-PQC__CU_FN const char *pqc__cu_resolve(pqc__cuApi *api, void *lib, const pqc__cuSym *syms,
-                                       int n)
-{
-    int i;
-    for (i = 0; i < n; ++i) {
-        void *p;
-        dlerror();
-        p = dlsym(lib, syms[i].name);
-        if (!p && syms[i].alt) p = dlsym(lib, syms[i].alt);
-        if (!p && !syms[i].optional) return syms[i].name;
-        memcpy((char *)api + syms[i].offset, &p, sizeof(p));
-    }
-    return NULL;
-}
-
-/* Clears the members of syms in api. */
-PQC__CU_FN void pqc__cu_clear(pqc__cuApi *api, const pqc__cuSym *syms, int n)
-{
-    int i;
-    void *p = NULL;
-    for (i = 0; i < n; ++i) memcpy((char *)api + syms[i].offset, &p, sizeof(p));
-}
-
-/* dlopens the first of names[0..n) that loads (NULL entries are skipped), copies its
-   name into path and returns the handle, or NULL. */
-PQC__CU_FN void *pqc__cu_dlopen_first(const char *const *names, int n, char *path,
-                                      size_t path_size)
-{
-    int i;
-    for (i = 0; i < n; ++i) {
-        void *lib;
-        if (!names[i]) continue;
-        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
-        if (lib) {
-            snprintf(path, path_size, "%s", names[i]);
-            return lib;
-        }
-    }
-    return NULL;
-}
-
-/* Opens the driver library from names[0..n) (the first that loads) and resolves the
-   driver table. Does not call cuInit. Fails with PQC__CU_ERR_NO_DRIVER or
-   PQC__CU_ERR_DRIVER_SYMBOL (the message names the missing symbol). */
-PQC__CU_FN int pqc__cu_open_driver(pqc__cuApi *api, const char *const *names, int n)
-{
-    const char *missing;
-    void *lib = pqc__cu_dlopen_first(names, n, api->driver_path, sizeof(api->driver_path));
-    if (!lib)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DRIVER, "no CUDA driver (%s not found)",
-                            n > 0 && names[0] ? names[0] : "libcuda.so.1");
-    missing = pqc__cu_resolve(api, lib, pqc__cu_driver_syms, PQC__CU_COUNT(pqc__cu_driver_syms));
-    if (missing) {
-        pqc__cu_clear(api, pqc__cu_driver_syms, PQC__CU_COUNT(pqc__cu_driver_syms));
-        dlclose(lib);
-        return PQC__CU_FAIL(api, PQC__CU_ERR_DRIVER_SYMBOL,
-                            "CUDA driver library %s lacks symbol %s (driver too old?)",
-                            api->driver_path, missing);
-    }
-    api->lib_driver = lib;
-    return PQC__CU_OK;
-}
-
-/* Opens the driver: $PQC_CUDA_DRIVER_PATH when set, then libcuda.so.1 and libcuda.so. */
-PQC__CU_FN int pqc__cu_load_driver(pqc__cuApi *api)
-{
-    const char *env = pqc__cu_getenv(api, "PQC_CUDA_DRIVER_PATH");
-    const char *names[3];
-    int n = 0;
-    if (env && env[0]) names[n++] = env;
-    names[n++] = "libcuda.so.1";
-    names[n++] = "libcuda.so";
-    return pqc__cu_open_driver(api, names, n);
-}
-
-/* cuInit + version + device count. Needs the driver table. */
-PQC__CU_FN int pqc__cu_init_driver(pqc__cuApi *api)
-{
-    pqc__cuResult r;
-    if (!api->lib_driver) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver not loaded");
-    r = api->cuInit(0);
-    if (r == PQC__CU_ERROR_NO_DEVICE) return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device");
-    if (r == PQC__CU_ERROR_STUB_LIBRARY)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_DRIVER_INIT,
-                            "no CUDA driver (%s is the toolkit's stub library)", api->driver_path);
-    if (r != PQC__CU_SUCCESS) {
-        pqc__cu_check(api, r, "cuInit");
-        return PQC__CU_ERR_DRIVER_INIT;
-    }
-    if (api->cuDriverGetVersion(&api->driver_version) != PQC__CU_SUCCESS) api->driver_version = 0;
-    if (api->cuDeviceGetCount(&api->device_count) != PQC__CU_SUCCESS || api->device_count <= 0)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device");
-    return PQC__CU_OK;
-}
-
-/* Opens NVRTC from names[0..n) and resolves its table; records its version. */
-PQC__CU_FN int pqc__cu_open_nvrtc(pqc__cuApi *api, const char *const *names, int n)
-{
-    const char *missing;
-    void *lib = pqc__cu_dlopen_first(names, n, api->nvrtc_path, sizeof(api->nvrtc_path));
-    if (!lib)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_NVRTC,
-                            "NVRTC not found (libnvrtc.so.13, .12 or libnvrtc.so; "
-                            "set PQC_NVRTC_PATH to its full path)");
-    missing = pqc__cu_resolve(api, lib, pqc__cu_nvrtc_syms, PQC__CU_COUNT(pqc__cu_nvrtc_syms));
-    if (missing) {
-        pqc__cu_clear(api, pqc__cu_nvrtc_syms, PQC__CU_COUNT(pqc__cu_nvrtc_syms));
-        dlclose(lib);
-        return PQC__CU_FAIL(api, PQC__CU_ERR_NVRTC_SYMBOL, "NVRTC library %s lacks symbol %s",
-                            api->nvrtc_path, missing);
-    }
-    api->lib_nvrtc = lib;
-    if (api->nvrtcVersion(&api->nvrtc_major, &api->nvrtc_minor) != 0) {
-        api->nvrtc_major = 0;
-        api->nvrtc_minor = 0;
-    }
-    return PQC__CU_OK;
-}
-
-/* Opens NVRTC: $PQC_NVRTC_PATH, then libnvrtc.so.13, .12 and libnvrtc.so on the loader
-   path, then the same names in /usr/local/cuda/lib64. */
-PQC__CU_FN int pqc__cu_load_nvrtc(pqc__cuApi *api)
-{
-    const char *names[7];
-    names[0] = pqc__cu_getenv(api, "PQC_NVRTC_PATH");
-    names[1] = "libnvrtc.so.13";
-    names[2] = "libnvrtc.so.12";
-    names[3] = "libnvrtc.so";
-    names[4] = "/usr/local/cuda/lib64/libnvrtc.so.13";
-    names[5] = "/usr/local/cuda/lib64/libnvrtc.so.12";
-    names[6] = "/usr/local/cuda/lib64/libnvrtc.so";
-    return pqc__cu_open_nvrtc(api, names, 7);
-}
-
-/* Opens cuBLASLt from names[0..n) and resolves its table. */
-PQC__CU_FN int pqc__cu_open_blaslt(pqc__cuApi *api, const char *const *names, int n)
-{
-    const char *missing;
-    void *lib = pqc__cu_dlopen_first(names, n, api->blaslt_path, sizeof(api->blaslt_path));
-    if (!lib)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_CUBLASLT,
-                            "cuBLASLt not found (libcublasLt.so.13 or .12)");
-    missing = pqc__cu_resolve(api, lib, pqc__cu_blaslt_syms, PQC__CU_COUNT(pqc__cu_blaslt_syms));
-    if (missing) {
-        pqc__cu_clear(api, pqc__cu_blaslt_syms, PQC__CU_COUNT(pqc__cu_blaslt_syms));
-        dlclose(lib);
-        return PQC__CU_FAIL(api, PQC__CU_ERR_CUBLASLT_SYMBOL,
-                            "cuBLASLt library %s lacks symbol %s", api->blaslt_path, missing);
-    }
-    api->lib_blaslt = lib;
-    api->blaslt_version = api->cublasLtGetVersion();
-    return PQC__CU_OK;
-}
-
-/* Opens cuBLASLt: $PQC_CUBLASLT_PATH alone when set (a library named explicitly is the
-   one wanted: when it cannot be opened, cuBLASLt is not used), else its usual names
-   (loader path, then /usr/local/cuda/lib64). */
-PQC__CU_FN int pqc__cu_load_blaslt(pqc__cuApi *api)
-{
-    static const char *const names[] = {
-        "libcublasLt.so.13", "libcublasLt.so.12",
-        "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12"
-    };
-    const char *env = pqc__cu_getenv(api, "PQC_CUBLASLT_PATH");
-    if (env) {
-        int st = pqc__cu_open_blaslt(api, &env, 1);
-        if (st == PQC__CU_ERR_NO_CUBLASLT)
-            snprintf(api->msg, sizeof(api->msg), "cuBLASLt not found (PQC_CUBLASLT_PATH %.200s cannot be opened)",
-                     env);
-        return st;
-    }
-    return pqc__cu_open_blaslt(api, names, PQC__CU_COUNT(names));
-}
-
-/* Closes every library and clears the table (keeps the host services). */
-PQC__CU_FN void pqc__cu_unload(pqc__cuApi *api)
-{
-    pqc__cuHost host = api->host;
-    if (api->lib_blaslt) dlclose(api->lib_blaslt);
-    if (api->lib_nvrtc) dlclose(api->lib_nvrtc);
-    if (api->lib_driver) dlclose(api->lib_driver);
-    pqc__cu_api_init(api, &host);
-}
-
-/* Everything the backend needs: driver (loaded and initialised, at least one device)
-   and NVRTC; cuBLASLt too when want_blaslt (its absence is then not an error:
-   api->lib_blaslt stays NULL). On failure nothing stays loaded and api->msg says why,
-   e.g. "no CUDA driver (libcuda.so.1 not found)", "no CUDA device", "NVRTC not found". */
-PQC__CU_FN int pqc__cu_load(pqc__cuApi *api, int want_blaslt)
-{
-    int st = pqc__cu_load_driver(api);
-    if (st == PQC__CU_OK) st = pqc__cu_init_driver(api);
-    if (st == PQC__CU_OK) st = pqc__cu_load_nvrtc(api);
-    if (st != PQC__CU_OK) {
-        char msg[sizeof(api->msg)];
-        memcpy(msg, api->msg, sizeof(msg));
-        pqc__cu_unload(api);
-        memcpy(api->msg, msg, sizeof(msg));
-        return st;
-    }
-    if (want_blaslt) pqc__cu_load_blaslt(api);
-    api->msg[0] = '\0';
-    return PQC__CU_OK;
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Devices                                                                              */
-/* ------------------------------------------------------------------------------------ */
-
-/* Retains the primary context of device `ordinal`, makes it current on the calling
-   thread and reads its properties. Any other thread that calls the driver must first
-   make d->ctx current with api->cuCtxSetCurrent. */
-PQC__CU_FN int pqc__cu_device_open(pqc__cuApi *api, int ordinal, pqc__cuDev *d)
-{
-    int st;
-    memset(d, 0, sizeof(*d));
-    if (!api->lib_driver) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver not loaded");
-    if (ordinal < 0 || ordinal >= api->device_count)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device %d (%d present)",
-                            ordinal, api->device_count);
-    d->ordinal = ordinal;
-    if ((st = pqc__cu_check(api, api->cuDeviceGet(&d->dev, ordinal), "cuDeviceGet"))) return st;
-    if ((st = pqc__cu_check(api, api->cuDevicePrimaryCtxRetain(&d->ctx, d->dev),
-                            "cuDevicePrimaryCtxRetain")))
-        return st;
-    if ((st = pqc__cu_check(api, api->cuCtxSetCurrent(d->ctx), "cuCtxSetCurrent"))) {
-        api->cuDevicePrimaryCtxRelease_v2(d->dev);
-        d->ctx = NULL;
-        return st;
-    }
-    api->cuDeviceGetAttribute(&d->cc_major, PQC__CU_ATTR_CC_MAJOR, d->dev);
-    api->cuDeviceGetAttribute(&d->cc_minor, PQC__CU_ATTR_CC_MINOR, d->dev);
-    api->cuDeviceGetAttribute(&d->sm_count, PQC__CU_ATTR_MULTIPROCESSOR_COUNT, d->dev);
-    api->cuDeviceGetAttribute(&d->can_map_host, PQC__CU_ATTR_CAN_MAP_HOST_MEMORY, d->dev);
-    api->cuDeviceGetAttribute(&d->smem_optin, PQC__CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN, d->dev);
-    api->cuDeviceTotalMem_v2(&d->total_mem, d->dev);
-    if (api->cuDeviceGetName(d->name, (int)sizeof(d->name), d->dev) != PQC__CU_SUCCESS)
-        snprintf(d->name, sizeof(d->name), "CUDA device %d", ordinal);
-    d->name[sizeof(d->name) - 1] = '\0';
-    return PQC__CU_OK;
-}
-
-/* Releases the primary context retained by pqc__cu_device_open. */
-PQC__CU_FN void pqc__cu_device_close(pqc__cuApi *api, pqc__cuDev *d)
-{
-    if (d->ctx && api->lib_driver) {
-        api->cuCtxSetCurrent(NULL);
-        api->cuDevicePrimaryCtxRelease_v2(d->dev);
-    }
-    d->ctx = NULL;
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* NVRTC compilation                                                                    */
-/* ------------------------------------------------------------------------------------ */
-
-/* Chooses what to compile for a device of compute capability cc (major*10 + minor):
-   a cubin for sm_cc when NVRTC supports it, else PTX for the newest architecture NVRTC
-   supports below cc (the driver JIT-compiles it). */
-PQC__CU_FN int pqc__cu_pick_arch(pqc__cuApi *api, int cc, int *arch, int *cubin)
-{
-    int n = 0, i, best = 0, archs[128];
-    if (!api->lib_nvrtc) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "NVRTC not loaded");
-    *arch = cc;
-    *cubin = api->nvrtcGetCUBIN != NULL;
-    if (!api->nvrtcGetNumSupportedArchs || !api->nvrtcGetSupportedArchs) return PQC__CU_OK;
-    if (api->nvrtcGetNumSupportedArchs(&n) != 0 || n <= 0 || n > 128) return PQC__CU_OK;
-    if (api->nvrtcGetSupportedArchs(archs) != 0) return PQC__CU_OK;
-    for (i = 0; i < n; ++i) {
-        if (archs[i] == cc) return PQC__CU_OK;
-        if (archs[i] < cc && archs[i] > best) best = archs[i];
-    }
-    if (!best)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_ARCH,
-                            "NVRTC %d.%d cannot compile for sm_%d (oldest supported: sm_%d)",
-                            api->nvrtc_major, api->nvrtc_minor, cc, archs[0]);
-    *arch = best;
-    *cubin = 0;
-    return PQC__CU_OK;
-}
-
-/* NVRTC contracts a*b+c into fused operations by default; the kernels must round as the
-   CPU library does, so only their explicit fmaf calls may fuse. */
-#define PQC__CU_NVRTC_FMAD "--fmad=false"
-
-/* Compiles src with NVRTC for arch (e.g. 90): a cubin (--gpu-architecture=sm_90) when
-   cubin is non-zero, else NUL-terminated PTX (--gpu-architecture=compute_90). On success
-   *image (from host->alloc; release with pqc__cu_free) and *size are set. The compiler
-   log (warnings, errors) is copied into log when log_size > 0, truncated and always
-   NUL-terminated. */
-PQC__CU_FN int pqc__cu_compile(pqc__cuApi *api, const char *src, const char *name, int arch,
-                               int cubin, void **image, size_t *size, char *log,
-                               size_t log_size)
-{
-    pqc__cuNvrtcProgram prog = NULL;
-    pqc__cuNvrtcResult r;
-    char opt_arch[64];
-    const char *opts[3];
-    size_t n = 0, lsz = 0;
-    int st = PQC__CU_OK;
-    void *img;
-
-    *image = NULL;
-    *size = 0;
-    if (log && log_size) log[0] = '\0';
-    if (!api->lib_nvrtc) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "NVRTC not loaded");
-    if (cubin && (!api->nvrtcGetCUBINSize || !api->nvrtcGetCUBIN))
-        return PQC__CU_FAIL(api, PQC__CU_ERR_ARCH, "this NVRTC cannot produce cubins");
-    if (!api->host.alloc) return PQC__CU_FAIL(api, PQC__CU_ERR_ALLOC, "no allocator given");
-    snprintf(opt_arch, sizeof(opt_arch), "--gpu-architecture=%s_%d", cubin ? "sm" : "compute",
-             arch);
-    opts[0] = opt_arch;
-    opts[1] = "-DPQC_NVRTC=1";
-    opts[2] = PQC__CU_NVRTC_FMAD; /* only the explicit fmaf calls fuse, as on the CPU */
-
-    r = api->nvrtcCreateProgram(&prog, src, name ? name : "pqcache_kernels.cu", 0, NULL, NULL);
-    if (r != 0)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "nvrtcCreateProgram failed: %s",
-                            api->nvrtcGetErrorString(r));
-    r = api->nvrtcCompileProgram(prog, 3, opts);
-    if (api->nvrtcGetProgramLogSize(prog, &lsz) == 0 && lsz > 1 && log && log_size) {
-        char *full = (char *)pqc__cu_alloc(api, lsz);
-        if (full && api->nvrtcGetProgramLog(prog, full) == 0) {
-            size_t c = lsz - 1 < log_size - 1 ? lsz - 1 : log_size - 1;
-            memcpy(log, full, c);
-            log[c] = '\0';
-        }
-        pqc__cu_free(api, full);
-    }
-    if (r != 0) {
-        st = PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "NVRTC %d.%d failed to compile for %s_%d: %s",
-                          api->nvrtc_major, api->nvrtc_minor, cubin ? "sm" : "compute", arch,
-                          api->nvrtcGetErrorString(r));
-        api->nvrtcDestroyProgram(&prog);
-        return st;
-    }
-    r = cubin ? api->nvrtcGetCUBINSize(prog, &n) : api->nvrtcGetPTXSize(prog, &n);
-    if (r != 0 || n == 0) {
-        api->nvrtcDestroyProgram(&prog);
-        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "NVRTC produced no %s",
-                            cubin ? "cubin" : "PTX");
-    }
-    img = pqc__cu_alloc(api, n);
-    if (!img) {
-        api->nvrtcDestroyProgram(&prog);
-        return PQC__CU_FAIL(api, PQC__CU_ERR_ALLOC, "out of memory (%lu bytes)", (unsigned long)n);
-    }
-    r = cubin ? api->nvrtcGetCUBIN(prog, (char *)img) : api->nvrtcGetPTX(prog, (char *)img);
-    api->nvrtcDestroyProgram(&prog);
-    if (r != 0) {
-        pqc__cu_free(api, img);
-        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "reading the NVRTC output failed: %s",
-                            api->nvrtcGetErrorString(r));
-    }
-    *image = img;
-    *size = n;
-    return PQC__CU_OK;
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Compiled-image cache on disk                                                         */
-/* ------------------------------------------------------------------------------------ */
-
-/* Cache file: 32-byte header ("PQCKIMG1", key, image size, FNV-1a of the image, all
-   64-bit little endian) followed by the image. The file name repeats the key, the
-   architecture and the NVRTC version so that versions never collide. */
-#define PQC__CU_CACHE_MAGIC "PQCKIMG1"
-
-/* Cache key of (source, arch, cubin/PTX, NVRTC version). */
-PQC__CU_FN uint64_t pqc__cu_cache_key(const pqc__cuApi *api, const char *src, int arch, int cubin)
-{
-    int meta[4];
-    uint64_t h = pqc__fnv(src, strlen(src), PQC__FNV_OFFSET);
-    h = pqc__fnv(PQC__CU_NVRTC_FMAD, strlen(PQC__CU_NVRTC_FMAD), h); /* the options too */
-    meta[0] = arch;
-    meta[1] = cubin;
-    meta[2] = api->nvrtc_major;
-    meta[3] = api->nvrtc_minor;
-    return pqc__fnv(meta, sizeof(meta), h);
-}
-
-/* Makes every missing directory of path with host->make_dir (no-op without it). */
-PQC__CU_FN void pqc__cu_make_dirs(pqc__cuApi *api, const char *path)
-{
-    char buf[512];
-    size_t i, n = strlen(path);
-    if (!api->host.make_dir || n == 0 || n >= sizeof(buf)) return;
-    memcpy(buf, path, n + 1);
-    for (i = 1; i <= n; ++i) {
-        if (buf[i] == '/' || buf[i] == '\0') {
-            char c = buf[i];
-            buf[i] = '\0';
-            api->host.make_dir(buf, api->host.user);
-            buf[i] = c;
-        }
-    }
-}
-
-/* The cache directory: dir when given, else $XDG_CACHE_HOME/pqcache, else
-   $HOME/.cache/pqcache (created when host->make_dir is set). Returns 0 when a directory
-   was found, -1 when there is none (caching is then skipped). */
-PQC__CU_FN int pqc__cu_cache_dir(pqc__cuApi *api, const char *dir, char *out, size_t out_size)
-{
-    const char *xdg = pqc__cu_getenv(api, "XDG_CACHE_HOME");
-    const char *home = pqc__cu_getenv(api, "HOME");
-    int n;
-    if (dir && dir[0]) n = snprintf(out, out_size, "%s", dir);
-    else if (xdg) n = snprintf(out, out_size, "%s/pqcache", xdg);
-    else if (home) n = snprintf(out, out_size, "%s/.cache/pqcache", home);
-    else return -1;
-    if (n <= 0 || (size_t)n >= out_size) return -1;
-    pqc__cu_make_dirs(api, out);
-    return 0;
-}
-
-/* File name of a cached image inside dir. Returns 0, or -1 when it does not fit. */
-PQC__CU_FN int pqc__cu_cache_path(const pqc__cuApi *api, const char *dir, uint64_t key, int arch,
-                                  int cubin, char *out, size_t out_size)
-{
-    int n = snprintf(out, out_size, "%s/pqc-%08lx%08lx-%s%d-nvrtc%d.%d.%s", dir,
-                     (unsigned long)(key >> 32), (unsigned long)(key & 0xffffffffu),
-                     cubin ? "sm" : "compute", arch, api->nvrtc_major, api->nvrtc_minor,
-                     cubin ? "cubin" : "ptx");
-    return n > 0 && (size_t)n < out_size ? 0 : -1;
-}
-
-PQC__CU_FN void pqc__cu_put64(unsigned char *p, uint64_t v)
-{
-    int i;
-    for (i = 0; i < 8; ++i) p[i] = (unsigned char)(v >> (8 * i));
-}
-
-PQC__CU_FN uint64_t pqc__cu_get64(const unsigned char *p)
-{
-    uint64_t v = 0;
-    int i;
-    for (i = 7; i >= 0; --i) v = (v << 8) | p[i];
-    return v;
-}
-
-/* Reads a cached image. Returns 1 and sets *image (host->alloc) / *size on a valid hit,
-   0 when the file is absent, of another key, truncated or corrupt. */
-PQC__CU_FN int pqc__cu_cache_read(pqc__cuApi *api, const char *path, uint64_t key, void **image,
-                                  size_t *size)
-{
-    unsigned char hdr[32];
-    uint64_t n;
-    void *img;
-    char why[300];
-    FILE *f = pqc__open_regular(path, why, sizeof why);
-    *image = NULL;
-    *size = 0;
-    if (!f) return 0;
-    if (fread(hdr, 1, 32, f) != 32 || memcmp(hdr, PQC__CU_CACHE_MAGIC, 8) != 0 ||
-        pqc__cu_get64(hdr + 8) != key) {
-        fclose(f);
-        return 0;
-    }
-    n = pqc__cu_get64(hdr + 16);
-    if (n == 0 || n > ((uint64_t)1 << 30) || !(img = pqc__cu_alloc(api, (size_t)n))) {
-        fclose(f);
-        return 0;
-    }
-    if (fread(img, 1, (size_t)n, f) != (size_t)n ||
-        pqc__fnv(img, (size_t)n, PQC__FNV_OFFSET) != pqc__cu_get64(hdr + 24)) {
-        fclose(f);
-        pqc__cu_free(api, img);
-        return 0;
-    }
-    fclose(f);
-    *image = img;
-    *size = (size_t)n;
-    return 1;
-}
-
-/* Writes a cached image (to a temporary name, then renamed into place, so that readers
-   never see a partial file). Returns 0 on success, -1 on failure (not fatal). */
-PQC__CU_FN int pqc__cu_cache_write(pqc__cuApi *api, const char *path, uint64_t key,
-                                   const void *image, size_t size)
-{
-    unsigned char hdr[32];
-    char why[300];
-    const void *parts[2];
-    size_t sizes[2];
-    (void)api;
-    memcpy(hdr, PQC__CU_CACHE_MAGIC, 8);
-    pqc__cu_put64(hdr + 8, key);
-    pqc__cu_put64(hdr + 16, (uint64_t)size);
-    pqc__cu_put64(hdr + 24, pqc__fnv(image, size, PQC__FNV_OFFSET));
-    parts[0] = hdr;
-    sizes[0] = 32;
-    parts[1] = image;
-    sizes[1] = size;
-    return pqc__write_atomic(path, parts, sizes, 2, why, sizeof why);
-}
-
-/* ------------------------------------------------------------------------------------ */
-/* Module                                                                               */
-/* ------------------------------------------------------------------------------------ */
-
-/* Builds the kernels of src for device d and loads them: picks the target
-   (pqc__cu_pick_arch), looks the image up in the disk cache (cache_dir as for
-   pqc__cu_cache_dir; "-" disables the cache), compiles on a miss and stores the result,
-   then cuModuleLoadData. *from_cache (may be NULL) tells whether the cache served it.
-   The NVRTC log goes to log as for pqc__cu_compile. */
-PQC__CU_FN int pqc__cu_build_module(pqc__cuApi *api, const pqc__cuDev *d, const char *src,
-                                    const char *cache_dir, pqc__cuModule *module,
-                                    int *from_cache, char *log, size_t log_size)
-{
-    char dir[512], path[600];
-    int arch, cubin, st, hit = 0, have_path = 0, attempt;
-    uint64_t key;
-    void *img = NULL;
-    size_t size = 0;
-    pqc__cuResult r = PQC__CU_SUCCESS;
-
-    *module = NULL;
-    if (from_cache) *from_cache = 0;
-    if (log && log_size) log[0] = '\0';
-    if (!api->lib_driver || !api->lib_nvrtc)
-        return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver or NVRTC not loaded");
-    st = pqc__cu_pick_arch(api, d->cc_major * 10 + d->cc_minor, &arch, &cubin);
-    if (st) return st;
-    key = pqc__cu_cache_key(api, src, arch, cubin);
-    if (!(cache_dir && strcmp(cache_dir, "-") == 0) &&
-        pqc__cu_cache_dir(api, cache_dir, dir, sizeof(dir)) == 0 &&
-        pqc__cu_cache_path(api, dir, key, arch, cubin, path, sizeof(path)) == 0)
-        have_path = 1;
-
-    for (attempt = 0; attempt < 2; ++attempt) {
-        hit = 0;
-        if (attempt == 0 && have_path) hit = pqc__cu_cache_read(api, path, key, &img, &size);
-        if (!hit) {
-            st = pqc__cu_compile(api, src, "pqcache_kernels.cu", arch, cubin, &img, &size, log,
-                                 log_size);
-            if (st) return st;
-            if (have_path) pqc__cu_cache_write(api, path, key, img, size);
-        }
-        r = api->cuModuleLoadData(module, img);
-        pqc__cu_free(api, img);
-        img = NULL;
-        if (r == PQC__CU_SUCCESS) {
-            if (from_cache) *from_cache = hit;
-            return PQC__CU_OK;
-        }
-        *module = NULL;
-        if (!hit) break; /* a fresh image was rejected: retrying would not help */
-        remove(path);   /* a cached image was rejected: drop it and compile afresh */
-    }
-    pqc__cu_check(api, r, "cuModuleLoadData");
-    return PQC__CU_FAIL(api, PQC__CU_ERR_MODULE,
-                        "the CUDA driver (version %d) rejected the kernels compiled by NVRTC "
-                        "%d.%d for %s_%d: %s", api->driver_version, api->nvrtc_major,
-                        api->nvrtc_minor, cubin ? "sm" : "compute", arch,
-                        pqc__cu_error_name(api, r));
-}
-
-/* Looks up n kernels by name; fails naming the first one missing from the module. */
-PQC__CU_FN int pqc__cu_get_functions(pqc__cuApi *api, pqc__cuModule module,
-                                     const char *const *names, pqc__cuFunction *out, int n)
-{
-    int i;
-    for (i = 0; i < n; ++i) {
-        pqc__cuResult r = api->cuModuleGetFunction(&out[i], module, names[i]);
-        if (r != PQC__CU_SUCCESS)
-            return PQC__CU_FAIL(api, PQC__CU_ERR_MODULE, "kernel %s not found in the module: %s",
-                                names[i], pqc__cu_error_name(api, r));
-    }
-    return PQC__CU_OK;
-}
-
-#endif /* PQC__CU_FRAGMENT_INCLUDED */
-
-/* The kernels' source, embedded at the end of the implementation. */
-static const char *pqc__kernels(void);
-
-static void *pqc__cu_host_alloc(size_t n, void *u) { return pqc__alloc((const pqc_allocator *)u, n); }
-static void pqc__cu_host_free(void *p, void *u) { pqc__free((const pqc_allocator *)u, p); }
-static const char *pqc__cu_host_env(const char *name, void *u)
-{
-    (void)u;
-    return getenv(name);
-}
-
-/* the kernel cache's directories are created as needed (0755) */
-static int pqc__cu_host_mkdir(const char *path, void *u)
-{
-    (void)u;
-    return mkdir(path, 0755) == 0 || errno == EEXIST ? 0 : -1;
-}
-
-static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
-{
-    memset(h, 0, sizeof *h);
-    h->alloc = pqc__cu_host_alloc;
-    h->free = pqc__cu_host_free;
-    h->get_env = pqc__cu_host_env;
-    h->make_dir = pqc__cu_host_mkdir;
-    h->user = (void *)a;
-}
-
-/* ---------------------------------------------------------------------------------------
-   16. CUDA device tier. The runtime opens the device and builds the kernels once; every
-   cache on it keeps in device memory: the centroids of every layer, two code buffers
-   (the layer being searched and the next one, prefetched on a copy stream), the block
-   cache slots together with the sink blocks and a ring of window blocks, and the
-   per-step scratch. K/V stay in pinned, mapped host memory, which kernels read directly
-   for cache misses. A decode step (pqc_cache_step_device, and pqc_driver_decode) runs
-   whole on the cache's stream: tables, scan, top-k, the selection with the block-cache
-   admission and statistics (pqc_select_admit, the host's rules bit for bit, on
-   bookkeeping that lives on the device), the block copies and the gather; nothing comes
-   back to the host unless it takes the rows there (one wait per layer). Selections made
-   on the host (pqc_cache_select: exact scoring, residuals, or a caller who wants the
-   indices) read the top-k back once per layer and step, and the bookkeeping follows
-   whichever side used it last.
-   ------------------------------------------------------------------------------------- */
-
-enum {
-    PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
-    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
-    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_N
-};
-static const char *const pqc__k_names[PQC__K_N] = {
-    "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
-    "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
-    "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
-    "pqc_centroid_norms", "pqc_lut_sum"
-};
-
-#define PQC__CU_RADIX_BINS 2048
-#define PQC__CU_TILE 4096
-#define PQC__CU_SMEM_DEFAULT 49152
-
-/* The k-means assignment step has two implementations: the kernel pqc_kmeans_assign,
-   and a cuBLASLt GEMM of the dot products X C^T followed by pqc_kmeans_assign_dots.
-   Unless PQC_KMEANS_GEMM forces one, the first build of a shape class (n rounded up to
-   a power of two, d, k) times both on its own first four assignment steps (alternating,
-   the faster of two runs each) and the class keeps the faster for the runtime. */
-#define PQC__KM_CLASSES 32
-#ifndef PQC__KM_DOTS_BYTES /* (tests set it small to exercise the chunking) */
-#define PQC__KM_DOTS_BYTES ((size_t)64 << 20) /* dot products of one GEMM, at most */
-#endif
-
-typedef struct pqc__km_class {
-    int nlog, d, k; /* n <= 2^nlog */
-    int gemm;       /* 1: the GEMM path is faster */
-    float ms_kernel, ms_gemm;
-} pqc__km_class;
-
-struct pqc__curt {
-    pqc__cuApi api;
-    pqc__cuDev dev;
-    pqc__cuModule mod;
-    pqc__cuFunction fn[PQC__K_N];
-    int smem_limit; /* dynamic shared memory the scan kernels may use */
-    pqc__cuBlasLtHandle lt; /* cuBLASLt (thread safe), or NULL: no GEMM path */
-    int km_force;           /* PQC_KMEANS_GEMM: -1 unset (measure), 0 kernel, 1 GEMM */
-    int lut_force;          /* PQC_LUT_GEMM: the same for the batched lookup tables */
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_t km_mu;  /* guards km, km_n, km_next (builds run on pool threads) and lb */
-#endif
-    pqc__km_class km[PQC__KM_CLASSES];
-    int km_n, km_next;
-    struct pqc__lb *lb;     /* the batched lookup tables' state, made at first use */
-};
-static void pqc__lb_free(pqc_runtime *rt);
-
-static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
-{
-    struct pqc__curt *cr;
-    pqc__cuHost host;
-    char log[2048];
-    int st, from_cache = 0;
-    pqc_result res = PQC_ERROR_NO_DEVICE;
-    cr = (struct pqc__curt *)pqc__calloc(&rt->alloc, sizeof *cr);
-    if (!cr) {
-        snprintf(why, why_size, "out of memory");
-        return PQC_ERROR_OUT_OF_MEMORY;
-    }
-    pqc__cu_host(&host, &rt->alloc);
-    pqc__cu_api_init(&cr->api, &host);
-    cr->km_force = -1;
-    cr->lut_force = -1;
-    st = pqc__cu_load(&cr->api, 0);
-    if (st == PQC__CU_OK) st = pqc__cu_device_open(&cr->api, ordinal, &cr->dev);
-    if (st == PQC__CU_OK && !cr->dev.can_map_host) {
-        snprintf(cr->api.msg, sizeof cr->api.msg, "%s cannot map host memory", cr->dev.name);
-        st = PQC__CU_ERR_NO_DEVICE;
-    }
-    if (st == PQC__CU_OK) {
-        res = PQC_ERROR_BACKEND;
-        st = pqc__cu_build_module(&cr->api, &cr->dev, pqc__kernels(), cache_dir, &cr->mod, &from_cache, log,
-                                  sizeof log);
-        if (st == PQC__CU_ERR_COMPILE && log[0]) {
-            size_t n = strlen(cr->api.msg);
-            snprintf(cr->api.msg + n, sizeof cr->api.msg - n, "; NVRTC log: %.300s", log);
-        }
-    }
-    if (st == PQC__CU_OK) st = pqc__cu_get_functions(&cr->api, cr->mod, pqc__k_names, cr->fn, PQC__K_N);
-    if (st != PQC__CU_OK) {
-        snprintf(why, why_size, "%s", cr->api.msg[0] ? cr->api.msg : "CUDA could not be initialised");
-        if (cr->mod) cr->api.cuModuleUnload(cr->mod);
-        if (cr->dev.ctx) pqc__cu_device_close(&cr->api, &cr->dev);
-        pqc__cu_unload(&cr->api);
-        pqc__free(&rt->alloc, cr);
-        return res;
-    }
-    /* the scan kernels keep the lookup tables in dynamic shared memory; past the default
-       48 KiB they must opt in, leaving room for their own static arrays (2 KiB) */
-    cr->smem_limit = PQC__CU_SMEM_DEFAULT;
-    if (cr->dev.smem_optin - 8192 > PQC__CU_SMEM_DEFAULT &&
-        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0 &&
-        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0)
-        cr->smem_limit = cr->dev.smem_optin - 8192;
-    {
-        /* cuBLASLt, optional: without it the k-means assignment uses its kernel */
-        char lt_note[300];
-        const char *force = pqc__cu_getenv(&cr->api, "PQC_KMEANS_GEMM");
-        const char *lforce = pqc__cu_getenv(&cr->api, "PQC_LUT_GEMM");
-        if (pqc__cu_load_blaslt(&cr->api) != PQC__CU_OK) {
-            snprintf(lt_note, sizeof lt_note, "no cuBLASLt (%.200s): k-means assignment by its kernel", cr->api.msg);
-        } else {
-            pqc__cuBlasStatus ls = cr->api.cublasLtCreate(&cr->lt);
-            if (ls != PQC__CUBLAS_STATUS_SUCCESS || !cr->lt) {
-                cr->lt = NULL;
-                snprintf(lt_note, sizeof lt_note, "cuBLASLt %.150s unusable (cublasLtCreate status %d): k-means "
-                         "assignment by its kernel", cr->api.blaslt_path, (int)ls);
-            } else {
-                snprintf(lt_note, sizeof lt_note, "cuBLASLt %zu", cr->api.blaslt_version);
-            }
-        }
-        cr->api.msg[0] = '\0';
-        if (force && (force[0] == '0' || force[0] == '1') && !force[1]) cr->km_force = force[0] - '0';
-        else if (force)
-            pqc__log(rt, PQC_LOG_WARN, "PQC_KMEANS_GEMM must be 0 or 1; ignored");
-        if (lforce && (lforce[0] == '0' || lforce[0] == '1') && !lforce[1]) cr->lut_force = lforce[0] - '0';
-        else if (lforce)
-            pqc__log(rt, PQC_LOG_WARN, "PQC_LUT_GEMM must be 0 or 1; ignored");
-        snprintf(why, why_size, "%.80s, compute capability %d.%d, %d SMs, kernels %s, %.220s%s", cr->dev.name,
-                 cr->dev.cc_major, cr->dev.cc_minor, cr->dev.sm_count,
-                 from_cache ? "from the kernel cache" : "compiled by NVRTC", lt_note,
-                 !cr->lt ? "" : cr->km_force == 0 ? " (k-means GEMM off: PQC_KMEANS_GEMM=0)"
-                                : cr->km_force == 1 ? " (k-means GEMM forced: PQC_KMEANS_GEMM=1)" : "");
-    }
-#ifndef PQCACHE_NO_THREADS
-    if (pthread_mutex_init(&cr->km_mu, NULL) != 0) {
-        snprintf(why, why_size, "a mutex could not be created");
-        if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
-        cr->api.cuModuleUnload(cr->mod);
-        pqc__cu_device_close(&cr->api, &cr->dev);
-        pqc__cu_unload(&cr->api);
-        pqc__free(&rt->alloc, cr);
-        return PQC_ERROR_THREAD;
-    }
-#endif
-    rt->cu = cr;
-    return PQC_SUCCESS;
-}
-
-static void pqc__curt_close(pqc_runtime *rt)
-{
-    struct pqc__curt *cr = rt->cu;
-    if (!cr) return;
-    cr->api.cuCtxSetCurrent(cr->dev.ctx);
-    pqc__lb_free(rt);
-    if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_destroy(&cr->km_mu);
-#endif
-    if (cr->mod) cr->api.cuModuleUnload(cr->mod);
-    pqc__cu_device_close(&cr->api, &cr->dev);
-    pqc__cu_unload(&cr->api);
-    pqc__free(&rt->alloc, cr);
-    rt->cu = NULL;
-}
-
-typedef pqc__cuDeviceptr pqc__dptr;
-
-/* ---- the k-means assignment step as a GEMM ---- */
-
-/* One cuBLASLt matmul of the assignment: dots = X C^T for `rows` points, i.e. in
-   cuBLASLt's column-major terms D (k x rows, ld k) = op(A) B with A = C ([k][d] row-major
-   is d x k column-major, ld d, transposed) and B = X (d x rows, ld d); D column i holds
-   point i's k dot products, so D is [rows][k] row-major. */
-typedef struct pqc__km_plan {
-    pqc__cuBlasLtMatmulDesc desc;
-    pqc__cuBlasLtMatrixLayout la, lb, lc;
-    pqc__cuBlasLtHeuristicResult algo;
-    size_t rows;
-} pqc__km_plan;
-
-static void pqc__km_plan_free(pqc__cuApi *api, pqc__km_plan *p)
-{
-    if (p->la) api->cublasLtMatrixLayoutDestroy(p->la);
-    if (p->lb) api->cublasLtMatrixLayoutDestroy(p->lb);
-    if (p->lc) api->cublasLtMatrixLayoutDestroy(p->lc);
-    if (p->desc) api->cublasLtMatmulDescDestroy(p->desc);
-    memset(p, 0, sizeof *p);
-}
-
-/* Builds a cuBLASLt plan (descriptors and an algorithm that needs no workspace) for
-   D = op(A) B, op(A) = A^T, fp32, column-major: A a_rows x a_cols, B a_rows x b_cols,
-   D a_cols x b_cols, with leading dimensions lda, ldb, ldd; batch > 0: that many products
-   whose matrices are read from device arrays of pointers. Returns the failing cuBLASLt
-   status with `what` naming the call, or 0. */
-static pqc__cuBlasStatus pqc__lt_plan_make(struct pqc__curt *cr, pqc__km_plan *p, uint64_t a_rows, uint64_t a_cols,
-                                           int64_t lda, uint64_t b_cols, int64_t ldb, int64_t ldd, int32_t batch,
-                                           const char **what)
-{
-    pqc__cuApi *api = &cr->api;
-    int ta = PQC__CUBLAS_OP_T, tb = PQC__CUBLAS_OP_N, found = 0, i;
-    uint64_t ws = 0;
-    pqc__cuBlasLtMatmulPreference pref = NULL;
-    pqc__cuBlasStatus s;
-    memset(p, 0, sizeof *p);
-    *what = "cublasLtMatmulDescCreate";
-    s = api->cublasLtMatmulDescCreate(&p->desc, PQC__CUBLAS_COMPUTE_32F, PQC__CUDA_R_32F);
-    if (s == 0) {
-        *what = "cublasLtMatmulDescSetAttribute";
-        s = api->cublasLtMatmulDescSetAttribute(p->desc, PQC__CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
-    }
-    if (s == 0) s = api->cublasLtMatmulDescSetAttribute(p->desc, PQC__CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
-    if (s == 0) {
-        *what = "cublasLtMatrixLayoutCreate";
-        s = api->cublasLtMatrixLayoutCreate(&p->la, PQC__CUDA_R_32F, a_rows, a_cols, lda);
-    }
-    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lb, PQC__CUDA_R_32F, a_rows, b_cols, ldb);
-    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lc, PQC__CUDA_R_32F, a_cols, b_cols, ldd);
-    for (i = 0; i < 3 && s == 0 && batch > 0; i++) {
-        pqc__cuBlasLtMatrixLayout lay = i == 0 ? p->la : i == 1 ? p->lb : p->lc;
-        uint32_t mode = PQC__CUBLASLT_BATCH_MODE_POINTER_ARRAY;
-        *what = "cublasLtMatrixLayoutSetAttribute";
-        s = api->cublasLtMatrixLayoutSetAttribute(lay, PQC__CUBLASLT_LAYOUT_BATCH_COUNT, &batch, sizeof batch);
-        if (s == 0) s = api->cublasLtMatrixLayoutSetAttribute(lay, PQC__CUBLASLT_LAYOUT_BATCH_MODE, &mode, sizeof mode);
-    }
-    if (s == 0) {
-        *what = "cublasLtMatmulPreferenceCreate";
-        s = api->cublasLtMatmulPreferenceCreate(&pref);
-    }
-    if (s == 0) {
-        *what = "cublasLtMatmulPreferenceSetAttribute";
-        s = api->cublasLtMatmulPreferenceSetAttribute(pref, PQC__CUBLASLT_PREF_MAX_WORKSPACE, &ws, sizeof ws);
-    }
-    if (s == 0) {
-        *what = "cublasLtMatmulAlgoGetHeuristic";
-        s = api->cublasLtMatmulAlgoGetHeuristic(cr->lt, p->desc, p->la, p->lb, p->lc, p->lc, pref, 1, &p->algo,
-                                                &found);
-        if (s == 0 && found < 1) s = -1; /* no algorithm for this shape */
-    }
-    if (pref) api->cublasLtMatmulPreferenceDestroy(pref);
-    if (s != 0) pqc__km_plan_free(api, p);
-    return s;
-}
-
-/* the assignment's plan for `rows` points (see pqc__km_plan) */
-static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p, size_t rows, int d, int k,
-                                           const char **what)
-{
-    pqc__cuBlasStatus s = pqc__lt_plan_make(cr, p, (uint64_t)d, (uint64_t)k, d, (uint64_t)rows, d, k, 0, what);
-    p->rows = rows;
-    return s;
-}
-
-static int pqc__km_nlog(size_t n)
-{
-    int l = 0;
-    while (l < 62 && ((size_t)1 << l) < n) l++;
-    return l;
-}
-
-/* The class of (n, d, k) known to the runtime: 1 and *out filled, or 0. */
-static int pqc__km_lookup(struct pqc__curt *cr, size_t n, int d, int k, pqc__km_class *out)
-{
-    int i, nl = pqc__km_nlog(n), hit = 0;
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_lock(&cr->km_mu);
-#endif
-    for (i = 0; i < cr->km_n && !hit; i++)
-        if (cr->km[i].nlog == nl && cr->km[i].d == d && cr->km[i].k == k) {
-            *out = cr->km[i];
-            hit = 1;
-        }
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_unlock(&cr->km_mu);
-#endif
-    return hit;
-}
-
-static void pqc__km_store(struct pqc__curt *cr, const pqc__km_class *c)
-{
-    int i;
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_lock(&cr->km_mu);
-#endif
-    for (i = 0; i < cr->km_n; i++)
-        if (cr->km[i].nlog == c->nlog && cr->km[i].d == c->d && cr->km[i].k == c->k) break;
-    if (i == cr->km_n) { /* a new class; when the table is full, the oldest goes */
-        if (cr->km_n < PQC__KM_CLASSES) {
-            i = cr->km_n++;
-        } else {
-            i = cr->km_next;
-            cr->km_next = (cr->km_next + 1) % PQC__KM_CLASSES;
-        }
-    }
-    cr->km[i] = *c;
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_unlock(&cr->km_mu);
-#endif
-}
-
-/* Which assignment the runtime uses for (n, d, k), for reports: 1 and *out when a
-   class has been measured, else 0. rt must be a CUDA runtime. */
-PQC__CU_FN int pqc__cuda_kmeans_choice(pqc_runtime *rt, size_t n, int d, int k,
-                                          pqc__km_class *out)
-{
-    return rt && rt->cu ? pqc__km_lookup(rt->cu, n, d, k, out) : 0;
-}
-
-/* Lloyd iterations of one k-means problem (n points of d <= 256 dims, k centres in c) on
-   the GPU: assignment with per-cluster sums and counts, then the update; empty clusters
-   keep their centre. Runs on a stream of its own, so builds on several pool threads
-   proceed side by side. The assignment runs as the kernel or as the GEMM path (see
-   PQC__KM_CLASSES); any cuBLASLt failure sends this build back to the kernel. */
-static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
-                                  double *obj, char *err, size_t errsz)
-{
-    struct pqc__curt *cr = rt->cu;
-    pqc__cuApi *api = &cr->api;
-    pqc__cuStream st = NULL;
-    pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0, dnorm = 0, ddots = 0;
-    float *md = NULL;
-    pqc__cuResult e = 0;
-    const char *what = "";
-    int it, ni = (int)n, ki = k, di = d, rows = k, step = 0, j;
-    int mode = 0; /* assignment: 0 kernel, 1 GEMM, 2 measuring both (steps 0..3) */
-    int steps = iters + (obj ? 1 : 0);
-    int64_t ld = d;
-    size_t i, chunk = 0;
-    pqc__km_plan plan[2];
-    pqc__cuEvent ev[8];
-    float ms[4];
-    pqc__km_class cls;
-    memset(plan, 0, sizeof plan);
-    memset(ev, 0, sizeof ev);
-#define PQC__LL(call, name)                                                 \
-    do {                                                                    \
-        if (e == 0 && (e = (call)) != 0) what = (name);                     \
-    } while (0)
-    PQC__LL(api->cuCtxSetCurrent(cr->dev.ctx), "cuCtxSetCurrent");
-    PQC__LL(api->cuStreamCreate(&st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    PQC__LL(api->cuMemAlloc_v2(&dx, n * (size_t)d * sizeof(float)), "cuMemAlloc");
-    PQC__LL(api->cuMemAlloc_v2(&dc, (size_t)k * d * sizeof(float)), "cuMemAlloc");
-    PQC__LL(api->cuMemAlloc_v2(&dsum, (size_t)k * d * sizeof(float)), "cuMemAlloc");
-    PQC__LL(api->cuMemAlloc_v2(&dcnt, (size_t)k * 4), "cuMemAlloc");
-    if (obj) {
-        PQC__LL(api->cuMemAlloc_v2(&dmin, n * sizeof(float)), "cuMemAlloc");
-        if (e == 0 && !(md = (float *)pqc__alloc(&rt->alloc, n * sizeof(float)))) {
-            snprintf(err, errsz, "k-means: host memory for the objective");
-            e = -1;
-        }
-    }
-    PQC__LL(api->cuMemcpyHtoDAsync_v2(dx, x, n * (size_t)d * sizeof(float), st), "cuMemcpyHtoDAsync");
-    PQC__LL(api->cuMemcpyHtoDAsync_v2(dc, c, (size_t)k * d * sizeof(float), st), "cuMemcpyHtoDAsync");
-
-    /* the path: forced, known for this class, or measured now (needs four steps) */
-    if (e == 0 && cr->lt) {
-        if (cr->km_force >= 0) mode = cr->km_force;
-        else if (pqc__km_lookup(cr, n, d, k, &cls)) mode = cls.gemm;
-        else mode = steps >= 4 ? 2 : 0;
-    }
-    if (mode) {
-        const char *lwhat = "";
-        pqc__cuBlasStatus ls = 0;
-        pqc__cuResult ce = 0;
-        /* whole multiples of 64 points, so that every chunk's X starts 256-byte aligned
-           (the alignment cuBLASLt's heuristics assume) */
-        chunk = PQC__KM_DOTS_BYTES / ((size_t)k * sizeof(float)) / 64 * 64;
-        if (chunk < 64) chunk = 64;
-        if (chunk > n) chunk = n;
-        if ((ce = api->cuMemAlloc_v2(&dnorm, (size_t)k * sizeof(float))) == 0)
-            ce = api->cuMemAlloc_v2(&ddots, chunk * (size_t)k * sizeof(float));
-        if (ce == 0) ls = pqc__km_plan_make(cr, &plan[0], chunk, d, k, &lwhat);
-        if (ce == 0 && ls == 0 && n % chunk) ls = pqc__km_plan_make(cr, &plan[1], n % chunk, d, k, &lwhat);
-        for (j = 0; mode == 2 && ce == 0 && ls == 0 && j < 8; j++) ce = api->cuEventCreate(&ev[j], PQC__CU_EVENT_DEFAULT);
-        if (ce != 0 || ls != 0) {
-            char msg[200];
-            if (ce != 0)
-                snprintf(msg, sizeof msg, "k-means: GEMM path unavailable (%s), using the kernel", pqc__cu_error_name(api, ce));
-            else
-                snprintf(msg, sizeof msg, "k-means: GEMM path unavailable (%s status %d), using the kernel", lwhat, (int)ls);
-            pqc__log(rt, PQC_LOG_WARN, msg);
-            mode = 0;
-        }
-    }
-
-    for (it = 0; it <= iters && e == 0; it++) {
-        pqc__dptr m = obj ? dmin : 0;
-        void *pa[] = { &dx, &ld, &ni, &di, &dc, &zero, &ki, &zero, &dsum, &dcnt, &m };
-        void *pu[] = { &dc, &dsum, &dcnt, &rows, &di };
-        int gemm = mode == 1 || (mode == 2 && (step & 1)), timed = mode == 2 && step < 4;
-        if (it == iters && !obj) break; /* the last assignment only serves the objective */
-        if (timed) PQC__LL(api->cuEventRecord(ev[2 * step], st), "cuEventRecord");
-        PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
-        PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
-        if (gemm && e == 0) {
-            /* norms, then per chunk of points: dots = X C^T, argmin with sums and counts */
-            void *pn[] = { &dc, &ki, &di, &dnorm };
-            float one = 1.0f, nil = 0.0f;
-            pqc__cuBlasStatus ls = 0;
-            size_t p0;
-            PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_NORMS], (unsigned)(((size_t)k + 255) / 256), 1, 1, 256, 1, 1, 0,
-                                        st, pn, NULL),
-                    "pqc_centroid_norms");
-            for (p0 = 0; p0 < n && e == 0 && ls == 0; p0 += chunk) {
-                size_t r = n - p0 < chunk ? n - p0 : chunk;
-                const pqc__km_plan *pl = r == plan[0].rows ? &plan[0] : &plan[1];
-                pqc__dptr xp = dx + p0 * (size_t)d * sizeof(float), mp = obj ? dmin + p0 * sizeof(float) : 0;
-                int ri = (int)r;
-                void *pd[] = { &ddots, &xp, &ld, &ri, &di, &dnorm, &ki, &zero, &dsum, &dcnt, &mp };
-                ls = api->cublasLtMatmul(cr->lt, pl->desc, &one, (const void *)(uintptr_t)dc, pl->la,
-                                         (const void *)(uintptr_t)xp, pl->lb, &nil, (const void *)(uintptr_t)ddots,
-                                         pl->lc, (void *)(uintptr_t)ddots, pl->lc, &pl->algo.algo, NULL, 0, st);
-                if (ls == 0)
-                    PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_DOTS], (unsigned)((r + 7) / 8), 1, 1, 256, 1, 1, 0,
-                                                st, pd, NULL),
-                            "pqc_kmeans_assign_dots");
-            }
-            if (ls != 0 && e == 0) { /* this build goes back to the kernel, from this step */
-                char msg[160];
-                snprintf(msg, sizeof msg, "k-means: cublasLtMatmul failed (status %d); using the kernel", (int)ls);
-                pqc__log(rt, PQC_LOG_WARN, msg);
-                mode = gemm = timed = 0;
-                PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
-                PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
-            }
-        }
-        if (!gemm)
-            PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_ASSIGN], (unsigned)((n + 7) / 8), 1, 1, 256, 1, 1, 0, st, pa,
-                                        NULL),
-                    "pqc_kmeans_assign");
-        if (timed) PQC__LL(api->cuEventRecord(ev[2 * step + 1], st), "cuEventRecord");
-        if (timed && step == 3 && e == 0) {
-            /* the decision: the faster of two runs each (a tie keeps the kernel) */
-            int ok = api->cuEventSynchronize(ev[7]) == 0;
-            for (j = 0; ok && j < 4; j++) ok = api->cuEventElapsedTime(&ms[j], ev[2 * j], ev[2 * j + 1]) == 0;
-            mode = 0;
-            if (ok) {
-                cls.nlog = pqc__km_nlog(n);
-                cls.d = d;
-                cls.k = k;
-                cls.ms_kernel = ms[0] < ms[2] ? ms[0] : ms[2];
-                cls.ms_gemm = ms[1] < ms[3] ? ms[1] : ms[3];
-                cls.gemm = cls.ms_gemm < cls.ms_kernel;
-                pqc__km_store(cr, &cls);
-                mode = cls.gemm;
-            }
-        }
-        step++;
-        if (obj) {
-            double o = 0.0;
-            PQC__LL(api->cuMemcpyDtoHAsync_v2(md, dmin, n * sizeof(float), st), "cuMemcpyDtoHAsync");
-            PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
-            for (i = 0; e == 0 && i < n; i++) o += md[i];
-            obj[it] = o / (double)n;
-        }
-        if (it == iters) break;
-        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_UPDATE], (unsigned)(((size_t)k * d + 255) / 256), 1, 1, 256, 1, 1, 0,
-                                    st, pu, NULL),
-                "pqc_kmeans_update");
-    }
-    PQC__LL(api->cuMemcpyDtoHAsync_v2(c, dc, (size_t)k * d * sizeof(float), st), "cuMemcpyDtoHAsync");
-    PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
-#undef PQC__LL
-    if (e > 0) snprintf(err, errsz, "k-means on the GPU: %s failed: %s", what, pqc__cu_error_name(api, e));
-    if (st) {
-        api->cuStreamSynchronize(st);
-        api->cuStreamDestroy_v2(st);
-    }
-    for (j = 0; j < 8; j++)
-        if (ev[j]) api->cuEventDestroy_v2(ev[j]);
-    pqc__km_plan_free(api, &plan[0]);
-    pqc__km_plan_free(api, &plan[1]);
-    if (dx) api->cuMemFree_v2(dx);
-    if (dc) api->cuMemFree_v2(dc);
-    if (dsum) api->cuMemFree_v2(dsum);
-    if (dcnt) api->cuMemFree_v2(dcnt);
-    if (dmin) api->cuMemFree_v2(dmin);
-    if (dnorm) api->cuMemFree_v2(dnorm);
-    if (ddots) api->cuMemFree_v2(ddots);
-    pqc__free(&rt->alloc, md);
-    if (e == 0) return PQC_SUCCESS;
-    return e > 0 ? PQC_ERROR_BACKEND : PQC_ERROR_OUT_OF_MEMORY;
-}
-
-struct pqc__cut {
-    struct pqc__curt *r;
-    pqc__cuApi *api;
-    pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
-    int own_st;
-    /* [n_cs], [n_cs], one; an event not yet recorded stands for no work, so waiting on
-       it returns at once */
-    pqc__cuEvent *ev_codes, *ev_used, ev_staged;
-    int K, m, bits, dsub, g, d, n_kv;
-    size_t bt;
-    /* slots: [sink blocks | window ring | block cache] per layer and head */
-    int ready, nsb, wb, n_slots;
-    pqc__dptr *pool_k, *pool_v; /* [L] -> [n_kv][n_slots][bt][d] storage dtype */
-    pqc__dptr *cent;            /* [L] -> [n_kv][m][K][dsub] float */
-    uint64_t *cent_gen;         /* [L] installed-codebook generation + 1 held there; 0: none */
-    pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores (own rows) */
-    pqc__dptr *pk, *pv;         /* [L] those of a fork's shared prefix (rows < c->pn), or 0 */
-    size_t hstride, phstride;   /* elements between heads in the own stores (cap * d) and
-                                   in the shared prefix's */
-    /* codes, double-buffered */
-    int n_cs;                   /* code buffers: 2 (prefetched per layer) or one per layer */
-    pqc__dptr *code;            /* [n_cs] */
-    size_t *code_cap, *code_hs, *code_cs, *code_n;
-    int *code_layer, last_slot;
-    uint64_t *code_gen;
-    /* selection scratch */
-    pqc__dptr q, lut, lut_sum, partial, stats, hist, state;
-    int p_max;
-    pqc__dptr scores, counts, topk, topk_sc;
-    size_t s_cap;
-    float *h_q;
-    float *h_ones;              /* [d_h] 1.0f: the weights of a head without a metric */
-    int32_t *h_topk;
-    float *h_topk_sc;           /* the top-k's scores, read back when a head takes fewer */
-    /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
-    pqc__dptr arena, iota, out_k, out_v;
-    int32_t *h_arena;
-    size_t arena_cap, iota_n, out_cap, nblk_cap, rows_cap, fill_cap;
-    size_t *nfill;
-    int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
-    pqc_allocator codes_alloc; /* pinned host memory for the codes (async copies) */
-    /* the decode step on the device (pqc__cut_step), made at its first use */
-    pqc__dptr *adm;           /* [L] every head's block-cache bookkeeping (pqc__cut_adm_bytes) */
-    size_t *adm_nbc;          /* [L] blocks it has room for */
-    int *adm_dev;             /* [L] 1: the device's copy is the current one, the host's stale */
-    pqc__dptr dstat;          /* [L][n_kv][3] hits, misses, bytes host -> device of device steps */
-    pqc__dptr rfill, dtakes;  /* [n_kv][3][admit] fill lists; [n_kv] int32 tops-k */
-    unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries and tops-k */
-    pqc__cuEvent *ev_stage;   /* [2L] their copies done */
-    size_t stage_bytes, pos_cap;
-    uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
-    uint64_t waits, waits_seen; /* host waits for the device; those already counted by a layer */
-    /* lookup tables a batch built for this cache (pqc__cut_batch_tables) */
-    pqc__dptr qb;             /* [n_q][d] its queries with each sub-space's dims together */
-    float *h_qb;              /* pinned staging of qb */
-    float *lb_q;              /* the queries the tables are of */
-    pqc__cuEvent ev_qb;       /* qb and the codebooks are on the device */
-    int lb_ok, lb_layer;      /* u->lut holds layer lb_layer's tables of lb_q */
-    uint64_t lb_gen;          /* of codebooks cent_gen lb_gen */
-    int lut_pre;              /* the next search finds its tables built */
-};
-static void *pqc__cut_codes_alloc_fn(size_t n, void *user);
-static void pqc__cut_codes_free_fn(void *p, void *user);
-
-#define PQC__CUT_CALL(c, call, what)                                        \
-    do {                                                                    \
-        pqc__cuResult r_ = (call);                                          \
-        if (r_ != 0) return pqc__cut_err((c), r_, (what));                  \
-    } while (0)
-
-/* a call that makes the host wait for the device, counted (pqc_layer_stats.device_waits) */
-#define PQC__CUT_WAIT(c, call, what)                                        \
-    do {                                                                    \
-        (c)->cu->waits++;                                                   \
-        PQC__CUT_CALL(c, call, what);                                       \
-    } while (0)
-
-static pqc_result pqc__cut_err(const pqc_cache *c, pqc__cuResult r, const char *what)
-{
-    return pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: %s failed: %s", what, pqc__cu_error_name(c->cu->api, r));
-}
-
-static void pqc__cut_enter(pqc_cache *c) { c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx); }
-
-static unsigned pqc__cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
-
-static pqc_result pqc__cut_launch(pqc_cache *c, int k, unsigned gx, unsigned gy, unsigned smem, void **p)
-{
-    struct pqc__cut *u = c->cu;
-    if (gx == 0 || gy == 0) return PQC_SUCCESS;
-    PQC__CUT_CALL(c, u->api->cuLaunchKernel(u->r->fn[k], gx, gy, 1, 256, 1, 1, smem, u->st, p, NULL), pqc__k_names[k]);
-    return PQC_SUCCESS;
-}
-
-static void pqc__cut_dfree(struct pqc__cut *u, pqc__dptr *p)
-{
-    if (*p) u->api->cuMemFree_v2(*p);
-    *p = 0;
-}
-
-/* (Re)allocates a device buffer to at least `bytes`; the old contents are dropped. */
-static pqc_result pqc__cut_dalloc(pqc_cache *c, pqc__dptr *p, size_t bytes)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__cut_dfree(u, p);
-    PQC__CUT_CALL(c, u->api->cuMemAlloc_v2(p, bytes ? bytes : 16), "cuMemAlloc");
-    return PQC_SUCCESS;
-}
-
-static pqc_result pqc__cut_halloc(pqc_cache *c, void **p, size_t bytes)
-{
-    struct pqc__cut *u = c->cu;
-    if (*p) u->api->cuMemFreeHost(*p);
-    *p = NULL;
-    PQC__CUT_CALL(c, u->api->cuMemHostAlloc(p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
-    return PQC_SUCCESS;
-}
-
-static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
-{
-    int l, i;
-    if (u->st) u->api->cuStreamSynchronize(u->st);
-    if (u->cp) u->api->cuStreamSynchronize(u->cp);
-    for (l = 0; l < c->d.n_layers; l++) {
-        if (u->pool_k) pqc__cut_dfree(u, &u->pool_k[l]);
-        if (u->pool_v) pqc__cut_dfree(u, &u->pool_v[l]);
-        if (u->cent) pqc__cut_dfree(u, &u->cent[l]);
-    }
-    for (i = 0; u->code && i < u->n_cs; i++) {
-        pqc__cut_dfree(u, &u->code[i]);
-        if (u->ev_codes[i]) u->api->cuEventDestroy_v2(u->ev_codes[i]);
-        if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
-    }
-    if (u->ev_staged) u->api->cuEventDestroy_v2(u->ev_staged);
-    for (l = 0; u->adm && l < c->d.n_layers; l++) {
-        pqc__cut_dfree(u, &u->adm[l]);
-        if (u->ev_stage[l]) u->api->cuEventDestroy_v2(u->ev_stage[l]);
-        if (u->ev_stage[c->d.n_layers + l]) u->api->cuEventDestroy_v2(u->ev_stage[c->d.n_layers + l]);
-    }
-    pqc__cut_dfree(u, &u->dstat);
-    pqc__cut_dfree(u, &u->rfill);
-    pqc__cut_dfree(u, &u->dtakes);
-    if (u->h_stage) u->api->cuMemFreeHost(u->h_stage);
-    if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
-    pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
-    pqc__cut_dfree(u, &u->q);
-    pqc__cut_dfree(u, &u->qb);
-    if (u->h_qb) u->api->cuMemFreeHost(u->h_qb);
-    pqc__free(&c->alloc, u->lb_q);
-    if (u->ev_qb) u->api->cuEventDestroy_v2(u->ev_qb);
-    pqc__cut_dfree(u, &u->lut);
-    pqc__cut_dfree(u, &u->lut_sum);
-    pqc__cut_dfree(u, &u->partial);
-    pqc__cut_dfree(u, &u->stats);
-    pqc__cut_dfree(u, &u->hist);
-    pqc__cut_dfree(u, &u->state);
-    pqc__cut_dfree(u, &u->scores);
-    pqc__cut_dfree(u, &u->counts);
-    pqc__cut_dfree(u, &u->topk);
-    pqc__cut_dfree(u, &u->topk_sc);
-    pqc__cut_dfree(u, &u->arena);
-    pqc__cut_dfree(u, &u->iota);
-    pqc__cut_dfree(u, &u->out_k);
-    pqc__cut_dfree(u, &u->out_v);
-    if (u->h_q) u->api->cuMemFreeHost(u->h_q);
-    pqc__free(&c->alloc, u->h_ones);
-    if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
-    if (u->h_topk_sc) u->api->cuMemFreeHost(u->h_topk_sc);
-    if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
-    if (u->cp) u->api->cuStreamDestroy_v2(u->cp);
-    if (u->own_st && u->st) u->api->cuStreamDestroy_v2(u->st);
-    pqc__free(&c->alloc, u->pool_k); /* pool_k, pool_v, cent, hk, hv, cent_gen in one block */
-    pqc__free(&c->alloc, u->nfill);
-    pqc__free(&c->alloc, u->code); /* with the other per-buffer arrays */
-    pqc__free(&c->alloc, u);
-}
-
-/* Floats per KV head of a layer's codebook buffer: the centroids [m][K][dsub], then the
-   norms the coding kernel compares with [m][K] and the metric's weights [d_h] (uploaded
-   when a head of the layer has a metric). */
-static size_t pqc__cut_cent_floats(const pqc_cache *c)
-{
-    const struct pqc__cut *u = c->cu;
-    size_t tab = (size_t)u->m * u->K;
-    return tab * (size_t)u->dsub + tab + (size_t)u->d;
-}
-
-/* 1 when a head of layer l codes with a metric */
-static int pqc__layer_metric(const pqc_cache *c, int l)
-{
-    int h;
-    for (h = 0; h < c->d.n_kv_heads; h++)
-        if (c->layers[l].heads[h].pq.metric) return 1;
-    return 0;
-}
-
-static pqc_result pqc__cut_create(pqc_cache *c)
-{
-    struct pqc__cut *u;
-    size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks, n;
-    pqc_result r = PQC_SUCCESS;
-    int i;
-    u = (struct pqc__cut *)pqc__calloc(&c->alloc, sizeof *u);
-    if (!u) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-    u->r = c->rt->cu;
-    u->api = &u->r->api;
-    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
-    n = (size_t)u->n_cs;
-    /* three blocks of per-layer, per-head and per-code-buffer arrays */
-    u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (7 * sizeof(pqc__dptr) + sizeof(uint64_t)));
-    u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
-    u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
-                                                       2 * sizeof(pqc__cuEvent) + sizeof(int)));
-    if (!u->pool_k || !u->nfill || !u->code) {
-        pqc__cut_free_all(c, u);
-        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-    }
-    u->pool_v = u->pool_k + L;
-    u->cent = u->pool_v + L;
-    u->hk = u->cent + L;
-    u->hv = u->hk + L;
-    u->pk = u->hv + L;
-    u->pv = u->pk + L;
-    u->cent_gen = (uint64_t *)(u->pv + L);
-    u->fill_b = (int32_t *)(u->nfill + nkv);
-    u->fill_s = u->fill_b + nkv * (cb + 1);
-    u->m = c->d.pq.m;
-    u->bits = c->d.pq.bits;
-    u->K = 1 << u->bits;
-    u->d = c->d.head_dim;
-    u->dsub = u->d / u->m;
-    u->g = c->g;
-    u->n_kv = c->d.n_kv_heads;
-    u->bt = (size_t)c->d.block_tokens;
-    u->code_cap = (size_t *)(u->code + n);
-    u->code_hs = u->code_cap + n;
-    u->code_cs = u->code_hs + n;
-    u->code_n = u->code_cs + n;
-    u->code_gen = (uint64_t *)(u->code_n + n);
-    u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
-    u->ev_used = u->ev_codes + n;
-    u->code_layer = (int *)(u->ev_used + n);
-    for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
-    u->last_slot = 1;
-    u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
-    u->codes_alloc.alloc = pqc__cut_codes_alloc_fn;
-    u->codes_alloc.free = pqc__cut_codes_free_fn;
-    u->codes_alloc.user = c;
-    c->cu = u; /* from here on pqc__cut_free_all undoes everything */
-    pqc__cut_enter(c);
-#define PQC__CUT_TRY(call, what)                                            \
-    do {                                                                    \
-        pqc__cuResult r_ = (call);                                          \
-        if (r_ != 0) { r = pqc__cut_err(c, r_, (what)); goto fail; }        \
-    } while (0)
-    if (c->d.cuda_stream) {
-        u->st = (pqc__cuStream)c->d.cuda_stream;
-    } else {
-        PQC__CUT_TRY(u->api->cuStreamCreate(&u->st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-        u->own_st = 1;
-    }
-    PQC__CUT_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    for (i = 0; i < u->n_cs; i++) {
-        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    }
-    PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    {
-        size_t tab = (size_t)u->m * u->K, cent = pqc__cut_cent_floats(c) * sizeof(float) * nkv;
-        size_t l;
-        for (l = 0; l < L; l++)
-            if ((r = pqc__cut_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
-        u->h_ones = (float *)pqc__alloc(&c->alloc, (size_t)u->d * sizeof(float));
-        if (!u->h_ones) {
-            r = pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-            goto fail;
-        }
-        for (l = 0; l < (size_t)u->d; l++) u->h_ones[l] = 1.0f;
-        if ((r = pqc__cut_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->partial, nkv * (size_t)u->g * (size_t)u->p_max * 2 * sizeof(float))) !=
-                PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->stats, nkv * (size_t)u->g * 2 * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->hist, nkv * PQC__CU_RADIX_BINS * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->state, nkv * 16)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS)
-            goto fail;
-        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->hist, 0, nkv * PQC__CU_RADIX_BINS, u->st), "cuMemsetD32Async");
-        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->state, 0, nkv * 4, u->st), "cuMemsetD32Async");
-        PQC__CUT_TRY(u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-    }
-#undef PQC__CUT_TRY
-    return PQC_SUCCESS;
-fail:
-    c->cu = NULL;
-    pqc__cut_free_all(c, u);
-    return r;
-}
-
-static void pqc__cut_destroy(pqc_cache *c)
-{
-    struct pqc__cut *u = c->cu;
-    if (!u) return;
-    pqc__cut_enter(c);
-    c->cu = NULL;
-    pqc__cut_free_all(c, u);
-}
-
-/* The codes live in pinned host memory, so that their copies to the device are truly
-   asynchronous. A copy in flight may read bytes the host is OR-ing new codes into: only
-   bits of tokens past the copied count change, which the device codes itself anyway.
-   Freeing (growth, a rebuild's install) first waits for the copy stream. */
-static void *pqc__cut_codes_alloc_fn(size_t n, void *user)
-{
-    pqc_cache *c = (pqc_cache *)user;
-    void *p = NULL;
-    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
-    if (c->cu->api->cuMemHostAlloc(&p, n ? n : 16, PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) return NULL;
-    return p;
-}
-static void pqc__cut_codes_free_fn(void *p, void *user)
-{
-    pqc_cache *c = (pqc_cache *)user;
-    if (!p) return;
-    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
-    c->cu->api->cuStreamSynchronize(c->cu->cp);
-    c->cu->api->cuMemFreeHost(p);
-}
-static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->cu->codes_alloc; }
-
-static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
-{
-    void *p = NULL;
-    pqc__cut_enter(c);
-    if (c->cu->api->cuMemHostAlloc(&p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE | PQC__CU_MEMHOSTALLOC_DEVICEMAP) != 0)
-        return NULL;
-    return p;
-}
-
-static void pqc__cut_host_free(pqc_cache *c, void *p)
-{
-    pqc__cut_enter(c);
-    c->cu->api->cuMemFreeHost(p);
-}
-
-/* a shared prefix's store, freed by the last fork that used it (the runtime's device) */
-static void pqc__cut_host_release(pqc_runtime *rt, const pqc_allocator *a, void *p)
-{
-    (void)a;
-    rt->cu->api.cuCtxSetCurrent(rt->cu->dev.ctx);
-    rt->cu->api.cuMemFreeHost(p);
-}
-
-static void pqc__cut_quiesce(pqc_cache *c)
-{
-    if (!c->cu) return;
-    pqc__cut_enter(c);
-    c->cu->api->cuStreamSynchronize(c->cu->st);
-    c->cu->api->cuStreamSynchronize(c->cu->cp);
-}
-
-/* After the stores moved or grew: their device addresses, the slot tables' size and
-   the block-id table (iota) the fill kernel reads its lists from. */
-static pqc_result pqc__cut_grown(pqc_cache *c)
-{
-    struct pqc__cut *u = c->cu;
-    int l;
-    size_t need, i;
-    if (!u) return PQC_SUCCESS;
-    pqc__cut_enter(c);
-    for (l = 0; l < c->d.n_layers; l++) {
-        u->hk[l] = u->hv[l] = u->pk[l] = u->pv[l] = 0;
-        if (c->layers[l].kbase) {
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0),
-                          "cuMemHostGetDevicePointer");
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0),
-                          "cuMemHostGetDevicePointer");
-        }
-        if (c->share) { /* mapped by the cache that made it, portable to this context */
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pk[l], c->share->k[l], 0),
-                          "cuMemHostGetDevicePointer");
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pv[l], c->share->v[l], 0),
-                          "cuMemHostGetDevicePointer");
-        }
-    }
-    u->hstride = c->cap * (size_t)u->d;
-    u->phstride = c->share ? c->share->cap * (size_t)u->d : 0;
-    u->nblk_cap = (pqc__room(c) + u->bt - 1) / u->bt;
-    need = PQC__MAX(u->nblk_cap + 1, (size_t)u->n_slots + 1);
-    if (need > u->iota_n) {
-        int32_t *tmp = (int32_t *)pqc__alloc(&c->alloc, need * sizeof(int32_t));
-        pqc_result r;
-        if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-        for (i = 0; i < need; i++) tmp[i] = (int32_t)i;
-        r = pqc__cut_dalloc(c, &u->iota, need * sizeof(int32_t));
-        if (r == PQC_SUCCESS && u->api->cuMemcpyHtoD_v2(u->iota, tmp, need * sizeof(int32_t)) != 0)
-            r = pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: cuMemcpyHtoD failed");
-        pqc__free(&c->alloc, tmp);
-        if (r != PQC_SUCCESS) return r;
-        u->iota_n = need;
-    }
-    return PQC_SUCCESS;
-}
-
-/* The slot of a block resident for good: sink blocks and the window's ring; -1 else. */
-static int pqc__cut_sized(const pqc_cache *c) { return c->cu && c->cu->ready; }
-
-static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
-{
-    const struct pqc__cut *u = c->cu;
-    if (b < (size_t)u->nsb) return (int)b;
-    if ((b + 1) * u->bt > mid_end) return u->nsb + (int)((b - (size_t)u->nsb) % (size_t)u->wb);
-    return -1;
-}
-
-/* Copies rows [row_lo, bt) of the blocks [b0, b0 + n) into the slots [s0, s0 + n) of every
-   head of layer l, from the mapped store. */
-static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0, int s0, int n, int row_lo)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
-    int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
-    int64_t phs = (int64_t)u->phstride, split = (int64_t)c->pn;
-    int bt = (int)u->bt, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
-    void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
-                  &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
-    if (n <= 0) return PQC_SUCCESS;
-    return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
-}
-
-/* A prefill that brings layer l to n tokens (rows already in the store): the slot pools
-   exist (the window is known now) and every sink and window block holds its rows. */
-static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
-{
-    struct pqc__cut *u = c->cu;
-    size_t nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
-    pqc_result r;
-    int i;
-    pqc__cut_enter(c);
-    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
-    if (!u->ready) {
-        size_t bytes, nsb = ((size_t)c->d.n_sink + u->bt - 1) / u->bt, wb = ((size_t)c->window + u->bt - 1) / u->bt + 1;
-        if (nsb + wb + (size_t)c->d.cache_blocks > 0x3fffffff ||
-            !pqc__size3((size_t)u->n_kv * (nsb + wb + (size_t)c->d.cache_blocks), u->bt, c->row, &bytes))
-            return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: %zu sink, %zu window and %d cache blocks overflow", nsb,
-                              wb, c->d.cache_blocks);
-        u->nsb = (int)nsb;
-        u->wb = (int)wb;
-        u->n_slots = u->nsb + u->wb + c->d.cache_blocks;
-        for (i = 0; i < c->d.n_layers; i++) {
-            if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
-            if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
-        } /* a failure leaves ready at 0: the next prefill tries again */
-        if ((r = pqc__cut_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
-        u->ready = 1;
-    }
-    if ((r = pqc__cut_fill_run(c, l, n, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
-    b0 = PQC__MAX((size_t)u->nsb, mid_end / u->bt);
-    for (b = b0; b < nb;) { /* the ring in at most two runs of consecutive slots */
-        int s0 = pqc__cut_fixed_slot(c, b, mid_end);
-        size_t run = PQC__MIN(nb - b, (size_t)(u->nsb + u->wb - s0));
-        if ((r = pqc__cut_fill_run(c, l, n, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
-        b += run;
-    }
-    return PQC_SUCCESS;
-}
-
-/* An append that brings layer l to n tokens (the new row already in the store): the row
-   goes to its sink or window slot. */
-static pqc_result pqc__cut_appended(pqc_cache *c, int l, size_t n)
-{
-    struct pqc__cut *u = c->cu;
-    size_t t = n - 1;
-    int s;
-    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
-    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
-    pqc__cut_enter(c);
-    s = pqc__cut_fixed_slot(c, t / u->bt, pqc__mid_end(c, n));
-    if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
-    return pqc__cut_fill_run(c, l, n, t / u->bt, s, 1, (int)(t % u->bt));
-}
-
-/* Column stride of a device copy of layer l's codes: the widest of its heads' (heads grow
-   their codes together, so they normally agree). */
-static size_t pqc__cut_codes_stride(const pqc_cache *c, int l)
-{
-    size_t cs = 0, h;
-    for (h = 0; h < (size_t)c->d.n_kv_heads; h++) cs = PQC__MAX(cs, c->layers[l].heads[h].codes.col_stride);
-    return cs;
-}
-
-/* Copies the codes of layer l into code buffer sl on the copy stream (after the last
-   scan that read the buffer) and records ev_codes[sl]. */
-static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t cs = pqc__cut_codes_stride(c, l), hs, h;
-    int j, uniform = 1;
-    for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
-    hs = cs * (size_t)u->m;
-    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
-    if (hs * (size_t)u->n_kv > u->code_cap[sl]) {
-        pqc_result r;
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
-        if ((r = pqc__cut_dalloc(c, &u->code[sl], hs * (size_t)u->n_kv + hs / 4)) != PQC_SUCCESS) {
-            u->code_cap[sl] = 0;
-            u->code_layer[sl] = -1;
-            return r;
-        }
-        u->code_cap[sl] = hs * (size_t)u->n_kv + hs / 4;
-    }
-    if (!uniform) PQC__CUT_CALL(c, u->api->cuMemsetD8Async(u->code[sl], 0, hs * (size_t)u->n_kv, u->cp), "cuMemsetD8Async");
-    for (h = 0; h < (size_t)u->n_kv; h++) {
-        const pqc_codes *cd = &L->heads[h].codes;
-        pqc__dptr dst = u->code[sl] + h * hs;
-        if (uniform) {
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst, cd->data, hs, u->cp), "cuMemcpyHtoDAsync");
-        } else {
-            for (j = 0; j < u->m; j++)
-                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst + (size_t)j * cs, cd->data + (size_t)j * cd->col_stride,
-                                                              cd->col_stride, u->cp),
-                              "cuMemcpyHtoDAsync");
-        }
-    }
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
-    u->code_layer[sl] = l;
-    u->code_gen[sl] = L->dgen;
-    u->code_cs[sl] = cs;
-    u->code_hs[sl] = hs;
-    u->code_n[sl] = L->n_coded;
-    return PQC_SUCCESS;
-}
-
-/* Whether buffer sl holds layer l's current codes (up to a tail the device codes itself). */
-static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
-{
-    const struct pqc__cut *u = c->cu;
-    const pqc__layer *L = &c->layers[l];
-    return u->code_layer[sl] == l && u->code_gen[sl] == L->dgen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
-           u->code_n[sl] <= L->n_coded;
-}
-
-/* Enqueues layer l's search on the cache's stream: codebooks and codes where needed, the
-   lookup tables of the queries already in u->q, the scan and the top-k of every head
-   (`take`, or k_head[h] where the device list k_head gives fewer) into u->topk (and
-   their scores into u->topk_sc when want_scores). Nothing waits. */
-/* The layer's codebooks on the device (with the norms and weights of weighted coding),
-   copied once per build. */
-static pqc_result pqc__cut_cents(pqc_cache *c, int l)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
-    int m = u->m, K = u->K, dsub = u->dsub;
-    int64_t c_hs = (int64_t)pqc__cut_cent_floats(c);
-    if (u->cent_gen[l] != L->dgen + 1) {
-        size_t cb = tab * (size_t)dsub * sizeof(float), hb = (size_t)c_hs * sizeof(float);
-        int weighted = pqc__layer_metric(c, l), j;
-        for (h = 0; h < nkv; h++) {
-            const pqc_pq *pq = &L->heads[h].pq;
-            pqc__dptr base = u->cent[l] + h * hb;
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base, pq->centroids, cb, u->st), "cuMemcpyHtoDAsync");
-            if (!weighted) continue;
-            /* the norms coding compares with (weighted where the head has a metric; the
-               plain ones with weights 1 are the same numbers) and the weights */
-            for (j = 0; j < m; j++)
-                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
-                                                              (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad,
-                                                              (size_t)K * sizeof(float), u->st),
-                              "cuMemcpyHtoDAsync");
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
-                                                          (size_t)u->d * sizeof(float), u->st),
-                          "cuMemcpyHtoDAsync");
-        }
-        u->cent_gen[l] = L->dgen + 1;
-    }
-    return PQC_SUCCESS;
-}
-
-static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K;
-    int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
-    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
-    int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
-    unsigned P, tiles, smem;
-    float scale = 1.0f / sqrtf((float)u->d);
-    pqc_result r;
-    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)pqc__cut_cent_floats(c), l_hs = (int64_t)((size_t)g * tab),
-            ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
-    pqc__dptr zero = 0, lut_sum, lut;
-    if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
-    pqc__cut_enter(c);
-    /* score, top-k and read-back buffers */
-    if (s > u->s_cap) {
-        size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-        u->s_cap = 0;
-        if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->topk_sc, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_topk_sc, nkv * want * 4)) != PQC_SUCCESS)
-            return r;
-        u->s_cap = want;
-    }
-    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
-    /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
-    if (u->n_cs > 2) {
-        sl = l;
-        if (!pqc__cut_codes_valid(c, sl, l) && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
-    } else if (pqc__cut_codes_valid(c, 0, l)) {
-        sl = 0;
-    } else if (pqc__cut_codes_valid(c, 1, l)) {
-        sl = 1;
-    } else {
-        sl = u->last_slot ^ 1;
-        if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
-    }
-    if (u->code_n[sl] < s && u->dsub > 256 && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS)
-        return r; /* sub-vectors too long for the coding kernel: copy the new codes instead */
-    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
-    code_hs = (int64_t)u->code_hs[sl];
-    cs = (int64_t)u->code_cs[sl];
-    while (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too (a
-                                   fork's shared rows and its own rows in one launch each) */
-        size_t t0z = u->code_n[sl], cut = pqc__mid_cut(c, t0z, s), end = cut > t0z ? cut : s;
-        size_t row0 = (size_t)c->d.n_sink + t0z;
-        int64_t x_ld = u->d, x_hs = (int64_t)(row0 < c->pn ? u->phstride : u->hstride), co_hs = 0;
-        int x_dt = (int)c->d.kv_dtype, n = (int)(end - t0z), t0 = (int)t0z;
-        pqc__dptr x = row0 < c->pn ? u->pk[l] + row0 * c->row : u->hk[l] + (row0 - c->pn) * c->row, cn = 0, w = 0;
-        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub, &half,
-                      &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
-        if (pqc__layer_metric(c, l)) { /* weighted coding: the uploaded norms and weights */
-            cn = u->cent[l] + tab * (size_t)dsub * sizeof(float);
-            w = cn + tab * sizeof(float);
-        }
-        if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
-            return r;
-        u->code_n[sl] = end;
-    }
-    /* query -> lookup tables */
-    lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
-    if (u->lut_pre) { /* a batch built them (pqc__cut_batch_tables) */
-        u->lut_pre = 0;
-    } else {
-        void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &half, &u->lut, &l_hs, &lut_sum, &ls_hs };
-        u->lb_ok = 0; /* the tables are this search's now */
-        if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    /* scan: combined scores of every coded token */
-    P = (unsigned)PQC__MIN((size_t)u->p_max, (s + 255) / 256);
-    if (P < 1) P = 1;
-    p_hs = (int64_t)g * P * 2;
-    sc_hs = (int64_t)u->s_cap;
-    if (c->sp.gqa == PQC_GQA_SUM) {
-        n_luts = 1;
-        mode = 0;
-        lut = u->lut_sum;
-        l_hs = ls_hs;
-    } else {
-        n_luts = g;
-        mode = 1;
-        lut = u->lut;
-    }
-    smem = (unsigned)((size_t)n_luts * tab * sizeof(float));
-    use_smem = smem <= (unsigned)u->r->smem_limit;
-    if (!use_smem) smem = 0;
-    if (mode == 1) {
-        int np = (int)P;
-        void *p1[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &scale, &u->partial, &p_hs, &use_smem };
-        void *p2[] = { &u->partial, &p_hs, &np, &n_luts, &scale, &u->stats, &st_hs };
-        if ((r = pqc__cut_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
-        if ((r = pqc__cut_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
-    }
-    {
-        pqc__dptr stats = mode == 1 ? u->stats : 0;
-        void *p[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &mode, &stats, &st_hs, &scale,
-                      &u->scores, &sc_hs, &use_smem };
-        if ((r = pqc__cut_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
-    }
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
-    u->last_slot = sl;
-    /* top-k: three radix passes, per-tile counts, ordered compaction */
-    tiles = pqc__cdiv(s, PQC__CU_TILE);
-    c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
-    for (pass = 0; pass < 3; pass++) {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state, &k_head };
-        if ((r = pqc__cut_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &k_head };
-        if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    {
-        int64_t os_hs = want_scores ? idx_hs : 0;
-        pqc__dptr osc = want_scores ? u->topk_sc : 0;
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &osc, &os_hs,
-                      &k_head };
-        if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    /* prefetch the next layer's codes while this one finishes */
-    if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
-        !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
-        return r;
-    return PQC_SUCCESS;
-}
-
-/* The tier's search for a host-side selection: the top-k indices (and scores) come back
-   to the host, one synchronisation. */
-static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, int want_scores,
-                                  const int32_t **idx_out, const float **sc_out)
-{
-    struct pqc__cut *u = c->cu;
-    size_t nkv = (size_t)u->n_kv;
-    pqc_result r;
-    size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    pqc__cut_enter(c);
-    /* tables a batch built for these queries and codebooks need neither the queries nor
-       the table kernel (the stream already waits for them) */
-    u->lut_pre = u->lb_ok && u->lb_layer == l && u->lb_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->lb_gen &&
-                 memcmp(u->lb_q, q, qbytes) == 0;
-    u->lb_ok = 0;
-    if (!u->lut_pre) {
-        memcpy(u->h_q, q, qbytes);
-        PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
-    }
-    r = pqc__cut_search(c, l, take, 0, want_scores);
-    u->lut_pre = 0;
-    if (r != PQC_SUCCESS) return r;
-    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
-    if (want_scores)
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
-                      "cuMemcpyDtoHAsync");
-    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-    *idx_out = u->h_topk;
-    *sc_out = want_scores ? u->h_topk_sc : NULL;
-    return PQC_SUCCESS;
-}
-
-/* ---- the lookup tables of a batch of sequences in one cuBLASLt call ----
-
-   Per (cache, KV head, sub-space) the tables are a small product: D (K x g, ld m*K, the
-   layout of u->lut) = C^T Q, with C the sub-space's codebook ([K][dsub] row-major, i.e.
-   dsub x K column-major, ld dsub) and Q its query heads' dims (dsub x g, ld d; the
-   queries are staged with each sub-space's dims together, so the RoPE-band layout needs
-   no strides). pqc_batch_select makes those of all its CUDA caches one pointer-array
-   matmul before the selects run, on the runtime's own stream (after every cache's
-   staging copies); each cache's stream waits for it and its search skips
-   the table kernel. Unless PQC_LUT_GEMM forces a path, the first four batches of a shape
-   class (g, dsub, K, entries rounded up to a power of two) alternate the table kernel
-   and the matmul, timed with events, and the class keeps the faster (a tie keeps the
-   kernel, which then leaves each cache to build its own tables, as without a batch). */
-typedef struct pqc__lb_class {
-    int g, dsub, K, elog; /* the shape; entries <= 2^elog */
-    int gemm, tries;      /* the decision (tries == 4), or batches timed so far */
-    int failed;           /* a matmul of this class failed: the kernel, even when forced */
-    float ms[4];
-} pqc__lb_class;
-
-struct pqc__lb {
-    pqc__km_plan plan;            /* the matmul of plan_key, plan_e entries */
-    int plan_key[4];              /* g, dsub, K, d */
-    int32_t plan_e;
-    pqc__dptr dptr;               /* [3][cap] device pointer arrays: codebooks, queries, tables
-                                     (the first E of each array used) */
-    uint64_t *hptr;               /* their pinned staging */
-    size_t cap;
-    pqc__cuStream st;             /* the batches' own stream (each cache's stream waits for it) */
-    pqc__cuEvent ev_done, ev_t0;  /* the last batch's work is done; a timing start */
-    pqc__lb_class cls[PQC__KM_CLASSES];
-    int n_cls, next_cls;
-    uint64_t gemm_batches, kernel_batches; /* batches whose tables each path built */
-};
-
-static void pqc__lb_free(pqc_runtime *rt)
-{
-    struct pqc__curt *cr = rt->cu;
-    struct pqc__lb *lb = cr->lb;
-    if (!lb) return;
-    if (lb->ev_done) {
-        cr->api.cuEventSynchronize(lb->ev_done);
-        cr->api.cuEventDestroy_v2(lb->ev_done);
-    }
-    if (lb->ev_t0) cr->api.cuEventDestroy_v2(lb->ev_t0);
-    if (lb->st) cr->api.cuStreamDestroy_v2(lb->st);
-    pqc__km_plan_free(&cr->api, &lb->plan);
-    if (lb->dptr) cr->api.cuMemFree_v2(lb->dptr);
-    if (lb->hptr) cr->api.cuMemFreeHost(lb->hptr);
-    pqc__free(&rt->alloc, lb);
-    cr->lb = NULL;
-}
-
-/* A cache whose layer-l tables the batch led by c0 can build: CUDA tier on c0's runtime,
-   the layer coded with codebooks, searched by this tier (the plan's c->sp.tier_search),
-   and c0's shape. */
-static int pqc__cut_lb_fits(pqc_cache *c, const pqc_cache *c0, int l, const float *q)
-{
-    const struct pqc__cut *u, *u0 = c0->cu;
-    if (!c || !q || !(u = c->cu) || c->tier != c0->tier || c->rt != c0->rt || !u->ready || l < 0 ||
-        l >= c->d.n_layers)
-        return 0;
-    if (!c->layers[l].heads[0].pq.m || c->layers[l].n_coded == 0 || !c->sp.tier_search) return 0;
-    return u->g == u0->g && u->dsub == u0->dsub && u->K == u0->K && u->d == u0->d && u->m == u0->m &&
-           c->d.n_q_heads == c0->d.n_q_heads;
-}
-
-/* This cache's queries staged for the batch (sub-space dims together) and copied up on
-   its stream, with its codebooks; ev_qb marks both done. */
-static pqc_result pqc__cut_lb_stage(pqc_cache *c, int l, const float *q)
-{
-    struct pqc__cut *u = c->cu;
-    size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
-    int hq, j, e, h2 = u->dsub / 2;
-    pqc_result r;
-    pqc__cut_enter(c);
-    if (!u->qb && ((r = pqc__cut_dalloc(c, &u->qb, qbytes)) != PQC_SUCCESS ||
-                   (r = pqc__cut_halloc(c, (void **)&u->h_qb, qbytes)) != PQC_SUCCESS))
-        return r;
-    if (!u->lb_q && !(u->lb_q = (float *)pqc__alloc(&c->alloc, qbytes)))
-        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-    if (!u->ev_qb) PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_qb, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
-    for (hq = 0; hq < c->d.n_q_heads; hq++) {
-        const float *src = q + (size_t)hq * u->d;
-        float *dst = u->h_qb + (size_t)hq * u->d;
-        for (j = 0; j < u->m; j++)
-            for (e = 0; e < u->dsub; e++)
-                dst[j * u->dsub + e] = src[!half ? j * u->dsub + e : e < h2 ? j * h2 + e : u->d / 2 + j * h2 + (e - h2)];
-    }
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->qb, u->h_qb, qbytes, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_qb, u->st), "cuEventRecord");
-    return PQC_SUCCESS;
-}
-
-/* The batched tables' path for a shape class, for reports: 1 and *out once the class
-   has been met (out->tries == 4: decided), else 0; batches whose tables each path built
-   in *gemm_batches, *kernel_batches. rt must be a CUDA runtime. */
-PQC__CU_FN int pqc__cuda_lut_choice(pqc_runtime *rt, int g, int dsub, int K, size_t entries, pqc__lb_class *out,
-                                    uint64_t *gemm_batches, uint64_t *kernel_batches)
-{
-    struct pqc__curt *cr = rt && rt->cu ? rt->cu : NULL;
-    int i, elog = 0, hit = 0;
-    if (!cr) return 0;
-    while (((size_t)1 << elog) < entries) elog++;
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_lock(&cr->km_mu);
-#endif
-    *gemm_batches = cr->lb ? cr->lb->gemm_batches : 0;
-    *kernel_batches = cr->lb ? cr->lb->kernel_batches : 0;
-    for (i = 0; cr->lb && i < cr->lb->n_cls && !hit; i++)
-        if (cr->lb->cls[i].g == g && cr->lb->cls[i].dsub == dsub && cr->lb->cls[i].K == K && cr->lb->cls[i].elog == elog) {
-            *out = cr->lb->cls[i];
-            hit = 1;
-        }
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_unlock(&cr->km_mu);
-#endif
-    return hit;
-}
-
-static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const float *const *q)
-{
-    pqc_cache *c0 = NULL;
-    struct pqc__curt *cr;
-    struct pqc__lb *lb;
-    pqc__cuApi *api;
-    pqc__cuStream gs;
-    pqc__lb_class *cls = NULL;
-    size_t E = 0, e = 0, tab;
-    int i, g, dsub, K, d, m, gemm, elog = 0, timed = 0, ok = 0, ci;
-    int64_t l_hs, ls_hs, c_hs;
-    const char *what = "";
-    char msg[200];
-    if (!caches || !q || n < 1) return;
-    for (i = 0; i < n && !c0; i++)
-        if (caches[i] && caches[i]->cu && pqc__cut_lb_fits(caches[i], caches[i], l, q[i])) c0 = caches[i];
-    if (!c0) return;
-    cr = c0->cu->r;
-    api = c0->cu->api;
-    g = c0->cu->g, dsub = c0->cu->dsub, K = c0->cu->K, d = c0->cu->d, m = c0->cu->m;
-    tab = (size_t)m * K;
-    if (!cr->lt || cr->lut_force == 0 || dsub % 4 || K % 4) return; /* 16-byte aligned matrices */
-    for (i = 0; i < n; i++)
-        if (pqc__cut_lb_fits(caches[i], c0, l, q[i])) E += (size_t)c0->cu->n_kv * m;
-    if (E > 0x7fffffff) return;
-    while (((size_t)1 << elog) < E) elog++;
-    l_hs = (int64_t)((size_t)g * tab);
-    ls_hs = (int64_t)tab;
-    c_hs = (int64_t)pqc__cut_cent_floats(c0);
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_lock(&cr->km_mu);
-#endif
-    api->cuCtxSetCurrent(cr->dev.ctx);
-    if (!(lb = cr->lb)) {
-        if (!(lb = (struct pqc__lb *)pqc__calloc(&c0->rt->alloc, sizeof *lb))) goto out;
-        cr->lb = lb;
-        if (api->cuStreamCreate(&lb->st, PQC__CU_STREAM_NON_BLOCKING) != 0 ||
-            api->cuEventCreate(&lb->ev_done, PQC__CU_EVENT_DEFAULT) != 0 ||
-            api->cuEventCreate(&lb->ev_t0, PQC__CU_EVENT_DEFAULT) != 0) {
-            pqc__lb_free(c0->rt);
-            goto out;
-        }
-    }
-    /* the path: forced, decided for this class, or timed now */
-    for (i = 0; i < lb->n_cls && !cls; i++)
-        if (lb->cls[i].g == g && lb->cls[i].dsub == dsub && lb->cls[i].K == K && lb->cls[i].elog == elog)
-            cls = &lb->cls[i];
-    if (!cls) {
-        if (lb->n_cls < PQC__KM_CLASSES) {
-            cls = &lb->cls[lb->n_cls++];
-        } else {
-            cls = &lb->cls[lb->next_cls];
-            lb->next_cls = (lb->next_cls + 1) % PQC__KM_CLASSES;
-        }
-        memset(cls, 0, sizeof *cls);
-        cls->g = g, cls->dsub = dsub, cls->K = K, cls->elog = elog;
-    }
-    if (cls->failed) {
-        goto out;
-    } else if (cr->lut_force == 1) {
-        gemm = 1;
-    } else if (cls->tries >= 4) {
-        if (!cls->gemm) goto out; /* the kernel: each cache builds its own */
-        gemm = 1;
-    } else {
-        gemm = cls->tries & 1;
-        timed = 1;
-    }
-    /* the previous batch's arrays are free once its work is done */
-    if (api->cuEventSynchronize(lb->ev_done) != 0) goto out;
-    if (gemm && E > lb->cap) { /* room for whole multiples of 32 pointers: each array 256-byte aligned */
-        size_t cap = (E + 31) & ~(size_t)31;
-        if (lb->dptr) api->cuMemFree_v2(lb->dptr);
-        if (lb->hptr) api->cuMemFreeHost(lb->hptr);
-        lb->dptr = 0;
-        lb->hptr = NULL;
-        lb->cap = 0;
-        if (api->cuMemAlloc_v2(&lb->dptr, 3 * cap * sizeof(uint64_t)) != 0 ||
-            api->cuMemHostAlloc((void **)&lb->hptr, 3 * cap * sizeof(uint64_t), PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) {
-            what = "pointer arrays";
-            goto fail;
-        }
-        lb->cap = cap;
-    }
-    /* every cache's queries and codebooks up, and the pointers of its products */
-    for (ci = 0; ci < n; ci++) {
-        pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
-        size_t h;
-        int j;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
-        u = c->cu;
-        if (pqc__cut_lb_stage(c, l, q[ci]) != PQC_SUCCESS) {
-            what = "staging a sequence's queries";
-            goto fail;
-        }
-        for (h = 0; gemm && h < (size_t)u->n_kv; h++)
-            for (j = 0; j < m; j++, e++) {
-                lb->hptr[e] = (uint64_t)(u->cent[l] + ((size_t)h * (size_t)c_hs + (size_t)j * K * dsub) * sizeof(float));
-                lb->hptr[lb->cap + e] = (uint64_t)(u->qb + ((size_t)h * g * d + (size_t)j * dsub) * sizeof(float));
-                lb->hptr[2 * lb->cap + e] = (uint64_t)(u->lut + ((size_t)h * (size_t)l_hs + (size_t)j * K) * sizeof(float));
-            }
-    }
-    api->cuCtxSetCurrent(cr->dev.ctx);
-    gs = lb->st;
-    for (ci = 0; ci < n; ci++)
-        if (pqc__cut_lb_fits(caches[ci], c0, l, q[ci]) && api->cuStreamWaitEvent(gs, caches[ci]->cu->ev_qb, 0) != 0) {
-            what = "cuStreamWaitEvent";
-            goto fail;
-        }
-    if (timed && api->cuEventRecord(lb->ev_t0, gs) != 0) goto out;
-    if (gemm) {
-        float one = 1.0f, nil = 0.0f;
-        pqc__cuBlasStatus ls = 0;
-        if (lb->plan_e != (int32_t)E || lb->plan_key[0] != g || lb->plan_key[1] != dsub || lb->plan_key[2] != K ||
-            lb->plan_key[3] != d) {
-            pqc__km_plan_free(api, &lb->plan);
-            lb->plan_e = 0;
-            ls = pqc__lt_plan_make(cr, &lb->plan, (uint64_t)dsub, (uint64_t)K, dsub, (uint64_t)g, d, (int64_t)tab,
-                                   (int32_t)E, &what);
-            if (ls != 0) {
-                snprintf(msg, sizeof msg, "batched lookup tables: no cuBLASLt plan (%s status %d); the kernel builds them",
-                         what, (int)ls);
-                pqc__log(c0->rt, PQC_LOG_WARN, msg);
-                cls->failed = 1; /* this class stays with the kernel */
-                goto out;
-            }
-            lb->plan_key[0] = g, lb->plan_key[1] = dsub, lb->plan_key[2] = K, lb->plan_key[3] = d;
-            lb->plan_e = (int32_t)E;
-        }
-        if (api->cuMemcpyHtoDAsync_v2(lb->dptr, lb->hptr, 3 * lb->cap * sizeof(uint64_t), gs) != 0) {
-            what = "cuMemcpyHtoDAsync";
-            goto fail;
-        }
-        ls = api->cublasLtMatmul(cr->lt, lb->plan.desc, &one, (const void *)(uintptr_t)lb->dptr, lb->plan.la,
-                                 (const void *)(uintptr_t)(lb->dptr + lb->cap * sizeof(uint64_t)), lb->plan.lb, &nil,
-                                 (const void *)(uintptr_t)(lb->dptr + 2 * lb->cap * sizeof(uint64_t)), lb->plan.lc,
-                                 (void *)(uintptr_t)(lb->dptr + 2 * lb->cap * sizeof(uint64_t)), lb->plan.lc,
-                                 &lb->plan.algo.algo,
-                                 NULL, 0, gs);
-        if (ls != 0) {
-            snprintf(msg, sizeof msg, "batched lookup tables: cublasLtMatmul failed (status %d); the kernel builds them",
-                     (int)ls);
-            pqc__log(c0->rt, PQC_LOG_WARN, msg);
-            cls->failed = 1;
-            goto out;
-        }
-    }
-    for (ci = 0; ci < n; ci++) { /* the GQA sum tables, or (timing the kernel) all tables */
-        pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
-        pqc__dptr lut_sum;
-        int ti = (int)tab, zero = 0;
-        int64_t q_hs = (int64_t)g * d;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
-        u = c->cu;
-        lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
-        if (gemm && lut_sum) {
-            void *p[] = { &u->lut, &l_hs, &g, &ti, &lut_sum, &ls_hs };
-            if (api->cuLaunchKernel(cr->fn[PQC__K_LUT_SUM], (unsigned)pqc__cdiv(tab, 256), (unsigned)u->n_kv, 1, 256, 1,
-                                    1, 0, gs, p, NULL) != 0) {
-                what = "pqc_lut_sum";
-                goto fail;
-            }
-        } else if (!gemm) {
-            void *p[] = { &u->qb, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &zero, &u->lut, &l_hs, &lut_sum, &ls_hs };
-            if (api->cuLaunchKernel(cr->fn[PQC__K_LUT], (unsigned)pqc__cdiv(tab, 256), (unsigned)u->n_kv, 1, 256, 1, 1,
-                                    0, gs, p, NULL) != 0) {
-                what = "pqc_lut_build";
-                goto fail;
-            }
-        }
-    }
-    if (api->cuEventRecord(lb->ev_done, gs) != 0) {
-        what = "cuEventRecord";
-        goto fail;
-    }
-    for (ci = 0; ci < n; ci++) { /* each cache's work after the tables */
-        pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
-        u = c->cu;
-        if (api->cuStreamWaitEvent(u->st, lb->ev_done, 0) != 0) {
-            what = "cuStreamWaitEvent";
-            goto fail;
-        }
-    }
-    for (ci = 0; ci < n; ci++) { /* only now are the tables theirs */
-        pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
-        u = c->cu;
-        u->lb_ok = 1;
-        u->lb_layer = l;
-        u->lb_gen = u->cent_gen[l];
-        memcpy(u->lb_q, q[ci], (size_t)c->d.n_q_heads * u->d * sizeof(float));
-    }
-    if (gemm) lb->gemm_batches++;
-    else lb->kernel_batches++;
-    ok = 1;
-    if (timed) {
-        float ms = 0.0f;
-        c0->cu->waits++; /* the first batches of a class wait once, to read the timer */
-        if (api->cuEventSynchronize(lb->ev_done) == 0 && api->cuEventElapsedTime(&ms, lb->ev_t0, lb->ev_done) == 0) {
-            cls->ms[cls->tries++] = ms;
-            if (cls->tries == 4) /* the faster of two runs each; a tie keeps the kernel */
-                cls->gemm = (cls->ms[1] < cls->ms[3] ? cls->ms[1] : cls->ms[3]) <
-                            (cls->ms[0] < cls->ms[2] ? cls->ms[0] : cls->ms[2]);
-        }
-    }
-    goto out;
-fail:
-    snprintf(msg, sizeof msg, "batched lookup tables: %s failed; each sequence builds its own", what);
-    pqc__log(c0->rt, PQC_LOG_WARN, msg);
-out:
-    if (!ok)
-        for (ci = 0; ci < n; ci++)
-            if (caches[ci] && caches[ci]->cu && caches[ci]->tier == c0->tier) caches[ci]->cu->lb_ok = 0;
-#ifndef PQCACHE_NO_THREADS
-    pthread_mutex_unlock(&cr->km_mu);
-#endif
-}
-
-/* Device memory held by the tier: slot pools, centroids, code buffers, scratch. */
-static size_t pqc__cut_device_bytes(const pqc_cache *c)
-{
-    const struct pqc__cut *u = c->cu;
-    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
-    int i;
-    b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
-    b += L * nkv * pqc__cut_cent_floats(c) * sizeof(float);              /* centroids, norms, weights */
-    for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
-    b += nkv * u->s_cap * 12 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k, its scores */
-    b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
-    b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
-         nkv * (size_t)u->g * ((size_t)u->p_max + 1) * 8 + (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    return b;
-}
-
-/* Before a fetch's bookkeeping: the upload arena of the previous fetch is free again. */
-static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__cut_enter(c);
-    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
-    PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
-    memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
-    return PQC_SUCCESS;
-}
-
-/* Room for `rows` gathered rows per head: the upload arena [slot table | indices | fill
-   lists] on host and device and the output rows (grown by a quarter more; growing waits
-   for the stream, which happens rarely). */
-static pqc_result pqc__cut_rows_room(pqc_cache *c, size_t rows)
-{
-    struct pqc__cut *u = c->cu;
-    size_t nkv = (size_t)u->n_kv, cb = (size_t)c->d.cache_blocks + 1, words;
-    pqc_result r;
-    if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
-    if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
-        size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-        words = nkv * (u->nblk_cap + want_rows + 2 * cb);
-        u->rows_cap = u->arena_cap = 0;
-        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
-            return r;
-        u->rows_cap = want_rows;
-        u->arena_cap = words;
-    }
-    return PQC_SUCCESS;
-}
-
-/* The gathered rows as the caller's device view (pos: the selection on the device). */
-static void pqc__cut_rows_device(pqc_cache *c, pqc__dptr pos, pqc_kv_device *dout)
-{
-    struct pqc__cut *u = c->cu;
-    dout->k = u->out_k;
-    dout->v = u->out_v;
-    dout->head_stride = u->rows_cap;
-    dout->pos = pos;
-}
-
-/* Enqueues the copies of head h's count[h] gathered rows into out (the caller waits). */
-static pqc_result pqc__cut_rows_home(pqc_cache *c, const size_t *count, const pqc_kv_out *out)
-{
-    struct pqc__cut *u = c->cu;
-    size_t h, d = (size_t)u->d;
-    for (h = 0; h < (size_t)u->n_kv; h++) {
-        size_t bytes = count[h] * d * sizeof(float), off = h * u->rows_cap * d * sizeof(float);
-        if (!bytes) continue;
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * d, u->out_k + off, bytes, u->st),
-                      "cuMemcpyDtoHAsync");
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * d, u->out_v + off, bytes, u->st),
-                      "cuMemcpyDtoHAsync");
-    }
-    return PQC_SUCCESS;
-}
-
-/* After the bookkeeping: admitted blocks are copied into their slots, then every selected
-   row is gathered (slots, sink and window blocks from device memory, misses straight from
-   the mapped store) as fp32, into device buffers, and copied to `out` when given. */
-static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
-                                     pqc_kv_device *dout)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n);
-    size_t rows = 1, fills = 0, h, i, b, cb = (size_t)c->d.cache_blocks + 1, words;
-    int32_t *tab, *idx, *fb, *fs;
-    pqc_result r;
-    for (h = 0; h < nkv; h++) {
-        rows = PQC__MAX(rows, sel->count[h]);
-        fills = PQC__MAX(fills, u->nfill[h]);
-    }
-    if ((r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
-    /* arena: slot table [nkv][nblk_cap] | indices [nkv][rows_cap] | fills [nkv][2][cb] */
-    tab = u->h_arena;
-    idx = tab + nkv * u->nblk_cap;
-    fb = idx + nkv * u->rows_cap;
-    for (h = 0; h < nkv; h++) {
-        const pqc__head *H = &L->heads[h];
-        int32_t *t = tab + h * u->nblk_cap, *x = idx + h * u->rows_cap;
-        const uint32_t *si = sel->idx + h * sel->capacity;
-        size_t cnt = sel->count[h];
-        for (b = 0; b < nb; b++) {
-            int s = pqc__cut_fixed_slot(c, b, mid_end);
-            if (s < 0 && c->d.cache_blocks > 0 && H->slot_of[b] >= 0 && H->filled[H->slot_of[b]] >= (uint32_t)u->bt)
-                s = u->nsb + u->wb + H->slot_of[b];
-            t[b] = s;
-        }
-        for (i = 0; i < cnt; i++) x[i] = (int32_t)si[i];
-        for (; i < rows; i++) x[i] = 0; /* padding rows gather token 0 into unused rows */
-        fs = fb + h * 2 * cb;
-        for (i = 0; i < fills; i++) { /* padding entries name a block past the end: skipped */
-            fs[i] = i < u->nfill[h] ? u->fill_b[h * cb + i] : (int32_t)nb;
-            fs[cb + i] = i < u->nfill[h] ? u->fill_s[h * cb + i] : 0;
-        }
-    }
-    words = nkv * (u->nblk_cap + u->rows_cap + 2 * cb);
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
-    {
-        pqc__dptr dtab = u->arena, didx = u->arena + nkv * u->nblk_cap * 4, dfb = didx + nkv * u->rows_cap * 4,
-                  dfs = dfb + cb * 4, zero = 0;
-        int64_t list_hs = 2 * (int64_t)cb, hs = (int64_t)u->hstride, ld = u->d,
-                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, idx_hs = (int64_t)u->rows_cap,
-                sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d, phs = (int64_t)u->phstride,
-                split = (int64_t)c->pn;
-        int bt = (int)u->bt, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
-        void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
-                       &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
-        void *pg[] = { &didx, &idx_hs, &nr, &dtab, &sl_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
-                       &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
-                       &u->out_v, &o_hs, &zero };
-        if (fills > 0 &&
-            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
-            return r;
-        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
-    }
-    if (dout) {
-        pqc__cut_rows_device(c, u->arena + nkv * u->nblk_cap * 4, dout);
-        return PQC_SUCCESS;
-    }
-    if ((r = pqc__cut_rows_home(c, sel->count, out)) != PQC_SUCCESS) return r;
-    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-    return PQC_SUCCESS;
-}
-
-static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
-                                 pqc_kv_device *dout)
-{
-    struct pqc__cut *u = c->cu;
-    pqc_result r = pqc__cut_fetch_run(c, l, sel, out, dout);
-    size_t h, i, cb = (size_t)c->d.cache_blocks + 1;
-    if (r == PQC_SUCCESS) return r;
-    /* the blocks admitted by this fetch were never copied: forget them, so that no
-       later gather reads their slots */
-    for (h = 0; h < (size_t)u->n_kv; h++) {
-        pqc__head *H = &c->layers[l].heads[h];
-        for (i = 0; i < u->nfill[h]; i++) {
-            int s = u->fill_s[h * cb + i] - u->nsb - u->wb;
-            int32_t b = u->fill_b[h * cb + i];
-            if (H->block_of[s] == b) {
-                H->block_of[s] = -1;
-                H->slot_of[b] = -1;
-            }
-            H->filled[s] = 0;
-        }
-        u->nfill[h] = 0;
-    }
-    return r;
-}
-
-static pqc_result pqc__cut_fetch_prepare(pqc_cache *c, size_t rows_per_head)
-{
-    (void)rows_per_head;
-    return pqc__cut_fetch_begin(c);
-}
-
-/* The admissions of the shared bookkeeping become this tier's fill lists, then the
-   copies and the gather run on the device. */
-static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
-{
-    struct pqc__cut *u = c->cu;
-    size_t h, f, cb = (size_t)c->d.cache_blocks + 1;
-    (void)parallel;
-    for (h = 0; h < (size_t)u->n_kv; h++) {
-        const pqc__fill *fl = j->fills + h * (size_t)c->d.admit_blocks;
-        for (f = 0; f < j->nfill[h] && f < cb; f++) {
-            u->fill_b[h * cb + f] = fl[f].block;
-            u->fill_s[h * cb + f] = u->nsb + u->wb + fl[f].slot;
-        }
-        u->nfill[h] = f;
-    }
-    return pqc__cut_fetch(c, j->layer, j->sel, j->out, dout);
-}
-
-/* ----- the decode step on the device: selection, bookkeeping and gather enqueued, no
-   host round trip ----- */
-
-/* Layer l's block-cache bookkeeping on the device for nbc blocks, every head:
-   freq, stamp u64 [n_kv][slots] | score f32, slot_of i32, cnt u32 [n_kv][nbc] |
-   block_of i32, filled u32, touched u32 [n_kv][slots]. */
-static size_t pqc__cut_adm_slots(const pqc_cache *c) { return (size_t)(c->d.cache_blocks > 0 ? c->d.cache_blocks : 1); }
-static size_t pqc__cut_adm_bytes(const pqc_cache *c, size_t nbc)
-{
-    return (size_t)c->d.n_kv_heads * (16 * pqc__cut_adm_slots(c) + 12 * nbc + 12 * pqc__cut_adm_slots(c));
-}
-
-/* Moves layer l's bookkeeping between host and device (to_dev: the host's copy up;
-   else the device's back, after waiting for the stream). The move leaves the other side's
-   copy the current one. */
-static pqc_result pqc__cut_adm_move(pqc_cache *c, int l, int to_dev)
-{
-    struct pqc__cut *u = c->cu;
-    size_t nkv = (size_t)u->n_kv, ns = pqc__cut_adm_slots(c), nbc = u->adm_nbc[l], bytes = pqc__cut_adm_bytes(c, nbc);
-    size_t h, i, nb = PQC__MIN(nbc, c->nblk), cbk = (size_t)PQC__MAX(c->d.cache_blocks, 0);
-    unsigned char *m = (unsigned char *)pqc__alloc(&c->alloc, bytes);
-    uint64_t *fq, *stp;
-    float *sc;
-    int32_t *so, *bo;
-    uint32_t *cn, *fl, *tc;
-    pqc__cuResult cr;
-    if (!m) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: %zu bytes of block-cache bookkeeping", bytes);
-    fq = (uint64_t *)m;
-    stp = fq + nkv * ns;
-    sc = (float *)(stp + nkv * ns);
-    so = (int32_t *)(sc + nkv * nbc);
-    cn = (uint32_t *)(so + nkv * nbc);
-    bo = (int32_t *)(cn + nkv * nbc);
-    fl = (uint32_t *)(bo + nkv * ns);
-    tc = fl + nkv * ns;
-    if (!to_dev) {
-        u->waits++;
-        cr = u->api->cuStreamSynchronize(u->st);
-        if (cr == 0) cr = u->api->cuMemcpyDtoH_v2(m, u->adm[l], bytes);
-        if (cr != 0) {
-            pqc__free(&c->alloc, m);
-            return pqc__cut_err(c, cr, "reading the block-cache bookkeeping");
-        }
-    } else {
-        memset(m, 0, bytes);
-    }
-    for (h = 0; h < nkv; h++) {
-        pqc__head *H = &c->layers[l].heads[h];
-        for (i = 0; to_dev && i < nbc; i++) {
-            so[h * nbc + i] = i < nb && cbk ? H->slot_of[i] : -1;
-            sc[h * nbc + i] = i < nb && cbk ? H->score[i] : 0.0f;
-        }
-        for (i = 0; to_dev && i < ns; i++) {
-            bo[h * ns + i] = i < cbk ? H->block_of[i] : -1;
-            fl[h * ns + i] = i < cbk ? H->filled[i] : 0;
-            fq[h * ns + i] = i < cbk ? H->freq[i] : 0;
-            stp[h * ns + i] = i < cbk ? H->stamp[i] : 0;
-        }
-        for (i = 0; !to_dev && cbk && i < nb; i++) {
-            H->slot_of[i] = so[h * nbc + i];
-            H->score[i] = sc[h * nbc + i];
-        }
-        for (i = 0; !to_dev && i < cbk; i++) {
-            H->block_of[i] = bo[h * ns + i];
-            H->filled[i] = fl[h * ns + i];
-            H->freq[i] = fq[h * ns + i];
-            H->stamp[i] = stp[h * ns + i];
-        }
-    }
-    (void)tc;
-    cr = to_dev ? u->api->cuMemcpyHtoD_v2(u->adm[l], m, bytes) : 0;
-    pqc__free(&c->alloc, m);
-    if (cr != 0) return pqc__cut_err(c, cr, "writing the block-cache bookkeeping");
-    u->adm_dev[l] = to_dev;
-    return PQC_SUCCESS;
-}
-
-/* Before the host reads or changes layer l's block-cache bookkeeping: the device's copy,
-   when a device step made it the current one. */
-static pqc_result pqc__cut_adm_pull(pqc_cache *c, int l)
-{
-    if (!c->cu || !c->cu->adm || !c->cu->adm_dev[l]) return PQC_SUCCESS;
-    pqc__cut_enter(c);
-    return pqc__cut_adm_move(c, l, 0);
-}
-
-/* Adds the hits, misses and bytes that device steps counted at layer l. Waits for the
-   stream (a statistics read is a natural synchronisation point). */
-static pqc_result pqc__cut_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
-{
-    const struct pqc__cut *u = c->cu;
-    uint64_t v[3 * 64];
-    size_t nkv = (size_t)u->n_kv, h, done;
-    if (!u->dstat) return PQC_SUCCESS;
-    u->api->cuCtxSetCurrent(u->r->dev.ctx);
-    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-    for (done = 0; done < nkv; done += 64) { /* 64 heads at a time */
-        size_t part = PQC__MIN((size_t)64, nkv - done);
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoH_v2(v, u->dstat + ((size_t)l * nkv + done) * 24, part * 24), "cuMemcpyDtoH");
-        for (h = 0; h < part; h++) {
-            st->hits += v[3 * h];
-            st->misses += v[3 * h + 1];
-            st->bytes_h2d += v[3 * h + 2];
-        }
-    }
-    return PQC_SUCCESS;
-}
-
-/* What device steps need, made at the first one: bookkeeping tables, statistics, fill
-   lists, the tops-k, the staging of queries (two steps deep per layer, in pinned
-   memory, so that a step's copies never wait) and their events. */
-static pqc_result pqc__cut_step_init(pqc_cache *c)
-{
-    struct pqc__cut *u = c->cu;
-    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), i;
-    pqc_result r;
-    if (u->adm) return PQC_SUCCESS;
-    u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + nkv * sizeof(int32_t) + 63) / 64 * 64;
-    if ((r = pqc__cut_dalloc(c, &u->dstat, L * nkv * 24)) != PQC_SUCCESS ||
-        (r = pqc__cut_dalloc(c, &u->rfill, nkv * 3 * ab * 4)) != PQC_SUCCESS ||
-        (r = pqc__cut_dalloc(c, &u->dtakes, nkv * 4)) != PQC_SUCCESS ||
-        (r = pqc__cut_halloc(c, (void **)&u->h_stage, 2 * L * u->stage_bytes)) != PQC_SUCCESS)
-        return r;
-    PQC__CUT_CALL(c, u->api->cuMemsetD32Async(u->dstat, 0, L * nkv * 6, u->st), "cuMemsetD32Async");
-    u->adm = (pqc__dptr *)pqc__calloc(&c->alloc, L * (sizeof(pqc__dptr) + sizeof(size_t) + sizeof(int) +
-                                                      2 * sizeof(pqc__cuEvent)) + 16);
-    if (!u->adm) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-    u->ev_stage = (pqc__cuEvent *)(u->adm + L);
-    u->adm_nbc = (size_t *)(u->ev_stage + 2 * L);
-    u->adm_dev = (int *)(u->adm_nbc + L);
-    for (i = 0; i < 2 * L; i++)
-        PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_stage[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    return PQC_SUCCESS;
-}
-
-/* One decode step of layer l on the device: the queries and each head's top-k count
-   (takes; search: the top-k of the codes, else every coded token or none, as takes
-   says) go up, then the search, pqc_select_admit (selection, admission, hits), the block
-   copies and the gather are enqueued on the stream. With dout the rows stay on the
-   device and nothing waits; with out the rows and the selection (into pos, head h at
-   pos + h * pos_stride) come back after one synchronisation. */
-static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
-                                const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
-                                size_t pos_stride)
-{
-    struct pqc__cut *u = c->cu;
-    pqc__layer *L = &c->layers[l];
-    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
-    unsigned char *stage;
-    int32_t *tk;
-    pqc__cuResult cr;
-    pqc_result r;
-    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: decode before prefill");
-    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
-    pqc__cut_enter(c);
-    for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
-    if ((r = pqc__cut_step_init(c)) != PQC_SUCCESS || (r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
-    if (out && u->pos_cap < u->rows_cap) {
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-        u->pos_cap = 0;
-        if ((r = pqc__cut_halloc(c, (void **)&u->h_pos, nkv * u->rows_cap * 4)) != PQC_SUCCESS) return r;
-        u->pos_cap = u->rows_cap;
-    }
-    if (u->adm_nbc[l] < c->nblk) { /* the tables grow with the stores: through the host */
-        if ((r = pqc__cut_adm_pull(c, l)) != PQC_SUCCESS) return r;
-        u->adm_nbc[l] = 0;
-        if ((r = pqc__cut_dalloc(c, &u->adm[l], pqc__cut_adm_bytes(c, c->nblk))) != PQC_SUCCESS) return r;
-        u->adm_nbc[l] = c->nblk;
-    }
-    if (!u->adm_dev[l] && (r = pqc__cut_adm_move(c, l, 1)) != PQC_SUCCESS) return r;
-    /* the staging slot of this layer two steps ago is free (it always is, unless the
-       device runs two whole steps behind) */
-    cr = u->api->cuEventQuery(u->ev_stage[slot]);
-    if (cr != 0) PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_stage[slot]), "cuEventSynchronize");
-    stage = u->h_stage + slot * u->stage_bytes;
-    memcpy(stage, q, qb);
-    tk = (int32_t *)(stage + qb);
-    for (h = 0; h < nkv; h++) tk[h] = (int32_t)takes[h];
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, nkv * 4, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
-    if (search && (r = pqc__cut_search(c, l, ctake, u->dtakes, 0)) != PQC_SUCCESS) return r;
-    {
-        size_t nbc = u->adm_nbc[l], ns = pqc__cut_adm_slots(c), mid_end = pqc__mid_end(c, n);
-        pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
-                  cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
-        pqc__dptr topk = search ? u->topk : 0, tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
-        pqc__dptr fb = u->rfill, fs = fb + ab * 4, fr = fs + ab * 4, stat = u->dstat + (size_t)l * nkv * 24, zero = 0;
-        int64_t topk_hs = (int64_t)ctake, sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,
-                tab_hs = (int64_t)u->nblk_cap, fill_hs = 3 * (int64_t)ab, hs = (int64_t)u->hstride, ld = u->d,
-                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, phs = (int64_t)u->phstride, split = (int64_t)c->pn,
-                o_hs = (int64_t)u->rows_cap * u->d;
-        int n_sink = c->d.n_sink, coded = (int)L->n_coded, me = (int)mid_end, ni = (int)n, nr = (int)rows, bt = (int)u->bt;
-        int nsb = u->nsb, wb = u->wb, cbk = c->d.cache_blocks, adm = c->d.admit_blocks, lfu = c->d.policy != PQC_POLICY_LRU;
-        int nf = (int)ab, row_lo = 0, dt = (int)c->d.kv_dtype, d = u->d;
-        uint64_t step = L->step, rb = c->row;
-        void *pa[] = { &topk, &topk_hs, &u->dtakes, &n_sink, &coded, &me, &ni, &nr, &idx, &sel_hs, &bt, &nsb, &wb, &cbk,
-                       &adm, &lfu, &step, &sc, &so, &cn, &blk_hs, &bo, &fl, &tc, &fq, &stp, &slot_hs, &tab, &tab_hs,
-                       &fb, &fs, &fr, &fill_hs, &stat, &rb };
-        void *pf[] = { &fb, &fs, &fill_hs, &nf, &bt, &row_lo, &ni, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
-                       &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
-        void *pg[] = { &idx, &sel_hs, &nr, &tab, &tab_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
-                       &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
-                       &u->out_v, &o_hs, &zero };
-        if ((r = pqc__cut_launch(c, PQC__K_SELECT_ADMIT, 1, (unsigned)nkv, 0, pa)) != PQC_SUCCESS) return r;
-        if (cbk > 0 && adm > 0 &&
-            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(ab * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
-            return r;
-        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
-        if (dout) {
-            pqc__cut_rows_device(c, idx, dout);
-            return PQC_SUCCESS;
-        }
-        if ((r = pqc__cut_rows_home(c, count, out)) != PQC_SUCCESS) return r;
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_pos, idx, nkv * u->rows_cap * 4, u->st), "cuMemcpyDtoHAsync");
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
-        for (h = 0; h < nkv; h++) memcpy(pos + h * pos_stride, u->h_pos + h * u->rows_cap, count[h] * sizeof(uint32_t));
-    }
-    return PQC_SUCCESS;
-}
-
-static int pqc__cut_zero_copy(const pqc_cache *c)
-{
-    (void)c;
-    return 0;
-}
-
-/* The waits of a layer's select, fetch or step (and of the fetch's preparation before
-   it) go to its statistics. */
-static void pqc__cut_note_waits(pqc_cache *c, int l)
-{
-    struct pqc__cut *u = c->cu;
-    c->layers[l].st.device_waits += u->waits - u->waits_seen;
-    u->waits_seen = u->waits;
-}
-static pqc_result pqc__cut_select_w(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
-                                    const float **sc)
-{
-    pqc_result r = pqc__cut_select(c, l, q, take, scores, idx, sc);
-    pqc__cut_note_waits(c, l);
-    return r;
-}
-static pqc_result pqc__cut_fetch_tier_w(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
-{
-    pqc_result r = pqc__cut_fetch_tier(c, j, dout, parallel);
-    pqc__cut_note_waits(c, j->layer);
-    return r;
-}
-static pqc_result pqc__cut_step_w(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
-                                  const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
-                                  size_t pos_stride)
-{
-    pqc_result r = pqc__cut_step(c, l, q, takes, search, ctake, count, out, dout, pos, pos_stride);
-    pqc__cut_note_waits(c, l);
-    return r;
-}
-static pqc_result pqc__cut_adm_pull_w(pqc_cache *c, int l)
-{
-    pqc_result r = pqc__cut_adm_pull(c, l);
-    if (c->cu) pqc__cut_note_waits(c, l);
-    return r;
-}
-
-static const pqc__tier_i *pqc__cuda_tier(void)
-{
-    static const pqc__tier_i t = { "CUDA", PQC__CAN_DEVICE_ROWS, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
-                                   pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
-                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select_w,
-                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier_w, pqc__cut_device_bytes,
-                                   pqc__cut_zero_copy, pqc__cut_step_w, pqc__cut_adm_pull_w, pqc__cut_stats,
-                                   pqc__cut_batch_tables };
-    return &t;
-}
-
-PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
-{
-    pqc__cuApi api;
-    pqc__cuHost host;
-    pqc__cuDev dev;
-    pqc_cuda_info tmp;
-    int st;
-    if (!info) info = &tmp;
-    memset(info, 0, sizeof *info);
-    pqc__cu_host(&host, NULL);
-    pqc__cu_api_init(&api, &host);
-    st = pqc__cu_load(&api, 1);
-    if (st != PQC__CU_OK) {
-        snprintf(info->message, sizeof info->message, "%s", api.msg);
-        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: %s", api.msg);
-    }
-    info->driver_version = api.driver_version;
-    info->device_count = api.device_count;
-    info->nvrtc_major = api.nvrtc_major;
-    info->nvrtc_minor = api.nvrtc_minor;
-    info->have_cublaslt = api.lib_blaslt != NULL;
-    memset(&dev, 0, sizeof dev);
-    st = pqc__cu_device_open(&api, 0, &dev);
-    if (st != PQC__CU_OK) {
-        snprintf(info->message, sizeof info->message, "%s", api.msg);
-        pqc__cu_unload(&api);
-        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA device 0 unusable: %s", info->message);
-    }
-    info->available = 1;
-    info->cc_major = dev.cc_major;
-    info->cc_minor = dev.cc_minor;
-    info->sm_count = dev.sm_count;
-    info->total_mem = dev.total_mem;
-    snprintf(info->name, sizeof info->name, "%s", dev.name);
-    snprintf(info->message, sizeof info->message, "%s, compute capability %d.%d, %d SMs", dev.name, dev.cc_major,
-             dev.cc_minor, dev.sm_count);
-    pqc__cu_device_close(&api, &dev);
-    pqc__cu_unload(&api);
-    return PQC_SUCCESS;
-}
-
-PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
-{
-    pqc__cuApi api;
-    pqc__cuHost host;
-    void *img = NULL;
-    size_t size = 0;
-    int st;
-    if (arch < 50 || arch > 200) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "architecture %d not in 50..200", arch);
-    pqc__cu_host(&host, NULL);
-    pqc__cu_api_init(&api, &host);
-    st = pqc__cu_load_nvrtc(&api);
-    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "NVRTC unavailable: %s", api.msg);
-    st = pqc__cu_compile(&api, pqc__kernels(), "pqcache_kernels.cu", arch, cubin, &img, &size, log, log_size);
-    pqc__cu_free(&api, img);
-    pqc__cu_unload(&api);
-    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_BACKEND, "NVRTC: %s", api.msg);
-    if (image_bytes) *image_bytes = size;
-    return PQC_SUCCESS;
-}
-
-PQCDEF const char *pqc_cuda_kernel_source(void) { return pqc__kernels(); }
-
-#else /* no CUDA loader in this build */
-
-PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
-{
-    if (info) {
-        memset(info, 0, sizeof *info);
-        snprintf(info->message, sizeof info->message, "built without the CUDA loader");
-    }
-    return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: built without the CUDA loader");
-}
-PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
-{
-    (void)arch;
-    (void)cubin;
-    (void)image_bytes;
-    if (log && log_size) log[0] = 0;
-    return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "built without the CUDA loader");
-}
-PQCDEF const char *pqc_cuda_kernel_source(void) { return ""; }
-#endif /* PQC__CUDA_LOADER */
-
-#if !PQC__CUDA_LOADER
-/* Built without the CUDA loader: no device tier (c->cu and rt->cu stay NULL). */
-static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
-{
-    (void)rt;
-    (void)ordinal;
-    (void)cache_dir;
-    snprintf(why, why_size, "built without the CUDA loader");
-    return PQC_ERROR_NO_DEVICE;
-}
-static void pqc__curt_close(pqc_runtime *rt) { (void)rt; }
-static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
-                                  double *obj, char *err, size_t errsz)
-{
-    (void)rt;
-    (void)x;
-    (void)n;
-    (void)d;
-    (void)k;
-    (void)iters;
-    (void)c;
-    (void)obj;
-    snprintf(err, errsz, "built without the CUDA loader");
-    return PQC_ERROR_NO_DEVICE;
-}
-#endif
-
-
-/* =======================================================================================
-   17. Kernel source: pqcache_kernels.cu, embedded as a string for NVRTC
+   15. Kernel source: pqcache_kernels.cu, embedded as a string for NVRTC
    ===================================================================================== */
 #if PQC__CUDA_LOADER
 /* BEGIN EMBEDDED pqcache_kernels.cu (generated by tools/embed_kernels.sh; do not edit) */
@@ -12763,6 +9616,3176 @@ static const char pqc__kernel_source[] =
 /* END EMBEDDED pqcache_kernels.cu */
 static const char *pqc__kernels(void) { return pqc__kernel_source; }
 #endif
+
+/* =======================================================================================
+   16. CUDA loader (optional): run-time loader of the driver API, NVRTC and cuBLASLt, the kernels of
+   pqcache_kernels.cu embedded as a string, and the probe/compile entry points. Nothing is
+   linked: every library is opened with dlopen, and its absence is a clean CPU fallback.
+   ===================================================================================== */
+#if PQC__CUDA_LOADER
+#ifndef PQC__CU_FRAGMENT_INCLUDED
+#define PQC__CU_FRAGMENT_INCLUDED
+
+#if defined(__GNUC__) || defined(__clang__)
+#define PQC__CU_FN static __attribute__((unused))
+#else
+#define PQC__CU_FN static
+#endif
+
+/* ------------------------------------------------------------------------------------ */
+/* CUDA types and constants used (ABI-compatible stand-ins for those of the headers)     */
+/* ------------------------------------------------------------------------------------ */
+
+typedef int pqc__cuResult;                              /* CUresult */
+typedef int pqc__cuDevice;                              /* CUdevice */
+typedef unsigned long long pqc__cuDeviceptr;            /* CUdeviceptr (64-bit) */
+typedef struct pqc__cuContextOpaque *pqc__cuContext;    /* CUcontext */
+typedef struct pqc__cuModuleOpaque *pqc__cuModule;      /* CUmodule */
+typedef struct pqc__cuFunctionOpaque *pqc__cuFunction;  /* CUfunction */
+typedef struct pqc__cuStreamOpaque *pqc__cuStream;      /* CUstream / cudaStream_t */
+typedef struct pqc__cuEventOpaque *pqc__cuEvent;        /* CUevent */
+
+typedef int pqc__cuNvrtcResult;                         /* nvrtcResult */
+typedef struct pqc__cuNvrtcProgramOpaque *pqc__cuNvrtcProgram; /* nvrtcProgram */
+
+typedef int pqc__cuBlasStatus;                          /* cublasStatus_t */
+typedef struct pqc__cuBlasLtOpaque *pqc__cuBlasLtHandle;                /* cublasLtHandle_t */
+typedef struct pqc__cuBlasLtDescOpaque *pqc__cuBlasLtMatmulDesc;        /* cublasLtMatmulDesc_t */
+typedef struct pqc__cuBlasLtLayoutOpaque *pqc__cuBlasLtMatrixLayout;    /* cublasLtMatrixLayout_t */
+typedef struct pqc__cuBlasLtPrefOpaque *pqc__cuBlasLtMatmulPreference;  /* cublasLtMatmulPreference_t */
+typedef struct { uint64_t data[8]; } pqc__cuBlasLtMatmulAlgo;           /* cublasLtMatmulAlgo_t */
+typedef struct {                                        /* cublasLtMatmulHeuristicResult_t */
+    pqc__cuBlasLtMatmulAlgo algo;
+    size_t workspaceSize;
+    pqc__cuBlasStatus state;
+    float wavesCount;
+    int reserved[4];
+} pqc__cuBlasLtHeuristicResult;
+
+#define PQC__CU_SUCCESS                       0
+#define PQC__CU_ERROR_STUB_LIBRARY            34
+#define PQC__CU_ERROR_NO_DEVICE               100
+#define PQC__CU_ERROR_INSUFFICIENT_DRIVER     35
+#define PQC__CU_ATTR_MULTIPROCESSOR_COUNT     16
+#define PQC__CU_ATTR_CAN_MAP_HOST_MEMORY      19
+#define PQC__CU_ATTR_CC_MAJOR                 75
+#define PQC__CU_ATTR_CC_MINOR                 76
+#define PQC__CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN 97
+#define PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM    8
+#define PQC__CU_MEMHOSTALLOC_PORTABLE         0x01
+#define PQC__CU_MEMHOSTALLOC_DEVICEMAP        0x02
+#define PQC__CU_MEMHOSTREGISTER_PORTABLE      0x01
+#define PQC__CU_MEMHOSTREGISTER_DEVICEMAP     0x02
+#define PQC__CU_STREAM_NON_BLOCKING           0x01
+#define PQC__CU_EVENT_DEFAULT                 0x00
+#define PQC__CU_EVENT_DISABLE_TIMING          0x02
+#define PQC__CUBLAS_STATUS_SUCCESS            0
+#define PQC__CUBLAS_COMPUTE_32F               68
+#define PQC__CUBLAS_COMPUTE_32F_PEDANTIC      69
+#define PQC__CUDA_R_32F                       0
+#define PQC__CUBLAS_OP_N                      0
+#define PQC__CUBLAS_OP_T                      1
+#define PQC__CUBLASLT_MATMUL_DESC_TRANSA      3
+#define PQC__CUBLASLT_MATMUL_DESC_TRANSB      4
+#define PQC__CUBLASLT_PREF_MAX_WORKSPACE      1
+#define PQC__CUBLASLT_LAYOUT_BATCH_COUNT      5
+#define PQC__CUBLASLT_LAYOUT_BATCH_MODE       8
+#define PQC__CUBLASLT_BATCH_MODE_POINTER_ARRAY 1
+
+/* Status codes of this loader. */
+#define PQC__CU_OK                   0
+#define PQC__CU_ERR_NO_DRIVER        1  /* libcuda.so.1 not found */
+#define PQC__CU_ERR_DRIVER_SYMBOL    2  /* the driver library lacks a required symbol */
+#define PQC__CU_ERR_DRIVER_INIT      3  /* cuInit failed (stub library, old driver, ...) */
+#define PQC__CU_ERR_NO_DEVICE        4  /* driver present, no CUDA device */
+#define PQC__CU_ERR_NO_NVRTC         5  /* libnvrtc not found */
+#define PQC__CU_ERR_NVRTC_SYMBOL     6  /* libnvrtc lacks a required symbol */
+#define PQC__CU_ERR_NO_CUBLASLT      7  /* libcublasLt not found */
+#define PQC__CU_ERR_CUBLASLT_SYMBOL  8  /* libcublasLt lacks a required symbol */
+#define PQC__CU_ERR_COMPILE          9  /* NVRTC rejected the source */
+#define PQC__CU_ERR_ARCH             10 /* NVRTC cannot target the device */
+#define PQC__CU_ERR_MODULE           11 /* the driver rejected the compiled image */
+#define PQC__CU_ERR_CUDA             12 /* a driver call failed */
+#define PQC__CU_ERR_ALLOC            13 /* out of host memory / no allocator */
+#define PQC__CU_ERR_INVALID          14 /* bad argument, or the table is not loaded */
+
+/* Services the loader needs from its host library. Any member may be NULL: without
+   alloc/free nothing can be compiled or cached; without get_env PQC_NVRTC_PATH and the
+   default cache directory are ignored; without make_dir the cache directory must exist. */
+typedef struct pqc__cuHost {
+    void *(*alloc)(size_t size, void *user);
+    void (*free)(void *ptr, void *user);
+    const char *(*get_env)(const char *name, void *user);
+    int (*make_dir)(const char *path, void *user); /* 0 on success or if it exists */
+    void *user;
+} pqc__cuHost;
+
+/* The function table. Members are named after the exact symbols they come from. */
+typedef struct pqc__cuApi {
+    void *lib_driver, *lib_nvrtc, *lib_blaslt;
+    char driver_path[256], nvrtc_path[256], blaslt_path[256];
+    int driver_version;            /* cuDriverGetVersion, e.g. 13000 */
+    int device_count;
+    int nvrtc_major, nvrtc_minor;  /* nvrtcVersion */
+    size_t blaslt_version;         /* cublasLtGetVersion */
+    pqc__cuHost host;
+    char msg[512];                 /* description of the last failure */
+
+    /* driver API (libcuda) */
+    pqc__cuResult (*cuInit)(unsigned int flags);
+    pqc__cuResult (*cuDriverGetVersion)(int *version);
+    pqc__cuResult (*cuDeviceGetCount)(int *count);
+    pqc__cuResult (*cuDeviceGet)(pqc__cuDevice *dev, int ordinal);
+    pqc__cuResult (*cuDeviceGetName)(char *name, int len, pqc__cuDevice dev);
+    pqc__cuResult (*cuDeviceGetAttribute)(int *value, int attrib, pqc__cuDevice dev);
+    pqc__cuResult (*cuDeviceTotalMem_v2)(size_t *bytes, pqc__cuDevice dev);
+    pqc__cuResult (*cuDevicePrimaryCtxRetain)(pqc__cuContext *ctx, pqc__cuDevice dev);
+    pqc__cuResult (*cuDevicePrimaryCtxRelease_v2)(pqc__cuDevice dev);
+    pqc__cuResult (*cuCtxSetCurrent)(pqc__cuContext ctx);
+    pqc__cuResult (*cuCtxSynchronize)(void);
+    pqc__cuResult (*cuModuleLoadData)(pqc__cuModule *mod, const void *image);
+    pqc__cuResult (*cuModuleUnload)(pqc__cuModule mod);
+    pqc__cuResult (*cuModuleGetFunction)(pqc__cuFunction *fn, pqc__cuModule mod,
+                                         const char *name);
+    pqc__cuResult (*cuFuncSetAttribute)(pqc__cuFunction fn, int attrib, int value);
+    pqc__cuResult (*cuLaunchKernel)(pqc__cuFunction fn, unsigned int gx, unsigned int gy,
+                                    unsigned int gz, unsigned int bx, unsigned int by,
+                                    unsigned int bz, unsigned int shared_bytes,
+                                    pqc__cuStream stream, void **params, void **extra);
+    pqc__cuResult (*cuMemAlloc_v2)(pqc__cuDeviceptr *dptr, size_t bytes);
+    pqc__cuResult (*cuMemFree_v2)(pqc__cuDeviceptr dptr);
+    pqc__cuResult (*cuMemGetInfo_v2)(size_t *free_bytes, size_t *total_bytes);
+    pqc__cuResult (*cuMemHostAlloc)(void **p, size_t bytes, unsigned int flags);
+    pqc__cuResult (*cuMemFreeHost)(void *p);
+    pqc__cuResult (*cuMemHostGetDevicePointer_v2)(pqc__cuDeviceptr *dptr, void *p,
+                                                  unsigned int flags);
+    pqc__cuResult (*cuMemHostRegister_v2)(void *p, size_t bytes, unsigned int flags);
+    pqc__cuResult (*cuMemHostUnregister)(void *p);
+    pqc__cuResult (*cuMemcpyHtoD_v2)(pqc__cuDeviceptr dst, const void *src, size_t bytes);
+    pqc__cuResult (*cuMemcpyDtoH_v2)(void *dst, pqc__cuDeviceptr src, size_t bytes);
+    pqc__cuResult (*cuMemcpyHtoDAsync_v2)(pqc__cuDeviceptr dst, const void *src, size_t bytes,
+                                          pqc__cuStream stream);
+    pqc__cuResult (*cuMemcpyDtoHAsync_v2)(void *dst, pqc__cuDeviceptr src, size_t bytes,
+                                          pqc__cuStream stream);
+    pqc__cuResult (*cuMemcpyDtoDAsync_v2)(pqc__cuDeviceptr dst, pqc__cuDeviceptr src,
+                                          size_t bytes, pqc__cuStream stream);
+    pqc__cuResult (*cuMemsetD8Async)(pqc__cuDeviceptr dst, unsigned char value, size_t n,
+                                     pqc__cuStream stream);
+    pqc__cuResult (*cuMemsetD32Async)(pqc__cuDeviceptr dst, unsigned int value, size_t n,
+                                      pqc__cuStream stream);
+    pqc__cuResult (*cuStreamCreate)(pqc__cuStream *stream, unsigned int flags);
+    pqc__cuResult (*cuStreamDestroy_v2)(pqc__cuStream stream);
+    pqc__cuResult (*cuStreamSynchronize)(pqc__cuStream stream);
+    pqc__cuResult (*cuStreamWaitEvent)(pqc__cuStream stream, pqc__cuEvent ev,
+                                       unsigned int flags);
+    pqc__cuResult (*cuEventCreate)(pqc__cuEvent *ev, unsigned int flags);
+    pqc__cuResult (*cuEventDestroy_v2)(pqc__cuEvent ev);
+    pqc__cuResult (*cuEventRecord)(pqc__cuEvent ev, pqc__cuStream stream);
+    pqc__cuResult (*cuEventSynchronize)(pqc__cuEvent ev);
+    pqc__cuResult (*cuEventQuery)(pqc__cuEvent ev);
+    pqc__cuResult (*cuEventElapsedTime)(float *ms, pqc__cuEvent start, pqc__cuEvent end);
+    pqc__cuResult (*cuGetErrorString)(pqc__cuResult err, const char **str);
+    pqc__cuResult (*cuGetErrorName)(pqc__cuResult err, const char **str);
+
+    /* NVRTC */
+    pqc__cuNvrtcResult (*nvrtcVersion)(int *major, int *minor);
+    pqc__cuNvrtcResult (*nvrtcGetNumSupportedArchs)(int *n);     /* optional */
+    pqc__cuNvrtcResult (*nvrtcGetSupportedArchs)(int *archs);    /* optional */
+    pqc__cuNvrtcResult (*nvrtcCreateProgram)(pqc__cuNvrtcProgram *prog, const char *src,
+                                             const char *name, int num_headers,
+                                             const char *const *headers,
+                                             const char *const *include_names);
+    pqc__cuNvrtcResult (*nvrtcDestroyProgram)(pqc__cuNvrtcProgram *prog);
+    pqc__cuNvrtcResult (*nvrtcCompileProgram)(pqc__cuNvrtcProgram prog, int num_options,
+                                              const char *const *options);
+    pqc__cuNvrtcResult (*nvrtcGetPTXSize)(pqc__cuNvrtcProgram prog, size_t *size);
+    pqc__cuNvrtcResult (*nvrtcGetPTX)(pqc__cuNvrtcProgram prog, char *ptx);
+    pqc__cuNvrtcResult (*nvrtcGetCUBINSize)(pqc__cuNvrtcProgram prog, size_t *size); /* optional */
+    pqc__cuNvrtcResult (*nvrtcGetCUBIN)(pqc__cuNvrtcProgram prog, char *cubin);      /* optional */
+    pqc__cuNvrtcResult (*nvrtcGetProgramLogSize)(pqc__cuNvrtcProgram prog, size_t *size);
+    pqc__cuNvrtcResult (*nvrtcGetProgramLog)(pqc__cuNvrtcProgram prog, char *log);
+    const char *(*nvrtcGetErrorString)(pqc__cuNvrtcResult result);
+
+    /* cuBLASLt (optional library) */
+    pqc__cuBlasStatus (*cublasLtCreate)(pqc__cuBlasLtHandle *handle);
+    pqc__cuBlasStatus (*cublasLtDestroy)(pqc__cuBlasLtHandle handle);
+    size_t (*cublasLtGetVersion)(void);
+    pqc__cuBlasStatus (*cublasLtMatmulDescCreate)(pqc__cuBlasLtMatmulDesc *desc,
+                                                  int compute_type, int scale_type);
+    pqc__cuBlasStatus (*cublasLtMatmulDescDestroy)(pqc__cuBlasLtMatmulDesc desc);
+    pqc__cuBlasStatus (*cublasLtMatmulDescSetAttribute)(pqc__cuBlasLtMatmulDesc desc,
+                                                        int attr, const void *buf,
+                                                        size_t size);
+    pqc__cuBlasStatus (*cublasLtMatrixLayoutCreate)(pqc__cuBlasLtMatrixLayout *layout,
+                                                    int type, uint64_t rows, uint64_t cols,
+                                                    int64_t ld);
+    pqc__cuBlasStatus (*cublasLtMatrixLayoutDestroy)(pqc__cuBlasLtMatrixLayout layout);
+    pqc__cuBlasStatus (*cublasLtMatrixLayoutSetAttribute)(pqc__cuBlasLtMatrixLayout layout, int attr,
+                                                          const void *buf, size_t size);
+    pqc__cuBlasStatus (*cublasLtMatmulPreferenceCreate)(pqc__cuBlasLtMatmulPreference *pref);
+    pqc__cuBlasStatus (*cublasLtMatmulPreferenceDestroy)(pqc__cuBlasLtMatmulPreference pref);
+    pqc__cuBlasStatus (*cublasLtMatmulPreferenceSetAttribute)(
+        pqc__cuBlasLtMatmulPreference pref, int attr, const void *buf, size_t size);
+    pqc__cuBlasStatus (*cublasLtMatmulAlgoGetHeuristic)(
+        pqc__cuBlasLtHandle handle, pqc__cuBlasLtMatmulDesc desc,
+        pqc__cuBlasLtMatrixLayout a, pqc__cuBlasLtMatrixLayout b,
+        pqc__cuBlasLtMatrixLayout c, pqc__cuBlasLtMatrixLayout d,
+        pqc__cuBlasLtMatmulPreference pref, int requested,
+        pqc__cuBlasLtHeuristicResult *results, int *returned);
+    pqc__cuBlasStatus (*cublasLtMatmul)(
+        pqc__cuBlasLtHandle handle, pqc__cuBlasLtMatmulDesc desc, const void *alpha,
+        const void *A, pqc__cuBlasLtMatrixLayout a_desc, const void *B,
+        pqc__cuBlasLtMatrixLayout b_desc, const void *beta, const void *C,
+        pqc__cuBlasLtMatrixLayout c_desc, void *D, pqc__cuBlasLtMatrixLayout d_desc,
+        const pqc__cuBlasLtMatmulAlgo *algo, void *workspace, size_t workspace_bytes,
+        pqc__cuStream stream);
+} pqc__cuApi;
+
+/* One opened device: its primary context and the properties the backend needs. */
+typedef struct pqc__cuDev {
+    pqc__cuDevice dev;
+    pqc__cuContext ctx;
+    int ordinal;
+    int cc_major, cc_minor;  /* compute capability */
+    int sm_count;
+    int can_map_host;        /* mapped pinned memory usable from kernels */
+    int smem_optin;          /* max dynamic shared memory per block after opt-in */
+    size_t total_mem;
+    char name[128];
+} pqc__cuDev;
+
+/* dlsym returns void*; ISO C has no conversion to a function pointer, so the object
+   representation is copied instead (POSIX guarantees they have the same size). */
+typedef char pqc__cu_fnptr_is_pointer_sized[sizeof(void *) == sizeof(void (*)(void)) ? 1 : -1];
+
+typedef struct pqc__cuSym {
+    const char *name;
+    const char *alt;  /* same signature under another name, or NULL */
+    size_t offset;    /* of the member in pqc__cuApi */
+    int optional;
+} pqc__cuSym;
+
+#define PQC__CU_SYM(member, alt, opt) { #member, alt, offsetof(pqc__cuApi, member), opt }
+
+static const pqc__cuSym pqc__cu_driver_syms[] = {
+    PQC__CU_SYM(cuInit, NULL, 0),
+    PQC__CU_SYM(cuDriverGetVersion, NULL, 0),
+    PQC__CU_SYM(cuDeviceGetCount, NULL, 0),
+    PQC__CU_SYM(cuDeviceGet, NULL, 0),
+    PQC__CU_SYM(cuDeviceGetName, NULL, 0),
+    PQC__CU_SYM(cuDeviceGetAttribute, NULL, 0),
+    PQC__CU_SYM(cuDeviceTotalMem_v2, NULL, 0),
+    PQC__CU_SYM(cuDevicePrimaryCtxRetain, NULL, 0),
+    PQC__CU_SYM(cuDevicePrimaryCtxRelease_v2, "cuDevicePrimaryCtxRelease", 0),
+    PQC__CU_SYM(cuCtxSetCurrent, NULL, 0),
+    PQC__CU_SYM(cuCtxSynchronize, NULL, 0),
+    PQC__CU_SYM(cuModuleLoadData, NULL, 0),
+    PQC__CU_SYM(cuModuleUnload, NULL, 0),
+    PQC__CU_SYM(cuModuleGetFunction, NULL, 0),
+    PQC__CU_SYM(cuFuncSetAttribute, NULL, 0),
+    PQC__CU_SYM(cuLaunchKernel, NULL, 0),
+    PQC__CU_SYM(cuMemAlloc_v2, NULL, 0),
+    PQC__CU_SYM(cuMemFree_v2, NULL, 0),
+    PQC__CU_SYM(cuMemGetInfo_v2, NULL, 0),
+    PQC__CU_SYM(cuMemHostAlloc, NULL, 0),
+    PQC__CU_SYM(cuMemFreeHost, NULL, 0),
+    PQC__CU_SYM(cuMemHostGetDevicePointer_v2, NULL, 0),
+    PQC__CU_SYM(cuMemHostRegister_v2, NULL, 0),
+    PQC__CU_SYM(cuMemHostUnregister, NULL, 0),
+    PQC__CU_SYM(cuMemcpyHtoD_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyDtoH_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyHtoDAsync_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyDtoHAsync_v2, NULL, 0),
+    PQC__CU_SYM(cuMemcpyDtoDAsync_v2, NULL, 0),
+    PQC__CU_SYM(cuMemsetD8Async, NULL, 0),
+    PQC__CU_SYM(cuMemsetD32Async, NULL, 0),
+    PQC__CU_SYM(cuStreamCreate, NULL, 0),
+    PQC__CU_SYM(cuStreamDestroy_v2, NULL, 0),
+    PQC__CU_SYM(cuStreamSynchronize, NULL, 0),
+    PQC__CU_SYM(cuStreamWaitEvent, NULL, 0),
+    PQC__CU_SYM(cuEventCreate, NULL, 0),
+    PQC__CU_SYM(cuEventDestroy_v2, NULL, 0),
+    PQC__CU_SYM(cuEventRecord, NULL, 0),
+    PQC__CU_SYM(cuEventSynchronize, NULL, 0),
+    PQC__CU_SYM(cuEventQuery, NULL, 0),
+    /* cuEventElapsedTime_v2 (CUDA 12.8+) has the same signature as the original */
+    { "cuEventElapsedTime_v2", "cuEventElapsedTime", offsetof(pqc__cuApi, cuEventElapsedTime), 0 },
+    PQC__CU_SYM(cuGetErrorString, NULL, 0),
+    PQC__CU_SYM(cuGetErrorName, NULL, 0)
+};
+
+static const pqc__cuSym pqc__cu_nvrtc_syms[] = {
+    PQC__CU_SYM(nvrtcVersion, NULL, 0),
+    PQC__CU_SYM(nvrtcGetNumSupportedArchs, NULL, 1),
+    PQC__CU_SYM(nvrtcGetSupportedArchs, NULL, 1),
+    PQC__CU_SYM(nvrtcCreateProgram, NULL, 0),
+    PQC__CU_SYM(nvrtcDestroyProgram, NULL, 0),
+    PQC__CU_SYM(nvrtcCompileProgram, NULL, 0),
+    PQC__CU_SYM(nvrtcGetPTXSize, NULL, 0),
+    PQC__CU_SYM(nvrtcGetPTX, NULL, 0),
+    PQC__CU_SYM(nvrtcGetCUBINSize, NULL, 1),
+    PQC__CU_SYM(nvrtcGetCUBIN, NULL, 1),
+    PQC__CU_SYM(nvrtcGetProgramLogSize, NULL, 0),
+    PQC__CU_SYM(nvrtcGetProgramLog, NULL, 0),
+    PQC__CU_SYM(nvrtcGetErrorString, NULL, 0)
+};
+
+static const pqc__cuSym pqc__cu_blaslt_syms[] = {
+    PQC__CU_SYM(cublasLtCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtGetVersion, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulDescCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulDescDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulDescSetAttribute, NULL, 0),
+    PQC__CU_SYM(cublasLtMatrixLayoutCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtMatrixLayoutDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtMatrixLayoutSetAttribute, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulPreferenceCreate, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulPreferenceDestroy, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulPreferenceSetAttribute, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmulAlgoGetHeuristic, NULL, 0),
+    PQC__CU_SYM(cublasLtMatmul, NULL, 0)
+};
+
+#define PQC__CU_COUNT(a) ((int)(sizeof(a) / sizeof((a)[0])))
+
+/* ------------------------------------------------------------------------------------ */
+/* Utilities                                                                            */
+/* ------------------------------------------------------------------------------------ */
+
+/* Sets api->msg (printf-style, truncated) and evaluates to status. */
+#define PQC__CU_FAIL(api, status, ...) \
+    (snprintf((api)->msg, sizeof((api)->msg), __VA_ARGS__), (status))
+
+/* Name of a driver error code ("CUDA_ERROR_OUT_OF_MEMORY"). */
+PQC__CU_FN const char *pqc__cu_error_name(pqc__cuApi *api, pqc__cuResult r)
+{
+    const char *s = NULL;
+    if (api->cuGetErrorName && api->cuGetErrorName(r, &s) == PQC__CU_SUCCESS && s) return s;
+    return "unknown CUresult";
+}
+
+/* Checks a driver result: on failure sets api->msg to "<what>: <name> (<string>)" and
+   returns PQC__CU_ERR_CUDA, else PQC__CU_OK. */
+PQC__CU_FN int pqc__cu_check(pqc__cuApi *api, pqc__cuResult r, const char *what)
+{
+    const char *str = NULL;
+    if (r == PQC__CU_SUCCESS) return PQC__CU_OK;
+    if (api->cuGetErrorString) api->cuGetErrorString(r, &str);
+    return PQC__CU_FAIL(api, PQC__CU_ERR_CUDA, "%s failed: %s (%s)", what,
+                        pqc__cu_error_name(api, r), str ? str : "no description");
+}
+
+
+PQC__CU_FN void *pqc__cu_alloc(pqc__cuApi *api, size_t n)
+{
+    return api->host.alloc ? api->host.alloc(n, api->host.user) : NULL;
+}
+
+PQC__CU_FN void pqc__cu_free(pqc__cuApi *api, void *p)
+{
+    if (p && api->host.free) api->host.free(p, api->host.user);
+}
+
+PQC__CU_FN const char *pqc__cu_getenv(pqc__cuApi *api, const char *name)
+{
+    const char *v = api->host.get_env ? api->host.get_env(name, api->host.user) : NULL;
+    return v && v[0] ? v : NULL;
+}
+
+/* Zeroes the table and records the host services (host may be NULL). */
+PQC__CU_FN void pqc__cu_api_init(pqc__cuApi *api, const pqc__cuHost *host)
+{
+    memset(api, 0, sizeof(*api));
+    if (host) api->host = *host;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Library loading                                                                      */
+/* ------------------------------------------------------------------------------------ */
+
+/* Resolves syms from lib into api. Returns the first missing required symbol, or NULL
+   when all are present (missing optional ones are left NULL). */
+PQC__CU_FN const char *pqc__cu_resolve(pqc__cuApi *api, void *lib, const pqc__cuSym *syms,
+                                       int n)
+{
+    int i;
+    for (i = 0; i < n; ++i) {
+        void *p;
+        dlerror();
+        p = dlsym(lib, syms[i].name);
+        if (!p && syms[i].alt) p = dlsym(lib, syms[i].alt);
+        if (!p && !syms[i].optional) return syms[i].name;
+        memcpy((char *)api + syms[i].offset, &p, sizeof(p));
+    }
+    return NULL;
+}
+
+/* Clears the members of syms in api. */
+PQC__CU_FN void pqc__cu_clear(pqc__cuApi *api, const pqc__cuSym *syms, int n)
+{
+    int i;
+    void *p = NULL;
+    for (i = 0; i < n; ++i) memcpy((char *)api + syms[i].offset, &p, sizeof(p));
+}
+
+/* dlopens the first of names[0..n) that loads (NULL entries are skipped), copies its
+   name into path and returns the handle, or NULL. */
+PQC__CU_FN void *pqc__cu_dlopen_first(const char *const *names, int n, char *path,
+                                      size_t path_size)
+{
+    int i;
+    for (i = 0; i < n; ++i) {
+        void *lib;
+        if (!names[i]) continue;
+        lib = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (lib) {
+            snprintf(path, path_size, "%s", names[i]);
+            return lib;
+        }
+    }
+    return NULL;
+}
+
+/* Opens the driver library from names[0..n) (the first that loads) and resolves the
+   driver table. Does not call cuInit. Fails with PQC__CU_ERR_NO_DRIVER or
+   PQC__CU_ERR_DRIVER_SYMBOL (the message names the missing symbol). */
+PQC__CU_FN int pqc__cu_open_driver(pqc__cuApi *api, const char *const *names, int n)
+{
+    const char *missing;
+    void *lib = pqc__cu_dlopen_first(names, n, api->driver_path, sizeof(api->driver_path));
+    if (!lib)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DRIVER, "no CUDA driver (%s not found)",
+                            n > 0 && names[0] ? names[0] : "libcuda.so.1");
+    missing = pqc__cu_resolve(api, lib, pqc__cu_driver_syms, PQC__CU_COUNT(pqc__cu_driver_syms));
+    if (missing) {
+        pqc__cu_clear(api, pqc__cu_driver_syms, PQC__CU_COUNT(pqc__cu_driver_syms));
+        dlclose(lib);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_DRIVER_SYMBOL,
+                            "CUDA driver library %s lacks symbol %s (driver too old?)",
+                            api->driver_path, missing);
+    }
+    api->lib_driver = lib;
+    return PQC__CU_OK;
+}
+
+/* Opens the driver: $PQC_CUDA_DRIVER_PATH when set, then libcuda.so.1 and libcuda.so. */
+PQC__CU_FN int pqc__cu_load_driver(pqc__cuApi *api)
+{
+    const char *env = pqc__cu_getenv(api, "PQC_CUDA_DRIVER_PATH");
+    const char *names[3];
+    int n = 0;
+    if (env && env[0]) names[n++] = env;
+    names[n++] = "libcuda.so.1";
+    names[n++] = "libcuda.so";
+    return pqc__cu_open_driver(api, names, n);
+}
+
+/* cuInit + version + device count. Needs the driver table. */
+PQC__CU_FN int pqc__cu_init_driver(pqc__cuApi *api)
+{
+    pqc__cuResult r;
+    if (!api->lib_driver) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver not loaded");
+    r = api->cuInit(0);
+    if (r == PQC__CU_ERROR_NO_DEVICE) return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device");
+    if (r == PQC__CU_ERROR_STUB_LIBRARY)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_DRIVER_INIT,
+                            "no CUDA driver (%s is the toolkit's stub library)", api->driver_path);
+    if (r != PQC__CU_SUCCESS) {
+        pqc__cu_check(api, r, "cuInit");
+        return PQC__CU_ERR_DRIVER_INIT;
+    }
+    if (api->cuDriverGetVersion(&api->driver_version) != PQC__CU_SUCCESS) api->driver_version = 0;
+    if (api->cuDeviceGetCount(&api->device_count) != PQC__CU_SUCCESS || api->device_count <= 0)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device");
+    return PQC__CU_OK;
+}
+
+/* Opens NVRTC from names[0..n) and resolves its table; records its version. */
+PQC__CU_FN int pqc__cu_open_nvrtc(pqc__cuApi *api, const char *const *names, int n)
+{
+    const char *missing;
+    void *lib = pqc__cu_dlopen_first(names, n, api->nvrtc_path, sizeof(api->nvrtc_path));
+    if (!lib)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_NVRTC,
+                            "NVRTC not found (libnvrtc.so.13, .12 or libnvrtc.so; "
+                            "set PQC_NVRTC_PATH to its full path)");
+    missing = pqc__cu_resolve(api, lib, pqc__cu_nvrtc_syms, PQC__CU_COUNT(pqc__cu_nvrtc_syms));
+    if (missing) {
+        pqc__cu_clear(api, pqc__cu_nvrtc_syms, PQC__CU_COUNT(pqc__cu_nvrtc_syms));
+        dlclose(lib);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NVRTC_SYMBOL, "NVRTC library %s lacks symbol %s",
+                            api->nvrtc_path, missing);
+    }
+    api->lib_nvrtc = lib;
+    if (api->nvrtcVersion(&api->nvrtc_major, &api->nvrtc_minor) != 0) {
+        api->nvrtc_major = 0;
+        api->nvrtc_minor = 0;
+    }
+    return PQC__CU_OK;
+}
+
+/* Opens NVRTC: $PQC_NVRTC_PATH, then libnvrtc.so.13, .12 and libnvrtc.so on the loader
+   path, then the same names in /usr/local/cuda/lib64. */
+PQC__CU_FN int pqc__cu_load_nvrtc(pqc__cuApi *api)
+{
+    const char *names[7];
+    names[0] = pqc__cu_getenv(api, "PQC_NVRTC_PATH");
+    names[1] = "libnvrtc.so.13";
+    names[2] = "libnvrtc.so.12";
+    names[3] = "libnvrtc.so";
+    names[4] = "/usr/local/cuda/lib64/libnvrtc.so.13";
+    names[5] = "/usr/local/cuda/lib64/libnvrtc.so.12";
+    names[6] = "/usr/local/cuda/lib64/libnvrtc.so";
+    return pqc__cu_open_nvrtc(api, names, 7);
+}
+
+/* Opens cuBLASLt from names[0..n) and resolves its table. */
+PQC__CU_FN int pqc__cu_open_blaslt(pqc__cuApi *api, const char *const *names, int n)
+{
+    const char *missing;
+    void *lib = pqc__cu_dlopen_first(names, n, api->blaslt_path, sizeof(api->blaslt_path));
+    if (!lib)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_CUBLASLT,
+                            "cuBLASLt not found (libcublasLt.so.13 or .12)");
+    missing = pqc__cu_resolve(api, lib, pqc__cu_blaslt_syms, PQC__CU_COUNT(pqc__cu_blaslt_syms));
+    if (missing) {
+        pqc__cu_clear(api, pqc__cu_blaslt_syms, PQC__CU_COUNT(pqc__cu_blaslt_syms));
+        dlclose(lib);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_CUBLASLT_SYMBOL,
+                            "cuBLASLt library %s lacks symbol %s", api->blaslt_path, missing);
+    }
+    api->lib_blaslt = lib;
+    api->blaslt_version = api->cublasLtGetVersion();
+    return PQC__CU_OK;
+}
+
+/* Opens cuBLASLt: $PQC_CUBLASLT_PATH alone when set (a library named explicitly is the
+   one wanted: when it cannot be opened, cuBLASLt is not used), else its usual names
+   (loader path, then /usr/local/cuda/lib64). */
+PQC__CU_FN int pqc__cu_load_blaslt(pqc__cuApi *api)
+{
+    static const char *const names[] = {
+        "libcublasLt.so.13", "libcublasLt.so.12",
+        "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12"
+    };
+    const char *env = pqc__cu_getenv(api, "PQC_CUBLASLT_PATH");
+    if (env) {
+        int st = pqc__cu_open_blaslt(api, &env, 1);
+        if (st == PQC__CU_ERR_NO_CUBLASLT)
+            snprintf(api->msg, sizeof(api->msg), "cuBLASLt not found (PQC_CUBLASLT_PATH %.200s cannot be opened)",
+                     env);
+        return st;
+    }
+    return pqc__cu_open_blaslt(api, names, PQC__CU_COUNT(names));
+}
+
+/* Closes every library and clears the table (keeps the host services). */
+PQC__CU_FN void pqc__cu_unload(pqc__cuApi *api)
+{
+    pqc__cuHost host = api->host;
+    if (api->lib_blaslt) dlclose(api->lib_blaslt);
+    if (api->lib_nvrtc) dlclose(api->lib_nvrtc);
+    if (api->lib_driver) dlclose(api->lib_driver);
+    pqc__cu_api_init(api, &host);
+}
+
+/* Everything the backend needs: driver (loaded and initialised, at least one device)
+   and NVRTC; cuBLASLt too when want_blaslt (its absence is then not an error:
+   api->lib_blaslt stays NULL). On failure nothing stays loaded and api->msg says why,
+   e.g. "no CUDA driver (libcuda.so.1 not found)", "no CUDA device", "NVRTC not found". */
+PQC__CU_FN int pqc__cu_load(pqc__cuApi *api, int want_blaslt)
+{
+    int st = pqc__cu_load_driver(api);
+    if (st == PQC__CU_OK) st = pqc__cu_init_driver(api);
+    if (st == PQC__CU_OK) st = pqc__cu_load_nvrtc(api);
+    if (st != PQC__CU_OK) {
+        char msg[sizeof(api->msg)];
+        memcpy(msg, api->msg, sizeof(msg));
+        pqc__cu_unload(api);
+        memcpy(api->msg, msg, sizeof(msg));
+        return st;
+    }
+    if (want_blaslt) pqc__cu_load_blaslt(api);
+    api->msg[0] = '\0';
+    return PQC__CU_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Devices                                                                              */
+/* ------------------------------------------------------------------------------------ */
+
+/* Retains the primary context of device `ordinal`, makes it current on the calling
+   thread and reads its properties. Any other thread that calls the driver must first
+   make d->ctx current with api->cuCtxSetCurrent. */
+PQC__CU_FN int pqc__cu_device_open(pqc__cuApi *api, int ordinal, pqc__cuDev *d)
+{
+    int st;
+    memset(d, 0, sizeof(*d));
+    if (!api->lib_driver) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver not loaded");
+    if (ordinal < 0 || ordinal >= api->device_count)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_NO_DEVICE, "no CUDA device %d (%d present)",
+                            ordinal, api->device_count);
+    d->ordinal = ordinal;
+    if ((st = pqc__cu_check(api, api->cuDeviceGet(&d->dev, ordinal), "cuDeviceGet"))) return st;
+    if ((st = pqc__cu_check(api, api->cuDevicePrimaryCtxRetain(&d->ctx, d->dev),
+                            "cuDevicePrimaryCtxRetain")))
+        return st;
+    if ((st = pqc__cu_check(api, api->cuCtxSetCurrent(d->ctx), "cuCtxSetCurrent"))) {
+        api->cuDevicePrimaryCtxRelease_v2(d->dev);
+        d->ctx = NULL;
+        return st;
+    }
+    api->cuDeviceGetAttribute(&d->cc_major, PQC__CU_ATTR_CC_MAJOR, d->dev);
+    api->cuDeviceGetAttribute(&d->cc_minor, PQC__CU_ATTR_CC_MINOR, d->dev);
+    api->cuDeviceGetAttribute(&d->sm_count, PQC__CU_ATTR_MULTIPROCESSOR_COUNT, d->dev);
+    api->cuDeviceGetAttribute(&d->can_map_host, PQC__CU_ATTR_CAN_MAP_HOST_MEMORY, d->dev);
+    api->cuDeviceGetAttribute(&d->smem_optin, PQC__CU_ATTR_MAX_SMEM_PER_BLOCK_OPTIN, d->dev);
+    api->cuDeviceTotalMem_v2(&d->total_mem, d->dev);
+    if (api->cuDeviceGetName(d->name, (int)sizeof(d->name), d->dev) != PQC__CU_SUCCESS)
+        snprintf(d->name, sizeof(d->name), "CUDA device %d", ordinal);
+    d->name[sizeof(d->name) - 1] = '\0';
+    return PQC__CU_OK;
+}
+
+/* Releases the primary context retained by pqc__cu_device_open. */
+PQC__CU_FN void pqc__cu_device_close(pqc__cuApi *api, pqc__cuDev *d)
+{
+    if (d->ctx && api->lib_driver) {
+        api->cuCtxSetCurrent(NULL);
+        api->cuDevicePrimaryCtxRelease_v2(d->dev);
+    }
+    d->ctx = NULL;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* NVRTC compilation                                                                    */
+/* ------------------------------------------------------------------------------------ */
+
+/* Chooses what to compile for a device of compute capability cc (major*10 + minor):
+   a cubin for sm_cc when NVRTC supports it, else PTX for the newest architecture NVRTC
+   supports below cc (the driver JIT-compiles it). */
+PQC__CU_FN int pqc__cu_pick_arch(pqc__cuApi *api, int cc, int *arch, int *cubin)
+{
+    int n = 0, i, best = 0, archs[128];
+    if (!api->lib_nvrtc) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "NVRTC not loaded");
+    *arch = cc;
+    *cubin = api->nvrtcGetCUBIN != NULL;
+    if (!api->nvrtcGetNumSupportedArchs || !api->nvrtcGetSupportedArchs) return PQC__CU_OK;
+    if (api->nvrtcGetNumSupportedArchs(&n) != 0 || n <= 0 || n > 128) return PQC__CU_OK;
+    if (api->nvrtcGetSupportedArchs(archs) != 0) return PQC__CU_OK;
+    for (i = 0; i < n; ++i) {
+        if (archs[i] == cc) return PQC__CU_OK;
+        if (archs[i] < cc && archs[i] > best) best = archs[i];
+    }
+    if (!best)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_ARCH,
+                            "NVRTC %d.%d cannot compile for sm_%d (oldest supported: sm_%d)",
+                            api->nvrtc_major, api->nvrtc_minor, cc, archs[0]);
+    *arch = best;
+    *cubin = 0;
+    return PQC__CU_OK;
+}
+
+/* NVRTC contracts a*b+c into fused operations by default; the kernels must round as the
+   CPU library does, so only their explicit fmaf calls may fuse. */
+#define PQC__CU_NVRTC_FMAD "--fmad=false"
+
+/* Compiles src with NVRTC for arch (e.g. 90): a cubin (--gpu-architecture=sm_90) when
+   cubin is non-zero, else NUL-terminated PTX (--gpu-architecture=compute_90). On success
+   *image (from host->alloc; release with pqc__cu_free) and *size are set. The compiler
+   log (warnings, errors) is copied into log when log_size > 0, truncated and always
+   NUL-terminated. */
+PQC__CU_FN int pqc__cu_compile(pqc__cuApi *api, const char *src, const char *name, int arch,
+                               int cubin, void **image, size_t *size, char *log,
+                               size_t log_size)
+{
+    pqc__cuNvrtcProgram prog = NULL;
+    pqc__cuNvrtcResult r;
+    char opt_arch[64];
+    const char *opts[3];
+    size_t n = 0, lsz = 0;
+    int st = PQC__CU_OK;
+    void *img;
+
+    *image = NULL;
+    *size = 0;
+    if (log && log_size) log[0] = '\0';
+    if (!api->lib_nvrtc) return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "NVRTC not loaded");
+    if (cubin && (!api->nvrtcGetCUBINSize || !api->nvrtcGetCUBIN))
+        return PQC__CU_FAIL(api, PQC__CU_ERR_ARCH, "this NVRTC cannot produce cubins");
+    if (!api->host.alloc) return PQC__CU_FAIL(api, PQC__CU_ERR_ALLOC, "no allocator given");
+    snprintf(opt_arch, sizeof(opt_arch), "--gpu-architecture=%s_%d", cubin ? "sm" : "compute",
+             arch);
+    opts[0] = opt_arch;
+    opts[1] = "-DPQC_NVRTC=1";
+    opts[2] = PQC__CU_NVRTC_FMAD; /* only the explicit fmaf calls fuse, as on the CPU */
+
+    r = api->nvrtcCreateProgram(&prog, src, name ? name : "pqcache_kernels.cu", 0, NULL, NULL);
+    if (r != 0)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "nvrtcCreateProgram failed: %s",
+                            api->nvrtcGetErrorString(r));
+    r = api->nvrtcCompileProgram(prog, 3, opts);
+    if (api->nvrtcGetProgramLogSize(prog, &lsz) == 0 && lsz > 1 && log && log_size) {
+        char *full = (char *)pqc__cu_alloc(api, lsz);
+        if (full && api->nvrtcGetProgramLog(prog, full) == 0) {
+            size_t c = lsz - 1 < log_size - 1 ? lsz - 1 : log_size - 1;
+            memcpy(log, full, c);
+            log[c] = '\0';
+        }
+        pqc__cu_free(api, full);
+    }
+    if (r != 0) {
+        st = PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "NVRTC %d.%d failed to compile for %s_%d: %s",
+                          api->nvrtc_major, api->nvrtc_minor, cubin ? "sm" : "compute", arch,
+                          api->nvrtcGetErrorString(r));
+        api->nvrtcDestroyProgram(&prog);
+        return st;
+    }
+    r = cubin ? api->nvrtcGetCUBINSize(prog, &n) : api->nvrtcGetPTXSize(prog, &n);
+    if (r != 0 || n == 0) {
+        api->nvrtcDestroyProgram(&prog);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "NVRTC produced no %s",
+                            cubin ? "cubin" : "PTX");
+    }
+    img = pqc__cu_alloc(api, n);
+    if (!img) {
+        api->nvrtcDestroyProgram(&prog);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_ALLOC, "out of memory (%lu bytes)", (unsigned long)n);
+    }
+    r = cubin ? api->nvrtcGetCUBIN(prog, (char *)img) : api->nvrtcGetPTX(prog, (char *)img);
+    api->nvrtcDestroyProgram(&prog);
+    if (r != 0) {
+        pqc__cu_free(api, img);
+        return PQC__CU_FAIL(api, PQC__CU_ERR_COMPILE, "reading the NVRTC output failed: %s",
+                            api->nvrtcGetErrorString(r));
+    }
+    *image = img;
+    *size = n;
+    return PQC__CU_OK;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Compiled-image cache on disk                                                         */
+/* ------------------------------------------------------------------------------------ */
+
+/* Cache file: 32-byte header ("PQCKIMG1", key, image size, FNV-1a of the image, all
+   64-bit little endian) followed by the image. The file name repeats the key, the
+   architecture and the NVRTC version so that versions never collide. */
+#define PQC__CU_CACHE_MAGIC "PQCKIMG1"
+
+/* Cache key of (source, arch, cubin/PTX, NVRTC version). */
+PQC__CU_FN uint64_t pqc__cu_cache_key(const pqc__cuApi *api, const char *src, int arch, int cubin)
+{
+    int meta[4];
+    uint64_t h = pqc__fnv(src, strlen(src), PQC__FNV_OFFSET);
+    h = pqc__fnv(PQC__CU_NVRTC_FMAD, strlen(PQC__CU_NVRTC_FMAD), h); /* the options too */
+    meta[0] = arch;
+    meta[1] = cubin;
+    meta[2] = api->nvrtc_major;
+    meta[3] = api->nvrtc_minor;
+    return pqc__fnv(meta, sizeof(meta), h);
+}
+
+/* Makes every missing directory of path with host->make_dir (no-op without it). */
+PQC__CU_FN void pqc__cu_make_dirs(pqc__cuApi *api, const char *path)
+{
+    char buf[512];
+    size_t i, n = strlen(path);
+    if (!api->host.make_dir || n == 0 || n >= sizeof(buf)) return;
+    memcpy(buf, path, n + 1);
+    for (i = 1; i <= n; ++i) {
+        if (buf[i] == '/' || buf[i] == '\0') {
+            char c = buf[i];
+            buf[i] = '\0';
+            api->host.make_dir(buf, api->host.user);
+            buf[i] = c;
+        }
+    }
+}
+
+/* The cache directory: dir when given, else $XDG_CACHE_HOME/pqcache, else
+   $HOME/.cache/pqcache (created when host->make_dir is set). Returns 0 when a directory
+   was found, -1 when there is none (caching is then skipped). */
+PQC__CU_FN int pqc__cu_cache_dir(pqc__cuApi *api, const char *dir, char *out, size_t out_size)
+{
+    const char *xdg = pqc__cu_getenv(api, "XDG_CACHE_HOME");
+    const char *home = pqc__cu_getenv(api, "HOME");
+    int n;
+    if (dir && dir[0]) n = snprintf(out, out_size, "%s", dir);
+    else if (xdg) n = snprintf(out, out_size, "%s/pqcache", xdg);
+    else if (home) n = snprintf(out, out_size, "%s/.cache/pqcache", home);
+    else return -1;
+    if (n <= 0 || (size_t)n >= out_size) return -1;
+    pqc__cu_make_dirs(api, out);
+    return 0;
+}
+
+/* File name of a cached image inside dir. Returns 0, or -1 when it does not fit. */
+PQC__CU_FN int pqc__cu_cache_path(const pqc__cuApi *api, const char *dir, uint64_t key, int arch,
+                                  int cubin, char *out, size_t out_size)
+{
+    int n = snprintf(out, out_size, "%s/pqc-%08lx%08lx-%s%d-nvrtc%d.%d.%s", dir,
+                     (unsigned long)(key >> 32), (unsigned long)(key & 0xffffffffu),
+                     cubin ? "sm" : "compute", arch, api->nvrtc_major, api->nvrtc_minor,
+                     cubin ? "cubin" : "ptx");
+    return n > 0 && (size_t)n < out_size ? 0 : -1;
+}
+
+PQC__CU_FN void pqc__cu_put64(unsigned char *p, uint64_t v)
+{
+    int i;
+    for (i = 0; i < 8; ++i) p[i] = (unsigned char)(v >> (8 * i));
+}
+
+PQC__CU_FN uint64_t pqc__cu_get64(const unsigned char *p)
+{
+    uint64_t v = 0;
+    int i;
+    for (i = 7; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+}
+
+/* Reads a cached image. Returns 1 and sets *image (host->alloc) / *size on a valid hit,
+   0 when the file is absent, of another key, truncated or corrupt. */
+PQC__CU_FN int pqc__cu_cache_read(pqc__cuApi *api, const char *path, uint64_t key, void **image,
+                                  size_t *size)
+{
+    unsigned char hdr[32];
+    uint64_t n;
+    void *img;
+    char why[300];
+    FILE *f = pqc__open_regular(path, why, sizeof why);
+    *image = NULL;
+    *size = 0;
+    if (!f) return 0;
+    if (fread(hdr, 1, 32, f) != 32 || memcmp(hdr, PQC__CU_CACHE_MAGIC, 8) != 0 ||
+        pqc__cu_get64(hdr + 8) != key) {
+        fclose(f);
+        return 0;
+    }
+    n = pqc__cu_get64(hdr + 16);
+    if (n == 0 || n > ((uint64_t)1 << 30) || !(img = pqc__cu_alloc(api, (size_t)n))) {
+        fclose(f);
+        return 0;
+    }
+    if (fread(img, 1, (size_t)n, f) != (size_t)n ||
+        pqc__fnv(img, (size_t)n, PQC__FNV_OFFSET) != pqc__cu_get64(hdr + 24)) {
+        fclose(f);
+        pqc__cu_free(api, img);
+        return 0;
+    }
+    fclose(f);
+    *image = img;
+    *size = (size_t)n;
+    return 1;
+}
+
+/* Writes a cached image (to a temporary name, then renamed into place, so that readers
+   never see a partial file). Returns 0 on success, -1 on failure (not fatal). */
+PQC__CU_FN int pqc__cu_cache_write(pqc__cuApi *api, const char *path, uint64_t key,
+                                   const void *image, size_t size)
+{
+    unsigned char hdr[32];
+    char why[300];
+    const void *parts[2];
+    size_t sizes[2];
+    (void)api;
+    memcpy(hdr, PQC__CU_CACHE_MAGIC, 8);
+    pqc__cu_put64(hdr + 8, key);
+    pqc__cu_put64(hdr + 16, (uint64_t)size);
+    pqc__cu_put64(hdr + 24, pqc__fnv(image, size, PQC__FNV_OFFSET));
+    parts[0] = hdr;
+    sizes[0] = 32;
+    parts[1] = image;
+    sizes[1] = size;
+    return pqc__write_atomic(path, parts, sizes, 2, why, sizeof why);
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Module                                                                               */
+/* ------------------------------------------------------------------------------------ */
+
+/* Builds the kernels of src for device d and loads them: picks the target
+   (pqc__cu_pick_arch), looks the image up in the disk cache (cache_dir as for
+   pqc__cu_cache_dir; "-" disables the cache), compiles on a miss and stores the result,
+   then cuModuleLoadData. *from_cache (may be NULL) tells whether the cache served it.
+   The NVRTC log goes to log as for pqc__cu_compile. */
+PQC__CU_FN int pqc__cu_build_module(pqc__cuApi *api, const pqc__cuDev *d, const char *src,
+                                    const char *cache_dir, pqc__cuModule *module,
+                                    int *from_cache, char *log, size_t log_size)
+{
+    char dir[512], path[600];
+    int arch, cubin, st, hit = 0, have_path = 0, attempt;
+    uint64_t key;
+    void *img = NULL;
+    size_t size = 0;
+    pqc__cuResult r = PQC__CU_SUCCESS;
+
+    *module = NULL;
+    if (from_cache) *from_cache = 0;
+    if (log && log_size) log[0] = '\0';
+    if (!api->lib_driver || !api->lib_nvrtc)
+        return PQC__CU_FAIL(api, PQC__CU_ERR_INVALID, "CUDA driver or NVRTC not loaded");
+    st = pqc__cu_pick_arch(api, d->cc_major * 10 + d->cc_minor, &arch, &cubin);
+    if (st) return st;
+    key = pqc__cu_cache_key(api, src, arch, cubin);
+    if (!(cache_dir && strcmp(cache_dir, "-") == 0) &&
+        pqc__cu_cache_dir(api, cache_dir, dir, sizeof(dir)) == 0 &&
+        pqc__cu_cache_path(api, dir, key, arch, cubin, path, sizeof(path)) == 0)
+        have_path = 1;
+
+    for (attempt = 0; attempt < 2; ++attempt) {
+        hit = 0;
+        if (attempt == 0 && have_path) hit = pqc__cu_cache_read(api, path, key, &img, &size);
+        if (!hit) {
+            st = pqc__cu_compile(api, src, "pqcache_kernels.cu", arch, cubin, &img, &size, log,
+                                 log_size);
+            if (st) return st;
+            if (have_path) pqc__cu_cache_write(api, path, key, img, size);
+        }
+        r = api->cuModuleLoadData(module, img);
+        pqc__cu_free(api, img);
+        img = NULL;
+        if (r == PQC__CU_SUCCESS) {
+            if (from_cache) *from_cache = hit;
+            return PQC__CU_OK;
+        }
+        *module = NULL;
+        if (!hit) break; /* a fresh image was rejected: retrying would not help */
+        remove(path);   /* a cached image was rejected: drop it and compile afresh */
+    }
+    pqc__cu_check(api, r, "cuModuleLoadData");
+    return PQC__CU_FAIL(api, PQC__CU_ERR_MODULE,
+                        "the CUDA driver (version %d) rejected the kernels compiled by NVRTC "
+                        "%d.%d for %s_%d: %s", api->driver_version, api->nvrtc_major,
+                        api->nvrtc_minor, cubin ? "sm" : "compute", arch,
+                        pqc__cu_error_name(api, r));
+}
+
+/* Looks up n kernels by name; fails naming the first one missing from the module. */
+PQC__CU_FN int pqc__cu_get_functions(pqc__cuApi *api, pqc__cuModule module,
+                                     const char *const *names, pqc__cuFunction *out, int n)
+{
+    int i;
+    for (i = 0; i < n; ++i) {
+        pqc__cuResult r = api->cuModuleGetFunction(&out[i], module, names[i]);
+        if (r != PQC__CU_SUCCESS)
+            return PQC__CU_FAIL(api, PQC__CU_ERR_MODULE, "kernel %s not found in the module: %s",
+                                names[i], pqc__cu_error_name(api, r));
+    }
+    return PQC__CU_OK;
+}
+
+#endif /* PQC__CU_FRAGMENT_INCLUDED */
+
+
+static void *pqc__cu_host_alloc(size_t n, void *u) { return pqc__alloc((const pqc_allocator *)u, n); }
+static void pqc__cu_host_free(void *p, void *u) { pqc__free((const pqc_allocator *)u, p); }
+static const char *pqc__cu_host_env(const char *name, void *u)
+{
+    (void)u;
+    return getenv(name);
+}
+
+/* the kernel cache's directories are created as needed (0755) */
+static int pqc__cu_host_mkdir(const char *path, void *u)
+{
+    (void)u;
+    return mkdir(path, 0755) == 0 || errno == EEXIST ? 0 : -1;
+}
+
+static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
+{
+    memset(h, 0, sizeof *h);
+    h->alloc = pqc__cu_host_alloc;
+    h->free = pqc__cu_host_free;
+    h->get_env = pqc__cu_host_env;
+    h->make_dir = pqc__cu_host_mkdir;
+    h->user = (void *)a;
+}
+
+/* ---------------------------------------------------------------------------------------
+   17. CUDA device tier. The runtime opens the device and builds the kernels once; every
+   cache on it keeps in device memory: the centroids of every layer, two code buffers
+   (the layer being searched and the next one, prefetched on a copy stream), the block
+   cache slots together with the sink blocks and a ring of window blocks, and the
+   per-step scratch. K/V stay in pinned, mapped host memory, which kernels read directly
+   for cache misses. A decode step (pqc_cache_step_device, and pqc_driver_decode) runs
+   whole on the cache's stream: tables, scan, top-k, the selection with the block-cache
+   admission and statistics (pqc_select_admit, the host's rules bit for bit, on
+   bookkeeping that lives on the device), the block copies and the gather; nothing comes
+   back to the host unless it takes the rows there (one wait per layer). Selections made
+   on the host (pqc_cache_select: exact scoring, residuals, or a caller who wants the
+   indices) read the top-k back once per layer and step, and the bookkeeping follows
+   whichever side used it last.
+   ------------------------------------------------------------------------------------- */
+
+enum {
+    PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
+    PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
+    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_N
+};
+static const char *const pqc__k_names[PQC__K_N] = {
+    "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
+    "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
+    "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
+    "pqc_centroid_norms", "pqc_lut_sum"
+};
+
+#define PQC__CU_RADIX_BINS 2048
+#define PQC__CU_TILE 4096
+#define PQC__CU_SMEM_DEFAULT 49152
+
+/* The k-means assignment step has two implementations: the kernel pqc_kmeans_assign,
+   and a cuBLASLt GEMM of the dot products X C^T followed by pqc_kmeans_assign_dots.
+   Unless PQC_KMEANS_GEMM forces one, the first build of a shape class (n rounded up to
+   a power of two, d, k) times both on its own first four assignment steps (alternating,
+   the faster of two runs each) and the class keeps the faster for the runtime. */
+#define PQC__KM_CLASSES 32
+#ifndef PQC__KM_DOTS_BYTES /* (tests set it small to exercise the chunking) */
+#define PQC__KM_DOTS_BYTES ((size_t)64 << 20) /* dot products of one GEMM, at most */
+#endif
+
+typedef struct pqc__km_class {
+    int nlog, d, k; /* n <= 2^nlog */
+    int gemm;       /* 1: the GEMM path is faster */
+    float ms_kernel, ms_gemm;
+} pqc__km_class;
+
+struct pqc__curt {
+    pqc__cuApi api;
+    pqc__cuDev dev;
+    pqc__cuModule mod;
+    pqc__cuFunction fn[PQC__K_N];
+    int smem_limit; /* dynamic shared memory the scan kernels may use */
+    pqc__cuBlasLtHandle lt; /* cuBLASLt (thread safe), or NULL: no GEMM path */
+    int km_force;           /* PQC_KMEANS_GEMM: -1 unset (measure), 0 kernel, 1 GEMM */
+    int lut_force;          /* PQC_LUT_GEMM: the same for the batched lookup tables */
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_t km_mu;  /* guards km, km_n, km_next (builds run on pool threads) and lb */
+#endif
+    pqc__km_class km[PQC__KM_CLASSES];
+    int km_n, km_next;
+    struct pqc__lb *lb;     /* the batched lookup tables' state, made at first use */
+};
+
+
+static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+{
+    struct pqc__curt *cr;
+    pqc__cuHost host;
+    char log[2048];
+    int st, from_cache = 0;
+    pqc_result res = PQC_ERROR_NO_DEVICE;
+    cr = (struct pqc__curt *)pqc__calloc(&rt->alloc, sizeof *cr);
+    if (!cr) {
+        snprintf(why, why_size, "out of memory");
+        return PQC_ERROR_OUT_OF_MEMORY;
+    }
+    pqc__cu_host(&host, &rt->alloc);
+    pqc__cu_api_init(&cr->api, &host);
+    cr->km_force = -1;
+    cr->lut_force = -1;
+    st = pqc__cu_load(&cr->api, 0);
+    if (st == PQC__CU_OK) st = pqc__cu_device_open(&cr->api, ordinal, &cr->dev);
+    if (st == PQC__CU_OK && !cr->dev.can_map_host) {
+        snprintf(cr->api.msg, sizeof cr->api.msg, "%s cannot map host memory", cr->dev.name);
+        st = PQC__CU_ERR_NO_DEVICE;
+    }
+    if (st == PQC__CU_OK) {
+        res = PQC_ERROR_BACKEND;
+        st = pqc__cu_build_module(&cr->api, &cr->dev, pqc__kernels(), cache_dir, &cr->mod, &from_cache, log,
+                                  sizeof log);
+        if (st == PQC__CU_ERR_COMPILE && log[0]) {
+            size_t n = strlen(cr->api.msg);
+            snprintf(cr->api.msg + n, sizeof cr->api.msg - n, "; NVRTC log: %.300s", log);
+        }
+    }
+    if (st == PQC__CU_OK) st = pqc__cu_get_functions(&cr->api, cr->mod, pqc__k_names, cr->fn, PQC__K_N);
+    if (st != PQC__CU_OK) {
+        snprintf(why, why_size, "%s", cr->api.msg[0] ? cr->api.msg : "CUDA could not be initialised");
+        if (cr->mod) cr->api.cuModuleUnload(cr->mod);
+        if (cr->dev.ctx) pqc__cu_device_close(&cr->api, &cr->dev);
+        pqc__cu_unload(&cr->api);
+        pqc__free(&rt->alloc, cr);
+        return res;
+    }
+    /* the scan kernels keep the lookup tables in dynamic shared memory; past the default
+       48 KiB they must opt in, leaving room for their own static arrays (2 KiB) */
+    cr->smem_limit = PQC__CU_SMEM_DEFAULT;
+    if (cr->dev.smem_optin - 8192 > PQC__CU_SMEM_DEFAULT &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_STATS], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0 &&
+        cr->api.cuFuncSetAttribute(cr->fn[PQC__K_SCAN], PQC__CU_FUNC_ATTR_MAX_DYNAMIC_SMEM, cr->dev.smem_optin - 8192) == 0)
+        cr->smem_limit = cr->dev.smem_optin - 8192;
+    {
+        /* cuBLASLt, optional: without it the k-means assignment uses its kernel */
+        char lt_note[300];
+        const char *force = pqc__cu_getenv(&cr->api, "PQC_KMEANS_GEMM");
+        const char *lforce = pqc__cu_getenv(&cr->api, "PQC_LUT_GEMM");
+        if (pqc__cu_load_blaslt(&cr->api) != PQC__CU_OK) {
+            snprintf(lt_note, sizeof lt_note, "no cuBLASLt (%.200s): k-means assignment by its kernel", cr->api.msg);
+        } else {
+            pqc__cuBlasStatus ls = cr->api.cublasLtCreate(&cr->lt);
+            if (ls != PQC__CUBLAS_STATUS_SUCCESS || !cr->lt) {
+                cr->lt = NULL;
+                snprintf(lt_note, sizeof lt_note, "cuBLASLt %.150s unusable (cublasLtCreate status %d): k-means "
+                         "assignment by its kernel", cr->api.blaslt_path, (int)ls);
+            } else {
+                snprintf(lt_note, sizeof lt_note, "cuBLASLt %zu", cr->api.blaslt_version);
+            }
+        }
+        cr->api.msg[0] = '\0';
+        if (force && (force[0] == '0' || force[0] == '1') && !force[1]) cr->km_force = force[0] - '0';
+        else if (force)
+            pqc__log(rt, PQC_LOG_WARN, "PQC_KMEANS_GEMM must be 0 or 1; ignored");
+        if (lforce && (lforce[0] == '0' || lforce[0] == '1') && !lforce[1]) cr->lut_force = lforce[0] - '0';
+        else if (lforce)
+            pqc__log(rt, PQC_LOG_WARN, "PQC_LUT_GEMM must be 0 or 1; ignored");
+        snprintf(why, why_size, "%.80s, compute capability %d.%d, %d SMs, kernels %s, %.220s%s", cr->dev.name,
+                 cr->dev.cc_major, cr->dev.cc_minor, cr->dev.sm_count,
+                 from_cache ? "from the kernel cache" : "compiled by NVRTC", lt_note,
+                 !cr->lt ? "" : cr->km_force == 0 ? " (k-means GEMM off: PQC_KMEANS_GEMM=0)"
+                                : cr->km_force == 1 ? " (k-means GEMM forced: PQC_KMEANS_GEMM=1)" : "");
+    }
+#ifndef PQCACHE_NO_THREADS
+    if (pthread_mutex_init(&cr->km_mu, NULL) != 0) {
+        snprintf(why, why_size, "a mutex could not be created");
+        if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
+        cr->api.cuModuleUnload(cr->mod);
+        pqc__cu_device_close(&cr->api, &cr->dev);
+        pqc__cu_unload(&cr->api);
+        pqc__free(&rt->alloc, cr);
+        return PQC_ERROR_THREAD;
+    }
+#endif
+    rt->cu = cr;
+    return PQC_SUCCESS;
+}
+
+
+typedef pqc__cuDeviceptr pqc__dptr;
+
+/* ---- the k-means assignment step as a GEMM ---- */
+
+/* One cuBLASLt matmul of the assignment: dots = X C^T for `rows` points, i.e. in
+   cuBLASLt's column-major terms D (k x rows, ld k) = op(A) B with A = C ([k][d] row-major
+   is d x k column-major, ld d, transposed) and B = X (d x rows, ld d); D column i holds
+   point i's k dot products, so D is [rows][k] row-major. */
+typedef struct pqc__km_plan {
+    pqc__cuBlasLtMatmulDesc desc;
+    pqc__cuBlasLtMatrixLayout la, lb, lc;
+    pqc__cuBlasLtHeuristicResult algo;
+    size_t rows;
+} pqc__km_plan;
+
+static void pqc__km_plan_free(pqc__cuApi *api, pqc__km_plan *p)
+{
+    if (p->la) api->cublasLtMatrixLayoutDestroy(p->la);
+    if (p->lb) api->cublasLtMatrixLayoutDestroy(p->lb);
+    if (p->lc) api->cublasLtMatrixLayoutDestroy(p->lc);
+    if (p->desc) api->cublasLtMatmulDescDestroy(p->desc);
+    memset(p, 0, sizeof *p);
+}
+
+/* Builds a cuBLASLt plan (descriptors and an algorithm that needs no workspace) for
+   D = op(A) B, op(A) = A^T, fp32, column-major: A a_rows x a_cols, B a_rows x b_cols,
+   D a_cols x b_cols, with leading dimensions lda, ldb, ldd; batch > 0: that many products
+   whose matrices are read from device arrays of pointers. Returns the failing cuBLASLt
+   status with `what` naming the call, or 0. */
+static pqc__cuBlasStatus pqc__lt_plan_make(struct pqc__curt *cr, pqc__km_plan *p, uint64_t a_rows, uint64_t a_cols,
+                                           int64_t lda, uint64_t b_cols, int64_t ldb, int64_t ldd, int32_t batch,
+                                           const char **what)
+{
+    pqc__cuApi *api = &cr->api;
+    int ta = PQC__CUBLAS_OP_T, tb = PQC__CUBLAS_OP_N, found = 0, i;
+    uint64_t ws = 0;
+    pqc__cuBlasLtMatmulPreference pref = NULL;
+    pqc__cuBlasStatus s;
+    memset(p, 0, sizeof *p);
+    *what = "cublasLtMatmulDescCreate";
+    s = api->cublasLtMatmulDescCreate(&p->desc, PQC__CUBLAS_COMPUTE_32F, PQC__CUDA_R_32F);
+    if (s == 0) {
+        *what = "cublasLtMatmulDescSetAttribute";
+        s = api->cublasLtMatmulDescSetAttribute(p->desc, PQC__CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta);
+    }
+    if (s == 0) s = api->cublasLtMatmulDescSetAttribute(p->desc, PQC__CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb);
+    if (s == 0) {
+        *what = "cublasLtMatrixLayoutCreate";
+        s = api->cublasLtMatrixLayoutCreate(&p->la, PQC__CUDA_R_32F, a_rows, a_cols, lda);
+    }
+    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lb, PQC__CUDA_R_32F, a_rows, b_cols, ldb);
+    if (s == 0) s = api->cublasLtMatrixLayoutCreate(&p->lc, PQC__CUDA_R_32F, a_cols, b_cols, ldd);
+    for (i = 0; i < 3 && s == 0 && batch > 0; i++) {
+        pqc__cuBlasLtMatrixLayout lay = i == 0 ? p->la : i == 1 ? p->lb : p->lc;
+        uint32_t mode = PQC__CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+        *what = "cublasLtMatrixLayoutSetAttribute";
+        s = api->cublasLtMatrixLayoutSetAttribute(lay, PQC__CUBLASLT_LAYOUT_BATCH_COUNT, &batch, sizeof batch);
+        if (s == 0) s = api->cublasLtMatrixLayoutSetAttribute(lay, PQC__CUBLASLT_LAYOUT_BATCH_MODE, &mode, sizeof mode);
+    }
+    if (s == 0) {
+        *what = "cublasLtMatmulPreferenceCreate";
+        s = api->cublasLtMatmulPreferenceCreate(&pref);
+    }
+    if (s == 0) {
+        *what = "cublasLtMatmulPreferenceSetAttribute";
+        s = api->cublasLtMatmulPreferenceSetAttribute(pref, PQC__CUBLASLT_PREF_MAX_WORKSPACE, &ws, sizeof ws);
+    }
+    if (s == 0) {
+        *what = "cublasLtMatmulAlgoGetHeuristic";
+        s = api->cublasLtMatmulAlgoGetHeuristic(cr->lt, p->desc, p->la, p->lb, p->lc, p->lc, pref, 1, &p->algo,
+                                                &found);
+        if (s == 0 && found < 1) s = -1; /* no algorithm for this shape */
+    }
+    if (pref) api->cublasLtMatmulPreferenceDestroy(pref);
+    if (s != 0) pqc__km_plan_free(api, p);
+    return s;
+}
+
+/* the assignment's plan for `rows` points (see pqc__km_plan) */
+static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p, size_t rows, int d, int k,
+                                           const char **what)
+{
+    pqc__cuBlasStatus s = pqc__lt_plan_make(cr, p, (uint64_t)d, (uint64_t)k, d, (uint64_t)rows, d, k, 0, what);
+    p->rows = rows;
+    return s;
+}
+
+static int pqc__km_nlog(size_t n)
+{
+    int l = 0;
+    while (l < 62 && ((size_t)1 << l) < n) l++;
+    return l;
+}
+
+/* The class of (n, d, k) known to the runtime: 1 and *out filled, or 0. */
+static int pqc__km_lookup(struct pqc__curt *cr, size_t n, int d, int k, pqc__km_class *out)
+{
+    int i, nl = pqc__km_nlog(n), hit = 0;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    for (i = 0; i < cr->km_n && !hit; i++)
+        if (cr->km[i].nlog == nl && cr->km[i].d == d && cr->km[i].k == k) {
+            *out = cr->km[i];
+            hit = 1;
+        }
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
+    return hit;
+}
+
+static void pqc__km_store(struct pqc__curt *cr, const pqc__km_class *c)
+{
+    int i;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    for (i = 0; i < cr->km_n; i++)
+        if (cr->km[i].nlog == c->nlog && cr->km[i].d == c->d && cr->km[i].k == c->k) break;
+    if (i == cr->km_n) { /* a new class; when the table is full, the oldest goes */
+        if (cr->km_n < PQC__KM_CLASSES) {
+            i = cr->km_n++;
+        } else {
+            i = cr->km_next;
+            cr->km_next = (cr->km_next + 1) % PQC__KM_CLASSES;
+        }
+    }
+    cr->km[i] = *c;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
+}
+
+/* Which assignment the runtime uses for (n, d, k), for reports: 1 and *out when a
+   class has been measured, else 0. rt must be a CUDA runtime. */
+PQC__CU_FN int pqc__cuda_kmeans_choice(pqc_runtime *rt, size_t n, int d, int k,
+                                          pqc__km_class *out)
+{
+    return rt && rt->cu ? pqc__km_lookup(rt->cu, n, d, k, out) : 0;
+}
+
+/* Lloyd iterations of one k-means problem (n points of d <= 256 dims, k centres in c) on
+   the GPU: assignment with per-cluster sums and counts, then the update; empty clusters
+   keep their centre. Runs on a stream of its own, so builds on several pool threads
+   proceed side by side. The assignment runs as the kernel or as the GEMM path (see
+   PQC__KM_CLASSES); any cuBLASLt failure sends this build back to the kernel. */
+static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
+                                  double *obj, char *err, size_t errsz)
+{
+    struct pqc__curt *cr = rt->cu;
+    pqc__cuApi *api = &cr->api;
+    pqc__cuStream st = NULL;
+    pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0, dnorm = 0, ddots = 0;
+    float *md = NULL;
+    pqc__cuResult e = 0;
+    const char *what = "";
+    int it, ni = (int)n, ki = k, di = d, rows = k, step = 0, j;
+    int mode = 0; /* assignment: 0 kernel, 1 GEMM, 2 measuring both (steps 0..3) */
+    int steps = iters + (obj ? 1 : 0);
+    int64_t ld = d;
+    size_t i, chunk = 0;
+    pqc__km_plan plan[2];
+    pqc__cuEvent ev[8];
+    float ms[4];
+    pqc__km_class cls;
+    memset(plan, 0, sizeof plan);
+    memset(ev, 0, sizeof ev);
+#define PQC__LL(call, name)                                                 \
+    do {                                                                    \
+        if (e == 0 && (e = (call)) != 0) what = (name);                     \
+    } while (0)
+    PQC__LL(api->cuCtxSetCurrent(cr->dev.ctx), "cuCtxSetCurrent");
+    PQC__LL(api->cuStreamCreate(&st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    PQC__LL(api->cuMemAlloc_v2(&dx, n * (size_t)d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dc, (size_t)k * d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dsum, (size_t)k * d * sizeof(float)), "cuMemAlloc");
+    PQC__LL(api->cuMemAlloc_v2(&dcnt, (size_t)k * 4), "cuMemAlloc");
+    if (obj) {
+        PQC__LL(api->cuMemAlloc_v2(&dmin, n * sizeof(float)), "cuMemAlloc");
+        if (e == 0 && !(md = (float *)pqc__alloc(&rt->alloc, n * sizeof(float)))) {
+            snprintf(err, errsz, "k-means: host memory for the objective");
+            e = -1;
+        }
+    }
+    PQC__LL(api->cuMemcpyHtoDAsync_v2(dx, x, n * (size_t)d * sizeof(float), st), "cuMemcpyHtoDAsync");
+    PQC__LL(api->cuMemcpyHtoDAsync_v2(dc, c, (size_t)k * d * sizeof(float), st), "cuMemcpyHtoDAsync");
+
+    /* the path: forced, known for this class, or measured now (needs four steps) */
+    if (e == 0 && cr->lt) {
+        if (cr->km_force >= 0) mode = cr->km_force;
+        else if (pqc__km_lookup(cr, n, d, k, &cls)) mode = cls.gemm;
+        else mode = steps >= 4 ? 2 : 0;
+    }
+    if (mode) {
+        const char *lwhat = "";
+        pqc__cuBlasStatus ls = 0;
+        pqc__cuResult ce = 0;
+        /* whole multiples of 64 points, so that every chunk's X starts 256-byte aligned
+           (the alignment cuBLASLt's heuristics assume) */
+        chunk = PQC__KM_DOTS_BYTES / ((size_t)k * sizeof(float)) / 64 * 64;
+        if (chunk < 64) chunk = 64;
+        if (chunk > n) chunk = n;
+        if ((ce = api->cuMemAlloc_v2(&dnorm, (size_t)k * sizeof(float))) == 0)
+            ce = api->cuMemAlloc_v2(&ddots, chunk * (size_t)k * sizeof(float));
+        if (ce == 0) ls = pqc__km_plan_make(cr, &plan[0], chunk, d, k, &lwhat);
+        if (ce == 0 && ls == 0 && n % chunk) ls = pqc__km_plan_make(cr, &plan[1], n % chunk, d, k, &lwhat);
+        for (j = 0; mode == 2 && ce == 0 && ls == 0 && j < 8; j++) ce = api->cuEventCreate(&ev[j], PQC__CU_EVENT_DEFAULT);
+        if (ce != 0 || ls != 0) {
+            char msg[200];
+            if (ce != 0)
+                snprintf(msg, sizeof msg, "k-means: GEMM path unavailable (%s), using the kernel", pqc__cu_error_name(api, ce));
+            else
+                snprintf(msg, sizeof msg, "k-means: GEMM path unavailable (%s status %d), using the kernel", lwhat, (int)ls);
+            pqc__log(rt, PQC_LOG_WARN, msg);
+            mode = 0;
+        }
+    }
+
+    for (it = 0; it <= iters && e == 0; it++) {
+        pqc__dptr m = obj ? dmin : 0;
+        void *pa[] = { &dx, &ld, &ni, &di, &dc, &zero, &ki, &zero, &dsum, &dcnt, &m };
+        void *pu[] = { &dc, &dsum, &dcnt, &rows, &di };
+        int gemm = mode == 1 || (mode == 2 && (step & 1)), timed = mode == 2 && step < 4;
+        if (it == iters && !obj) break; /* the last assignment only serves the objective */
+        if (timed) PQC__LL(api->cuEventRecord(ev[2 * step], st), "cuEventRecord");
+        PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
+        PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
+        if (gemm && e == 0) {
+            /* norms, then per chunk of points: dots = X C^T, argmin with sums and counts */
+            void *pn[] = { &dc, &ki, &di, &dnorm };
+            float one = 1.0f, nil = 0.0f;
+            pqc__cuBlasStatus ls = 0;
+            size_t p0;
+            PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_NORMS], (unsigned)(((size_t)k + 255) / 256), 1, 1, 256, 1, 1, 0,
+                                        st, pn, NULL),
+                    "pqc_centroid_norms");
+            for (p0 = 0; p0 < n && e == 0 && ls == 0; p0 += chunk) {
+                size_t r = n - p0 < chunk ? n - p0 : chunk;
+                const pqc__km_plan *pl = r == plan[0].rows ? &plan[0] : &plan[1];
+                pqc__dptr xp = dx + p0 * (size_t)d * sizeof(float), mp = obj ? dmin + p0 * sizeof(float) : 0;
+                int ri = (int)r;
+                void *pd[] = { &ddots, &xp, &ld, &ri, &di, &dnorm, &ki, &zero, &dsum, &dcnt, &mp };
+                ls = api->cublasLtMatmul(cr->lt, pl->desc, &one, (const void *)(uintptr_t)dc, pl->la,
+                                         (const void *)(uintptr_t)xp, pl->lb, &nil, (const void *)(uintptr_t)ddots,
+                                         pl->lc, (void *)(uintptr_t)ddots, pl->lc, &pl->algo.algo, NULL, 0, st);
+                if (ls == 0)
+                    PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_DOTS], (unsigned)((r + 7) / 8), 1, 1, 256, 1, 1, 0,
+                                                st, pd, NULL),
+                            "pqc_kmeans_assign_dots");
+            }
+            if (ls != 0 && e == 0) { /* this build goes back to the kernel, from this step */
+                char msg[160];
+                snprintf(msg, sizeof msg, "k-means: cublasLtMatmul failed (status %d); using the kernel", (int)ls);
+                pqc__log(rt, PQC_LOG_WARN, msg);
+                mode = gemm = timed = 0;
+                PQC__LL(api->cuMemsetD32Async(dsum, 0, (size_t)k * d, st), "cuMemsetD32Async");
+                PQC__LL(api->cuMemsetD32Async(dcnt, 0, (size_t)k, st), "cuMemsetD32Async");
+            }
+        }
+        if (!gemm)
+            PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_ASSIGN], (unsigned)((n + 7) / 8), 1, 1, 256, 1, 1, 0, st, pa,
+                                        NULL),
+                    "pqc_kmeans_assign");
+        if (timed) PQC__LL(api->cuEventRecord(ev[2 * step + 1], st), "cuEventRecord");
+        if (timed && step == 3 && e == 0) {
+            /* the decision: the faster of two runs each (a tie keeps the kernel) */
+            int ok = api->cuEventSynchronize(ev[7]) == 0;
+            for (j = 0; ok && j < 4; j++) ok = api->cuEventElapsedTime(&ms[j], ev[2 * j], ev[2 * j + 1]) == 0;
+            mode = 0;
+            if (ok) {
+                cls.nlog = pqc__km_nlog(n);
+                cls.d = d;
+                cls.k = k;
+                cls.ms_kernel = ms[0] < ms[2] ? ms[0] : ms[2];
+                cls.ms_gemm = ms[1] < ms[3] ? ms[1] : ms[3];
+                cls.gemm = cls.ms_gemm < cls.ms_kernel;
+                pqc__km_store(cr, &cls);
+                mode = cls.gemm;
+            }
+        }
+        step++;
+        if (obj) {
+            double o = 0.0;
+            PQC__LL(api->cuMemcpyDtoHAsync_v2(md, dmin, n * sizeof(float), st), "cuMemcpyDtoHAsync");
+            PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
+            for (i = 0; e == 0 && i < n; i++) o += md[i];
+            obj[it] = o / (double)n;
+        }
+        if (it == iters) break;
+        PQC__LL(api->cuLaunchKernel(cr->fn[PQC__K_KM_UPDATE], (unsigned)(((size_t)k * d + 255) / 256), 1, 1, 256, 1, 1, 0,
+                                    st, pu, NULL),
+                "pqc_kmeans_update");
+    }
+    PQC__LL(api->cuMemcpyDtoHAsync_v2(c, dc, (size_t)k * d * sizeof(float), st), "cuMemcpyDtoHAsync");
+    PQC__LL(api->cuStreamSynchronize(st), "cuStreamSynchronize");
+#undef PQC__LL
+    if (e > 0) snprintf(err, errsz, "k-means on the GPU: %s failed: %s", what, pqc__cu_error_name(api, e));
+    if (st) {
+        api->cuStreamSynchronize(st);
+        api->cuStreamDestroy_v2(st);
+    }
+    for (j = 0; j < 8; j++)
+        if (ev[j]) api->cuEventDestroy_v2(ev[j]);
+    pqc__km_plan_free(api, &plan[0]);
+    pqc__km_plan_free(api, &plan[1]);
+    if (dx) api->cuMemFree_v2(dx);
+    if (dc) api->cuMemFree_v2(dc);
+    if (dsum) api->cuMemFree_v2(dsum);
+    if (dcnt) api->cuMemFree_v2(dcnt);
+    if (dmin) api->cuMemFree_v2(dmin);
+    if (dnorm) api->cuMemFree_v2(dnorm);
+    if (ddots) api->cuMemFree_v2(ddots);
+    pqc__free(&rt->alloc, md);
+    if (e == 0) return PQC_SUCCESS;
+    return e > 0 ? PQC_ERROR_BACKEND : PQC_ERROR_OUT_OF_MEMORY;
+}
+
+struct pqc__cut {
+    struct pqc__curt *r;
+    pqc__cuApi *api;
+    pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
+    int own_st;
+    /* [n_cs], [n_cs], one; an event not yet recorded stands for no work, so waiting on
+       it returns at once */
+    pqc__cuEvent *ev_codes, *ev_used, ev_staged;
+    int K, m, bits, dsub, g, d, n_kv;
+    size_t bt;
+    /* slots: [sink blocks | window ring | block cache] per layer and head */
+    int ready, nsb, wb, n_slots;
+    pqc__dptr *pool_k, *pool_v; /* [L] -> [n_kv][n_slots][bt][d] storage dtype */
+    pqc__dptr *cent;            /* [L] -> [n_kv][m][K][dsub] float */
+    uint64_t *cent_gen;         /* [L] installed-codebook generation + 1 held there; 0: none */
+    pqc__dptr *hk, *hv;         /* [L] device addresses of the mapped K/V stores (own rows) */
+    pqc__dptr *pk, *pv;         /* [L] those of a fork's shared prefix (rows < c->pn), or 0 */
+    size_t hstride, phstride;   /* elements between heads in the own stores (cap * d) and
+                                   in the shared prefix's */
+    /* codes, double-buffered */
+    int n_cs;                   /* code buffers: 2 (prefetched per layer) or one per layer */
+    pqc__dptr *code;            /* [n_cs] */
+    size_t *code_cap, *code_hs, *code_cs, *code_n;
+    int *code_layer, last_slot;
+    uint64_t *code_gen;
+    /* selection scratch */
+    pqc__dptr q, lut, lut_sum, partial, stats, hist, state;
+    int p_max;
+    pqc__dptr scores, counts, topk, topk_sc;
+    size_t s_cap;
+    float *h_q;
+    float *h_ones;              /* [d_h] 1.0f: the weights of a head without a metric */
+    int32_t *h_topk;
+    float *h_topk_sc;           /* the top-k's scores, read back when a head takes fewer */
+    /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
+    pqc__dptr arena, iota, out_k, out_v;
+    int32_t *h_arena;
+    size_t arena_cap, iota_n, out_cap, nblk_cap, rows_cap, fill_cap;
+    size_t *nfill;
+    int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
+    pqc_allocator codes_alloc; /* pinned host memory for the codes (async copies) */
+    /* the decode step on the device (pqc__cut_step), made at its first use */
+    pqc__dptr *adm;           /* [L] every head's block-cache bookkeeping (pqc__cut_adm_bytes) */
+    size_t *adm_nbc;          /* [L] blocks it has room for */
+    int *adm_dev;             /* [L] 1: the device's copy is the current one, the host's stale */
+    pqc__dptr dstat;          /* [L][n_kv][3] hits, misses, bytes host -> device of device steps */
+    pqc__dptr rfill, dtakes;  /* [n_kv][3][admit] fill lists; [n_kv] int32 tops-k */
+    unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries and tops-k */
+    pqc__cuEvent *ev_stage;   /* [2L] their copies done */
+    size_t stage_bytes, pos_cap;
+    uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
+    uint64_t waits, waits_seen; /* host waits for the device; those already counted by a layer */
+    /* lookup tables a batch built for this cache (pqc__cut_batch_tables) */
+    pqc__dptr qb;             /* [n_q][d] its queries with each sub-space's dims together */
+    float *h_qb;              /* pinned staging of qb */
+    float *lb_q;              /* the queries the tables are of */
+    pqc__cuEvent ev_qb;       /* qb and the codebooks are on the device */
+    int lb_ok, lb_layer;      /* u->lut holds layer lb_layer's tables of lb_q */
+    uint64_t lb_gen;          /* of codebooks cent_gen lb_gen */
+    int lut_pre;              /* the next search finds its tables built */
+};
+/* The codes live in pinned host memory, so that their copies to the device are truly
+   asynchronous. A copy in flight may read bytes the host is OR-ing new codes into: only
+   bits of tokens past the copied count change, which the device codes itself anyway.
+   Freeing (growth, a rebuild's install) first waits for the copy stream. */
+static void *pqc__cut_codes_alloc_fn(size_t n, void *user)
+{
+    pqc_cache *c = (pqc_cache *)user;
+    void *p = NULL;
+    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
+    if (c->cu->api->cuMemHostAlloc(&p, n ? n : 16, PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) return NULL;
+    return p;
+}
+
+static void pqc__cut_codes_free_fn(void *p, void *user)
+{
+    pqc_cache *c = (pqc_cache *)user;
+    if (!p) return;
+    c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx);
+    c->cu->api->cuStreamSynchronize(c->cu->cp);
+    c->cu->api->cuMemFreeHost(p);
+}
+
+
+#define PQC__CUT_CALL(c, call, what)                                        \
+    do {                                                                    \
+        pqc__cuResult r_ = (call);                                          \
+        if (r_ != 0) return pqc__cut_err((c), r_, (what));                  \
+    } while (0)
+
+/* a call that makes the host wait for the device, counted (pqc_layer_stats.device_waits) */
+#define PQC__CUT_WAIT(c, call, what)                                        \
+    do {                                                                    \
+        (c)->cu->waits++;                                                   \
+        PQC__CUT_CALL(c, call, what);                                       \
+    } while (0)
+
+static pqc_result pqc__cut_err(const pqc_cache *c, pqc__cuResult r, const char *what)
+{
+    return pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: %s failed: %s", what, pqc__cu_error_name(c->cu->api, r));
+}
+
+static void pqc__cut_enter(pqc_cache *c) { c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx); }
+
+static unsigned pqc__cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
+
+static pqc_result pqc__cut_launch(pqc_cache *c, int k, unsigned gx, unsigned gy, unsigned smem, void **p)
+{
+    struct pqc__cut *u = c->cu;
+    if (gx == 0 || gy == 0) return PQC_SUCCESS;
+    PQC__CUT_CALL(c, u->api->cuLaunchKernel(u->r->fn[k], gx, gy, 1, 256, 1, 1, smem, u->st, p, NULL), pqc__k_names[k]);
+    return PQC_SUCCESS;
+}
+
+static void pqc__cut_dfree(struct pqc__cut *u, pqc__dptr *p)
+{
+    if (*p) u->api->cuMemFree_v2(*p);
+    *p = 0;
+}
+
+/* (Re)allocates a device buffer to at least `bytes`; the old contents are dropped. */
+static pqc_result pqc__cut_dalloc(pqc_cache *c, pqc__dptr *p, size_t bytes)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__cut_dfree(u, p);
+    PQC__CUT_CALL(c, u->api->cuMemAlloc_v2(p, bytes ? bytes : 16), "cuMemAlloc");
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__cut_halloc(pqc_cache *c, void **p, size_t bytes)
+{
+    struct pqc__cut *u = c->cu;
+    if (*p) u->api->cuMemFreeHost(*p);
+    *p = NULL;
+    PQC__CUT_CALL(c, u->api->cuMemHostAlloc(p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+    return PQC_SUCCESS;
+}
+
+static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
+{
+    int l, i;
+    if (u->st) u->api->cuStreamSynchronize(u->st);
+    if (u->cp) u->api->cuStreamSynchronize(u->cp);
+    for (l = 0; l < c->d.n_layers; l++) {
+        if (u->pool_k) pqc__cut_dfree(u, &u->pool_k[l]);
+        if (u->pool_v) pqc__cut_dfree(u, &u->pool_v[l]);
+        if (u->cent) pqc__cut_dfree(u, &u->cent[l]);
+    }
+    for (i = 0; u->code && i < u->n_cs; i++) {
+        pqc__cut_dfree(u, &u->code[i]);
+        if (u->ev_codes[i]) u->api->cuEventDestroy_v2(u->ev_codes[i]);
+        if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
+    }
+    if (u->ev_staged) u->api->cuEventDestroy_v2(u->ev_staged);
+    for (l = 0; u->adm && l < c->d.n_layers; l++) {
+        pqc__cut_dfree(u, &u->adm[l]);
+        if (u->ev_stage[l]) u->api->cuEventDestroy_v2(u->ev_stage[l]);
+        if (u->ev_stage[c->d.n_layers + l]) u->api->cuEventDestroy_v2(u->ev_stage[c->d.n_layers + l]);
+    }
+    pqc__cut_dfree(u, &u->dstat);
+    pqc__cut_dfree(u, &u->rfill);
+    pqc__cut_dfree(u, &u->dtakes);
+    if (u->h_stage) u->api->cuMemFreeHost(u->h_stage);
+    if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
+    pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
+    pqc__cut_dfree(u, &u->q);
+    pqc__cut_dfree(u, &u->qb);
+    if (u->h_qb) u->api->cuMemFreeHost(u->h_qb);
+    pqc__free(&c->alloc, u->lb_q);
+    if (u->ev_qb) u->api->cuEventDestroy_v2(u->ev_qb);
+    pqc__cut_dfree(u, &u->lut);
+    pqc__cut_dfree(u, &u->lut_sum);
+    pqc__cut_dfree(u, &u->partial);
+    pqc__cut_dfree(u, &u->stats);
+    pqc__cut_dfree(u, &u->hist);
+    pqc__cut_dfree(u, &u->state);
+    pqc__cut_dfree(u, &u->scores);
+    pqc__cut_dfree(u, &u->counts);
+    pqc__cut_dfree(u, &u->topk);
+    pqc__cut_dfree(u, &u->topk_sc);
+    pqc__cut_dfree(u, &u->arena);
+    pqc__cut_dfree(u, &u->iota);
+    pqc__cut_dfree(u, &u->out_k);
+    pqc__cut_dfree(u, &u->out_v);
+    if (u->h_q) u->api->cuMemFreeHost(u->h_q);
+    pqc__free(&c->alloc, u->h_ones);
+    if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
+    if (u->h_topk_sc) u->api->cuMemFreeHost(u->h_topk_sc);
+    if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
+    if (u->cp) u->api->cuStreamDestroy_v2(u->cp);
+    if (u->own_st && u->st) u->api->cuStreamDestroy_v2(u->st);
+    pqc__free(&c->alloc, u->pool_k); /* pool_k, pool_v, cent, hk, hv, cent_gen in one block */
+    pqc__free(&c->alloc, u->nfill);
+    pqc__free(&c->alloc, u->code); /* with the other per-buffer arrays */
+    pqc__free(&c->alloc, u);
+}
+
+/* Floats per KV head of a layer's codebook buffer: the centroids [m][K][dsub], then the
+   norms the coding kernel compares with [m][K] and the metric's weights [d_h] (uploaded
+   when a head of the layer has a metric). */
+static size_t pqc__cut_cent_floats(const pqc_cache *c)
+{
+    const struct pqc__cut *u = c->cu;
+    size_t tab = (size_t)u->m * u->K;
+    return tab * (size_t)u->dsub + tab + (size_t)u->d;
+}
+
+/* 1 when a head of layer l codes with a metric */
+static int pqc__layer_metric(const pqc_cache *c, int l)
+{
+    int h;
+    for (h = 0; h < c->d.n_kv_heads; h++)
+        if (c->layers[l].heads[h].pq.metric) return 1;
+    return 0;
+}
+
+static pqc_result pqc__cut_create(pqc_cache *c)
+{
+    struct pqc__cut *u;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks, n;
+    pqc_result r = PQC_SUCCESS;
+    int i;
+    u = (struct pqc__cut *)pqc__calloc(&c->alloc, sizeof *u);
+    if (!u) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    u->r = c->rt->cu;
+    u->api = &u->r->api;
+    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
+    n = (size_t)u->n_cs;
+    /* three blocks of per-layer, per-head and per-code-buffer arrays */
+    u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (7 * sizeof(pqc__dptr) + sizeof(uint64_t)));
+    u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
+    u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
+                                                       2 * sizeof(pqc__cuEvent) + sizeof(int)));
+    if (!u->pool_k || !u->nfill || !u->code) {
+        pqc__cut_free_all(c, u);
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    }
+    u->pool_v = u->pool_k + L;
+    u->cent = u->pool_v + L;
+    u->hk = u->cent + L;
+    u->hv = u->hk + L;
+    u->pk = u->hv + L;
+    u->pv = u->pk + L;
+    u->cent_gen = (uint64_t *)(u->pv + L);
+    u->fill_b = (int32_t *)(u->nfill + nkv);
+    u->fill_s = u->fill_b + nkv * (cb + 1);
+    u->m = c->d.pq.m;
+    u->bits = c->d.pq.bits;
+    u->K = 1 << u->bits;
+    u->d = c->d.head_dim;
+    u->dsub = u->d / u->m;
+    u->g = c->g;
+    u->n_kv = c->d.n_kv_heads;
+    u->bt = (size_t)c->d.block_tokens;
+    u->code_cap = (size_t *)(u->code + n);
+    u->code_hs = u->code_cap + n;
+    u->code_cs = u->code_hs + n;
+    u->code_n = u->code_cs + n;
+    u->code_gen = (uint64_t *)(u->code_n + n);
+    u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
+    u->ev_used = u->ev_codes + n;
+    u->code_layer = (int *)(u->ev_used + n);
+    for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
+    u->last_slot = 1;
+    u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
+    u->codes_alloc.alloc = pqc__cut_codes_alloc_fn;
+    u->codes_alloc.free = pqc__cut_codes_free_fn;
+    u->codes_alloc.user = c;
+    c->cu = u; /* from here on pqc__cut_free_all undoes everything */
+    pqc__cut_enter(c);
+#define PQC__CUT_TRY(call, what)                                            \
+    do {                                                                    \
+        pqc__cuResult r_ = (call);                                          \
+        if (r_ != 0) { r = pqc__cut_err(c, r_, (what)); goto fail; }        \
+    } while (0)
+    if (c->d.cuda_stream) {
+        u->st = (pqc__cuStream)c->d.cuda_stream;
+    } else {
+        PQC__CUT_TRY(u->api->cuStreamCreate(&u->st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        u->own_st = 1;
+    }
+    PQC__CUT_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (i = 0; i < u->n_cs; i++) {
+        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    }
+    PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    {
+        size_t tab = (size_t)u->m * u->K, cent = pqc__cut_cent_floats(c) * sizeof(float) * nkv;
+        size_t l;
+        for (l = 0; l < L; l++)
+            if ((r = pqc__cut_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
+        u->h_ones = (float *)pqc__alloc(&c->alloc, (size_t)u->d * sizeof(float));
+        if (!u->h_ones) {
+            r = pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+            goto fail;
+        }
+        for (l = 0; l < (size_t)u->d; l++) u->h_ones[l] = 1.0f;
+        if ((r = pqc__cut_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->partial, nkv * (size_t)u->g * (size_t)u->p_max * 2 * sizeof(float))) !=
+                PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->stats, nkv * (size_t)u->g * 2 * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->hist, nkv * PQC__CU_RADIX_BINS * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->state, nkv * 16)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS)
+            goto fail;
+        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->hist, 0, nkv * PQC__CU_RADIX_BINS, u->st), "cuMemsetD32Async");
+        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->state, 0, nkv * 4, u->st), "cuMemsetD32Async");
+        PQC__CUT_TRY(u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    }
+#undef PQC__CUT_TRY
+    return PQC_SUCCESS;
+fail:
+    c->cu = NULL;
+    pqc__cut_free_all(c, u);
+    return r;
+}
+
+static void pqc__cut_destroy(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    if (!u) return;
+    pqc__cut_enter(c);
+    c->cu = NULL;
+    pqc__cut_free_all(c, u);
+}
+
+static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->cu->codes_alloc; }
+
+static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
+{
+    void *p = NULL;
+    pqc__cut_enter(c);
+    if (c->cu->api->cuMemHostAlloc(&p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE | PQC__CU_MEMHOSTALLOC_DEVICEMAP) != 0)
+        return NULL;
+    return p;
+}
+
+static void pqc__cut_host_free(pqc_cache *c, void *p)
+{
+    pqc__cut_enter(c);
+    c->cu->api->cuMemFreeHost(p);
+}
+
+/* a shared prefix's store, freed by the last fork that used it (the runtime's device) */
+static void pqc__cut_host_release(pqc_runtime *rt, const pqc_allocator *a, void *p)
+{
+    (void)a;
+    rt->cu->api.cuCtxSetCurrent(rt->cu->dev.ctx);
+    rt->cu->api.cuMemFreeHost(p);
+}
+
+static void pqc__cut_quiesce(pqc_cache *c)
+{
+    if (!c->cu) return;
+    pqc__cut_enter(c);
+    c->cu->api->cuStreamSynchronize(c->cu->st);
+    c->cu->api->cuStreamSynchronize(c->cu->cp);
+}
+
+/* After the stores moved or grew: their device addresses, the slot tables' size and
+   the block-id table (iota) the fill kernel reads its lists from. */
+static pqc_result pqc__cut_grown(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    int l;
+    size_t need, i;
+    if (!u) return PQC_SUCCESS;
+    pqc__cut_enter(c);
+    for (l = 0; l < c->d.n_layers; l++) {
+        u->hk[l] = u->hv[l] = u->pk[l] = u->pv[l] = 0;
+        if (c->layers[l].kbase) {
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0),
+                          "cuMemHostGetDevicePointer");
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0),
+                          "cuMemHostGetDevicePointer");
+        }
+        if (c->share) { /* mapped by the cache that made it, portable to this context */
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pk[l], c->share->k[l], 0),
+                          "cuMemHostGetDevicePointer");
+            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pv[l], c->share->v[l], 0),
+                          "cuMemHostGetDevicePointer");
+        }
+    }
+    u->hstride = c->cap * (size_t)u->d;
+    u->phstride = c->share ? c->share->cap * (size_t)u->d : 0;
+    u->nblk_cap = (pqc__room(c) + u->bt - 1) / u->bt;
+    need = PQC__MAX(u->nblk_cap + 1, (size_t)u->n_slots + 1);
+    if (need > u->iota_n) {
+        int32_t *tmp = (int32_t *)pqc__alloc(&c->alloc, need * sizeof(int32_t));
+        pqc_result r;
+        if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+        for (i = 0; i < need; i++) tmp[i] = (int32_t)i;
+        r = pqc__cut_dalloc(c, &u->iota, need * sizeof(int32_t));
+        if (r == PQC_SUCCESS && u->api->cuMemcpyHtoD_v2(u->iota, tmp, need * sizeof(int32_t)) != 0)
+            r = pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: cuMemcpyHtoD failed");
+        pqc__free(&c->alloc, tmp);
+        if (r != PQC_SUCCESS) return r;
+        u->iota_n = need;
+    }
+    return PQC_SUCCESS;
+}
+
+/* The slot of a block resident for good: sink blocks and the window's ring; -1 else. */
+static int pqc__cut_sized(const pqc_cache *c) { return c->cu && c->cu->ready; }
+
+static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
+{
+    const struct pqc__cut *u = c->cu;
+    if (b < (size_t)u->nsb) return (int)b;
+    if ((b + 1) * u->bt > mid_end) return u->nsb + (int)((b - (size_t)u->nsb) % (size_t)u->wb);
+    return -1;
+}
+
+/* Copies rows [row_lo, bt) of the blocks [b0, b0 + n) into the slots [s0, s0 + n) of every
+   head of layer l, from the mapped store. */
+static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0, int s0, int n, int row_lo)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
+    int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
+    int64_t phs = (int64_t)u->phstride, split = (int64_t)c->pn;
+    int bt = (int)u->bt, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
+    void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
+                  &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
+    if (n <= 0) return PQC_SUCCESS;
+    return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
+}
+
+/* A prefill that brings layer l to n tokens (rows already in the store): the slot pools
+   exist (the window is known now) and every sink and window block holds its rows. */
+static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
+    pqc_result r;
+    int i;
+    pqc__cut_enter(c);
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    if (!u->ready) {
+        size_t bytes, nsb = ((size_t)c->d.n_sink + u->bt - 1) / u->bt, wb = ((size_t)c->window + u->bt - 1) / u->bt + 1;
+        if (nsb + wb + (size_t)c->d.cache_blocks > 0x3fffffff ||
+            !pqc__size3((size_t)u->n_kv * (nsb + wb + (size_t)c->d.cache_blocks), u->bt, c->row, &bytes))
+            return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: %zu sink, %zu window and %d cache blocks overflow", nsb,
+                              wb, c->d.cache_blocks);
+        u->nsb = (int)nsb;
+        u->wb = (int)wb;
+        u->n_slots = u->nsb + u->wb + c->d.cache_blocks;
+        for (i = 0; i < c->d.n_layers; i++) {
+            if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
+            if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
+        } /* a failure leaves ready at 0: the next prefill tries again */
+        if ((r = pqc__cut_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
+        u->ready = 1;
+    }
+    if ((r = pqc__cut_fill_run(c, l, n, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
+    b0 = PQC__MAX((size_t)u->nsb, mid_end / u->bt);
+    for (b = b0; b < nb;) { /* the ring in at most two runs of consecutive slots */
+        int s0 = pqc__cut_fixed_slot(c, b, mid_end);
+        size_t run = PQC__MIN(nb - b, (size_t)(u->nsb + u->wb - s0));
+        if ((r = pqc__cut_fill_run(c, l, n, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
+        b += run;
+    }
+    return PQC_SUCCESS;
+}
+
+/* An append that brings layer l to n tokens (the new row already in the store): the row
+   goes to its sink or window slot. */
+static pqc_result pqc__cut_appended(pqc_cache *c, int l, size_t n)
+{
+    struct pqc__cut *u = c->cu;
+    size_t t = n - 1;
+    int s;
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    pqc__cut_enter(c);
+    s = pqc__cut_fixed_slot(c, t / u->bt, pqc__mid_end(c, n));
+    if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
+    return pqc__cut_fill_run(c, l, n, t / u->bt, s, 1, (int)(t % u->bt));
+}
+
+/* Column stride of a device copy of layer l's codes: the widest of its heads' (heads grow
+   their codes together, so they normally agree). */
+static size_t pqc__cut_codes_stride(const pqc_cache *c, int l)
+{
+    size_t cs = 0, h;
+    for (h = 0; h < (size_t)c->d.n_kv_heads; h++) cs = PQC__MAX(cs, c->layers[l].heads[h].codes.col_stride);
+    return cs;
+}
+
+/* Copies the codes of layer l into code buffer sl on the copy stream (after the last
+   scan that read the buffer) and records ev_codes[sl]. */
+static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t cs = pqc__cut_codes_stride(c, l), hs, h;
+    int j, uniform = 1;
+    for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
+    hs = cs * (size_t)u->m;
+    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
+    if (hs * (size_t)u->n_kv > u->code_cap[sl]) {
+        pqc_result r;
+        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
+        if ((r = pqc__cut_dalloc(c, &u->code[sl], hs * (size_t)u->n_kv + hs / 4)) != PQC_SUCCESS) {
+            u->code_cap[sl] = 0;
+            u->code_layer[sl] = -1;
+            return r;
+        }
+        u->code_cap[sl] = hs * (size_t)u->n_kv + hs / 4;
+    }
+    if (!uniform) PQC__CUT_CALL(c, u->api->cuMemsetD8Async(u->code[sl], 0, hs * (size_t)u->n_kv, u->cp), "cuMemsetD8Async");
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        const pqc_codes *cd = &L->heads[h].codes;
+        pqc__dptr dst = u->code[sl] + h * hs;
+        if (uniform) {
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst, cd->data, hs, u->cp), "cuMemcpyHtoDAsync");
+        } else {
+            for (j = 0; j < u->m; j++)
+                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst + (size_t)j * cs, cd->data + (size_t)j * cd->col_stride,
+                                                              cd->col_stride, u->cp),
+                              "cuMemcpyHtoDAsync");
+        }
+    }
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
+    u->code_layer[sl] = l;
+    u->code_gen[sl] = L->dgen;
+    u->code_cs[sl] = cs;
+    u->code_hs[sl] = hs;
+    u->code_n[sl] = L->n_coded;
+    return PQC_SUCCESS;
+}
+
+/* Whether buffer sl holds layer l's current codes (up to a tail the device codes itself). */
+static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
+{
+    const struct pqc__cut *u = c->cu;
+    const pqc__layer *L = &c->layers[l];
+    return u->code_layer[sl] == l && u->code_gen[sl] == L->dgen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
+           u->code_n[sl] <= L->n_coded;
+}
+
+/* Enqueues layer l's search on the cache's stream: codebooks and codes where needed, the
+   lookup tables of the queries already in u->q, the scan and the top-k of every head
+   (`take`, or k_head[h] where the device list k_head gives fewer) into u->topk (and
+   their scores into u->topk_sc when want_scores). Nothing waits. */
+/* The layer's codebooks on the device (with the norms and weights of weighted coding),
+   copied once per build. */
+static pqc_result pqc__cut_cents(pqc_cache *c, int l)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
+    int m = u->m, K = u->K, dsub = u->dsub;
+    int64_t c_hs = (int64_t)pqc__cut_cent_floats(c);
+    if (u->cent_gen[l] != L->dgen + 1) {
+        size_t cb = tab * (size_t)dsub * sizeof(float), hb = (size_t)c_hs * sizeof(float);
+        int weighted = pqc__layer_metric(c, l), j;
+        for (h = 0; h < nkv; h++) {
+            const pqc_pq *pq = &L->heads[h].pq;
+            pqc__dptr base = u->cent[l] + h * hb;
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base, pq->centroids, cb, u->st), "cuMemcpyHtoDAsync");
+            if (!weighted) continue;
+            /* the norms coding compares with (weighted where the head has a metric; the
+               plain ones with weights 1 are the same numbers) and the weights */
+            for (j = 0; j < m; j++)
+                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
+                                                              (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad,
+                                                              (size_t)K * sizeof(float), u->st),
+                              "cuMemcpyHtoDAsync");
+            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
+                                                          (size_t)u->d * sizeof(float), u->st),
+                          "cuMemcpyHtoDAsync");
+        }
+        u->cent_gen[l] = L->dgen + 1;
+    }
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K;
+    int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
+    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
+    int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
+    unsigned P, tiles, smem;
+    float scale = 1.0f / sqrtf((float)u->d);
+    pqc_result r;
+    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)pqc__cut_cent_floats(c), l_hs = (int64_t)((size_t)g * tab),
+            ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
+    pqc__dptr zero = 0, lut_sum, lut;
+    if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
+    pqc__cut_enter(c);
+    /* score, top-k and read-back buffers */
+    if (s > u->s_cap) {
+        size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        u->s_cap = 0;
+        if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->topk_sc, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_topk_sc, nkv * want * 4)) != PQC_SUCCESS)
+            return r;
+        u->s_cap = want;
+    }
+    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
+    /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
+    if (u->n_cs > 2) {
+        sl = l;
+        if (!pqc__cut_codes_valid(c, sl, l) && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+    } else if (pqc__cut_codes_valid(c, 0, l)) {
+        sl = 0;
+    } else if (pqc__cut_codes_valid(c, 1, l)) {
+        sl = 1;
+    } else {
+        sl = u->last_slot ^ 1;
+        if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+    }
+    if (u->code_n[sl] < s && u->dsub > 256 && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS)
+        return r; /* sub-vectors too long for the coding kernel: copy the new codes instead */
+    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
+    code_hs = (int64_t)u->code_hs[sl];
+    cs = (int64_t)u->code_cs[sl];
+    while (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too (a
+                                   fork's shared rows and its own rows in one launch each) */
+        size_t t0z = u->code_n[sl], cut = pqc__mid_cut(c, t0z, s), end = cut > t0z ? cut : s;
+        size_t row0 = (size_t)c->d.n_sink + t0z;
+        int64_t x_ld = u->d, x_hs = (int64_t)(row0 < c->pn ? u->phstride : u->hstride), co_hs = 0;
+        int x_dt = (int)c->d.kv_dtype, n = (int)(end - t0z), t0 = (int)t0z;
+        pqc__dptr x = row0 < c->pn ? u->pk[l] + row0 * c->row : u->hk[l] + (row0 - c->pn) * c->row, cn = 0, w = 0;
+        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub, &half,
+                      &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
+        if (pqc__layer_metric(c, l)) { /* weighted coding: the uploaded norms and weights */
+            cn = u->cent[l] + tab * (size_t)dsub * sizeof(float);
+            w = cn + tab * sizeof(float);
+        }
+        if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
+            return r;
+        u->code_n[sl] = end;
+    }
+    /* query -> lookup tables */
+    lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
+    if (u->lut_pre) { /* a batch built them (pqc__cut_batch_tables) */
+        u->lut_pre = 0;
+    } else {
+        void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &half, &u->lut, &l_hs, &lut_sum, &ls_hs };
+        u->lb_ok = 0; /* the tables are this search's now */
+        if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    /* scan: combined scores of every coded token */
+    P = (unsigned)PQC__MIN((size_t)u->p_max, (s + 255) / 256);
+    if (P < 1) P = 1;
+    p_hs = (int64_t)g * P * 2;
+    sc_hs = (int64_t)u->s_cap;
+    if (c->sp.gqa == PQC_GQA_SUM) {
+        n_luts = 1;
+        mode = 0;
+        lut = u->lut_sum;
+        l_hs = ls_hs;
+    } else {
+        n_luts = g;
+        mode = 1;
+        lut = u->lut;
+    }
+    smem = (unsigned)((size_t)n_luts * tab * sizeof(float));
+    use_smem = smem <= (unsigned)u->r->smem_limit;
+    if (!use_smem) smem = 0;
+    if (mode == 1) {
+        int np = (int)P;
+        void *p1[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &scale, &u->partial, &p_hs, &use_smem };
+        void *p2[] = { &u->partial, &p_hs, &np, &n_luts, &scale, &u->stats, &st_hs };
+        if ((r = pqc__cut_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
+        if ((r = pqc__cut_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
+    }
+    {
+        pqc__dptr stats = mode == 1 ? u->stats : 0;
+        void *p[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &mode, &stats, &st_hs, &scale,
+                      &u->scores, &sc_hs, &use_smem };
+        if ((r = pqc__cut_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
+    }
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
+    u->last_slot = sl;
+    /* top-k: three radix passes, per-tile counts, ordered compaction */
+    tiles = pqc__cdiv(s, PQC__CU_TILE);
+    c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
+    for (pass = 0; pass < 3; pass++) {
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state, &k_head };
+        if ((r = pqc__cut_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &k_head };
+        if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        int64_t os_hs = want_scores ? idx_hs : 0;
+        pqc__dptr osc = want_scores ? u->topk_sc : 0;
+        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &osc, &os_hs,
+                      &k_head };
+        if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    /* prefetch the next layer's codes while this one finishes */
+    if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
+        !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
+        return r;
+    return PQC_SUCCESS;
+}
+
+/* The tier's search for a host-side selection: the top-k indices (and scores) come back
+   to the host, one synchronisation. */
+static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, int want_scores,
+                                  const int32_t **idx_out, const float **sc_out)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nkv = (size_t)u->n_kv;
+    pqc_result r;
+    size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    pqc__cut_enter(c);
+    /* tables a batch built for these queries and codebooks need neither the queries nor
+       the table kernel (the stream already waits for them) */
+    u->lut_pre = u->lb_ok && u->lb_layer == l && u->lb_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->lb_gen &&
+                 memcmp(u->lb_q, q, qbytes) == 0;
+    u->lb_ok = 0;
+    if (!u->lut_pre) {
+        memcpy(u->h_q, q, qbytes);
+        PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
+    }
+    r = pqc__cut_search(c, l, take, 0, want_scores);
+    u->lut_pre = 0;
+    if (r != PQC_SUCCESS) return r;
+    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
+    if (want_scores)
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
+                      "cuMemcpyDtoHAsync");
+    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    *idx_out = u->h_topk;
+    *sc_out = want_scores ? u->h_topk_sc : NULL;
+    return PQC_SUCCESS;
+}
+
+/* ---- the lookup tables of a batch of sequences in one cuBLASLt call ----
+
+   Per (cache, KV head, sub-space) the tables are a small product: D (K x g, ld m*K, the
+   layout of u->lut) = C^T Q, with C the sub-space's codebook ([K][dsub] row-major, i.e.
+   dsub x K column-major, ld dsub) and Q its query heads' dims (dsub x g, ld d; the
+   queries are staged with each sub-space's dims together, so the RoPE-band layout needs
+   no strides). pqc_batch_select makes those of all its CUDA caches one pointer-array
+   matmul before the selects run, on the runtime's own stream (after every cache's
+   staging copies); each cache's stream waits for it and its search skips
+   the table kernel. Unless PQC_LUT_GEMM forces a path, the first four batches of a shape
+   class (g, dsub, K, entries rounded up to a power of two) alternate the table kernel
+   and the matmul, timed with events, and the class keeps the faster (a tie keeps the
+   kernel, which then leaves each cache to build its own tables, as without a batch). */
+typedef struct pqc__lb_class {
+    int g, dsub, K, elog; /* the shape; entries <= 2^elog */
+    int gemm, tries;      /* the decision (tries == 4), or batches timed so far */
+    int failed;           /* a matmul of this class failed: the kernel, even when forced */
+    float ms[4];
+} pqc__lb_class;
+
+struct pqc__lb {
+    pqc__km_plan plan;            /* the matmul of plan_key, plan_e entries */
+    int plan_key[4];              /* g, dsub, K, d */
+    int32_t plan_e;
+    pqc__dptr dptr;               /* [3][cap] device pointer arrays: codebooks, queries, tables
+                                     (the first E of each array used) */
+    uint64_t *hptr;               /* their pinned staging */
+    size_t cap;
+    pqc__cuStream st;             /* the batches' own stream (each cache's stream waits for it) */
+    pqc__cuEvent ev_done, ev_t0;  /* the last batch's work is done; a timing start */
+    pqc__lb_class cls[PQC__KM_CLASSES];
+    int n_cls, next_cls;
+    uint64_t gemm_batches, kernel_batches; /* batches whose tables each path built */
+};
+
+static void pqc__lb_free(pqc_runtime *rt)
+{
+    struct pqc__curt *cr = rt->cu;
+    struct pqc__lb *lb = cr->lb;
+    if (!lb) return;
+    if (lb->ev_done) {
+        cr->api.cuEventSynchronize(lb->ev_done);
+        cr->api.cuEventDestroy_v2(lb->ev_done);
+    }
+    if (lb->ev_t0) cr->api.cuEventDestroy_v2(lb->ev_t0);
+    if (lb->st) cr->api.cuStreamDestroy_v2(lb->st);
+    pqc__km_plan_free(&cr->api, &lb->plan);
+    if (lb->dptr) cr->api.cuMemFree_v2(lb->dptr);
+    if (lb->hptr) cr->api.cuMemFreeHost(lb->hptr);
+    pqc__free(&rt->alloc, lb);
+    cr->lb = NULL;
+}
+
+static void pqc__curt_close(pqc_runtime *rt)
+{
+    struct pqc__curt *cr = rt->cu;
+    if (!cr) return;
+    cr->api.cuCtxSetCurrent(cr->dev.ctx);
+    pqc__lb_free(rt);
+    if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_destroy(&cr->km_mu);
+#endif
+    if (cr->mod) cr->api.cuModuleUnload(cr->mod);
+    pqc__cu_device_close(&cr->api, &cr->dev);
+    pqc__cu_unload(&cr->api);
+    pqc__free(&rt->alloc, cr);
+    rt->cu = NULL;
+}
+
+
+/* A cache whose layer-l tables the batch led by c0 can build: CUDA tier on c0's runtime,
+   the layer coded with codebooks, searched by this tier (the plan's c->sp.tier_search),
+   and c0's shape. */
+static int pqc__cut_lb_fits(pqc_cache *c, const pqc_cache *c0, int l, const float *q)
+{
+    const struct pqc__cut *u, *u0 = c0->cu;
+    if (!c || !q || !(u = c->cu) || c->tier != c0->tier || c->rt != c0->rt || !u->ready || l < 0 ||
+        l >= c->d.n_layers)
+        return 0;
+    if (!c->layers[l].heads[0].pq.m || c->layers[l].n_coded == 0 || !c->sp.tier_search) return 0;
+    return u->g == u0->g && u->dsub == u0->dsub && u->K == u0->K && u->d == u0->d && u->m == u0->m &&
+           c->d.n_q_heads == c0->d.n_q_heads;
+}
+
+/* This cache's queries staged for the batch (sub-space dims together) and copied up on
+   its stream, with its codebooks; ev_qb marks both done. */
+static pqc_result pqc__cut_lb_stage(pqc_cache *c, int l, const float *q)
+{
+    struct pqc__cut *u = c->cu;
+    size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
+    int hq, j, e, h2 = u->dsub / 2;
+    pqc_result r;
+    pqc__cut_enter(c);
+    if (!u->qb && ((r = pqc__cut_dalloc(c, &u->qb, qbytes)) != PQC_SUCCESS ||
+                   (r = pqc__cut_halloc(c, (void **)&u->h_qb, qbytes)) != PQC_SUCCESS))
+        return r;
+    if (!u->lb_q && !(u->lb_q = (float *)pqc__alloc(&c->alloc, qbytes)))
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    if (!u->ev_qb) PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_qb, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
+    for (hq = 0; hq < c->d.n_q_heads; hq++) {
+        const float *src = q + (size_t)hq * u->d;
+        float *dst = u->h_qb + (size_t)hq * u->d;
+        for (j = 0; j < u->m; j++)
+            for (e = 0; e < u->dsub; e++)
+                dst[j * u->dsub + e] = src[!half ? j * u->dsub + e : e < h2 ? j * h2 + e : u->d / 2 + j * h2 + (e - h2)];
+    }
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->qb, u->h_qb, qbytes, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_qb, u->st), "cuEventRecord");
+    return PQC_SUCCESS;
+}
+
+/* The batched tables' path for a shape class, for reports: 1 and *out once the class
+   has been met (out->tries == 4: decided), else 0; batches whose tables each path built
+   in *gemm_batches, *kernel_batches. rt must be a CUDA runtime. */
+PQC__CU_FN int pqc__cuda_lut_choice(pqc_runtime *rt, int g, int dsub, int K, size_t entries, pqc__lb_class *out,
+                                    uint64_t *gemm_batches, uint64_t *kernel_batches)
+{
+    struct pqc__curt *cr = rt && rt->cu ? rt->cu : NULL;
+    int i, elog = 0, hit = 0;
+    if (!cr) return 0;
+    while (((size_t)1 << elog) < entries) elog++;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    *gemm_batches = cr->lb ? cr->lb->gemm_batches : 0;
+    *kernel_batches = cr->lb ? cr->lb->kernel_batches : 0;
+    for (i = 0; cr->lb && i < cr->lb->n_cls && !hit; i++)
+        if (cr->lb->cls[i].g == g && cr->lb->cls[i].dsub == dsub && cr->lb->cls[i].K == K && cr->lb->cls[i].elog == elog) {
+            *out = cr->lb->cls[i];
+            hit = 1;
+        }
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
+    return hit;
+}
+
+static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const float *const *q)
+{
+    pqc_cache *c0 = NULL;
+    struct pqc__curt *cr;
+    struct pqc__lb *lb;
+    pqc__cuApi *api;
+    pqc__cuStream gs;
+    pqc__lb_class *cls = NULL;
+    size_t E = 0, e = 0, tab;
+    int i, g, dsub, K, d, m, gemm, elog = 0, timed = 0, ok = 0, ci;
+    int64_t l_hs, ls_hs, c_hs;
+    const char *what = "";
+    char msg[200];
+    if (!caches || !q || n < 1) return;
+    for (i = 0; i < n && !c0; i++)
+        if (caches[i] && caches[i]->cu && pqc__cut_lb_fits(caches[i], caches[i], l, q[i])) c0 = caches[i];
+    if (!c0) return;
+    cr = c0->cu->r;
+    api = c0->cu->api;
+    g = c0->cu->g, dsub = c0->cu->dsub, K = c0->cu->K, d = c0->cu->d, m = c0->cu->m;
+    tab = (size_t)m * K;
+    if (!cr->lt || cr->lut_force == 0 || dsub % 4 || K % 4) return; /* 16-byte aligned matrices */
+    for (i = 0; i < n; i++)
+        if (pqc__cut_lb_fits(caches[i], c0, l, q[i])) E += (size_t)c0->cu->n_kv * m;
+    if (E > 0x7fffffff) return;
+    while (((size_t)1 << elog) < E) elog++;
+    l_hs = (int64_t)((size_t)g * tab);
+    ls_hs = (int64_t)tab;
+    c_hs = (int64_t)pqc__cut_cent_floats(c0);
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_lock(&cr->km_mu);
+#endif
+    api->cuCtxSetCurrent(cr->dev.ctx);
+    if (!(lb = cr->lb)) {
+        if (!(lb = (struct pqc__lb *)pqc__calloc(&c0->rt->alloc, sizeof *lb))) goto out;
+        cr->lb = lb;
+        if (api->cuStreamCreate(&lb->st, PQC__CU_STREAM_NON_BLOCKING) != 0 ||
+            api->cuEventCreate(&lb->ev_done, PQC__CU_EVENT_DEFAULT) != 0 ||
+            api->cuEventCreate(&lb->ev_t0, PQC__CU_EVENT_DEFAULT) != 0) {
+            pqc__lb_free(c0->rt);
+            goto out;
+        }
+    }
+    /* the path: forced, decided for this class, or timed now */
+    for (i = 0; i < lb->n_cls && !cls; i++)
+        if (lb->cls[i].g == g && lb->cls[i].dsub == dsub && lb->cls[i].K == K && lb->cls[i].elog == elog)
+            cls = &lb->cls[i];
+    if (!cls) {
+        if (lb->n_cls < PQC__KM_CLASSES) {
+            cls = &lb->cls[lb->n_cls++];
+        } else {
+            cls = &lb->cls[lb->next_cls];
+            lb->next_cls = (lb->next_cls + 1) % PQC__KM_CLASSES;
+        }
+        memset(cls, 0, sizeof *cls);
+        cls->g = g, cls->dsub = dsub, cls->K = K, cls->elog = elog;
+    }
+    if (cls->failed) {
+        goto out;
+    } else if (cr->lut_force == 1) {
+        gemm = 1;
+    } else if (cls->tries >= 4) {
+        if (!cls->gemm) goto out; /* the kernel: each cache builds its own */
+        gemm = 1;
+    } else {
+        gemm = cls->tries & 1;
+        timed = 1;
+    }
+    /* the previous batch's arrays are free once its work is done */
+    if (api->cuEventSynchronize(lb->ev_done) != 0) goto out;
+    if (gemm && E > lb->cap) { /* room for whole multiples of 32 pointers: each array 256-byte aligned */
+        size_t cap = (E + 31) & ~(size_t)31;
+        if (lb->dptr) api->cuMemFree_v2(lb->dptr);
+        if (lb->hptr) api->cuMemFreeHost(lb->hptr);
+        lb->dptr = 0;
+        lb->hptr = NULL;
+        lb->cap = 0;
+        if (api->cuMemAlloc_v2(&lb->dptr, 3 * cap * sizeof(uint64_t)) != 0 ||
+            api->cuMemHostAlloc((void **)&lb->hptr, 3 * cap * sizeof(uint64_t), PQC__CU_MEMHOSTALLOC_PORTABLE) != 0) {
+            what = "pointer arrays";
+            goto fail;
+        }
+        lb->cap = cap;
+    }
+    /* every cache's queries and codebooks up, and the pointers of its products */
+    for (ci = 0; ci < n; ci++) {
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        size_t h;
+        int j;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        if (pqc__cut_lb_stage(c, l, q[ci]) != PQC_SUCCESS) {
+            what = "staging a sequence's queries";
+            goto fail;
+        }
+        for (h = 0; gemm && h < (size_t)u->n_kv; h++)
+            for (j = 0; j < m; j++, e++) {
+                lb->hptr[e] = (uint64_t)(u->cent[l] + ((size_t)h * (size_t)c_hs + (size_t)j * K * dsub) * sizeof(float));
+                lb->hptr[lb->cap + e] = (uint64_t)(u->qb + ((size_t)h * g * d + (size_t)j * dsub) * sizeof(float));
+                lb->hptr[2 * lb->cap + e] = (uint64_t)(u->lut + ((size_t)h * (size_t)l_hs + (size_t)j * K) * sizeof(float));
+            }
+    }
+    api->cuCtxSetCurrent(cr->dev.ctx);
+    gs = lb->st;
+    for (ci = 0; ci < n; ci++)
+        if (pqc__cut_lb_fits(caches[ci], c0, l, q[ci]) && api->cuStreamWaitEvent(gs, caches[ci]->cu->ev_qb, 0) != 0) {
+            what = "cuStreamWaitEvent";
+            goto fail;
+        }
+    if (timed && api->cuEventRecord(lb->ev_t0, gs) != 0) goto out;
+    if (gemm) {
+        float one = 1.0f, nil = 0.0f;
+        pqc__cuBlasStatus ls = 0;
+        if (lb->plan_e != (int32_t)E || lb->plan_key[0] != g || lb->plan_key[1] != dsub || lb->plan_key[2] != K ||
+            lb->plan_key[3] != d) {
+            pqc__km_plan_free(api, &lb->plan);
+            lb->plan_e = 0;
+            ls = pqc__lt_plan_make(cr, &lb->plan, (uint64_t)dsub, (uint64_t)K, dsub, (uint64_t)g, d, (int64_t)tab,
+                                   (int32_t)E, &what);
+            if (ls != 0) {
+                snprintf(msg, sizeof msg, "batched lookup tables: no cuBLASLt plan (%s status %d); the kernel builds them",
+                         what, (int)ls);
+                pqc__log(c0->rt, PQC_LOG_WARN, msg);
+                cls->failed = 1; /* this class stays with the kernel */
+                goto out;
+            }
+            lb->plan_key[0] = g, lb->plan_key[1] = dsub, lb->plan_key[2] = K, lb->plan_key[3] = d;
+            lb->plan_e = (int32_t)E;
+        }
+        if (api->cuMemcpyHtoDAsync_v2(lb->dptr, lb->hptr, 3 * lb->cap * sizeof(uint64_t), gs) != 0) {
+            what = "cuMemcpyHtoDAsync";
+            goto fail;
+        }
+        ls = api->cublasLtMatmul(cr->lt, lb->plan.desc, &one, (const void *)(uintptr_t)lb->dptr, lb->plan.la,
+                                 (const void *)(uintptr_t)(lb->dptr + lb->cap * sizeof(uint64_t)), lb->plan.lb, &nil,
+                                 (const void *)(uintptr_t)(lb->dptr + 2 * lb->cap * sizeof(uint64_t)), lb->plan.lc,
+                                 (void *)(uintptr_t)(lb->dptr + 2 * lb->cap * sizeof(uint64_t)), lb->plan.lc,
+                                 &lb->plan.algo.algo,
+                                 NULL, 0, gs);
+        if (ls != 0) {
+            snprintf(msg, sizeof msg, "batched lookup tables: cublasLtMatmul failed (status %d); the kernel builds them",
+                     (int)ls);
+            pqc__log(c0->rt, PQC_LOG_WARN, msg);
+            cls->failed = 1;
+            goto out;
+        }
+    }
+    for (ci = 0; ci < n; ci++) { /* the GQA sum tables, or (timing the kernel) all tables */
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        pqc__dptr lut_sum;
+        int ti = (int)tab, zero = 0;
+        int64_t q_hs = (int64_t)g * d;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
+        if (gemm && lut_sum) {
+            void *p[] = { &u->lut, &l_hs, &g, &ti, &lut_sum, &ls_hs };
+            if (api->cuLaunchKernel(cr->fn[PQC__K_LUT_SUM], (unsigned)pqc__cdiv(tab, 256), (unsigned)u->n_kv, 1, 256, 1,
+                                    1, 0, gs, p, NULL) != 0) {
+                what = "pqc_lut_sum";
+                goto fail;
+            }
+        } else if (!gemm) {
+            void *p[] = { &u->qb, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &zero, &u->lut, &l_hs, &lut_sum, &ls_hs };
+            if (api->cuLaunchKernel(cr->fn[PQC__K_LUT], (unsigned)pqc__cdiv(tab, 256), (unsigned)u->n_kv, 1, 256, 1, 1,
+                                    0, gs, p, NULL) != 0) {
+                what = "pqc_lut_build";
+                goto fail;
+            }
+        }
+    }
+    if (api->cuEventRecord(lb->ev_done, gs) != 0) {
+        what = "cuEventRecord";
+        goto fail;
+    }
+    for (ci = 0; ci < n; ci++) { /* each cache's work after the tables */
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        if (api->cuStreamWaitEvent(u->st, lb->ev_done, 0) != 0) {
+            what = "cuStreamWaitEvent";
+            goto fail;
+        }
+    }
+    for (ci = 0; ci < n; ci++) { /* only now are the tables theirs */
+        pqc_cache *c = caches[ci];
+        struct pqc__cut *u;
+        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        u = c->cu;
+        u->lb_ok = 1;
+        u->lb_layer = l;
+        u->lb_gen = u->cent_gen[l];
+        memcpy(u->lb_q, q[ci], (size_t)c->d.n_q_heads * u->d * sizeof(float));
+    }
+    if (gemm) lb->gemm_batches++;
+    else lb->kernel_batches++;
+    ok = 1;
+    if (timed) {
+        float ms = 0.0f;
+        c0->cu->waits++; /* the first batches of a class wait once, to read the timer */
+        if (api->cuEventSynchronize(lb->ev_done) == 0 && api->cuEventElapsedTime(&ms, lb->ev_t0, lb->ev_done) == 0) {
+            cls->ms[cls->tries++] = ms;
+            if (cls->tries == 4) /* the faster of two runs each; a tie keeps the kernel */
+                cls->gemm = (cls->ms[1] < cls->ms[3] ? cls->ms[1] : cls->ms[3]) <
+                            (cls->ms[0] < cls->ms[2] ? cls->ms[0] : cls->ms[2]);
+        }
+    }
+    goto out;
+fail:
+    snprintf(msg, sizeof msg, "batched lookup tables: %s failed; each sequence builds its own", what);
+    pqc__log(c0->rt, PQC_LOG_WARN, msg);
+out:
+    if (!ok)
+        for (ci = 0; ci < n; ci++)
+            if (caches[ci] && caches[ci]->cu && caches[ci]->tier == c0->tier) caches[ci]->cu->lb_ok = 0;
+#ifndef PQCACHE_NO_THREADS
+    pthread_mutex_unlock(&cr->km_mu);
+#endif
+}
+
+/* Device memory held by the tier: slot pools, centroids, code buffers, scratch. */
+static size_t pqc__cut_device_bytes(const pqc_cache *c)
+{
+    const struct pqc__cut *u = c->cu;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
+    int i;
+    b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
+    b += L * nkv * pqc__cut_cent_floats(c) * sizeof(float);              /* centroids, norms, weights */
+    for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
+    b += nkv * u->s_cap * 12 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k, its scores */
+    b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
+    b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
+         nkv * (size_t)u->g * ((size_t)u->p_max + 1) * 8 + (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    return b;
+}
+
+/* Before a fetch's bookkeeping: the upload arena of the previous fetch is free again. */
+static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__cut_enter(c);
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
+    PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
+    memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
+    return PQC_SUCCESS;
+}
+
+/* Room for `rows` gathered rows per head: the upload arena [slot table | indices | fill
+   lists] on host and device and the output rows (grown by a quarter more; growing waits
+   for the stream, which happens rarely). */
+static pqc_result pqc__cut_rows_room(pqc_cache *c, size_t rows)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nkv = (size_t)u->n_kv, cb = (size_t)c->d.cache_blocks + 1, words;
+    pqc_result r;
+    if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
+    if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
+        size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        words = nkv * (u->nblk_cap + want_rows + 2 * cb);
+        u->rows_cap = u->arena_cap = 0;
+        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
+            return r;
+        u->rows_cap = want_rows;
+        u->arena_cap = words;
+    }
+    return PQC_SUCCESS;
+}
+
+/* The gathered rows as the caller's device view (pos: the selection on the device). */
+static void pqc__cut_rows_device(pqc_cache *c, pqc__dptr pos, pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    dout->k = u->out_k;
+    dout->v = u->out_v;
+    dout->head_stride = u->rows_cap;
+    dout->pos = pos;
+}
+
+/* Enqueues the copies of head h's count[h] gathered rows into out (the caller waits). */
+static pqc_result pqc__cut_rows_home(pqc_cache *c, const size_t *count, const pqc_kv_out *out)
+{
+    struct pqc__cut *u = c->cu;
+    size_t h, d = (size_t)u->d;
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        size_t bytes = count[h] * d * sizeof(float), off = h * u->rows_cap * d * sizeof(float);
+        if (!bytes) continue;
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * d, u->out_k + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * d, u->out_v + off, bytes, u->st),
+                      "cuMemcpyDtoHAsync");
+    }
+    return PQC_SUCCESS;
+}
+
+/* After the bookkeeping: admitted blocks are copied into their slots, then every selected
+   row is gathered (slots, sink and window blocks from device memory, misses straight from
+   the mapped store) as fp32, into device buffers, and copied to `out` when given. */
+static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+                                     pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n);
+    size_t rows = 1, fills = 0, h, i, b, cb = (size_t)c->d.cache_blocks + 1, words;
+    int32_t *tab, *idx, *fb, *fs;
+    pqc_result r;
+    for (h = 0; h < nkv; h++) {
+        rows = PQC__MAX(rows, sel->count[h]);
+        fills = PQC__MAX(fills, u->nfill[h]);
+    }
+    if ((r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
+    /* arena: slot table [nkv][nblk_cap] | indices [nkv][rows_cap] | fills [nkv][2][cb] */
+    tab = u->h_arena;
+    idx = tab + nkv * u->nblk_cap;
+    fb = idx + nkv * u->rows_cap;
+    for (h = 0; h < nkv; h++) {
+        const pqc__head *H = &L->heads[h];
+        int32_t *t = tab + h * u->nblk_cap, *x = idx + h * u->rows_cap;
+        const uint32_t *si = sel->idx + h * sel->capacity;
+        size_t cnt = sel->count[h];
+        for (b = 0; b < nb; b++) {
+            int s = pqc__cut_fixed_slot(c, b, mid_end);
+            if (s < 0 && c->d.cache_blocks > 0 && H->slot_of[b] >= 0 && H->filled[H->slot_of[b]] >= (uint32_t)u->bt)
+                s = u->nsb + u->wb + H->slot_of[b];
+            t[b] = s;
+        }
+        for (i = 0; i < cnt; i++) x[i] = (int32_t)si[i];
+        for (; i < rows; i++) x[i] = 0; /* padding rows gather token 0 into unused rows */
+        fs = fb + h * 2 * cb;
+        for (i = 0; i < fills; i++) { /* padding entries name a block past the end: skipped */
+            fs[i] = i < u->nfill[h] ? u->fill_b[h * cb + i] : (int32_t)nb;
+            fs[cb + i] = i < u->nfill[h] ? u->fill_s[h * cb + i] : 0;
+        }
+    }
+    words = nkv * (u->nblk_cap + u->rows_cap + 2 * cb);
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
+    {
+        pqc__dptr dtab = u->arena, didx = u->arena + nkv * u->nblk_cap * 4, dfb = didx + nkv * u->rows_cap * 4,
+                  dfs = dfb + cb * 4, zero = 0;
+        int64_t list_hs = 2 * (int64_t)cb, hs = (int64_t)u->hstride, ld = u->d,
+                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, idx_hs = (int64_t)u->rows_cap,
+                sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d, phs = (int64_t)u->phstride,
+                split = (int64_t)c->pn;
+        int bt = (int)u->bt, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
+        void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
+                       &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
+        void *pg[] = { &didx, &idx_hs, &nr, &dtab, &sl_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
+                       &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
+                       &u->out_v, &o_hs, &zero };
+        if (fills > 0 &&
+            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
+            return r;
+        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
+    }
+    if (dout) {
+        pqc__cut_rows_device(c, u->arena + nkv * u->nblk_cap * 4, dout);
+        return PQC_SUCCESS;
+    }
+    if ((r = pqc__cut_rows_home(c, sel->count, out)) != PQC_SUCCESS) return r;
+    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+                                 pqc_kv_device *dout)
+{
+    struct pqc__cut *u = c->cu;
+    pqc_result r = pqc__cut_fetch_run(c, l, sel, out, dout);
+    size_t h, i, cb = (size_t)c->d.cache_blocks + 1;
+    if (r == PQC_SUCCESS) return r;
+    /* the blocks admitted by this fetch were never copied: forget them, so that no
+       later gather reads their slots */
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        pqc__head *H = &c->layers[l].heads[h];
+        for (i = 0; i < u->nfill[h]; i++) {
+            int s = u->fill_s[h * cb + i] - u->nsb - u->wb;
+            int32_t b = u->fill_b[h * cb + i];
+            if (H->block_of[s] == b) {
+                H->block_of[s] = -1;
+                H->slot_of[b] = -1;
+            }
+            H->filled[s] = 0;
+        }
+        u->nfill[h] = 0;
+    }
+    return r;
+}
+
+static pqc_result pqc__cut_fetch_prepare(pqc_cache *c, size_t rows_per_head)
+{
+    (void)rows_per_head;
+    return pqc__cut_fetch_begin(c);
+}
+
+/* The admissions of the shared bookkeeping become this tier's fill lists, then the
+   copies and the gather run on the device. */
+static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+{
+    struct pqc__cut *u = c->cu;
+    size_t h, f, cb = (size_t)c->d.cache_blocks + 1;
+    (void)parallel;
+    for (h = 0; h < (size_t)u->n_kv; h++) {
+        const pqc__fill *fl = j->fills + h * (size_t)c->d.admit_blocks;
+        for (f = 0; f < j->nfill[h] && f < cb; f++) {
+            u->fill_b[h * cb + f] = fl[f].block;
+            u->fill_s[h * cb + f] = u->nsb + u->wb + fl[f].slot;
+        }
+        u->nfill[h] = f;
+    }
+    return pqc__cut_fetch(c, j->layer, j->sel, j->out, dout);
+}
+
+/* ----- the decode step on the device: selection, bookkeeping and gather enqueued, no
+   host round trip ----- */
+
+/* Layer l's block-cache bookkeeping on the device for nbc blocks, every head:
+   freq, stamp u64 [n_kv][slots] | score f32, slot_of i32, cnt u32 [n_kv][nbc] |
+   block_of i32, filled u32, touched u32 [n_kv][slots]. */
+static size_t pqc__cut_adm_slots(const pqc_cache *c) { return (size_t)(c->d.cache_blocks > 0 ? c->d.cache_blocks : 1); }
+static size_t pqc__cut_adm_bytes(const pqc_cache *c, size_t nbc)
+{
+    return (size_t)c->d.n_kv_heads * (16 * pqc__cut_adm_slots(c) + 12 * nbc + 12 * pqc__cut_adm_slots(c));
+}
+
+/* Moves layer l's bookkeeping between host and device (to_dev: the host's copy up;
+   else the device's back, after waiting for the stream). The move leaves the other side's
+   copy the current one. */
+static pqc_result pqc__cut_adm_move(pqc_cache *c, int l, int to_dev)
+{
+    struct pqc__cut *u = c->cu;
+    size_t nkv = (size_t)u->n_kv, ns = pqc__cut_adm_slots(c), nbc = u->adm_nbc[l], bytes = pqc__cut_adm_bytes(c, nbc);
+    size_t h, i, nb = PQC__MIN(nbc, c->nblk), cbk = (size_t)PQC__MAX(c->d.cache_blocks, 0);
+    unsigned char *m = (unsigned char *)pqc__alloc(&c->alloc, bytes);
+    uint64_t *fq, *stp;
+    float *sc;
+    int32_t *so, *bo;
+    uint32_t *cn, *fl, *tc;
+    pqc__cuResult cr;
+    if (!m) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: %zu bytes of block-cache bookkeeping", bytes);
+    fq = (uint64_t *)m;
+    stp = fq + nkv * ns;
+    sc = (float *)(stp + nkv * ns);
+    so = (int32_t *)(sc + nkv * nbc);
+    cn = (uint32_t *)(so + nkv * nbc);
+    bo = (int32_t *)(cn + nkv * nbc);
+    fl = (uint32_t *)(bo + nkv * ns);
+    tc = fl + nkv * ns;
+    if (!to_dev) {
+        u->waits++;
+        cr = u->api->cuStreamSynchronize(u->st);
+        if (cr == 0) cr = u->api->cuMemcpyDtoH_v2(m, u->adm[l], bytes);
+        if (cr != 0) {
+            pqc__free(&c->alloc, m);
+            return pqc__cut_err(c, cr, "reading the block-cache bookkeeping");
+        }
+    } else {
+        memset(m, 0, bytes);
+    }
+    for (h = 0; h < nkv; h++) {
+        pqc__head *H = &c->layers[l].heads[h];
+        for (i = 0; to_dev && i < nbc; i++) {
+            so[h * nbc + i] = i < nb && cbk ? H->slot_of[i] : -1;
+            sc[h * nbc + i] = i < nb && cbk ? H->score[i] : 0.0f;
+        }
+        for (i = 0; to_dev && i < ns; i++) {
+            bo[h * ns + i] = i < cbk ? H->block_of[i] : -1;
+            fl[h * ns + i] = i < cbk ? H->filled[i] : 0;
+            fq[h * ns + i] = i < cbk ? H->freq[i] : 0;
+            stp[h * ns + i] = i < cbk ? H->stamp[i] : 0;
+        }
+        for (i = 0; !to_dev && cbk && i < nb; i++) {
+            H->slot_of[i] = so[h * nbc + i];
+            H->score[i] = sc[h * nbc + i];
+        }
+        for (i = 0; !to_dev && i < cbk; i++) {
+            H->block_of[i] = bo[h * ns + i];
+            H->filled[i] = fl[h * ns + i];
+            H->freq[i] = fq[h * ns + i];
+            H->stamp[i] = stp[h * ns + i];
+        }
+    }
+    (void)tc;
+    cr = to_dev ? u->api->cuMemcpyHtoD_v2(u->adm[l], m, bytes) : 0;
+    pqc__free(&c->alloc, m);
+    if (cr != 0) return pqc__cut_err(c, cr, "writing the block-cache bookkeeping");
+    u->adm_dev[l] = to_dev;
+    return PQC_SUCCESS;
+}
+
+/* Before the host reads or changes layer l's block-cache bookkeeping: the device's copy,
+   when a device step made it the current one. */
+static pqc_result pqc__cut_adm_pull(pqc_cache *c, int l)
+{
+    if (!c->cu || !c->cu->adm || !c->cu->adm_dev[l]) return PQC_SUCCESS;
+    pqc__cut_enter(c);
+    return pqc__cut_adm_move(c, l, 0);
+}
+
+/* Adds the hits, misses and bytes that device steps counted at layer l. Waits for the
+   stream (a statistics read is a natural synchronisation point). */
+static pqc_result pqc__cut_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
+{
+    const struct pqc__cut *u = c->cu;
+    uint64_t v[3 * 64];
+    size_t nkv = (size_t)u->n_kv, h, done;
+    if (!u->dstat) return PQC_SUCCESS;
+    u->api->cuCtxSetCurrent(u->r->dev.ctx);
+    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    for (done = 0; done < nkv; done += 64) { /* 64 heads at a time */
+        size_t part = PQC__MIN((size_t)64, nkv - done);
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoH_v2(v, u->dstat + ((size_t)l * nkv + done) * 24, part * 24), "cuMemcpyDtoH");
+        for (h = 0; h < part; h++) {
+            st->hits += v[3 * h];
+            st->misses += v[3 * h + 1];
+            st->bytes_h2d += v[3 * h + 2];
+        }
+    }
+    return PQC_SUCCESS;
+}
+
+/* What device steps need, made at the first one: bookkeeping tables, statistics, fill
+   lists, the tops-k, the staging of queries (two steps deep per layer, in pinned
+   memory, so that a step's copies never wait) and their events. */
+static pqc_result pqc__cut_step_init(pqc_cache *c)
+{
+    struct pqc__cut *u = c->cu;
+    size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), i;
+    pqc_result r;
+    if (u->adm) return PQC_SUCCESS;
+    u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + nkv * sizeof(int32_t) + 63) / 64 * 64;
+    if ((r = pqc__cut_dalloc(c, &u->dstat, L * nkv * 24)) != PQC_SUCCESS ||
+        (r = pqc__cut_dalloc(c, &u->rfill, nkv * 3 * ab * 4)) != PQC_SUCCESS ||
+        (r = pqc__cut_dalloc(c, &u->dtakes, nkv * 4)) != PQC_SUCCESS ||
+        (r = pqc__cut_halloc(c, (void **)&u->h_stage, 2 * L * u->stage_bytes)) != PQC_SUCCESS)
+        return r;
+    PQC__CUT_CALL(c, u->api->cuMemsetD32Async(u->dstat, 0, L * nkv * 6, u->st), "cuMemsetD32Async");
+    u->adm = (pqc__dptr *)pqc__calloc(&c->alloc, L * (sizeof(pqc__dptr) + sizeof(size_t) + sizeof(int) +
+                                                      2 * sizeof(pqc__cuEvent)) + 16);
+    if (!u->adm) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
+    u->ev_stage = (pqc__cuEvent *)(u->adm + L);
+    u->adm_nbc = (size_t *)(u->ev_stage + 2 * L);
+    u->adm_dev = (int *)(u->adm_nbc + L);
+    for (i = 0; i < 2 * L; i++)
+        PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_stage[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    return PQC_SUCCESS;
+}
+
+/* One decode step of layer l on the device: the queries and each head's top-k count
+   (takes; search: the top-k of the codes, else every coded token or none, as takes
+   says) go up, then the search, pqc_select_admit (selection, admission, hits), the block
+   copies and the gather are enqueued on the stream. With dout the rows stay on the
+   device and nothing waits; with out the rows and the selection (into pos, head h at
+   pos + h * pos_stride) come back after one synchronisation. */
+static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+                                const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
+                                size_t pos_stride)
+{
+    struct pqc__cut *u = c->cu;
+    pqc__layer *L = &c->layers[l];
+    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
+    unsigned char *stage;
+    int32_t *tk;
+    pqc__cuResult cr;
+    pqc_result r;
+    if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: decode before prefill");
+    if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    pqc__cut_enter(c);
+    for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
+    if ((r = pqc__cut_step_init(c)) != PQC_SUCCESS || (r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
+    if (out && u->pos_cap < u->rows_cap) {
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        u->pos_cap = 0;
+        if ((r = pqc__cut_halloc(c, (void **)&u->h_pos, nkv * u->rows_cap * 4)) != PQC_SUCCESS) return r;
+        u->pos_cap = u->rows_cap;
+    }
+    if (u->adm_nbc[l] < c->nblk) { /* the tables grow with the stores: through the host */
+        if ((r = pqc__cut_adm_pull(c, l)) != PQC_SUCCESS) return r;
+        u->adm_nbc[l] = 0;
+        if ((r = pqc__cut_dalloc(c, &u->adm[l], pqc__cut_adm_bytes(c, c->nblk))) != PQC_SUCCESS) return r;
+        u->adm_nbc[l] = c->nblk;
+    }
+    if (!u->adm_dev[l] && (r = pqc__cut_adm_move(c, l, 1)) != PQC_SUCCESS) return r;
+    /* the staging slot of this layer two steps ago is free (it always is, unless the
+       device runs two whole steps behind) */
+    cr = u->api->cuEventQuery(u->ev_stage[slot]);
+    if (cr != 0) PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_stage[slot]), "cuEventSynchronize");
+    stage = u->h_stage + slot * u->stage_bytes;
+    memcpy(stage, q, qb);
+    tk = (int32_t *)(stage + qb);
+    for (h = 0; h < nkv; h++) tk[h] = (int32_t)takes[h];
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, nkv * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
+    if (search && (r = pqc__cut_search(c, l, ctake, u->dtakes, 0)) != PQC_SUCCESS) return r;
+    {
+        size_t nbc = u->adm_nbc[l], ns = pqc__cut_adm_slots(c), mid_end = pqc__mid_end(c, n);
+        pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
+                  cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
+        pqc__dptr topk = search ? u->topk : 0, tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
+        pqc__dptr fb = u->rfill, fs = fb + ab * 4, fr = fs + ab * 4, stat = u->dstat + (size_t)l * nkv * 24, zero = 0;
+        int64_t topk_hs = (int64_t)ctake, sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,
+                tab_hs = (int64_t)u->nblk_cap, fill_hs = 3 * (int64_t)ab, hs = (int64_t)u->hstride, ld = u->d,
+                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, phs = (int64_t)u->phstride, split = (int64_t)c->pn,
+                o_hs = (int64_t)u->rows_cap * u->d;
+        int n_sink = c->d.n_sink, coded = (int)L->n_coded, me = (int)mid_end, ni = (int)n, nr = (int)rows, bt = (int)u->bt;
+        int nsb = u->nsb, wb = u->wb, cbk = c->d.cache_blocks, adm = c->d.admit_blocks, lfu = c->d.policy != PQC_POLICY_LRU;
+        int nf = (int)ab, row_lo = 0, dt = (int)c->d.kv_dtype, d = u->d;
+        uint64_t step = L->step, rb = c->row;
+        void *pa[] = { &topk, &topk_hs, &u->dtakes, &n_sink, &coded, &me, &ni, &nr, &idx, &sel_hs, &bt, &nsb, &wb, &cbk,
+                       &adm, &lfu, &step, &sc, &so, &cn, &blk_hs, &bo, &fl, &tc, &fq, &stp, &slot_hs, &tab, &tab_hs,
+                       &fb, &fs, &fr, &fill_hs, &stat, &rb };
+        void *pf[] = { &fb, &fs, &fill_hs, &nf, &bt, &row_lo, &ni, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
+                       &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
+        void *pg[] = { &idx, &sel_hs, &nr, &tab, &tab_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
+                       &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
+                       &u->out_v, &o_hs, &zero };
+        if ((r = pqc__cut_launch(c, PQC__K_SELECT_ADMIT, 1, (unsigned)nkv, 0, pa)) != PQC_SUCCESS) return r;
+        if (cbk > 0 && adm > 0 &&
+            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(ab * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
+            return r;
+        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
+        if (dout) {
+            pqc__cut_rows_device(c, idx, dout);
+            return PQC_SUCCESS;
+        }
+        if ((r = pqc__cut_rows_home(c, count, out)) != PQC_SUCCESS) return r;
+        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_pos, idx, nkv * u->rows_cap * 4, u->st), "cuMemcpyDtoHAsync");
+        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        for (h = 0; h < nkv; h++) memcpy(pos + h * pos_stride, u->h_pos + h * u->rows_cap, count[h] * sizeof(uint32_t));
+    }
+    return PQC_SUCCESS;
+}
+
+static int pqc__cut_zero_copy(const pqc_cache *c)
+{
+    (void)c;
+    return 0;
+}
+
+/* The waits of a layer's select, fetch or step (and of the fetch's preparation before
+   it) go to its statistics. */
+static void pqc__cut_note_waits(pqc_cache *c, int l)
+{
+    struct pqc__cut *u = c->cu;
+    c->layers[l].st.device_waits += u->waits - u->waits_seen;
+    u->waits_seen = u->waits;
+}
+static pqc_result pqc__cut_select_w(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
+                                    const float **sc)
+{
+    pqc_result r = pqc__cut_select(c, l, q, take, scores, idx, sc);
+    pqc__cut_note_waits(c, l);
+    return r;
+}
+static pqc_result pqc__cut_fetch_tier_w(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+{
+    pqc_result r = pqc__cut_fetch_tier(c, j, dout, parallel);
+    pqc__cut_note_waits(c, j->layer);
+    return r;
+}
+static pqc_result pqc__cut_step_w(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+                                  const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
+                                  size_t pos_stride)
+{
+    pqc_result r = pqc__cut_step(c, l, q, takes, search, ctake, count, out, dout, pos, pos_stride);
+    pqc__cut_note_waits(c, l);
+    return r;
+}
+static pqc_result pqc__cut_adm_pull_w(pqc_cache *c, int l)
+{
+    pqc_result r = pqc__cut_adm_pull(c, l);
+    if (c->cu) pqc__cut_note_waits(c, l);
+    return r;
+}
+
+static const pqc__tier_i *pqc__cuda_tier(void)
+{
+    static const pqc__tier_i t = { "CUDA", PQC__CAN_DEVICE_ROWS, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
+                                   pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
+                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select_w,
+                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier_w, pqc__cut_device_bytes,
+                                   pqc__cut_zero_copy, pqc__cut_step_w, pqc__cut_adm_pull_w, pqc__cut_stats,
+                                   pqc__cut_batch_tables };
+    return &t;
+}
+
+/* the device side as the sections above reach it (see pqc__device_i) */
+static const pqc__device_i *pqc__device(void)
+{
+    static const pqc__device_i dev = { pqc__curt_open, pqc__curt_close, pqc__cuda_lloyd, pqc__cuda_tier };
+    return &dev;
+}
+
+PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
+{
+    pqc__cuApi api;
+    pqc__cuHost host;
+    pqc__cuDev dev;
+    pqc_cuda_info tmp;
+    int st;
+    if (!info) info = &tmp;
+    memset(info, 0, sizeof *info);
+    pqc__cu_host(&host, NULL);
+    pqc__cu_api_init(&api, &host);
+    st = pqc__cu_load(&api, 1);
+    if (st != PQC__CU_OK) {
+        snprintf(info->message, sizeof info->message, "%s", api.msg);
+        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: %s", api.msg);
+    }
+    info->driver_version = api.driver_version;
+    info->device_count = api.device_count;
+    info->nvrtc_major = api.nvrtc_major;
+    info->nvrtc_minor = api.nvrtc_minor;
+    info->have_cublaslt = api.lib_blaslt != NULL;
+    memset(&dev, 0, sizeof dev);
+    st = pqc__cu_device_open(&api, 0, &dev);
+    if (st != PQC__CU_OK) {
+        snprintf(info->message, sizeof info->message, "%s", api.msg);
+        pqc__cu_unload(&api);
+        return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA device 0 unusable: %s", info->message);
+    }
+    info->available = 1;
+    info->cc_major = dev.cc_major;
+    info->cc_minor = dev.cc_minor;
+    info->sm_count = dev.sm_count;
+    info->total_mem = dev.total_mem;
+    snprintf(info->name, sizeof info->name, "%s", dev.name);
+    snprintf(info->message, sizeof info->message, "%s, compute capability %d.%d, %d SMs", dev.name, dev.cc_major,
+             dev.cc_minor, dev.sm_count);
+    pqc__cu_device_close(&api, &dev);
+    pqc__cu_unload(&api);
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
+{
+    pqc__cuApi api;
+    pqc__cuHost host;
+    void *img = NULL;
+    size_t size = 0;
+    int st;
+    if (arch < 50 || arch > 200) return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "architecture %d not in 50..200", arch);
+    pqc__cu_host(&host, NULL);
+    pqc__cu_api_init(&api, &host);
+    st = pqc__cu_load_nvrtc(&api);
+    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "NVRTC unavailable: %s", api.msg);
+    st = pqc__cu_compile(&api, pqc__kernels(), "pqcache_kernels.cu", arch, cubin, &img, &size, log, log_size);
+    pqc__cu_free(&api, img);
+    pqc__cu_unload(&api);
+    if (st != PQC__CU_OK) return pqc__fail(NULL, PQC_ERROR_BACKEND, "NVRTC: %s", api.msg);
+    if (image_bytes) *image_bytes = size;
+    return PQC_SUCCESS;
+}
+
+PQCDEF const char *pqc_cuda_kernel_source(void) { return pqc__kernels(); }
+
+#else /* no CUDA loader in this build */
+
+PQCDEF pqc_result pqc_cuda_probe(pqc_cuda_info *info)
+{
+    if (info) {
+        memset(info, 0, sizeof *info);
+        snprintf(info->message, sizeof info->message, "built without the CUDA loader");
+    }
+    return pqc__fail(NULL, PQC_ERROR_NO_DEVICE, "CUDA unavailable: built without the CUDA loader");
+}
+PQCDEF pqc_result pqc_cuda_compile_kernels(int arch, int cubin, char *log, size_t log_size, size_t *image_bytes)
+{
+    (void)arch;
+    (void)cubin;
+    (void)image_bytes;
+    if (log && log_size) log[0] = 0;
+    return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "built without the CUDA loader");
+}
+PQCDEF const char *pqc_cuda_kernel_source(void) { return ""; }
+#endif /* PQC__CUDA_LOADER */
+
+#if !PQC__CUDA_LOADER
+/* Built without the CUDA loader: no device tier (c->cu and rt->cu stay NULL). */
+static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+{
+    (void)rt;
+    (void)ordinal;
+    (void)cache_dir;
+    snprintf(why, why_size, "built without the CUDA loader");
+    return PQC_ERROR_NO_DEVICE;
+}
+static void pqc__curt_close(pqc_runtime *rt) { (void)rt; }
+static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
+                                  double *obj, char *err, size_t errsz)
+{
+    (void)rt;
+    (void)x;
+    (void)n;
+    (void)d;
+    (void)k;
+    (void)iters;
+    (void)c;
+    (void)obj;
+    snprintf(err, errsz, "built without the CUDA loader");
+    return PQC_ERROR_NO_DEVICE;
+}
+static const pqc__device_i *pqc__device(void)
+{
+    static const pqc__device_i dev = { pqc__curt_open, pqc__curt_close, pqc__cuda_lloyd, NULL };
+    return &dev;
+}
+#endif
+
+
 
 
 #ifdef __cplusplus
