@@ -590,11 +590,11 @@ typedef struct pqc_cache_desc {
     pqc_split split;         /* how the heads of a layer share its top-k; 0 = adaptive     */
     pqc_gqa gqa;             /* how query heads sharing a KV head combine; 0 = softmax-sum */
     double rerank;           /* re-ranking: each head's top ceil(rerank x k) coded tokens by
-                                PQ score (plus its exact list) are scored again with the
+                                PQ score (plus its outlier list) are scored again with the
                                 exact stored keys in host memory (pqc_rerank: softmax-sum
                                 over those candidates) and the best k kept. 0 = off
                                 (default, as is a negative value); else at least 1       */
-    int outliers;            /* exact list: per head, the coded tokens its codebook serves
+    int outliers;            /* outlier list: per head, the coded tokens its codebook serves
                                 worst (largest residual, weighted by the head's metric),
                                 `outliers` of them at each build plus up to as many coded
                                 since whose residual beats the build's smallest; they join
@@ -788,7 +788,7 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
 /* A cache to and from a file, to resume decoding where it stopped (another process, a
    conversation that comes back). pqc_cache_save waits for the builds, then writes every
    layer's stored K/V (storage dtype), codebooks, codes, observations, observed attention,
-   exact lists and residual bytes, and the window, to a temporary file renamed into place.
+   outlier lists and residual bytes, and the window, to a temporary file renamed into place.
    pqc_cache_load creates a cache from desc and fills it from the file: it selects exactly
    what the saved cache would have selected. The statistics and the block cache start
    empty (hits differ, selections do not). On the host tier the file is mapped read-only
@@ -825,7 +825,7 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
    stored K/V rows are not copied: the parent's stores become a read-only prefix shared
    by the parent and all its children (and theirs), reference counted, freed with the
    last cache that uses it; rows appended afterwards are each cache's own. The child
-   gets copies of the small state: codebooks, codes, observations, exact lists,
+   gets copies of the small state: codebooks, codes, observations, outlier lists,
    residual bytes (a few bytes per token and head, against 2 d_h elements of K/V), and
    the rows the parent appended since its prefix was first shared. It selects exactly
    what the parent would select after the same calls; a rebuild in a child re-clusters
@@ -837,7 +837,7 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
    before. */
 PQCDEF pqc_result pqc_cache_fork(pqc_cache *parent, pqc_cache **child);
 /* Host memory of a cache: own_bytes, what it holds alone (its own K/V rows as
-   allocated, codes, codebooks, block tables, observations, exact lists, residual
+   allocated, codes, codebooks, block tables, observations, outlier lists, residual
    bytes); shared_bytes, the allocated size of the prefix it shares with forks (0 when
    none: count it once for a family of forks). */
 PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t *shared_bytes);
@@ -1436,7 +1436,7 @@ struct pqc_runtime {
 #endif
     pqc_backend_kind backend;
     char backend_note[600];
-    struct pqc__curt *cu; /* the opened CUDA device, or NULL */
+    struct pqc__gpu_device *cu; /* the opened CUDA device, or NULL */
 };
 
 static void pqc__log(const struct pqc_runtime *rt, pqc_log_level lv, const char *msg)
@@ -4522,15 +4522,16 @@ typedef struct pqc__head {
     unsigned char *dev;   /* device tier: [slots][block_tokens][2][d] storage dtype */
     uint32_t *count_tmp;  /* per block: selected tokens this step */
     float *score;         /* per block: decayed count of selected tokens (admission filter) */
-    /* exact list (desc.outliers): coded mid tokens, ascending; the build's on_build first,
-       then up to `outliers` coded since: of those whose residual beats othr, the largest
-       residuals (ores, parallel to olist + on_build). olist: [2 * outliers] */
-    uint32_t *olist, *olist_new;
-    float *ores, *ores_new; /* [outliers] each, in one block */
-    size_t on, on_build, on_new;
-    float othr, othr_new;
-    size_t u_on, u_on_build; /* the exact list before the running call's install */
-    float u_othr;
+    /* the outlier list (desc.outliers): coded mid tokens, ascending; the build's
+       n_outliers_build first, then up to `outliers` coded since: of those whose residual
+       beats outlier_thr, the largest residuals (outlier_res, parallel to outliers +
+       n_outliers_build). outliers: [2 * desc.outliers] */
+    uint32_t *outliers, *outliers_new;
+    float *outlier_res, *outlier_res_new; /* [outliers] each, in one block */
+    size_t n_outliers, n_outliers_build, n_outliers_new;
+    float outlier_thr, outlier_thr_new;
+    size_t u_n_outliers, u_n_outliers_build; /* the outlier list before the running call's install */
+    float u_outlier_thr;
     pqc_scratch cscratch; /* candidates of a select that scores exactly */
     /* residual-aware scoring (desc.residual_weight): m bytes per coded token, [rq_cap][m],
        and the norm of one step per sub-space; _new: from a build */
@@ -4662,12 +4663,12 @@ struct pqc_cache {
     const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
     const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
-    struct pqc__cut *cu;       /* the CUDA tier's state (only that tier's functions use it) */
+    struct pqc__gpu_tier *cu;       /* the CUDA tier's state (only that tier's functions use it) */
     int in_step;               /* a driver decode step is running: drift commits at its end */
     int depth;                 /* public calls running on this cache (nested: the driver's) */
     size_t *takes;             /* [n_kv_heads] select: each head's top-k this step */
     size_t *cands;             /* [n_kv_heads] select: each head's candidates to score exactly */
-    float *orow;               /* [3 d_h] the exact list's residual scratch (outliers > 0)  */
+    float *orow;               /* [3 d_h] the outlier list's residual scratch (outliers > 0)  */
 };
 
 /* ----- device tiers ---------------------------------------------------------------------
@@ -5046,9 +5047,9 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
                     pqc_codes_free(&H->codes_new);
                     pqc_scratch_free(&H->scratch);
                     pqc_scratch_free(&H->cscratch);
-                    pqc__free(&c->alloc, H->olist);
-                    pqc__free(&c->alloc, H->olist_new);
-                    pqc__free(&c->alloc, H->ores < H->ores_new ? H->ores : H->ores_new);
+                    pqc__free(&c->alloc, H->outliers);
+                    pqc__free(&c->alloc, H->outliers_new);
+                    pqc__free(&c->alloc, H->outlier_res < H->outlier_res_new ? H->outlier_res : H->outlier_res_new);
                     pqc__free(&c->alloc, H->rq);
                     pqc__free(&c->alloc, H->rq_new);
                     pqc__free(&c->alloc, H->rscale < H->rscale_new ? H->rscale : H->rscale_new);
@@ -5350,24 +5351,24 @@ static float pqc__residual(const pqc_pq *pq, const pqc_codes *codes, size_t t, c
     return acc;
 }
 
-/* The build's exact list: its `outliers` coded tokens of largest residual (ascending). */
+/* The build's outlier list: its `outliers` coded tokens of largest residual (ascending). */
 static pqc_result pqc__pick_outliers(pqc_cache *c, pqc__head *H, const pqc_matrix *keys)
 {
     size_t n = H->codes_new.count, k = PQC__MIN((size_t)c->d.outliers, n), t, bytes;
     float *res, *row, mn = INFINITY;
-    H->on_new = 0;
-    H->othr_new = INFINITY;
+    H->n_outliers_new = 0;
+    H->outlier_thr_new = INFINITY;
     if (k == 0) return PQC_SUCCESS;
     bytes = PQC__ALIGN_UP((n + 3 * (size_t)c->d.head_dim) * sizeof(float)) + pqc__select_scratch(n);
     res = (float *)pqc__alloc(&c->alloc, bytes);
-    if (!res) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "exact list: residuals of %zu tokens", n);
+    if (!res) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "outlier list: residuals of %zu tokens", n);
     row = res + n;
     for (t = 0; t < n; t++) res[t] = pqc__residual(&H->pq_new, &H->codes_new, t, pqc__row(keys, t), keys->dtype, row);
     pqc__select(pqc__simd(c->rt), res, n, k, (unsigned char *)res + PQC__ALIGN_UP((n + 3 * (size_t)c->d.head_dim) * sizeof(float)),
-                H->olist_new, NULL);
-    for (t = 0; t < k; t++) mn = res[H->olist_new[t]] < mn ? res[H->olist_new[t]] : mn;
-    H->on_new = k;
-    H->othr_new = mn;
+                H->outliers_new, NULL);
+    for (t = 0; t < k; t++) mn = res[H->outliers_new[t]] < mn ? res[H->outliers_new[t]] : mn;
+    H->n_outliers_new = k;
+    H->outlier_thr_new = mn;
     pqc__free(&c->alloc, res);
     return PQC_SUCCESS;
 }
@@ -5472,47 +5473,47 @@ static void pqc__start_build(pqc_cache *c, int l)
     }
 }
 
-/* Offers coded token t to head H's exact list (tokens coded since the build): above the
+/* Offers coded token t to head H's outlier list (tokens coded since the build): above the
    build's smallest residual it joins, evicting the smallest of a full list if it beats
    it. The list is a function of the tokens offered in order, so it can be replayed. */
-static void pqc__olist_offer(const pqc_cache *c, pqc__head *H, size_t t)
+static void pqc__outliers_offer(const pqc_cache *c, pqc__head *H, size_t t)
 {
-    size_t ne = H->on - H->on_build, i, mi = 0;
+    size_t ne = H->n_outliers - H->n_outliers_build, i, mi = 0;
     float r = pqc__residual(&H->pq, &H->codes, t, pqc__krow(c, H, (size_t)c->d.n_sink + t), c->d.kv_dtype, c->orow);
-    if (!(r > H->othr)) return;
+    if (!(r > H->outlier_thr)) return;
     if (ne == (size_t)c->d.outliers) {
-        for (i = 1; i < ne; i++) mi = H->ores[i] < H->ores[mi] ? i : mi;
-        if (!(r > H->ores[mi])) return;
+        for (i = 1; i < ne; i++) mi = H->outlier_res[i] < H->outlier_res[mi] ? i : mi;
+        if (!(r > H->outlier_res[mi])) return;
         for (i = mi; i + 1 < ne; i++) { /* out, keeping the index order */
-            H->olist[H->on_build + i] = H->olist[H->on_build + i + 1];
-            H->ores[i] = H->ores[i + 1];
+            H->outliers[H->n_outliers_build + i] = H->outliers[H->n_outliers_build + i + 1];
+            H->outlier_res[i] = H->outlier_res[i + 1];
         }
-        H->on--;
+        H->n_outliers--;
         ne--;
     }
-    H->olist[H->on++] = (uint32_t)t;
-    H->ores[ne] = r;
+    H->outliers[H->n_outliers++] = (uint32_t)t;
+    H->outlier_res[ne] = r;
 }
 
-/* The exact lists after the codes from `keep` on were dropped: the build's list loses
+/* The outlier lists after the codes from `keep` on were dropped: the build's list loses
    those tokens; a list of tokens coded since that held any is replayed from the build's
    end to keep, as if the dropped tokens had never been coded. */
-static void pqc__olist_truncate(pqc_cache *c, pqc__layer *L, size_t keep)
+static void pqc__outliers_truncate(pqc_cache *c, pqc__layer *L, size_t keep)
 {
     int h;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
-        size_t i, t, nb = H->on_build;
+        size_t i, t, nb = H->n_outliers_build;
         int replay = 0;
-        while (nb > 0 && H->olist[nb - 1] >= keep) nb--;
-        if (nb < H->on_build) { /* keep lies inside the build's tokens: none coded since remain */
-            H->on_build = H->on = nb;
+        while (nb > 0 && H->outliers[nb - 1] >= keep) nb--;
+        if (nb < H->n_outliers_build) { /* keep lies inside the build's tokens: none coded since remain */
+            H->n_outliers_build = H->n_outliers = nb;
             continue;
         }
-        for (i = H->on_build; i < H->on; i++) replay |= H->olist[i] >= keep;
+        for (i = H->n_outliers_build; i < H->n_outliers; i++) replay |= H->outliers[i] >= keep;
         if (!replay) continue;
-        H->on = H->on_build;
-        for (t = L->n_trained; t < keep; t++) pqc__olist_offer(c, H, t);
+        H->n_outliers = H->n_outliers_build;
+        for (t = L->n_trained; t < keep; t++) pqc__outliers_offer(c, H, t);
     }
 }
 
@@ -5523,7 +5524,7 @@ static void pqc__codes_truncate(pqc_cache *c, int l, size_t keep)
     int h;
     if (keep >= L->n_coded) return;
     for (h = 0; h < c->d.n_kv_heads; h++) pqc__codes_drop(&L->heads[h].codes, keep);
-    if (c->d.outliers > 0) pqc__olist_truncate(c, L, keep);
+    if (c->d.outliers > 0) pqc__outliers_truncate(c, L, keep);
     L->n_coded = keep;
 }
 
@@ -5587,10 +5588,10 @@ static pqc_result pqc__code_pending(pqc_cache *c, int l, size_t n_tokens)
             return r;
         }
     }
-    if (c->d.outliers > 0) { /* tokens the codebook serves badly join the exact list */
+    if (c->d.outliers > 0) { /* tokens the codebook serves badly join the outlier list */
         size_t t;
         for (h = 0; h < c->d.n_kv_heads; h++)
-            for (t = from; t < end; t++) pqc__olist_offer(c, &L->heads[h], t);
+            for (t = from; t < end; t++) pqc__outliers_offer(c, &L->heads[h], t);
     }
     L->n_coded = end;
     return PQC_SUCCESS;
@@ -5610,7 +5611,7 @@ static void pqc__build_drop(pqc_cache *c, pqc__layer *L)
     L->building = 0;
 }
 
-/* Swaps head H's installed codebook, codes, residual bytes and exact list with those in
+/* Swaps head H's installed codebook, codes, residual bytes and outlier list with those in
    its _new fields (an install, or its undo). */
 static void pqc__head_swap(const pqc_cache *c, pqc__head *H)
 {
@@ -5632,16 +5633,16 @@ static void pqc__head_swap(const pqc_cache *c, pqc__head *H)
         H->rscale_new = sc;
     }
     if (c->d.outliers > 0) {
-        uint32_t *ol = H->olist;
-        float *rs = H->ores;
-        H->olist = H->olist_new;
-        H->olist_new = ol;
-        H->ores = H->ores_new;
-        H->ores_new = rs;
+        uint32_t *ol = H->outliers;
+        float *rs = H->outlier_res;
+        H->outliers = H->outliers_new;
+        H->outliers_new = ol;
+        H->outlier_res = H->outlier_res_new;
+        H->outlier_res_new = rs;
     }
 }
 
-/* Waits for layer l's build and installs it: its codebooks, codes, exact lists and
+/* Waits for layer l's build and installs it: its codebooks, codes, outlier lists and
    residual bytes take the place of the former ones, which wait in the _new fields until
    the running call ends (pqc__call_end keeps the install or undoes it); or reports the
    job's error once (the failed build changes nothing: the layer keeps what it had and
@@ -5678,13 +5679,13 @@ static pqc_result pqc__join_build(pqc_cache *c, int l)
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
         L->st.build_s += L->builds[h].seconds;
-        H->u_on = H->on;
-        H->u_on_build = H->on_build;
-        H->u_othr = H->othr;
+        H->u_n_outliers = H->n_outliers;
+        H->u_n_outliers_build = H->n_outliers_build;
+        H->u_outlier_thr = H->outlier_thr;
         pqc__head_swap(c, H);
         if (c->d.outliers > 0) {
-            H->on = H->on_build = H->on_new;
-            H->othr = H->othr_new;
+            H->n_outliers = H->n_outliers_build = H->n_outliers_new;
+            H->outlier_thr = H->outlier_thr_new;
         }
         if (L->builds[h].n_obs > 0) {
             L->omass[2 * h] = L->builds[h].mass[0];
@@ -5731,9 +5732,9 @@ static void pqc__install_undo(pqc_cache *c, int l)
             pqc__head *H = &L->heads[h];
             pqc__codes_drop(&H->codes, L->builds[h].n_keys);
             pqc__head_swap(c, H);
-            H->on = H->u_on;
-            H->on_build = H->u_on_build;
-            H->othr = H->u_othr;
+            H->n_outliers = H->u_n_outliers;
+            H->n_outliers_build = H->u_n_outliers_build;
+            H->outlier_thr = H->u_outlier_thr;
         }
         L->n_coded = L->u_coded;
         L->n_trained = L->u_trained;
@@ -6086,7 +6087,7 @@ typedef struct pqc__sel_job {
                     largest of the heads' takes) */
     const size_t *takes; /* [n_kv_heads] each head's top-k, at most take */
     int search;  /* 0 < take < coded: PQ search */
-    int exact;   /* the candidates are scored again exactly (rerank or an exact list) */
+    int exact;   /* the candidates are scored again exactly (rerank or an outlier list) */
     const size_t *cands; /* exact: [n_kv_heads] each head's PQ candidates, takes <= cands <= coded */
     size_t ctake;        /* the largest of cands (or take): the device's top-k per head */
     pqc_result *head_res;
@@ -6139,14 +6140,14 @@ static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t *n, 
 }
 
 /* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
-   or the host's top cands, or every coded token) merged with its exact list, scored with
+   or the host's top cands, or every coded token) merged with its outlier list, scored with
    the stored keys, the best takes kept (coded indices, ascending) into out. */
 static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
 {
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
     pqc__head *H = &L->heads[hi];
-    size_t nc = j->cands[hi], no = H->on, coded = L->n_coded, t, a, b, nm;
+    size_t nc = j->cands[hi], no = H->n_outliers, coded = L->n_coded, t, a, b, nm;
     uint32_t *cb, *mg;
     void *tmp;
     pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + coded);
@@ -6155,10 +6156,10 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
     if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
     mg = cb + nc + no;
     r = pqc__head_pq_top(j, hi, &nc, cb);
-    if (r == PQC_SUCCESS) { /* merge with the exact list (both ascending) */
+    if (r == PQC_SUCCESS) { /* merge with the outlier list (both ascending) */
         a = b = nm = 0;
         while (a < nc || b < no) {
-            uint32_t x = a < nc ? cb[a] : 0xffffffffu, y = b < no ? H->olist[b] : 0xffffffffu;
+            uint32_t x = a < nc ? cb[a] : 0xffffffffu, y = b < no ? H->outliers[b] : 0xffffffffu;
             if (b < no && y >= coded) { /* listed but not coded now (cannot happen; kept safe) */
                 b++;
                 continue;
@@ -6345,7 +6346,7 @@ static pqc_result pqc__step_check(pqc_cache *c, int layer, const float *q, const
    budget - window (the budget counting the tokens beyond the sinks; without a codebook
    every coded-or-not mid token is attended), shared over the heads as the split says;
    exact scoring takes each head's top ceil(rerank x top-k) by PQ score (its top-k with
-   only an exact list); candidates covering every coded token need no search. */
+   only an outlier list); candidates covering every coded token need no search. */
 static pqc_result pqc__plan_step(pqc_cache *c, int layer, pqc__plan *p)
 {
     pqc__layer *L = &c->layers[layer];
@@ -6898,11 +6899,11 @@ static pqc_result pqc__layers_alloc(pqc_cache *c)
             H->scratch.alloc = c->alloc;
             H->cscratch.alloc = c->alloc;
             if (d.outliers > 0) {
-                H->olist = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
-                H->olist_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
-                H->ores = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.outliers);
-                if (H->ores) H->ores_new = H->ores + d.outliers;
-                if (!H->olist || !H->olist_new || !H->ores) return PQC_ERROR_OUT_OF_MEMORY;
+                H->outliers = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->outliers_new = (uint32_t *)pqc__alloc(&c->alloc, sizeof(uint32_t) * 2 * (size_t)d.outliers);
+                H->outlier_res = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.outliers);
+                if (H->outlier_res) H->outlier_res_new = H->outlier_res + d.outliers;
+                if (!H->outliers || !H->outliers_new || !H->outlier_res) return PQC_ERROR_OUT_OF_MEMORY;
             }
             if (d.residual_weight > 0) {
                 H->rscale = (float *)pqc__alloc(&c->alloc, sizeof(float) * 2 * (size_t)d.pq.m);
@@ -7297,11 +7298,11 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
             col = (L->n_coded * (size_t)H->pq.bits + 7) / 8;
             for (j = 0; j < H->pq.m; j++) pqc__part(&w, H->codes.data + (size_t)j * H->codes.col_stride, col);
             if (c->d.outliers > 0) {
-                pqc__part_u64(&w, H->on);
-                pqc__part_u64(&w, H->on_build);
-                pqc__part_small(&w, &H->othr, 4);
-                pqc__part(&w, H->olist, H->on * sizeof(uint32_t));
-                pqc__part(&w, H->ores, (H->on - H->on_build) * sizeof(float));
+                pqc__part_u64(&w, H->n_outliers);
+                pqc__part_u64(&w, H->n_outliers_build);
+                pqc__part_small(&w, &H->outlier_thr, 4);
+                pqc__part(&w, H->outliers, H->n_outliers * sizeof(uint32_t));
+                pqc__part(&w, H->outlier_res, (H->n_outliers - H->n_outliers_build) * sizeof(float));
             }
             if (c->d.residual_weight > 0) {
                 pqc__part(&w, H->rscale, (size_t)H->pq.m * sizeof(float));
@@ -7535,15 +7536,15 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
                 size_t i;
                 PQC__RD(on, sizeof on);
                 if (on[1] > (uint64_t)c->d.outliers || on[0] < on[1] || on[0] - on[1] > (uint64_t)c->d.outliers)
-                    PQC__BAD("pqc_cache_load: %.200s: layer %d head %d exact list", path, l, hh);
-                H->on = (size_t)on[0];
-                H->on_build = (size_t)on[1];
-                PQC__RD(&H->othr, 4);
-                PQC__RD(H->olist, H->on * sizeof(uint32_t));
-                PQC__RD(H->ores, (H->on - H->on_build) * sizeof(float));
-                for (i = 0; i < H->on; i++)
-                    if (H->olist[i] >= coded || (i > 0 && i != H->on_build && H->olist[i] <= H->olist[i - 1]))
-                        PQC__BAD("pqc_cache_load: %.200s: layer %d head %d exact list entries", path, l, hh);
+                    PQC__BAD("pqc_cache_load: %.200s: layer %d head %d outlier list", path, l, hh);
+                H->n_outliers = (size_t)on[0];
+                H->n_outliers_build = (size_t)on[1];
+                PQC__RD(&H->outlier_thr, 4);
+                PQC__RD(H->outliers, H->n_outliers * sizeof(uint32_t));
+                PQC__RD(H->outlier_res, (H->n_outliers - H->n_outliers_build) * sizeof(float));
+                for (i = 0; i < H->n_outliers; i++)
+                    if (H->outliers[i] >= coded || (i > 0 && i != H->n_outliers_build && H->outliers[i] <= H->outliers[i - 1]))
+                        PQC__BAD("pqc_cache_load: %.200s: layer %d head %d outlier list entries", path, l, hh);
             }
             if (c->d.residual_weight > 0) {
                 H->rq_cap = coded + 256;
@@ -7631,7 +7632,7 @@ static pqc_result pqc__pq_copy(pqc_cache *c, pqc_pq *dst, const pqc_pq *src)
 }
 
 /* The child's copy of the parent's selection state: window, observations, and per head
-   codebook, codes, exact list and residual bytes, and the parent's own rows. */
+   codebook, codes, outlier list and residual bytes, and the parent's own rows. */
 static pqc_result pqc__fork_copy(pqc_cache *c, const pqc_cache *p, size_t n)
 {
     size_t nkv = (size_t)c->d.n_kv_heads, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, j;
@@ -7662,11 +7663,11 @@ static pqc_result pqc__fork_copy(pqc_cache *c, const pqc_cache *p, size_t n)
                 memcpy(H->codes.data + j * H->codes.col_stride, Q->codes.data + j * Q->codes.col_stride, col);
             H->codes.count = coded;
             if (c->d.outliers > 0) {
-                H->on = Q->on;
-                H->on_build = Q->on_build;
-                H->othr = Q->othr;
-                memcpy(H->olist, Q->olist, Q->on * sizeof(uint32_t));
-                memcpy(H->ores, Q->ores, (Q->on - Q->on_build) * sizeof(float));
+                H->n_outliers = Q->n_outliers;
+                H->n_outliers_build = Q->n_outliers_build;
+                H->outlier_thr = Q->outlier_thr;
+                memcpy(H->outliers, Q->outliers, Q->n_outliers * sizeof(uint32_t));
+                memcpy(H->outlier_res, Q->outlier_res, (Q->n_outliers - Q->n_outliers_build) * sizeof(float));
             }
             if (c->d.residual_weight > 0) {
                 H->rq_cap = coded + 256;
@@ -10653,7 +10654,7 @@ typedef struct pqc__km_class {
     float ms_kernel, ms_gemm;
 } pqc__km_class;
 
-struct pqc__curt {
+struct pqc__gpu_device {
     pqc__cuApi api;
     pqc__cuDev dev;
     pqc__cuModule mod;
@@ -10663,22 +10664,22 @@ struct pqc__curt {
     int km_force;           /* PQC_KMEANS_GEMM: -1 unset (measure), 0 kernel, 1 GEMM */
     int lut_force;          /* PQC_LUT_GEMM: the same for the batched lookup tables */
 #ifndef PQCACHE_NO_THREADS
-    pthread_mutex_t km_mu;  /* guards km, km_n, km_next (builds run on pool threads) and lb */
+    pthread_mutex_t km_mu;  /* guards km, km_n, km_next (builds run on pool threads) and batch */
 #endif
     pqc__km_class km[PQC__KM_CLASSES];
     int km_n, km_next;
-    struct pqc__lb *lb;     /* the batched lookup tables' state, made at first use */
+    struct pqc__batch_luts *batch;  /* the batched lookup tables' state, made at first use */
 };
 
 
-static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+static pqc_result pqc__gpu_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
 {
-    struct pqc__curt *cr;
+    struct pqc__gpu_device *cr;
     pqc__cuHost host;
     char log[2048];
     int st, from_cache = 0;
     pqc_result res = PQC_ERROR_NO_DEVICE;
-    cr = (struct pqc__curt *)pqc__calloc(&rt->alloc, sizeof *cr);
+    cr = (struct pqc__gpu_device *)pqc__calloc(&rt->alloc, sizeof *cr);
     if (!cr) {
         snprintf(why, why_size, "out of memory");
         return PQC_ERROR_OUT_OF_MEMORY;
@@ -10793,7 +10794,7 @@ static void pqc__km_plan_free(pqc__cuApi *api, pqc__km_plan *p)
    D a_cols x b_cols, with leading dimensions lda, ldb, ldd; batch > 0: that many products
    whose matrices are read from device arrays of pointers. Returns the failing cuBLASLt
    status with `what` naming the call, or 0. */
-static pqc__cuBlasStatus pqc__lt_plan_make(struct pqc__curt *cr, pqc__km_plan *p, uint64_t a_rows, uint64_t a_cols,
+static pqc__cuBlasStatus pqc__lt_plan_make(struct pqc__gpu_device *cr, pqc__km_plan *p, uint64_t a_rows, uint64_t a_cols,
                                            int64_t lda, uint64_t b_cols, int64_t ldb, int64_t ldd, int32_t batch,
                                            const char **what)
 {
@@ -10843,7 +10844,7 @@ static pqc__cuBlasStatus pqc__lt_plan_make(struct pqc__curt *cr, pqc__km_plan *p
 }
 
 /* the assignment's plan for `rows` points (see pqc__km_plan) */
-static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__curt *cr, pqc__km_plan *p, size_t rows, int d, int k,
+static pqc__cuBlasStatus pqc__km_plan_make(struct pqc__gpu_device *cr, pqc__km_plan *p, size_t rows, int d, int k,
                                            const char **what)
 {
     pqc__cuBlasStatus s = pqc__lt_plan_make(cr, p, (uint64_t)d, (uint64_t)k, d, (uint64_t)rows, d, k, 0, what);
@@ -10859,7 +10860,7 @@ static int pqc__km_nlog(size_t n)
 }
 
 /* The class of (n, d, k) known to the runtime: 1 and *out filled, or 0. */
-static int pqc__km_lookup(struct pqc__curt *cr, size_t n, int d, int k, pqc__km_class *out)
+static int pqc__km_lookup(struct pqc__gpu_device *cr, size_t n, int d, int k, pqc__km_class *out)
 {
     int i, nl = pqc__km_nlog(n), hit = 0;
 #ifndef PQCACHE_NO_THREADS
@@ -10876,7 +10877,7 @@ static int pqc__km_lookup(struct pqc__curt *cr, size_t n, int d, int k, pqc__km_
     return hit;
 }
 
-static void pqc__km_store(struct pqc__curt *cr, const pqc__km_class *c)
+static void pqc__km_store(struct pqc__gpu_device *cr, const pqc__km_class *c)
 {
     int i;
 #ifndef PQCACHE_NO_THREADS
@@ -10914,7 +10915,7 @@ PQC__CU_FN int pqc__cuda_kmeans_choice(pqc_runtime *rt, size_t n, int d, int k,
 static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
                                   double *obj, char *err, size_t errsz)
 {
-    struct pqc__curt *cr = rt->cu;
+    struct pqc__gpu_device *cr = rt->cu;
     pqc__cuApi *api = &cr->api;
     pqc__cuStream st = NULL;
     pqc__dptr dx = 0, dc = 0, dsum = 0, dcnt = 0, dmin = 0, zero = 0, dnorm = 0, ddots = 0;
@@ -11082,18 +11083,18 @@ static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int
     return e > 0 ? PQC_ERROR_BACKEND : PQC_ERROR_OUT_OF_MEMORY;
 }
 
-struct pqc__cut {
-    struct pqc__curt *r;
+struct pqc__gpu_tier {
+    struct pqc__gpu_device *r;
     pqc__cuApi *api;
     pqc__cuStream st, cp;   /* work stream (the engine's or our own), copy stream */
     int own_st;
-    /* [n_cs], [n_cs], one; an event not yet recorded stands for no work, so waiting on
+    /* [code_bufs], [code_bufs], one; an event not yet recorded stands for no work, so waiting on
        it returns at once */
     pqc__cuEvent *ev_codes, *ev_used, ev_staged;
     int K, m, bits, dsub, g, d, n_kv;
-    size_t bt;
+    size_t block_tokens;        /* tokens per block */
     /* slots: [sink blocks | window ring | block cache] per layer and head */
-    int ready, nsb, wb, n_slots;
+    int ready, sink_blocks, window_blocks, n_slots; /* blocks of sinks, of the window ring, in all */
     pqc__dptr *pool_k, *pool_v; /* [L] -> [n_kv][n_slots][bt][d] storage dtype */
     pqc__dptr *cent;            /* [L] -> [n_kv][m][K][dsub] float */
     uint64_t *cent_gen;         /* [L] installed-codebook generation + 1 held there; 0: none */
@@ -11102,8 +11103,8 @@ struct pqc__cut {
     size_t hstride, phstride;   /* elements between heads in the own stores (cap * d) and
                                    in the shared prefix's */
     /* codes, double-buffered */
-    int n_cs;                   /* code buffers: 2 (prefetched per layer) or one per layer */
-    pqc__dptr *code;            /* [n_cs] */
+    int code_bufs;              /* code buffers: 2 (prefetched per layer) or one per layer */
+    pqc__dptr *code;            /* [code_bufs] */
     size_t *code_cap, *code_hs, *code_cs, *code_n;
     int *code_layer, last_slot;
     uint64_t *code_gen;
@@ -11123,8 +11124,8 @@ struct pqc__cut {
     size_t *nfill;
     int32_t *fill_b, *fill_s; /* [n_kv][cache_blocks] recorded admissions */
     pqc_allocator codes_alloc; /* pinned host memory for the codes (async copies) */
-    /* the decode step on the device (pqc__cut_step), made at its first use */
-    pqc__dptr *adm;           /* [L] every head's block-cache bookkeeping (pqc__cut_adm_bytes) */
+    /* the decode step on the device (pqc__gpu_step), made at its first use */
+    pqc__dptr *adm;           /* [L] every head's block-cache bookkeeping (pqc__gpu_adm_bytes) */
     size_t *adm_nbc;          /* [L] blocks it has room for */
     int *adm_dev;             /* [L] 1: the device's copy is the current one, the host's stale */
     pqc__dptr dstat;          /* [L][n_kv][3] hits, misses, bytes host -> device of device steps */
@@ -11134,20 +11135,20 @@ struct pqc__cut {
     size_t stage_bytes, pos_cap;
     uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
     uint64_t waits, waits_seen; /* host waits for the device; those already counted by a layer */
-    /* lookup tables a batch built for this cache (pqc__cut_batch_tables) */
+    /* lookup tables a batch built for this cache (pqc__gpu_batch_tables) */
     pqc__dptr qb;             /* [n_q][d] its queries with each sub-space's dims together */
     float *h_qb;              /* pinned staging of qb */
-    float *lb_q;              /* the queries the tables are of */
+    float *batch_q;              /* the queries the tables are of */
     pqc__cuEvent ev_qb;       /* qb and the codebooks are on the device */
-    int lb_ok, lb_layer;      /* u->lut holds layer lb_layer's tables of lb_q */
-    uint64_t lb_gen;          /* of codebooks cent_gen lb_gen */
+    int batch_ok, batch_layer;      /* u->lut holds layer batch_layer's tables of batch_q */
+    uint64_t batch_gen;          /* of codebooks cent_gen batch_gen */
     int lut_pre;              /* the next search finds its tables built */
 };
 /* The codes live in pinned host memory, so that their copies to the device are truly
    asynchronous. A copy in flight may read bytes the host is OR-ing new codes into: only
    bits of tokens past the copied count change, which the device codes itself anyway.
    Freeing (growth, a rebuild's install) first waits for the copy stream. */
-static void *pqc__cut_codes_alloc_fn(size_t n, void *user)
+static void *pqc__gpu_codes_alloc_fn(size_t n, void *user)
 {
     pqc_cache *c = (pqc_cache *)user;
     void *p = NULL;
@@ -11156,7 +11157,7 @@ static void *pqc__cut_codes_alloc_fn(size_t n, void *user)
     return p;
 }
 
-static void pqc__cut_codes_free_fn(void *p, void *user)
+static void pqc__gpu_codes_free_fn(void *p, void *user)
 {
     pqc_cache *c = (pqc_cache *)user;
     if (!p) return;
@@ -11166,106 +11167,106 @@ static void pqc__cut_codes_free_fn(void *p, void *user)
 }
 
 
-#define PQC__CUT_CALL(c, call, what)                                        \
+#define PQC__GPU_CALL(c, call, what)                                        \
     do {                                                                    \
         pqc__cuResult r_ = (call);                                          \
-        if (r_ != 0) return pqc__cut_err((c), r_, (what));                  \
+        if (r_ != 0) return pqc__gpu_err((c), r_, (what));                  \
     } while (0)
 
 /* a call that makes the host wait for the device, counted (pqc_layer_stats.device_waits) */
-#define PQC__CUT_WAIT(c, call, what)                                        \
+#define PQC__GPU_WAIT(c, call, what)                                        \
     do {                                                                    \
         (c)->cu->waits++;                                                   \
-        PQC__CUT_CALL(c, call, what);                                       \
+        PQC__GPU_CALL(c, call, what);                                       \
     } while (0)
 
-static pqc_result pqc__cut_err(const pqc_cache *c, pqc__cuResult r, const char *what)
+static pqc_result pqc__gpu_err(const pqc_cache *c, pqc__cuResult r, const char *what)
 {
     return pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: %s failed: %s", what, pqc__cu_error_name(c->cu->api, r));
 }
 
-static void pqc__cut_enter(pqc_cache *c) { c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx); }
+static void pqc__gpu_enter(pqc_cache *c) { c->cu->api->cuCtxSetCurrent(c->cu->r->dev.ctx); }
 
 static unsigned pqc__cdiv(size_t a, size_t b) { return (unsigned)((a + b - 1) / b); }
 
-static pqc_result pqc__cut_launch(pqc_cache *c, int k, unsigned gx, unsigned gy, unsigned smem, void **p)
+static pqc_result pqc__gpu_launch(pqc_cache *c, int k, unsigned gx, unsigned gy, unsigned smem, void **p)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     if (gx == 0 || gy == 0) return PQC_SUCCESS;
-    PQC__CUT_CALL(c, u->api->cuLaunchKernel(u->r->fn[k], gx, gy, 1, 256, 1, 1, smem, u->st, p, NULL), pqc__k_names[k]);
+    PQC__GPU_CALL(c, u->api->cuLaunchKernel(u->r->fn[k], gx, gy, 1, 256, 1, 1, smem, u->st, p, NULL), pqc__k_names[k]);
     return PQC_SUCCESS;
 }
 
-static void pqc__cut_dfree(struct pqc__cut *u, pqc__dptr *p)
+static void pqc__gpu_dfree(struct pqc__gpu_tier *u, pqc__dptr *p)
 {
     if (*p) u->api->cuMemFree_v2(*p);
     *p = 0;
 }
 
 /* (Re)allocates a device buffer to at least `bytes`; the old contents are dropped. */
-static pqc_result pqc__cut_dalloc(pqc_cache *c, pqc__dptr *p, size_t bytes)
+static pqc_result pqc__gpu_dalloc(pqc_cache *c, pqc__dptr *p, size_t bytes)
 {
-    struct pqc__cut *u = c->cu;
-    pqc__cut_dfree(u, p);
-    PQC__CUT_CALL(c, u->api->cuMemAlloc_v2(p, bytes ? bytes : 16), "cuMemAlloc");
+    struct pqc__gpu_tier *u = c->cu;
+    pqc__gpu_dfree(u, p);
+    PQC__GPU_CALL(c, u->api->cuMemAlloc_v2(p, bytes ? bytes : 16), "cuMemAlloc");
     return PQC_SUCCESS;
 }
 
-static pqc_result pqc__cut_halloc(pqc_cache *c, void **p, size_t bytes)
+static pqc_result pqc__gpu_halloc(pqc_cache *c, void **p, size_t bytes)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     if (*p) u->api->cuMemFreeHost(*p);
     *p = NULL;
-    PQC__CUT_CALL(c, u->api->cuMemHostAlloc(p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+    PQC__GPU_CALL(c, u->api->cuMemHostAlloc(p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
     return PQC_SUCCESS;
 }
 
-static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
+static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
 {
     int l, i;
     if (u->st) u->api->cuStreamSynchronize(u->st);
     if (u->cp) u->api->cuStreamSynchronize(u->cp);
     for (l = 0; l < c->d.n_layers; l++) {
-        if (u->pool_k) pqc__cut_dfree(u, &u->pool_k[l]);
-        if (u->pool_v) pqc__cut_dfree(u, &u->pool_v[l]);
-        if (u->cent) pqc__cut_dfree(u, &u->cent[l]);
+        if (u->pool_k) pqc__gpu_dfree(u, &u->pool_k[l]);
+        if (u->pool_v) pqc__gpu_dfree(u, &u->pool_v[l]);
+        if (u->cent) pqc__gpu_dfree(u, &u->cent[l]);
     }
-    for (i = 0; u->code && i < u->n_cs; i++) {
-        pqc__cut_dfree(u, &u->code[i]);
+    for (i = 0; u->code && i < u->code_bufs; i++) {
+        pqc__gpu_dfree(u, &u->code[i]);
         if (u->ev_codes[i]) u->api->cuEventDestroy_v2(u->ev_codes[i]);
         if (u->ev_used[i]) u->api->cuEventDestroy_v2(u->ev_used[i]);
     }
     if (u->ev_staged) u->api->cuEventDestroy_v2(u->ev_staged);
     for (l = 0; u->adm && l < c->d.n_layers; l++) {
-        pqc__cut_dfree(u, &u->adm[l]);
+        pqc__gpu_dfree(u, &u->adm[l]);
         if (u->ev_stage[l]) u->api->cuEventDestroy_v2(u->ev_stage[l]);
         if (u->ev_stage[c->d.n_layers + l]) u->api->cuEventDestroy_v2(u->ev_stage[c->d.n_layers + l]);
     }
-    pqc__cut_dfree(u, &u->dstat);
-    pqc__cut_dfree(u, &u->rfill);
-    pqc__cut_dfree(u, &u->dtakes);
+    pqc__gpu_dfree(u, &u->dstat);
+    pqc__gpu_dfree(u, &u->rfill);
+    pqc__gpu_dfree(u, &u->dtakes);
     if (u->h_stage) u->api->cuMemFreeHost(u->h_stage);
     if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
     pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
-    pqc__cut_dfree(u, &u->q);
-    pqc__cut_dfree(u, &u->qb);
+    pqc__gpu_dfree(u, &u->q);
+    pqc__gpu_dfree(u, &u->qb);
     if (u->h_qb) u->api->cuMemFreeHost(u->h_qb);
-    pqc__free(&c->alloc, u->lb_q);
+    pqc__free(&c->alloc, u->batch_q);
     if (u->ev_qb) u->api->cuEventDestroy_v2(u->ev_qb);
-    pqc__cut_dfree(u, &u->lut);
-    pqc__cut_dfree(u, &u->lut_sum);
-    pqc__cut_dfree(u, &u->partial);
-    pqc__cut_dfree(u, &u->stats);
-    pqc__cut_dfree(u, &u->hist);
-    pqc__cut_dfree(u, &u->state);
-    pqc__cut_dfree(u, &u->scores);
-    pqc__cut_dfree(u, &u->counts);
-    pqc__cut_dfree(u, &u->topk);
-    pqc__cut_dfree(u, &u->topk_sc);
-    pqc__cut_dfree(u, &u->arena);
-    pqc__cut_dfree(u, &u->iota);
-    pqc__cut_dfree(u, &u->out_k);
-    pqc__cut_dfree(u, &u->out_v);
+    pqc__gpu_dfree(u, &u->lut);
+    pqc__gpu_dfree(u, &u->lut_sum);
+    pqc__gpu_dfree(u, &u->partial);
+    pqc__gpu_dfree(u, &u->stats);
+    pqc__gpu_dfree(u, &u->hist);
+    pqc__gpu_dfree(u, &u->state);
+    pqc__gpu_dfree(u, &u->scores);
+    pqc__gpu_dfree(u, &u->counts);
+    pqc__gpu_dfree(u, &u->topk);
+    pqc__gpu_dfree(u, &u->topk_sc);
+    pqc__gpu_dfree(u, &u->arena);
+    pqc__gpu_dfree(u, &u->iota);
+    pqc__gpu_dfree(u, &u->out_k);
+    pqc__gpu_dfree(u, &u->out_v);
     if (u->h_q) u->api->cuMemFreeHost(u->h_q);
     pqc__free(&c->alloc, u->h_ones);
     if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
@@ -11282,9 +11283,9 @@ static void pqc__cut_free_all(pqc_cache *c, struct pqc__cut *u)
 /* Floats per KV head of a layer's codebook buffer: the centroids [m][K][dsub], then the
    norms the coding kernel compares with [m][K] and the metric's weights [d_h] (uploaded
    when a head of the layer has a metric). */
-static size_t pqc__cut_cent_floats(const pqc_cache *c)
+static size_t pqc__gpu_cent_floats(const pqc_cache *c)
 {
-    const struct pqc__cut *u = c->cu;
+    const struct pqc__gpu_tier *u = c->cu;
     size_t tab = (size_t)u->m * u->K;
     return tab * (size_t)u->dsub + tab + (size_t)u->d;
 }
@@ -11298,25 +11299,25 @@ static int pqc__layer_metric(const pqc_cache *c, int l)
     return 0;
 }
 
-static pqc_result pqc__cut_create(pqc_cache *c)
+static pqc_result pqc__gpu_create(pqc_cache *c)
 {
-    struct pqc__cut *u;
+    struct pqc__gpu_tier *u;
     size_t L = (size_t)c->d.n_layers, nkv = (size_t)c->d.n_kv_heads, cb = (size_t)c->d.cache_blocks, n;
     pqc_result r = PQC_SUCCESS;
     int i;
-    u = (struct pqc__cut *)pqc__calloc(&c->alloc, sizeof *u);
+    u = (struct pqc__gpu_tier *)pqc__calloc(&c->alloc, sizeof *u);
     if (!u) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
     u->r = c->rt->cu;
     u->api = &u->r->api;
-    u->n_cs = c->d.codes_resident ? c->d.n_layers : 2;
-    n = (size_t)u->n_cs;
+    u->code_bufs = c->d.codes_resident ? c->d.n_layers : 2;
+    n = (size_t)u->code_bufs;
     /* three blocks of per-layer, per-head and per-code-buffer arrays */
     u->pool_k = (pqc__dptr *)pqc__calloc(&c->alloc, L * (7 * sizeof(pqc__dptr) + sizeof(uint64_t)));
     u->nfill = (size_t *)pqc__calloc(&c->alloc, nkv * sizeof(size_t) + 2 * nkv * (cb + 1) * sizeof(int32_t));
     u->code = (pqc__dptr *)pqc__calloc(&c->alloc, n * (sizeof(pqc__dptr) + 5 * sizeof(size_t) + sizeof(uint64_t) +
                                                        2 * sizeof(pqc__cuEvent) + sizeof(int)));
     if (!u->pool_k || !u->nfill || !u->code) {
-        pqc__cut_free_all(c, u);
+        pqc__gpu_free_all(c, u);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
     }
     u->pool_v = u->pool_k + L;
@@ -11335,7 +11336,7 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->dsub = u->d / u->m;
     u->g = c->g;
     u->n_kv = c->d.n_kv_heads;
-    u->bt = (size_t)c->d.block_tokens;
+    u->block_tokens = (size_t)c->d.block_tokens;
     u->code_cap = (size_t *)(u->code + n);
     u->code_hs = u->code_cap + n;
     u->code_cs = u->code_hs + n;
@@ -11344,140 +11345,140 @@ static pqc_result pqc__cut_create(pqc_cache *c)
     u->ev_codes = (pqc__cuEvent *)(u->code_gen + n);
     u->ev_used = u->ev_codes + n;
     u->code_layer = (int *)(u->ev_used + n);
-    for (i = 0; i < u->n_cs; i++) u->code_layer[i] = -1;
+    for (i = 0; i < u->code_bufs; i++) u->code_layer[i] = -1;
     u->last_slot = 1;
     u->p_max = PQC__MAX(1, (4 * PQC__MAX(u->r->dev.sm_count, 1) + u->n_kv - 1) / u->n_kv);
-    u->codes_alloc.alloc = pqc__cut_codes_alloc_fn;
-    u->codes_alloc.free = pqc__cut_codes_free_fn;
+    u->codes_alloc.alloc = pqc__gpu_codes_alloc_fn;
+    u->codes_alloc.free = pqc__gpu_codes_free_fn;
     u->codes_alloc.user = c;
-    c->cu = u; /* from here on pqc__cut_free_all undoes everything */
-    pqc__cut_enter(c);
-#define PQC__CUT_TRY(call, what)                                            \
+    c->cu = u; /* from here on pqc__gpu_free_all undoes everything */
+    pqc__gpu_enter(c);
+#define PQC__GPU_TRY(call, what)                                            \
     do {                                                                    \
         pqc__cuResult r_ = (call);                                          \
-        if (r_ != 0) { r = pqc__cut_err(c, r_, (what)); goto fail; }        \
+        if (r_ != 0) { r = pqc__gpu_err(c, r_, (what)); goto fail; }        \
     } while (0)
     if (c->d.cuda_stream) {
         u->st = (pqc__cuStream)c->d.cuda_stream;
     } else {
-        PQC__CUT_TRY(u->api->cuStreamCreate(&u->st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        PQC__GPU_TRY(u->api->cuStreamCreate(&u->st, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
         u->own_st = 1;
     }
-    PQC__CUT_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
-    for (i = 0; i < u->n_cs; i++) {
-        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-        PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    PQC__GPU_TRY(u->api->cuStreamCreate(&u->cp, PQC__CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    for (i = 0; i < u->code_bufs; i++) {
+        PQC__GPU_TRY(u->api->cuEventCreate(&u->ev_codes[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+        PQC__GPU_TRY(u->api->cuEventCreate(&u->ev_used[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     }
-    PQC__CUT_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    PQC__GPU_TRY(u->api->cuEventCreate(&u->ev_staged, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     {
-        size_t tab = (size_t)u->m * u->K, cent = pqc__cut_cent_floats(c) * sizeof(float) * nkv;
+        size_t tab = (size_t)u->m * u->K, cent = pqc__gpu_cent_floats(c) * sizeof(float) * nkv;
         size_t l;
         for (l = 0; l < L; l++)
-            if ((r = pqc__cut_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
+            if ((r = pqc__gpu_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
         u->h_ones = (float *)pqc__alloc(&c->alloc, (size_t)u->d * sizeof(float));
         if (!u->h_ones) {
             r = pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
             goto fail;
         }
         for (l = 0; l < (size_t)u->d; l++) u->h_ones[l] = 1.0f;
-        if ((r = pqc__cut_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->partial, nkv * (size_t)u->g * (size_t)u->p_max * 2 * sizeof(float))) !=
+        if ((r = pqc__gpu_dalloc(c, &u->q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->lut, nkv * (size_t)u->g * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->lut_sum, nkv * tab * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->partial, nkv * (size_t)u->g * (size_t)u->p_max * 2 * sizeof(float))) !=
                 PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->stats, nkv * (size_t)u->g * 2 * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->hist, nkv * PQC__CU_RADIX_BINS * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->state, nkv * 16)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS)
+            (r = pqc__gpu_dalloc(c, &u->stats, nkv * (size_t)u->g * 2 * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->hist, nkv * PQC__CU_RADIX_BINS * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->state, nkv * 16)) != PQC_SUCCESS ||
+            (r = pqc__gpu_halloc(c, (void **)&u->h_q, (size_t)c->d.n_q_heads * u->d * sizeof(float))) != PQC_SUCCESS)
             goto fail;
-        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->hist, 0, nkv * PQC__CU_RADIX_BINS, u->st), "cuMemsetD32Async");
-        PQC__CUT_TRY(u->api->cuMemsetD32Async(u->state, 0, nkv * 4, u->st), "cuMemsetD32Async");
-        PQC__CUT_TRY(u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__GPU_TRY(u->api->cuMemsetD32Async(u->hist, 0, nkv * PQC__CU_RADIX_BINS, u->st), "cuMemsetD32Async");
+        PQC__GPU_TRY(u->api->cuMemsetD32Async(u->state, 0, nkv * 4, u->st), "cuMemsetD32Async");
+        PQC__GPU_TRY(u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     }
-#undef PQC__CUT_TRY
+#undef PQC__GPU_TRY
     return PQC_SUCCESS;
 fail:
     c->cu = NULL;
-    pqc__cut_free_all(c, u);
+    pqc__gpu_free_all(c, u);
     return r;
 }
 
-static void pqc__cut_destroy(pqc_cache *c)
+static void pqc__gpu_destroy(pqc_cache *c)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     if (!u) return;
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     c->cu = NULL;
-    pqc__cut_free_all(c, u);
+    pqc__gpu_free_all(c, u);
 }
 
-static const pqc_allocator *pqc__cut_codes_allocator(pqc_cache *c) { return &c->cu->codes_alloc; }
+static const pqc_allocator *pqc__gpu_codes_allocator(pqc_cache *c) { return &c->cu->codes_alloc; }
 
-static void *pqc__cut_host_alloc(pqc_cache *c, size_t bytes)
+static void *pqc__gpu_host_alloc(pqc_cache *c, size_t bytes)
 {
     void *p = NULL;
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     if (c->cu->api->cuMemHostAlloc(&p, bytes ? bytes : 16, PQC__CU_MEMHOSTALLOC_PORTABLE | PQC__CU_MEMHOSTALLOC_DEVICEMAP) != 0)
         return NULL;
     return p;
 }
 
-static void pqc__cut_host_free(pqc_cache *c, void *p)
+static void pqc__gpu_host_free(pqc_cache *c, void *p)
 {
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     c->cu->api->cuMemFreeHost(p);
 }
 
 /* a shared prefix's store, freed by the last fork that used it (the runtime's device) */
-static void pqc__cut_host_release(pqc_runtime *rt, const pqc_allocator *a, void *p)
+static void pqc__gpu_host_release(pqc_runtime *rt, const pqc_allocator *a, void *p)
 {
     (void)a;
     rt->cu->api.cuCtxSetCurrent(rt->cu->dev.ctx);
     rt->cu->api.cuMemFreeHost(p);
 }
 
-static void pqc__cut_quiesce(pqc_cache *c)
+static void pqc__gpu_quiesce(pqc_cache *c)
 {
     if (!c->cu) return;
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     c->cu->api->cuStreamSynchronize(c->cu->st);
     c->cu->api->cuStreamSynchronize(c->cu->cp);
 }
 
 /* After the stores moved or grew: their device addresses, the slot tables' size and
    the block-id table (iota) the fill kernel reads its lists from. */
-static pqc_result pqc__cut_grown(pqc_cache *c)
+static pqc_result pqc__gpu_grown(pqc_cache *c)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     int l;
     size_t need, i;
     if (!u) return PQC_SUCCESS;
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     for (l = 0; l < c->d.n_layers; l++) {
         u->hk[l] = u->hv[l] = u->pk[l] = u->pv[l] = 0;
         if (c->layers[l].kbase) {
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0),
+            PQC__GPU_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hk[l], c->layers[l].kbase, 0),
                           "cuMemHostGetDevicePointer");
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0),
+            PQC__GPU_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->hv[l], c->layers[l].vbase, 0),
                           "cuMemHostGetDevicePointer");
         }
         if (c->share) { /* mapped by the cache that made it, portable to this context */
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pk[l], c->share->k[l], 0),
+            PQC__GPU_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pk[l], c->share->k[l], 0),
                           "cuMemHostGetDevicePointer");
-            PQC__CUT_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pv[l], c->share->v[l], 0),
+            PQC__GPU_CALL(c, u->api->cuMemHostGetDevicePointer_v2(&u->pv[l], c->share->v[l], 0),
                           "cuMemHostGetDevicePointer");
         }
     }
     u->hstride = c->cap * (size_t)u->d;
     u->phstride = c->share ? c->share->cap * (size_t)u->d : 0;
-    u->nblk_cap = (pqc__room(c) + u->bt - 1) / u->bt;
+    u->nblk_cap = (pqc__room(c) + u->block_tokens - 1) / u->block_tokens;
     need = PQC__MAX(u->nblk_cap + 1, (size_t)u->n_slots + 1);
     if (need > u->iota_n) {
         int32_t *tmp = (int32_t *)pqc__alloc(&c->alloc, need * sizeof(int32_t));
         pqc_result r;
         if (!tmp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
         for (i = 0; i < need; i++) tmp[i] = (int32_t)i;
-        r = pqc__cut_dalloc(c, &u->iota, need * sizeof(int32_t));
+        r = pqc__gpu_dalloc(c, &u->iota, need * sizeof(int32_t));
         if (r == PQC_SUCCESS && u->api->cuMemcpyHtoD_v2(u->iota, tmp, need * sizeof(int32_t)) != 0)
             r = pqc__cfail(c, PQC_ERROR_BACKEND, "CUDA: cuMemcpyHtoD failed");
         pqc__free(&c->alloc, tmp);
@@ -11488,63 +11489,63 @@ static pqc_result pqc__cut_grown(pqc_cache *c)
 }
 
 /* The slot of a block resident for good: sink blocks and the window's ring; -1 else. */
-static int pqc__cut_sized(const pqc_cache *c) { return c->cu && c->cu->ready; }
+static int pqc__gpu_sized(const pqc_cache *c) { return c->cu && c->cu->ready; }
 
-static int pqc__cut_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
+static int pqc__gpu_fixed_slot(const pqc_cache *c, size_t b, size_t mid_end)
 {
-    const struct pqc__cut *u = c->cu;
-    if (b < (size_t)u->nsb) return (int)b;
-    if ((b + 1) * u->bt > mid_end) return u->nsb + (int)((b - (size_t)u->nsb) % (size_t)u->wb);
+    const struct pqc__gpu_tier *u = c->cu;
+    if (b < (size_t)u->sink_blocks) return (int)b;
+    if ((b + 1) * u->block_tokens > mid_end) return u->sink_blocks + (int)((b - (size_t)u->sink_blocks) % (size_t)u->window_blocks);
     return -1;
 }
 
 /* Copies rows [row_lo, bt) of the blocks [b0, b0 + n) into the slots [s0, s0 + n) of every
    head of layer l, from the mapped store. */
-static pqc_result pqc__cut_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0, int s0, int n, int row_lo)
+static pqc_result pqc__gpu_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0, int s0, int n, int row_lo)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     pqc__dptr blocks = u->iota + b0 * 4, slots = u->iota + (size_t)s0 * 4;
-    int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d;
+    int64_t list_hs = 0, hs = (int64_t)u->hstride, ld = u->d, pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d;
     int64_t phs = (int64_t)u->phstride, split = (int64_t)c->pn;
-    int bt = (int)u->bt, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
+    int bt = (int)u->block_tokens, s = (int)ntok, dt = (int)c->d.kv_dtype, d = u->d;
     void *p[] = { &blocks, &slots, &list_hs, &n, &bt, &row_lo, &s, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
                   &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
     if (n <= 0) return PQC_SUCCESS;
-    return pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->bt - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
+    return pqc__gpu_launch(c, PQC__K_FILL, pqc__cdiv((size_t)n * (u->block_tokens - (size_t)row_lo), 8), (unsigned)u->n_kv, 0, p);
 }
 
 /* A prefill that brings layer l to n tokens (rows already in the store): the slot pools
    exist (the window is known now) and every sink and window block holds its rows. */
-static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
+static pqc_result pqc__gpu_stored(pqc_cache *c, int l, size_t n)
 {
-    struct pqc__cut *u = c->cu;
-    size_t nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n), b, b0;
+    struct pqc__gpu_tier *u = c->cu;
+    size_t nb = (n + u->block_tokens - 1) / u->block_tokens, mid_end = pqc__mid_end(c, n), b, b0;
     pqc_result r;
     int i;
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
     if (!u->ready) {
-        size_t bytes, nsb = ((size_t)c->d.n_sink + u->bt - 1) / u->bt, wb = ((size_t)c->window + u->bt - 1) / u->bt + 1;
+        size_t bytes, nsb = ((size_t)c->d.n_sink + u->block_tokens - 1) / u->block_tokens, wb = ((size_t)c->window + u->block_tokens - 1) / u->block_tokens + 1;
         if (nsb + wb + (size_t)c->d.cache_blocks > 0x3fffffff ||
-            !pqc__size3((size_t)u->n_kv * (nsb + wb + (size_t)c->d.cache_blocks), u->bt, c->row, &bytes))
+            !pqc__size3((size_t)u->n_kv * (nsb + wb + (size_t)c->d.cache_blocks), u->block_tokens, c->row, &bytes))
             return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: %zu sink, %zu window and %d cache blocks overflow", nsb,
                               wb, c->d.cache_blocks);
-        u->nsb = (int)nsb;
-        u->wb = (int)wb;
-        u->n_slots = u->nsb + u->wb + c->d.cache_blocks;
+        u->sink_blocks = (int)nsb;
+        u->window_blocks = (int)wb;
+        u->n_slots = u->sink_blocks + u->window_blocks + c->d.cache_blocks;
         for (i = 0; i < c->d.n_layers; i++) {
-            if ((r = pqc__cut_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
-            if ((r = pqc__cut_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
+            if ((r = pqc__gpu_dalloc(c, &u->pool_k[i], bytes)) != PQC_SUCCESS) return r;
+            if ((r = pqc__gpu_dalloc(c, &u->pool_v[i], bytes)) != PQC_SUCCESS) return r;
         } /* a failure leaves ready at 0: the next prefill tries again */
-        if ((r = pqc__cut_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
+        if ((r = pqc__gpu_grown(c)) != PQC_SUCCESS) return r; /* iota covers the slots too */
         u->ready = 1;
     }
-    if ((r = pqc__cut_fill_run(c, l, n, 0, 0, (int)PQC__MIN(nb, (size_t)u->nsb), 0)) != PQC_SUCCESS) return r;
-    b0 = PQC__MAX((size_t)u->nsb, mid_end / u->bt);
+    if ((r = pqc__gpu_fill_run(c, l, n, 0, 0, (int)PQC__MIN(nb, (size_t)u->sink_blocks), 0)) != PQC_SUCCESS) return r;
+    b0 = PQC__MAX((size_t)u->sink_blocks, mid_end / u->block_tokens);
     for (b = b0; b < nb;) { /* the ring in at most two runs of consecutive slots */
-        int s0 = pqc__cut_fixed_slot(c, b, mid_end);
-        size_t run = PQC__MIN(nb - b, (size_t)(u->nsb + u->wb - s0));
-        if ((r = pqc__cut_fill_run(c, l, n, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
+        int s0 = pqc__gpu_fixed_slot(c, b, mid_end);
+        size_t run = PQC__MIN(nb - b, (size_t)(u->sink_blocks + u->window_blocks - s0));
+        if ((r = pqc__gpu_fill_run(c, l, n, b, s0, (int)run, 0)) != PQC_SUCCESS) return r;
         b += run;
     }
     return PQC_SUCCESS;
@@ -11552,22 +11553,22 @@ static pqc_result pqc__cut_stored(pqc_cache *c, int l, size_t n)
 
 /* An append that brings layer l to n tokens (the new row already in the store): the row
    goes to its sink or window slot. */
-static pqc_result pqc__cut_appended(pqc_cache *c, int l, size_t n)
+static pqc_result pqc__gpu_appended(pqc_cache *c, int l, size_t n)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     size_t t = n - 1;
     int s;
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
-    pqc__cut_enter(c);
-    s = pqc__cut_fixed_slot(c, t / u->bt, pqc__mid_end(c, n));
+    pqc__gpu_enter(c);
+    s = pqc__gpu_fixed_slot(c, t / u->block_tokens, pqc__mid_end(c, n));
     if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
-    return pqc__cut_fill_run(c, l, n, t / u->bt, s, 1, (int)(t % u->bt));
+    return pqc__gpu_fill_run(c, l, n, t / u->block_tokens, s, 1, (int)(t % u->block_tokens));
 }
 
 /* Column stride of a device copy of layer l's codes: the widest of its heads' (heads grow
    their codes together, so they normally agree). */
-static size_t pqc__cut_codes_stride(const pqc_cache *c, int l)
+static size_t pqc__gpu_codes_stride(const pqc_cache *c, int l)
 {
     size_t cs = 0, h;
     for (h = 0; h < (size_t)c->d.n_kv_heads; h++) cs = PQC__MAX(cs, c->layers[l].heads[h].codes.col_stride);
@@ -11576,39 +11577,39 @@ static size_t pqc__cut_codes_stride(const pqc_cache *c, int l)
 
 /* Copies the codes of layer l into code buffer sl on the copy stream (after the last
    scan that read the buffer) and records ev_codes[sl]. */
-static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
+static pqc_result pqc__gpu_codes_upload(pqc_cache *c, int sl, int l)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
-    size_t cs = pqc__cut_codes_stride(c, l), hs, h;
+    size_t cs = pqc__gpu_codes_stride(c, l), hs, h;
     int j, uniform = 1;
     for (h = 0; h < (size_t)u->n_kv; h++) uniform &= L->heads[h].codes.col_stride == cs;
     hs = cs * (size_t)u->m;
-    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
+    PQC__GPU_CALL(c, u->api->cuStreamWaitEvent(u->cp, u->ev_used[sl], 0), "cuStreamWaitEvent");
     if (hs * (size_t)u->n_kv > u->code_cap[sl]) {
         pqc_result r;
-        PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
-        if ((r = pqc__cut_dalloc(c, &u->code[sl], hs * (size_t)u->n_kv + hs / 4)) != PQC_SUCCESS) {
+        PQC__GPU_CALL(c, u->api->cuStreamSynchronize(u->cp), "cuStreamSynchronize");
+        if ((r = pqc__gpu_dalloc(c, &u->code[sl], hs * (size_t)u->n_kv + hs / 4)) != PQC_SUCCESS) {
             u->code_cap[sl] = 0;
             u->code_layer[sl] = -1;
             return r;
         }
         u->code_cap[sl] = hs * (size_t)u->n_kv + hs / 4;
     }
-    if (!uniform) PQC__CUT_CALL(c, u->api->cuMemsetD8Async(u->code[sl], 0, hs * (size_t)u->n_kv, u->cp), "cuMemsetD8Async");
+    if (!uniform) PQC__GPU_CALL(c, u->api->cuMemsetD8Async(u->code[sl], 0, hs * (size_t)u->n_kv, u->cp), "cuMemsetD8Async");
     for (h = 0; h < (size_t)u->n_kv; h++) {
         const pqc_codes *cd = &L->heads[h].codes;
         pqc__dptr dst = u->code[sl] + h * hs;
         if (uniform) {
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst, cd->data, hs, u->cp), "cuMemcpyHtoDAsync");
+            PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst, cd->data, hs, u->cp), "cuMemcpyHtoDAsync");
         } else {
             for (j = 0; j < u->m; j++)
-                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst + (size_t)j * cs, cd->data + (size_t)j * cd->col_stride,
+                PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(dst + (size_t)j * cs, cd->data + (size_t)j * cd->col_stride,
                                                               cd->col_stride, u->cp),
                               "cuMemcpyHtoDAsync");
         }
     }
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
+    PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_codes[sl], u->cp), "cuEventRecord");
     u->code_layer[sl] = l;
     u->code_gen[sl] = L->dgen;
     u->code_cs[sl] = cs;
@@ -11618,11 +11619,11 @@ static pqc_result pqc__cut_codes_upload(pqc_cache *c, int sl, int l)
 }
 
 /* Whether buffer sl holds layer l's current codes (up to a tail the device codes itself). */
-static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
+static int pqc__gpu_codes_valid(const pqc_cache *c, int sl, int l)
 {
-    const struct pqc__cut *u = c->cu;
+    const struct pqc__gpu_tier *u = c->cu;
     const pqc__layer *L = &c->layers[l];
-    return u->code_layer[sl] == l && u->code_gen[sl] == L->dgen && u->code_cs[sl] == pqc__cut_codes_stride(c, l) &&
+    return u->code_layer[sl] == l && u->code_gen[sl] == L->dgen && u->code_cs[sl] == pqc__gpu_codes_stride(c, l) &&
            u->code_n[sl] <= L->n_coded;
 }
 
@@ -11632,29 +11633,29 @@ static int pqc__cut_codes_valid(const pqc_cache *c, int sl, int l)
    their scores into u->topk_sc when want_scores). Nothing waits. */
 /* The layer's codebooks on the device (with the norms and weights of weighted coding),
    copied once per build. */
-static pqc_result pqc__cut_cents(pqc_cache *c, int l)
+static pqc_result pqc__gpu_cents(pqc_cache *c, int l)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
     size_t nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, h;
     int m = u->m, K = u->K, dsub = u->dsub;
-    int64_t c_hs = (int64_t)pqc__cut_cent_floats(c);
+    int64_t c_hs = (int64_t)pqc__gpu_cent_floats(c);
     if (u->cent_gen[l] != L->dgen + 1) {
         size_t cb = tab * (size_t)dsub * sizeof(float), hb = (size_t)c_hs * sizeof(float);
         int weighted = pqc__layer_metric(c, l), j;
         for (h = 0; h < nkv; h++) {
             const pqc_pq *pq = &L->heads[h].pq;
             pqc__dptr base = u->cent[l] + h * hb;
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base, pq->centroids, cb, u->st), "cuMemcpyHtoDAsync");
+            PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base, pq->centroids, cb, u->st), "cuMemcpyHtoDAsync");
             if (!weighted) continue;
             /* the norms coding compares with (weighted where the head has a metric; the
                plain ones with weights 1 are the same numbers) and the weights */
             for (j = 0; j < m; j++)
-                PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
+                PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
                                                               (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad,
                                                               (size_t)K * sizeof(float), u->st),
                               "cuMemcpyHtoDAsync");
-            PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
+            PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
                                                           (size_t)u->d * sizeof(float), u->st),
                           "cuMemcpyHtoDAsync");
         }
@@ -11663,9 +11664,9 @@ static pqc_result pqc__cut_cents(pqc_cache *c, int l)
     return PQC_SUCCESS;
 }
 
-static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
+static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
     size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K;
     int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
@@ -11674,41 +11675,41 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     unsigned P, tiles, smem;
     float scale = 1.0f / sqrtf((float)u->d);
     pqc_result r;
-    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)pqc__cut_cent_floats(c), l_hs = (int64_t)((size_t)g * tab),
+    int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)pqc__gpu_cent_floats(c), l_hs = (int64_t)((size_t)g * tab),
             ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
     pqc__dptr zero = 0, lut_sum, lut;
     if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     /* score, top-k and read-back buffers */
     if (s > u->s_cap) {
         size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         u->s_cap = 0;
-        if ((r = pqc__cut_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->topk_sc, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_topk_sc, nkv * want * 4)) != PQC_SUCCESS)
+        if ((r = pqc__gpu_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->counts, nkv * tiles_cap * 2 * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->topk, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->topk_sc, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_halloc(c, (void **)&u->h_topk, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_halloc(c, (void **)&u->h_topk_sc, nkv * want * 4)) != PQC_SUCCESS)
             return r;
         u->s_cap = want;
     }
-    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
+    if ((r = pqc__gpu_cents(c, l)) != PQC_SUCCESS) return r;
     /* the layer's codes: resident, prefetched by the previous layer's select, or copied now */
-    if (u->n_cs > 2) {
+    if (u->code_bufs > 2) {
         sl = l;
-        if (!pqc__cut_codes_valid(c, sl, l) && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
-    } else if (pqc__cut_codes_valid(c, 0, l)) {
+        if (!pqc__gpu_codes_valid(c, sl, l) && (r = pqc__gpu_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+    } else if (pqc__gpu_codes_valid(c, 0, l)) {
         sl = 0;
-    } else if (pqc__cut_codes_valid(c, 1, l)) {
+    } else if (pqc__gpu_codes_valid(c, 1, l)) {
         sl = 1;
     } else {
         sl = u->last_slot ^ 1;
-        if ((r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_codes_upload(c, sl, l)) != PQC_SUCCESS) return r;
     }
-    if (u->code_n[sl] < s && u->dsub > 256 && (r = pqc__cut_codes_upload(c, sl, l)) != PQC_SUCCESS)
+    if (u->code_n[sl] < s && u->dsub > 256 && (r = pqc__gpu_codes_upload(c, sl, l)) != PQC_SUCCESS)
         return r; /* sub-vectors too long for the coding kernel: copy the new codes instead */
-    PQC__CUT_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
+    PQC__GPU_CALL(c, u->api->cuStreamWaitEvent(u->st, u->ev_codes[sl], 0), "cuStreamWaitEvent");
     code_hs = (int64_t)u->code_hs[sl];
     cs = (int64_t)u->code_cs[sl];
     while (u->code_n[sl] < s) { /* tokens coded since the copy: code them on the device too (a
@@ -11724,18 +11725,18 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
             cn = u->cent[l] + tab * (size_t)dsub * sizeof(float);
             w = cn + tab * sizeof(float);
         }
-        if ((r = pqc__cut_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
+        if ((r = pqc__gpu_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
             return r;
         u->code_n[sl] = end;
     }
     /* query -> lookup tables */
     lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
-    if (u->lut_pre) { /* a batch built them (pqc__cut_batch_tables) */
+    if (u->lut_pre) { /* a batch built them (pqc__gpu_batch_tables) */
         u->lut_pre = 0;
     } else {
         void *p[] = { &u->q, &q_hs, &u->cent[l], &c_hs, &g, &m, &K, &dsub, &half, &u->lut, &l_hs, &lut_sum, &ls_hs };
-        u->lb_ok = 0; /* the tables are this search's now */
-        if ((r = pqc__cut_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+        u->batch_ok = 0; /* the tables are this search's now */
+        if ((r = pqc__gpu_launch(c, PQC__K_LUT, pqc__cdiv(tab, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     /* scan: combined scores of every coded token */
     P = (unsigned)PQC__MIN((size_t)u->p_max, (s + 255) / 256);
@@ -11759,69 +11760,69 @@ static pqc_result pqc__cut_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
         int np = (int)P;
         void *p1[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &scale, &u->partial, &p_hs, &use_smem };
         void *p2[] = { &u->partial, &p_hs, &np, &n_luts, &scale, &u->stats, &st_hs };
-        if ((r = pqc__cut_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
-        if ((r = pqc__cut_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
     }
     {
         pqc__dptr stats = mode == 1 ? u->stats : 0;
         void *p[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &mode, &stats, &st_hs, &scale,
                       &u->scores, &sc_hs, &use_smem };
-        if ((r = pqc__cut_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
     }
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
+    PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
     u->last_slot = sl;
     /* top-k: three radix passes, per-tile counts, ordered compaction */
     tiles = pqc__cdiv(s, PQC__CU_TILE);
     c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
     for (pass = 0; pass < 3; pass++) {
         void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state, &k_head };
-        if ((r = pqc__cut_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
         void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &k_head };
-        if ((r = pqc__cut_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
         int64_t os_hs = want_scores ? idx_hs : 0;
         pqc__dptr osc = want_scores ? u->topk_sc : 0;
         void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &osc, &os_hs,
                       &k_head };
-        if ((r = pqc__cut_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     /* prefetch the next layer's codes while this one finishes */
-    if (u->n_cs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
-        !pqc__cut_codes_valid(c, sl ^ 1, nl) && (r = pqc__cut_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
+    if (u->code_bufs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
+        !pqc__gpu_codes_valid(c, sl ^ 1, nl) && (r = pqc__gpu_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
         return r;
     return PQC_SUCCESS;
 }
 
 /* The tier's search for a host-side selection: the top-k indices (and scores) come back
    to the host, one synchronisation. */
-static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t take, int want_scores,
+static pqc_result pqc__gpu_select(pqc_cache *c, int l, const float *q, size_t take, int want_scores,
                                   const int32_t **idx_out, const float **sc_out)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     size_t nkv = (size_t)u->n_kv;
     pqc_result r;
     size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     /* tables a batch built for these queries and codebooks need neither the queries nor
        the table kernel (the stream already waits for them) */
-    u->lut_pre = u->lb_ok && u->lb_layer == l && u->lb_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->lb_gen &&
-                 memcmp(u->lb_q, q, qbytes) == 0;
-    u->lb_ok = 0;
+    u->lut_pre = u->batch_ok && u->batch_layer == l && u->batch_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->batch_gen &&
+                 memcmp(u->batch_q, q, qbytes) == 0;
+    u->batch_ok = 0;
     if (!u->lut_pre) {
         memcpy(u->h_q, q, qbytes);
-        PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
+        PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
     }
-    r = pqc__cut_search(c, l, take, 0, want_scores);
+    r = pqc__gpu_search(c, l, take, 0, want_scores);
     u->lut_pre = 0;
     if (r != PQC_SUCCESS) return r;
-    PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
+    PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
     if (want_scores)
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
+        PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk_sc, u->topk_sc, nkv * take * 4, u->st),
                       "cuMemcpyDtoHAsync");
-    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     *idx_out = u->h_topk;
     *sc_out = want_scores ? u->h_topk_sc : NULL;
     return PQC_SUCCESS;
@@ -11840,14 +11841,14 @@ static pqc_result pqc__cut_select(pqc_cache *c, int l, const float *q, size_t ta
    class (g, dsub, K, entries rounded up to a power of two) alternate the table kernel
    and the matmul, timed with events, and the class keeps the faster (a tie keeps the
    kernel, which then leaves each cache to build its own tables, as without a batch). */
-typedef struct pqc__lb_class {
+typedef struct pqc__batch_class {
     int g, dsub, K, elog; /* the shape; entries <= 2^elog */
     int gemm, tries;      /* the decision (tries == 4), or batches timed so far */
     int failed;           /* a matmul of this class failed: the kernel, even when forced */
     float ms[4];
-} pqc__lb_class;
+} pqc__batch_class;
 
-struct pqc__lb {
+struct pqc__batch_luts {
     pqc__km_plan plan;            /* the matmul of plan_key, plan_e entries */
     int plan_key[4];              /* g, dsub, K, d */
     int32_t plan_e;
@@ -11857,15 +11858,15 @@ struct pqc__lb {
     size_t cap;
     pqc__cuStream st;             /* the batches' own stream (each cache's stream waits for it) */
     pqc__cuEvent ev_done, ev_t0;  /* the last batch's work is done; a timing start */
-    pqc__lb_class cls[PQC__KM_CLASSES];
+    pqc__batch_class cls[PQC__KM_CLASSES];
     int n_cls, next_cls;
     uint64_t gemm_batches, kernel_batches; /* batches whose tables each path built */
 };
 
-static void pqc__lb_free(pqc_runtime *rt)
+static void pqc__batch_luts_free(pqc_runtime *rt)
 {
-    struct pqc__curt *cr = rt->cu;
-    struct pqc__lb *lb = cr->lb;
+    struct pqc__gpu_device *cr = rt->cu;
+    struct pqc__batch_luts *lb = cr->batch;
     if (!lb) return;
     if (lb->ev_done) {
         cr->api.cuEventSynchronize(lb->ev_done);
@@ -11877,15 +11878,15 @@ static void pqc__lb_free(pqc_runtime *rt)
     if (lb->dptr) cr->api.cuMemFree_v2(lb->dptr);
     if (lb->hptr) cr->api.cuMemFreeHost(lb->hptr);
     pqc__free(&rt->alloc, lb);
-    cr->lb = NULL;
+    cr->batch = NULL;
 }
 
-static void pqc__curt_close(pqc_runtime *rt)
+static void pqc__gpu_close(pqc_runtime *rt)
 {
-    struct pqc__curt *cr = rt->cu;
+    struct pqc__gpu_device *cr = rt->cu;
     if (!cr) return;
     cr->api.cuCtxSetCurrent(cr->dev.ctx);
-    pqc__lb_free(rt);
+    pqc__batch_luts_free(rt);
     if (cr->lt) cr->api.cublasLtDestroy(cr->lt);
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_destroy(&cr->km_mu);
@@ -11901,9 +11902,9 @@ static void pqc__curt_close(pqc_runtime *rt)
 /* A cache whose layer-l tables the batch led by c0 can build: CUDA tier on c0's runtime,
    the layer coded with codebooks, searched by this tier (the plan's c->sp.tier_search),
    and c0's shape. */
-static int pqc__cut_lb_fits(pqc_cache *c, const pqc_cache *c0, int l, const float *q)
+static int pqc__gpu_batch_fits(pqc_cache *c, const pqc_cache *c0, int l, const float *q)
 {
-    const struct pqc__cut *u, *u0 = c0->cu;
+    const struct pqc__gpu_tier *u, *u0 = c0->cu;
     if (!c || !q || !(u = c->cu) || c->tier != c0->tier || c->rt != c0->rt || !u->ready || l < 0 ||
         l >= c->d.n_layers)
         return 0;
@@ -11914,21 +11915,21 @@ static int pqc__cut_lb_fits(pqc_cache *c, const pqc_cache *c0, int l, const floa
 
 /* This cache's queries staged for the batch (sub-space dims together) and copied up on
    its stream, with its codebooks; ev_qb marks both done. */
-static pqc_result pqc__cut_lb_stage(pqc_cache *c, int l, const float *q)
+static pqc_result pqc__gpu_batch_stage(pqc_cache *c, int l, const float *q)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
     int hq, j, e, h2 = u->dsub / 2;
     pqc_result r;
-    pqc__cut_enter(c);
-    if (!u->qb && ((r = pqc__cut_dalloc(c, &u->qb, qbytes)) != PQC_SUCCESS ||
-                   (r = pqc__cut_halloc(c, (void **)&u->h_qb, qbytes)) != PQC_SUCCESS))
+    pqc__gpu_enter(c);
+    if (!u->qb && ((r = pqc__gpu_dalloc(c, &u->qb, qbytes)) != PQC_SUCCESS ||
+                   (r = pqc__gpu_halloc(c, (void **)&u->h_qb, qbytes)) != PQC_SUCCESS))
         return r;
-    if (!u->lb_q && !(u->lb_q = (float *)pqc__alloc(&c->alloc, qbytes)))
+    if (!u->batch_q && !(u->batch_q = (float *)pqc__alloc(&c->alloc, qbytes)))
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
-    if (!u->ev_qb) PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_qb, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    if ((r = pqc__cut_cents(c, l)) != PQC_SUCCESS) return r;
+    if (!u->ev_qb) PQC__GPU_CALL(c, u->api->cuEventCreate(&u->ev_qb, PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    if ((r = pqc__gpu_cents(c, l)) != PQC_SUCCESS) return r;
     for (hq = 0; hq < c->d.n_q_heads; hq++) {
         const float *src = q + (size_t)hq * u->d;
         float *dst = u->h_qb + (size_t)hq * u->d;
@@ -11936,29 +11937,29 @@ static pqc_result pqc__cut_lb_stage(pqc_cache *c, int l, const float *q)
             for (e = 0; e < u->dsub; e++)
                 dst[j * u->dsub + e] = src[!half ? j * u->dsub + e : e < h2 ? j * h2 + e : u->d / 2 + j * h2 + (e - h2)];
     }
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->qb, u->h_qb, qbytes, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_qb, u->st), "cuEventRecord");
+    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->qb, u->h_qb, qbytes, u->st), "cuMemcpyHtoDAsync");
+    PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_qb, u->st), "cuEventRecord");
     return PQC_SUCCESS;
 }
 
 /* The batched tables' path for a shape class, for reports: 1 and *out once the class
    has been met (out->tries == 4: decided), else 0; batches whose tables each path built
    in *gemm_batches, *kernel_batches. rt must be a CUDA runtime. */
-PQC__CU_FN int pqc__cuda_lut_choice(pqc_runtime *rt, int g, int dsub, int K, size_t entries, pqc__lb_class *out,
+PQC__CU_FN int pqc__cuda_lut_choice(pqc_runtime *rt, int g, int dsub, int K, size_t entries, pqc__batch_class *out,
                                     uint64_t *gemm_batches, uint64_t *kernel_batches)
 {
-    struct pqc__curt *cr = rt && rt->cu ? rt->cu : NULL;
+    struct pqc__gpu_device *cr = rt && rt->cu ? rt->cu : NULL;
     int i, elog = 0, hit = 0;
     if (!cr) return 0;
     while (((size_t)1 << elog) < entries) elog++;
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_lock(&cr->km_mu);
 #endif
-    *gemm_batches = cr->lb ? cr->lb->gemm_batches : 0;
-    *kernel_batches = cr->lb ? cr->lb->kernel_batches : 0;
-    for (i = 0; cr->lb && i < cr->lb->n_cls && !hit; i++)
-        if (cr->lb->cls[i].g == g && cr->lb->cls[i].dsub == dsub && cr->lb->cls[i].K == K && cr->lb->cls[i].elog == elog) {
-            *out = cr->lb->cls[i];
+    *gemm_batches = cr->batch ? cr->batch->gemm_batches : 0;
+    *kernel_batches = cr->batch ? cr->batch->kernel_batches : 0;
+    for (i = 0; cr->batch && i < cr->batch->n_cls && !hit; i++)
+        if (cr->batch->cls[i].g == g && cr->batch->cls[i].dsub == dsub && cr->batch->cls[i].K == K && cr->batch->cls[i].elog == elog) {
+            *out = cr->batch->cls[i];
             hit = 1;
         }
 #ifndef PQCACHE_NO_THREADS
@@ -11967,14 +11968,14 @@ PQC__CU_FN int pqc__cuda_lut_choice(pqc_runtime *rt, int g, int dsub, int K, siz
     return hit;
 }
 
-static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const float *const *q)
+static void pqc__gpu_batch_tables(pqc_cache *const *caches, int n, int l, const float *const *q)
 {
     pqc_cache *c0 = NULL;
-    struct pqc__curt *cr;
-    struct pqc__lb *lb;
+    struct pqc__gpu_device *cr;
+    struct pqc__batch_luts *lb;
     pqc__cuApi *api;
     pqc__cuStream gs;
-    pqc__lb_class *cls = NULL;
+    pqc__batch_class *cls = NULL;
     size_t E = 0, e = 0, tab;
     int i, g, dsub, K, d, m, gemm, elog = 0, timed = 0, ok = 0, ci;
     int64_t l_hs, ls_hs, c_hs;
@@ -11982,7 +11983,7 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     char msg[200];
     if (!caches || !q || n < 1) return;
     for (i = 0; i < n && !c0; i++)
-        if (caches[i] && caches[i]->cu && pqc__cut_lb_fits(caches[i], caches[i], l, q[i])) c0 = caches[i];
+        if (caches[i] && caches[i]->cu && pqc__gpu_batch_fits(caches[i], caches[i], l, q[i])) c0 = caches[i];
     if (!c0) return;
     cr = c0->cu->r;
     api = c0->cu->api;
@@ -11990,23 +11991,23 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     tab = (size_t)m * K;
     if (!cr->lt || cr->lut_force == 0 || dsub % 4 || K % 4) return; /* 16-byte aligned matrices */
     for (i = 0; i < n; i++)
-        if (pqc__cut_lb_fits(caches[i], c0, l, q[i])) E += (size_t)c0->cu->n_kv * m;
+        if (pqc__gpu_batch_fits(caches[i], c0, l, q[i])) E += (size_t)c0->cu->n_kv * m;
     if (E > 0x7fffffff) return;
     while (((size_t)1 << elog) < E) elog++;
     l_hs = (int64_t)((size_t)g * tab);
     ls_hs = (int64_t)tab;
-    c_hs = (int64_t)pqc__cut_cent_floats(c0);
+    c_hs = (int64_t)pqc__gpu_cent_floats(c0);
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_lock(&cr->km_mu);
 #endif
     api->cuCtxSetCurrent(cr->dev.ctx);
-    if (!(lb = cr->lb)) {
-        if (!(lb = (struct pqc__lb *)pqc__calloc(&c0->rt->alloc, sizeof *lb))) goto out;
-        cr->lb = lb;
+    if (!(lb = cr->batch)) {
+        if (!(lb = (struct pqc__batch_luts *)pqc__calloc(&c0->rt->alloc, sizeof *lb))) goto out;
+        cr->batch = lb;
         if (api->cuStreamCreate(&lb->st, PQC__CU_STREAM_NON_BLOCKING) != 0 ||
             api->cuEventCreate(&lb->ev_done, PQC__CU_EVENT_DEFAULT) != 0 ||
             api->cuEventCreate(&lb->ev_t0, PQC__CU_EVENT_DEFAULT) != 0) {
-            pqc__lb_free(c0->rt);
+            pqc__batch_luts_free(c0->rt);
             goto out;
         }
     }
@@ -12054,12 +12055,12 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     /* every cache's queries and codebooks up, and the pointers of its products */
     for (ci = 0; ci < n; ci++) {
         pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
+        struct pqc__gpu_tier *u;
         size_t h;
         int j;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        if (!pqc__gpu_batch_fits(c, c0, l, q[ci])) continue;
         u = c->cu;
-        if (pqc__cut_lb_stage(c, l, q[ci]) != PQC_SUCCESS) {
+        if (pqc__gpu_batch_stage(c, l, q[ci]) != PQC_SUCCESS) {
             what = "staging a sequence's queries";
             goto fail;
         }
@@ -12073,7 +12074,7 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     api->cuCtxSetCurrent(cr->dev.ctx);
     gs = lb->st;
     for (ci = 0; ci < n; ci++)
-        if (pqc__cut_lb_fits(caches[ci], c0, l, q[ci]) && api->cuStreamWaitEvent(gs, caches[ci]->cu->ev_qb, 0) != 0) {
+        if (pqc__gpu_batch_fits(caches[ci], c0, l, q[ci]) && api->cuStreamWaitEvent(gs, caches[ci]->cu->ev_qb, 0) != 0) {
             what = "cuStreamWaitEvent";
             goto fail;
         }
@@ -12117,11 +12118,11 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     }
     for (ci = 0; ci < n; ci++) { /* the GQA sum tables, or (timing the kernel) all tables */
         pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
+        struct pqc__gpu_tier *u;
         pqc__dptr lut_sum;
         int ti = (int)tab, zero = 0;
         int64_t q_hs = (int64_t)g * d;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        if (!pqc__gpu_batch_fits(c, c0, l, q[ci])) continue;
         u = c->cu;
         lut_sum = c->sp.gqa == PQC_GQA_SUM ? u->lut_sum : 0;
         if (gemm && lut_sum) {
@@ -12146,8 +12147,8 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     }
     for (ci = 0; ci < n; ci++) { /* each cache's work after the tables */
         pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        struct pqc__gpu_tier *u;
+        if (!pqc__gpu_batch_fits(c, c0, l, q[ci])) continue;
         u = c->cu;
         if (api->cuStreamWaitEvent(u->st, lb->ev_done, 0) != 0) {
             what = "cuStreamWaitEvent";
@@ -12156,13 +12157,13 @@ static void pqc__cut_batch_tables(pqc_cache *const *caches, int n, int l, const 
     }
     for (ci = 0; ci < n; ci++) { /* only now are the tables theirs */
         pqc_cache *c = caches[ci];
-        struct pqc__cut *u;
-        if (!pqc__cut_lb_fits(c, c0, l, q[ci])) continue;
+        struct pqc__gpu_tier *u;
+        if (!pqc__gpu_batch_fits(c, c0, l, q[ci])) continue;
         u = c->cu;
-        u->lb_ok = 1;
-        u->lb_layer = l;
-        u->lb_gen = u->cent_gen[l];
-        memcpy(u->lb_q, q[ci], (size_t)c->d.n_q_heads * u->d * sizeof(float));
+        u->batch_ok = 1;
+        u->batch_layer = l;
+        u->batch_gen = u->cent_gen[l];
+        memcpy(u->batch_q, q[ci], (size_t)c->d.n_q_heads * u->d * sizeof(float));
     }
     if (gemm) lb->gemm_batches++;
     else lb->kernel_batches++;
@@ -12184,21 +12185,21 @@ fail:
 out:
     if (!ok)
         for (ci = 0; ci < n; ci++)
-            if (caches[ci] && caches[ci]->cu && caches[ci]->tier == c0->tier) caches[ci]->cu->lb_ok = 0;
+            if (caches[ci] && caches[ci]->cu && caches[ci]->tier == c0->tier) caches[ci]->cu->batch_ok = 0;
 #ifndef PQCACHE_NO_THREADS
     pthread_mutex_unlock(&cr->km_mu);
 #endif
 }
 
 /* Device memory held by the tier: slot pools, centroids, code buffers, scratch. */
-static size_t pqc__cut_device_bytes(const pqc_cache *c)
+static size_t pqc__gpu_device_bytes(const pqc_cache *c)
 {
-    const struct pqc__cut *u = c->cu;
+    const struct pqc__gpu_tier *u = c->cu;
     size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, b;
     int i;
-    b = L * 2 * nkv * (size_t)u->n_slots * u->bt * c->row;              /* slots */
-    b += L * nkv * pqc__cut_cent_floats(c) * sizeof(float);              /* centroids, norms, weights */
-    for (i = 0; i < u->n_cs; i++) b += u->code_cap[i];                   /* codes */
+    b = L * 2 * nkv * (size_t)u->n_slots * u->block_tokens * c->row;              /* slots */
+    b += L * nkv * pqc__gpu_cent_floats(c) * sizeof(float);              /* centroids, norms, weights */
+    for (i = 0; i < u->code_bufs; i++) b += u->code_cap[i];                   /* codes */
     b += nkv * u->s_cap * 12 + nkv * (u->s_cap / PQC__CU_TILE + 1) * 8;    /* scores, top-k, its scores */
     b += 2 * nkv * u->rows_cap * (size_t)u->d * sizeof(float) + u->arena_cap * 4 + u->iota_n * 4;
     b += nkv * ((size_t)u->g + 1) * tab * sizeof(float) + nkv * (PQC__CU_RADIX_BINS * 4 + 16) +
@@ -12207,12 +12208,12 @@ static size_t pqc__cut_device_bytes(const pqc_cache *c)
 }
 
 /* Before a fetch's bookkeeping: the upload arena of the previous fetch is free again. */
-static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
+static pqc_result pqc__gpu_fetch_begin(pqc_cache *c)
 {
-    struct pqc__cut *u = c->cu;
-    pqc__cut_enter(c);
+    struct pqc__gpu_tier *u = c->cu;
+    pqc__gpu_enter(c);
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: fetch before prefill");
-    PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
+    PQC__GPU_WAIT(c, u->api->cuEventSynchronize(u->ev_staged), "cuEventSynchronize");
     memset(u->nfill, 0, (size_t)u->n_kv * sizeof(size_t));
     return PQC_SUCCESS;
 }
@@ -12220,21 +12221,21 @@ static pqc_result pqc__cut_fetch_begin(pqc_cache *c)
 /* Room for `rows` gathered rows per head: the upload arena [slot table | indices | fill
    lists] on host and device and the output rows (grown by a quarter more; growing waits
    for the stream, which happens rarely). */
-static pqc_result pqc__cut_rows_room(pqc_cache *c, size_t rows)
+static pqc_result pqc__gpu_rows_room(pqc_cache *c, size_t rows)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     size_t nkv = (size_t)u->n_kv, cb = (size_t)c->d.cache_blocks + 1, words;
     pqc_result r;
     if (rows > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: selection too large");
     if (rows > u->rows_cap || u->nblk_cap * nkv + rows * nkv + 2 * cb * nkv > u->arena_cap) {
         size_t want_rows = PQC__MAX(rows + rows / 4, u->rows_cap);
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         words = nkv * (u->nblk_cap + want_rows + 2 * cb);
         u->rows_cap = u->arena_cap = 0;
-        if ((r = pqc__cut_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
-            (r = pqc__cut_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
+        if ((r = pqc__gpu_dalloc(c, &u->arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_halloc(c, (void **)&u->h_arena, words * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->out_k, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->out_v, nkv * want_rows * (size_t)u->d * sizeof(float))) != PQC_SUCCESS)
             return r;
         u->rows_cap = want_rows;
         u->arena_cap = words;
@@ -12243,9 +12244,9 @@ static pqc_result pqc__cut_rows_room(pqc_cache *c, size_t rows)
 }
 
 /* The gathered rows as the caller's device view (pos: the selection on the device). */
-static void pqc__cut_rows_device(pqc_cache *c, pqc__dptr pos, pqc_kv_device *dout)
+static void pqc__gpu_rows_device(pqc_cache *c, pqc__dptr pos, pqc_kv_device *dout)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     dout->k = u->out_k;
     dout->v = u->out_v;
     dout->head_stride = u->rows_cap;
@@ -12253,16 +12254,16 @@ static void pqc__cut_rows_device(pqc_cache *c, pqc__dptr pos, pqc_kv_device *dou
 }
 
 /* Enqueues the copies of head h's count[h] gathered rows into out (the caller waits). */
-static pqc_result pqc__cut_rows_home(pqc_cache *c, const size_t *count, const pqc_kv_out *out)
+static pqc_result pqc__gpu_rows_home(pqc_cache *c, const size_t *count, const pqc_kv_out *out)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     size_t h, d = (size_t)u->d;
     for (h = 0; h < (size_t)u->n_kv; h++) {
         size_t bytes = count[h] * d * sizeof(float), off = h * u->rows_cap * d * sizeof(float);
         if (!bytes) continue;
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * d, u->out_k + off, bytes, u->st),
+        PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->k + h * out->head_stride * d, u->out_k + off, bytes, u->st),
                       "cuMemcpyDtoHAsync");
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * d, u->out_v + off, bytes, u->st),
+        PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(out->v + h * out->head_stride * d, u->out_v + off, bytes, u->st),
                       "cuMemcpyDtoHAsync");
     }
     return PQC_SUCCESS;
@@ -12271,12 +12272,12 @@ static pqc_result pqc__cut_rows_home(pqc_cache *c, const size_t *count, const pq
 /* After the bookkeeping: admitted blocks are copied into their slots, then every selected
    row is gathered (slots, sink and window blocks from device memory, misses straight from
    the mapped store) as fp32, into device buffers, and copied to `out` when given. */
-static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+static pqc_result pqc__gpu_fetch_run(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
                                      pqc_kv_device *dout)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
-    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->bt - 1) / u->bt, mid_end = pqc__mid_end(c, n);
+    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->block_tokens - 1) / u->block_tokens, mid_end = pqc__mid_end(c, n);
     size_t rows = 1, fills = 0, h, i, b, cb = (size_t)c->d.cache_blocks + 1, words;
     int32_t *tab, *idx, *fb, *fs;
     pqc_result r;
@@ -12284,7 +12285,7 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
         rows = PQC__MAX(rows, sel->count[h]);
         fills = PQC__MAX(fills, u->nfill[h]);
     }
-    if ((r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
+    if ((r = pqc__gpu_rows_room(c, rows)) != PQC_SUCCESS) return r;
     /* arena: slot table [nkv][nblk_cap] | indices [nkv][rows_cap] | fills [nkv][2][cb] */
     tab = u->h_arena;
     idx = tab + nkv * u->nblk_cap;
@@ -12295,9 +12296,9 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
         const uint32_t *si = sel->idx + h * sel->capacity;
         size_t cnt = sel->count[h];
         for (b = 0; b < nb; b++) {
-            int s = pqc__cut_fixed_slot(c, b, mid_end);
-            if (s < 0 && c->d.cache_blocks > 0 && H->slot_of[b] >= 0 && H->filled[H->slot_of[b]] >= (uint32_t)u->bt)
-                s = u->nsb + u->wb + H->slot_of[b];
+            int s = pqc__gpu_fixed_slot(c, b, mid_end);
+            if (s < 0 && c->d.cache_blocks > 0 && H->slot_of[b] >= 0 && H->filled[H->slot_of[b]] >= (uint32_t)u->block_tokens)
+                s = u->sink_blocks + u->window_blocks + H->slot_of[b];
             t[b] = s;
         }
         for (i = 0; i < cnt; i++) x[i] = (int32_t)si[i];
@@ -12309,40 +12310,40 @@ static pqc_result pqc__cut_fetch_run(pqc_cache *c, int l, const pqc_selection *s
         }
     }
     words = nkv * (u->nblk_cap + u->rows_cap + 2 * cb);
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
+    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->arena, u->h_arena, words * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_staged, u->st), "cuEventRecord");
     {
         pqc__dptr dtab = u->arena, didx = u->arena + nkv * u->nblk_cap * 4, dfb = didx + nkv * u->rows_cap * 4,
                   dfs = dfb + cb * 4, zero = 0;
         int64_t list_hs = 2 * (int64_t)cb, hs = (int64_t)u->hstride, ld = u->d,
-                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, idx_hs = (int64_t)u->rows_cap,
+                pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d, idx_hs = (int64_t)u->rows_cap,
                 sl_hs = (int64_t)u->nblk_cap, o_hs = (int64_t)u->rows_cap * u->d, phs = (int64_t)u->phstride,
                 split = (int64_t)c->pn;
-        int bt = (int)u->bt, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
+        int bt = (int)u->block_tokens, row_lo = 0, si = (int)n, dt = (int)c->d.kv_dtype, d = u->d, nf = (int)fills, nr = (int)rows;
         void *pf[] = { &dfb, &dfs, &list_hs, &nf, &bt, &row_lo, &si, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
                        &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
         void *pg[] = { &didx, &idx_hs, &nr, &dtab, &sl_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
                        &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
                        &u->out_v, &o_hs, &zero };
         if (fills > 0 &&
-            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
+            (r = pqc__gpu_launch(c, PQC__K_FILL, pqc__cdiv(fills * u->block_tokens, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
             return r;
-        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
     }
     if (dout) {
-        pqc__cut_rows_device(c, u->arena + nkv * u->nblk_cap * 4, dout);
+        pqc__gpu_rows_device(c, u->arena + nkv * u->nblk_cap * 4, dout);
         return PQC_SUCCESS;
     }
-    if ((r = pqc__cut_rows_home(c, sel->count, out)) != PQC_SUCCESS) return r;
-    PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    if ((r = pqc__gpu_rows_home(c, sel->count, out)) != PQC_SUCCESS) return r;
+    PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     return PQC_SUCCESS;
 }
 
-static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
+static pqc_result pqc__gpu_fetch(pqc_cache *c, int l, const pqc_selection *sel, const pqc_kv_out *out,
                                  pqc_kv_device *dout)
 {
-    struct pqc__cut *u = c->cu;
-    pqc_result r = pqc__cut_fetch_run(c, l, sel, out, dout);
+    struct pqc__gpu_tier *u = c->cu;
+    pqc_result r = pqc__gpu_fetch_run(c, l, sel, out, dout);
     size_t h, i, cb = (size_t)c->d.cache_blocks + 1;
     if (r == PQC_SUCCESS) return r;
     /* the blocks admitted by this fetch were never copied: forget them, so that no
@@ -12350,7 +12351,7 @@ static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, 
     for (h = 0; h < (size_t)u->n_kv; h++) {
         pqc__head *H = &c->layers[l].heads[h];
         for (i = 0; i < u->nfill[h]; i++) {
-            int s = u->fill_s[h * cb + i] - u->nsb - u->wb;
+            int s = u->fill_s[h * cb + i] - u->sink_blocks - u->window_blocks;
             int32_t b = u->fill_b[h * cb + i];
             if (H->block_of[s] == b) {
                 H->block_of[s] = -1;
@@ -12363,28 +12364,28 @@ static pqc_result pqc__cut_fetch(pqc_cache *c, int l, const pqc_selection *sel, 
     return r;
 }
 
-static pqc_result pqc__cut_fetch_prepare(pqc_cache *c, size_t rows_per_head)
+static pqc_result pqc__gpu_fetch_prepare(pqc_cache *c, size_t rows_per_head)
 {
     (void)rows_per_head;
-    return pqc__cut_fetch_begin(c);
+    return pqc__gpu_fetch_begin(c);
 }
 
 /* The admissions of the shared bookkeeping become this tier's fill lists, then the
    copies and the gather run on the device. */
-static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+static pqc_result pqc__gpu_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     size_t h, f, cb = (size_t)c->d.cache_blocks + 1;
     (void)parallel;
     for (h = 0; h < (size_t)u->n_kv; h++) {
         const pqc__fill *fl = j->fills + h * (size_t)c->d.admit_blocks;
         for (f = 0; f < j->nfill[h] && f < cb; f++) {
             u->fill_b[h * cb + f] = fl[f].block;
-            u->fill_s[h * cb + f] = u->nsb + u->wb + fl[f].slot;
+            u->fill_s[h * cb + f] = u->sink_blocks + u->window_blocks + fl[f].slot;
         }
         u->nfill[h] = f;
     }
-    return pqc__cut_fetch(c, j->layer, j->sel, j->out, dout);
+    return pqc__gpu_fetch(c, j->layer, j->sel, j->out, dout);
 }
 
 /* ----- the decode step on the device: selection, bookkeeping and gather enqueued, no
@@ -12393,19 +12394,19 @@ static pqc_result pqc__cut_fetch_tier(pqc_cache *c, struct pqc__fetch_job *j, pq
 /* Layer l's block-cache bookkeeping on the device for nbc blocks, every head:
    freq, stamp u64 [n_kv][slots] | score f32, slot_of i32, cnt u32 [n_kv][nbc] |
    block_of i32, filled u32, touched u32 [n_kv][slots]. */
-static size_t pqc__cut_adm_slots(const pqc_cache *c) { return (size_t)(c->d.cache_blocks > 0 ? c->d.cache_blocks : 1); }
-static size_t pqc__cut_adm_bytes(const pqc_cache *c, size_t nbc)
+static size_t pqc__gpu_adm_slots(const pqc_cache *c) { return (size_t)(c->d.cache_blocks > 0 ? c->d.cache_blocks : 1); }
+static size_t pqc__gpu_adm_bytes(const pqc_cache *c, size_t nbc)
 {
-    return (size_t)c->d.n_kv_heads * (16 * pqc__cut_adm_slots(c) + 12 * nbc + 12 * pqc__cut_adm_slots(c));
+    return (size_t)c->d.n_kv_heads * (16 * pqc__gpu_adm_slots(c) + 12 * nbc + 12 * pqc__gpu_adm_slots(c));
 }
 
 /* Moves layer l's bookkeeping between host and device (to_dev: the host's copy up;
    else the device's back, after waiting for the stream). The move leaves the other side's
    copy the current one. */
-static pqc_result pqc__cut_adm_move(pqc_cache *c, int l, int to_dev)
+static pqc_result pqc__gpu_adm_move(pqc_cache *c, int l, int to_dev)
 {
-    struct pqc__cut *u = c->cu;
-    size_t nkv = (size_t)u->n_kv, ns = pqc__cut_adm_slots(c), nbc = u->adm_nbc[l], bytes = pqc__cut_adm_bytes(c, nbc);
+    struct pqc__gpu_tier *u = c->cu;
+    size_t nkv = (size_t)u->n_kv, ns = pqc__gpu_adm_slots(c), nbc = u->adm_nbc[l], bytes = pqc__gpu_adm_bytes(c, nbc);
     size_t h, i, nb = PQC__MIN(nbc, c->nblk), cbk = (size_t)PQC__MAX(c->d.cache_blocks, 0);
     unsigned char *m = (unsigned char *)pqc__alloc(&c->alloc, bytes);
     uint64_t *fq, *stp;
@@ -12428,7 +12429,7 @@ static pqc_result pqc__cut_adm_move(pqc_cache *c, int l, int to_dev)
         if (cr == 0) cr = u->api->cuMemcpyDtoH_v2(m, u->adm[l], bytes);
         if (cr != 0) {
             pqc__free(&c->alloc, m);
-            return pqc__cut_err(c, cr, "reading the block-cache bookkeeping");
+            return pqc__gpu_err(c, cr, "reading the block-cache bookkeeping");
         }
     } else {
         memset(m, 0, bytes);
@@ -12459,33 +12460,33 @@ static pqc_result pqc__cut_adm_move(pqc_cache *c, int l, int to_dev)
     (void)tc;
     cr = to_dev ? u->api->cuMemcpyHtoD_v2(u->adm[l], m, bytes) : 0;
     pqc__free(&c->alloc, m);
-    if (cr != 0) return pqc__cut_err(c, cr, "writing the block-cache bookkeeping");
+    if (cr != 0) return pqc__gpu_err(c, cr, "writing the block-cache bookkeeping");
     u->adm_dev[l] = to_dev;
     return PQC_SUCCESS;
 }
 
 /* Before the host reads or changes layer l's block-cache bookkeeping: the device's copy,
    when a device step made it the current one. */
-static pqc_result pqc__cut_adm_pull(pqc_cache *c, int l)
+static pqc_result pqc__gpu_adm_pull(pqc_cache *c, int l)
 {
     if (!c->cu || !c->cu->adm || !c->cu->adm_dev[l]) return PQC_SUCCESS;
-    pqc__cut_enter(c);
-    return pqc__cut_adm_move(c, l, 0);
+    pqc__gpu_enter(c);
+    return pqc__gpu_adm_move(c, l, 0);
 }
 
 /* Adds the hits, misses and bytes that device steps counted at layer l. Waits for the
    stream (a statistics read is a natural synchronisation point). */
-static pqc_result pqc__cut_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
+static pqc_result pqc__gpu_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
 {
-    const struct pqc__cut *u = c->cu;
+    const struct pqc__gpu_tier *u = c->cu;
     uint64_t v[3 * 64];
     size_t nkv = (size_t)u->n_kv, h, done;
     if (!u->dstat) return PQC_SUCCESS;
     u->api->cuCtxSetCurrent(u->r->dev.ctx);
-    PQC__CUT_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+    PQC__GPU_CALL(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
     for (done = 0; done < nkv; done += 64) { /* 64 heads at a time */
         size_t part = PQC__MIN((size_t)64, nkv - done);
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoH_v2(v, u->dstat + ((size_t)l * nkv + done) * 24, part * 24), "cuMemcpyDtoH");
+        PQC__GPU_CALL(c, u->api->cuMemcpyDtoH_v2(v, u->dstat + ((size_t)l * nkv + done) * 24, part * 24), "cuMemcpyDtoH");
         for (h = 0; h < part; h++) {
             st->hits += v[3 * h];
             st->misses += v[3 * h + 1];
@@ -12498,19 +12499,19 @@ static pqc_result pqc__cut_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
 /* What device steps need, made at the first one: bookkeeping tables, statistics, fill
    lists, the tops-k, the staging of queries (two steps deep per layer, in pinned
    memory, so that a step's copies never wait) and their events. */
-static pqc_result pqc__cut_step_init(pqc_cache *c)
+static pqc_result pqc__gpu_step_init(pqc_cache *c)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), i;
     pqc_result r;
     if (u->adm) return PQC_SUCCESS;
     u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + nkv * sizeof(int32_t) + 63) / 64 * 64;
-    if ((r = pqc__cut_dalloc(c, &u->dstat, L * nkv * 24)) != PQC_SUCCESS ||
-        (r = pqc__cut_dalloc(c, &u->rfill, nkv * 3 * ab * 4)) != PQC_SUCCESS ||
-        (r = pqc__cut_dalloc(c, &u->dtakes, nkv * 4)) != PQC_SUCCESS ||
-        (r = pqc__cut_halloc(c, (void **)&u->h_stage, 2 * L * u->stage_bytes)) != PQC_SUCCESS)
+    if ((r = pqc__gpu_dalloc(c, &u->dstat, L * nkv * 24)) != PQC_SUCCESS ||
+        (r = pqc__gpu_dalloc(c, &u->rfill, nkv * 3 * ab * 4)) != PQC_SUCCESS ||
+        (r = pqc__gpu_dalloc(c, &u->dtakes, nkv * 4)) != PQC_SUCCESS ||
+        (r = pqc__gpu_halloc(c, (void **)&u->h_stage, 2 * L * u->stage_bytes)) != PQC_SUCCESS)
         return r;
-    PQC__CUT_CALL(c, u->api->cuMemsetD32Async(u->dstat, 0, L * nkv * 6, u->st), "cuMemsetD32Async");
+    PQC__GPU_CALL(c, u->api->cuMemsetD32Async(u->dstat, 0, L * nkv * 6, u->st), "cuMemsetD32Async");
     u->adm = (pqc__dptr *)pqc__calloc(&c->alloc, L * (sizeof(pqc__dptr) + sizeof(size_t) + sizeof(int) +
                                                       2 * sizeof(pqc__cuEvent)) + 16);
     if (!u->adm) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
@@ -12518,7 +12519,7 @@ static pqc_result pqc__cut_step_init(pqc_cache *c)
     u->adm_nbc = (size_t *)(u->ev_stage + 2 * L);
     u->adm_dev = (int *)(u->adm_nbc + L);
     for (i = 0; i < 2 * L; i++)
-        PQC__CUT_CALL(c, u->api->cuEventCreate(&u->ev_stage[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+        PQC__GPU_CALL(c, u->api->cuEventCreate(&u->ev_stage[i], PQC__CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     return PQC_SUCCESS;
 }
 
@@ -12528,11 +12529,11 @@ static pqc_result pqc__cut_step_init(pqc_cache *c)
    copies and the gather are enqueued on the stream. With dout the rows stay on the
    device and nothing waits; with out the rows and the selection (into pos, head h at
    pos + h * pos_stride) come back after one synchronisation. */
-static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
                                 const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
                                 size_t pos_stride)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
     size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
@@ -12542,46 +12543,46 @@ static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_
     pqc_result r;
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: decode before prefill");
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
-    pqc__cut_enter(c);
+    pqc__gpu_enter(c);
     for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
-    if ((r = pqc__cut_step_init(c)) != PQC_SUCCESS || (r = pqc__cut_rows_room(c, rows)) != PQC_SUCCESS) return r;
+    if ((r = pqc__gpu_step_init(c)) != PQC_SUCCESS || (r = pqc__gpu_rows_room(c, rows)) != PQC_SUCCESS) return r;
     if (out && u->pos_cap < u->rows_cap) {
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         u->pos_cap = 0;
-        if ((r = pqc__cut_halloc(c, (void **)&u->h_pos, nkv * u->rows_cap * 4)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_halloc(c, (void **)&u->h_pos, nkv * u->rows_cap * 4)) != PQC_SUCCESS) return r;
         u->pos_cap = u->rows_cap;
     }
     if (u->adm_nbc[l] < c->nblk) { /* the tables grow with the stores: through the host */
-        if ((r = pqc__cut_adm_pull(c, l)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_adm_pull(c, l)) != PQC_SUCCESS) return r;
         u->adm_nbc[l] = 0;
-        if ((r = pqc__cut_dalloc(c, &u->adm[l], pqc__cut_adm_bytes(c, c->nblk))) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_dalloc(c, &u->adm[l], pqc__gpu_adm_bytes(c, c->nblk))) != PQC_SUCCESS) return r;
         u->adm_nbc[l] = c->nblk;
     }
-    if (!u->adm_dev[l] && (r = pqc__cut_adm_move(c, l, 1)) != PQC_SUCCESS) return r;
+    if (!u->adm_dev[l] && (r = pqc__gpu_adm_move(c, l, 1)) != PQC_SUCCESS) return r;
     /* the staging slot of this layer two steps ago is free (it always is, unless the
        device runs two whole steps behind) */
     cr = u->api->cuEventQuery(u->ev_stage[slot]);
-    if (cr != 0) PQC__CUT_WAIT(c, u->api->cuEventSynchronize(u->ev_stage[slot]), "cuEventSynchronize");
+    if (cr != 0) PQC__GPU_WAIT(c, u->api->cuEventSynchronize(u->ev_stage[slot]), "cuEventSynchronize");
     stage = u->h_stage + slot * u->stage_bytes;
     memcpy(stage, q, qb);
     tk = (int32_t *)(stage + qb);
     for (h = 0; h < nkv; h++) tk[h] = (int32_t)takes[h];
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, nkv * 4, u->st), "cuMemcpyHtoDAsync");
-    PQC__CUT_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
-    if (search && (r = pqc__cut_search(c, l, ctake, u->dtakes, 0)) != PQC_SUCCESS) return r;
+    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
+    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, nkv * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
+    if (search && (r = pqc__gpu_search(c, l, ctake, u->dtakes, 0)) != PQC_SUCCESS) return r;
     {
-        size_t nbc = u->adm_nbc[l], ns = pqc__cut_adm_slots(c), mid_end = pqc__mid_end(c, n);
+        size_t nbc = u->adm_nbc[l], ns = pqc__gpu_adm_slots(c), mid_end = pqc__mid_end(c, n);
         pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
                   cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
         pqc__dptr topk = search ? u->topk : 0, tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
         pqc__dptr fb = u->rfill, fs = fb + ab * 4, fr = fs + ab * 4, stat = u->dstat + (size_t)l * nkv * 24, zero = 0;
         int64_t topk_hs = (int64_t)ctake, sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,
                 tab_hs = (int64_t)u->nblk_cap, fill_hs = 3 * (int64_t)ab, hs = (int64_t)u->hstride, ld = u->d,
-                pool_hs = (int64_t)u->n_slots * (int64_t)u->bt * u->d, phs = (int64_t)u->phstride, split = (int64_t)c->pn,
+                pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d, phs = (int64_t)u->phstride, split = (int64_t)c->pn,
                 o_hs = (int64_t)u->rows_cap * u->d;
-        int n_sink = c->d.n_sink, coded = (int)L->n_coded, me = (int)mid_end, ni = (int)n, nr = (int)rows, bt = (int)u->bt;
-        int nsb = u->nsb, wb = u->wb, cbk = c->d.cache_blocks, adm = c->d.admit_blocks, lfu = c->d.policy != PQC_POLICY_LRU;
+        int n_sink = c->d.n_sink, coded = (int)L->n_coded, me = (int)mid_end, ni = (int)n, nr = (int)rows, bt = (int)u->block_tokens;
+        int nsb = u->sink_blocks, wb = u->window_blocks, cbk = c->d.cache_blocks, adm = c->d.admit_blocks, lfu = c->d.policy != PQC_POLICY_LRU;
         int nf = (int)ab, row_lo = 0, dt = (int)c->d.kv_dtype, d = u->d;
         uint64_t step = L->step, rb = c->row;
         void *pa[] = { &topk, &topk_hs, &u->dtakes, &n_sink, &coded, &me, &ni, &nr, &idx, &sel_hs, &bt, &nsb, &wb, &cbk,
@@ -12592,24 +12593,24 @@ static pqc_result pqc__cut_step(pqc_cache *c, int l, const float *q, const size_
         void *pg[] = { &idx, &sel_hs, &nr, &tab, &tab_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
                        &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
                        &u->out_v, &o_hs, &zero };
-        if ((r = pqc__cut_launch(c, PQC__K_SELECT_ADMIT, 1, (unsigned)nkv, 0, pa)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_SELECT_ADMIT, 1, (unsigned)nkv, 0, pa)) != PQC_SUCCESS) return r;
         if (cbk > 0 && adm > 0 &&
-            (r = pqc__cut_launch(c, PQC__K_FILL, pqc__cdiv(ab * u->bt, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
+            (r = pqc__gpu_launch(c, PQC__K_FILL, pqc__cdiv(ab * u->block_tokens, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)
             return r;
-        if ((r = pqc__cut_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_GATHER, pqc__cdiv(rows, 8), (unsigned)nkv, 0, pg)) != PQC_SUCCESS) return r;
         if (dout) {
-            pqc__cut_rows_device(c, idx, dout);
+            pqc__gpu_rows_device(c, idx, dout);
             return PQC_SUCCESS;
         }
-        if ((r = pqc__cut_rows_home(c, count, out)) != PQC_SUCCESS) return r;
-        PQC__CUT_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_pos, idx, nkv * u->rows_cap * 4, u->st), "cuMemcpyDtoHAsync");
-        PQC__CUT_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        if ((r = pqc__gpu_rows_home(c, count, out)) != PQC_SUCCESS) return r;
+        PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_pos, idx, nkv * u->rows_cap * 4, u->st), "cuMemcpyDtoHAsync");
+        PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         for (h = 0; h < nkv; h++) memcpy(pos + h * pos_stride, u->h_pos + h * u->rows_cap, count[h] * sizeof(uint32_t));
     }
     return PQC_SUCCESS;
 }
 
-static int pqc__cut_zero_copy(const pqc_cache *c)
+static int pqc__gpu_zero_copy(const pqc_cache *c)
 {
     (void)c;
     return 0;
@@ -12617,55 +12618,55 @@ static int pqc__cut_zero_copy(const pqc_cache *c)
 
 /* The waits of a layer's select, fetch or step (and of the fetch's preparation before
    it) go to its statistics. */
-static void pqc__cut_note_waits(pqc_cache *c, int l)
+static void pqc__gpu_note_waits(pqc_cache *c, int l)
 {
-    struct pqc__cut *u = c->cu;
+    struct pqc__gpu_tier *u = c->cu;
     c->layers[l].st.device_waits += u->waits - u->waits_seen;
     u->waits_seen = u->waits;
 }
-static pqc_result pqc__cut_select_w(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
+static pqc_result pqc__gpu_select_w(pqc_cache *c, int l, const float *q, size_t take, int scores, const int32_t **idx,
                                     const float **sc)
 {
-    pqc_result r = pqc__cut_select(c, l, q, take, scores, idx, sc);
-    pqc__cut_note_waits(c, l);
+    pqc_result r = pqc__gpu_select(c, l, q, take, scores, idx, sc);
+    pqc__gpu_note_waits(c, l);
     return r;
 }
-static pqc_result pqc__cut_fetch_tier_w(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
+static pqc_result pqc__gpu_fetch_tier_w(pqc_cache *c, struct pqc__fetch_job *j, pqc_kv_device *dout, int parallel)
 {
-    pqc_result r = pqc__cut_fetch_tier(c, j, dout, parallel);
-    pqc__cut_note_waits(c, j->layer);
+    pqc_result r = pqc__gpu_fetch_tier(c, j, dout, parallel);
+    pqc__gpu_note_waits(c, j->layer);
     return r;
 }
-static pqc_result pqc__cut_step_w(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
+static pqc_result pqc__gpu_step_w(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
                                   const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
                                   size_t pos_stride)
 {
-    pqc_result r = pqc__cut_step(c, l, q, takes, search, ctake, count, out, dout, pos, pos_stride);
-    pqc__cut_note_waits(c, l);
+    pqc_result r = pqc__gpu_step(c, l, q, takes, search, ctake, count, out, dout, pos, pos_stride);
+    pqc__gpu_note_waits(c, l);
     return r;
 }
-static pqc_result pqc__cut_adm_pull_w(pqc_cache *c, int l)
+static pqc_result pqc__gpu_adm_pull_w(pqc_cache *c, int l)
 {
-    pqc_result r = pqc__cut_adm_pull(c, l);
-    if (c->cu) pqc__cut_note_waits(c, l);
+    pqc_result r = pqc__gpu_adm_pull(c, l);
+    if (c->cu) pqc__gpu_note_waits(c, l);
     return r;
 }
 
 static const pqc__tier_i *pqc__cuda_tier(void)
 {
-    static const pqc__tier_i t = { "CUDA", PQC__CAN_DEVICE_ROWS, pqc__cut_create, pqc__cut_destroy, pqc__cut_host_alloc,
-                                   pqc__cut_host_free, pqc__cut_host_release, pqc__cut_codes_allocator, pqc__cut_quiesce, pqc__cut_grown,
-                                   pqc__cut_stored, pqc__cut_appended, pqc__cut_sized, pqc__cut_select_w,
-                                   pqc__cut_fetch_prepare, pqc__cut_fetch_tier_w, pqc__cut_device_bytes,
-                                   pqc__cut_zero_copy, pqc__cut_step_w, pqc__cut_adm_pull_w, pqc__cut_stats,
-                                   pqc__cut_batch_tables };
+    static const pqc__tier_i t = { "CUDA", PQC__CAN_DEVICE_ROWS, pqc__gpu_create, pqc__gpu_destroy, pqc__gpu_host_alloc,
+                                   pqc__gpu_host_free, pqc__gpu_host_release, pqc__gpu_codes_allocator, pqc__gpu_quiesce, pqc__gpu_grown,
+                                   pqc__gpu_stored, pqc__gpu_appended, pqc__gpu_sized, pqc__gpu_select_w,
+                                   pqc__gpu_fetch_prepare, pqc__gpu_fetch_tier_w, pqc__gpu_device_bytes,
+                                   pqc__gpu_zero_copy, pqc__gpu_step_w, pqc__gpu_adm_pull_w, pqc__gpu_stats,
+                                   pqc__gpu_batch_tables };
     return &t;
 }
 
 /* the device side as the sections above reach it (see pqc__device_i) */
 static const pqc__device_i *pqc__device(void)
 {
-    static const pqc__device_i dev = { pqc__curt_open, pqc__curt_close, pqc__cuda_lloyd, pqc__cuda_tier };
+    static const pqc__device_i dev = { pqc__gpu_open, pqc__gpu_close, pqc__cuda_lloyd, pqc__cuda_tier };
     return &dev;
 }
 
@@ -12755,7 +12756,7 @@ PQCDEF const char *pqc_cuda_kernel_source(void) { return ""; }
 
 #if !PQC__CUDA_LOADER
 /* Built without the CUDA loader: no device tier (c->cu and rt->cu stay NULL). */
-static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
+static pqc_result pqc__gpu_open(pqc_runtime *rt, int ordinal, const char *cache_dir, char *why, size_t why_size)
 {
     (void)rt;
     (void)ordinal;
@@ -12763,7 +12764,7 @@ static pqc_result pqc__curt_open(pqc_runtime *rt, int ordinal, const char *cache
     snprintf(why, why_size, "built without the CUDA loader");
     return PQC_ERROR_NO_DEVICE;
 }
-static void pqc__curt_close(pqc_runtime *rt) { (void)rt; }
+static void pqc__gpu_close(pqc_runtime *rt) { (void)rt; }
 static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int d, int k, int iters, float *c,
                                   double *obj, char *err, size_t errsz)
 {
@@ -12780,7 +12781,7 @@ static pqc_result pqc__cuda_lloyd(pqc_runtime *rt, const float *x, size_t n, int
 }
 static const pqc__device_i *pqc__device(void)
 {
-    static const pqc__device_i dev = { pqc__curt_open, pqc__curt_close, pqc__cuda_lloyd, NULL };
+    static const pqc__device_i dev = { pqc__gpu_open, pqc__gpu_close, pqc__cuda_lloyd, NULL };
     return &dev;
 }
 #endif

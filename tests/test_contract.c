@@ -1005,8 +1005,8 @@ static uint64_t fold_kv(uint64_t h, const pqc_selection *sel, const pqc_kv_out *
 }
 
 /* The scenario: a runtime, a 2-layer fp16 cache with prompt, chunked prompt, decode steps
-   with select and gather, a second turn (re-ranked, with exact lists); and a driver-run
-   fp32 cache with row pointers (exact lists, residual-aware scoring).
+   with select and gather, a second turn (re-ranked, with outlier lists); and a driver-run
+   fp32 cache with row pointers (outlier lists, residual-aware scoring).
    Returns 0 when it ran to the end (with retries), -1 when a call failed for good. */
 static int scenario(scen *S)
 {
@@ -1041,7 +1041,7 @@ static int scenario(scen *S)
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
     cd.rebuild_share = 0.3;
-    cd.rerank = 2; /* exact scoring: the failures inside it, and exact lists given back */
+    cd.rerank = 2; /* exact scoring: the failures inside it, and outlier lists given back */
     cd.outliers = 4;
     if (pqc_runtime_create(&rd, &rt) != PQC_SUCCESS) goto early;
     if (pqc_cache_create(rt, &cd, &a) != PQC_SUCCESS) goto early;

@@ -548,7 +548,7 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* exact scoring on the host of the device's candidates: re-ranked (the device's top
-   2 x k, trimmed per head by score under the adaptive split), and with exact lists */
+   2 x k, trimmed per head by score under the adaptive split), and with outlier lists */
 TEST decode_matches_cpu_rerank(void)
 {
     shape sh = g_small;
@@ -556,14 +556,14 @@ TEST decode_matches_cpu_rerank(void)
     sh.observe = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
 }
-TEST decode_matches_cpu_exact_list(void)
+TEST decode_matches_cpu_outliers(void)
 {
     shape sh = g_small;
     sh.outliers = 16;
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
-TEST decode_matches_cpu_rerank_exact_list_resident(void)
+TEST decode_matches_cpu_rerank_outliers_resident(void)
 {
     shape sh = g_small;
     sh.rerank = 3.0;
@@ -1476,8 +1476,8 @@ static enum greatest_test_res batch_matches(batch_opts *o)
             }
     }
     if (o->lt_fail_at >= 0) lt_fail_after(-1);
-    o->gemm_batches = rg->cu && rg->cu->lb ? rg->cu->lb->gemm_batches : 0;
-    o->kernel_batches = rg->cu && rg->cu->lb ? rg->cu->lb->kernel_batches : 0;
+    o->gemm_batches = rg->cu && rg->cu->batch ? rg->cu->batch->gemm_batches : 0;
+    o->kernel_batches = rg->cu && rg->cu->batch ? rg->cu->batch->kernel_batches : 0;
     for (i = 0; i < NS; i++) {
         pqc_selection_free(&sg[i]);
         pqc_selection_free(&sc[i]);
@@ -1611,8 +1611,8 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
     RUN_TEST(decode_matches_cpu_rerank);
     RUN_TEST(fork_on_the_device_matches_cpu);
-    RUN_TEST(decode_matches_cpu_exact_list);
-    RUN_TEST(decode_matches_cpu_rerank_exact_list_resident);
+    RUN_TEST(decode_matches_cpu_outliers);
+    RUN_TEST(decode_matches_cpu_rerank_outliers_resident);
     RUN_TEST(decode_matches_cpu_residual_scoring);
     RUN_TEST(cache_file_loads_onto_the_device);
     RUN_TEST(device_fetch_on_engine_stream);

@@ -910,7 +910,7 @@ TEST adaptive_split_may_give_a_head_no_top_k(void)
     PASS();
 }
 
-/* ----- re-ranking and the exact list ------------------------------------------------- */
+/* ----- re-ranking and the outlier list ------------------------------------------------- */
 
 /* Re-ranking every row is the exact search: the candidates are all the tokens, so the
    softmax over them is the exact one. Through pqc_rerank (idx overwriting the candidates)
@@ -1051,7 +1051,7 @@ TEST rerank_misuse_is_refused(void)
 /* The cache's exact scoring on the hard data sets: re-ranking the PQ top 2k and the exact
    list each keep every rare token the cache-shaped oracle keeps and at least the mass of
    the plain selection; a factor covering every coded token selects the oracle itself. */
-TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
+TEST rerank_and_outliers_keep_what_the_oracle_keeps(void)
 {
     pqc_scratch scr;
     uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
@@ -1066,7 +1066,7 @@ TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
         int mode;
         ASSERT_EQ(0, make_hard(&hk, i, 0));
         ASSERT(exact_attention(&hk, &scr, p, NULL));
-        for (mode = 0; mode < 5; mode++) { /* plain, rerank 2, exact list, both, rerank all */
+        for (mode = 0; mode < 5; mode++) { /* plain, rerank 2, outlier list, both, rerank all */
             pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
             pqc_cache *c;
             pqc_selection sel;
@@ -1077,7 +1077,7 @@ TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
             ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
             n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
             ASSERT_EQ(sel.count[0], n_or);
-            if (cd.outliers) ASSERT_EQ(64, (int)c->layers[0].heads[0].on);
+            if (cd.outliers) ASSERT_EQ(64, (int)c->layers[0].heads[0].n_outliers);
             rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
             if (mode == 4) {
                 size_t same = 0;
@@ -1094,7 +1094,7 @@ TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
         }
         hk_free(&hk);
     }
-    fprintf(stderr, "  rare tokens kept of the oracle's %d: plain %d, rerank 2 %d, exact list %d, both %d; "
+    fprintf(stderr, "  rare tokens kept of the oracle's %d: plain %d, rerank 2 %d, outlier list %d, both %d; "
             "mass %.3f %.3f %.3f %.3f\n", in_ref, kept[0], kept[1], kept[2], kept[3], m[0] / 4, m[1] / 4, m[2] / 4, m[3] / 4);
     ASSERT(in_ref >= 16);
     for (i = 1; i < 4; i++) {
@@ -1108,10 +1108,10 @@ TEST rerank_and_exact_list_keep_what_the_oracle_keeps(void)
     PASS();
 }
 
-/* The exact list holds the tokens the codebook serves worst: the build's list beats every
+/* The outlier list holds the tokens the codebook serves worst: the build's list beats every
    unlisted token's residual; a token coded later whose residual beats the list joins it;
    tokens given back leave it. */
-TEST exact_list_holds_the_worst_served_tokens(void)
+TEST outliers_are_the_worst_served_tokens(void)
 {
     hardkeys hk;
     pqc_cache_desc cd = hard_desc(PQC_METRIC_L2);
@@ -1134,11 +1134,11 @@ TEST exact_list_holds_the_worst_served_tokens(void)
     H = &c->layers[0].heads[0];
     n = H->codes.count;
     ASSERT(n > 1000);
-    ASSERT_EQ(32, (int)H->on);
-    ASSERT_EQ(32, (int)H->on_build);
-    for (t = 0; t < H->on; t++) {
-        ASSERT(t == 0 || H->olist[t] > H->olist[t - 1]);
-        listed[H->olist[t]] = 1;
+    ASSERT_EQ(32, (int)H->n_outliers);
+    ASSERT_EQ(32, (int)H->n_outliers_build);
+    for (t = 0; t < H->n_outliers; t++) {
+        ASSERT(t == 0 || H->outliers[t] > H->outliers[t - 1]);
+        listed[H->outliers[t]] = 1;
     }
     for (t = 0; t < n; t++) {
         double a = 0;
@@ -1152,10 +1152,10 @@ TEST exact_list_holds_the_worst_served_tokens(void)
         if (!listed[t] && res[t] > hi) hi = res[t];
     }
     ASSERT(lo >= hi * (1 - 1e-4f));
-    ASSERT_IN_RANGE(lo, H->othr, 1e-3f * lo);
+    ASSERT_IN_RANGE(lo, H->outlier_thr, 1e-3f * lo);
     /* a served-badly token appended: once it leaves the window and is coded, it is listed */
     for (e = 0; e < D; e++) far[e] = (e % 7 == 0 ? 40.0f : 0.0f) * (e % 2 ? -1.0f : 1.0f);
-    before = H->on;
+    before = H->n_outliers;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, far, far));
     w = pqc_cache_window(c);
     for (e = 0; e < w + 1; e++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, hk.keys + (size_t)(100 + e) * D, row));
@@ -1165,11 +1165,11 @@ TEST exact_list_holds_the_worst_served_tokens(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, hk.queries, &sel));
         pqc_selection_free(&sel);
     }
-    ASSERT(H->on > before);
-    ASSERT(H->on <= 64);
+    ASSERT(H->n_outliers > before);
+    ASSERT(H->n_outliers <= 64);
     {
         int found = 0;
-        for (t = before; t < H->on; t++) found |= H->olist[t] == (uint32_t)(S - 32);
+        for (t = before; t < H->n_outliers; t++) found |= H->outliers[t] == (uint32_t)(S - 32);
         ASSERT(found);
     }
     /* giving the tokens back takes them off the list: it is what a cache that never coded
@@ -1188,10 +1188,10 @@ TEST exact_list_holds_the_worst_served_tokens(void)
         pqc_selection_free(&sel);
         HB = &b->layers[0].heads[0];
         ASSERT_EQ((size_t)(S - 32), HB->codes.count);
-        ASSERT_EQ(HB->on, H->on);
-        ASSERT_EQ(HB->on_build, H->on_build);
-        ASSERT_MEM_EQ(HB->olist, H->olist, H->on * sizeof(uint32_t));
-        ASSERT(H->on > H->on_build); /* tokens coded since the build are listed too */
+        ASSERT_EQ(HB->n_outliers, H->n_outliers);
+        ASSERT_EQ(HB->n_outliers_build, H->n_outliers_build);
+        ASSERT_MEM_EQ(HB->outliers, H->outliers, H->n_outliers * sizeof(uint32_t));
+        ASSERT(H->n_outliers > H->n_outliers_build); /* tokens coded since the build are listed too */
         pqc_cache_destroy(b);
     }
     pqc_cache_destroy(c);
@@ -1435,8 +1435,8 @@ SUITE(fidelity)
     RUN_TEST(adaptive_split_may_give_a_head_no_top_k);
     RUN_TEST(rerank_over_every_row_is_the_exact_search);
     RUN_TEST(rerank_misuse_is_refused);
-    RUN_TEST(rerank_and_exact_list_keep_what_the_oracle_keeps);
-    RUN_TEST(exact_list_holds_the_worst_served_tokens);
+    RUN_TEST(rerank_and_outliers_keep_what_the_oracle_keeps);
+    RUN_TEST(outliers_are_the_worst_served_tokens);
     RUN_TEST(residual_bytes_hold_each_sub_space_residual_norm);
     RUN_TEST(residual_aware_search_keeps_the_rare_tokens);
     RUN_TEST(cache_residual_scoring_is_the_core_search);

@@ -281,7 +281,7 @@ def seeds():
     p = P().create(layers=1, m=2, rope=1, subsp=1).observe(layer=0).observe(layer=1).prefill(rows=14)
     p.prefill(layer=1, rows=14).sel_init().select().fetch().append().select(layer=1).fetch(layer=1).sync()
     s["rope_bands"] = p
-    # exact scoring: the PQ top 2k re-ranked with the exact keys, exact lists of 4 tokens
+    # exact scoring: the PQ top 2k re-ranked with the exact keys, outlier lists of 4 tokens
     # per head, residual-aware scoring; appends code tokens (their residual bytes, and they
     # may join the lists), a failed select gives them back
     p = P().create(layers=1, rerank=1, outl=1, resw=1, ratio=1).prefill(rows=14).prefill(layer=1, rows=14).sel_init()
@@ -305,7 +305,7 @@ def seeds():
     p.driver_decode(slot=1).fork(parent=1, child=0).save_load(saved=0, loaded=0).driver_prefill(slot=0, n=3)
     p.save_load(saved=1, loaded=1).sel_init(slot=1).select(slot=1).fetch(slot=1).fetch_rows(slot=1)
     s["driver_on_loads"] = p
-    # a rebuilding cache with exact lists and re-ranking saved mid-decode and loaded
+    # a rebuilding cache with outlier lists and re-ranking saved mid-decode and loaded
     p = P().create(rebuild=2, rerank=1, outl=1).prefill(rows=14).sel_init()
     for _ in range(4):
         p.append().select()

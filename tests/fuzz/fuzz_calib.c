@@ -170,7 +170,7 @@ static pqc_scheduler *fz_scheduler(unsigned how)
 }
 
 /* the cache every cache file is loaded into: 1 layer, 2 KV heads, 4 query heads, d_h 8,
-   m 2, 2 bits, 2 sinks, exact lists of 2, residual-aware scoring, fp16 */
+   m 2, 2 bits, 2 sinks, outlier lists of 2, residual-aware scoring, fp16 */
 static pqc_cache_desc fz_cache_desc(void)
 {
     pqc_cache_desc d;

@@ -1598,7 +1598,7 @@ static void bench_lut_batch(pqc_runtime *rt, int ns, lb_row *row)
     const float **qs = (const float **)xmalloc(sizeof(float *) * (size_t)ns);
     float *kv = (float *)xmalloc(sizeof(float) * n * HKV * DH), *q = (float *)xmalloc(sizeof(float) * (size_t)ns * HQ * DH);
     float t[BENCH_REPS];
-    pqc__lb_class cls;
+    pqc__batch_class cls;
     pqc_matrix km;
     int s, rep, made = 0, ok = 1;
     memset(row, 0, sizeof *row);
