@@ -63,7 +63,8 @@
      7. Codes and encoding
      8. Search                lookup tables, scans, GQA combination, the exact reference
      9. Scheduler             the adaptive T_max fits and the calibration file
-    10. CPU backend           the host tier's slot memory (pqc_backend)
+    10. Slot memory           pqc_backend: where block-cache slots live (host memory by
+                              default; an engine may hand its own)
     11. Sequence cache        the configuration, the device-tier table and the plan's
                               fixed part, token store, builds, prefill, append, the step
                               plan, select
@@ -228,7 +229,7 @@ typedef int (*pqc_submit_fn)(void *user, void (*fn)(void *arg), void *arg);
 typedef enum pqc_backend_kind { PQC_BACKEND_CPU = 0, PQC_BACKEND_AUTO = 1, PQC_BACKEND_CUDA = 2 } pqc_backend_kind;
 
 typedef struct pqc_runtime_desc {
-    int n_threads;           /* worker threads; 0 = 1 worker; -1 = none (run inline) */
+    int n_threads;           /* worker threads; 0 = PQC_DEFAULT_THREADS; -1 = none (inline) */
     pqc_simd simd;           /* 0 = auto                                               */
     pqc_allocator allocator; /* all-zero = PQC_MALLOC/PQC_FREE                        */
     pqc_log_fn log;          /* optional                                               */
@@ -242,6 +243,8 @@ typedef struct pqc_runtime_desc {
                                 NVRTC version and source hash; NULL = $XDG_CACHE_HOME/
                                 pqcache or ~/.cache/pqcache; "-" = compile every time      */
 } pqc_runtime_desc;
+
+#define PQC_DEFAULT_THREADS 1 /* what 0 means for n_threads */
 
 typedef struct pqc_runtime pqc_runtime;
 
@@ -481,12 +484,17 @@ PQCDEF double pqc_recall(const uint32_t *truth, size_t n_truth, const uint32_t *
 typedef struct pqc_scheduler pqc_scheduler;
 
 typedef struct pqc_scheduler_desc {
-    int t_min;        /* 0 = 3   */
-    int t_max;        /* 0 = 300; at most 100000, the PQ core's limit on iterations */
-    int t_default;    /* iterations used before both fits exist; 0 = 10 */
+    int t_min;        /* 0 = PQC_DEFAULT_T_MIN */
+    int t_max;        /* 0 = PQC_DEFAULT_T_MAX; at most 100000, the PQ core's limit */
+    int t_default;    /* iterations used before both fits exist; 0 = PQC_DEFAULT_ITERS */
     double parallel;  /* k-means jobs that run side by side (worker threads); 0 = 1 */
     pqc_allocator allocator;
 } pqc_scheduler_desc;
+
+/* What 0 means in a pqc_scheduler_desc */
+#define PQC_DEFAULT_T_MIN 3
+#define PQC_DEFAULT_T_MAX 300
+#define PQC_DEFAULT_PARALLEL 1.0
 
 typedef struct pqc_scheduler_fit {
     double a1, b1;      /* k-means: seconds = a1 + b1*s*T          */
@@ -1670,7 +1678,7 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
     rt->log_level = d.log_level;
     rt->submit = d.submit;
     rt->submit_user = d.submit_user;
-    rt->n_threads = d.n_threads == 0 ? 1 : (d.n_threads < 0 ? 0 : d.n_threads);
+    rt->n_threads = d.n_threads == 0 ? PQC_DEFAULT_THREADS : (d.n_threads < 0 ? 0 : d.n_threads);
 #ifdef PQCACHE_NO_THREADS
     rt->n_threads = 0;
     if (d.submit) { /* jobs on other threads would need the locks this build leaves out */
@@ -4225,10 +4233,10 @@ PQCDEF pqc_result pqc_scheduler_create(const pqc_scheduler_desc *desc, pqc_sched
     if (!out) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_scheduler_create: null output");
     if (desc) d = *desc;
     else memset(&d, 0, sizeof d);
-    if (d.t_min == 0) d.t_min = 3;
-    if (d.t_max == 0) d.t_max = 300;
-    if (d.t_default == 0) d.t_default = 10;
-    if (d.parallel == 0) d.parallel = 1;
+    if (d.t_min == 0) d.t_min = PQC_DEFAULT_T_MIN;
+    if (d.t_max == 0) d.t_max = PQC_DEFAULT_T_MAX;
+    if (d.t_default == 0) d.t_default = PQC_DEFAULT_ITERS;
+    if (d.parallel == 0) d.parallel = PQC_DEFAULT_PARALLEL;
     if (d.t_min < 0 || d.t_max < d.t_min || d.t_max > 100000 || d.t_default < 0 || d.t_default > 100000 ||
         !(d.parallel > 0))
         return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE,
@@ -4478,7 +4486,7 @@ PQCDEF pqc_result pqc_scheduler_load(pqc_scheduler *s, const char *path)
 }
 
 /* ---------------------------------------------------------------------------------------
-   10. CPU backend
+   10. Slot memory: pqc_backend_cpu, the block-cache slots of the host tier in host memory
    ------------------------------------------------------------------------------------- */
 
 static void *pqc__cpu_alloc(void *ctx, size_t n) { return pqc__alloc((const pqc_allocator *)ctx, n); }
