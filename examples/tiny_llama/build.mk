@@ -28,17 +28,17 @@ TINY_LLAMA_SRCS := $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_DIR)/gen_random.c \
                    $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/test_pqcache_mode.c \
                    $(TINY_LLAMA_DIR)/needle.c $(TINY_LLAMA_DIR)/make_passkey.c \
                    $(TINY_LLAMA_DIR)/bench_hf.c
-TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_pqcache.h pqcache.h
+TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_DIR)/tl_pqcache.h pqcache.h
 
 build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/tiny_llama_gen: $(TINY_LLAMA_DIR)/gen_random.c $(TINY_LLAMA_DIR)/tiny_llama.h
+build/tiny_llama_gen: $(TINY_LLAMA_DIR)/gen_random.c $(TINY_LLAMA_ENGINE)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_test.h
+build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_DIR)/tl_test.h
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 

@@ -27,7 +27,7 @@ MPIRUN_FLAGS ?= --oversubscribe --bind-to none
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 TL_MPI_SRC := examples/tiny_llama/tl_mpi.c
 
-build/tiny_llama_mpi: $(TL_MPI_SRC) examples/tiny_llama/tiny_llama.h pqcache.h
+build/tiny_llama_mpi: $(TL_MPI_SRC) $(TINY_LLAMA_ENGINE) pqcache.h
 	@mkdir -p build
 	$(MPICC) $(TINY_LLAMA_CFLAGS) -o $@ $(TL_MPI_SRC) -lm -lpthread
 

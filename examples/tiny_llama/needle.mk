@@ -29,7 +29,7 @@ NEEDLE_OUT ?= build/needle
 NEEDLE_PNG ?= examples/tiny_llama/needle.png
 NEEDLE_CFLAGS ?= $(if $(CFLAGS),$(CFLAGS),-O2)
 NEEDLE_DEPS := examples/tiny_llama/needle.c examples/tiny_llama/make_passkey.c \
-               examples/tiny_llama/tiny_llama.h examples/tiny_llama/tl_pqcache.h pqcache.h
+               $(TINY_LLAMA_ENGINE) examples/tiny_llama/tl_pqcache.h pqcache.h
 
 build/needle: $(NEEDLE_DEPS)
 	@mkdir -p build
