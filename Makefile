@@ -200,7 +200,7 @@ clean:
 # ----- the example engine, the passkey model and the needle evaluation -----------------
 include examples/tiny_llama/build.mk
 # tensor parallel over MPI: build/tiny_llama_mpi, run-mpi, test-mpi (skipped without MPI)
-include examples/tiny_llama/mpi.mk
+include examples/tiny_llama/tools/mpi.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
 $(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)

@@ -1,6 +1,6 @@
 # flags.mk - the compile flags of the tiny_llama example's rules, and the
-# engine's headers they depend on. build.mk, passkey.mk, needle.mk and mpi.mk
-# include it (including it twice is harmless).
+# engine's headers they depend on. build.mk and tools/passkey.mk, needle.mk and
+# mpi.mk include it (including it twice is harmless).
 #
 # Every rule compiles with the includer's CFLAGS (optimisation, debugging,
 # sanitizers) followed by TINY_LLAMA_STD and TINY_LLAMA_WARN, so the sources

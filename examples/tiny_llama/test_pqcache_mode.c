@@ -14,7 +14,7 @@
 
 /* the passkey model's construction and prompt generator */
 #define main make_passkey_main
-#include "make_passkey.c"
+#include "tools/make_passkey.c"
 #undef main
 
 #include <math.h>
