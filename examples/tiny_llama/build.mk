@@ -26,10 +26,13 @@ TINY_LLAMA_DIR := examples/tiny_llama
 TINY_LLAMA_LIBS := -lm -lpthread
 TINY_LLAMA_TOOLS := $(TINY_LLAMA_DIR)/tools
 TINY_LLAMA_SRCS := $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_TOOLS)/gen_random.c \
-                   $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/test_pqcache_mode.c \
+                   $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/test_loaders.c \
+                   $(TINY_LLAMA_DIR)/test_pqcache_mode.c \
                    $(TINY_LLAMA_TOOLS)/needle.c $(TINY_LLAMA_TOOLS)/make_passkey.c \
                    $(TINY_LLAMA_TOOLS)/bench_hf.c
 TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_DIR)/tl_pqcache.h pqcache.h
+# the C tests' harness (the project's greatest.h) and shared helpers
+TINY_LLAMA_TEST_DEPS := tests/greatest.h $(TINY_LLAMA_DIR)/test_support.h $(TINY_LLAMA_DIR)/test_reference.h
 
 build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
@@ -39,11 +42,15 @@ build/tiny_llama_gen: $(TINY_LLAMA_TOOLS)/gen_random.c $(TINY_LLAMA_ENGINE)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_DIR)/tl_test.h
+build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_TEST_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_DIR)/tl_test.h \
+build/test_tiny_llama_loaders: $(TINY_LLAMA_DIR)/test_loaders.c $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_TEST_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+
+build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) \
                          $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
@@ -112,10 +119,11 @@ tiny_llama_check: $(TL_CHECK_STAMPS)
 # errors for a pqcache budget of 0 and a truncated checkpoint.
 TINY_LLAMA_SMOKE := build/tiny_llama_smoke
 
-DEPS_tiny_llama_test := build/test_tiny_llama build/test_pqcache_mode build/tiny_llama \
+DEPS_tiny_llama_test := build/test_tiny_llama build/test_tiny_llama_loaders build/test_pqcache_mode build/tiny_llama \
                         build/tiny_llama_gen $(TL_CHECK_STAMPS)
 tiny_llama_test: $(DEPS_tiny_llama_test) tiny_llama_check
 	./build/test_tiny_llama
+	./build/test_tiny_llama_loaders
 	./build/test_pqcache_mode
 	@mkdir -p build/pytest
 	$(TINY_LLAMA_PYTEST) --basetemp=build/pytest/tiny_llama_test --durations=5 $(TINY_LLAMA_DIR)/test_hf.py \
