@@ -200,30 +200,37 @@ clean:
 # ----- the example engine, the passkey model and the needle evaluation -----------------
 include examples/tiny_llama/build.mk
 # tensor parallel over MPI: build/tiny_llama_mpi, run-mpi, test-mpi (skipped without MPI)
-include examples/tiny_llama/mpi.mk
+include examples/tiny_llama/tools/mpi.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
-$(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+$(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
-$(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+$(BUILD)/asan_tiny_llama_loaders: examples/tiny_llama/test_loaders.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+$(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 # clang's UBSan reports pointer arithmetic on null, which gcc's does not
-$(BUILD)/clang_asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+$(BUILD)/clang_asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CLANG) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
-$(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+$(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
-# the engine's thread pool (polling, then sleeping) under ThreadSanitizer
-$(BUILD)/tsan_tiny_llama: examples/tiny_llama/test_tiny_llama.c examples/tiny_llama/tl_test.h $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+# the engine's thread pool (polling, then sleeping) under ThreadSanitizer; the loaders too
+$(BUILD)/tsan_tiny_llama: examples/tiny_llama/test_tiny_llama.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
+	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
+$(BUILD)/tsan_tiny_llama_loaders: examples/tiny_llama/test_loaders.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
 # the command line under ASan+UBSan refuses damaged Hugging Face checkpoints (test_hf.py)
 $(BUILD)/asan_tiny_llama_run: examples/tiny_llama/run.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
-DEPS_test-example-san := $(BUILD)/asan_tiny_llama $(BUILD)/asan_pqcache_mode $(BUILD)/clang_asan_pqcache_mode \
-                         $(BUILD)/tsan_pqcache_mode $(BUILD)/asan_tiny_llama_run $(BUILD)/tsan_tiny_llama
+DEPS_test-example-san := $(BUILD)/asan_tiny_llama $(BUILD)/asan_tiny_llama_loaders $(BUILD)/asan_pqcache_mode \
+                         $(BUILD)/clang_asan_pqcache_mode $(BUILD)/tsan_pqcache_mode $(BUILD)/asan_tiny_llama_run \
+                         $(BUILD)/tsan_tiny_llama $(BUILD)/tsan_tiny_llama_loaders
 test-example-san: $(DEPS_test-example-san)
 	@mkdir -p $(BUILD)/pytest
 	$(BUILD)/asan_tiny_llama
+	$(BUILD)/asan_tiny_llama_loaders
 	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_tiny_llama
+	TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_tiny_llama_loaders
 	TINY_LLAMA=$(CURDIR)/$(BUILD)/asan_tiny_llama_run ASAN_OPTIONS=detect_leaks=1 \
 	  $(PYTHON) -m pytest -q -p no:cacheprovider --basetemp=$(BUILD)/pytest/example-san --durations=5 examples/tiny_llama/test_hf.py
 	$(BUILD)/asan_pqcache_mode --quick

@@ -1,7 +1,7 @@
 # examples/tiny_llama/build.mk - Makefile fragment for the tiny_llama example.
 # Include it from the top-level Makefile (paths are relative to the repository
-# root). It uses the includer's CC and CFLAGS, and includes passkey.mk and
-# needle.mk (targets build/passkey.bin, passkey-check, needle).
+# root). It uses the includer's CC and CFLAGS, and includes tools/passkey.mk
+# and tools/needle.mk (targets build/passkey.bin, passkey-check, needle).
 #
 #   make tiny_llama         build/tiny_llama (engine) and build/tiny_llama_gen
 #   make tiny_llama_test    build and run the tests, a command-line smoke test
@@ -19,35 +19,43 @@
 
 # Compile flags: $(CFLAGS), then -std=c99 and the warnings (flags.mk).
 include examples/tiny_llama/flags.mk
-include examples/tiny_llama/passkey.mk
-include examples/tiny_llama/needle.mk
+include examples/tiny_llama/tools/passkey.mk
+include examples/tiny_llama/tools/needle.mk
 
 TINY_LLAMA_DIR := examples/tiny_llama
 TINY_LLAMA_LIBS := -lm -lpthread
-TINY_LLAMA_SRCS := $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_DIR)/gen_random.c \
-                   $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/test_pqcache_mode.c \
-                   $(TINY_LLAMA_DIR)/needle.c $(TINY_LLAMA_DIR)/make_passkey.c \
-                   $(TINY_LLAMA_DIR)/bench_hf.c
-TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_pqcache.h pqcache.h
+TINY_LLAMA_TOOLS := $(TINY_LLAMA_DIR)/tools
+TINY_LLAMA_SRCS := $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_TOOLS)/gen_random.c \
+                   $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/test_loaders.c \
+                   $(TINY_LLAMA_DIR)/test_pqcache_mode.c \
+                   $(TINY_LLAMA_TOOLS)/needle.c $(TINY_LLAMA_TOOLS)/make_passkey.c \
+                   $(TINY_LLAMA_TOOLS)/bench_hf.c
+TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_DIR)/tl_pqcache.h pqcache.h
+# the C tests' harness (the project's greatest.h) and shared helpers
+TINY_LLAMA_TEST_DEPS := tests/greatest.h $(TINY_LLAMA_DIR)/test_support.h $(TINY_LLAMA_DIR)/test_reference.h
 
 build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/tiny_llama_gen: $(TINY_LLAMA_DIR)/gen_random.c $(TINY_LLAMA_DIR)/tiny_llama.h
+build/tiny_llama_gen: $(TINY_LLAMA_TOOLS)/gen_random.c $(TINY_LLAMA_ENGINE)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_DIR)/tiny_llama.h $(TINY_LLAMA_DIR)/tl_test.h
+build/test_tiny_llama: $(TINY_LLAMA_DIR)/test_tiny_llama.c $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_TEST_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(TINY_LLAMA_DIR)/make_passkey.c $(TINY_LLAMA_DIR)/tl_test.h \
+build/test_tiny_llama_loaders: $(TINY_LLAMA_DIR)/test_loaders.c $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_TEST_DEPS)
+	@mkdir -p $(@D)
+	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+
+build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) \
                          $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
-build/bench_hf: $(TINY_LLAMA_DIR)/bench_hf.c $(TINY_LLAMA_PQ_DEPS)
+build/bench_hf: $(TINY_LLAMA_TOOLS)/bench_hf.c $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
@@ -89,7 +97,7 @@ TL_CHECK_MODE_nosimd := -std=c99 -DTINY_LLAMA_NO_SIMD
 TL_CHECK_MODE_cxx := -x c++ -std=c++11
 TL_CHECK_STAMPS :=
 define TL_CHECK_RULE
-build/checks/tl/$(1)--$(notdir $(2))--$(3).ok: $(2) $(TINY_LLAMA_PQ_DEPS) $(wildcard $(TINY_LLAMA_DIR)/*.h)
+build/checks/tl/$(1)--$(notdir $(2))--$(3).ok: $(2) $(TINY_LLAMA_PQ_DEPS) $(wildcard $(TINY_LLAMA_DIR)/*.h $(TINY_LLAMA_TOOLS)/*.h)
 	@mkdir -p $$(@D)
 	$(1) $$(TL_CHECK_MODE_$(3)) $$(TINY_LLAMA_WARN) -fsyntax-only $(2)
 	@touch $$@
@@ -111,10 +119,11 @@ tiny_llama_check: $(TL_CHECK_STAMPS)
 # errors for a pqcache budget of 0 and a truncated checkpoint.
 TINY_LLAMA_SMOKE := build/tiny_llama_smoke
 
-DEPS_tiny_llama_test := build/test_tiny_llama build/test_pqcache_mode build/tiny_llama \
+DEPS_tiny_llama_test := build/test_tiny_llama build/test_tiny_llama_loaders build/test_pqcache_mode build/tiny_llama \
                         build/tiny_llama_gen $(TL_CHECK_STAMPS)
 tiny_llama_test: $(DEPS_tiny_llama_test) tiny_llama_check
 	./build/test_tiny_llama
+	./build/test_tiny_llama_loaders
 	./build/test_pqcache_mode
 	@mkdir -p build/pytest
 	$(TINY_LLAMA_PYTEST) --basetemp=build/pytest/tiny_llama_test --durations=5 $(TINY_LLAMA_DIR)/test_hf.py \

@@ -2,8 +2,9 @@
    the engine driven by pqcache's pqc_driver_prefill / pqc_driver_decode) and
    of the attention modes on the constructed passkey model (make_passkey.c).
 
-   Prints one line per test and ends with "N passed, N failed"; the exit
-   status is non-zero if any test failed. */
+   greatest's summary line ends the output: "N passed, N failed"; the exit
+   status is non-zero if any test failed. `--quick` runs only the suite
+   pqcache_mode, `--cuda` only the suite cuda_tier; greatest's flags follow. */
 #ifndef __cplusplus
 #define _POSIX_C_SOURCE 200809L
 #endif
@@ -14,7 +15,7 @@
 
 /* the passkey model's construction and prompt generator */
 #define main make_passkey_main
-#include "make_passkey.c"
+#include "tools/make_passkey.c"
 #undef main
 
 #include <math.h>
@@ -23,7 +24,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "tl_test.h"
+#include "../../tests/greatest.h"
+#include "test_support.h"
 
 /* ----------------------------------------------------------------------------
    A tiny random model: pqcache with every token selected is full attention */
@@ -103,7 +105,7 @@ fail:
     return -1;
 }
 
-static void test_full_budget_equals_full(void)
+TEST pqcache_at_budget_1_gives_the_full_attention_logits_exactly(void)
 {
     tl_model m;
     tlpq_config cfg;
@@ -114,12 +116,11 @@ static void test_full_budget_equals_full(void)
     unsigned long long want_selected = 0;
     int pos;
     if (!ref || !got || random_model(&m)) {
-        CHECK(0);
         free(ref);
         free(got);
-        return;
+        FAILm("no memory or no random model");
     }
-    CHECK(run_full(&m, ref) == 0);
+    ASSERT(run_full(&m, ref) == 0);
     /* every decode step selects every position: sinks + all coded + window */
     for (pos = R_PROMPT; pos < R_PROMPT + R_STEPS; pos++)
         want_selected += (unsigned long long)(pos + 1) * (unsigned long long)m.config.n_kv_heads *
@@ -132,11 +133,11 @@ static void test_full_budget_equals_full(void)
             cfg.n_threads = threads;
             cfg.iters = 5;
             memset(got, 0, n * sizeof(float));
-            CHECK(run_pqcache(&m, &cfg, got, &st) == 0);
-            CHECK(memcmp(ref, got, n * sizeof(float)) == 0);
-            CHECK(st.builds == (unsigned long long)m.config.n_layers);   /* PQ was built */
-            CHECK(st.selects == (unsigned long long)(R_STEPS * m.config.n_layers));
-            CHECK(st.tokens_selected == want_selected);
+            ASSERT(run_pqcache(&m, &cfg, got, &st) == 0);
+            ASSERT(memcmp(ref, got, n * sizeof(float)) == 0);
+            ASSERT(st.builds == (unsigned long long)m.config.n_layers);   /* PQ was built */
+            ASSERT(st.selects == (unsigned long long)(R_STEPS * m.config.n_layers));
+            ASSERT(st.tokens_selected == want_selected);
         }
     /* the adaptive scheduler and LRU change nothing at full budget */
     tlpq_default_config(&cfg);
@@ -144,25 +145,26 @@ static void test_full_budget_equals_full(void)
     cfg.policy = PQC_POLICY_LRU;
     cfg.cache_blocks = 2;
     cfg.block_tokens = 16;
-    CHECK(run_pqcache(&m, &cfg, got, &st) == 0);
-    CHECK(memcmp(ref, got, n * sizeof(float)) == 0);
-    CHECK(st.hits > 0 && st.misses > 0);
+    ASSERT(run_pqcache(&m, &cfg, got, &st) == 0);
+    ASSERT(memcmp(ref, got, n * sizeof(float)) == 0);
+    ASSERT(st.hits > 0 && st.misses > 0);
     /* a real budget attends fewer tokens and changes the decode logits (the
        prompt's logits come from full attention and stay the same) */
     tlpq_default_config(&cfg);
     cfg.ratio = 0.1f;
     cfg.n_sink = 4;
-    CHECK(run_pqcache(&m, &cfg, got, &st) == 0);
-    CHECK(memcmp(ref, got, 50 * sizeof(float)) == 0);
-    CHECK(memcmp(ref + 50, got + 50, (n - 50) * sizeof(float)) != 0);
-    CHECK(st.tokens_selected < want_selected / 2);
-    CHECK(st.device_bytes > 0 && st.full_bytes > 0);
+    ASSERT(run_pqcache(&m, &cfg, got, &st) == 0);
+    ASSERT(memcmp(ref, got, 50 * sizeof(float)) == 0);
+    ASSERT(memcmp(ref + 50, got + 50, (n - 50) * sizeof(float)) != 0);
+    ASSERT(st.tokens_selected < want_selected / 2);
+    ASSERT(st.device_bytes > 0 && st.full_bytes > 0);
     tl_free_model(&m);
     free(ref);
     free(got);
+    PASS();
 }
 
-static void test_layer_major_prefill(void)
+TEST layer_major_prefill_stores_the_token_by_token_keys_and_values(void)
 {
     tl_model m;
     tl_state full, copy, bare;
@@ -171,46 +173,45 @@ static void test_layer_major_prefill(void)
     char err[TL_ERR_LEN];
     int tokens[R_PROMPT], pos, V, ok = 1;
     float *a, *b;
-    if (random_model(&m)) {
-        CHECK(0);
-        return;
-    }
+    if (random_model(&m))
+        FAILm("no random model");
     V = m.config.vocab_size;
     for (pos = 0; pos < R_PROMPT; pos++)
         tokens[pos] = token_at(pos, V);
-    CHECK(tl_build_state(&full, &m.config, R_PROMPT, 1, err, sizeof err) == 0);
-    CHECK(tl_build_state(&copy, &m.config, R_PROMPT, 1, err, sizeof err) == 0);
+    ASSERT(tl_build_state(&full, &m.config, R_PROMPT, 1, err, sizeof err) == 0);
+    ASSERT(tl_build_state(&copy, &m.config, R_PROMPT, 1, err, sizeof err) == 0);
     for (pos = 0; pos < R_PROMPT; pos++)
         ok &= tl_forward_layers(&m, &full, NULL, tokens[pos], pos) == 0;
-    CHECK(ok);
+    ASSERT(ok);
     tlpq_default_config(&cfg);
     cfg.n_threads = 2;
     cfg.all_outputs = 1;
-    CHECK(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) == 0);
-    CHECK(tlpq_prefill(&lib, tokens, R_PROMPT) != NULL);
+    ASSERT(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) == 0);
+    ASSERT(tlpq_prefill(&lib, tokens, R_PROMPT) != NULL);
     /* the keys and values the library stored are the token-by-token ones */
-    CHECK(tlpq_copy_kv(&lib, &copy, R_PROMPT) == 0);
+    ASSERT(tlpq_copy_kv(&lib, &copy, R_PROMPT) == 0);
     a = full.key_cache;
     b = copy.key_cache;
-    CHECK(memcmp(a, b, (size_t)m.config.n_layers * R_PROMPT * (size_t)m.config.kv_dim * sizeof(float)) == 0);
-    CHECK(memcmp(full.value_cache, copy.value_cache,
+    ASSERT(memcmp(a, b, (size_t)m.config.n_layers * R_PROMPT * (size_t)m.config.kv_dim * sizeof(float)) == 0);
+    ASSERT(memcmp(full.value_cache, copy.value_cache,
                  (size_t)m.config.n_layers * R_PROMPT * (size_t)m.config.kv_dim * sizeof(float)) == 0);
     /* the library refuses more than its capacity; bad tokens are refused */
-    CHECK(tlpq_decode(&lib, 1, R_PROMPT) == NULL && lib.err[0]);
+    ASSERT(tlpq_decode(&lib, 1, R_PROMPT) == NULL && lib.err[0]);
     tlpq_destroy(&lib);
-    CHECK(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) == 0);
+    ASSERT(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) == 0);
     tokens[7] = V;
-    CHECK(tlpq_prefill(&lib, tokens, R_PROMPT) == NULL && strstr(lib.err, "vocabulary"));
+    ASSERT(tlpq_prefill(&lib, tokens, R_PROMPT) == NULL && strstr(lib.err, "vocabulary"));
     tlpq_destroy(&lib);
     cfg.ratio = 0.0f;
-    CHECK(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) != 0);
+    ASSERT(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) != 0);
     /* a state without a KV cache cannot run the ordinary forward */
-    CHECK(tl_build_state_ex(&bare, &m.config, 16, 1, TL_STATE_NO_KV_CACHE, err, sizeof err) == 0);
-    CHECK(bare.key_cache == NULL && tl_forward(&m, &bare, NULL, 1, 0) == NULL);
+    ASSERT(tl_build_state_ex(&bare, &m.config, 16, 1, TL_STATE_NO_KV_CACHE, err, sizeof err) == 0);
+    ASSERT(bare.key_cache == NULL && tl_forward(&m, &bare, NULL, 1, 0) == NULL);
     tl_free_state(&bare);
     tl_free_state(&full);
     tl_free_state(&copy);
     tl_free_model(&m);
+    PASS();
 }
 
 /* ----------------------------------------------------------------------------
@@ -336,28 +337,25 @@ static int retrieve(tl_attn_mode mode, int len, double depth, float ratio, int *
 
 static const double g_depths[5] = { 0, 25, 50, 75, 100 };
 
-static void test_passkey_full(void)
+TEST passkey_full_attention_retrieves_it_at_every_depth_2k(void)
 {
     int d;
-    if (passkey_model()) {
-        CHECK(0);
-        return;
-    }
+    if (passkey_model())
+        FAILm("no passkey model");
     for (d = 0; d < 5; d++) {
         int r = retrieve(TL_ATTN_FULL, PK_TEST_LEN, g_depths[d], 0.1f, NULL);
         if (r != 1)
             printf("  full attention, depth %g%%: %d\n", g_depths[d], r);
-        CHECK(r == 1);
+        ASSERT(r == 1);
     }
+    PASS();
 }
 
-static void test_passkey_window(void)
+TEST passkey_window_misses_it_outside_sinks_and_window_2k(void)
 {
     int d, first = -1;
-    if (passkey_model()) {
-        CHECK(0);
-        return;
-    }
+    if (passkey_model())
+        FAILm("no passkey model");
     /* 32 sinks + the last 0.1 * (2048 - 32) = 202 tokens: the needle is seen at
        0% (it sits in the sinks) and 100% (in the window), nowhere between */
     for (d = 0; d < 5; d++) {
@@ -365,45 +363,43 @@ static void test_passkey_window(void)
         int r = retrieve(TL_ATTN_WINDOW, PK_TEST_LEN, g_depths[d], 0.1f, &first);
         if (r != inside)
             printf("  window, depth %g%%: %d\n", g_depths[d], r);
-        CHECK(r == inside);
+        ASSERT(r == inside);
         if (!inside)
-            CHECK(first == TOK_UNK);   /* "not found", not some other value */
+            ASSERT(first == TOK_UNK);   /* "not found", not some other value */
     }
     /* a budget that reaches the needle at 75% finds it */
-    CHECK(retrieve(TL_ATTN_WINDOW, PK_TEST_LEN, 75.0, 0.3f, NULL) == 1);
+    ASSERT(retrieve(TL_ATTN_WINDOW, PK_TEST_LEN, 75.0, 0.3f, NULL) == 1);
+    PASS();
 }
 
-static void test_passkey_selection(void)
+TEST passkey_pqcache_and_oracle_retrieve_it_at_budget_0_1_2k(void)
 {
     int d;
-    if (passkey_model()) {
-        CHECK(0);
-        return;
-    }
+    if (passkey_model())
+        FAILm("no passkey model");
     for (d = 0; d < 5; d++) {
         int rp = retrieve(TL_ATTN_PQCACHE, PK_TEST_LEN, g_depths[d], 0.1f, NULL);
         int ro = retrieve(TL_ATTN_ORACLE, PK_TEST_LEN, g_depths[d], 0.1f, NULL);
         if (rp != 1 || ro != 1)
             printf("  depth %g%%: pqcache %d, oracle %d\n", g_depths[d], rp, ro);
-        CHECK(rp == 1);
-        CHECK(ro == 1);
+        ASSERT(rp == 1);
+        ASSERT(ro == 1);
     }
     /* with a smaller budget still: 1/50 */
-    CHECK(retrieve(TL_ATTN_PQCACHE, PK_TEST_LEN, 50.0, 0.02f, NULL) == 1);
+    ASSERT(retrieve(TL_ATTN_PQCACHE, PK_TEST_LEN, 50.0, 0.02f, NULL) == 1);
+    PASS();
 }
 
 /* The harder variant at 4K: full attention and the default pqcache (codebooks
    weighted by the observed queries, adaptive split) retrieve the passkey at
    every depth; plain PQ (Euclidean codebooks, fixed split) loses it wherever
    it is outside the sinks and the window. */
-static void test_passkey_hard(void)
+TEST harder_passkey_full_and_pqcache_retrieve_it_plain_pq_loses_it_4k(void)
 {
     tlpq_config plain;
     int d;
-    if (passkey_hard_model()) {
-        CHECK(0);
-        return;
-    }
+    if (passkey_hard_model())
+        FAILm("no harder passkey model");
     tlpq_default_config(&plain);
     plain.metric = PQC_METRIC_L2;
     plain.split = PQC_SPLIT_FIXED;
@@ -414,10 +410,11 @@ static void test_passkey_hard(void)
         int rl = retrieve_on(&g_pkh, TL_ATTN_PQCACHE, 4096, g_depths[d], 0.1f, NULL, &plain);
         if (rf != 1 || rp != 1 || rl != inside)
             printf("  depth %g%%: full %d, pqcache %d, plain PQ %d\n", g_depths[d], rf, rp, rl);
-        CHECK(rf == 1);
-        CHECK(rp == 1);
-        CHECK(rl == inside);
+        ASSERT(rf == 1);
+        ASSERT(rp == 1);
+        ASSERT(rl == inside);
     }
+    PASS();
 }
 
 /* ----------------------------------------------------------------------------
@@ -426,7 +423,7 @@ static void test_passkey_hard(void)
 /* The CUDA device tier against the CPU tier over a whole teacher-forced decode at budget
    0.1: the same tokens attended, so the same logits. Needs a CUDA driver (a GPU, or the
    CPU stand-in through PQC_CUDA_DRIVER_PATH); skipped without one. */
-static void test_cuda_matches_cpu(void)
+TEST pqcache_on_the_cuda_device_tier_decodes_like_the_cpu_tier(void)
 {
     tl_model m;
     tlpq_config cfg;
@@ -440,81 +437,91 @@ static void test_cuda_matches_cpu(void)
     rd.backend = PQC_BACKEND_CUDA;
     if (pqc_runtime_create(&rd, &rt) != PQC_SUCCESS) {
         printf("  skipped: %s\n", pqc_last_error());
-        g_skipped++;
-        return;
+        SKIP();
     }
     pqc_runtime_destroy(rt);
-    CHECK(random_model(&m) == 0);
-    if (g_failed_now)
-        return;
+    ASSERT(random_model(&m) == 0);
     V = m.config.vocab_size;
     a = (float *)malloc((size_t)(R_STEPS + 1) * (size_t)V * sizeof(float));
     b = (float *)malloc((size_t)(R_STEPS + 1) * (size_t)V * sizeof(float));
-    CHECK(a && b);
+    ASSERT(a && b);
     tlpq_default_config(&cfg);
     cfg.iters = 6;
     cfg.n_sink = 8;
     cfg.block_tokens = 16;
     cfg.cache_blocks = 4;
-    CHECK(a && b && run_pqcache(&m, &cfg, a, NULL) == 0);
+    ASSERT(a && b && run_pqcache(&m, &cfg, a, NULL) == 0);
     cfg.backend = PQC_BACKEND_CUDA;
-    CHECK(a && b && run_pqcache(&m, &cfg, b, &st) == 0);
-    if (!g_failed_now) {
-        for (i = 0; i <= R_STEPS; i++) {
-            int ia = 0, ib = 0;
-            for (j = 0; j < V; j++) {
-                double dd = fabs((double)a[i * V + j] - (double)b[i * V + j]);
-                if (dd > maxd) maxd = dd;
-                if (a[i * V + j] > a[i * V + ia]) ia = j;
-                if (b[i * V + j] > b[i * V + ib]) ib = j;
-            }
-            agree += ia == ib;
+    ASSERT(a && b && run_pqcache(&m, &cfg, b, &st) == 0);
+    for (i = 0; i <= R_STEPS; i++) {
+        int ia = 0, ib = 0;
+        for (j = 0; j < V; j++) {
+            double dd = fabs((double)a[i * V + j] - (double)b[i * V + j]);
+            if (dd > maxd) maxd = dd;
+            if (a[i * V + j] > a[i * V + ia]) ia = j;
+            if (b[i * V + j] > b[i * V + ib]) ib = j;
         }
-        printf("  %d of %d next tokens agree, max logit difference %.3g, hit rate %.1f%%\n", agree,
-               R_STEPS + 1, maxd, st.hits + st.misses ? 100.0 * (double)st.hits / (double)(st.hits + st.misses) : 0.0);
-        CHECK(agree == R_STEPS + 1);
-        CHECK(maxd <= 1e-4);
-        CHECK(st.selects > 0 && st.hits > 0);
+        agree += ia == ib;
     }
+    printf("  %d of %d next tokens agree, max logit difference %.3g, hit rate %.1f%%\n", agree,
+           R_STEPS + 1, maxd, st.hits + st.misses ? 100.0 * (double)st.hits / (double)(st.hits + st.misses) : 0.0);
+    ASSERT(agree == R_STEPS + 1);
+    ASSERT(maxd <= 1e-4);
+    ASSERT(st.selects > 0 && st.hits > 0);
     free(a);
     free(b);
     tl_free_model(&m);
+    PASS();
 }
 
+SUITE(pqcache_mode)
+{
+    RUN_TEST(pqcache_at_budget_1_gives_the_full_attention_logits_exactly);
+    RUN_TEST(layer_major_prefill_stores_the_token_by_token_keys_and_values);
+}
+
+SUITE(passkey)
+{
+    RUN_TEST(passkey_full_attention_retrieves_it_at_every_depth_2k);
+    RUN_TEST(passkey_window_misses_it_outside_sinks_and_window_2k);
+    RUN_TEST(passkey_pqcache_and_oracle_retrieve_it_at_budget_0_1_2k);
+    RUN_TEST(harder_passkey_full_and_pqcache_retrieve_it_plain_pq_loses_it_4k);
+}
+
+SUITE(cuda_tier)
+{
+    RUN_TEST(pqcache_on_the_cuda_device_tier_decodes_like_the_cpu_tier);
+}
+
+GREATEST_MAIN_DEFS();
+
 /* `--quick` runs only the library-level tests (used under the sanitizers, where the
-   passkey prefills take minutes) */
+   passkey prefills take minutes); `--cuda` only the CUDA device tier's. Either comes
+   first; greatest's own flags may follow. */
 int main(int argc, char **argv)
 {
-    const char *tmp = getenv("TMPDIR");
     int quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     int cuda_only = argc > 1 && strcmp(argv[1], "--cuda") == 0;
-    snprintf(g_dir, sizeof g_dir, "%s/tiny_llama_pq_XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (!mkdtemp(g_dir)) {
+    if (quick || cuda_only) {   /* greatest parses the rest */
+        argv[1] = argv[0];
+        argv++;
+        argc--;
+    }
+    GREATEST_MAIN_BEGIN();
+    if (make_test_dir("tiny_llama_pq") != 0) {
         printf("cannot create a temporary directory\n0 passed, 1 failed\n");
         return 1;
     }
-    if (cuda_only) {
-        run_test("pqcache on the CUDA device tier decodes like the CPU tier", test_cuda_matches_cpu);
-    } else {
-        run_test("pqcache at budget 1 gives the full-attention logits exactly",
-                 test_full_budget_equals_full);
-        run_test("layer-major prefill stores the token-by-token keys and values",
-                 test_layer_major_prefill);
-    }
-    if (!quick && !cuda_only) {
-        run_test("passkey: full attention retrieves it at every depth (2K)", test_passkey_full);
-        run_test("passkey: window misses it outside sinks and window (2K)", test_passkey_window);
-        run_test("passkey: pqcache and oracle retrieve it at budget 0.1 (2K)", test_passkey_selection);
-        run_test("harder passkey: full and pqcache retrieve it, plain PQ loses it (4K)",
-                 test_passkey_hard);
-    }
+    if (cuda_only)
+        RUN_SUITE(cuda_tier);
+    else
+        RUN_SUITE(pqcache_mode);
+    if (!quick && !cuda_only)
+        RUN_SUITE(passkey);
     if (g_pk_ok)
         tl_free_model(&g_pk);
     if (g_pkh_ok)
         tl_free_model(&g_pkh);
-    unlink(tmp_path("passkey_hard.bin"));
-    unlink(tmp_path("random.bin"));
-    unlink(tmp_path("passkey.bin"));
-    rmdir(g_dir);
-    return test_summary();
+    remove_test_dir();
+    GREATEST_MAIN_END();
 }

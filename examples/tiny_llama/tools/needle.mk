@@ -1,5 +1,5 @@
 # needle.mk - needle-in-a-haystack evaluation of the attention modes on the
-# passkey model (examples/tiny_llama/needle.c). Include from the top-level
+# passkey model (examples/tiny_llama/tools/needle.c). Include from the top-level
 # Makefile (build.mk includes it too; including it twice is harmless); paths
 # are relative to the repository root. Uses the includer's CC and CFLAGS
 # (NEEDLE_CFLAGS overrides them), with -std=c99 and the warnings of flags.mk.
@@ -21,19 +21,19 @@ ifndef TINY_LLAMA_NEEDLE_MK
 TINY_LLAMA_NEEDLE_MK := 1
 
 include examples/tiny_llama/flags.mk
-include examples/tiny_llama/passkey.mk
+include examples/tiny_llama/tools/passkey.mk
 
 NEEDLE_ARGS ?=
 NEEDLE_MODEL ?= build/passkey_hard.bin
 NEEDLE_OUT ?= build/needle
 NEEDLE_PNG ?= examples/tiny_llama/needle.png
 NEEDLE_CFLAGS ?= $(if $(CFLAGS),$(CFLAGS),-O2)
-NEEDLE_DEPS := examples/tiny_llama/needle.c examples/tiny_llama/make_passkey.c \
-               examples/tiny_llama/tiny_llama.h examples/tiny_llama/tl_pqcache.h pqcache.h
+NEEDLE_DEPS := examples/tiny_llama/tools/needle.c $(PASSKEY_SRCS) \
+               $(TINY_LLAMA_ENGINE) examples/tiny_llama/tl_pqcache.h pqcache.h
 
 build/needle: $(NEEDLE_DEPS)
 	@mkdir -p build
-	$(CC) $(NEEDLE_CFLAGS) $(TINY_LLAMA_STD) $(TINY_LLAMA_WARN) -o $@ examples/tiny_llama/needle.c -lm -lpthread
+	$(CC) $(NEEDLE_CFLAGS) $(TINY_LLAMA_STD) $(TINY_LLAMA_WARN) -o $@ examples/tiny_llama/tools/needle.c -lm -lpthread
 
 # Draws the heatmap from the data the grid wrote; installs gnuplot if missing.
 define NEEDLE_PLOT

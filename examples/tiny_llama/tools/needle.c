@@ -26,9 +26,9 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
-#include "tiny_llama.h"
+#include "../tiny_llama.h"
 #define TL_PQCACHE_IMPLEMENTATION
-#include "tl_pqcache.h"
+#include "../tl_pqcache.h"
 
 /* the generator's prompt logic (make_prompt) and model constants */
 #define main make_passkey_main

@@ -10,7 +10,7 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
-#include "tiny_llama.h"
+#include "../tiny_llama.h"
 
 #include <stdio.h>
 #include <stdlib.h>

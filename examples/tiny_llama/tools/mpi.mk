@@ -1,4 +1,4 @@
-# mpi.mk - the tensor-parallel tiny_llama over MPI (examples/tiny_llama/tl_mpi.c):
+# mpi.mk - the tensor-parallel tiny_llama over MPI (examples/tiny_llama/tools/tl_mpi.c):
 # every rank holds its share of the heads and FFN units and its own pqcache over
 # its KV heads. Include from the top-level Makefile (paths are relative to the
 # repository root). Only these targets need MPI (Debian: openmpi-bin
@@ -16,7 +16,7 @@ ifndef TINY_LLAMA_MPI_MK
 TINY_LLAMA_MPI_MK := 1
 
 include examples/tiny_llama/flags.mk
-include examples/tiny_llama/passkey.mk
+include examples/tiny_llama/tools/passkey.mk
 
 MPICC ?= mpicc
 MPIRUN ?= mpirun
@@ -25,9 +25,9 @@ MPIRUN ?= mpirun
 MPIRUN_FLAGS ?= --oversubscribe --bind-to none
 # Open MPI refuses to run as root without these (harmless otherwise)
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-TL_MPI_SRC := examples/tiny_llama/tl_mpi.c
+TL_MPI_SRC := examples/tiny_llama/tools/tl_mpi.c
 
-build/tiny_llama_mpi: $(TL_MPI_SRC) examples/tiny_llama/tiny_llama.h pqcache.h
+build/tiny_llama_mpi: $(TL_MPI_SRC) examples/tiny_llama/tools/tl_mpi_engine.h $(TINY_LLAMA_ENGINE) pqcache.h
 	@mkdir -p build
 	$(MPICC) $(TINY_LLAMA_CFLAGS) -o $@ $(TL_MPI_SRC) -lm -lpthread
 

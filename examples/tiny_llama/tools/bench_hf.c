@@ -30,9 +30,9 @@
 #define _POSIX_C_SOURCE 200809L
 #endif
 #define TINY_LLAMA_IMPLEMENTATION
-#include "tiny_llama.h"
+#include "../tiny_llama.h"
 #define TL_PQCACHE_IMPLEMENTATION
-#include "tl_pqcache.h"
+#include "../tl_pqcache.h"
 
 #include <pthread.h>
 #include <stdio.h>

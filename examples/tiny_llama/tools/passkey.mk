@@ -1,4 +1,5 @@
-# passkey.mk - the constructed passkey model (examples/tiny_llama/make_passkey.c).
+# passkey.mk - the constructed passkey model (examples/tiny_llama/tools/make_passkey.c
+# and passkey_verify.h, its numerical checks).
 # Include from the top-level Makefile (build.mk includes it too; including it
 # twice is harmless); paths are relative to the repository root.
 #
@@ -19,14 +20,16 @@ TINY_LLAMA_PASSKEY_MK := 1
 
 include examples/tiny_llama/flags.mk
 
-PASSKEY_SRC := examples/tiny_llama/make_passkey.c
+PASSKEY_SRC := examples/tiny_llama/tools/make_passkey.c
+# the source and the file it includes
+PASSKEY_SRCS := $(PASSKEY_SRC) examples/tiny_llama/tools/passkey_verify.h
 PASSKEY_VERIFY ?= --quick
 
-build/make_passkey: $(PASSKEY_SRC)
+build/make_passkey: $(PASSKEY_SRCS)
 	@mkdir -p build
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $(PASSKEY_SRC) -lm
 
-build/make_passkey_cxx: $(PASSKEY_SRC)
+build/make_passkey_cxx: $(PASSKEY_SRCS)
 	@mkdir -p build
 	$(CXX) $(CFLAGS) -x c++ -std=c++11 $(TINY_LLAMA_WARN) -o $@ $(PASSKEY_SRC) -lm
 
