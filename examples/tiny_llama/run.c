@@ -181,7 +181,7 @@ static int parse_options(int argc, char **argv, options *o)
         }
     }
     o->seed = (unsigned long long)seed;
-    o->pq.n_sink = o->policy.n_sink;
+    o->pq.n_sink = o->policy.n_sink > 0 ? o->policy.n_sink : -1; /* -S 0: none */
     o->pq.ratio = o->policy.ratio;
     o->pq.n_threads = o->threads;
     o->pq.seed = o->seed;

@@ -112,7 +112,7 @@ TEST pqcache_at_budget_1_gives_the_full_attention_logits_exactly(void)
     tlpq_stats st;
     size_t n = (size_t)(R_STEPS + 1) * 50;
     float *ref = (float *)malloc(n * sizeof(float)), *got = (float *)malloc(n * sizeof(float));
-    int sinks[3] = { 0, 4, 32 }, i, threads;
+    int sinks[3] = { -1, 4, 32 }, i, threads;
     unsigned long long want_selected = 0;
     int pos;
     if (!ref || !got || random_model(&m)) {
@@ -202,7 +202,7 @@ TEST layer_major_prefill_stores_the_token_by_token_keys_and_values(void)
     tokens[7] = V;
     ASSERT(tlpq_prefill(&lib, tokens, R_PROMPT) == NULL && strstr(lib.err, "vocabulary"));
     tlpq_destroy(&lib);
-    cfg.ratio = 0.0f;
+    cfg.ratio = -1.0f;
     ASSERT(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) != 0);
     /* a state without a KV cache cannot run the ordinary forward */
     ASSERT(tl_build_state_ex(&bare, &m.config, 16, 1, TL_STATE_NO_KV_CACHE, err, sizeof err) == 0);

@@ -48,14 +48,15 @@
 extern "C" {
 #endif
 
+/* The library's rule throughout: 0 = the library's default, negative = none. */
 typedef struct {
-    int pq_m;              /* PQ sub-spaces (divides head_size); default 2 */
-    int pq_bits;           /* bits per code, 1..8; default 6 */
-    int iters;             /* k-means iterations; 0 = the adaptive scheduler (default) */
-    int n_sink;            /* sink tokens; default 32, 0 = none */
-    float ratio;           /* budget ratio, > 0: attended beyond the sinks = ratio * (n - sinks) */
-    int cache_blocks;      /* block-cache blocks per layer and KV head; default 32, -1 = none */
-    int block_tokens;      /* tokens per block; default 128 */
+    int pq_m;              /* PQ sub-spaces (divides head_size) */
+    int pq_bits;           /* bits per code, 1..8 */
+    int iters;             /* k-means iterations; 0 = the adaptive scheduler */
+    int n_sink;            /* sink tokens; -1 = none */
+    float ratio;           /* budget ratio: attended beyond the sinks = ratio * (n - sinks) */
+    int cache_blocks;      /* block-cache blocks per layer and KV head; -1 = none */
+    int block_tokens;      /* tokens per block */
     pqc_policy policy;     /* block-cache eviction: PQC_POLICY_LFU (default) or LRU */
     int n_threads;         /* prefill threads and the library's pool workers; default 1 */
     unsigned long long seed; /* k-means seed */
@@ -157,17 +158,10 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len);
 
 /* errors go through the engine's tl__fail (its implementation is in this file) */
 
+/* Every setting the library's default (tlpq_describe says what it resolves to), one thread. */
 void tlpq_default_config(tlpq_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
-    cfg->pq_m = 2;
-    cfg->pq_bits = 6;
-    cfg->iters = 0;
-    cfg->n_sink = PQC_DEFAULT_N_SINK; /* the library's own defaults, by name */
-    cfg->ratio = (float)PQC_DEFAULT_BUDGET_RATIO;
-    cfg->cache_blocks = PQC_DEFAULT_CACHE_BLOCKS;
-    cfg->block_tokens = PQC_DEFAULT_BLOCK_TOKENS;
-    cfg->policy = PQC_POLICY_LFU;
     cfg->n_threads = 1;
 }
 
@@ -371,10 +365,8 @@ static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const t
     if (max_tokens < 1 || max_tokens > c->seq_len)
         return tl__fail(err, errlen, "pqcache: %d positions (the model holds 1..%d)",
                           max_tokens, c->seq_len);
-    if (!(cfg->ratio > 0.0f))
-        return tl__fail(err, errlen, "pqcache: the budget ratio must be positive");
-    if (cfg->n_sink < 0)
-        return tl__fail(err, errlen, "pqcache: sink count %d is negative", cfg->n_sink);
+    if (!(cfg->ratio >= 0.0f))
+        return tl__fail(err, errlen, "pqcache: the budget ratio must be positive (0: the library's)");
     p->m = m;
     p->cfg = *cfg;
     p->max_tokens = max_tokens;
@@ -465,7 +457,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     cd.head_dim = c->head_size;
     cd.kv_dtype = PQC_F32;
     cd.max_tokens = (size_t)max_tokens;
-    cd.n_sink = cfg->n_sink > 0 ? cfg->n_sink : -1;
+    cd.n_sink = cfg->n_sink;
     cd.budget_ratio = (double)cfg->ratio;
     cd.pq.m = cfg->pq_m;
     cd.pq.bits = cfg->pq_bits;
@@ -675,19 +667,25 @@ void tlpq_get_stats(const tlpq *p, tlpq_stats *st)
     st->window = pqc_cache_window(p->cache);
 }
 
+/* What the library resolved the configuration to (pqc_cache_config), not what was asked. */
 void tlpq_describe(const tlpq *p, char *buf, size_t len)
 {
     char iters[32];
-    if (p->cfg.iters > 0)
-        snprintf(iters, sizeof iters, "%d", p->cfg.iters);
+    pqc_cache_desc r;
+    if (pqc_cache_config(p->cache, &r) != PQC_SUCCESS) {
+        snprintf(buf, len, "(no cache)");
+        return;
+    }
+    if (r.pq.iters > 0)
+        snprintf(iters, sizeof iters, "%d", r.pq.iters);
     else
         snprintf(iters, sizeof iters, "adaptive");
-    snprintf(buf, len, "m=%d bits=%d T=%s, %s metric, %s split, %d sinks, ratio %g, %d blocks of %d "
-             "(%s), %d thread%s", p->cfg.pq_m, p->cfg.pq_bits, iters,
-             p->cfg.metric == PQC_METRIC_L2 ? "L2" : "query", p->cfg.split == PQC_SPLIT_FIXED ? "fixed" : "adaptive",
-             p->cfg.n_sink, (double)p->cfg.ratio,
-             p->cfg.cache_blocks < 0 ? 0 : p->cfg.cache_blocks, p->cfg.block_tokens,
-             p->cfg.policy == PQC_POLICY_LRU ? "LRU" : "LFU", p->n_workers,
+    snprintf(buf, len, "m=%d bits=%d T=%s, %s metric, %s split, %d sinks, ratio %g, window %d, %d blocks of %d "
+             "(%s), %d thread%s", r.pq.m, r.pq.bits, iters,
+             r.metric == PQC_METRIC_L2 ? "L2" : "query", r.split == PQC_SPLIT_FIXED ? "fixed" : "adaptive",
+             r.n_sink < 0 ? 0 : r.n_sink, r.budget_ratio, r.window,
+             r.cache_blocks < 0 ? 0 : r.cache_blocks, r.block_tokens,
+             r.policy == PQC_POLICY_LRU ? "LRU" : "LFU", p->n_workers,
              p->n_workers == 1 ? "" : "s");
 }
 

@@ -234,7 +234,7 @@ static int parse_needle_options(int argc, char **argv, needle_options *o)
         o->lengths[o->n_lengths++] = 131072;
         o->long_ctx = 1;
     }
-    o->pq.n_sink = o->n_sink;
+    o->pq.n_sink = o->n_sink > 0 ? o->n_sink : -1; /* -S 0: none */
     o->pq.ratio = o->ratio;
     o->pq.n_threads = o->threads;
     if (o->pq.cache_blocks == 0)
