@@ -10,6 +10,10 @@
 #   make bench-fidelity-quick   s = 8192, 1 repetition (a minute or two), then
 #                               build/fidelity_quick.png
 #   make bench-fidelity-plot    only the drawing, from an earlier run's build/fidelity.dat
+#   make bench-suite            build/bench_suite: the cache's default and settings on the
+#                               second key family (bench/suitekeys.h), its tuning part and
+#                               its reported part apart (a few minutes); bench-fidelity
+#                               runs it too, bench-fidelity-quick its quick form
 #   make bench-fidelity FIDELITY_ARGS="--s 65536 --reps 1"
 #
 # gnuplot draws the plot; when it is missing and we run as root with apt-get, gnuplot-nox
@@ -47,17 +51,26 @@ if command -v gnuplot >/dev/null 2>&1; then \
 fi
 endef
 
-bench-fidelity: $(BUILD)/bench_fidelity
+$(BUILD)/bench_suite: bench/bench_suite.c bench/suitekeys.h bench/hardkeys.h bench/bench_util.h $(HDR)
+	@mkdir -p $(BUILD)
+	$(CC) -std=c99 -O2 -Wall -Wextra -Werror -pedantic $< -o $@ -lm -lpthread
+
+bench-fidelity: $(BUILD)/bench_fidelity $(BUILD)/bench_suite
 	$(BUILD)/bench_fidelity --out $(BUILD)/fidelity.dat $(FIDELITY_ARGS)
 	@$(call FIDELITY_PLOT,fidelity)
+	$(BUILD)/bench_suite
 
-bench-fidelity-quick: $(BUILD)/bench_fidelity
+bench-fidelity-quick: $(BUILD)/bench_fidelity $(BUILD)/bench_suite
 	$(BUILD)/bench_fidelity --quick --out $(BUILD)/fidelity_quick.dat $(FIDELITY_ARGS)
 	@$(call FIDELITY_PLOT,fidelity_quick)
+	$(BUILD)/bench_suite --quick
+
+bench-suite: $(BUILD)/bench_suite
+	$(BUILD)/bench_suite $(SUITE_ARGS)
 
 bench-fidelity-plot:
 	@$(call FIDELITY_PLOT,fidelity)
 
-.PHONY: bench-fidelity bench-fidelity-quick bench-fidelity-plot
+.PHONY: bench-fidelity bench-fidelity-quick bench-fidelity-plot bench-suite
 
 endif # PQC_BENCH_FIDELITY_MK
