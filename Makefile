@@ -21,7 +21,7 @@ $(BUILD):
 	@mkdir -p $(BUILD)
 
 HDR := pqcache.h
-TEST_DEPS := tests/greatest.h tests/synth.h tests/test_size.h tests/file_util.h tests/cache_checksum.h $(HDR) bench/hardkeys.h
+TEST_DEPS := tests/greatest.h tests/synth.h tests/test_size.h tests/test_util.h tests/cache_checksum.h $(HDR) bench/hardkeys.h
 
 $(BUILD)/test_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)

@@ -4,7 +4,7 @@
 #include "greatest.h"
 #include "synth.h"
 #include "test_size.h"
-#include "file_util.h"
+#include "test_util.h"
 #include "cache_checksum.h"
 
 #include <pthread.h>
@@ -563,8 +563,7 @@ TEST scheduler_recovers_coefficients_and_clips(void)
         char buf[1024];
         size_t n;
         /* one file per process: the builds of this test may run side by side */
-        snprintf(path, sizeof path, "%s/pqc_sched_%ld.txt", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-                 (long)getpid());
+        tu_tmp_path(path, sizeof path, "sched.txt");
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, path));
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(&sd, &s2));
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_load(s2, path));
@@ -1025,8 +1024,7 @@ static enum greatest_test_res save_load_resumes(int rich)
     char path[512];
     int l, s;
     size_t t, rows = 0;
-    snprintf(path, sizeof path, "%s/pqc_cache_file_%ld_%d", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid(), rich);
+    tu_tmp_path(path, sizeof path, "cache_file_%d", rich);
     cd.kv_dtype = rich ? PQC_F32 : PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
@@ -1139,13 +1137,12 @@ TEST save_load_refuses_a_crafted_drift_state(void)
     const double bad[] = { 1e200, 0.5, 1e9 }; /* beyond any size, not whole, beyond max_tokens */
     int j;
     const pqc__layer *L;
-    snprintf(path, sizeof path, "%s/pqc_cache_drift_%ld", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid());
+    tu_tmp_path(path, sizeof path, "cache_drift");
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, 300, 32));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(a));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
-    ASSERT((img = file_image(path, &size)) != NULL);
+    ASSERT((img = tu_file_image(path, &size)) != NULL);
     /* the layer's counts (u64 tokens, coded, trained, generation, step), a u32, then the
        observation sums, whose last two doubles are the drift flags */
     L = &a->layers[0];
@@ -1168,7 +1165,7 @@ TEST save_load_refuses_a_crafted_drift_state(void)
         memcpy(at, &bad[j], 8);
         h = cache_file_checksum(img, (size_t)size - 8);
         for (e = 0; e < 8; e++) img[size - 8 + e] = (unsigned char)(h >> (8 * e));
-        ASSERT(file_write(path, img, (size_t)size));
+        ASSERT(tu_file_write(path, img, (size_t)size));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, path, &b));
         ASSERTm(pqc_last_error(), strstr(pqc_last_error(), "drift state") != NULL);
         ASSERT(b == (pqc_cache *)&cd);
@@ -1189,24 +1186,23 @@ TEST save_load_refuses_bad_files(void)
     char path[512], bad[512];
     unsigned char *img;
     long size = 0, i;
-    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
-    snprintf(path, sizeof path, "%s/pqc_cache_good_%ld", tmp, (long)getpid());
-    snprintf(bad, sizeof bad, "%s/pqc_cache_bad_%ld", tmp, (long)getpid());
+    tu_tmp_path(path, sizeof path, "cache_good");
+    tu_tmp_path(bad, sizeof bad, "cache_bad");
     cd.n_sink = 4;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, 300, 32));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
-    ASSERT((img = file_image(path, &size)) != NULL);
+    ASSERT((img = tu_file_image(path, &size)) != NULL);
     for (i = 0; i <= size; i += i < 200 ? 1 : 997) { /* truncations, and a trailing byte at the end */
         img[size] = 1;
-        ASSERT(file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
+        ASSERT(tu_file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, bad, &b));
         ASSERT(b == (pqc_cache *)&cd);
     }
     for (i = 0; i < size; i += i < 200 ? 1 : 499) { /* a flipped bit */
         pqc_result r;
         img[i] ^= 4;
-        ASSERT(file_write(bad, img, (size_t)size));
+        ASSERT(tu_file_write(bad, img, (size_t)size));
         r = pqc_cache_load(NULL, &cd, bad, &b);
         ASSERT(r == PQC_ERROR_BAD_FILE || (i < 72 && r == PQC_ERROR_BAD_SHAPE)); /* the header's settings */
         ASSERT(b == (pqc_cache *)&cd);
@@ -1222,10 +1218,10 @@ TEST save_load_refuses_bad_files(void)
     other.max_tokens = 100; /* the file holds 300 tokens */
     ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &other, path, &b));
     ASSERT(b == (pqc_cache *)&cd);
-    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_load(NULL, &cd, tmp, &b)); /* a directory */
+    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_load(NULL, &cd, tu_tmp_dir(), &b)); /* a directory */
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_load(NULL, NULL, path, &b));
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_save(a, NULL));
-    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_save(a, tmp));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_save(a, tu_tmp_dir()));
     ASSERT(b == (pqc_cache *)&cd);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b)); /* the good file still loads */
     pqc_cache_destroy(b);
@@ -1278,8 +1274,7 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
     char path[512];
     int l, s, i;
     pqc_layer_stats st;
-    snprintf(path, sizeof path, "%s/pqc_fork_file_%ld_%d", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid(), rich);
+    tu_tmp_path(path, sizeof path, "fork_file_%d", rich);
     cd.kv_dtype = rich ? PQC_F32 : PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
@@ -1656,12 +1651,11 @@ TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
     float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d), *q = rand_rows(4, (size_t)hq * d);
     float *bufa = kv_out_make(&oa, hkv, 400, d), *bufm = kv_out_make(&om, hkv, 400, d);
     char path[512], other[512];
-    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
     size_t own, shared;
     pid_t pid;
     int l, s, st = 0;
-    snprintf(path, sizeof path, "%s/pqc_map_rename_%ld", tmp, (long)getpid());
-    snprintf(other, sizeof other, "%s/pqc_map_resave_%ld", tmp, (long)getpid());
+    tu_tmp_path(path, sizeof path, "map_rename");
+    tu_tmp_path(other, sizeof other, "map_resave");
     ASSERT(bufa && bufm);
     cd.kv_dtype = PQC_F16;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
@@ -1729,8 +1723,7 @@ TEST loaded_cache_maps_its_file(void)
     size_t own, shared;
     long bytes;
     int l, s;
-    snprintf(path, sizeof path, "%s/pqc_map_file_%ld", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid());
+    tu_tmp_path(path, sizeof path, "map_file");
     ASSERT(bufa && bufb);
     cd.kv_dtype = PQC_F16;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));

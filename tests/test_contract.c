@@ -5,7 +5,7 @@
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "greatest.h"
-#include "file_util.h"
+#include "test_util.h"
 #include "test_size.h"
 
 #include <math.h>
@@ -511,12 +511,6 @@ TEST scheduler_refuses_samples_that_would_break_the_fit(void)
     PASS();
 }
 
-static void tmp_path(char *out, size_t n, const char *name)
-{
-    const char *dir = getenv("TMPDIR");
-    snprintf(out, n, "%s/pqc_contract_%ld_%s", dir && dir[0] ? dir : "/tmp", (long)getpid(), name);
-}
-
 /* a scheduler holding a fixed fit, or NULL */
 static pqc_scheduler *fitted_scheduler(void)
 {
@@ -564,9 +558,9 @@ TEST calibration_files_are_regular_files_only(void)
     char fifo[512], dir[512], good[512];
     ASSERT((s = fitted_scheduler()) != NULL);
     before = pqc_scheduler_get_fit(s);
-    tmp_path(fifo, sizeof fifo, "fifo");
-    tmp_path(dir, sizeof dir, "dir");
-    tmp_path(good, sizeof good, "calib");
+    tu_tmp_path(fifo, sizeof fifo, "fifo");
+    tu_tmp_path(dir, sizeof dir, "dir");
+    tu_tmp_path(good, sizeof good, "calib");
     remove(fifo);
     ASSERT_EQ(0, mkfifo(fifo, 0600));
     ASSERT_EQ(0, mkdir(dir, 0700));
@@ -636,7 +630,7 @@ TEST quantizer_files_round_trip(void)
     float keys[300 * 16], q[2 * 16];
     char path[512];
     int rich, i;
-    tmp_path(path, sizeof path, "pq");
+    tu_tmp_path(path, sizeof path, "pq");
     for (i = 0; i < 32; i++) q[i] = eval(2, 0, (size_t)i);
     for (rich = 0; rich < 2; rich++) {
         pqc_pq a, b;
@@ -684,22 +678,22 @@ TEST quantizer_file_damage_is_refused(void)
     long size = 0, i;
     pqc_pq a, out;
     int refused = 0;
-    tmp_path(path, sizeof path, "pqgood");
-    tmp_path(bad, sizeof bad, "pqbad");
-    tmp_path(dir, sizeof dir, "pqdir");
+    tu_tmp_path(path, sizeof path, "pqgood");
+    tu_tmp_path(bad, sizeof bad, "pqbad");
+    tu_tmp_path(dir, sizeof dir, "pqdir");
     ASSERT(small_pq(1, &a, keys));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_save(&a, path));
-    ASSERT((img = file_image(path, &size)) != NULL);
+    ASSERT((img = tu_file_image(path, &size)) != NULL);
     memset(&out, 0x5a, sizeof out);
     for (i = 0; i <= size; i += i < 40 ? 1 : 97) { /* truncations (and, at size + 1, a trailing byte) */
         img[size] = 7;
-        ASSERT(file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
+        ASSERT(tu_file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
         refused++;
     }
     for (i = 0; i < size; i += i < 40 ? 1 : 61) { /* a flipped bit anywhere */
         img[i] ^= 0x10;
-        ASSERT(file_write(bad, img, (size_t)size));
+        ASSERT(tu_file_write(bad, img, (size_t)size));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
         img[i] ^= 0x10;
         refused++;
@@ -811,7 +805,7 @@ TEST loaded_calibration_sets_t_on_every_layer(void)
     f.n2 = 20;
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_set_fit(s, &f));
-    tmp_path(path, sizeof path, "fit");
+    tu_tmp_path(path, sizeof path, "fit");
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, path));
     pqc_scheduler_destroy(s);
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
@@ -1415,7 +1409,7 @@ TEST driver_prefill_views_hold_every_token_of_forks_and_loads(void)
     eng en;
     char path[512];
     cd.kv_dtype = PQC_F32;
-    tmp_path(path, sizeof path, "driver_parts");
+    tu_tmp_path(path, sizeof path, "driver_parts");
     eng_init(&e, &en, 2, 2, 16);
     en.check_rows = 1;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &p));

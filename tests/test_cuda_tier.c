@@ -18,6 +18,7 @@
 #include "../pqcache.h"
 #include "greatest.h"
 #include "synth.h"
+#include "test_util.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -592,8 +593,7 @@ TEST cache_file_loads_onto_the_device(void)
     float *q = rand_rows((size_t)2 * steps, (size_t)hq * d), *ka = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
     char path[512];
     int s, l;
-    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
-    snprintf(path, sizeof path, "%s/pqc_cuda_cache_%ld", tmp, (long)getpid());
+    tu_tmp_path(path, sizeof path, "cuda_cache");
     cd.kv_dtype = PQC_F16;
     cd.rerank = 2;
     cd.outliers = 8;

@@ -1,0 +1,76 @@
+/* test_util.h - what the test programs share: files (whole-file read and write, paths
+   in the temporary directory).
+
+   Header-only; every function is static and may go unused (no warning under gcc or
+   clang, as C99 or C++). */
+#ifndef PQC_TESTS_TEST_UTIL_H
+#define PQC_TESTS_TEST_UTIL_H
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define TU_FN static __attribute__((unused))
+#define TU_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define TU_FN static
+#define TU_PRINTF(f, a)
+#endif
+
+/* ----- files ------------------------------------------------------------------------- */
+
+/* The whole file at path in a buffer with a NUL byte after it (NULL on failure); *size
+   is its length. */
+TU_FN unsigned char *tu_file_image(const char *path, long *size)
+{
+    FILE *f = fopen(path, "rb");
+    unsigned char *img = NULL;
+    if (!f) return NULL;
+    if (fseek(f, 0, SEEK_END) == 0 && (*size = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0 &&
+        (img = (unsigned char *)malloc((size_t)*size + 1)) != NULL) {
+        if (fread(img, 1, (size_t)*size, f) == (size_t)*size) {
+            img[*size] = 0;
+        } else {
+            free(img);
+            img = NULL;
+        }
+    }
+    fclose(f);
+    return img;
+}
+
+/* Writes n bytes of p to path; 1 on success. */
+TU_FN int tu_file_write(const char *path, const void *p, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    int ok = f && (n == 0 || fwrite(p, 1, n, f) == n);
+    if (f && fclose(f) != 0) ok = 0;
+    return ok;
+}
+
+/* The directory for temporary files: $TMPDIR, or /tmp without it. */
+TU_FN const char *tu_tmp_dir(void)
+{
+    const char *dir = getenv("TMPDIR");
+    return dir && dir[0] ? dir : "/tmp";
+}
+
+TU_FN void tu_tmp_path(char *out, size_t n, const char *fmt, ...) TU_PRINTF(3, 4);
+
+/* "DIR/pqc_PID_NAME" in out, DIR tu_tmp_dir(), NAME printf-formatted from fmt:
+   a name of this process's own, so that the programs and their builds (plain, under
+   the sanitizers) can run side by side. */
+TU_FN void tu_tmp_path(char *out, size_t n, const char *fmt, ...)
+{
+    va_list ap;
+    int k = snprintf(out, n, "%s/pqc_%ld_", tu_tmp_dir(), (long)getpid());
+    if (k < 0 || (size_t)k >= n) return;
+    va_start(ap, fmt);
+    vsnprintf(out + k, n - (size_t)k, fmt, ap);
+    va_end(ap);
+}
+
+#endif
