@@ -16,16 +16,6 @@
 static uint64_t g_rng = 12345;
 static float frand(void) { return synth__normal(&g_rng); }
 
-static pqc_runtime *make_rt(int threads)
-{
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
-    memset(&d, 0, sizeof d);
-    d.n_threads = threads;
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) return NULL;
-    return rt;
-}
-
 static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
 {
     pqc_cache_desc cd;
@@ -90,7 +80,7 @@ static int ascending_unique(const uint32_t *a, size_t n)
 
 TEST sinks_and_window_always_selected(void)
 {
-    pqc_runtime *rt = make_rt(1);
+    pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = base_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
@@ -129,7 +119,7 @@ TEST sinks_and_window_always_selected(void)
 
 TEST needle_found_after_thousands_of_appends(void)
 {
-    pqc_runtime *rt = make_rt(1);
+    pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = base_desc(1, 1, 2, 32);
     pqc_cache *c;
     pqc_selection sel;
@@ -172,7 +162,7 @@ TEST full_budget_selects_everything_exactly(void)
 {
     int dt;
     for (dt = 0; dt < 2; dt++) {
-        pqc_runtime *rt = make_rt(2);
+        pqc_runtime *rt = tu_cpu_runtime(2);
         pqc_cache_desc cd = base_desc(1, 2, 2, 16);
         pqc_cache *c;
         pqc_selection sel;
@@ -218,7 +208,7 @@ TEST full_budget_selects_everything_exactly(void)
 
 TEST fetch_rows_match_fetch(void)
 {
-    pqc_runtime *rt = make_rt(1);
+    pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = base_desc(1, 2, 4, 16);
     pqc_cache *a, *b;
     pqc_selection sa, sb;
@@ -342,7 +332,7 @@ TEST eviction_orders_match_reference(void)
 {
     int pol;
     for (pol = 0; pol < 2; pol++) {
-        pqc_runtime *rt = make_rt(-1);
+        pqc_runtime *rt = tu_cpu_runtime(-1);
         pqc_cache_desc cd = base_desc(1, 1, 1, 8);
         pqc_cache *c;
         pqc_selection sel;
@@ -458,7 +448,7 @@ static int cb_copy(void *ctx, void *dst, const void *src, size_t n)
 
 TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
 {
-    pqc_runtime *rt = make_rt(2);
+    pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache_desc cd = base_desc(1, 2, 2, 16);
     pqc_backend be;
     count_be cnt;
@@ -609,7 +599,7 @@ TEST scheduler_recovers_coefficients_and_clips(void)
 
 TEST async_builds_and_destroy_during_build(void)
 {
-    pqc_runtime *rt = make_rt(2);
+    pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache_desc cd = base_desc(4, 2, 4, 64);
     pqc_cache *c;
     size_t n = 6000;
@@ -648,7 +638,7 @@ TEST growth_waits_for_other_layers_builds(void)
 {
     /* a store that grows (here: the first decode step) must not move under the builds
        of other layers that are still running (ASan reports a use after free otherwise) */
-    pqc_runtime *rt = make_rt(2);
+    pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache_desc cd = base_desc(3, 1, 1, 64);
     pqc_cache *c;
     size_t n = 1944;
@@ -747,7 +737,7 @@ TEST job_error_surfaces_at_next_call(void)
 
 TEST multi_turn_codes_then_rebuilds(void)
 {
-    pqc_runtime *rt = make_rt(1);
+    pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = base_desc(1, 1, 1, 32);
     pqc_cache *c;
     pqc_selection sel;
@@ -788,7 +778,7 @@ TEST multi_turn_codes_then_rebuilds(void)
 
 TEST batch_matches_individual(void)
 {
-    pqc_runtime *rt = make_rt(2);
+    pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache_desc cd = base_desc(1, 2, 4, 16);
     pqc_cache *c[3];
     pqc_selection s1[3], s2[3], *sp[3];
@@ -853,7 +843,7 @@ TEST batch_matches_individual(void)
 
 TEST bad_inputs_leave_cache_intact(void)
 {
-    pqc_runtime *rt = make_rt(1);
+    pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = base_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
@@ -976,7 +966,7 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
 
 TEST driver_runs_both_algorithms(void)
 {
-    pqc_runtime *rt = make_rt(1);
+    pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = base_desc(2, 1, 2, 8);
     pqc_cache *c;
     pqc_engine e;
@@ -1550,7 +1540,7 @@ TEST forks_live_on_other_threads(void)
     enum { NW = 4 };
     const int L = 2, hkv = 2, hq = 4, d = 32, S = 600, STEPS = 40;
     pqc_cache_desc cd = base_desc(L, hkv, hq, d);
-    pqc_runtime *rt = make_rt(2);
+    pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache *p;
     pthread_t th[NW];
     fork_worker w[NW];

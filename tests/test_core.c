@@ -4,21 +4,11 @@
 #include "greatest.h"
 #include "synth.h"
 #include "test_size.h"
+#include "test_util.h"
 
 #include <pthread.h>
 
 /* ----- helpers ----------------------------------------------------------------------- */
-
-static pqc_runtime *make_rt(int threads, pqc_simd simd)
-{
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
-    memset(&d, 0, sizeof d);
-    d.n_threads = threads;
-    d.simd = simd;
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) return NULL;
-    return rt;
-}
 
 static pqc_pq_desc pq_desc(int m, int bits, int iters, uint64_t seed)
 {
@@ -157,7 +147,7 @@ TEST kmeans_reproducible(void)
     pqc_pq a, b, c;
     pqc_pq_desc d = pq_desc(4, 5, 6, 99);
     pqc_matrix keys;
-    pqc_runtime *r1 = make_rt(-1, PQC_SIMD_AUTO), *r2 = make_rt(2, PQC_SIMD_AUTO);
+    pqc_runtime *r1 = tu_cpu_runtime(-1), *r2 = tu_cpu_runtime(2);
     size_t n;
     memset(&sy, 0, sizeof sy);
     sy.s = 3000;
@@ -387,7 +377,7 @@ TEST topk_matches_sort_reference(void)
                 if (k == 0 || k > n) continue;
                 ref_topk(s, n, k, ref);
                 for (li = 0; li <= nl; li++) { /* the best level (no runtime), then each level */
-                    pqc_runtime *rt = li == nl ? NULL : make_rt(-1, lv[li]);
+                    pqc_runtime *rt = li == nl ? NULL : tu_cpu_runtime_simd(-1, lv[li]);
                     ASSERT(li == nl || rt != NULL);
                     ASSERT_EQ(PQC_SUCCESS, pqc_topk(rt, s, n, k, &scr, got, vals));
                     pqc_runtime_destroy(rt);
@@ -528,7 +518,7 @@ TEST simd_matches_scalar(void)
         memset(&sd, 0, sizeof sd);
         sd.k = TEST_SIZE(410, 52);
         for (li = 0; li < nl; li++) {
-            pqc_runtime *rt = make_rt(-1, lv[li]);
+            pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
             ASSERT(rt);
             ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(rt, &d, &keys, &pq[li]));
             ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes[li], &pq[li], 0, NULL));
@@ -568,7 +558,7 @@ TEST simd_matches_scalar(void)
         float *e[3];
         pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 48);
         for (li = 0; li < nl; li++) {
-            pqc_runtime *rt = make_rt(-1, lv[li]);
+            pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
             e[li] = (float *)malloc(sy.s * sizeof(float));
             ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(rt, &keys, sy.queries, 3, PQC_GQA_SOFTMAX_SUM, NULL, e[li]));
             pqc_runtime_destroy(rt);

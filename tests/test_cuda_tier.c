@@ -69,21 +69,6 @@ static int open_driver(void)
     return 1;
 }
 
-static pqc_runtime *make_rt(int backend)
-{
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
-    memset(&d, 0, sizeof d);
-    d.n_threads = 1;
-    d.backend = backend;
-    d.cuda_kernel_cache = "build/kernel-cache";
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) {
-        fprintf(stderr, "runtime (backend %d): %s\n", backend, pqc_last_error());
-        return NULL;
-    }
-    return rt;
-}
-
 static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
 {
     pqc_cache_desc cd;
@@ -153,8 +138,8 @@ typedef struct pair {
 static int pair_open(pair *p, const pqc_cache_desc *cd)
 {
     memset(p, 0, sizeof *p);
-    p->rc = make_rt(PQC_BACKEND_CPU);
-    p->rg = make_rt(PQC_BACKEND_CUDA);
+    p->rc = tu_cpu_runtime(1);
+    p->rg = tu_cuda_runtime(1);
     if (!p->rc || !p->rg) return 0;
     if (pqc_cache_create(p->rc, cd, &p->cc) != PQC_SUCCESS) return 0;
     if (pqc_cache_create(p->rg, cd, &p->cg) != PQC_SUCCESS) {
@@ -705,8 +690,8 @@ TEST device_fetch_on_engine_stream(void)
     size_t i;
     cd.gqa = PQC_GQA_SUM;
     ASSERT(open_driver());
-    rc = make_rt(PQC_BACKEND_CPU);
-    rg = make_rt(PQC_BACKEND_CUDA);
+    rc = tu_cpu_runtime(1);
+    rg = tu_cuda_runtime(1);
     ASSERT(rc && rg);
     ASSERT_EQ(0, p_ctx_retain(&ctx, 0));
     ASSERT_EQ(0, p_ctx_set(ctx));
@@ -820,7 +805,7 @@ TEST driver_hands_device_rows(void)
     toy t;
     pqc_engine e;
     pqc_cache_desc cd = base_desc(2, 2, 4, 32);
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA);
+    pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     size_t pos;
     ASSERT(rg && open_driver());
@@ -854,7 +839,7 @@ TEST device_steps_never_wait(void)
     toy t;
     pqc_engine e;
     pqc_cache_desc cd = base_desc(2, 2, 4, 32);
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA);
+    pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     emu_counters_fn counters;
     unsigned long long n[4];
@@ -923,7 +908,7 @@ TEST misuse_gets_result_codes(void)
     pqc_runtime_desc d;
     pqc_runtime *rt = NULL;
     pqc_cache_desc cd = base_desc(1, 2, 2, 32);
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA);
+    pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     pqc_selection sel;
     float q[64];
@@ -979,8 +964,8 @@ TEST device_allocation_failure(void)
     km = pqc_matrix_f32(k, n, (size_t)hkv * d);
     vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
     cd.gqa = PQC_GQA_SUM;
-    rg = make_rt(PQC_BACKEND_CUDA);
-    rc = make_rt(PQC_BACKEND_CPU);
+    rg = tu_cuda_runtime(1);
+    rc = tu_cpu_runtime(1);
     ASSERT(rg && rc);
     for (at = 0; at < 12; at++) { /* each allocation of the creation fails once */
         fail(at);
@@ -1052,16 +1037,11 @@ TEST device_allocation_failure(void)
    and restored afterwards (the runtime reads it when it opens CUDA) */
 static pqc_runtime *make_rt_env(const char *name, const char *value, int n_threads)
 {
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
+    pqc_runtime *rt;
     char *old = getenv(name) ? strdup(getenv(name)) : NULL;
     if (value) setenv(name, value, 1);
     else unsetenv(name);
-    memset(&d, 0, sizeof d);
-    d.n_threads = n_threads;
-    d.backend = PQC_BACKEND_CUDA;
-    d.cuda_kernel_cache = "build/kernel-cache";
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) fprintf(stderr, "CUDA runtime: %s\n", pqc_last_error());
+    rt = tu_cuda_runtime(n_threads);
     if (old) setenv(name, old, 1);
     else unsetenv(name);
     free(old);
@@ -1119,7 +1099,7 @@ TEST device_kmeans(void)
 {
     const int d = 64;
     const size_t n = 1200;
-    pqc_runtime *rg = make_rt_env("PQC_KMEANS_GEMM", "0", 1), *rc = make_rt(PQC_BACKEND_CPU);
+    pqc_runtime *rg = make_rt_env("PQC_KMEANS_GEMM", "0", 1), *rc = tu_cpu_runtime(1);
     pqc_pq_desc pd;
     pqc_pq a, b;
     pqc_matrix km;
@@ -1391,7 +1371,7 @@ static enum greatest_test_res batch_matches(batch_opts *o)
     const int hkv = 2, hq = 4, d = 32;
     const size_t n = 1100;
     pqc_cache_desc cd = base_desc(o->layers, hkv, hq, d);
-    pqc_runtime *rg, *rc = make_rt(PQC_BACKEND_CPU);
+    pqc_runtime *rg, *rc = tu_cpu_runtime(1);
     pqc_cache *cg[NS], *cc[NS];
     pqc_selection sg[NS], sc[NS];
     pqc_kv_out og[NS], oc[NS];

@@ -1,5 +1,6 @@
 /* test_util.h - what the test programs share: files (whole-file read and write, paths
-   in the temporary directory).
+   in the temporary directory) and, when pqcache.h was included before this header, the
+   runtimes the tests start from.
 
    Header-only; every function is static and may go unused (no warning under gcc or
    clang, as C99 or C++). */
@@ -72,5 +73,46 @@ TU_FN void tu_tmp_path(char *out, size_t n, const char *fmt, ...)
     vsnprintf(out + k, n - (size_t)k, fmt, ap);
     va_end(ap);
 }
+
+/* ----- runtimes (pqcache.h included first) ------------------------------------------ */
+
+#ifdef PQCACHE_H
+
+/* A runtime for d, or NULL with the reason on stderr. */
+TU_FN pqc_runtime *tu_runtime(const pqc_runtime_desc *d)
+{
+    pqc_runtime *rt = NULL;
+    if (pqc_runtime_create(d, &rt) != PQC_SUCCESS) {
+        fprintf(stderr, "%s runtime: %s\n", d->backend == PQC_BACKEND_CUDA ? "CUDA" : "CPU", pqc_last_error());
+        return NULL;
+    }
+    return rt;
+}
+
+/* A CPU runtime of `threads` workers (0: 1, -1: none, jobs inline) on the SIMD level
+   simd (PQC_SIMD_AUTO: the best the processor has). */
+TU_FN pqc_runtime *tu_cpu_runtime_simd(int threads, pqc_simd simd)
+{
+    pqc_runtime_desc d;
+    memset(&d, 0, sizeof d);
+    d.n_threads = threads;
+    d.simd = simd;
+    return tu_runtime(&d);
+}
+TU_FN pqc_runtime *tu_cpu_runtime(int threads) { return tu_cpu_runtime_simd(threads, PQC_SIMD_AUTO); }
+
+/* A CUDA runtime on device 0 (a GPU, or the CPU stand-in driver PQC_CUDA_DRIVER_PATH
+   names) of `threads` workers, its kernels cached in build/kernel-cache. */
+TU_FN pqc_runtime *tu_cuda_runtime(int threads)
+{
+    pqc_runtime_desc d;
+    memset(&d, 0, sizeof d);
+    d.n_threads = threads;
+    d.backend = PQC_BACKEND_CUDA;
+    d.cuda_kernel_cache = "build/kernel-cache";
+    return tu_runtime(&d);
+}
+
+#endif /* PQCACHE_H */
 
 #endif
