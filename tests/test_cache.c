@@ -16,22 +16,6 @@
 static uint64_t g_rng = 12345;
 static float frand(void) { return synth__normal(&g_rng); }
 
-static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
-{
-    pqc_cache_desc cd;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = layers;
-    cd.n_kv_heads = hkv;
-    cd.n_q_heads = hq;
-    cd.head_dim = d;
-    cd.max_tokens = 1 << 16;
-    cd.pq.m = 2;
-    cd.pq.bits = 6;
-    cd.pq.iters = 4;
-    cd.pq.seed = 1;
-    return cd;
-}
-
 static float *rand_rows(size_t n, size_t cols)
 {
     float *x = (float *)malloc(n * cols * sizeof(float));
@@ -81,7 +65,7 @@ static int ascending_unique(const uint32_t *a, size_t n)
 TEST sinks_and_window_always_selected(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
-    pqc_cache_desc cd = base_desc(2, 2, 4, 16);
+    pqc_cache_desc cd = tu_cache_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
     float *k = rand_rows(500, 32), *v = rand_rows(500, 32), q[64];
@@ -120,7 +104,7 @@ TEST sinks_and_window_always_selected(void)
 TEST needle_found_after_thousands_of_appends(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
-    pqc_cache_desc cd = base_desc(1, 1, 2, 32);
+    pqc_cache_desc cd = tu_cache_desc(1, 1, 2, 32);
     pqc_cache *c;
     pqc_selection sel;
     size_t n = 3000, t;
@@ -163,7 +147,7 @@ TEST full_budget_selects_everything_exactly(void)
     int dt;
     for (dt = 0; dt < 2; dt++) {
         pqc_runtime *rt = tu_cpu_runtime(2);
-        pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+        pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16);
         pqc_cache *c;
         pqc_selection sel;
         pqc_kv_out out;
@@ -209,7 +193,7 @@ TEST full_budget_selects_everything_exactly(void)
 TEST fetch_rows_match_fetch(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
-    pqc_cache_desc cd = base_desc(1, 2, 4, 16);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 4, 16);
     pqc_cache *a, *b;
     pqc_selection sa, sb;
     pqc_kv_out out;
@@ -333,7 +317,7 @@ TEST eviction_orders_match_reference(void)
     int pol;
     for (pol = 0; pol < 2; pol++) {
         pqc_runtime *rt = tu_cpu_runtime(-1);
-        pqc_cache_desc cd = base_desc(1, 1, 1, 8);
+        pqc_cache_desc cd = tu_cache_desc(1, 1, 1, 8);
         pqc_cache *c;
         pqc_selection sel;
         pqc_kv_out out;
@@ -449,7 +433,7 @@ static int cb_copy(void *ctx, void *dst, const void *src, size_t n)
 TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(2);
-    pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16);
     pqc_backend be;
     count_be cnt;
     pqc_cache *c;
@@ -600,7 +584,7 @@ TEST scheduler_recovers_coefficients_and_clips(void)
 TEST async_builds_and_destroy_during_build(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(2);
-    pqc_cache_desc cd = base_desc(4, 2, 4, 64);
+    pqc_cache_desc cd = tu_cache_desc(4, 2, 4, 64);
     pqc_cache *c;
     size_t n = 6000;
     float *k = rand_rows(n, 128), *v = rand_rows(n, 128), q[256];
@@ -639,7 +623,7 @@ TEST growth_waits_for_other_layers_builds(void)
     /* a store that grows (here: the first decode step) must not move under the builds
        of other layers that are still running (ASan reports a use after free otherwise) */
     pqc_runtime *rt = tu_cpu_runtime(2);
-    pqc_cache_desc cd = base_desc(3, 1, 1, 64);
+    pqc_cache_desc cd = tu_cache_desc(3, 1, 1, 64);
     pqc_cache *c;
     size_t n = 1944;
     float *k = rand_rows(n, 64), row[64];
@@ -692,7 +676,7 @@ TEST job_error_surfaces_at_next_call(void)
 {
     pqc_runtime_desc rd;
     pqc_runtime *rt;
-    pqc_cache_desc cd = base_desc(1, 2, 2, 32);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 32);
     pqc_cache *c;
     deferred df;
     pqc_selection sel;
@@ -738,7 +722,7 @@ TEST job_error_surfaces_at_next_call(void)
 TEST multi_turn_codes_then_rebuilds(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
-    pqc_cache_desc cd = base_desc(1, 1, 1, 32);
+    pqc_cache_desc cd = tu_cache_desc(1, 1, 1, 32);
     pqc_cache *c;
     pqc_selection sel;
     pqc_layer_stats st;
@@ -779,7 +763,7 @@ TEST multi_turn_codes_then_rebuilds(void)
 TEST batch_matches_individual(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(2);
-    pqc_cache_desc cd = base_desc(1, 2, 4, 16);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 4, 16);
     pqc_cache *c[3];
     pqc_selection s1[3], s2[3], *sp[3];
     pqc_kv_out o1[3], o2[3];
@@ -844,7 +828,7 @@ TEST batch_matches_individual(void)
 TEST bad_inputs_leave_cache_intact(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
-    pqc_cache_desc cd = base_desc(2, 2, 4, 16);
+    pqc_cache_desc cd = tu_cache_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
     float *k = rand_rows(300, 32), *v = rand_rows(300, 32), q[64], row[32];
@@ -967,7 +951,7 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
 TEST driver_runs_both_algorithms(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
-    pqc_cache_desc cd = base_desc(2, 1, 2, 8);
+    pqc_cache_desc cd = tu_cache_desc(2, 1, 2, 8);
     pqc_cache *c;
     pqc_engine e;
     toy t;
@@ -1005,7 +989,7 @@ TEST driver_runs_both_algorithms(void)
 static enum greatest_test_res save_load_resumes(int rich)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *a, *b;
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;
@@ -1118,7 +1102,7 @@ TEST stored_rows_check_finds_every_bad_value(void)
    crafted file) but whose drift state names a coded count beyond any size is refused. */
 TEST save_load_refuses_a_crafted_drift_state(void)
 {
-    pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16);
     pqc_cache *a, *b = (pqc_cache *)&cd;
     float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
     char path[512];
@@ -1170,7 +1154,7 @@ TEST save_load_refuses_a_crafted_drift_state(void)
 
 TEST save_load_refuses_bad_files(void)
 {
-    pqc_cache_desc cd = base_desc(1, 2, 2, 16), other;
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16), other;
     pqc_cache *a, *b = (pqc_cache *)&cd;
     float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
     char path[512], bad[512];
@@ -1255,7 +1239,7 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
 {
     enum { NC = 6 }; /* ref, a, b (fork of a), c (2nd fork of a), e (fork of b), f (loaded from e's file) */
     const int L = 2, hkv = 2, hq = 4, d = 32, S = 700, STEPS = 120;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *cs[NC] = { NULL, NULL, NULL, NULL, NULL, NULL };
     pqc_selection sel[NC];
     pqc_kv_out out[NC];
@@ -1447,7 +1431,7 @@ TEST forks_hold_the_prefix_once(void)
     enum { NCH = 8 };
     const int S = TEST_SIZE(32768, 4096), STEPS = TEST_SIZE(16, 6);
     const int L = 2, hkv = 2, hq = 4, d = 128;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *p, *one, *ch[NCH];
     pqc_selection s1, sc;
     pqc_kv_out o1, oc;
@@ -1539,7 +1523,7 @@ TEST forks_live_on_other_threads(void)
 {
     enum { NW = 4 };
     const int L = 2, hkv = 2, hq = 4, d = 32, S = 600, STEPS = 40;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache *p;
     pthread_t th[NW];
@@ -1582,7 +1566,7 @@ TEST forks_live_on_other_threads(void)
 TEST fork_misuse_is_refused(void)
 {
     const int L = 2, hkv = 1, d = 16;
-    pqc_cache_desc cd = base_desc(L, hkv, hkv, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hkv, d);
     pqc_cache *p, *c = NULL, *e = NULL;
     float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d);
     pqc_matrix km = pqc_matrix_f32(k, 300, (size_t)hkv * d), vm = pqc_matrix_f32(v, 300, (size_t)hkv * d);
@@ -1634,7 +1618,7 @@ TEST fork_misuse_is_refused(void)
 TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *a, *z, *m;
     pqc_selection sa, sm;
     pqc_kv_out oa, om;
@@ -1703,7 +1687,7 @@ TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
 TEST loaded_cache_maps_its_file(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *a, *b, *e, *f;
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;

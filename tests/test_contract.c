@@ -33,16 +33,12 @@ static float *rows(size_t n, size_t cols)
     return x;
 }
 
+/* A small cache: the base cache (tu_cache_desc) with up to 4,096 tokens, PQ of 4 bits,
+   3 iterations, seed 5, and a block cache of 4 blocks of 16 tokens. */
 static pqc_cache_desc small_desc(int layers, int hkv, int hq, int d)
 {
-    pqc_cache_desc cd;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = layers;
-    cd.n_kv_heads = hkv;
-    cd.n_q_heads = hq;
-    cd.head_dim = d;
+    pqc_cache_desc cd = tu_cache_desc(layers, hkv, hq, d);
     cd.max_tokens = 4096;
-    cd.pq.m = 2;
     cd.pq.bits = 4;
     cd.pq.iters = 3;
     cd.pq.seed = 5;

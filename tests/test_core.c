@@ -10,17 +10,6 @@
 
 /* ----- helpers ----------------------------------------------------------------------- */
 
-static pqc_pq_desc pq_desc(int m, int bits, int iters, uint64_t seed)
-{
-    pqc_pq_desc d;
-    memset(&d, 0, sizeof d);
-    d.m = m;
-    d.bits = bits;
-    d.iters = iters;
-    d.seed = seed;
-    return d;
-}
-
 static double sqdist(const float *a, const float *b, int d)
 {
     double s = 0;
@@ -83,7 +72,7 @@ TEST kmeans_objective_monotone_and_beats_random(void)
 {
     synth sy;
     pqc_pq pq, rnd;
-    pqc_pq_desc d = pq_desc(4, 6, 12, 7);
+    pqc_pq_desc d = tu_pq_desc(4, 6, 12, 7);
     double obj[4 * 13], mse_trained, mse_random;
     pqc_matrix keys;
     int j, it;
@@ -105,7 +94,7 @@ TEST kmeans_objective_monotone_and_beats_random(void)
     /* the summed sub-space objectives are the mean reconstruction error */
     ASSERT_IN_RANGE(obj[12] + obj[25] + obj[38] + obj[51], mse_trained, mse_trained * 1e-3);
     /* a codebook of random keys (0 iterations, random init) is clearly worse */
-    d = pq_desc(4, 6, -1, 7);
+    d = tu_pq_desc(4, 6, -1, 7);
     d.init = PQC_INIT_RANDOM;
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &rnd));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_mse(NULL, &rnd, &keys, &mse_random));
@@ -121,7 +110,7 @@ TEST kmeans_few_distinct_keys(void)
     /* 3 distinct keys repeated, 16 centroids: no crash, zero error, codes exact */
     float x[30 * 8];
     pqc_pq pq;
-    pqc_pq_desc d = pq_desc(2, 4, 5, 1);
+    pqc_pq_desc d = tu_pq_desc(2, 4, 5, 1);
     pqc_matrix keys = pqc_matrix_f32(x, 30, 8);
     double mse;
     int i, e, init;
@@ -145,7 +134,7 @@ TEST kmeans_reproducible(void)
 {
     synth sy;
     pqc_pq a, b, c;
-    pqc_pq_desc d = pq_desc(4, 5, 6, 99);
+    pqc_pq_desc d = tu_pq_desc(4, 5, 6, 99);
     pqc_matrix keys;
     pqc_runtime *r1 = tu_cpu_runtime(-1), *r2 = tu_cpu_runtime(2);
     size_t n;
@@ -187,7 +176,7 @@ TEST half_precision_keys(void)
     int e, dt;
     double m32, mh;
     pqc_pq p32, ph;
-    pqc_pq_desc d = pq_desc(2, 4, 8, 3);
+    pqc_pq_desc d = tu_pq_desc(2, 4, 8, 3);
     pqc_matrix k32, kh;
     memset(&sy, 0, sizeof sy);
     sy.s = 2000;
@@ -239,7 +228,7 @@ TEST codes_are_nearest_centroids(void)
     for (bits = 1; bits <= 8; bits++) {
         pqc_pq pq;
         pqc_codes codes;
-        pqc_pq_desc d = pq_desc(3, bits, 4, (uint64_t)bits);
+        pqc_pq_desc d = tu_pq_desc(3, bits, 4, (uint64_t)bits);
         pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 24);
         size_t t;
         int j, c;
@@ -279,7 +268,7 @@ TEST lut_scores_equal_reconstructed_dots(void)
     synth sy;
     pqc_pq pq;
     pqc_codes codes;
-    pqc_pq_desc d = pq_desc(4, 6, 5, 2);
+    pqc_pq_desc d = tu_pq_desc(4, 6, 5, 2);
     pqc_search_desc sd;
     pqc_matrix keys;
     float *scores, rec[64];
@@ -402,7 +391,7 @@ TEST needles_always_retrieved(void)
         synth sy;
         pqc_pq pq;
         pqc_codes codes;
-        pqc_pq_desc d = pq_desc(2, 6, 8, seed);
+        pqc_pq_desc d = tu_pq_desc(2, 6, 8, seed);
         pqc_search_desc sd;
         pqc_matrix keys;
         uint32_t *idx;
@@ -513,7 +502,7 @@ TEST simd_matches_scalar(void)
         float *sc[3];
         uint32_t *ix[3];
         pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 48);
-        pqc_pq_desc d = pq_desc(bits == 8 ? 2 : 3, bits, 4, 17);
+        pqc_pq_desc d = tu_pq_desc(bits == 8 ? 2 : 3, bits, 4, 17);
         pqc_search_desc sd;
         memset(&sd, 0, sizeof sd);
         sd.k = TEST_SIZE(410, 52);
@@ -625,15 +614,15 @@ TEST bad_inputs(void)
     for (i = 0; i < 16; i++) q[i] = 1.0f;
     memset(&untouched, 0xAB, sizeof untouched);
     pq = untouched;
-    d = pq_desc(3, 4, 3, 1); /* 3 does not divide 16 */
+    d = tu_pq_desc(3, 4, 3, 1); /* 3 does not divide 16 */
     ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_train(NULL, &d, &keys, &pq));
     ASSERT_MEM_EQ(&untouched, &pq, sizeof pq);
     ASSERT(strstr(pqc_last_error(), "does not divide") != NULL);
-    d = pq_desc(2, 9, 3, 1);
+    d = tu_pq_desc(2, 9, 3, 1);
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
-    d = pq_desc(2, -1, 3, 1);
+    d = tu_pq_desc(2, -1, 3, 1);
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
-    d = pq_desc(2, 4, 3, 1);
+    d = tu_pq_desc(2, 4, 3, 1);
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_train(NULL, &d, NULL, &pq));
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_train(NULL, &d, &keys, NULL));
     keys.rows = 0;
@@ -729,7 +718,7 @@ static pqc_result pipeline(fail_alloc *fa, const synth *sy, int threads)
     pqc_runtime *rt = NULL;
     pqc_pq pq;
     pqc_codes codes;
-    pqc_pq_desc d = pq_desc(4, 5, 3, 9);
+    pqc_pq_desc d = tu_pq_desc(4, 5, 3, 9);
     pqc_search_desc sd;
     pqc_scratch scr;
     pqc_matrix keys = pqc_matrix_f32(sy->keys, sy->s, (size_t)sy->d);
@@ -811,7 +800,7 @@ TEST engine_job_callback(void)
     pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_pq a, b;
-    pqc_pq_desc d = pq_desc(4, 4, 3, 5);
+    pqc_pq_desc d = tu_pq_desc(4, 4, 3, 5);
     pqc_matrix keys;
     int calls = 0;
     memset(&sy, 0, sizeof sy);

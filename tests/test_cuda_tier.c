@@ -69,22 +69,18 @@ static int open_driver(void)
     return 1;
 }
 
-static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
+/* The cache the tiers are compared on: the base cache (tu_cache_desc) with up to 32,768
+   tokens, 20 sink tokens, a budget of 12% of the tokens, a block cache of 6 blocks of 32
+   tokens, and PQ with m = 4, seed 3. */
+static pqc_cache_desc tier_desc(int layers, int hkv, int hq, int d)
 {
-    pqc_cache_desc cd;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = layers;
-    cd.n_kv_heads = hkv;
-    cd.n_q_heads = hq;
-    cd.head_dim = d;
+    pqc_cache_desc cd = tu_cache_desc(layers, hkv, hq, d);
     cd.max_tokens = 1 << 15;
     cd.n_sink = 20;
     cd.budget_ratio = 0.12;
     cd.block_tokens = 32;
     cd.cache_blocks = 6;
     cd.pq.m = 4;
-    cd.pq.bits = 6;
-    cd.pq.iters = 4;
     cd.pq.seed = 3;
     return cd;
 }
@@ -335,7 +331,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
 {
     const int L = sh->L, hkv = sh->hkv, hq = sh->hq, d = sh->d, steps = sh->steps;
     const size_t n1 = sh->n1, n2 = sh->n2;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
     float *k1, *v1, *k2, *v2, *q, *ka, *va;
@@ -571,7 +567,7 @@ TEST decode_matches_cpu_residual_scoring(void)
 TEST cache_file_loads_onto_the_device(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 64, steps = 8;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
     float *k1 = make_keys(1500, hkv, d, 11), *v1 = rand_rows(1500, (size_t)hkv * d);
@@ -620,7 +616,7 @@ TEST cache_file_loads_onto_the_device(void)
 TEST fork_on_the_device_matches_cpu(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 64, steps = 90;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
     pqc_cache *child = NULL;
@@ -676,7 +672,7 @@ TEST device_fetch_on_engine_stream(void)
 {
     const int L = 1, hkv = 2, hq = 2, d = 32;
     const size_t n = 900;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pqc_runtime *rc, *rg;
     pqc_cache *cc, *cg;
     pqc_selection sc, sg;
@@ -804,7 +800,7 @@ TEST driver_hands_device_rows(void)
 {
     toy t;
     pqc_engine e;
-    pqc_cache_desc cd = base_desc(2, 2, 4, 32);
+    pqc_cache_desc cd = tier_desc(2, 2, 4, 32);
     pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     size_t pos;
@@ -838,7 +834,7 @@ TEST device_steps_never_wait(void)
 {
     toy t;
     pqc_engine e;
-    pqc_cache_desc cd = base_desc(2, 2, 4, 32);
+    pqc_cache_desc cd = tier_desc(2, 2, 4, 32);
     pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     emu_counters_fn counters;
@@ -907,7 +903,7 @@ TEST misuse_gets_result_codes(void)
 {
     pqc_runtime_desc d;
     pqc_runtime *rt = NULL;
-    pqc_cache_desc cd = base_desc(1, 2, 2, 32);
+    pqc_cache_desc cd = tier_desc(1, 2, 2, 32);
     pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     pqc_selection sel;
@@ -947,7 +943,7 @@ TEST device_allocation_failure(void)
     void *sym;
     const int hkv = 2, hq = 2, d = 32;
     const size_t n = 800;
-    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_runtime *rg, *rc;
     pqc_cache *c = NULL, *ref = NULL;
     pqc_selection sel, sref;
@@ -1053,7 +1049,7 @@ static pqc_runtime *make_rt_env(const char *name, const char *value, int n_threa
 static int device_cache_finds_needles(pqc_runtime *rg, pqc_runtime *rc)
 {
     const int d = 64, hkv = 2, hq = 2, n = 1200;
-    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_cache *c;
     pqc_selection sel;
     float *k = make_keys((size_t)n, hkv, d, 13), *v = rand_rows((size_t)n, (size_t)hkv * d), *q;
@@ -1242,7 +1238,7 @@ TEST kmeans_gemm_concurrent_builds(void)
     const int d = 64, hkv = 4, hq = 4;
     const size_t n = 700;
     pqc_runtime *ra = make_rt_env("PQC_KMEANS_GEMM", NULL, 4), *rk = make_rt_env("PQC_KMEANS_GEMM", "0", 1);
-    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_cache *ca = NULL, *ck = NULL;
     float *k = make_keys(n, hkv, d, 77), *v = rand_rows(n, (size_t)hkv * d);
     pqc_matrix kk = pqc_matrix_f32(k, n, (size_t)hkv * d), vv = pqc_matrix_f32(v, n, (size_t)hkv * d);
@@ -1370,7 +1366,7 @@ static enum greatest_test_res batch_matches(batch_opts *o)
     enum { NS = 3 };
     const int hkv = 2, hq = 4, d = 32;
     const size_t n = 1100;
-    pqc_cache_desc cd = base_desc(o->layers, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(o->layers, hkv, hq, d);
     pqc_runtime *rg, *rc = tu_cpu_runtime(1);
     pqc_cache *cg[NS], *cc[NS];
     pqc_selection sg[NS], sc[NS];

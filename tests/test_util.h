@@ -1,6 +1,6 @@
 /* test_util.h - what the test programs share: files (whole-file read and write, paths
    in the temporary directory) and, when pqcache.h was included before this header, the
-   runtimes the tests start from.
+   runtimes and descriptions the tests start from.
 
    Header-only; every function is static and may go unused (no warning under gcc or
    clang, as C99 or C++). */
@@ -8,6 +8,7 @@
 #define PQC_TESTS_TEST_UTIL_H
 
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,7 +75,7 @@ TU_FN void tu_tmp_path(char *out, size_t n, const char *fmt, ...)
     va_end(ap);
 }
 
-/* ----- runtimes (pqcache.h included first) ------------------------------------------ */
+/* ----- runtimes and descriptions (pqcache.h included first) -------------------------- */
 
 #ifdef PQCACHE_H
 
@@ -111,6 +112,37 @@ TU_FN pqc_runtime *tu_cuda_runtime(int threads)
     d.backend = PQC_BACKEND_CUDA;
     d.cuda_kernel_cache = "build/kernel-cache";
     return tu_runtime(&d);
+}
+
+/* A product quantizer: m subspaces of `bits` bits, `iters` k-means iterations, seed. */
+TU_FN pqc_pq_desc tu_pq_desc(int m, int bits, int iters, uint64_t seed)
+{
+    pqc_pq_desc d;
+    memset(&d, 0, sizeof d);
+    d.m = m;
+    d.bits = bits;
+    d.iters = iters;
+    d.seed = seed;
+    return d;
+}
+
+/* The base cache: `layers` layers of hkv KV heads and hq query heads of d dimensions,
+   up to 65,536 tokens, PQ with m = 2, 6 bits, 4 iterations, seed 1; every other field
+   0 (its default). */
+TU_FN pqc_cache_desc tu_cache_desc(int layers, int hkv, int hq, int d)
+{
+    pqc_cache_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = layers;
+    cd.n_kv_heads = hkv;
+    cd.n_q_heads = hq;
+    cd.head_dim = d;
+    cd.max_tokens = 1 << 16;
+    cd.pq.m = 2;
+    cd.pq.bits = 6;
+    cd.pq.iters = 4;
+    cd.pq.seed = 1;
+    return cd;
 }
 
 #endif /* PQCACHE_H */
