@@ -14,15 +14,6 @@
 #include <stdio.h>
 
 static uint64_t g_rng = 12345;
-static float frand(void) { return synth__normal(&g_rng); }
-
-static float *rand_rows(size_t n, size_t cols)
-{
-    float *x = (float *)malloc(n * cols * sizeof(float));
-    size_t i;
-    for (i = 0; i < n * cols; i++) x[i] = frand();
-    return x;
-}
 
 /* a gather buffer of `rows` rows per KV head for K and V (the returned memory, freed by
    the caller; NULL when it cannot be had) */
@@ -68,7 +59,7 @@ TEST sinks_and_window_always_selected(void)
     pqc_cache_desc cd = tu_cache_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rand_rows(500, 32), *v = rand_rows(500, 32), q[64];
+    float *k = tu_normal_rows(&g_rng, 500, 32), *v = tu_normal_rows(&g_rng, 500, 32), q[64];
     int l, h, it, i;
     cd.n_sink = 4;
     cd.window = 8;
@@ -77,7 +68,7 @@ TEST sinks_and_window_always_selected(void)
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 2, k, v, 500, 32));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
     for (it = 0; it < 5; it++) {
-        for (i = 0; i < 64; i++) q[i] = frand();
+        for (i = 0; i < 64; i++) q[i] = tu_normal(&g_rng);
         for (l = 0; l < 2; l++) {
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q, &sel));
             for (h = 0; h < 2; h++) {
@@ -108,11 +99,11 @@ TEST needle_found_after_thousands_of_appends(void)
     pqc_cache *c;
     pqc_selection sel;
     size_t n = 3000, t;
-    float *k = rand_rows(n, 32), *v = rand_rows(n, 32), dir[32], q[64], nk[32], nv[32];
+    float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32), dir[32], q[64], nk[32], nv[32];
     int e;
     double nrm = 0;
     for (e = 0; e < 32; e++) {
-        dir[e] = frand();
+        dir[e] = tu_normal(&g_rng);
         nrm += dir[e] * dir[e];
     }
     for (e = 0; e < 32; e++) dir[e] = (float)(dir[e] / sqrt(nrm));
@@ -123,8 +114,8 @@ TEST needle_found_after_thousands_of_appends(void)
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 32));
     for (t = 0; t < 3000; t++) {
         for (e = 0; e < 32; e++) {
-            nk[e] = frand();
-            nv[e] = frand();
+            nk[e] = tu_normal(&g_rng);
+            nv[e] = tu_normal(&g_rng);
         }
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, nk, nv));
     }
@@ -152,7 +143,7 @@ TEST full_budget_selects_everything_exactly(void)
         pqc_selection sel;
         pqc_kv_out out;
         size_t n = 700, t;
-        float *k = rand_rows(n, 32), *v = rand_rows(n, 32), q[32];
+        float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32), q[32];
         int h, e;
         const void *sk, *sv;
         cd.budget_ratio = 1.0;
@@ -160,7 +151,7 @@ TEST full_budget_selects_everything_exactly(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 32));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k, v));
-        for (e = 0; e < 32; e++) q[e] = frand();
+        for (e = 0; e < 32; e++) q[e] = tu_normal(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
         out.head_stride = n + 1;
@@ -201,7 +192,7 @@ TEST fetch_rows_match_fetch(void)
     const void *const *const *kr;
     const void *const *const *vr;
     size_t n = 3000, i;
-    float *k = rand_rows(n, 32), *v = rand_rows(n, 32), q[64];
+    float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32), q[64];
     int h, step, e;
     cd.budget_ratio = 0.1;
     cd.cache_blocks = 4;
@@ -215,7 +206,7 @@ TEST fetch_rows_match_fetch(void)
     out.k = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
     out.v = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
     for (step = 0; step < 6; step++) {
-        for (e = 0; e < 64; e++) q[e] = frand();
+        for (e = 0; e < 64; e++) q[e] = tu_normal(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, 0, q, &sa));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q, &sb));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, 0, &sa, &out));
@@ -323,7 +314,7 @@ TEST eviction_orders_match_reference(void)
         pqc_kv_out out;
         ref_cache rc;
         size_t n = 128, bt = 8, mid_hi;
-        float *k = rand_rows(n, 8), *v = rand_rows(n, 8);
+        float *k = tu_normal_rows(&g_rng, n, 8), *v = tu_normal_rows(&g_rng, n, 8);
         int step, s;
         uint64_t st = 99;
         cd.n_sink = -1;
@@ -441,7 +432,7 @@ TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
     pqc_kv_out out;
     pqc_layer_stats st;
     size_t n = 3000, step, h, i;
-    float *k = rand_rows(n + 40, 32), *v = rand_rows(n + 40, 32), q[32];
+    float *k = tu_normal_rows(&g_rng, n + 40, 32), *v = tu_normal_rows(&g_rng, n + 40, 32), q[32];
     int32_t blocks[64];
     memset(&cnt, 0, sizeof cnt);
     pthread_mutex_init(&cnt.mu, NULL);
@@ -461,7 +452,7 @@ TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
     out.head_stride = n + 40;
     out.k = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
     out.v = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
-    for (i = 0; i < 32; i++) q[i] = frand();
+    for (i = 0; i < 32; i++) q[i] = tu_normal(&g_rng);
     /* a failing copy (the first fetch admits into empty slots): an error, no statistics,
        and no slot claims rows it does not hold */
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
@@ -587,7 +578,7 @@ TEST async_builds_and_destroy_during_build(void)
     pqc_cache_desc cd = tu_cache_desc(4, 2, 4, 64);
     pqc_cache *c;
     size_t n = 6000;
-    float *k = rand_rows(n, 128), *v = rand_rows(n, 128), q[256];
+    float *k = tu_normal_rows(&g_rng, n, 128), *v = tu_normal_rows(&g_rng, n, 128), q[256];
     pqc_selection sel;
     pqc_layer_stats st;
     int l, i;
@@ -601,7 +592,7 @@ TEST async_builds_and_destroy_during_build(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 4, k, v, n, 128));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-    for (i = 0; i < 256; i++) q[i] = frand();
+    for (i = 0; i < 256; i++) q[i] = tu_normal(&g_rng);
     for (l = 0; l < 4; l++) {
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, l, &st));
@@ -626,14 +617,14 @@ TEST growth_waits_for_other_layers_builds(void)
     pqc_cache_desc cd = tu_cache_desc(3, 1, 1, 64);
     pqc_cache *c;
     size_t n = 1944;
-    float *k = rand_rows(n, 64), row[64];
+    float *k = tu_normal_rows(&g_rng, n, 64), row[64];
     int l, e, step;
     cd.pq.iters = 200;
     cd.pq.bits = 8;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 3, k, k, n, 64));
     for (step = 0; step < 700; step++) { /* past the store's headroom: it grows at least once */
-        for (e = 0; e < 64; e++) row[e] = frand();
+        for (e = 0; e < 64; e++) row[e] = tu_normal(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, row, row));
     }
     for (l = 1; l < 3; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, l, row, row));
@@ -681,7 +672,7 @@ TEST job_error_surfaces_at_next_call(void)
     deferred df;
     pqc_selection sel;
     size_t n = 3000;
-    float *k = rand_rows(n, 64), *v = rand_rows(n, 64), q[64];
+    float *k = tu_normal_rows(&g_rng, n, 64), *v = tu_normal_rows(&g_rng, n, 64), q[64];
     int i;
     memset(&df, 0, sizeof df);
     memset(&rd, 0, sizeof rd);
@@ -704,7 +695,7 @@ TEST job_error_surfaces_at_next_call(void)
     for (i = 0; i < df.n; i++) df.fn[i](df.arg[i]);
     g_fail_big = 0;
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-    for (i = 0; i < 64; i++) q[i] = frand();
+    for (i = 0; i < 64; i++) q[i] = tu_normal(&g_rng);
     ASSERT_EQ(PQC_ERROR_JOB_FAILED, pqc_cache_select(c, 0, q, &sel));
     ASSERT(strstr(pqc_last_error(), "PQ build failed") != NULL);
     /* nothing lost: the next call works and attends every token it could not code */
@@ -726,7 +717,7 @@ TEST multi_turn_codes_then_rebuilds(void)
     pqc_cache *c;
     pqc_selection sel;
     pqc_layer_stats st;
-    float *k = rand_rows(4000, 32), *v = rand_rows(4000, 32), q[32];
+    float *k = tu_normal_rows(&g_rng, 4000, 32), *v = tu_normal_rows(&g_rng, 4000, 32), q[32];
     pqc_matrix km, vm;
     int e;
     cd.rebuild_share = 0.3;
@@ -775,14 +766,14 @@ TEST batch_matches_individual(void)
     cd.budget_ratio = 0.2;
     for (i = 0; i < 3; i++) {
         size_t n = 1500 + 300 * (size_t)i;
-        float *k = rand_rows(n, 32), *v = rand_rows(n, 32);
+        float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32);
         int e;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c[i]));
         ASSERT_EQ(PQC_SUCCESS, prefill_all(c[i], 1, k, v, n, 32));
         free(k);
         free(v);
         q[i] = (float *)malloc(64 * sizeof(float));
-        for (e = 0; e < 64; e++) q[i][e] = frand();
+        for (e = 0; e < 64; e++) q[i][e] = tu_normal(&g_rng);
         cq[i] = q[i];
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &s1[i]));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &s2[i]));
@@ -831,11 +822,11 @@ TEST bad_inputs_leave_cache_intact(void)
     pqc_cache_desc cd = tu_cache_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rand_rows(300, 32), *v = rand_rows(300, 32), q[64], row[32];
+    float *k = tu_normal_rows(&g_rng, 300, 32), *v = tu_normal_rows(&g_rng, 300, 32), q[64], row[32];
     pqc_matrix km = pqc_matrix_f32(k, 300, 32), vm = pqc_matrix_f32(v, 300, 32);
     int i;
     cd.max_tokens = 400;
-    for (i = 0; i < 64; i++) q[i] = frand();
+    for (i = 0; i < 64; i++) q[i] = tu_normal(&g_rng);
     {
         pqc_cache_desc bad = cd;
         bad.pq.m = 3;
@@ -993,8 +984,8 @@ static enum greatest_test_res save_load_resumes(int rich)
     pqc_cache *a, *b;
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;
-    float *k = rand_rows(900, (size_t)hkv * d), *v = rand_rows(900, (size_t)hkv * d), *q = rand_rows(64, (size_t)hq * d);
-    float *obs = rand_rows(8, (size_t)hq * d), *bufa, *bufb;
+    float *k = tu_normal_rows(&g_rng, 900, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 900, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 64, (size_t)hq * d);
+    float *obs = tu_normal_rows(&g_rng, 8, (size_t)hq * d), *bufa, *bufb;
     char path[512];
     int l, s;
     size_t t, rows = 0;
@@ -1104,7 +1095,7 @@ TEST save_load_refuses_a_crafted_drift_state(void)
 {
     pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16);
     pqc_cache *a, *b = (pqc_cache *)&cd;
-    float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
+    float *k = tu_normal_rows(&g_rng, 300, 32), *v = tu_normal_rows(&g_rng, 300, 32);
     char path[512];
     unsigned char *img, pat[40], *at = NULL;
     long size = 0, i;
@@ -1156,7 +1147,7 @@ TEST save_load_refuses_bad_files(void)
 {
     pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16), other;
     pqc_cache *a, *b = (pqc_cache *)&cd;
-    float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
+    float *k = tu_normal_rows(&g_rng, 300, 32), *v = tu_normal_rows(&g_rng, 300, 32);
     char path[512], bad[512];
     unsigned char *img;
     long size = 0, i;
@@ -1243,8 +1234,8 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
     pqc_cache *cs[NC] = { NULL, NULL, NULL, NULL, NULL, NULL };
     pqc_selection sel[NC];
     pqc_kv_out out[NC];
-    float *k = rand_rows((size_t)S + STEPS, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS, (size_t)hkv * d);
-    float *q = rand_rows(STEPS, (size_t)hq * d), *obs = rand_rows(8, (size_t)hq * d), *buf[NC];
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *obs = tu_normal_rows(&g_rng, 8, (size_t)hq * d), *buf[NC];
     char path[512];
     int l, s, i;
     pqc_layer_stats st;
@@ -1349,8 +1340,8 @@ TEST head_slices_build_like_one_cache(void)
     pqc_cache_desc cd;
     pqc_cache *all = NULL, *part[3] = { NULL, NULL, NULL };
     pqc_selection sa, sp;
-    float *k = rand_rows((size_t)n, (size_t)hkv * d), *v = rand_rows((size_t)n, (size_t)hkv * d);
-    float *q = rand_rows(1, (size_t)hkv * d), *ks = (float *)malloc((size_t)n * d * sizeof(float) * 2), *vs = ks + (size_t)n * d;
+    float *k = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, 1, (size_t)hkv * d), *ks = (float *)malloc((size_t)n * d * sizeof(float) * 2), *vs = ks + (size_t)n * d;
     int h, t, sliced_same = 0;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 1;
@@ -1435,8 +1426,8 @@ TEST forks_hold_the_prefix_once(void)
     pqc_cache *p, *one, *ch[NCH];
     pqc_selection s1, sc;
     pqc_kv_out o1, oc;
-    float *k = rand_rows((size_t)S + STEPS * NCH, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS * NCH, (size_t)hkv * d);
-    float *q = rand_rows(STEPS, (size_t)hq * d), *b1, *bc;
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS * NCH, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS * NCH, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *b1, *bc;
     size_t own, shared, total, one_own, one_shared;
     int i, s, l;
     cd.kv_dtype = PQC_F16;
@@ -1528,8 +1519,8 @@ TEST forks_live_on_other_threads(void)
     pqc_cache *p;
     pthread_t th[NW];
     fork_worker w[NW];
-    float *k = rand_rows((size_t)S + STEPS, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS, (size_t)hkv * d);
-    float *q = rand_rows(STEPS, (size_t)hq * d);
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d);
     int i;
     ASSERT(rt);
     cd.rebuild_share = 0.05;
@@ -1568,7 +1559,7 @@ TEST fork_misuse_is_refused(void)
     const int L = 2, hkv = 1, d = 16;
     pqc_cache_desc cd = tu_cache_desc(L, hkv, hkv, d);
     pqc_cache *p, *c = NULL, *e = NULL;
-    float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d);
+    float *k = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 300, (size_t)hkv * d);
     pqc_matrix km = pqc_matrix_f32(k, 300, (size_t)hkv * d), vm = pqc_matrix_f32(v, 300, (size_t)hkv * d);
     size_t own, shared;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &p));
@@ -1622,7 +1613,7 @@ TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
     pqc_cache *a, *z, *m;
     pqc_selection sa, sm;
     pqc_kv_out oa, om;
-    float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d), *q = rand_rows(4, (size_t)hq * d);
+    float *k = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 4, (size_t)hq * d);
     float *bufa = kv_out_make(&oa, hkv, 400, d), *bufm = kv_out_make(&om, hkv, 400, d);
     char path[512], other[512];
     size_t own, shared;
@@ -1691,7 +1682,7 @@ TEST loaded_cache_maps_its_file(void)
     pqc_cache *a, *b, *e, *f;
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;
-    float *k = rand_rows(400, (size_t)hkv * d), *v = rand_rows(400, (size_t)hkv * d), *q = rand_rows(40, (size_t)hq * d);
+    float *k = tu_normal_rows(&g_rng, 400, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 400, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 40, (size_t)hq * d);
     float *bufa = kv_out_make(&oa, hkv, 500, d), *bufb = kv_out_make(&ob, hkv, 500, d);
     char path[512];
     size_t own, shared;

@@ -16,22 +16,7 @@
 
 /* ----- helpers ----------------------------------------------------------------------- */
 
-static uint64_t g_seed = 777;
-static float urand(void)
-{
-    uint64_t z = (g_seed += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
-}
-static float *rows(size_t n, size_t cols)
-{
-    float *x = (float *)malloc(n * cols * sizeof(float) + 1);
-    size_t i;
-    for (i = 0; i < n * cols; i++) x[i] = urand();
-    return x;
-}
+static uint64_t g_rng = 777; /* the random stream of tu_uniform and tu_uniform_rows */
 
 /* A small cache: the base cache (tu_cache_desc) with up to 4,096 tokens, PQ of 4 bits,
    3 iterations, seed 5, and a block cache of 4 blocks of 16 tokens. */
@@ -141,7 +126,7 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(c, &got));
     ASSERT_EQ(0, memcmp(&got, &r, sizeof got));
     {
-        float *k = rows(300, 32), *v = rows(300, 32);
+        float *k = tu_uniform_rows(&g_rng, 300, 32), *v = tu_uniform_rows(&g_rng, 300, 32);
         ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 300));
         free(k);
         free(v);
@@ -164,7 +149,7 @@ TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
         pqc_cache_desc cd = small_desc(1, 2, 2, 8);
         pqc_cache *c;
         pqc_selection sel;
-        float *k = rows(40, 16), *v = rows(40, 16), q[16], *ko, *vo;
+        float *k = tu_uniform_rows(&g_rng, 40, 16), *v = tu_uniform_rows(&g_rng, 40, 16), q[16], *ko, *vo;
         const void *const *const *kr, *const *const *vr;
         pqc_kv_out out;
         size_t n = 10, h, i;
@@ -174,7 +159,7 @@ TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, n));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-        for (i = 0; i < 16; i++) q[i] = urand();
+        for (i = 0; i < 16; i++) q[i] = tu_uniform(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
         ko = (float *)malloc(2 * 40 * 8 * sizeof(float));
         vo = ko + 40 * 8;
@@ -205,7 +190,7 @@ TEST fetch_on_a_layer_without_prefill_is_refused(void)
     pqc_cache_desc cd = small_desc(2, 1, 1, 8);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(50, 8), *v = rows(50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, buf[2 * 64 * 8];
+    float *k = tu_uniform_rows(&g_rng, 50, 8), *v = tu_uniform_rows(&g_rng, 50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, buf[2 * 64 * 8];
     pqc_kv_out out;
     const void *const *const *kr, *const *const *vr;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
@@ -232,7 +217,7 @@ TEST selection_count_beyond_capacity_is_refused(void)
     pqc_cache_desc cd = small_desc(1, 2, 2, 8);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(100, 16), *v = rows(100, 16), q[16] = { 0 }, buf[2 * 2 * 200 * 8];
+    float *k = tu_uniform_rows(&g_rng, 100, 16), *v = tu_uniform_rows(&g_rng, 100, 16), q[16] = { 0 }, buf[2 * 2 * 200 * 8];
     pqc_kv_out out;
     const void *const *const *kr, *const *const *vr;
     size_t cap;
@@ -259,7 +244,7 @@ TEST selection_is_sized_by_the_sequence_and_grows(void)
     pqc_cache_desc cd = small_desc(1, 2, 2, 8);
     pqc_cache *c;
     pqc_selection sel, hand;
-    float *k = rows(2000, 16), *v = rows(2000, 16), q[16] = { 0 };
+    float *k = tu_uniform_rows(&g_rng, 2000, 16), *v = tu_uniform_rows(&g_rng, 2000, 16), q[16] = { 0 };
     uint32_t idx[2 * 64];
     size_t cnt[2];
     cd.max_tokens = (size_t)1 << 24;
@@ -291,7 +276,7 @@ TEST huge_code_capacity_is_refused(void)
     pqc_pq pq;
     pqc_codes codes;
     pqc_pq_desc d;
-    float *k = rows(300, 8);
+    float *k = tu_uniform_rows(&g_rng, 300, 8);
     pqc_matrix km = pqc_matrix_f32(k, 300, 8);
     int bits;
     memset(&d, 0, sizeof d);
@@ -344,7 +329,7 @@ TEST matrices_too_large_to_address_are_refused(void)
 
 TEST exact_search_refuses_keys_without_a_ranking(void)
 {
-    float *k = rows(50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, all[50];
+    float *k = tu_uniform_rows(&g_rng, 50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, all[50];
     pqc_matrix m = pqc_matrix_f32(k, 50, 8);
     pqc_search_desc sd;
     uint32_t idx[5];
@@ -364,7 +349,7 @@ TEST prefill_with_k_and_v_of_different_dtypes(void)
 {
     pqc_cache_desc cd = small_desc(1, 2, 2, 8);
     pqc_cache *c;
-    float *k = rows(40, 16);
+    float *k = tu_uniform_rows(&g_rng, 40, 16);
     uint16_t v16[40 * 16];
     pqc_matrix km = pqc_matrix_f32(k, 40, 16), vm;
     const void *kr, *vr;
@@ -414,7 +399,7 @@ TEST values_beyond_the_storage_range_are_refused_before_storing(void)
         pqc_cache_desc cd = small_desc(1, 1, 1, 8);
         pqc_cache *c;
         pqc_selection sel;
-        float *k = rows(200, 8), *v = rows(200, 8), q[8] = { 1, 1, 1, 1, 1, 1, 1, 1 };
+        float *k = tu_uniform_rows(&g_rng, 200, 8), *v = tu_uniform_rows(&g_rng, 200, 8), q[8] = { 1, 1, 1, 1, 1, 1, 1, 1 };
         cd.kv_dtype = st;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
         k[150 * 8 + 2] = 70000.0f; /* finite in fp32, Inf in fp16 */
@@ -445,7 +430,7 @@ TEST huge_budget_gives_a_sane_window(void)
     pqc_cache_desc cd = small_desc(1, 1, 1, 8);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(300, 8), *v = rows(300, 8), q[8] = { 0 };
+    float *k = tu_uniform_rows(&g_rng, 300, 8), *v = tu_uniform_rows(&g_rng, 300, 8), q[8] = { 0 };
     cd.budget_tokens = (size_t)-1;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 300));
@@ -994,15 +979,15 @@ static int scenario(scen *S)
     rd.allocator.alloc = fa_alloc;
     rd.allocator.free = fa_free;
     rd.allocator.user = &S->fa;
-    g_seed = 99;
+    g_rng = 99;
     g_with_blocks = 1;
-    k = rows(600, 32);
-    v = rows(600, 32);
+    k = tu_uniform_rows(&g_rng, 600, 32);
+    v = tu_uniform_rows(&g_rng, 600, 32);
     obuf = (float *)malloc(2 * 2 * 700 * 16 * sizeof(float));
     out.k = obuf;
     out.v = obuf + 2 * 700 * 16;
     out.head_stride = 700;
-    for (i = 0; i < 64; i++) q[i] = urand();
+    for (i = 0; i < 64; i++) q[i] = tu_uniform(&g_rng);
     cd.kv_dtype = PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
@@ -1238,10 +1223,10 @@ static size_t timing_program(int threads, int seed, double share, int steps, uin
     } else if (seed % 3 == 2) {
         cd.residual_weight = 0.1;
     }
-    g_seed = 7000 + (uint64_t)seed;
-    k = rows(1200, 32);
-    v = rows(1200, 32);
-    for (i = 0; i < 8 * 64; i++) qo[i] = urand() * ((i % 16) < 8 ? 1.0f : 0.05f);
+    g_rng = 7000 + (uint64_t)seed;
+    k = tu_uniform_rows(&g_rng, 1200, 32);
+    v = tu_uniform_rows(&g_rng, 1200, 32);
+    for (i = 0; i < 8 * 64; i++) qo[i] = tu_uniform(&g_rng) * ((i % 16) < 8 ? 1.0f : 0.05f);
 #define TP(x) \
     do { \
         if ((x) != PQC_SUCCESS) { ok = 0; goto end; } \
@@ -1255,13 +1240,13 @@ static size_t timing_program(int threads, int seed, double share, int steps, uin
     }
     for (l = 0; l < 2; l++) TP(prefill(a, l, k + 200 * 32, v + 200 * 32, 100));
     for (step = 0; step < steps; step++) {
-        int drift = step > steps / 2, extra = urand() > 0.8f, batch = f && urand() > 0.5f;
+        int drift = step > steps / 2, extra = tu_uniform(&g_rng) > 0.8f, batch = f && tu_uniform(&g_rng) > 0.5f;
         if (step == steps / 3) {
             TP(pqc_cache_fork(a, &f));
             TP(pqc_selection_init(f, &sf));
         }
         for (l = 0; l < 2; l++) {
-            for (i = 0; i < 64; i++) q[i] = urand() * (((i % 16) < 8) == !drift ? 1.0f : 0.05f);
+            for (i = 0; i < 64; i++) q[i] = tu_uniform(&g_rng) * (((i % 16) < 8) == !drift ? 1.0f : 0.05f);
             TP(pqc_cache_append(a, l, k + (next % 1200) * 32, v + (next % 1200) * 32));
             if (f) TP(pqc_cache_append(f, l, k + ((next + 77) % 1200) * 32, v + ((next + 77) % 1200) * 32));
             if (batch) {
@@ -1284,7 +1269,7 @@ static size_t timing_program(int threads, int seed, double share, int steps, uin
         }
         next++;
         if (extra) { /* a burst of tokens appended to every layer with no select between */
-            int j, burst = 1 + (int)(40.0f * (urand() + 1.0f));
+            int j, burst = 1 + (int)(40.0f * (tu_uniform(&g_rng) + 1.0f));
             for (j = 0; j < burst; j++, next++)
                 for (l = 0; l < 2; l++) TP(pqc_cache_append(a, l, k + (next % 1200) * 32, v + (next % 1200) * 32));
         }
@@ -1434,7 +1419,7 @@ TEST driver_refuses_layers_of_unequal_length(void)
     pqc_cache *c;
     pqc_engine e;
     eng en;
-    float *k = rows(20, 8), *v = rows(20, 8);
+    float *k = tu_uniform_rows(&g_rng, 20, 8), *v = tu_uniform_rows(&g_rng, 20, 8);
     eng_init(&e, &en, 1, 1, 8);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 17));
@@ -1472,7 +1457,7 @@ TEST select_failing_on_a_worker_reports_its_message(void)
     pqc_cache_desc cd = small_desc(1, 4, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(3000, 64), *v = rows(3000, 64), q[64];
+    float *k = tu_uniform_rows(&g_rng, 3000, 64), *v = tu_uniform_rows(&g_rng, 3000, 64), q[64];
     size_t i;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 2;
@@ -1484,7 +1469,7 @@ TEST select_failing_on_a_worker_reports_its_message(void)
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 3000));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
-    for (i = 0; i < 64; i++) q[i] = urand();
+    for (i = 0; i < 64; i++) q[i] = tu_uniform(&g_rng);
     g_fail_scratch = 1; /* the heads' search scratch cannot be had */
     ASSERT_EQ(PQC_ERROR_OUT_OF_MEMORY, pqc_cache_select(c, 0, q, &sel));
     g_fail_scratch = 0;
@@ -1505,7 +1490,7 @@ TEST batch_refuses_one_cache_twice(void)
     pqc_cache_desc cd = small_desc(1, 1, 1, 8);
     pqc_cache *c, *cs[2];
     pqc_selection sel, *sels[2];
-    float *k = rows(100, 8), *v = rows(100, 8), q[8] = { 0 };
+    float *k = tu_uniform_rows(&g_rng, 100, 8), *v = tu_uniform_rows(&g_rng, 100, 8), q[8] = { 0 };
     const float *qs[2];
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 2;

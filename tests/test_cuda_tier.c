@@ -26,7 +26,6 @@
 #include <unistd.h>
 
 static uint64_t g_rng = 777;
-static float frand(void) { return synth__normal(&g_rng); }
 
 /* The driver the library opens, for the test's own stream and copies. */
 typedef int (*stream_create_fn)(void **s, unsigned flags);
@@ -113,14 +112,6 @@ static float *make_keys(size_t n, int hkv, int d, uint64_t seed)
         synth_free(&sy);
     }
     return k;
-}
-
-static float *rand_rows(size_t n, size_t cols)
-{
-    float *x = (float *)malloc(n * cols * sizeof(float));
-    size_t i;
-    for (i = 0; i < n * cols; i++) x[i] = frand();
-    return x;
 }
 
 typedef struct pair {
@@ -313,7 +304,7 @@ static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 
 static int observe_both(pair *p, int layers, int hkv, int hq, int d)
 {
     const size_t rows = 8, qn = (size_t)hq * d;
-    float *q = rand_rows(rows, qn);
+    float *q = tu_normal_rows(&g_rng, rows, qn);
     size_t i, e;
     int l, g = hq / hkv, ok = q != NULL;
     for (i = 0; ok && i < rows * qn; i++) {
@@ -355,11 +346,11 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     ASSERT_EQ(0, pqc_cache_on_device(p.cc));
     k1 = make_keys(n1, hkv, d, 11);
     k2 = make_keys(n2, hkv, d, 99);
-    v1 = rand_rows(n1, (size_t)hkv * d);
-    v2 = rand_rows(n2, (size_t)hkv * d);
-    q = rand_rows((size_t)2 * steps, (size_t)hq * d);
-    ka = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
-    va = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
+    v1 = tu_normal_rows(&g_rng, n1, (size_t)hkv * d);
+    v2 = tu_normal_rows(&g_rng, n2, (size_t)hkv * d);
+    q = tu_normal_rows(&g_rng, (size_t)2 * steps, (size_t)hq * d);
+    ka = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
+    va = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
     ASSERT(k1 && k2 && v1 && v2 && q && ka && va);
     if (sh->observe) ASSERT(observe_both(&p, L, hkv, hq, d));
     ASSERT(prefill_both(&p, L, k1, v1, n1, (size_t)hkv * d));
@@ -570,8 +561,8 @@ TEST cache_file_loads_onto_the_device(void)
     pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
-    float *k1 = make_keys(1500, hkv, d, 11), *v1 = rand_rows(1500, (size_t)hkv * d);
-    float *q = rand_rows((size_t)2 * steps, (size_t)hq * d), *ka = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
+    float *k1 = make_keys(1500, hkv, d, 11), *v1 = tu_normal_rows(&g_rng, 1500, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, (size_t)2 * steps, (size_t)hq * d), *ka = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
     char path[512];
     int s, l;
     tu_tmp_path(path, sizeof path, "cuda_cache");
@@ -620,8 +611,8 @@ TEST fork_on_the_device_matches_cpu(void)
     pair p;
     cmp_stats st;
     pqc_cache *child = NULL;
-    float *k1 = make_keys(1500, hkv, d, 13), *v1 = rand_rows(1500, (size_t)hkv * d);
-    float *q = rand_rows((size_t)steps, (size_t)hq * d), *ka = rand_rows((size_t)steps * L, (size_t)hkv * d);
+    float *k1 = make_keys(1500, hkv, d, 13), *v1 = tu_normal_rows(&g_rng, 1500, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, (size_t)steps, (size_t)hq * d), *ka = tu_normal_rows(&g_rng, (size_t)steps * L, (size_t)hkv * d);
     int s, l;
     size_t own, shared;
     cd.kv_dtype = PQC_F16;
@@ -679,7 +670,7 @@ TEST device_fetch_on_engine_stream(void)
     pqc_kv_out oc;
     pqc_kv_device dk;
     void *stream = NULL, *ctx = NULL;
-    float *k = make_keys(n, hkv, d, 5), *v = rand_rows(n, (size_t)hkv * d), *q = rand_rows(1, (size_t)hq * d);
+    float *k = make_keys(n, hkv, d, 5), *v = tu_normal_rows(&g_rng, n, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 1, (size_t)hq * d);
     float *kc = (float *)malloc(2 * n * hkv * d * sizeof(float)), *row = (float *)malloc((size_t)d * sizeof(float));
     pqc_matrix km = pqc_matrix_f32(k, n, (size_t)hkv * d), vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
     int h;
@@ -955,8 +946,8 @@ TEST device_allocation_failure(void)
     if (!sym) SKIPm("needs the stand-in driver");
     memcpy(&fail, &sym, sizeof fail);
     k = make_keys(n, hkv, d, 21);
-    v = rand_rows(n, (size_t)hkv * d);
-    q = rand_rows(1, (size_t)hq * d);
+    v = tu_normal_rows(&g_rng, n, (size_t)hkv * d);
+    q = tu_normal_rows(&g_rng, 1, (size_t)hq * d);
     km = pqc_matrix_f32(k, n, (size_t)hkv * d);
     vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
     cd.gqa = PQC_GQA_SUM;
@@ -1052,7 +1043,7 @@ static int device_cache_finds_needles(pqc_runtime *rg, pqc_runtime *rc)
     pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = make_keys((size_t)n, hkv, d, 13), *v = rand_rows((size_t)n, (size_t)hkv * d), *q;
+    float *k = make_keys((size_t)n, hkv, d, 13), *v = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d), *q;
     pqc_matrix kk = pqc_matrix_f32(k, (size_t)n, (size_t)hkv * d), vv = pqc_matrix_f32(v, (size_t)n, (size_t)hkv * d);
     pqc_layer_stats st;
     synth s0;
@@ -1240,7 +1231,7 @@ TEST kmeans_gemm_concurrent_builds(void)
     pqc_runtime *ra = make_rt_env("PQC_KMEANS_GEMM", NULL, 4), *rk = make_rt_env("PQC_KMEANS_GEMM", "0", 1);
     pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_cache *ca = NULL, *ck = NULL;
-    float *k = make_keys(n, hkv, d, 77), *v = rand_rows(n, (size_t)hkv * d);
+    float *k = make_keys(n, hkv, d, 77), *v = tu_normal_rows(&g_rng, n, (size_t)hkv * d);
     pqc_matrix kk = pqc_matrix_f32(k, n, (size_t)hkv * d), vv = pqc_matrix_f32(v, n, (size_t)hkv * d);
     pqc__km_class cls;
     pqc_layer_stats sa, sk;
@@ -1261,7 +1252,7 @@ TEST kmeans_gemm_concurrent_builds(void)
     ASSERT_EQ(1, (int)sk.builds);
     if (on_emulator()) { /* the same codebooks, so the same selections */
         pqc_selection xa, xk;
-        float *q = rand_rows(1, (size_t)hq * d);
+        float *q = tu_normal_rows(&g_rng, 1, (size_t)hq * d);
         int h;
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ca, &xa));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ck, &xk));
@@ -1390,8 +1381,8 @@ static enum greatest_test_res batch_matches(batch_opts *o)
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
     }
     ASSERT(rg && rc);
-    v = rand_rows(n + (size_t)o->steps, (size_t)hkv * d);
-    q = rand_rows(NS * ((size_t)o->steps + 1), (size_t)hq * d);
+    v = tu_normal_rows(&g_rng, n + (size_t)o->steps, (size_t)hkv * d);
+    q = tu_normal_rows(&g_rng, NS * ((size_t)o->steps + 1), (size_t)hq * d);
     buf = (float *)malloc(4 * NS * rows * sizeof(float));
     ASSERT(v && q && buf);
     for (i = 0; i < NS; i++) {

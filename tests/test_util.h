@@ -1,5 +1,5 @@
 /* test_util.h - what the test programs share: files (whole-file read and write, paths
-   in the temporary directory) and, when pqcache.h was included before this header, the
+   in the temporary directory), random rows and, when pqcache.h was included before this header, the
    runtimes and descriptions the tests start from.
 
    Header-only; every function is static and may go unused (no warning under gcc or
@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include "synth.h"
 
 #if defined(__GNUC__) || defined(__clang__)
 #define TU_FN static __attribute__((unused))
@@ -74,6 +76,30 @@ TU_FN void tu_tmp_path(char *out, size_t n, const char *fmt, ...)
     vsnprintf(out + k, n - (size_t)k, fmt, ap);
     va_end(ap);
 }
+
+/* ----- random rows ------------------------------------------------------------------- */
+
+/* A standard normal value from the stream *rng (synth.h's generator). */
+TU_FN float tu_normal(uint64_t *rng) { return synth__normal(rng); }
+
+/* A value uniform in [-1, 1) from the stream *rng. */
+TU_FN float tu_uniform(uint64_t *rng)
+{
+    return (float)((double)(synth__next(rng) >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
+}
+
+/* n x cols values of gen(rng), row after row (malloc'd, one spare byte: not NULL when
+   n * cols is 0; NULL only when out of memory). */
+TU_FN float *tu_rows_of(float (*gen)(uint64_t *), uint64_t *rng, size_t n, size_t cols)
+{
+    float *x = (float *)malloc(n * cols * sizeof(float) + 1);
+    size_t i;
+    if (x)
+        for (i = 0; i < n * cols; i++) x[i] = gen(rng);
+    return x;
+}
+TU_FN float *tu_normal_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_normal, rng, n, cols); }
+TU_FN float *tu_uniform_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_uniform, rng, n, cols); }
 
 /* ----- runtimes and descriptions (pqcache.h included first) -------------------------- */
 
