@@ -657,11 +657,6 @@ static void *big_fail_alloc(size_t n, void *u)
     if (g_fail_big && n > 20000) return NULL;
     return malloc(n);
 }
-static void plain_free(void *p, void *u)
-{
-    (void)u;
-    free(p);
-}
 
 TEST job_error_surfaces_at_next_call(void)
 {
@@ -679,7 +674,7 @@ TEST job_error_surfaces_at_next_call(void)
     rd.submit = defer_submit;
     rd.submit_user = &df;
     rd.allocator.alloc = big_fail_alloc;
-    rd.allocator.free = plain_free;
+    rd.allocator.free = tu_free;
 #ifdef PQCACHE_NO_THREADS
     ASSERT_EQ(PQC_ERROR_UNSUPPORTED, pqc_runtime_create(&rd, &rt));
     free(k);

@@ -886,34 +886,8 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
     return h;
 }
 
-/* An allocator that fails once, at its n-th call from arming (thread-safe). */
-typedef struct falloc {
-    pthread_mutex_t mu;
-    long calls, fail_at, live;
-    int fired;
-} falloc;
-static void *fa_alloc(size_t n, void *u)
-{
-    falloc *f = (falloc *)u;
-    void *p = NULL;
-    pthread_mutex_lock(&f->mu);
-    if (f->calls++ == f->fail_at) f->fired = 1;
-    else if ((p = malloc(n)) != NULL) f->live++;
-    pthread_mutex_unlock(&f->mu);
-    return p;
-}
-static void fa_free(void *p, void *u)
-{
-    falloc *f = (falloc *)u;
-    if (!p) return;
-    pthread_mutex_lock(&f->mu);
-    f->live--;
-    pthread_mutex_unlock(&f->mu);
-    free(p);
-}
-
 typedef struct scen {
-    falloc fa;
+    tu_failing fa;
     int threads;
     int steps, fork_steps, driver_steps; /* decode steps of the cache, its fork, the driver */
     long failures, job_failures, atomicity_breaks, bad_codes, calls_total;
@@ -976,8 +950,8 @@ static int scenario(scen *S)
     memset(&rd, 0, sizeof rd);
     memset(&sel, 0, sizeof sel);
     rd.n_threads = S->threads;
-    rd.allocator.alloc = fa_alloc;
-    rd.allocator.free = fa_free;
+    rd.allocator.alloc = tu_fail_alloc;
+    rd.allocator.free = tu_fail_free;
     rd.allocator.user = &S->fa;
     g_rng = 99;
     g_with_blocks = 1;
@@ -1444,11 +1418,6 @@ static void *scratch_fail_alloc(size_t n, void *u)
     if (g_fail_scratch && n >= 4096) return NULL;
     return malloc(n);
 }
-static void plain_free(void *p, void *u)
-{
-    (void)u;
-    free(p);
-}
 
 TEST select_failing_on_a_worker_reports_its_message(void)
 {
@@ -1462,7 +1431,7 @@ TEST select_failing_on_a_worker_reports_its_message(void)
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 2;
     rd.allocator.alloc = scratch_fail_alloc;
-    rd.allocator.free = plain_free;
+    rd.allocator.free = tu_free;
     ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
     cd.max_tokens = 3500;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));

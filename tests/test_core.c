@@ -684,35 +684,8 @@ TEST bad_inputs(void)
     PASS();
 }
 
-/* An allocator that fails at the n-th call, counting live blocks (thread-safe). */
-typedef struct fail_alloc {
-    pthread_mutex_t mu;
-    long calls, fail_at, live;
-} fail_alloc;
-static void *fa_alloc(size_t n, void *u)
-{
-    fail_alloc *f = (fail_alloc *)u;
-    void *p = NULL;
-    pthread_mutex_lock(&f->mu);
-    if (f->calls++ != f->fail_at) {
-        p = malloc(n);
-        if (p) f->live++;
-    }
-    pthread_mutex_unlock(&f->mu);
-    return p;
-}
-static void fa_free(void *p, void *u)
-{
-    fail_alloc *f = (fail_alloc *)u;
-    if (!p) return;
-    pthread_mutex_lock(&f->mu);
-    f->live--;
-    pthread_mutex_unlock(&f->mu);
-    free(p);
-}
-
 /* create runtime, train, encode, search, tear down; returns the first failure */
-static pqc_result pipeline(fail_alloc *fa, const synth *sy, int threads)
+static pqc_result pipeline(tu_failing *fa, const synth *sy, int threads)
 {
     pqc_runtime_desc rd;
     pqc_runtime *rt = NULL;
@@ -726,8 +699,8 @@ static pqc_result pipeline(fail_alloc *fa, const synth *sy, int threads)
     pqc_result r;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = threads;
-    rd.allocator.alloc = fa_alloc;
-    rd.allocator.free = fa_free;
+    rd.allocator.alloc = tu_fail_alloc;
+    rd.allocator.free = tu_fail_free;
     rd.allocator.user = fa;
     memset(&scr, 0, sizeof scr);
     memset(&sd, 0, sizeof sd);
@@ -752,7 +725,7 @@ out_rt:
 TEST allocation_failure_at_every_allocation(void)
 {
     synth sy;
-    fail_alloc fa;
+    tu_failing fa;
     int threads;
     memset(&sy, 0, sizeof sy);
     sy.s = 700;

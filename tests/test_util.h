@@ -1,5 +1,6 @@
 /* test_util.h - what the test programs share: files (whole-file read and write, paths
-   in the temporary directory), random rows and, when pqcache.h was included before this header, the
+   in the temporary directory), random rows, allocator callbacks (plain, and one that
+   fails at its n-th call) and, when pqcache.h was included before this header, the
    runtimes and descriptions the tests start from.
 
    Header-only; every function is static and may go unused (no warning under gcc or
@@ -7,6 +8,7 @@
 #ifndef PQC_TESTS_TEST_UTIL_H
 #define PQC_TESTS_TEST_UTIL_H
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -100,6 +102,49 @@ TU_FN float *tu_rows_of(float (*gen)(uint64_t *), uint64_t *rng, size_t n, size_
 }
 TU_FN float *tu_normal_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_normal, rng, n, cols); }
 TU_FN float *tu_uniform_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_uniform, rng, n, cols); }
+
+/* ----- allocator callbacks ----------------------------------------------------------- */
+
+/* malloc and free with the callbacks' signature (pqc_allocator and the like) */
+TU_FN void *tu_malloc(size_t n, void *user)
+{
+    (void)user;
+    return malloc(n);
+}
+TU_FN void tu_free(void *p, void *user)
+{
+    (void)user;
+    free(p);
+}
+
+/* An allocator that fails once, at its call number fail_at (from 0; -1: never), and
+   counts its calls and the blocks still held (thread-safe): tu_fail_alloc and
+   tu_fail_free with user = the tu_failing. */
+typedef struct tu_failing {
+    pthread_mutex_t mu;
+    long calls, fail_at, live;
+    int fired; /* the failure happened */
+} tu_failing;
+
+TU_FN void *tu_fail_alloc(size_t n, void *user)
+{
+    tu_failing *f = (tu_failing *)user;
+    void *p = NULL;
+    pthread_mutex_lock(&f->mu);
+    if (f->calls++ == f->fail_at) f->fired = 1;
+    else if ((p = malloc(n)) != NULL) f->live++;
+    pthread_mutex_unlock(&f->mu);
+    return p;
+}
+TU_FN void tu_fail_free(void *p, void *user)
+{
+    tu_failing *f = (tu_failing *)user;
+    if (!p) return;
+    pthread_mutex_lock(&f->mu);
+    f->live--;
+    pthread_mutex_unlock(&f->mu);
+    free(p);
+}
 
 /* ----- runtimes and descriptions (pqcache.h included first) -------------------------- */
 
