@@ -21,7 +21,7 @@ $(BUILD):
 	@mkdir -p $(BUILD)
 
 HDR := pqcache.h
-TEST_DEPS := tests/greatest.h tests/synth.h tests/test_size.h tests/file_util.h tests/cache_checksum.h $(HDR) bench/hardkeys.h
+TEST_DEPS := tests/greatest.h tests/synth.h tests/test_size.h tests/test_util.h tests/cache_checksum.h $(HDR) bench/hardkeys.h
 
 $(BUILD)/test_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
@@ -111,7 +111,7 @@ test-variants: $(DEPS_test-variants)
 	@set -e; for t in $(LIBTESTS); do echo "== $$t (PQCACHE_NO_THREADS)"; $(BUILD)/nothreads_$$t; done
 
 # ----- CUDA: run-time loader, NVRTC compilation of the embedded kernels (no GPU needed)
-$(BUILD)/test_nvrtc: tests/test_nvrtc.c pqcache_kernels.cu $(HDR) | $(BUILD)
+$(BUILD)/test_nvrtc: tests/test_nvrtc.c tests/greatest.h tests/test_util.h tests/synth.h pqcache_kernels.cu $(HDR) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) $< -o $@ $(LDLIBS)
 
 $(BUILD)/gpu_check: tests/gpu/gpu_check.c $(HDR) | $(BUILD)
@@ -120,7 +120,7 @@ $(BUILD)/gpu_check: tests/gpu/gpu_check.c $(HDR) | $(BUILD)
 DEPS_test-nvrtc := $(BUILD)/test_nvrtc $(BUILD)/gpu_check
 test-nvrtc: $(DEPS_test-nvrtc)
 	sh tools/embed_kernels.sh --check
-	$(BUILD)/test_nvrtc
+	$(BUILD)/test_nvrtc -v
 
 kernels:
 	sh tools/embed_kernels.sh

@@ -4,7 +4,7 @@
 #include "greatest.h"
 #include "synth.h"
 #include "test_size.h"
-#include "file_util.h"
+#include "test_util.h"
 #include "cache_checksum.h"
 
 #include <pthread.h>
@@ -14,41 +14,6 @@
 #include <stdio.h>
 
 static uint64_t g_rng = 12345;
-static float frand(void) { return synth__normal(&g_rng); }
-
-static pqc_runtime *make_rt(int threads)
-{
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
-    memset(&d, 0, sizeof d);
-    d.n_threads = threads;
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) return NULL;
-    return rt;
-}
-
-static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
-{
-    pqc_cache_desc cd;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = layers;
-    cd.n_kv_heads = hkv;
-    cd.n_q_heads = hq;
-    cd.head_dim = d;
-    cd.max_tokens = 1 << 16;
-    cd.pq.m = 2;
-    cd.pq.bits = 6;
-    cd.pq.iters = 4;
-    cd.pq.seed = 1;
-    return cd;
-}
-
-static float *rand_rows(size_t n, size_t cols)
-{
-    float *x = (float *)malloc(n * cols * sizeof(float));
-    size_t i;
-    for (i = 0; i < n * cols; i++) x[i] = frand();
-    return x;
-}
 
 /* a gather buffer of `rows` rows per KV head for K and V (the returned memory, freed by
    the caller; NULL when it cannot be had) */
@@ -90,11 +55,11 @@ static int ascending_unique(const uint32_t *a, size_t n)
 
 TEST sinks_and_window_always_selected(void)
 {
-    pqc_runtime *rt = make_rt(1);
-    pqc_cache_desc cd = base_desc(2, 2, 4, 16);
+    pqc_runtime *rt = tu_cpu_runtime(1);
+    pqc_cache_desc cd = tu_cache_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rand_rows(500, 32), *v = rand_rows(500, 32), q[64];
+    float *k = tu_normal_rows(&g_rng, 500, 32), *v = tu_normal_rows(&g_rng, 500, 32), q[64];
     int l, h, it, i;
     cd.n_sink = 4;
     cd.window = 8;
@@ -103,7 +68,7 @@ TEST sinks_and_window_always_selected(void)
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 2, k, v, 500, 32));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
     for (it = 0; it < 5; it++) {
-        for (i = 0; i < 64; i++) q[i] = frand();
+        for (i = 0; i < 64; i++) q[i] = tu_normal(&g_rng);
         for (l = 0; l < 2; l++) {
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q, &sel));
             for (h = 0; h < 2; h++) {
@@ -129,16 +94,16 @@ TEST sinks_and_window_always_selected(void)
 
 TEST needle_found_after_thousands_of_appends(void)
 {
-    pqc_runtime *rt = make_rt(1);
-    pqc_cache_desc cd = base_desc(1, 1, 2, 32);
+    pqc_runtime *rt = tu_cpu_runtime(1);
+    pqc_cache_desc cd = tu_cache_desc(1, 1, 2, 32);
     pqc_cache *c;
     pqc_selection sel;
     size_t n = 3000, t;
-    float *k = rand_rows(n, 32), *v = rand_rows(n, 32), dir[32], q[64], nk[32], nv[32];
+    float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32), dir[32], q[64], nk[32], nv[32];
     int e;
     double nrm = 0;
     for (e = 0; e < 32; e++) {
-        dir[e] = frand();
+        dir[e] = tu_normal(&g_rng);
         nrm += dir[e] * dir[e];
     }
     for (e = 0; e < 32; e++) dir[e] = (float)(dir[e] / sqrt(nrm));
@@ -149,8 +114,8 @@ TEST needle_found_after_thousands_of_appends(void)
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 32));
     for (t = 0; t < 3000; t++) {
         for (e = 0; e < 32; e++) {
-            nk[e] = frand();
-            nv[e] = frand();
+            nk[e] = tu_normal(&g_rng);
+            nv[e] = tu_normal(&g_rng);
         }
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, nk, nv));
     }
@@ -172,13 +137,13 @@ TEST full_budget_selects_everything_exactly(void)
 {
     int dt;
     for (dt = 0; dt < 2; dt++) {
-        pqc_runtime *rt = make_rt(2);
-        pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+        pqc_runtime *rt = tu_cpu_runtime(2);
+        pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16);
         pqc_cache *c;
         pqc_selection sel;
         pqc_kv_out out;
         size_t n = 700, t;
-        float *k = rand_rows(n, 32), *v = rand_rows(n, 32), q[32];
+        float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32), q[32];
         int h, e;
         const void *sk, *sv;
         cd.budget_ratio = 1.0;
@@ -186,7 +151,7 @@ TEST full_budget_selects_everything_exactly(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 32));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k, v));
-        for (e = 0; e < 32; e++) q[e] = frand();
+        for (e = 0; e < 32; e++) q[e] = tu_normal(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
         out.head_stride = n + 1;
@@ -218,8 +183,8 @@ TEST full_budget_selects_everything_exactly(void)
 
 TEST fetch_rows_match_fetch(void)
 {
-    pqc_runtime *rt = make_rt(1);
-    pqc_cache_desc cd = base_desc(1, 2, 4, 16);
+    pqc_runtime *rt = tu_cpu_runtime(1);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 4, 16);
     pqc_cache *a, *b;
     pqc_selection sa, sb;
     pqc_kv_out out;
@@ -227,7 +192,7 @@ TEST fetch_rows_match_fetch(void)
     const void *const *const *kr;
     const void *const *const *vr;
     size_t n = 3000, i;
-    float *k = rand_rows(n, 32), *v = rand_rows(n, 32), q[64];
+    float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32), q[64];
     int h, step, e;
     cd.budget_ratio = 0.1;
     cd.cache_blocks = 4;
@@ -241,7 +206,7 @@ TEST fetch_rows_match_fetch(void)
     out.k = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
     out.v = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
     for (step = 0; step < 6; step++) {
-        for (e = 0; e < 64; e++) q[e] = frand();
+        for (e = 0; e < 64; e++) q[e] = tu_normal(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, 0, q, &sa));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q, &sb));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, 0, &sa, &out));
@@ -342,14 +307,14 @@ TEST eviction_orders_match_reference(void)
 {
     int pol;
     for (pol = 0; pol < 2; pol++) {
-        pqc_runtime *rt = make_rt(-1);
-        pqc_cache_desc cd = base_desc(1, 1, 1, 8);
+        pqc_runtime *rt = tu_cpu_runtime(-1);
+        pqc_cache_desc cd = tu_cache_desc(1, 1, 1, 8);
         pqc_cache *c;
         pqc_selection sel;
         pqc_kv_out out;
         ref_cache rc;
         size_t n = 128, bt = 8, mid_hi;
-        float *k = rand_rows(n, 8), *v = rand_rows(n, 8);
+        float *k = tu_normal_rows(&g_rng, n, 8), *v = tu_normal_rows(&g_rng, n, 8);
         int step, s;
         uint64_t st = 99;
         cd.n_sink = -1;
@@ -458,8 +423,8 @@ static int cb_copy(void *ctx, void *dst, const void *src, size_t n)
 
 TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
 {
-    pqc_runtime *rt = make_rt(2);
-    pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+    pqc_runtime *rt = tu_cpu_runtime(2);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16);
     pqc_backend be;
     count_be cnt;
     pqc_cache *c;
@@ -467,7 +432,7 @@ TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
     pqc_kv_out out;
     pqc_layer_stats st;
     size_t n = 3000, step, h, i;
-    float *k = rand_rows(n + 40, 32), *v = rand_rows(n + 40, 32), q[32];
+    float *k = tu_normal_rows(&g_rng, n + 40, 32), *v = tu_normal_rows(&g_rng, n + 40, 32), q[32];
     int32_t blocks[64];
     memset(&cnt, 0, sizeof cnt);
     pthread_mutex_init(&cnt.mu, NULL);
@@ -487,7 +452,7 @@ TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
     out.head_stride = n + 40;
     out.k = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
     out.v = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
-    for (i = 0; i < 32; i++) q[i] = frand();
+    for (i = 0; i < 32; i++) q[i] = tu_normal(&g_rng);
     /* a failing copy (the first fetch admits into empty slots): an error, no statistics,
        and no slot claims rows it does not hold */
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
@@ -563,8 +528,7 @@ TEST scheduler_recovers_coefficients_and_clips(void)
         char buf[1024];
         size_t n;
         /* one file per process: the builds of this test may run side by side */
-        snprintf(path, sizeof path, "%s/pqc_sched_%ld.txt", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-                 (long)getpid());
+        tu_tmp_path(path, sizeof path, "sched.txt");
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, path));
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(&sd, &s2));
         ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_load(s2, path));
@@ -610,11 +574,11 @@ TEST scheduler_recovers_coefficients_and_clips(void)
 
 TEST async_builds_and_destroy_during_build(void)
 {
-    pqc_runtime *rt = make_rt(2);
-    pqc_cache_desc cd = base_desc(4, 2, 4, 64);
+    pqc_runtime *rt = tu_cpu_runtime(2);
+    pqc_cache_desc cd = tu_cache_desc(4, 2, 4, 64);
     pqc_cache *c;
     size_t n = 6000;
-    float *k = rand_rows(n, 128), *v = rand_rows(n, 128), q[256];
+    float *k = tu_normal_rows(&g_rng, n, 128), *v = tu_normal_rows(&g_rng, n, 128), q[256];
     pqc_selection sel;
     pqc_layer_stats st;
     int l, i;
@@ -628,7 +592,7 @@ TEST async_builds_and_destroy_during_build(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 4, k, v, n, 128));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-    for (i = 0; i < 256; i++) q[i] = frand();
+    for (i = 0; i < 256; i++) q[i] = tu_normal(&g_rng);
     for (l = 0; l < 4; l++) {
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, l, &st));
@@ -649,18 +613,18 @@ TEST growth_waits_for_other_layers_builds(void)
 {
     /* a store that grows (here: the first decode step) must not move under the builds
        of other layers that are still running (ASan reports a use after free otherwise) */
-    pqc_runtime *rt = make_rt(2);
-    pqc_cache_desc cd = base_desc(3, 1, 1, 64);
+    pqc_runtime *rt = tu_cpu_runtime(2);
+    pqc_cache_desc cd = tu_cache_desc(3, 1, 1, 64);
     pqc_cache *c;
     size_t n = 1944;
-    float *k = rand_rows(n, 64), row[64];
+    float *k = tu_normal_rows(&g_rng, n, 64), row[64];
     int l, e, step;
     cd.pq.iters = 200;
     cd.pq.bits = 8;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 3, k, k, n, 64));
     for (step = 0; step < 700; step++) { /* past the store's headroom: it grows at least once */
-        for (e = 0; e < 64; e++) row[e] = frand();
+        for (e = 0; e < 64; e++) row[e] = tu_normal(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, row, row));
     }
     for (l = 1; l < 3; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, l, row, row));
@@ -693,29 +657,24 @@ static void *big_fail_alloc(size_t n, void *u)
     if (g_fail_big && n > 20000) return NULL;
     return malloc(n);
 }
-static void plain_free(void *p, void *u)
-{
-    (void)u;
-    free(p);
-}
 
 TEST job_error_surfaces_at_next_call(void)
 {
     pqc_runtime_desc rd;
     pqc_runtime *rt;
-    pqc_cache_desc cd = base_desc(1, 2, 2, 32);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 32);
     pqc_cache *c;
     deferred df;
     pqc_selection sel;
     size_t n = 3000;
-    float *k = rand_rows(n, 64), *v = rand_rows(n, 64), q[64];
+    float *k = tu_normal_rows(&g_rng, n, 64), *v = tu_normal_rows(&g_rng, n, 64), q[64];
     int i;
     memset(&df, 0, sizeof df);
     memset(&rd, 0, sizeof rd);
     rd.submit = defer_submit;
     rd.submit_user = &df;
     rd.allocator.alloc = big_fail_alloc;
-    rd.allocator.free = plain_free;
+    rd.allocator.free = tu_free;
 #ifdef PQCACHE_NO_THREADS
     ASSERT_EQ(PQC_ERROR_UNSUPPORTED, pqc_runtime_create(&rd, &rt));
     free(k);
@@ -731,7 +690,7 @@ TEST job_error_surfaces_at_next_call(void)
     for (i = 0; i < df.n; i++) df.fn[i](df.arg[i]);
     g_fail_big = 0;
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-    for (i = 0; i < 64; i++) q[i] = frand();
+    for (i = 0; i < 64; i++) q[i] = tu_normal(&g_rng);
     ASSERT_EQ(PQC_ERROR_JOB_FAILED, pqc_cache_select(c, 0, q, &sel));
     ASSERT(strstr(pqc_last_error(), "PQ build failed") != NULL);
     /* nothing lost: the next call works and attends every token it could not code */
@@ -748,12 +707,12 @@ TEST job_error_surfaces_at_next_call(void)
 
 TEST multi_turn_codes_then_rebuilds(void)
 {
-    pqc_runtime *rt = make_rt(1);
-    pqc_cache_desc cd = base_desc(1, 1, 1, 32);
+    pqc_runtime *rt = tu_cpu_runtime(1);
+    pqc_cache_desc cd = tu_cache_desc(1, 1, 1, 32);
     pqc_cache *c;
     pqc_selection sel;
     pqc_layer_stats st;
-    float *k = rand_rows(4000, 32), *v = rand_rows(4000, 32), q[32];
+    float *k = tu_normal_rows(&g_rng, 4000, 32), *v = tu_normal_rows(&g_rng, 4000, 32), q[32];
     pqc_matrix km, vm;
     int e;
     cd.rebuild_share = 0.3;
@@ -789,8 +748,8 @@ TEST multi_turn_codes_then_rebuilds(void)
 
 TEST batch_matches_individual(void)
 {
-    pqc_runtime *rt = make_rt(2);
-    pqc_cache_desc cd = base_desc(1, 2, 4, 16);
+    pqc_runtime *rt = tu_cpu_runtime(2);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 4, 16);
     pqc_cache *c[3];
     pqc_selection s1[3], s2[3], *sp[3];
     pqc_kv_out o1[3], o2[3];
@@ -802,14 +761,14 @@ TEST batch_matches_individual(void)
     cd.budget_ratio = 0.2;
     for (i = 0; i < 3; i++) {
         size_t n = 1500 + 300 * (size_t)i;
-        float *k = rand_rows(n, 32), *v = rand_rows(n, 32);
+        float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32);
         int e;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c[i]));
         ASSERT_EQ(PQC_SUCCESS, prefill_all(c[i], 1, k, v, n, 32));
         free(k);
         free(v);
         q[i] = (float *)malloc(64 * sizeof(float));
-        for (e = 0; e < 64; e++) q[i][e] = frand();
+        for (e = 0; e < 64; e++) q[i][e] = tu_normal(&g_rng);
         cq[i] = q[i];
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &s1[i]));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &s2[i]));
@@ -854,15 +813,15 @@ TEST batch_matches_individual(void)
 
 TEST bad_inputs_leave_cache_intact(void)
 {
-    pqc_runtime *rt = make_rt(1);
-    pqc_cache_desc cd = base_desc(2, 2, 4, 16);
+    pqc_runtime *rt = tu_cpu_runtime(1);
+    pqc_cache_desc cd = tu_cache_desc(2, 2, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rand_rows(300, 32), *v = rand_rows(300, 32), q[64], row[32];
+    float *k = tu_normal_rows(&g_rng, 300, 32), *v = tu_normal_rows(&g_rng, 300, 32), q[64], row[32];
     pqc_matrix km = pqc_matrix_f32(k, 300, 32), vm = pqc_matrix_f32(v, 300, 32);
     int i;
     cd.max_tokens = 400;
-    for (i = 0; i < 64; i++) q[i] = frand();
+    for (i = 0; i < 64; i++) q[i] = tu_normal(&g_rng);
     {
         pqc_cache_desc bad = cd;
         bad.pq.m = 3;
@@ -977,8 +936,8 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
 
 TEST driver_runs_both_algorithms(void)
 {
-    pqc_runtime *rt = make_rt(1);
-    pqc_cache_desc cd = base_desc(2, 1, 2, 8);
+    pqc_runtime *rt = tu_cpu_runtime(1);
+    pqc_cache_desc cd = tu_cache_desc(2, 1, 2, 8);
     pqc_cache *c;
     pqc_engine e;
     toy t;
@@ -1016,17 +975,16 @@ TEST driver_runs_both_algorithms(void)
 static enum greatest_test_res save_load_resumes(int rich)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *a, *b;
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;
-    float *k = rand_rows(900, (size_t)hkv * d), *v = rand_rows(900, (size_t)hkv * d), *q = rand_rows(64, (size_t)hq * d);
-    float *obs = rand_rows(8, (size_t)hq * d), *bufa, *bufb;
+    float *k = tu_normal_rows(&g_rng, 900, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 900, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 64, (size_t)hq * d);
+    float *obs = tu_normal_rows(&g_rng, 8, (size_t)hq * d), *bufa, *bufb;
     char path[512];
     int l, s;
     size_t t, rows = 0;
-    snprintf(path, sizeof path, "%s/pqc_cache_file_%ld_%d", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid(), rich);
+    tu_tmp_path(path, sizeof path, "cache_file_%d", rich);
     cd.kv_dtype = rich ? PQC_F32 : PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
@@ -1130,22 +1088,21 @@ TEST stored_rows_check_finds_every_bad_value(void)
    crafted file) but whose drift state names a coded count beyond any size is refused. */
 TEST save_load_refuses_a_crafted_drift_state(void)
 {
-    pqc_cache_desc cd = base_desc(1, 2, 2, 16);
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16);
     pqc_cache *a, *b = (pqc_cache *)&cd;
-    float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
+    float *k = tu_normal_rows(&g_rng, 300, 32), *v = tu_normal_rows(&g_rng, 300, 32);
     char path[512];
     unsigned char *img, pat[40], *at = NULL;
     long size = 0, i;
     const double bad[] = { 1e200, 0.5, 1e9 }; /* beyond any size, not whole, beyond max_tokens */
     int j;
     const pqc__layer *L;
-    snprintf(path, sizeof path, "%s/pqc_cache_drift_%ld", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid());
+    tu_tmp_path(path, sizeof path, "cache_drift");
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, 300, 32));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(a));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
-    ASSERT((img = file_image(path, &size)) != NULL);
+    ASSERT((img = tu_file_image(path, &size)) != NULL);
     /* the layer's counts (u64 tokens, coded, trained, generation, step), a u32, then the
        observation sums, whose last two doubles are the drift flags */
     L = &a->layers[0];
@@ -1168,7 +1125,7 @@ TEST save_load_refuses_a_crafted_drift_state(void)
         memcpy(at, &bad[j], 8);
         h = cache_file_checksum(img, (size_t)size - 8);
         for (e = 0; e < 8; e++) img[size - 8 + e] = (unsigned char)(h >> (8 * e));
-        ASSERT(file_write(path, img, (size_t)size));
+        ASSERT(tu_file_write(path, img, (size_t)size));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, path, &b));
         ASSERTm(pqc_last_error(), strstr(pqc_last_error(), "drift state") != NULL);
         ASSERT(b == (pqc_cache *)&cd);
@@ -1183,30 +1140,29 @@ TEST save_load_refuses_a_crafted_drift_state(void)
 
 TEST save_load_refuses_bad_files(void)
 {
-    pqc_cache_desc cd = base_desc(1, 2, 2, 16), other;
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 2, 16), other;
     pqc_cache *a, *b = (pqc_cache *)&cd;
-    float *k = rand_rows(300, 32), *v = rand_rows(300, 32);
+    float *k = tu_normal_rows(&g_rng, 300, 32), *v = tu_normal_rows(&g_rng, 300, 32);
     char path[512], bad[512];
     unsigned char *img;
     long size = 0, i;
-    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
-    snprintf(path, sizeof path, "%s/pqc_cache_good_%ld", tmp, (long)getpid());
-    snprintf(bad, sizeof bad, "%s/pqc_cache_bad_%ld", tmp, (long)getpid());
+    tu_tmp_path(path, sizeof path, "cache_good");
+    tu_tmp_path(bad, sizeof bad, "cache_bad");
     cd.n_sink = 4;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, 300, 32));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
-    ASSERT((img = file_image(path, &size)) != NULL);
+    ASSERT((img = tu_file_image(path, &size)) != NULL);
     for (i = 0; i <= size; i += i < 200 ? 1 : 997) { /* truncations, and a trailing byte at the end */
         img[size] = 1;
-        ASSERT(file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
+        ASSERT(tu_file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &cd, bad, &b));
         ASSERT(b == (pqc_cache *)&cd);
     }
     for (i = 0; i < size; i += i < 200 ? 1 : 499) { /* a flipped bit */
         pqc_result r;
         img[i] ^= 4;
-        ASSERT(file_write(bad, img, (size_t)size));
+        ASSERT(tu_file_write(bad, img, (size_t)size));
         r = pqc_cache_load(NULL, &cd, bad, &b);
         ASSERT(r == PQC_ERROR_BAD_FILE || (i < 72 && r == PQC_ERROR_BAD_SHAPE)); /* the header's settings */
         ASSERT(b == (pqc_cache *)&cd);
@@ -1222,10 +1178,10 @@ TEST save_load_refuses_bad_files(void)
     other.max_tokens = 100; /* the file holds 300 tokens */
     ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_cache_load(NULL, &other, path, &b));
     ASSERT(b == (pqc_cache *)&cd);
-    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_load(NULL, &cd, tmp, &b)); /* a directory */
+    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_load(NULL, &cd, tu_tmp_dir(), &b)); /* a directory */
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_load(NULL, NULL, path, &b));
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_save(a, NULL));
-    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_save(a, tmp));
+    ASSERT_EQ(PQC_ERROR_IO, pqc_cache_save(a, tu_tmp_dir()));
     ASSERT(b == (pqc_cache *)&cd);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b)); /* the good file still loads */
     pqc_cache_destroy(b);
@@ -1269,17 +1225,16 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
 {
     enum { NC = 6 }; /* ref, a, b (fork of a), c (2nd fork of a), e (fork of b), f (loaded from e's file) */
     const int L = 2, hkv = 2, hq = 4, d = 32, S = 700, STEPS = 120;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *cs[NC] = { NULL, NULL, NULL, NULL, NULL, NULL };
     pqc_selection sel[NC];
     pqc_kv_out out[NC];
-    float *k = rand_rows((size_t)S + STEPS, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS, (size_t)hkv * d);
-    float *q = rand_rows(STEPS, (size_t)hq * d), *obs = rand_rows(8, (size_t)hq * d), *buf[NC];
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *obs = tu_normal_rows(&g_rng, 8, (size_t)hq * d), *buf[NC];
     char path[512];
     int l, s, i;
     pqc_layer_stats st;
-    snprintf(path, sizeof path, "%s/pqc_fork_file_%ld_%d", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid(), rich);
+    tu_tmp_path(path, sizeof path, "fork_file_%d", rich);
     cd.kv_dtype = rich ? PQC_F32 : PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
@@ -1380,8 +1335,8 @@ TEST head_slices_build_like_one_cache(void)
     pqc_cache_desc cd;
     pqc_cache *all = NULL, *part[3] = { NULL, NULL, NULL };
     pqc_selection sa, sp;
-    float *k = rand_rows((size_t)n, (size_t)hkv * d), *v = rand_rows((size_t)n, (size_t)hkv * d);
-    float *q = rand_rows(1, (size_t)hkv * d), *ks = (float *)malloc((size_t)n * d * sizeof(float) * 2), *vs = ks + (size_t)n * d;
+    float *k = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, 1, (size_t)hkv * d), *ks = (float *)malloc((size_t)n * d * sizeof(float) * 2), *vs = ks + (size_t)n * d;
     int h, t, sliced_same = 0;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 1;
@@ -1462,12 +1417,12 @@ TEST forks_hold_the_prefix_once(void)
     enum { NCH = 8 };
     const int S = TEST_SIZE(32768, 4096), STEPS = TEST_SIZE(16, 6);
     const int L = 2, hkv = 2, hq = 4, d = 128;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *p, *one, *ch[NCH];
     pqc_selection s1, sc;
     pqc_kv_out o1, oc;
-    float *k = rand_rows((size_t)S + STEPS * NCH, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS * NCH, (size_t)hkv * d);
-    float *q = rand_rows(STEPS, (size_t)hq * d), *b1, *bc;
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS * NCH, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS * NCH, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *b1, *bc;
     size_t own, shared, total, one_own, one_shared;
     int i, s, l;
     cd.kv_dtype = PQC_F16;
@@ -1554,13 +1509,13 @@ TEST forks_live_on_other_threads(void)
 {
     enum { NW = 4 };
     const int L = 2, hkv = 2, hq = 4, d = 32, S = 600, STEPS = 40;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
-    pqc_runtime *rt = make_rt(2);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
+    pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache *p;
     pthread_t th[NW];
     fork_worker w[NW];
-    float *k = rand_rows((size_t)S + STEPS, (size_t)hkv * d), *v = rand_rows((size_t)S + STEPS, (size_t)hkv * d);
-    float *q = rand_rows(STEPS, (size_t)hq * d);
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d);
     int i;
     ASSERT(rt);
     cd.rebuild_share = 0.05;
@@ -1597,9 +1552,9 @@ TEST forks_live_on_other_threads(void)
 TEST fork_misuse_is_refused(void)
 {
     const int L = 2, hkv = 1, d = 16;
-    pqc_cache_desc cd = base_desc(L, hkv, hkv, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hkv, d);
     pqc_cache *p, *c = NULL, *e = NULL;
-    float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d);
+    float *k = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 300, (size_t)hkv * d);
     pqc_matrix km = pqc_matrix_f32(k, 300, (size_t)hkv * d), vm = pqc_matrix_f32(v, 300, (size_t)hkv * d);
     size_t own, shared;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &p));
@@ -1649,19 +1604,18 @@ TEST fork_misuse_is_refused(void)
 TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *a, *z, *m;
     pqc_selection sa, sm;
     pqc_kv_out oa, om;
-    float *k = rand_rows(300, (size_t)hkv * d), *v = rand_rows(300, (size_t)hkv * d), *q = rand_rows(4, (size_t)hq * d);
+    float *k = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 4, (size_t)hq * d);
     float *bufa = kv_out_make(&oa, hkv, 400, d), *bufm = kv_out_make(&om, hkv, 400, d);
     char path[512], other[512];
-    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
     size_t own, shared;
     pid_t pid;
     int l, s, st = 0;
-    snprintf(path, sizeof path, "%s/pqc_map_rename_%ld", tmp, (long)getpid());
-    snprintf(other, sizeof other, "%s/pqc_map_resave_%ld", tmp, (long)getpid());
+    tu_tmp_path(path, sizeof path, "map_rename");
+    tu_tmp_path(other, sizeof other, "map_resave");
     ASSERT(bufa && bufm);
     cd.kv_dtype = PQC_F16;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
@@ -1719,18 +1673,17 @@ TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
 TEST loaded_cache_maps_its_file(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *a, *b, *e, *f;
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;
-    float *k = rand_rows(400, (size_t)hkv * d), *v = rand_rows(400, (size_t)hkv * d), *q = rand_rows(40, (size_t)hq * d);
+    float *k = tu_normal_rows(&g_rng, 400, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 400, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 40, (size_t)hq * d);
     float *bufa = kv_out_make(&oa, hkv, 500, d), *bufb = kv_out_make(&ob, hkv, 500, d);
     char path[512];
     size_t own, shared;
     long bytes;
     int l, s;
-    snprintf(path, sizeof path, "%s/pqc_map_file_%ld", getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp",
-             (long)getpid());
+    tu_tmp_path(path, sizeof path, "map_file");
     ASSERT(bufa && bufb);
     cd.kv_dtype = PQC_F16;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));

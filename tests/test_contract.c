@@ -5,7 +5,7 @@
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "greatest.h"
-#include "file_util.h"
+#include "test_util.h"
 #include "test_size.h"
 
 #include <math.h>
@@ -16,33 +16,14 @@
 
 /* ----- helpers ----------------------------------------------------------------------- */
 
-static uint64_t g_seed = 777;
-static float urand(void)
-{
-    uint64_t z = (g_seed += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
-}
-static float *rows(size_t n, size_t cols)
-{
-    float *x = (float *)malloc(n * cols * sizeof(float) + 1);
-    size_t i;
-    for (i = 0; i < n * cols; i++) x[i] = urand();
-    return x;
-}
+static uint64_t g_rng = 777; /* the random stream of tu_uniform and tu_uniform_rows */
 
+/* A small cache: the base cache (tu_cache_desc) with up to 4,096 tokens, PQ of 4 bits,
+   3 iterations, seed 5, and a block cache of 4 blocks of 16 tokens. */
 static pqc_cache_desc small_desc(int layers, int hkv, int hq, int d)
 {
-    pqc_cache_desc cd;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = layers;
-    cd.n_kv_heads = hkv;
-    cd.n_q_heads = hq;
-    cd.head_dim = d;
+    pqc_cache_desc cd = tu_cache_desc(layers, hkv, hq, d);
     cd.max_tokens = 4096;
-    cd.pq.m = 2;
     cd.pq.bits = 4;
     cd.pq.iters = 3;
     cd.pq.seed = 5;
@@ -169,7 +150,7 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(c, &got));
     ASSERT_EQ(0, memcmp(&got, &r, sizeof got));
     {
-        float *k = rows(300, 32), *v = rows(300, 32);
+        float *k = tu_uniform_rows(&g_rng, 300, 32), *v = tu_uniform_rows(&g_rng, 300, 32);
         ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 300));
         free(k);
         free(v);
@@ -192,7 +173,7 @@ TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
         pqc_cache_desc cd = small_desc(1, 2, 2, 8);
         pqc_cache *c;
         pqc_selection sel;
-        float *k = rows(40, 16), *v = rows(40, 16), q[16], *ko, *vo;
+        float *k = tu_uniform_rows(&g_rng, 40, 16), *v = tu_uniform_rows(&g_rng, 40, 16), q[16], *ko, *vo;
         const void *const *const *kr, *const *const *vr;
         pqc_kv_out out;
         size_t n = 10, h, i;
@@ -202,7 +183,7 @@ TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, n));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-        for (i = 0; i < 16; i++) q[i] = urand();
+        for (i = 0; i < 16; i++) q[i] = tu_uniform(&g_rng);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
         ko = (float *)malloc(2 * 40 * 8 * sizeof(float));
         vo = ko + 40 * 8;
@@ -233,7 +214,7 @@ TEST fetch_on_a_layer_without_prefill_is_refused(void)
     pqc_cache_desc cd = small_desc(2, 1, 1, 8);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(50, 8), *v = rows(50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, buf[2 * 64 * 8];
+    float *k = tu_uniform_rows(&g_rng, 50, 8), *v = tu_uniform_rows(&g_rng, 50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, buf[2 * 64 * 8];
     pqc_kv_out out;
     const void *const *const *kr, *const *const *vr;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
@@ -260,7 +241,7 @@ TEST selection_count_beyond_capacity_is_refused(void)
     pqc_cache_desc cd = small_desc(1, 2, 2, 8);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(100, 16), *v = rows(100, 16), q[16] = { 0 }, buf[2 * 2 * 200 * 8];
+    float *k = tu_uniform_rows(&g_rng, 100, 16), *v = tu_uniform_rows(&g_rng, 100, 16), q[16] = { 0 }, buf[2 * 2 * 200 * 8];
     pqc_kv_out out;
     const void *const *const *kr, *const *const *vr;
     size_t cap;
@@ -287,7 +268,7 @@ TEST selection_is_sized_by_the_sequence_and_grows(void)
     pqc_cache_desc cd = small_desc(1, 2, 2, 8);
     pqc_cache *c;
     pqc_selection sel, hand;
-    float *k = rows(2000, 16), *v = rows(2000, 16), q[16] = { 0 };
+    float *k = tu_uniform_rows(&g_rng, 2000, 16), *v = tu_uniform_rows(&g_rng, 2000, 16), q[16] = { 0 };
     uint32_t idx[2 * 64];
     size_t cnt[2];
     cd.max_tokens = (size_t)1 << 24;
@@ -319,7 +300,7 @@ TEST huge_code_capacity_is_refused(void)
     pqc_pq pq;
     pqc_codes codes;
     pqc_pq_desc d;
-    float *k = rows(300, 8);
+    float *k = tu_uniform_rows(&g_rng, 300, 8);
     pqc_matrix km = pqc_matrix_f32(k, 300, 8);
     int bits;
     memset(&d, 0, sizeof d);
@@ -372,7 +353,7 @@ TEST matrices_too_large_to_address_are_refused(void)
 
 TEST exact_search_refuses_keys_without_a_ranking(void)
 {
-    float *k = rows(50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, all[50];
+    float *k = tu_uniform_rows(&g_rng, 50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, all[50];
     pqc_matrix m = pqc_matrix_f32(k, 50, 8);
     pqc_search_desc sd;
     uint32_t idx[5];
@@ -392,7 +373,7 @@ TEST prefill_with_k_and_v_of_different_dtypes(void)
 {
     pqc_cache_desc cd = small_desc(1, 2, 2, 8);
     pqc_cache *c;
-    float *k = rows(40, 16);
+    float *k = tu_uniform_rows(&g_rng, 40, 16);
     uint16_t v16[40 * 16];
     pqc_matrix km = pqc_matrix_f32(k, 40, 16), vm;
     const void *kr, *vr;
@@ -442,7 +423,7 @@ TEST values_beyond_the_storage_range_are_refused_before_storing(void)
         pqc_cache_desc cd = small_desc(1, 1, 1, 8);
         pqc_cache *c;
         pqc_selection sel;
-        float *k = rows(200, 8), *v = rows(200, 8), q[8] = { 1, 1, 1, 1, 1, 1, 1, 1 };
+        float *k = tu_uniform_rows(&g_rng, 200, 8), *v = tu_uniform_rows(&g_rng, 200, 8), q[8] = { 1, 1, 1, 1, 1, 1, 1, 1 };
         cd.kv_dtype = st;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
         k[150 * 8 + 2] = 70000.0f; /* finite in fp32, Inf in fp16 */
@@ -473,7 +454,7 @@ TEST huge_budget_gives_a_sane_window(void)
     pqc_cache_desc cd = small_desc(1, 1, 1, 8);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(300, 8), *v = rows(300, 8), q[8] = { 0 };
+    float *k = tu_uniform_rows(&g_rng, 300, 8), *v = tu_uniform_rows(&g_rng, 300, 8), q[8] = { 0 };
     cd.budget_tokens = (size_t)-1;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 300));
@@ -535,12 +516,6 @@ TEST scheduler_refuses_samples_that_would_break_the_fit(void)
     PASS();
 }
 
-static void tmp_path(char *out, size_t n, const char *name)
-{
-    const char *dir = getenv("TMPDIR");
-    snprintf(out, n, "%s/pqc_contract_%ld_%s", dir && dir[0] ? dir : "/tmp", (long)getpid(), name);
-}
-
 /* a scheduler holding a fixed fit, or NULL */
 static pqc_scheduler *fitted_scheduler(void)
 {
@@ -588,9 +563,9 @@ TEST calibration_files_are_regular_files_only(void)
     char fifo[512], dir[512], good[512];
     ASSERT((s = fitted_scheduler()) != NULL);
     before = pqc_scheduler_get_fit(s);
-    tmp_path(fifo, sizeof fifo, "fifo");
-    tmp_path(dir, sizeof dir, "dir");
-    tmp_path(good, sizeof good, "calib");
+    tu_tmp_path(fifo, sizeof fifo, "fifo");
+    tu_tmp_path(dir, sizeof dir, "dir");
+    tu_tmp_path(good, sizeof good, "calib");
     remove(fifo);
     ASSERT_EQ(0, mkfifo(fifo, 0600));
     ASSERT_EQ(0, mkdir(dir, 0700));
@@ -660,7 +635,7 @@ TEST quantizer_files_round_trip(void)
     float keys[300 * 16], q[2 * 16];
     char path[512];
     int rich, i;
-    tmp_path(path, sizeof path, "pq");
+    tu_tmp_path(path, sizeof path, "pq");
     for (i = 0; i < 32; i++) q[i] = eval(2, 0, (size_t)i);
     for (rich = 0; rich < 2; rich++) {
         pqc_pq a, b;
@@ -708,22 +683,22 @@ TEST quantizer_file_damage_is_refused(void)
     long size = 0, i;
     pqc_pq a, out;
     int refused = 0;
-    tmp_path(path, sizeof path, "pqgood");
-    tmp_path(bad, sizeof bad, "pqbad");
-    tmp_path(dir, sizeof dir, "pqdir");
+    tu_tmp_path(path, sizeof path, "pqgood");
+    tu_tmp_path(bad, sizeof bad, "pqbad");
+    tu_tmp_path(dir, sizeof dir, "pqdir");
     ASSERT(small_pq(1, &a, keys));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_save(&a, path));
-    ASSERT((img = file_image(path, &size)) != NULL);
+    ASSERT((img = tu_file_image(path, &size)) != NULL);
     memset(&out, 0x5a, sizeof out);
     for (i = 0; i <= size; i += i < 40 ? 1 : 97) { /* truncations (and, at size + 1, a trailing byte) */
         img[size] = 7;
-        ASSERT(file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
+        ASSERT(tu_file_write(bad, img, (size_t)(i == size ? size + 1 : i)));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
         refused++;
     }
     for (i = 0; i < size; i += i < 40 ? 1 : 61) { /* a flipped bit anywhere */
         img[i] ^= 0x10;
-        ASSERT(file_write(bad, img, (size_t)size));
+        ASSERT(tu_file_write(bad, img, (size_t)size));
         ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
         img[i] ^= 0x10;
         refused++;
@@ -835,7 +810,7 @@ TEST loaded_calibration_sets_t_on_every_layer(void)
     f.n2 = 20;
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_set_fit(s, &f));
-    tmp_path(path, sizeof path, "fit");
+    tu_tmp_path(path, sizeof path, "fit");
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_save(s, path));
     pqc_scheduler_destroy(s);
     ASSERT_EQ(PQC_SUCCESS, pqc_scheduler_create(NULL, &s));
@@ -935,34 +910,8 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
     return h;
 }
 
-/* An allocator that fails once, at its n-th call from arming (thread-safe). */
-typedef struct falloc {
-    pthread_mutex_t mu;
-    long calls, fail_at, live;
-    int fired;
-} falloc;
-static void *fa_alloc(size_t n, void *u)
-{
-    falloc *f = (falloc *)u;
-    void *p = NULL;
-    pthread_mutex_lock(&f->mu);
-    if (f->calls++ == f->fail_at) f->fired = 1;
-    else if ((p = malloc(n)) != NULL) f->live++;
-    pthread_mutex_unlock(&f->mu);
-    return p;
-}
-static void fa_free(void *p, void *u)
-{
-    falloc *f = (falloc *)u;
-    if (!p) return;
-    pthread_mutex_lock(&f->mu);
-    f->live--;
-    pthread_mutex_unlock(&f->mu);
-    free(p);
-}
-
 typedef struct scen {
-    falloc fa;
+    tu_failing fa;
     int threads;
     int steps, fork_steps, driver_steps; /* decode steps of the cache, its fork, the driver */
     long failures, job_failures, atomicity_breaks, bad_codes, calls_total;
@@ -1025,18 +974,18 @@ static int scenario(scen *S)
     memset(&rd, 0, sizeof rd);
     memset(&sel, 0, sizeof sel);
     rd.n_threads = S->threads;
-    rd.allocator.alloc = fa_alloc;
-    rd.allocator.free = fa_free;
+    rd.allocator.alloc = tu_fail_alloc;
+    rd.allocator.free = tu_fail_free;
     rd.allocator.user = &S->fa;
-    g_seed = 99;
+    g_rng = 99;
     g_with_blocks = 1;
-    k = rows(600, 32);
-    v = rows(600, 32);
+    k = tu_uniform_rows(&g_rng, 600, 32);
+    v = tu_uniform_rows(&g_rng, 600, 32);
     obuf = (float *)malloc(2 * 2 * 700 * 16 * sizeof(float));
     out.k = obuf;
     out.v = obuf + 2 * 700 * 16;
     out.head_stride = 700;
-    for (i = 0; i < 64; i++) q[i] = urand();
+    for (i = 0; i < 64; i++) q[i] = tu_uniform(&g_rng);
     cd.kv_dtype = PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
@@ -1272,10 +1221,10 @@ static size_t timing_program(int threads, int seed, double share, int steps, uin
     } else if (seed % 3 == 2) {
         cd.residual_weight = 0.1;
     }
-    g_seed = 7000 + (uint64_t)seed;
-    k = rows(1200, 32);
-    v = rows(1200, 32);
-    for (i = 0; i < 8 * 64; i++) qo[i] = urand() * ((i % 16) < 8 ? 1.0f : 0.05f);
+    g_rng = 7000 + (uint64_t)seed;
+    k = tu_uniform_rows(&g_rng, 1200, 32);
+    v = tu_uniform_rows(&g_rng, 1200, 32);
+    for (i = 0; i < 8 * 64; i++) qo[i] = tu_uniform(&g_rng) * ((i % 16) < 8 ? 1.0f : 0.05f);
 #define TP(x) \
     do { \
         if ((x) != PQC_SUCCESS) { ok = 0; goto end; } \
@@ -1289,13 +1238,13 @@ static size_t timing_program(int threads, int seed, double share, int steps, uin
     }
     for (l = 0; l < 2; l++) TP(prefill(a, l, k + 200 * 32, v + 200 * 32, 100));
     for (step = 0; step < steps; step++) {
-        int drift = step > steps / 2, extra = urand() > 0.8f, batch = f && urand() > 0.5f;
+        int drift = step > steps / 2, extra = tu_uniform(&g_rng) > 0.8f, batch = f && tu_uniform(&g_rng) > 0.5f;
         if (step == steps / 3) {
             TP(pqc_cache_fork(a, &f));
             TP(pqc_selection_init(f, &sf));
         }
         for (l = 0; l < 2; l++) {
-            for (i = 0; i < 64; i++) q[i] = urand() * (((i % 16) < 8) == !drift ? 1.0f : 0.05f);
+            for (i = 0; i < 64; i++) q[i] = tu_uniform(&g_rng) * (((i % 16) < 8) == !drift ? 1.0f : 0.05f);
             TP(pqc_cache_append(a, l, k + (next % 1200) * 32, v + (next % 1200) * 32));
             if (f) TP(pqc_cache_append(f, l, k + ((next + 77) % 1200) * 32, v + ((next + 77) % 1200) * 32));
             if (batch) {
@@ -1318,7 +1267,7 @@ static size_t timing_program(int threads, int seed, double share, int steps, uin
         }
         next++;
         if (extra) { /* a burst of tokens appended to every layer with no select between */
-            int j, burst = 1 + (int)(40.0f * (urand() + 1.0f));
+            int j, burst = 1 + (int)(40.0f * (tu_uniform(&g_rng) + 1.0f));
             for (j = 0; j < burst; j++, next++)
                 for (l = 0; l < 2; l++) TP(pqc_cache_append(a, l, k + (next % 1200) * 32, v + (next % 1200) * 32));
         }
@@ -1439,7 +1388,7 @@ TEST driver_prefill_views_hold_every_token_of_forks_and_loads(void)
     eng en;
     char path[512];
     cd.kv_dtype = PQC_F32;
-    tmp_path(path, sizeof path, "driver_parts");
+    tu_tmp_path(path, sizeof path, "driver_parts");
     eng_init(&e, &en, 2, 2, 16);
     en.check_rows = 1;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &p));
@@ -1468,7 +1417,7 @@ TEST driver_refuses_layers_of_unequal_length(void)
     pqc_cache *c;
     pqc_engine e;
     eng en;
-    float *k = rows(20, 8), *v = rows(20, 8);
+    float *k = tu_uniform_rows(&g_rng, 20, 8), *v = tu_uniform_rows(&g_rng, 20, 8);
     eng_init(&e, &en, 1, 1, 8);
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 17));
@@ -1493,11 +1442,6 @@ static void *scratch_fail_alloc(size_t n, void *u)
     if (g_fail_scratch && n >= 4096) return NULL;
     return malloc(n);
 }
-static void plain_free(void *p, void *u)
-{
-    (void)u;
-    free(p);
-}
 
 TEST select_failing_on_a_worker_reports_its_message(void)
 {
@@ -1506,19 +1450,19 @@ TEST select_failing_on_a_worker_reports_its_message(void)
     pqc_cache_desc cd = small_desc(1, 4, 4, 16);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = rows(3000, 64), *v = rows(3000, 64), q[64];
+    float *k = tu_uniform_rows(&g_rng, 3000, 64), *v = tu_uniform_rows(&g_rng, 3000, 64), q[64];
     size_t i;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 2;
     rd.allocator.alloc = scratch_fail_alloc;
-    rd.allocator.free = plain_free;
+    rd.allocator.free = tu_free;
     ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
     cd.max_tokens = 3500;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, prefill(c, 0, k, v, 3000));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
-    for (i = 0; i < 64; i++) q[i] = urand();
+    for (i = 0; i < 64; i++) q[i] = tu_uniform(&g_rng);
     g_fail_scratch = 1; /* the heads' search scratch cannot be had */
     ASSERT_EQ(PQC_ERROR_OUT_OF_MEMORY, pqc_cache_select(c, 0, q, &sel));
     g_fail_scratch = 0;
@@ -1539,7 +1483,7 @@ TEST batch_refuses_one_cache_twice(void)
     pqc_cache_desc cd = small_desc(1, 1, 1, 8);
     pqc_cache *c, *cs[2];
     pqc_selection sel, *sels[2];
-    float *k = rows(100, 8), *v = rows(100, 8), q[8] = { 0 };
+    float *k = tu_uniform_rows(&g_rng, 100, 8), *v = tu_uniform_rows(&g_rng, 100, 8), q[8] = { 0 };
     const float *qs[2];
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 2;

@@ -4,32 +4,11 @@
 #include "greatest.h"
 #include "synth.h"
 #include "test_size.h"
+#include "test_util.h"
 
 #include <pthread.h>
 
 /* ----- helpers ----------------------------------------------------------------------- */
-
-static pqc_runtime *make_rt(int threads, pqc_simd simd)
-{
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
-    memset(&d, 0, sizeof d);
-    d.n_threads = threads;
-    d.simd = simd;
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) return NULL;
-    return rt;
-}
-
-static pqc_pq_desc pq_desc(int m, int bits, int iters, uint64_t seed)
-{
-    pqc_pq_desc d;
-    memset(&d, 0, sizeof d);
-    d.m = m;
-    d.bits = bits;
-    d.iters = iters;
-    d.seed = seed;
-    return d;
-}
 
 static double sqdist(const float *a, const float *b, int d)
 {
@@ -93,7 +72,7 @@ TEST kmeans_objective_monotone_and_beats_random(void)
 {
     synth sy;
     pqc_pq pq, rnd;
-    pqc_pq_desc d = pq_desc(4, 6, 12, 7);
+    pqc_pq_desc d = tu_pq_desc(4, 6, 12, 7);
     double obj[4 * 13], mse_trained, mse_random;
     pqc_matrix keys;
     int j, it;
@@ -115,7 +94,7 @@ TEST kmeans_objective_monotone_and_beats_random(void)
     /* the summed sub-space objectives are the mean reconstruction error */
     ASSERT_IN_RANGE(obj[12] + obj[25] + obj[38] + obj[51], mse_trained, mse_trained * 1e-3);
     /* a codebook of random keys (0 iterations, random init) is clearly worse */
-    d = pq_desc(4, 6, -1, 7);
+    d = tu_pq_desc(4, 6, -1, 7);
     d.init = PQC_INIT_RANDOM;
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &rnd));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_mse(NULL, &rnd, &keys, &mse_random));
@@ -131,7 +110,7 @@ TEST kmeans_few_distinct_keys(void)
     /* 3 distinct keys repeated, 16 centroids: no crash, zero error, codes exact */
     float x[30 * 8];
     pqc_pq pq;
-    pqc_pq_desc d = pq_desc(2, 4, 5, 1);
+    pqc_pq_desc d = tu_pq_desc(2, 4, 5, 1);
     pqc_matrix keys = pqc_matrix_f32(x, 30, 8);
     double mse;
     int i, e, init;
@@ -155,9 +134,9 @@ TEST kmeans_reproducible(void)
 {
     synth sy;
     pqc_pq a, b, c;
-    pqc_pq_desc d = pq_desc(4, 5, 6, 99);
+    pqc_pq_desc d = tu_pq_desc(4, 5, 6, 99);
     pqc_matrix keys;
-    pqc_runtime *r1 = make_rt(-1, PQC_SIMD_AUTO), *r2 = make_rt(2, PQC_SIMD_AUTO);
+    pqc_runtime *r1 = tu_cpu_runtime(-1), *r2 = tu_cpu_runtime(2);
     size_t n;
     memset(&sy, 0, sizeof sy);
     sy.s = 3000;
@@ -197,7 +176,7 @@ TEST half_precision_keys(void)
     int e, dt;
     double m32, mh;
     pqc_pq p32, ph;
-    pqc_pq_desc d = pq_desc(2, 4, 8, 3);
+    pqc_pq_desc d = tu_pq_desc(2, 4, 8, 3);
     pqc_matrix k32, kh;
     memset(&sy, 0, sizeof sy);
     sy.s = 2000;
@@ -249,7 +228,7 @@ TEST codes_are_nearest_centroids(void)
     for (bits = 1; bits <= 8; bits++) {
         pqc_pq pq;
         pqc_codes codes;
-        pqc_pq_desc d = pq_desc(3, bits, 4, (uint64_t)bits);
+        pqc_pq_desc d = tu_pq_desc(3, bits, 4, (uint64_t)bits);
         pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 24);
         size_t t;
         int j, c;
@@ -289,7 +268,7 @@ TEST lut_scores_equal_reconstructed_dots(void)
     synth sy;
     pqc_pq pq;
     pqc_codes codes;
-    pqc_pq_desc d = pq_desc(4, 6, 5, 2);
+    pqc_pq_desc d = tu_pq_desc(4, 6, 5, 2);
     pqc_search_desc sd;
     pqc_matrix keys;
     float *scores, rec[64];
@@ -387,7 +366,7 @@ TEST topk_matches_sort_reference(void)
                 if (k == 0 || k > n) continue;
                 ref_topk(s, n, k, ref);
                 for (li = 0; li <= nl; li++) { /* the best level (no runtime), then each level */
-                    pqc_runtime *rt = li == nl ? NULL : make_rt(-1, lv[li]);
+                    pqc_runtime *rt = li == nl ? NULL : tu_cpu_runtime_simd(-1, lv[li]);
                     ASSERT(li == nl || rt != NULL);
                     ASSERT_EQ(PQC_SUCCESS, pqc_topk(rt, s, n, k, &scr, got, vals));
                     pqc_runtime_destroy(rt);
@@ -412,7 +391,7 @@ TEST needles_always_retrieved(void)
         synth sy;
         pqc_pq pq;
         pqc_codes codes;
-        pqc_pq_desc d = pq_desc(2, 6, 8, seed);
+        pqc_pq_desc d = tu_pq_desc(2, 6, 8, seed);
         pqc_search_desc sd;
         pqc_matrix keys;
         uint32_t *idx;
@@ -523,12 +502,12 @@ TEST simd_matches_scalar(void)
         float *sc[3];
         uint32_t *ix[3];
         pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 48);
-        pqc_pq_desc d = pq_desc(bits == 8 ? 2 : 3, bits, 4, 17);
+        pqc_pq_desc d = tu_pq_desc(bits == 8 ? 2 : 3, bits, 4, 17);
         pqc_search_desc sd;
         memset(&sd, 0, sizeof sd);
         sd.k = TEST_SIZE(410, 52);
         for (li = 0; li < nl; li++) {
-            pqc_runtime *rt = make_rt(-1, lv[li]);
+            pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
             ASSERT(rt);
             ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(rt, &d, &keys, &pq[li]));
             ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes[li], &pq[li], 0, NULL));
@@ -568,7 +547,7 @@ TEST simd_matches_scalar(void)
         float *e[3];
         pqc_matrix keys = pqc_matrix_f32(sy.keys, sy.s, 48);
         for (li = 0; li < nl; li++) {
-            pqc_runtime *rt = make_rt(-1, lv[li]);
+            pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
             e[li] = (float *)malloc(sy.s * sizeof(float));
             ASSERT_EQ(PQC_SUCCESS, pqc_exact_scores(rt, &keys, sy.queries, 3, PQC_GQA_SOFTMAX_SUM, NULL, e[li]));
             pqc_runtime_destroy(rt);
@@ -635,15 +614,15 @@ TEST bad_inputs(void)
     for (i = 0; i < 16; i++) q[i] = 1.0f;
     memset(&untouched, 0xAB, sizeof untouched);
     pq = untouched;
-    d = pq_desc(3, 4, 3, 1); /* 3 does not divide 16 */
+    d = tu_pq_desc(3, 4, 3, 1); /* 3 does not divide 16 */
     ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_train(NULL, &d, &keys, &pq));
     ASSERT_MEM_EQ(&untouched, &pq, sizeof pq);
     ASSERT(strstr(pqc_last_error(), "does not divide") != NULL);
-    d = pq_desc(2, 9, 3, 1);
+    d = tu_pq_desc(2, 9, 3, 1);
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
-    d = pq_desc(2, -1, 3, 1);
+    d = tu_pq_desc(2, -1, 3, 1);
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
-    d = pq_desc(2, 4, 3, 1);
+    d = tu_pq_desc(2, 4, 3, 1);
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_train(NULL, &d, NULL, &pq));
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_train(NULL, &d, &keys, NULL));
     keys.rows = 0;
@@ -705,41 +684,14 @@ TEST bad_inputs(void)
     PASS();
 }
 
-/* An allocator that fails at the n-th call, counting live blocks (thread-safe). */
-typedef struct fail_alloc {
-    pthread_mutex_t mu;
-    long calls, fail_at, live;
-} fail_alloc;
-static void *fa_alloc(size_t n, void *u)
-{
-    fail_alloc *f = (fail_alloc *)u;
-    void *p = NULL;
-    pthread_mutex_lock(&f->mu);
-    if (f->calls++ != f->fail_at) {
-        p = malloc(n);
-        if (p) f->live++;
-    }
-    pthread_mutex_unlock(&f->mu);
-    return p;
-}
-static void fa_free(void *p, void *u)
-{
-    fail_alloc *f = (fail_alloc *)u;
-    if (!p) return;
-    pthread_mutex_lock(&f->mu);
-    f->live--;
-    pthread_mutex_unlock(&f->mu);
-    free(p);
-}
-
 /* create runtime, train, encode, search, tear down; returns the first failure */
-static pqc_result pipeline(fail_alloc *fa, const synth *sy, int threads)
+static pqc_result pipeline(tu_failing *fa, const synth *sy, int threads)
 {
     pqc_runtime_desc rd;
     pqc_runtime *rt = NULL;
     pqc_pq pq;
     pqc_codes codes;
-    pqc_pq_desc d = pq_desc(4, 5, 3, 9);
+    pqc_pq_desc d = tu_pq_desc(4, 5, 3, 9);
     pqc_search_desc sd;
     pqc_scratch scr;
     pqc_matrix keys = pqc_matrix_f32(sy->keys, sy->s, (size_t)sy->d);
@@ -747,8 +699,8 @@ static pqc_result pipeline(fail_alloc *fa, const synth *sy, int threads)
     pqc_result r;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = threads;
-    rd.allocator.alloc = fa_alloc;
-    rd.allocator.free = fa_free;
+    rd.allocator.alloc = tu_fail_alloc;
+    rd.allocator.free = tu_fail_free;
     rd.allocator.user = fa;
     memset(&scr, 0, sizeof scr);
     memset(&sd, 0, sizeof sd);
@@ -773,7 +725,7 @@ out_rt:
 TEST allocation_failure_at_every_allocation(void)
 {
     synth sy;
-    fail_alloc fa;
+    tu_failing fa;
     int threads;
     memset(&sy, 0, sizeof sy);
     sy.s = 700;
@@ -821,7 +773,7 @@ TEST engine_job_callback(void)
     pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_pq a, b;
-    pqc_pq_desc d = pq_desc(4, 4, 3, 5);
+    pqc_pq_desc d = tu_pq_desc(4, 4, 3, 5);
     pqc_matrix keys;
     int calls = 0;
     memset(&sy, 0, sizeof sy);

@@ -18,6 +18,7 @@
 #include "../pqcache.h"
 #include "greatest.h"
 #include "synth.h"
+#include "test_util.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -25,7 +26,6 @@
 #include <unistd.h>
 
 static uint64_t g_rng = 777;
-static float frand(void) { return synth__normal(&g_rng); }
 
 /* The driver the library opens, for the test's own stream and copies. */
 typedef int (*stream_create_fn)(void **s, unsigned flags);
@@ -68,37 +68,18 @@ static int open_driver(void)
     return 1;
 }
 
-static pqc_runtime *make_rt(int backend)
+/* The cache the tiers are compared on: the base cache (tu_cache_desc) with up to 32,768
+   tokens, 20 sink tokens, a budget of 12% of the tokens, a block cache of 6 blocks of 32
+   tokens, and PQ with m = 4, seed 3. */
+static pqc_cache_desc tier_desc(int layers, int hkv, int hq, int d)
 {
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
-    memset(&d, 0, sizeof d);
-    d.n_threads = 1;
-    d.backend = backend;
-    d.cuda_kernel_cache = "build/kernel-cache";
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) {
-        fprintf(stderr, "runtime (backend %d): %s\n", backend, pqc_last_error());
-        return NULL;
-    }
-    return rt;
-}
-
-static pqc_cache_desc base_desc(int layers, int hkv, int hq, int d)
-{
-    pqc_cache_desc cd;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = layers;
-    cd.n_kv_heads = hkv;
-    cd.n_q_heads = hq;
-    cd.head_dim = d;
+    pqc_cache_desc cd = tu_cache_desc(layers, hkv, hq, d);
     cd.max_tokens = 1 << 15;
     cd.n_sink = 20;
     cd.budget_ratio = 0.12;
     cd.block_tokens = 32;
     cd.cache_blocks = 6;
     cd.pq.m = 4;
-    cd.pq.bits = 6;
-    cd.pq.iters = 4;
     cd.pq.seed = 3;
     return cd;
 }
@@ -133,14 +114,6 @@ static float *make_keys(size_t n, int hkv, int d, uint64_t seed)
     return k;
 }
 
-static float *rand_rows(size_t n, size_t cols)
-{
-    float *x = (float *)malloc(n * cols * sizeof(float));
-    size_t i;
-    for (i = 0; i < n * cols; i++) x[i] = frand();
-    return x;
-}
-
 typedef struct pair {
     pqc_runtime *rc, *rg;
     pqc_cache *cc, *cg; /* CPU, GPU */
@@ -152,8 +125,8 @@ typedef struct pair {
 static int pair_open(pair *p, const pqc_cache_desc *cd)
 {
     memset(p, 0, sizeof *p);
-    p->rc = make_rt(PQC_BACKEND_CPU);
-    p->rg = make_rt(PQC_BACKEND_CUDA);
+    p->rc = tu_cpu_runtime(1);
+    p->rg = tu_cuda_runtime(1);
     if (!p->rc || !p->rg) return 0;
     if (pqc_cache_create(p->rc, cd, &p->cc) != PQC_SUCCESS) return 0;
     if (pqc_cache_create(p->rg, cd, &p->cg) != PQC_SUCCESS) {
@@ -331,7 +304,7 @@ static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 
 static int observe_both(pair *p, int layers, int hkv, int hq, int d)
 {
     const size_t rows = 8, qn = (size_t)hq * d;
-    float *q = rand_rows(rows, qn);
+    float *q = tu_normal_rows(&g_rng, rows, qn);
     size_t i, e;
     int l, g = hq / hkv, ok = q != NULL;
     for (i = 0; ok && i < rows * qn; i++) {
@@ -349,7 +322,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
 {
     const int L = sh->L, hkv = sh->hkv, hq = sh->hq, d = sh->d, steps = sh->steps;
     const size_t n1 = sh->n1, n2 = sh->n2;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
     float *k1, *v1, *k2, *v2, *q, *ka, *va;
@@ -373,11 +346,11 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     ASSERT_EQ(0, pqc_cache_on_device(p.cc));
     k1 = make_keys(n1, hkv, d, 11);
     k2 = make_keys(n2, hkv, d, 99);
-    v1 = rand_rows(n1, (size_t)hkv * d);
-    v2 = rand_rows(n2, (size_t)hkv * d);
-    q = rand_rows((size_t)2 * steps, (size_t)hq * d);
-    ka = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
-    va = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
+    v1 = tu_normal_rows(&g_rng, n1, (size_t)hkv * d);
+    v2 = tu_normal_rows(&g_rng, n2, (size_t)hkv * d);
+    q = tu_normal_rows(&g_rng, (size_t)2 * steps, (size_t)hq * d);
+    ka = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
+    va = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
     ASSERT(k1 && k2 && v1 && v2 && q && ka && va);
     if (sh->observe) ASSERT(observe_both(&p, L, hkv, hq, d));
     ASSERT(prefill_both(&p, L, k1, v1, n1, (size_t)hkv * d));
@@ -585,15 +558,14 @@ TEST decode_matches_cpu_residual_scoring(void)
 TEST cache_file_loads_onto_the_device(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 64, steps = 8;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
-    float *k1 = make_keys(1500, hkv, d, 11), *v1 = rand_rows(1500, (size_t)hkv * d);
-    float *q = rand_rows((size_t)2 * steps, (size_t)hq * d), *ka = rand_rows((size_t)2 * steps * L, (size_t)hkv * d);
+    float *k1 = make_keys(1500, hkv, d, 11), *v1 = tu_normal_rows(&g_rng, 1500, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, (size_t)2 * steps, (size_t)hq * d), *ka = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
     char path[512];
     int s, l;
-    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
-    snprintf(path, sizeof path, "%s/pqc_cuda_cache_%ld", tmp, (long)getpid());
+    tu_tmp_path(path, sizeof path, "cuda_cache");
     cd.kv_dtype = PQC_F16;
     cd.rerank = 2;
     cd.outliers = 8;
@@ -635,12 +607,12 @@ TEST cache_file_loads_onto_the_device(void)
 TEST fork_on_the_device_matches_cpu(void)
 {
     const int L = 2, hkv = 2, hq = 4, d = 64, steps = 90;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
     pqc_cache *child = NULL;
-    float *k1 = make_keys(1500, hkv, d, 13), *v1 = rand_rows(1500, (size_t)hkv * d);
-    float *q = rand_rows((size_t)steps, (size_t)hq * d), *ka = rand_rows((size_t)steps * L, (size_t)hkv * d);
+    float *k1 = make_keys(1500, hkv, d, 13), *v1 = tu_normal_rows(&g_rng, 1500, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, (size_t)steps, (size_t)hq * d), *ka = tu_normal_rows(&g_rng, (size_t)steps * L, (size_t)hkv * d);
     int s, l;
     size_t own, shared;
     cd.kv_dtype = PQC_F16;
@@ -691,22 +663,22 @@ TEST device_fetch_on_engine_stream(void)
 {
     const int L = 1, hkv = 2, hq = 2, d = 32;
     const size_t n = 900;
-    pqc_cache_desc cd = base_desc(L, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pqc_runtime *rc, *rg;
     pqc_cache *cc, *cg;
     pqc_selection sc, sg;
     pqc_kv_out oc;
     pqc_kv_device dk;
     void *stream = NULL, *ctx = NULL;
-    float *k = make_keys(n, hkv, d, 5), *v = rand_rows(n, (size_t)hkv * d), *q = rand_rows(1, (size_t)hq * d);
+    float *k = make_keys(n, hkv, d, 5), *v = tu_normal_rows(&g_rng, n, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 1, (size_t)hq * d);
     float *kc = (float *)malloc(2 * n * hkv * d * sizeof(float)), *row = (float *)malloc((size_t)d * sizeof(float));
     pqc_matrix km = pqc_matrix_f32(k, n, (size_t)hkv * d), vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
     int h;
     size_t i;
     cd.gqa = PQC_GQA_SUM;
     ASSERT(open_driver());
-    rc = make_rt(PQC_BACKEND_CPU);
-    rg = make_rt(PQC_BACKEND_CUDA);
+    rc = tu_cpu_runtime(1);
+    rg = tu_cuda_runtime(1);
     ASSERT(rc && rg);
     ASSERT_EQ(0, p_ctx_retain(&ctx, 0));
     ASSERT_EQ(0, p_ctx_set(ctx));
@@ -819,8 +791,8 @@ TEST driver_hands_device_rows(void)
 {
     toy t;
     pqc_engine e;
-    pqc_cache_desc cd = base_desc(2, 2, 4, 32);
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA);
+    pqc_cache_desc cd = tier_desc(2, 2, 4, 32);
+    pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     size_t pos;
     ASSERT(rg && open_driver());
@@ -853,8 +825,8 @@ TEST device_steps_never_wait(void)
 {
     toy t;
     pqc_engine e;
-    pqc_cache_desc cd = base_desc(2, 2, 4, 32);
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA);
+    pqc_cache_desc cd = tier_desc(2, 2, 4, 32);
+    pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     emu_counters_fn counters;
     unsigned long long n[4];
@@ -922,8 +894,8 @@ TEST misuse_gets_result_codes(void)
 {
     pqc_runtime_desc d;
     pqc_runtime *rt = NULL;
-    pqc_cache_desc cd = base_desc(1, 2, 2, 32);
-    pqc_runtime *rg = make_rt(PQC_BACKEND_CUDA);
+    pqc_cache_desc cd = tier_desc(1, 2, 2, 32);
+    pqc_runtime *rg = tu_cuda_runtime(1);
     pqc_cache *c = NULL;
     pqc_selection sel;
     float q[64];
@@ -962,7 +934,7 @@ TEST device_allocation_failure(void)
     void *sym;
     const int hkv = 2, hq = 2, d = 32;
     const size_t n = 800;
-    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_runtime *rg, *rc;
     pqc_cache *c = NULL, *ref = NULL;
     pqc_selection sel, sref;
@@ -974,13 +946,13 @@ TEST device_allocation_failure(void)
     if (!sym) SKIPm("needs the stand-in driver");
     memcpy(&fail, &sym, sizeof fail);
     k = make_keys(n, hkv, d, 21);
-    v = rand_rows(n, (size_t)hkv * d);
-    q = rand_rows(1, (size_t)hq * d);
+    v = tu_normal_rows(&g_rng, n, (size_t)hkv * d);
+    q = tu_normal_rows(&g_rng, 1, (size_t)hq * d);
     km = pqc_matrix_f32(k, n, (size_t)hkv * d);
     vm = pqc_matrix_f32(v, n, (size_t)hkv * d);
     cd.gqa = PQC_GQA_SUM;
-    rg = make_rt(PQC_BACKEND_CUDA);
-    rc = make_rt(PQC_BACKEND_CPU);
+    rg = tu_cuda_runtime(1);
+    rc = tu_cpu_runtime(1);
     ASSERT(rg && rc);
     for (at = 0; at < 12; at++) { /* each allocation of the creation fails once */
         fail(at);
@@ -1052,16 +1024,11 @@ TEST device_allocation_failure(void)
    and restored afterwards (the runtime reads it when it opens CUDA) */
 static pqc_runtime *make_rt_env(const char *name, const char *value, int n_threads)
 {
-    pqc_runtime_desc d;
-    pqc_runtime *rt = NULL;
+    pqc_runtime *rt;
     char *old = getenv(name) ? strdup(getenv(name)) : NULL;
     if (value) setenv(name, value, 1);
     else unsetenv(name);
-    memset(&d, 0, sizeof d);
-    d.n_threads = n_threads;
-    d.backend = PQC_BACKEND_CUDA;
-    d.cuda_kernel_cache = "build/kernel-cache";
-    if (pqc_runtime_create(&d, &rt) != PQC_SUCCESS) fprintf(stderr, "CUDA runtime: %s\n", pqc_last_error());
+    rt = tu_cuda_runtime(n_threads);
     if (old) setenv(name, old, 1);
     else unsetenv(name);
     free(old);
@@ -1073,10 +1040,10 @@ static pqc_runtime *make_rt_env(const char *name, const char *value, int n_threa
 static int device_cache_finds_needles(pqc_runtime *rg, pqc_runtime *rc)
 {
     const int d = 64, hkv = 2, hq = 2, n = 1200;
-    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_cache *c;
     pqc_selection sel;
-    float *k = make_keys((size_t)n, hkv, d, 13), *v = rand_rows((size_t)n, (size_t)hkv * d), *q;
+    float *k = make_keys((size_t)n, hkv, d, 13), *v = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d), *q;
     pqc_matrix kk = pqc_matrix_f32(k, (size_t)n, (size_t)hkv * d), vv = pqc_matrix_f32(v, (size_t)n, (size_t)hkv * d);
     pqc_layer_stats st;
     synth s0;
@@ -1119,7 +1086,7 @@ TEST device_kmeans(void)
 {
     const int d = 64;
     const size_t n = 1200;
-    pqc_runtime *rg = make_rt_env("PQC_KMEANS_GEMM", "0", 1), *rc = make_rt(PQC_BACKEND_CPU);
+    pqc_runtime *rg = make_rt_env("PQC_KMEANS_GEMM", "0", 1), *rc = tu_cpu_runtime(1);
     pqc_pq_desc pd;
     pqc_pq a, b;
     pqc_matrix km;
@@ -1262,9 +1229,9 @@ TEST kmeans_gemm_concurrent_builds(void)
     const int d = 64, hkv = 4, hq = 4;
     const size_t n = 700;
     pqc_runtime *ra = make_rt_env("PQC_KMEANS_GEMM", NULL, 4), *rk = make_rt_env("PQC_KMEANS_GEMM", "0", 1);
-    pqc_cache_desc cd = base_desc(1, hkv, hq, d);
+    pqc_cache_desc cd = tier_desc(1, hkv, hq, d);
     pqc_cache *ca = NULL, *ck = NULL;
-    float *k = make_keys(n, hkv, d, 77), *v = rand_rows(n, (size_t)hkv * d);
+    float *k = make_keys(n, hkv, d, 77), *v = tu_normal_rows(&g_rng, n, (size_t)hkv * d);
     pqc_matrix kk = pqc_matrix_f32(k, n, (size_t)hkv * d), vv = pqc_matrix_f32(v, n, (size_t)hkv * d);
     pqc__km_class cls;
     pqc_layer_stats sa, sk;
@@ -1285,7 +1252,7 @@ TEST kmeans_gemm_concurrent_builds(void)
     ASSERT_EQ(1, (int)sk.builds);
     if (on_emulator()) { /* the same codebooks, so the same selections */
         pqc_selection xa, xk;
-        float *q = rand_rows(1, (size_t)hq * d);
+        float *q = tu_normal_rows(&g_rng, 1, (size_t)hq * d);
         int h;
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ca, &xa));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ck, &xk));
@@ -1390,8 +1357,8 @@ static enum greatest_test_res batch_matches(batch_opts *o)
     enum { NS = 3 };
     const int hkv = 2, hq = 4, d = 32;
     const size_t n = 1100;
-    pqc_cache_desc cd = base_desc(o->layers, hkv, hq, d);
-    pqc_runtime *rg, *rc = make_rt(PQC_BACKEND_CPU);
+    pqc_cache_desc cd = tier_desc(o->layers, hkv, hq, d);
+    pqc_runtime *rg, *rc = tu_cpu_runtime(1);
     pqc_cache *cg[NS], *cc[NS];
     pqc_selection sg[NS], sc[NS];
     pqc_kv_out og[NS], oc[NS];
@@ -1414,8 +1381,8 @@ static enum greatest_test_res batch_matches(batch_opts *o)
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
     }
     ASSERT(rg && rc);
-    v = rand_rows(n + (size_t)o->steps, (size_t)hkv * d);
-    q = rand_rows(NS * ((size_t)o->steps + 1), (size_t)hq * d);
+    v = tu_normal_rows(&g_rng, n + (size_t)o->steps, (size_t)hkv * d);
+    q = tu_normal_rows(&g_rng, NS * ((size_t)o->steps + 1), (size_t)hq * d);
     buf = (float *)malloc(4 * NS * rows * sizeof(float));
     ASSERT(v && q && buf);
     for (i = 0; i < NS; i++) {

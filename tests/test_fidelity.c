@@ -5,21 +5,11 @@
 #include "../pqcache.h"
 #include "../bench/hardkeys.h"
 #include "greatest.h"
+#include "test_util.h"
 
 enum { S = 8192, N_OBS = 16, D = HK_D, G = HK_G };
 
 /* ----- helpers ----------------------------------------------------------------------- */
-
-static pqc_pq_desc pq_desc(int m, int bits)
-{
-    pqc_pq_desc d;
-    memset(&d, 0, sizeof d);
-    d.m = m;
-    d.bits = bits;
-    d.iters = 10;
-    d.seed = 1;
-    return d;
-}
 
 /* the hard data set `i` (0..3: half-split / interleaved x base 1e4 / 5e5) */
 static int make_hard(hardkeys *hk, int i, int unrelated)
@@ -99,7 +89,7 @@ TEST metric_codes_each_key_to_its_weighted_nearest_centroid(void)
     float *x = (float *)malloc(sizeof(float) * N * DD), w[DD];
     pqc_pq pq;
     pqc_codes codes;
-    pqc_pq_desc d = pq_desc(2, 5);
+    pqc_pq_desc d = tu_pq_desc(2, 5, 10, 1);
     pqc_matrix keys;
     uint64_t st = 7;
     size_t t;
@@ -140,7 +130,7 @@ TEST metric_out_of_range_is_refused(void)
     float x[64 * 4], w[4] = {1, 1, 1, 1};
     static const float bad[5] = {0.0f, -1.0f, NAN, INFINITY, 1e-13f};
     pqc_pq pq, before;
-    pqc_pq_desc d = pq_desc(2, 2);
+    pqc_pq_desc d = tu_pq_desc(2, 2, 10, 1);
     pqc_matrix keys = pqc_matrix_f32(x, 64, 4);
     int i;
     for (i = 0; i < 64 * 4; i++) x[i] = (float)(i % 7) - 3.0f;
@@ -170,7 +160,7 @@ TEST rope_bands_are_the_band_ordered_contiguous_pq(void)
     int perm[DD], j, e, t, seen[DD];
     pqc_pq a, b;
     pqc_codes ca, cb;
-    pqc_pq_desc da = pq_desc(M, 6), db = pq_desc(M, 6);
+    pqc_pq_desc da = tu_pq_desc(M, 6, 10, 1), db = tu_pq_desc(M, 6, 10, 1);
     pqc_matrix ka, kb;
     uint64_t st = 11;
     ASSERT(x && xp);
@@ -229,7 +219,7 @@ TEST rope_layout_misuse_is_refused(void)
 {
     float x[64 * 8];
     pqc_pq pq, before;
-    pqc_pq_desc d = pq_desc(2, 2);
+    pqc_pq_desc d = tu_pq_desc(2, 2, 10, 1);
     pqc_matrix keys = pqc_matrix_f32(x, 64, 8), odd = pqc_matrix_f32(x, 64, 7);
     int i;
     for (i = 0; i < 64 * 8; i++) x[i] = (float)(i % 7) - 3.0f;
@@ -286,7 +276,7 @@ TEST metric_keeps_the_rare_tokens_plain_pq_loses(void)
         m_exact = mass(sc, ex, sd.k);
         obs_metric(&hk, 0.01f, w);
         for (mode = 0; mode < 2; mode++) {
-            pqc_pq_desc d = pq_desc(2, 6);
+            pqc_pq_desc d = tu_pq_desc(2, 6, 10, 1);
             pqc_pq pq;
             pqc_codes codes;
             if (mode) d.metric = w;
@@ -325,15 +315,9 @@ TEST metric_keeps_the_rare_tokens_plain_pq_loses(void)
 
 static pqc_cache_desc hard_desc(pqc_metric metric)
 {
-    pqc_cache_desc cd;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = 1;
-    cd.n_kv_heads = 1;
-    cd.n_q_heads = G;
-    cd.head_dim = D;
+    pqc_cache_desc cd = tu_cache_desc(1, 1, G, D);
     cd.max_tokens = S + 64;
-    cd.pq.iters = 10;
-    cd.pq.seed = 1;
+    cd.pq = tu_pq_desc(0, 0, 10, 1); /* m and bits: the defaults */
     cd.metric = metric;
     return cd;
 }
@@ -930,7 +914,7 @@ TEST rerank_over_every_row_is_the_exact_search(void)
     keys = pqc_matrix_f32(hk.keys, S, D);
     for (gq = 0; gq < 2; gq++) {
         pqc_search_desc sd;
-        pqc_pq_desc d = pq_desc(2, 6);
+        pqc_pq_desc d = tu_pq_desc(2, 6, 10, 1);
         pqc_pq pq;
         pqc_codes codes;
         double rc;
@@ -977,7 +961,7 @@ TEST rerank_misuse_is_refused(void)
     float k[4 * 8], q[2 * 8], out_s[2];
     uint32_t cand[4] = {0, 1, 2, 3}, bad_order[3] = {0, 2, 2}, beyond[2] = {1, 4}, idx[4];
     pqc_matrix km, narrow;
-    pqc_pq_desc d = pq_desc(2, 1);
+    pqc_pq_desc d = tu_pq_desc(2, 1, 10, 1);
     pqc_pq pq;
     pqc_codes codes;
     pqc_search_desc sd;
@@ -1208,7 +1192,7 @@ TEST outliers_are_the_worst_served_tokens(void)
 TEST residual_bytes_hold_each_sub_space_residual_norm(void)
 {
     hardkeys hk;
-    pqc_pq_desc d = pq_desc(2, 6);
+    pqc_pq_desc d = tu_pq_desc(2, 6, 10, 1);
     pqc_pq pq;
     pqc_codes codes;
     pqc_matrix keys;
@@ -1286,7 +1270,7 @@ TEST residual_aware_search_keeps_the_rare_tokens(void)
         hardkeys hk;
         pqc_matrix keys;
         pqc_search_desc sd;
-        pqc_pq_desc d = pq_desc(2, 6);
+        pqc_pq_desc d = tu_pq_desc(2, 6, 10, 1);
         pqc_pq pq;
         pqc_codes codes;
         float w[D], scale[2] = {0, 0};

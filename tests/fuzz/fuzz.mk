@@ -29,7 +29,8 @@ FUZZ_NAMES   := $(patsubst $(FUZZ_DIR)/fuzz_%.c,%,$(FUZZ_SRCS))
 FUZZ_BINS    := $(addprefix $(BUILD)/fuzz_,$(FUZZ_NAMES))
 FUZZ_CFLAGS  := -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -std=c99 \
                 -Wall -Wextra -Werror -pedantic -Iexamples/tiny_llama -Itests
-FUZZ_DEPS    := $(or $(HDR),pqcache.h) $(wildcard examples/tiny_llama/*.h) $(wildcard $(FUZZ_DIR)/*.h) tests/cache_checksum.h
+FUZZ_DEPS    := $(or $(HDR),pqcache.h) $(wildcard examples/tiny_llama/*.h) $(wildcard $(FUZZ_DIR)/*.h) tests/cache_checksum.h \
+                tests/test_util.h tests/synth.h
 FUZZ_SECONDS ?= 600
 FUZZ_RUNS    ?= 10000
 FUZZ_RUNS_api ?= 12000

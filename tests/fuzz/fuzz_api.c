@@ -50,6 +50,7 @@ static void fz_dfree(void *p, void *ctx);
 #define PQC_FREE(p, ctx) fz_dfree((p), (ctx))
 #define PQCACHE_IMPLEMENTATION
 #include "../../pqcache.h"
+#include "fuzz_util.h"
 
 #include <float.h>
 #include <limits.h>
@@ -953,26 +954,9 @@ static void op_fork(fz_state *S)
 }
 
 /* one scratch file per process, for cache files */
-static char g_dir[512], g_file[600];
-static void fz_file_cleanup(void)
-{
-    remove(g_file);
-    rmdir(g_dir);
-}
 static const char *fz_file(void)
 {
-    if (!g_dir[0]) {
-        const char *tmp = getenv("TMPDIR");
-        if (!tmp || !*tmp || strlen(tmp) > 400) tmp = "/tmp";
-        snprintf(g_dir, sizeof g_dir, "%s/pqc_fuzz_api.XXXXXX", tmp);
-        if (!mkdtemp(g_dir)) {
-            perror("fuzz_api: mkdtemp");
-            abort();
-        }
-        snprintf(g_file, sizeof g_file, "%s/cache.pqc", g_dir);
-        atexit(fz_file_cleanup);
-    }
-    return g_file;
+    return fz_scratch_path("fuzz_api", "cache.pqc");
 }
 
 /* a slot's cache saved and loaded into a slot (its own: the loaded cache is compared,

@@ -30,6 +30,7 @@
 #define PQCACHE_IMPLEMENTATION
 #include "../../pqcache.h"
 #include "cache_checksum.h"
+#include "fuzz/fuzz_util.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -43,8 +44,8 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-static char g_dir[4096];
-static char g_file[4200], g_saved[4200], g_fifo[4200], g_missing[4200];
+static const char *g_dir, *g_file, *g_saved, *g_fifo; /* in the scratch directory */
+static char g_missing[600];
 static char g_sentinel[600];
 
 static void fz_fail(const char *what, pqc_result r)
@@ -54,35 +55,19 @@ static void fz_fail(const char *what, pqc_result r)
     abort();
 }
 
-static void fz_cleanup(void)
-{
-    if (!g_dir[0]) return;
-    remove(g_file);
-    remove(g_saved);
-    remove(g_fifo);
-    rmdir(g_dir);
-}
-
-/* one scratch directory per process, with a FIFO in it */
+/* one scratch directory per process (fuzz_util.h), with a FIFO in it */
 static void fz_setup(void)
 {
-    const char *tmp = getenv("TMPDIR");
-    if (g_dir[0]) return;
-    if (!tmp || !*tmp || strlen(tmp) > 3000) tmp = "/tmp";
-    snprintf(g_dir, sizeof g_dir, "%s/pqc_fuzz_calib.XXXXXX", tmp);
-    if (!mkdtemp(g_dir)) {
-        perror("fuzz_calib: mkdtemp");
-        abort();
-    }
-    snprintf(g_file, sizeof g_file, "%s/input.txt", g_dir);
-    snprintf(g_saved, sizeof g_saved, "%s/saved.txt", g_dir);
-    snprintf(g_fifo, sizeof g_fifo, "%s/fifo", g_dir);
+    if (g_dir) return;
+    g_dir = fz_scratch_dir("fuzz_calib");
+    g_file = fz_scratch_path("fuzz_calib", "input.txt");
+    g_saved = fz_scratch_path("fuzz_calib", "saved.txt");
+    g_fifo = fz_scratch_path("fuzz_calib", "fifo");
     snprintf(g_missing, sizeof g_missing, "%s/missing/none.txt", g_dir);
     if (mkfifo(g_fifo, 0600) != 0) {
         perror("fuzz_calib: mkfifo");
         abort();
     }
-    atexit(fz_cleanup);
     /* the message a failing call must replace */
     (void)pqc_topk(NULL, NULL, 0, 0, NULL, NULL, NULL);
     snprintf(g_sentinel, sizeof g_sentinel, "%s", pqc_last_error());
