@@ -7,11 +7,11 @@
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "greatest.h"
+#include "test_util.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #define GOLDEN_FILE "tests/data/golden.pqc"
 #define N_PROGRAMS 5
@@ -187,22 +187,6 @@ static pqc_result run_from_file(const char *path, uint64_t *h)
     return r;
 }
 
-static unsigned char *read_all(const char *path, size_t *n)
-{
-    FILE *f = fopen(path, "rb");
-    unsigned char *b = NULL;
-    long len;
-    if (!f) return NULL;
-    if (fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0 &&
-        (b = (unsigned char *)malloc((size_t)len)) && fread(b, 1, (size_t)len, f) != (size_t)len) {
-        free(b);
-        b = NULL;
-    }
-    *n = b ? (size_t)len : 0;
-    fclose(f);
-    return b;
-}
-
 /* Every program selects what the recorded build selected, step by step. */
 TEST selections_are_the_recorded_ones(void)
 {
@@ -223,16 +207,11 @@ TEST selections_are_the_recorded_ones(void)
    the same file, byte for byte. */
 TEST the_recorded_file_loads_and_saving_writes_it_again(void)
 {
-    const char *tmp = getenv("TMPDIR") && getenv("TMPDIR")[0] ? getenv("TMPDIR") : "/tmp";
     char path[512];
-    int fd;
     uint64_t h;
-    size_t n_old, n_new;
+    long n_old, n_new;
     unsigned char *old_b, *new_b;
-    snprintf(path, sizeof path, "%s/pqc_golden_XXXXXX", tmp);
-    fd = mkstemp(path);
-    ASSERT(fd >= 0);
-    close(fd);
+    tu_tmp_path(path, sizeof path, "golden.pqc");
     ASSERT_EQ(PQC_SUCCESS, run_from_file(GOLDEN_FILE, &h));
     if (h != recorded[N_PROGRAMS]) {
         fprintf(stderr, "from the file: selections digest 0x%016llxull, recorded 0x%016llxull\n",
@@ -240,12 +219,12 @@ TEST the_recorded_file_loads_and_saving_writes_it_again(void)
         FAILm("the recorded file decodes on to other selections");
     }
     ASSERT_EQ(PQC_SUCCESS, run_program(1, path, &h));
-    old_b = read_all(GOLDEN_FILE, &n_old);
-    new_b = read_all(path, &n_new);
+    old_b = tu_file_image(GOLDEN_FILE, &n_old);
+    new_b = tu_file_image(path, &n_new);
     remove(path);
     ASSERT(old_b && new_b);
     ASSERT_EQ(n_old, n_new);
-    ASSERT_EQ(0, memcmp(old_b, new_b, n_old));
+    ASSERT_EQ(0, memcmp(old_b, new_b, (size_t)n_old));
     free(old_b);
     free(new_b);
     PASS();
