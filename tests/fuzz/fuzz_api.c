@@ -838,7 +838,7 @@ static void op_cache_create(fz_state *S)
     if (d.n_layers <= 0 || d.n_kv_heads <= 0 || d.head_dim <= 0 || Q <= 0 || Q % d.n_kv_heads || !es) must_fail = 1;
     if (d.budget_ratio != d.budget_ratio || d.budget_ratio < 0 || d.recent_share != d.recent_share ||
         d.recent_share < 0 || d.recent_share > 1 || d.rebuild_share != d.rebuild_share || d.window < 0 ||
-        d.block_tokens < 0 || d.admit_blocks < 0 || (int)d.policy < 0 || (int)d.policy > 1 || (int)d.gqa < 0 ||
+        d.block_tokens < 0 || (int)d.policy < 0 || (int)d.policy > 1 || (int)d.gqa < 0 ||
         (int)d.gqa > 1)
         must_fail = 1;
     if (bits_eff < 1 || bits_eff > 8 || m_eff < 1 || (d.head_dim > 0 && (m_eff > d.head_dim || d.head_dim % m_eff)))
@@ -847,11 +847,12 @@ static void op_cache_create(fz_state *S)
     if ((int)d.metric < 0 || (int)d.metric > 1 || d.metric_floor != d.metric_floor || d.metric_floor < 0 ||
         d.metric_floor > 1e6 || (int)d.split < 0 || (int)d.split > 1)
         must_fail = 1;
-    if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1 || d.pq.max_points_per_centroid < -1)
+    if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1)
         must_fail = 1;
     if (fz_rope_bad((int)d.pq.rope, (int)d.pq.subspaces, d.head_dim, m_eff)) must_fail = 1;
-    if (!(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6)) || d.outliers < 0 || d.outliers > (1 << 24) ||
-        !(d.residual_weight >= 0 && d.residual_weight <= 1e6) || (d.residual_weight > 0 && !((float)d.residual_weight > 0)))
+    /* (a negative rerank, outliers or residual_weight is off, as every "none") */
+    if (!(d.rerank <= 0 || (d.rerank >= 1 && d.rerank <= 1e6)) || d.outliers > (1 << 24) ||
+        !(d.residual_weight <= 1e6) || (d.residual_weight > 0 && !((float)d.residual_weight > 0)))
         must_fail = 1;
     /* the query metric's floor against the PQ core's weight spread (1e12) */
     if ((int)d.metric == 0 && d.head_dim > 0 && (d.metric_floor == 0 ? 0.01 : d.metric_floor) < 1e-11 * d.head_dim)
