@@ -3973,22 +3973,49 @@ typedef struct pqc__exact_ctx {
     const float *q; /* [g][d] then the summed query [d] */
     int g, d;
     float *rowbuf; /* EXACT_CHUNK * d */
+    int check;     /* the next pass over the keys also checks them (the first one) */
+    size_t bad;    /* the first row holding NaN, Inf or a magnitude above the key limit, or
+                      (size_t)-1 */
 } pqc__exact_ctx;
 
+/* 1 when every one of n values is finite and at most limit in magnitude; without an early
+   exit, so that it runs at the speed of the pass it joins */
+static int pqc__within_all(const float *x, size_t n, float limit)
+{
+    size_t i;
+    int ok = 1;
+    for (i = 0; i < n; i++) ok &= x[i] >= -limit && x[i] <= limit;
+    return ok;
+}
+
+/* The rows' scores against one head's query (h < 0: the summed query), a chunk of rows at
+   a time; the first pass checks each chunk's values while they are in cache, so that a
+   key that cannot be ranked costs no pass of its own. */
 #define PQC__EXACT_CHUNK 64
 static void pqc__exact_head(void *p, int h, float *out)
 {
     pqc__exact_ctx *c = (pqc__exact_ctx *)p;
     const float *q = c->q + (size_t)(h < 0 ? c->g : h) * c->d;
-    size_t t, n = c->keys->rows, stride = pqc__stride(c->keys);
-    if (c->keys->dtype == PQC_F32 && stride % sizeof(float) == 0) {
-        pqc__k_rowdots(c->simd, q, (const float *)c->keys->data, n, stride / sizeof(float), c->d, out);
-        return;
-    }
+    size_t t, n = c->keys->rows, stride = pqc__stride(c->keys), d = (size_t)c->d;
+    int direct = c->keys->dtype == PQC_F32 && stride % sizeof(float) == 0, check = c->check;
+    c->check = 0;
     for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
         size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t), i;
-        for (i = 0; i < b; i++) pqc__row_to_f32(pqc__row(c->keys, t + i), c->keys->dtype, (size_t)c->d, c->rowbuf + i * c->d);
-        pqc__k_rowdots(c->simd, q, c->rowbuf, b, (size_t)c->d, c->d, out + t);
+        const float *rows = c->rowbuf;
+        size_t rs = d;
+        if (direct) {
+            rows = (const float *)pqc__row(c->keys, t);
+            rs = stride / sizeof(float);
+        } else {
+            for (i = 0; i < b; i++) pqc__row_to_f32(pqc__row(c->keys, t + i), c->keys->dtype, d, c->rowbuf + i * d);
+        }
+        if (check && c->bad == (size_t)-1)
+            for (i = 0; i < b; i++)
+                if (!pqc__within_all(rows + i * rs, d, PQC__KEY_LIMIT)) {
+                    c->bad = t + i;
+                    break;
+                }
+        pqc__k_rowdots(c->simd, q, rows, b, rs, c->d, out + t);
     }
 }
 
@@ -4020,12 +4047,9 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     bytes = oc + (all_out ? 0 : pqc__select_scratch(n));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_exact_search: scratch allocation failed");
-    /* keys with NaN or Inf have no ranking: refused like such queries */
-    if ((r = pqc__check_finite(rt, keys, (float *)(mem + orow), "pqc_exact_search keys")) != PQC_SUCCESS) {
-        pqc__free(pqc__rt_alloc(rt), tmpmem);
-        return r;
-    }
     c.simd = pqc__simd(rt);
+    c.check = 1;
+    c.bad = (size_t)-1;
     c.keys = keys;
     c.q = (const float *)(mem + oq);
     c.g = g;
@@ -4038,8 +4062,14 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
         ((float *)(mem + oq))[(size_t)g * d + i] = a;
     }
     pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
-                 all_out ? all_out : (float *)(mem + os));
-    if (!all_out) pqc__select(c.simd, (const float *)(mem + os), n, k, mem + oc, idx, scores);
+                 (float *)(mem + os));
+    if (c.bad != (size_t)-1) { /* keys with NaN or Inf have no ranking: refused like such queries */
+        pqc__free(pqc__rt_alloc(rt), tmpmem);
+        return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_exact_search keys: row %zu holds NaN, Inf or a magnitude above %g",
+                         c.bad, (double)PQC__KEY_LIMIT);
+    }
+    if (all_out) memcpy(all_out, mem + os, n * sizeof(float));
+    else pqc__select(c.simd, (const float *)(mem + os), n, k, mem + oc, idx, scores);
     pqc__free(pqc__rt_alloc(rt), tmpmem);
     return PQC_SUCCESS;
 }
