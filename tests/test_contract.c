@@ -353,6 +353,7 @@ TEST matrices_too_large_to_address_are_refused(void)
 
 TEST exact_search_refuses_keys_without_a_ranking(void)
 {
+    size_t i;
     float *k = tu_uniform_rows(&g_rng, 50, 8), q[8] = { 1, 0, 0, 0, 0, 0, 0, 0 }, all[50];
     pqc_matrix m = pqc_matrix_f32(k, 50, 8);
     pqc_search_desc sd;
@@ -364,8 +365,33 @@ TEST exact_search_refuses_keys_without_a_ranking(void)
     ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_exact_search(NULL, &m, q, 1, &sd, NULL, idx, NULL));
     ASSERT(strstr(pqc_last_error(), "row 17") != NULL);
     k[17 * 8 + 3] = NAN;
+    for (i = 0; i < 50; i++) all[i] = -7.0f;
     ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_exact_scores(NULL, &m, q, 1, PQC_GQA_SUM, NULL, all));
+    for (i = 0; i < 50; i++) ASSERT_EQ(-7.0f, all[i]); /* the output untouched */
     free(k);
+    { /* past the first chunk of rows, a finite magnitude beyond the key limit, fp16 Inf,
+         every query head's softmax */
+        float *big = tu_uniform_rows(&g_rng, 200, 8), q2[16] = { 1, 0, 0, 0, 0, 0, 0, 0, 0, 1 };
+        uint16_t *h16 = (uint16_t *)malloc(200 * 8 * sizeof(uint16_t));
+        pqc_matrix mb = pqc_matrix_f32(big, 200, 8), mh;
+        ASSERT(h16 != NULL);
+        big[150 * 8 + 5] = 1e17f;
+        ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_exact_search(NULL, &mb, q2, 2, &sd, NULL, idx, NULL));
+        ASSERT(strstr(pqc_last_error(), "row 150") != NULL);
+        big[150 * 8 + 5] = 0.5f;
+        for (i = 0; i < 200 * 8; i++) h16[i] = pqc_f32_to_f16(big[i]);
+        h16[99 * 8 + 1] = 0x7c00; /* +Inf */
+        mh = mb;
+        mh.data = h16;
+        mh.dtype = PQC_F16;
+        mh.row_stride = 8 * sizeof(uint16_t);
+        ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_exact_search(NULL, &mh, q2, 2, &sd, NULL, idx, NULL));
+        ASSERT(strstr(pqc_last_error(), "row 99") != NULL);
+        h16[99 * 8 + 1] = pqc_f32_to_f16(0.25f);
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &mh, q2, 2, &sd, NULL, idx, NULL));
+        free(big);
+        free(h16);
+    }
     PASS();
 }
 
