@@ -3978,13 +3978,19 @@ typedef struct pqc__exact_ctx {
                       (size_t)-1 */
 } pqc__exact_ctx;
 
-/* 1 when every one of n values is finite and at most limit in magnitude; without an early
-   exit, so that it runs at the speed of the pass it joins */
+/* 1 when every one of n values is finite and at most limit in magnitude (NaN compares
+   false); no early exit and blocks of 16, which compilers vectorise at -O2, so that it
+   costs little beside the pass it joins */
 static int pqc__within_all(const float *x, size_t n, float limit)
 {
-    size_t i;
-    int ok = 1;
-    for (i = 0; i < n; i++) ok &= x[i] >= -limit && x[i] <= limit;
+    size_t i = 0;
+    int j, ok = 1;
+    for (; i + 16 <= n; i += 16) {
+        int blk = 1;
+        for (j = 0; j < 16; j++) blk &= fabsf(x[i + (size_t)j]) <= limit;
+        ok &= blk;
+    }
+    for (; i < n; i++) ok &= fabsf(x[i]) <= limit;
     return ok;
 }
 
