@@ -293,7 +293,8 @@ typedef enum pqc_subspaces {
 } pqc_subspaces;
 
 typedef struct pqc_pq_desc {
-    int m;                       /* sub-spaces; must divide d_h. 0 = PQC_DEFAULT_M         */
+    int m;                       /* sub-spaces; must divide d_h. 0 = PQC_DEFAULT_M where it
+                                    divides d_h (and d_h/2 for rope bands), else 2, else 1 */
     int bits;                    /* bits per code, 1..8 (2^bits centroids). 0 = the default */
     int iters;                   /* Lloyd iterations T. 0 = the default (PQC_DEFAULT_ITERS;
                                     in a cache with a scheduler, the scheduler's choice);
@@ -327,8 +328,8 @@ typedef struct pqc_pq_desc {
 /* What 0 means in a pqc_pq_desc. Every desc of the library follows one rule: 0 is the
    default (a PQC_DEFAULT_ constant), and where an option can be nothing (no sinks, no
    block cache, no iterations, ...) a negative value means none. */
-#define PQC_DEFAULT_M 2
-#define PQC_DEFAULT_BITS 6
+#define PQC_DEFAULT_M 4    /* with 8 bits: 4 bytes of codes per token and KV head, the */
+#define PQC_DEFAULT_BITS 8 /* paper's operating point (see docs/benchmarks.md, suite)  */
 #define PQC_DEFAULT_ITERS 10
 #define PQC_DEFAULT_MAX_POINTS_PER_CENTROID 256
 
@@ -585,7 +586,7 @@ typedef struct pqc_cache_desc {
                                 at the first prefill                                      */
     double budget_ratio;     /* tokens attended beyond the sinks: ratio * (s - sinks); 0 = 0.1 */
     size_t budget_tokens;    /* a fixed budget instead of the ratio (0 = use the ratio)   */
-    double recent_share;     /* share of the budget for the window; 0 = 0.5             */
+    double recent_share;     /* share of the budget for the window; 0 = PQC_DEFAULT_RECENT_SHARE */
     pqc_pq_desc pq;          /* m, bits, iters, init, seed as in a PQ desc (pq.iters 0: the
                                 scheduler's T, with one); pq.metric must be NULL (see
                                 metric below)                                             */
@@ -645,7 +646,7 @@ typedef struct pqc_cache_desc {
 #define PQC_DEFAULT_MAX_TOKENS ((size_t)1 << 20)
 #define PQC_DEFAULT_N_SINK 32
 #define PQC_DEFAULT_BUDGET_RATIO 0.1
-#define PQC_DEFAULT_RECENT_SHARE 0.5
+#define PQC_DEFAULT_RECENT_SHARE 0.15
 #define PQC_DEFAULT_METRIC_FLOOR 0.01
 #define PQC_DEFAULT_OBSERVE 32
 #define PQC_DEFAULT_BLOCK_TOKENS 128
@@ -2732,7 +2733,10 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
 {
     if (in) *d = *in;
     else memset(d, 0, sizeof *d);
-    if (d->m == 0) d->m = PQC_DEFAULT_M;
+    if (d->m == 0) { /* the default, or the largest of 2 and 1 that divides the dims */
+        int need = d->subspaces == PQC_SUBSPACES_ROPE_BANDS && dim % 2 == 0 ? dim / 2 : dim;
+        d->m = need > 0 && need % PQC_DEFAULT_M == 0 ? PQC_DEFAULT_M : need > 0 && need % 2 == 0 ? 2 : 1;
+    }
     if (d->bits == 0) d->bits = PQC_DEFAULT_BITS;
     if (d->iters == 0) d->iters = PQC_DEFAULT_ITERS;
     else if (d->iters < 0) d->iters = 0;

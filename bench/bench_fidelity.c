@@ -47,7 +47,7 @@
         rare        rare tokens kept by the selection / rare tokens in the exact top-k
         train, search  median of --reps runs, ns per token
    2. Cache path: a pqc_cache (1 layer, 1 KV head, 4 query heads, d_h 128, default budget
-      0.1: 32 sinks, window = half the budget, top-k = the other half), the observation
+      0.1: 32 sinks, window = the default recent_share of the budget, top-k the rest), the observation
       queries observed, the keys prefilled, pqc_cache_sync, one pqc_cache_select with the
       queries. Compared with a cache-shaped
       oracle: the same sinks and window plus the exact top-k (softmax-sum over the same mid

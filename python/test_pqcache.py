@@ -752,11 +752,11 @@ def test_closing_a_runtime_closes_its_caches():
 def test_resolved_configuration_is_the_librarys(rng):
     """resolve() and Cache.config() give every default as the library fills it in."""
     got = pqc.resolve(n_layers=2, n_kv_heads=2, n_q_heads=4, head_dim=16)
-    assert got["n_sink"] == 32 and got["budget_ratio"] == 0.1 and got["recent_share"] == 0.5
+    assert got["n_sink"] == 32 and got["budget_ratio"] == 0.1 and got["recent_share"] == 0.15
     assert got["max_tokens"] == 1 << 20 and got["cache_blocks"] == 32 and got["block_tokens"] == 128
     assert got["admit_blocks"] == 32 and got["observe"] == 32 and got["rebuild_share"] == 0.5
     assert got["metric"] == "query" and got["split"] == "adaptive" and got["kv_dtype"] == "f32"
-    assert got["window"] == 0 and got["iters"] == 10 and got["m"] == 2 and got["bits"] == 6
+    assert got["window"] == 0 and got["iters"] == 10 and got["m"] == 4 and got["bits"] == 8
     none = pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, n_sink=-1, cache_blocks=-1, rebuild_share=-1)
     assert none["n_sink"] == -1 and none["cache_blocks"] == -1 and none["rebuild_share"] == -1
     assert pqc.resolve(**none) == none  # a resolved configuration resolves to itself

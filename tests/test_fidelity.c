@@ -718,6 +718,9 @@ static pqc_result open_two_heads(pqc_split split, double ratio, const float *k2,
     cd.n_q_heads = 2 * G;
     cd.split = split;
     cd.budget_ratio = ratio;
+    cd.recent_share = 0.5; /* the window as long as the top-k: head 0's attention lies there */
+    cd.pq.m = 2;           /* coarse codes, where the split decides what a head keeps */
+    cd.pq.bits = 6;
     if ((r = pqc_cache_create(NULL, &cd, out)) != PQC_SUCCESS) return r;
     if ((r = pqc_cache_observe(*out, 0, obs2, N_OBS)) != PQC_SUCCESS ||
         (r = pqc_cache_prefill(*out, 0, &km, &km)) != PQC_SUCCESS)
@@ -871,6 +874,7 @@ TEST adaptive_split_may_give_a_head_no_top_k(void)
     cd.head_dim = DH;
     cd.n_sink = 4;
     cd.budget_tokens = 4; /* window 2, top-k 2 per head */
+    cd.recent_share = 0.5;
     cd.pq.bits = 4;
     cd.pq.iters = 3;
     km = pqc_matrix_f32(k, N, 2 * DH);
@@ -1362,6 +1366,8 @@ TEST cache_residual_scoring_is_the_core_search(void)
     km = pqc_matrix_f32(hk.keys, S, D);
     cd.residual_weight = 0.15;
     cd.max_tokens = 2 * S;
+    cd.pq.m = 2; /* two residual bytes per token below */
+    cd.pq.bits = 6;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, hk.obs, N_OBS));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));

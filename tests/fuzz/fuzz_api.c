@@ -318,6 +318,14 @@ static const double t_resw[] = {0, 0.15, 1, 1e6};
 static const double t_resw_bad[] = {-0.1, NAN, INFINITY, 2e6, 1e-300};
 
 /* what the documentation says about a pq desc's RoPE layout and sub-spaces: 1 = refused */
+/* the library's default m for a key of dim dimensions: PQC_DEFAULT_M where it divides
+   them (d_h / 2 for rope bands), else 2, else 1 */
+static int fz_default_m(long long dim, int subspaces)
+{
+    long long need = subspaces == PQC_SUBSPACES_ROPE_BANDS && dim % 2 == 0 ? dim / 2 : dim;
+    return need > 0 && need % PQC_DEFAULT_M == 0 ? PQC_DEFAULT_M : need > 0 && need % 2 == 0 ? 2 : 1;
+}
+
 static int fz_rope_bad(int rope, int subsp, long long dim, int m_eff)
 {
     if (rope < 0 || rope > 2 || subsp < 0 || subsp > 1) return 1;
@@ -831,8 +839,8 @@ static void op_cache_create(fz_state *S)
     /* what the documentation says must fail */
     Q = d.n_q_heads == 0 ? d.n_kv_heads : d.n_q_heads;
     es = fz_dsize(d.kv_dtype);
-    m_eff = d.pq.m == 0 ? 2 : d.pq.m;
-    bits_eff = d.pq.bits == 0 ? 6 : d.pq.bits;
+    m_eff = d.pq.m == 0 ? fz_default_m(d.head_dim, (int)d.pq.subspaces) : d.pq.m;
+    bits_eff = d.pq.bits == 0 ? PQC_DEFAULT_BITS : d.pq.bits;
     blocks = d.cache_blocks == 0 ? 32 : d.cache_blocks < 0 ? 0 : d.cache_blocks;
     bt = d.block_tokens == 0 ? 128 : d.block_tokens;
     if (d.n_layers <= 0 || d.n_kv_heads <= 0 || d.head_dim <= 0 || Q <= 0 || Q % d.n_kv_heads || !es) must_fail = 1;
@@ -1934,8 +1942,8 @@ static void op_pq_train(fz_state *S)
     if (cols && rows > FZ_MAX_LAYER_FLOATS / cols) rows = FZ_MAX_LAYER_FLOATS / cols;
     if (cols > 65536) rows = 1;
     if (rows == 0) rows = 1;
-    m_eff = d.m == 0 ? 2 : d.m;
-    bits_eff = d.bits == 0 ? 6 : d.bits;
+    m_eff = d.m == 0 ? fz_default_m((long long)cols, (int)d.subspaces) : d.m;
+    bits_eff = d.bits == 0 ? PQC_DEFAULT_BITS : d.bits;
     it_eff = d.iters == 0 ? 10 : d.iters < 0 ? 0 : d.iters;
     /* bound the k-means work: rows x 2^bits x dim x iterations */
     if (bits_eff >= 1 && bits_eff <= 8 && it_eff <= 100000 &&
@@ -1944,7 +1952,7 @@ static void op_pq_train(fz_state *S)
     fz_mat_gen(f, S->seed + 11, rows, cols, 1, 0, &K);
     if (cols == 0 || cols > 65536 || K.bad || K.nonfinite) must_fail = 1;
     if (m_eff < 1 || (cols && (size_t)m_eff > cols) || (cols && cols % (size_t)m_eff) || bits_eff < 1 || bits_eff > 8 ||
-        it_eff > 100000 || (int)d.init < 0 || (int)d.init > 1 || d.max_points_per_centroid < -1 || d.device != 0)
+        it_eff > 100000 || (int)d.init < 0 || (int)d.init > 1 || d.device != 0)
         must_fail = 1;
     if (cols > 0 && cols <= 65536 && fz_rope_bad((int)d.rope, (int)d.subspaces, (long long)cols, m_eff)) must_fail = 1;
     if (!must_fail && (flags & 2)) {
