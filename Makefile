@@ -12,7 +12,7 @@ TSAN    := -fsanitize=thread
 .PHONY: all run test test-long coverage bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
-LIBTESTS := core cache contract fidelity golden
+LIBTESTS := core cache contract fidelity golden kernels
 
 # `make` alone: the library's tests and the example engine, built (nothing is run)
 all: $(addprefix $(BUILD)/test_,$(LIBTESTS)) build/tiny_llama build/tiny_llama_gen
