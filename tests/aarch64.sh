@@ -14,9 +14,9 @@
 # What it needs: aarch64-linux-gnu-gcc with the AArch64 C library, and qemu-aarch64
 # (Debian: gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross
 # qemu-user). Missing, and running as root with apt-get, it installs them; where they
-# cannot be had, the group is skipped with a SKIP line (in CI, with CI set, it fails). Environment: MAKE, AARCH64_CC,
-# AARCH64_CXX, QEMU_AARCH64 (the emulator), AARCH64_SYSROOT (its -L; default
-# /usr/aarch64-linux-gnu), CLANG.
+# cannot be had, the group is skipped with a SKIP line (in CI, with CI set, it fails).
+# Environment: MAKE, AARCH64_CC, AARCH64_CXX, QEMU_AARCH64 (the emulator),
+# AARCH64_SYSROOT (its -L; default /usr/aarch64-linux-gnu), CLANG.
 set -u
 MAKE=${MAKE:-make}
 ACC=${AARCH64_CC:-aarch64-linux-gnu-gcc}
