@@ -12,7 +12,7 @@ TSAN    := -fsanitize=thread
 .PHONY: all run test test-long coverage bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
-LIBTESTS := core cache contract fidelity golden
+LIBTESTS := core cache contract fidelity golden kernels
 
 # `make` alone: the library's tests and the example engine, built (nothing is run)
 all: $(addprefix $(BUILD)/test_,$(LIBTESTS)) build/tiny_llama build/tiny_llama_gen
@@ -110,6 +110,30 @@ test-variants: $(DEPS_test-variants)
 	@for c in $(filter %.o,$(DEPS_test-variants)); do echo "compile check: $$(basename $$c .o) ok"; done
 	@set -e; for t in $(LIBTESTS); do echo "== $$t (PQCACHE_NO_THREADS)"; $(BUILD)/nothreads_$$t; done
 
+# ----- AArch64: the NEON kernels, cross-compiled and run under qemu-aarch64. tests/aarch64.sh
+# installs the cross compiler and qemu from Debian packages where they are missing and it
+# runs as root, else skips; it builds these targets (their compilers may only just be there):
+# the library's tests build/aarch64/aarch64_test_NAME (named apart from the x86 programs in
+# the lists of slow tests) and compile checks build/aarch64/checks/CC--DEFS.o.
+AARCH64_CC ?= aarch64-linux-gnu-gcc
+AARCH64_CXX ?= aarch64-linux-gnu-g++
+AARCH64_CFLAGS ?= -O2 -g
+$(BUILD)/aarch64/aarch64_test_%: tests/test_%.c $(TEST_DEPS)
+	@mkdir -p $(@D)
+	$(AARCH64_CC) $(STD) $(AARCH64_CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
+
+ACHK_gcc-c99 = $(AARCH64_CC) -std=c99 -O2
+ACHK_gxx-cxx = $(AARCH64_CXX) -x c++ -std=c++11 -O2
+ACHK_clang-c99 = $(CLANG) --target=aarch64-linux-gnu -std=c99 -O0
+ACHK_clang-cxx = $(CLANG) --target=aarch64-linux-gnu -x c++ -std=c++11 -O0
+$(BUILD)/aarch64/checks/%.o: $(COMPILE_SRC) $(HDR)
+	@mkdir -p $(@D)
+	$(ACHK_$(word 1,$(subst --, ,$*))) $(WARN) $(CHKDEF_$(word 2,$(subst --, ,$*))) -c $(COMPILE_SRC) -o $@
+
+.PHONY: test-aarch64
+test-aarch64:
+	@MAKE="$(MAKE)" AARCH64_CC="$(AARCH64_CC)" AARCH64_CXX="$(AARCH64_CXX)" CLANG="$(CLANG)" sh tests/aarch64.sh
+
 # ----- CUDA: run-time loader, NVRTC compilation of the embedded kernels (no GPU needed)
 $(BUILD)/test_nvrtc: tests/test_nvrtc.c tests/greatest.h tests/test_util.h tests/synth.h pqcache_kernels.cu $(HDR) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) $< -o $@ $(LDLIBS)
@@ -170,7 +194,7 @@ test-python: $(DEPS_test-python)
 # The groups, longest first (a parallel make starts them in this order). `make test` runs
 # them in one parallel make: each run-GROUP target builds GROUP's programs (DEPS_GROUP)
 # alongside everything else, then runs the group (tests/run_group.sh).
-TEST_GROUPS := test-cuda-emu test-tsan test-asan test-example-san test-fuzz test-variants test-core tiny_llama_test \
+TEST_GROUPS := test-cuda-emu test-tsan test-asan test-example-san test-fuzz test-variants test-core test-aarch64 tiny_llama_test \
                test-mpi test-transformers test-compile test-nvrtc test-python test-harness test-header
 test:
 	@MAKE="$(MAKE)" sh tests/run_all.sh $(TEST_GROUPS)

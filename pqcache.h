@@ -55,7 +55,7 @@
      1. Base                  results, messages, allocation, the size helper, files,
                               half precision, the device table
      2. Runtime and thread pool
-     3. CPU kernels           scalar references, AVX2, AVX-512, run-time dispatch
+     3. CPU kernels           scalar references, AVX2, AVX-512, NEON, run-time dispatch
      4. Scratch memory
      5. Top-k                 radix select
      6. PQ codebook training  k-means++ seeding, Lloyd iterations (their GPU loop is the
@@ -87,7 +87,10 @@
                           state. A run-time allocator given in a desc takes precedence.
    PQC_ASSERT(x)          internal invariant check; default assert(x). Never used for
                           input validation: bad input always returns a result code.
-   PQCACHE_NO_SIMD        compile only the portable scalar kernels.
+   PQCACHE_NO_SIMD        compile only the portable scalar kernels. Otherwise the SIMD
+                          kernels are chosen at run time (pqc_runtime_desc.simd): AVX2
+                          and AVX-512 on x86, NEON on AArch64 (little-endian), each
+                          bit for bit equal to the scalar ones.
    PQCACHE_NO_THREADS     no pthreads: jobs run inline on the calling thread (n_threads is
                           then ignored with a warning; an engine job callback, which would
                           need the library's locks, gives PQC_ERROR_UNSUPPORTED).
@@ -211,7 +214,8 @@ typedef enum pqc_simd {
     PQC_SIMD_AUTO = 0,   /* best the processor reports (default)            */
     PQC_SIMD_SCALAR = 1, /* portable C reference kernels                    */
     PQC_SIMD_AVX2 = 2,   /* AVX2 + FMA                                      */
-    PQC_SIMD_AVX512 = 3  /* AVX-512 F/BW/VL/DQ                              */
+    PQC_SIMD_AVX512 = 3, /* AVX-512 F/BW/VL/DQ                              */
+    PQC_SIMD_NEON = 4    /* AArch64 Advanced SIMD (every AArch64 processor) */
 } pqc_simd;
 
 /* An engine that owns a thread pool can run the library's jobs on it: submit must
@@ -1018,6 +1022,13 @@ PQCDEF const char *pqc_cuda_kernel_source(void);
 #else
 #define PQC__X86 0
 #endif
+/* AArch64 (little-endian): Advanced SIMD is part of the base architecture */
+#if !defined(PQCACHE_NO_SIMD) && defined(__aarch64__) && !defined(__AARCH64EB__)
+#define PQC__NEON 1
+#include <arm_neon.h>
+#else
+#define PQC__NEON 0
+#endif
 
 #if defined(__cplusplus) && __cplusplus >= 201103L
 #define PQC__TLS thread_local
@@ -1460,6 +1471,7 @@ PQCDEF const char *pqc_simd_name(pqc_simd s)
     case PQC_SIMD_SCALAR: return "scalar";
     case PQC_SIMD_AVX2: return "avx2";
     case PQC_SIMD_AVX512: return "avx512";
+    case PQC_SIMD_NEON: return "neon";
     }
     return "unknown";
 }
@@ -1473,7 +1485,11 @@ PQCDEF pqc_simd pqc_cpu_best_simd(void)
         return PQC_SIMD_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PQC_SIMD_AVX2;
 #endif
+#if PQC__NEON
+    return PQC_SIMD_NEON;
+#else
     return PQC_SIMD_SCALAR;
+#endif
 }
 
 static void pqc__task_run(pqc__task *t)
@@ -1659,9 +1675,11 @@ PQCDEF pqc_result pqc_runtime_create(const pqc_runtime_desc *desc, pqc_runtime *
         return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "allocator: set both alloc and free, or neither");
     if (d.n_threads < -1 || d.n_threads > 1024)
         return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "n_threads %d not in -1..1024", d.n_threads);
-    if ((int)d.simd < 0 || (int)d.simd > (int)PQC_SIMD_AVX512)
+    if ((int)d.simd < 0 || (int)d.simd > (int)PQC_SIMD_NEON)
         return pqc__fail(NULL, PQC_ERROR_OUT_OF_RANGE, "unknown simd level %d", (int)d.simd);
-    if (d.simd != PQC_SIMD_AUTO && (int)d.simd > (int)best)
+    /* offered: scalar, the best level, and AVX2 beside AVX-512 */
+    if (d.simd != PQC_SIMD_AUTO && d.simd != PQC_SIMD_SCALAR && d.simd != best &&
+        !(d.simd == PQC_SIMD_AVX2 && best == PQC_SIMD_AVX512))
         return pqc__fail(NULL, PQC_ERROR_UNSUPPORTED, "simd level %s requested, the processor offers %s",
                          pqc_simd_name(d.simd), pqc_simd_name(best));
     if (d.backend < (int)PQC_BACKEND_CPU || d.backend > (int)PQC_BACKEND_CUDA)
@@ -2407,6 +2425,447 @@ PQC__AVX512 static void pqc__accum_avx512(const float *x, size_t n, int d, const
 #endif
 #endif /* PQC__X86 */
 
+#if PQC__NEON
+/* ----- NEON (AArch64) -----
+   Four lanes a register. Every product-sum is one vfmaq_f32 chain (fused, as fmaf),
+   every other operation the scalar one lane by lane; comparisons and selects stand in for
+   the scalar ternaries, so NaN and signed zeros fare as they do there. Table look-ups
+   move bytes (vqtbl4q_u8) or load lanes: no arithmetic. */
+static void pqc__dots_neon(const float *x, int d, const float *ct, int kpad, int k, float *dots)
+{
+    int c, e, q, l;
+    for (c = 0; c < kpad && c < k; c += 16) { /* kpad: a multiple of 16 */
+        float32x4_t a[4], a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        const float *cp = ct + c;
+        for (e = 0; e < d; e++, cp += kpad) {
+            float32x4_t s = vdupq_n_f32(x[e]);
+            a0 = vfmaq_f32(a0, s, vld1q_f32(cp));
+            a1 = vfmaq_f32(a1, s, vld1q_f32(cp + 4));
+            a2 = vfmaq_f32(a2, s, vld1q_f32(cp + 8));
+            a3 = vfmaq_f32(a3, s, vld1q_f32(cp + 12));
+        }
+        a[0] = a0;
+        a[1] = a1;
+        a[2] = a2;
+        a[3] = a3;
+        for (q = 0; q < 4; q++) {
+            int c0 = c + 4 * q;
+            if (c0 + 4 <= k) {
+                vst1q_f32(dots + c0, a[q]);
+            } else {
+                float tmp[4];
+                vst1q_f32(tmp, a[q]);
+                for (l = 0; c0 + l < k; l++) dots[c0 + l] = tmp[l];
+                break;
+            }
+        }
+    }
+}
+
+/* lowest value, then lowest index, across the 4 lanes: the scalar loop's first minimum */
+static void pqc__argmin_fin_neon(float32x4_t best, uint32x4_t bidx, uint16_t *idx, float *val)
+{
+    float bv[4];
+    uint32_t bi[4];
+    float rv;
+    uint32_t r;
+    int l;
+    vst1q_f32(bv, best);
+    vst1q_u32(bi, bidx);
+    rv = bv[0];
+    r = bi[0];
+    for (l = 1; l < 4; l++)
+        if (bv[l] < rv || (bv[l] == rv && bi[l] < r)) {
+            rv = bv[l];
+            r = bi[l];
+        }
+    *idx = (uint16_t)r;
+    if (val) *val = rv;
+}
+
+/* 4 points x 16 centroids per register tile; each (point, centroid) dot is still one
+   fma chain over the dims from e = 0, and each lane meets its centroids in ascending
+   order, keeping the first of the lowest values (v < best: NaN never wins), so the
+   lane's first minimum is the scalar loop's */
+static void pqc__assign_neon(const float *x, size_t n, int d, const float *ct, const float *cn, int kpad, int k,
+                             uint16_t *idx, float *val)
+{
+    size_t i = 0;
+    int c, e;
+    const uint32_t lanes[4] = {0, 1, 2, 3};
+    const uint32x4_t lane = vld1q_u32(lanes);
+    (void)k; /* padded centroids have cn = +inf and never win */
+#define PQC__UPD_NEON(A, C, B, I)                                                                                      \
+    do {                                                                                                               \
+        float32x4_t v_ = vsubq_f32(vld1q_f32(cn + (C)), vaddq_f32(A, A));                                             \
+        uint32x4_t lt_ = vcltq_f32(v_, B);                                                                             \
+        B = vbslq_f32(lt_, v_, B);                                                                                     \
+        I = vbslq_u32(lt_, vaddq_u32(lane, vdupq_n_u32((uint32_t)(C))), I);                                           \
+    } while (0)
+#define PQC__FMA4_NEON(A0, A1, A2, A3, S)                                                                              \
+    do {                                                                                                               \
+        float32x4_t s_ = vdupq_n_f32(S);                                                                               \
+        A0 = vfmaq_f32(A0, s_, v0);                                                                                    \
+        A1 = vfmaq_f32(A1, s_, v1);                                                                                    \
+        A2 = vfmaq_f32(A2, s_, v2);                                                                                    \
+        A3 = vfmaq_f32(A3, s_, v3);                                                                                    \
+    } while (0)
+#define PQC__UPD4_NEON(A0, A1, A2, A3, B, I)                                                                           \
+    do {                                                                                                               \
+        PQC__UPD_NEON(A0, c, B, I);                                                                                    \
+        PQC__UPD_NEON(A1, c + 4, B, I);                                                                                \
+        PQC__UPD_NEON(A2, c + 8, B, I);                                                                                \
+        PQC__UPD_NEON(A3, c + 12, B, I);                                                                               \
+    } while (0)
+    for (; i + 4 <= n; i += 4) {
+        const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
+        float32x4_t b0 = vdupq_n_f32(INFINITY), b1 = b0, b2 = b0, b3 = b0;
+        uint32x4_t i0 = vdupq_n_u32(0), i1 = i0, i2 = i0, i3 = i0;
+        for (c = 0; c < kpad; c += 16) {
+            float32x4_t a00 = vdupq_n_f32(0.0f), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00,
+                        a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00,
+                        a33 = a00;
+            const float *cp = ct + c;
+            for (e = 0; e < d; e++, cp += kpad) {
+                float32x4_t v0 = vld1q_f32(cp), v1 = vld1q_f32(cp + 4), v2 = vld1q_f32(cp + 8), v3 = vld1q_f32(cp + 12);
+                PQC__FMA4_NEON(a00, a01, a02, a03, x0[e]);
+                PQC__FMA4_NEON(a10, a11, a12, a13, x1[e]);
+                PQC__FMA4_NEON(a20, a21, a22, a23, x2[e]);
+                PQC__FMA4_NEON(a30, a31, a32, a33, x3[e]);
+            }
+            PQC__UPD4_NEON(a00, a01, a02, a03, b0, i0);
+            PQC__UPD4_NEON(a10, a11, a12, a13, b1, i1);
+            PQC__UPD4_NEON(a20, a21, a22, a23, b2, i2);
+            PQC__UPD4_NEON(a30, a31, a32, a33, b3, i3);
+        }
+        pqc__argmin_fin_neon(b0, i0, idx + i, val ? val + i : NULL);
+        pqc__argmin_fin_neon(b1, i1, idx + i + 1, val ? val + i + 1 : NULL);
+        pqc__argmin_fin_neon(b2, i2, idx + i + 2, val ? val + i + 2 : NULL);
+        pqc__argmin_fin_neon(b3, i3, idx + i + 3, val ? val + i + 3 : NULL);
+    }
+    for (; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        float32x4_t best = vdupq_n_f32(INFINITY);
+        uint32x4_t bidx = vdupq_n_u32(0);
+        for (c = 0; c < kpad; c += 16) {
+            float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
+            const float *cp = ct + c;
+            for (e = 0; e < d; e++, cp += kpad) {
+                float32x4_t v0 = vld1q_f32(cp), v1 = vld1q_f32(cp + 4), v2 = vld1q_f32(cp + 8), v3 = vld1q_f32(cp + 12);
+                PQC__FMA4_NEON(a0, a1, a2, a3, xi[e]);
+            }
+            PQC__UPD4_NEON(a0, a1, a2, a3, best, bidx);
+        }
+        pqc__argmin_fin_neon(best, bidx, idx + i, val ? val + i : NULL);
+    }
+#undef PQC__UPD4_NEON
+#undef PQC__FMA4_NEON
+#undef PQC__UPD_NEON
+}
+
+/* codes of tokens [t, t + 16) of one column, one byte each */
+static uint8x16_t pqc__codes16_neon(const unsigned char *col, int b, unsigned mask, size_t t)
+{
+    unsigned char tmp[16];
+    int l;
+    if (b == 4 && (t & 1) == 0) {
+        uint8x8_t v = vld1_u8(col + (t >> 1)), lo = vand_u8(v, vdup_n_u8(0x0f)), hi = vshr_n_u8(v, 4);
+        return vcombine_u8(vzip1_u8(lo, hi), vzip2_u8(lo, hi)); /* the low nibble first */
+    }
+    for (l = 0; l < 16; l++) {
+        size_t bit = (t + (size_t)l) * (size_t)b;
+        unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
+        tmp[l] = (unsigned char)(v & mask);
+    }
+    return vld1q_u8(tmp);
+}
+
+static void pqc__scan_neon(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out)
+{
+    size_t t = 0;
+    int j, b = cd->bits, m = cd->m, nt = 1 << cd->bits;
+    unsigned mask = (1u << b) - 1u;
+    if (nt <= 64 && n >= 16) {
+        /* sub-space by sub-space over the whole range, its table of at most 64 entries
+           held in registers and looked up bytewise: byte k of entry c is byte 4c + k of
+           the table, 16 entries a register quadruple (an index past one gives 0 from
+           vqtbl4q_u8, and leaves the lane as it was in vqtbx4q_u8). out[t] accumulates
+           j = 0, 1, ... in order from 0, as the scalar reference does. */
+        size_t nv = n & ~(size_t)15;
+        int nq = nt <= 16 ? 1 : nt <= 32 ? 2 : 4;
+        const unsigned char offs[16] = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+        const uint8x16_t off = vld1q_u8(offs), k64 = vdupq_n_u8(64), k128 = vdupq_n_u8(128), k192 = vdupq_n_u8(192);
+        for (j = 0; j < m; j++) {
+            const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
+            float tf[64];
+            uint8x16x4_t T0, T1, T2, T3;
+            memset(tf, 0, sizeof tf);
+            memcpy(tf, lut + (size_t)j * ksub, (size_t)nt * sizeof(float));
+            T0.val[0] = vld1q_u8((const unsigned char *)tf);
+            T0.val[1] = vld1q_u8((const unsigned char *)(tf + 4));
+            T0.val[2] = vld1q_u8((const unsigned char *)(tf + 8));
+            T0.val[3] = vld1q_u8((const unsigned char *)(tf + 12));
+            T1.val[0] = vld1q_u8((const unsigned char *)(tf + 16));
+            T1.val[1] = vld1q_u8((const unsigned char *)(tf + 20));
+            T1.val[2] = vld1q_u8((const unsigned char *)(tf + 24));
+            T1.val[3] = vld1q_u8((const unsigned char *)(tf + 28));
+            T2.val[0] = vld1q_u8((const unsigned char *)(tf + 32));
+            T2.val[1] = vld1q_u8((const unsigned char *)(tf + 36));
+            T2.val[2] = vld1q_u8((const unsigned char *)(tf + 40));
+            T2.val[3] = vld1q_u8((const unsigned char *)(tf + 44));
+            T3.val[0] = vld1q_u8((const unsigned char *)(tf + 48));
+            T3.val[1] = vld1q_u8((const unsigned char *)(tf + 52));
+            T3.val[2] = vld1q_u8((const unsigned char *)(tf + 56));
+            T3.val[3] = vld1q_u8((const unsigned char *)(tf + 60));
+            for (t = 0; t < nv; t += 16) {
+                /* c4: the 16 codes times 4; tokens 4q..4q+3 look up bytes 4c + 0..3 */
+                uint8x16_t c4 = vshlq_n_u8(pqc__codes16_neon(col, b, mask, t0 + t), 2);
+                uint8x16_t lo = vzip1q_u8(c4, c4), hi = vzip2q_u8(c4, c4);
+#define PQC__LUT_NEON(BI, Q)                                                                                           \
+    do {                                                                                                               \
+        uint8x16_t bi_ = vaddq_u8(BI, off), r_ = vqtbl4q_u8(T0, bi_);                                                  \
+        if (nq > 1) r_ = vqtbx4q_u8(r_, T1, vsubq_u8(bi_, k64));                                                       \
+        if (nq > 2) {                                                                                                  \
+            r_ = vqtbx4q_u8(r_, T2, vsubq_u8(bi_, k128));                                                              \
+            r_ = vqtbx4q_u8(r_, T3, vsubq_u8(bi_, k192));                                                              \
+        }                                                                                                              \
+        vst1q_f32(out + t + 4 * (Q), vaddq_f32(j == 0 ? vdupq_n_f32(0.0f) : vld1q_f32(out + t + 4 * (Q)),            \
+                                               vreinterpretq_f32_u8(r_)));                                             \
+    } while (0)
+                PQC__LUT_NEON(vzip1q_u8(lo, lo), 0);
+                PQC__LUT_NEON(vzip2q_u8(lo, lo), 1);
+                PQC__LUT_NEON(vzip1q_u8(hi, hi), 2);
+                PQC__LUT_NEON(vzip2q_u8(hi, hi), 3);
+#undef PQC__LUT_NEON
+            }
+        }
+        t = nv;
+    } else if (nt > 64) {
+        /* 128 or 256 entries: 8 tokens at a time, the entries loaded lane by lane */
+        for (; t + 8 <= n; t += 8) {
+            float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0;
+            for (j = 0; j < m; j++) {
+                const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
+                const float *l = lut + (size_t)j * ksub;
+                unsigned char ix[8];
+                float32x4_t v0, v1;
+                int li;
+                if (b == 8) {
+                    memcpy(ix, col + t0 + t, 8);
+                } else {
+                    for (li = 0; li < 8; li++) {
+                        size_t bit = (t0 + t + (size_t)li) * (size_t)b;
+                        unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
+                        ix[li] = (unsigned char)(v & mask);
+                    }
+                }
+                v0 = vld1q_dup_f32(l + ix[0]);
+                v0 = vld1q_lane_f32(l + ix[1], v0, 1);
+                v0 = vld1q_lane_f32(l + ix[2], v0, 2);
+                v0 = vld1q_lane_f32(l + ix[3], v0, 3);
+                v1 = vld1q_dup_f32(l + ix[4]);
+                v1 = vld1q_lane_f32(l + ix[5], v1, 1);
+                v1 = vld1q_lane_f32(l + ix[6], v1, 2);
+                v1 = vld1q_lane_f32(l + ix[7], v1, 3);
+                a0 = vaddq_f32(a0, v0);
+                a1 = vaddq_f32(a1, v1);
+            }
+            vst1q_f32(out + t, a0);
+            vst1q_f32(out + t + 4, a1);
+        }
+    }
+    if (t < n) pqc__scan_scalar(cd, lut, ksub, t0 + t, n - t, out + t);
+}
+
+/* the scalar loop's m = x > m ? x : m lane by lane (NaN never taken); the lanes' maxima
+   are equal to the scalar one but for the sign of a zero maximum, where the scalar loop
+   keeps the first zero */
+static float pqc__max_neon(const float *x, size_t n)
+{
+    float32x4_t m0 = vdupq_n_f32(-INFINITY), m1 = m0;
+    float tmp[8], r;
+    size_t i = 0;
+    int l;
+    for (; i + 8 <= n; i += 8) {
+        float32x4_t a = vld1q_f32(x + i), b = vld1q_f32(x + i + 4);
+        m0 = vbslq_f32(vcgtq_f32(a, m0), a, m0);
+        m1 = vbslq_f32(vcgtq_f32(b, m1), b, m1);
+    }
+    vst1q_f32(tmp, m0);
+    vst1q_f32(tmp + 4, m1);
+    r = pqc__max_scalar(x + i, n - i);
+    for (l = 0; l < 8; l++) r = tmp[l] > r ? tmp[l] : r;
+    if (r == 0.0f)
+        for (i = 0; i < n; i++)
+            if (x[i] == 0.0f) return x[i];
+    return r;
+}
+
+static float32x4_t pqc__exp_neon(float32x4_t x)
+{
+    const float32x4_t lo = vdupq_n_f32(PQC__EXP_LO);
+    float32x4_t n, r, z, y;
+    int32x4_t ni;
+    x = vbslq_f32(vcgtq_f32(x, lo), x, lo); /* !(x > lo): lo, NaN too */
+    n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(PQC__LOG2E)));
+    r = vfmaq_f32(x, n, vdupq_n_f32(-PQC__LN2_HI));
+    r = vfmaq_f32(r, n, vdupq_n_f32(-PQC__LN2_LO));
+    z = vmulq_f32(r, r);
+    y = vdupq_n_f32(PQC__EP0);
+    y = vfmaq_f32(vdupq_n_f32(PQC__EP1), y, r);
+    y = vfmaq_f32(vdupq_n_f32(PQC__EP2), y, r);
+    y = vfmaq_f32(vdupq_n_f32(PQC__EP3), y, r);
+    y = vfmaq_f32(vdupq_n_f32(PQC__EP4), y, r);
+    y = vfmaq_f32(vdupq_n_f32(PQC__EP5), y, r);
+    y = vfmaq_f32(r, y, z);
+    y = vaddq_f32(y, vdupq_n_f32(1.0f));
+    ni = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    return vmulq_f32(y, vreinterpretq_f32_s32(ni));
+}
+
+static float pqc__expsum_neon(const float *s, size_t n, float mx, float scale, float *e)
+{
+    float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    const float32x4_t vm = vdupq_n_f32(mx), vs = vdupq_n_f32(scale);
+    float lanes[16], z = 0.0f;
+    size_t t = 0;
+    int l;
+    for (; t + 16 <= n; t += 16) {
+        float32x4_t v0 = pqc__exp_neon(vmulq_f32(vsubq_f32(vld1q_f32(s + t), vm), vs));
+        float32x4_t v1 = pqc__exp_neon(vmulq_f32(vsubq_f32(vld1q_f32(s + t + 4), vm), vs));
+        float32x4_t v2 = pqc__exp_neon(vmulq_f32(vsubq_f32(vld1q_f32(s + t + 8), vm), vs));
+        float32x4_t v3 = pqc__exp_neon(vmulq_f32(vsubq_f32(vld1q_f32(s + t + 12), vm), vs));
+        vst1q_f32(e + t, v0);
+        vst1q_f32(e + t + 4, v1);
+        vst1q_f32(e + t + 8, v2);
+        vst1q_f32(e + t + 12, v3);
+        a0 = vaddq_f32(a0, v0);
+        a1 = vaddq_f32(a1, v1);
+        a2 = vaddq_f32(a2, v2);
+        a3 = vaddq_f32(a3, v3);
+    }
+    vst1q_f32(lanes, a0);
+    vst1q_f32(lanes + 4, a1);
+    vst1q_f32(lanes + 8, a2);
+    vst1q_f32(lanes + 12, a3);
+    for (; t < n; t++) {
+        e[t] = pqc__expf((s[t] - mx) * scale);
+        lanes[t & 15] += e[t];
+    }
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
+static void pqc__axpy_neon(const float *e, size_t n, float w, float *acc)
+{
+    size_t t = 0;
+    const float32x4_t vw = vdupq_n_f32(w);
+    for (; t + 8 <= n; t += 8) {
+        vst1q_f32(acc + t, vfmaq_f32(vld1q_f32(acc + t), vld1q_f32(e + t), vw));
+        vst1q_f32(acc + t + 4, vfmaq_f32(vld1q_f32(acc + t + 4), vld1q_f32(e + t + 4), vw));
+    }
+    for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
+}
+
+static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
+{
+    size_t i;
+    int e, l;
+    for (i = 0; i < n; i++) {
+        const float *r = rows + i * stride;
+        float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
+        float lanes[16], acc = 0.0f;
+        for (e = 0; e + 16 <= d; e += 16) {
+            a0 = vfmaq_f32(a0, vld1q_f32(q + e), vld1q_f32(r + e));
+            a1 = vfmaq_f32(a1, vld1q_f32(q + e + 4), vld1q_f32(r + e + 4));
+            a2 = vfmaq_f32(a2, vld1q_f32(q + e + 8), vld1q_f32(r + e + 8));
+            a3 = vfmaq_f32(a3, vld1q_f32(q + e + 12), vld1q_f32(r + e + 12));
+        }
+        vst1q_f32(lanes, a0);
+        vst1q_f32(lanes + 4, a1);
+        vst1q_f32(lanes + 8, a2);
+        vst1q_f32(lanes + 12, a3);
+        for (; e < d; e++) lanes[e & 15] = fmaf(q[e], r[e], lanes[e & 15]);
+        for (l = 0; l < 16; l++) acc += lanes[l];
+        out[i] = acc;
+    }
+}
+
+static void pqc__accum_neon(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
+{
+    size_t i;
+    int e;
+    for (i = 0; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        double *sp = sum + (size_t)idx[i] * d;
+        for (e = 0; e + 4 <= d; e += 4) {
+            float32x4_t v = vld1q_f32(xi + e);
+            vst1q_f64(sp + e, vaddq_f64(vld1q_f64(sp + e), vcvt_f64_f32(vget_low_f32(v))));
+            vst1q_f64(sp + e + 2, vaddq_f64(vld1q_f64(sp + e + 2), vcvt_high_f64_f32(v)));
+        }
+        for (; e < d; e++) sp[e] += xi[e];
+    }
+}
+
+/* The top-k's compaction pass (pqc__bracket_scalar, section 5): indices with s > hi into
+   above[], with lo <= s <= hi into cand[]/cs[], in index order; 4 lanes packed at a time
+   by a byte shuffle chosen by their mask (the buffers' 16 elements of slack take the
+   full stores) */
+static void pqc__bracket_neon(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                              uint32_t *cand, float *cs, size_t *nc)
+{
+    /* row m: the bytes of the lanes set in m, lowest first */
+    static const unsigned char pack[16][16] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+        {0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+        {4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+        {0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0},
+        {8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+        {0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0},
+        {4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0},
+        {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0, 0},
+        {12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+        {0, 1, 2, 3, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
+        {4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
+        {0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0},
+        {8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
+        {0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0},
+        {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0},
+        {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}};
+    static const uint32_t bitv[4] = {1, 2, 4, 8}, lane[4] = {0, 1, 2, 3};
+    const uint64_t pop = 0x4332322132212110ull; /* popcount of m in nibble m */
+    size_t i = 0, a = 0, c = 0;
+    const float32x4_t vlo = vdupq_n_f32(lo), vhi = vdupq_n_f32(hi);
+    const uint32x4_t bits = vld1q_u32(bitv);
+    uint32x4_t iv = vld1q_u32(lane);
+    for (; i + 4 <= n; i += 4, iv = vaddq_u32(iv, vdupq_n_u32(4))) {
+        float32x4_t v = vld1q_f32(s + i);
+        uint32x4_t ma = vcgtq_f32(v, vhi), mc = vandq_u32(vcgeq_f32(v, vlo), vcleq_f32(v, vhi));
+        unsigned ba = vaddvq_u32(vandq_u32(ma, bits)), bc = vaddvq_u32(vandq_u32(mc, bits));
+        if (ba) {
+            vst1q_u32(above + a, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), vld1q_u8(pack[ba]))));
+            a += (size_t)(pop >> (4 * ba) & 15u);
+        }
+        if (bc) {
+            uint8x16_t sh = vld1q_u8(pack[bc]);
+            vst1q_u32(cand + c, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), sh)));
+            vst1q_f32(cs + c, vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh)));
+            c += (size_t)(pop >> (4 * bc) & 15u);
+        }
+    }
+    for (; i < n; i++) {
+        float v = s[i];
+        if (v > hi) above[a++] = (uint32_t)i;
+        else if (v >= lo && v <= hi) {
+            cand[c] = (uint32_t)i;
+            cs[c++] = v;
+        }
+    }
+    *na = a;
+    *nc = c;
+}
+#endif /* PQC__NEON */
+
 /* ----- dispatch ----- */
 #if PQC__X86
 #define PQC__DISPATCH(simd, name, args)                                                                                \
@@ -2417,6 +2876,13 @@ PQC__AVX512 static void pqc__accum_avx512(const float *x, size_t n, int d, const
     } while (0)
 #define PQC__DISPATCH_RET(simd, name, args)                                                                            \
     ((simd) == PQC_SIMD_AVX512 ? name##_avx512 args : (simd) == PQC_SIMD_AVX2 ? name##_avx2 args : name##_scalar args)
+#elif PQC__NEON
+#define PQC__DISPATCH(simd, name, args)                                                                                \
+    do {                                                                                                               \
+        if ((simd) == PQC_SIMD_NEON) name##_neon args;                                                                  \
+        else name##_scalar args;                                                                                       \
+    } while (0)
+#define PQC__DISPATCH_RET(simd, name, args) ((simd) == PQC_SIMD_NEON ? name##_neon args : name##_scalar args)
 #else
 #define PQC__DISPATCH(simd, name, args) ((void)(simd), name##_scalar args)
 #define PQC__DISPATCH_RET(simd, name, args) ((void)(simd), name##_scalar args)
@@ -2663,6 +3129,9 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     lo = p + delta >= 1.0 ? -INFINITY : pqc__kth_largest(smp, S, (size_t)ceil((p + delta) * (double)S));
 #if PQC__X86
     if (simd == PQC_SIMD_AVX512) pqc__bracket_avx512(s, n, lo, hi, above, &na, cand, cs, &nc);
+    else pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
+#elif PQC__NEON
+    if (simd == PQC_SIMD_NEON) pqc__bracket_neon(s, n, lo, hi, above, &na, cand, cs, &nc);
     else pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
 #else
     (void)simd;

@@ -368,7 +368,7 @@ _DTYPE_CODES = {"f32": 0, "float32": 0, "fp32": 0, "f16": 1, "float16": 1, "fp16
 _DTYPE_NUMPY = {0: _F32, 1: _F16, 2: _U16}
 
 _ENUMS = {
-    "simd": {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3},
+    "simd": {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "neon": 4},
     "backend": {"cpu": 0, "auto": 1, "cuda": 2},
     "log_level": {"error": 0, "warn": 1, "info": 2, "debug": 3},
     "init": {"kmeans++": 0, "random": 1},
@@ -579,7 +579,7 @@ class Runtime(_Handle):
     """A thread pool and the device tier (pqc_runtime).
 
     threads: worker threads (0: one worker, -1: run every job on the calling thread).
-    simd: "auto", "scalar", "avx2" or "avx512". backend: "cpu", "auto" or "cuda".
+    simd: "auto", "scalar", "avx2", "avx512" or "neon". backend: "cpu", "auto" or "cuda".
     log: optional callable(level, message); it may be called from worker threads.
     Closing a runtime closes the caches made on it first."""
 

@@ -79,7 +79,7 @@ def test_version_and_runtime():
         runtime.threads
     inline = pqc.Runtime(threads=-1)
     assert inline.threads == 0
-    assert pqc.Runtime().simd in ("scalar", "avx2", "avx512")
+    assert pqc.Runtime().simd in ("scalar", "avx2", "avx512", "neon")
 
 
 def test_runtime_bad_settings():

@@ -24,8 +24,9 @@ static int simd_levels(pqc_simd *out)
     int n = 0;
     pqc_simd best = pqc_cpu_best_simd();
     out[n++] = PQC_SIMD_SCALAR;
-    if (best >= PQC_SIMD_AVX2) out[n++] = PQC_SIMD_AVX2;
-    if (best >= PQC_SIMD_AVX512) out[n++] = PQC_SIMD_AVX512;
+    if (best == PQC_SIMD_AVX2 || best == PQC_SIMD_AVX512) out[n++] = PQC_SIMD_AVX2;
+    if (best == PQC_SIMD_AVX512) out[n++] = PQC_SIMD_AVX512;
+    if (best == PQC_SIMD_NEON) out[n++] = PQC_SIMD_NEON;
     return n;
 }
 
@@ -567,10 +568,16 @@ TEST forced_simd_beyond_cpu_is_refused(void)
     d.simd = (pqc_simd)9;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_runtime_create(&d, &rt));
     ASSERT_EQ(NULL, rt);
-    if (pqc_cpu_best_simd() < PQC_SIMD_AVX512) {
+    if (pqc_cpu_best_simd() != PQC_SIMD_AVX512) {
         d.simd = PQC_SIMD_AVX512;
         ASSERT_EQ(PQC_ERROR_UNSUPPORTED, pqc_runtime_create(&d, &rt));
+        ASSERT_EQ(NULL, rt);
     }
+    /* the x86 levels and NEON exclude each other */
+    d.simd = pqc_cpu_best_simd() == PQC_SIMD_NEON ? PQC_SIMD_AVX2 : PQC_SIMD_NEON;
+    ASSERT_EQ(PQC_ERROR_UNSUPPORTED, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(NULL, rt);
+    ASSERT(strstr(pqc_last_error(), pqc_simd_name(d.simd)) != NULL);
     PASS();
 }
 

@@ -1,0 +1,575 @@
+/* Kernel tests: every SIMD variant of the CPU kernels (section 3 of pqcache.h, and the
+   top-k's compaction pass) against its scalar reference, called directly over many
+   shapes (lengths around the vector widths, odd starts in packed codes, every code
+   width, padded centroids, ties), compared bit for bit. Each level the processor offers
+   is checked: AVX2 and AVX-512 on x86, NEON on AArch64 (make test-aarch64 runs this
+   under qemu-aarch64); with scalar kernels only, the comparisons are skipped. */
+#define PQCACHE_IMPLEMENTATION
+#include "../pqcache.h"
+#include "greatest.h"
+
+#include <stdio.h>
+
+/* the SIMD levels this processor offers (not scalar) */
+static int levels(pqc_simd *out)
+{
+    int n = 0;
+    pqc_simd best = pqc_cpu_best_simd();
+    if (best == PQC_SIMD_AVX2 || best == PQC_SIMD_AVX512) out[n++] = PQC_SIMD_AVX2;
+    if (best == PQC_SIMD_AVX512) out[n++] = PQC_SIMD_AVX512;
+    if (best == PQC_SIMD_NEON) out[n++] = PQC_SIMD_NEON;
+    return n;
+}
+
+static uint64_t rng_next(uint64_t *st)
+{
+    uint64_t z = (*st += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* uniform in [-1, 1), coarse now and then (ties), -0 or 0 now and then */
+static float rng_float(uint64_t *st)
+{
+    uint64_t r = rng_next(st);
+    float f = (float)((double)(r >> 40) / 8388608.0 - 1.0);
+    switch (r & 31u) {
+    case 0: return 0.0f;
+    case 1: return -0.0f;
+    case 2: return (float)((int)(r >> 8 & 7u) - 3) * 0.25f;
+    default: return f;
+    }
+}
+
+static char msg[256];
+
+/* index of the first element (of `size` bytes) where a and b differ, or -1 */
+static long first_diff(const void *a, const void *b, size_t count, size_t size)
+{
+    size_t i;
+    for (i = 0; i < count; i++)
+        if (memcmp((const char *)a + i * size, (const char *)b + i * size, size) != 0) return (long)i;
+    return -1;
+}
+
+#define SAME(a, b, count, what)                                                                                        \
+    do {                                                                                                               \
+        long d_ = first_diff((a), (b), (count), sizeof *(a));                                                          \
+        if (d_ >= 0) {                                                                                                 \
+            snprintf(msg, sizeof msg, "%s: %s differs from scalar at %ld of %zu", pqc_simd_name(lv), what, d_,         \
+                     (size_t)(count));                                                                                 \
+            FAILm(msg);                                                                                                \
+        }                                                                                                              \
+    } while (0)
+
+#define NEED_LEVELS(lvs, nl)                                                                                           \
+    pqc_simd lvs[3];                                                                                                   \
+    int nl = levels(lvs);                                                                                              \
+    if (nl == 0) SKIPm("scalar kernels only on this processor (or build)")
+
+/* ----- the levels ------------------------------------------------------------------ */
+
+TEST levels_offered(void)
+{
+    pqc_runtime_desc d;
+    pqc_runtime *rt = NULL;
+    pqc_simd best = pqc_cpu_best_simd();
+    ASSERT_STR_EQ("neon", pqc_simd_name(PQC_SIMD_NEON));
+#if defined(PQCACHE_NO_SIMD)
+    ASSERT_EQ(PQC_SIMD_SCALAR, best);
+#elif defined(__aarch64__) && !defined(__AARCH64EB__)
+    ASSERT_EQ(PQC_SIMD_NEON, best); /* Advanced SIMD: every AArch64 processor */
+#elif !defined(__x86_64__) && !defined(__i386__)
+    ASSERT_EQ(PQC_SIMD_SCALAR, best);
+#endif
+    memset(&d, 0, sizeof d);
+    d.n_threads = -1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(best, pqc_runtime_simd(rt)); /* auto: the best */
+    pqc_runtime_destroy(rt);
+    d.simd = best;
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(best, pqc_runtime_simd(rt));
+    pqc_runtime_destroy(rt);
+    d.simd = PQC_SIMD_SCALAR;
+    ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(PQC_SIMD_SCALAR, pqc_runtime_simd(rt));
+    pqc_runtime_destroy(rt);
+    rt = NULL;
+    d.simd = (pqc_simd)(PQC_SIMD_NEON + 1);
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_runtime_create(&d, &rt));
+    ASSERT_EQ(NULL, rt);
+    PASS();
+}
+
+/* ----- k-means and lookup tables: dots, assignment, centroid sums ------------------- */
+
+/* k centroids of d dims (some duplicated: tied distances), transposed and padded as the
+   library keeps them */
+static void centroids(uint64_t *st, int k, int d, int kpad, float *c, float *ct, float *cn)
+{
+    int i;
+    for (i = 0; i < k * d; i++) c[i] = rng_float(st);
+    for (i = 1; i < k; i += 5) memcpy(c + (size_t)i * d, c + (size_t)(i - 1) * d, (size_t)d * sizeof(float));
+    pqc__transpose_centroids(c, k, d, kpad, ct, cn);
+}
+
+TEST dots_bitwise(void)
+{
+    static const int ks[] = {1, 2, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 256};
+    static const int ds[] = {1, 2, 3, 4, 5, 8, 16, 24, 64};
+    uint64_t st = 11;
+    size_t ki, di;
+    int li, i;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (ki = 0; ki < sizeof ks / sizeof ks[0]; ki++)
+            for (di = 0; di < sizeof ds / sizeof ds[0]; di++) {
+                int k = ks[ki], d = ds[di], kpad = (k + 15) & ~15;
+                float *c = (float *)malloc(sizeof(float) * (size_t)k * d), *ct = (float *)malloc(sizeof(float) * (size_t)kpad * d);
+                float *cn = (float *)malloc(sizeof(float) * kpad), x[64], a[272], b[272];
+                for (i = 0; i < d; i++) x[i] = rng_float(&st);
+                centroids(&st, k, d, kpad, c, ct, cn);
+                for (i = 0; i < 272; i++) a[i] = b[i] = 12345.0f; /* nothing written past k */
+                pqc__dots_scalar(x, d, ct, kpad, k, a);
+                pqc__k_dots(lv, x, d, ct, kpad, k, b);
+                free(c);
+                free(ct);
+                free(cn);
+                SAME(a, b, 272, "dots");
+            }
+    }
+    PASS();
+}
+
+TEST assign_bitwise(void)
+{
+    static const int ks[] = {2, 4, 8, 16, 20, 32, 64, 128, 256};
+    static const int ds[] = {1, 2, 3, 5, 8, 16, 24};
+    static const size_t ns[] = {1, 2, 3, 4, 5, 7, 8, 9, 33};
+    uint64_t st = 12;
+    size_t ki, di, ni;
+    int li, nan_case;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (ki = 0; ki < sizeof ks / sizeof ks[0]; ki++)
+            for (di = 0; di < sizeof ds / sizeof ds[0]; di++)
+                for (ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+                    for (nan_case = 0; nan_case < 2; nan_case++) {
+                        int k = ks[ki], d = ds[di], kpad = (k + 15) & ~15;
+                        size_t n = ns[ni], i;
+                        float *c = (float *)malloc(sizeof(float) * (size_t)k * d);
+                        float *ct = (float *)malloc(sizeof(float) * (size_t)kpad * d);
+                        float *cn = (float *)malloc(sizeof(float) * kpad);
+                        float *x = (float *)malloc(sizeof(float) * n * d), va[33], vb[33];
+                        uint16_t ia[33], ib[33], ja[33], jb[33];
+                        centroids(&st, k, d, kpad, c, ct, cn);
+                        for (i = 0; i < n * (size_t)d; i++) x[i] = rng_float(&st);
+                        /* a point equal to a duplicated centroid: an exact tie for nearest */
+                        if (k > 1) memcpy(x, c, (size_t)d * sizeof(float));
+                        if (nan_case) /* centroids whose distance is NaN never win */
+                            for (i = 0; i < (size_t)k; i += 3) ct[i] = NAN;
+                        pqc__assign_scalar(x, n, d, ct, cn, kpad, k, ia, va);
+                        pqc__k_assign(lv, x, n, d, ct, cn, kpad, k, ib, vb);
+                        pqc__k_assign(lv, x, n, d, ct, cn, kpad, k, jb, NULL);
+                        pqc__assign_scalar(x, n, d, ct, cn, kpad, k, ja, NULL);
+                        free(c);
+                        free(ct);
+                        free(cn);
+                        free(x);
+                        SAME(ia, ib, n, "assign (index)");
+                        SAME(va, vb, n, "assign (value)");
+                        SAME(ja, jb, n, "assign (index, no values)");
+                    }
+    }
+    PASS();
+}
+
+TEST accum_bitwise(void)
+{
+    static const int ds[] = {1, 2, 3, 4, 5, 7, 8, 9, 16, 24, 48};
+    uint64_t st = 13;
+    size_t di, i;
+    int li;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (di = 0; di < sizeof ds / sizeof ds[0]; di++) {
+            int d = ds[di], k = 7;
+            size_t n = 50;
+            float *x = (float *)malloc(sizeof(float) * n * d);
+            double *sa = (double *)malloc(sizeof(double) * (size_t)k * d), *sb = (double *)malloc(sizeof(double) * (size_t)k * d);
+            uint16_t idx[50];
+            for (i = 0; i < n * (size_t)d; i++) x[i] = rng_float(&st) * 1e3f;
+            for (i = 0; i < n; i++) idx[i] = (uint16_t)(rng_next(&st) % (uint64_t)k);
+            for (i = 0; i < (size_t)k * d; i++) sa[i] = sb[i] = (double)rng_float(&st) * 1e-7;
+            pqc__accum_scalar(x, n, d, idx, sa);
+            pqc__k_accum(lv, x, n, d, idx, sb);
+            free(x);
+            if (first_diff(sa, sb, (size_t)k * d, sizeof(double)) >= 0) {
+                free(sa);
+                free(sb);
+                snprintf(msg, sizeof msg, "%s: accum differs from scalar (d = %d)", pqc_simd_name(lv), d);
+                FAILm(msg);
+            }
+            free(sa);
+            free(sb);
+        }
+    }
+    PASS();
+}
+
+/* ----- scans of packed codes ------------------------------------------------------- */
+
+TEST scan_bitwise(void)
+{
+    static const size_t ns[] = {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 63, 64, 65, 100, 257};
+    static const size_t t0s[] = {0, 1, 2, 3, 5, 8, 17};
+    static const int ms[] = {1, 2, 3, 5};
+    uint64_t st = 14;
+    int li, bits;
+    size_t ni, ti, mi;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (bits = 1; bits <= 8; bits++)
+            for (mi = 0; mi < sizeof ms / sizeof ms[0]; mi++) {
+                int m = ms[mi], ksub = 1 << bits, i;
+                size_t cap = 17 + 257, stride = (cap * (size_t)bits + 7) / 8 + 8, b;
+                pqc_codes cd;
+                float *lut = (float *)malloc(sizeof(float) * (size_t)m * ksub), oa[257], ob[257];
+                memset(&cd, 0, sizeof cd);
+                cd.m = m;
+                cd.bits = bits;
+                cd.count = cd.capacity = cap;
+                cd.col_stride = stride;
+                cd.data = (unsigned char *)malloc(stride * (size_t)m);
+                for (b = 0; b < stride * (size_t)m; b++) cd.data[b] = (unsigned char)rng_next(&st);
+                for (i = 0; i < m * ksub; i++) lut[i] = rng_float(&st) * 8.0f;
+                for (ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+                    for (ti = 0; ti < sizeof t0s / sizeof t0s[0]; ti++) {
+                        size_t n = ns[ni], t0 = t0s[ti];
+                        pqc__scan_scalar(&cd, lut, ksub, t0, n, oa);
+                        pqc__k_scan(lv, &cd, lut, ksub, t0, n, ob);
+                        if (first_diff(oa, ob, n, sizeof(float)) >= 0) {
+                            free(lut);
+                            free(cd.data);
+                            snprintf(msg, sizeof msg, "%s: scan differs from scalar (bits %d, m %d, t0 %zu, n %zu)",
+                                     pqc_simd_name(lv), bits, m, t0, n);
+                            FAILm(msg);
+                        }
+                    }
+                free(lut);
+                free(cd.data);
+            }
+    }
+    PASS();
+}
+
+/* ----- the GQA combination: max, exp and sum, axpy --------------------------------- */
+
+static const size_t lens[] = {0, 1, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 48, 64, 100, 1000};
+
+TEST max_bitwise(void)
+{
+    uint64_t st = 15;
+    size_t ni, i;
+    int li, kind;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        /* kinds 0-1: the scores the library makes (finite); on NEON also 2: maxima that
+           are zeros of either sign, 3: NaN (never taken), the scalar loop's answers */
+        int kinds = lv == PQC_SIMD_NEON ? 4 : 2;
+        for (kind = 0; kind < kinds; kind++)
+            for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++) {
+                size_t n = lens[ni];
+                float *x = (float *)malloc(sizeof(float) * (n + 1)), a, b;
+                for (i = 0; i < n; i++) {
+                    float f = rng_float(&st);
+                    switch (kind) {
+                    case 0: x[i] = f * 100.0f; break;
+                    case 1: x[i] = i % 7 == 3 ? -INFINITY : (float)-(int)(i % 5); break; /* ties, -inf */
+                    case 2: x[i] = f <= 0.0f ? f : -f; break;
+                    default: x[i] = i % 4 == 1 ? NAN : f; break;
+                    }
+                }
+                a = pqc__max_scalar(x, n);
+                b = pqc__k_max(lv, x, n);
+                free(x);
+                if (memcmp(&a, &b, sizeof a) != 0) {
+                    snprintf(msg, sizeof msg, "%s: max differs from scalar (kind %d, n %zu): %g vs %g", pqc_simd_name(lv),
+                             kind, n, (double)a, (double)b);
+                    FAILm(msg);
+                }
+            }
+    }
+    PASS();
+}
+
+TEST expsum_bitwise(void)
+{
+    static const float scales[] = {1.0f, 0.125f, 0.0883883476f, 30.0f};
+    uint64_t st = 16;
+    size_t ni, i, si;
+    int li;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (si = 0; si < sizeof scales / sizeof scales[0]; si++)
+            for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++) {
+                size_t n = lens[ni];
+                float *s = (float *)malloc(sizeof(float) * (n + 1)), *ea = (float *)malloc(sizeof(float) * (n + 1));
+                float *eb = (float *)malloc(sizeof(float) * (n + 1)), mx, za, zb;
+                /* from the maximum down past the clamp at exp(-87.3); -inf and NaN are
+                   clamped there too */
+                for (i = 0; i < n; i++) s[i] = rng_float(&st) * (i % 3 == 0 ? 40.0f : 4.0f);
+                for (i = 5; i < n; i += 11) s[i] = i % 2 ? -INFINITY : NAN;
+                mx = pqc__max_scalar(s, n);
+                if (n == 0) mx = 0.0f;
+                za = pqc__expsum_scalar(s, n, mx, scales[si], ea);
+                zb = pqc__k_expsum(lv, s, n, mx, scales[si], eb);
+                free(s);
+                if (memcmp(&za, &zb, sizeof za) != 0 || first_diff(ea, eb, n, sizeof(float)) >= 0) {
+                    free(ea);
+                    free(eb);
+                    snprintf(msg, sizeof msg, "%s: expsum differs from scalar (scale %g, n %zu)", pqc_simd_name(lv),
+                             (double)scales[si], n);
+                    FAILm(msg);
+                }
+                free(ea);
+                free(eb);
+            }
+    }
+    PASS();
+}
+
+/* exp's reduction rounds x log2(e) to the nearest integer, ties to even (nearbyintf):
+   scores whose product lands on a half */
+TEST expsum_halfway_bitwise(void)
+{
+    float s[64], ea[64], eb[64], za, zb;
+    size_t n = 0;
+    int li, j, tries;
+    NEED_LEVELS(lv_, nl);
+    s[n++] = 0.0f; /* the maximum */
+    for (j = 0; j < 120 && n < 64; j++) {
+        float h = -((float)j + 0.5f), x = h / PQC__LOG2E;
+        for (tries = 0; tries < 64 && x * PQC__LOG2E != h; tries++)
+            x = nextafterf(x, x * PQC__LOG2E > h ? -INFINITY : 0.0f);
+        if (x * PQC__LOG2E == h) s[n++] = x;
+    }
+    ASSERT(n > 40);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        za = pqc__expsum_scalar(s, n, 0.0f, 1.0f, ea);
+        zb = pqc__k_expsum(lv, s, n, 0.0f, 1.0f, eb);
+        SAME(ea, eb, n, "expsum (halfway)");
+        SAME(&za, &zb, 1, "expsum's sum (halfway)");
+    }
+    PASS();
+}
+
+TEST axpy_bitwise(void)
+{
+    uint64_t st = 17;
+    size_t ni, i;
+    int li;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++) {
+            size_t n = lens[ni];
+            float *e = (float *)malloc(sizeof(float) * (n + 1)), *a = (float *)malloc(sizeof(float) * (n + 1));
+            float *b = (float *)malloc(sizeof(float) * (n + 1)), w = rng_float(&st) + 1.0f / 3.0f;
+            long dif;
+            for (i = 0; i < n; i++) {
+                e[i] = rng_float(&st);
+                a[i] = b[i] = rng_float(&st);
+            }
+            pqc__axpy_scalar(e, n, w, a);
+            pqc__k_axpy(lv, e, n, w, b);
+            dif = first_diff(a, b, n, sizeof(float));
+            free(e);
+            free(a);
+            free(b);
+            if (dif >= 0) {
+                snprintf(msg, sizeof msg, "%s: axpy differs from scalar (n %zu)", pqc_simd_name(lv), n);
+                FAILm(msg);
+            }
+        }
+    }
+    PASS();
+}
+
+/* ----- exact scores: row dots ------------------------------------------------------ */
+
+TEST rowdots_bitwise(void)
+{
+    static const int ds[] = {1, 3, 4, 8, 15, 16, 17, 31, 32, 33, 48, 64, 100, 128};
+    uint64_t st = 18;
+    size_t di, i;
+    int li;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (di = 0; di < sizeof ds / sizeof ds[0]; di++) {
+            int d = ds[di];
+            size_t n = 13, stride = (size_t)d + 3;
+            float *q = (float *)malloc(sizeof(float) * d), *rows = (float *)malloc(sizeof(float) * n * stride);
+            float a[13], b[13];
+            long dif;
+            for (i = 0; i < (size_t)d; i++) q[i] = rng_float(&st);
+            for (i = 0; i < n * stride; i++) rows[i] = rng_float(&st) * 3.0f;
+            pqc__rowdots_scalar(q, rows, n, stride, d, a);
+            pqc__k_rowdots(lv, q, rows, n, stride, d, b);
+            dif = first_diff(a, b, n, sizeof(float));
+            free(q);
+            free(rows);
+            if (dif >= 0) {
+                snprintf(msg, sizeof msg, "%s: rowdots differs from scalar (d %d)", pqc_simd_name(lv), d);
+                FAILm(msg);
+            }
+        }
+    }
+    PASS();
+}
+
+/* ----- top-k: the compaction pass, and the whole selection ------------------------- */
+
+/* the level's compaction pass; 0 where the level has none (the scalar one runs) */
+static int bracket_at(pqc_simd lv, const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                      uint32_t *cand, float *cs, size_t *nc)
+{
+#if PQC__X86
+    if (lv == PQC_SIMD_AVX512) {
+        pqc__bracket_avx512(s, n, lo, hi, above, na, cand, cs, nc);
+        return 1;
+    }
+#endif
+#if PQC__NEON
+    if (lv == PQC_SIMD_NEON) {
+        pqc__bracket_neon(s, n, lo, hi, above, na, cand, cs, nc);
+        return 1;
+    }
+#endif
+    (void)lv, (void)s, (void)n, (void)lo, (void)hi, (void)above, (void)na, (void)cand, (void)cs, (void)nc;
+    return 0;
+}
+
+TEST bracket_bitwise(void)
+{
+    static const float bounds[][2] = {{-0.25f, 0.25f}, {0.0f, 0.0f}, {-INFINITY, 0.5f}, {0.5f, INFINITY},
+                                      {-INFINITY, INFINITY}, {2.0f, 3.0f}, {-0.0f, 0.75f}};
+    uint64_t st = 19;
+    size_t ni, bi, i;
+    int li, ran = 0;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++)
+            for (bi = 0; bi < sizeof bounds / sizeof bounds[0]; bi++) {
+                size_t n = lens[ni], na = 0, nc = 0, nb = 0, ncb = 0;
+                float *s = (float *)malloc(sizeof(float) * (n + 1)), *cs = (float *)malloc(sizeof(float) * (n + 16));
+                float *csb = (float *)malloc(sizeof(float) * (n + 16));
+                uint32_t *ab = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16)), *cb = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16));
+                uint32_t *aa = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16)), *ca = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16));
+                int bad;
+                for (i = 0; i < n; i++) s[i] = rng_float(&st); /* ties at the bounds: 0, -0, multiples of 1/4 */
+                pqc__bracket_scalar(s, n, bounds[bi][0], bounds[bi][1], aa, &na, ca, cs, &nc);
+                if (bracket_at(lv, s, n, bounds[bi][0], bounds[bi][1], ab, &nb, cb, csb, &ncb)) ran++;
+                else {
+                    nb = na;
+                    ncb = nc;
+                    memcpy(ab, aa, na * sizeof *aa);
+                    memcpy(cb, ca, nc * sizeof *ca);
+                    memcpy(csb, cs, nc * sizeof *cs);
+                }
+                bad = na != nb || nc != ncb || first_diff(aa, ab, na, sizeof *aa) >= 0 ||
+                      first_diff(ca, cb, nc, sizeof *ca) >= 0 || first_diff(cs, csb, nc, sizeof *cs) >= 0;
+                free(s);
+                free(cs);
+                free(csb);
+                free(aa);
+                free(ab);
+                free(ca);
+                free(cb);
+                if (bad) {
+                    snprintf(msg, sizeof msg, "%s: compaction differs from scalar (n %zu, bounds %zu)", pqc_simd_name(lv),
+                             n, bi);
+                    FAILm(msg);
+                }
+            }
+    }
+    if (!ran) SKIPm("no level here has its own compaction pass");
+    PASS();
+}
+
+TEST select_bitwise(void)
+{
+    static const size_t ks[] = {1, 7, 100, 2000, 10000, 19999};
+    const size_t n = 20000; /* past 4 * PQC__SAMPLE: the sampled bracket runs */
+    uint64_t st = 20;
+    size_t i, ki;
+    int li, dist;
+    float *s, *va, *vb;
+    uint32_t *ia, *ib;
+    void *scr;
+    NEED_LEVELS(lv_, nl);
+    s = (float *)malloc(sizeof(float) * n);
+    va = (float *)malloc(sizeof(float) * n);
+    vb = (float *)malloc(sizeof(float) * n);
+    ia = (uint32_t *)malloc(sizeof(uint32_t) * n);
+    ib = (uint32_t *)malloc(sizeof(uint32_t) * n);
+    scr = malloc(pqc__select_scratch(n));
+    for (li = 0; li < nl; li++) {
+        pqc_simd lv = lv_[li];
+        for (dist = 0; dist < 2; dist++) {
+            for (i = 0; i < n; i++) s[i] = dist ? (float)(rng_next(&st) % 9u) : rng_float(&st);
+            for (ki = 0; ki < sizeof ks / sizeof ks[0]; ki++) {
+                size_t k = ks[ki];
+                pqc__select(PQC_SIMD_SCALAR, s, n, k, scr, ia, va);
+                pqc__select(lv, s, n, k, scr, ib, vb);
+                if (first_diff(ia, ib, k, sizeof *ia) >= 0 || first_diff(va, vb, k, sizeof *va) >= 0) {
+                    snprintf(msg, sizeof msg, "%s: top-k differs from scalar (k %zu, dist %d)", pqc_simd_name(lv), k, dist);
+                    FAILm(msg);
+                }
+            }
+        }
+    }
+    free(s);
+    free(va);
+    free(vb);
+    free(ia);
+    free(ib);
+    free(scr);
+    PASS();
+}
+
+SUITE(kernels)
+{
+    RUN_TEST(levels_offered);
+    RUN_TEST(dots_bitwise);
+    RUN_TEST(assign_bitwise);
+    RUN_TEST(accum_bitwise);
+    RUN_TEST(scan_bitwise);
+    RUN_TEST(max_bitwise);
+    RUN_TEST(expsum_bitwise);
+    RUN_TEST(expsum_halfway_bitwise);
+    RUN_TEST(axpy_bitwise);
+    RUN_TEST(rowdots_bitwise);
+    RUN_TEST(bracket_bitwise);
+    RUN_TEST(select_bitwise);
+}
+
+GREATEST_MAIN_DEFS();
+
+int main(int argc, char **argv)
+{
+    GREATEST_MAIN_BEGIN();
+    RUN_SUITE(kernels);
+    GREATEST_MAIN_END();
+}
