@@ -153,7 +153,10 @@ static int parse_options(int argc, char **argv, options *o)
         case 'm': bad = parse_int(val, 1, 1 << 16, &o->pq.pq_m); break;
         case 'B': bad = parse_int(val, 1, 8, &o->pq.pq_bits); break;
         case 'T': bad = parse_int(val, 0, 100000, &o->pq.iters); break;
-        case 'C': bad = parse_int(val, 0, 1 << 20, &o->pq.cache_blocks); break;
+        case 'C': /* -C 0: no block cache (the library's -1) */
+            bad = parse_int(val, 0, 1 << 20, &o->pq.cache_blocks);
+            if (!bad && o->pq.cache_blocks == 0) o->pq.cache_blocks = -1;
+            break;
         case 'K': bad = parse_int(val, 1, 1 << 20, &o->pq.block_tokens); break;
         case 'D':
             if (strcmp(val, "cpu") == 0) o->pq.backend = PQC_BACKEND_CPU;
@@ -185,8 +188,6 @@ static int parse_options(int argc, char **argv, options *o)
     o->pq.ratio = o->policy.ratio;
     o->pq.n_threads = o->threads;
     o->pq.seed = o->seed;
-    if (o->pq.cache_blocks == 0)
-        o->pq.cache_blocks = -1;   /* the library's "none" */
     return 0;
 }
 

@@ -215,7 +215,10 @@ static int parse_needle_options(int argc, char **argv, needle_options *o)
         else if (strcmp(a, "-m") == 0) bad = parse_one_int(v, 1, 1 << 16, &o->pq.pq_m);
         else if (strcmp(a, "-B") == 0) bad = parse_one_int(v, 1, 8, &o->pq.pq_bits);
         else if (strcmp(a, "-T") == 0) bad = parse_one_int(v, 0, 100000, &o->pq.iters);
-        else if (strcmp(a, "-C") == 0) bad = parse_one_int(v, 0, 1 << 20, &o->pq.cache_blocks);
+        else if (strcmp(a, "-C") == 0) { /* -C 0: no block cache (the library's -1) */
+            bad = parse_one_int(v, 0, 1 << 20, &o->pq.cache_blocks);
+            if (!bad && o->pq.cache_blocks == 0) o->pq.cache_blocks = -1;
+        }
         else if (strcmp(a, "-K") == 0) bad = parse_one_int(v, 1, 1 << 20, &o->pq.block_tokens);
         else if (strcmp(a, "-E") == 0) {
             if (strcmp(v, "lfu") == 0) o->pq.policy = PQC_POLICY_LFU;
@@ -237,8 +240,6 @@ static int parse_needle_options(int argc, char **argv, needle_options *o)
     o->pq.n_sink = o->n_sink > 0 ? o->n_sink : -1; /* -S 0: none */
     o->pq.ratio = o->ratio;
     o->pq.n_threads = o->threads;
-    if (o->pq.cache_blocks == 0)
-        o->pq.cache_blocks = -1;
     return 0;
 }
 
