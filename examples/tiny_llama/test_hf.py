@@ -126,6 +126,10 @@ def test_modes_report_agreement(models, tmp_path):
         assert "model: LlamaForCausalLM, 2 layers, dim 64, 4 heads (2 KV) of 16" in p.stderr
         if mode == "full":
             assert "agreement 100.00% (11/11), mean KL(full || full) 0.000000" in p.stderr
+        if mode == "pqcache":  # what the library resolved: its defaults where no flag is given
+            assert "pqcache: m=4 bits=8 T=adaptive" in p.stderr and ", 32 blocks of 128 (LFU)" in p.stderr
+    p = run([d, "-I", ids, "-n", 4, "-t", 0, "-a", "pqcache", "-b", 0.5, "-S", 4, "-C", 0, "-m", 2, "-B", 6])
+    assert "pqcache: m=2 bits=6 T=adaptive" in p.stderr and ", 0 blocks of 128" in p.stderr
 
 
 def test_ids_from_stdin(models):
