@@ -1361,12 +1361,19 @@ static pqc_result pqc__check_matrix(const struct pqc_runtime *rt, const pqc_matr
     return PQC_SUCCESS;
 }
 
+/* 1 when every one of n values is finite and at most limit in magnitude (NaN compares
+   false). Blocks of 16 without an early exit inside, which compilers vectorise at -O2, so
+   that a check costs little beside the pass it joins (exact search checks its keys so). */
 static int pqc__within(const float *x, size_t n, float limit)
 {
-    size_t i;
-    for (i = 0; i < n; i++)
-        if (!(x[i] >= -limit && x[i] <= limit)) return 0;
-    return 1;
+    size_t i = 0;
+    int j, ok = 1;
+    for (; i + 16 <= n; i += 16) {
+        for (j = 0; j < 16; j++) ok &= fabsf(x[i + (size_t)j]) <= limit;
+        if (!ok) return 0;
+    }
+    for (; i < n; i++) ok &= fabsf(x[i]) <= limit;
+    return ok;
 }
 static int pqc__finite_row(const float *x, size_t n) { return pqc__within(x, n, PQC__KEY_LIMIT); }
 
@@ -4451,22 +4458,6 @@ typedef struct pqc__exact_ctx {
                       (size_t)-1 */
 } pqc__exact_ctx;
 
-/* 1 when every one of n values is finite and at most limit in magnitude (NaN compares
-   false); no early exit and blocks of 16, which compilers vectorise at -O2, so that it
-   costs little beside the pass it joins */
-static int pqc__within_all(const float *x, size_t n, float limit)
-{
-    size_t i = 0;
-    int j, ok = 1;
-    for (; i + 16 <= n; i += 16) {
-        int blk = 1;
-        for (j = 0; j < 16; j++) blk &= fabsf(x[i + (size_t)j]) <= limit;
-        ok &= blk;
-    }
-    for (; i < n; i++) ok &= fabsf(x[i]) <= limit;
-    return ok;
-}
-
 /* The rows' scores against one head's query (h < 0: the summed query), a chunk of rows at
    a time; the first pass checks each chunk's values while they are in cache, so that a
    key that cannot be ranked costs no pass of its own. */
@@ -4490,7 +4481,7 @@ static void pqc__exact_head(void *p, int h, float *out)
         }
         if (check && c->bad == (size_t)-1)
             for (i = 0; i < b; i++)
-                if (!pqc__within_all(rows + i * rs, d, PQC__KEY_LIMIT)) {
+                if (!pqc__within(rows + i * rs, d, PQC__KEY_LIMIT)) {
                     c->bad = t + i;
                     break;
                 }
@@ -5339,20 +5330,25 @@ static size_t pqc__mid_count(const pqc_cache *c, size_t n_tokens)
     return pqc__mid_end(c, n_tokens) - pqc__sink_end(c, n_tokens);
 }
 
-/* The window derived from the first prompt's budget (recent_share of it), at least one
-   token and at most max_tokens, whatever the budget settings. */
-/* The step's budget for `mid` tokens beyond the sinks: budget_tokens, or ceil(budget_ratio
-   x mid); past mid it is every token (and no ratio overflows a size_t). */
+/* The budget for `mid` tokens beyond the sinks, unclamped: budget_tokens, or
+   ceil(budget_ratio x mid) (a double, so that no ratio overflows a size_t). */
+static double pqc__budget_of(const pqc_cache *c, size_t mid)
+{
+    return c->d.budget_tokens ? (double)c->d.budget_tokens : ceil(c->d.budget_ratio * (double)mid);
+}
+
+/* The step's budget: pqc__budget_of, past mid every token. */
 static size_t pqc__budget(const pqc_cache *c, size_t mid)
 {
-    double b = c->d.budget_tokens ? (double)c->d.budget_tokens : ceil(c->d.budget_ratio * (double)mid);
+    double b = pqc__budget_of(c, mid);
     return b >= (double)mid ? mid : (size_t)b;
 }
 
+/* The window derived from the first prompt's budget (recent_share of it, unclamped), at
+   least one token and at most max_tokens, whatever the budget settings. */
 static int pqc__derive_window(const pqc_cache *c, size_t n_tokens)
 {
-    double s_mid = (double)(n_tokens - pqc__sink_end(c, n_tokens));
-    double budget = c->d.budget_tokens ? (double)c->d.budget_tokens : ceil(c->d.budget_ratio * s_mid);
+    double budget = pqc__budget_of(c, n_tokens - pqc__sink_end(c, n_tokens));
     double w = floor(c->d.recent_share * budget + 0.5), hi = (double)PQC__MIN(c->d.max_tokens, (size_t)0x7fffffff);
     return (int)(w < 1.0 ? 1.0 : (w > hi ? hi : w));
 }
