@@ -104,6 +104,15 @@ typedef struct {
     float k[PROMPT * 32], v[PROMPT * 32], q[16 * 64];
 } program_data;
 
+/* The generator seeded and a program's key and query centres drawn from it */
+static void data_start(program_data *pd, uint64_t seed)
+{
+    size_t i;
+    g_rng = seed;
+    for (i = 0; i < sizeof pd->centres / sizeof pd->centres[0]; i++) pd->centres[i] = 2.0f * unif();
+    for (i = 0; i < sizeof pd->qcentres / sizeof pd->qcentres[0]; i++) pd->qcentres[i] = 2.0f * unif();
+}
+
 /* One step of every layer: append a token, select with a query near the keys */
 static pqc_result decode_step(pqc_cache *c, program_data *pd, pqc_selection *sel, uint64_t *h)
 {
@@ -136,14 +145,11 @@ static pqc_result run_program(int p, const char *save, uint64_t *h)
     pqc_cache *c = NULL;
     pqc_selection sel;
     pqc_result r;
-    size_t i;
     int l, s;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 2;
     *h = 0xcbf29ce484222325ull;
-    g_rng = 0x9e3779b97f4a7c15ull + (uint64_t)p;
-    for (i = 0; i < sizeof pd.centres / sizeof pd.centres[0]; i++) pd.centres[i] = 2.0f * unif();
-    for (i = 0; i < sizeof pd.qcentres / sizeof pd.qcentres[0]; i++) pd.qcentres[i] = 2.0f * unif();
+    data_start(&pd, 0x9e3779b97f4a7c15ull + (uint64_t)p);
     if ((r = pqc_runtime_create(&rd, &rt)) != PQC_SUCCESS) return r;
     if ((r = pqc_cache_create(rt, &cd, &c)) != PQC_SUCCESS) goto done;
     for (l = 0; l < 2; l++) {
@@ -176,12 +182,7 @@ static pqc_result run_from_file(const char *path, uint64_t *h)
     pqc_result r;
     int s;
     if ((r = pqc_cache_load(NULL, &cd, path, &c)) != PQC_SUCCESS) return r;
-    g_rng = 0x51ed270b27ull;
-    {
-        size_t i;
-        for (i = 0; i < sizeof pd.centres / sizeof pd.centres[0]; i++) pd.centres[i] = 2.0f * unif();
-        for (i = 0; i < sizeof pd.qcentres / sizeof pd.qcentres[0]; i++) pd.qcentres[i] = 2.0f * unif();
-    }
+    data_start(&pd, 0x51ed270b27ull);
     *h = 0xcbf29ce484222325ull;
     if ((r = pqc_selection_init(c, &sel)) == PQC_SUCCESS) {
         for (s = SAVE_AT; s < STEPS && r == PQC_SUCCESS; s++) r = decode_step(c, &pd, &sel, h);
