@@ -1914,6 +1914,50 @@ static void pqc__axpy_scalar(const float *e, size_t n, float w, float *acc)
     for (t = 0; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
 }
 
+/* The scores of query heads [h_lo, h_hi) over tokens [t_lo, t_hi) in one pass over the
+   codes: out[h * ostride + t] = sum_j lut[(j*ksub + code_j(t0+t))*g + h], j ascending,
+   from 0 (for each head the very sums pqc__scan makes from its own table), and
+   mx[h] = max(mx[h], each of them). lut: the g heads' tables interleaved, [m][ksub][g]. */
+static void pqc__scan_heads_part(const pqc_codes *cd, const float *lut, int ksub, int g, int h_lo, int h_hi, size_t t0,
+                                 size_t t_lo, size_t t_hi, float *out, size_t ostride, float *mx)
+{
+    size_t t;
+    int h, j;
+    unsigned mask = (1u << cd->bits) - 1u;
+    for (t = t_lo; t < t_hi; t++)
+        for (h = h_lo; h < h_hi; h++) {
+            float a = 0.0f;
+            for (j = 0; j < cd->m; j++) {
+                const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
+                size_t bit = (t0 + t) * (size_t)cd->bits;
+                unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
+                a += lut[((size_t)j * (size_t)ksub + (v & mask)) * (size_t)g + (size_t)h];
+            }
+            out[(size_t)h * ostride + t] = a;
+            mx[h] = a > mx[h] ? a : mx[h];
+        }
+}
+
+/* every head over n tokens from t0 (the reference of the SIMD versions) */
+static void pqc__scan_heads_scalar(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
+                                   float *out, size_t ostride, float *mx)
+{
+    pqc__scan_heads_part(cd, lut, ksub, g, 0, g, t0, 0, n, out, ostride, mx);
+}
+
+/* out[t] = sum_h e[h * estride + t] * w[h]: one fused chain from 0, heads in order (the
+   axpy of each head in turn onto zeros) */
+static void pqc__combine_scalar(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
+{
+    size_t t;
+    int h;
+    for (t = 0; t < n; t++) {
+        float acc = 0.0f;
+        for (h = 0; h < g; h++) acc = fmaf(e[(size_t)h * estride + t], w[h], acc);
+        out[t] = acc;
+    }
+}
+
 /* exact dot of q with n rows of k (fp32, row stride in floats): 16 interleaved lane
    accumulators over the dims (lane e % 16), then the lanes added in order. */
 static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
@@ -2094,6 +2138,73 @@ PQC__AVX2 static void pqc__axpy_avx2(const float *e, size_t n, float w, float *a
     for (; t + 8 <= n; t += 8)
         _mm256_storeu_ps(acc + t, _mm256_fmadd_ps(_mm256_loadu_ps(e + t), vw, _mm256_loadu_ps(acc + t)));
     for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
+}
+
+/* Four heads from h0 at a time, four tokens a step: each token's four scores are one
+   vector load per sub-space from the interleaved tables, added in j order, then turned
+   into four rows of four tokens. Tokens past the last group of four and heads past the
+   last group of four: the scalar reference. gs: g (a constant 4 where inlined so). */
+PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t gs,
+                                                   size_t t0, size_t n, float *out, size_t ostride, float *mx)
+{
+    size_t t, h0, nv = n & ~(size_t)3;
+    int j, m = cd->m, i;
+    for (h0 = 0; h0 + 4 <= gs; h0 += 4) {
+        __m128 x0 = _mm_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
+        float *o = out + h0 * ostride, xm[4], lanes[4];
+        for (t = 0; t < nv; t += 4) {
+            __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (j = 0; j < m; j++) {
+                const unsigned char *c = cd->data + (size_t)j * cd->col_stride + t0 + t;
+                const float *l = lut + (size_t)j * (size_t)ksub * gs + h0;
+                a0 = _mm_add_ps(a0, _mm_loadu_ps(l + (size_t)c[0] * gs));
+                a1 = _mm_add_ps(a1, _mm_loadu_ps(l + (size_t)c[1] * gs));
+                a2 = _mm_add_ps(a2, _mm_loadu_ps(l + (size_t)c[2] * gs));
+                a3 = _mm_add_ps(a3, _mm_loadu_ps(l + (size_t)c[3] * gs));
+            }
+            _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
+            _mm_storeu_ps(o + t, a0);
+            _mm_storeu_ps(o + ostride + t, a1);
+            _mm_storeu_ps(o + 2 * ostride + t, a2);
+            _mm_storeu_ps(o + 3 * ostride + t, a3);
+            x0 = _mm_max_ps(a0, x0); /* a > x ? a : x, as the scalar reference */
+            x1 = _mm_max_ps(a1, x1);
+            x2 = _mm_max_ps(a2, x2);
+            x3 = _mm_max_ps(a3, x3);
+        }
+        _mm_storeu_ps(lanes, x0);
+        xm[0] = pqc__max_scalar(lanes, 4);
+        _mm_storeu_ps(lanes, x1);
+        xm[1] = pqc__max_scalar(lanes, 4);
+        _mm_storeu_ps(lanes, x2);
+        xm[2] = pqc__max_scalar(lanes, 4);
+        _mm_storeu_ps(lanes, x3);
+        xm[3] = pqc__max_scalar(lanes, 4);
+        for (i = 0; i < 4; i++) mx[h0 + (size_t)i] = xm[i] > mx[h0 + (size_t)i] ? xm[i] : mx[h0 + (size_t)i];
+    }
+    if (h0 < gs) pqc__scan_heads_part(cd, lut, ksub, (int)gs, (int)h0, (int)gs, t0, 0, nv, out, ostride, mx);
+    if (nv < n) pqc__scan_heads_part(cd, lut, ksub, (int)gs, 0, (int)gs, t0, nv, n, out, ostride, mx);
+}
+
+PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
+                                           float *out, size_t ostride, float *mx)
+{
+    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
+    else if (g == 4) pqc__scan_heads4_avx2(cd, lut, ksub, 4, t0, n, out, ostride, mx);
+    else pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, t0, n, out, ostride, mx);
+}
+
+PQC__AVX2 static void pqc__combine_avx2(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
+{
+    size_t t = 0;
+    int h;
+    for (; t + 8 <= n; t += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (h = 0; h < g; h++)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(e + (size_t)h * estride + t), _mm256_set1_ps(w[h]), acc);
+        _mm256_storeu_ps(out + t, acc);
+    }
+    if (t < n) pqc__combine_scalar(e + t, estride, g, n - t, w, out + t);
 }
 
 PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
@@ -2396,6 +2507,18 @@ PQC__AVX512 static void pqc__axpy_avx512(const float *e, size_t n, float w, floa
     for (; t + 16 <= n; t += 16)
         _mm512_storeu_ps(acc + t, _mm512_fmadd_ps(_mm512_loadu_ps(e + t), vw, _mm512_loadu_ps(acc + t)));
     for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
+}
+
+/* AVX-512 machines take the AVX2 code for these (same results, as every level) */
+PQC__AVX512 static void pqc__scan_heads_avx512(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0,
+                                               size_t n, float *out, size_t ostride, float *mx)
+{
+    pqc__scan_heads_avx2(cd, lut, ksub, g, t0, n, out, ostride, mx);
+}
+
+PQC__AVX512 static void pqc__combine_avx512(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
+{
+    pqc__combine_avx2(e, estride, g, n, w, out);
 }
 
 PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, size_t n, size_t stride, int d,
@@ -2774,6 +2897,76 @@ static void pqc__axpy_neon(const float *e, size_t n, float w, float *acc)
     for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
 }
 
+/* as pqc__scan_heads4_avx2: four heads a vector, four tokens a step, transposed */
+static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
+                                 float *out, size_t ostride, float *mx)
+{
+    size_t t, h0, gs = (size_t)g, nv = n & ~(size_t)3;
+    int j, m = cd->m, i;
+    if (cd->bits != 8) {
+        pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
+        return;
+    }
+    for (h0 = 0; h0 + 4 <= gs; h0 += 4) {
+        float32x4_t x0 = vdupq_n_f32(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
+        float *o = out + h0 * ostride, xm[4], lanes[4];
+        for (t = 0; t < nv; t += 4) {
+            float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0, r0, r1, r2, r3;
+            float32x4x2_t p01, p23;
+            for (j = 0; j < m; j++) {
+                const unsigned char *c = cd->data + (size_t)j * cd->col_stride + t0 + t;
+                const float *l = lut + (size_t)j * (size_t)ksub * gs + h0;
+                a0 = vaddq_f32(a0, vld1q_f32(l + (size_t)c[0] * gs));
+                a1 = vaddq_f32(a1, vld1q_f32(l + (size_t)c[1] * gs));
+                a2 = vaddq_f32(a2, vld1q_f32(l + (size_t)c[2] * gs));
+                a3 = vaddq_f32(a3, vld1q_f32(l + (size_t)c[3] * gs));
+            }
+            p01 = vtrnq_f32(a0, a1);
+            p23 = vtrnq_f32(a2, a3);
+            r0 = vcombine_f32(vget_low_f32(p01.val[0]), vget_low_f32(p23.val[0]));
+            r1 = vcombine_f32(vget_low_f32(p01.val[1]), vget_low_f32(p23.val[1]));
+            r2 = vcombine_f32(vget_high_f32(p01.val[0]), vget_high_f32(p23.val[0]));
+            r3 = vcombine_f32(vget_high_f32(p01.val[1]), vget_high_f32(p23.val[1]));
+            vst1q_f32(o + t, r0);
+            vst1q_f32(o + ostride + t, r1);
+            vst1q_f32(o + 2 * ostride + t, r2);
+            vst1q_f32(o + 3 * ostride + t, r3);
+            x0 = vbslq_f32(vcgtq_f32(r0, x0), r0, x0);
+            x1 = vbslq_f32(vcgtq_f32(r1, x1), r1, x1);
+            x2 = vbslq_f32(vcgtq_f32(r2, x2), r2, x2);
+            x3 = vbslq_f32(vcgtq_f32(r3, x3), r3, x3);
+        }
+        vst1q_f32(lanes, x0);
+        xm[0] = pqc__max_scalar(lanes, 4);
+        vst1q_f32(lanes, x1);
+        xm[1] = pqc__max_scalar(lanes, 4);
+        vst1q_f32(lanes, x2);
+        xm[2] = pqc__max_scalar(lanes, 4);
+        vst1q_f32(lanes, x3);
+        xm[3] = pqc__max_scalar(lanes, 4);
+        for (i = 0; i < 4; i++) mx[h0 + (size_t)i] = xm[i] > mx[h0 + (size_t)i] ? xm[i] : mx[h0 + (size_t)i];
+    }
+    if (h0 < gs) pqc__scan_heads_part(cd, lut, ksub, g, (int)h0, g, t0, 0, nv, out, ostride, mx);
+    if (nv < n) pqc__scan_heads_part(cd, lut, ksub, g, 0, g, t0, nv, n, out, ostride, mx);
+}
+
+static void pqc__combine_neon(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
+{
+    size_t t = 0;
+    int h;
+    for (; t + 8 <= n; t += 8) {
+        float32x4_t a = vdupq_n_f32(0.0f), b = a;
+        for (h = 0; h < g; h++) {
+            const float32x4_t vw = vdupq_n_f32(w[h]);
+            a = vfmaq_f32(a, vld1q_f32(e + (size_t)h * estride + t), vw);
+            b = vfmaq_f32(b, vld1q_f32(e + (size_t)h * estride + t + 4), vw);
+        }
+        vst1q_f32(out + t, a);
+        vst1q_f32(out + t + 4, b);
+    }
+    if (t < n) pqc__combine_scalar(e + t, estride, g, n - t, w, out + t);
+}
+
 static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
     size_t i;
@@ -2920,6 +3113,15 @@ static float pqc__k_expsum(pqc_simd s, const float *x, size_t n, float mx, float
 static void pqc__k_axpy(pqc_simd s, const float *e, size_t n, float w, float *acc)
 {
     PQC__DISPATCH(s, pqc__axpy, (e, n, w, acc));
+}
+static void pqc__k_scan_heads(pqc_simd s, const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
+                              float *out, size_t ostride, float *mx)
+{
+    PQC__DISPATCH(s, pqc__scan_heads, (cd, lut, ksub, g, t0, n, out, ostride, mx));
+}
+static void pqc__k_combine(pqc_simd s, const float *e, size_t estride, int g, size_t n, const float *w, float *out)
+{
+    PQC__DISPATCH(s, pqc__combine, (e, estride, g, n, w, out));
 }
 static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
@@ -3077,6 +3279,52 @@ static void pqc__bracket_scalar(const float *s, size_t n, float lo, float hi, ui
 }
 
 #if PQC__X86
+/* as the scalar pass, eight scores a step: the lanes set in each comparison's mask are
+   moved to the front by one permutation (from a table of the masks) and stored whole */
+PQC__AVX2 static void pqc__bracket_avx2(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                                        uint32_t *cand, float *cs, size_t *nc)
+{
+    uint32_t pack[256]; /* nibble r of pack[m]: the r-th lane set in m, lowest first */
+    unsigned char cnt[256];
+    size_t i = 0, a = 0, c = 0;
+    unsigned m;
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low4 = _mm256_set1_epi32(15),
+                  step = _mm256_set1_epi32(8);
+    __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (m = 0; m < 256; m++) {
+        uint32_t p = 0;
+        unsigned l, r = 0;
+        for (l = 0; l < 8; l++)
+            if (m >> l & 1u) p |= (uint32_t)l << (4 * r++);
+        pack[m] = p;
+        cnt[m] = (unsigned char)r;
+    }
+    for (; i + 8 <= n; i += 8, iv = _mm256_add_epi32(iv, step)) {
+        __m256 v = _mm256_loadu_ps(s + i);
+        __m256 ga = _mm256_cmp_ps(v, vhi, _CMP_GT_OQ);
+        __m256 gc = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GE_OQ), _mm256_cmp_ps(v, vhi, _CMP_LE_OQ));
+        unsigned ba = (unsigned)_mm256_movemask_ps(ga), bc = (unsigned)_mm256_movemask_ps(gc);
+        __m256i pa = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[ba]), sh), low4);
+        __m256i pc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[bc]), sh), low4);
+        _mm256_storeu_si256((__m256i *)(above + a), _mm256_permutevar8x32_epi32(iv, pa));
+        _mm256_storeu_si256((__m256i *)(cand + c), _mm256_permutevar8x32_epi32(iv, pc));
+        _mm256_storeu_ps(cs + c, _mm256_permutevar8x32_ps(v, pc));
+        a += cnt[ba];
+        c += cnt[bc];
+    }
+    for (; i < n; i++) {
+        float v = s[i];
+        if (v > hi) above[a++] = (uint32_t)i;
+        else if (v >= lo) {
+            cand[c] = (uint32_t)i;
+            cs[c++] = v;
+        }
+    }
+    *na = a;
+    *nc = c;
+}
+
 PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
                                             uint32_t *cand, float *cs, size_t *nc)
 {
@@ -3136,6 +3384,7 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     lo = p + delta >= 1.0 ? -INFINITY : pqc__kth_largest(smp, S, (size_t)ceil((p + delta) * (double)S));
 #if PQC__X86
     if (simd == PQC_SIMD_AVX512) pqc__bracket_avx512(s, n, lo, hi, above, &na, cand, cs, &nc);
+    else if (simd == PQC_SIMD_AVX2) pqc__bracket_avx2(s, n, lo, hi, above, &na, cand, cs, &nc);
     else pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
 #elif PQC__NEON
     if (simd == PQC_SIMD_NEON) pqc__bracket_neon(s, n, lo, hi, above, &na, cand, cs, &nc);
@@ -4354,7 +4603,15 @@ static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_
     return PQC_SUCCESS;
 }
 
-/* scores of the searched range into out; work: lut + tmp from scratch */
+/* Softmax-sum over 8-bit codes without residuals, in groups of four heads: one pass over
+   the codes scores every head (pqc__k_scan_heads); the same sums either way. */
+static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_search_desc *desc)
+{
+    return gqa == PQC_GQA_SOFTMAX_SUM && pq->bits == 8 && g % 4 == 0 && !(desc && desc->residuals);
+}
+
+/* scores of the searched range into out; work: lut + tmp from scratch (sized
+   by pqc__pq_search_impl) */
 static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
                                       int g, pqc_gqa gqa, size_t first, size_t count, const pqc_search_desc *desc,
                                       float *lut, float *rw, float *tmp, float *out)
@@ -4398,6 +4655,22 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
                 rw[(size_t)g * pq->m + (size_t)j] += v; /* SUM: the heads' bounds add up */
             }
     }
+    if (pqc__fused_heads(pq, g, gqa, desc)) {
+        /* every head's scores in one pass over the codes, from the heads' tables
+           interleaved; then each head's softmax and the sum, as pqc__combine makes them */
+        float *il = lut + ((size_t)g + 1) * tl, *mx = rw, *w = rw + g, scale = 1.0f / sqrtf((float)pq->dim);
+        size_t cc;
+        for (h = 0; h < g; h++)
+            for (i = 0; i < tl; i++) il[i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + i];
+        for (h = 0; h < g; h++) mx[h] = -INFINITY;
+        pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, first, count, tmp, count, mx);
+        for (h = 0; h < g; h++) {
+            cc = (size_t)h * count;
+            w[h] = 1.0f / pqc__k_expsum(c.simd, tmp + cc, count, mx[h], scale, tmp + cc);
+        }
+        pqc__k_combine(c.simd, tmp, count, g, count, w, out);
+        return PQC_SUCCESS;
+    }
     pqc__combine(c.simd, gqa, g, count, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
     return PQC_SUCCESS;
 }
@@ -4412,16 +4685,19 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
     pqc_result r;
     unsigned char *mem;
     void *tmpmem;
+    int fused;
     if ((r = pqc__search_prep(rt, pq, codes, queries, g, desc, &first, &count, &gqa)) != PQC_SUCCESS) return r;
     if (!all_out) {
         if (!idx) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_search: null idx");
         if (desc->k == 0 || desc->k > count)
             return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, count);
     }
-    ol = 0;
-    orw = PQC__ALIGN_UP(((size_t)g + 1) * pq->m * pq->ksub * sizeof(float));
-    ot = orw + PQC__ALIGN_UP(((size_t)g + 1) * pq->m * sizeof(float));
-    os = ot + PQC__ALIGN_UP(count * sizeof(float));
+    fused = pqc__fused_heads(pq, g, gqa, desc);
+    ol = 0; /* tables [g + 1][m][ksub], then the interleaved [m][ksub][g] where fused */
+    orw = PQC__ALIGN_UP(((size_t)g + 1 + (fused ? (size_t)g : 0)) * pq->m * pq->ksub * sizeof(float));
+    /* residual weights [g + 1][m], or the fused heads' maxima and weights [2g] */
+    ot = orw + PQC__ALIGN_UP(PQC__MAX(((size_t)g + 1) * pq->m, 2 * (size_t)g) * sizeof(float));
+    os = ot + PQC__ALIGN_UP((fused ? (size_t)g : 1) * count * sizeof(float));
     oc = os + PQC__ALIGN_UP(count * sizeof(float));
     bytes = oc + (all_out ? 0 : pqc__select_scratch(count));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);

@@ -405,6 +405,121 @@ TEST axpy_bitwise(void)
     PASS();
 }
 
+/* ----- every head in one pass: the heads' scores and the combination -------------- */
+
+/* codes of m sub-spaces, `bits` wide, for cap tokens, random bytes (padding included) */
+static void random_codes(pqc_codes *cd, int m, int bits, size_t cap, uint64_t *st)
+{
+    size_t b;
+    memset(cd, 0, sizeof *cd);
+    cd->m = m;
+    cd->bits = bits;
+    cd->count = cd->capacity = cap;
+    cd->col_stride = (cap * (size_t)bits + 7) / 8 + 8;
+    cd->data = (unsigned char *)malloc(cd->col_stride * (size_t)m);
+    for (b = 0; b < cd->col_stride * (size_t)m; b++) cd->data[b] = (unsigned char)rng_next(st);
+}
+
+/* The scalar reference scores each head as pqc__scan does from that head's own table,
+   with each head's maximum; every level equals it bit for bit (rows and maxima), for
+   every code width (8 bits has the vector code), head counts in and out of groups of
+   four, odd starts and lengths around the four-token step. */
+TEST scan_heads_bitwise(void)
+{
+    static const size_t ns[] = {0, 1, 3, 4, 5, 7, 8, 17, 100, 257};
+    static const size_t t0s[] = {0, 1, 3, 17};
+    static const int ms[] = {1, 2, 3, 5}, gs[] = {1, 2, 3, 4, 5, 8, 12};
+    uint64_t st = 21;
+    int li, bits, nl;
+    size_t ni, ti, mi, gi;
+    pqc_simd lv_[3];
+    nl = levels(lv_);
+    for (bits = 1; bits <= 8; bits++)
+        for (mi = 0; mi < sizeof ms / sizeof ms[0]; mi++)
+            for (gi = 0; gi < sizeof gs / sizeof gs[0]; gi++) {
+                int m = ms[mi], g = gs[gi], ksub = 1 << bits, i, h;
+                size_t cap = 17 + 257, tl = (size_t)m * (size_t)ksub;
+                pqc_codes cd;
+                float *lut = (float *)malloc(sizeof(float) * tl * (size_t)g), *il = (float *)malloc(sizeof(float) * tl * (size_t)g);
+                float *oa = (float *)malloc(sizeof(float) * 257 * (size_t)g), *ob = (float *)malloc(sizeof(float) * 257 * (size_t)g);
+                float one[257], ma[12], mb[12];
+                const char *bad = NULL;
+                random_codes(&cd, m, bits, cap, &st);
+                for (i = 0; i < (int)tl * g; i++) lut[i] = rng_float(&st) * 8.0f;
+                for (h = 0; h < g; h++)
+                    for (i = 0; i < (int)tl; i++) il[(size_t)i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + (size_t)i];
+                for (ni = 0; ni < sizeof ns / sizeof ns[0] && !bad; ni++)
+                    for (ti = 0; ti < sizeof t0s / sizeof t0s[0] && !bad; ti++) {
+                        size_t n = ns[ni], t0 = t0s[ti];
+                        for (h = 0; h < g; h++) ma[h] = -INFINITY;
+                        pqc__scan_heads_scalar(&cd, il, ksub, g, t0, n, oa, n, ma);
+                        for (h = 0; h < g && !bad; h++) {
+                            float x = -INFINITY;
+                            pqc__scan_scalar(&cd, lut + (size_t)h * tl, ksub, t0, n, one);
+                            x = n ? pqc__max_scalar(one, n) : x;
+                            if (first_diff(one, oa + (size_t)h * n, n, sizeof(float)) >= 0) bad = "scalar rows differ from pqc__scan";
+                            else if (memcmp(&x, &ma[h], sizeof x) != 0) bad = "scalar maximum differs from pqc__max";
+                        }
+                        for (li = 0; li < nl && !bad; li++) {
+                            pqc_simd lv = lv_[li];
+                            for (h = 0; h < g; h++) mb[h] = -INFINITY;
+                            memset(ob, 0xff, sizeof(float) * n * (size_t)g);
+                            pqc__k_scan_heads(lv, &cd, il, ksub, g, t0, n, ob, n, mb);
+                            if (first_diff(oa, ob, n * (size_t)g, sizeof(float)) >= 0 ||
+                                first_diff(ma, mb, (size_t)g, sizeof(float)) >= 0)
+                                bad = pqc_simd_name(lv);
+                        }
+                        if (bad) snprintf(msg, sizeof msg, "scan_heads: %s (bits %d, m %d, g %d, t0 %zu, n %zu)", bad, bits, m,
+                                          g, t0, n);
+                    }
+                free(lut);
+                free(il);
+                free(oa);
+                free(ob);
+                free(cd.data);
+                if (bad) FAILm(msg);
+            }
+    PASS();
+}
+
+/* The one-pass combination equals each head's axpy in turn onto zeros, at every level */
+TEST combine_bitwise(void)
+{
+    static const int gs[] = {1, 2, 3, 4, 7, 8};
+    uint64_t st = 22;
+    size_t ni, i, gi;
+    int li, h, nl;
+    pqc_simd lv_[3];
+    nl = levels(lv_);
+    for (gi = 0; gi < sizeof gs / sizeof gs[0]; gi++)
+        for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++) {
+            size_t n = lens[ni], es = n + 3;
+            int g = gs[gi];
+            float *e = (float *)malloc(sizeof(float) * (es * (size_t)g + 1)), *a = (float *)malloc(sizeof(float) * (n + 1));
+            float *b = (float *)malloc(sizeof(float) * (n + 1)), *c = (float *)malloc(sizeof(float) * (n + 1)), w[8];
+            const char *bad = NULL;
+            for (i = 0; i < es * (size_t)g; i++) e[i] = fabsf(rng_float(&st));
+            for (h = 0; h < g; h++) w[h] = 1.0f / (fabsf(rng_float(&st)) * 1000.0f + 1.0f);
+            memset(a, 0, sizeof(float) * n);
+            for (h = 0; h < g; h++) pqc__axpy_scalar(e + (size_t)h * es, n, w[h], a);
+            pqc__combine_scalar(e, es, g, n, w, b);
+            if (first_diff(a, b, n, sizeof(float)) >= 0) bad = "scalar differs from the heads' axpy";
+            for (li = 0; li < nl && !bad; li++) {
+                pqc__k_combine(lv_[li], e, es, g, n, w, c);
+                if (first_diff(b, c, n, sizeof(float)) >= 0) bad = pqc_simd_name(lv_[li]);
+            }
+            free(e);
+            free(a);
+            free(b);
+            free(c);
+            if (bad) {
+                snprintf(msg, sizeof msg, "combine: %s (g %d, n %zu)", bad, g, n);
+                FAILm(msg);
+            }
+        }
+    PASS();
+}
+
 /* ----- exact scores: row dots ------------------------------------------------------ */
 
 TEST rowdots_bitwise(void)
@@ -447,6 +562,10 @@ static int bracket_at(pqc_simd lv, const float *s, size_t n, float lo, float hi,
 #if PQC__X86
     if (lv == PQC_SIMD_AVX512) {
         pqc__bracket_avx512(s, n, lo, hi, above, na, cand, cs, nc);
+        return 1;
+    }
+    if (lv == PQC_SIMD_AVX2) {
+        pqc__bracket_avx2(s, n, lo, hi, above, na, cand, cs, nc);
         return 1;
     }
 #endif
@@ -560,6 +679,8 @@ SUITE(kernels)
     RUN_TEST(expsum_bitwise);
     RUN_TEST(expsum_halfway_bitwise);
     RUN_TEST(axpy_bitwise);
+    RUN_TEST(scan_heads_bitwise);
+    RUN_TEST(combine_bitwise);
     RUN_TEST(rowdots_bitwise);
     RUN_TEST(bracket_bitwise);
     RUN_TEST(select_bitwise);
