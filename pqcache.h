@@ -1958,6 +1958,16 @@ static void pqc__combine_scalar(const float *e, size_t estride, int g, size_t n,
     }
 }
 
+/* n fp16 or bf16 values (t) to fp32, as pqc__row_to_f32 makes them: exactly, every
+   finite value and infinity alike (the SIMD versions may give a NaN another payload) */
+static void pqc__halfrow_scalar(const void *src, pqc_dtype t, size_t n, float *dst)
+{
+    pqc__row_to_f32(src, t, n, dst);
+}
+
+/* pqc__within as a kernel of its own level */
+static int pqc__within_scalar(const float *x, size_t n, float limit) { return pqc__within(x, n, limit); }
+
 /* exact dot of q with n rows of k (fp32, row stride in floats): 16 interleaved lane
    accumulators over the dims (lane e % 16), then the lanes added in order. */
 static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
@@ -2205,6 +2215,38 @@ PQC__AVX2 static void pqc__combine_avx2(const float *e, size_t estride, int g, s
         _mm256_storeu_ps(out + t, acc);
     }
     if (t < n) pqc__combine_scalar(e + t, estride, g, n - t, w, out + t);
+}
+
+PQC__AVX2 static void pqc__halfrow_avx2(const void *src, pqc_dtype t, size_t n, float *dst)
+{
+    const unsigned char *p = (const unsigned char *)src;
+    size_t i = 0;
+    if (t == PQC_F16)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2 * i))));
+    else
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_si256((__m256i *)(dst + i),
+                                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 2 * i))), 16));
+    if (i < n) pqc__halfrow_scalar(p + 2 * i, t, n - i, dst + i);
+}
+
+/* pqc__within, eight values a step (a NaN fails the comparison, as there) */
+PQC__AVX2 static int pqc__within_avx2(const float *x, size_t n, float limit)
+{
+    const __m256 lim = _mm256_set1_ps(limit), mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    size_t i = 0;
+    int r;
+    for (; i + 32 <= n; i += 32) {
+        __m256 a = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), mag), lim, _CMP_LE_OQ);
+        __m256 b = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + i + 8), mag), lim, _CMP_LE_OQ);
+        __m256 c = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + i + 16), mag), lim, _CMP_LE_OQ);
+        __m256 d = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + i + 24), mag), lim, _CMP_LE_OQ);
+        ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_and_ps(a, b), _mm256_and_ps(c, d)));
+    }
+    r = _mm256_movemask_ps(ok) == 0xff;
+    for (; i < n; i++) r &= fabsf(x[i]) <= limit;
+    return r;
 }
 
 PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
@@ -2520,6 +2562,13 @@ PQC__AVX512 static void pqc__combine_avx512(const float *e, size_t estride, int 
 {
     pqc__combine_avx2(e, estride, g, n, w, out);
 }
+
+PQC__AVX512 static void pqc__halfrow_avx512(const void *src, pqc_dtype t, size_t n, float *dst)
+{
+    pqc__halfrow_avx2(src, t, n, dst);
+}
+
+PQC__AVX512 static int pqc__within_avx512(const float *x, size_t n, float limit) { return pqc__within_avx2(x, n, limit); }
 
 PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, size_t n, size_t stride, int d,
                                             float *out)
@@ -2967,6 +3016,32 @@ static void pqc__combine_neon(const float *e, size_t estride, int g, size_t n, c
     if (t < n) pqc__combine_scalar(e + t, estride, g, n - t, w, out + t);
 }
 
+static void pqc__halfrow_neon(const void *src, pqc_dtype t, size_t n, float *dst)
+{
+    const unsigned char *p = (const unsigned char *)src;
+    size_t i = 0;
+    if (t == PQC_F16)
+        for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(const void *)(p + 2 * i)))));
+    else
+        for (; i + 4 <= n; i += 4)
+            vst1q_u32((uint32_t *)(void *)(dst + i), vshll_n_u16(vld1_u16((const uint16_t *)(const void *)(p + 2 * i)), 16));
+    if (i < n) pqc__halfrow_scalar(p + 2 * i, t, n - i, dst + i);
+}
+
+static int pqc__within_neon(const float *x, size_t n, float limit)
+{
+    const float32x4_t lim = vdupq_n_f32(limit);
+    uint32x4_t ok = vdupq_n_u32(0xffffffffu);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        uint32x4_t a = vcleq_f32(vabsq_f32(vld1q_f32(x + i)), lim), b = vcleq_f32(vabsq_f32(vld1q_f32(x + i + 4)), lim);
+        uint32x4_t c = vcleq_f32(vabsq_f32(vld1q_f32(x + i + 8)), lim), d = vcleq_f32(vabsq_f32(vld1q_f32(x + i + 12)), lim);
+        ok = vandq_u32(ok, vandq_u32(vandq_u32(a, b), vandq_u32(c, d)));
+    }
+    if (vminvq_u32(ok) == 0) return 0;
+    return pqc__within(x + i, n - i, limit);
+}
+
 static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
     size_t i;
@@ -3122,6 +3197,14 @@ static void pqc__k_scan_heads(pqc_simd s, const pqc_codes *cd, const float *lut,
 static void pqc__k_combine(pqc_simd s, const float *e, size_t estride, int g, size_t n, const float *w, float *out)
 {
     PQC__DISPATCH(s, pqc__combine, (e, estride, g, n, w, out));
+}
+static void pqc__k_halfrow(pqc_simd s, const void *src, pqc_dtype t, size_t n, float *dst)
+{
+    PQC__DISPATCH(s, pqc__halfrow, (src, t, n, dst));
+}
+static int pqc__k_within(pqc_simd s, const float *x, size_t n, float limit)
+{
+    return PQC__DISPATCH_RET(s, pqc__within, (x, n, limit));
 }
 static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
@@ -4729,39 +4812,71 @@ typedef struct pqc__exact_ctx {
     const float *q; /* [g][d] then the summed query [d] */
     int g, d;
     float *rowbuf; /* EXACT_CHUNK * d */
+    float *hd;     /* one row's dots with the g queries */
     int check;     /* the next pass over the keys also checks them (the first one) */
     size_t bad;    /* the first row holding NaN, Inf or a magnitude above the key limit, or
                       (size_t)-1 */
 } pqc__exact_ctx;
 
-/* The rows' scores against one head's query (h < 0: the summed query), a chunk of rows at
-   a time; the first pass checks each chunk's values while they are in cache, so that a
-   key that cannot be ranked costs no pass of its own. */
+/* Scores a chunk of rows at a time; the first pass checks each chunk's values while they
+   are in cache, so that a key that cannot be ranked costs no pass of its own. */
 #define PQC__EXACT_CHUNK 64
+
+/* Rows [t, t + b) of the keys in fp32: where they lie (fp32 rows on float boundaries) or
+   converted into rowbuf; *rs: their stride in floats. `check`: note the first row that
+   cannot be ranked in c->bad. */
+static const float *pqc__exact_rows(pqc__exact_ctx *c, size_t t, size_t b, int check, size_t *rs)
+{
+    size_t i, d = (size_t)c->d, stride = pqc__stride(c->keys);
+    const float *rows = c->rowbuf;
+    *rs = d;
+    if (c->keys->dtype == PQC_F32 && stride % sizeof(float) == 0) {
+        rows = (const float *)pqc__row(c->keys, t);
+        *rs = stride / sizeof(float);
+    } else if (c->keys->dtype == PQC_F32) {
+        for (i = 0; i < b; i++) pqc__row_to_f32(pqc__row(c->keys, t + i), PQC_F32, d, c->rowbuf + i * d);
+    } else {
+        for (i = 0; i < b; i++) pqc__k_halfrow(c->simd, pqc__row(c->keys, t + i), c->keys->dtype, d, c->rowbuf + i * d);
+    }
+    if (check && c->bad == (size_t)-1)
+        for (i = 0; i < b; i++)
+            if (!pqc__k_within(c->simd, rows + i * *rs, d, PQC__KEY_LIMIT)) {
+                c->bad = t + i;
+                break;
+            }
+    return rows;
+}
+
+/* The rows' scores against one head's query (h < 0: the summed query). */
 static void pqc__exact_head(void *p, int h, float *out)
 {
     pqc__exact_ctx *c = (pqc__exact_ctx *)p;
     const float *q = c->q + (size_t)(h < 0 ? c->g : h) * c->d;
-    size_t t, n = c->keys->rows, stride = pqc__stride(c->keys), d = (size_t)c->d;
-    int direct = c->keys->dtype == PQC_F32 && stride % sizeof(float) == 0, check = c->check;
+    size_t t, n = c->keys->rows, rs;
+    int check = c->check;
     c->check = 0;
     for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
-        size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t), i;
-        const float *rows = c->rowbuf;
-        size_t rs = d;
-        if (direct) {
-            rows = (const float *)pqc__row(c->keys, t);
-            rs = stride / sizeof(float);
-        } else {
-            for (i = 0; i < b; i++) pqc__row_to_f32(pqc__row(c->keys, t + i), c->keys->dtype, d, c->rowbuf + i * d);
-        }
-        if (check && c->bad == (size_t)-1)
-            for (i = 0; i < b; i++)
-                if (!pqc__within(rows + i * rs, d, PQC__KEY_LIMIT)) {
-                    c->bad = t + i;
-                    break;
-                }
+        size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
+        const float *rows = pqc__exact_rows(c, t, b, check, &rs);
         pqc__k_rowdots(c->simd, q, rows, b, rs, c->d, out + t);
+    }
+}
+
+/* Every head's scores in one pass over the keys: out[h * n + t]. Each row's dots with the
+   g queries are the ones pqc__exact_head makes a head at a time (a product's factors
+   commute), and the pass checks the keys. */
+static void pqc__exact_heads(pqc__exact_ctx *c, float *out)
+{
+    size_t t, i, n = c->keys->rows, rs;
+    int h;
+    c->check = 0;
+    for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
+        size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
+        const float *rows = pqc__exact_rows(c, t, b, 1, &rs);
+        for (i = 0; i < b; i++) {
+            pqc__k_rowdots(c->simd, rows + i * rs, c->q, (size_t)c->g, (size_t)c->d, c->d, c->hd);
+            for (h = 0; h < c->g; h++) out[(size_t)h * n + t + i] = c->hd[h];
+        }
     }
 }
 
@@ -4770,10 +4885,10 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
 {
     pqc__exact_ctx c;
     pqc_result r;
-    size_t n, d, oq, orow, ot, os, oc, bytes, i;
+    size_t n, d, oq, ohd, orow, ot, os, oc, bytes, i;
     unsigned char *mem;
     void *tmpmem;
-    int h;
+    int h, heads;
     if ((r = pqc__check_matrix(rt, keys, 0, "pqc_exact_search keys")) != PQC_SUCCESS) return r;
     if (!queries) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_search: null queries");
     if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_exact_search: g = %d", g);
@@ -4785,10 +4900,12 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
         return pqc__fail(rt, idx ? PQC_ERROR_OUT_OF_RANGE : PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_search: k = %zu not in 1..%zu", k, n);
     if (!pqc__finite_row(queries, (size_t)g * d))
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_exact_search: query holds NaN, Inf or a huge value");
+    heads = gqa == PQC_GQA_SOFTMAX_SUM && g > 1; /* every head in one pass over the keys */
     oq = 0;
-    orow = PQC__ALIGN_UP(((size_t)g + 1) * d * sizeof(float));
+    ohd = PQC__ALIGN_UP(((size_t)g + 1) * d * sizeof(float)); /* then a row's dots [g], the weights [g] */
+    orow = ohd + PQC__ALIGN_UP(2 * (size_t)g * sizeof(float));
     ot = orow + PQC__ALIGN_UP((size_t)PQC__EXACT_CHUNK * d * sizeof(float));
-    os = ot + PQC__ALIGN_UP(n * sizeof(float));
+    os = ot + PQC__ALIGN_UP((heads ? (size_t)g : 1) * n * sizeof(float));
     oc = os + PQC__ALIGN_UP(n * sizeof(float));
     bytes = oc + (all_out ? 0 : pqc__select_scratch(n));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
@@ -4801,14 +4918,25 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     c.g = g;
     c.d = (int)d;
     c.rowbuf = (float *)(mem + orow);
+    c.hd = (float *)(mem + ohd);
     memcpy(mem + oq, queries, (size_t)g * d * sizeof(float));
     for (i = 0; i < d; i++) {
         float a = 0.0f;
         for (h = 0; h < g; h++) a += queries[(size_t)h * d + i];
         ((float *)(mem + oq))[(size_t)g * d + i] = a;
     }
-    pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
-                 (float *)(mem + os));
+    if (heads) { /* as pqc__combine makes it, from the heads' rows */
+        float *hs = (float *)(mem + ot), *w = c.hd + g;
+        pqc__exact_heads(&c, hs);
+        for (h = 0; h < g && c.bad == (size_t)-1; h++) {
+            float *e = hs + (size_t)h * n;
+            w[h] = 1.0f / pqc__k_expsum(c.simd, e, n, pqc__k_max(c.simd, e, n), 1.0f / sqrtf((float)d), e);
+        }
+        if (c.bad == (size_t)-1) pqc__k_combine(c.simd, hs, n, g, n, w, (float *)(mem + os));
+    } else {
+        pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
+                     (float *)(mem + os));
+    }
     if (c.bad != (size_t)-1) { /* keys with NaN or Inf have no ranking: refused like such queries */
         pqc__free(pqc__rt_alloc(rt), tmpmem);
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_exact_search keys: row %zu holds NaN, Inf or a magnitude above %g",

@@ -553,6 +553,158 @@ TEST rowdots_bitwise(void)
     PASS();
 }
 
+/* ----- exact scores: keys converted and checked --------------------------------------- */
+
+/* fp16 and bf16 rows to fp32 at every level equal the scalar conversion (finite values,
+   subnormals, infinities; NaN payloads are not part of the contract: such keys are refused) */
+TEST halfrow_bitwise(void)
+{
+    uint64_t st = 23;
+    size_t ni, i;
+    int li, ti, nl;
+    pqc_simd lv_[3];
+    nl = levels(lv_);
+    for (ti = 0; ti < 2; ti++)
+        for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++) {
+            size_t n = lens[ni];
+            pqc_dtype t = ti ? PQC_BF16 : PQC_F16;
+            uint16_t *h = (uint16_t *)malloc(sizeof(uint16_t) * (n + 1));
+            float *a = (float *)malloc(sizeof(float) * (n + 1)), *b = (float *)malloc(sizeof(float) * (n + 1));
+            const char *bad = NULL;
+            for (i = 0; i < n; i++) {
+                uint16_t v = (uint16_t)rng_next(&st);
+                if ((v & 0x7c00u) == 0x7c00u && t == PQC_F16) v &= 0xfc00u; /* infinities, not NaN */
+                if ((v & 0x7f80u) == 0x7f80u && t == PQC_BF16) v &= 0xff80u;
+                h[i] = v;
+            }
+            pqc__halfrow_scalar(h, t, n, a);
+            for (i = 0; i < n && !bad; i++) {
+                float r = t == PQC_F16 ? pqc_f16_to_f32(h[i]) : pqc_bf16_to_f32(h[i]);
+                if (memcmp(&r, &a[i], sizeof r) != 0) bad = "scalar differs from the element conversion";
+            }
+            for (li = 0; li < nl && !bad; li++) {
+                pqc__k_halfrow(lv_[li], h, t, n, b);
+                if (first_diff(a, b, n, sizeof(float)) >= 0) bad = pqc_simd_name(lv_[li]);
+            }
+            free(h);
+            free(a);
+            free(b);
+            if (bad) {
+                snprintf(msg, sizeof msg, "halfrow: %s (%s, n %zu)", bad, ti ? "bf16" : "fp16", n);
+                FAILm(msg);
+            }
+        }
+    PASS();
+}
+
+/* the range check of keys gives the scalar answer at every level: one value past the
+   limit, an infinity or a NaN anywhere in the row fails it */
+TEST within_bitwise(void)
+{
+    static const float odd[] = {1e17f, -1e17f, 1e16f, -1e16f, INFINITY, -INFINITY, NAN, 0.0f, -0.0f};
+    uint64_t st = 24;
+    size_t ni, i, oi, pos;
+    int li, nl;
+    pqc_simd lv_[3];
+    nl = levels(lv_);
+    for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++) {
+        size_t n = lens[ni];
+        float *x = (float *)malloc(sizeof(float) * (n + 1));
+        for (i = 0; i < n; i++) x[i] = rng_float(&st) * 1e15f;
+        for (oi = 0; oi < sizeof odd / sizeof odd[0]; oi++)
+            for (pos = 0; pos < n; pos += 1 + n / 7) {
+                float keep = x[pos];
+                int a;
+                x[pos] = odd[oi];
+                a = pqc__within(x, n, PQC__KEY_LIMIT);
+                if (a != (fabsf(odd[oi]) <= PQC__KEY_LIMIT)) {
+                    free(x);
+                    FAILm("scalar range check misses a value");
+                }
+                for (li = 0; li < nl; li++)
+                    if (pqc__k_within(lv_[li], x, n, PQC__KEY_LIMIT) != a) {
+                        snprintf(msg, sizeof msg, "within: %s differs (n %zu, value %g at %zu)", pqc_simd_name(lv_[li]), n,
+                                 (double)odd[oi], pos);
+                        free(x);
+                        FAILm(msg);
+                    }
+                x[pos] = keep;
+            }
+        free(x);
+    }
+    PASS();
+}
+
+/* Exact softmax-sum scores (every head in one pass over the keys) equal the head-by-head
+   combination of the scalar kernels, for fp32 (aligned and not), fp16 and bf16 keys */
+TEST exact_heads_equal_head_by_head(void)
+{
+    const size_t n = 203, d = 40, odd = d * 4 + 2; /* odd: a row stride off float boundaries */
+    const int g = 4;
+    uint64_t st = 25;
+    float *kf = (float *)malloc(sizeof(float) * n * d), q[4 * 40], *got = (float *)malloc(sizeof(float) * n);
+    float *want = (float *)malloc(sizeof(float) * n), *hs = (float *)malloc(sizeof(float) * n);
+    uint16_t *kh = (uint16_t *)malloc(sizeof(uint16_t) * n * d);
+    unsigned char *kb = (unsigned char *)malloc(odd * n);
+    pqc_simd lvs[4];
+    int nl = 0, li, h, ki;
+    size_t i;
+    lvs[nl++] = PQC_SIMD_SCALAR;
+    nl += levels(lvs + 1);
+    for (i = 0; i < (size_t)g * d; i++) q[i] = rng_float(&st) * 3.0f;
+    for (ki = 0; ki < 4; ki++) {
+        pqc_matrix k;
+        pqc_dtype t = ki < 2 ? PQC_F32 : ki == 2 ? PQC_F16 : PQC_BF16;
+        memset(&k, 0, sizeof k);
+        for (i = 0; i < n * d; i++) {
+            float v = rng_float(&st) * 2.0f;
+            kh[i] = t == PQC_F16 ? pqc_f32_to_f16(v) : pqc_f32_to_bf16(v);
+            kf[i] = t == PQC_F16 ? pqc_f16_to_f32(kh[i]) : t == PQC_BF16 ? pqc_bf16_to_f32(kh[i]) : v;
+        }
+        for (i = 0; i < n; i++) memcpy(kb + i * odd, kf + i * d, d * sizeof(float));
+        memset(want, 0, sizeof(float) * n);
+        for (h = 0; h < g; h++) {
+            float mx, z;
+            pqc__rowdots_scalar(q + (size_t)h * d, kf, n, d, (int)d, hs);
+            mx = pqc__max_scalar(hs, n);
+            z = pqc__expsum_scalar(hs, n, mx, 1.0f / sqrtf((float)d), hs);
+            pqc__axpy_scalar(hs, n, 1.0f / z, want);
+        }
+        k.data = ki == 0 ? (const void *)kf : ki == 1 ? (const void *)kb : (const void *)kh;
+        k.row_stride = ki == 1 ? odd : 0;
+        k.dtype = t;
+        k.rows = n;
+        k.cols = d;
+        for (li = 0; li < nl; li++) {
+            pqc_runtime_desc rd;
+            pqc_runtime *rt = NULL;
+            pqc_scratch scr;
+            pqc_result r;
+            memset(&rd, 0, sizeof rd);
+            rd.n_threads = -1;
+            rd.simd = lvs[li];
+            ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
+            memset(&scr, 0, sizeof scr);
+            r = pqc_exact_scores(rt, &k, q, g, PQC_GQA_SOFTMAX_SUM, &scr, got);
+            pqc_scratch_free(&scr);
+            pqc_runtime_destroy(rt);
+            ASSERT_EQ(PQC_SUCCESS, r);
+            if (first_diff(want, got, n, sizeof(float)) >= 0) {
+                snprintf(msg, sizeof msg, "exact softmax-sum (%s keys) at %s differs from head by head",
+                         ki == 0 ? "fp32" : ki == 1 ? "fp32 odd stride" : ki == 2 ? "fp16" : "bf16", pqc_simd_name(lvs[li]));
+                FAILm(msg);
+            }
+        }
+    }
+    free(kf);
+    free(kh);
+    free(kb);
+    free(got);
+    free(want);
+    free(hs);
+    PASS();
+}
+
 /* ----- top-k: the compaction pass, and the whole selection ------------------------- */
 
 /* the level's compaction pass; 0 where the level has none (the scalar one runs) */
@@ -682,6 +834,9 @@ SUITE(kernels)
     RUN_TEST(scan_heads_bitwise);
     RUN_TEST(combine_bitwise);
     RUN_TEST(rowdots_bitwise);
+    RUN_TEST(halfrow_bitwise);
+    RUN_TEST(within_bitwise);
+    RUN_TEST(exact_heads_equal_head_by_head);
     RUN_TEST(bracket_bitwise);
     RUN_TEST(select_bitwise);
 }
