@@ -2249,6 +2249,15 @@ PQC__AVX2 static int pqc__within_avx2(const float *x, size_t n, float limit)
     return r;
 }
 
+/* acc + v0 + v1 + v2 + v3, added in that order */
+PQC__AVX2 static inline float pqc__lanesum4_avx2(float acc, __m128 v)
+{
+    acc += _mm_cvtss_f32(v);
+    acc += _mm_cvtss_f32(_mm_movehdup_ps(v));
+    acc += _mm_cvtss_f32(_mm_movehl_ps(v, v));
+    return acc + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
+}
+
 PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
     size_t i;
@@ -2261,10 +2270,18 @@ PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_
             lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), _mm256_loadu_ps(r + e), lo);
             hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), _mm256_loadu_ps(r + e + 8), hi);
         }
-        _mm256_storeu_ps(lanes, lo);
-        _mm256_storeu_ps(lanes + 8, hi);
-        for (; e < d; e++) lanes[e & 15] = fmaf(q[e], r[e], lanes[e & 15]);
-        for (l = 0; l < 16; l++) acc += lanes[l];
+        if (e < d) {
+            _mm256_storeu_ps(lanes, lo);
+            _mm256_storeu_ps(lanes + 8, hi);
+            for (; e < d; e++) lanes[e & 15] = fmaf(q[e], r[e], lanes[e & 15]);
+            for (l = 0; l < 16; l++) acc += lanes[l];
+        } else { /* the same additions, lane by lane out of the registers */
+            __m128 v = _mm256_castps256_ps128(lo);
+            acc = pqc__lanesum4_avx2(acc, v);
+            acc = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(lo, 1));
+            acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(hi));
+            acc = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(hi, 1));
+        }
         out[i] = acc;
     }
 }
