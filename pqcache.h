@@ -2017,40 +2017,90 @@ PQC__AVX2 static void pqc__dots_avx2(const float *x, int d, const float *ct, int
     }
 }
 
+/* the running best of one point's lanes (a lane sees its centroids in ascending order),
+   then the point's answer: the scalar loop's, the lowest value with ties to the lower index */
+PQC__AVX2 static inline void pqc__assign_upd_avx2(__m256 acc, __m256 cnv, __m256i ci, __m256 *best, __m256i *bidx)
+{
+    __m256 v = _mm256_sub_ps(cnv, _mm256_add_ps(acc, acc)), lt = _mm256_cmp_ps(v, *best, _CMP_LT_OQ);
+    *best = _mm256_blendv_ps(*best, v, lt);
+    *bidx = _mm256_blendv_epi8(*bidx, ci, _mm256_castps_si256(lt));
+}
+
+PQC__AVX2 static inline void pqc__assign_done_avx2(__m256 best, __m256i bidx, uint16_t *idx, float *val)
+{
+    /* the lowest value, then the lowest index among the lanes holding it (a lane's value
+       is never NaN: a NaN distance never wins the comparison) */
+    __m256 m = _mm256_min_ps(best, _mm256_permute2f128_ps(best, best, 1));
+    __m256i cand;
+    m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+    m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+    cand = _mm256_blendv_epi8(_mm256_set1_epi32(0x7fffffff), bidx, _mm256_castps_si256(_mm256_cmp_ps(best, m, _CMP_EQ_OQ)));
+    cand = _mm256_min_epi32(cand, _mm256_permute2x128_si256(cand, cand, 1));
+    cand = _mm256_min_epi32(cand, _mm256_shuffle_epi32(cand, _MM_SHUFFLE(1, 0, 3, 2)));
+    cand = _mm256_min_epi32(cand, _mm256_shuffle_epi32(cand, _MM_SHUFFLE(2, 3, 0, 1)));
+    *idx = (uint16_t)_mm256_cvtsi256_si32(cand);
+    if (val) *val = _mm256_cvtss_f32(m);
+}
+
+/* Four points against sixteen centroids a step (eight independent fused chains, each the
+   scalar loop's chain over the dims), then the points left one at a time. */
 PQC__AVX2 static void pqc__assign_avx2(const float *x, size_t n, int d, const float *ct, const float *cn, int kpad,
                                        int k, uint16_t *idx, float *val)
 {
-    size_t i;
-    int c, e, l;
+    size_t i = 0;
+    int c, e, p;
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     (void)k; /* padded centroids have cn = +inf and never win */
-    for (i = 0; i < n; i++) {
+    for (; i + 4 <= n && kpad % 16 == 0; i += 4) {
+        const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
+        __m256 best[4];
+        __m256i bidx[4];
+        for (p = 0; p < 4; p++) {
+            best[p] = _mm256_set1_ps(INFINITY);
+            bidx[p] = _mm256_setzero_si256();
+        }
+        for (c = 0; c < kpad; c += 16) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e0 = a0, e1 = a0, e2 = a0, e3 = a0;
+            __m256 cn0 = _mm256_loadu_ps(cn + c), cn1 = _mm256_loadu_ps(cn + c + 8);
+            __m256i ci0 = _mm256_add_epi32(lane, _mm256_set1_epi32(c)), ci1 = _mm256_add_epi32(ci0, _mm256_set1_epi32(8));
+            const float *cp = ct + c;
+            for (e = 0; e < d; e++, cp += kpad) {
+                __m256 v0 = _mm256_loadu_ps(cp), v1 = _mm256_loadu_ps(cp + 8), s;
+                s = _mm256_set1_ps(x0[e]);
+                a0 = _mm256_fmadd_ps(s, v0, a0);
+                e0 = _mm256_fmadd_ps(s, v1, e0);
+                s = _mm256_set1_ps(x1[e]);
+                a1 = _mm256_fmadd_ps(s, v0, a1);
+                e1 = _mm256_fmadd_ps(s, v1, e1);
+                s = _mm256_set1_ps(x2[e]);
+                a2 = _mm256_fmadd_ps(s, v0, a2);
+                e2 = _mm256_fmadd_ps(s, v1, e2);
+                s = _mm256_set1_ps(x3[e]);
+                a3 = _mm256_fmadd_ps(s, v0, a3);
+                e3 = _mm256_fmadd_ps(s, v1, e3);
+            }
+            pqc__assign_upd_avx2(a0, cn0, ci0, &best[0], &bidx[0]);
+            pqc__assign_upd_avx2(e0, cn1, ci1, &best[0], &bidx[0]);
+            pqc__assign_upd_avx2(a1, cn0, ci0, &best[1], &bidx[1]);
+            pqc__assign_upd_avx2(e1, cn1, ci1, &best[1], &bidx[1]);
+            pqc__assign_upd_avx2(a2, cn0, ci0, &best[2], &bidx[2]);
+            pqc__assign_upd_avx2(e2, cn1, ci1, &best[2], &bidx[2]);
+            pqc__assign_upd_avx2(a3, cn0, ci0, &best[3], &bidx[3]);
+            pqc__assign_upd_avx2(e3, cn1, ci1, &best[3], &bidx[3]);
+        }
+        for (p = 0; p < 4; p++) pqc__assign_done_avx2(best[p], bidx[p], idx + i + p, val ? val + i + p : NULL);
+    }
+    for (; i < n; i++) {
         const float *xi = x + i * (size_t)d;
         __m256 best = _mm256_set1_ps(INFINITY);
         __m256i bidx = _mm256_setzero_si256();
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        float bv[8];
-        int bi[8], r = 0;
-        float rv;
         for (c = 0; c < kpad; c += 8) {
-            __m256 acc = _mm256_setzero_ps(), v, lt;
+            __m256 acc = _mm256_setzero_ps();
             for (e = 0; e < d; e++)
                 acc = _mm256_fmadd_ps(_mm256_set1_ps(xi[e]), _mm256_loadu_ps(ct + (size_t)e * kpad + c), acc);
-            v = _mm256_sub_ps(_mm256_loadu_ps(cn + c), _mm256_add_ps(acc, acc));
-            lt = _mm256_cmp_ps(v, best, _CMP_LT_OQ);
-            best = _mm256_blendv_ps(best, v, lt);
-            bidx = _mm256_blendv_epi8(bidx, _mm256_add_epi32(lane, _mm256_set1_epi32(c)), _mm256_castps_si256(lt));
+            pqc__assign_upd_avx2(acc, _mm256_loadu_ps(cn + c), _mm256_add_epi32(lane, _mm256_set1_epi32(c)), &best, &bidx);
         }
-        _mm256_storeu_ps(bv, best);
-        _mm256_storeu_si256((__m256i *)bi, bidx);
-        rv = bv[0];
-        r = bi[0];
-        for (l = 1; l < 8; l++)
-            if (bv[l] < rv || (bv[l] == rv && bi[l] < r)) {
-                rv = bv[l];
-                r = bi[l];
-            }
-        idx[i] = (uint16_t)r;
-        if (val) val[i] = rv;
+        pqc__assign_done_avx2(best, bidx, idx + i, val ? val + i : NULL);
     }
 }
 
