@@ -287,7 +287,7 @@ $(BUILD)/bench_cache: bench/bench_cache.c bench/bench_util.h tests/synth.h $(HDR
 
 bench-cache: $(BUILD)/bench_cache
 	@echo "=== sequence cache: select+fetch, block cache traffic, build overlap ==="
-	$(BUILD)/bench_cache --sizes 4096,16384,65536,131072 --threads 2
+	$(BUILD)/bench_cache --sizes 4096,32768,131072 --threads 2
 
 # fidelity against exact attention on hard LLM-like keys (bench-fidelity, bench-fidelity-quick)
 include bench/fidelity.mk

@@ -154,6 +154,22 @@ int main(int argc, char **argv)
     }
     printf("pqcache search_ns_per_token exact %.3f\n", median(tt, reps * 3) * 1e9 / (double)s);
     printf("pqcache needle_recall exact %.3f\n", pqc_recall(sy.needles, (size_t)sy.n_needles, exact_idx, k));
+    { /* the same keys in fp16, as an engine holds them */
+        uint16_t *h16 = (uint16_t *)malloc(s * 128 * sizeof(uint16_t));
+        pqc_matrix k16 = keys;
+        size_t e;
+        if (!h16) return 1;
+        for (e = 0; e < s * 128; e++) h16[e] = pqc_f32_to_f16(sy.keys[e]);
+        k16.data = h16;
+        k16.dtype = PQC_F16;
+        for (i = 0; i < reps * 3; i++) {
+            double t = now();
+            pqc_exact_search(rt, &k16, qsum, 1, &sd, &scr, idx, NULL);
+            tt[i] = now() - t;
+        }
+        printf("pqcache search_ns_per_token exact_f16 %.3f\n", median(tt, reps * 3) * 1e9 / (double)s);
+        free(h16);
+    }
 
     for (ci = 0; ci < 3; ci++) {
         pqc_pq pq;

@@ -31,6 +31,7 @@ import math
 import sys
 
 CONFIG_ORDER = ["m2b8", "m4b8", "m16b4"]
+DEFAULT_CFG = "m4b8"  # the library's default codebook shape (PQC_DEFAULT_M, PQC_DEFAULT_BITS)
 MSE_TOL = 0.005
 
 
@@ -218,6 +219,17 @@ def main(argv):
     else:
         print("vs faiss best: n/a")
 
+    print("-- the default: softmax-sum over the %s query heads of a KV head --" % num(ours.get("heads", "all")))
+    for c in cfgs:
+        sm, su = ours.get("search_gqa4_softmax_ns_per_token", c), ours.get("search_ns_per_token", c)
+        if sm is None:
+            continue
+        print("softmax-sum %s%s: pqcache %s ns/tok  (summed query %s ns/tok: %s the summed query; "
+              "faiss IndexPQ, one query, %s ns/tok: %s)" % (
+                  c, " (the default shape)" if c == DEFAULT_CFG else "", num(sm), num(su),
+                  "%.2fx" % (sm / su) if su else "n/a", num(faiss.get("search_ns_per_token", c)),
+                  ratio(faiss.get("search_ns_per_token", c), sm)))
+
     print("-- selection quality --")
     for c in cfgs:
         print("recall %s: faiss %s pqcache %s" % (
@@ -257,9 +269,10 @@ def main(argv):
             print("floor %s: %g B/tok = %s ns/tok  pqcache %s ns/tok (%s the floor)" % (
                 c, bpt, num(floor), num(o), ratio(o, floor)))
         if d:
-            floor = d * 4.0 / bw
-            print("floor exact fp32: %d B/tok = %s ns/tok  pqcache %s ns/tok (%s the floor)" % (
-                int(d * 4), num(floor), num(ex), ratio(ex, floor)))
+            for name, size, v in (("fp32", 4, ex), ("fp16", 2, ours.get("search_ns_per_token", "exact_f16"))):
+                floor = d * float(size) / bw
+                print("floor exact %s: %d B/tok = %s ns/tok  pqcache %s ns/tok (%s the floor)" % (
+                    name, int(d * size), num(floor), num(v), ratio(v, floor)))
     return 0
 
 
