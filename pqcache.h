@@ -2109,6 +2109,29 @@ PQC__AVX2 static void pqc__scan_avx2(const pqc_codes *cd, const float *lut, int 
     size_t t = 0;
     int j, b = cd->bits;
     unsigned mask = (1u << b) - 1u;
+    if (b == 4 && (t0 & 1) == 0) {
+        /* 16-entry tables held in two registers: eight codes (four bytes, the low nibble
+           first) look up both halves, the code's bit 3 picks one; j ascending from 0 */
+        const __m128i lo4 = _mm_set1_epi8(0x0f);
+        for (; t + 8 <= n; t += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            for (j = 0; j < cd->m; j++) {
+                const unsigned char *col = cd->data + (size_t)j * cd->col_stride + ((t0 + t) >> 1);
+                const float *l = lut + (size_t)j * ksub;
+                int w;
+                __m128i v, ix8;
+                __m256i ix;
+                memcpy(&w, col, 4);
+                v = _mm_cvtsi32_si128(w);
+                ix8 = _mm_unpacklo_epi8(_mm_and_si128(v, lo4), _mm_and_si128(_mm_srli_epi16(v, 4), lo4));
+                ix = _mm256_cvtepu8_epi32(ix8);
+                acc = _mm256_add_ps(acc, _mm256_blendv_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(l), ix),
+                                                          _mm256_permutevar8x32_ps(_mm256_loadu_ps(l + 8), ix),
+                                                          _mm256_castsi256_ps(_mm256_slli_epi32(ix, 28))));
+            }
+            _mm256_storeu_ps(out + t, acc);
+        }
+    }
     for (; t + 8 <= n; t += 8) {
         __m256 acc = _mm256_setzero_ps();
         for (j = 0; j < cd->m; j++) {
