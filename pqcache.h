@@ -2006,8 +2006,23 @@ static void pqc__accum_scalar(const float *x, size_t n, int d, const uint16_t *i
 /* ----- AVX2 ----- */
 PQC__AVX2 static void pqc__dots_avx2(const float *x, int d, const float *ct, int kpad, int k, float *dots)
 {
-    int c, e;
-    for (c = 0; c + 8 <= kpad && c < k; c += 8) {
+    int c = 0, e;
+    for (; c + 32 <= kpad && c + 32 <= k; c += 32) { /* four independent chains */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *cp = ct + c;
+        for (e = 0; e < d; e++, cp += kpad) {
+            __m256 s = _mm256_set1_ps(x[e]);
+            a0 = _mm256_fmadd_ps(s, _mm256_loadu_ps(cp), a0);
+            a1 = _mm256_fmadd_ps(s, _mm256_loadu_ps(cp + 8), a1);
+            a2 = _mm256_fmadd_ps(s, _mm256_loadu_ps(cp + 16), a2);
+            a3 = _mm256_fmadd_ps(s, _mm256_loadu_ps(cp + 24), a3);
+        }
+        _mm256_storeu_ps(dots + c, a0);
+        _mm256_storeu_ps(dots + c + 8, a1);
+        _mm256_storeu_ps(dots + c + 16, a2);
+        _mm256_storeu_ps(dots + c + 24, a3);
+    }
+    for (; c + 8 <= kpad && c < k; c += 8) {
         __m256 acc = _mm256_setzero_ps();
         float tmp[8];
         int l;
