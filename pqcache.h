@@ -2146,6 +2146,27 @@ PQC__AVX2 static void pqc__scan_avx2(const pqc_codes *cd, const float *lut, int 
             }
             _mm256_storeu_ps(out + t, acc);
         }
+    } else if (b != 8 && t0 + n < ((size_t)1 << 28)) {
+        /* any other width: eight codes out of one byte-offset gather (each lane reads the
+           32 bits holding its code) and a variable shift; tables of up to 8 entries are
+           looked up in a register */
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vb = _mm256_set1_epi32(b),
+                      vmask = _mm256_set1_epi32((int)mask), seven = _mm256_set1_epi32(7);
+        const __m256i tmask = _mm256_cmpgt_epi32(_mm256_set1_epi32(ksub), lane);
+        for (; t + 8 <= n; t += 8) {
+            __m256 acc = _mm256_setzero_ps();
+            __m256i bits = _mm256_mullo_epi32(_mm256_add_epi32(_mm256_set1_epi32((int)(t0 + t)), lane), vb);
+            __m256i byte = _mm256_srli_epi32(bits, 3), sh = _mm256_and_si256(bits, seven);
+            for (j = 0; j < cd->m; j++) {
+                const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
+                const float *l = lut + (size_t)j * ksub;
+                __m256i w = _mm256_i32gather_epi32((const int *)(const void *)col, byte, 1);
+                __m256i ix = _mm256_and_si256(_mm256_srlv_epi32(w, sh), vmask);
+                acc = _mm256_add_ps(acc, ksub <= 8 ? _mm256_permutevar8x32_ps(_mm256_maskload_ps(l, tmask), ix)
+                                                   : _mm256_i32gather_ps(l, ix, 4));
+            }
+            _mm256_storeu_ps(out + t, acc);
+        }
     }
     for (; t + 8 <= n; t += 8) {
         __m256 acc = _mm256_setzero_ps();
