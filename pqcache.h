@@ -1938,6 +1938,24 @@ static void pqc__scan_heads_part(const pqc_codes *cd, const float *lut, int ksub
         }
 }
 
+#if PQC__X86 || PQC__NEON
+/* The end of a SIMD pass over heads in groups of four and tokens in steps of four: the
+   running maxima of the last group (lanes[4][4], head by head) folded into mx, as the
+   scalar reference compares; then the heads past the groups (h0..g) over the tokens done,
+   and every head over the tokens left (nv..n), by the scalar reference. */
+static void pqc__scan_heads_end(const pqc_codes *cd, const float *lut, int ksub, int g, const float *lanes, int h0,
+                                size_t t0, size_t nv, size_t n, float *out, size_t ostride, float *mx)
+{
+    int i;
+    for (i = 0; lanes && i < 4; i++) {
+        float x = pqc__max_scalar(lanes + 4 * i, 4);
+        mx[i] = x > mx[i] ? x : mx[i];
+    }
+    if (h0 < g) pqc__scan_heads_part(cd, lut, ksub, g, h0, g, t0, 0, nv, out, ostride, mx);
+    if (nv < n) pqc__scan_heads_part(cd, lut, ksub, g, 0, g, t0, nv, n, out, ostride, mx);
+}
+#endif
+
 /* every head over n tokens from t0 (the reference of the SIMD versions) */
 static void pqc__scan_heads_scalar(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
                                    float *out, size_t ostride, float *mx)
@@ -2267,10 +2285,10 @@ PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const fl
                                                    size_t t0, size_t n, float *out, size_t ostride, float *mx)
 {
     size_t t, h0, nv = n & ~(size_t)3;
-    int j, m = cd->m, i;
+    int j, m = cd->m;
     for (h0 = 0; h0 + 4 <= gs; h0 += 4) {
         __m128 x0 = _mm_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
-        float *o = out + h0 * ostride, xm[4], lanes[4];
+        float *o = out + h0 * ostride, lanes[16];
         for (t = 0; t < nv; t += 4) {
             __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (j = 0; j < m; j++) {
@@ -2292,17 +2310,12 @@ PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const fl
             x3 = _mm_max_ps(a3, x3);
         }
         _mm_storeu_ps(lanes, x0);
-        xm[0] = pqc__max_scalar(lanes, 4);
-        _mm_storeu_ps(lanes, x1);
-        xm[1] = pqc__max_scalar(lanes, 4);
-        _mm_storeu_ps(lanes, x2);
-        xm[2] = pqc__max_scalar(lanes, 4);
-        _mm_storeu_ps(lanes, x3);
-        xm[3] = pqc__max_scalar(lanes, 4);
-        for (i = 0; i < 4; i++) mx[h0 + (size_t)i] = xm[i] > mx[h0 + (size_t)i] ? xm[i] : mx[h0 + (size_t)i];
+        _mm_storeu_ps(lanes + 4, x1);
+        _mm_storeu_ps(lanes + 8, x2);
+        _mm_storeu_ps(lanes + 12, x3);
+        pqc__scan_heads_end(cd, lut, ksub, (int)gs, lanes, (int)gs, t0, nv, nv, out, ostride, mx + h0);
     }
-    if (h0 < gs) pqc__scan_heads_part(cd, lut, ksub, (int)gs, (int)h0, (int)gs, t0, 0, nv, out, ostride, mx);
-    if (nv < n) pqc__scan_heads_part(cd, lut, ksub, (int)gs, 0, (int)gs, t0, nv, n, out, ostride, mx);
+    pqc__scan_heads_end(cd, lut, ksub, (int)gs, NULL, (int)h0, t0, nv, n, out, ostride, mx);
 }
 
 PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
@@ -3077,14 +3090,14 @@ static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub
                                  float *out, size_t ostride, float *mx)
 {
     size_t t, h0, gs = (size_t)g, nv = n & ~(size_t)3;
-    int j, m = cd->m, i;
+    int j, m = cd->m;
     if (cd->bits != 8) {
         pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
         return;
     }
     for (h0 = 0; h0 + 4 <= gs; h0 += 4) {
         float32x4_t x0 = vdupq_n_f32(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
-        float *o = out + h0 * ostride, xm[4], lanes[4];
+        float *o = out + h0 * ostride, lanes[16];
         for (t = 0; t < nv; t += 4) {
             float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0, r0, r1, r2, r3;
             float32x4x2_t p01, p23;
@@ -3112,17 +3125,12 @@ static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub
             x3 = vbslq_f32(vcgtq_f32(r3, x3), r3, x3);
         }
         vst1q_f32(lanes, x0);
-        xm[0] = pqc__max_scalar(lanes, 4);
-        vst1q_f32(lanes, x1);
-        xm[1] = pqc__max_scalar(lanes, 4);
-        vst1q_f32(lanes, x2);
-        xm[2] = pqc__max_scalar(lanes, 4);
-        vst1q_f32(lanes, x3);
-        xm[3] = pqc__max_scalar(lanes, 4);
-        for (i = 0; i < 4; i++) mx[h0 + (size_t)i] = xm[i] > mx[h0 + (size_t)i] ? xm[i] : mx[h0 + (size_t)i];
+        vst1q_f32(lanes + 4, x1);
+        vst1q_f32(lanes + 8, x2);
+        vst1q_f32(lanes + 12, x3);
+        pqc__scan_heads_end(cd, lut, ksub, g, lanes, g, t0, nv, nv, out, ostride, mx + h0);
     }
-    if (h0 < gs) pqc__scan_heads_part(cd, lut, ksub, g, (int)h0, g, t0, 0, nv, out, ostride, mx);
-    if (nv < n) pqc__scan_heads_part(cd, lut, ksub, g, 0, g, t0, nv, n, out, ostride, mx);
+    pqc__scan_heads_end(cd, lut, ksub, g, NULL, (int)h0, t0, nv, n, out, ostride, mx);
 }
 
 static void pqc__combine_neon(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
