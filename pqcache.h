@@ -4752,6 +4752,20 @@ static void pqc__combine(pqc_simd simd, pqc_gqa gqa, int g, size_t n, float scal
     }
 }
 
+/* Softmax-sum of g head rows (hs[h * n + t]; each head's maximum in mx, or NULL to find
+   it): each row becomes its exponentials in place, out the sum of the heads'
+   probabilities, as pqc__combine makes it head by head. w: g floats of scratch. */
+static void pqc__softmax_rows(pqc_simd simd, float *hs, size_t n, int g, const float *mx, float scale, float *w,
+                              float *out)
+{
+    int h;
+    for (h = 0; h < g; h++) {
+        float *e = hs + (size_t)h * n;
+        w[h] = 1.0f / pqc__k_expsum(simd, e, n, mx ? mx[h] : pqc__k_max(simd, e, n), scale, e);
+    }
+    pqc__k_combine(simd, hs, n, g, n, w, out);
+}
+
 typedef struct pqc__pq_ctx {
     pqc_simd simd;
     const pqc_pq *pq;
@@ -4875,17 +4889,12 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
     if (pqc__fused_heads(pq, g, gqa, desc)) {
         /* every head's scores in one pass over the codes, from the heads' tables
            interleaved; then each head's softmax and the sum, as pqc__combine makes them */
-        float *il = lut + ((size_t)g + 1) * tl, *mx = rw, *w = rw + g, scale = 1.0f / sqrtf((float)pq->dim);
-        size_t cc;
+        float *il = lut + ((size_t)g + 1) * tl, *mx = rw;
         for (h = 0; h < g; h++)
             for (i = 0; i < tl; i++) il[i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + i];
         for (h = 0; h < g; h++) mx[h] = -INFINITY;
         pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, first, count, tmp, count, mx);
-        for (h = 0; h < g; h++) {
-            cc = (size_t)h * count;
-            w[h] = 1.0f / pqc__k_expsum(c.simd, tmp + cc, count, mx[h], scale, tmp + cc);
-        }
-        pqc__k_combine(c.simd, tmp, count, g, count, w, out);
+        pqc__softmax_rows(c.simd, tmp, count, g, mx, 1.0f / sqrtf((float)pq->dim), rw + g, out);
         return PQC_SUCCESS;
     }
     pqc__combine(c.simd, gqa, g, count, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
@@ -5060,13 +5069,10 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
         ((float *)(mem + oq))[(size_t)g * d + i] = a;
     }
     if (heads) { /* as pqc__combine makes it, from the heads' rows */
-        float *hs = (float *)(mem + ot), *w = c.hd + g;
-        pqc__exact_heads(&c, hs);
-        for (h = 0; h < g && c.bad == (size_t)-1; h++) {
-            float *e = hs + (size_t)h * n;
-            w[h] = 1.0f / pqc__k_expsum(c.simd, e, n, pqc__k_max(c.simd, e, n), 1.0f / sqrtf((float)d), e);
-        }
-        if (c.bad == (size_t)-1) pqc__k_combine(c.simd, hs, n, g, n, w, (float *)(mem + os));
+        pqc__exact_heads(&c, (float *)(mem + ot));
+        if (c.bad == (size_t)-1)
+            pqc__softmax_rows(c.simd, (float *)(mem + ot), n, g, NULL, 1.0f / sqrtf((float)d), c.hd + g,
+                              (float *)(mem + os));
     } else {
         pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
                      (float *)(mem + os));
