@@ -3,11 +3,18 @@ CC      ?= cc
 CLANG   ?= clang
 BUILD   := build
 WARN    := -Wall -Wextra -Werror -pedantic
-CFLAGS  ?= -O2 -g
+# Test and example builds carry line tables only (-g1: every backtrace, sanitizer report and
+# debugger stack has function, file and line); full debug information (DBG=-g) doubles
+# the compile time of the header, which is most of make test's build time.
+DBG     ?= -g1
+CFLAGS  ?= -O2 $(DBG)
 STD     := -std=c99
 LDLIBS  := -lm -lpthread
 SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 TSAN    := -fsanitize=thread
+# gcc's sanitizer builds at -Og: half the compile time of -O1 with the same run time
+# under the sanitizers (clang's -Og is its -O1)
+SANOPT  := -Og
 
 .PHONY: all run test test-long coverage bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
 
@@ -27,10 +34,10 @@ $(BUILD)/test_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
 
 $(BUILD)/asan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
 
 $(BUILD)/tsan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) -Itests $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(TSAN) -Itests $< -o $@ $(LDLIBS)
 
 $(BUILD)/test_harness: tests/test_harness.c tests/greatest.h | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@
@@ -48,7 +55,7 @@ TSAN_TESTS ?= core cache contract
 # clang's UBSan also reports pointer arithmetic on null, which gcc's does not: the
 # contract tests, whose allocation-failure sweeps reach every failure path, under it too
 $(BUILD)/clang_asan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
-	$(CLANG) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
+	$(CLANG) $(STD) -O1 $(DBG) $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
 
 DEPS_test-asan := $(addprefix $(BUILD)/asan_,$(LIBTESTS)) $(BUILD)/clang_asan_contract
 test-asan: $(DEPS_test-asan)
@@ -97,18 +104,23 @@ test-compile: $(DEPS_test-compile)
 	@for c in $(DEPS_test-compile); do echo "compile check: $$(basename $$c .o) ok"; done
 
 # The configuration macros: each variant compiles warning-free under gcc and clang, and the
-# library tests run in the build without threads (jobs inline, no pthreads).
+# library tests whose caches start threads run in the build without threads (jobs inline,
+# no pthreads; the small scenarios, which reach the same code). Under gcc the build without
+# threads is those programs (so no separate compile check).
 VARIANTS := PQCACHE_NO_THREADS PQCACHE_NO_CUDA PQCACHE_NO_SIMD PQCACHE_STATIC
+NOTHREADS_TESTS ?= core cache contract
 $(foreach v,$(VARIANTS),$(eval CHKDEF_$(v) := -D$(v)))
 $(BUILD)/nothreads_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -DPQCACHE_NO_THREADS -Itests $< -o $@ -lm
 
 VARIANT_CCS := cc-c99 clang-c99 clang-cxx
-DEPS_test-variants := $(foreach v,$(VARIANTS),$(foreach c,$(VARIANT_CCS),$(BUILD)/checks/$(c)--$(v).o)) \
-                      $(addprefix $(BUILD)/nothreads_,$(LIBTESTS))
+DEPS_test-variants := $(filter-out $(BUILD)/checks/cc-c99--PQCACHE_NO_THREADS.o, \
+                        $(foreach v,$(VARIANTS),$(foreach c,$(VARIANT_CCS),$(BUILD)/checks/$(c)--$(v).o))) \
+                      $(addprefix $(BUILD)/nothreads_,$(NOTHREADS_TESTS))
 test-variants: $(DEPS_test-variants)
 	@for c in $(filter %.o,$(DEPS_test-variants)); do echo "compile check: $$(basename $$c .o) ok"; done
-	@set -e; for t in $(LIBTESTS); do echo "== $$t (PQCACHE_NO_THREADS)"; $(BUILD)/nothreads_$$t; done
+	@set -e; for t in $(NOTHREADS_TESTS); do echo "== $$t (PQCACHE_NO_THREADS, $(SAN_SIZE) scenarios)"; \
+	  PQC_TEST_SIZE=$(SAN_SIZE) $(BUILD)/nothreads_$$t; done
 
 # ----- AArch64: the NEON kernels, cross-compiled and run under qemu-aarch64. tests/aarch64.sh
 # installs the cross compiler and qemu from Debian packages where they are missing and it
@@ -117,7 +129,7 @@ test-variants: $(DEPS_test-variants)
 # the lists of slow tests) and compile checks build/aarch64/checks/CC--DEFS.o.
 AARCH64_CC ?= aarch64-linux-gnu-gcc
 AARCH64_CXX ?= aarch64-linux-gnu-g++
-AARCH64_CFLAGS ?= -O2 -g
+AARCH64_CFLAGS ?= -O2 $(DBG)
 $(BUILD)/aarch64/aarch64_test_%: tests/test_%.c $(TEST_DEPS)
 	@mkdir -p $(@D)
 	$(AARCH64_CC) $(STD) $(AARCH64_CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
@@ -161,13 +173,13 @@ $(BUILD)/emu_kernels.inc: pqcache_kernels.cu | $(BUILD)
 # nothing else is contracted into a fused multiply-add.
 EMU_FMA := $(shell $(CXX) -march=native -dM -E -x c++ /dev/null 2>/dev/null | grep -q __FMA__ && echo -mfma)
 $(EMU): tests/cuda_emu/libcuda_emu.cpp tests/cuda_emu/emu_device.h $(BUILD)/emu_kernels.inc
-	$(CXX) -std=c++14 -O2 $(EMU_FMA) -ffp-contract=off -g -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas -Itests/cuda_emu -I$(BUILD) $< -o $@
+	$(CXX) -std=c++14 -O2 $(EMU_FMA) -ffp-contract=off $(DBG) -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas -Itests/cuda_emu -I$(BUILD) $< -o $@
 
 $(BUILD)/test_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
 
 $(BUILD)/asan_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
 
 DEPS_test-cuda-emu := $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier build/test_pqcache_mode
 test-cuda-emu: $(DEPS_test-cuda-emu)
@@ -205,7 +217,7 @@ test:
 # TEST_JOBS of them side by side. About 45 minutes on 2 cores.
 LONG_FUZZ_SECONDS ?= 600
 test-long:
-	@$(MAKE) --no-print-directory test SAN_SIZE=full TSAN_TESTS="$(LIBTESTS)"
+	@$(MAKE) --no-print-directory test SAN_SIZE=full TSAN_TESTS="$(LIBTESTS)" NOTHREADS_TESTS="$(LIBTESTS)"
 	@echo "=== every fuzz target for $(LONG_FUZZ_SECONDS) s"
 	@$(MAKE) --no-print-directory -j$${TEST_JOBS:-$$(nproc)} FUZZ_SECONDS=$(LONG_FUZZ_SECONDS) $(addprefix fuzz-,$(FUZZ_NAMES)) \
 	  > $(BUILD)/logs/fuzz-long.log 2>&1; st=$$?; \
@@ -228,24 +240,24 @@ include examples/tiny_llama/tools/mpi.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
 $(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 $(BUILD)/asan_tiny_llama_loaders: examples/tiny_llama/test_loaders.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 $(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 # clang's UBSan reports pointer arithmetic on null, which gcc's does not
 $(BUILD)/clang_asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CLANG) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+	$(CLANG) $(STD) -O1 $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 $(BUILD)/tsan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
 # the engine's thread pool (polling, then sleeping) under ThreadSanitizer; the loaders too
 $(BUILD)/tsan_tiny_llama: examples/tiny_llama/test_tiny_llama.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
 $(BUILD)/tsan_tiny_llama_loaders: examples/tiny_llama/test_loaders.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
 # the command line under ASan+UBSan refuses damaged Hugging Face checkpoints (test_hf.py)
 $(BUILD)/asan_tiny_llama_run: examples/tiny_llama/run.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) -O1 -g $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 DEPS_test-example-san := $(BUILD)/asan_tiny_llama $(BUILD)/asan_tiny_llama_loaders $(BUILD)/asan_pqcache_mode \
                          $(BUILD)/clang_asan_pqcache_mode $(BUILD)/tsan_pqcache_mode $(BUILD)/asan_tiny_llama_run \
                          $(BUILD)/tsan_tiny_llama $(BUILD)/tsan_tiny_llama_loaders

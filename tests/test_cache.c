@@ -577,7 +577,7 @@ TEST async_builds_and_destroy_during_build(void)
     pqc_runtime *rt = tu_cpu_runtime(2);
     pqc_cache_desc cd = tu_cache_desc(4, 2, 4, 64);
     pqc_cache *c;
-    size_t n = 6000;
+    size_t n = TEST_SIZE(6000, 2000); /* 256 centroids a sub-space: builds that outlast the destroy */
     float *k = tu_normal_rows(&g_rng, n, 128), *v = tu_normal_rows(&g_rng, n, 128), q[256];
     pqc_selection sel;
     pqc_layer_stats st;

@@ -27,7 +27,7 @@ FUZZ_DIR     := tests/fuzz
 FUZZ_SRCS    := $(sort $(wildcard $(FUZZ_DIR)/fuzz_*.c))
 FUZZ_NAMES   := $(patsubst $(FUZZ_DIR)/fuzz_%.c,%,$(FUZZ_SRCS))
 FUZZ_BINS    := $(addprefix $(BUILD)/fuzz_,$(FUZZ_NAMES))
-FUZZ_CFLAGS  := -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -std=c99 \
+FUZZ_CFLAGS  := $(DBG) -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -std=c99 \
                 -Wall -Wextra -Werror -pedantic -Iexamples/tiny_llama -Itests
 FUZZ_DEPS    := $(or $(HDR),pqcache.h) $(wildcard examples/tiny_llama/*.h) $(wildcard $(FUZZ_DIR)/*.h) tests/cache_checksum.h \
                 tests/test_util.h tests/synth.h
