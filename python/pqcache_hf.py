@@ -21,9 +21,14 @@ per KV head with the step's queries, gathers the selected rows and attends over 
 The settings of cache_for are pqcache.Cache's (budget_ratio, m, bits, ...); the shape
 of the model (layers, heads, head size) and the RoPE layout come from its config.
 
+A later prompt on the same cache (the next turn of a conversation: generate() again with
+the whole conversation so far and the same cache) attends densely to every token the
+cache holds and causally among its own, then its tokens join the cache as decode tokens
+do (appended; the codes follow through the cache's rebuilds).
+
 Not supported (a clear error says so): a padded batch (an attention mask with zeros),
-a second prompt on a cache that already holds one, beam search, a model whose layers do
-not all use full attention, a cache used with a different model.
+beam search, a model whose layers do not all use full attention, a cache used with a
+different model.
 """
 import copy
 import threading
@@ -155,14 +160,61 @@ def cache_for(model, runtime=None, **settings):
     return cache
 
 
-def _np(t):
-    """float32 numpy array of a CPU tensor (a view where it already is one)"""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.dtype != torch.float32:
-        t = t.float()
-    return np.ascontiguousarray(t.numpy())
+def _rows(t, f32=False):
+    """The (T, H, D) rows of an (H, T, D) tensor, tokens first, as the library reads them: a
+    numpy view of the torch storage where that layout is already there (the projections of
+    transformers' attention modules make it so: heads-first is a transposed view of it), in
+    float32 or float16, or bfloat16 as uint16 (which the binding reads as bfloat16); a copy
+    only where the layout or dtype differs (f32: float32 always)."""
+    r = t.detach().transpose(0, 1)
+    if r.device.type != "cpu":
+        r = r.cpu()
+    if r.dtype == torch.bfloat16 and not f32:
+        return r.contiguous().view(torch.int16).numpy().view(np.uint16)
+    if r.dtype not in ((torch.float32,) if f32 else (torch.float32, torch.float16)):
+        r = r.float()
+    return r.contiguous().numpy()
+
+
+def _f32(a):
+    """float32 numpy rows from the library's storage dtype (bfloat16 arrives as uint16)"""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32, copy=False)
+
+
+def _prompt(cache, c, layer, b, query, key, value, scale):
+    """A prompt's tokens (one sequence): observed and stored; they attend densely to every
+    token the cache holds and causally among themselves, as the model would. The first
+    prompt fills the cache (prefill: its PQ build starts); a later one (the next turn of a
+    conversation) joins it token by token as decode tokens do."""
+    held = c.tokens(layer)
+    T = query.shape[1]
+    k_rows, v_rows = _rows(key), _rows(value)
+    q = query.float()[None]
+    k, v = key.float()[None], value.float()[None]
+    if held == 0:
+        n_obs = int(cache.settings.get("observe", 32) or 32)
+        if int(cache.settings.get("observe", 32)) >= 0:
+            c.observe(layer, _rows(query[:, T - min(T, n_obs):], f32=True))
+        c.prefill(layer, k_rows, v_rows)
+        if cache.recorder:
+            cache.recorder("prefill", layer, b, _rows(query, f32=True), k_rows, v_rows)
+        # torch's memory-efficient kernel: no T x T matrix at long prompts
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+    past = [c.kv(layer, h) for h in range(key.shape[0])]
+    pk = torch.from_numpy(np.stack([_f32(kh) for kh, _ in past]))[None]
+    pv = torch.from_numpy(np.stack([_f32(vh) for _, vh in past]))[None]
+    allowed = torch.arange(held + T)[None, :] <= held + torch.arange(T)[:, None]
+    o = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2),
+                                                         attn_mask=allowed, scale=scale, enable_gqa=True)
+    k32, v32 = _rows(key, f32=True), _rows(value, f32=True)
+    for t in range(T):
+        c.append(layer, k32[t], v32[t])
+    if cache.recorder:
+        cache.recorder("extend", layer, b, _rows(query, f32=True), k32, v32)
+    return o[0].transpose(0, 1)
 
 
 def pqcache_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -180,44 +232,26 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
     layer = int(module.layer_idx)
     if cache._modules.setdefault(layer, id(module)) != id(module):
         raise PQCacheError("pqcache backend: this cache holds another model's layer %d (a cache is for one model "
-                           "and one generation; make a new one with cache_for(model))" % layer)
+                           "and its conversation; make a new one with cache_for(model))" % layer)
     B, hq, T, D = query.shape
     hkv = key.shape[1]
     g = hq // hkv
     scale = float(scaling) if scaling is not None else D ** -0.5
     cache._make(B, hkv, key.shape[3])
     out = torch.empty((B, T, hq, D), dtype=torch.float32)
-    qn, kn, vn = _np(query), _np(key), _np(value)
     for b, c in enumerate(cache.caches):
-        held = c.tokens(layer)
-        if T > 1 or held == 0:
-            if held:
-                raise PQCacheError("pqcache backend: a second prompt on a cache that holds one is not supported; "
-                                   "make a new cache with cache_for(model)")
-            q_rows = qn[b].transpose(1, 0, 2)                     # (T, Hq, D)
-            k_rows = np.ascontiguousarray(kn[b].transpose(1, 0, 2))  # (T, Hkv, D)
-            v_rows = np.ascontiguousarray(vn[b].transpose(1, 0, 2))
-            n_obs = min(T, int(cache.settings.get("observe", 32) or 32))
-            if int(cache.settings.get("observe", 32)) >= 0:
-                c.observe(layer, np.ascontiguousarray(q_rows[T - n_obs:]))
-            c.prefill(layer, k_rows, v_rows)
-            if cache.recorder:
-                cache.recorder("prefill", layer, b, q_rows, k_rows, v_rows)
-            # the prompt attends densely and causally, as the model would (torch's
-            # memory-efficient kernel: no T x T matrix at long prompts)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                torch.from_numpy(qn[b])[None], torch.from_numpy(kn[b])[None], torch.from_numpy(vn[b])[None],
-                is_causal=True, scale=scale, enable_gqa=True)
-            out[b] = o[0].transpose(0, 1)
+        if T > 1 or c.tokens(layer) == 0:
+            out[b] = _prompt(cache, c, layer, b, query[b], key[b], value[b], scale)
             continue
         t0 = time.perf_counter()
-        c.append(layer, kn[b, :, 0, :], vn[b, :, 0, :])
-        q1 = qn[b, :, 0, :]
+        k1, v1 = _rows(key[b], f32=True)[0], _rows(value[b], f32=True)[0]   # (Hkv, D): views at float32
+        q1 = _rows(query[b], f32=True)[0]
+        c.append(layer, k1, v1)
         sel = c.select(layer, q1, out=cache._sels[b])
         ks, vs = c.fetch(layer, sel)                             # (Hkv, S, D), rows in selection order
         cache.seconds["library"] += time.perf_counter() - t0
         if cache.recorder:
-            cache.recorder("decode", layer, b, q1, kn[b, :, 0, :], vn[b, :, 0, :], sel.tolist())
+            cache.recorder("decode", layer, b, q1, k1, v1, sel.tolist())
         counts = torch.as_tensor(np.asarray(sel.counts, dtype=np.int64))
         kt, vt = torch.from_numpy(ks), torch.from_numpy(vs)
         qh = torch.from_numpy(q1).view(hkv, g, D)

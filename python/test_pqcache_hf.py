@@ -71,6 +71,60 @@ def test_covering_budget_generates_what_eager_attention_does(arch):
     assert err < 1e-4
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_second_turn_continues_the_conversation(arch):
+    """generate() again on the same cache with the conversation so far and a new prompt:
+    the new prompt attends to everything before it, its tokens join the cache, and the
+    next decode steps select over them. At a covering budget: the tokens and logits of
+    eager attention over the whole conversation at once."""
+    ref, pq = make_models(arch, seed=11)
+    turn1 = prompt(200, seed=12)
+    cache = pqcache_hf.cache_for(pq, budget_ratio=1.0)
+    first, _ = greedy(pq, turn1, 6, cache=cache)
+    conv = torch.cat([turn1, first, prompt(40, seed=13)], 1)
+    got, got_logits = greedy(pq, conv, 8, cache=cache)
+    want, want_logits = greedy(ref, conv, 8)
+    assert got.tolist() == want.tolist()
+    err = float((got_logits - want_logits).abs().max() / want_logits.abs().max())
+    print("%s: second turn, largest logit difference %.2g of the largest logit" % (arch, err))
+    assert err < 1e-4
+    for layer in range(2):                                   # every token is in the library's cache
+        assert cache.caches[0].tokens(layer) == conv.shape[1] + 8 - 1
+    # at budget 0.1 a second turn decodes from a real selection over both turns
+    cache = pqcache_hf.cache_for(pq, budget_ratio=0.1, n_sink=4)
+    picked = []
+    cache.recorder = lambda kind, layer, b, *a: picked.append((kind, a[-1])) if layer == 0 else None
+    first, _ = greedy(pq, turn1, 6, cache=cache)
+    conv = torch.cat([turn1, first, prompt(40, seed=13)], 1)
+    second, _ = greedy(pq, conv, 4, cache=cache, min_new_tokens=4)
+    kinds = [k for k, _ in picked]
+    assert kinds == ["prefill"] + ["decode"] * (first.shape[1] - 1) + ["extend"] + ["decode"] * 3
+    last = picked[-1][1]                                     # the last step's selection, per KV head
+    n = conv.shape[1] + 3
+    for head in last:
+        assert len(head) < 0.5 * n
+        assert max(head) == n - 1                            # the newest token (the window)
+        assert min(head) == 0                                # a sink
+
+
+def test_rows_reach_the_library_without_copies():
+    """The keys and values of a prompt pass to the library as views of torch's storage
+    (tokens first, as transformers' projections lay them out), for float32, float16 and
+    bfloat16 (as uint16)."""
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(1, 50, 2, 16).to(dtype).transpose(1, 2)   # (B, H, T, D) as attention receives it
+        rows = pqcache_hf._rows(x[0])
+        assert rows.shape == (50, 2, 16)
+        assert rows.__array_interface__["data"][0] == x.data_ptr(), dtype
+        assert rows.dtype == {torch.float32: np.float32, torch.float16: np.float16,
+                              torch.bfloat16: np.uint16}[dtype]
+        back = torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16) if dtype == torch.bfloat16 \
+            else torch.from_numpy(rows)
+        assert torch.equal(back, x[0].transpose(0, 1))
+    q = torch.randn(1, 1, 4, 16).transpose(1, 2)                  # a decode step's query: a view too
+    assert pqcache_hf._rows(q[0], f32=True).__array_interface__["data"][0] == q.data_ptr()
+
+
 class _Recorder:
     """An attention function that records the queries and keys transformers hands it, then
     runs eager attention."""
@@ -146,8 +200,6 @@ def test_misuse_raises_clear_errors():
     _, other = make_models("llama", seed=9)
     with pytest.raises(pqcache_hf.PQCacheError, match="one model"):
         greedy(other, ids, 2, cache=cache)                       # a cache reused across models
-    with pytest.raises(pqcache_hf.PQCacheError, match="second prompt"):
-        greedy(pq, torch.cat([ids, ids], 1), 2, cache=cache)
     mask = torch.ones(2, 50, dtype=torch.long)
     mask[1, :5] = 0
     with pytest.raises(pqcache_hf.PQCacheError, match="padded"):
