@@ -225,6 +225,55 @@ def test_readme_example_runs(tmp_path):
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF4 = os.path.join(ROOT, "build", "hf4")   # transformers 4.x, apart (tests/transformers_env.sh)
+
+_SAVE_WITH_4 = """
+import sys, numpy as np, torch, transformers
+assert transformers.__version__.startswith("4."), transformers.__version__
+arch, out = sys.argv[1], sys.argv[2]
+shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=97, max_position_embeddings=4096, initializer_range=0.2)
+if arch == "llama3":
+    cfg = transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64), **shape)
+else:
+    cfg = transformers.Qwen2Config(rope_theta=1e6, rope_scaling=dict(rope_type="linear", factor=4.0), **shape)
+torch.manual_seed(5)
+model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+model.to(torch.bfloat16).save_pretrained(out)
+model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                         attn_implementation="eager").eval()
+ids = torch.tensor(np.random.default_rng(1).integers(0, 97, (1, 300)))
+with torch.no_grad():
+    g = model.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True,
+                       return_dict_in_generate=True)
+np.savez(out + "/want.npz", tokens=g.sequences[0, 300:].numpy(), logits=torch.stack(g.scores, 1)[0].numpy())
+"""
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2-linear"])
+def test_checkpoints_transformers_4_wrote_decode_as_transformers_4_does(tmp_path, arch):
+    """A checkpoint saved by transformers 4 (the older config layout: top-level rope_theta and
+    rope_scaling) with its own greedy tokens and logits, loaded here by transformers 5 with the
+    pqcache backend at a covering budget: the same tokens, logits within 1e-4."""
+    if not os.path.isdir(os.path.join(HF4, "transformers")):
+        if os.environ.get("PQC_REQUIRE_TORCH") == "1":
+            pytest.fail("build/hf4 (transformers 4) is missing: run sh tests/transformers_env.sh")
+        pytest.skip("build/hf4 (transformers 4) is missing")
+    env = dict(os.environ, PYTHONPATH=HF4)
+    subprocess.run([sys.executable, "-c", _SAVE_WITH_4, arch, str(tmp_path)], env=env, check=True)
+    import json
+    c = json.load(open(tmp_path / "config.json"))
+    assert c["transformers_version"].startswith("4.") and "rope_parameters" not in c, c
+    assert c["rope_scaling"]["rope_type"] == ("llama3" if arch == "llama3" else "linear"), c
+    want = np.load(tmp_path / "want.npz")
+    pq = pqcache_hf.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    got, got_logits = greedy(pq, prompt(300), 8, cache=pqcache_hf.cache_for(pq, budget_ratio=1.0))
+    assert got[0].tolist() == want["tokens"].tolist()
+    err = float(np.abs(got_logits[0].numpy() - want["logits"]).max() / np.abs(want["logits"]).max())
+    print("%s saved and run by transformers 4, pqcache in transformers 5: largest logit difference %.2g" % (arch, err))
+    assert err < 1e-4
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 Without torch (run by make tiny_llama_test): config.json files written by transformers'
 own config classes (save_pretrained, in whatever layout the installed version writes:
-rope_parameters since version 5) for every architecture and RoPE variant the engine
+rope_parameters since version 5, top-level rope_theta and rope_scaling before; make
+test-transformers runs this file under both) for every architecture and RoPE variant the engine
 supports, with random weights from hf_model. The engine reads the RoPE settings that
 transformers standardised (its config object), its logits agree with the NumPy forward
 pass, and the variants it does not implement are refused with a message naming the key.
@@ -118,6 +119,8 @@ def test_transformers_configs_are_read_as_transformers_reads_them(tmp_path, name
     c = json.loads((d / "config.json").read_text())
     if int(transformers.__version__.split(".")[0]) >= 5:   # the layout that was misread once
         assert "rope_parameters" in c and "rope_theta" not in c, c
+    else:                                                    # version 4: the top-level keys
+        assert "rope_theta" in c and "rope_parameters" not in c, c
     weights = hf_model.random_tensors(c, seed=len(name))
     values = hf_model.write_safetensors(str(d / "model.safetensors"), weights, dtype)
     prompt = prompt_ids(70, c["vocab_size"])
