@@ -2001,6 +2001,21 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
     }
 }
 
+/* The dots of n fp16 or bf16 rows (stride bytes apart) with q, as pqc__rowdots makes
+   them of the rows converted to fp32, with the key check of pqc__within on the converted
+   values: returns the first row that fails it, or n. row: d floats of scratch. */
+static size_t pqc__halfdots_scalar(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
+                                   int d, float limit, float *row, float *out)
+{
+    size_t i, bad = n;
+    for (i = 0; i < n; i++) {
+        pqc__halfrow_scalar(rows + i * stride, t, (size_t)d, row);
+        if (bad == n && !pqc__within_scalar(row, (size_t)d, limit)) bad = i;
+        pqc__rowdots_scalar(q, row, 1, (size_t)d, d, out + i);
+    }
+    return bad;
+}
+
 /* sum[idx[i]][e] += x[i][e] in double, points in index order (exact at every level) */
 static void pqc__accum_scalar(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
@@ -2408,6 +2423,52 @@ PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_
     }
 }
 
+/* pqc__halfdots in one pass: each row converted in registers, checked and multiplied with
+   the lanes of pqc__rowdots_avx2 (no fp32 copy of the rows); widths that are not a
+   multiple of 16 go through that copy */
+PQC__AVX2 static size_t pqc__halfdots_avx2(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+                                           size_t n, int d, float limit, float *row, float *out)
+{
+    const __m256 lim = _mm256_set1_ps(limit), mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    size_t i, bad = n;
+    int e;
+    if (d % 16) {
+        for (i = 0; i < n; i++) {
+            pqc__halfrow_avx2(rows + i * stride, t, (size_t)d, row);
+            if (bad == n && !pqc__within_avx2(row, (size_t)d, limit)) bad = i;
+            pqc__rowdots_avx2(q, row, 1, (size_t)d, d, out + i);
+        }
+        return bad;
+    }
+    for (i = 0; i < n; i++) {
+        const unsigned char *r = rows + i * stride;
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        float acc = 0.0f;
+        for (e = 0; e < d; e += 16) {
+            __m128i ha = _mm_loadu_si128((const __m128i *)(r + 2 * (size_t)e));
+            __m128i hb = _mm_loadu_si128((const __m128i *)(r + 2 * (size_t)e + 16));
+            __m256 a, b;
+            if (t == PQC_F16) {
+                a = _mm256_cvtph_ps(ha);
+                b = _mm256_cvtph_ps(hb);
+            } else {
+                a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ha), 16));
+                b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hb), 16));
+            }
+            ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(a, mag), lim, _CMP_LE_OQ),
+                                                 _mm256_cmp_ps(_mm256_and_ps(b, mag), lim, _CMP_LE_OQ)));
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), a, lo);
+            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), b, hi);
+        }
+        if (bad == n && _mm256_movemask_ps(ok) != 0xff) bad = i;
+        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(lo));
+        acc = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(lo, 1));
+        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(hi));
+        out[i] = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(hi, 1));
+    }
+    return bad;
+}
+
 PQC__AVX2 static void pqc__accum_avx2(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
     size_t i;
@@ -2708,6 +2769,12 @@ PQC__AVX512 static void pqc__halfrow_avx512(const void *src, pqc_dtype t, size_t
 }
 
 PQC__AVX512 static int pqc__within_avx512(const float *x, size_t n, float limit) { return pqc__within_avx2(x, n, limit); }
+
+PQC__AVX512 static size_t pqc__halfdots_avx512(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+                                               size_t n, int d, float limit, float *row, float *out)
+{
+    return pqc__halfdots_avx2(q, rows, stride, t, n, d, limit, row, out);
+}
 
 PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, size_t n, size_t stride, int d,
                                             float *out)
@@ -3200,6 +3267,19 @@ static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_
     }
 }
 
+/* pqc__halfdots through an fp32 copy of each row (the NEON conversion, check and dots) */
+static size_t pqc__halfdots_neon(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
+                                 int d, float limit, float *row, float *out)
+{
+    size_t i, bad = n;
+    for (i = 0; i < n; i++) {
+        pqc__halfrow_neon(rows + i * stride, t, (size_t)d, row);
+        if (bad == n && !pqc__within_neon(row, (size_t)d, limit)) bad = i;
+        pqc__rowdots_neon(q, row, 1, (size_t)d, d, out + i);
+    }
+    return bad;
+}
+
 static void pqc__accum_neon(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
     size_t i;
@@ -3343,6 +3423,11 @@ static int pqc__k_within(pqc_simd s, const float *x, size_t n, float limit)
 static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
     PQC__DISPATCH(s, pqc__rowdots, (q, rows, n, stride, d, out));
+}
+static size_t pqc__k_halfdots(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+                              size_t n, int d, float limit, float *row, float *out)
+{
+    return PQC__DISPATCH_RET(s, pqc__halfdots, (q, rows, stride, t, n, d, limit, row, out));
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -4998,6 +5083,17 @@ static void pqc__exact_head(void *p, int h, float *out)
     size_t t, n = c->keys->rows, rs;
     int check = c->check;
     c->check = 0;
+    if (c->keys->dtype != PQC_F32) { /* fp16, bf16: converted, checked and scored in one pass */
+        const unsigned char *base = (const unsigned char *)c->keys->data;
+        size_t stride = pqc__stride(c->keys);
+        for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
+            size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
+            size_t bad = pqc__k_halfdots(c->simd, q, base + t * stride, stride, c->keys->dtype, b, c->d,
+                                         PQC__KEY_LIMIT, c->rowbuf, out + t);
+            if (check && c->bad == (size_t)-1 && bad < b) c->bad = t + bad;
+        }
+        return;
+    }
     for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
         size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
         const float *rows = pqc__exact_rows(c, t, b, check, &rs);
