@@ -489,6 +489,16 @@ TEST device_steps_match_cpu_softmax(void)
     sh.dstep = 1;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
+/* ... the default shape of the codes (m = 4, b = 8), softmax-sum, observed queries */
+TEST device_steps_match_cpu_default_shape(void)
+{
+    shape sh = g_small;
+    sh.m = PQC_DEFAULT_M;
+    sh.bits = PQC_DEFAULT_BITS;
+    sh.observe = 1;
+    sh.dstep = 1;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
+}
 /* ... exact re-scoring stays with the host: the call selects there, gathers here */
 TEST device_steps_with_rerank(void)
 {
@@ -821,7 +831,12 @@ TEST driver_hands_device_rows(void)
    device rows a step waits for nothing (the engine's own wait for its logits aside) and
    copies nothing up but each layer's queries and tops-k, and nothing down; with host rows
    it waits once per layer, for the rows (the engine needs them before the next layer). */
-TEST device_steps_never_wait(void)
+/* The device step of a decode: the engine's one wait per step and nothing else; the
+   queries and each head's top-k count go up, nothing comes down. With the test shape
+   (m = 2, resident codes) and with the library's default configuration (every setting
+   but the shape left to pqc_cache_resolve: m = 4 b = 8, softmax-sum, observed queries,
+   codes where the tier keeps them by default). */
+static enum greatest_test_res never_wait(int defaults)
 {
     toy t;
     pqc_engine e;
@@ -849,9 +864,24 @@ TEST device_steps_never_wait(void)
     e.qkv = toy_qkv;
     e.attend = toy_attend;
     e.accepts_device_kv = 1;
-    cd.pq.m = 2;
-    cd.codes_resident = 1;
+    if (defaults) {
+        memset(&cd, 0, sizeof cd);
+        cd.n_layers = 2;
+        cd.n_kv_heads = 2;
+        cd.n_q_heads = 4;
+        cd.head_dim = 32;
+    } else {
+        cd.pq.m = 2;
+        cd.codes_resident = 1;
+    }
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rg, &cd, &c));
+    if (defaults) {
+        pqc_cache_desc got;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(c, &got));
+        ASSERT_EQ(PQC_DEFAULT_M, got.pq.m);
+        ASSERT_EQ(PQC_DEFAULT_BITS, got.pq.bits);
+        ASSERT_EQ(PQC_GQA_SOFTMAX_SUM, got.gqa);
+    }
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, pos));
     for (i = 0; i < 2; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++)); /* first steps set up */
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st0));
@@ -889,6 +919,8 @@ TEST device_steps_never_wait(void)
     pqc_runtime_destroy(rg);
     PASS();
 }
+TEST device_steps_never_wait(void) { return never_wait(0); }
+TEST device_steps_never_wait_default_configuration(void) { return never_wait(1); }
 
 TEST misuse_gets_result_codes(void)
 {
@@ -1573,6 +1605,7 @@ SUITE(cuda_tier)
     RUN_TEST(device_steps_match_cpu_with_metric);
     RUN_TEST(device_steps_mixed_with_host_steps);
     RUN_TEST(device_steps_match_cpu_softmax);
+    RUN_TEST(device_steps_match_cpu_default_shape);
     RUN_TEST(device_steps_with_rerank);
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
@@ -1585,6 +1618,7 @@ SUITE(cuda_tier)
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_steps_never_wait);
+    RUN_TEST(device_steps_never_wait_default_configuration);
     RUN_TEST(device_allocation_failure);
     RUN_TEST(device_kmeans);
     RUN_TEST(kmeans_gemm_matches_kernel);
