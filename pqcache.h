@@ -2423,16 +2423,93 @@ PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_
     }
 }
 
-/* pqc__halfdots in one pass: each row converted in registers, checked and multiplied with
-   the lanes of pqc__rowdots_avx2 (no fp32 copy of the rows); widths that are not a
-   multiple of 16 go through that copy */
+/* acc[r] + a_r[0] + a_r[1] + ... + a_r[7] for the four rows r, each row's values added in
+   that order (lane order), the four rows side by side: a 4 x 4 transpose within each
+   128-bit half, then eight vector adds */
+PQC__AVX2 static inline __m128 pqc__lanesum8x4_avx2(__m128 acc, __m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
+    __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
+    __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    __m256 c2 = _mm256_shuffle_ps(t1, t3, 0x44), c3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c0));
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c1));
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c2));
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c3));
+    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c0, 1));
+    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c1, 1));
+    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c2, 1));
+    return _mm_add_ps(acc, _mm256_extractf128_ps(c3, 1));
+}
+
+/* The largest 15-bit magnitude pattern of an fp16 or bf16 value whose value is at most
+   limit (magnitude grows with the pattern up to infinity; NaN patterns lie above it and
+   never compare): |x| <= limit exactly when (bits & 0x7fff) <= this. */
+static unsigned pqc__half_limit_bits(pqc_dtype t, float limit)
+{
+    unsigned lo = 0, hi = 0x7fffu;
+    if (!(0.0f <= limit)) return 0xffffu; /* nothing passes: no pattern is at most that */
+    while (lo < hi) { /* the last pattern whose value passes */
+        unsigned mid = lo + (hi - lo + 1) / 2;
+        float v = t == PQC_F16 ? pqc_f16_to_f32((uint16_t)mid) : pqc_bf16_to_f32((uint16_t)mid);
+        if (v <= limit) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* pqc__halfdots in one pass: each row converted in registers and multiplied with the
+   lanes of pqc__rowdots_avx2 (lane e % 16 gets q[e] * r[e] fused in e order, then the 16
+   lanes are added in order from 0), no fp32 copy of the rows. The range check runs on
+   the raw patterns (the largest magnitude pattern of four rows against the limit's,
+   pqc__half_limit_bits; the row that fails is then looked for). Four rows side by side:
+   eight independent chains of fused adds, and the four rows' lane sums in one register.
+   Widths that are not a multiple of 16 go through the copy. */
+#define PQC__HALFDOTS4_AVX2(CONV)                                                                                      \
+    for (; i + 4 <= n; i += 4) {                                                                                       \
+        const unsigned char *r0 = rows + i * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;         \
+        __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0; \
+        __m128i top = _mm_setzero_si128();                                                                             \
+        __m128 acc;                                                                                                    \
+        float s4[4];                                                                                                   \
+        for (o = 0; o < 4 * stride; o += 64) _mm_prefetch((const char *)r0 + 16 * stride + o, _MM_HINT_T0);           \
+        for (e = 0; e < d; e += 16) {                                                                                  \
+            const __m256 qa = _mm256_loadu_ps(q + e), qb = _mm256_loadu_ps(q + e + 8);                                 \
+            PQC__HALFSTEP(r0, lo0, hi0, CONV);                                                                          \
+            PQC__HALFSTEP(r1, lo1, hi1, CONV);                                                                          \
+            PQC__HALFSTEP(r2, lo2, hi2, CONV);                                                                          \
+            PQC__HALFSTEP(r3, lo3, hi3, CONV);                                                                          \
+        }                                                                                                              \
+        acc = pqc__lanesum8x4_avx2(_mm_setzero_ps(), lo0, lo1, lo2, lo3);                                              \
+        _mm_storeu_ps(s4, pqc__lanesum8x4_avx2(acc, hi0, hi1, hi2, hi3));                                              \
+        memcpy(out + i, s4, sizeof s4);                                                                                \
+        if (bad == n && !_mm_test_all_ones(_mm_cmpeq_epi16(_mm_max_epu16(top, lim2), lim2))) {                         \
+            size_t j; /* one of the four rows: which (rare) */                                                         \
+            for (j = i; j < i + 4 && bad == n; j++) {                                                                  \
+                pqc__halfrow_avx2(rows + j * stride, t, (size_t)d, row);                                               \
+                if (!pqc__within_avx2(row, (size_t)d, limit)) bad = j;                                                 \
+            }                                                                                                          \
+        }                                                                                                              \
+    }
+#define PQC__HALFSTEP(r, lo, hi, CONV)                                                                                 \
+    do {                                                                                                               \
+        __m128i ha_ = _mm_loadu_si128((const __m128i *)((r) + 2 * (size_t)e));                                        \
+        __m128i hb_ = _mm_loadu_si128((const __m128i *)((r) + 2 * (size_t)e + 16));                                   \
+        top = _mm_max_epu16(top, _mm_max_epu16(_mm_slli_epi16(ha_, 1), _mm_slli_epi16(hb_, 1)));                       \
+        lo = _mm256_fmadd_ps(qa, CONV(ha_), lo);                                                                        \
+        hi = _mm256_fmadd_ps(qb, CONV(hb_), hi);                                                                        \
+    } while (0)
+#define PQC__CONV_F16(h) _mm256_cvtph_ps(h)
+#define PQC__CONV_BF16(h) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
 PQC__AVX2 static size_t pqc__halfdots_avx2(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
                                            size_t n, int d, float limit, float *row, float *out)
 {
-    const __m256 lim = _mm256_set1_ps(limit), mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    size_t i, bad = n;
+    size_t i = 0, bad = n, o;
+    unsigned lb = pqc__half_limit_bits(t, limit);
+    /* the magnitude patterns doubled (the sign shifted out): at most 2 * lb passes */
+    const __m128i lim2 = _mm_set1_epi16((short)(lb > 0x7fffu ? 0 : (int)(lb << 1)));
     int e;
-    if (d % 16) {
+    if (d % 16 || lb > 0x7fffu) {
         for (i = 0; i < n; i++) {
             pqc__halfrow_avx2(rows + i * stride, t, (size_t)d, row);
             if (bad == n && !pqc__within_avx2(row, (size_t)d, limit)) bad = i;
@@ -2440,34 +2517,33 @@ PQC__AVX2 static size_t pqc__halfdots_avx2(const float *q, const unsigned char *
         }
         return bad;
     }
-    for (i = 0; i < n; i++) {
-        const unsigned char *r = rows + i * stride;
-        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    if (t == PQC_F16) {
+        PQC__HALFDOTS4_AVX2(PQC__CONV_F16)
+    } else {
+        PQC__HALFDOTS4_AVX2(PQC__CONV_BF16)
+    }
+    for (; i < n; i++) { /* the last rows, one by one with the same lanes */
+        const unsigned char *r0 = rows + i * stride;
+        __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0;
+        __m128i top = _mm_setzero_si128();
         float acc = 0.0f;
         for (e = 0; e < d; e += 16) {
-            __m128i ha = _mm_loadu_si128((const __m128i *)(r + 2 * (size_t)e));
-            __m128i hb = _mm_loadu_si128((const __m128i *)(r + 2 * (size_t)e + 16));
-            __m256 a, b;
-            if (t == PQC_F16) {
-                a = _mm256_cvtph_ps(ha);
-                b = _mm256_cvtph_ps(hb);
-            } else {
-                a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(ha), 16));
-                b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hb), 16));
-            }
-            ok = _mm256_and_ps(ok, _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(a, mag), lim, _CMP_LE_OQ),
-                                                 _mm256_cmp_ps(_mm256_and_ps(b, mag), lim, _CMP_LE_OQ)));
-            lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), a, lo);
-            hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), b, hi);
+            const __m256 qa = _mm256_loadu_ps(q + e), qb = _mm256_loadu_ps(q + e + 8);
+            if (t == PQC_F16) PQC__HALFSTEP(r0, lo0, hi0, PQC__CONV_F16);
+            else PQC__HALFSTEP(r0, lo0, hi0, PQC__CONV_BF16);
         }
-        if (bad == n && _mm256_movemask_ps(ok) != 0xff) bad = i;
-        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(lo));
-        acc = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(lo, 1));
-        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(hi));
-        out[i] = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(hi, 1));
+        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(lo0));
+        acc = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(lo0, 1));
+        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(hi0));
+        out[i] = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(hi0, 1));
+        if (bad == n && !_mm_test_all_ones(_mm_cmpeq_epi16(_mm_max_epu16(top, lim2), lim2))) bad = i;
     }
     return bad;
 }
+#undef PQC__HALFDOTS4_AVX2
+#undef PQC__HALFSTEP
+#undef PQC__CONV_F16
+#undef PQC__CONV_BF16
 
 PQC__AVX2 static void pqc__accum_avx2(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {

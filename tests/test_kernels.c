@@ -613,7 +613,7 @@ TEST halfdots_bitwise(void)
         for (di = 0; di < sizeof dims / sizeof dims[0]; di++)
             for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
                 for (pad = 0; pad <= 6; pad += 6)
-                    for (bi = 0; bi < 4; bi++) { /* no bad value, then one in a row of its own */
+                    for (bi = 0; bi < 6; bi++) { /* no bad value, then one in a row of its own */
                         pqc_dtype t = ti ? PQC_BF16 : PQC_F16;
                         int d = dims[di];
                         size_t n = counts[ci], stride = (size_t)d * 2 + (size_t)pad, bad_row = n, want, got;
@@ -628,12 +628,16 @@ TEST halfdots_bitwise(void)
                                 uint16_t h = t == PQC_F16 ? pqc_f32_to_f16(v) : pqc_f32_to_bf16(v);
                                 memcpy(rows + i * stride + 2 * e, &h, 2);
                             }
-                        if (bi > 0) { /* Inf, NaN, or (bf16) a finite value past the key limit */
+                        if (bi > 0) { /* Inf, NaN, (bf16) a finite value past the key limit, the
+                                         largest magnitude within it (fine), the next one up */
                             uint16_t h = bi == 1 ? (t == PQC_F16 ? 0x7c00u : 0x7f80u)
-                                                 : bi == 2 ? (t == PQC_F16 ? 0xfe00u : 0xffc0u)
-                                                           : (t == PQC_F16 ? 0xfc00u : pqc_f32_to_bf16(-1e17f));
-                            bad_row = (size_t)(rng_next(&st) % n);
-                            memcpy(rows + bad_row * stride + 2 * (size_t)(rng_next(&st) % (uint64_t)d), &h, 2);
+                                       : bi == 2 ? (t == PQC_F16 ? 0xfe00u : 0xffc0u)
+                                       : bi == 3 ? (t == PQC_F16 ? 0xfc00u : pqc_f32_to_bf16(-1e17f))
+                                       : bi == 4 ? (t == PQC_F16 ? 0xfbffu : 0xda0eu) /* -65504, -bf16(1e16) rounded down */
+                                                 : (t == PQC_F16 ? 0x7c00u : 0x5a0fu);
+                            size_t at = (size_t)(rng_next(&st) % n);
+                            if (bi != 4) bad_row = at;
+                            memcpy(rows + at * stride + 2 * (size_t)(rng_next(&st) % (uint64_t)d), &h, 2);
                         }
                         want = pqc__halfdots_scalar(q, rows, stride, t, n, d, PQC__KEY_LIMIT, row, a);
                         if (want != bad_row) fail = "scalar misses the row that cannot be ranked";
