@@ -2001,15 +2001,16 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
     }
 }
 
-/* The dots of n fp16 or bf16 rows (stride bytes apart) with q, as pqc__rowdots makes
-   them of the rows converted to fp32, with the key check of pqc__within on the converted
-   values: returns the first row that fails it, or n. row: d floats of scratch. */
-static size_t pqc__halfdots_scalar(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
+/* The dots of n stored key rows (fp32, fp16 or bf16; stride bytes apart) with q, as
+   pqc__rowdots makes them of the rows in fp32, with the key check of pqc__within on
+   those values: returns the first row that fails it, or n. row: d floats of scratch. */
+static size_t pqc__keydots_scalar(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
                                    int d, float limit, float *row, float *out)
 {
     size_t i, bad = n;
     for (i = 0; i < n; i++) {
-        pqc__halfrow_scalar(rows + i * stride, t, (size_t)d, row);
+        if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
+        else pqc__halfrow_scalar(rows + i * stride, t, (size_t)d, row);
         if (bad == n && !pqc__within_scalar(row, (size_t)d, limit)) bad = i;
         pqc__rowdots_scalar(q, row, 1, (size_t)d, d, out + i);
     }
@@ -2480,7 +2481,7 @@ static unsigned pqc__half_limit_bits(pqc_dtype t, float limit)
     return lo;
 }
 
-/* pqc__halfdots in one pass: each row converted in registers and multiplied with the
+/* pqc__keydots in one pass: each row converted in registers and multiplied with the
    lanes of pqc__rowdots_avx2 (lane e % 16 gets q[e] * r[e] fused in e order, then the 16
    lanes are added in order from 0), no fp32 copy of the rows. The range check runs on
    the raw patterns (the largest magnitude pattern of four rows against the limit's,
@@ -2523,17 +2524,67 @@ static unsigned pqc__half_limit_bits(pqc_dtype t, float limit)
     } while (0)
 #define PQC__CONV_F16(h) _mm256_cvtph_ps(h)
 #define PQC__CONV_BF16(h) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-PQC__AVX2 static size_t pqc__halfdots_avx2(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
                                            size_t n, int d, float limit, float *row, float *out)
 {
     size_t i = 0, bad = n, o;
-    unsigned lb = pqc__half_limit_bits(t, limit);
+    unsigned lb = t == PQC_F32 ? 0 : pqc__half_limit_bits(t, limit);
     /* the magnitude patterns doubled (the sign shifted out): at most 2 * lb passes */
     const __m128i lim2 = _mm_set1_epi16((short)(lb > 0x7fffu ? 0 : (int)(lb << 1)));
     int e;
-    if (d % 16 || lb > 0x7fffu) {
+    if (d % 16 || lb > 0x7fffu || (t == PQC_F32 && !(limit >= 0.0f))) {
         for (i = 0; i < n; i++) {
-            pqc__halfrow_avx2(rows + i * stride, t, (size_t)d, row);
+            if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
+            else pqc__halfrow_avx2(rows + i * stride, t, (size_t)d, row);
+            if (bad == n && !pqc__within_avx2(row, (size_t)d, limit)) bad = i;
+            pqc__rowdots_avx2(q, row, 1, (size_t)d, d, out + i);
+        }
+        return bad;
+    }
+    if (t == PQC_F32) { /* the patterns of fp32 values: |x| <= limit exactly when bits(|x|) <= bits(limit) */
+        uint32_t lbits;
+        __m256i lim32;
+        memcpy(&lbits, &limit, sizeof lbits);
+        lim32 = _mm256_set1_epi32((int)(lbits << 1));
+        for (; i + 4 <= n; i += 4) {
+            const float *r0 = (const float *)(const void *)(rows + i * stride), *r1, *r2, *r3;
+            __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
+            __m256i top = _mm256_setzero_si256();
+            float s4[4];
+            r1 = (const float *)(const void *)(rows + (i + 1) * stride);
+            r2 = (const float *)(const void *)(rows + (i + 2) * stride);
+            r3 = (const float *)(const void *)(rows + (i + 3) * stride);
+            for (o = 0; o < 4 * stride; o += 64) _mm_prefetch((const char *)r0 + 8 * stride + o, _MM_HINT_T0);
+            for (e = 0; e < d; e += 16) {
+                const __m256 qa = _mm256_loadu_ps(q + e), qb = _mm256_loadu_ps(q + e + 8);
+#define PQC__F32STEP(r, lo, hi)                                                                                        \
+    do {                                                                                                               \
+        __m256 a_ = _mm256_loadu_ps((r) + e), b_ = _mm256_loadu_ps((r) + e + 8);                                       \
+        top = _mm256_max_epu32(top, _mm256_max_epu32(_mm256_slli_epi32(_mm256_castps_si256(a_), 1),                    \
+                                                     _mm256_slli_epi32(_mm256_castps_si256(b_), 1)));                  \
+        lo = _mm256_fmadd_ps(qa, a_, lo);                                                                              \
+        hi = _mm256_fmadd_ps(qb, b_, hi);                                                                              \
+    } while (0)
+                PQC__F32STEP(r0, lo0, hi0);
+                PQC__F32STEP(r1, lo1, hi1);
+                PQC__F32STEP(r2, lo2, hi2);
+                PQC__F32STEP(r3, lo3, hi3);
+#undef PQC__F32STEP
+            }
+            _mm_storeu_ps(s4, pqc__lanesum8x4_avx2(pqc__lanesum8x4_avx2(_mm_setzero_ps(), lo0, lo1, lo2, lo3), hi0, hi1,
+                                                   hi2, hi3));
+            memcpy(out + i, s4, sizeof s4);
+            if (bad == n &&
+                _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, lim32), lim32)) != -1) {
+                size_t j; /* one of the four rows: which (rare) */
+                for (j = i; j < i + 4 && bad == n; j++) {
+                    memcpy(row, rows + j * stride, (size_t)d * sizeof(float));
+                    if (!pqc__within_avx2(row, (size_t)d, limit)) bad = j;
+                }
+            }
+        }
+        for (; i < n; i++) { /* the last rows through the copy: the same lanes */
+            memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
             if (bad == n && !pqc__within_avx2(row, (size_t)d, limit)) bad = i;
             pqc__rowdots_avx2(q, row, 1, (size_t)d, d, out + i);
         }
@@ -2868,10 +2919,10 @@ PQC__AVX512 static void pqc__halfrow_avx512(const void *src, pqc_dtype t, size_t
 
 PQC__AVX512 static int pqc__within_avx512(const float *x, size_t n, float limit) { return pqc__within_avx2(x, n, limit); }
 
-PQC__AVX512 static size_t pqc__halfdots_avx512(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+PQC__AVX512 static size_t pqc__keydots_avx512(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
                                                size_t n, int d, float limit, float *row, float *out)
 {
-    return pqc__halfdots_avx2(q, rows, stride, t, n, d, limit, row, out);
+    return pqc__keydots_avx2(q, rows, stride, t, n, d, limit, row, out);
 }
 
 PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, size_t n, size_t stride, int d,
@@ -3365,13 +3416,14 @@ static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_
     }
 }
 
-/* pqc__halfdots through an fp32 copy of each row (the NEON conversion, check and dots) */
-static size_t pqc__halfdots_neon(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
+/* pqc__keydots through an fp32 copy of each row (the NEON conversion, check and dots) */
+static size_t pqc__keydots_neon(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
                                  int d, float limit, float *row, float *out)
 {
     size_t i, bad = n;
     for (i = 0; i < n; i++) {
-        pqc__halfrow_neon(rows + i * stride, t, (size_t)d, row);
+        if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
+        else pqc__halfrow_neon(rows + i * stride, t, (size_t)d, row);
         if (bad == n && !pqc__within_neon(row, (size_t)d, limit)) bad = i;
         pqc__rowdots_neon(q, row, 1, (size_t)d, d, out + i);
     }
@@ -3522,10 +3574,10 @@ static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t
 {
     PQC__DISPATCH(s, pqc__rowdots, (q, rows, n, stride, d, out));
 }
-static size_t pqc__k_halfdots(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+static size_t pqc__k_keydots(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
                               size_t n, int d, float limit, float *row, float *out)
 {
-    return PQC__DISPATCH_RET(s, pqc__halfdots, (q, rows, stride, t, n, d, limit, row, out));
+    return PQC__DISPATCH_RET(s, pqc__keydots, (q, rows, stride, t, n, d, limit, row, out));
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -5178,24 +5230,16 @@ static void pqc__exact_head(void *p, int h, float *out)
 {
     pqc__exact_ctx *c = (pqc__exact_ctx *)p;
     const float *q = c->q + (size_t)(h < 0 ? c->g : h) * c->d;
-    size_t t, n = c->keys->rows, rs;
+    const unsigned char *base = (const unsigned char *)c->keys->data;
+    size_t t, n = c->keys->rows, stride = pqc__stride(c->keys);
     int check = c->check;
     c->check = 0;
-    if (c->keys->dtype != PQC_F32) { /* fp16, bf16: converted, checked and scored in one pass */
-        const unsigned char *base = (const unsigned char *)c->keys->data;
-        size_t stride = pqc__stride(c->keys);
-        for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
-            size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
-            size_t bad = pqc__k_halfdots(c->simd, q, base + t * stride, stride, c->keys->dtype, b, c->d,
-                                         PQC__KEY_LIMIT, c->rowbuf, out + t);
-            if (check && c->bad == (size_t)-1 && bad < b) c->bad = t + bad;
-        }
-        return;
-    }
+    /* the keys checked and scored in one pass (fp16 and bf16 converted on the way) */
     for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
         size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
-        const float *rows = pqc__exact_rows(c, t, b, check, &rs);
-        pqc__k_rowdots(c->simd, q, rows, b, rs, c->d, out + t);
+        size_t bad = pqc__k_keydots(c->simd, q, base + t * stride, stride, c->keys->dtype, b, c->d, PQC__KEY_LIMIT,
+                                    c->rowbuf, out + t);
+        if (check && c->bad == (size_t)-1 && bad < b) c->bad = t + bad;
     }
 }
 

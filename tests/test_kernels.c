@@ -597,10 +597,10 @@ TEST halfrow_bitwise(void)
     PASS();
 }
 
-/* fp16 and bf16 rows scored in one pass (convert, check, dot) give at every level the
+/* fp32, fp16 and bf16 rows scored in one pass (convert, check, dot) give at every level the
    bits of the scalar reference, which is the conversion, the range check and the row
    dots one after another; the first row that cannot be ranked is found wherever it lies */
-TEST halfdots_bitwise(void)
+TEST keydots_bitwise(void)
 {
     static const int dims[] = {8, 16, 32, 48, 128, 136};
     static const size_t counts[] = {1, 5, 64};
@@ -609,15 +609,16 @@ TEST halfdots_bitwise(void)
     int li, nl, ti, pad, bi;
     pqc_simd lv_[3];
     nl = levels(lv_);
-    for (ti = 0; ti < 2; ti++)
+    for (ti = 0; ti < 3; ti++)
         for (di = 0; di < sizeof dims / sizeof dims[0]; di++)
             for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
                 for (pad = 0; pad <= 6; pad += 6)
                     for (bi = 0; bi < 6; bi++) { /* no bad value, then one in a row of its own */
-                        pqc_dtype t = ti ? PQC_BF16 : PQC_F16;
+                        pqc_dtype t = ti == 2 ? PQC_F32 : ti ? PQC_BF16 : PQC_F16;
                         int d = dims[di];
-                        size_t n = counts[ci], stride = (size_t)d * 2 + (size_t)pad, bad_row = n, want, got;
-                        unsigned char *rows = (unsigned char *)malloc(stride * n + 2);
+                        size_t es = t == PQC_F32 ? 4 : 2;
+                        size_t n = counts[ci], stride = (size_t)d * es + (size_t)pad, bad_row = n, want, got;
+                        unsigned char *rows = (unsigned char *)malloc(stride * n + 4);
                         float *q = (float *)malloc(sizeof(float) * (size_t)d), *row = (float *)malloc(sizeof(float) * (size_t)d);
                         float *a = (float *)malloc(sizeof(float) * n), *b = (float *)malloc(sizeof(float) * n);
                         const char *fail = NULL;
@@ -626,9 +627,16 @@ TEST halfdots_bitwise(void)
                             for (e = 0; e < (size_t)d; e++) {
                                 float v = rng_float(&st) * 4.0f;
                                 uint16_t h = t == PQC_F16 ? pqc_f32_to_f16(v) : pqc_f32_to_bf16(v);
-                                memcpy(rows + i * stride + 2 * e, &h, 2);
+                                if (t == PQC_F32) memcpy(rows + i * stride + 4 * e, &v, 4);
+                                else memcpy(rows + i * stride + 2 * e, &h, 2);
                             }
-                        if (bi > 0) { /* Inf, NaN, (bf16) a finite value past the key limit, the
+                        if (bi > 0 && t == PQC_F32) { /* the same cases in fp32: the limit itself is fine */
+                            float v = bi == 1 ? INFINITY : bi == 2 ? NAN : bi == 3 ? -1e17f
+                                    : bi == 4 ? -PQC__KEY_LIMIT : nextafterf(PQC__KEY_LIMIT, INFINITY);
+                            size_t at = (size_t)(rng_next(&st) % n);
+                            if (bi != 4) bad_row = at;
+                            memcpy(rows + at * stride + 4 * (size_t)(rng_next(&st) % (uint64_t)d), &v, 4);
+                        } else if (bi > 0) { /* Inf, NaN, (bf16) a finite value past the key limit, the
                                          largest magnitude within it (fine), the next one up */
                             uint16_t h = bi == 1 ? (t == PQC_F16 ? 0x7c00u : 0x7f80u)
                                        : bi == 2 ? (t == PQC_F16 ? 0xfe00u : 0xffc0u)
@@ -639,16 +647,17 @@ TEST halfdots_bitwise(void)
                             if (bi != 4) bad_row = at;
                             memcpy(rows + at * stride + 2 * (size_t)(rng_next(&st) % (uint64_t)d), &h, 2);
                         }
-                        want = pqc__halfdots_scalar(q, rows, stride, t, n, d, PQC__KEY_LIMIT, row, a);
+                        want = pqc__keydots_scalar(q, rows, stride, t, n, d, PQC__KEY_LIMIT, row, a);
                         if (want != bad_row) fail = "scalar misses the row that cannot be ranked";
                         for (i = 0; i < n && !fail; i++) {
                             float r;
-                            pqc__halfrow_scalar(rows + i * stride, t, (size_t)d, row);
+                            if (t == PQC_F32) memcpy(row, rows + i * stride, sizeof(float) * (size_t)d);
+                            else pqc__halfrow_scalar(rows + i * stride, t, (size_t)d, row);
                             pqc__rowdots_scalar(q, row, 1, (size_t)d, d, &r);
                             if (memcmp(&r, &a[i], sizeof r)) fail = "scalar differs from convert + row dots";
                         }
                         for (li = 0; li < nl && !fail; li++) {
-                            got = pqc__k_halfdots(lv_[li], q, rows, stride, t, n, d, PQC__KEY_LIMIT, row, b);
+                            got = pqc__k_keydots(lv_[li], q, rows, stride, t, n, d, PQC__KEY_LIMIT, row, b);
                             if (got != want || first_diff(a, b, n, sizeof(float)) >= 0) fail = pqc_simd_name(lv_[li]);
                         }
                         free(rows);
@@ -657,8 +666,8 @@ TEST halfdots_bitwise(void)
                         free(a);
                         free(b);
                         if (fail) {
-                            snprintf(msg, sizeof msg, "halfdots: %s (%s, d %d, n %zu, pad %d, bad %d)", fail,
-                                     ti ? "bf16" : "fp16", d, n, pad, bi);
+                            snprintf(msg, sizeof msg, "keydots: %s (%s, d %d, n %zu, pad %d, bad %d)", fail,
+                                     ti == 2 ? "fp32" : ti ? "bf16" : "fp16", d, n, pad, bi);
                             FAILm(msg);
                         }
                     }
@@ -904,7 +913,7 @@ SUITE(kernels)
     RUN_TEST(rowdots_bitwise);
     RUN_TEST(halfrow_bitwise);
     RUN_TEST(within_bitwise);
-    RUN_TEST(halfdots_bitwise);
+    RUN_TEST(keydots_bitwise);
     RUN_TEST(exact_heads_equal_head_by_head);
     RUN_TEST(bracket_bitwise);
     RUN_TEST(select_bitwise);
