@@ -252,13 +252,15 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
         cache.seconds["library"] += time.perf_counter() - t0
         if cache.recorder:
             cache.recorder("decode", layer, b, q1, k1, v1, sel.tolist())
-        counts = torch.as_tensor(np.asarray(sel.counts, dtype=np.int64))
+        cn = np.asarray(sel.counts, dtype=np.int64)
+        for h in np.nonzero(cn < vs.shape[1])[0]:
+            vs[h, cn[h]:] = 0.0   # rows past a head's count are whatever the buffer held: 0 x NaN is NaN
+        counts = torch.from_numpy(cn)
         kt, vt = torch.from_numpy(ks), torch.from_numpy(vs)
         qh = torch.from_numpy(q1).view(hkv, g, D)
         s = (qh @ kt.transpose(1, 2)) * scale                    # (Hkv, g, S)
         pad = torch.arange(kt.shape[1])[None, :] >= counts[:, None]
         s = s.masked_fill(pad[:, None, :], float("-inf"))
-        vt = vt.masked_fill(pad[:, :, None], 0.0)  # rows past a head's count are whatever the buffer held
         out[b, 0] = (torch.softmax(s, dim=-1) @ vt).reshape(hq, D)
     if T == 1:
         cache.seconds["backend"] += time.perf_counter() - t_enter
