@@ -98,15 +98,18 @@ $(BUILD)/checks/%.o: $(COMPILE_SRC) $(HDR)
 	@mkdir -p $(@D)
 	$(CHK_$(word 1,$(subst --, ,$*))) $(WARN) $(CHKDEF_$(word 2,$(subst --, ,$*))) -c $(COMPILE_SRC) -o $@
 
+# (gcc as C99 in the default configuration is every test program's build: no check of its own)
 COMPILE_CCS := cc-c99 cc-cxx clang-c99 clang-cxx
-DEPS_test-compile := $(foreach c,$(COMPILE_CCS),$(BUILD)/checks/$(c)--default.o $(BUILD)/checks/$(c)--nosimd-static.o)
+DEPS_test-compile := $(filter-out $(BUILD)/checks/cc-c99--default.o, \
+                       $(foreach c,$(COMPILE_CCS),$(BUILD)/checks/$(c)--default.o $(BUILD)/checks/$(c)--nosimd-static.o))
 test-compile: $(DEPS_test-compile)
 	@for c in $(DEPS_test-compile); do echo "compile check: $$(basename $$c .o) ok"; done
 
 # The configuration macros: each variant compiles warning-free under gcc and clang, and the
 # library tests whose caches start threads run in the build without threads (jobs inline,
 # no pthreads; the small scenarios, which reach the same code). Under gcc the build without
-# threads is those programs (so no separate compile check).
+# threads is those programs, and PQCACHE_NO_SIMD is in the nosimd-static check above (so
+# no separate compile checks for them).
 VARIANTS := PQCACHE_NO_THREADS PQCACHE_NO_CUDA PQCACHE_NO_SIMD PQCACHE_STATIC
 NOTHREADS_TESTS ?= core cache contract
 $(foreach v,$(VARIANTS),$(eval CHKDEF_$(v) := -D$(v)))
@@ -114,7 +117,7 @@ $(BUILD)/nothreads_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -DPQCACHE_NO_THREADS -Itests $< -o $@ -lm
 
 VARIANT_CCS := cc-c99 clang-c99 clang-cxx
-DEPS_test-variants := $(filter-out $(BUILD)/checks/cc-c99--PQCACHE_NO_THREADS.o, \
+DEPS_test-variants := $(filter-out $(BUILD)/checks/cc-c99--PQCACHE_NO_THREADS.o $(BUILD)/checks/cc-c99--PQCACHE_NO_SIMD.o, \
                         $(foreach v,$(VARIANTS),$(foreach c,$(VARIANT_CCS),$(BUILD)/checks/$(c)--$(v).o))) \
                       $(addprefix $(BUILD)/nothreads_,$(NOTHREADS_TESTS))
 test-variants: $(DEPS_test-variants)
