@@ -39,6 +39,12 @@ $(BUILD)/asan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 $(BUILD)/tsan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(TSAN) -Itests $< -o $@ $(LDLIBS)
 
+# tests/test_lib.c: the six programs' suites in one program (the header compiled once, not
+# six times), for the builds that only run them: ASan+UBSan, TSan, without threads.
+# PQC_TEST_SUITES picks the suites.
+LIBTEST_SRCS := $(addprefix tests/test_,$(addsuffix .c,$(LIBTESTS)))
+$(BUILD)/asan_lib $(BUILD)/tsan_lib $(BUILD)/nothreads_lib: $(LIBTEST_SRCS)
+
 $(BUILD)/test_harness: tests/test_harness.c tests/greatest.h | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@
 
@@ -57,17 +63,17 @@ TSAN_TESTS ?= core cache contract
 $(BUILD)/clang_asan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CLANG) $(STD) -O1 $(DBG) $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
 
-DEPS_test-asan := $(addprefix $(BUILD)/asan_,$(LIBTESTS)) $(BUILD)/clang_asan_contract
+DEPS_test-asan := $(BUILD)/asan_lib $(BUILD)/clang_asan_contract
 test-asan: $(DEPS_test-asan)
-	@set -e; for t in $(LIBTESTS); do echo "== $$t (ASan+UBSan, $(SAN_SIZE) scenarios)"; \
-	  PQC_TEST_SIZE=$(SAN_SIZE) ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/asan_$$t; done
+	@echo "== $(LIBTESTS) (ASan+UBSan, $(SAN_SIZE) scenarios)"; \
+	  PQC_TEST_SIZE=$(SAN_SIZE) ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/asan_lib
 	@echo "== contract (clang ASan+UBSan, $(SAN_SIZE) scenarios)"; \
 	  PQC_TEST_SIZE=$(SAN_SIZE) ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/clang_asan_contract
 
-DEPS_test-tsan := $(addprefix $(BUILD)/tsan_,$(TSAN_TESTS))
+DEPS_test-tsan := $(BUILD)/tsan_lib
 test-tsan: $(DEPS_test-tsan)
-	@set -e; for t in $(TSAN_TESTS); do echo "== $$t (TSan, $(SAN_SIZE) scenarios)"; \
-	  PQC_TEST_SIZE=$(SAN_SIZE) TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_$$t; done
+	@echo "== $(TSAN_TESTS) (TSan, $(SAN_SIZE) scenarios)"; \
+	  PQC_TEST_SUITES="$(TSAN_TESTS)" PQC_TEST_SIZE=$(SAN_SIZE) TSAN_OPTIONS=halt_on_error=1 $(BUILD)/tsan_lib
 
 DEPS_test-harness := $(BUILD)/test_harness
 test-harness: $(DEPS_test-harness)
@@ -119,11 +125,11 @@ $(BUILD)/nothreads_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 VARIANT_CCS := cc-c99 clang-c99 clang-cxx
 DEPS_test-variants := $(filter-out $(BUILD)/checks/cc-c99--PQCACHE_NO_THREADS.o $(BUILD)/checks/cc-c99--PQCACHE_NO_SIMD.o, \
                         $(foreach v,$(VARIANTS),$(foreach c,$(VARIANT_CCS),$(BUILD)/checks/$(c)--$(v).o))) \
-                      $(addprefix $(BUILD)/nothreads_,$(NOTHREADS_TESTS))
+                      $(BUILD)/nothreads_lib
 test-variants: $(DEPS_test-variants)
 	@for c in $(filter %.o,$(DEPS_test-variants)); do echo "compile check: $$(basename $$c .o) ok"; done
-	@set -e; for t in $(NOTHREADS_TESTS); do echo "== $$t (PQCACHE_NO_THREADS, $(SAN_SIZE) scenarios)"; \
-	  PQC_TEST_SIZE=$(SAN_SIZE) $(BUILD)/nothreads_$$t; done
+	@echo "== $(NOTHREADS_TESTS) (PQCACHE_NO_THREADS, $(SAN_SIZE) scenarios)"; \
+	  PQC_TEST_SUITES="$(NOTHREADS_TESTS)" PQC_TEST_SIZE=$(SAN_SIZE) $(BUILD)/nothreads_lib
 
 # ----- AArch64: the NEON kernels, cross-compiled and run under qemu-aarch64. tests/aarch64.sh
 # installs the cross compiler and qemu from Debian packages where they are missing and it

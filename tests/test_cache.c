@@ -1768,6 +1768,7 @@ SUITE(cache)
     RUN_TEST(head_slices_build_like_one_cache);
 }
 
+#ifndef PQC_TEST_UNITY /* tests/test_lib.c holds every suite in one program */
 GREATEST_MAIN_DEFS();
 
 int main(int argc, char **argv)
@@ -1776,3 +1777,4 @@ int main(int argc, char **argv)
     RUN_SUITE(cache);
     GREATEST_MAIN_END();
 }
+#endif

@@ -1563,6 +1563,7 @@ SUITE(contract)
     RUN_TEST(selections_do_not_depend_on_the_thread_count);
 }
 
+#ifndef PQC_TEST_UNITY /* tests/test_lib.c holds every suite in one program */
 GREATEST_MAIN_DEFS();
 
 int main(int argc, char **argv)
@@ -1571,3 +1572,4 @@ int main(int argc, char **argv)
     RUN_SUITE(contract);
     GREATEST_MAIN_END();
 }
+#endif

@@ -834,6 +834,7 @@ SUITE(core)
     RUN_TEST(engine_job_callback);
 }
 
+#ifndef PQC_TEST_UNITY /* tests/test_lib.c holds every suite in one program */
 GREATEST_MAIN_DEFS();
 
 int main(int argc, char **argv)
@@ -842,3 +843,4 @@ int main(int argc, char **argv)
     RUN_SUITE(core);
     GREATEST_MAIN_END();
 }
+#endif

@@ -1432,6 +1432,7 @@ SUITE(fidelity)
     RUN_TEST(cache_residual_scoring_is_the_core_search);
 }
 
+#ifndef PQC_TEST_UNITY /* tests/test_lib.c holds every suite in one program */
 GREATEST_MAIN_DEFS();
 
 int main(int argc, char **argv)
@@ -1440,3 +1441,4 @@ int main(int argc, char **argv)
     RUN_SUITE(fidelity);
     GREATEST_MAIN_END();
 }
+#endif

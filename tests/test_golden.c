@@ -256,6 +256,7 @@ SUITE(golden)
     RUN_TEST(a_file_of_an_earlier_build_decodes_on_as_it_did);
 }
 
+#ifndef PQC_TEST_UNITY /* tests/test_lib.c holds every suite in one program */
 GREATEST_MAIN_DEFS();
 
 int main(int argc, char **argv)
@@ -280,3 +281,4 @@ int main(int argc, char **argv)
     RUN_SUITE(golden);
     GREATEST_MAIN_END();
 }
+#endif

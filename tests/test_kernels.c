@@ -919,6 +919,7 @@ SUITE(kernels)
     RUN_TEST(select_bitwise);
 }
 
+#ifndef PQC_TEST_UNITY /* tests/test_lib.c holds every suite in one program */
 GREATEST_MAIN_DEFS();
 
 int main(int argc, char **argv)
@@ -927,3 +928,4 @@ int main(int argc, char **argv)
     RUN_SUITE(kernels);
     GREATEST_MAIN_END();
 }
+#endif
