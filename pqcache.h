@@ -2003,18 +2003,16 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
 
 /* The dots of n stored key rows (fp32, fp16 or bf16; stride bytes apart) with q, as
    pqc__rowdots makes them of the rows in fp32, with the key check of pqc__within on
-   those values: returns the first row that fails it, or n. row: d floats of scratch. */
+   those values: returns the first row that fails it, or n. row: d floats of scratch.
+   pqc__keydots_copy: through an fp32 copy of each row, with level s's conversion, check
+   and dots (out NULL: the check alone); the scalar reference, NEON, and the rows the
+   AVX2 pass leaves. */
+static size_t pqc__keydots_copy(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+                                size_t n, int d, float limit, float *row, float *out);
 static size_t pqc__keydots_scalar(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
                                    int d, float limit, float *row, float *out)
 {
-    size_t i, bad = n;
-    for (i = 0; i < n; i++) {
-        if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
-        else pqc__halfrow_scalar(rows + i * stride, t, (size_t)d, row);
-        if (bad == n && !pqc__within_scalar(row, (size_t)d, limit)) bad = i;
-        pqc__rowdots_scalar(q, row, 1, (size_t)d, d, out + i);
-    }
-    return bad;
+    return pqc__keydots_copy(PQC_SIMD_SCALAR, q, rows, stride, t, n, d, limit, row, out);
 }
 
 /* sum[idx[i]][e] += x[i][e] in double, points in index order (exact at every level) */
@@ -2507,11 +2505,8 @@ static unsigned pqc__half_limit_bits(pqc_dtype t, float limit)
         _mm_storeu_ps(s4, pqc__lanesum8x4_avx2(acc, hi0, hi1, hi2, hi3));                                              \
         memcpy(out + i, s4, sizeof s4);                                                                                \
         if (bad == n && !_mm_test_all_ones(_mm_cmpeq_epi16(_mm_max_epu16(top, lim2), lim2))) {                         \
-            size_t j; /* one of the four rows: which (rare) */                                                         \
-            for (j = i; j < i + 4 && bad == n; j++) {                                                                  \
-                pqc__halfrow_avx2(rows + j * stride, t, (size_t)d, row);                                               \
-                if (!pqc__within_avx2(row, (size_t)d, limit)) bad = j;                                                 \
-            }                                                                                                          \
+            size_t b_ = pqc__keydots_copy(PQC_SIMD_AVX2, q, r0, stride, t, 4, d, limit, row, NULL); /* which (rare) */  \
+            if (b_ < 4) bad = i + b_;                                                                                  \
         }                                                                                                              \
     }
 #define PQC__HALFSTEP(r, lo, hi, CONV)                                                                                 \
@@ -2532,15 +2527,8 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
     /* the magnitude patterns doubled (the sign shifted out): at most 2 * lb passes */
     const __m128i lim2 = _mm_set1_epi16((short)(lb > 0x7fffu ? 0 : (int)(lb << 1)));
     int e;
-    if (d % 16 || lb > 0x7fffu || (t == PQC_F32 && !(limit >= 0.0f))) {
-        for (i = 0; i < n; i++) {
-            if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
-            else pqc__halfrow_avx2(rows + i * stride, t, (size_t)d, row);
-            if (bad == n && !pqc__within_avx2(row, (size_t)d, limit)) bad = i;
-            pqc__rowdots_avx2(q, row, 1, (size_t)d, d, out + i);
-        }
-        return bad;
-    }
+    if (d % 16 || lb > 0x7fffu || (t == PQC_F32 && !(limit >= 0.0f)))
+        return pqc__keydots_copy(PQC_SIMD_AVX2, q, rows, stride, t, n, d, limit, row, out);
     if (t == PQC_F32) { /* the patterns of fp32 values: |x| <= limit exactly when bits(|x|) <= bits(limit) */
         uint32_t lbits;
         __m256i lim32;
@@ -2574,42 +2562,19 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
             _mm_storeu_ps(s4, pqc__lanesum8x4_avx2(pqc__lanesum8x4_avx2(_mm_setzero_ps(), lo0, lo1, lo2, lo3), hi0, hi1,
                                                    hi2, hi3));
             memcpy(out + i, s4, sizeof s4);
-            if (bad == n &&
-                _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, lim32), lim32)) != -1) {
-                size_t j; /* one of the four rows: which (rare) */
-                for (j = i; j < i + 4 && bad == n; j++) {
-                    memcpy(row, rows + j * stride, (size_t)d * sizeof(float));
-                    if (!pqc__within_avx2(row, (size_t)d, limit)) bad = j;
-                }
+            if (bad == n && _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, lim32), lim32)) != -1) {
+                size_t b = pqc__keydots_copy(PQC_SIMD_AVX2, q, rows + i * stride, stride, t, 4, d, limit, row, NULL);
+                if (b < 4) bad = i + b; /* which of the four (rare) */
             }
         }
-        for (; i < n; i++) { /* the last rows through the copy: the same lanes */
-            memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
-            if (bad == n && !pqc__within_avx2(row, (size_t)d, limit)) bad = i;
-            pqc__rowdots_avx2(q, row, 1, (size_t)d, d, out + i);
-        }
-        return bad;
-    }
-    if (t == PQC_F16) {
+    } else if (t == PQC_F16) {
         PQC__HALFDOTS4_AVX2(PQC__CONV_F16)
     } else {
         PQC__HALFDOTS4_AVX2(PQC__CONV_BF16)
     }
-    for (; i < n; i++) { /* the last rows, one by one with the same lanes */
-        const unsigned char *r0 = rows + i * stride;
-        __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0;
-        __m128i top = _mm_setzero_si128();
-        float acc = 0.0f;
-        for (e = 0; e < d; e += 16) {
-            const __m256 qa = _mm256_loadu_ps(q + e), qb = _mm256_loadu_ps(q + e + 8);
-            if (t == PQC_F16) PQC__HALFSTEP(r0, lo0, hi0, PQC__CONV_F16);
-            else PQC__HALFSTEP(r0, lo0, hi0, PQC__CONV_BF16);
-        }
-        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(lo0));
-        acc = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(lo0, 1));
-        acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(hi0));
-        out[i] = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(hi0, 1));
-        if (bad == n && !_mm_test_all_ones(_mm_cmpeq_epi16(_mm_max_epu16(top, lim2), lim2))) bad = i;
+    if (i < n) { /* the last rows through the copy: the same lanes */
+        size_t b = pqc__keydots_copy(PQC_SIMD_AVX2, q, rows + i * stride, stride, t, n - i, d, limit, row, out + i);
+        if (bad == n && b < n - i) bad = i + b;
     }
     return bad;
 }
@@ -3416,18 +3381,10 @@ static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_
     }
 }
 
-/* pqc__keydots through an fp32 copy of each row (the NEON conversion, check and dots) */
 static size_t pqc__keydots_neon(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
                                  int d, float limit, float *row, float *out)
 {
-    size_t i, bad = n;
-    for (i = 0; i < n; i++) {
-        if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
-        else pqc__halfrow_neon(rows + i * stride, t, (size_t)d, row);
-        if (bad == n && !pqc__within_neon(row, (size_t)d, limit)) bad = i;
-        pqc__rowdots_neon(q, row, 1, (size_t)d, d, out + i);
-    }
-    return bad;
+    return pqc__keydots_copy(PQC_SIMD_NEON, q, rows, stride, t, n, d, limit, row, out);
 }
 
 static void pqc__accum_neon(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
@@ -3578,6 +3535,18 @@ static size_t pqc__k_keydots(pqc_simd s, const float *q, const unsigned char *ro
                               size_t n, int d, float limit, float *row, float *out)
 {
     return PQC__DISPATCH_RET(s, pqc__keydots, (q, rows, stride, t, n, d, limit, row, out));
+}
+static size_t pqc__keydots_copy(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
+                                size_t n, int d, float limit, float *row, float *out)
+{
+    size_t i, bad = n;
+    for (i = 0; i < n && (out || bad == n); i++) {
+        if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
+        else pqc__k_halfrow(s, rows + i * stride, t, (size_t)d, row);
+        if (bad == n && !pqc__k_within(s, row, (size_t)d, limit)) bad = i;
+        if (out) pqc__k_rowdots(s, q, row, 1, (size_t)d, d, out + i);
+    }
+    return bad;
 }
 
 /* ---------------------------------------------------------------------------------------
