@@ -176,13 +176,6 @@ def _rows(t, f32=False):
     return r.contiguous().numpy()
 
 
-def _f32(a):
-    """float32 numpy rows from the library's storage dtype (bfloat16 arrives as uint16)"""
-    if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << 16).view(np.float32)
-    return a.astype(np.float32, copy=False)
-
-
 def _prompt(cache, c, layer, b, query, key, value, scale):
     """A prompt's tokens (one sequence): observed and stored; they attend densely to every
     token the cache holds and causally among themselves, as the model would. The first
@@ -190,10 +183,10 @@ def _prompt(cache, c, layer, b, query, key, value, scale):
     conversation) joins it token by token as decode tokens do."""
     held = c.tokens(layer)
     T = query.shape[1]
-    k_rows, v_rows = _rows(key), _rows(value)
     q = query.float()[None]
     k, v = key.float()[None], value.float()[None]
     if held == 0:
+        k_rows, v_rows = _rows(key), _rows(value)
         n_obs = int(cache.settings.get("observe", 32) or 32)
         if int(cache.settings.get("observe", 32)) >= 0:
             c.observe(layer, _rows(query[:, T - min(T, n_obs):], f32=True))
@@ -204,8 +197,8 @@ def _prompt(cache, c, layer, b, query, key, value, scale):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     past = [c.kv(layer, h) for h in range(key.shape[0])]
-    pk = torch.from_numpy(np.stack([_f32(kh) for kh, _ in past]))[None]
-    pv = torch.from_numpy(np.stack([_f32(vh) for _, vh in past]))[None]
+    pk = torch.from_numpy(np.stack([pqcache._to_f32(kh) for kh, _ in past]))[None]   # bfloat16 comes as uint16
+    pv = torch.from_numpy(np.stack([pqcache._to_f32(vh) for _, vh in past]))[None]
     allowed = torch.arange(held + T)[None, :] <= held + torch.arange(T)[:, None]
     o = torch.nn.functional.scaled_dot_product_attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2),
                                                          attn_mask=allowed, scale=scale, enable_gqa=True)
