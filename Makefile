@@ -184,12 +184,7 @@ EMU_FMA := $(shell $(CXX) -march=native -dM -E -x c++ /dev/null 2>/dev/null | gr
 $(EMU): tests/cuda_emu/libcuda_emu.cpp tests/cuda_emu/emu_device.h $(BUILD)/emu_kernels.inc
 	$(CXX) -std=c++14 -O2 $(EMU_FMA) -ffp-contract=off $(DBG) -fPIC -shared -Wall -Wextra -Werror -Wno-unknown-pragmas -Itests/cuda_emu -I$(BUILD) $< -o $@
 
-$(BUILD)/test_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
-	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@ $(LDLIBS)
-
-$(BUILD)/asan_cuda_tier: tests/test_cuda_tier.c $(TEST_DEPS) | $(BUILD)
-	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) -Itests $< -o $@ $(LDLIBS)
-
+# build/test_cuda_tier and build/asan_cuda_tier: the rules of the library's test programs
 DEPS_test-cuda-emu := $(EMU) $(BUILD)/gpu_check $(BUILD)/test_cuda_tier $(BUILD)/asan_cuda_tier build/test_pqcache_mode
 test-cuda-emu: $(DEPS_test-cuda-emu)
 	sh tests/cuda_emu/run.sh $(BUILD)

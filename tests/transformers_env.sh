@@ -16,8 +16,9 @@ fi
 venv=build/venv-hf
 py=$venv/bin/python3
 hf4=build/hf4
+have5() { [ -x "$py" ] && "$py" -c 'import torch, transformers, numpy, pytest' >/dev/null 2>&1; }
 have4() { PYTHONPATH=$hf4 "$py" -c 'import transformers, sys; sys.exit(transformers.__version__[0] != "4")' >/dev/null 2>&1; }
-if [ -x "$py" ] && "$py" -c 'import torch, transformers, numpy, pytest' >/dev/null 2>&1 && have4; then
+if have5 && have4; then
     echo "$py"
     exit 0
 fi
@@ -26,7 +27,7 @@ if [ "${1:-}" = --check ]; then
          "(it makes build/venv-hf, about 4 GB, and build/hf4), or set PQC_TORCH_PYTHON" >&2
     exit 1
 fi
-if ! { [ -x "$py" ] && "$py" -c 'import torch, transformers, numpy, pytest' >/dev/null 2>&1; }; then
+if ! have5; then
     echo "transformers_env: installing torch, transformers, numpy and pytest into $venv (once)" >&2
     python3 -m venv "$venv" >&2 || /usr/bin/python3 -m venv "$venv" >&2
     "$py" -m pip install -q --upgrade pip >&2
