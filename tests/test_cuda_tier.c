@@ -830,12 +830,10 @@ TEST driver_hands_device_rows(void)
 /* What the host does to the device during decode, counted by the stand-in driver: with
    device rows a step waits for nothing (the engine's own wait for its logits aside) and
    copies nothing up but each layer's queries and tops-k, and nothing down; with host rows
-   it waits once per layer, for the rows (the engine needs them before the next layer). */
-/* The device step of a decode: the engine's one wait per step and nothing else; the
-   queries and each head's top-k count go up, nothing comes down. With the test shape
-   (m = 2, resident codes) and with the library's default configuration (every setting
-   but the shape left to pqc_cache_resolve: m = 4 b = 8, softmax-sum, observed queries,
-   codes where the tier keeps them by default). */
+   it waits once per layer, for the rows (the engine needs them before the next layer).
+   With the test shape (m = 2, resident codes) and with the library's default
+   configuration (every setting but the shape left to pqc_cache_resolve: m = 4 b = 8,
+   softmax-sum, observed queries, codes where the tier keeps them by default). */
 static enum greatest_test_res never_wait(int defaults)
 {
     toy t;
