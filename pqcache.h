@@ -2004,15 +2004,31 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
 /* The dots of n stored key rows (fp32, fp16 or bf16; stride bytes apart) with q, as
    pqc__rowdots makes them of the rows in fp32, with the key check of pqc__within on
    those values: returns the first row that fails it, or n. row: d floats of scratch.
-   pqc__keydots_copy: through an fp32 copy of each row, with level s's conversion, check
-   and dots (out NULL: the check alone); the scalar reference, NEON, and the rows the
-   AVX2 pass leaves. */
-static size_t pqc__keydots_copy(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
-                                size_t n, int d, float limit, float *row, float *out);
+   pqc__keydots_copy: through an fp32 copy of each row, with one level's conversion,
+   check and dots (out NULL: the check alone); the scalar reference, NEON, and the rows
+   the AVX2 pass leaves. */
+typedef struct pqc__keydots_level {
+    void (*halfrow)(const void *src, pqc_dtype t, size_t n, float *dst);
+    int (*within)(const float *x, size_t n, float limit);
+    void (*rowdots)(const float *q, const float *rows, size_t n, size_t stride, int d, float *out);
+} pqc__keydots_level;
+static size_t pqc__keydots_copy(const pqc__keydots_level *lv, const float *q, const unsigned char *rows, size_t stride,
+                                pqc_dtype t, size_t n, int d, float limit, float *row, float *out)
+{
+    size_t i, bad = n;
+    for (i = 0; i < n && (out || bad == n); i++) {
+        if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
+        else lv->halfrow(rows + i * stride, t, (size_t)d, row);
+        if (bad == n && !lv->within(row, (size_t)d, limit)) bad = i;
+        if (out) lv->rowdots(q, row, 1, (size_t)d, d, out + i);
+    }
+    return bad;
+}
 static size_t pqc__keydots_scalar(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
                                    int d, float limit, float *row, float *out)
 {
-    return pqc__keydots_copy(PQC_SIMD_SCALAR, q, rows, stride, t, n, d, limit, row, out);
+    static const pqc__keydots_level lv = {pqc__halfrow_scalar, pqc__within_scalar, pqc__rowdots_scalar};
+    return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
 }
 
 /* sum[idx[i]][e] += x[i][e] in double, points in index order (exact at every level) */
@@ -2394,7 +2410,24 @@ PQC__AVX2 static inline float pqc__lanesum4_avx2(float acc, __m128 v)
     return acc + _mm_cvtss_f32(_mm_shuffle_ps(v, v, 3));
 }
 
-PQC__AVX2 static inline __m128 pqc__lanesum8x4_avx2(__m128 acc, __m256 a0, __m256 a1, __m256 a2, __m256 a3);
+/* acc[r] + a_r[0] + a_r[1] + ... + a_r[7] for the four rows r, each row's values added in
+   that order (lane order), the four rows side by side: a 4 x 4 transpose within each
+   128-bit half, then eight vector adds */
+PQC__AVX2 static inline __m128 pqc__lanesum8x4_avx2(__m128 acc, __m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
+    __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
+    __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    __m256 c2 = _mm256_shuffle_ps(t1, t3, 0x44), c3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c0));
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c1));
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c2));
+    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c3));
+    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c0, 1));
+    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c1, 1));
+    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c2, 1));
+    return _mm_add_ps(acc, _mm256_extractf128_ps(c3, 1));
+}
 
 PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
@@ -2444,24 +2477,6 @@ PQC__AVX2 static void pqc__rowdots_avx2(const float *q, const float *rows, size_
     }
 }
 
-/* acc[r] + a_r[0] + a_r[1] + ... + a_r[7] for the four rows r, each row's values added in
-   that order (lane order), the four rows side by side: a 4 x 4 transpose within each
-   128-bit half, then eight vector adds */
-PQC__AVX2 static inline __m128 pqc__lanesum8x4_avx2(__m128 acc, __m256 a0, __m256 a1, __m256 a2, __m256 a3)
-{
-    __m256 t0 = _mm256_unpacklo_ps(a0, a1), t1 = _mm256_unpackhi_ps(a0, a1);
-    __m256 t2 = _mm256_unpacklo_ps(a2, a3), t3 = _mm256_unpackhi_ps(a2, a3);
-    __m256 c0 = _mm256_shuffle_ps(t0, t2, 0x44), c1 = _mm256_shuffle_ps(t0, t2, 0xee);
-    __m256 c2 = _mm256_shuffle_ps(t1, t3, 0x44), c3 = _mm256_shuffle_ps(t1, t3, 0xee);
-    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c0));
-    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c1));
-    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c2));
-    acc = _mm_add_ps(acc, _mm256_castps256_ps128(c3));
-    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c0, 1));
-    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c1, 1));
-    acc = _mm_add_ps(acc, _mm256_extractf128_ps(c2, 1));
-    return _mm_add_ps(acc, _mm256_extractf128_ps(c3, 1));
-}
 
 /* The largest 15-bit magnitude pattern of an fp16 or bf16 value whose value is at most
    limit (magnitude grows with the pattern up to infinity; NaN patterns lie above it and
@@ -2505,7 +2520,7 @@ static unsigned pqc__half_limit_bits(pqc_dtype t, float limit)
         _mm_storeu_ps(s4, pqc__lanesum8x4_avx2(acc, hi0, hi1, hi2, hi3));                                              \
         memcpy(out + i, s4, sizeof s4);                                                                                \
         if (bad == n && !_mm_test_all_ones(_mm_cmpeq_epi16(_mm_max_epu16(top, lim2), lim2))) {                         \
-            size_t b_ = pqc__keydots_copy(PQC_SIMD_AVX2, q, r0, stride, t, 4, d, limit, row, NULL); /* which (rare) */  \
+            size_t b_ = pqc__keydots_copy(&lv, q, r0, stride, t, 4, d, limit, row, NULL); /* which (rare) */  \
             if (b_ < 4) bad = i + b_;                                                                                  \
         }                                                                                                              \
     }
@@ -2522,13 +2537,14 @@ static unsigned pqc__half_limit_bits(pqc_dtype t, float limit)
 PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
                                            size_t n, int d, float limit, float *row, float *out)
 {
+    static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx2};
     size_t i = 0, bad = n, o;
     unsigned lb = t == PQC_F32 ? 0 : pqc__half_limit_bits(t, limit);
     /* the magnitude patterns doubled (the sign shifted out): at most 2 * lb passes */
     const __m128i lim2 = _mm_set1_epi16((short)(lb > 0x7fffu ? 0 : (int)(lb << 1)));
     int e;
     if (d % 16 || lb > 0x7fffu || (t == PQC_F32 && !(limit >= 0.0f)))
-        return pqc__keydots_copy(PQC_SIMD_AVX2, q, rows, stride, t, n, d, limit, row, out);
+        return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
     if (t == PQC_F32) { /* the patterns of fp32 values: |x| <= limit exactly when bits(|x|) <= bits(limit) */
         uint32_t lbits;
         __m256i lim32;
@@ -2563,7 +2579,7 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
                                                    hi2, hi3));
             memcpy(out + i, s4, sizeof s4);
             if (bad == n && _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, lim32), lim32)) != -1) {
-                size_t b = pqc__keydots_copy(PQC_SIMD_AVX2, q, rows + i * stride, stride, t, 4, d, limit, row, NULL);
+                size_t b = pqc__keydots_copy(&lv, q, rows + i * stride, stride, t, 4, d, limit, row, NULL);
                 if (b < 4) bad = i + b; /* which of the four (rare) */
             }
         }
@@ -2573,7 +2589,7 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
         PQC__HALFDOTS4_AVX2(PQC__CONV_BF16)
     }
     if (i < n) { /* the last rows through the copy: the same lanes */
-        size_t b = pqc__keydots_copy(PQC_SIMD_AVX2, q, rows + i * stride, stride, t, n - i, d, limit, row, out + i);
+        size_t b = pqc__keydots_copy(&lv, q, rows + i * stride, stride, t, n - i, d, limit, row, out + i);
         if (bad == n && b < n - i) bad = i + b;
     }
     return bad;
@@ -3384,7 +3400,8 @@ static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_
 static size_t pqc__keydots_neon(const float *q, const unsigned char *rows, size_t stride, pqc_dtype t, size_t n,
                                  int d, float limit, float *row, float *out)
 {
-    return pqc__keydots_copy(PQC_SIMD_NEON, q, rows, stride, t, n, d, limit, row, out);
+    static const pqc__keydots_level lv = {pqc__halfrow_neon, pqc__within_neon, pqc__rowdots_neon};
+    return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
 }
 
 static void pqc__accum_neon(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
@@ -3535,18 +3552,6 @@ static size_t pqc__k_keydots(pqc_simd s, const float *q, const unsigned char *ro
                               size_t n, int d, float limit, float *row, float *out)
 {
     return PQC__DISPATCH_RET(s, pqc__keydots, (q, rows, stride, t, n, d, limit, row, out));
-}
-static size_t pqc__keydots_copy(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
-                                size_t n, int d, float limit, float *row, float *out)
-{
-    size_t i, bad = n;
-    for (i = 0; i < n && (out || bad == n); i++) {
-        if (t == PQC_F32) memcpy(row, rows + i * stride, (size_t)d * sizeof(float));
-        else pqc__k_halfrow(s, rows + i * stride, t, (size_t)d, row);
-        if (bad == n && !pqc__k_within(s, row, (size_t)d, limit)) bad = i;
-        if (out) pqc__k_rowdots(s, q, row, 1, (size_t)d, d, out + i);
-    }
-    return bad;
 }
 
 /* ---------------------------------------------------------------------------------------
