@@ -230,39 +230,49 @@ HF4 = os.path.join(ROOT, "build", "hf4")   # transformers 4.x, apart (tests/tran
 _SAVE_WITH_4 = """
 import sys, numpy as np, torch, transformers
 assert transformers.__version__.startswith("4."), transformers.__version__
-arch, out = sys.argv[1], sys.argv[2]
 shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=97, max_position_embeddings=4096, initializer_range=0.2)
-if arch == "llama3":
-    cfg = transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=64), **shape)
-else:
-    cfg = transformers.Qwen2Config(rope_theta=1e6, rope_scaling=dict(rope_type="linear", factor=4.0), **shape)
-torch.manual_seed(5)
-model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-model.to(torch.bfloat16).save_pretrained(out)
-model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                         attn_implementation="eager").eval()
-ids = torch.tensor(np.random.default_rng(1).integers(0, 97, (1, 300)))
-with torch.no_grad():
-    g = model.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True,
-                       return_dict_in_generate=True)
-np.savez(out + "/want.npz", tokens=g.sequences[0, 300:].numpy(), logits=torch.stack(g.scores, 1)[0].numpy())
+for arch, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    if arch == "llama3":
+        cfg = transformers.LlamaConfig(rope_theta=500000.0, rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64), **shape)
+    else:
+        cfg = transformers.Qwen2Config(rope_theta=1e6, rope_scaling=dict(rope_type="linear", factor=4.0), **shape)
+    torch.manual_seed(5)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    model.to(torch.bfloat16).save_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    ids = torch.tensor(np.random.default_rng(1).integers(0, 97, (1, 300)))
+    with torch.no_grad():
+        g = model.generate(ids, max_new_tokens=8, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True)
+    np.savez(out + "/want.npz", tokens=g.sequences[0, 300:].numpy(), logits=torch.stack(g.scores, 1)[0].numpy())
 """
+HF4_ARCHS = ["llama3", "qwen2-linear"]
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2-linear"])
-def test_checkpoints_transformers_4_wrote_decode_as_transformers_4_does(tmp_path, arch):
-    """A checkpoint saved by transformers 4 (the older config layout: top-level rope_theta and
-    rope_scaling) with its own greedy tokens and logits, loaded here by transformers 5 with the
-    pqcache backend at a covering budget: the same tokens, logits within 1e-4."""
+@pytest.fixture(scope="module")
+def hf4_checkpoints(tmp_path_factory):
+    """each of HF4_ARCHS saved and run by transformers 4 (one process for all of them)"""
     if not os.path.isdir(os.path.join(HF4, "transformers")):
         if os.environ.get("PQC_REQUIRE_TORCH") == "1":
             pytest.fail("build/hf4 (transformers 4) is missing: run sh tests/transformers_env.sh")
         pytest.skip("build/hf4 (transformers 4) is missing")
+    dirs = {a: tmp_path_factory.mktemp(a) for a in HF4_ARCHS}
     env = dict(os.environ, PYTHONPATH=HF4)
-    subprocess.run([sys.executable, "-c", _SAVE_WITH_4, arch, str(tmp_path)], env=env, check=True)
+    args = [x for a in HF4_ARCHS for x in (a, str(dirs[a]))]
+    subprocess.run([sys.executable, "-c", _SAVE_WITH_4] + args, env=env, check=True)
+    return dirs
+
+
+@pytest.mark.parametrize("arch", HF4_ARCHS)
+def test_checkpoints_transformers_4_wrote_decode_as_transformers_4_does(hf4_checkpoints, arch):
+    """A checkpoint saved by transformers 4 (the older config layout: top-level rope_theta and
+    rope_scaling) with its own greedy tokens and logits, loaded here by transformers 5 with the
+    pqcache backend at a covering budget: the same tokens, logits within 1e-4."""
+    tmp_path = hf4_checkpoints[arch]
     import json
     c = json.load(open(tmp_path / "config.json"))
     assert c["transformers_version"].startswith("4.") and "rope_parameters" not in c, c

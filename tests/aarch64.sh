@@ -3,10 +3,11 @@
 # cross-compiled and run under user-mode qemu. Run from the repository root.
 #
 #   1. compile checks: pqcache.h warning-free (-Wall -Wextra -Werror -pedantic) with the
-#      cross gcc as C99, with and without PQCACHE_NO_SIMD, and as C++11 where the cross
+#      cross gcc as C99 (the test program's build) and with PQCACHE_NO_SIMD, as C++11 where the cross
 #      g++ is there; with clang --target=aarch64-linux-gnu as C99 and C++11 where clang
 #      can use the cross toolchain
-#   2. under qemu-aarch64, small scenarios (PQC_TEST_SIZE=small): test_kernels (every
+#   2. under qemu-aarch64, small scenarios (PQC_TEST_SIZE=small), in one program
+#      (tests/test_lib.c, PQC_TEST_SUITES="kernels core golden"): test_kernels (every
 #      NEON kernel against its scalar reference, bit for bit), test_core (training,
 #      codes, search and top-k at every level: NEON and scalar give the same bits) and
 #      test_golden (the selections and the cache file recorded by an x86 build)
@@ -81,7 +82,8 @@ bad() { fail=$((fail + 1)); echo "FAIL test-aarch64: $1"; }
 amake() { $MAKE --no-print-directory AARCH64_CC="$ACC" AARCH64_CXX="$ACXX" CLANG="$CLANG" "$@"; }
 
 # 1. compile checks (each its own make target; a parallel make runs them side by side)
-checks="gcc-c99--default gcc-c99--nosimd-static"
+# (gcc as C99 in the default configuration is the test program's build below)
+checks="gcc-c99--nosimd-static"
 if command -v "$ACXX" >/dev/null 2>&1; then
     checks="$checks gxx-cxx--default"
 else
@@ -101,7 +103,7 @@ for mode in c99 cxx; do
 done
 targets=""
 for c in $checks; do targets="$targets $B/checks/$c.o"; done
-for t in kernels core golden; do targets="$targets $B/aarch64_test_$t"; done
+targets="$targets $B/aarch64_test_lib"
 # shellcheck disable=SC2086
 amake -k $targets || echo "test-aarch64: some builds failed (above)"
 # a target that failed to build is still out of date (make -q), whatever is left of it
@@ -114,15 +116,18 @@ for c in $checks; do
     fi
 done
 
-# 2. the tests under the emulator, small scenarios
-for t in kernels core golden; do
-    if ! amake -q "$B/aarch64_test_$t" >/dev/null 2>&1; then
-        bad "test_$t did not build"
-        continue
+# 2. the tests under the emulator, small scenarios: the suites of test_kernels, test_core
+# and test_golden in one program (tests/test_lib.c)
+if ! amake -q "$B/aarch64_test_lib" >/dev/null 2>&1; then
+    bad "test_lib did not build"
+else
+    echo "== kernels core golden (aarch64, under $QEMU, small scenarios)"
+    if PQC_TEST_SUITES="kernels core golden" PQC_TEST_SIZE=small "$QEMU" -L "$SYSROOT" "$B/aarch64_test_lib"; then
+        ok
+    else
+        bad "test_lib (kernels core golden)"
     fi
-    echo "== $t (aarch64, under $QEMU, small scenarios)"
-    if PQC_TEST_SIZE=small "$QEMU" -L "$SYSROOT" "$B/aarch64_test_$t"; then ok; else bad "test_$t"; fi
-done
+fi
 
 if [ "$fail" = 0 ]; then
     echo "test-aarch64: all checks passed ($pass: compile checks and test programs)"
