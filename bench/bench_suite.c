@@ -55,6 +55,9 @@ static const setting settings[] = {
     {"m4 b8, recent 0.1, outliers 64", 4, 8, 0.1, 0, 64, 0, 0},
     {"m4 b8, recent 0.1, residual 0.15", 4, 8, 0.1, 0, 0, 0.15, 0},
     {"window only (recent 1)", 0, 0, 1.0, 0, 0, 0, 0},
+    {"rerank 1.5", 0, 0, 0, 1.5, 0, 0, 0},
+    {"rerank 2", 0, 0, 0, 2, 0, 0, 0},
+    {"rerank 3", 0, 0, 0, 3, 0, 0, 0},
 };
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 16 };
 
