@@ -3540,6 +3540,12 @@ static void pqc__k_halfrow(pqc_simd s, const void *src, pqc_dtype t, size_t n, f
 {
     PQC__DISPATCH(s, pqc__halfrow, (src, t, n, dst));
 }
+/* n stored values of type t as fp32 (fp32 copied, fp16 and bf16 by the level's conversion) */
+static void pqc__k_to_f32(pqc_simd s, const void *src, pqc_dtype t, size_t n, float *dst)
+{
+    if (t == PQC_F32) memcpy(dst, src, n * sizeof(float));
+    else pqc__k_halfrow(s, src, t, n, dst);
+}
 static int pqc__k_within(pqc_simd s, const float *x, size_t n, float limit)
 {
     return PQC__DISPATCH_RET(s, pqc__within, (x, n, limit));
@@ -4222,16 +4228,16 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
 }
 
 /* sub-vector j (pq->dsub dims, in the sub-space's order) of row r as fp32 */
-static void pqc__sub_to_f32(const pqc_pq *pq, const pqc_matrix *keys, size_t r, int j, float *out)
+static void pqc__sub_to_f32(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *keys, size_t r, int j, float *out)
 {
     size_t es = pqc_dtype_size(keys->dtype), h = (size_t)pq->dsub / 2;
     const unsigned char *row = (const unsigned char *)pqc__row(keys, r);
     if (!pq->half_bands) {
-        pqc__row_to_f32(row + (size_t)j * pq->dsub * es, keys->dtype, (size_t)pq->dsub, out);
+        pqc__k_to_f32(simd, row + (size_t)j * pq->dsub * es, keys->dtype, (size_t)pq->dsub, out);
         return;
     }
-    pqc__row_to_f32(row + (size_t)j * h * es, keys->dtype, h, out);
-    pqc__row_to_f32(row + ((size_t)pq->dim / 2 + (size_t)j * h) * es, keys->dtype, h, out + h);
+    pqc__k_to_f32(simd, row + (size_t)j * h * es, keys->dtype, h, out);
+    pqc__k_to_f32(simd, row + ((size_t)pq->dim / 2 + (size_t)j * h) * es, keys->dtype, h, out + h);
 }
 
 /* The training sample for sub-space j when the cap binds: with 64+ centroids the cap/32
@@ -4282,7 +4288,7 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
         for (i = 0; i < pool; i++) {
             pidx[i] = (uint32_t)pqc__rng_below(rng, n);
             pd[i] = INFINITY;
-            pqc__sub_to_f32(pq, keys, pidx[i], j, blk + i * d);
+            pqc__sub_to_f32(simd, pq, keys, pidx[i], j, blk + i * d);
             if (sw)
                 for (e = 0; e < d; e++) blk[i * d + e] *= sw[e];
         }
@@ -4314,7 +4320,7 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
             size_t nb = PQC__MIN((size_t)PQC__PROBE_BLOCK, n - b);
             for (i = 0; i < nb; i++) {
                 float *row = blk + i * d;
-                pqc__sub_to_f32(pq, keys, b + i, j, row);
+                pqc__sub_to_f32(simd, pq, keys, b + i, j, row);
                 if (sw)
                     for (e = 0; e < d; e++) row[e] *= sw[e];
                 bxn[i] = pqc__sqnorm(row, d);
@@ -4387,7 +4393,7 @@ static void pqc__train_sub(void *arg)
         goto done;
     }
     for (i = 0; i < cap; i++) {
-        pqc__sub_to_f32(pq, keys, sel ? sel[i] : i, j, x + i * d);
+        pqc__sub_to_f32(simd, pq, keys, sel ? sel[i] : i, j, x + i * d);
         if (swp) {
             int e;
             for (e = 0; e < d; e++) x[i * d + e] *= swp[e];
@@ -4576,8 +4582,7 @@ static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *
         float *w = pq->metric ? row + pq->dim : NULL; /* the sub-space's weights, its order */
         if (w) pqc__gather_sub(pq, pq->metric, j, w);
         for (i = 0; i < n; i++) {
-            pqc__row_to_f32(pqc__row(keys, r0 + i), keys->dtype, keys->cols, row);
-            pqc__gather_sub(pq, row, j, x + i * pq->dsub);
+            pqc__sub_to_f32(simd, pq, keys, r0 + i, j, x + i * pq->dsub);
             if (w) { /* (w o x).c against the weighted norms: the weighted nearest centroid */
                 int e;
                 for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[e];
@@ -5370,8 +5375,7 @@ static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, cons
                 size_t o;
                 for (o = 0; o < rb; o += 64) PQC__PREFETCH(nx + o);
             }
-            if (keys->dtype == PQC_F32) memcpy(kr, pqc__row(keys, cand[ic]), rb);
-            else pqc__k_halfrow(simd, pqc__row(keys, cand[ic]), keys->dtype, d, kr);
+            pqc__k_to_f32(simd, pqc__row(keys, cand[ic]), keys->dtype, d, kr);
             if (check && !pqc__finite_row(kr, d)) {
                 pqc__free(pqc__rt_alloc(rt), tmpmem);
                 return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: key row %u holds NaN, Inf or a huge value",
@@ -7777,10 +7781,11 @@ PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_
    hits and traffic, and the host tier
    ------------------------------------------------------------------------------------- */
 
-/* row t of head H as fp32 from host or from a device slot */
+/* row t of head H as fp32 from host or from a device slot (fp16 and bf16 through the
+   SIMD conversion: the same values) */
 static void pqc__row_out(const pqc_cache *c, const unsigned char *src, float *dst)
 {
-    pqc__row_to_f32(src, c->d.kv_dtype, (size_t)c->d.head_dim, dst);
+    pqc__k_to_f32(pqc__simd(c->rt), src, c->d.kv_dtype, (size_t)c->d.head_dim, dst);
 }
 
 /* The victim slot for a new block: an empty slot, else by policy (LRU: least recently

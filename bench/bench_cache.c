@@ -12,10 +12,11 @@
       median of 3, the file in $TMPDIR (or /tmp) and in the page cache.
 
    usage: bench_cache [--sizes 4096,16384,65536,131072] [--threads T] [--quick]
-                      [--backend cpu|cuda] [--select-only] [--files]
+                      [--backend cpu|cuda] [--select-only] [--files] [--fp16]
    --backend cuda puts the device tier on a CUDA GPU (select and fetch then run there,
    the fetch copying the gathered rows back to the host; part 1 adds the device fetch
-   without that copy); --select-only stops after part 1. */
+   without that copy); --select-only stops after part 1; --fp16: the caches of parts 1-3
+   store K and V in fp16 (as engines do; the default is fp32), the fetch converting them. */
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "../tests/synth.h"
@@ -63,6 +64,8 @@ static float *make_kv(size_t s, uint64_t seed, float **queries, uint32_t **needl
     return kv;
 }
 
+static pqc_dtype g_kv_dtype = PQC_F32; /* the storage of parts 1-3 (--fp16) */
+
 /* m = bits = 0: the library's default codebook shape */
 static pqc_cache_desc desc_for(size_t s, int m, int bits)
 {
@@ -74,6 +77,7 @@ static pqc_cache_desc desc_for(size_t s, int m, int bits)
     cd.head_dim = D;
     cd.max_tokens = s + 4096;
     cd.budget_ratio = 0.1;
+    cd.kv_dtype = g_kv_dtype;
     cd.pq.m = m;
     cd.pq.bits = bits;
     cd.pq.iters = 4;
@@ -401,6 +405,7 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--select-only")) select_only = 1;
+        else if (!strcmp(argv[i], "--fp16")) g_kv_dtype = PQC_F16;
         else if (!strcmp(argv[i], "--files")) files = 1;
         else if (!strcmp(argv[i], "--backend") && i + 1 < argc) {
             const char *b = argv[++i];
@@ -419,7 +424,7 @@ int main(int argc, char **argv)
                 if (*p == ',') p++;
             }
         } else {
-            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only] [--files]\n",
+            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only] [--files] [--fp16]\n",
                     argv[0]);
             return 2;
         }
