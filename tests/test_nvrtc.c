@@ -298,9 +298,17 @@ TEST without_a_driver_loading_fails_with_no_cuda_driver(void)
 {
     pqc__cuApi api;
     void *probe = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    const char *named = getenv("PQC_CUDA_DRIVER_PATH");
+    char saved[4096];
     int st;
     if (probe) dlclose(probe);
     if (probe != NULL) SKIPf("a CUDA driver is installed here: the no-driver message cannot be observed");
+    /* a driver named in the environment (the CPU stand-in) is not the default one */
+    saved[0] = 0;
+    if (named) {
+        snprintf(saved, sizeof saved, "%s", named);
+        unsetenv("PQC_CUDA_DRIVER_PATH");
+    }
     api_init(&api);
     st = pqc__cu_load(&api, 1);
     ASSERTf(st == PQC__CU_ERR_NO_DRIVER, "status %d (%s)", st, api.msg);
@@ -313,6 +321,7 @@ TEST without_a_driver_loading_fails_with_no_cuda_driver(void)
     st = pqc__cu_load(&api, 0);
     ASSERTf(st == PQC__CU_ERR_NO_DRIVER, "second load: status %d", st);
     pqc__cu_unload(&api);
+    if (saved[0]) setenv("PQC_CUDA_DRIVER_PATH", saved, 1);
     PASS();
 }
 
