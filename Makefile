@@ -40,10 +40,10 @@ $(BUILD)/tsan_%: tests/test_%.c $(TEST_DEPS) | $(BUILD)
 	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(TSAN) -Itests $< -o $@ $(LDLIBS)
 
 # tests/test_lib.c: the six programs' suites in one program (the header compiled once, not
-# six times), for the builds that only run them: ASan+UBSan, TSan, without threads.
-# PQC_TEST_SUITES picks the suites.
+# six times), for every build make test runs them in: plain, ASan+UBSan, TSan, without
+# threads, AArch64. PQC_TEST_SUITES picks the suites.
 LIBTEST_SRCS := $(addprefix tests/test_,$(addsuffix .c,$(LIBTESTS)))
-$(BUILD)/asan_lib $(BUILD)/tsan_lib $(BUILD)/nothreads_lib $(BUILD)/aarch64/aarch64_test_lib: $(LIBTEST_SRCS)
+$(BUILD)/test_lib $(BUILD)/asan_lib $(BUILD)/tsan_lib $(BUILD)/nothreads_lib $(BUILD)/aarch64/aarch64_test_lib: $(LIBTEST_SRCS)
 
 $(BUILD)/test_harness: tests/test_harness.c tests/greatest.h | $(BUILD)
 	$(CC) $(STD) $(CFLAGS) $(WARN) -Itests $< -o $@
@@ -52,7 +52,6 @@ $(BUILD)/test_harness: tests/test_harness.c tests/greatest.h | $(BUILD)
 # tests/test_NAME.c also builds and runs alone (make build/test_NAME). The allocation-failure
 # sweeps run under the sanitizers (make test-asan, test-tsan), whose builds see more of
 # what a failure path can do wrong; make test-long runs them here too.
-$(BUILD)/test_lib: $(LIBTEST_SRCS)
 CORE_EXCLUDE ?= -x every_allocation
 DEPS_test-core := $(BUILD)/test_lib
 test-core: $(DEPS_test-core)

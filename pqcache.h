@@ -5332,7 +5332,8 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 
 /* The caller has checked the arguments (and, unless `check`, that the candidates' rows
    are finite: the cache stores only such rows). scratch: per-candidate head scores
-   [n][g] | combined [n] | positions [k] | selection scratch | one converted row [d].
+   [n][g] | combined [n] | positions [k] | selection scratch | a batch of converted rows
+   [PQC__RERANK_BATCH][d] | their dots [g][PQC__RERANK_BATCH].
    The candidates' rows are scattered over the keys, so their reads are memory-bound: each
    row is asked for PQC__RERANK_AHEAD candidates early, converted to fp32 with the SIMD
    conversion, and the heads' dots are taken over PQC__RERANK_BATCH rows at a time (128K
@@ -7781,13 +7782,6 @@ PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_
    hits and traffic, and the host tier
    ------------------------------------------------------------------------------------- */
 
-/* row t of head H as fp32 from host or from a device slot (fp16 and bf16 through the
-   SIMD conversion: the same values) */
-static void pqc__row_out(const pqc_cache *c, const unsigned char *src, float *dst)
-{
-    pqc__k_to_f32(pqc__simd(c->rt), src, c->d.kv_dtype, (size_t)c->d.head_dim, dst);
-}
-
 /* The victim slot for a new block: an empty slot, else by policy (LRU: least recently
    used; LFU: lowest decayed frequency score, then least recently used), never a slot
    admitted or used in this step; -1 if there is none. */
@@ -7988,7 +7982,8 @@ static void pqc__host_fetch_head(void *ctx, size_t hi)
 
 #define PQC__FETCH_CHUNK 512
 #define PQC__FETCH_PARALLEL_ROWS 4096
-/* copies chunk q (head q / chunks_per_head) of the gathered rows, converting to fp32 */
+/* copies chunk q (head q / chunks_per_head) of the gathered rows (from host or from a
+   block-cache slot), converting to fp32 */
 static void pqc__fetch_copy(void *ctx, size_t q)
 {
     pqc__fetch_job *j = (pqc__fetch_job *)ctx;
@@ -7996,9 +7991,10 @@ static void pqc__fetch_copy(void *ctx, size_t q)
     size_t hi = q / j->chunks, r0 = (q % j->chunks) * PQC__FETCH_CHUNK, cnt = j->sel->count[hi], i, d = (size_t)c->d.head_dim;
     const void **srck = j->src + hi * 2 * j->rows_cap, **srcv = srck + j->rows_cap;
     float *ko = j->out->k + hi * j->out->head_stride * d, *vo = j->out->v + hi * j->out->head_stride * d;
+    pqc_simd simd = pqc__simd(c->rt);
     for (i = r0; i < cnt && i < r0 + PQC__FETCH_CHUNK; i++) {
-        pqc__row_out(c, (const unsigned char *)srck[i], ko + i * d);
-        pqc__row_out(c, (const unsigned char *)srcv[i], vo + i * d);
+        pqc__k_to_f32(simd, srck[i], c->d.kv_dtype, d, ko + i * d);
+        pqc__k_to_f32(simd, srcv[i], c->d.kv_dtype, d, vo + i * d);
     }
 }
 

@@ -106,7 +106,7 @@ static pqc_cache *open_cache(pqc_runtime *rt, const pqc_cache_desc *cd, const fl
 static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, double rerank)
 {
     pqc_cache_desc cd = desc_for(s, m, bits), rc;
-    char shape[96];
+    char shape[96], rr[32];
     pqc_cache *c;
     pqc_selection sel;
     pqc_kv_out out;
@@ -119,8 +119,9 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
     cd.rerank = rerank;
     c = open_cache(rt, &cd, kv, s, &sel);
     pqc_cache_config(c, &rc);
-    if (rerank > 0) snprintf(shape, sizeof shape, "%s m%db%d rerank %g", m ? "      " : "default", rc.pq.m, rc.pq.bits, rerank);
-    else snprintf(shape, sizeof shape, "%s m%db%d", m ? "      " : "default", rc.pq.m, rc.pq.bits);
+    rr[0] = 0;
+    if (rerank > 0) snprintf(rr, sizeof rr, " rerank %g", rerank);
+    snprintf(shape, sizeof shape, "%s m%db%d%s", m ? "      " : "default", rc.pq.m, rc.pq.bits, rr);
     out.head_stride = s;
     out.k = (float *)malloc(HKV * s * D * sizeof(float));
     out.v = (float *)malloc(HKV * s * D * sizeof(float));

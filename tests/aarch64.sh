@@ -3,9 +3,9 @@
 # cross-compiled and run under user-mode qemu. Run from the repository root.
 #
 #   1. compile checks: pqcache.h warning-free (-Wall -Wextra -Werror -pedantic) with the
-#      cross gcc as C99 (the test program's build) and with PQCACHE_NO_SIMD, as C++11 where the cross
-#      g++ is there; with clang --target=aarch64-linux-gnu as C99 and C++11 where clang
-#      can use the cross toolchain
+#      cross gcc as C99 (the test program's build) and with PQCACHE_NO_SIMD, as C++11
+#      where the cross g++ is there; with clang --target=aarch64-linux-gnu as C99 and
+#      C++11 where clang can use the cross toolchain
 #   2. under qemu-aarch64, small scenarios (PQC_TEST_SIZE=small), in one program
 #      (tests/test_lib.c, PQC_TEST_SUITES="kernels core golden"): test_kernels (every
 #      NEON kernel against its scalar reference, bit for bit), test_core (training,

@@ -1,7 +1,7 @@
 /* test_lib.c - the library's test programs (test_core, test_cache, test_contract,
  * test_fidelity, test_golden, test_kernels) as one program: the header's implementation
- * compiled once instead of six times, for the builds that only run them (the sanitizers,
- * the build without threads, the cross build). PQC_TEST_SUITES (environment): the suites
+ * compiled once instead of six times, for every build make test runs them in (plain, the
+ * sanitizers, without threads, the cross build). PQC_TEST_SUITES (environment): the suites
  * to run, separated by spaces (default: all six); greatest's own options as in each
  * program (-t, -x, -v, ...). */
 #define PQC_TEST_UNITY
