@@ -2625,7 +2625,7 @@ PQC__AVX512 static void pqc__dots_avx512(const float *x, int d, const float *ct,
 }
 
 /* lowest value, then lowest index, across the 16 lanes */
-PQC__AVX512 static void pqc__argmin16(__m512 best, __m512i bidx, uint16_t *idx, float *val)
+PQC__AVX512 static inline void pqc__argmin16(__m512 best, __m512i bidx, uint16_t *idx, float *val)
 {
     float m = _mm512_reduce_min_ps(best);
     __mmask16 eq = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
@@ -3479,26 +3479,51 @@ static void pqc__bracket_neon(const float *s, size_t n, float lo, float hi, uint
 }
 #endif /* PQC__NEON */
 
-/* ----- dispatch ----- */
+/* ----- dispatch -----
+   PQC__DISPATCH calls the level's kernel; PQC__DISPATCH_TO stores its result in r.
+   After an AVX2 or AVX-512 kernel the dispatch zeroes the upper halves of the vector
+   registers (vzeroupper). Left set, they cost Intel cores a penalty on every SSE
+   instruction that follows (the library's own scalar code, libm, the engine's code) until
+   something clears them: on one Xeon, training at 128K went from 0.2 s to 3 s through the
+   libm calls of its norms. The compilers insert the instruction at most of a kernel's
+   returns but not all (not after a helper that takes vector arguments, nor below -O2), so
+   it is issued here, once per kernel call, where it costs a cycle. */
 #if PQC__X86
+#define PQC__AVX_EXIT() __asm__ __volatile__("vzeroupper")
 #define PQC__DISPATCH(simd, name, args)                                                                                \
     do {                                                                                                               \
-        if ((simd) == PQC_SIMD_AVX512) name##_avx512 args;                                                              \
-        else if ((simd) == PQC_SIMD_AVX2) name##_avx2 args;                                                             \
-        else name##_scalar args;                                                                                       \
+        if ((simd) == PQC_SIMD_AVX512) {                                                                               \
+            name##_avx512 args;                                                                                        \
+            PQC__AVX_EXIT();                                                                                           \
+        } else if ((simd) == PQC_SIMD_AVX2) {                                                                          \
+            name##_avx2 args;                                                                                          \
+            PQC__AVX_EXIT();                                                                                           \
+        } else {                                                                                                       \
+            name##_scalar args;                                                                                        \
+        }                                                                                                              \
     } while (0)
-#define PQC__DISPATCH_RET(simd, name, args)                                                                            \
-    ((simd) == PQC_SIMD_AVX512 ? name##_avx512 args : (simd) == PQC_SIMD_AVX2 ? name##_avx2 args : name##_scalar args)
+#define PQC__DISPATCH_TO(r, simd, name, args)                                                                          \
+    do {                                                                                                               \
+        if ((simd) == PQC_SIMD_AVX512) {                                                                               \
+            (r) = name##_avx512 args;                                                                                  \
+            PQC__AVX_EXIT();                                                                                           \
+        } else if ((simd) == PQC_SIMD_AVX2) {                                                                          \
+            (r) = name##_avx2 args;                                                                                    \
+            PQC__AVX_EXIT();                                                                                           \
+        } else {                                                                                                       \
+            (r) = name##_scalar args;                                                                                  \
+        }                                                                                                              \
+    } while (0)
 #elif PQC__NEON
 #define PQC__DISPATCH(simd, name, args)                                                                                \
     do {                                                                                                               \
         if ((simd) == PQC_SIMD_NEON) name##_neon args;                                                                  \
         else name##_scalar args;                                                                                       \
     } while (0)
-#define PQC__DISPATCH_RET(simd, name, args) ((simd) == PQC_SIMD_NEON ? name##_neon args : name##_scalar args)
+#define PQC__DISPATCH_TO(r, simd, name, args) ((r) = (simd) == PQC_SIMD_NEON ? name##_neon args : name##_scalar args)
 #else
 #define PQC__DISPATCH(simd, name, args) ((void)(simd), name##_scalar args)
-#define PQC__DISPATCH_RET(simd, name, args) ((void)(simd), name##_scalar args)
+#define PQC__DISPATCH_TO(r, simd, name, args) ((void)(simd), (r) = name##_scalar args)
 #endif
 
 static void pqc__k_assign(pqc_simd s, const float *x, size_t n, int d, const float *ct, const float *cn, int kpad, int k,
@@ -3518,10 +3543,17 @@ static void pqc__k_scan(pqc_simd s, const pqc_codes *cd, const float *lut, int k
 {
     PQC__DISPATCH(s, pqc__scan, (cd, lut, ksub, t0, n, out));
 }
-static float pqc__k_max(pqc_simd s, const float *x, size_t n) { return PQC__DISPATCH_RET(s, pqc__max, (x, n)); }
+static float pqc__k_max(pqc_simd s, const float *x, size_t n)
+{
+    float r;
+    PQC__DISPATCH_TO(r, s, pqc__max, (x, n));
+    return r;
+}
 static float pqc__k_expsum(pqc_simd s, const float *x, size_t n, float mx, float scale, float *e)
 {
-    return PQC__DISPATCH_RET(s, pqc__expsum, (x, n, mx, scale, e));
+    float r;
+    PQC__DISPATCH_TO(r, s, pqc__expsum, (x, n, mx, scale, e));
+    return r;
 }
 static void pqc__k_axpy(pqc_simd s, const float *e, size_t n, float w, float *acc)
 {
@@ -3548,7 +3580,9 @@ static void pqc__k_to_f32(pqc_simd s, const void *src, pqc_dtype t, size_t n, fl
 }
 static int pqc__k_within(pqc_simd s, const float *x, size_t n, float limit)
 {
-    return PQC__DISPATCH_RET(s, pqc__within, (x, n, limit));
+    int r;
+    PQC__DISPATCH_TO(r, s, pqc__within, (x, n, limit));
+    return r;
 }
 static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
@@ -3557,7 +3591,9 @@ static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t
 static size_t pqc__k_keydots(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
                               size_t n, int d, float limit, float *row, float *out)
 {
-    return PQC__DISPATCH_RET(s, pqc__keydots, (q, rows, stride, t, n, d, limit, row, out));
+    size_t r;
+    PQC__DISPATCH_TO(r, s, pqc__keydots, (q, rows, stride, t, n, d, limit, row, out));
+    return r;
 }
 
 /* ---------------------------------------------------------------------------------------
@@ -3814,17 +3850,7 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     delta = 3.0 * sqrt(p * (1.0 - p) / (double)S) + 2.0 / (double)S;
     hi = p - delta <= 0.0 ? INFINITY : pqc__kth_largest(smp, S, (size_t)floor((p - delta) * (double)S));
     lo = p + delta >= 1.0 ? -INFINITY : pqc__kth_largest(smp, S, (size_t)ceil((p + delta) * (double)S));
-#if PQC__X86
-    if (simd == PQC_SIMD_AVX512) pqc__bracket_avx512(s, n, lo, hi, above, &na, cand, cs, &nc);
-    else if (simd == PQC_SIMD_AVX2) pqc__bracket_avx2(s, n, lo, hi, above, &na, cand, cs, &nc);
-    else pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
-#elif PQC__NEON
-    if (simd == PQC_SIMD_NEON) pqc__bracket_neon(s, n, lo, hi, above, &na, cand, cs, &nc);
-    else pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
-#else
-    (void)simd;
-    pqc__bracket_scalar(s, n, lo, hi, above, &na, cand, cs, &nc);
-#endif
+    PQC__DISPATCH(simd, pqc__bracket, (s, n, lo, hi, above, &na, cand, cs, &nc));
     if (na > k || na + nc < k) { /* the bracket missed the k-th value */
         pqc__topk_core(s, n, k, above, idx, outs);
         return;

@@ -63,6 +63,32 @@ static long first_diff(const void *a, const void *b, size_t count, size_t size)
         }                                                                                                              \
     } while (0)
 
+/* Whether the upper halves of the vector registers are in use (XGETBV 1: the YMM_Hi128
+   and ZMM_Hi256 components of XINUSE): 1 set, 0 clear, -1 where the processor cannot
+   tell. After an AVX kernel returns through the dispatch they must be clear: left set,
+   every SSE instruction after it pays Intel's transition penalty. */
+#if PQC__X86
+#include <cpuid.h>
+static int upper_dirty(void)
+{
+    unsigned a = 0, b = 0, c = 0, d = 0, lo, hi;
+    if (!__get_cpuid_count(0xd, 1, &a, &b, &c, &d) || !(a & 4u)) return -1;
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(1u));
+    (void)hi;
+    return (lo & 0x44u) != 0;
+}
+#else
+static int upper_dirty(void) { return -1; }
+#endif
+#define UPPER_CLEAN(what) UPPER_CLEAN_AT(lv, what)
+#define UPPER_CLEAN_AT(l, what)                                                                                        \
+    do {                                                                                                               \
+        if (upper_dirty() == 1) {                                                                                      \
+            snprintf(msg, sizeof msg, "%s: %s left the vector registers' upper halves set", pqc_simd_name(l), what);   \
+            FAILm(msg);                                                                                                \
+        }                                                                                                              \
+    } while (0)
+
 #define NEED_LEVELS(lvs, nl)                                                                                           \
     pqc_simd lvs[3];                                                                                                   \
     int nl = levels(lvs);                                                                                              \
@@ -135,6 +161,7 @@ TEST dots_bitwise(void)
                 for (i = 0; i < 272; i++) a[i] = b[i] = 12345.0f; /* nothing written past k */
                 pqc__dots_scalar(x, d, ct, kpad, k, a);
                 pqc__k_dots(lv, x, d, ct, kpad, k, b);
+                UPPER_CLEAN("dots");
                 free(c);
                 free(ct);
                 free(cn);
@@ -175,6 +202,7 @@ TEST assign_bitwise(void)
                         pqc__assign_scalar(x, n, d, ct, cn, kpad, k, ia, va);
                         pqc__k_assign(lv, x, n, d, ct, cn, kpad, k, ib, vb);
                         pqc__k_assign(lv, x, n, d, ct, cn, kpad, k, jb, NULL);
+                        UPPER_CLEAN("assign");
                         pqc__assign_scalar(x, n, d, ct, cn, kpad, k, ja, NULL);
                         free(c);
                         free(ct);
@@ -208,6 +236,7 @@ TEST accum_bitwise(void)
             for (i = 0; i < (size_t)k * d; i++) sa[i] = sb[i] = (double)rng_float(&st) * 1e-7;
             pqc__accum_scalar(x, n, d, idx, sa);
             pqc__k_accum(lv, x, n, d, idx, sb);
+            UPPER_CLEAN("accum");
             free(x);
             if (first_diff(sa, sb, (size_t)k * d, sizeof(double)) >= 0) {
                 free(sa);
@@ -254,6 +283,7 @@ TEST scan_bitwise(void)
                         size_t n = ns[ni], t0 = t0s[ti];
                         pqc__scan_scalar(&cd, lut, ksub, t0, n, oa);
                         pqc__k_scan(lv, &cd, lut, ksub, t0, n, ob);
+                        UPPER_CLEAN("scan");
                         if (first_diff(oa, ob, n, sizeof(float)) >= 0) {
                             free(lut);
                             free(cd.data);
@@ -299,6 +329,7 @@ TEST max_bitwise(void)
                 }
                 a = pqc__max_scalar(x, n);
                 b = pqc__k_max(lv, x, n);
+                UPPER_CLEAN("max");
                 free(x);
                 if (memcmp(&a, &b, sizeof a) != 0) {
                     snprintf(msg, sizeof msg, "%s: max differs from scalar (kind %d, n %zu): %g vs %g", pqc_simd_name(lv),
@@ -332,6 +363,7 @@ TEST expsum_bitwise(void)
                 if (n == 0) mx = 0.0f;
                 za = pqc__expsum_scalar(s, n, mx, scales[si], ea);
                 zb = pqc__k_expsum(lv, s, n, mx, scales[si], eb);
+                UPPER_CLEAN("expsum");
                 free(s);
                 if (memcmp(&za, &zb, sizeof za) != 0 || first_diff(ea, eb, n, sizeof(float)) >= 0) {
                     free(ea);
@@ -392,6 +424,7 @@ TEST axpy_bitwise(void)
             }
             pqc__axpy_scalar(e, n, w, a);
             pqc__k_axpy(lv, e, n, w, b);
+            UPPER_CLEAN("axpy");
             dif = first_diff(a, b, n, sizeof(float));
             free(e);
             free(a);
@@ -465,6 +498,7 @@ TEST scan_heads_bitwise(void)
                             for (h = 0; h < g; h++) mb[h] = -INFINITY;
                             memset(ob, 0xff, sizeof(float) * n * (size_t)g);
                             pqc__k_scan_heads(lv, &cd, il, ksub, g, t0, n, ob, n, mb);
+                            UPPER_CLEAN("scan_heads");
                             if (first_diff(oa, ob, n * (size_t)g, sizeof(float)) >= 0 ||
                                 first_diff(ma, mb, (size_t)g, sizeof(float)) >= 0)
                                 bad = pqc_simd_name(lv);
@@ -507,6 +541,7 @@ TEST combine_bitwise(void)
             for (li = 0; li < nl && !bad; li++) {
                 pqc__k_combine(lv_[li], e, es, g, n, w, c);
                 if (first_diff(b, c, n, sizeof(float)) >= 0) bad = pqc_simd_name(lv_[li]);
+                else if (upper_dirty() == 1) bad = "a level left the vector registers' upper halves set";
             }
             free(e);
             free(a);
@@ -541,6 +576,7 @@ TEST rowdots_bitwise(void)
             for (i = 0; i < n * stride; i++) rows[i] = rng_float(&st) * 3.0f;
             pqc__rowdots_scalar(q, rows, n, stride, d, a);
             pqc__k_rowdots(lv, q, rows, n, stride, d, b);
+            UPPER_CLEAN("rowdots");
             dif = first_diff(a, b, n, sizeof(float));
             free(q);
             free(rows);
@@ -585,6 +621,7 @@ TEST halfrow_bitwise(void)
             for (li = 0; li < nl && !bad; li++) {
                 pqc__k_halfrow(lv_[li], h, t, n, b);
                 if (first_diff(a, b, n, sizeof(float)) >= 0) bad = pqc_simd_name(lv_[li]);
+                else if (upper_dirty() == 1) bad = "a level left the vector registers' upper halves set";
             }
             free(h);
             free(a);
@@ -659,6 +696,7 @@ TEST keydots_bitwise(void)
                         for (li = 0; li < nl && !fail; li++) {
                             got = pqc__k_keydots(lv_[li], q, rows, stride, t, n, d, PQC__KEY_LIMIT, row, b);
                             if (got != want || first_diff(a, b, n, sizeof(float)) >= 0) fail = pqc_simd_name(lv_[li]);
+                            else if (upper_dirty() == 1) fail = "a level left the vector registers' upper halves set";
                         }
                         free(rows);
                         free(q);
@@ -699,8 +737,8 @@ TEST within_bitwise(void)
                     FAILm("scalar range check misses a value");
                 }
                 for (li = 0; li < nl; li++)
-                    if (pqc__k_within(lv_[li], x, n, PQC__KEY_LIMIT) != a) {
-                        snprintf(msg, sizeof msg, "within: %s differs (n %zu, value %g at %zu)", pqc_simd_name(lv_[li]), n,
+                    if (pqc__k_within(lv_[li], x, n, PQC__KEY_LIMIT) != a || upper_dirty() == 1) {
+                        snprintf(msg, sizeof msg, "within: %s differs or leaves the upper halves set (n %zu, value %g at %zu)", pqc_simd_name(lv_[li]), n,
                                  (double)odd[oi], pos);
                         free(x);
                         FAILm(msg);
@@ -881,6 +919,7 @@ TEST select_bitwise(void)
                 size_t k = ks[ki];
                 pqc__select(PQC_SIMD_SCALAR, s, n, k, scr, ia, va);
                 pqc__select(lv, s, n, k, scr, ib, vb);
+                UPPER_CLEAN("select");
                 if (first_diff(ia, ib, k, sizeof *ia) >= 0 || first_diff(va, vb, k, sizeof *va) >= 0) {
                     snprintf(msg, sizeof msg, "%s: top-k differs from scalar (k %zu, dist %d)", pqc_simd_name(lv), k, dist);
                     FAILm(msg);
