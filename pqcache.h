@@ -2633,15 +2633,124 @@ PQC__AVX512 static inline void pqc__argmin16(__m512 best, __m512i bidx, uint16_t
     if (val) *val = m;
 }
 
-/* 4 points x 16 centroids per register tile; the dot for one (point, centroid) pair is
-   still one fma chain over the dims. */
+/* 8 points x 32 centroids per register tile (16 accumulators: twice the fused adds in
+   flight that the units' latency needs, and 10 loads per 16 of them), then 4 points x 32
+   or x 16, then one point at a time; the dot for one (point, centroid) pair is still one
+   fma chain over the dims, and each point's lanes see their centroids in ascending order. */
 PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, const float *ct, const float *cn, int kpad,
                                            int k, uint16_t *idx, float *val)
 {
     size_t i = 0;
-    int c, e;
+    int c, e, p;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     (void)k;
+    for (; i + 8 <= n && kpad % 32 == 0; i += 8) {
+        const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d, *x4 = x3 + d, *x5 = x4 + d,
+                    *x6 = x5 + d, *x7 = x6 + d;
+        __m512 bst[8];
+        __m512i bix[8];
+        for (p = 0; p < 8; p++) {
+            bst[p] = _mm512_set1_ps(INFINITY);
+            bix[p] = _mm512_setzero_si512();
+        }
+        for (c = 0; c < kpad; c += 32) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+            const __m512 cn0 = _mm512_loadu_ps(cn + c), cn1 = _mm512_loadu_ps(cn + c + 16);
+            const __m512i ci0 = _mm512_add_epi32(lane, _mm512_set1_epi32(c)), ci1 = _mm512_add_epi32(ci0, _mm512_set1_epi32(16));
+            const float *cp = ct + c;
+            for (e = 0; e < d; e++, cp += kpad) {
+                const __m512 v0 = _mm512_loadu_ps(cp), v1 = _mm512_loadu_ps(cp + 16);
+                __m512 s_;
+#define PQC__FMA8(P)                                                                                                   \
+    s_ = _mm512_set1_ps(x##P[e]);                                                                                      \
+    a##P = _mm512_fmadd_ps(s_, v0, a##P);                                                                              \
+    b##P = _mm512_fmadd_ps(s_, v1, b##P)
+                PQC__FMA8(0);
+                PQC__FMA8(1);
+                PQC__FMA8(2);
+                PQC__FMA8(3);
+                PQC__FMA8(4);
+                PQC__FMA8(5);
+                PQC__FMA8(6);
+                PQC__FMA8(7);
+#undef PQC__FMA8
+            }
+#define PQC__UPD8(P)                                                                                                   \
+    do {                                                                                                               \
+        __m512 v_ = _mm512_sub_ps(cn0, _mm512_add_ps(a##P, a##P));                                                     \
+        __mmask16 m_ = _mm512_cmp_ps_mask(v_, bst[P], _CMP_LT_OQ);                                                     \
+        bst[P] = _mm512_mask_mov_ps(bst[P], m_, v_);                                                                   \
+        bix[P] = _mm512_mask_mov_epi32(bix[P], m_, ci0);                                                               \
+        v_ = _mm512_sub_ps(cn1, _mm512_add_ps(b##P, b##P));                                                            \
+        m_ = _mm512_cmp_ps_mask(v_, bst[P], _CMP_LT_OQ);                                                               \
+        bst[P] = _mm512_mask_mov_ps(bst[P], m_, v_);                                                                   \
+        bix[P] = _mm512_mask_mov_epi32(bix[P], m_, ci1);                                                               \
+    } while (0)
+            PQC__UPD8(0);
+            PQC__UPD8(1);
+            PQC__UPD8(2);
+            PQC__UPD8(3);
+            PQC__UPD8(4);
+            PQC__UPD8(5);
+            PQC__UPD8(6);
+            PQC__UPD8(7);
+#undef PQC__UPD8
+        }
+        for (p = 0; p < 8; p++) pqc__argmin16(bst[p], bix[p], idx + i + p, val ? val + i + p : NULL);
+    }
+    for (; i + 8 <= n && kpad % 32 == 16; i += 8) { /* 8 points x 16 centroids (k-means++ rounds, b = 4) */
+        const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d, *x4 = x3 + d, *x5 = x4 + d,
+                    *x6 = x5 + d, *x7 = x6 + d;
+        __m512 bst[8];
+        __m512i bix[8];
+        for (p = 0; p < 8; p++) {
+            bst[p] = _mm512_set1_ps(INFINITY);
+            bix[p] = _mm512_setzero_si512();
+        }
+        for (c = 0; c < kpad; c += 16) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            const __m512 cn0 = _mm512_loadu_ps(cn + c);
+            const __m512i ci0 = _mm512_add_epi32(lane, _mm512_set1_epi32(c));
+            const float *cp = ct + c;
+            for (e = 0; e < d; e++, cp += kpad) {
+                const __m512 v0 = _mm512_loadu_ps(cp);
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[e]), v0, a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[e]), v0, a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[e]), v0, a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[e]), v0, a3);
+                a4 = _mm512_fmadd_ps(_mm512_set1_ps(x4[e]), v0, a4);
+                a5 = _mm512_fmadd_ps(_mm512_set1_ps(x5[e]), v0, a5);
+                a6 = _mm512_fmadd_ps(_mm512_set1_ps(x6[e]), v0, a6);
+                a7 = _mm512_fmadd_ps(_mm512_set1_ps(x7[e]), v0, a7);
+            }
+#define PQC__UPD16(P)                                                                                                  \
+    do {                                                                                                               \
+        __m512 v_ = _mm512_sub_ps(cn0, _mm512_add_ps(a##P, a##P));                                                     \
+        __mmask16 m_ = _mm512_cmp_ps_mask(v_, bst[P], _CMP_LT_OQ);                                                     \
+        bst[P] = _mm512_mask_mov_ps(bst[P], m_, v_);                                                                   \
+        bix[P] = _mm512_mask_mov_epi32(bix[P], m_, ci0);                                                               \
+    } while (0)
+            PQC__UPD16(0);
+            PQC__UPD16(1);
+            PQC__UPD16(2);
+            PQC__UPD16(3);
+            PQC__UPD16(4);
+            PQC__UPD16(5);
+            PQC__UPD16(6);
+            PQC__UPD16(7);
+#undef PQC__UPD16
+        }
+        if (kpad == 16) { /* one block: a lane's index is its centroid's (a lane left at +inf: index 0) */
+            for (p = 0; p < 8; p++) {
+                float m = _mm512_reduce_min_ps(bst[p]);
+                idx[i + p] = (uint16_t)__builtin_ctz((unsigned)_mm512_cmp_ps_mask(bst[p], _mm512_set1_ps(m), _CMP_EQ_OQ));
+                if (val) val[i + p] = m;
+            }
+        } else {
+            for (p = 0; p < 8; p++) pqc__argmin16(bst[p], bix[p], idx + i + p, val ? val + i + p : NULL);
+        }
+    }
     for (; i + 4 <= n; i += 4) {
         const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
         __m512 b0 = _mm512_set1_ps(INFINITY), b1 = b0, b2 = b0, b3 = b0;
