@@ -2031,6 +2031,20 @@ static size_t pqc__keydots_scalar(const float *q, const unsigned char *rows, siz
     return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
 }
 
+/* out[i] = |x_i|^2 for n points of d dims: one fused chain over the dims from 0, in
+   order (fmaf: a libm call per value where the build has no FMA instructions) */
+static void pqc__sqnorms_scalar(const float *x, size_t n, int d, float *out)
+{
+    size_t i;
+    int e;
+    for (i = 0; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        float acc = 0.0f;
+        for (e = 0; e < d; e++) acc = fmaf(xi[e], xi[e], acc);
+        out[i] = acc;
+    }
+}
+
 /* sum[idx[i]][e] += x[i][e] in double, points in index order (exact at every level) */
 static void pqc__accum_scalar(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
@@ -3031,6 +3045,30 @@ PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, s
         out[i] = s;
     }
 }
+/* eight points' chains side by side, each the scalar one (fmaf is one instruction here) */
+PQC__AVX2 static void pqc__sqnorms_avx2(const float *x, size_t n, int d, float *out)
+{
+    size_t i = 0;
+    int e, p;
+    for (; i + 8 <= n; i += 8) {
+        const float *xi = x + i * (size_t)d;
+        float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (e = 0; e < d; e++)
+            for (p = 0; p < 8; p++) a[p] = fmaf(xi[(size_t)p * d + e], xi[(size_t)p * d + e], a[p]);
+        for (p = 0; p < 8; p++) out[i + p] = a[p];
+    }
+    for (; i < n; i++) {
+        const float *xi = x + i * (size_t)d;
+        float acc = 0.0f;
+        for (e = 0; e < d; e++) acc = fmaf(xi[e], xi[e], acc);
+        out[i] = acc;
+    }
+}
+PQC__AVX512 static void pqc__sqnorms_avx512(const float *x, size_t n, int d, float *out)
+{
+    pqc__sqnorms_avx2(x, n, d, out);
+}
+
 PQC__AVX512 static void pqc__accum_avx512(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
     size_t i;
@@ -3513,6 +3551,21 @@ static size_t pqc__keydots_neon(const float *q, const unsigned char *rows, size_
     return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
 }
 
+/* the scalar chains (fmaf is one instruction on AArch64), four points side by side */
+static void pqc__sqnorms_neon(const float *x, size_t n, int d, float *out)
+{
+    size_t i = 0;
+    int e, p;
+    for (; i + 4 <= n; i += 4) {
+        const float *xi = x + i * (size_t)d;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (e = 0; e < d; e++)
+            for (p = 0; p < 4; p++) a[p] = fmaf(xi[(size_t)p * d + e], xi[(size_t)p * d + e], a[p]);
+        for (p = 0; p < 4; p++) out[i + p] = a[p];
+    }
+    pqc__sqnorms_scalar(x + i * (size_t)d, n - i, d, out + i);
+}
+
 static void pqc__accum_neon(const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
     size_t i;
@@ -3643,6 +3696,10 @@ static void pqc__k_assign(pqc_simd s, const float *x, size_t n, int d, const flo
 static void pqc__k_accum(pqc_simd s, const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
     PQC__DISPATCH(s, pqc__accum, (x, n, d, idx, sum));
+}
+static void pqc__k_sqnorms(pqc_simd s, const float *x, size_t n, int d, float *out)
+{
+    PQC__DISPATCH(s, pqc__sqnorms, (x, n, d, out));
 }
 static void pqc__k_dots(pqc_simd s, const float *x, int d, const float *ct, int kpad, int k, float *dots)
 {
@@ -4184,14 +4241,6 @@ typedef struct pqc__train_job {
     char err[256];
 } pqc__train_job;
 
-static float pqc__sqnorm(const float *x, int d)
-{
-    float acc = 0.0f;
-    int e;
-    for (e = 0; e < d; e++) acc = fmaf(x[e], x[e], acc);
-    return acc;
-}
-
 /* k-means on n points x (n x d) into c (k x d). Work buffers come from one allocation. */
 
 static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const float *x, size_t n, int d, int k, int kpad,
@@ -4238,7 +4287,7 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
     sum = (double *)(mem + off_sum);
     cnt = (size_t *)(mem + off_cnt);
     pre = (double *)(mem + off_pre);
-    for (i = 0; i < n; i++) xn[i] = pqc__sqnorm(x + i * d, d);
+    pqc__k_sqnorms(simd, x, n, d, xn);
 
     /* ----- initialisation ----- */
     if (init == PQC_INIT_RANDOM || n <= (size_t)k) {
@@ -4458,8 +4507,8 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
                 pqc__sub_to_f32(simd, pq, keys, b + i, j, row);
                 if (sw)
                     for (e = 0; e < d; e++) row[e] *= sw[e];
-                bxn[i] = pqc__sqnorm(row, d);
             }
+            pqc__k_sqnorms(simd, blk, nb, d, bxn);
             pqc__k_assign(simd, blk, nb, d, ct, cn, PQC__PROBES, PQC__PROBES, bidx, bval);
             for (i = 0; i < nb; i++) {
                 float v = bxn[i] + bval[i];

@@ -216,6 +216,45 @@ TEST assign_bitwise(void)
     PASS();
 }
 
+TEST sqnorms_bitwise(void)
+{
+    static const int dims[] = {1, 7, 8, 16, 32, 33, 64, 128};
+    static const size_t ns[] = {0, 1, 7, 8, 9, 17, 100};
+    uint64_t st = 23;
+    size_t di, ni, i;
+    int li;
+    NEED_LEVELS(lv_, nl);
+    for (di = 0; di < sizeof dims / sizeof dims[0]; di++)
+        for (ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+            int d = dims[di];
+            size_t n = ns[ni];
+            float *x = (float *)malloc(sizeof(float) * (n * (size_t)d + 1)), *a = (float *)malloc(sizeof(float) * (n + 1));
+            float *b = (float *)malloc(sizeof(float) * (n + 1));
+            const char *bad = NULL;
+            for (i = 0; i < n * (size_t)d; i++) x[i] = rng_float(&st) * (i % 11 == 3 ? 1e19f : 1.0f); /* some overflow */
+            pqc__sqnorms_scalar(x, n, d, a);
+            for (i = 0; i < n && !bad; i++) { /* the reference is the fused chain over the dims */
+                float acc = 0.0f;
+                int e;
+                for (e = 0; e < d; e++) acc = fmaf(x[i * d + e], x[i * d + e], acc);
+                if (memcmp(&acc, &a[i], sizeof acc) != 0) bad = "scalar differs from the fused chain";
+            }
+            for (li = 0; li < nl && !bad; li++) {
+                pqc__k_sqnorms(lv_[li], x, n, d, b);
+                if (first_diff(a, b, n, sizeof(float)) >= 0) bad = pqc_simd_name(lv_[li]);
+                else if (upper_dirty() == 1) bad = "a level left the vector registers' upper halves set";
+            }
+            free(x);
+            free(a);
+            free(b);
+            if (bad) {
+                snprintf(msg, sizeof msg, "sqnorms: %s (d %d, n %zu)", bad, d, n);
+                FAILm(msg);
+            }
+        }
+    PASS();
+}
+
 TEST accum_bitwise(void)
 {
     static const int ds[] = {1, 2, 3, 4, 5, 7, 8, 9, 16, 24, 48};
@@ -941,6 +980,7 @@ SUITE(kernels)
     RUN_TEST(levels_offered);
     RUN_TEST(dots_bitwise);
     RUN_TEST(assign_bitwise);
+    RUN_TEST(sqnorms_bitwise);
     RUN_TEST(accum_bitwise);
     RUN_TEST(scan_bitwise);
     RUN_TEST(max_bitwise);
