@@ -2658,6 +2658,14 @@ PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, cons
     int c, e, p;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     (void)k;
+/* a point's running best over one accumulator's 16 centroids (lanes in ascending order) */
+#define PQC__UPD(A, B, I, CN, CI)                                                                                      \
+    do {                                                                                                               \
+        __m512 v_ = _mm512_sub_ps(CN, _mm512_add_ps(A, A));                                                            \
+        __mmask16 m_ = _mm512_cmp_ps_mask(v_, B, _CMP_LT_OQ);                                                          \
+        B = _mm512_mask_mov_ps(B, m_, v_);                                                                             \
+        I = _mm512_mask_mov_epi32(I, m_, CI);                                                                          \
+    } while (0)
     for (; i + 8 <= n && kpad % 32 == 0; i += 8) {
         const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d, *x4 = x3 + d, *x5 = x4 + d,
                     *x6 = x5 + d, *x7 = x6 + d;
@@ -2691,16 +2699,8 @@ PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, cons
 #undef PQC__FMA8
             }
 #define PQC__UPD8(P)                                                                                                   \
-    do {                                                                                                               \
-        __m512 v_ = _mm512_sub_ps(cn0, _mm512_add_ps(a##P, a##P));                                                     \
-        __mmask16 m_ = _mm512_cmp_ps_mask(v_, bst[P], _CMP_LT_OQ);                                                     \
-        bst[P] = _mm512_mask_mov_ps(bst[P], m_, v_);                                                                   \
-        bix[P] = _mm512_mask_mov_epi32(bix[P], m_, ci0);                                                               \
-        v_ = _mm512_sub_ps(cn1, _mm512_add_ps(b##P, b##P));                                                            \
-        m_ = _mm512_cmp_ps_mask(v_, bst[P], _CMP_LT_OQ);                                                               \
-        bst[P] = _mm512_mask_mov_ps(bst[P], m_, v_);                                                                   \
-        bix[P] = _mm512_mask_mov_epi32(bix[P], m_, ci1);                                                               \
-    } while (0)
+    PQC__UPD(a##P, bst[P], bix[P], cn0, ci0);                                                                          \
+    PQC__UPD(b##P, bst[P], bix[P], cn1, ci1)
             PQC__UPD8(0);
             PQC__UPD8(1);
             PQC__UPD8(2);
@@ -2738,22 +2738,14 @@ PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, cons
                 a6 = _mm512_fmadd_ps(_mm512_set1_ps(x6[e]), v0, a6);
                 a7 = _mm512_fmadd_ps(_mm512_set1_ps(x7[e]), v0, a7);
             }
-#define PQC__UPD16(P)                                                                                                  \
-    do {                                                                                                               \
-        __m512 v_ = _mm512_sub_ps(cn0, _mm512_add_ps(a##P, a##P));                                                     \
-        __mmask16 m_ = _mm512_cmp_ps_mask(v_, bst[P], _CMP_LT_OQ);                                                     \
-        bst[P] = _mm512_mask_mov_ps(bst[P], m_, v_);                                                                   \
-        bix[P] = _mm512_mask_mov_epi32(bix[P], m_, ci0);                                                               \
-    } while (0)
-            PQC__UPD16(0);
-            PQC__UPD16(1);
-            PQC__UPD16(2);
-            PQC__UPD16(3);
-            PQC__UPD16(4);
-            PQC__UPD16(5);
-            PQC__UPD16(6);
-            PQC__UPD16(7);
-#undef PQC__UPD16
+            PQC__UPD(a0, bst[0], bix[0], cn0, ci0);
+            PQC__UPD(a1, bst[1], bix[1], cn0, ci0);
+            PQC__UPD(a2, bst[2], bix[2], cn0, ci0);
+            PQC__UPD(a3, bst[3], bix[3], cn0, ci0);
+            PQC__UPD(a4, bst[4], bix[4], cn0, ci0);
+            PQC__UPD(a5, bst[5], bix[5], cn0, ci0);
+            PQC__UPD(a6, bst[6], bix[6], cn0, ci0);
+            PQC__UPD(a7, bst[7], bix[7], cn0, ci0);
         }
         if (kpad == 16) { /* one block: a lane's index is its centroid's (a lane left at +inf: index 0) */
             for (p = 0; p < 8; p++) {
@@ -2769,13 +2761,6 @@ PQC__AVX512 static void pqc__assign_avx512(const float *x, size_t n, int d, cons
         const float *x0 = x + i * (size_t)d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
         __m512 b0 = _mm512_set1_ps(INFINITY), b1 = b0, b2 = b0, b3 = b0;
         __m512i i0 = _mm512_setzero_si512(), i1 = i0, i2 = i0, i3 = i0;
-#define PQC__UPD(A, B, I, CN, CI)                                                                                      \
-    do {                                                                                                               \
-        __m512 v_ = _mm512_sub_ps(CN, _mm512_add_ps(A, A));                                                            \
-        __mmask16 m_ = _mm512_cmp_ps_mask(v_, B, _CMP_LT_OQ);                                                          \
-        B = _mm512_mask_mov_ps(B, m_, v_);                                                                             \
-        I = _mm512_mask_mov_epi32(I, m_, CI);                                                                          \
-    } while (0)
         for (c = 0; c + 32 <= kpad; c += 32) { /* 4 points x 32 centroids: 8 accumulators */
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e0 = a0, e1 = a0, e2 = a0, e3 = a0;
             __m512 cn0 = _mm512_loadu_ps(cn + c), cn1 = _mm512_loadu_ps(cn + c + 16);
@@ -3057,12 +3042,7 @@ PQC__AVX2 static void pqc__sqnorms_avx2(const float *x, size_t n, int d, float *
             for (p = 0; p < 8; p++) a[p] = fmaf(xi[(size_t)p * d + e], xi[(size_t)p * d + e], a[p]);
         for (p = 0; p < 8; p++) out[i + p] = a[p];
     }
-    for (; i < n; i++) {
-        const float *xi = x + i * (size_t)d;
-        float acc = 0.0f;
-        for (e = 0; e < d; e++) acc = fmaf(xi[e], xi[e], acc);
-        out[i] = acc;
-    }
+    pqc__sqnorms_scalar(x + i * (size_t)d, n - i, d, out + i);
 }
 PQC__AVX512 static void pqc__sqnorms_avx512(const float *x, size_t n, int d, float *out)
 {
@@ -4198,15 +4178,8 @@ static void pqc__transpose_centroids(const float *c, int k, int d, int kpad, flo
     int i, e;
     for (e = 0; e < d; e++)
         for (i = 0; i < kpad; i++) ct[(size_t)e * kpad + i] = i < k ? c[(size_t)i * d + e] : 0.0f;
-    for (i = 0; i < kpad; i++) {
-        float acc = 0.0f;
-        if (i >= k) {
-            cn[i] = INFINITY;
-            continue;
-        }
-        for (e = 0; e < d; e++) acc = fmaf(c[(size_t)i * d + e], c[(size_t)i * d + e], acc);
-        cn[i] = acc;
-    }
+    pqc__sqnorms_scalar(c, (size_t)k, d, cn);
+    for (i = k; i < kpad; i++) cn[i] = INFINITY;
 }
 
 static void pqc__pq_finish_sub(pqc_pq *pq, int j)
