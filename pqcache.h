@@ -3014,12 +3014,59 @@ PQC__AVX512 static size_t pqc__keydots_avx512(const float *q, const unsigned cha
     return pqc__keydots_avx2(q, rows, stride, t, n, d, limit, row, out);
 }
 
+/* the four rows' lane sums of pqc__rowdots_avx2 from 16-lane accumulators (lanes 0-7 in
+   the lower half, 8-15 in the upper) */
+PQC__AVX512 static inline void pqc__lanesum16x4_avx512(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float *out)
+{
+    float s4[4];
+    __m128 acc = pqc__lanesum8x4_avx2(_mm_setzero_ps(), _mm512_castps512_ps256(a0), _mm512_castps512_ps256(a1),
+                                      _mm512_castps512_ps256(a2), _mm512_castps512_ps256(a3));
+    acc = pqc__lanesum8x4_avx2(acc, _mm512_extractf32x8_ps(a0, 1), _mm512_extractf32x8_ps(a1, 1),
+                               _mm512_extractf32x8_ps(a2, 1), _mm512_extractf32x8_ps(a3, 1));
+    _mm_storeu_ps(s4, acc);
+    memcpy(out, s4, sizeof s4);
+}
+
+/* Eight rows side by side where d is a multiple of 16 (eight independent chains, one per
+   row, lane e % 16 of each), then four; the lanes added in order as pqc__rowdots_avx2 adds
+   them; other widths and the last rows one at a time. */
 PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, size_t n, size_t stride, int d,
                                             float *out)
 {
-    size_t i;
+    size_t i = 0;
     int e, l;
-    for (i = 0; i < n; i++) {
+    if (d % 16 == 0) {
+        for (; i + 8 <= n; i += 8) {
+            const float *r = rows + i * stride;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (e = 0; e < d; e += 16) {
+                const __m512 qe = _mm512_loadu_ps(q + e);
+                a0 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + e), a0);
+                a1 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + stride + e), a1);
+                a2 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 2 * stride + e), a2);
+                a3 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 3 * stride + e), a3);
+                a4 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 4 * stride + e), a4);
+                a5 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 5 * stride + e), a5);
+                a6 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 6 * stride + e), a6);
+                a7 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 7 * stride + e), a7);
+            }
+            pqc__lanesum16x4_avx512(a0, a1, a2, a3, out + i);
+            pqc__lanesum16x4_avx512(a4, a5, a6, a7, out + i + 4);
+        }
+        for (; i + 4 <= n; i += 4) {
+            const float *r = rows + i * stride;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (e = 0; e < d; e += 16) {
+                const __m512 qe = _mm512_loadu_ps(q + e);
+                a0 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + e), a0);
+                a1 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + stride + e), a1);
+                a2 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 2 * stride + e), a2);
+                a3 = _mm512_fmadd_ps(qe, _mm512_loadu_ps(r + 3 * stride + e), a3);
+            }
+            pqc__lanesum16x4_avx512(a0, a1, a2, a3, out + i);
+        }
+    }
+    for (; i < n; i++) {
         const float *r = rows + i * stride;
         __m512 acc = _mm512_setzero_ps();
         float lanes[16], s = 0.0f;
@@ -5488,9 +5535,12 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 #define PQC__RERANK_BATCH 16
 
 /* The caller has checked the arguments (and, unless `check`, that the candidates' rows
-   are finite: the cache stores only such rows). scratch: per-candidate head scores
-   [n][g] | combined [n] | positions [k] | selection scratch | a batch of converted rows
-   [PQC__RERANK_BATCH][d] | their dots [g][PQC__RERANK_BATCH].
+   are finite: the cache stores only such rows). scratch: the heads' scores [g][n] |
+   combined [n] | positions [k] | selection scratch | a batch of converted rows
+   [PQC__RERANK_BATCH][d] | their dots [g][PQC__RERANK_BATCH] | the heads' weights [g].
+   The scores are those pqc_exact_search makes of the same rows (the same dots and, for
+   SOFTMAX_SUM, the same softmax, pqc__softmax_rows, over the candidates): re-ranking every
+   row is the exact search bit for bit.
    The candidates' rows are scattered over the keys, so their reads are memory-bound: each
    row is asked for PQC__RERANK_AHEAD candidates early, converted to fp32 with the SIMD
    conversion, and the heads' dots are taken over PQC__RERANK_BATCH rows at a time (128K
@@ -5513,7 +5563,7 @@ static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, cons
     op = oc + PQC__ALIGN_UP(n * sizeof(float));
     os = op + PQC__ALIGN_UP(k * sizeof(uint32_t));
     orow = os + PQC__ALIGN_UP(pqc__select_scratch(n));
-    bytes = orow + (PQC__RERANK_BATCH * d + (size_t)g * PQC__RERANK_BATCH) * sizeof(float);
+    bytes = orow + (PQC__RERANK_BATCH * d + (size_t)g * PQC__RERANK_BATCH + (size_t)g) * sizeof(float);
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_rerank: scratch allocation failed");
     hs = (float *)mem;
@@ -5534,7 +5584,7 @@ static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, cons
                 for (o = 0; o < rb; o += 64) PQC__PREFETCH(nx + o);
             }
             pqc__k_to_f32(simd, pqc__row(keys, cand[ic]), keys->dtype, d, kr);
-            if (check && !pqc__finite_row(kr, d)) {
+            if (check && !pqc__k_within(simd, kr, d, PQC__KEY_LIMIT)) {
                 pqc__free(pqc__rt_alloc(rt), tmpmem);
                 return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: key row %u holds NaN, Inf or a huge value",
                                  (unsigned)cand[ic]);
@@ -5542,27 +5592,17 @@ static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, cons
         }
         for (h = 0; h < g; h++)
             pqc__k_rowdots(simd, queries + (size_t)h * d, row, nb, d, (int)d, dots + (size_t)h * PQC__RERANK_BATCH);
-        for (j = 0; j < nb; j++)
-            for (h = 0; h < g; h++) hs[(i0 + j) * (size_t)g + (size_t)h] = dots[(size_t)h * PQC__RERANK_BATCH + j];
+        for (h = 0; h < g; h++)
+            for (j = 0; j < nb; j++) hs[(size_t)h * n + i0 + j] = dots[(size_t)h * PQC__RERANK_BATCH + j];
     }
     if (gqa == PQC_GQA_SUM) {
         for (i = 0; i < n; i++) {
             float a = 0.0f;
-            for (h = 0; h < g; h++) a += hs[i * (size_t)g + (size_t)h];
+            for (h = 0; h < g; h++) a += hs[(size_t)h * n + i];
             comb[i] = a;
         }
     } else {
-        memset(comb, 0, n * sizeof(float));
-        for (h = 0; h < g; h++) {
-            float mx = -INFINITY, z = 0.0f;
-            for (i = 0; i < n; i++) mx = hs[i * (size_t)g + (size_t)h] > mx ? hs[i * (size_t)g + (size_t)h] : mx;
-            for (i = 0; i < n; i++) {
-                float *e = &hs[i * (size_t)g + (size_t)h];
-                *e = expf((*e - mx) * scale);
-                z += *e;
-            }
-            for (i = 0; i < n; i++) comb[i] += hs[i * (size_t)g + (size_t)h] / z;
-        }
+        pqc__softmax_rows(simd, hs, n, g, NULL, scale, dots + (size_t)g * PQC__RERANK_BATCH, comb);
     }
     pqc__select(simd, comb, n, k, mem + os, pos, NULL);
     /* pos is ascending, so pos[i] >= i: idx may overwrite cand in place */
