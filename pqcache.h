@@ -2362,11 +2362,49 @@ PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const fl
     pqc__scan_heads_end(cd, lut, ksub, (int)gs, NULL, (int)h0, t0, nv, n, out, ostride, mx);
 }
 
+/* g = 4 (the usual GQA group), as pqc__scan_heads4_avx2 with the group size a constant
+   (a shift, not a multiply, per code) and eight tokens a step in two groups of four
+   accumulators: the same additions in the same order. */
+#define PQC__G4_ADD(a, i) a = _mm_add_ps(a, _mm_loadu_ps(l + ((size_t)c[i] << 2)))
+#define PQC__G4_OUT(a0, a1, a2, a3, tt)                                                                                    do {                                                                                                                       _MM_TRANSPOSE4_PS(a0, a1, a2, a3);                                                                                     _mm_storeu_ps(out + (tt), a0);                                                                                         _mm_storeu_ps(out + ostride + (tt), a1);                                                                               _mm_storeu_ps(out + 2 * ostride + (tt), a2);                                                                           _mm_storeu_ps(out + 3 * ostride + (tt), a3);                                                                           x0 = _mm_max_ps(a0, x0);                                                                                               x1 = _mm_max_ps(a1, x1);                                                                                               x2 = _mm_max_ps(a2, x2);                                                                                               x3 = _mm_max_ps(a3, x3);                                                                                           } while (0)
+PQC__AVX2 static void pqc__scan_g4_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out,
+                                        size_t ostride, float *mx)
+{
+    size_t t, nv = n & ~(size_t)7, tab = (size_t)ksub * 4;
+    int j, m = cd->m;
+    __m128 x0 = _mm_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
+    float lanes[16];
+    for (t = 0; t < nv; t += 8) {
+        __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        const unsigned char *c = cd->data + t0 + t;
+        const float *l = lut;
+        for (j = 0; j < m; j++, c += cd->col_stride, l += tab) {
+            PQC__G4_ADD(a0, 0);
+            PQC__G4_ADD(a1, 1);
+            PQC__G4_ADD(a2, 2);
+            PQC__G4_ADD(a3, 3);
+            PQC__G4_ADD(b0, 4);
+            PQC__G4_ADD(b1, 5);
+            PQC__G4_ADD(b2, 6);
+            PQC__G4_ADD(b3, 7);
+        }
+        PQC__G4_OUT(a0, a1, a2, a3, t);
+        PQC__G4_OUT(b0, b1, b2, b3, t + 4);
+    }
+    _mm_storeu_ps(lanes, x0);
+    _mm_storeu_ps(lanes + 4, x1);
+    _mm_storeu_ps(lanes + 8, x2);
+    _mm_storeu_ps(lanes + 12, x3);
+    pqc__scan_heads_end(cd, lut, ksub, 4, lanes, 4, t0, nv, n, out, ostride, mx);
+}
+#undef PQC__G4_ADD
+#undef PQC__G4_OUT
+
 PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
                                            float *out, size_t ostride, float *mx)
 {
     if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
-    else if (g == 4) pqc__scan_heads4_avx2(cd, lut, ksub, 4, t0, n, out, ostride, mx);
+    else if (g == 4) pqc__scan_g4_avx2(cd, lut, ksub, t0, n, out, ostride, mx);
     else pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, t0, n, out, ostride, mx);
 }
 
@@ -2941,7 +2979,6 @@ PQC__AVX512 static float pqc__max_avx512(const float *x, size_t n)
 PQC__AVX512 static __m512 pqc__exp_avx512(__m512 x)
 {
     __m512 n, r, z, y;
-    __m512i ni;
     x = _mm512_max_ps(x, _mm512_set1_ps(PQC__EXP_LO));
     n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(PQC__LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     r = _mm512_fmadd_ps(n, _mm512_set1_ps(-PQC__LN2_HI), x);
@@ -2955,8 +2992,9 @@ PQC__AVX512 static __m512 pqc__exp_avx512(__m512 x)
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(PQC__EP5));
     y = _mm512_fmadd_ps(y, z, r);
     y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-    ni = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(ni));
+    /* y * 2^n in one rounding, as the product with the power of two built from n's bits
+       (n >= -126 after the clamp, so that power is a normal number) */
+    return _mm512_scalef_ps(y, n);
 }
 
 PQC__AVX512 static float pqc__expsum_avx512(const float *s, size_t n, float mx, float scale, float *e)
@@ -2989,7 +3027,7 @@ PQC__AVX512 static void pqc__axpy_avx512(const float *e, size_t n, float w, floa
     for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
 }
 
-/* AVX-512 machines take the AVX2 code for these (same results, as every level) */
+/* AVX-512 machines take the AVX2 code for this one (same results, as every level) */
 PQC__AVX512 static void pqc__scan_heads_avx512(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0,
                                                size_t n, float *out, size_t ostride, float *mx)
 {
@@ -2998,7 +3036,15 @@ PQC__AVX512 static void pqc__scan_heads_avx512(const pqc_codes *cd, const float 
 
 PQC__AVX512 static void pqc__combine_avx512(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
 {
-    pqc__combine_avx2(e, estride, g, n, w, out);
+    size_t t = 0;
+    int h;
+    for (; t + 16 <= n; t += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (h = 0; h < g; h++)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(e + (size_t)h * estride + t), _mm512_set1_ps(w[h]), acc);
+        _mm512_storeu_ps(out + t, acc);
+    }
+    if (t < n) pqc__combine_avx2(e + t, estride, g, n - t, w, out + t);
 }
 
 PQC__AVX512 static void pqc__halfrow_avx512(const void *src, pqc_dtype t, size_t n, float *dst)
