@@ -5577,7 +5577,9 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 #else
 #define PQC__PREFETCH(p) ((void)(p))
 #endif
-#define PQC__RERANK_AHEAD 8
+/* scattered rows (re-ranking's candidates, the fetch's selection) are asked for this
+   many rows before they are read */
+#define PQC__ROWS_AHEAD 8
 #define PQC__RERANK_BATCH 16
 
 /* The caller has checked the arguments (and, unless `check`, that the candidates' rows
@@ -5588,7 +5590,7 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
    SOFTMAX_SUM, the same softmax, pqc__softmax_rows, over the candidates): re-ranking every
    row is the exact search bit for bit.
    The candidates' rows are scattered over the keys, so their reads are memory-bound: each
-   row is asked for PQC__RERANK_AHEAD candidates early, converted to fp32 with the SIMD
+   row is asked for PQC__ROWS_AHEAD candidates early, converted to fp32 with the SIMD
    conversion, and the heads' dots are taken over PQC__RERANK_BATCH rows at a time (128K
    tokens, 3 x 11K candidates of d_h 128, one core: fp16 rows 15-19 -> 4.6-5.8 ms, fp32
    9.8-11 -> 7.5-8.1 ms against one row at a time without the early reads). */
@@ -5624,8 +5626,8 @@ static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, cons
         for (j = 0; j < nb; j++) {
             size_t ic = i0 + j;
             float *kr = row + j * d;
-            if (ic + PQC__RERANK_AHEAD < n) { /* the row PQC__RERANK_AHEAD candidates on, on its way */
-                const char *nx = (const char *)pqc__row(keys, cand[ic + PQC__RERANK_AHEAD]);
+            if (ic + PQC__ROWS_AHEAD < n) { /* the row PQC__ROWS_AHEAD candidates on, on its way */
+                const char *nx = (const char *)pqc__row(keys, cand[ic + PQC__ROWS_AHEAD]);
                 size_t o;
                 for (o = 0; o < rb; o += 64) PQC__PREFETCH(nx + o);
             }
@@ -8236,6 +8238,14 @@ static void pqc__fetch_copy(void *ctx, size_t q)
     float *ko = j->out->k + hi * j->out->head_stride * d, *vo = j->out->v + hi * j->out->head_stride * d;
     pqc_simd simd = pqc__simd(c->rt);
     for (i = r0; i < cnt && i < r0 + PQC__FETCH_CHUNK; i++) {
+        if (i + PQC__ROWS_AHEAD < cnt) { /* the rows scattered over the store: asked for early */
+            const char *nk = (const char *)srck[i + PQC__ROWS_AHEAD], *nv = (const char *)srcv[i + PQC__ROWS_AHEAD];
+            size_t o;
+            for (o = 0; o < c->row; o += 64) {
+                PQC__PREFETCH(nk + o);
+                PQC__PREFETCH(nv + o);
+            }
+        }
         pqc__k_to_f32(simd, srck[i], c->d.kv_dtype, d, ko + i * d);
         pqc__k_to_f32(simd, srcv[i], c->d.kv_dtype, d, vo + i * d);
     }
