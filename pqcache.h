@@ -3593,11 +3593,40 @@ static int pqc__within_neon(const float *x, size_t n, float limit)
     return pqc__within(x + i, n - i, limit);
 }
 
+/* acc[r] + v_r[0] + v_r[1] + v_r[2] + v_r[3] for the four rows r, each row's values added
+   in lane order, the rows side by side (a 4 x 4 transpose, then four vector adds) */
+static inline float32x4_t pqc__lanesum4x4_neon(float32x4_t acc, float32x4_t v0, float32x4_t v1, float32x4_t v2,
+                                               float32x4_t v3)
+{
+    float32x4x2_t a = vtrnq_f32(v0, v1), b = vtrnq_f32(v2, v3);
+    acc = vaddq_f32(acc, vcombine_f32(vget_low_f32(a.val[0]), vget_low_f32(b.val[0])));
+    acc = vaddq_f32(acc, vcombine_f32(vget_low_f32(a.val[1]), vget_low_f32(b.val[1])));
+    acc = vaddq_f32(acc, vcombine_f32(vget_high_f32(a.val[0]), vget_high_f32(b.val[0])));
+    return vaddq_f32(acc, vcombine_f32(vget_high_f32(a.val[1]), vget_high_f32(b.val[1])));
+}
+
+/* Four rows side by side where d is a multiple of 16 (sixteen chains, lane e % 16 of each
+   row, the rows' lane sums added in order in one register), then one row at a time. */
 static void pqc__rowdots_neon(const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
-    size_t i;
-    int e, l;
-    for (i = 0; i < n; i++) {
+    size_t i = 0;
+    int e, l, r;
+    if (d % 16 == 0)
+        for (; i + 4 <= n; i += 4) {
+            float32x4_t a[4][4], acc = vdupq_n_f32(0.0f);
+            for (r = 0; r < 4; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = acc;
+            for (e = 0; e < d; e += 16)
+                for (r = 0; r < 4; r++) {
+                    const float *rr = rows + (i + (size_t)r) * stride + e;
+                    a[r][0] = vfmaq_f32(a[r][0], vld1q_f32(q + e), vld1q_f32(rr));
+                    a[r][1] = vfmaq_f32(a[r][1], vld1q_f32(q + e + 4), vld1q_f32(rr + 4));
+                    a[r][2] = vfmaq_f32(a[r][2], vld1q_f32(q + e + 8), vld1q_f32(rr + 8));
+                    a[r][3] = vfmaq_f32(a[r][3], vld1q_f32(q + e + 12), vld1q_f32(rr + 12));
+                }
+            for (l = 0; l < 4; l++) acc = pqc__lanesum4x4_neon(acc, a[0][l], a[1][l], a[2][l], a[3][l]);
+            vst1q_f32(out + i, acc);
+        }
+    for (; i < n; i++) {
         const float *r = rows + i * stride;
         float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
         float lanes[16], acc = 0.0f;
