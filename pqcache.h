@@ -2324,7 +2324,7 @@ PQC__AVX2 static void pqc__axpy_avx2(const float *e, size_t n, float w, float *a
 /* Four heads from h0 at a time, four tokens a step: each token's four scores are one
    vector load per sub-space from the interleaved tables, added in j order, then turned
    into four rows of four tokens. Tokens past the last group of four and heads past the
-   last group of four: the scalar reference. gs: g (a constant 4 where inlined so). */
+   last group of four: the scalar reference. gs: g (g = 4 has pqc__scan_g4_avx2). */
 PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t gs,
                                                    size_t t0, size_t n, float *out, size_t ostride, float *mx)
 {
