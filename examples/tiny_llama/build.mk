@@ -86,7 +86,7 @@ TRANSFORMERS_ENV := PQC_REQUIRE_TORCH=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_B
                     TRANSFORMERS_VERBOSITY=error PQCACHE_LIB=$(CURDIR)/build/libpqcache.so
 test-transformers: $(DEPS_test-transformers)
 	@py=$$(sh tests/transformers_env.sh --check) && mkdir -p build/pytest && \
-	  $(TRANSFORMERS_ENV) PYTHONPATH=python $$py -m pytest -q -s -p no:cacheprovider \
+	  $(TRANSFORMERS_ENV) PQC_TEST_SIZE=$(SAN_SIZE) PYTHONPATH=python $$py -m pytest -q -s -p no:cacheprovider \
 	    --basetemp=build/pytest/transformers --durations=5 $(TINY_LLAMA_DIR)/test_transformers.py python/test_pqcache_hf.py && \
 	  echo "== the same checkpoints with transformers $$(PYTHONPATH=build/hf4 $$py -c 'import transformers; print(transformers.__version__)')" && \
 	  $(TRANSFORMERS_ENV) PYTHONPATH=build/hf4:python $$py -m pytest -q -p no:cacheprovider -p conftest \
