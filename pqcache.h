@@ -285,8 +285,9 @@ typedef enum pqc_rope {
 
 /* Which dims form sub-space j. */
 typedef enum pqc_subspaces {
-    PQC_SUBSPACES_CONTIGUOUS = 0, /* dims [j d_h/m, (j+1) d_h/m) (default)                 */
-    PQC_SUBSPACES_ROPE_BANDS = 1  /* whole rotation pairs, band j of the frequencies: pairs
+    PQC_SUBSPACES_DEFAULT = 0,    /* rope bands where pq.rope states a layout and m divides
+                                     d_h/2, else contiguous                               */
+    PQC_SUBSPACES_ROPE_BANDS = 1, /* whole rotation pairs, band j of the frequencies: pairs
                                      [j P/m, (j+1) P/m) of the P = d_h/2 pairs, so slow
                                      (content) pairs share sub-spaces and fast (position)
                                      pairs share others. Needs a rope layout and m dividing
@@ -294,6 +295,7 @@ typedef enum pqc_subspaces {
                                      contiguous; for PQC_ROPE_HALF sub-space j is dims
                                      [j h, (j+1) h) and [d_h/2 + j h, d_h/2 + (j+1) h),
                                      h = d_h/(2m), in that order                         */
+    PQC_SUBSPACES_CONTIGUOUS = 2  /* dims [j d_h/m, (j+1) d_h/m)                          */
 } pqc_subspaces;
 
 typedef struct pqc_pq_desc {
@@ -326,7 +328,7 @@ typedef struct pqc_pq_desc {
     pqc_rope rope;               /* the keys' RoPE layout (default none). The sequence
                                     cache ties the metric's weights within each pair:
                                     rotation moves a pair's energy between its two dims */
-    pqc_subspaces subspaces;     /* default contiguous                                      */
+    pqc_subspaces subspaces;     /* 0 = PQC_SUBSPACES_DEFAULT (resolved to one of the two) */
 } pqc_pq_desc;
 
 /* What 0 means in a pqc_pq_desc. Every desc of the library follows one rule: 0 is the
@@ -711,11 +713,11 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
 /* The configuration pqc_cache_create makes of desc, into *out: every default filled in
    (n_q_heads, max_tokens, n_sink, budget_ratio, recent_share, metric_floor, observe,
    block_tokens, cache_blocks, admit_blocks, rebuild_share, pq.m, pq.bits, pq.iters,
-   pq.max_points_per_centroid), "none" written as -1 (a switched-off rerank, outliers or
-   residual_weight as 0), every rule checked with a message of its own; nothing is
-   allocated. Given back to pqc_cache_create (or to this call) it makes the same cache.
-   window stays 0 where it is derived at the first prefill; pq.iters stays 0 where a
-   scheduler picks T. rt: for its log, may be NULL. *out is written only on success. */
+   pq.subspaces, pq.max_points_per_centroid), "none" written as -1 (a switched-off
+   rerank, outliers or residual_weight as 0), every rule checked with a message of its
+   own; nothing is allocated. Given back to pqc_cache_create (or to this call) it makes
+   the same cache. window stays 0 where it is derived at the first prefill; pq.iters
+   stays 0 where a scheduler picks T. rt: for its log, may be NULL. *out is written only on success. */
 PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out);
 /* A cache's configuration as resolved at creation, its window as fixed so far. */
 PQCDEF pqc_result pqc_cache_config(const pqc_cache *c, pqc_cache_desc *out);
@@ -816,7 +818,8 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    tier copies the rows into its pinned stores. The file, little-endian (saving and loading
    refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
      "PQCCACHE", u32 version (2), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
-     sinks, m, bits, rope, subspaces, metric, outliers, residual scoring on; u32 window;
+     sinks, m, bits, rope, rope bands (1) or contiguous (0), metric, outliers, residual
+     scoring on; u32 window;
      per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
        f64 observation sums [2 h_kv (d_h + 1) + 2]; f32 observed rows [rows][h d_h];
        f64 observed masses [h_kv][2]; f64 histograms [h_kv][64];
@@ -4201,10 +4204,13 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
     if ((int)d->init < 0 || (int)d->init > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown init %d", (int)d->init);
     if (d->device < 0 || d->device > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.device = %d not 0 or 1", d->device);
     if ((int)d->rope < 0 || (int)d->rope > 2) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown pq.rope %d", (int)d->rope);
-    if ((int)d->subspaces < 0 || (int)d->subspaces > 1)
+    if ((int)d->subspaces < 0 || (int)d->subspaces > 2)
         return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown pq.subspaces %d", (int)d->subspaces);
     if (d->rope != PQC_ROPE_NONE && dim % 2)
         return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pq.rope: a RoPE layout needs an even d_h, not %d", dim);
+    if (d->subspaces == PQC_SUBSPACES_DEFAULT) /* bands keep the slow, content-carrying pairs apart */
+        d->subspaces = d->rope != PQC_ROPE_NONE && d->m > 0 && (dim / 2) % d->m == 0 ? PQC_SUBSPACES_ROPE_BANDS
+                                                                                    : PQC_SUBSPACES_CONTIGUOUS;
     if (d->subspaces == PQC_SUBSPACES_ROPE_BANDS) {
         if (d->rope == PQC_ROPE_NONE)
             return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pq.subspaces: rope bands need a RoPE layout (pq.rope)");
@@ -6513,6 +6519,7 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     if ((r = pqc__pq_check_desc(rt, &d.pq, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
     d.pq.m = tmp.m;
     d.pq.bits = tmp.bits;
+    d.pq.subspaces = tmp.subspaces;
     d.pq.max_points_per_centroid = tmp.max_points_per_centroid;
     d.pq.objective = NULL;
     *out = d;
@@ -8804,7 +8811,7 @@ static void pqc__cache_shape(const pqc_cache *c, uint32_t *f)
     f[6] = (uint32_t)c->d.pq.m;
     f[7] = (uint32_t)c->d.pq.bits;
     f[8] = (uint32_t)c->d.pq.rope;
-    f[9] = (uint32_t)c->d.pq.subspaces;
+    f[9] = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS; /* 0: contiguous, as files have it */
     f[10] = (uint32_t)c->d.metric;
     f[11] = (uint32_t)c->d.outliers;
     f[12] = c->d.residual_weight > 0;

@@ -373,7 +373,7 @@ _ENUMS = {
     "log_level": {"error": 0, "warn": 1, "info": 2, "debug": 3},
     "init": {"kmeans++": 0, "random": 1},
     "rope": {"none": 0, "half": 1, "interleaved": 2},
-    "subspaces": {"contiguous": 0, "rope_bands": 1},
+    "subspaces": {"default": 0, "rope_bands": 1, "contiguous": 2},
     "gqa": {"softmax_sum": 0, "sum": 1},
     "policy": {"lfu": 0, "lru": 1},
     "metric": {"query": 0, "l2": 1},
@@ -684,10 +684,11 @@ class PQ(_Handle):
 
     @classmethod
     def train(cls, keys, m=0, bits=0, iters=0, init="kmeans++", seed=0, metric=None, rope="none",
-              subspaces="contiguous", max_points_per_centroid=0, runtime=None, objective=False):
+              subspaces="default", max_points_per_centroid=0, runtime=None, objective=False):
         """Trains on the rows of keys (s x d_h; float32, float16 or bfloat16 as uint16).
 
-        0 means the library's default (m=2, bits=6, iters=10). metric: optional d_h
+        0 means the library's default (m=4, bits=8, iters=10; rope bands where rope states a
+        layout). metric: optional d_h
         weights of the distance. objective=True keeps the k-means objective per
         sub-space and iteration in `.objective` (m x (iters + 1))."""
         keys = np.asarray(keys)

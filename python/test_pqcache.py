@@ -757,6 +757,7 @@ def test_resolved_configuration_is_the_librarys(rng):
     assert got["admit_blocks"] == 32 and got["observe"] == 32 and got["rebuild_share"] == 0.5
     assert got["metric"] == "query" and got["split"] == "adaptive" and got["kv_dtype"] == "f32"
     assert got["window"] == 0 and got["iters"] == 10 and got["m"] == 4 and got["bits"] == 8
+    assert got["subspaces"] == "contiguous"  # no RoPE layout stated
     none = pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, n_sink=-1, cache_blocks=-1, rebuild_share=-1)
     assert none["n_sink"] == -1 and none["cache_blocks"] == -1 and none["rebuild_share"] == -1
     assert pqc.resolve(**none) == none  # a resolved configuration resolves to itself
@@ -765,7 +766,7 @@ def test_resolved_configuration_is_the_librarys(rng):
     with pqc.Cache(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half") as c:
         cfg = c.config()
         assert cfg == pqc.resolve(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half")
-        assert cfg["rope"] == "half"
+        assert cfg["rope"] == "half" and cfg["subspaces"] == "rope_bands"  # the default with a layout
         k = rng.standard_normal((300, 2, 16), dtype=np.float32)
         c.prefill(0, k, k)
         assert c.config()["window"] == c.window > 0

@@ -238,7 +238,9 @@ TEST rope_layout_misuse_is_refused(void)
     d.rope = (pqc_rope)3;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
     d.rope = PQC_ROPE_INTERLEAVED;
-    d.subspaces = (pqc_subspaces)2;
+    d.subspaces = (pqc_subspaces)3;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
+    d.subspaces = (pqc_subspaces)-1;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &pq));
     ASSERT_MEM_EQ(&before, &pq, sizeof pq);
     d.subspaces = PQC_SUBSPACES_ROPE_BANDS; /* interleaved bands: the contiguous dims */
@@ -246,6 +248,99 @@ TEST rope_layout_misuse_is_refused(void)
     ASSERT_EQ(0, pq.half_bands);
     ASSERT_EQ(5, pqc_pq_dim(&pq, 1, 1));
     pqc_pq_free(&pq);
+    PASS();
+}
+
+/* pq.subspaces 0 (the default): rope bands where a RoPE layout is stated and m divides the
+   pairs, else contiguous; in the PQ core, in a cache's configuration and in its files */
+TEST default_subspaces_follow_the_rope_layout(void)
+{
+    enum { N = 600, DD = 16 };
+    uint64_t rng = 5;
+    float *x = tu_normal_rows(&rng, N, DD);
+    pqc_pq a, b;
+    pqc_pq_desc d = tu_pq_desc(4, 4, 3, 1), e;
+    pqc_matrix keys = pqc_matrix_f32(x, N, DD);
+    pqc_cache_desc cd = tu_cache_desc(1, 1, 2, DD), r, r2;
+    pqc_cache *c, *l = NULL;
+    char path[512];
+    ASSERT(x);
+    /* the PQ core: half-split layout, m = 4 over 8 pairs: the bands, bit for bit */
+    d.rope = PQC_ROPE_HALF;
+    e = d;
+    e.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &e, &keys, &b));
+    ASSERT_EQ(1, a.half_bands);
+    ASSERT_MEM_EQ(b.centroids, a.centroids, sizeof(float) * 4 * 16 * 4);
+    pqc_pq_free(&a);
+    pqc_pq_free(&b);
+    /* contiguous: asked for, no layout, or m = 16 over 8 pairs (explicit bands refuse it) */
+    d.subspaces = PQC_SUBSPACES_CONTIGUOUS;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &a));
+    ASSERT_EQ(0, a.half_bands);
+    ASSERT_EQ(4, pqc_pq_dim(&a, 1, 0));
+    pqc_pq_free(&a);
+    d.subspaces = PQC_SUBSPACES_DEFAULT;
+    d.rope = PQC_ROPE_NONE;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &a));
+    ASSERT_EQ(0, a.half_bands);
+    pqc_pq_free(&a);
+    d.rope = PQC_ROPE_HALF;
+    d.m = 16;
+    d.bits = 2;
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &a));
+    ASSERT_EQ(0, a.half_bands);
+    pqc_pq_free(&a);
+    d.subspaces = PQC_SUBSPACES_ROPE_BANDS;
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_train(NULL, &d, &keys, &a));
+    /* a cache's configuration names what it resolved to, and resolves to itself */
+    cd.max_tokens = 1024;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(PQC_SUBSPACES_CONTIGUOUS, r.pq.subspaces);
+    cd.pq.rope = PQC_ROPE_INTERLEAVED;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(PQC_SUBSPACES_ROPE_BANDS, r.pq.subspaces);
+    cd.pq.rope = PQC_ROPE_HALF;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+    ASSERT_EQ(PQC_SUBSPACES_ROPE_BANDS, r.pq.subspaces);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &r, &r2));
+    ASSERT_EQ(PQC_SUBSPACES_ROPE_BANDS, r2.pq.subspaces);
+    /* files: a cache of bands loads into the default configuration, not into contiguous
+       sub-spaces, and a contiguous cache's file still says 0 there (as files before) */
+    tu_tmp_path(path, sizeof path, "subspaces_default");
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &keys, &keys));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(c, path));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &l));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(l, &r));
+    ASSERT_EQ(PQC_SUBSPACES_ROPE_BANDS, r.pq.subspaces);
+    ASSERT_EQ(1, l->layers[0].heads[0].pq.half_bands);
+    pqc_cache_destroy(l);
+    l = NULL;
+    r = cd;
+    r.pq.subspaces = PQC_SUBSPACES_CONTIGUOUS;
+    ASSERT(pqc_cache_load(NULL, &r, path, &l) != PQC_SUCCESS);
+    ASSERT(l == NULL);
+    pqc_cache_destroy(c);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &r, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &keys, &keys));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(c, path));
+    {
+        long size = 0;
+        unsigned char *img = tu_file_image(path, &size);
+        uint32_t f9;
+        ASSERT(img && size > 12 + 4 * 10);
+        memcpy(&f9, img + 12 + 4 * 9, 4); /* "PQCCACHE", version, then the shape's u32s */
+        ASSERT_EQ(0u, f9);
+        free(img);
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &r, path, &l));
+    ASSERT_EQ(0, l->layers[0].heads[0].pq.half_bands);
+    pqc_cache_destroy(l);
+    pqc_cache_destroy(c);
+    remove(path);
+    free(x);
     PASS();
 }
 
@@ -1417,6 +1512,7 @@ SUITE(fidelity)
     RUN_TEST(metric_out_of_range_is_refused);
     RUN_TEST(rope_bands_are_the_band_ordered_contiguous_pq);
     RUN_TEST(rope_layout_misuse_is_refused);
+    RUN_TEST(default_subspaces_follow_the_rope_layout);
     RUN_TEST(metric_keeps_the_rare_tokens_plain_pq_loses);
     RUN_TEST(observed_queries_keep_the_rare_tokens_the_oracle_keeps);
     RUN_TEST(observe_misuse_is_refused_and_changes_nothing);
