@@ -308,8 +308,8 @@ static const int t_split_bad[] = {2, -1};
 static const int t_observe_bad[] = {INT_MAX, INT_MIN}; /* both valid: all, none */
 static const int t_rope[] = {PQC_ROPE_NONE, PQC_ROPE_HALF, PQC_ROPE_INTERLEAVED, PQC_ROPE_NONE};
 static const int t_rope_bad[] = {3, -1};
-static const int t_subsp[] = {PQC_SUBSPACES_CONTIGUOUS, PQC_SUBSPACES_ROPE_BANDS};
-static const int t_subsp_bad[] = {2, -1};
+static const int t_subsp[] = {PQC_SUBSPACES_DEFAULT, PQC_SUBSPACES_ROPE_BANDS, PQC_SUBSPACES_CONTIGUOUS};
+static const int t_subsp_bad[] = {3, -1};
 static const double t_rerank[] = {0, 2, 1, 1e6};
 static const double t_rerank_bad[] = {0.5, -1, NAN, INFINITY, 2e6};
 static const int t_outl[] = {0, 4, 1, 64};
@@ -328,7 +328,7 @@ static int fz_default_m(long long dim, int subspaces)
 
 static int fz_rope_bad(int rope, int subsp, long long dim, int m_eff)
 {
-    if (rope < 0 || rope > 2 || subsp < 0 || subsp > 1) return 1;
+    if (rope < 0 || rope > 2 || subsp < 0 || subsp > 2) return 1; /* 0: bands where they fit, else contiguous */
     if (rope != PQC_ROPE_NONE && dim > 0 && dim % 2) return 1;
     if (subsp == PQC_SUBSPACES_ROPE_BANDS && (rope == PQC_ROPE_NONE || (m_eff > 0 && dim > 0 && (dim / 2) % m_eff)))
         return 1;
