@@ -717,7 +717,8 @@ PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, 
    rerank, outliers or residual_weight as 0), every rule checked with a message of its
    own; nothing is allocated. Given back to pqc_cache_create (or to this call) it makes
    the same cache. window stays 0 where it is derived at the first prefill; pq.iters
-   stays 0 where a scheduler picks T. rt: for its log, may be NULL. *out is written only on success. */
+   stays 0 where a scheduler picks T. rt: for its log, may be NULL. *out is written only
+   on success. */
 PQCDEF pqc_result pqc_cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache_desc *out);
 /* A cache's configuration as resolved at creation, its window as fixed so far. */
 PQCDEF pqc_result pqc_cache_config(const pqc_cache *c, pqc_cache_desc *out);
@@ -4183,6 +4184,13 @@ PQCDEF double pqc_recall(const uint32_t *truth, size_t n_truth, const uint32_t *
    6. PQ codebook training
    ------------------------------------------------------------------------------------- */
 
+/* whether a resolved desc's sub-spaces gather from the two halves of the half-split
+   layout (pqc_pq.half_bands; interleaved bands are the contiguous dims) */
+static int pqc__half_bands(const pqc_pq_desc *d)
+{
+    return d->subspaces == PQC_SUBSPACES_ROPE_BANDS && d->rope == PQC_ROPE_HALF;
+}
+
 static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *in, int dim, pqc_pq_desc *d)
 {
     if (in) *d = *in;
@@ -4209,8 +4217,8 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
     if (d->rope != PQC_ROPE_NONE && dim % 2)
         return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pq.rope: a RoPE layout needs an even d_h, not %d", dim);
     if (d->subspaces == PQC_SUBSPACES_DEFAULT) /* bands keep the slow, content-carrying pairs apart */
-        d->subspaces = d->rope != PQC_ROPE_NONE && d->m > 0 && (dim / 2) % d->m == 0 ? PQC_SUBSPACES_ROPE_BANDS
-                                                                                    : PQC_SUBSPACES_CONTIGUOUS;
+        d->subspaces = d->rope != PQC_ROPE_NONE && (dim / 2) % d->m == 0 ? PQC_SUBSPACES_ROPE_BANDS
+                                                                         : PQC_SUBSPACES_CONTIGUOUS;
     if (d->subspaces == PQC_SUBSPACES_ROPE_BANDS) {
         if (d->rope == PQC_ROPE_NONE)
             return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pq.subspaces: rope bands need a RoPE layout (pq.rope)");
@@ -4719,8 +4727,7 @@ static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, c
     r = pqc__check_finite(rt, keys, tmp, "pqc_pq_train keys");
     pqc__free(pqc__rt_alloc(rt), tmp);
     if (r != PQC_SUCCESS) return r;
-    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric,
-                           d.subspaces == PQC_SUBSPACES_ROPE_BANDS && d.rope == PQC_ROPE_HALF)) != PQC_SUCCESS)
+    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric, pqc__half_bands(&d))) != PQC_SUCCESS)
         return r;
     jobs = (pqc__train_job *)pqc__calloc(&pq.alloc, (size_t)d.m * sizeof *jobs);
     if (!jobs) {
@@ -9109,7 +9116,7 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
                 if (wt) w = cent + nc;
                 snprintf(what, sizeof what, "pqc_cache_load: %.200s: layer %d head %d", path, l, hh);
                 r = pqc__pq_from_floats(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, cent, w,
-                                        c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF,
+                                        pqc__half_bands(&c->d.pq),
                                         what);
                 pqc__free(&c->alloc, cent);
                 if (r != PQC_SUCCESS) return r;
@@ -13257,7 +13264,7 @@ static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     pqc__layer *L = &c->layers[l];
     size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K;
     int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
-    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
+    int half = pqc__half_bands(&c->d.pq);
     int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
     unsigned P, tiles, smem;
     float scale = 1.0f / sqrtf((float)u->d);
@@ -13506,7 +13513,7 @@ static pqc_result pqc__gpu_batch_stage(pqc_cache *c, int l, const float *q)
 {
     struct pqc__gpu_tier *u = c->cu;
     size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    int half = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS && c->d.pq.rope == PQC_ROPE_HALF;
+    int half = pqc__half_bands(&c->d.pq);
     int hq, j, e, h2 = u->dsub / 2;
     pqc_result r;
     pqc__gpu_enter(c);

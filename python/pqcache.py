@@ -687,10 +687,9 @@ class PQ(_Handle):
               subspaces="default", max_points_per_centroid=0, runtime=None, objective=False):
         """Trains on the rows of keys (s x d_h; float32, float16 or bfloat16 as uint16).
 
-        0 means the library's default (m=4, bits=8, iters=10; rope bands where rope states a
-        layout). metric: optional d_h
-        weights of the distance. objective=True keeps the k-means objective per
-        sub-space and iteration in `.objective` (m x (iters + 1))."""
+        0 means the library's default (m=4, bits=8, iters=10; rope bands where rope states
+        a layout). metric: optional d_h weights of the distance. objective=True keeps the
+        k-means objective per sub-space and iteration in `.objective` (m x (iters + 1))."""
         keys = np.asarray(keys)
         km, karr = _rows(keys, keys.shape[-1:], "keys", _KV_DTYPES)
         d = pqc_pq_desc()
