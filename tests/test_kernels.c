@@ -216,6 +216,75 @@ TEST assign_bitwise(void)
     PASS();
 }
 
+/* One k-means++ round over the points in lanes: every level's distances equal the scalar
+   reference's bit for bit, and the reference equals what the assignment's values give
+   (xn + the nearest's value, raised to 0, kept where lower): the seeding it replaced. */
+TEST seedmin_bitwise(void)
+{
+    static const int nbs[] = {1, 2, 3, 4, 5, 8, 15, 16};
+    static const int ds[] = {1, 2, 3, 5, 8, 16, 31, 32, 33};
+    static const size_t ns[] = {1, 15, 16, 17, 63, 64, 65, 100, 130};
+    uint64_t st = 31;
+    size_t bi, di, ni;
+    int li;
+    NEED_LEVELS(lv_, nl);
+    for (bi = 0; bi < sizeof nbs / sizeof nbs[0]; bi++)
+        for (di = 0; di < sizeof ds / sizeof ds[0]; di++)
+            for (ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                int nb = nbs[bi], d = ds[di], kpad = (nb + 15) & ~15;
+                size_t n = ns[ni], i;
+                float *x = (float *)malloc(sizeof(float) * n * d), *xt = (float *)malloc(sizeof(float) * n * d);
+                float *c = (float *)malloc(sizeof(float) * (size_t)nb * d), *cg = (float *)malloc(sizeof(float) * (size_t)nb * d);
+                float *ct = (float *)malloc(sizeof(float) * (size_t)kpad * d), *cn = (float *)malloc(sizeof(float) * kpad);
+                float *xn = (float *)malloc(sizeof(float) * n), *d0 = (float *)malloc(sizeof(float) * n);
+                float *da = (float *)malloc(sizeof(float) * n), *db = (float *)malloc(sizeof(float) * n);
+                float *val = (float *)malloc(sizeof(float) * n);
+                uint16_t *idx = (uint16_t *)malloc(sizeof(uint16_t) * n);
+                for (i = 0; i < n * (size_t)d; i++) x[i] = rng_float(&st);
+                centroids(&st, nb, d, kpad, c, ct, cn);
+                memcpy(x, c, (size_t)d * sizeof(float)); /* a point on a centre: distance 0 (or a rounding below it) */
+                pqc__sqnorms_scalar(x, n, d, xn);
+                for (i = 1; i < n; i += 4) xn[i] = 0.0f; /* below the true norm: values below 0, raised to it */
+                for (i = 0; i < n; i++) /* distances so far: none yet, or lower or higher than this round's */
+                    d0[i] = i % 3 == 0 ? INFINITY : (float)(i % 7) * 0.5f;
+                pqc__seed_blocks(x, n, d, xt);
+                pqc__seed_groups(c, nb, d, cg);
+                memcpy(da, d0, n * sizeof(float));
+                pqc__seedmin_scalar(x, xt, n, d, c, cg, cn, nb, xn, da);
+                pqc__assign_scalar(x, n, d, ct, cn, kpad, nb, idx, val);
+                for (i = 0; i < n; i++) {
+                    float v = xn[i] + val[i];
+                    if (v < 0.0f) v = 0.0f;
+                    if (!(v < d0[i])) v = d0[i];
+                    if (memcmp(&v, &da[i], sizeof v) != 0) {
+                        snprintf(msg, sizeof msg, "scalar seeding round differs from the assignment's at %zu (n %zu d %d nb %d)", i,
+                                 n, d, nb);
+                        FAILm(msg);
+                    }
+                }
+                for (li = 0; li < nl; li++) {
+                    pqc_simd lv = lv_[li];
+                    memcpy(db, d0, n * sizeof(float));
+                    pqc__k_seedmin(lv, x, xt, n, d, c, cg, cn, nb, xn, db);
+                    UPPER_CLEAN("seedmin");
+                    SAME(da, db, n, "seeding round");
+                }
+                free(x);
+                free(xt);
+                free(c);
+                free(cg);
+                free(ct);
+                free(cn);
+                free(xn);
+                free(d0);
+                free(da);
+                free(db);
+                free(val);
+                free(idx);
+            }
+    PASS();
+}
+
 TEST sqnorms_bitwise(void)
 {
     static const int dims[] = {1, 7, 8, 16, 32, 33, 64, 128};
@@ -980,6 +1049,7 @@ SUITE(kernels)
     RUN_TEST(levels_offered);
     RUN_TEST(dots_bitwise);
     RUN_TEST(assign_bitwise);
+    RUN_TEST(seedmin_bitwise);
     RUN_TEST(sqnorms_bitwise);
     RUN_TEST(accum_bitwise);
     RUN_TEST(scan_bitwise);
