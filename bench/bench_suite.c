@@ -62,6 +62,8 @@ static const setting settings[] = {
     {"contiguous sub-spaces", 0, 0, 0, 0, 0, 0, 0, 1},
     {"contiguous, nothing observed", 0, 0, 0, 0, 0, 0, 1, 1},
     {"contiguous, rerank 3", 0, 0, 0, 3, 0, 0, 0, 1},
+    {"m8 b8 (twice the bytes)", 8, 8, 0, 0, 0, 0, 0, 0},
+    {"m16 b8 (four times the bytes)", 16, 8, 0, 0, 0, 0, 0, 0},
 };
 /* sets: 9 in the tuning part, 9 + 2 long ones in the reported part */
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 20 };
