@@ -3207,6 +3207,16 @@ PQC__AVX512 static float pqc__expsum_avx512(const float *s, size_t n, float mx, 
     float lanes[16], z = 0.0f;
     size_t t = 0;
     int l;
+    /* two vectors a step: the exponential's chain of fused adds is long, and one vector
+       at a time left the units waiting on it (128K values: 0.41-0.47 -> 0.34 ns each);
+       the lanes still add t, then t + 16, in order */
+    for (; t + 32 <= n; t += 32) {
+        __m512 a = pqc__exp_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm), vs));
+        __m512 b = pqc__exp_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t + 16), vm), vs));
+        _mm512_storeu_ps(e + t, a);
+        _mm512_storeu_ps(e + t + 16, b);
+        acc = _mm512_add_ps(_mm512_add_ps(acc, a), b);
+    }
     for (; t + 16 <= n; t += 16) {
         __m512 a = pqc__exp_avx512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm), vs));
         _mm512_storeu_ps(e + t, a);
