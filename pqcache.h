@@ -1018,12 +1018,6 @@ PQCDEF const char *pqc_cuda_kernel_source(void);
 #define PQC_ASSERT(x) assert(x)
 #endif
 
-/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
-#if defined(__GNUC__) || defined(__clang__)
-#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
-#else
-#define PQC__PREFETCH(p) ((void)(p))
-#endif
 #if !defined(PQCACHE_NO_SIMD) && (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define PQC__X86 1
 #include <immintrin.h>
@@ -3028,9 +3022,9 @@ PQC__AVX512 static void pqc__seedmin_avx512(const float *x, const float *xt, siz
             }
 #define PQC__SMIN(Q)                                                                                                   \
     v = _mm512_set1_ps(cn[c + Q]);                                                                                     \
-    best0 = _mm512_min_ps(_mm512_sub_ps(v, _mm512_add_ps(a##Q, a##Q)), best0);                                     \
-    best1 = _mm512_min_ps(_mm512_sub_ps(v, _mm512_add_ps(b##Q, b##Q)), best1);                                     \
-    best2 = _mm512_min_ps(_mm512_sub_ps(v, _mm512_add_ps(e##Q, e##Q)), best2);                                     \
+    best0 = _mm512_min_ps(_mm512_sub_ps(v, _mm512_add_ps(a##Q, a##Q)), best0);                                         \
+    best1 = _mm512_min_ps(_mm512_sub_ps(v, _mm512_add_ps(b##Q, b##Q)), best1);                                         \
+    best2 = _mm512_min_ps(_mm512_sub_ps(v, _mm512_add_ps(e##Q, e##Q)), best2);                                         \
     best3 = _mm512_min_ps(_mm512_sub_ps(v, _mm512_add_ps(f##Q, f##Q)), best3)
             PQC__SMIN(0);
             PQC__SMIN(1);
@@ -5912,6 +5906,12 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 
 /* ----- re-ranking ----- */
 
+/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
+#if defined(__GNUC__) || defined(__clang__)
+#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
+#else
+#define PQC__PREFETCH(p) ((void)(p))
+#endif
 /* scattered rows (re-ranking's candidates, the fetch's selection) are asked for this
    many rows before they are read */
 #define PQC__ROWS_AHEAD 8
