@@ -1385,22 +1385,6 @@ static int pqc__finite_row(const float *x, size_t n) { return pqc__within(x, n, 
 static float pqc__store_limit(pqc_dtype t) { return t == PQC_F16 ? 65504.0f : PQC__KEY_LIMIT; }
 
 /* Checks every element of a matrix is finite and at most `limit` in magnitude. */
-static pqc_result pqc__check_range(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, float limit,
-                                   const char *what)
-{
-    size_t r;
-    for (r = 0; r < m->rows; r++) {
-        pqc__row_to_f32(pqc__row(m, r), m->dtype, m->cols, tmp);
-        if (!pqc__within(tmp, m->cols, limit))
-            return pqc__fail(rt, PQC_ERROR_NON_FINITE, "%s: row %zu holds NaN, Inf or a magnitude above %g", what, r,
-                             (double)limit);
-    }
-    return PQC_SUCCESS;
-}
-static pqc_result pqc__check_finite(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, const char *what)
-{
-    return pqc__check_range(rt, m, tmp, PQC__KEY_LIMIT, what);
-}
 
 /* splitmix64: small, good, and reproducible on every platform */
 static uint64_t pqc__rng_next(uint64_t *s)
@@ -4147,6 +4131,26 @@ static int pqc__k_within(pqc_simd s, const float *x, size_t n, float limit)
 static void pqc__k_rowdots(pqc_simd s, const float *q, const float *rows, size_t n, size_t stride, int d, float *out)
 {
     PQC__DISPATCH(s, pqc__rowdots, (q, rows, n, stride, d, out));
+}
+
+/* Every value of m finite and within limit, row by row through the SIMD conversion and
+   check (a prefill of 128K fp16 rows of 8 heads took 1.26 s in the scalar loops). */
+static pqc_result pqc__check_range(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, float limit,
+                                   const char *what)
+{
+    size_t r;
+    pqc_simd simd = pqc__simd(rt);
+    for (r = 0; r < m->rows; r++) { /* (rows may sit off float boundaries: copied first) */
+        pqc__k_to_f32(simd, pqc__row(m, r), m->dtype, m->cols, tmp);
+        if (pqc__k_within(simd, tmp, m->cols, limit)) continue;
+        return pqc__fail(rt, PQC_ERROR_NON_FINITE, "%s: row %zu holds NaN, Inf or a magnitude above %g", what, r,
+                         (double)limit);
+    }
+    return PQC_SUCCESS;
+}
+static pqc_result pqc__check_finite(const struct pqc_runtime *rt, const pqc_matrix *m, float *tmp, const char *what)
+{
+    return pqc__check_range(rt, m, tmp, PQC__KEY_LIMIT, what);
 }
 static size_t pqc__k_keydots(pqc_simd s, const float *q, const unsigned char *rows, size_t stride, pqc_dtype t,
                               size_t n, int d, float limit, float *row, float *out)
