@@ -2025,6 +2025,17 @@ static void pqc__halfrow_scalar(const void *src, pqc_dtype t, size_t n, float *d
     pqc__row_to_f32(src, t, n, dst);
 }
 
+/* n fp32 values to fp16 or bf16 (t), each as pqc_f32_to_f16 / pqc_f32_to_bf16 makes it */
+static void pqc__narrow_scalar(const float *src, pqc_dtype t, size_t n, void *dst)
+{
+    unsigned char *p = (unsigned char *)dst;
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint16_t h = t == PQC_F16 ? pqc_f32_to_f16(src[i]) : pqc_f32_to_bf16(src[i]);
+        memcpy(p + 2 * i, &h, 2);
+    }
+}
+
 /* pqc__within as a kernel of its own level */
 static int pqc__within_scalar(const float *x, size_t n, float limit) { return pqc__within(x, n, limit); }
 
@@ -2535,6 +2546,31 @@ PQC__AVX2 static void pqc__halfrow_avx2(const void *src, pqc_dtype t, size_t n, 
             _mm256_storeu_si256((__m256i *)(dst + i),
                                 _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 2 * i))), 16));
     if (i < n) pqc__halfrow_scalar(p + 2 * i, t, n - i, dst + i);
+}
+
+/* Eight values a step: fp16 by F16C's conversion (round to nearest even, as the scalar
+   one), bf16 by the scalar one's integer rounding; eight values holding a NaN (whose
+   payload the two conversions may quieten differently) go through the scalar one. */
+PQC__AVX2 static void pqc__narrow_avx2(const float *src, pqc_dtype t, size_t n, void *dst)
+{
+    unsigned char *p = (unsigned char *)dst;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(src + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+            pqc__narrow_scalar(src + i, t, 8, p + 2 * i);
+        } else if (t == PQC_F16) {
+            _mm_storeu_si128((__m128i *)(p + 2 * i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else { /* (u + 0x7fff + (u >> 16 & 1)) >> 16, then the eight halves packed in order */
+            __m256i u = _mm256_castps_si256(v), r;
+            r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                                                     _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+            r = _mm256_srli_epi32(r, 16);
+            r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+            _mm_storeu_si128((__m128i *)(p + 2 * i), _mm256_castsi256_si128(r));
+        }
+    }
+    if (i < n) pqc__narrow_scalar(src + i, t, n - i, p + 2 * i);
 }
 
 /* pqc__within, eight values a step (a NaN fails the comparison, as there) */
@@ -3238,6 +3274,11 @@ PQC__AVX512 static void pqc__combine_avx512(const float *e, size_t estride, int 
     if (t < n) pqc__combine_avx2(e + t, estride, g, n - t, w, out + t);
 }
 
+PQC__AVX512 static void pqc__narrow_avx512(const float *src, pqc_dtype t, size_t n, void *dst)
+{
+    pqc__narrow_avx2(src, t, n, dst);
+}
+
 PQC__AVX512 static void pqc__halfrow_avx512(const void *src, pqc_dtype t, size_t n, float *dst)
 {
     pqc__halfrow_avx2(src, t, n, dst);
@@ -3850,6 +3891,28 @@ static void pqc__halfrow_neon(const void *src, pqc_dtype t, size_t n, float *dst
     if (i < n) pqc__halfrow_scalar(p + 2 * i, t, n - i, dst + i);
 }
 
+/* Four values a step: fp16 by the conversion instruction (round to nearest even under
+   the default FPCR, as the scalar one), bf16 by the scalar one's integer rounding; four
+   values holding a NaN go through the scalar one. */
+static void pqc__narrow_neon(const float *src, pqc_dtype t, size_t n, void *dst)
+{
+    unsigned char *p = (unsigned char *)dst;
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t v = vld1q_f32(src + i);
+        if (vminvq_u32(vceqq_f32(v, v)) == 0) {
+            pqc__narrow_scalar(src + i, t, 4, p + 2 * i);
+        } else if (t == PQC_F16) {
+            vst1_u16((uint16_t *)(void *)(p + 2 * i), vreinterpret_u16_f16(vcvt_f16_f32(v)));
+        } else {
+            uint32x4_t u = vreinterpretq_u32_f32(v);
+            u = vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7fffu), vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1u))));
+            vst1_u16((uint16_t *)(void *)(p + 2 * i), vshrn_n_u32(u, 16));
+        }
+    }
+    if (i < n) pqc__narrow_scalar(src + i, t, n - i, p + 2 * i);
+}
+
 static int pqc__within_neon(const float *x, size_t n, float limit)
 {
     const float32x4_t lim = vdupq_n_f32(limit);
@@ -4121,6 +4184,12 @@ static void pqc__k_to_f32(pqc_simd s, const void *src, pqc_dtype t, size_t n, fl
 {
     if (t == PQC_F32) memcpy(dst, src, n * sizeof(float));
     else pqc__k_halfrow(s, src, t, n, dst);
+}
+/* n fp32 values stored as t (fp32 copied, fp16 and bf16 by the level's conversion) */
+static void pqc__k_narrow(pqc_simd s, const float *src, pqc_dtype t, size_t n, void *dst)
+{
+    if (t == PQC_F32) memcpy(dst, src, n * sizeof(float));
+    else PQC__DISPATCH(s, pqc__narrow, (src, t, n, dst));
 }
 static int pqc__k_within(pqc_simd s, const float *x, size_t n, float limit)
 {
@@ -7088,6 +7157,7 @@ static pqc_result pqc__check_layer(const pqc_cache *c, int layer, const char *wh
 static void pqc__store_row(pqc_cache *c, unsigned char *dst, const void *src, pqc_dtype st)
 {
     int e, d = c->d.head_dim;
+    pqc_simd simd = pqc__simd(c->rt);
     if (st == c->d.kv_dtype) {
         memcpy(dst, src, c->row);
         return;
@@ -7111,13 +7181,8 @@ static void pqc__store_row(pqc_cache *c, unsigned char *dst, const void *src, pq
             }
             buf = heap;
         }
-        pqc__row_to_f32(src, st, (size_t)d, buf);
-        if (c->d.kv_dtype == PQC_F32) memcpy(dst, buf, (size_t)d * 4);
-        else
-            for (e = 0; e < d; e++) {
-                uint16_t hv = c->d.kv_dtype == PQC_F16 ? pqc_f32_to_f16(buf[e]) : pqc_f32_to_bf16(buf[e]);
-                memcpy(dst + 2 * e, &hv, 2);
-            }
+        pqc__k_to_f32(simd, src, st, (size_t)d, buf); /* (src may sit off float boundaries) */
+        pqc__k_narrow(simd, buf, c->d.kv_dtype, (size_t)d, dst);
         pqc__free(&c->alloc, heap);
     }
 }

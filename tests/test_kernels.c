@@ -742,6 +742,71 @@ TEST halfrow_bitwise(void)
     PASS();
 }
 
+/* fp32 rows to fp16 and bf16 at every level equal the scalar conversion, byte for byte:
+   random bit patterns of every magnitude (subnormal, normal, past fp16's range,
+   infinities, NaNs with payloads), ties to even in both formats, and the largest finite
+   fp16 and the first value that rounds past it */
+TEST narrow_bitwise(void)
+{
+    static const float edge[] = {65504.0f, 65519.996f, 65520.0f, -65520.0f, 1.0009765625f /* 1 + 2^-10 */,
+                                 1.00048828125f /* a tie: 1 + 2^-11 */, 1.00146484375f /* 1 + 3 * 2^-11 */,
+                                 5.9604645e-08f /* fp16's smallest subnormal */, 2.9802322e-08f /* half of it */,
+                                 0.0f, -0.0f, 1e-40f, -1e-40f, 3.3895314e38f};
+    uint64_t st = 29;
+    size_t ni, i;
+    int li, ti, nl;
+    pqc_simd lv_[3];
+    nl = levels(lv_);
+    for (ti = 0; ti < 2; ti++)
+        for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++) {
+            size_t n = lens[ni];
+            pqc_dtype t = ti ? PQC_BF16 : PQC_F16;
+            float *x = (float *)malloc(sizeof(float) * (n + 1));
+            uint16_t *a = (uint16_t *)malloc(sizeof(uint16_t) * (n + 1)), *b = (uint16_t *)malloc(sizeof(uint16_t) * (n + 1));
+            const char *bad = NULL;
+            for (i = 0; i < n; i++) {
+                uint32_t u = (uint32_t)rng_next(&st);
+                switch (i % 5) {
+                case 4: /* bf16's ties and the values beside them: low halves 0x7fff, 0x8000, 0x8001 */
+                    u = (u & 0xffff0000u) | (0x7fffu + (uint32_t)(i / 5) % 3u);
+                    if ((u & 0x7f800000u) == 0x7f800000u) u &= 0xbfffffffu;
+                    memcpy(&x[i], &u, 4);
+                    break;
+                case 0: x[i] = edge[(i / 5) % (sizeof edge / sizeof edge[0])]; break;
+                case 1: x[i] = rng_float(&st) * 1e-3f; break;
+                case 2: /* exponents around fp16's range: subnormal to past its largest */
+                    u = (u & 0x807fffffu) | ((uint32_t)(100 + (u >> 23) % 48) << 23);
+                    memcpy(&x[i], &u, 4);
+                    break;
+                default: memcpy(&x[i], &u, 4); /* any pattern, NaNs and infinities among them */
+                }
+                if (n > 40 && i == n / 2) { /* a NaN with a payload, and an infinity */
+                    u = 0x7fa00001u;
+                    memcpy(&x[i], &u, 4);
+                    x[i - 1] = -INFINITY;
+                }
+            }
+            pqc__narrow_scalar(x, t, n, a);
+            for (i = 0; i < n && !bad; i++) {
+                uint16_t r = t == PQC_F16 ? pqc_f32_to_f16(x[i]) : pqc_f32_to_bf16(x[i]);
+                if (r != a[i]) bad = "scalar differs from the element conversion";
+            }
+            for (li = 0; li < nl && !bad; li++) {
+                pqc__k_narrow(lv_[li], x, t, n, b);
+                if (first_diff(a, b, n, sizeof(uint16_t)) >= 0) bad = pqc_simd_name(lv_[li]);
+                else if (upper_dirty() == 1) bad = "a level left the vector registers' upper halves set";
+            }
+            free(x);
+            free(a);
+            free(b);
+            if (bad) {
+                snprintf(msg, sizeof msg, "narrow: %s (%s, n %zu)", bad, ti ? "bf16" : "fp16", n);
+                FAILm(msg);
+            }
+        }
+    PASS();
+}
+
 /* fp32, fp16 and bf16 rows scored in one pass (convert, check, dot) give at every level the
    bits of the scalar reference, which is the conversion, the range check and the row
    dots one after another; the first row that cannot be ranked is found wherever it lies */
@@ -1061,6 +1126,7 @@ SUITE(kernels)
     RUN_TEST(combine_bitwise);
     RUN_TEST(rowdots_bitwise);
     RUN_TEST(halfrow_bitwise);
+    RUN_TEST(narrow_bitwise);
     RUN_TEST(within_bitwise);
     RUN_TEST(keydots_bitwise);
     RUN_TEST(exact_heads_equal_head_by_head);
