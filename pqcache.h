@@ -7253,7 +7253,7 @@ static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *
     buf = sc + (size_t)np * n;
     for (t0 = 0; t0 < n; t0 += nb) { /* sc[pr * n + t]: pair pr = (row pr / g, head pr % g) */
         nb = n - t0 < PQC__OBS_BLOCK ? n - t0 : PQC__OBS_BLOCK;
-        for (t = 0; t < nb; t++) pqc__row_to_f32(pqc__krow(c, H, t0 + t), c->d.kv_dtype, d, buf + t * d);
+        for (t = 0; t < nb; t++) pqc__k_to_f32(simd, pqc__krow(c, H, t0 + t), c->d.kv_dtype, d, buf + t * d);
         for (pr = 0; pr < np; pr++) {
             const float *q = L->qobs + (size_t)(pr / c->g) * qn + ((size_t)b->head * (size_t)c->g + (size_t)(pr % c->g)) * d;
             pqc__k_rowdots(simd, q, buf, nb, d, (int)d, sc + (size_t)pr * n + t0);
