@@ -7156,34 +7156,17 @@ static pqc_result pqc__check_layer(const pqc_cache *c, int layer, const char *wh
 /* stores one token row (fp32 or any dtype) of head h at position t */
 static void pqc__store_row(pqc_cache *c, unsigned char *dst, const void *src, pqc_dtype st)
 {
-    int e, d = c->d.head_dim;
+    size_t d = (size_t)c->d.head_dim, e, m, ss = pqc_dtype_size(st), ds = pqc_dtype_size(c->d.kv_dtype);
     pqc_simd simd = pqc__simd(c->rt);
+    float tmp[256];
     if (st == c->d.kv_dtype) {
         memcpy(dst, src, c->row);
         return;
     }
-    {
-        float tmp[256], *buf = tmp;
-        float *heap = NULL;
-        if (d > 256) {
-            heap = (float *)pqc__alloc(&c->alloc, (size_t)d * sizeof(float));
-            if (!heap) { /* fall back to element-wise conversion */
-                for (e = 0; e < d; e++) {
-                    float f;
-                    pqc__row_to_f32((const unsigned char *)src + (size_t)e * pqc_dtype_size(st), st, 1, &f);
-                    if (c->d.kv_dtype == PQC_F32) memcpy(dst + 4 * e, &f, 4);
-                    else {
-                        uint16_t hv = c->d.kv_dtype == PQC_F16 ? pqc_f32_to_f16(f) : pqc_f32_to_bf16(f);
-                        memcpy(dst + 2 * e, &hv, 2);
-                    }
-                }
-                return;
-            }
-            buf = heap;
-        }
-        pqc__k_to_f32(simd, src, st, (size_t)d, buf); /* (src may sit off float boundaries) */
-        pqc__k_narrow(simd, buf, c->d.kv_dtype, (size_t)d, dst);
-        pqc__free(&c->alloc, heap);
+    for (e = 0; e < d; e += m) { /* through fp32, 256 values at a time (src may sit off float boundaries) */
+        m = PQC__MIN(d - e, (size_t)256);
+        pqc__k_to_f32(simd, (const unsigned char *)src + e * ss, st, m, tmp);
+        pqc__k_narrow(simd, tmp, c->d.kv_dtype, m, dst + e * ds);
     }
 }
 

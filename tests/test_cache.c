@@ -181,6 +181,57 @@ TEST full_budget_selects_everything_exactly(void)
     PASS();
 }
 
+/* Rows wider than the store's 256-value conversion buffer (d_h 320) are stored as the
+   element conversions make them, every value: fp32 rows into fp16 and bf16 stores, fp16
+   rows into an fp32 store, prefill and append alike */
+TEST wide_rows_stored_as_converted(void)
+{
+    static const pqc_dtype stores[] = {PQC_F16, PQC_BF16, PQC_F32};
+    int si;
+    for (si = 0; si < 3; si++) {
+        pqc_runtime *rt = tu_cpu_runtime(1);
+        pqc_cache_desc cd = tu_cache_desc(1, 1, 1, 320);
+        pqc_cache *c;
+        pqc_matrix km;
+        size_t n = 40, t, e;
+        float *k = tu_normal_rows(&g_rng, n + 1, 320);
+        uint16_t *kh = (uint16_t *)malloc((n + 1) * 320 * sizeof(uint16_t));
+        const void *sk, *sv;
+        size_t tokens;
+        pqc_dtype dt;
+        int in16 = stores[si] == PQC_F32;
+        cd.kv_dtype = stores[si];
+        for (t = 0; t < (n + 1) * 320; t++) kh[t] = pqc_f32_to_f16(k[t]);
+        km.data = in16 ? (const void *)kh : (const void *)k;
+        km.dtype = in16 ? PQC_F16 : PQC_F32;
+        km.rows = n;
+        km.cols = 320;
+        km.row_stride = 0;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k + n * 320, k + n * 320)); /* fp32 rows at decode */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv(c, 0, 0, &sk, &sv, &tokens, &dt));
+        ASSERT_EQ(n + 1, tokens);
+        ASSERT_EQ(stores[si], dt);
+        for (t = 0; t <= n; t++)
+            for (e = 0; e < 320; e++) {
+                size_t i = t * 320 + e;
+                float x = t < n && in16 ? pqc_f16_to_f32(kh[i]) : k[i];
+                if (dt == PQC_F32) {
+                    ASSERT_EQ(0, memcmp(&x, (const float *)sk + i, sizeof x));
+                } else {
+                    uint16_t want = dt == PQC_F16 ? pqc_f32_to_f16(x) : pqc_f32_to_bf16(x);
+                    ASSERT_EQ_FMT((unsigned)want, (unsigned)((const uint16_t *)sk)[i], "%u");
+                }
+            }
+        pqc_cache_destroy(c);
+        pqc_runtime_destroy(rt);
+        free(k);
+        free(kh);
+    }
+    PASS();
+}
+
 TEST fetch_rows_match_fetch(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
@@ -1755,6 +1806,7 @@ SUITE(cache)
     RUN_TEST(needle_found_after_thousands_of_appends);
     RUN_TEST(full_budget_selects_everything_exactly);
     RUN_TEST(eviction_orders_match_reference);
+    RUN_TEST(wide_rows_stored_as_converted);
     RUN_TEST(fetch_rows_match_fetch);
     RUN_TEST(engine_backend_holds_the_slots_and_its_copies_are_the_traffic);
     RUN_TEST(scheduler_recovers_coefficients_and_clips);
