@@ -576,8 +576,11 @@ typedef enum pqc_metric {
 typedef enum pqc_split {
     PQC_SPLIT_ADAPTIVE = 0, /* each KV head's share of the layer's top-k from the attention
                                the observed queries paid outside its sinks and window
-                               (default; the even split until a build measured it)       */
-    PQC_SPLIT_FIXED = 1     /* every head takes the same top-k                            */
+                               (default; the even split until a build measured it); and
+                               with a derived window (window 0), each layer's window
+                               lowered at its builds where the observed queries pay it
+                               less than the top-k would keep (see window)               */
+    PQC_SPLIT_FIXED = 1     /* every head takes the same top-k, every layer the window    */
 } pqc_split;
 
 typedef struct pqc_cache_desc {
@@ -588,8 +591,15 @@ typedef struct pqc_cache_desc {
     pqc_dtype kv_dtype;      /* host storage of K and V; 0 = fp32                          */
     size_t max_tokens;       /* sequence capacity; 0 = 1M. Longer prompts fail cleanly    */
     int n_sink;              /* sink tokens always attended; 0 = 32; -1 = none             */
-    int window;              /* recent window in tokens; 0 = recent_share of the budget
-                                at the first prefill                                      */
+    int window;              /* recent window in tokens, every layer's; 0 = recent_share of
+                                the budget at the first prefill, which under
+                                PQC_SPLIT_ADAPTIVE is the most a layer keeps: a build
+                                with observed queries weighs that window and its halves
+                                (down to 16 tokens) by the attention they pay, the window
+                                plus half of what the budget's other tokens would hold
+                                as exact top-k, summed over the layer's heads, and keeps
+                                the best (ties: the larger). A window only shrinks; its
+                                budget goes to top-k (pqc_cache_layer_window)             */
     double budget_ratio;     /* tokens attended beyond the sinks: ratio * (s - sinks); 0 = 0.1 */
     size_t budget_tokens;    /* a fixed budget instead of the ratio (0 = use the ratio)   */
     double recent_share;     /* share of the budget for the window; 0 = PQC_DEFAULT_RECENT_SHARE */
@@ -818,10 +828,11 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    cache (wrong rows, NaN among them, and then appends are refused). The CUDA
    tier copies the rows into its pinned stores. The file, little-endian (saving and loading
    refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
-     "PQCCACHE", u32 version (2), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
+     "PQCCACHE", u32 version (3), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
      sinks, m, bits, rope, rope bands (1) or contiguous (0), metric, outliers, residual
      scoring on; u32 window;
      per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
+       u32 the layer's window when a build lowered it, else 0 (version 2 files lack it);
        f64 observation sums [2 h_kv (d_h + 1) + 2]; f32 observed rows [rows][h d_h];
        f64 observed masses [h_kv][2]; f64 histograms [h_kv][64];
        per KV head: K rows, V rows [tokens][d_h] (storage dtype, each preceded by zero
@@ -859,7 +870,10 @@ PQCDEF pqc_result pqc_cache_fork(pqc_cache *parent, pqc_cache **child);
    none: count it once for a family of forks). */
 PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t *shared_bytes);
 PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer);
+/* The window in tokens: the cache's (from the first prefill, or the desc), and a layer's,
+   which a build lowers (see pqc_cache_desc.window); 0 for a bad layer. */
 PQCDEF int pqc_cache_window(const pqc_cache *c);
+PQCDEF int pqc_cache_layer_window(const pqc_cache *c, int layer);
 PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats *out);
 /* Bytes held in the device tier (sinks, window, cache slots, centroids, one layer's codes;
    on a CUDA GPU everything the tier allocated there, two code buffers and the scratch
@@ -6494,6 +6508,13 @@ typedef struct pqc__head {
 #define PQC__DUE_DRIFT 2 /* drifted queries were added (pqc__drift_commit) */
 #define PQC__OBS_KEEP 4 /* observed rows kept per layer to measure where attention goes */
 #define PQC__OBS_BINS 64 /* mid tokens by observed attention p: bin b holds 2^-(b+1)/2 < p <= 2^-b/2 */
+/* The window a build weighs for its layer (see pqc__observed_mass): the layer's window
+   halved up to PQC__WIN_CANDS - 1 times, never below PQC__WIN_MIN tokens; a token of
+   top-k counts PQC__WIN_RHO of the attention the exact top-k token would hold (the share
+   of it PQ scores find, with room for decode queries that stray from the observed). */
+#define PQC__WIN_CANDS 5
+#define PQC__WIN_MIN 16
+#define PQC__WIN_RHO 0.5
 
 typedef struct pqc__build {
     struct pqc_cache *cache;
@@ -6502,8 +6523,12 @@ typedef struct pqc__build {
     const float *metric;  /* the distance's weights (into the layer's bmetric), or NULL */
     size_t n_all;         /* tokens the layer held when the build started */
     int n_obs;            /* observation rows to measure the attention of (0: none) */
-    double mass[2];       /* their attention on the sinks and on the window */
-    double hist[PQC__OBS_BINS]; /* mid tokens per bin of their attention */
+    int n_wins;           /* window sizes weighed (1: the layer's window only) */
+    size_t wins[PQC__WIN_CANDS]; /* descending; wins[0] is the layer's window */
+    double sinks;         /* the rows' attention on the sinks */
+    double wmass[PQC__WIN_CANDS]; /* ... on the window of each size */
+    double value[PQC__WIN_CANDS]; /* ... kept by the window and PQC__WIN_RHO of top-k */
+    double hist[PQC__WIN_CANDS][PQC__OBS_BINS]; /* mid tokens per bin of their attention */
     int iters;
     pqc_result res;
     char err[200];
@@ -6537,6 +6562,10 @@ typedef struct pqc__layer {
                              not measured */
     double *ohist;        /* [n_kv_heads][PQC__OBS_BINS] mid tokens per bin of observed
                              attention (see PQC__OBS_BINS) */
+    int window;           /* the layer's window when a build lowered it (at most the
+                             cache's; see pqc__window_of); 0: the cache's */
+    int window_next;      /* the window the build installed in the running call chose,
+                             taken when the call succeeds; 0: none */
     pqc_layer_stats st;
     uint64_t step;
     double prefill_start;
@@ -6581,6 +6610,7 @@ typedef struct pqc__scoring {
     double rerank;         /* > 0: each head's candidates are ceil(rerank x its top-k) */
     int exact;             /* candidates are scored again with the stored keys */
     int adaptive;          /* the heads share the layer's top-k by observed attention */
+    int adaptive_window;   /* a build with observations may lower its layer's window */
     int tier_search;       /* the tier's search can find the candidates */
     int tier_step;         /* the tier can run a whole decode step */
     int device_rows;       /* the tier hands rows in device memory */
@@ -6716,6 +6746,7 @@ static void pqc__plan_init(pqc_cache *c)
     sp->rerank = c->d.rerank;
     sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
     sp->adaptive = c->d.split == PQC_SPLIT_ADAPTIVE;
+    sp->adaptive_window = sp->adaptive && c->d.window == 0;
     sp->device_rows = (caps & PQC__CAN_DEVICE_ROWS) != 0;
     sp->map_stores = !sp->device_rows;
     sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS));
@@ -6757,19 +6788,26 @@ static pqc_result pqc__cfail(const pqc_cache *c, pqc_result r, const char *fmt, 
     return r;
 }
 
-/* The three regions of n stored tokens: sinks [0, sink_end), mid tokens (PQ-indexed)
-   [sink_end, mid_end), the recent window [mid_end, n). Every bound is at most n, however
-   large n_sink and the window are. */
-static size_t pqc__sink_end(const pqc_cache *c, size_t n_tokens) { return PQC__MIN((size_t)c->d.n_sink, n_tokens); }
-static size_t pqc__mid_end(const pqc_cache *c, size_t n_tokens)
+/* A layer's window: the cache's (set at the first prefill, or by the desc), until a build
+   with observations lowered it (PQC_SPLIT_ADAPTIVE with a derived window). */
+static size_t pqc__window_of(const pqc_cache *c, const pqc__layer *L)
 {
-    size_t lo = pqc__sink_end(c, n_tokens), w = (size_t)c->window;
+    return (size_t)(L->window ? L->window : c->window);
+}
+
+/* The three regions of n stored tokens of layer L: sinks [0, sink_end), mid tokens
+   (PQ-indexed) [sink_end, mid_end), the recent window [mid_end, n). Every bound is at most
+   n, however large n_sink and the window are. */
+static size_t pqc__sink_end(const pqc_cache *c, size_t n_tokens) { return PQC__MIN((size_t)c->d.n_sink, n_tokens); }
+static size_t pqc__mid_end(const pqc_cache *c, const pqc__layer *L, size_t n_tokens)
+{
+    size_t lo = pqc__sink_end(c, n_tokens), w = pqc__window_of(c, L);
     return n_tokens - lo > w ? n_tokens - w : lo;
 }
 /* mid tokens of n stored tokens */
-static size_t pqc__mid_count(const pqc_cache *c, size_t n_tokens)
+static size_t pqc__mid_count(const pqc_cache *c, const pqc__layer *L, size_t n_tokens)
 {
-    return pqc__mid_end(c, n_tokens) - pqc__sink_end(c, n_tokens);
+    return pqc__mid_end(c, L, n_tokens) - pqc__sink_end(c, n_tokens);
 }
 
 /* The budget for `mid` tokens beyond the sinks, unclamped: budget_tokens, or
@@ -7208,21 +7246,49 @@ static size_t pqc__mid_cut(const pqc_cache *c, size_t from, size_t to)
     return cut < from ? from : (cut > to ? to : cut);
 }
 
+/* Where the tokens of pool (counts and attention per bin of PQC__OBS_BINS) hold the most
+   attention: the attention of its k tokens of most, the bin that k ends in taken in
+   proportion. */
+static double pqc__top_of_bins(const double *cnt, const double *mass, double k)
+{
+    double got = 0.0;
+    int i;
+    for (i = 0; i < PQC__OBS_BINS && k > 0.0; i++) {
+        if (cnt[i] <= k) {
+            got += mass[i];
+            k -= cnt[i];
+        } else {
+            got += mass[i] * k / cnt[i];
+            k = 0.0;
+        }
+    }
+    return got;
+}
+
+static int pqc__obs_bin(double p)
+{
+    int bin = p > 0.0 ? (int)floor(-2.0 * log2(p)) : PQC__OBS_BINS - 1;
+    return bin < 0 ? 0 : (bin >= PQC__OBS_BINS ? PQC__OBS_BINS - 1 : bin);
+}
+
 /* The attention the layer's kept observation rows pay, per row and query head of the
    group an exact softmax (scale 1/sqrt(d_h)) over the n_all tokens held when the build
-   started, averaged (P): the shares on the sinks (mass[0]) and the window (mass[1]), and
-   the mid tokens counted by their P into the bins of PQC__OBS_BINS (hist). The scores
-   are the runtime's exact row dots: each block of PQC__OBS_BLOCK keys is converted
-   once and dotted with every observed row and head. */
+   started, averaged (P): the share on the sinks, and for each window size the build
+   weighs (b->wins) the share on that window, the mid tokens before it counted by their P
+   into the bins of PQC__OBS_BINS, and the value of the split: the window's share plus
+   PQC__WIN_RHO times what the budget's other tokens would hold as the exact top-k of
+   those mid tokens (from the bins). The scores are the runtime's exact row dots: each
+   block of PQC__OBS_BLOCK keys is converted once and dotted with every observed row and
+   head. */
 #define PQC__OBS_BLOCK 256
-static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *mass, double *hist)
+static pqc_result pqc__observed_mass(pqc_cache *c, pqc__build *b)
 {
     pqc__layer *L = &c->layers[b->layer];
     const pqc__head *H = &L->heads[b->head];
     size_t n = b->n_all, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, t, t0, nb, bytes = 0;
-    size_t sink = pqc__sink_end(c, n), mid_end = pqc__mid_end(c, n);
-    double scale = 1.0 / sqrt((double)d), acc_s = 0.0, acc_w = 0.0, *pt;
-    int np = b->n_obs * c->g, pr, r;
+    size_t sink = pqc__sink_end(c, n), mid_end = n - b->wins[0], budget = pqc__budget(c, n - sink);
+    double scale = 1.0 / sqrt((double)d), acc_s = 0.0, *pt, cnt[PQC__OBS_BINS], ms[PQC__OBS_BINS], rows;
+    int np = b->n_obs * c->g, pr, r, j;
     pqc_simd simd = pqc__simd(c->rt);
     float *sc = NULL, *buf;
     if (pqc__size3((size_t)np, n, sizeof(float), &bytes) && bytes <= (size_t)-1 - PQC__OBS_BLOCK * d * sizeof(float))
@@ -7244,27 +7310,39 @@ static pqc_result pqc__observed_mass(pqc_cache *c, const pqc__build *b, double *
     }
     for (pr = 0; pr < np; pr++) {
         float *s = sc + (size_t)pr * n;
-        double mx = -INFINITY, z = 0.0, zs = 0.0, zw = 0.0;
+        double mx = -INFINITY, z = 0.0, zs = 0.0;
         for (t = 0; t < n; t++)
             if ((double)s[t] > mx) mx = (double)s[t];
         for (t = 0; t < n; t++) {
             double e = exp(((double)s[t] - mx) * scale);
             z += e;
             if (t < sink) zs += e;
-            else if (t >= mid_end) zw += e;
-            s[t] = (float)e; /* the unnormalised weight, for the mid tokens' histogram */
+            s[t] = (float)e; /* the unnormalised weight, for P past the sinks */
         }
         acc_s += zs / z;
-        acc_w += zw / z;
-        for (t = sink; t < mid_end; t++) pt[t] += (double)s[t] / z;
+        for (t = sink; t < n; t++) pt[t] += (double)s[t] / z;
     }
-    mass[0] = acc_s / (double)(b->n_obs * c->g);
-    mass[1] = acc_w / (double)(b->n_obs * c->g);
-    for (r = 0; r < PQC__OBS_BINS; r++) hist[r] = 0.0;
+    rows = (double)(b->n_obs * c->g);
+    b->sinks = acc_s / rows;
+    for (r = 0; r < PQC__OBS_BINS; r++) cnt[r] = ms[r] = 0.0;
+    for (t = sink; t < n; t++) pt[t] /= rows;
     for (t = sink; t < mid_end; t++) {
-        double p = pt[t] / (double)(b->n_obs * c->g);
-        int bin = p > 0.0 ? (int)floor(-2.0 * log2(p)) : PQC__OBS_BINS - 1;
-        hist[bin < 0 ? 0 : (bin >= PQC__OBS_BINS ? PQC__OBS_BINS - 1 : bin)] += 1.0;
+        r = pqc__obs_bin(pt[t]);
+        cnt[r] += 1.0;
+        ms[r] += pt[t];
+    }
+    for (j = 0; j < b->n_wins; j++) { /* a smaller window: its oldest tokens join the mid tokens */
+        size_t w = b->wins[j], from = j ? n - b->wins[j - 1] : n;
+        double wm = 0.0;
+        for (t = from; t < n - w; t++) {
+            r = pqc__obs_bin(pt[t]);
+            cnt[r] += 1.0;
+            ms[r] += pt[t];
+        }
+        for (t = n - w; t < n; t++) wm += pt[t];
+        b->wmass[j] = wm;
+        memcpy(b->hist[j], cnt, sizeof cnt);
+        b->value[j] = wm + PQC__WIN_RHO * pqc__top_of_bins(cnt, ms, budget > w ? (double)(budget - w) : 0.0);
     }
     pqc__free(&c->alloc, sc);
     pqc__free(&c->alloc, pt);
@@ -7339,7 +7417,7 @@ static void pqc__build_job(void *arg)
         else r = pqc_pq_residuals(c->rt, &H->pq_new, &H->codes_new, 0, &keys, H->rscale_new, H->rq_new);
     }
     pqc__free(&c->alloc, kbuf);
-    if (r == PQC_SUCCESS && b->n_obs > 0 && (r = pqc__observed_mass(c, b, b->mass, b->hist)) != PQC_SUCCESS)
+    if (r == PQC_SUCCESS && b->n_obs > 0 && (r = pqc__observed_mass(c, b)) != PQC_SUCCESS)
         pqc__fail(c->rt, r, "observed attention: allocation failed");
     if (r != PQC_SUCCESS) {
         snprintf(b->err, sizeof b->err, "layer %d head %d: %.150s", b->layer, b->head, pqc_last_error());
@@ -7380,8 +7458,9 @@ static const float *pqc__build_metric(pqc_cache *c, int l, int h)
 static void pqc__start_build(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
-    size_t n = pqc__mid_count(c, L->n_tokens);
-    int h, iters = c->d.pq.iters;
+    size_t n = pqc__mid_count(c, L, L->n_tokens), w0 = L->n_tokens - pqc__mid_end(c, L, L->n_tokens);
+    size_t wmin = PQC__MIN(w0, (size_t)PQC__WIN_MIN);
+    int h, j, iters = c->d.pq.iters;
     if (iters == 0) iters = pqc_scheduler_iters(c->d.scheduler, (double)n, c->d.n_kv_heads);
     L->building = 1;
     L->build_from = L->n_tokens;
@@ -7399,6 +7478,8 @@ static void pqc__start_build(pqc_cache *c, int l)
         b->metric = pqc__build_metric(c, l, h);
         b->n_all = L->n_tokens;
         b->n_obs = L->n_qobs;
+        b->n_wins = c->sp.adaptive_window ? PQC__WIN_CANDS : 1;
+        for (j = 0; j < b->n_wins; j++) b->wins[j] = PQC__MAX(w0 >> j, wmin);
         b->iters = iters;
         b->res = PQC_SUCCESS;
         b->err[0] = 0;
@@ -7468,7 +7549,7 @@ static void pqc__codes_truncate(pqc_cache *c, int l, size_t keep)
 static pqc_result pqc__code_pending(pqc_cache *c, int l, size_t n_tokens)
 {
     pqc__layer *L = &c->layers[l];
-    size_t end = pqc__mid_count(c, n_tokens), from = L->n_coded;
+    size_t end = pqc__mid_count(c, L, n_tokens), from = L->n_coded;
     int h;
     if (L->building || end <= from || L->heads[0].pq.m == 0) return PQC_SUCCESS;
     for (h = 0; c->d.residual_weight > 0 && h < c->d.n_kv_heads; h++) { /* room for the residual bytes */
@@ -7584,6 +7665,36 @@ static void pqc__head_swap(const pqc_cache *c, pqc__head *H)
    builds again when its tokens next grow). Every call that changes a layer or selects
    from it joins first, so the codebook that serves a step is a function of the calls
    made, never of when a worker finished. */
+/* At an install: the heads' observed attention (when the build measured it) for the
+   window size that holds the most of it over the layer's heads (pqc__observed_mass's
+   value; ties keep the larger window), which the call takes if it succeeds (a smaller
+   window than the layer's: window_next). */
+/* The window a build lowered layer L's to (0: none), counting the one the running call
+   takes when it succeeds. */
+static int pqc__layer_window_set(const pqc__layer *L) { return L->window_next ? L->window_next : L->window; }
+
+static void pqc__choose_window(pqc_cache *c, pqc__layer *L)
+{
+    const pqc__build *b0 = &L->builds[0];
+    double best = -1.0;
+    int h, j, nw = b0->n_obs > 0 ? b0->n_wins : 0, pick = 0;
+    for (j = 0; j < nw; j++) {
+        double v = 0.0;
+        for (h = 0; h < c->d.n_kv_heads; h++) v += L->builds[h].value[j];
+        if (v > best) {
+            best = v;
+            pick = j;
+        }
+    }
+    for (h = 0; nw > 0 && h < c->d.n_kv_heads; h++) {
+        const pqc__build *b = &L->builds[h];
+        L->omass[2 * h] = b->sinks;
+        L->omass[2 * h + 1] = b->wmass[pick];
+        memcpy(L->ohist + (size_t)h * PQC__OBS_BINS, b->hist[pick], sizeof b->hist[pick]);
+    }
+    L->window_next = pick > 0 ? (int)b0->wins[pick] : 0;
+}
+
 static pqc_result pqc__join_build(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
@@ -7622,12 +7733,8 @@ static pqc_result pqc__join_build(pqc_cache *c, int l)
             H->n_outliers = H->n_outliers_build = H->n_outliers_new;
             H->outlier_thr = H->outlier_thr_new;
         }
-        if (L->builds[h].n_obs > 0) {
-            L->omass[2 * h] = L->builds[h].mass[0];
-            L->omass[2 * h + 1] = L->builds[h].mass[1];
-            memcpy(L->ohist + (size_t)h * PQC__OBS_BINS, L->builds[h].hist, sizeof L->builds[h].hist);
-        }
     }
+    pqc__choose_window(c, L);
     if (L->n_trained) L->st.rebuilds++;
     L->st.builds++;
     L->gen++;
@@ -7636,11 +7743,15 @@ static pqc_result pqc__join_build(pqc_cache *c, int l)
     return PQC_SUCCESS;
 }
 
-/* The running call succeeded: layer l's install stays, the former state goes. */
+/* The running call succeeded: layer l's install stays, the former state goes, and the
+   window the build chose is the layer's from now on (its tokens that leave the window
+   are coded at the next call that codes). */
 static void pqc__install_keep(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
     int h;
+    if (L->window_next) L->window = L->window_next;
+    L->window_next = 0;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
         const pqc__build *b = &L->builds[h];
@@ -7681,6 +7792,7 @@ static void pqc__install_undo(pqc_cache *c, int l)
         L->st.wait_s = L->u_wait_s;
         memcpy(L->omass, L->u_omass, 2 * nkv * sizeof(double));
         memcpy(L->ohist, L->u_ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        L->window_next = 0;
         L->building = 1;
         L->undo = 0;
     }
@@ -7698,7 +7810,7 @@ static void pqc__install_undo(pqc_cache *c, int l)
 static void pqc__maybe_build(pqc_cache *c, int l)
 {
     pqc__layer *L = &c->layers[l];
-    size_t mid = pqc__mid_count(c, L->n_tokens);
+    size_t mid = pqc__mid_count(c, L, L->n_tokens);
     if (L->undo) {
         L->due |= PQC__DUE_GROWN;
         return;
@@ -7722,7 +7834,7 @@ static void pqc__layer_truncate(pqc_cache *c, int l, size_t n, const pqc_layer_s
         pqc__build_drop(c, L);
     }
     if (n < L->n_tokens) {
-        pqc__codes_truncate(c, l, pqc__mid_count(c, n));
+        pqc__codes_truncate(c, l, pqc__mid_count(c, L, n));
         L->n_tokens = n;
     }
     L->st = *st;
@@ -7942,9 +8054,9 @@ static pqc_result pqc__append(pqc_cache *c, int layer, const float *k, const flo
         pqc__codes_truncate(c, layer, coded);
         return r;
     }
-    before = pqc__mid_end(c, L->n_tokens);
+    before = pqc__mid_end(c, L, L->n_tokens);
     L->n_tokens++;
-    after = pqc__mid_end(c, L->n_tokens);
+    after = pqc__mid_end(c, L, L->n_tokens);
     if (after > before) L->st.bytes_d2h += (after - before) * 2 * c->row * (size_t)c->d.n_kv_heads; /* offload */
     pqc__maybe_build(c, layer);
     return PQC_SUCCESS;
@@ -8138,7 +8250,7 @@ static void pqc__select_head(void *ctx, size_t hi)
     pqc__sel_job *j = (pqc__sel_job *)ctx;
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
-    size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, n), t, o = 0, k;
+    size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, L, n), t, o = 0, k;
     uint32_t *out = j->out + hi * j->out_cap;
     pqc_result r = PQC_SUCCESS;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
@@ -8294,7 +8406,7 @@ static pqc_result pqc__plan_step(pqc_cache *c, int layer, pqc__plan *p)
     if ((r = pqc__code_pending(c, layer, p->n)) != PQC_SUCCESS) return r;
     mid = p->n - pqc__sink_end(c, p->n);
     budget = pqc__budget(c, mid);
-    p->take = budget > (size_t)c->window ? budget - (size_t)c->window : 0;
+    p->take = budget > pqc__window_of(c, L) ? budget - pqc__window_of(c, L) : 0;
     if (L->heads[0].pq.m == 0 || p->take > L->n_coded) p->take = L->n_coded;
     p->take = pqc__head_takes(c, L, p->take, c->takes);
     p->search = p->take > 0 && p->take < L->n_coded;
@@ -8546,7 +8658,7 @@ static void pqc__fetch_account(void *ctx, size_t hi)
     pqc__layer *L = &c->layers[j->layer];
     pqc__head *H = &L->heads[hi];
     size_t cnt = j->sel->count[hi], i, f, bt = (size_t)c->d.block_tokens, nf = 0;
-    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, L->n_tokens);
+    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, L, L->n_tokens);
     const uint32_t *idx = j->sel->idx + hi * j->sel->capacity;
     pqc__fill *fills = j->fills + hi * (size_t)c->d.admit_blocks;
     uint64_t hits = 0, misses = 0, h2d = 0, step = L->step;
@@ -8584,7 +8696,7 @@ static void pqc__host_fetch_head(void *ctx, size_t hi)
     pqc__layer *L = &c->layers[j->layer];
     pqc__head *H = &L->heads[hi];
     size_t cnt = j->sel->count[hi], i, f, bt = (size_t)c->d.block_tokens, slot_bytes = bt * 2 * c->row, r;
-    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, L->n_tokens);
+    size_t mid_lo = (size_t)c->d.n_sink, mid_hi = pqc__mid_end(c, L, L->n_tokens);
     const uint32_t *idx = j->sel->idx + hi * j->sel->capacity;
     const pqc__fill *fills = j->fills + hi * (size_t)c->d.admit_blocks;
     const void **srck = j->src + hi * 2 * j->rows_cap, **srcv = srck + j->rows_cap;
@@ -8952,7 +9064,7 @@ static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const 
     nh = (size_t)c->d.n_kv_heads;
     if ((r = pqc__plan_step(c, layer, &p)) != PQC_SUCCESS) return r;
     n = p.n;
-    mid_end = pqc__mid_end(c, n);
+    mid_end = pqc__mid_end(c, L, n);
     sink = PQC__MIN((size_t)c->d.n_sink, n);
     unc = mid_end > (size_t)c->d.n_sink + L->n_coded ? mid_end - ((size_t)c->d.n_sink + L->n_coded) : 0;
     win0 = PQC__MAX(mid_end, sink);
@@ -9057,7 +9169,7 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
 /* ----- cache files ----- */
 
 #define PQC__CACHE_MAGIC "PQCCACHE"
-#define PQC__CACHE_VERSION 2u
+#define PQC__CACHE_VERSION 3u
 #define PQC__CACHE_ALIGN 64 /* K and V rows start at file offsets of a multiple of it */
 
 static int pqc__little_endian(void)
@@ -9208,13 +9320,14 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
     }
     for (l = 0; l < c->d.n_layers; l++) {
         const pqc__layer *L = &c->layers[l];
-        uint32_t nq = (uint32_t)L->n_qobs;
+        uint32_t nq = (uint32_t)L->n_qobs, lw = (uint32_t)pqc__layer_window_set(L);
         pqc__part_u64(&w, L->n_tokens);
         pqc__part_u64(&w, L->n_coded);
         pqc__part_u64(&w, L->n_trained);
         pqc__part_u64(&w, L->gen);
         pqc__part_u64(&w, L->step);
         pqc__part_small(&w, &nq, 4);
+        pqc__part_small(&w, &lw, 4);
         pqc__part(&w, L->qsq, pqc__qsq_len(c) * sizeof(double));
         pqc__part(&w, L->qobs, (size_t)L->n_qobs * qn * sizeof(float));
         pqc__part(&w, L->omass, 2 * nkv * sizeof(double));
@@ -9353,7 +9466,7 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
 {
     uint64_t want, v64[5];
     pqc__rd rd;
-    uint32_t shape[PQC__CACHE_SHAPE], mine[PQC__CACHE_SHAPE], v, win, nq;
+    uint32_t shape[PQC__CACHE_SHAPE], mine[PQC__CACHE_SHAPE], v, win, nq, lw;
     unsigned char magic[8];
     const unsigned char *kp, *vp;
     size_t nkv = (size_t)c->d.n_kv_heads, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, col, t;
@@ -9373,7 +9486,8 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
     PQC__RD(magic, 8);
     if (memcmp(magic, PQC__CACHE_MAGIC, 8) != 0) PQC__BAD("pqc_cache_load: %.200s is not a pqcache cache file", path);
     PQC__RD(&v, 4);
-    if (v != PQC__CACHE_VERSION) PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
+    /* version 2 (before layers' windows were saved): every layer has the cache's */
+    if (v != PQC__CACHE_VERSION && v != 2u) PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
     PQC__RD(shape, sizeof shape);
     pqc__cache_shape(c, mine);
     for (j = 0; j < PQC__CACHE_SHAPE; j++)
@@ -9389,10 +9503,14 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
         size_t n, coded, trained;
         PQC__RD(v64, sizeof v64);
         PQC__RD(&nq, 4);
+        lw = 0;
+        if (v >= 3u) PQC__RD(&lw, 4);
+        if (lw > win) PQC__BAD("pqc_cache_load: %.200s: layer %d window %u", path, l, (unsigned)lw);
+        L->window = (int)lw;
         n = (size_t)v64[0];
         coded = (size_t)v64[1];
         trained = (size_t)v64[2];
-        if (v64[0] > c->d.max_tokens || coded > pqc__mid_count(c, n) || trained > coded || nq > PQC__OBS_KEEP)
+        if (v64[0] > c->d.max_tokens || coded > pqc__mid_count(c, L, n) || trained > coded || nq > PQC__OBS_KEEP)
             PQC__BAD("pqc_cache_load: %.200s: layer %d holds inconsistent counts", path, l);
         PQC__RD(L->qsq, pqc__qsq_len(c) * sizeof(double));
         PQC__RD(L->qobs, (size_t)nq * qn * sizeof(float));
@@ -9585,6 +9703,7 @@ static pqc_result pqc__fork_copy(pqc_cache *c, const pqc_cache *p, size_t n)
         memcpy(L->qobs, P->qobs, (size_t)P->n_qobs * qn * sizeof(float));
         memcpy(L->omass, P->omass, 2 * nkv * sizeof(double));
         memcpy(L->ohist, P->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        L->window = pqc__layer_window_set(P);
         L->n_qobs = P->n_qobs;
         for (h = 0; h < c->d.n_kv_heads; h++) {
             pqc__head *H = &L->heads[h];
@@ -9769,6 +9888,11 @@ PQCDEF size_t pqc_cache_tokens(const pqc_cache *c, int layer)
 }
 
 PQCDEF int pqc_cache_window(const pqc_cache *c) { return c ? c->window : 0; }
+PQCDEF int pqc_cache_layer_window(const pqc_cache *c, int layer)
+{
+    if (!c || layer < 0 || layer >= c->d.n_layers) return 0;
+    return (int)pqc__window_of(c, &c->layers[layer]);
+}
 
 PQCDEF pqc_result pqc_cache_stats(const pqc_cache *c, int layer, pqc_layer_stats *out)
 {
@@ -9786,7 +9910,7 @@ PQCDEF void pqc_cache_memory(const pqc_cache *c, size_t *device_bytes, size_t *f
     if (!c) return;
     for (l = 0; l < c->d.n_layers; l++) {
         const pqc__layer *L = &c->layers[l];
-        size_t n = L->n_tokens, fixed = PQC__MIN(n, (size_t)c->d.n_sink + (size_t)c->window);
+        size_t n = L->n_tokens, fixed = PQC__MIN(n, (size_t)c->d.n_sink + pqc__window_of(c, L));
         per_head_fixed = fixed * 2 * c->row + (size_t)c->d.cache_blocks * c->d.block_tokens * 2 * c->row;
         for (h = 0; h < c->d.n_kv_heads; h++) {
             const pqc__head *H = &L->heads[h];
@@ -13458,7 +13582,7 @@ static pqc_result pqc__gpu_fill_run(pqc_cache *c, int l, size_t ntok, size_t b0,
 static pqc_result pqc__gpu_stored(pqc_cache *c, int l, size_t n)
 {
     struct pqc__gpu_tier *u = c->cu;
-    size_t nb = (n + u->block_tokens - 1) / u->block_tokens, mid_end = pqc__mid_end(c, n), b, b0;
+    size_t nb = (n + u->block_tokens - 1) / u->block_tokens, mid_end = pqc__mid_end(c, &c->layers[l], n), b, b0;
     pqc_result r;
     int i;
     pqc__gpu_enter(c);
@@ -13500,7 +13624,7 @@ static pqc_result pqc__gpu_appended(pqc_cache *c, int l, size_t n)
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: append before prefill");
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
     pqc__gpu_enter(c);
-    s = pqc__gpu_fixed_slot(c, t / u->block_tokens, pqc__mid_end(c, n));
+    s = pqc__gpu_fixed_slot(c, t / u->block_tokens, pqc__mid_end(c, &c->layers[l], n));
     if (s < 0) return PQC_SUCCESS; /* no window: the token is read from host memory */
     return pqc__gpu_fill_run(c, l, n, t / u->block_tokens, s, 1, (int)(t % u->block_tokens));
 }
@@ -14216,7 +14340,7 @@ static pqc_result pqc__gpu_fetch_run(pqc_cache *c, int l, const pqc_selection *s
 {
     struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
-    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->block_tokens - 1) / u->block_tokens, mid_end = pqc__mid_end(c, n);
+    size_t nkv = (size_t)u->n_kv, n = L->n_tokens, nb = (n + u->block_tokens - 1) / u->block_tokens, mid_end = pqc__mid_end(c, L, n);
     size_t rows = 1, fills = 0, h, i, b, cb = (size_t)c->d.cache_blocks + 1, words;
     int32_t *tab, *idx, *fb, *fs;
     pqc_result r;
@@ -14511,7 +14635,7 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
     if (search && (r = pqc__gpu_search(c, l, ctake, u->dtakes, 0)) != PQC_SUCCESS) return r;
     {
-        size_t nbc = u->adm_nbc[l], ns = pqc__gpu_adm_slots(c), mid_end = pqc__mid_end(c, n);
+        size_t nbc = u->adm_nbc[l], ns = pqc__gpu_adm_slots(c), mid_end = pqc__mid_end(c, &c->layers[l], n);
         pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
                   cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
         pqc__dptr topk = search ? u->topk : 0, tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;

@@ -187,7 +187,7 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
                s, median(tw, 15) * 1e6, median(te, 15) * 1e6, step_waits);
     } else { /* the PQ search alone: the same codes, the same k, the 8 heads one after another */
         pqc__layer *L = &c->layers[0];
-        size_t mid = s - 32, budget = (size_t)ceil(0.1 * (double)mid), k = budget - (size_t)pqc_cache_window(c);
+        size_t mid = s - 32, budget = (size_t)ceil(0.1 * (double)mid), k = budget - (size_t)pqc_cache_layer_window(c, 0);
         pqc_search_desc sd;
         memset(&sd, 0, sizeof sd);
         sd.k = k;

@@ -441,6 +441,9 @@ int main(int argc, char **argv)
             if (st->tech == T_RERANK || st->tech == T_RROUT) cd.rerank = RERANK;
             if (st->tech == T_OUTL || st->tech == T_RROUT) cd.outliers = OUTLIERS;
             if (st->tech == T_RESID) cd.residual_weight = RESID;
+            /* the settings compared at one shape of the budget: the window stays as derived
+               (bench_suite measures the default, whose builds may lower it) */
+            cd.split = PQC_SPLIT_FIXED;
             if (IS_BANDS(st->tech)) {
                 cd.pq.rope = ds->layout == HK_HALF ? PQC_ROPE_HALF : PQC_ROPE_INTERLEAVED;
                 cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
@@ -458,7 +461,7 @@ int main(int argc, char **argv)
                 if (ls.rebuilds != 1) fprintf(stderr, "bench_fidelity: %s: %d drift rebuilds\n", ds->name, (int)ls.rebuilds);
             }
             cnt = sel.count[0];
-            w = (size_t)pqc_cache_window(c);
+            w = (size_t)pqc_cache_layer_window(c, 0);
             mid_end = s - w;
             if (cnt < N_SINK + w || sel.idx[0] != 0 || sel.idx[N_SINK - 1] != N_SINK - 1) {
                 fprintf(stderr, "bench_fidelity: unexpected selection shape (%zu tokens, window %zu)\n", cnt, w);
@@ -540,7 +543,7 @@ int main(int argc, char **argv)
                 pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) || pqc_selection_init(c, &sel) ||
                 pqc_cache_select(c, 0, all_q, &sel))
                 die("section 5");
-            w = (size_t)pqc_cache_window(c);
+            w = (size_t)pqc_cache_layer_window(c, 0);
             for (di = 0; di < N_SETS; di++) {
                 const uint32_t *ix = sel.idx + (size_t)di * sel.capacity;
                 size_t cn = sel.count[di], take = cn - N_SINK - w, n_or = 0, u;
@@ -625,7 +628,8 @@ int main(int argc, char **argv)
         if (di + 1 < N_SETS) putchar('\n');
     }
 
-    printf("\nCache path: pqc_cache_select (budget 0.1: %d sinks + top-%zu + window %zu), against the cache-shaped oracle\n",
+    printf("\nCache path: pqc_cache_select (budget 0.1: %d sinks + top-%zu + window %zu, the window fixed: PQC_SPLIT_FIXED), "
+           "against the cache-shaped oracle\n",
            N_SINK, sets[0].k_mid, sets[0].window);
     printf("(mass ref = the oracle's mass; recall over the top-k part)\n");
     printf("%-20s %-14s %6s %7s %8s %8s %7s %7s\n", "data set", "setting", "B/tok", "recall", "mass sel", "mass ref", "gap",

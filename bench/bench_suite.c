@@ -38,32 +38,34 @@ typedef struct setting {
     double residual;
     int no_obs;
     int contiguous;         /* 1: contiguous sub-spaces (the default with a RoPE layout: bands) */
+    int fixed;              /* 1: PQC_SPLIT_FIXED (the window as derived; the default's builds may lower it) */
 } setting;
 
 static const setting settings[] = {
-    {"default", 0, 0, 0, 0, 0, 0, 0, 0},
-    {"default, nothing observed", 0, 0, 0, 0, 0, 0, 1, 0},
-    {"recent_share 0.25", 0, 0, 0.25, 0, 0, 0, 0, 0},
-    {"recent_share 0.1", 0, 0, 0.1, 0, 0, 0, 0, 0},
-    {"m4 b8", 4, 8, 0, 0, 0, 0, 0, 0},
-    {"m4 b8, recent 0.25", 4, 8, 0.25, 0, 0, 0, 0, 0},
-    {"m4 b8, recent 0.15", 4, 8, 0.15, 0, 0, 0, 0, 0},
-    {"m4 b8, recent 0.1", 4, 8, 0.1, 0, 0, 0, 0, 0},
-    {"m4 b6, recent 0.1", 4, 6, 0.1, 0, 0, 0, 0, 0},
-    {"m8 b4, recent 0.1", 8, 4, 0.1, 0, 0, 0, 0, 0},
-    {"m4 b8, recent 0.05", 4, 8, 0.05, 0, 0, 0, 0, 0},
-    {"m4 b8, recent 0.1, rerank 2", 4, 8, 0.1, 2, 0, 0, 0, 0},
-    {"m4 b8, recent 0.1, outliers 64", 4, 8, 0.1, 0, 64, 0, 0, 0},
-    {"m4 b8, recent 0.1, residual 0.15", 4, 8, 0.1, 0, 0, 0.15, 0, 0},
-    {"window only (recent 1)", 0, 0, 1.0, 0, 0, 0, 0, 0},
-    {"rerank 1.5", 0, 0, 0, 1.5, 0, 0, 0, 0},
-    {"rerank 2", 0, 0, 0, 2, 0, 0, 0, 0},
-    {"rerank 3", 0, 0, 0, 3, 0, 0, 0, 0},
-    {"contiguous sub-spaces", 0, 0, 0, 0, 0, 0, 0, 1},
-    {"contiguous, nothing observed", 0, 0, 0, 0, 0, 0, 1, 1},
-    {"contiguous, rerank 3", 0, 0, 0, 3, 0, 0, 0, 1},
-    {"m8 b8 (twice the bytes)", 8, 8, 0, 0, 0, 0, 0, 0},
-    {"m16 b8 (four times the bytes)", 16, 8, 0, 0, 0, 0, 0, 0},
+    {"default", 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {"default, nothing observed", 0, 0, 0, 0, 0, 0, 1, 0, 0},
+    {"recent_share 0.25", 0, 0, 0.25, 0, 0, 0, 0, 0, 0},
+    {"recent_share 0.1", 0, 0, 0.1, 0, 0, 0, 0, 0, 0},
+    {"m4 b8", 4, 8, 0, 0, 0, 0, 0, 0, 0},
+    {"m4 b8, recent 0.25", 4, 8, 0.25, 0, 0, 0, 0, 0, 0},
+    {"m4 b8, recent 0.15", 4, 8, 0.15, 0, 0, 0, 0, 0, 0},
+    {"m4 b8, recent 0.1", 4, 8, 0.1, 0, 0, 0, 0, 0, 0},
+    {"m4 b6, recent 0.1", 4, 6, 0.1, 0, 0, 0, 0, 0, 0},
+    {"m8 b4, recent 0.1", 8, 4, 0.1, 0, 0, 0, 0, 0, 0},
+    {"m4 b8, recent 0.05", 4, 8, 0.05, 0, 0, 0, 0, 0, 0},
+    {"m4 b8, recent 0.1, rerank 2", 4, 8, 0.1, 2, 0, 0, 0, 0, 0},
+    {"m4 b8, recent 0.1, outliers 64", 4, 8, 0.1, 0, 64, 0, 0, 0, 0},
+    {"m4 b8, recent 0.1, residual 0.15", 4, 8, 0.1, 0, 0, 0.15, 0, 0, 0},
+    {"window only (recent 1, split fixed)", 0, 0, 1.0, 0, 0, 0, 0, 0, 1},
+    {"rerank 1.5", 0, 0, 0, 1.5, 0, 0, 0, 0, 0},
+    {"rerank 2", 0, 0, 0, 2, 0, 0, 0, 0, 0},
+    {"rerank 3", 0, 0, 0, 3, 0, 0, 0, 0, 0},
+    {"contiguous sub-spaces", 0, 0, 0, 0, 0, 0, 0, 1, 0},
+    {"contiguous, nothing observed", 0, 0, 0, 0, 0, 0, 1, 1, 0},
+    {"contiguous, rerank 3", 0, 0, 0, 3, 0, 0, 0, 1, 0},
+    {"m8 b8 (twice the bytes)", 8, 8, 0, 0, 0, 0, 0, 0, 0},
+    {"m16 b8 (four times the bytes)", 16, 8, 0, 0, 0, 0, 0, 0, 0},
+    {"fixed window (split fixed)", 0, 0, 0, 0, 0, 0, 0, 0, 1},
 };
 /* sets: 9 in the tuning part, 9 + 2 long ones in the reported part */
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 20 };
@@ -124,7 +126,7 @@ static int run_setting(const suitekeys *k, const setting *st, const double *p, d
     pqc_cache *c = NULL;
     pqc_selection sel;
     pqc_matrix km;
-    size_t i, n, window, sinks;
+    size_t i, n = 0, window, sinks;
     double t[5], mass = 0;
     int rep;
     memset(&cd, 0, sizeof cd);
@@ -141,6 +143,7 @@ static int run_setting(const suitekeys *k, const setting *st, const double *p, d
     cd.outliers = st->outliers;
     cd.residual_weight = st->residual;
     if (st->contiguous) cd.pq.subspaces = PQC_SUBSPACES_CONTIGUOUS;
+    if (st->fixed) cd.split = PQC_SPLIT_FIXED;
     km = pqc_matrix_f32(k->keys, k->s, HK_D);
     if (pqc_cache_create(NULL, &cd, &c) != PQC_SUCCESS ||
         (!st->no_obs && pqc_cache_observe(c, 0, k->obs, (size_t)k->n_obs) != PQC_SUCCESS) ||
@@ -173,7 +176,7 @@ static int run_setting(const suitekeys *k, const setting *st, const double *p, d
         out->bytes = (double)r.pq.m * r.pq.bits / 8.0 + (r.residual_weight > 0 ? r.pq.m : 0);
         /* the oracle: sinks and window as this cache has them, exact top-k of the mid tokens */
         sinks = r.n_sink > 0 ? (size_t)r.n_sink : 0;
-        window = (size_t)pqc_cache_window(c);
+        window = (size_t)pqc_cache_layer_window(c, 0);
         if (sinks + window < n && sinks + window < k->s) {
             double o = 0;
             for (i = 0; i < sinks; i++) o += p[i];

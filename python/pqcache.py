@@ -277,6 +277,7 @@ _PROTOTYPES = {
     "pqc_cache_load": (_R, [_P, POINTER(pqc_cache_desc), c_char_p, POINTER(c_void_p)]),
     "pqc_cache_tokens": (c_size_t, [_P, c_int]),
     "pqc_cache_window": (c_int, [_P]),
+    "pqc_cache_layer_window": (c_int, [_P, c_int]),
     "pqc_cache_stats": (_R, [_P, c_int, POINTER(pqc_layer_stats)]),
     "pqc_cache_memory": (None, [_P, POINTER(c_size_t), POINTER(c_size_t)]),
     "pqc_cache_kv": (_R, [_P, c_int, c_int, POINTER(c_void_p), POINTER(c_void_p), POINTER(c_size_t),
@@ -1300,6 +1301,12 @@ class Cache(_Handle):
     def window(self):
         """The recent window in tokens (0 until known)."""
         return lib.pqc_cache_window(self._live())
+
+    @_locked
+    def layer_window(self, layer):
+        """A layer's recent window in tokens: the cache's, or less where a build lowered it
+        from the observed attention."""
+        return lib.pqc_cache_layer_window(self._live(), self._layer(layer))
 
     @property
     @_locked

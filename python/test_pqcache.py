@@ -291,6 +291,9 @@ def test_sinks_window_and_budget(rt):
                              budget_tokens=20)
     rng = np.random.default_rng(5)
     assert cache.window == 8
+    assert cache.layer_window(0) == cache.layer_window(1) == 8  # a window in the settings is fixed
+    with pytest.raises(pqc.OutOfRangeError):
+        cache.layer_window(2)
     for step in range(3):
         q = rng.standard_normal((4, 16)).astype(np.float32)
         for layer in range(2):
@@ -375,6 +378,7 @@ def test_save_load_gives_identical_selections(rt, tmp_path):
     back = pqc.Cache.load(path, rt, **settings)
     assert back.tokens(1) == cache.tokens(1) == 4003
     assert back.window == cache.window
+    assert [back.layer_window(l) for l in range(2)] == [cache.layer_window(l) for l in range(2)]
     for step in range(3):
         q = rng.standard_normal((4, 32)).astype(np.float32)
         for layer in range(2):

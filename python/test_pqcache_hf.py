@@ -306,7 +306,7 @@ def test_passkey_is_retrieved_through_transformers(passkey_model, length):
     answer = [int(x) for x in lines[2].split()[2:]]
     got = {}
     for name, settings in (("pqcache", dict(budget_ratio=0.1)),
-                           ("window", dict(budget_tokens=256, recent_share=1.0))):  # no top-k: window only
+                           ("window", dict(budget_tokens=256, recent_share=1.0, split="fixed"))):  # window only
         with torch.no_grad():
             out = passkey_model.generate(ids, max_new_tokens=len(answer), do_sample=False,
                                          cache=pqcache_hf.cache_for(passkey_model, **settings))

@@ -1154,7 +1154,7 @@ TEST save_load_refuses_a_crafted_drift_state(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(a));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
     ASSERT((img = tu_file_image(path, &size)) != NULL);
-    /* the layer's counts (u64 tokens, coded, trained, generation, step), a u32, then the
+    /* the layer's counts (u64 tokens, coded, trained, generation, step), two u32, then the
        observation sums, whose last two doubles are the drift flags */
     L = &a->layers[0];
     {
@@ -1169,7 +1169,7 @@ TEST save_load_refuses_a_crafted_drift_state(void)
     for (i = 0; i + 40 <= size && !at; i++)
         if (!memcmp(img + i, pat, 40)) at = img + i;
     ASSERT(at != NULL);
-    at += 40 + 4 + 8 * (2 * pqc__qsq_part(a) + 1); /* the coded count at the last drift rebuild + 1 */
+    at += 40 + 4 + 4 + 8 * (2 * pqc__qsq_part(a) + 1); /* the coded count at the last drift rebuild + 1 */
     for (j = 0; j < (int)(sizeof bad / sizeof bad[0]); j++) {
         uint64_t h;
         int e;

@@ -289,7 +289,9 @@ typedef struct shape {
     size_t n1, n2;
     int resident; /* codes_resident */
     int observe;  /* queries observed before the prompt: the builds code with a metric
-                     (KV head 1's observations are zero: it stays Euclidean) */
+                     (KV head 1's observations are zero: it stays Euclidean); 2: rows
+                     that look far back, at tokens of the prompt, and a window of half
+                     the budget, which every layer's build lowers */
     int bands;    /* 1: sub-spaces of rope bands over the half-split layout */
     double rerank; /* desc.rerank */
     int outliers;  /* desc.outliers */
@@ -318,6 +320,24 @@ static int observe_both(pair *p, int layers, int hkv, int hq, int d)
     return ok;
 }
 
+/* observations that look far back, at more prompt tokens than the top-k holds: 150 of
+   them (every 8th from token 50) get 6 more in dimension 0 of every head, which the
+   observed rows look for */
+static int observe_far_both(pair *p, int layers, int hkv, int hq, int d, float *k)
+{
+    const size_t rows = 8, qn = (size_t)hq * d;
+    float *q = (float *)calloc(rows * qn, sizeof(float));
+    size_t i;
+    int l, h, ok = q != NULL;
+    for (i = 0; i < 150; i++)
+        for (h = 0; h < hkv; h++) k[((50 + 8 * i) * (size_t)hkv + (size_t)h) * d] += 6.0f;
+    for (i = 0; ok && i < rows * (size_t)hq; i++) q[i * (size_t)d] = 8.0f;
+    for (l = 0; ok && l < layers; l++)
+        ok = pqc_cache_observe(p->cc, l, q, rows) == PQC_SUCCESS && pqc_cache_observe(p->cg, l, q, rows) == PQC_SUCCESS;
+    free(q);
+    return ok;
+}
+
 static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, const shape *sh)
 {
     const int L = sh->L, hkv = sh->hkv, hq = sh->hq, d = sh->d, steps = sh->steps;
@@ -336,6 +356,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.outliers = sh->outliers;
     cd.residual_weight = sh->resid;
     if (sh->lru) cd.policy = PQC_POLICY_LRU;
+    if (sh->observe == 2) cd.recent_share = 0.5;
     if (sh->bands) {
         cd.pq.rope = PQC_ROPE_HALF;
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
@@ -352,8 +373,17 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     ka = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
     va = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
     ASSERT(k1 && k2 && v1 && v2 && q && ka && va);
-    if (sh->observe) ASSERT(observe_both(&p, L, hkv, hq, d));
+    if (sh->observe == 1) ASSERT(observe_both(&p, L, hkv, hq, d));
+    if (sh->observe == 2) ASSERT(observe_far_both(&p, L, hkv, hq, d, k1));
     ASSERT(prefill_both(&p, L, k1, v1, n1, (size_t)hkv * d));
+    if (sh->observe == 2) { /* the builds lower every layer's window alike on both tiers */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(p.cc));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(p.cg));
+        for (l = 0; l < L; l++) {
+            ASSERT(pqc_cache_layer_window(p.cg, l) < pqc_cache_window(p.cg));
+            ASSERT_EQ(pqc_cache_layer_window(p.cc, l), pqc_cache_layer_window(p.cg, l));
+        }
+    }
     for (s = 0; s < 2 * steps; s++) {
         if (s == steps) ASSERT(prefill_both(&p, L, k2, v2, n2, (size_t)hkv * d)); /* a second turn */
         for (l = 0; l < L; l++) {
@@ -400,7 +430,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
         pqc_cache_memory(p.cg, &dev, &full);
         ASSERT(dev > 0 && full > 0);
     }
-    if (sh->observe) /* head 0 codes with a metric, head 1 (zero observations) without */
+    if (sh->observe == 1) /* head 0 codes with a metric, head 1 (zero observations) without */
         for (l = 0; l < L; l++) {
             double a[2], b[2];
             ASSERT(p.cg->layers[l].heads[0].pq.metric != NULL);
@@ -453,6 +483,15 @@ TEST decode_matches_cpu_with_metric(void)
     shape sh = g_small;
     sh.observe = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
+}
+/* a window the builds lowered (observations that look far back): the tokens that left
+   it are coded and selected alike, with select + fetch and with device steps */
+TEST decode_matches_cpu_lowered_window(void)
+{
+    shape sh = g_small;
+    sh.observe = 2;
+    sh.dstep = 2;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
 /* the whole decode step on the device (pqc_cache_step_device): the same selection,
    rows, admissions and statistics as the CPU tier's select + fetch; three layers through
@@ -1598,6 +1637,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_sum_bf16_resident);
     RUN_TEST(decode_matches_cpu_long_subvectors);
     RUN_TEST(decode_matches_cpu_with_metric);
+    RUN_TEST(decode_matches_cpu_lowered_window);
     RUN_TEST(decode_matches_cpu_with_metric_softmax);
     RUN_TEST(device_steps_match_cpu);
     RUN_TEST(device_steps_match_cpu_with_metric);

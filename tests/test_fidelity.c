@@ -472,7 +472,7 @@ TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
                 ASSERT_EQ(0, (int)ls.rebuilds);
                 ASSERT_EQ(0.0, c->layers[0].qsq[(size_t)(D + 1) + D]);
             }
-            n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
+            n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
             ASSERT_EQ(sel.count[0], n_or);
             rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
             kept[mode] += kp;
@@ -663,7 +663,7 @@ TEST driver_observes_the_prompt_and_gives_observations_back_on_failure(void)
     ASSERT_EQ(s2.count[0], s1.count[0]);
     ASSERT_MEM_EQ(s2.idx, s1.idx, s1.count[0] * sizeof(uint32_t));
     /* and the observed prompt keeps the rare tokens */
-    n_or = oracle_of(&hk, &s1, pqc_cache_window(c), &scr, orc);
+    n_or = oracle_of(&hk, &s1, pqc_cache_layer_window(c, 0), &scr, orc);
     rare_kept(&hk, orc, n_or, s1.idx, s1.count[0], &kp, &r);
     ASSERT(r >= 3);
     ASSERT_EQ(r, kp);
@@ -695,7 +695,7 @@ TEST drifted_queries_rebuild_the_codebook_with_their_metric(void)
     memset(&scr, 0, sizeof scr);
     ASSERT_EQ(0, make_hard(&hk, 3, 1));
     ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
-    n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
+    n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
     rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp1, &r);
     ASSERT_EQ((double)G, c->layers[0].qsq[part + D]); /* the decode query was counted */
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
@@ -877,7 +877,7 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
             ASSERT(sinks >= 0.0 && win[h] >= 0.0 && sinks + win[h] <= 1.0 + 1e-9);
             { /* the measurement itself, against double precision */
                 double rs, rw;
-                observed_mass_ref(k2, obs2, h, (size_t)c->d.n_sink, (size_t)pqc_cache_window(c), &rs, &rw);
+                observed_mass_ref(k2, obs2, h, (size_t)c->d.n_sink, (size_t)pqc_cache_layer_window(c, 0), &rs, &rw);
                 if (split == 0)
                     fprintf(stderr, "  head %d observed sinks %.6f (double: %.6f), window %.6f (%.6f)\n", h, sinks, rs,
                             win[h], rw);
@@ -893,7 +893,7 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
                 one.count = counts1;
                 counts1[0] = sel.count[h];
                 one.idx = sel.idx + (size_t)h * sel.capacity;
-                n_or = oracle_of(&hk[h], &one, pqc_cache_window(c), &scr, orc);
+                n_or = oracle_of(&hk[h], &one, pqc_cache_layer_window(c, 0), &scr, orc);
                 rare_kept(&hk[h], orc, n_or, one.idx, one.count[0], &kp, &r);
                 kept_rare += kp;
                 ref_rare += r;
@@ -940,6 +940,139 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
     PASS();
 }
 
+/* The window follows the observed attention (PQC_SPLIT_ADAPTIVE with a derived window): at
+   its build, a layer whose observed queries look far back gives its window's budget to
+   top-k, and a layer whose queries look at the recent tokens keeps its window. The
+   selection keeps its size, the tokens that left the window are coded and found, files
+   and forks keep the layer's window, and the fixed split, a window set in the desc and a
+   prompt without observations keep the window as it was. */
+#define WF_N 4000
+#define WF_D 32
+#define WF_FAR 120
+static int has_index(const uint32_t *a, size_t n, uint32_t x)
+{
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (a[i] == x) return 1;
+    return 0;
+}
+
+static pqc_result window_cache(const float *k, const float *obs, int split, int window, int observe, pqc_cache **out)
+{
+    pqc_cache_desc cd;
+    pqc_matrix km = pqc_matrix_f32(k, WF_N, WF_D);
+    pqc_result r;
+    int l;
+    memset(&cd, 0, sizeof cd);
+    cd.n_layers = 2;
+    cd.n_kv_heads = 1;
+    cd.head_dim = WF_D;
+    cd.max_tokens = 1 << 14;
+    cd.pq.m = 4;
+    cd.pq.bits = 6;
+    cd.pq.iters = 4;
+    cd.pq.seed = 3;
+    cd.recent_share = 0.5;
+    cd.split = (pqc_split)split;
+    cd.window = window;
+    if ((r = pqc_cache_create(NULL, &cd, out)) != PQC_SUCCESS) return r;
+    for (l = 0; l < 2 && r == PQC_SUCCESS; l++) {
+        if (observe) r = pqc_cache_observe(*out, l, obs + (size_t)l * 4 * WF_D, 4);
+        if (r == PQC_SUCCESS) r = pqc_cache_prefill(*out, l, &km, &km);
+    }
+    if (r == PQC_SUCCESS) r = pqc_cache_sync(*out);
+    if (r != PQC_SUCCESS) pqc_cache_destroy(*out);
+    return r;
+}
+
+TEST window_follows_the_observed_attention(void)
+{
+    uint64_t rng = 99;
+    float *k = tu_normal_rows(&rng, WF_N, WF_D), obs[2 * 4 * WF_D], q[2][WF_D];
+    pqc_cache *c, *d, *f;
+    pqc_selection sel, sel2;
+    size_t t, i, sinks = 32, budget = 397, n = WF_N; /* ceil(0.1 (4000 - 32)) */
+    double s_mass, w_mass;
+    char path[512];
+    int l, v;
+    ASSERT(k != NULL);
+    for (i = 0; i < WF_FAR; i++) k[(100 + 30 * i) * WF_D] += 6.0f; /* far back, spread over the mid tokens */
+    for (t = WF_N - 200; t < WF_N; t++) k[t * WF_D + 1] += 6.0f;  /* the last 200 */
+    memset(q, 0, sizeof q);
+    q[0][0] = 8.0f; /* layer 0 looks far back, layer 1 at the recent tokens */
+    q[1][1] = 8.0f;
+    for (l = 0; l < 2; l++)
+        for (i = 0; i < 4; i++)
+            for (t = 0; t < WF_D; t++) obs[((size_t)l * 4 + i) * WF_D + t] = q[l][t] + 0.1f * (float)tu_normal(&rng);
+    ASSERT_EQ(PQC_SUCCESS, window_cache(k, obs, PQC_SPLIT_ADAPTIVE, 0, 1, &c));
+    ASSERT_EQ(199, pqc_cache_window(c)); /* half of the budget */
+    ASSERT_EQ(16, pqc_cache_layer_window(c, 0));
+    ASSERT_EQ(199, pqc_cache_layer_window(c, 1));
+    ASSERT_EQ(0, pqc_cache_layer_window(c, 2));
+    ASSERT_EQ(0, pqc_cache_layer_window(NULL, 0));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(c, 0, 0, &s_mass, &w_mass));
+    ASSERT(w_mass < 0.01);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(c, 1, 0, &s_mass, &w_mass));
+    ASSERT(w_mass > 0.9);
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel2));
+    for (v = 0; v < 2; v++) { /* at the prompt's end, then after a few decode tokens */
+        for (l = 0; l < 2; l++) {
+            size_t w = (size_t)pqc_cache_layer_window(c, l);
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q[l], &sel));
+            ASSERT_EQ(sinks + budget, sel.count[0]);
+            ASSERT_EQ(n - sinks - w, c->layers[l].n_coded); /* what left the window is coded */
+            for (t = n - w; t < n; t++) ASSERT(has_index(sel.idx, sel.count[0], (uint32_t)t));
+            if (l == 0)
+                for (i = 0; i < WF_FAR; i++) ASSERT(has_index(sel.idx, sel.count[0], (uint32_t)(100 + 30 * i)));
+            else
+                for (t = n - 200; t < n - w; t++) ASSERT(has_index(sel.idx, sel.count[0], (uint32_t)t));
+        }
+        for (t = 0; t < 5 && v == 0; t++, n++)
+            for (l = 0; l < 2; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, l, k + (size_t)(t * 50) * WF_D, k));
+        budget = (size_t)ceil(0.1 * (double)(n - sinks));
+    }
+    /* a file and a fork keep each layer's window and select the same */
+    tu_tmp_path(path, sizeof path, "layer_window");
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(c, path));
+    {
+        pqc_cache_desc cd;
+        pqc_cache_config(c, &cd);
+        cd.window = 0; /* as created */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &d));
+    }
+    remove(path);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(c, &f));
+    for (l = 0; l < 2; l++) {
+        ASSERT_EQ(pqc_cache_layer_window(c, l), pqc_cache_layer_window(d, l));
+        ASSERT_EQ(pqc_cache_layer_window(c, l), pqc_cache_layer_window(f, l));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q[l], &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(d, l, q[l], &sel2));
+        ASSERT_EQ(sel.count[0], sel2.count[0]);
+        ASSERT_EQ(0, memcmp(sel.idx, sel2.idx, sel.count[0] * sizeof(uint32_t)));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(f, l, q[l], &sel2));
+        ASSERT_EQ(0, memcmp(sel.idx, sel2.idx, sel.count[0] * sizeof(uint32_t)));
+    }
+    pqc_cache_destroy(f);
+    pqc_cache_destroy(d);
+    pqc_cache_destroy(c);
+    /* the fixed split, a window in the desc, no observations: the window stays */
+    for (v = 0; v < 3; v++) {
+        ASSERT_EQ(PQC_SUCCESS, window_cache(k, obs, v == 0 ? PQC_SPLIT_FIXED : PQC_SPLIT_ADAPTIVE, v == 1 ? 150 : 0,
+                                            v != 2, &c));
+        for (l = 0; l < 2; l++) {
+            ASSERT_EQ(v == 1 ? 150 : 199, pqc_cache_layer_window(c, l));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q[l], &sel));
+            ASSERT_EQ(sinks + 397, sel.count[0]);
+        }
+        pqc_cache_destroy(c);
+    }
+    pqc_selection_free(&sel);
+    pqc_selection_free(&sel2);
+    free(k);
+    PASS();
+}
+
 /* A top-k of 2 per head leaves no floor (a quarter of 2 is 0): when the observed
    attention of one head sits on four tokens and the other's is spread thin, the split
    gives the first head the layer's whole top-k and the second none, which must select
@@ -978,7 +1111,7 @@ TEST adaptive_split_may_give_a_head_no_top_k(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
-    w = (size_t)pqc_cache_window(c);
+    w = (size_t)pqc_cache_layer_window(c, 0);
     ASSERT_EQ((size_t)2, w);
     ASSERT_EQ((size_t)4 + w, sel.count[0]);     /* head 0: sinks and window */
     ASSERT_EQ((size_t)4 + w + 4, sel.count[1]); /* head 1: the layer's 4, its own 4 tokens */
@@ -1161,7 +1294,7 @@ TEST rerank_and_outliers_keep_what_the_oracle_keeps(void)
             cd.rerank = mode == 1 || mode == 3 ? 2.0 : mode == 4 ? 1e6 : 0.0;
             cd.outliers = mode == 2 || mode == 3 ? 64 : 0;
             ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
-            n_or = oracle_of(&hk, &sel, pqc_cache_window(c), &scr, orc);
+            n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
             ASSERT_EQ(sel.count[0], n_or);
             if (cd.outliers) ASSERT_EQ(64, (int)c->layers[0].heads[0].n_outliers);
             rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
@@ -1243,7 +1376,7 @@ TEST outliers_are_the_worst_served_tokens(void)
     for (e = 0; e < D; e++) far[e] = (e % 7 == 0 ? 40.0f : 0.0f) * (e % 2 ? -1.0f : 1.0f);
     before = H->n_outliers;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, far, far));
-    w = pqc_cache_window(c);
+    w = pqc_cache_layer_window(c, 0);
     for (e = 0; e < w + 1; e++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, hk.keys + (size_t)(100 + e) * D, row));
     {
         pqc_selection sel;
@@ -1489,7 +1622,7 @@ TEST cache_residual_scoring_is_the_core_search(void)
         ASSERT_MEM_EQ(rb + t * 2, H->rq + t * 2, 2);
     }
     /* the selection's top-k part is the core's residual-aware search */
-    take = sel.count[0] - 32 - (size_t)pqc_cache_window(c) - (c->layers[0].n_tokens - (size_t)pqc_cache_window(c) - 32 - n);
+    take = sel.count[0] - 32 - (size_t)pqc_cache_layer_window(c, 0) - (c->layers[0].n_tokens - (size_t)pqc_cache_layer_window(c, 0) - 32 - n);
     memset(&sd, 0, sizeof sd);
     sd.k = take;
     sd.count = n;
@@ -1522,6 +1655,7 @@ SUITE(fidelity)
     RUN_TEST(a_failed_decode_step_leaves_no_drift_behind);
     RUN_TEST(adaptive_split_gives_the_top_k_to_the_head_that_needs_it);
     RUN_TEST(adaptive_split_may_give_a_head_no_top_k);
+    RUN_TEST(window_follows_the_observed_attention);
     RUN_TEST(rerank_over_every_row_is_the_exact_search);
     RUN_TEST(rerank_misuse_is_refused);
     RUN_TEST(rerank_and_outliers_keep_what_the_oracle_keeps);

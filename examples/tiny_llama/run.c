@@ -411,7 +411,8 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
     float *logits = NULL, *ref_logits;
     double t0, t_prefill, t_decode = 0.0, t_ref = 0.0, last_report, kl_sum = 0.0;
     int ctx = o->ctx ? o->ctx : c->seq_len, pos, token, next, step, agree = 0;
-    int decoded = 0, progress = 0, rc = 1, sink, window, topk;
+    int decoded = 0, progress = 0, rc = 1, sink, window, topk, wmin = 0, wmax = 0;
+    char wtext[80] = "";
 
     if (ctx > c->seq_len) {
         fprintf(stderr, "error: context %d exceeds the model's seq_len %d\n", ctx, c->seq_len);
@@ -536,24 +537,31 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
             n_prompt, t_prefill, t_prefill > 0 ? n_prompt / t_prefill : 0.0,
             pq ? ", layer-major through pqc_driver_prefill" : "");
     tl_budget(&o->policy, n_prompt + decoded, &sink, &window, &topk);
-    if (pq) {   /* the library's split: window fixed at the prefill, top-k the rest */
-        int n_ctx = n_prompt + decoded, mid;
+    if (pq) {   /* the library's split: window fixed at the prefill (each layer's at most
+                   the cache's: a build may lower it), top-k the rest; layer 0's shown */
+        int n_ctx = n_prompt + decoded, mid, l;
         double budget;
         sink = o->policy.n_sink < n_ctx ? o->policy.n_sink : n_ctx;
         mid = n_ctx - sink;
         budget = ceil((double)o->policy.ratio * mid);
-        window = pqc_cache_window(lib.cache);
+        window = pqc_cache_layer_window(lib.cache, 0);
+        for (l = 0, wmin = wmax = window; l < c->n_layers; l++) {
+            int w = pqc_cache_layer_window(lib.cache, l);
+            wmin = w < wmin ? w : wmin;
+            wmax = w > wmax ? w : wmax;
+        }
         topk = budget > window ? (int)budget - window : 0;
         if (window > mid)
             window = mid;
+        snprintf(wtext, sizeof wtext, "; the layers' windows %d-%d", wmin, wmax);
     }
     fprintf(stderr, "decode:  %d steps in %.3f s, %.1f tok/s (%s", decoded, t_decode,
             t_decode > 0 ? decoded / t_decode : 0.0, tl_mode_name(o->policy.mode));
     if (o->policy.mode == TL_ATTN_FULL)
         fprintf(stderr, ", context %d)\n", n_prompt + decoded);
     else
-        fprintf(stderr, ": %d sinks + %d window + %d top-k of %d at the last step)\n",
-                sink, window, topk, n_prompt + decoded);
+        fprintf(stderr, ": %d sinks + %d window + %d top-k of %d at the last step%s)\n",
+                sink, window, topk, n_prompt + decoded, wmin < wmax ? wtext : "");
     if (pq) {
         char desc[200];
         tlpq_describe(&lib, desc, sizeof desc);
