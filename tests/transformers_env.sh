@@ -31,13 +31,13 @@ if ! have5; then
     echo "transformers_env: installing torch, transformers, numpy and pytest into $venv (once)" >&2
     python3 -m venv "$venv" >&2 || /usr/bin/python3 -m venv "$venv" >&2
     "$py" -m pip install -q --upgrade pip >&2
-    "$py" -m pip install -q torch==2.15.0 transformers==5.24.0 safetensors numpy pytest >&2
+    "$py" -m pip install -q --no-cache-dir torch==2.15.0 transformers==5.24.0 safetensors numpy pytest >&2
     "$py" -c 'import torch, transformers' >&2
 fi
 if ! have4; then
     echo "transformers_env: installing transformers 4.57 into $hf4 (once)" >&2
     rm -rf "$hf4"
-    "$py" -m pip install -q --target "$hf4" transformers==4.57.6 >&2
+    "$py" -m pip install -q --no-cache-dir --target "$hf4" transformers==4.57.6 >&2
     rm -rf "$hf4"/numpy "$hf4"/numpy-* "$hf4"/numpy.libs "$hf4"/bin   # the venv's own numpy serves both
     have4
 fi
