@@ -7665,14 +7665,14 @@ static void pqc__head_swap(const pqc_cache *c, pqc__head *H)
    builds again when its tokens next grow). Every call that changes a layer or selects
    from it joins first, so the codebook that serves a step is a function of the calls
    made, never of when a worker finished. */
-/* At an install: the heads' observed attention (when the build measured it) for the
-   window size that holds the most of it over the layer's heads (pqc__observed_mass's
-   value; ties keep the larger window), which the call takes if it succeeds (a smaller
-   window than the layer's: window_next). */
 /* The window a build lowered layer L's to (0: none), counting the one the running call
    takes when it succeeds. */
 static int pqc__layer_window_set(const pqc__layer *L) { return L->window_next ? L->window_next : L->window; }
 
+/* At an install: the heads' observed attention (when the build measured it) for the
+   window size that holds the most of it over the layer's heads (pqc__observed_mass's
+   value; ties keep the larger window), which the call takes if it succeeds (a smaller
+   window than the layer's: window_next). */
 static void pqc__choose_window(pqc_cache *c, pqc__layer *L)
 {
     const pqc__build *b0 = &L->builds[0];
