@@ -78,7 +78,7 @@ TEST kmeans_objective_monotone_and_beats_random(void)
     pqc_matrix keys;
     int j, it;
     memset(&sy, 0, sizeof sy);
-    sy.s = 6000;
+    sy.s = TEST_SIZE(6000, 2000);
     sy.d = 64;
     sy.g = 1;
     sy.n_needles = 3;
@@ -398,7 +398,7 @@ TEST needles_always_retrieved(void)
         uint32_t *idx;
         int gq;
         memset(&sy, 0, sizeof sy);
-        sy.s = TEST_SIZE(20000, 8000);
+        sy.s = TEST_SIZE(20000, 4000);
         sy.d = 128;
         sy.g = 4;
         sy.n_needles = 5;

@@ -19,6 +19,7 @@
 #include "greatest.h"
 #include "synth.h"
 #include "test_util.h"
+#include "test_size.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -321,16 +322,16 @@ static int observe_both(pair *p, int layers, int hkv, int hq, int d)
 }
 
 /* observations that look far back, at more prompt tokens than the top-k holds: 150 of
-   them (every 8th from token 50) get 6 more in dimension 0 of every head, which the
-   observed rows look for */
-static int observe_far_both(pair *p, int layers, int hkv, int hq, int d, float *k)
+   the n prompt tokens, spread evenly from token 50 to 200 before the end, get 6 more in
+   dimension 0 of every head, which the observed rows look for */
+static int observe_far_both(pair *p, int layers, int hkv, int hq, int d, float *k, size_t n)
 {
     const size_t rows = 8, qn = (size_t)hq * d;
     float *q = (float *)calloc(rows * qn, sizeof(float));
     size_t i;
-    int l, h, ok = q != NULL;
-    for (i = 0; i < 150; i++)
-        for (h = 0; h < hkv; h++) k[((50 + 8 * i) * (size_t)hkv + (size_t)h) * d] += 6.0f;
+    int l, h, ok = q != NULL && n >= 400;
+    for (i = 0; ok && i < 150; i++)
+        for (h = 0; h < hkv; h++) k[((50 + (n - 250) * i / 150) * (size_t)hkv + (size_t)h) * d] += 6.0f;
     for (i = 0; ok && i < rows * (size_t)hq; i++) q[i * (size_t)d] = 8.0f;
     for (l = 0; ok && l < layers; l++)
         ok = pqc_cache_observe(p->cc, l, q, rows) == PQC_SUCCESS && pqc_cache_observe(p->cg, l, q, rows) == PQC_SUCCESS;
@@ -340,8 +341,10 @@ static int observe_far_both(pair *p, int layers, int hkv, int hq, int d, float *
 
 static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, const shape *sh)
 {
-    const int L = sh->L, hkv = sh->hkv, hq = sh->hq, d = sh->d, steps = sh->steps;
-    const size_t n1 = sh->n1, n2 = sh->n2;
+    /* the small scenario (PQC_TEST_SIZE=small, the ASan run): half the prompts and steps,
+       still a rebuild at the second prompt and blocks admitted */
+    const int L = sh->L, hkv = sh->hkv, hq = sh->hq, d = sh->d, steps = TEST_SIZE(sh->steps, (sh->steps + 1) / 2);
+    const size_t n1 = TEST_SIZE(sh->n1, sh->n1 / 2), n2 = TEST_SIZE(sh->n2, sh->n2 / 2);
     pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
     pair p;
     cmp_stats st;
@@ -374,7 +377,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     va = tu_normal_rows(&g_rng, (size_t)2 * steps * L, (size_t)hkv * d);
     ASSERT(k1 && k2 && v1 && v2 && q && ka && va);
     if (sh->observe == 1) ASSERT(observe_both(&p, L, hkv, hq, d));
-    if (sh->observe == 2) ASSERT(observe_far_both(&p, L, hkv, hq, d, k1));
+    if (sh->observe == 2) ASSERT(observe_far_both(&p, L, hkv, hq, d, k1, n1));
     ASSERT(prefill_both(&p, L, k1, v1, n1, (size_t)hkv * d));
     if (sh->observe == 2) { /* the builds lower every layer's window alike on both tiers */
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(p.cc));
