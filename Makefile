@@ -271,8 +271,12 @@ $(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c $(TINY_LLAMA_TES
 	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
 $(BUILD)/asan_tiny_llama_loaders: examples/tiny_llama/test_loaders.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
-$(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+# (the library's implementation compiled once for the two ASan programs that link it)
+$(BUILD)/asan_pqcache_lib.o: examples/tiny_llama/pqcache_lib.c $(HDR) | $(BUILD)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) -c $< -o $@
+$(BUILD)/asan_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) \
+                            $(BUILD)/asan_pqcache_lib.o | $(BUILD)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $(TL_NO_LIB) $< $(BUILD)/asan_pqcache_lib.o -o $@ $(LDLIBS)
 # clang's UBSan reports pointer arithmetic on null, which gcc's does not
 $(BUILD)/clang_ub_pqcache_mode: examples/tiny_llama/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CLANG) $(STD) -O1 $(DBG) $(WARN) $(CLANG_UB) $< -o $@ $(LDLIBS)
@@ -284,8 +288,8 @@ $(BUILD)/tsan_tiny_llama: examples/tiny_llama/test_tiny_llama.c $(TINY_LLAMA_TES
 $(BUILD)/tsan_tiny_llama_loaders: examples/tiny_llama/test_loaders.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
 	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(TSAN) $< -o $@ $(LDLIBS)
 # the command line under ASan+UBSan refuses damaged Hugging Face checkpoints (test_hf.py)
-$(BUILD)/asan_tiny_llama_run: examples/tiny_llama/run.c $(TINY_LLAMA_PQ_DEPS) | $(BUILD)
-	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $< -o $@ $(LDLIBS)
+$(BUILD)/asan_tiny_llama_run: examples/tiny_llama/run.c $(TINY_LLAMA_PQ_DEPS) $(BUILD)/asan_pqcache_lib.o | $(BUILD)
+	$(CC) $(STD) $(SANOPT) $(DBG) $(WARN) $(SAN) $(TL_NO_LIB) $< $(BUILD)/asan_pqcache_lib.o -o $@ $(LDLIBS)
 DEPS_test-example-san := $(BUILD)/asan_tiny_llama $(BUILD)/asan_tiny_llama_loaders $(BUILD)/asan_pqcache_mode \
                          $(BUILD)/clang_ub_pqcache_mode $(BUILD)/tsan_pqcache_mode $(BUILD)/asan_tiny_llama_run \
                          $(BUILD)/tsan_tiny_llama $(BUILD)/tsan_tiny_llama_loaders

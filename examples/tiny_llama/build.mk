@@ -34,9 +34,17 @@ TINY_LLAMA_PQ_DEPS := $(TINY_LLAMA_ENGINE) $(TINY_LLAMA_DIR)/tl_pqcache.h pqcach
 # the C tests' harness (the project's greatest.h) and shared helpers
 TINY_LLAMA_TEST_DEPS := tests/greatest.h $(TINY_LLAMA_DIR)/test_support.h $(TINY_LLAMA_DIR)/test_reference.h
 
-build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS)
+# pqcache.h's implementation compiled once for the programs below that link it
+# (TL_PQCACHE_NO_LIBRARY_IMPLEMENTATION: the header's implementation is not compiled again)
+TL_LIB_OBJ := build/pqcache_lib.o
+TL_NO_LIB := -DTL_PQCACHE_NO_LIBRARY_IMPLEMENTATION
+$(TL_LIB_OBJ): $(TINY_LLAMA_DIR)/pqcache_lib.c pqcache.h
 	@mkdir -p $(@D)
-	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+	$(CC) $(TINY_LLAMA_CFLAGS) -c -o $@ $<
+
+build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS) $(TL_LIB_OBJ)
+	@mkdir -p $(@D)
+	$(CC) $(TINY_LLAMA_CFLAGS) $(TL_NO_LIB) -o $@ $< $(TL_LIB_OBJ) $(TINY_LLAMA_LIBS)
 
 build/tiny_llama_gen: $(TINY_LLAMA_TOOLS)/gen_random.c $(TINY_LLAMA_ENGINE)
 	@mkdir -p $(@D)
@@ -51,9 +59,9 @@ build/test_tiny_llama_loaders: $(TINY_LLAMA_DIR)/test_loaders.c $(TINY_LLAMA_ENG
 	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
 
 build/test_pqcache_mode: $(TINY_LLAMA_DIR)/test_pqcache_mode.c $(PASSKEY_SRCS) $(TINY_LLAMA_TEST_DEPS) \
-                         $(TINY_LLAMA_PQ_DEPS)
+                         $(TINY_LLAMA_PQ_DEPS) $(TL_LIB_OBJ)
 	@mkdir -p $(@D)
-	$(CC) $(TINY_LLAMA_CFLAGS) -o $@ $< $(TINY_LLAMA_LIBS)
+	$(CC) $(TINY_LLAMA_CFLAGS) $(TL_NO_LIB) -o $@ $< $(TL_LIB_OBJ) $(TINY_LLAMA_LIBS)
 
 build/bench_hf: $(TINY_LLAMA_TOOLS)/bench_hf.c $(TINY_LLAMA_PQ_DEPS)
 	@mkdir -p $(@D)

@@ -27,9 +27,10 @@ MPIRUN_FLAGS ?= --oversubscribe --bind-to none
 MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 TL_MPI_SRC := examples/tiny_llama/tools/tl_mpi.c
 
-build/tiny_llama_mpi: $(TL_MPI_SRC) examples/tiny_llama/tools/tl_mpi_engine.h $(TINY_LLAMA_ENGINE) pqcache.h
+build/tiny_llama_mpi: $(TL_MPI_SRC) examples/tiny_llama/tools/tl_mpi_engine.h $(TINY_LLAMA_ENGINE) pqcache.h \
+                      $(TL_LIB_OBJ)
 	@mkdir -p build
-	$(MPICC) $(TINY_LLAMA_CFLAGS) -o $@ $(TL_MPI_SRC) -lm -lpthread
+	$(MPICC) $(TINY_LLAMA_CFLAGS) $(TL_NO_LIB) -o $@ $(TL_MPI_SRC) $(TL_LIB_OBJ) -lm -lpthread
 
 # The passkey model widened to two KV heads (--widen 2: two copies of its head and
 # FFN units, the same function), so that each of 2 ranks holds one.

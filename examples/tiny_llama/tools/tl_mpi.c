@@ -28,7 +28,12 @@
    Usage: see usage() below, or examples/tiny_llama/tools/mpi.mk (make run-mpi,
    make test-mpi). Plain C99 plus MPI; link with -lm -lpthread. */
 
+#ifndef _POSIX_C_SOURCE
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, fdopen: before the first system header */
+#endif
+#ifndef TL_PQCACHE_NO_LIBRARY_IMPLEMENTATION /* else linked from pqcache_lib.c's object */
 #define PQCACHE_IMPLEMENTATION
+#endif
 #include "../../../pqcache.h"
 #define TINY_LLAMA_IMPLEMENTATION
 #include "../tiny_llama.h"
