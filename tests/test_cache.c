@@ -37,14 +37,6 @@ static pqc_result prefill_all(pqc_cache *c, int layers, const float *k, const fl
     return PQC_SUCCESS;
 }
 
-static int contains(const uint32_t *a, size_t n, uint32_t x)
-{
-    size_t i;
-    for (i = 0; i < n; i++)
-        if (a[i] == x) return 1;
-    return 0;
-}
-
 static int ascending_unique(const uint32_t *a, size_t n)
 {
     size_t i;
@@ -76,8 +68,8 @@ TEST sinks_and_window_always_selected(void)
                 uint32_t t;
                 ASSERT_EQ((size_t)(4 + 12 + 8), sel.count[h]);
                 ASSERT(ascending_unique(ix, sel.count[h]));
-                for (t = 0; t < 4; t++) ASSERT(contains(ix, sel.count[h], t));
-                for (t = 492 + (uint32_t)it; t < 500 + (uint32_t)it; t++) ASSERT(contains(ix, sel.count[h], t));
+                for (t = 0; t < 4; t++) ASSERT(tu_contains(ix, sel.count[h], t));
+                for (t = 492 + (uint32_t)it; t < 500 + (uint32_t)it; t++) ASSERT(tu_contains(ix, sel.count[h], t));
             }
         }
         /* a decode step moves the window along */
@@ -122,7 +114,7 @@ TEST needle_found_after_thousands_of_appends(void)
     for (e = 0; e < 32; e++) q[e] = q[32 + e] = 2.0f * dir[e];
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
-    ASSERT(contains(sel.idx, sel.count[0], 1500));
+    ASSERT(tu_contains(sel.idx, sel.count[0], 1500));
     /* the budget was respected: 5% of the tokens beyond the sinks, plus the sinks */
     ASSERT_LTE(sel.count[0], (size_t)(32 + ceil(0.05 * (6000 - 32))));
     pqc_selection_free(&sel);
@@ -787,7 +779,7 @@ TEST multi_turn_codes_then_rebuilds(void)
     for (e = 0; e < 32; e++) q[e] = (e % 2 ? 1.0f : -1.0f);
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
-    ASSERT(contains(sel.idx, sel.count[0], 3000));
+    ASSERT(tu_contains(sel.idx, sel.count[0], 3000));
     ASSERT_EQ((size_t)4000, pqc_cache_tokens(c, 0));
     pqc_selection_free(&sel);
     pqc_cache_destroy(c);

@@ -949,28 +949,14 @@ TEST adaptive_split_gives_the_top_k_to_the_head_that_needs_it(void)
 #define WF_N 4000
 #define WF_D 32
 #define WF_FAR 120
-static int has_index(const uint32_t *a, size_t n, uint32_t x)
-{
-    size_t i;
-    for (i = 0; i < n; i++)
-        if (a[i] == x) return 1;
-    return 0;
-}
-
 static pqc_result window_cache(const float *k, const float *obs, int split, int window, int observe, pqc_cache **out)
 {
-    pqc_cache_desc cd;
+    pqc_cache_desc cd = tu_cache_desc(2, 1, 1, WF_D);
     pqc_matrix km = pqc_matrix_f32(k, WF_N, WF_D);
     pqc_result r;
     int l;
-    memset(&cd, 0, sizeof cd);
-    cd.n_layers = 2;
-    cd.n_kv_heads = 1;
-    cd.head_dim = WF_D;
     cd.max_tokens = 1 << 14;
     cd.pq.m = 4;
-    cd.pq.bits = 6;
-    cd.pq.iters = 4;
     cd.pq.seed = 3;
     cd.recent_share = 0.5;
     cd.split = (pqc_split)split;
@@ -1022,11 +1008,11 @@ TEST window_follows_the_observed_attention(void)
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, l, q[l], &sel));
             ASSERT_EQ(sinks + budget, sel.count[0]);
             ASSERT_EQ(n - sinks - w, c->layers[l].n_coded); /* what left the window is coded */
-            for (t = n - w; t < n; t++) ASSERT(has_index(sel.idx, sel.count[0], (uint32_t)t));
+            for (t = n - w; t < n; t++) ASSERT(tu_contains(sel.idx, sel.count[0], (uint32_t)t));
             if (l == 0)
-                for (i = 0; i < WF_FAR; i++) ASSERT(has_index(sel.idx, sel.count[0], (uint32_t)(100 + 30 * i)));
+                for (i = 0; i < WF_FAR; i++) ASSERT(tu_contains(sel.idx, sel.count[0], (uint32_t)(100 + 30 * i)));
             else
-                for (t = n - 200; t < n - w; t++) ASSERT(has_index(sel.idx, sel.count[0], (uint32_t)t));
+                for (t = n - 200; t < n - w; t++) ASSERT(tu_contains(sel.idx, sel.count[0], (uint32_t)t));
         }
         for (t = 0; t < 5 && v == 0; t++, n++)
             for (l = 0; l < 2; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, l, k + (size_t)(t * 50) * WF_D, k));
