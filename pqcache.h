@@ -1862,17 +1862,19 @@ static void pqc__seedmin_scalar(const float *x, const float *xt, size_t n, int d
     }
 }
 
-/* xt for pqc__seedmin: the whole blocks of x's n points, the block at point b holding
-   dim e of its lane l at xt[b * d + e * PQC__SEED_BLOCK + l] (points left over are read
-   from x) */
+/* xt for pqc__seedmin: x's n points in ceil(n / PQC__SEED_BLOCK) blocks, the block at
+   point b holding dim e of its lane l at xt[b * d + e * PQC__SEED_BLOCK + l]; the lanes of
+   the last block past n hold 0 (pqc__k_seedmin runs that block in full, on copies of its
+   points' norms and distances) */
+#define PQC__SEED_ROUND(n) (((n) + PQC__SEED_BLOCK - 1) / PQC__SEED_BLOCK * PQC__SEED_BLOCK)
 static void pqc__seed_blocks(const float *x, size_t n, int d, float *xt)
 {
     size_t b, l;
     int e;
-    for (b = 0; b + PQC__SEED_BLOCK <= n; b += PQC__SEED_BLOCK) {
+    for (b = 0; b < n; b += PQC__SEED_BLOCK) {
         float *o = xt + b * (size_t)d;
         for (e = 0; e < d; e++)
-            for (l = 0; l < PQC__SEED_BLOCK; l++) *o++ = x[(b + l) * (size_t)d + e];
+            for (l = 0; l < PQC__SEED_BLOCK; l++) *o++ = b + l < n ? x[(b + l) * (size_t)d + e] : 0.0f;
     }
 }
 
@@ -3094,6 +3096,35 @@ PQC__AVX512 static void pqc__seedmin_avx512(const float *x, const float *xt, siz
         PQC__SDIST(3);
 #undef PQC__SDIST
     }
+    for (; i + PQC__SEED_BLOCK <= n; i += PQC__SEED_BLOCK) { /* the blocks left, one at a time */
+        const float *p = xt + i * sd;
+        __m512 best = _mm512_set1_ps(INFINITY), v;
+        for (c = 0; c + 4 <= nb; c += 4) {
+            const float *cc = cg + (size_t)c * sd;
+            __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+            for (e = 0; e < d; e++, cc += 4) {
+                const __m512 v0 = _mm512_loadu_ps(p + (size_t)e * PQC__SEED_BLOCK);
+                a0 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[0]), a0);
+                a1 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[1]), a1);
+                a2 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[2]), a2);
+                a3 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[3]), a3);
+            }
+            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c]), _mm512_add_ps(a0, a0)), best);
+            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c + 1]), _mm512_add_ps(a1, a1)), best);
+            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c + 2]), _mm512_add_ps(a2, a2)), best);
+            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c + 3]), _mm512_add_ps(a3, a3)), best);
+        }
+        for (; c < nb; c++) {
+            const float *cc = cs + (size_t)c * sd;
+            __m512 a0 = zero;
+            for (e = 0; e < d; e++)
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + (size_t)e * PQC__SEED_BLOCK), _mm512_set1_ps(cc[e]), a0);
+            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c]), _mm512_add_ps(a0, a0)), best);
+        }
+        v = _mm512_add_ps(_mm512_loadu_ps(xn + i), best);
+        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), zero);
+        _mm512_storeu_ps(dist + i, _mm512_min_ps(v, _mm512_loadu_ps(dist + i)));
+    }
     if (i < n) pqc__seedmin_scalar(x + i * sd, NULL, n - i, d, cs, NULL, cn, nb, xn + i, dist + i);
 }
 
@@ -4143,10 +4174,27 @@ static void pqc__k_assign(pqc_simd s, const float *x, size_t n, int d, const flo
 {
     PQC__DISPATCH(s, pqc__assign, (x, n, d, ct, cn, kpad, k, idx, val));
 }
+/* The SIMD levels take x's points in whole blocks of xt; the last block's points, when it
+   is not full, run in lanes too, over copies of their norms and distances padded to a
+   block (each lane computes alone, so a point's value is the same in any block): the
+   scalar loop would otherwise take up to 63 of them, as many as the lanes take at 32K
+   points. */
 static void pqc__k_seedmin(pqc_simd s, const float *x, const float *xt, size_t n, int d, const float *cs,
                            const float *cg, const float *cn, int nb, const float *xn, float *dist)
 {
-    PQC__DISPATCH(s, pqc__seedmin, (x, xt, n, d, cs, cg, cn, nb, xn, dist));
+    size_t nw = n / PQC__SEED_BLOCK * PQC__SEED_BLOCK, l;
+    float xp[PQC__SEED_BLOCK], dp[PQC__SEED_BLOCK];
+    if (s == PQC_SIMD_SCALAR || nw == n) {
+        PQC__DISPATCH(s, pqc__seedmin, (x, xt, n, d, cs, cg, cn, nb, xn, dist));
+        return;
+    }
+    if (nw) PQC__DISPATCH(s, pqc__seedmin, (x, xt, nw, d, cs, cg, cn, nb, xn, dist));
+    for (l = 0; l < PQC__SEED_BLOCK; l++) {
+        xp[l] = nw + l < n ? xn[nw + l] : 0.0f;
+        dp[l] = nw + l < n ? dist[nw + l] : 0.0f;
+    }
+    PQC__DISPATCH(s, pqc__seedmin, (x + nw * (size_t)d, xt + nw * (size_t)d, PQC__SEED_BLOCK, d, cs, cg, cn, nb, xp, dp));
+    for (l = 0; nw + l < n; l++) dist[nw + l] = dp[l];
 }
 static void pqc__k_accum(pqc_simd s, const float *x, size_t n, int d, const uint16_t *idx, double *sum)
 {
@@ -4759,7 +4807,7 @@ static pqc_result pqc__kmeans(pqc_simd simd, const pqc_allocator *al, const floa
     bytes = PQC__ALIGN_UP(bytes + n * sizeof(double));
     off_xt = bytes; /* k-means++ over SIMD kernels: the points in blocks (pqc__seed_blocks) */
     if (init != PQC_INIT_RANDOM && n > (size_t)k && simd != PQC_SIMD_SCALAR)
-        bytes = PQC__ALIGN_UP(bytes + n * (size_t)d * sizeof(float));
+        bytes = PQC__ALIGN_UP(bytes + PQC__SEED_ROUND(n) * (size_t)d * sizeof(float));
     mem = (unsigned char *)pqc__alloc(al, bytes);
     if (!mem) {
         snprintf(err, errsz, "k-means work memory (%zu bytes) allocation failed", bytes);

@@ -233,7 +233,7 @@ TEST seedmin_bitwise(void)
             for (ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
                 int nb = nbs[bi], d = ds[di], kpad = (nb + 15) & ~15;
                 size_t n = ns[ni], i;
-                float *x = (float *)malloc(sizeof(float) * n * d), *xt = (float *)malloc(sizeof(float) * n * d);
+                float *x = (float *)malloc(sizeof(float) * n * d), *xt = (float *)malloc(sizeof(float) * PQC__SEED_ROUND(n) * d);
                 float *c = (float *)malloc(sizeof(float) * (size_t)nb * d), *cg = (float *)malloc(sizeof(float) * (size_t)nb * d);
                 float *ct = (float *)malloc(sizeof(float) * (size_t)kpad * d), *cn = (float *)malloc(sizeof(float) * kpad);
                 float *xn = (float *)malloc(sizeof(float) * n), *d0 = (float *)malloc(sizeof(float) * n);

@@ -14,7 +14,9 @@ XDG_CACHE_HOME=$(cd "$B" && pwd)/xdg-cache  # the kernel cache of runtimes that 
 export XDG_CACHE_HOME
 st=0
 echo "== kernels on the stand-in driver (gpu_check --quick)"
-"$B/gpu_check" --quick --no-bench --cache -
+# (in the kernel cache the runtimes below use: compiled once, here, and loaded from then on;
+# its second build checks the load)
+"$B/gpu_check" --quick --no-bench --cache "$XDG_CACHE_HOME/pqcache"
 rc=$?
 if [ $rc = 2 ]; then
     echo "SKIP kernels on the stand-in driver: no NVRTC"

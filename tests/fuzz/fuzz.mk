@@ -33,9 +33,10 @@ FUZZ_DEPS    := $(or $(HDR),pqcache.h) $(wildcard examples/tiny_llama/*.h) $(wil
                 tests/test_util.h tests/synth.h
 FUZZ_SECONDS ?= 600
 FUZZ_RUNS    ?= 10000
-# fuzz_api: each input drives whole caches (builds, selects, files), so fewer of them;
-# make test-long fuzzes every target for LONG_FUZZ_SECONDS
-FUZZ_RUNS_api ?= 6000
+# fuzz_api: each input drives whole caches (builds, selects, files), so fewer of them
+# (its seeds, then new inputs up to 3000 runs); make test-long fuzzes every target for
+# LONG_FUZZ_SECONDS
+FUZZ_RUNS_api ?= 3000
 # limits: a hostile size is a failure only when it really exhausts memory or time
 FUZZ_LIMITS  := -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=10
 FUZZ_TOOLCHAIN := $(BUILD)/.fuzz_toolchain
