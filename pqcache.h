@@ -5897,6 +5897,12 @@ typedef struct pqc__exact_ctx {
 
 /* Scores a chunk of rows at a time; the first pass checks each chunk's values while they
    are in cache, so that a key that cannot be ranked costs no pass of its own. */
+/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
+#if defined(__GNUC__) || defined(__clang__)
+#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
+#else
+#define PQC__PREFETCH(p) ((void)(p))
+#endif
 #define PQC__EXACT_CHUNK 64
 
 /* Rows [t, t + b) of the keys in fp32: where they lie (fp32 rows on float boundaries) or
@@ -5942,21 +5948,21 @@ static void pqc__exact_head(void *p, int h, float *out)
     }
 }
 
-/* Every head's scores in one pass over the keys: out[h * n + t]. Each row's dots with the
-   g queries are the ones pqc__exact_head makes a head at a time (a product's factors
-   commute), and the pass checks the keys. */
+/* Every head's scores in one pass over the keys: out[h * n + t]. A chunk of rows is
+   converted and checked once, then each head's dots are taken over the whole chunk, eight
+   rows side by side (against one row and the g queries at a time: 128K fp16 keys of d_h
+   128, 4 heads, one core, 0.87x the time, paired runs). The dots are the ones
+   pqc__exact_head makes a head at a time (the same chains; a product's factors commute). */
 static void pqc__exact_heads(pqc__exact_ctx *c, float *out)
 {
-    size_t t, i, n = c->keys->rows, rs;
+    size_t t, n = c->keys->rows, rs;
     int h;
     c->check = 0;
     for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
         size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
         const float *rows = pqc__exact_rows(c, t, b, 1, &rs);
-        for (i = 0; i < b; i++) {
-            pqc__k_rowdots(c->simd, rows + i * rs, c->q, (size_t)c->g, (size_t)c->d, c->d, c->hd);
-            for (h = 0; h < c->g; h++) out[(size_t)h * n + t + i] = c->hd[h];
-        }
+        for (h = 0; h < c->g; h++)
+            pqc__k_rowdots(c->simd, c->q + (size_t)h * c->d, rows, b, rs, c->d, out + (size_t)h * n + t);
     }
 }
 
@@ -6041,12 +6047,6 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 
 /* ----- re-ranking ----- */
 
-/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
-#if defined(__GNUC__) || defined(__clang__)
-#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
-#else
-#define PQC__PREFETCH(p) ((void)(p))
-#endif
 /* scattered rows (re-ranking's candidates, the fetch's selection) are asked for this
    many rows before they are read */
 #define PQC__ROWS_AHEAD 8
