@@ -1,8 +1,15 @@
 /* libpqcache.c - pqcache.h built as a shared library for the Python binding (make lib).
    Every public pqc_* function is exported as the header declares it. The two helpers
    below do what ctypes cannot: tell the binding the C sizes of the structs it mirrors,
-   and time a loop of calls without the binding's own overhead. */
+   and time a loop of calls without the binding's own overhead. With
+   PQCPY_NO_LIBRARY_IMPLEMENTATION defined, the helpers alone: link pqcache.h's
+   implementation compiled elsewhere (make lib links build/pqcache_lib.o). */
+#if !defined(_POSIX_C_SOURCE) && !defined(_GNU_SOURCE)
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#endif
+#ifndef PQCPY_NO_LIBRARY_IMPLEMENTATION
 #define PQCACHE_IMPLEMENTATION
+#endif
 #include "../pqcache.h"
 
 #include <string.h>

@@ -36,11 +36,12 @@ TINY_LLAMA_TEST_DEPS := tests/greatest.h $(TINY_LLAMA_DIR)/test_support.h $(TINY
 
 # pqcache.h's implementation compiled once for the programs below that link it
 # (TL_PQCACHE_NO_LIBRARY_IMPLEMENTATION: the header's implementation is not compiled again)
+# and for the Python binding's shared library (so position-independent)
 TL_LIB_OBJ := build/pqcache_lib.o
 TL_NO_LIB := -DTL_PQCACHE_NO_LIBRARY_IMPLEMENTATION
 $(TL_LIB_OBJ): $(TINY_LLAMA_DIR)/pqcache_lib.c pqcache.h
 	@mkdir -p $(@D)
-	$(CC) $(TINY_LLAMA_CFLAGS) -c -o $@ $<
+	$(CC) $(TINY_LLAMA_CFLAGS) -fPIC -c -o $@ $<
 
 build/tiny_llama: $(TINY_LLAMA_DIR)/run.c $(TINY_LLAMA_PQ_DEPS) $(TL_LIB_OBJ)
 	@mkdir -p $(@D)
