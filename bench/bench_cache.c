@@ -12,11 +12,12 @@
       median of 3, the file in $TMPDIR (or /tmp) and in the page cache.
 
    usage: bench_cache [--sizes 4096,16384,65536,131072] [--threads T] [--quick]
-                      [--backend cpu|cuda] [--select-only] [--files] [--fp16]
+                      [--backend cpu|cuda] [--select-only] [--files] [--fp16] [--rerank R]
    --backend cuda puts the device tier on a CUDA GPU (select and fetch then run there,
    the fetch copying the gathered rows back to the host; part 1 adds the device fetch
    without that copy); --select-only stops after part 1; --fp16: the caches of parts 1-3
-   store K and V in fp16 (as engines do; the default is fp32), the fetch converting them. */
+   store K and V in fp16 (as engines do; the default is fp32), the fetch converting them;
+   --rerank R: the re-ranking row of part 1 takes the top R x k (default 3). */
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "../tests/synth.h"
@@ -398,6 +399,7 @@ int main(int argc, char **argv)
 {
     size_t sizes[8] = {4096, 16384, 65536, 131072};
     int ns = 4, threads = 2, quick = 0, i, backend = PQC_BACKEND_CPU, select_only = 0, files = 0;
+    double rerank = 3.0;
     pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_scheduler *sch;
@@ -408,6 +410,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--select-only")) select_only = 1;
         else if (!strcmp(argv[i], "--fp16")) g_kv_dtype = PQC_F16;
         else if (!strcmp(argv[i], "--files")) files = 1;
+        else if (!strcmp(argv[i], "--rerank") && i + 1 < argc) rerank = atof(argv[++i]);
         else if (!strcmp(argv[i], "--backend") && i + 1 < argc) {
             const char *b = argv[++i];
             if (!strcmp(b, "cpu")) backend = PQC_BACKEND_CPU;
@@ -425,7 +428,7 @@ int main(int argc, char **argv)
                 if (*p == ',') p++;
             }
         } else {
-            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only] [--files] [--fp16]\n",
+            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only] [--files] [--fp16] [--rerank R]\n",
                     argv[0]);
             return 2;
         }
@@ -448,7 +451,7 @@ int main(int argc, char **argv)
     }
     for (i = 0; i < ns; i++) {
         bench_select_fetch(rt, sizes[i], 0, 0, 0);
-        bench_select_fetch(rt, sizes[i], 0, 0, 3); /* the refinement that meets the suite's targets */
+        bench_select_fetch(rt, sizes[i], 0, 0, rerank); /* 3: the refinement that meets the suite's targets */
         bench_select_fetch(rt, sizes[i], 2, 6, 0);
     }
     if (select_only) {

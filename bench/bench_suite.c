@@ -66,6 +66,7 @@ static const setting settings[] = {
     {"m8 b8 (twice the bytes)", 8, 8, 0, 0, 0, 0, 0, 0, 0},
     {"m16 b8 (four times the bytes)", 16, 8, 0, 0, 0, 0, 0, 0, 0},
     {"fixed window (split fixed)", 0, 0, 0, 0, 0, 0, 0, 0, 1},
+    {"rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 0},
 };
 /* sets: 9 in the tuning part, 9 + 2 long ones in the reported part */
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 20 };
