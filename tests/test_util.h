@@ -183,14 +183,17 @@ TU_FN pqc_runtime *tu_cpu_runtime_simd(int threads, pqc_simd simd)
 TU_FN pqc_runtime *tu_cpu_runtime(int threads) { return tu_cpu_runtime_simd(threads, PQC_SIMD_AUTO); }
 
 /* A CUDA runtime on device 0 (a GPU, or the CPU stand-in driver PQC_CUDA_DRIVER_PATH
-   names) of `threads` workers, its kernels cached in build/kernel-cache. */
+   names) of `threads` workers, its kernels cached in build/kernel-cache, or in the
+   directory PQC_TEST_KERNEL_CACHE names (tests/cuda_emu/run.sh: the one its other
+   programs use, so that NVRTC compiles the kernels once there). */
 TU_FN pqc_runtime *tu_cuda_runtime(int threads)
 {
     pqc_runtime_desc d;
+    const char *dir = getenv("PQC_TEST_KERNEL_CACHE");
     memset(&d, 0, sizeof d);
     d.n_threads = threads;
     d.backend = PQC_BACKEND_CUDA;
-    d.cuda_kernel_cache = "build/kernel-cache";
+    d.cuda_kernel_cache = dir && dir[0] ? dir : "build/kernel-cache";
     return tu_runtime(&d);
 }
 

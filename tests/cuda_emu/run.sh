@@ -12,11 +12,13 @@ PQC_CUBLASLT_PATH="$EMU"  # the stand-in is cuBLASLt too
 export PQC_CUBLASLT_PATH
 XDG_CACHE_HOME=$(cd "$B" && pwd)/xdg-cache  # the kernel cache of runtimes that use the default
 export XDG_CACHE_HOME
+PQC_TEST_KERNEL_CACHE=$XDG_CACHE_HOME/pqcache  # and the device-tier tests' (tests/test_util.h)
+export PQC_TEST_KERNEL_CACHE
 st=0
 echo "== kernels on the stand-in driver (gpu_check --quick)"
-# (in the kernel cache the runtimes below use: compiled once, here, and loaded from then on;
-# its second build checks the load)
-"$B/gpu_check" --quick --no-bench --cache "$XDG_CACHE_HOME/pqcache"
+# (in the kernel cache every runtime below uses: compiled once, here, and loaded from then
+# on; its second build checks the load)
+"$B/gpu_check" --quick --no-bench --cache "$PQC_TEST_KERNEL_CACHE"
 rc=$?
 if [ $rc = 2 ]; then
     echo "SKIP kernels on the stand-in driver: no NVRTC"
