@@ -3096,36 +3096,9 @@ PQC__AVX512 static void pqc__seedmin_avx512(const float *x, const float *xt, siz
         PQC__SDIST(3);
 #undef PQC__SDIST
     }
-    for (; i + PQC__SEED_BLOCK <= n; i += PQC__SEED_BLOCK) { /* the blocks left, one at a time */
-        const float *p = xt + i * sd;
-        __m512 best = _mm512_set1_ps(INFINITY), v;
-        for (c = 0; c + 4 <= nb; c += 4) {
-            const float *cc = cg + (size_t)c * sd;
-            __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero;
-            for (e = 0; e < d; e++, cc += 4) {
-                const __m512 v0 = _mm512_loadu_ps(p + (size_t)e * PQC__SEED_BLOCK);
-                a0 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[0]), a0);
-                a1 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[1]), a1);
-                a2 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[2]), a2);
-                a3 = _mm512_fmadd_ps(v0, _mm512_set1_ps(cc[3]), a3);
-            }
-            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c]), _mm512_add_ps(a0, a0)), best);
-            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c + 1]), _mm512_add_ps(a1, a1)), best);
-            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c + 2]), _mm512_add_ps(a2, a2)), best);
-            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c + 3]), _mm512_add_ps(a3, a3)), best);
-        }
-        for (; c < nb; c++) {
-            const float *cc = cs + (size_t)c * sd;
-            __m512 a0 = zero;
-            for (e = 0; e < d; e++)
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + (size_t)e * PQC__SEED_BLOCK), _mm512_set1_ps(cc[e]), a0);
-            best = _mm512_min_ps(_mm512_sub_ps(_mm512_set1_ps(cn[c]), _mm512_add_ps(a0, a0)), best);
-        }
-        v = _mm512_add_ps(_mm512_loadu_ps(xn + i), best);
-        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), zero);
-        _mm512_storeu_ps(dist + i, _mm512_min_ps(v, _mm512_loadu_ps(dist + i)));
-    }
-    if (i < n) pqc__seedmin_scalar(x + i * sd, NULL, n - i, d, cs, NULL, cn, nb, xn + i, dist + i);
+    /* the whole blocks left, one at a time (the AVX2 kernel's tile: the same lanes' values),
+       then the points past them */
+    if (i < n) pqc__seedmin_avx2(x + i * sd, xt + i * sd, n - i, d, cs, cg, cn, nb, xn + i, dist + i);
 }
 
 PQC__AVX512 static void pqc__scan_avx512(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n,
@@ -4176,9 +4149,9 @@ static void pqc__k_assign(pqc_simd s, const float *x, size_t n, int d, const flo
 }
 /* The SIMD levels take x's points in whole blocks of xt; the last block's points, when it
    is not full, run in lanes too, over copies of their norms and distances padded to a
-   block (each lane computes alone, so a point's value is the same in any block): the
-   scalar loop would otherwise take up to 63 of them, as many as the lanes take at 32K
-   points. */
+   block (each lane computes alone, so a point's value is the same in any block). Left to
+   the scalar loop, with a libm call per fused multiply-add, those few points were half
+   the time of k-means on a few hundred points. */
 static void pqc__k_seedmin(pqc_simd s, const float *x, const float *xt, size_t n, int d, const float *cs,
                            const float *cg, const float *cn, int nb, const float *xn, float *dist)
 {
@@ -5897,12 +5870,6 @@ typedef struct pqc__exact_ctx {
 
 /* Scores a chunk of rows at a time; the first pass checks each chunk's values while they
    are in cache, so that a key that cannot be ranked costs no pass of its own. */
-/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
-#if defined(__GNUC__) || defined(__clang__)
-#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
-#else
-#define PQC__PREFETCH(p) ((void)(p))
-#endif
 #define PQC__EXACT_CHUNK 64
 
 /* Rows [t, t + b) of the keys in fp32: where they lie (fp32 rows on float boundaries) or
@@ -6047,6 +6014,12 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 
 /* ----- re-ranking ----- */
 
+/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
+#if defined(__GNUC__) || defined(__clang__)
+#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
+#else
+#define PQC__PREFETCH(p) ((void)(p))
+#endif
 /* scattered rows (re-ranking's candidates, the fetch's selection) are asked for this
    many rows before they are read */
 #define PQC__ROWS_AHEAD 8

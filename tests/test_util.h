@@ -101,6 +101,7 @@ TU_FN float *tu_rows_of(float (*gen)(uint64_t *), uint64_t *rng, size_t n, size_
     return x;
 }
 TU_FN float *tu_normal_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_normal, rng, n, cols); }
+TU_FN float *tu_uniform_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_uniform, rng, n, cols); }
 
 /* whether x is among the n indices of a */
 TU_FN int tu_contains(const uint32_t *a, size_t n, uint32_t x)
@@ -110,7 +111,6 @@ TU_FN int tu_contains(const uint32_t *a, size_t n, uint32_t x)
         if (a[i] == x) return 1;
     return 0;
 }
-TU_FN float *tu_uniform_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_uniform, rng, n, cols); }
 
 /* ----- allocator callbacks ----------------------------------------------------------- */
 
