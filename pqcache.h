@@ -2070,6 +2070,16 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
     }
 }
 
+/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
+#if defined(__GNUC__) || defined(__clang__)
+#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
+#else
+#define PQC__PREFETCH(p) ((void)(p))
+#endif
+/* scattered rows (re-ranking's candidates, the fetch's selection) are asked for this
+   many rows before they are read */
+#define PQC__ROWS_AHEAD 8
+
 /* The dots of n stored key rows (fp32, fp16 or bf16; stride bytes apart) with q, as
    pqc__rowdots makes them of the rows in fp32, with the key check of pqc__within on
    those values: returns the first row that fails it, or n. row: d floats of scratch.
@@ -2098,6 +2108,44 @@ static size_t pqc__keydots_scalar(const float *q, const unsigned char *rows, siz
 {
     static const pqc__keydots_level lv = {pqc__halfrow_scalar, pqc__within_scalar, pqc__rowdots_scalar};
     return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
+}
+
+/* The dots of g queries (q: g rows of d) with the stored key rows idx[0..n) of base
+   (stride bytes apart; idx NULL: rows 0..n), row after row, every head of a row at once:
+   out[h * ostride + i] = the dot of head h with row idx[i], as pqc__rowdots makes it of
+   that row in fp32. With check, each row is first checked as pqc__within checks its
+   values; the first that fails is returned and the call stops there (n: all passed).
+   Scattered rows are asked for PQC__ROWS_AHEAD rows early, and a row's dots are taken
+   while the next rows are on their way: re-ranking's candidates cost about a read each
+   (a batch of converted rows with each head's dots over the batch left the reads idle
+   while it multiplied: 128K fp16 rows, 26K candidates, 4 heads, 83-105 -> 65-72 ns per
+   candidate, the same bits). row: d floats of scratch. pqc__gatherdots_copy: through an
+   fp32 copy of each row with one level's conversion, check and dots; the scalar
+   reference, NEON, and widths the x86 levels do not take. */
+static size_t pqc__gatherdots_copy(const pqc__keydots_level *lv, const float *q, int g, const unsigned char *base,
+                                   size_t stride, pqc_dtype t, const uint32_t *idx, size_t n, int d, int check,
+                                   float limit, float *row, float *out, size_t ostride)
+{
+    size_t i, o;
+    int h;
+    for (i = 0; i < n; i++) {
+        const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
+        if (idx && i + PQC__ROWS_AHEAD < n)
+            for (o = 0; o < (size_t)d * pqc_dtype_size(t); o += 64)
+                PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
+        if (t == PQC_F32) memcpy(row, r, (size_t)d * sizeof(float));
+        else lv->halfrow(r, t, (size_t)d, row);
+        if (check && !lv->within(row, (size_t)d, limit)) return i;
+        for (h = 0; h < g; h++) lv->rowdots(q + (size_t)h * (size_t)d, row, 1, (size_t)d, d, out + (size_t)h * ostride + i);
+    }
+    return n;
+}
+static size_t pqc__gatherdots_scalar(const float *q, int g, const unsigned char *base, size_t stride, pqc_dtype t,
+                                     const uint32_t *idx, size_t n, int d, int check, float limit, float *row,
+                                     float *out, size_t ostride)
+{
+    static const pqc__keydots_level lv = {pqc__halfrow_scalar, pqc__within_scalar, pqc__rowdots_scalar};
+    return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
 }
 
 /* out[i] = |x_i|^2 for n points of d dims: one fused chain over the dims from 0, in
@@ -2801,6 +2849,121 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
     }
     return bad;
 }
+
+/* 1 when every value of a stored row of d values (d a multiple of 16) passes the limit
+   whose magnitude pattern doubled is lim2 (fp32: the limit's bits; fp16, bf16:
+   pqc__half_limit_bits): |x| <= limit exactly when the pattern of |x| is at most the
+   limit's, NaNs' patterns lying above every finite one */
+PQC__AVX2 static int pqc__row_ok_avx2(const unsigned char *r, pqc_dtype t, int d, uint32_t lim2)
+{
+    int e;
+    if (t == PQC_F32) {
+        const __m256i l = _mm256_set1_epi32((int)lim2);
+        __m256i top = _mm256_setzero_si256();
+        for (e = 0; e < d; e += 8)
+            top = _mm256_max_epu32(top, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(r + 4 * (size_t)e)), 1));
+        return _mm256_movemask_epi8(_mm256_cmpeq_epi32(_mm256_max_epu32(top, l), l)) == -1;
+    } else {
+        const __m256i l = _mm256_set1_epi16((short)lim2);
+        __m256i top = _mm256_setzero_si256();
+        for (e = 0; e < d; e += 16)
+            top = _mm256_max_epu16(top, _mm256_slli_epi16(_mm256_loadu_si256((const __m256i *)(r + 2 * (size_t)e)), 1));
+        return _mm256_movemask_epi8(_mm256_cmpeq_epi16(_mm256_max_epu16(top, l), l)) == -1;
+    }
+}
+
+/* The doubled limit pattern pqc__row_ok_avx2 takes, or 0 when the limit has none (a
+   negative or NaN limit, a half limit no pattern reaches): those go through the copy. */
+static uint32_t pqc__row_lim2(pqc_dtype t, float limit)
+{
+    uint32_t b;
+    if (!(limit >= 0.0f) || limit > FLT_MAX) return 0;
+    if (t == PQC_F32) {
+        memcpy(&b, &limit, sizeof b);
+        return b << 1;
+    }
+    b = pqc__half_limit_bits(t, limit);
+    return b > 0x7fffu ? 0 : b << 1;
+}
+
+/* 16 stored values from element e of row r as two vectors of eight fp32 */
+#define PQC__LOAD16_AVX2(r, t, e, xa, xb)                                                                              \
+    do {                                                                                                               \
+        if ((t) == PQC_F32) {                                                                                          \
+            xa = _mm256_loadu_ps((const float *)(const void *)(r) + (e));                                              \
+            xb = _mm256_loadu_ps((const float *)(const void *)(r) + (e) + 8);                                          \
+        } else {                                                                                                       \
+            __m128i ha_ = _mm_loadu_si128((const __m128i *)((r) + 2 * (size_t)(e)));                                  \
+            __m128i hb_ = _mm_loadu_si128((const __m128i *)((r) + 2 * (size_t)(e) + 16));                             \
+            xa = (t) == PQC_F16 ? PQC__CONV_F16(ha_) : PQC__CONV_BF16(ha_);                                            \
+            xb = (t) == PQC_F16 ? PQC__CONV_F16(hb_) : PQC__CONV_BF16(hb_);                                            \
+        }                                                                                                              \
+    } while (0)
+
+/* pqc__gatherdots a row at a time, converted in registers as pqc__keydots_avx2 converts
+   it: four heads at once (eight chains: lane e % 16 of each head gets q[e] * r[e] fused
+   in e order, as pqc__rowdots_avx2), their lane sums in one register; the heads past a
+   multiple of four one at a time. The check runs on the row's patterns first. */
+PQC__AVX2 static size_t pqc__gatherdots_avx2(const float *q, int g, const unsigned char *base, size_t stride,
+                                             pqc_dtype t, const uint32_t *idx, size_t n, int d, int check, float limit,
+                                             float *row, float *out, size_t ostride)
+{
+    static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx2};
+    const uint32_t lim2 = pqc__row_lim2(t, limit);
+    const size_t rb = (size_t)d * pqc_dtype_size(t);
+    size_t i, o;
+    int e, h;
+    if (d % 16 || (check && !lim2))
+        return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
+    for (i = 0; i < n; i++) {
+        const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
+        if (idx && i + PQC__ROWS_AHEAD < n)
+            for (o = 0; o < rb; o += 64) PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
+        if (check && !pqc__row_ok_avx2(r, t, d, lim2) &&
+            pqc__gatherdots_copy(&lv, q, 0, r, stride, t, NULL, 1, d, 1, limit, row, NULL, 0) == 0)
+            return i;
+        for (h = 0; h + 4 <= g; h += 4) {
+            const float *q0 = q + (size_t)h * (size_t)d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+            __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
+            float s4[4];
+            for (e = 0; e < d; e += 16) {
+                __m256 xa, xb;
+                PQC__LOAD16_AVX2(r, t, e, xa, xb);
+                lo0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + e), xa, lo0);
+                hi0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + e + 8), xb, hi0);
+                lo1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + e), xa, lo1);
+                hi1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + e + 8), xb, hi1);
+                lo2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + e), xa, lo2);
+                hi2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + e + 8), xb, hi2);
+                lo3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + e), xa, lo3);
+                hi3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + e + 8), xb, hi3);
+            }
+            _mm_storeu_ps(s4, pqc__lanesum8x4_avx2(pqc__lanesum8x4_avx2(_mm_setzero_ps(), lo0, lo1, lo2, lo3), hi0, hi1,
+                                                   hi2, hi3));
+            out[(size_t)h * ostride + i] = s4[0];
+            out[(size_t)(h + 1) * ostride + i] = s4[1];
+            out[(size_t)(h + 2) * ostride + i] = s4[2];
+            out[(size_t)(h + 3) * ostride + i] = s4[3];
+        }
+        for (; h < g; h++) {
+            const float *qh = q + (size_t)h * (size_t)d;
+            __m256 lo = _mm256_setzero_ps(), hi = lo;
+            float acc = 0.0f;
+            for (e = 0; e < d; e += 16) {
+                __m256 xa, xb;
+                PQC__LOAD16_AVX2(r, t, e, xa, xb);
+                lo = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e), xa, lo);
+                hi = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e + 8), xb, hi);
+            }
+            acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(lo));
+            acc = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(lo, 1));
+            acc = pqc__lanesum4_avx2(acc, _mm256_castps256_ps128(hi));
+            out[(size_t)h * ostride + i] = pqc__lanesum4_avx2(acc, _mm256_extractf128_ps(hi, 1));
+        }
+    }
+    return n;
+}
+#undef PQC__LOAD16_AVX2
 #undef PQC__HALFDOTS4_AVX2
 #undef PQC__HALFSTEP
 #undef PQC__CONV_F16
@@ -3372,6 +3535,65 @@ PQC__AVX512 static void pqc__rowdots_avx512(const float *q, const float *rows, s
         for (l = 0; l < 16; l++) s += lanes[l];
         out[i] = s;
     }
+}
+
+/* 16 stored values from element e of row r in one vector */
+PQC__AVX512 static inline __m512 pqc__load16_avx512(const unsigned char *r, pqc_dtype t, int e)
+{
+    if (t == PQC_F32) return _mm512_loadu_ps((const float *)(const void *)r + e);
+    if (t == PQC_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 2 * (size_t)e)));
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(r + 2 * (size_t)e))), 16));
+}
+
+/* pqc__gatherdots_avx2 with the 16 lanes in one register: four heads' chains per row, their
+   lane sums as pqc__rowdots_avx512 adds them */
+PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const unsigned char *base, size_t stride,
+                                                 pqc_dtype t, const uint32_t *idx, size_t n, int d, int check,
+                                                 float limit, float *row, float *out, size_t ostride)
+{
+    static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx512};
+    const uint32_t lim2 = pqc__row_lim2(t, limit);
+    const size_t rb = (size_t)d * pqc_dtype_size(t);
+    size_t i, o;
+    int e, h, l;
+    if (d % 16 || (check && !lim2))
+        return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
+    for (i = 0; i < n; i++) {
+        const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
+        if (idx && i + PQC__ROWS_AHEAD < n)
+            for (o = 0; o < rb; o += 64) PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
+        if (check && !pqc__row_ok_avx2(r, t, d, lim2) &&
+            pqc__gatherdots_copy(&lv, q, 0, r, stride, t, NULL, 1, d, 1, limit, row, NULL, 0) == 0)
+            return i;
+        for (h = 0; h + 4 <= g; h += 4) {
+            const float *q0 = q + (size_t)h * (size_t)d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            float s4[4];
+            for (e = 0; e < d; e += 16) {
+                const __m512 x = pqc__load16_avx512(r, t, e);
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + e), x, a0);
+                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + e), x, a1);
+                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + e), x, a2);
+                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + e), x, a3);
+            }
+            pqc__lanesum16x4_avx512(a0, a1, a2, a3, s4);
+            out[(size_t)h * ostride + i] = s4[0];
+            out[(size_t)(h + 1) * ostride + i] = s4[1];
+            out[(size_t)(h + 2) * ostride + i] = s4[2];
+            out[(size_t)(h + 3) * ostride + i] = s4[3];
+        }
+        for (; h < g; h++) {
+            const float *qh = q + (size_t)h * (size_t)d;
+            __m512 acc = _mm512_setzero_ps();
+            float lanes[16], sum = 0.0f;
+            for (e = 0; e < d; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + e), pqc__load16_avx512(r, t, e), acc);
+            _mm512_storeu_ps(lanes, acc);
+            for (l = 0; l < 16; l++) sum += lanes[l];
+            out[(size_t)h * ostride + i] = sum;
+        }
+    }
+    return n;
 }
 /* eight points' chains side by side, each the scalar one (fmaf is one instruction here) */
 PQC__AVX2 static void pqc__sqnorms_avx2(const float *x, size_t n, int d, float *out)
@@ -4004,6 +4226,13 @@ static size_t pqc__keydots_neon(const float *q, const unsigned char *rows, size_
     static const pqc__keydots_level lv = {pqc__halfrow_neon, pqc__within_neon, pqc__rowdots_neon};
     return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
 }
+static size_t pqc__gatherdots_neon(const float *q, int g, const unsigned char *base, size_t stride, pqc_dtype t,
+                                   const uint32_t *idx, size_t n, int d, int check, float limit, float *row, float *out,
+                                   size_t ostride)
+{
+    static const pqc__keydots_level lv = {pqc__halfrow_neon, pqc__within_neon, pqc__rowdots_neon};
+    return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
+}
 
 /* the scalar chains (fmaf is one instruction on AArch64), four points side by side */
 static void pqc__sqnorms_neon(const float *x, size_t n, int d, float *out)
@@ -4261,6 +4490,14 @@ static size_t pqc__k_keydots(pqc_simd s, const float *q, const unsigned char *ro
 {
     size_t r;
     PQC__DISPATCH_TO(r, s, pqc__keydots, (q, rows, stride, t, n, d, limit, row, out));
+    return r;
+}
+static size_t pqc__k_gatherdots(pqc_simd s, const float *q, int g, const unsigned char *base, size_t stride,
+                                pqc_dtype t, const uint32_t *idx, size_t n, int d, int check, float limit, float *row,
+                                float *out, size_t ostride)
+{
+    size_t r;
+    PQC__DISPATCH_TO(r, s, pqc__gatherdots, (q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride));
     return r;
 }
 
@@ -5861,7 +6098,7 @@ typedef struct pqc__exact_ctx {
     const pqc_matrix *keys;
     const float *q; /* [g][d] then the summed query [d] */
     int g, d;
-    float *rowbuf; /* EXACT_CHUNK * d */
+    float *rowbuf; /* a row in fp32 (d floats of scratch) */
     float *hd;     /* one row's dots with the g queries */
     int check;     /* the next pass over the keys also checks them (the first one) */
     size_t bad;    /* the first row holding NaN, Inf or a magnitude above the key limit, or
@@ -5871,31 +6108,6 @@ typedef struct pqc__exact_ctx {
 /* Scores a chunk of rows at a time; the first pass checks each chunk's values while they
    are in cache, so that a key that cannot be ranked costs no pass of its own. */
 #define PQC__EXACT_CHUNK 64
-
-/* Rows [t, t + b) of the keys in fp32: where they lie (fp32 rows on float boundaries) or
-   converted into rowbuf; *rs: their stride in floats. `check`: note the first row that
-   cannot be ranked in c->bad. */
-static const float *pqc__exact_rows(pqc__exact_ctx *c, size_t t, size_t b, int check, size_t *rs)
-{
-    size_t i, d = (size_t)c->d, stride = pqc__stride(c->keys);
-    const float *rows = c->rowbuf;
-    *rs = d;
-    if (c->keys->dtype == PQC_F32 && stride % sizeof(float) == 0) {
-        rows = (const float *)pqc__row(c->keys, t);
-        *rs = stride / sizeof(float);
-    } else if (c->keys->dtype == PQC_F32) {
-        for (i = 0; i < b; i++) pqc__row_to_f32(pqc__row(c->keys, t + i), PQC_F32, d, c->rowbuf + i * d);
-    } else {
-        for (i = 0; i < b; i++) pqc__k_halfrow(c->simd, pqc__row(c->keys, t + i), c->keys->dtype, d, c->rowbuf + i * d);
-    }
-    if (check && c->bad == (size_t)-1)
-        for (i = 0; i < b; i++)
-            if (!pqc__k_within(c->simd, rows + i * *rs, d, PQC__KEY_LIMIT)) {
-                c->bad = t + i;
-                break;
-            }
-    return rows;
-}
 
 /* The rows' scores against one head's query (h < 0: the summed query). */
 static void pqc__exact_head(void *p, int h, float *out)
@@ -5915,22 +6127,20 @@ static void pqc__exact_head(void *p, int h, float *out)
     }
 }
 
-/* Every head's scores in one pass over the keys: out[h * n + t]. A chunk of rows is
-   converted and checked once, then each head's dots are taken over the whole chunk, eight
-   rows side by side (against one row and the g queries at a time: 128K fp16 keys of d_h
-   128, 4 heads, one core, 0.87x the time, paired runs). The dots are the ones
-   pqc__exact_head makes a head at a time (the same chains; a product's factors commute). */
+/* Every head's scores in one pass over the keys: out[h * n + t], each row checked, then
+   multiplied with every head's query while it is in registers (pqc__gatherdots; the dots
+   pqc__exact_head makes a head at a time: the same chains, a product's factors commute).
+   The first row that cannot be ranked stops the pass and is noted in c->bad. Against a
+   chunk of 64 rows converted and checked, then each head's dots over the chunk: 128K
+   rows of d_h 128, 4 heads, one core, fp16 103-104 -> 56-77 ns per row, fp32 103-108 ->
+   93-102, the same selections. */
 static void pqc__exact_heads(pqc__exact_ctx *c, float *out)
 {
-    size_t t, n = c->keys->rows, rs;
-    int h;
+    size_t n = c->keys->rows, bad;
     c->check = 0;
-    for (t = 0; t < n; t += PQC__EXACT_CHUNK) {
-        size_t b = PQC__MIN((size_t)PQC__EXACT_CHUNK, n - t);
-        const float *rows = pqc__exact_rows(c, t, b, 1, &rs);
-        for (h = 0; h < c->g; h++)
-            pqc__k_rowdots(c->simd, c->q + (size_t)h * c->d, rows, b, rs, c->d, out + (size_t)h * n + t);
-    }
+    bad = pqc__k_gatherdots(c->simd, c->q, c->g, (const unsigned char *)c->keys->data, pqc__stride(c->keys),
+                            c->keys->dtype, NULL, n, c->d, 1, PQC__KEY_LIMIT, c->rowbuf, out, n);
+    if (bad < n) c->bad = bad;
 }
 
 static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
@@ -5957,7 +6167,7 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     oq = 0;
     ohd = PQC__ALIGN_UP(((size_t)g + 1) * d * sizeof(float)); /* then a row's dots [g], the weights [g] */
     orow = ohd + PQC__ALIGN_UP(2 * (size_t)g * sizeof(float));
-    ot = orow + PQC__ALIGN_UP((size_t)PQC__EXACT_CHUNK * d * sizeof(float));
+    ot = orow + PQC__ALIGN_UP(d * sizeof(float));
     os = ot + PQC__ALIGN_UP((heads ? (size_t)g : 1) * n * sizeof(float));
     oc = os + PQC__ALIGN_UP(n * sizeof(float));
     bytes = oc + (all_out ? 0 : pqc__select_scratch(n));
@@ -6014,77 +6224,43 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 
 /* ----- re-ranking ----- */
 
-/* a hint that p is read soon (GCC and clang; nothing elsewhere) */
-#if defined(__GNUC__) || defined(__clang__)
-#define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p))
-#else
-#define PQC__PREFETCH(p) ((void)(p))
-#endif
-/* scattered rows (re-ranking's candidates, the fetch's selection) are asked for this
-   many rows before they are read */
-#define PQC__ROWS_AHEAD 8
-#define PQC__RERANK_BATCH 16
 
 /* The caller has checked the arguments (and, unless `check`, that the candidates' rows
    are finite: the cache stores only such rows). scratch: the heads' scores [g][n] |
-   combined [n] | positions [k] | selection scratch | a batch of converted rows
-   [PQC__RERANK_BATCH][d] | their dots [g][PQC__RERANK_BATCH] | the heads' weights [g].
-   The scores are those pqc_exact_search makes of the same rows (the same dots and, for
-   SOFTMAX_SUM, the same softmax, pqc__softmax_rows, over the candidates): re-ranking every
-   row is the exact search bit for bit.
-   The candidates' rows are scattered over the keys, so their reads are memory-bound: each
-   row is asked for PQC__ROWS_AHEAD candidates early, converted to fp32 with the SIMD
-   conversion, and the heads' dots are taken over PQC__RERANK_BATCH rows at a time (128K
-   tokens, 3 x 11K candidates of d_h 128, one core: fp16 rows 15-19 -> 4.6-5.8 ms, fp32
-   9.8-11 -> 7.5-8.1 ms against one row at a time without the early reads). */
+   combined [n] | positions [k] | selection scratch | one converted row [d] | the heads'
+   weights [g]. The scores are those pqc_exact_search makes of the same rows (the same
+   dots and, for SOFTMAX_SUM, the same softmax, pqc__softmax_rows, over the candidates):
+   re-ranking every row is the exact search bit for bit. The candidates' rows are
+   scattered over the keys, so their reads are memory-bound: pqc__gatherdots asks for each
+   row early and takes every head's dot of a row in one go. */
 static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
                                    const uint32_t *cand, size_t n, size_t k, pqc_scratch *scratch, uint32_t *idx,
                                    float *scores, int check)
 {
-    size_t d = keys->cols, i, oc, op, os, orow, bytes;
+    size_t d = keys->cols, i, oc, op, os, orow, bytes, bad;
     float scale = 1.0f / sqrtf((float)d), *hs, *comb, *row;
     uint32_t *pos;
     unsigned char *mem;
     void *tmpmem;
     pqc_simd simd = pqc__simd(rt);
-    size_t i0, rb = d * pqc_dtype_size(keys->dtype);
-    float *dots;
     int h;
     oc = PQC__ALIGN_UP(n * (size_t)g * sizeof(float));
     op = oc + PQC__ALIGN_UP(n * sizeof(float));
     os = op + PQC__ALIGN_UP(k * sizeof(uint32_t));
     orow = os + PQC__ALIGN_UP(pqc__select_scratch(n));
-    bytes = orow + (PQC__RERANK_BATCH * d + (size_t)g * PQC__RERANK_BATCH + (size_t)g) * sizeof(float);
+    bytes = orow + (d + (size_t)g) * sizeof(float);
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_rerank: scratch allocation failed");
     hs = (float *)mem;
     comb = (float *)(mem + oc);
     pos = (uint32_t *)(mem + op);
     row = (float *)(mem + orow);
-    dots = row + PQC__RERANK_BATCH * d;
-    /* PQC__RERANK_BATCH candidates' rows at a time, in fp32 side by side, then each head's
-       dots with all of them (a dot is the same fused chains whichever factor comes first) */
-    for (i0 = 0; i0 < n; i0 += PQC__RERANK_BATCH) {
-        size_t nb = PQC__MIN((size_t)PQC__RERANK_BATCH, n - i0), j;
-        for (j = 0; j < nb; j++) {
-            size_t ic = i0 + j;
-            float *kr = row + j * d;
-            if (ic + PQC__ROWS_AHEAD < n) { /* the row PQC__ROWS_AHEAD candidates on, on its way */
-                const char *nx = (const char *)pqc__row(keys, cand[ic + PQC__ROWS_AHEAD]);
-                size_t o;
-                for (o = 0; o < rb; o += 64) PQC__PREFETCH(nx + o);
-            }
-            pqc__k_to_f32(simd, pqc__row(keys, cand[ic]), keys->dtype, d, kr);
-            if (check && !pqc__k_within(simd, kr, d, PQC__KEY_LIMIT)) {
-                pqc__free(pqc__rt_alloc(rt), tmpmem);
-                return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: key row %u holds NaN, Inf or a huge value",
-                                 (unsigned)cand[ic]);
-            }
-        }
-        for (h = 0; h < g; h++)
-            pqc__k_rowdots(simd, queries + (size_t)h * d, row, nb, d, (int)d, dots + (size_t)h * PQC__RERANK_BATCH);
-        for (h = 0; h < g; h++)
-            for (j = 0; j < nb; j++) hs[(size_t)h * n + i0 + j] = dots[(size_t)h * PQC__RERANK_BATCH + j];
+    bad = pqc__k_gatherdots(simd, queries, g, (const unsigned char *)keys->data, pqc__stride(keys), keys->dtype, cand, n,
+                            (int)d, check, PQC__KEY_LIMIT, row, hs, n);
+    if (bad < n) {
+        pqc__free(pqc__rt_alloc(rt), tmpmem);
+        return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: key row %u holds NaN, Inf or a huge value",
+                         (unsigned)cand[bad]);
     }
     if (gqa == PQC_GQA_SUM) {
         for (i = 0; i < n; i++) {
@@ -6093,7 +6269,7 @@ static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, cons
             comb[i] = a;
         }
     } else {
-        pqc__softmax_rows(simd, hs, n, g, NULL, scale, dots + (size_t)g * PQC__RERANK_BATCH, comb);
+        pqc__softmax_rows(simd, hs, n, g, NULL, scale, row + d, comb);
     }
     pqc__select(simd, comb, n, k, mem + os, pos, NULL);
     /* pos is ascending, so pos[i] >= i: idx may overwrite cand in place */

@@ -885,6 +885,96 @@ TEST keydots_bitwise(void)
     PASS();
 }
 
+/* every head's dots with scattered stored rows (fp32, fp16, bf16; padded strides; rows
+   picked out of order and repeated, or all of them in order) give at every level the
+   bits of the scalar reference, which is the conversion, the range check and each head's
+   row dot one after another; with the check on, the first picked row that cannot be
+   ranked is found and the call stops there (with it off, rows are finite: the cache's) */
+TEST gatherdots_bitwise(void)
+{
+    static const int dims[] = {8, 16, 48, 128, 136};
+    static const int heads[] = {1, 3, 4, 5, 8};
+    enum { ROWS = 40 };
+    uint64_t st = 26;
+    size_t di, i, e;
+    int li, nl, ti, hi, bi, h;
+    pqc_simd lv_[3];
+    nl = levels(lv_);
+    for (ti = 0; ti < 3; ti++)
+        for (di = 0; di < sizeof dims / sizeof dims[0]; di++)
+            for (hi = 0; hi < (int)(sizeof heads / sizeof heads[0]); hi++)
+                for (bi = 0; bi < 8; bi++) { /* 0-3: all rows fine (1, 3: check off; 1: every row in
+                                                order); 4-7: a bad value in a picked row, check on */
+                    pqc_dtype t = ti == 2 ? PQC_F32 : ti ? PQC_BF16 : PQC_F16;
+                    int d = dims[di], g = heads[hi], check = bi != 1 && bi != 3;
+                    size_t es = t == PQC_F32 ? 4 : 2, stride = (size_t)d * es + (size_t)(bi == 1 || bi == 2 || bi == 5 ? 12 : 0);
+                    size_t n = bi == 1 ? ROWS : 23, want, got, bad_at = n;
+                    unsigned char *rows = (unsigned char *)malloc(stride * ROWS + 4);
+                    uint32_t idx[ROWS];
+                    float *q = (float *)malloc(sizeof(float) * (size_t)d * (size_t)g);
+                    float *row = (float *)malloc(sizeof(float) * (size_t)d);
+                    float *a = (float *)calloc((size_t)g * ROWS, sizeof(float));
+                    float *b = (float *)calloc((size_t)g * ROWS, sizeof(float));
+                    const char *fail = NULL;
+                    for (e = 0; e < (size_t)d * (size_t)g; e++) q[e] = rng_float(&st);
+                    for (i = 0; i < ROWS; i++)
+                        for (e = 0; e < (size_t)d; e++) {
+                            float v = rng_float(&st) * 4.0f;
+                            uint16_t hv = t == PQC_F16 ? pqc_f32_to_f16(v) : pqc_f32_to_bf16(v);
+                            if (t == PQC_F32) memcpy(rows + i * stride + 4 * e, &v, 4);
+                            else memcpy(rows + i * stride + 2 * e, &hv, 2);
+                        }
+                    for (i = 0; i < n; i++) idx[i] = (uint32_t)(rng_next(&st) % ROWS); /* any order, repeats */
+                    if (bi >= 4) { /* an infinity, a NaN or a value past the key limit in one picked row */
+                        size_t at = (size_t)(rng_next(&st) % n), col = (size_t)(rng_next(&st) % (uint64_t)d);
+                        if (t == PQC_F32) {
+                            float v = bi == 4 ? INFINITY : bi % 2 ? NAN : -1e17f;
+                            memcpy(rows + idx[at] * stride + 4 * col, &v, 4);
+                        } else {
+                            uint16_t hv = bi == 4 ? (t == PQC_F16 ? 0x7c00u : 0x7f80u)
+                                        : bi % 2 ? (t == PQC_F16 ? 0xfe00u : 0xffc0u)
+                                                 : (t == PQC_F16 ? 0xfc00u : pqc_f32_to_bf16(-1e17f));
+                            memcpy(rows + idx[at] * stride + 2 * col, &hv, 2);
+                        }
+                        for (i = 0; i < n && bad_at == n; i++) /* the first pick of that row */
+                            if (idx[i] == idx[at]) bad_at = i;
+                    }
+                    want = pqc__gatherdots_scalar(q, g, rows, stride, t, bi == 1 ? NULL : idx, n, d, check,
+                                                  PQC__KEY_LIMIT, row, a, ROWS);
+                    if (want != (check ? bad_at : n)) fail = "scalar misses the row that cannot be ranked";
+                    for (i = 0; i < want && !fail; i++)
+                        for (h = 0; h < g && !fail; h++) {
+                            float r;
+                            const unsigned char *src = rows + (bi == 1 ? i : idx[i]) * stride;
+                            if (t == PQC_F32) memcpy(row, src, sizeof(float) * (size_t)d);
+                            else pqc__halfrow_scalar(src, t, (size_t)d, row);
+                            pqc__rowdots_scalar(q + (size_t)h * (size_t)d, row, 1, (size_t)d, d, &r);
+                            if (memcmp(&r, &a[(size_t)h * ROWS + i], sizeof r)) fail = "scalar differs from convert + row dots";
+                        }
+                    for (li = 0; li < nl && !fail; li++) {
+                        memset(b, 0, sizeof(float) * (size_t)g * ROWS);
+                        got = pqc__k_gatherdots(lv_[li], q, g, rows, stride, t, bi == 1 ? NULL : idx, n, d, check,
+                                                PQC__KEY_LIMIT, row, b, ROWS);
+                        for (h = 0; h < g && !fail; h++)
+                            if (first_diff(a + (size_t)h * ROWS, b + (size_t)h * ROWS, want, sizeof(float)) >= 0)
+                                fail = pqc_simd_name(lv_[li]);
+                        if (got != want) fail = pqc_simd_name(lv_[li]);
+                        else if (upper_dirty() == 1) fail = "a level left the vector registers' upper halves set";
+                    }
+                    free(rows);
+                    free(q);
+                    free(row);
+                    free(a);
+                    free(b);
+                    if (fail) {
+                        snprintf(msg, sizeof msg, "gatherdots: %s (%s, d %d, g %d, case %d)", fail,
+                                 ti == 2 ? "fp32" : ti ? "bf16" : "fp16", d, g, bi);
+                        FAILm(msg);
+                    }
+                }
+    PASS();
+}
+
 /* the range check of keys gives the scalar answer at every level: one value past the
    limit, an infinity or a NaN anywhere in the row fails it */
 TEST within_bitwise(void)
@@ -1129,6 +1219,7 @@ SUITE(kernels)
     RUN_TEST(narrow_bitwise);
     RUN_TEST(within_bitwise);
     RUN_TEST(keydots_bitwise);
+    RUN_TEST(gatherdots_bitwise);
     RUN_TEST(exact_heads_equal_head_by_head);
     RUN_TEST(bracket_bitwise);
     RUN_TEST(select_bitwise);
