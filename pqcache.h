@@ -2886,6 +2886,24 @@ static uint32_t pqc__row_lim2(pqc_dtype t, float limit)
     return b > 0x7fffu ? 0 : b << 1;
 }
 
+/* Row i of pqc__gatherdots on the x86 levels: the row PQC__ROWS_AHEAD on asked for, and
+   with check this row's patterns checked (a row that fails them is checked again on its
+   values, lv's way); NULL when it cannot be ranked. */
+PQC__AVX2 static const unsigned char *pqc__gather_row_avx2(const pqc__keydots_level *lv, const unsigned char *base,
+                                                           size_t stride, pqc_dtype t, const uint32_t *idx, size_t i,
+                                                           size_t n, int d, int check, float limit, uint32_t lim2,
+                                                           float *row)
+{
+    const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
+    size_t o, rb = (size_t)d * pqc_dtype_size(t);
+    if (idx && i + PQC__ROWS_AHEAD < n)
+        for (o = 0; o < rb; o += 64) PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
+    if (check && !pqc__row_ok_avx2(r, t, d, lim2) &&
+        pqc__gatherdots_copy(lv, NULL, 0, r, stride, t, NULL, 1, d, 1, limit, row, NULL, 0) == 0)
+        return NULL;
+    return r;
+}
+
 /* 16 stored values from element e of row r as two vectors of eight fp32 */
 #define PQC__LOAD16_AVX2(r, t, e, xa, xb)                                                                              \
     do {                                                                                                               \
@@ -2910,18 +2928,13 @@ PQC__AVX2 static size_t pqc__gatherdots_avx2(const float *q, int g, const unsign
 {
     static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx2};
     const uint32_t lim2 = pqc__row_lim2(t, limit);
-    const size_t rb = (size_t)d * pqc_dtype_size(t);
-    size_t i, o;
+    size_t i;
     int e, h;
     if (d % 16 || (check && !lim2))
         return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
     for (i = 0; i < n; i++) {
-        const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
-        if (idx && i + PQC__ROWS_AHEAD < n)
-            for (o = 0; o < rb; o += 64) PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
-        if (check && !pqc__row_ok_avx2(r, t, d, lim2) &&
-            pqc__gatherdots_copy(&lv, q, 0, r, stride, t, NULL, 1, d, 1, limit, row, NULL, 0) == 0)
-            return i;
+        const unsigned char *r = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
+        if (!r) return i;
         for (h = 0; h + 4 <= g; h += 4) {
             const float *q0 = q + (size_t)h * (size_t)d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
             __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
@@ -3554,18 +3567,13 @@ PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const un
 {
     static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx512};
     const uint32_t lim2 = pqc__row_lim2(t, limit);
-    const size_t rb = (size_t)d * pqc_dtype_size(t);
-    size_t i, o;
+    size_t i;
     int e, h, l;
     if (d % 16 || (check && !lim2))
         return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
     for (i = 0; i < n; i++) {
-        const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
-        if (idx && i + PQC__ROWS_AHEAD < n)
-            for (o = 0; o < rb; o += 64) PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
-        if (check && !pqc__row_ok_avx2(r, t, d, lim2) &&
-            pqc__gatherdots_copy(&lv, q, 0, r, stride, t, NULL, 1, d, 1, limit, row, NULL, 0) == 0)
-            return i;
+        const unsigned char *r = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
+        if (!r) return i;
         for (h = 0; h + 4 <= g; h += 4) {
             const float *q0 = q + (size_t)h * (size_t)d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;

@@ -807,6 +807,19 @@ TEST narrow_bitwise(void)
     PASS();
 }
 
+/* n stored key rows of d values in [-4, 4) (fp32, fp16 or bf16), stride bytes apart */
+static void key_rows(uint64_t *st, unsigned char *rows, size_t n, size_t stride, int d, pqc_dtype t)
+{
+    size_t i, e;
+    for (i = 0; i < n; i++)
+        for (e = 0; e < (size_t)d; e++) {
+            float v = rng_float(st) * 4.0f;
+            uint16_t h = t == PQC_F16 ? pqc_f32_to_f16(v) : pqc_f32_to_bf16(v);
+            if (t == PQC_F32) memcpy(rows + i * stride + 4 * e, &v, 4);
+            else memcpy(rows + i * stride + 2 * e, &h, 2);
+        }
+}
+
 /* fp32, fp16 and bf16 rows scored in one pass (convert, check, dot) give at every level the
    bits of the scalar reference, which is the conversion, the range check and the row
    dots one after another; the first row that cannot be ranked is found wherever it lies */
@@ -833,13 +846,7 @@ TEST keydots_bitwise(void)
                         float *a = (float *)malloc(sizeof(float) * n), *b = (float *)malloc(sizeof(float) * n);
                         const char *fail = NULL;
                         for (e = 0; e < (size_t)d; e++) q[e] = rng_float(&st);
-                        for (i = 0; i < n; i++)
-                            for (e = 0; e < (size_t)d; e++) {
-                                float v = rng_float(&st) * 4.0f;
-                                uint16_t h = t == PQC_F16 ? pqc_f32_to_f16(v) : pqc_f32_to_bf16(v);
-                                if (t == PQC_F32) memcpy(rows + i * stride + 4 * e, &v, 4);
-                                else memcpy(rows + i * stride + 2 * e, &h, 2);
-                            }
+                        key_rows(&st, rows, n, stride, d, t);
                         if (bi > 0 && t == PQC_F32) { /* the same cases in fp32: the limit itself is fine */
                             float v = bi == 1 ? INFINITY : bi == 2 ? NAN : bi == 3 ? -1e17f
                                     : bi == 4 ? -PQC__KEY_LIMIT : nextafterf(PQC__KEY_LIMIT, INFINITY);
@@ -917,13 +924,7 @@ TEST gatherdots_bitwise(void)
                     float *b = (float *)calloc((size_t)g * ROWS, sizeof(float));
                     const char *fail = NULL;
                     for (e = 0; e < (size_t)d * (size_t)g; e++) q[e] = rng_float(&st);
-                    for (i = 0; i < ROWS; i++)
-                        for (e = 0; e < (size_t)d; e++) {
-                            float v = rng_float(&st) * 4.0f;
-                            uint16_t hv = t == PQC_F16 ? pqc_f32_to_f16(v) : pqc_f32_to_bf16(v);
-                            if (t == PQC_F32) memcpy(rows + i * stride + 4 * e, &v, 4);
-                            else memcpy(rows + i * stride + 2 * e, &hv, 2);
-                        }
+                    key_rows(&st, rows, ROWS, stride, d, t);
                     for (i = 0; i < n; i++) idx[i] = (uint32_t)(rng_next(&st) % ROWS); /* any order, repeats */
                     if (bi >= 4) { /* an infinity, a NaN or a value past the key limit in one picked row */
                         size_t at = (size_t)(rng_next(&st) % n), col = (size_t)(rng_next(&st) % (uint64_t)d);
