@@ -2119,20 +2119,26 @@ static size_t pqc__keydots_scalar(const float *q, const unsigned char *rows, siz
    while the next rows are on their way: re-ranking's candidates cost about a read each
    (a batch of converted rows with each head's dots over the batch left the reads idle
    while it multiplied: 128K fp16 rows, 26K candidates, 4 heads, 83-105 -> 65-72 ns per
-   candidate, the same bits). row: d floats of scratch. pqc__gatherdots_copy: through an
-   fp32 copy of each row with one level's conversion, check and dots; the scalar
-   reference, NEON, and widths the x86 levels do not take. */
+   candidate, the same bits). row: d floats of scratch. pqc__gather_at: row i, the row
+   PQC__ROWS_AHEAD on (rb bytes) asked for. pqc__gatherdots_copy: through an fp32 copy of
+   each row with one level's conversion, check and dots; the scalar reference, NEON, and
+   widths the x86 levels do not take. */
+static const unsigned char *pqc__gather_at(const unsigned char *base, size_t stride, size_t rb, const uint32_t *idx,
+                                           size_t i, size_t n)
+{
+    size_t o;
+    if (idx && i + PQC__ROWS_AHEAD < n)
+        for (o = 0; o < rb; o += 64) PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
+    return base + (idx ? (size_t)idx[i] : i) * stride;
+}
 static size_t pqc__gatherdots_copy(const pqc__keydots_level *lv, const float *q, int g, const unsigned char *base,
                                    size_t stride, pqc_dtype t, const uint32_t *idx, size_t n, int d, int check,
                                    float limit, float *row, float *out, size_t ostride)
 {
-    size_t i, o;
+    size_t i;
     int h;
     for (i = 0; i < n; i++) {
-        const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
-        if (idx && i + PQC__ROWS_AHEAD < n)
-            for (o = 0; o < (size_t)d * pqc_dtype_size(t); o += 64)
-                PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
+        const unsigned char *r = pqc__gather_at(base, stride, (size_t)d * pqc_dtype_size(t), idx, i, n);
         if (t == PQC_F32) memcpy(row, r, (size_t)d * sizeof(float));
         else lv->halfrow(r, t, (size_t)d, row);
         if (check && !lv->within(row, (size_t)d, limit)) return i;
@@ -2749,6 +2755,23 @@ static unsigned pqc__half_limit_bits(pqc_dtype t, float limit)
     return lo;
 }
 
+/* The magnitude pattern of the limit doubled (the sign shifted out), which the patterns
+   of the values that pass it, doubled, do not exceed; PQC__NO_LIM2 when there is none (a
+   negative or NaN limit, a half limit below every pattern): the x86 row checks then go
+   through the copy. */
+#define PQC__NO_LIM2 0xffffffffu
+static uint32_t pqc__row_lim2(pqc_dtype t, float limit)
+{
+    uint32_t b;
+    if (!(limit >= 0.0f)) return PQC__NO_LIM2;
+    if (t == PQC_F32) {
+        memcpy(&b, &limit, sizeof b);
+        return b << 1;
+    }
+    b = pqc__half_limit_bits(t, limit);
+    return b > 0x7fffu ? PQC__NO_LIM2 : b << 1;
+}
+
 /* pqc__keydots in one pass: each row converted in registers and multiplied with the
    lanes of pqc__rowdots_avx2 (lane e % 16 gets q[e] * r[e] fused in e order, then the 16
    lanes are added in order from 0), no fp32 copy of the rows. The range check runs on
@@ -2794,17 +2817,12 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
 {
     static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx2};
     size_t i = 0, bad = n, o;
-    unsigned lb = t == PQC_F32 ? 0 : pqc__half_limit_bits(t, limit);
-    /* the magnitude patterns doubled (the sign shifted out): at most 2 * lb passes */
-    const __m128i lim2 = _mm_set1_epi16((short)(lb > 0x7fffu ? 0 : (int)(lb << 1)));
+    const uint32_t l2 = pqc__row_lim2(t, limit);
+    const __m128i lim2 = _mm_set1_epi16((short)l2); /* halves: at most l2 passes */
     int e;
-    if (d % 16 || lb > 0x7fffu || (t == PQC_F32 && !(limit >= 0.0f)))
-        return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
+    if (d % 16 || l2 == PQC__NO_LIM2) return pqc__keydots_copy(&lv, q, rows, stride, t, n, d, limit, row, out);
     if (t == PQC_F32) { /* the patterns of fp32 values: |x| <= limit exactly when bits(|x|) <= bits(limit) */
-        uint32_t lbits;
-        __m256i lim32;
-        memcpy(&lbits, &limit, sizeof lbits);
-        lim32 = _mm256_set1_epi32((int)(lbits << 1));
+        const __m256i lim32 = _mm256_set1_epi32((int)l2);
         for (; i + 4 <= n; i += 4) {
             const float *r0 = (const float *)(const void *)(rows + i * stride), *r1, *r2, *r3;
             __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0, lo3 = lo0, hi3 = lo0;
@@ -2851,8 +2869,7 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
 }
 
 /* 1 when every value of a stored row of d values (d a multiple of 16) passes the limit
-   whose magnitude pattern doubled is lim2 (fp32: the limit's bits; fp16, bf16:
-   pqc__half_limit_bits): |x| <= limit exactly when the pattern of |x| is at most the
+   whose magnitude pattern doubled is lim2 (pqc__row_lim2): |x| <= limit exactly when the pattern of |x| is at most the
    limit's, NaNs' patterns lying above every finite one */
 PQC__AVX2 static int pqc__row_ok_avx2(const unsigned char *r, pqc_dtype t, int d, uint32_t lim2)
 {
@@ -2872,32 +2889,15 @@ PQC__AVX2 static int pqc__row_ok_avx2(const unsigned char *r, pqc_dtype t, int d
     }
 }
 
-/* The doubled limit pattern pqc__row_ok_avx2 takes, or 0 when the limit has none (a
-   negative or NaN limit, a half limit no pattern reaches): those go through the copy. */
-static uint32_t pqc__row_lim2(pqc_dtype t, float limit)
-{
-    uint32_t b;
-    if (!(limit >= 0.0f) || limit > FLT_MAX) return 0;
-    if (t == PQC_F32) {
-        memcpy(&b, &limit, sizeof b);
-        return b << 1;
-    }
-    b = pqc__half_limit_bits(t, limit);
-    return b > 0x7fffu ? 0 : b << 1;
-}
-
-/* Row i of pqc__gatherdots on the x86 levels: the row PQC__ROWS_AHEAD on asked for, and
-   with check this row's patterns checked (a row that fails them is checked again on its
-   values, lv's way); NULL when it cannot be ranked. */
+/* Row i of pqc__gatherdots on the x86 levels (pqc__gather_at), with check its patterns
+   checked (a row that fails them is checked again on its values, lv's way); NULL when it
+   cannot be ranked. */
 PQC__AVX2 static const unsigned char *pqc__gather_row_avx2(const pqc__keydots_level *lv, const unsigned char *base,
                                                            size_t stride, pqc_dtype t, const uint32_t *idx, size_t i,
                                                            size_t n, int d, int check, float limit, uint32_t lim2,
                                                            float *row)
 {
-    const unsigned char *r = base + (idx ? (size_t)idx[i] : i) * stride;
-    size_t o, rb = (size_t)d * pqc_dtype_size(t);
-    if (idx && i + PQC__ROWS_AHEAD < n)
-        for (o = 0; o < rb; o += 64) PQC__PREFETCH(base + (size_t)idx[i + PQC__ROWS_AHEAD] * stride + o);
+    const unsigned char *r = pqc__gather_at(base, stride, (size_t)d * pqc_dtype_size(t), idx, i, n);
     if (check && !pqc__row_ok_avx2(r, t, d, lim2) &&
         pqc__gatherdots_copy(lv, NULL, 0, r, stride, t, NULL, 1, d, 1, limit, row, NULL, 0) == 0)
         return NULL;
@@ -2930,7 +2930,7 @@ PQC__AVX2 static size_t pqc__gatherdots_avx2(const float *q, int g, const unsign
     const uint32_t lim2 = pqc__row_lim2(t, limit);
     size_t i;
     int e, h;
-    if (d % 16 || (check && !lim2))
+    if (d % 16 || (check && lim2 == PQC__NO_LIM2))
         return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
     for (i = 0; i < n; i++) {
         const unsigned char *r = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
@@ -3569,7 +3569,7 @@ PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const un
     const uint32_t lim2 = pqc__row_lim2(t, limit);
     size_t i;
     int e, h, l;
-    if (d % 16 || (check && !lim2))
+    if (d % 16 || (check && lim2 == PQC__NO_LIM2))
         return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
     for (i = 0; i < n; i++) {
         const unsigned char *r = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
@@ -6107,7 +6107,6 @@ typedef struct pqc__exact_ctx {
     const float *q; /* [g][d] then the summed query [d] */
     int g, d;
     float *rowbuf; /* a row in fp32 (d floats of scratch) */
-    float *hd;     /* one row's dots with the g queries */
     int check;     /* the next pass over the keys also checks them (the first one) */
     size_t bad;    /* the first row holding NaN, Inf or a magnitude above the key limit, or
                       (size_t)-1 */
@@ -6156,7 +6155,7 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
 {
     pqc__exact_ctx c;
     pqc_result r;
-    size_t n, d, oq, ohd, orow, ot, os, oc, bytes, i;
+    size_t n, d, oq, ow, orow, ot, os, oc, bytes, i;
     unsigned char *mem;
     void *tmpmem;
     int h, heads;
@@ -6173,8 +6172,8 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_exact_search: query holds NaN, Inf or a huge value");
     heads = gqa == PQC_GQA_SOFTMAX_SUM && g > 1; /* every head in one pass over the keys */
     oq = 0;
-    ohd = PQC__ALIGN_UP(((size_t)g + 1) * d * sizeof(float)); /* then a row's dots [g], the weights [g] */
-    orow = ohd + PQC__ALIGN_UP(2 * (size_t)g * sizeof(float));
+    ow = PQC__ALIGN_UP(((size_t)g + 1) * d * sizeof(float)); /* then the heads' softmax weights [g] */
+    orow = ow + PQC__ALIGN_UP((size_t)g * sizeof(float));
     ot = orow + PQC__ALIGN_UP(d * sizeof(float));
     os = ot + PQC__ALIGN_UP((heads ? (size_t)g : 1) * n * sizeof(float));
     oc = os + PQC__ALIGN_UP(n * sizeof(float));
@@ -6189,7 +6188,6 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     c.g = g;
     c.d = (int)d;
     c.rowbuf = (float *)(mem + orow);
-    c.hd = (float *)(mem + ohd);
     memcpy(mem + oq, queries, (size_t)g * d * sizeof(float));
     for (i = 0; i < d; i++) {
         float a = 0.0f;
@@ -6199,7 +6197,7 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     if (heads) { /* as pqc__combine makes it, from the heads' rows */
         pqc__exact_heads(&c, (float *)(mem + ot));
         if (c.bad == (size_t)-1)
-            pqc__softmax_rows(c.simd, (float *)(mem + ot), n, g, NULL, 1.0f / sqrtf((float)d), c.hd + g,
+            pqc__softmax_rows(c.simd, (float *)(mem + ot), n, g, NULL, 1.0f / sqrtf((float)d), (float *)(mem + ow),
                               (float *)(mem + os));
     } else {
         pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
@@ -6231,7 +6229,6 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
 }
 
 /* ----- re-ranking ----- */
-
 
 /* The caller has checked the arguments (and, unless `check`, that the candidates' rows
    are finite: the cache stores only such rows). scratch: the heads' scores [g][n] |
