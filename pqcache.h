@@ -801,8 +801,10 @@ PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_sele
    pqc_cache_fetch_device, out->pos the selected tokens; count[h] (n_kv_heads entries)
    the rows of head h. Selection and admission equal those of pqc_cache_select +
    pqc_cache_fetch_device; hits, misses and bytes are counted on the device and read by
-   pqc_cache_stats (which waits for the stream). Caches that score candidates exactly
-   (rerank, outliers) or with residuals select on the host: one synchronisation. */
+   pqc_cache_stats (which waits for the stream). Re-ranking (rerank) runs on the device
+   too, reading the candidates' key rows from the host store where they are (mapped host
+   memory, across the bus on a discrete GPU); caches with an outlier list or residual
+   scoring select on the host: one synchronisation. */
 PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count);
 /* 1 when the cache's device tier is on a CUDA GPU, else 0. */
 PQCDEF int pqc_cache_on_device(const pqc_cache *c);
@@ -6866,7 +6868,8 @@ struct pqc__fetch_job;
    sequence cache then does the host's part (and calls them through pqc__tier_ wrappers). */
 #define PQC__CAN_DEVICE_ROWS 1u /* rows (and a whole step, with `step`) stay in device memory */
 #define PQC__CAN_RESIDUALS 2u   /* its search and step add the residual term of the scores */
-#define PQC__CAN_EXACT 4u       /* its step scores candidates again with the stored keys */
+#define PQC__CAN_EXACT 4u       /* its step scores candidates again with the stored keys
+                                   (re-ranking; an outlier list stays with the host) */
 
 typedef struct pqc__tier_i {
     const char *name;
@@ -6895,9 +6898,10 @@ typedef struct pqc__tier_i {
     size_t (*device_bytes)(const pqc_cache *c);          /* 0 or NULL: the cache's estimate is the figure */
     int (*zero_copy)(const pqc_cache *c);                /* fetch_rows can hand rows in place */
     /* a whole decode step of layer l (see pqc__step_impl), or PQC__NOT_SERVED; NULL: the
-       sequence cache selects and fetches */
-    pqc_result (*step)(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
-                       const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
+       sequence cache selects and fetches. cands: with exact scoring (PQC__CAN_EXACT), each
+       head's PQ candidates scored again, else NULL; ctake: the largest of them (or of takes) */
+    pqc_result (*step)(pqc_cache *c, int l, const float *q, const size_t *takes, int search, const size_t *cands,
+                       size_t ctake, const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
                        size_t pos_stride);
     pqc_result (*adm_pull)(pqc_cache *c, int l);         /* the block-cache bookkeeping is the host's */
     pqc_result (*stats)(const pqc_cache *c, int l, pqc_layer_stats *st); /* adds what the tier counted */
@@ -6953,7 +6957,7 @@ static void pqc__plan_init(pqc_cache *c)
     sp->map_stores = !sp->device_rows;
     sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS));
     sp->tier_step = c->tier->step && sp->device_rows && (!residual || (caps & PQC__CAN_RESIDUALS)) &&
-                    (!sp->exact || (caps & PQC__CAN_EXACT));
+                    (!sp->exact || ((caps & PQC__CAN_EXACT) && c->d.outliers <= 0));
 }
 
 /* The stored K and V rows of token t of a head: in the shared prefix (a fork's) or in
@@ -9278,7 +9282,8 @@ static pqc_result pqc__step_impl(pqc_cache *c, int layer, const float *q, const 
                               out ? PQC__MIN(out->head_stride, pos_stride) : pos_stride);
         }
     }
-    r = c->tier->step(c, layer, q, c->takes, p.search, p.take, count, out, dout, pos, pos_stride);
+    r = c->tier->step(c, layer, q, c->takes, p.search, p.exact ? c->cands : NULL, p.ctake, count, out, dout, pos,
+                      pos_stride);
     if (r == PQC__NOT_SERVED) return r;
     if (r != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, p.coded0);
@@ -11331,6 +11336,163 @@ static const char pqc__kernel_source[] =
 "    }\n"
 "}\n"
 "\n"
+"/* Re-ranking on the device: each head's PQ candidates (a top-k of the codes, the k per\n"
+"   head given) scored again with the stored keys, which stay in mapped host memory, as\n"
+"   the CPU library's pqc_rerank scores them (the same operations in the same order), then\n"
+"   the top-k of those scores (the kernels above) and pqc_take_at. */\n"
+"\n"
+"/* pqc_rerank_dots: the exact dots of every query head of a KV head with the key rows of\n"
+" *   its candidates, one warp per candidate.\n"
+" *   grid (ceil(n / 8), n_kv), block 256.\n"
+" *   cand   int32 per KV head (+ kv*cand_head_stride): coded token indices; candidate c is\n"
+" *          the key row of token n_sink + c; n_cand int32 [n_kv]: head kv scores the first\n"
+" *          n_cand[kv] (at most n)\n"
+" *   q      float [g][d_h] per KV head (+ kv*q_head_stride)\n"
+" *   host_k, pre_k, split, host_head_stride, pre_head_stride, host_ld, host_dtype: the key\n"
+" *          rows, laid out as for pqc_gather_kv\n"
+" *   dots   float per KV head (+ kv*dots_head_stride): head h's dot with candidate i at\n"
+" *          h*dots_row_stride + i\n"
+" * A dot is the CPU's pqc__rowdots: 16 interleaved lanes (lane e % 16) of sequential fmaf\n"
+" * over the dims from 0, then the lanes added in order from 0. Here lane l of each half\n"
+" * warp takes dims e = l (mod 16), the half warps take every other head, 16 heads at a time. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand, int n,\n"
+"                int n_sink, const float *__restrict__ q, pqc_i64 q_head_stride, int g,\n"
+"                const void *host_k, pqc_i64 host_head_stride, const void *pre_k, pqc_i64 pre_head_stride,\n"
+"                pqc_i64 split, pqc_i64 host_ld, int host_dtype, int d_h,\n"
+"                float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride)\n"
+"{\n"
+"    __shared__ float red[PQC_WARPS][32][8];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int w = threadIdx.x >> 5, lane = threadIdx.x & 31, l = lane & 15, hf = lane >> 4;\n"
+"    int i = blockIdx.x * PQC_WARPS + w, nc = n_cand[kv] < n \? n_cand[kv] : n;\n"
+"    if (i >= nc) return;\n"
+"    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink;\n"
+"    int pre = t < split;\n"
+"    const char *row = (const char *)(pre \? pre_k : host_k) +\n"
+"                      (kv * (pre \? pre_head_stride : host_head_stride) + (pre \? t : t - split) * host_ld) *\n"
+"                          pqc_dtype_size(host_dtype);\n"
+"    const float *qk = q + kv * q_head_stride;\n"
+"    float *out = dots + kv * dots_head_stride + i;\n"
+"    for (int h0 = 0; h0 < g; h0 += 16) {\n"
+"        float acc[8];\n"
+"#pragma unroll\n"
+"        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;\n"
+"        for (int e = l; e < d_h; e += 16) {\n"
+"            float x = pqc_load_elem(row, e, host_dtype);\n"
+"#pragma unroll\n"
+"            for (int j = 0; j < 8; ++j) {\n"
+"                int h = h0 + hf + 2 * j;\n"
+"                if (h < g) acc[j] = fmaf(qk[(pqc_i64)h * d_h + e], x, acc[j]);\n"
+"            }\n"
+"        }\n"
+"#pragma unroll\n"
+"        for (int j = 0; j < 8; ++j) red[w][lane][j] = acc[j];\n"
+"        __syncwarp();\n"
+"        if (l == 0)\n"
+"            for (int j = 0; j < 8; ++j) {\n"
+"                int h = h0 + hf + 2 * j;\n"
+"                if (h >= g) break;\n"
+"                float a = 0.0f;\n"
+"                for (int ll = 0; ll < 16; ++ll) a += red[w][hf * 16 + ll][j];\n"
+"                out[(pqc_i64)h * dots_row_stride] = a;\n"
+"            }\n"
+"        __syncwarp();\n"
+"    }\n"
+"}\n"
+"\n"
+"#define PQC_RR_CHUNK 512 /* candidates a block holds in shared memory at a time */\n"
+"\n"
+"/* pqc_rerank_combine: each head's candidates' combined score from the dots, as the CPU's\n"
+" *   pqc_rerank combines them.\n"
+" *   grid (1, n_kv), block 256.\n"
+" *   dots, dots_head_stride, dots_row_stride, n_cand, n: as pqc_rerank_dots; with\n"
+" *          softmax-sum they are overwritten with the exponentials\n"
+" *   mode   PQC_SCAN_RAW: comb[i] = the heads' dots added in order from 0;\n"
+" *          PQC_SCAN_SOFTMAX_SUM: each head's e(i) = pqc_exp((dot - max) * scale) (max over\n"
+" *          its candidates), Z = its 16 interleaved lanes (lane i % 16, each in order from\n"
+" *          0) added in order from 0, w = 1 / Z into wbuf [g] per KV head (+ kv*g), and\n"
+" *          comb[i] = fmaf(e_h(i), w_h, .) over the heads in order from 0\n"
+" *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get -1,\n"
+" *          below every score, so that a top-k of at most n_cand[kv] never takes them. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, const int *__restrict__ n_cand,\n"
+"                   int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride)\n"
+"{\n"
+"    __shared__ float ch[4][PQC_RR_CHUNK];\n"
+"    __shared__ float red[PQC_BLOCK];\n"
+"    __shared__ float mx[4];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int tid = threadIdx.x, nc = n_cand[kv] < n \? n_cand[kv] : n;\n"
+"    float *dk = dots + kv * dots_head_stride, *w = wbuf + kv * g, *cb = comb + kv * comb_head_stride;\n"
+"    for (int h0 = 0; mode == PQC_SCAN_SOFTMAX_SUM && h0 < g; h0 += 4) {\n"
+"        int gh = g - h0 < 4 \? g - h0 : 4, hh = tid >> 4, l = tid & 15;\n"
+"        float z = 0.0f;\n"
+"        for (int j = 0; j < gh; ++j) { /* the maxima (the same value in any order) */\n"
+"            const float *r = dk + (pqc_i64)(h0 + j) * dots_row_stride;\n"
+"            float m = -__int_as_float(0x7f800000);\n"
+"            for (int i = tid; i < nc; i += PQC_BLOCK) m = fmaxf(m, r[i]);\n"
+"            red[tid] = m;\n"
+"            __syncthreads();\n"
+"            for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {\n"
+"                if (tid < o) red[tid] = fmaxf(red[tid], red[tid + o]);\n"
+"                __syncthreads();\n"
+"            }\n"
+"            if (tid == 0) mx[j] = red[0];\n"
+"            __syncthreads();\n"
+"        }\n"
+"        for (int c0 = 0; c0 < nc; c0 += PQC_RR_CHUNK) { /* exponentials, then the lanes' sums */\n"
+"            int cn = nc - c0 < PQC_RR_CHUNK \? nc - c0 : PQC_RR_CHUNK;\n"
+"            for (int x = tid; x < gh * PQC_RR_CHUNK; x += PQC_BLOCK) {\n"
+"                int j = x / PQC_RR_CHUNK, i = x % PQC_RR_CHUNK;\n"
+"                if (i < cn) {\n"
+"                    float *r = dk + (pqc_i64)(h0 + j) * dots_row_stride + c0 + i;\n"
+"                    float e = pqc_exp((*r - mx[j]) * scale);\n"
+"                    ch[j][i] = e;\n"
+"                    *r = e;\n"
+"                }\n"
+"            }\n"
+"            __syncthreads();\n"
+"            if (hh < gh)\n"
+"                for (int i = l; i < cn; i += 16) z += ch[hh][i];\n"
+"            __syncthreads();\n"
+"        }\n"
+"        red[tid] = z;\n"
+"        __syncthreads();\n"
+"        if (tid < gh) {\n"
+"            float a = 0.0f;\n"
+"            for (int ll = 0; ll < 16; ++ll) a += red[tid * 16 + ll];\n"
+"            w[h0 + tid] = 1.0f / a;\n"
+"        }\n"
+"        __syncthreads();\n"
+"    }\n"
+"    for (int i = tid; i < n; i += PQC_BLOCK) {\n"
+"        float a = 0.0f;\n"
+"        if (i >= nc) {\n"
+"            a = -1.0f;\n"
+"        } else if (mode == PQC_SCAN_SOFTMAX_SUM) {\n"
+"            for (int h = 0; h < g; ++h) a = fmaf(dk[(pqc_i64)h * dots_row_stride + i], w[h], a);\n"
+"        } else {\n"
+"            for (int h = 0; h < g; ++h) a += dk[(pqc_i64)h * dots_row_stride + i];\n"
+"        }\n"
+"        cb[i] = a;\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_take_at: out[i] = src[pos[i]] for i < k (k per head: k_head[kv], at most n),\n"
+" *   per KV head (+ kv*src_head_stride, pos_head_stride, out_head_stride): the candidates\n"
+" *   a top-k of their scores kept (pos ascending, so out stays ascending).\n"
+" *   grid (ceil(n / 256), n_kv), block 256. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_take_at(const int *__restrict__ src, pqc_i64 src_head_stride, const int *__restrict__ pos,\n"
+"            pqc_i64 pos_head_stride, const int *__restrict__ k_head, int n, int *__restrict__ out,\n"
+"            pqc_i64 out_head_stride)\n"
+"{\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int i = blockIdx.x * PQC_BLOCK + threadIdx.x, k = pqc_head_k(n, k_head, kv);\n"
+"    if (i < k) out[kv * out_head_stride + i] = src[kv * src_head_stride + pos[kv * pos_head_stride + i]];\n"
+"}\n"
+"\n"
 "/* ------------------------------------------------------------------------------------ */\n"
 "/* (d) Gather of selected K/V rows and block-cache fill                                  */\n"
 "/* ------------------------------------------------------------------------------------ */\n"
@@ -12881,8 +13043,11 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
    whole on the cache's stream: tables, scan, top-k, the selection with the block-cache
    admission and statistics (pqc_select_admit, the host's rules bit for bit, on
    bookkeeping that lives on the device), the block copies and the gather; nothing comes
-   back to the host unless it takes the rows there (one wait per layer). Selections made
-   on the host (pqc_cache_select: exact scoring, residuals, or a caller who wants the
+   back to the host unless it takes the rows there (one wait per layer). With re-ranking
+   the step also scores each head's PQ candidates with their key rows, read from the
+   mapped host store (pqc_rerank_dots, pqc_rerank_combine: pqc_rerank's arithmetic, bit
+   for bit), and keeps the best of them (the top-k kernels, pqc_take_at). Selections made
+   on the host (pqc_cache_select: outlier lists, residuals, or a caller who wants the
    indices) read the top-k back once per layer and step, and the bookkeeping follows
    whichever side used it last.
    ------------------------------------------------------------------------------------- */
@@ -12890,13 +13055,13 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
 enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
     PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
-    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_N
+    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_RR_DOTS, PQC__K_RR_COMBINE, PQC__K_TAKE_AT, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
     "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
     "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
-    "pqc_centroid_norms", "pqc_lut_sum"
+    "pqc_centroid_norms", "pqc_lut_sum", "pqc_rerank_dots", "pqc_rerank_combine", "pqc_take_at"
 };
 
 #define PQC__CU_RADIX_BINS 2048
@@ -13394,8 +13559,14 @@ struct pqc__gpu_tier {
     size_t *adm_nbc;          /* [L] blocks it has room for */
     int *adm_dev;             /* [L] 1: the device's copy is the current one, the host's stale */
     pqc__dptr dstat;          /* [L][n_kv][3] hits, misses, bytes host -> device of device steps */
-    pqc__dptr rfill, dtakes;  /* [n_kv][3][admit] fill lists; [n_kv] int32 tops-k */
-    unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries and tops-k */
+    pqc__dptr rfill, dtakes;  /* [n_kv][3][admit] fill lists; [2][n_kv] int32 tops-k, then
+                                 the candidates of re-ranking */
+    unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries, tops-k and
+                                 candidate counts */
+    /* re-ranking on the device (pqc__gpu_rerank): [n_kv][g][rr_cap] dots, [n_kv][g]
+       weights, [n_kv][rr_cap] combined scores, kept positions and their tokens */
+    pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids;
+    size_t rr_cap;
     pqc__cuEvent *ev_stage;   /* [2L] their copies done */
     size_t stage_bytes, pos_cap;
     uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
@@ -13510,6 +13681,11 @@ static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
     pqc__gpu_dfree(u, &u->dstat);
     pqc__gpu_dfree(u, &u->rfill);
     pqc__gpu_dfree(u, &u->dtakes);
+    pqc__gpu_dfree(u, &u->rr_dots);
+    pqc__gpu_dfree(u, &u->rr_w);
+    pqc__gpu_dfree(u, &u->rr_comb);
+    pqc__gpu_dfree(u, &u->rr_pos);
+    pqc__gpu_dfree(u, &u->rr_ids);
     if (u->h_stage) u->api->cuMemFreeHost(u->h_stage);
     if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
     pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
@@ -13929,19 +14105,47 @@ static pqc_result pqc__gpu_cents(pqc_cache *c, int l)
     return PQC_SUCCESS;
 }
 
+/* Each head's top k of s scores (head h's at scores + h * sc_hs floats; k_head: a device
+   int32 [n_kv] of smaller k per head, or 0) into out ([head][k] int32, ascending
+   positions), and their scores into osc unless 0: three radix passes, per-tile counts,
+   ordered compaction. s is at most the score buffers' s_cap. */
+static pqc_result pqc__gpu_topk(pqc_cache *c, pqc__dptr scores, int64_t sc_hs, size_t s, size_t k, pqc__dptr k_head,
+                                pqc__dptr out, int64_t out_hs, pqc__dptr osc)
+{
+    struct pqc__gpu_tier *u = c->cu;
+    unsigned nkv = (unsigned)u->n_kv, tiles = pqc__cdiv(s, PQC__CU_TILE),
+             P = (unsigned)PQC__MAX(PQC__MIN((size_t)u->p_max, (s + 255) / 256), 1);
+    int si = (int)s, ki = (int)k, pass;
+    int64_t c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE), os_hs = osc ? out_hs : 0;
+    pqc_result r;
+    for (pass = 0; pass < 3; pass++) {
+        void *p[] = { &scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state, &k_head };
+        if ((r = pqc__gpu_launch(c, PQC__K_PASS, P, nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        void *p[] = { &scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &k_head };
+        if ((r = pqc__gpu_launch(c, PQC__K_COUNT, tiles, nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        void *p[] = { &scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &out, &out_hs, &osc, &os_hs,
+                      &k_head };
+        return pqc__gpu_launch(c, PQC__K_COMPACT, tiles, nkv, 0, p);
+    }
+}
+
 static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
 {
     struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
     size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K;
-    int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode, pass;
+    int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode;
     int half = pqc__half_bands(&c->d.pq);
     int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
-    unsigned P, tiles, smem;
+    unsigned P, smem;
     float scale = 1.0f / sqrtf((float)u->d);
     pqc_result r;
     int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)pqc__gpu_cent_floats(c), l_hs = (int64_t)((size_t)g * tab),
-            ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki, c_cnt_hs;
+            ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki;
     pqc__dptr zero = 0, lut_sum, lut;
     if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
     pqc__gpu_enter(c);
@@ -14036,24 +14240,9 @@ static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     }
     PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
     u->last_slot = sl;
-    /* top-k: three radix passes, per-tile counts, ordered compaction */
-    tiles = pqc__cdiv(s, PQC__CU_TILE);
-    c_cnt_hs = 2 * (int64_t)((u->s_cap + PQC__CU_TILE - 1) / PQC__CU_TILE);
-    for (pass = 0; pass < 3; pass++) {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &pass, &u->hist, &u->state, &k_head };
-        if ((r = pqc__gpu_launch(c, PQC__K_PASS, P, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    {
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &k_head };
-        if ((r = pqc__gpu_launch(c, PQC__K_COUNT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
-    {
-        int64_t os_hs = want_scores ? idx_hs : 0;
-        pqc__dptr osc = want_scores ? u->topk_sc : 0;
-        void *p[] = { &u->scores, &sc_hs, &si, &ki, &u->state, &u->counts, &c_cnt_hs, &u->topk, &idx_hs, &osc, &os_hs,
-                      &k_head };
-        if ((r = pqc__gpu_launch(c, PQC__K_COMPACT, tiles, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
-    }
+    if ((r = pqc__gpu_topk(c, u->scores, sc_hs, s, take, k_head, u->topk, idx_hs, want_scores ? u->topk_sc : 0)) !=
+        PQC_SUCCESS)
+        return r;
     /* prefetch the next layer's codes while this one finishes */
     if (u->code_bufs == 2 && nl != l && !c->layers[nl].building && c->layers[nl].heads[0].pq.m && c->layers[nl].n_coded > 0 &&
         !pqc__gpu_codes_valid(c, sl ^ 1, nl) && (r = pqc__gpu_codes_upload(c, sl ^ 1, nl)) != PQC_SUCCESS)
@@ -14770,10 +14959,10 @@ static pqc_result pqc__gpu_step_init(pqc_cache *c)
     size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), i;
     pqc_result r;
     if (u->adm) return PQC_SUCCESS;
-    u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + nkv * sizeof(int32_t) + 63) / 64 * 64;
+    u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + 2 * nkv * sizeof(int32_t) + 63) / 64 * 64;
     if ((r = pqc__gpu_dalloc(c, &u->dstat, L * nkv * 24)) != PQC_SUCCESS ||
         (r = pqc__gpu_dalloc(c, &u->rfill, nkv * 3 * ab * 4)) != PQC_SUCCESS ||
-        (r = pqc__gpu_dalloc(c, &u->dtakes, nkv * 4)) != PQC_SUCCESS ||
+        (r = pqc__gpu_dalloc(c, &u->dtakes, 2 * nkv * 4)) != PQC_SUCCESS ||
         (r = pqc__gpu_halloc(c, (void **)&u->h_stage, 2 * L * u->stage_bytes)) != PQC_SUCCESS)
         return r;
     PQC__GPU_CALL(c, u->api->cuMemsetD32Async(u->dstat, 0, L * nkv * 6, u->st), "cuMemsetD32Async");
@@ -14794,16 +14983,71 @@ static pqc_result pqc__gpu_step_init(pqc_cache *c)
    copies and the gather are enqueued on the stream. With dout the rows stay on the
    device and nothing waits; with out the rows and the selection (into pos, head h at
    pos + h * pos_stride) come back after one synchronisation. */
-static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
-                                const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
-                                size_t pos_stride)
+/* Re-ranking of a device step (pqc__gpu_step with cands): each head's top cands[h] coded
+   tokens by PQ score (u->topk, [head][ctake]) scored again with the key rows in mapped
+   host memory and the combination pqc_rerank makes (pqc_rerank_dots, pqc_rerank_combine),
+   the best takes[h] of them kept (positions, then their tokens: *top, [head][*top_hs]).
+   The device tables dtakes hold the tops-k, then the candidate counts. */
+static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take, pqc__dptr *top, int64_t *top_hs)
+{
+    struct pqc__gpu_tier *u = c->cu;
+    size_t nkv = (size_t)u->n_kv, g = (size_t)u->g;
+    pqc__dptr cands = u->dtakes + nkv * 4;
+    int64_t cand_hs = (int64_t)ctake, q_hs = (int64_t)g * u->d, hs = (int64_t)u->hstride, phs = (int64_t)u->phstride,
+            split = (int64_t)c->pn, ld = u->d, dots_hs, row_hs, comb_hs, pos_hs = (int64_t)take;
+    int n = (int)ctake, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d;
+    int mode = c->sp.gqa == PQC_GQA_SUM ? 0 : 1;
+    float scale = 1.0f / sqrtf((float)u->d);
+    pqc_result r;
+    if (ctake > u->rr_cap) {
+        size_t want = PQC__MAX(ctake, u->s_cap);
+        PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        u->rr_cap = 0;
+        if ((r = pqc__gpu_dalloc(c, &u->rr_dots, nkv * g * want * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_w, nkv * g * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_comb, nkv * want * sizeof(float))) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_pos, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_ids, nkv * want * 4)) != PQC_SUCCESS)
+            return r;
+        u->rr_cap = want;
+    }
+    row_hs = (int64_t)u->rr_cap;
+    dots_hs = (int64_t)g * row_hs;
+    comb_hs = row_hs;
+    {
+        void *p[] = { &u->topk, &cand_hs, &cands, &n, &n_sink, &u->q, &q_hs, &gi, &u->hk[l], &hs, &u->pk[l], &phs,
+                      &split, &ld, &dt, &d, &u->rr_dots, &dots_hs, &row_hs };
+        if ((r = pqc__gpu_launch(c, PQC__K_RR_DOTS, pqc__cdiv(ctake, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    {
+        void *p[] = { &u->rr_dots, &dots_hs, &row_hs, &cands, &n, &gi, &mode, &scale, &u->rr_w, &u->rr_comb, &comb_hs };
+        if ((r = pqc__gpu_launch(c, PQC__K_RR_COMBINE, 1, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    if ((r = pqc__gpu_topk(c, u->rr_comb, comb_hs, ctake, take, u->dtakes, u->rr_pos, pos_hs, 0)) != PQC_SUCCESS)
+        return r;
+    {
+        int k = (int)take;
+        void *p[] = { &u->topk, &cand_hs, &u->rr_pos, &pos_hs, &u->dtakes, &k, &u->rr_ids, &pos_hs };
+        if ((r = pqc__gpu_launch(c, PQC__K_TAKE_AT, pqc__cdiv(take, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    *top = u->rr_ids;
+    *top_hs = pos_hs;
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, const size_t *cands,
+                                size_t ctake, const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout,
+                                uint32_t *pos, size_t pos_stride)
 {
     struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
     size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
+    size_t take = 0;
     unsigned char *stage;
     int32_t *tk;
+    pqc__dptr topk = 0; /* each head's top-k, [head][topk_hs] (after the search, which may grow it) */
+    int64_t topk_hs = (int64_t)ctake;
     pqc__cuResult cr;
     pqc_result r;
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: decode before prefill");
@@ -14831,18 +15075,24 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     stage = u->h_stage + slot * u->stage_bytes;
     memcpy(stage, q, qb);
     tk = (int32_t *)(stage + qb);
-    for (h = 0; h < nkv; h++) tk[h] = (int32_t)takes[h];
+    for (h = 0; h < nkv; h++) {
+        tk[h] = (int32_t)takes[h];
+        if (cands) tk[nkv + h] = (int32_t)cands[h];
+        take = PQC__MAX(take, takes[h]);
+    }
     PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
-    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, nkv * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, (cands ? 2 : 1) * nkv * 4, u->st), "cuMemcpyHtoDAsync");
     PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
-    if (search && (r = pqc__gpu_search(c, l, ctake, u->dtakes, 0)) != PQC_SUCCESS) return r;
+    if (search && (r = pqc__gpu_search(c, l, ctake, cands ? u->dtakes + nkv * 4 : u->dtakes, 0)) != PQC_SUCCESS) return r;
+    if (search) topk = u->topk;
+    if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, &topk, &topk_hs)) != PQC_SUCCESS) return r;
     {
         size_t nbc = u->adm_nbc[l], ns = pqc__gpu_adm_slots(c), mid_end = pqc__mid_end(c, &c->layers[l], n);
         pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
                   cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
-        pqc__dptr topk = search ? u->topk : 0, tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
+        pqc__dptr tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
         pqc__dptr fb = u->rfill, fs = fb + ab * 4, fr = fs + ab * 4, stat = u->dstat + (size_t)l * nkv * 24, zero = 0;
-        int64_t topk_hs = (int64_t)ctake, sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,
+        int64_t sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,
                 tab_hs = (int64_t)u->nblk_cap, fill_hs = 3 * (int64_t)ab, hs = (int64_t)u->hstride, ld = u->d,
                 pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d, phs = (int64_t)u->phstride, split = (int64_t)c->pn,
                 o_hs = (int64_t)u->rows_cap * u->d;
@@ -14902,11 +15152,11 @@ static pqc_result pqc__gpu_fetch_tier_w(pqc_cache *c, struct pqc__fetch_job *j, 
     pqc__gpu_note_waits(c, j->layer);
     return r;
 }
-static pqc_result pqc__gpu_step_w(pqc_cache *c, int l, const float *q, const size_t *takes, int search, size_t ctake,
-                                  const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout, uint32_t *pos,
-                                  size_t pos_stride)
+static pqc_result pqc__gpu_step_w(pqc_cache *c, int l, const float *q, const size_t *takes, int search,
+                                  const size_t *cands, size_t ctake, const size_t *count, const pqc_kv_out *out,
+                                  pqc_kv_device *dout, uint32_t *pos, size_t pos_stride)
 {
-    pqc_result r = pqc__gpu_step(c, l, q, takes, search, ctake, count, out, dout, pos, pos_stride);
+    pqc_result r = pqc__gpu_step(c, l, q, takes, search, cands, ctake, count, out, dout, pos, pos_stride);
     pqc__gpu_note_waits(c, l);
     return r;
 }
@@ -14919,7 +15169,7 @@ static pqc_result pqc__gpu_adm_pull_w(pqc_cache *c, int l)
 
 static const pqc__tier_i *pqc__cuda_tier(void)
 {
-    static const pqc__tier_i t = { "CUDA", PQC__CAN_DEVICE_ROWS, pqc__gpu_create, pqc__gpu_destroy, pqc__gpu_host_alloc,
+    static const pqc__tier_i t = { "CUDA", PQC__CAN_DEVICE_ROWS | PQC__CAN_EXACT, pqc__gpu_create, pqc__gpu_destroy, pqc__gpu_host_alloc,
                                    pqc__gpu_host_free, pqc__gpu_host_release, pqc__gpu_codes_allocator, pqc__gpu_quiesce, pqc__gpu_grown,
                                    pqc__gpu_stored, pqc__gpu_appended, pqc__gpu_sized, pqc__gpu_select_w,
                                    pqc__gpu_fetch_prepare, pqc__gpu_fetch_tier_w, pqc__gpu_device_bytes,

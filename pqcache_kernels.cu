@@ -697,6 +697,163 @@ pqc_topk_compact(const float *__restrict__ scores, pqc_i64 score_head_stride, in
     }
 }
 
+/* Re-ranking on the device: each head's PQ candidates (a top-k of the codes, the k per
+   head given) scored again with the stored keys, which stay in mapped host memory, as
+   the CPU library's pqc_rerank scores them (the same operations in the same order), then
+   the top-k of those scores (the kernels above) and pqc_take_at. */
+
+/* pqc_rerank_dots: the exact dots of every query head of a KV head with the key rows of
+ *   its candidates, one warp per candidate.
+ *   grid (ceil(n / 8), n_kv), block 256.
+ *   cand   int32 per KV head (+ kv*cand_head_stride): coded token indices; candidate c is
+ *          the key row of token n_sink + c; n_cand int32 [n_kv]: head kv scores the first
+ *          n_cand[kv] (at most n)
+ *   q      float [g][d_h] per KV head (+ kv*q_head_stride)
+ *   host_k, pre_k, split, host_head_stride, pre_head_stride, host_ld, host_dtype: the key
+ *          rows, laid out as for pqc_gather_kv
+ *   dots   float per KV head (+ kv*dots_head_stride): head h's dot with candidate i at
+ *          h*dots_row_stride + i
+ * A dot is the CPU's pqc__rowdots: 16 interleaved lanes (lane e % 16) of sequential fmaf
+ * over the dims from 0, then the lanes added in order from 0. Here lane l of each half
+ * warp takes dims e = l (mod 16), the half warps take every other head, 16 heads at a time. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand, int n,
+                int n_sink, const float *__restrict__ q, pqc_i64 q_head_stride, int g,
+                const void *host_k, pqc_i64 host_head_stride, const void *pre_k, pqc_i64 pre_head_stride,
+                pqc_i64 split, pqc_i64 host_ld, int host_dtype, int d_h,
+                float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride)
+{
+    __shared__ float red[PQC_WARPS][32][8];
+    pqc_i64 kv = blockIdx.y;
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31, l = lane & 15, hf = lane >> 4;
+    int i = blockIdx.x * PQC_WARPS + w, nc = n_cand[kv] < n ? n_cand[kv] : n;
+    if (i >= nc) return;
+    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink;
+    int pre = t < split;
+    const char *row = (const char *)(pre ? pre_k : host_k) +
+                      (kv * (pre ? pre_head_stride : host_head_stride) + (pre ? t : t - split) * host_ld) *
+                          pqc_dtype_size(host_dtype);
+    const float *qk = q + kv * q_head_stride;
+    float *out = dots + kv * dots_head_stride + i;
+    for (int h0 = 0; h0 < g; h0 += 16) {
+        float acc[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+        for (int e = l; e < d_h; e += 16) {
+            float x = pqc_load_elem(row, e, host_dtype);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                int h = h0 + hf + 2 * j;
+                if (h < g) acc[j] = fmaf(qk[(pqc_i64)h * d_h + e], x, acc[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) red[w][lane][j] = acc[j];
+        __syncwarp();
+        if (l == 0)
+            for (int j = 0; j < 8; ++j) {
+                int h = h0 + hf + 2 * j;
+                if (h >= g) break;
+                float a = 0.0f;
+                for (int ll = 0; ll < 16; ++ll) a += red[w][hf * 16 + ll][j];
+                out[(pqc_i64)h * dots_row_stride] = a;
+            }
+        __syncwarp();
+    }
+}
+
+#define PQC_RR_CHUNK 512 /* candidates a block holds in shared memory at a time */
+
+/* pqc_rerank_combine: each head's candidates' combined score from the dots, as the CPU's
+ *   pqc_rerank combines them.
+ *   grid (1, n_kv), block 256.
+ *   dots, dots_head_stride, dots_row_stride, n_cand, n: as pqc_rerank_dots; with
+ *          softmax-sum they are overwritten with the exponentials
+ *   mode   PQC_SCAN_RAW: comb[i] = the heads' dots added in order from 0;
+ *          PQC_SCAN_SOFTMAX_SUM: each head's e(i) = pqc_exp((dot - max) * scale) (max over
+ *          its candidates), Z = its 16 interleaved lanes (lane i % 16, each in order from
+ *          0) added in order from 0, w = 1 / Z into wbuf [g] per KV head (+ kv*g), and
+ *          comb[i] = fmaf(e_h(i), w_h, .) over the heads in order from 0
+ *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get -1,
+ *          below every score, so that a top-k of at most n_cand[kv] never takes them. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, const int *__restrict__ n_cand,
+                   int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride)
+{
+    __shared__ float ch[4][PQC_RR_CHUNK];
+    __shared__ float red[PQC_BLOCK];
+    __shared__ float mx[4];
+    pqc_i64 kv = blockIdx.y;
+    int tid = threadIdx.x, nc = n_cand[kv] < n ? n_cand[kv] : n;
+    float *dk = dots + kv * dots_head_stride, *w = wbuf + kv * g, *cb = comb + kv * comb_head_stride;
+    for (int h0 = 0; mode == PQC_SCAN_SOFTMAX_SUM && h0 < g; h0 += 4) {
+        int gh = g - h0 < 4 ? g - h0 : 4, hh = tid >> 4, l = tid & 15;
+        float z = 0.0f;
+        for (int j = 0; j < gh; ++j) { /* the maxima (the same value in any order) */
+            const float *r = dk + (pqc_i64)(h0 + j) * dots_row_stride;
+            float m = -__int_as_float(0x7f800000);
+            for (int i = tid; i < nc; i += PQC_BLOCK) m = fmaxf(m, r[i]);
+            red[tid] = m;
+            __syncthreads();
+            for (int o = PQC_BLOCK / 2; o > 0; o >>= 1) {
+                if (tid < o) red[tid] = fmaxf(red[tid], red[tid + o]);
+                __syncthreads();
+            }
+            if (tid == 0) mx[j] = red[0];
+            __syncthreads();
+        }
+        for (int c0 = 0; c0 < nc; c0 += PQC_RR_CHUNK) { /* exponentials, then the lanes' sums */
+            int cn = nc - c0 < PQC_RR_CHUNK ? nc - c0 : PQC_RR_CHUNK;
+            for (int x = tid; x < gh * PQC_RR_CHUNK; x += PQC_BLOCK) {
+                int j = x / PQC_RR_CHUNK, i = x % PQC_RR_CHUNK;
+                if (i < cn) {
+                    float *r = dk + (pqc_i64)(h0 + j) * dots_row_stride + c0 + i;
+                    float e = pqc_exp((*r - mx[j]) * scale);
+                    ch[j][i] = e;
+                    *r = e;
+                }
+            }
+            __syncthreads();
+            if (hh < gh)
+                for (int i = l; i < cn; i += 16) z += ch[hh][i];
+            __syncthreads();
+        }
+        red[tid] = z;
+        __syncthreads();
+        if (tid < gh) {
+            float a = 0.0f;
+            for (int ll = 0; ll < 16; ++ll) a += red[tid * 16 + ll];
+            w[h0 + tid] = 1.0f / a;
+        }
+        __syncthreads();
+    }
+    for (int i = tid; i < n; i += PQC_BLOCK) {
+        float a = 0.0f;
+        if (i >= nc) {
+            a = -1.0f;
+        } else if (mode == PQC_SCAN_SOFTMAX_SUM) {
+            for (int h = 0; h < g; ++h) a = fmaf(dk[(pqc_i64)h * dots_row_stride + i], w[h], a);
+        } else {
+            for (int h = 0; h < g; ++h) a += dk[(pqc_i64)h * dots_row_stride + i];
+        }
+        cb[i] = a;
+    }
+}
+
+/* pqc_take_at: out[i] = src[pos[i]] for i < k (k per head: k_head[kv], at most n),
+ *   per KV head (+ kv*src_head_stride, pos_head_stride, out_head_stride): the candidates
+ *   a top-k of their scores kept (pos ascending, so out stays ascending).
+ *   grid (ceil(n / 256), n_kv), block 256. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_take_at(const int *__restrict__ src, pqc_i64 src_head_stride, const int *__restrict__ pos,
+            pqc_i64 pos_head_stride, const int *__restrict__ k_head, int n, int *__restrict__ out,
+            pqc_i64 out_head_stride)
+{
+    pqc_i64 kv = blockIdx.y;
+    int i = blockIdx.x * PQC_BLOCK + threadIdx.x, k = pqc_head_k(n, k_head, kv);
+    if (i < k) out[kv * out_head_stride + i] = src[kv * src_head_stride + pos[kv * pos_head_stride + i]];
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* (d) Gather of selected K/V rows and block-cache fill                                  */
 /* ------------------------------------------------------------------------------------ */

@@ -303,8 +303,9 @@ typedef struct shape {
 } shape;
 static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0 };
 
-/* the same observations on both caches: rows whose energy sits in a few dimensions */
-static int observe_both(pair *p, int layers, int hkv, int hq, int d)
+/* the same observations on both caches (and on `also`, unless NULL): rows whose energy
+   sits in a few dimensions */
+static int observe_all(pair *p, pqc_cache *also, int layers, int hkv, int hq, int d)
 {
     const size_t rows = 8, qn = (size_t)hq * d;
     float *q = tu_normal_rows(&g_rng, rows, qn);
@@ -316,10 +317,12 @@ static int observe_both(pair *p, int layers, int hkv, int hq, int d)
         q[i] = head / (size_t)g == 1 ? 0.0f : q[i] * (e % 16 == 3 ? 8.0f : 0.5f);
     }
     for (l = 0; ok && l < layers; l++)
-        ok = pqc_cache_observe(p->cc, l, q, rows) == PQC_SUCCESS && pqc_cache_observe(p->cg, l, q, rows) == PQC_SUCCESS;
+        ok = pqc_cache_observe(p->cc, l, q, rows) == PQC_SUCCESS && pqc_cache_observe(p->cg, l, q, rows) == PQC_SUCCESS &&
+             (!also || pqc_cache_observe(also, l, q, rows) == PQC_SUCCESS);
     free(q);
     return ok;
 }
+static int observe_both(pair *p, int layers, int hkv, int hq, int d) { return observe_all(p, NULL, layers, hkv, hq, d); }
 
 /* observations that look far back, at more prompt tokens than the top-k holds: 150 of
    the n prompt tokens, spread evenly from token 50 to 200 before the end, get 6 more in
@@ -541,7 +544,7 @@ TEST device_steps_match_cpu_default_shape(void)
     sh.dstep = 1;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
-/* ... exact re-scoring stays with the host: the call selects there, gathers here */
+/* ... with re-ranking, which the device does too (pqc__gpu_rerank) */
 TEST device_steps_with_rerank(void)
 {
     shape sh = g_small;
@@ -572,6 +575,161 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
+/* Re-ranking on the device (pqc_rerank_dots, pqc_rerank_combine, a top-k of their scores,
+   pqc_take_at) selects what the host's re-ranking of the same device candidates selects,
+   bit for bit: each step of the GPU cache selects on the host (pqc_cache_select), then runs
+   as a whole on the device with the same queries (pqc_cache_step_device), and the two
+   selections are compared, and the device's scores with pqc_rerank's (bit for bit); the
+   rows against the CPU tier's as elsewhere. observe: uneven
+   tops-k per head; fork: the steps run on a fork, whose key rows lie in two stores. */
+/* after a device step of layer l with queries q: every head's combined scores of its
+   candidates on the device equal pqc_rerank's of the same candidates, bit for bit
+   (a cache whose key rows lie in one store); 0 on a mismatch */
+static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
+{
+    const pqc_cache *c = p->cg;
+    const struct pqc__gpu_tier *u = c->cu;
+    size_t h, i, ctake = 0, n, tokens, d = (size_t)c->d.head_dim;
+    int ok = 1;
+    for (h = 0; h < (size_t)c->d.n_kv_heads; h++) ctake = PQC__MAX(ctake, c->cands[h]);
+    for (h = 0; ok && h < (size_t)c->d.n_kv_heads; h++) {
+        const void *k, *v;
+        pqc_dtype dt;
+        pqc_matrix km;
+        pqc_scratch sc;
+        int32_t *cand;
+        uint32_t *ci, *idx;
+        float *dev, *host;
+        if (!(n = c->cands[h])) continue;
+        cand = (int32_t *)malloc(n * 4);
+        ci = (uint32_t *)malloc(n * 4);
+        idx = (uint32_t *)malloc(n * 4);
+        dev = (float *)malloc(n * 4);
+        host = (float *)malloc(n * 4);
+        memset(&sc, 0, sizeof sc);
+        ok = cand && ci && idx && dev && host && !p_dtoh(cand, u->topk + h * ctake * 4, n * 4) &&
+             !p_dtoh(dev, u->rr_comb + h * u->rr_cap * 4, n * 4) &&
+             pqc_cache_kv(c, l, (int)h, &k, &v, &tokens, &dt) == PQC_SUCCESS;
+        for (i = 0; ok && i < n; i++) ci[i] = (uint32_t)cand[i] + (uint32_t)c->d.n_sink;
+        if (ok) {
+            memset(&km, 0, sizeof km);
+            km.data = k;
+            km.rows = tokens;
+            km.cols = d;
+            km.dtype = dt;
+            ok = pqc_rerank(p->rc, &km, q + h * (size_t)c->g * d, c->g, gqa, ci, n, n, &sc, idx, host) == PQC_SUCCESS &&
+                 memcmp(dev, host, n * 4) == 0;
+            if (!ok) fprintf(stderr, "layer %d head %zu: the device's re-ranking scores differ from pqc_rerank's\n", l, h);
+        }
+        pqc_scratch_free(&sc);
+        free(cand);
+        free(ci);
+        free(idx);
+        free(dev);
+        free(host);
+    }
+    return ok;
+}
+
+static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double rerank, int observe, int fork)
+{
+    const int L = 2, hkv = 2, hq = 8, d = 64, steps = TEST_SIZE(6, 3);
+    const size_t n1 = TEST_SIZE(1500, 800);
+    pqc_cache_desc cd = tier_desc(L, hkv, hq, d);
+    pqc_cache_desc pd;
+    pair p;
+    cmp_stats st;
+    pqc_cache *pc = NULL; /* the same cache without re-ranking, on the device tier */
+    pqc_selection ps;
+    float *k1, *v1, *q, *ka, *va;
+    uint32_t *host;
+    size_t hcount[2], rows = 0, moved = 0;
+    int s, l, h;
+    cd.gqa = gqa;
+    cd.kv_dtype = dt;
+    cd.rerank = rerank;
+    /* plain k-means: under the query metric a decode query unlike the observed ones may
+       start a rebuild, which the second call of a step would then install */
+    cd.metric = PQC_METRIC_L2;
+    pd = cd;
+    pd.rerank = 0;
+    memset(&st, 0, sizeof st);
+    ASSERT(pair_open(&p, &cd));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(p.rg, &pd, &pc));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(pc, &ps));
+    k1 = make_keys(n1, hkv, d, 21);
+    v1 = tu_normal_rows(&g_rng, n1, (size_t)hkv * d);
+    q = tu_normal_rows(&g_rng, (size_t)steps, (size_t)hq * d);
+    ka = tu_normal_rows(&g_rng, (size_t)steps * L, (size_t)hkv * d);
+    va = tu_normal_rows(&g_rng, (size_t)steps * L, (size_t)hkv * d);
+    host = (uint32_t *)malloc((size_t)hkv * cd.max_tokens * sizeof(uint32_t));
+    ASSERT(k1 && v1 && q && ka && va && host);
+    if (observe) ASSERT(observe_all(&p, pc, L, hkv, hq, d));
+    ASSERT(prefill_both(&p, L, k1, v1, n1, (size_t)hkv * d));
+    { /* re-ranking takes part: the PQ top-k alone selects otherwise */
+        pqc_matrix km = pqc_matrix_f32(k1, n1, (size_t)hkv * d), vm = pqc_matrix_f32(v1, n1, (size_t)hkv * d);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(pc, 0, &km, &vm));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(pc, 0, q, &ps));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(p.cg, 0, q, &p.sg));
+        for (h = 0; h < hkv; h++)
+            moved += ps.count[h] != p.sg.count[h] ||
+                     memcmp(ps.idx + (size_t)h * ps.capacity, p.sg.idx + (size_t)h * p.sg.capacity, ps.count[h] * 4) != 0;
+        pqc_selection_free(&ps);
+        pqc_cache_destroy(pc);
+    }
+    if (fork) { /* both caches decode on as forks; the parents stay */
+        pqc_cache *fc = NULL, *fg = NULL;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p.cc, &fc));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p.cg, &fg));
+        pqc_cache_destroy(p.cc);
+        pqc_cache_destroy(p.cg);
+        p.cc = fc;
+        p.cg = fg;
+    }
+    for (s = 0; s < steps; s++)
+        for (l = 0; l < L; l++) {
+            size_t o = ((size_t)s * L + l) * hkv * d;
+            const float *qs = q + (size_t)s * hq * d;
+            pqc_layer_stats a, b;
+            ASSERT(append_both(&p, l, ka + o, va + o));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(p.cg, l, qs, &p.sg));
+            for (h = 0; h < hkv; h++) {
+                hcount[h] = p.sg.count[h];
+                memcpy(host + (size_t)h * cd.max_tokens, p.sg.idx + (size_t)h * p.sg.capacity, hcount[h] * 4);
+            }
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cg, l, &a));
+            ASSERT(step_compare_dev(&p, l, qs, d, &st));
+            if (!fork) ASSERT(rerank_scores_match(&p, l, qs, gqa));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cg, l, &b));
+            if (s > 0) ASSERT_EQ(a.device_waits, b.device_waits); /* the step waited for nothing (the
+                                                                      first one grows buffers) */
+            for (h = 0; h < hkv; h++) {
+                ASSERT_EQ(hcount[h], p.sg.count[h]);
+                ASSERT_MEM_EQ(host + (size_t)h * cd.max_tokens, p.sg.idx + (size_t)h * p.sg.capacity, hcount[h] * 4);
+                rows += hcount[h];
+            }
+        }
+    fprintf(stderr, "  %s, %s, rerank %g%s: %zu rows selected alike on host and device; against the CPU tier %zu of %zu differ\n",
+            gqa == PQC_GQA_SUM ? "sum" : "softmax-sum", dt == PQC_F16 ? "fp16" : dt == PQC_BF16 ? "bf16" : "fp32", rerank,
+            fork ? ", a fork" : "", rows, st.differ, st.selected);
+    ASSERT(rows > 0);
+    ASSERT_EQ(0, st.rows_differ);
+    ASSERT(st.differ * 1000 <= st.selected);
+    ASSERT(moved > 0);
+    free(k1);
+    free(v1);
+    free(q);
+    free(ka);
+    free(va);
+    free(host);
+    pair_close(&p);
+    PASS();
+}
+TEST device_rerank_matches_host_softmax_fp16(void) { return rerank_on_device(PQC_GQA_SOFTMAX_SUM, PQC_F16, 2.5, 1, 0); }
+TEST device_rerank_matches_host_sum_fork(void) { return rerank_on_device(PQC_GQA_SUM, PQC_BF16, 2.0, 0, 1); }
+/* candidates covering every coded token (the device's top-k of all of them) */
+TEST device_rerank_matches_host_every_token(void) { return rerank_on_device(PQC_GQA_SOFTMAX_SUM, PQC_F32, 1e6, 0, 0); }
+
 /* exact scoring on the host of the device's candidates: re-ranked (the device's top
    2 x k, trimmed per head by score under the adaptive split), and with outlier lists */
 TEST decode_matches_cpu_rerank(void)
@@ -873,9 +1031,11 @@ TEST driver_hands_device_rows(void)
    device rows a step waits for nothing (the engine's own wait for its logits aside) and
    copies nothing up but each layer's queries and tops-k, and nothing down; with host rows
    it waits once per layer, for the rows (the engine needs them before the next layer).
-   With the test shape (m = 2, resident codes) and with the library's default
-   configuration (every setting but the shape left to pqc_cache_resolve: m = 4 b = 8,
-   softmax-sum, observed queries, codes where the tier keeps them by default). */
+   With the test shape (m = 2, resident codes), with the library's default configuration
+   (every setting but the shape left to pqc_cache_resolve: m = 4 b = 8, softmax-sum,
+   observed queries, codes where the tier keeps them by default), and with re-ranking
+   (defaults 2: the defaults and rerank = 2.5; each head's candidate count goes up with
+   its top-k, in the same copy). */
 static enum greatest_test_res never_wait(int defaults)
 {
     toy t;
@@ -885,7 +1045,7 @@ static enum greatest_test_res never_wait(int defaults)
     pqc_cache *c = NULL;
     emu_counters_fn counters;
     unsigned long long n[4];
-    const unsigned long long steps = 6, L = 2, up = (4 * 32 * 4 + 2 * 4) * L; /* per step */
+    const unsigned long long steps = 6, L = 2, up = (4 * 32 * 4 + (defaults == 2 ? 2 : 1) * 2 * 4) * L; /* per step */
     size_t pos = 700, i;
     pqc_layer_stats st, st0, st1;
     void *sym;
@@ -910,6 +1070,7 @@ static enum greatest_test_res never_wait(int defaults)
         cd.n_kv_heads = 2;
         cd.n_q_heads = 4;
         cd.head_dim = 32;
+        if (defaults == 2) cd.rerank = 2.5;
     } else {
         cd.pq.m = 2;
         cd.codes_resident = 1;
@@ -961,6 +1122,7 @@ static enum greatest_test_res never_wait(int defaults)
 }
 TEST device_steps_never_wait(void) { return never_wait(0); }
 TEST device_steps_never_wait_default_configuration(void) { return never_wait(1); }
+TEST device_steps_never_wait_with_rerank(void) { return never_wait(2); }
 
 TEST misuse_gets_result_codes(void)
 {
@@ -1648,6 +1810,9 @@ SUITE(cuda_tier)
     RUN_TEST(device_steps_match_cpu_softmax);
     RUN_TEST(device_steps_match_cpu_default_shape);
     RUN_TEST(device_steps_with_rerank);
+    RUN_TEST(device_rerank_matches_host_softmax_fp16);
+    RUN_TEST(device_rerank_matches_host_sum_fork);
+    RUN_TEST(device_rerank_matches_host_every_token);
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
     RUN_TEST(decode_matches_cpu_rerank);
@@ -1660,6 +1825,7 @@ SUITE(cuda_tier)
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_steps_never_wait);
     RUN_TEST(device_steps_never_wait_default_configuration);
+    RUN_TEST(device_steps_never_wait_with_rerank);
     RUN_TEST(device_allocation_failure);
     RUN_TEST(device_kmeans);
     RUN_TEST(kmeans_gemm_matches_kernel);

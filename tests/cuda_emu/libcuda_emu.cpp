@@ -319,6 +319,9 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_kmeans_update);
         K(pqc_kmeans_assign_dots);
         K(pqc_lut_sum);
+        K(pqc_rerank_dots);
+        K(pqc_rerank_combine);
+        K(pqc_take_at);
 #undef K
         k["pqc_scan_stats"].static_smem = 2 * 256 * 4; /* red_m, red_s */
     }
