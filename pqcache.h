@@ -14977,12 +14977,6 @@ static pqc_result pqc__gpu_step_init(pqc_cache *c)
     return PQC_SUCCESS;
 }
 
-/* One decode step of layer l on the device: the queries and each head's top-k count
-   (takes; search: the top-k of the codes, else every coded token or none, as takes
-   says) go up, then the search, pqc_select_admit (selection, admission, hits), the block
-   copies and the gather are enqueued on the stream. With dout the rows stay on the
-   device and nothing waits; with out the rows and the selection (into pos, head h at
-   pos + h * pos_stride) come back after one synchronisation. */
 /* Re-ranking of a device step (pqc__gpu_step with cands): each head's top cands[h] coded
    tokens by PQ score (u->topk, [head][ctake]) scored again with the key rows in mapped
    host memory and the combination pqc_rerank makes (pqc_rerank_dots, pqc_rerank_combine),
@@ -15035,6 +15029,14 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
     return PQC_SUCCESS;
 }
 
+/* One decode step of layer l on the device: the queries and each head's top-k count
+   (takes; search: the top-k of the codes, else every coded token or none, as takes
+   says; with cands, each head's candidate count too) go up, then the search (with
+   cands: the top cands[h], re-ranked by pqc__gpu_rerank), pqc_select_admit (selection,
+   admission, hits), the block copies and the gather are enqueued on the stream. With
+   dout the rows stay on the device and nothing waits; with out the rows and the
+   selection (into pos, head h at pos + h * pos_stride) come back after one
+   synchronisation. */
 static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_t *takes, int search, const size_t *cands,
                                 size_t ctake, const size_t *count, const pqc_kv_out *out, pqc_kv_device *dout,
                                 uint32_t *pos, size_t pos_stride)
