@@ -31,7 +31,7 @@ echo "== CUDA device tier against the CPU tier"
 echo "== a whole tiny_llama decode on the CUDA device tier against the CPU tier"
 "$B/test_pqcache_mode" --cuda || st=1
 echo "== CUDA device tier (ASan+UBSan)"
-# (less the kernel cache's test, which spends its time in two NVRTC compiles: the plain
+# (less the kernel cache's test, which spends its time in an NVRTC compile: the plain
 # run above has it)
 # (the small scenarios: the same code, half the decoding)
 PQC_TEST_SIZE=small ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "$B/asan_cuda_tier" -x kernel_cache_reused || st=1
