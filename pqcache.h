@@ -682,7 +682,8 @@ typedef struct pqc_kv_device {
 typedef struct pqc_layer_stats {
     uint64_t selects, fetches;
     uint64_t hits, misses;     /* selected mid tokens found / not found in the block cache */
-    uint64_t bytes_h2d;        /* host -> device: missed rows, admitted blocks, codes     */
+    uint64_t bytes_h2d;        /* host -> device: missed rows, admitted blocks, codes, and
+                                  the key rows a device step re-ranks from host memory    */
     uint64_t bytes_codes;      /* the codes' part of bytes_h2d                            */
     uint64_t bytes_d2h;        /* device -> host: what offloading the tokens that leave the
                                   window would move. An accounting figure: their rows are
@@ -802,9 +803,10 @@ PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_sele
    the rows of head h. Selection and admission equal those of pqc_cache_select +
    pqc_cache_fetch_device; hits, misses and bytes are counted on the device and read by
    pqc_cache_stats (which waits for the stream). Re-ranking (rerank) runs on the device
-   too, reading the candidates' key rows from the host store where they are (mapped host
-   memory, across the bus on a discrete GPU); caches with an outlier list or residual
-   scoring select on the host: one synchronisation. */
+   too, reading each candidate's key row where the gather would: in device memory when its
+   block is there, else from the host store (across the bus on a discrete GPU, counted in
+   bytes_h2d); caches with an outlier list or residual scoring select on the host: one
+   synchronisation. */
 PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count);
 /* 1 when the cache's device tier is on a CUDA GPU, else 0. */
 PQCDEF int pqc_cache_on_device(const pqc_cache *c);
@@ -11350,6 +11352,16 @@ static const char pqc__kernel_source[] =
 " *   q      float [g][d_h] per KV head (+ kv*q_head_stride)\n"
 " *   host_k, pre_k, split, host_head_stride, pre_head_stride, host_ld, host_dtype: the key\n"
 " *          rows, laid out as for pqc_gather_kv\n"
+" *   block_tokens .. pool_head_stride: the rows the device holds, read there instead: the\n"
+" *          sink blocks (block b < sink_slots: pool slot b), the window's ((b + 1) *\n"
+" *          block_tokens > mid_end: slot sink_slots + (b - sink_slots) % ring_slots) and,\n"
+" *          with cache_blocks > 0, the blocks the cache holds whole (slot_of[b] >= 0 with\n"
+" *          filled[slot_of[b]] >= block_tokens: slot sink_slots + ring_slots + slot_of[b]),\n"
+" *          as pqc_select_admit's slot table (the bookkeeping's tables per head: slot_of\n"
+" *          + kv*blk_head_stride, filled + kv*slot_head_stride); pool_k laid out as the\n"
+" *          gather's cache_k, in host_dtype\n"
+" *   stat   uint64 [n_kv][3] or NULL: stat[kv*3 + 2] gains row_bytes for each row read\n"
+" *          from host memory\n"
 " *   dots   float per KV head (+ kv*dots_head_stride): head h's dot with candidate i at\n"
 " *          h*dots_row_stride + i\n"
 " * A dot is the CPU's pqc__rowdots: 16 interleaved lanes (lane e % 16) of sequential fmaf\n"
@@ -11359,7 +11371,10 @@ static const char pqc__kernel_source[] =
 "pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand, int n,\n"
 "                int n_sink, const float *__restrict__ q, pqc_i64 q_head_stride, int g,\n"
 "                const void *host_k, pqc_i64 host_head_stride, const void *pre_k, pqc_i64 pre_head_stride,\n"
-"                pqc_i64 split, pqc_i64 host_ld, int host_dtype, int d_h,\n"
+"                pqc_i64 split, pqc_i64 host_ld, int host_dtype, int d_h, int block_tokens, int mid_end,\n"
+"                int sink_slots, int ring_slots, int cache_blocks, const int *__restrict__ slot_of,\n"
+"                pqc_i64 blk_head_stride, const pqc_u32 *__restrict__ filled, pqc_i64 slot_head_stride,\n"
+"                const void *pool_k, pqc_i64 pool_head_stride, pqc_u64 *stat, pqc_u64 row_bytes,\n"
 "                float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride)\n"
 "{\n"
 "    __shared__ float red[PQC_WARPS][32][8];\n"
@@ -11367,11 +11382,25 @@ static const char pqc__kernel_source[] =
 "    int w = threadIdx.x >> 5, lane = threadIdx.x & 31, l = lane & 15, hf = lane >> 4;\n"
 "    int i = blockIdx.x * PQC_WARPS + w, nc = n_cand[kv] < n \? n_cand[kv] : n;\n"
 "    if (i >= nc) return;\n"
-"    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink;\n"
-"    int pre = t < split;\n"
-"    const char *row = (const char *)(pre \? pre_k : host_k) +\n"
-"                      (kv * (pre \? pre_head_stride : host_head_stride) + (pre \? t : t - split) * host_ld) *\n"
-"                          pqc_dtype_size(host_dtype);\n"
+"    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink, b = t / block_tokens, sl = -1;\n"
+"    const char *row;\n"
+"    if (b < sink_slots)\n"
+"        sl = b;\n"
+"    else if ((b + 1) * block_tokens > mid_end && ring_slots > 0)\n"
+"        sl = sink_slots + (b - sink_slots) % ring_slots;\n"
+"    else if (cache_blocks > 0 && slot_of[kv * blk_head_stride + b] >= 0 &&\n"
+"             filled[kv * slot_head_stride + slot_of[kv * blk_head_stride + b]] >= (pqc_u32)block_tokens)\n"
+"        sl = sink_slots + ring_slots + slot_of[kv * blk_head_stride + b];\n"
+"    if (sl >= 0) {\n"
+"        row = (const char *)pool_k +\n"
+"              (kv * pool_head_stride + (sl * block_tokens + t % block_tokens) * d_h) * pqc_dtype_size(host_dtype);\n"
+"    } else {\n"
+"        int pre = t < split;\n"
+"        row = (const char *)(pre \? pre_k : host_k) +\n"
+"              (kv * (pre \? pre_head_stride : host_head_stride) + (pre \? t : t - split) * host_ld) *\n"
+"                  pqc_dtype_size(host_dtype);\n"
+"        if (stat && lane == 0) atomicAdd(&stat[kv * 3 + 2], row_bytes);\n"
+"    }\n"
 "    const float *qk = q + kv * q_head_stride;\n"
 "    float *out = dots + kv * dots_head_stride + i;\n"
 "    for (int h0 = 0; h0 < g; h0 += 16) {\n"
@@ -13045,8 +13074,8 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
    bookkeeping that lives on the device), the block copies and the gather; nothing comes
    back to the host unless it takes the rows there (one wait per layer). With re-ranking
    the step also scores each head's PQ candidates with their key rows, read from the
-   mapped host store (pqc_rerank_dots, pqc_rerank_combine: pqc_rerank's arithmetic, bit
-   for bit), and keeps the best of them (the top-k kernels, pqc_take_at). Selections made
+   device's blocks or the mapped host store (pqc_rerank_dots, pqc_rerank_combine:
+   pqc_rerank's arithmetic, bit for bit), and keeps the best of them (the top-k kernels, pqc_take_at). Selections made
    on the host (pqc_cache_select: outlier lists, residuals, or a caller who wants the
    indices) read the top-k back once per layer and step, and the bookkeeping follows
    whichever side used it last.
@@ -14981,8 +15010,12 @@ static pqc_result pqc__gpu_step_init(pqc_cache *c)
    tokens by PQ score (u->topk, [head][ctake]) scored again with the key rows in mapped
    host memory and the combination pqc_rerank makes (pqc_rerank_dots, pqc_rerank_combine),
    the best takes[h] of them kept (positions, then their tokens: *top, [head][*top_hs]).
-   The device tables dtakes hold the tops-k, then the candidate counts. */
-static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take, pqc__dptr *top, int64_t *top_hs)
+   The device tables dtakes hold the tops-k, then the candidate counts. A row the device
+   holds (a sink or window block, or a block the cache holds whole: slot_of and filled of
+   the bookkeeping, mid_end this step's) is read there, as the gather will read it; the
+   others cross the bus and count in the layer's bytes host -> device. */
+static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take, pqc__dptr slot_of, pqc__dptr filled,
+                                  size_t mid_end, pqc__dptr *top, int64_t *top_hs)
 {
     struct pqc__gpu_tier *u = c->cu;
     size_t nkv = (size_t)u->n_kv, g = (size_t)u->g;
@@ -14990,7 +15023,12 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
     int64_t cand_hs = (int64_t)ctake, q_hs = (int64_t)g * u->d, hs = (int64_t)u->hstride, phs = (int64_t)u->phstride,
             split = (int64_t)c->pn, ld = u->d, dots_hs, row_hs, comb_hs, pos_hs = (int64_t)take;
     int n = (int)ctake, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d;
-    int mode = c->sp.gqa == PQC_GQA_SUM ? 0 : 1;
+    int mode = c->sp.gqa == PQC_GQA_SUM ? 0 : 1, bt = (int)u->block_tokens, me = (int)mid_end, nsb = u->sink_blocks,
+        wb = u->window_blocks, cbk = c->d.cache_blocks;
+    int64_t blk_hs = (int64_t)u->adm_nbc[l], slot_hs = (int64_t)pqc__gpu_adm_slots(c),
+            pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d;
+    pqc__dptr stat = u->dstat + (size_t)l * nkv * 24;
+    uint64_t rb = c->row;
     float scale = 1.0f / sqrtf((float)u->d);
     pqc_result r;
     if (ctake > u->rr_cap) {
@@ -15010,7 +15048,8 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
     comb_hs = row_hs;
     {
         void *p[] = { &u->topk, &cand_hs, &cands, &n, &n_sink, &u->q, &q_hs, &gi, &u->hk[l], &hs, &u->pk[l], &phs,
-                      &split, &ld, &dt, &d, &u->rr_dots, &dots_hs, &row_hs };
+                      &split, &ld, &dt, &d, &bt, &me, &nsb, &wb, &cbk, &slot_of, &blk_hs, &filled, &slot_hs,
+                      &u->pool_k[l], &pool_hs, &stat, &rb, &u->rr_dots, &dots_hs, &row_hs };
         if ((r = pqc__gpu_launch(c, PQC__K_RR_DOTS, pqc__cdiv(ctake, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
@@ -15085,13 +15124,16 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
     PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, (cands ? 2 : 1) * nkv * 4, u->st), "cuMemcpyHtoDAsync");
     PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
-    if (search && (r = pqc__gpu_search(c, l, ctake, cands ? u->dtakes + nkv * 4 : u->dtakes, 0)) != PQC_SUCCESS) return r;
-    if (search) topk = u->topk;
-    if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, &topk, &topk_hs)) != PQC_SUCCESS) return r;
     {
+        /* the block-cache bookkeeping on the device (pqc__gpu_adm_bytes) */
         size_t nbc = u->adm_nbc[l], ns = pqc__gpu_adm_slots(c), mid_end = pqc__mid_end(c, &c->layers[l], n);
         pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
                   cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
+        if (search && (r = pqc__gpu_search(c, l, ctake, cands ? u->dtakes + nkv * 4 : u->dtakes, 0)) != PQC_SUCCESS)
+            return r;
+        if (search) topk = u->topk;
+        if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, so, fl, mid_end, &topk, &topk_hs)) != PQC_SUCCESS)
+            return r;
         pqc__dptr tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
         pqc__dptr fb = u->rfill, fs = fb + ab * 4, fr = fs + ab * 4, stat = u->dstat + (size_t)l * nkv * 24, zero = 0;
         int64_t sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,

@@ -711,6 +711,16 @@ pqc_topk_compact(const float *__restrict__ scores, pqc_i64 score_head_stride, in
  *   q      float [g][d_h] per KV head (+ kv*q_head_stride)
  *   host_k, pre_k, split, host_head_stride, pre_head_stride, host_ld, host_dtype: the key
  *          rows, laid out as for pqc_gather_kv
+ *   block_tokens .. pool_head_stride: the rows the device holds, read there instead: the
+ *          sink blocks (block b < sink_slots: pool slot b), the window's ((b + 1) *
+ *          block_tokens > mid_end: slot sink_slots + (b - sink_slots) % ring_slots) and,
+ *          with cache_blocks > 0, the blocks the cache holds whole (slot_of[b] >= 0 with
+ *          filled[slot_of[b]] >= block_tokens: slot sink_slots + ring_slots + slot_of[b]),
+ *          as pqc_select_admit's slot table (the bookkeeping's tables per head: slot_of
+ *          + kv*blk_head_stride, filled + kv*slot_head_stride); pool_k laid out as the
+ *          gather's cache_k, in host_dtype
+ *   stat   uint64 [n_kv][3] or NULL: stat[kv*3 + 2] gains row_bytes for each row read
+ *          from host memory
  *   dots   float per KV head (+ kv*dots_head_stride): head h's dot with candidate i at
  *          h*dots_row_stride + i
  * A dot is the CPU's pqc__rowdots: 16 interleaved lanes (lane e % 16) of sequential fmaf
@@ -720,7 +730,10 @@ extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand, int n,
                 int n_sink, const float *__restrict__ q, pqc_i64 q_head_stride, int g,
                 const void *host_k, pqc_i64 host_head_stride, const void *pre_k, pqc_i64 pre_head_stride,
-                pqc_i64 split, pqc_i64 host_ld, int host_dtype, int d_h,
+                pqc_i64 split, pqc_i64 host_ld, int host_dtype, int d_h, int block_tokens, int mid_end,
+                int sink_slots, int ring_slots, int cache_blocks, const int *__restrict__ slot_of,
+                pqc_i64 blk_head_stride, const pqc_u32 *__restrict__ filled, pqc_i64 slot_head_stride,
+                const void *pool_k, pqc_i64 pool_head_stride, pqc_u64 *stat, pqc_u64 row_bytes,
                 float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride)
 {
     __shared__ float red[PQC_WARPS][32][8];
@@ -728,11 +741,25 @@ pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const in
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31, l = lane & 15, hf = lane >> 4;
     int i = blockIdx.x * PQC_WARPS + w, nc = n_cand[kv] < n ? n_cand[kv] : n;
     if (i >= nc) return;
-    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink;
-    int pre = t < split;
-    const char *row = (const char *)(pre ? pre_k : host_k) +
-                      (kv * (pre ? pre_head_stride : host_head_stride) + (pre ? t : t - split) * host_ld) *
-                          pqc_dtype_size(host_dtype);
+    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink, b = t / block_tokens, sl = -1;
+    const char *row;
+    if (b < sink_slots)
+        sl = b;
+    else if ((b + 1) * block_tokens > mid_end && ring_slots > 0)
+        sl = sink_slots + (b - sink_slots) % ring_slots;
+    else if (cache_blocks > 0 && slot_of[kv * blk_head_stride + b] >= 0 &&
+             filled[kv * slot_head_stride + slot_of[kv * blk_head_stride + b]] >= (pqc_u32)block_tokens)
+        sl = sink_slots + ring_slots + slot_of[kv * blk_head_stride + b];
+    if (sl >= 0) {
+        row = (const char *)pool_k +
+              (kv * pool_head_stride + (sl * block_tokens + t % block_tokens) * d_h) * pqc_dtype_size(host_dtype);
+    } else {
+        int pre = t < split;
+        row = (const char *)(pre ? pre_k : host_k) +
+              (kv * (pre ? pre_head_stride : host_head_stride) + (pre ? t : t - split) * host_ld) *
+                  pqc_dtype_size(host_dtype);
+        if (stat && lane == 0) atomicAdd(&stat[kv * 3 + 2], row_bytes);
+    }
     const float *qk = q + kv * q_head_stride;
     float *out = dots + kv * dots_head_stride + i;
     for (int h0 = 0; h0 < g; h0 += 16) {

@@ -417,7 +417,10 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
                 int h;
                 ASSERT_EQ(a.hits, b.hits);
                 ASSERT_EQ(a.misses, b.misses);
-                ASSERT_EQ(a.bytes_h2d, b.bytes_h2d);
+                if (sh->rerank > 0 && !sh->outliers && sh->dstep) /* the device re-ranks: candidates' rows too */
+                    ASSERT(b.bytes_h2d > a.bytes_h2d && (b.bytes_h2d - a.bytes_h2d) % p.cg->row == 0);
+                else
+                    ASSERT_EQ(a.bytes_h2d, b.bytes_h2d);
                 ASSERT_EQ(a.tokens_selected, b.tokens_selected);
                 ASSERT_EQ(a.selects, b.selects);
                 for (h = 0; h < hkv; h++) {
@@ -643,7 +646,7 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
     pqc_selection ps;
     float *k1, *v1, *q, *ka, *va;
     uint32_t *host;
-    size_t hcount[2], rows = 0, moved = 0;
+    size_t hcount[2], rows = 0, moved = 0, host_rows = 0, cand_rows = 0;
     int s, l, h;
     cd.gqa = gqa;
     cd.kv_dtype = dt;
@@ -690,7 +693,8 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
         for (l = 0; l < L; l++) {
             size_t o = ((size_t)s * L + l) * hkv * d;
             const float *qs = q + (size_t)s * hq * d;
-            pqc_layer_stats a, b;
+            pqc_layer_stats a, b, ac, bc;
+            size_t differ = st.differ;
             ASSERT(append_both(&p, l, ka + o, va + o));
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(p.cg, l, qs, &p.sg));
             for (h = 0; h < hkv; h++) {
@@ -698,9 +702,21 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
                 memcpy(host + (size_t)h * cd.max_tokens, p.sg.idx + (size_t)h * p.sg.capacity, hcount[h] * 4);
             }
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cg, l, &a));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cc, l, &ac));
             ASSERT(step_compare_dev(&p, l, qs, d, &st));
             if (!fork) ASSERT(rerank_scores_match(&p, l, qs, gqa));
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cg, l, &b));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(p.cc, l, &bc));
+            if (st.differ == differ) { /* the same selection: the device moved what the CPU tier's
+                                          select + fetch counts, plus the candidates' rows it
+                                          read from host memory */
+                uint64_t extra = (b.bytes_h2d - a.bytes_h2d) - (bc.bytes_h2d - ac.bytes_h2d), all = 0;
+                for (h = 0; h < hkv; h++) all += p.cg->cands[h];
+                ASSERT_EQ(0, extra % p.cg->row);
+                ASSERT(extra / p.cg->row <= all);
+                host_rows += (size_t)(extra / p.cg->row);
+                cand_rows += (size_t)all;
+            }
             if (s > 0) ASSERT_EQ(a.device_waits, b.device_waits); /* the step waited for nothing (the
                                                                       first one grows buffers) */
             for (h = 0; h < hkv; h++) {
@@ -709,10 +725,12 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
                 rows += hcount[h];
             }
         }
-    fprintf(stderr, "  %s, %s, rerank %g%s: %zu rows selected alike on host and device; against the CPU tier %zu of %zu differ\n",
+    fprintf(stderr, "  %s, %s, rerank %g%s: %zu rows selected alike on host and device; against the CPU tier %zu of %zu differ; "
+            "%zu of %zu candidates' rows read from host memory\n",
             gqa == PQC_GQA_SUM ? "sum" : "softmax-sum", dt == PQC_F16 ? "fp16" : dt == PQC_BF16 ? "bf16" : "fp32", rerank,
-            fork ? ", a fork" : "", rows, st.differ, st.selected);
+            fork ? ", a fork" : "", rows, st.differ, st.selected, host_rows, cand_rows);
     ASSERT(rows > 0);
+    ASSERT(host_rows > 0 && host_rows < cand_rows); /* the rows the device holds are read there */
     ASSERT_EQ(0, st.rows_differ);
     ASSERT(st.differ * 1000 <= st.selected);
     ASSERT(moved > 0);
