@@ -113,7 +113,7 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
     pqc_kv_out out;
     float *q, *kv;
     uint32_t *needles, *idx;
-    double ts[15], tf[15], tp[15], td[15], tw[15], te[15], step_waits = 0.0;
+    double ts[15], tf[15], tp[15], td[15], tw[15], te[15], step_waits = 0.0, step_bytes = 0.0;
     int r, h, found = 0, gpu = pqc_runtime_backend(rt) == PQC_BACKEND_CUDA;
     kv = make_kv(s, 3, &q, &needles);
     if (!kv) return;
@@ -153,9 +153,10 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
         pqc_kv_device dk;
         pqc_layer_stats st;
         size_t cnt[HKV];
-        uint64_t w0;
+        uint64_t w0, b0;
         pqc_cache_stats(c, 0, &st);
         w0 = st.device_waits;
+        b0 = st.bytes_h2d;
         for (r = 0; r < 15; r++) {
             double t0 = now(), t1;
             int l;
@@ -170,6 +171,7 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
             te[r] = t1 / 8;
         }
         step_waits = (double)(st.device_waits - w0) / (15.0 * 8.0);
+        step_bytes = (double)(st.bytes_h2d - b0) / (15.0 * 8.0);
     }
     for (h = 0; h < HKV; h++) {
         int i;
@@ -183,9 +185,9 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
                "(enqueue)  total %.3f ms  needles %d/32  selected/head %zu  hit rate %.1f%%\n",
                s, shape, ms, mf, md, ms + mf, found, sel.count[0],
                st.hits + st.misses ? 100.0 * (double)st.hits / (double)(st.hits + st.misses) : 0.0);
-        printf("cuda device step s=%-7zu %.1f us per layer step (select, admission and gather on the device, one wait "
-               "per 2 steps)  host enqueue %.1f us  library waits per step %.2f\n",
-               s, median(tw, 15) * 1e6, median(te, 15) * 1e6, step_waits);
+        printf("cuda device step s=%-7zu %s %.1f us per layer step (select, admission and gather on the device, one "
+               "wait per 2 steps)  host enqueue %.1f us  library waits per step %.2f  bytes up per step %.0f\n",
+               s, shape, median(tw, 15) * 1e6, median(te, 15) * 1e6, step_waits, step_bytes);
     } else { /* the PQ search alone: the same codes, the same k, the 8 heads one after another */
         pqc__layer *L = &c->layers[0];
         size_t mid = s - 32, budget = (size_t)ceil(0.1 * (double)mid), k = budget - (size_t)pqc_cache_layer_window(c, 0);
