@@ -698,9 +698,23 @@ pqc_topk_compact(const float *__restrict__ scores, pqc_i64 score_head_stride, in
 }
 
 /* Re-ranking on the device: each head's PQ candidates (a top-k of the codes, the k per
-   head given) scored again with the stored keys, which stay in mapped host memory, as
-   the CPU library's pqc_rerank scores them (the same operations in the same order), then
-   the top-k of those scores (the kernels above) and pqc_take_at. */
+   head given) scored again with the stored keys (in mapped host memory, or the device's
+   copy of their block), as the CPU library's pqc_rerank scores them (the same operations
+   in the same order), then the top-k of those scores (the kernels above) and
+   pqc_take_at. */
+
+/* The pool slot of a head's block b, where a decode step's gather reads its rows: a sink
+   block (b < sink_slots: slot b), the window's ring ((b + 1) * bt > mid_end), or with a
+   block cache a block it holds whole (so: the head's slot_of table, fl: its slots'
+   filled rows); -1: host memory alone holds the block. */
+__device__ __forceinline__ int pqc_block_slot(pqc_i64 b, int bt, int mid_end, int sink_slots, int ring_slots,
+                                              int cache_blocks, const int *so, const pqc_u32 *fl)
+{
+    if (b < sink_slots) return (int)b;
+    if ((b + 1) * bt > mid_end) return sink_slots + (int)((b - sink_slots) % ring_slots);
+    if (cache_blocks > 0 && so[b] >= 0 && fl[so[b]] >= (pqc_u32)bt) return sink_slots + ring_slots + so[b];
+    return -1;
+}
 
 /* pqc_rerank_dots: the exact dots of every query head of a KV head with the key rows of
  *   its candidates, one warp per candidate.
@@ -711,14 +725,10 @@ pqc_topk_compact(const float *__restrict__ scores, pqc_i64 score_head_stride, in
  *   q      float [g][d_h] per KV head (+ kv*q_head_stride)
  *   host_k, pre_k, split, host_head_stride, pre_head_stride, host_ld, host_dtype: the key
  *          rows, laid out as for pqc_gather_kv
- *   block_tokens .. pool_head_stride: the rows the device holds, read there instead: the
- *          sink blocks (block b < sink_slots: pool slot b), the window's ((b + 1) *
- *          block_tokens > mid_end: slot sink_slots + (b - sink_slots) % ring_slots) and,
- *          with cache_blocks > 0, the blocks the cache holds whole (slot_of[b] >= 0 with
- *          filled[slot_of[b]] >= block_tokens: slot sink_slots + ring_slots + slot_of[b]),
- *          as pqc_select_admit's slot table (the bookkeeping's tables per head: slot_of
- *          + kv*blk_head_stride, filled + kv*slot_head_stride); pool_k laid out as the
- *          gather's cache_k, in host_dtype
+ *   block_tokens .. pool_head_stride: the rows the device holds are read there instead,
+ *          as the gather reads them (pqc_block_slot, over the bookkeeping's tables per
+ *          head: slot_of + kv*blk_head_stride, filled + kv*slot_head_stride); pool_k laid
+ *          out as the gather's cache_k, in host_dtype
  *   stat   uint64 [n_kv][3] or NULL: stat[kv*3 + 2] gains row_bytes for each row read
  *          from host memory
  *   dots   float per KV head (+ kv*dots_head_stride): head h's dot with candidate i at
@@ -741,15 +751,10 @@ pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const in
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31, l = lane & 15, hf = lane >> 4;
     int i = blockIdx.x * PQC_WARPS + w, nc = n_cand[kv] < n ? n_cand[kv] : n;
     if (i >= nc) return;
-    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink, b = t / block_tokens, sl = -1;
+    pqc_i64 t = (pqc_i64)cand[kv * cand_head_stride + i] + n_sink;
+    pqc_i64 sl = pqc_block_slot(t / block_tokens, block_tokens, mid_end, sink_slots, ring_slots, cache_blocks,
+                                slot_of + kv * blk_head_stride, filled + kv * slot_head_stride);
     const char *row;
-    if (b < sink_slots)
-        sl = b;
-    else if ((b + 1) * block_tokens > mid_end && ring_slots > 0)
-        sl = sink_slots + (b - sink_slots) % ring_slots;
-    else if (cache_blocks > 0 && slot_of[kv * blk_head_stride + b] >= 0 &&
-             filled[kv * slot_head_stride + slot_of[kv * blk_head_stride + b]] >= (pqc_u32)block_tokens)
-        sl = sink_slots + ring_slots + slot_of[kv * blk_head_stride + b];
     if (sl >= 0) {
         row = (const char *)pool_k +
               (kv * pool_head_stride + (sl * block_tokens + t % block_tokens) * d_h) * pqc_dtype_size(host_dtype);
@@ -1229,9 +1234,8 @@ pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const i
         fr[f] = 0;
     }
     for (int b = tid; b < nb_all; b += PQC_BLOCK) {
-        int s = b < sink_slots ? b : ((b + 1) * bt > mid_end ? sink_slots + (b - sink_slots) % ring_slots : -1);
-        if (s < 0 && cache_blocks > 0 && so[b] >= 0 && fl[so[b]] >= (pqc_u32)bt) s = pool0 + so[b];
-        slot_table[kv * table_head_stride + b] = s;
+        slot_table[kv * table_head_stride + b] =
+            pqc_block_slot(b, bt, mid_end, sink_slots, ring_slots, cache_blocks, so, fl);
     }
     if (tid == 0) {
         pqc_u64 h2d = (pqc_u64)s_miss * 2ull * row_bytes;
