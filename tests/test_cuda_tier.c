@@ -578,13 +578,6 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
-/* Re-ranking on the device (pqc_rerank_dots, pqc_rerank_combine, a top-k of their scores,
-   pqc_take_at) selects what the host's re-ranking of the same device candidates selects,
-   bit for bit: each step of the GPU cache selects on the host (pqc_cache_select), then runs
-   as a whole on the device with the same queries (pqc_cache_step_device), and the two
-   selections are compared, and the device's scores with pqc_rerank's (bit for bit); the
-   rows against the CPU tier's as elsewhere. observe: uneven
-   tops-k per head; fork: the steps run on a fork, whose key rows lie in two stores. */
 /* after a device step of layer l with queries q: every head's combined scores of its
    candidates on the device equal pqc_rerank's of the same candidates, bit for bit
    (a cache whose key rows lie in one store); 0 on a mismatch */
@@ -634,6 +627,14 @@ static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
     return ok;
 }
 
+/* Re-ranking on the device (pqc_rerank_dots, pqc_rerank_combine, a top-k of their scores,
+   pqc_take_at) selects what the host's re-ranking of the same device candidates selects,
+   bit for bit: each step of the GPU cache selects on the host (pqc_cache_select), then runs
+   as a whole on the device with the same queries (pqc_cache_step_device), and the two
+   selections are compared, and the device's scores with pqc_rerank's (bit for bit); the
+   rows against the CPU tier's as elsewhere, and the bytes moved up against the CPU tier's
+   (the candidates' rows the device does not hold come on top). observe: uneven tops-k per
+   head; fork: the steps run on a fork, whose key rows lie in two stores. */
 static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double rerank, int observe, int fork)
 {
     const int L = 2, hkv = 2, hq = 8, d = 64, steps = TEST_SIZE(6, 3);
