@@ -798,14 +798,15 @@ PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_sele
    PQC_ERROR_UNSUPPORTED). The search, the top-k, the selection, the block-cache
    admission and the gather are all enqueued on the cache's stream and the call returns
    without waiting: no host synchronisation, and nothing but the queries and each head's
-   top-k count goes to the device (the rest of the bookkeeping lives there). out as for
+   top-k count (with exact scoring its candidate count and outlier list) goes to the
+   device (the rest of the bookkeeping lives there). out as for
    pqc_cache_fetch_device, out->pos the selected tokens; count[h] (n_kv_heads entries)
    the rows of head h. Selection and admission equal those of pqc_cache_select +
    pqc_cache_fetch_device; hits, misses and bytes are counted on the device and read by
-   pqc_cache_stats (which waits for the stream). Re-ranking (rerank) runs on the device
-   too, reading each candidate's key row where the gather would: in device memory when its
-   block is there, else from the host store (across the bus on a discrete GPU, counted in
-   bytes_h2d); caches with an outlier list or residual scoring select on the host: one
+   pqc_cache_stats (which waits for the stream). Exact scoring (rerank, outliers) runs on
+   the device too, reading each candidate's key row where the gather would: in device
+   memory when its block is there, else from the host store (across the bus on a discrete
+   GPU, counted in bytes_h2d); caches with residual scoring select on the host: one
    synchronisation. */
 PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count);
 /* 1 when the cache's device tier is on a CUDA GPU, else 0. */
@@ -6871,7 +6872,7 @@ struct pqc__fetch_job;
 #define PQC__CAN_DEVICE_ROWS 1u /* rows (and a whole step, with `step`) stay in device memory */
 #define PQC__CAN_RESIDUALS 2u   /* its search and step add the residual term of the scores */
 #define PQC__CAN_EXACT 4u       /* its step scores candidates again with the stored keys
-                                   (re-ranking; an outlier list stays with the host) */
+                                   (re-ranking, outlier lists) */
 
 typedef struct pqc__tier_i {
     const char *name;
@@ -6959,7 +6960,7 @@ static void pqc__plan_init(pqc_cache *c)
     sp->map_stores = !sp->device_rows;
     sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS));
     sp->tier_step = c->tier->step && sp->device_rows && (!residual || (caps & PQC__CAN_RESIDUALS)) &&
-                    (!sp->exact || ((caps & PQC__CAN_EXACT) && c->d.outliers <= 0));
+                    (!sp->exact || (caps & PQC__CAN_EXACT));
 }
 
 /* The stored K and V rows of token t of a head: in the shared prefix (a fork's) or in
@@ -11447,8 +11448,9 @@ static const char pqc__kernel_source[] =
 " *          its candidates), Z = its 16 interleaved lanes (lane i % 16, each in order from\n"
 " *          0) added in order from 0, w = 1 / Z into wbuf [g] per KV head (+ kv*g), and\n"
 " *          comb[i] = fmaf(e_h(i), w_h, .) over the heads in order from 0\n"
-" *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get -1,\n"
-" *          below every score, so that a top-k of at most n_cand[kv] never takes them. */\n"
+" *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get\n"
+" *          -infinity, below every score (the dots of finite rows are finite), so that a\n"
+" *          top-k of at most n_cand[kv] never takes them. */\n"
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, const int *__restrict__ n_cand,\n"
 "                   int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride)\n"
@@ -11503,7 +11505,7 @@ static const char pqc__kernel_source[] =
 "    for (int i = tid; i < n; i += PQC_BLOCK) {\n"
 "        float a = 0.0f;\n"
 "        if (i >= nc) {\n"
-"            a = -1.0f;\n"
+"            a = -__int_as_float(0x7f800000);\n"
 "        } else if (mode == PQC_SCAN_SOFTMAX_SUM) {\n"
 "            for (int h = 0; h < g; ++h) a = fmaf(dk[(pqc_i64)h * dots_row_stride + i], w[h], a);\n"
 "        } else {\n"
@@ -11511,6 +11513,61 @@ static const char pqc__kernel_source[] =
 "        }\n"
 "        cb[i] = a;\n"
 "    }\n"
+"}\n"
+"\n"
+"/* Entries of the ascending x[0..n) below v. */\n"
+"__device__ __forceinline__ int pqc_lower_bound(const int *x, int n, int v)\n"
+"{\n"
+"    int lo = 0, hi = n;\n"
+"    while (lo < hi) {\n"
+"        int mid = (lo + hi) >> 1;\n"
+"        if (x[mid] < v) lo = mid + 1;\n"
+"        else hi = mid;\n"
+"    }\n"
+"    return lo;\n"
+"}\n"
+"\n"
+"/* pqc_rerank_merge: each head's candidates merged with its outlier list, as the CPU\n"
+" *   library merges them before re-ranking: both ascending, the list's tokens at or past\n"
+" *   `coded` left out, a token in both taken once.\n"
+" *   grid (1, n_kv), block 256.\n"
+" *   cand  int32 (+ kv*cand_head_stride), n_cand int32 [n_kv]: the candidates\n"
+" *   outl  int32 (+ kv*out_head_stride), n_out int32 [n_kv]: the outlier list\n"
+" *   kept  int32 scratch (+ kv*kept_head_stride), room for n_out[kv]: the list's tokens\n"
+" *         merged in, ascending\n"
+" *   merged int32 (+ kv*merged_head_stride), n_merged int32 [n_kv]: the union, ascending.\n"
+" * A kept token's place is the kept ones before it plus the candidates below it (a block\n"
+" * scan over the list in steps of 256), a candidate's its index plus the kept tokens\n"
+" * below it. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_rerank_merge(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand,\n"
+"                 const int *__restrict__ outl, pqc_i64 out_head_stride, const int *__restrict__ n_out, int coded,\n"
+"                 int *__restrict__ kept, pqc_i64 kept_head_stride, int *__restrict__ merged,\n"
+"                 pqc_i64 merged_head_stride, int *__restrict__ n_merged)\n"
+"{\n"
+"    __shared__ pqc_u32 scan_tmp[PQC_WARPS];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int tid = threadIdx.x, nc = n_cand[kv], no = n_out[kv];\n"
+"    const int *c = cand + kv * cand_head_stride, *o = outl + kv * out_head_stride;\n"
+"    int *kp = kept + kv * kept_head_stride, *m = merged + kv * merged_head_stride;\n"
+"    pqc_u32 base = 0;\n"
+"    for (int j0 = 0; j0 < no; j0 += PQC_BLOCK) {\n"
+"        int j = j0 + tid, v = j < no \? o[j] : 0, below = 0;\n"
+"        pqc_u32 keep = 0u, total;\n"
+"        if (j < no && v < coded) {\n"
+"            below = pqc_lower_bound(c, nc, v);\n"
+"            keep = below == nc || c[below] != v;\n"
+"        }\n"
+"        pqc_u32 before = pqc_block_exclusive_scan(keep, scan_tmp, &total);\n"
+"        if (keep) {\n"
+"            kp[base + before] = v;\n"
+"            m[(int)(base + before) + below] = v;\n"
+"        }\n"
+"        base += total;\n"
+"    }\n"
+"    __syncthreads();\n"
+"    for (int i = tid; i < nc; i += PQC_BLOCK) m[i + pqc_lower_bound(kp, (int)base, c[i])] = c[i];\n"
+"    if (tid == 0) n_merged[kv] = nc + (int)base;\n"
 "}\n"
 "\n"
 "/* pqc_take_at: out[i] = src[pos[i]] for i < k (k per head: k_head[kv], at most n),\n"
@@ -13076,25 +13133,28 @@ static void pqc__cu_host(pqc__cuHost *h, const pqc_allocator *a)
    whole on the cache's stream: tables, scan, top-k, the selection with the block-cache
    admission and statistics (pqc_select_admit, the host's rules bit for bit, on
    bookkeeping that lives on the device), the block copies and the gather; nothing comes
-   back to the host unless it takes the rows there (one wait per layer). With re-ranking
-   the step also scores each head's PQ candidates with their key rows, read from the
-   device's blocks or the mapped host store (pqc_rerank_dots, pqc_rerank_combine:
-   pqc_rerank's arithmetic, bit for bit), and keeps the best of them (the top-k kernels, pqc_take_at). Selections made
-   on the host (pqc_cache_select: outlier lists, residuals, or a caller who wants the
-   indices) read the top-k back once per layer and step, and the bookkeeping follows
-   whichever side used it last.
+   back to the host unless it takes the rows there (one wait per layer). With exact
+   scoring (re-ranking, outlier lists, which go up with the queries and are merged in by
+   pqc_rerank_merge) the step also scores each head's candidates with their key rows,
+   read from the device's blocks or the mapped host store (pqc_rerank_dots,
+   pqc_rerank_combine: pqc_rerank's arithmetic, bit for bit), and keeps the best of them
+   (the top-k kernels, pqc_take_at). Selections made on the host (pqc_cache_select:
+   residuals, or a caller who wants the indices) read the top-k back once per layer and
+   step, and the bookkeeping follows whichever side used it last.
    ------------------------------------------------------------------------------------- */
 
 enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
     PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
-    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_RR_DOTS, PQC__K_RR_COMBINE, PQC__K_TAKE_AT, PQC__K_N
+    PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_RR_DOTS, PQC__K_RR_COMBINE, PQC__K_TAKE_AT,
+    PQC__K_RR_MERGE, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
     "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
     "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
-    "pqc_centroid_norms", "pqc_lut_sum", "pqc_rerank_dots", "pqc_rerank_combine", "pqc_take_at"
+    "pqc_centroid_norms", "pqc_lut_sum", "pqc_rerank_dots", "pqc_rerank_combine", "pqc_take_at",
+    "pqc_rerank_merge"
 };
 
 #define PQC__CU_RADIX_BINS 2048
@@ -13592,14 +13652,17 @@ struct pqc__gpu_tier {
     size_t *adm_nbc;          /* [L] blocks it has room for */
     int *adm_dev;             /* [L] 1: the device's copy is the current one, the host's stale */
     pqc__dptr dstat;          /* [L][n_kv][3] hits, misses, bytes host -> device of device steps */
-    pqc__dptr rfill, dtakes;  /* [n_kv][3][admit] fill lists; [2][n_kv] int32 tops-k, then
-                                 the candidates of re-ranking */
-    unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries, tops-k and
-                                 candidate counts */
-    /* re-ranking on the device (pqc__gpu_rerank): [n_kv][g][rr_cap] dots, [n_kv][g]
-       weights, [n_kv][rr_cap] combined scores, kept positions and their tokens */
-    pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids;
+    pqc__dptr rfill, dtakes;  /* [n_kv][3][admit] fill lists; int32 [n_kv] tops-k, then with
+                                 exact scoring [n_kv] candidate counts, then with outlier
+                                 lists [n_kv] their lengths and [n_kv][2 outliers] the lists */
+    unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries and dtakes */
+    /* exact scoring on the device (pqc__gpu_rerank): [n_kv][g][rr_cap] dots, [n_kv][g]
+       weights, [n_kv][rr_cap] combined scores, kept positions and their tokens, the
+       candidates merged with the outlier lists and [n_kv] their counts; the last step's
+       scored candidates: rr_list ([head][rr_list_hs]) of rr_count ([n_kv] int32) each */
+    pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids, rr_cand, rr_nm, rr_list, rr_count;
     size_t rr_cap;
+    int64_t rr_list_hs;
     pqc__cuEvent *ev_stage;   /* [2L] their copies done */
     size_t stage_bytes, pos_cap;
     uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
@@ -13719,6 +13782,8 @@ static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
     pqc__gpu_dfree(u, &u->rr_comb);
     pqc__gpu_dfree(u, &u->rr_pos);
     pqc__gpu_dfree(u, &u->rr_ids);
+    pqc__gpu_dfree(u, &u->rr_cand);
+    pqc__gpu_dfree(u, &u->rr_nm);
     if (u->h_stage) u->api->cuMemFreeHost(u->h_stage);
     if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
     pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
@@ -14986,16 +15051,20 @@ static pqc_result pqc__gpu_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
 /* What device steps need, made at the first one: bookkeeping tables, statistics, fill
    lists, the tops-k, the staging of queries (two steps deep per layer, in pinned
    memory, so that a step's copies never wait) and their events. */
+/* The most entries a head's outlier list holds (0 without lists). */
+static size_t pqc__gpu_outlier_cap(const pqc_cache *c) { return c->d.outliers > 0 ? 2 * (size_t)c->d.outliers : 0; }
+
 static pqc_result pqc__gpu_step_init(pqc_cache *c)
 {
     struct pqc__gpu_tier *u = c->cu;
     size_t L = (size_t)c->d.n_layers, nkv = (size_t)u->n_kv, ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), i;
+    size_t ints = nkv * (3 + pqc__gpu_outlier_cap(c)); /* dtakes */
     pqc_result r;
     if (u->adm) return PQC_SUCCESS;
-    u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + 2 * nkv * sizeof(int32_t) + 63) / 64 * 64;
+    u->stage_bytes = ((size_t)c->d.n_q_heads * u->d * sizeof(float) + ints * sizeof(int32_t) + 63) / 64 * 64;
     if ((r = pqc__gpu_dalloc(c, &u->dstat, L * nkv * 24)) != PQC_SUCCESS ||
         (r = pqc__gpu_dalloc(c, &u->rfill, nkv * 3 * ab * 4)) != PQC_SUCCESS ||
-        (r = pqc__gpu_dalloc(c, &u->dtakes, 2 * nkv * 4)) != PQC_SUCCESS ||
+        (r = pqc__gpu_dalloc(c, &u->dtakes, ints * 4)) != PQC_SUCCESS ||
         (r = pqc__gpu_halloc(c, (void **)&u->h_stage, 2 * L * u->stage_bytes)) != PQC_SUCCESS)
         return r;
     PQC__GPU_CALL(c, u->api->cuMemsetD32Async(u->dstat, 0, L * nkv * 6, u->st), "cuMemsetD32Async");
@@ -15010,11 +15079,12 @@ static pqc_result pqc__gpu_step_init(pqc_cache *c)
     return PQC_SUCCESS;
 }
 
-/* Re-ranking of a device step (pqc__gpu_step with cands): each head's top cands[h] coded
-   tokens by PQ score (u->topk, [head][ctake]) scored again with the key rows in mapped
-   host memory and the combination pqc_rerank makes (pqc_rerank_dots, pqc_rerank_combine),
-   the best takes[h] of them kept (positions, then their tokens: *top, [head][*top_hs]).
-   The device tables dtakes hold the tops-k, then the candidate counts. A row the device
+/* Exact scoring of a device step (pqc__gpu_step with cands): each head's top cands[h]
+   coded tokens by PQ score (u->topk, [head][ctake]), merged with its outlier list where
+   the cache keeps one (pqc_rerank_merge), scored again with their key rows and the
+   combination pqc_rerank makes (pqc_rerank_dots, pqc_rerank_combine), the best takes[h]
+   of them kept (positions, then their tokens: *top, [head][*top_hs]). dtakes holds the
+   tops-k, the candidate counts and the outlier lists (pqc__gpu_step). A row the device
    holds (a sink or window block, or a block the cache holds whole: slot_of and filled of
    the bookkeeping, mid_end this step's) is read there, as the gather will read it; the
    others cross the bus and count in the layer's bytes host -> device. */
@@ -15022,11 +15092,12 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
                                   size_t mid_end, pqc__dptr *top, int64_t *top_hs)
 {
     struct pqc__gpu_tier *u = c->cu;
-    size_t nkv = (size_t)u->n_kv, g = (size_t)u->g;
-    pqc__dptr cands = u->dtakes + nkv * 4;
+    size_t nkv = (size_t)u->n_kv, g = (size_t)u->g, ocap = pqc__gpu_outlier_cap(c), coded = c->layers[l].n_coded;
+    size_t nn = ocap ? PQC__MIN(ctake + ocap, coded) : ctake; /* the most candidates a head scores */
+    pqc__dptr cand = u->topk, cands = u->dtakes + nkv * 4;
     int64_t cand_hs = (int64_t)ctake, q_hs = (int64_t)g * u->d, hs = (int64_t)u->hstride, phs = (int64_t)u->phstride,
             split = (int64_t)c->pn, ld = u->d, dots_hs, row_hs, comb_hs, pos_hs = (int64_t)take;
-    int n = (int)ctake, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d;
+    int n = (int)nn, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d;
     int mode = c->sp.gqa == PQC_GQA_SUM ? 0 : 1, bt = (int)u->block_tokens, me = (int)mid_end, nsb = u->sink_blocks,
         wb = u->window_blocks, cbk = c->d.cache_blocks;
     int64_t blk_hs = (int64_t)u->adm_nbc[l], slot_hs = (int64_t)pqc__gpu_adm_slots(c),
@@ -15035,36 +15106,52 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
     uint64_t rb = c->row;
     float scale = 1.0f / sqrtf((float)u->d);
     pqc_result r;
-    if (ctake > u->rr_cap) {
-        size_t want = PQC__MAX(ctake, u->s_cap);
+    if (nn > u->rr_cap) {
+        size_t want = PQC__MAX(nn, u->s_cap);
         PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         u->rr_cap = 0;
         if ((r = pqc__gpu_dalloc(c, &u->rr_dots, nkv * g * want * sizeof(float))) != PQC_SUCCESS ||
             (r = pqc__gpu_dalloc(c, &u->rr_w, nkv * g * sizeof(float))) != PQC_SUCCESS ||
             (r = pqc__gpu_dalloc(c, &u->rr_comb, nkv * want * sizeof(float))) != PQC_SUCCESS ||
             (r = pqc__gpu_dalloc(c, &u->rr_pos, nkv * want * 4)) != PQC_SUCCESS ||
-            (r = pqc__gpu_dalloc(c, &u->rr_ids, nkv * want * 4)) != PQC_SUCCESS)
+            (r = pqc__gpu_dalloc(c, &u->rr_ids, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_cand, ocap ? nkv * want * 4 : 0)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_nm, nkv * 4)) != PQC_SUCCESS)
             return r;
         u->rr_cap = want;
     }
     row_hs = (int64_t)u->rr_cap;
     dots_hs = (int64_t)g * row_hs;
     comb_hs = row_hs;
+    if (ocap) { /* the candidates and the outlier lists, merged (rr_pos as scratch) */
+        pqc__dptr outl = u->dtakes + 3 * nkv * 4, n_out = u->dtakes + 2 * nkv * 4;
+        int64_t out_hs = (int64_t)ocap;
+        int ci = (int)coded;
+        void *p[] = { &u->topk, &cand_hs, &cands, &outl, &out_hs, &n_out, &ci, &u->rr_pos, &row_hs, &u->rr_cand, &row_hs,
+                      &u->rr_nm };
+        if ((r = pqc__gpu_launch(c, PQC__K_RR_MERGE, 1, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+        cand = u->rr_cand;
+        cand_hs = row_hs;
+        cands = u->rr_nm;
+    }
+    u->rr_list = cand;
+    u->rr_list_hs = cand_hs;
+    u->rr_count = cands;
     {
-        void *p[] = { &u->topk, &cand_hs, &cands, &n, &n_sink, &u->q, &q_hs, &gi, &u->hk[l], &hs, &u->pk[l], &phs,
+        void *p[] = { &cand, &cand_hs, &cands, &n, &n_sink, &u->q, &q_hs, &gi, &u->hk[l], &hs, &u->pk[l], &phs,
                       &split, &ld, &dt, &d, &bt, &me, &nsb, &wb, &cbk, &slot_of, &blk_hs, &filled, &slot_hs,
                       &u->pool_k[l], &pool_hs, &stat, &rb, &u->rr_dots, &dots_hs, &row_hs };
-        if ((r = pqc__gpu_launch(c, PQC__K_RR_DOTS, pqc__cdiv(ctake, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+        if ((r = pqc__gpu_launch(c, PQC__K_RR_DOTS, pqc__cdiv(nn, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
         void *p[] = { &u->rr_dots, &dots_hs, &row_hs, &cands, &n, &gi, &mode, &scale, &u->rr_w, &u->rr_comb, &comb_hs };
         if ((r = pqc__gpu_launch(c, PQC__K_RR_COMBINE, 1, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
-    if ((r = pqc__gpu_topk(c, u->rr_comb, comb_hs, ctake, take, u->dtakes, u->rr_pos, pos_hs, 0)) != PQC_SUCCESS)
+    if ((r = pqc__gpu_topk(c, u->rr_comb, comb_hs, nn, take, u->dtakes, u->rr_pos, pos_hs, 0)) != PQC_SUCCESS)
         return r;
     {
         int k = (int)take;
-        void *p[] = { &u->topk, &cand_hs, &u->rr_pos, &pos_hs, &u->dtakes, &k, &u->rr_ids, &pos_hs };
+        void *p[] = { &cand, &cand_hs, &u->rr_pos, &pos_hs, &u->dtakes, &k, &u->rr_ids, &pos_hs };
         if ((r = pqc__gpu_launch(c, PQC__K_TAKE_AT, pqc__cdiv(take, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     *top = u->rr_ids;
@@ -15088,7 +15175,7 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     pqc__layer *L = &c->layers[l];
     size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
-    size_t take = 0;
+    size_t take = 0, ocap = pqc__gpu_outlier_cap(c);
     unsigned char *stage;
     int32_t *tk;
     pqc__dptr topk = 0; /* each head's top-k, [head][topk_hs] (after the search, which may grow it) */
@@ -15121,12 +15208,18 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     memcpy(stage, q, qb);
     tk = (int32_t *)(stage + qb);
     for (h = 0; h < nkv; h++) {
+        const pqc__head *H = &L->heads[h];
         tk[h] = (int32_t)takes[h];
         if (cands) tk[nkv + h] = (int32_t)cands[h];
+        if (cands && ocap) {
+            tk[2 * nkv + h] = (int32_t)H->n_outliers;
+            memcpy(tk + 3 * nkv + h * ocap, H->outliers, H->n_outliers * sizeof(uint32_t));
+        }
         take = PQC__MAX(take, takes[h]);
     }
     PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
-    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, (cands ? 2 : 1) * nkv * 4, u->st), "cuMemcpyHtoDAsync");
+    PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, (cands ? (ocap ? 3 + ocap : 2) : 1) * nkv * 4, u->st),
+                  "cuMemcpyHtoDAsync");
     PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_stage[slot], u->st), "cuEventRecord");
     {
         /* the block-cache bookkeeping on the device (pqc__gpu_adm_bytes) */

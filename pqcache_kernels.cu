@@ -806,8 +806,9 @@ pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const in
  *          its candidates), Z = its 16 interleaved lanes (lane i % 16, each in order from
  *          0) added in order from 0, w = 1 / Z into wbuf [g] per KV head (+ kv*g), and
  *          comb[i] = fmaf(e_h(i), w_h, .) over the heads in order from 0
- *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get -1,
- *          below every score, so that a top-k of at most n_cand[kv] never takes them. */
+ *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get
+ *          -infinity, below every score (the dots of finite rows are finite), so that a
+ *          top-k of at most n_cand[kv] never takes them. */
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, const int *__restrict__ n_cand,
                    int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride)
@@ -862,7 +863,7 @@ pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_strid
     for (int i = tid; i < n; i += PQC_BLOCK) {
         float a = 0.0f;
         if (i >= nc) {
-            a = -1.0f;
+            a = -__int_as_float(0x7f800000);
         } else if (mode == PQC_SCAN_SOFTMAX_SUM) {
             for (int h = 0; h < g; ++h) a = fmaf(dk[(pqc_i64)h * dots_row_stride + i], w[h], a);
         } else {
@@ -870,6 +871,61 @@ pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_strid
         }
         cb[i] = a;
     }
+}
+
+/* Entries of the ascending x[0..n) below v. */
+__device__ __forceinline__ int pqc_lower_bound(const int *x, int n, int v)
+{
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        int mid = (lo + hi) >> 1;
+        if (x[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* pqc_rerank_merge: each head's candidates merged with its outlier list, as the CPU
+ *   library merges them before re-ranking: both ascending, the list's tokens at or past
+ *   `coded` left out, a token in both taken once.
+ *   grid (1, n_kv), block 256.
+ *   cand  int32 (+ kv*cand_head_stride), n_cand int32 [n_kv]: the candidates
+ *   outl  int32 (+ kv*out_head_stride), n_out int32 [n_kv]: the outlier list
+ *   kept  int32 scratch (+ kv*kept_head_stride), room for n_out[kv]: the list's tokens
+ *         merged in, ascending
+ *   merged int32 (+ kv*merged_head_stride), n_merged int32 [n_kv]: the union, ascending.
+ * A kept token's place is the kept ones before it plus the candidates below it (a block
+ * scan over the list in steps of 256), a candidate's its index plus the kept tokens
+ * below it. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_rerank_merge(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand,
+                 const int *__restrict__ outl, pqc_i64 out_head_stride, const int *__restrict__ n_out, int coded,
+                 int *__restrict__ kept, pqc_i64 kept_head_stride, int *__restrict__ merged,
+                 pqc_i64 merged_head_stride, int *__restrict__ n_merged)
+{
+    __shared__ pqc_u32 scan_tmp[PQC_WARPS];
+    pqc_i64 kv = blockIdx.y;
+    int tid = threadIdx.x, nc = n_cand[kv], no = n_out[kv];
+    const int *c = cand + kv * cand_head_stride, *o = outl + kv * out_head_stride;
+    int *kp = kept + kv * kept_head_stride, *m = merged + kv * merged_head_stride;
+    pqc_u32 base = 0;
+    for (int j0 = 0; j0 < no; j0 += PQC_BLOCK) {
+        int j = j0 + tid, v = j < no ? o[j] : 0, below = 0;
+        pqc_u32 keep = 0u, total;
+        if (j < no && v < coded) {
+            below = pqc_lower_bound(c, nc, v);
+            keep = below == nc || c[below] != v;
+        }
+        pqc_u32 before = pqc_block_exclusive_scan(keep, scan_tmp, &total);
+        if (keep) {
+            kp[base + before] = v;
+            m[(int)(base + before) + below] = v;
+        }
+        base += total;
+    }
+    __syncthreads();
+    for (int i = tid; i < nc; i += PQC_BLOCK) m[i + pqc_lower_bound(kp, (int)base, c[i])] = c[i];
+    if (tid == 0) n_merged[kv] = nc + (int)base;
 }
 
 /* pqc_take_at: out[i] = src[pos[i]] for i < k (k per head: k_head[kv], at most n),

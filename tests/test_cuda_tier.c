@@ -578,6 +578,17 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
+/* The candidates the last device step of the GPU cache scored exactly: head h's count
+   (0 on a failed read) and, with list, the candidates. */
+static size_t scored_candidates(const pair *p, size_t h, int32_t *list)
+{
+    const struct pqc__gpu_tier *u = p->cg->cu;
+    int32_t n = 0;
+    if (p_dtoh(&n, u->rr_count + h * 4, 4) || n < 0) return 0;
+    if (list && n > 0 && p_dtoh(list, u->rr_list + h * (uint64_t)u->rr_list_hs * 4, (size_t)n * 4)) return 0;
+    return (size_t)n;
+}
+
 /* after a device step of layer l with queries q: every head's combined scores of its
    candidates on the device equal pqc_rerank's of the same candidates, bit for bit
    (a cache whose key rows lie in one store); 0 on a mismatch */
@@ -585,9 +596,8 @@ static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
 {
     const pqc_cache *c = p->cg;
     const struct pqc__gpu_tier *u = c->cu;
-    size_t h, i, ctake = 0, n, tokens, d = (size_t)c->d.head_dim;
+    size_t h, i, n, tokens, d = (size_t)c->d.head_dim;
     int ok = 1;
-    for (h = 0; h < (size_t)c->d.n_kv_heads; h++) ctake = PQC__MAX(ctake, c->cands[h]);
     for (h = 0; ok && h < (size_t)c->d.n_kv_heads; h++) {
         const void *k, *v;
         pqc_dtype dt;
@@ -596,14 +606,14 @@ static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
         int32_t *cand;
         uint32_t *ci, *idx;
         float *dev, *host;
-        if (!(n = c->cands[h])) continue;
+        if (!(n = scored_candidates(p, h, NULL))) continue;
         cand = (int32_t *)malloc(n * 4);
         ci = (uint32_t *)malloc(n * 4);
         idx = (uint32_t *)malloc(n * 4);
         dev = (float *)malloc(n * 4);
         host = (float *)malloc(n * 4);
         memset(&sc, 0, sizeof sc);
-        ok = cand && ci && idx && dev && host && !p_dtoh(cand, u->topk + h * ctake * 4, n * 4) &&
+        ok = cand && ci && idx && dev && host && scored_candidates(p, h, cand) == n &&
              !p_dtoh(dev, u->rr_comb + h * u->rr_cap * 4, n * 4) &&
              pqc_cache_kv(c, l, (int)h, &k, &v, &tokens, &dt) == PQC_SUCCESS;
         for (i = 0; ok && i < n; i++) ci[i] = (uint32_t)cand[i] + (uint32_t)c->d.n_sink;
@@ -635,7 +645,8 @@ static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
    rows against the CPU tier's as elsewhere, and the bytes moved up against the CPU tier's
    (the candidates' rows the device does not hold come on top). observe: uneven tops-k per
    head; fork: the steps run on a fork, whose key rows lie in two stores. */
-static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double rerank, int observe, int fork)
+static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double rerank, int outliers, int observe,
+                                               int fork)
 {
     const int L = 2, hkv = 2, hq = 8, d = 64, steps = TEST_SIZE(6, 3);
     const size_t n1 = TEST_SIZE(1500, 800);
@@ -652,11 +663,13 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
     cd.gqa = gqa;
     cd.kv_dtype = dt;
     cd.rerank = rerank;
+    cd.outliers = outliers;
     /* plain k-means: under the query metric a decode query unlike the observed ones may
        start a rebuild, which the second call of a step would then install */
     cd.metric = PQC_METRIC_L2;
     pd = cd;
     pd.rerank = 0;
+    pd.outliers = 0;
     memset(&st, 0, sizeof st);
     ASSERT(pair_open(&p, &cd));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(p.rg, &pd, &pc));
@@ -712,7 +725,7 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
                                           select + fetch counts, plus the candidates' rows it
                                           read from host memory */
                 uint64_t extra = (b.bytes_h2d - a.bytes_h2d) - (bc.bytes_h2d - ac.bytes_h2d), all = 0;
-                for (h = 0; h < hkv; h++) all += p.cg->cands[h];
+                for (h = 0; h < hkv; h++) all += scored_candidates(&p, (size_t)h, NULL);
                 ASSERT_EQ(0, extra % p.cg->row);
                 ASSERT(extra / p.cg->row <= all);
                 host_rows += (size_t)(extra / p.cg->row);
@@ -726,10 +739,10 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
                 rows += hcount[h];
             }
         }
-    fprintf(stderr, "  %s, %s, rerank %g%s: %zu rows selected alike on host and device; against the CPU tier %zu of %zu differ; "
+    fprintf(stderr, "  %s, %s, rerank %g, outliers %d%s: %zu rows selected alike on host and device; against the CPU tier %zu of %zu differ; "
             "%zu of %zu candidates' rows read from host memory\n",
             gqa == PQC_GQA_SUM ? "sum" : "softmax-sum", dt == PQC_F16 ? "fp16" : dt == PQC_BF16 ? "bf16" : "fp32", rerank,
-            fork ? ", a fork" : "", rows, st.differ, st.selected, host_rows, cand_rows);
+            outliers, fork ? ", a fork" : "", rows, st.differ, st.selected, host_rows, cand_rows);
     ASSERT(rows > 0);
     ASSERT(host_rows > 0 && host_rows < cand_rows); /* the rows the device holds are read there */
     ASSERT_EQ(0, st.rows_differ);
@@ -744,10 +757,14 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
     pair_close(&p);
     PASS();
 }
-TEST device_rerank_matches_host_softmax_fp16(void) { return rerank_on_device(PQC_GQA_SOFTMAX_SUM, PQC_F16, 2.5, 1, 0); }
-TEST device_rerank_matches_host_sum_fork(void) { return rerank_on_device(PQC_GQA_SUM, PQC_BF16, 2.0, 0, 1); }
+TEST device_rerank_matches_host_softmax_fp16(void) { return rerank_on_device(PQC_GQA_SOFTMAX_SUM, PQC_F16, 2.5, 0, 1, 0); }
+TEST device_rerank_matches_host_sum_fork(void) { return rerank_on_device(PQC_GQA_SUM, PQC_BF16, 2.0, 0, 0, 1); }
 /* candidates covering every coded token (the device's top-k of all of them) */
-TEST device_rerank_matches_host_every_token(void) { return rerank_on_device(PQC_GQA_SOFTMAX_SUM, PQC_F32, 1e6, 0, 0); }
+TEST device_rerank_matches_host_every_token(void) { return rerank_on_device(PQC_GQA_SOFTMAX_SUM, PQC_F32, 1e6, 16, 0, 0); }
+/* outlier lists merged with the candidates on the device (pqc_rerank_merge): with
+   re-ranking, and alone (the PQ top-k and the lists scored exactly) */
+TEST device_rerank_with_outlier_lists(void) { return rerank_on_device(PQC_GQA_SOFTMAX_SUM, PQC_F16, 2.0, 16, 1, 0); }
+TEST device_outlier_lists_alone(void) { return rerank_on_device(PQC_GQA_SUM, PQC_F32, 0.0, 24, 0, 1); }
 
 /* exact scoring on the host of the device's candidates: re-ranked (the device's top
    2 x k, trimmed per head by score under the adaptive split), and with outlier lists */
@@ -1852,6 +1869,8 @@ SUITE(cuda_tier)
     RUN_TEST(device_rerank_matches_host_softmax_fp16);
     RUN_TEST(device_rerank_matches_host_sum_fork);
     RUN_TEST(device_rerank_matches_host_every_token);
+    RUN_TEST(device_rerank_with_outlier_lists);
+    RUN_TEST(device_outlier_lists_alone);
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
     RUN_TEST(decode_matches_cpu_rerank);

@@ -322,6 +322,7 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_rerank_dots);
         K(pqc_rerank_combine);
         K(pqc_take_at);
+        K(pqc_rerank_merge);
 #undef K
         k["pqc_scan_stats"].static_smem = 2 * 256 * 4; /* red_m, red_s */
     }
