@@ -2874,8 +2874,9 @@ PQC__AVX2 static size_t pqc__keydots_avx2(const float *q, const unsigned char *r
 }
 
 /* 1 when every value of a stored row of d values (d a multiple of 16) passes the limit
-   whose magnitude pattern doubled is lim2 (pqc__row_lim2): |x| <= limit exactly when the pattern of |x| is at most the
-   limit's, NaNs' patterns lying above every finite one */
+   whose magnitude pattern doubled is lim2 (pqc__row_lim2): |x| <= limit exactly when
+   the pattern of |x| is at most the limit's, NaNs' patterns lying above every finite
+   one */
 PQC__AVX2 static int pqc__row_ok_avx2(const unsigned char *r, pqc_dtype t, int d, uint32_t lim2)
 {
     int e;
@@ -13658,11 +13659,9 @@ struct pqc__gpu_tier {
     unsigned char *h_stage;   /* pinned [2][L][stage_bytes]: a step's queries and dtakes */
     /* exact scoring on the device (pqc__gpu_rerank): [n_kv][g][rr_cap] dots, [n_kv][g]
        weights, [n_kv][rr_cap] combined scores, kept positions and their tokens, the
-       candidates merged with the outlier lists and [n_kv] their counts; the last step's
-       scored candidates: rr_list ([head][rr_list_hs]) of rr_count ([n_kv] int32) each */
-    pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids, rr_cand, rr_nm, rr_list, rr_count;
+       candidates merged with the outlier lists and [n_kv] their counts */
+    pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids, rr_cand, rr_nm;
     size_t rr_cap;
-    int64_t rr_list_hs;
     pqc__cuEvent *ev_stage;   /* [2L] their copies done */
     size_t stage_bytes, pos_cap;
     uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
@@ -15048,12 +15047,13 @@ static pqc_result pqc__gpu_stats(const pqc_cache *c, int l, pqc_layer_stats *st)
     return PQC_SUCCESS;
 }
 
-/* What device steps need, made at the first one: bookkeeping tables, statistics, fill
-   lists, the tops-k, the staging of queries (two steps deep per layer, in pinned
-   memory, so that a step's copies never wait) and their events. */
 /* The most entries a head's outlier list holds (0 without lists). */
 static size_t pqc__gpu_outlier_cap(const pqc_cache *c) { return c->d.outliers > 0 ? 2 * (size_t)c->d.outliers : 0; }
 
+/* What device steps need, made at the first one: bookkeeping tables, statistics, fill
+   lists, the tops-k (with exact scoring the candidate counts and outlier lists too), the
+   staging of queries (two steps deep per layer, in pinned memory, so that a step's copies
+   never wait) and their events. */
 static pqc_result pqc__gpu_step_init(pqc_cache *c)
 {
     struct pqc__gpu_tier *u = c->cu;
@@ -15134,9 +15134,6 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
         cand_hs = row_hs;
         cands = u->rr_nm;
     }
-    u->rr_list = cand;
-    u->rr_list_hs = cand_hs;
-    u->rr_count = cands;
     {
         void *p[] = { &cand, &cand_hs, &cands, &n, &n_sink, &u->q, &q_hs, &gi, &u->hk[l], &hs, &u->pk[l], &phs,
                       &split, &ld, &dt, &d, &bt, &me, &nsb, &wb, &cbk, &slot_of, &blk_hs, &filled, &slot_hs,
@@ -15226,11 +15223,6 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
         size_t nbc = u->adm_nbc[l], ns = pqc__gpu_adm_slots(c), mid_end = pqc__mid_end(c, &c->layers[l], n);
         pqc__dptr a = u->adm[l], fq = a, stp = fq + nkv * ns * 8, sc = stp + nkv * ns * 8, so = sc + nkv * nbc * 4,
                   cn = so + nkv * nbc * 4, bo = cn + nkv * nbc * 4, fl = bo + nkv * ns * 4, tc = fl + nkv * ns * 4;
-        if (search && (r = pqc__gpu_search(c, l, ctake, cands ? u->dtakes + nkv * 4 : u->dtakes, 0)) != PQC_SUCCESS)
-            return r;
-        if (search) topk = u->topk;
-        if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, so, fl, mid_end, &topk, &topk_hs)) != PQC_SUCCESS)
-            return r;
         pqc__dptr tab = u->arena, idx = u->arena + nkv * u->nblk_cap * 4;
         pqc__dptr fb = u->rfill, fs = fb + ab * 4, fr = fs + ab * 4, stat = u->dstat + (size_t)l * nkv * 24, zero = 0;
         int64_t sel_hs = (int64_t)u->rows_cap, blk_hs = (int64_t)nbc, slot_hs = (int64_t)ns,
@@ -15249,6 +15241,11 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
         void *pg[] = { &idx, &sel_hs, &nr, &tab, &tab_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
                        &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
                        &u->out_v, &o_hs, &zero };
+        if (search && (r = pqc__gpu_search(c, l, ctake, cands ? u->dtakes + nkv * 4 : u->dtakes, 0)) != PQC_SUCCESS)
+            return r;
+        if (search) topk = u->topk;
+        if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, so, fl, mid_end, &topk, &topk_hs)) != PQC_SUCCESS)
+            return r;
         if ((r = pqc__gpu_launch(c, PQC__K_SELECT_ADMIT, 1, (unsigned)nkv, 0, pa)) != PQC_SUCCESS) return r;
         if (cbk > 0 && adm > 0 &&
             (r = pqc__gpu_launch(c, PQC__K_FILL, pqc__cdiv(ab * u->block_tokens, 8), (unsigned)nkv, 0, pf)) != PQC_SUCCESS)

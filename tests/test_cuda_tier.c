@@ -417,7 +417,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
                 int h;
                 ASSERT_EQ(a.hits, b.hits);
                 ASSERT_EQ(a.misses, b.misses);
-                if (sh->rerank > 0 && !sh->outliers && sh->dstep) /* the device re-ranks: candidates' rows too */
+                if ((sh->rerank > 0 || sh->outliers > 0) && sh->dstep) /* exact scoring on the device: candidates' rows too */
                     ASSERT(b.bytes_h2d > a.bytes_h2d && (b.bytes_h2d - a.bytes_h2d) % p.cg->row == 0);
                 else
                     ASSERT_EQ(a.bytes_h2d, b.bytes_h2d);
@@ -579,13 +579,25 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* The candidates the last device step of the GPU cache scored exactly: head h's count
-   (0 on a failed read) and, with list, the candidates. */
+   (0 on a failed read) and, with list, the candidates. They are the device's PQ top-k
+   (cands[h] of [head][the largest of cands]) or, with outlier lists, their union with the
+   lists (pqc__gpu_rerank's rr_cand, counted in rr_nm). */
 static size_t scored_candidates(const pair *p, size_t h, int32_t *list)
 {
-    const struct pqc__gpu_tier *u = p->cg->cu;
+    const pqc_cache *c = p->cg;
+    const struct pqc__gpu_tier *u = c->cu;
+    size_t ctake = 0, i;
     int32_t n = 0;
-    if (p_dtoh(&n, u->rr_count + h * 4, 4) || n < 0) return 0;
-    if (list && n > 0 && p_dtoh(list, u->rr_list + h * (uint64_t)u->rr_list_hs * 4, (size_t)n * 4)) return 0;
+    uint64_t at;
+    for (i = 0; i < (size_t)c->d.n_kv_heads; i++) ctake = PQC__MAX(ctake, c->cands[i]);
+    if (c->d.outliers > 0) {
+        if (p_dtoh(&n, u->rr_nm + h * 4, 4) || n < 0) return 0;
+        at = u->rr_cand + h * (uint64_t)u->rr_cap * 4;
+    } else {
+        n = (int32_t)c->cands[h];
+        at = u->topk + h * (uint64_t)ctake * 4;
+    }
+    if (list && n > 0 && p_dtoh(list, at, (size_t)n * 4)) return 0;
     return (size_t)n;
 }
 
