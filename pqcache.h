@@ -1042,6 +1042,8 @@ PQCDEF const char *pqc_cuda_kernel_source(void);
 #include <immintrin.h>
 #define PQC__AVX2 __attribute__((target("avx2,fma,f16c")))
 #define PQC__AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+/* a kernel's loop inlined where it is called with constant arguments, one copy each */
+#define PQC__INLINE_ALWAYS inline __attribute__((always_inline))
 #else
 #define PQC__X86 0
 #endif
@@ -2927,19 +2929,20 @@ PQC__AVX2 static const unsigned char *pqc__gather_row_avx2(const pqc__keydots_le
 /* pqc__gatherdots a row at a time, converted in registers as pqc__keydots_avx2 converts
    it: four heads at once (eight chains: lane e % 16 of each head gets q[e] * r[e] fused
    in e order, as pqc__rowdots_avx2), their lane sums in one register; the heads past a
-   multiple of four one at a time. The check runs on the row's patterns first. */
-PQC__AVX2 static size_t pqc__gatherdots_avx2(const float *q, int g, const unsigned char *base, size_t stride,
-                                             pqc_dtype t, const uint32_t *idx, size_t n, int d, int check, float limit,
-                                             float *row, float *out, size_t ostride)
+   multiple of four one at a time. The check runs on the row's patterns first.
+   pqc__gatherrows_avx2 is inlined where it is called with t (and d_h 128) as constants, as
+   pqc__gatherpairs_avx512 is (85-93 -> 50-56 ns a candidate, in a faster sitting). */
+PQC__AVX2 static PQC__INLINE_ALWAYS size_t pqc__gatherrows_avx2(const pqc__keydots_level *lv, const float *q, int g,
+                                             const unsigned char *base, size_t stride, pqc_dtype t,
+                                             const uint32_t *idx, size_t n, int d, int check, float limit,
+                                             uint32_t lim2, float *row, float *out, size_t ostride)
 {
-    static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx2};
-    const uint32_t lim2 = pqc__row_lim2(t, limit);
+    const size_t rb = (size_t)d * pqc_dtype_size(t);
     size_t i;
     int e, h;
-    if (d % 16 || (check && lim2 == PQC__NO_LIM2))
-        return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
     for (i = 0; i < n; i++) {
-        const unsigned char *r = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
+        const unsigned char *r = check ? pqc__gather_row_avx2(lv, base, stride, t, idx, i, n, d, check, limit, lim2, row)
+                                       : pqc__gather_at(base, stride, rb, idx, i, n);
         if (!r) return i;
         for (h = 0; h + 4 <= g; h += 4) {
             const float *q0 = q + (size_t)h * (size_t)d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
@@ -2981,6 +2984,22 @@ PQC__AVX2 static size_t pqc__gatherdots_avx2(const float *q, int g, const unsign
         }
     }
     return n;
+}
+PQC__AVX2 static size_t pqc__gatherdots_avx2(const float *q, int g, const unsigned char *base, size_t stride,
+                                             pqc_dtype t, const uint32_t *idx, size_t n, int d, int check, float limit,
+                                             float *row, float *out, size_t ostride)
+{
+    static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx2};
+    const uint32_t lim2 = pqc__row_lim2(t, limit);
+    if (d % 16 || (check && lim2 == PQC__NO_LIM2))
+        return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
+    if (t == PQC_F16 && d == 128)
+        return pqc__gatherrows_avx2(&lv, q, g, base, stride, PQC_F16, idx, n, 128, check, limit, lim2, row, out, ostride);
+    if (t == PQC_F16)
+        return pqc__gatherrows_avx2(&lv, q, g, base, stride, PQC_F16, idx, n, d, check, limit, lim2, row, out, ostride);
+    if (t == PQC_BF16)
+        return pqc__gatherrows_avx2(&lv, q, g, base, stride, PQC_BF16, idx, n, d, check, limit, lim2, row, out, ostride);
+    return pqc__gatherrows_avx2(&lv, q, g, base, stride, PQC_F32, idx, n, d, check, limit, lim2, row, out, ostride);
 }
 #undef PQC__LOAD16_AVX2
 #undef PQC__HALFDOTS4_AVX2
@@ -3569,8 +3588,9 @@ PQC__AVX512 static inline __m512 pqc__load16_avx512(const unsigned char *r, pqc_
    lane sums as pqc__rowdots_avx512 adds them. Rows go in pairs, the two rows' chains side
    by side on shared query loads: a row's chains are eight fused steps deep, and a lone row
    left the core waiting on them with its next reads not yet issued (128K fp16 rows, 28K
-   candidates, 4 heads: 89-108 -> 67-81 ns per candidate, touching the rows alone 45-56;
-   four rows at a time were slower than one). The same chains, so the same bits. */
+   candidates, 4 heads: 81-111 -> 67-83 ns per candidate, touching the rows alone 45-56;
+   four rows at a time were slower than one). The same chains, so the same bits.
+   pqc__gatherdots1_avx512: one row's dots. */
 PQC__AVX512 static void pqc__gatherdots1_avx512(const float *q, int g, const unsigned char *r, pqc_dtype t, int d,
                                                 float *out, size_t ostride)
 {
@@ -3602,23 +3622,28 @@ PQC__AVX512 static void pqc__gatherdots1_avx512(const float *q, int g, const uns
         out[(size_t)h * ostride] = sum;
     }
 }
-PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const unsigned char *base, size_t stride,
-                                                 pqc_dtype t, const uint32_t *idx, size_t n, int d, int check,
-                                                 float limit, float *row, float *out, size_t ostride)
+/* the rows in pairs from row 0 on, while both of a pair pass the check (with check): the
+   index of the first row not done. Inlined where it is called with t (and d_h 128) as
+   constants, so that each gets its own loop: a load that tested t and a loop over a width
+   not known when compiling cost 5-10 ns a candidate. */
+PQC__AVX512 static PQC__INLINE_ALWAYS size_t pqc__gatherpairs_avx512(const pqc__keydots_level *lv, const float *q, int g,
+                                                  const unsigned char *base, size_t stride, pqc_dtype t,
+                                                  const uint32_t *idx, size_t n, int d, int check, float limit,
+                                                  uint32_t lim2, float *row, float *out, size_t ostride)
 {
-    static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx512};
-    const uint32_t lim2 = pqc__row_lim2(t, limit);
+    const size_t rb = (size_t)d * pqc_dtype_size(t);
     size_t i = 0;
-    int e, h;
-    if (d % 16 || (check && lim2 == PQC__NO_LIM2))
-        return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
-    for (; g >= 4 && i + 2 <= n; i += 2) {
-        const unsigned char *r0 = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row), *r1;
-        if (!r0) return i;
-        r1 = pqc__gather_row_avx2(&lv, base, stride, t, idx, i + 1, n, d, check, limit, lim2, row);
-        if (!r1) {
-            pqc__gatherdots1_avx512(q, g, r0, t, d, out + i, ostride);
-            return i + 1;
+    int e, h, l;
+    for (; i + 2 <= n; i += 2) {
+        const unsigned char *r0, *r1;
+        if (check) {
+            r0 = pqc__gather_row_avx2(lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
+            if (!r0) return i;
+            r1 = pqc__gather_row_avx2(lv, base, stride, t, idx, i + 1, n, d, check, limit, lim2, row);
+            if (!r1) return i;
+        } else {
+            r0 = pqc__gather_at(base, stride, rb, idx, i, n);
+            r1 = pqc__gather_at(base, stride, rb, idx, i + 1, n);
         }
         for (h = 0; h + 4 <= g; h += 4) {
             const float *q0 = q + (size_t)h * (size_t)d, *q1 = q0 + d, *q2 = q1 + d, *q3 = q2 + d;
@@ -3650,11 +3675,10 @@ PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const un
             out[(size_t)(h + 2) * ostride + i + 1] = t4[2];
             out[(size_t)(h + 3) * ostride + i + 1] = t4[3];
         }
-        for (; h < g; h++) { /* the heads past a multiple of four, row by row */
+        for (; h < g; h++) { /* the heads past a multiple of four */
             const float *qh = q + (size_t)h * (size_t)d;
             __m512 acc = _mm512_setzero_ps(), acd = acc;
             float la[16], lb[16], sa = 0.0f, sb = 0.0f;
-            int l;
             for (e = 0; e < d; e += 16) {
                 const __m512 qe = _mm512_loadu_ps(qh + e);
                 acc = _mm512_fmadd_ps(qe, pqc__load16_avx512(r0, t, e), acc);
@@ -3670,7 +3694,28 @@ PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const un
             out[(size_t)h * ostride + i + 1] = sb;
         }
     }
-    for (; i < n; i++) {
+    return i;
+}
+PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const unsigned char *base, size_t stride,
+                                                 pqc_dtype t, const uint32_t *idx, size_t n, int d, int check,
+                                                 float limit, float *row, float *out, size_t ostride)
+{
+    static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx512};
+    const uint32_t lim2 = pqc__row_lim2(t, limit);
+    size_t i = 0;
+    if (d % 16 || (check && lim2 == PQC__NO_LIM2))
+        return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
+    if (g >= 4) {
+        if (t == PQC_F16 && d == 128)
+            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F16, idx, n, 128, check, limit, lim2, row, out, ostride);
+        else if (t == PQC_F16)
+            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F16, idx, n, d, check, limit, lim2, row, out, ostride);
+        else if (t == PQC_BF16)
+            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_BF16, idx, n, d, check, limit, lim2, row, out, ostride);
+        else
+            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F32, idx, n, d, check, limit, lim2, row, out, ostride);
+    }
+    for (; i < n; i++) { /* the last row, a pair that failed the check, or fewer than four heads */
         const unsigned char *r = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
         if (!r) return i;
         pqc__gatherdots1_avx512(q, g, r, t, d, out + i, ostride);
