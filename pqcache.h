@@ -3702,20 +3702,20 @@ PQC__AVX512 static size_t pqc__gatherdots_avx512(const float *q, int g, const un
 {
     static const pqc__keydots_level lv = {pqc__halfrow_avx2, pqc__within_avx2, pqc__rowdots_avx512};
     const uint32_t lim2 = pqc__row_lim2(t, limit);
-    size_t i = 0;
+    size_t i;
     if (d % 16 || (check && lim2 == PQC__NO_LIM2))
         return pqc__gatherdots_copy(&lv, q, g, base, stride, t, idx, n, d, check, limit, row, out, ostride);
-    if (g >= 4) {
-        if (t == PQC_F16 && d == 128)
-            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F16, idx, n, 128, check, limit, lim2, row, out, ostride);
-        else if (t == PQC_F16)
-            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F16, idx, n, d, check, limit, lim2, row, out, ostride);
-        else if (t == PQC_BF16)
-            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_BF16, idx, n, d, check, limit, lim2, row, out, ostride);
-        else
-            i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F32, idx, n, d, check, limit, lim2, row, out, ostride);
-    }
-    for (; i < n; i++) { /* the last row, a pair that failed the check, or fewer than four heads */
+    /* (pairs for fewer than four heads too: one head's lone chain waited the longest;
+       128K fp16 rows, 28K candidates: 1 head 63-67 -> 51-55 ns, 2 heads 78-85 -> 63-68) */
+    if (t == PQC_F16 && d == 128)
+        i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F16, idx, n, 128, check, limit, lim2, row, out, ostride);
+    else if (t == PQC_F16)
+        i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F16, idx, n, d, check, limit, lim2, row, out, ostride);
+    else if (t == PQC_BF16)
+        i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_BF16, idx, n, d, check, limit, lim2, row, out, ostride);
+    else
+        i = pqc__gatherpairs_avx512(&lv, q, g, base, stride, PQC_F32, idx, n, d, check, limit, lim2, row, out, ostride);
+    for (; i < n; i++) { /* the last row, or the rows from a pair that failed the check */
         const unsigned char *r = pqc__gather_row_avx2(&lv, base, stride, t, idx, i, n, d, check, limit, lim2, row);
         if (!r) return i;
         pqc__gatherdots1_avx512(q, g, r, t, d, out + i, ostride);
