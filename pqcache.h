@@ -4832,15 +4832,20 @@ PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, 
     const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
     __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i step = _mm512_set1_epi32(16);
+    /* one test a step, whether any of the 16 reaches lo (at k = n/10 about 7 steps in 8
+       do: a test that rarely fails), and then both stores whatever they hold. A test of
+       whether any falls in the bracket failed about one step in two at random, and the
+       mispredictions made the pass 2.5x slower (128K scores, 8% above, 4% inside: 0.56-0.75
+       -> 0.22-0.31 ns a score). */
     for (; i + 16 <= n; i += 16) {
-        __m512 v = _mm512_loadu_ps(s + i);
-        __mmask16 ma = _mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ);
-        __mmask16 mc = (__mmask16)(_mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ) & ~ma);
-        _mm512_storeu_si512(above + a, _mm512_maskz_compress_epi32(ma, iv));
-        a += (size_t)__builtin_popcount(ma);
-        if (mc) {
+        const __m512 v = _mm512_loadu_ps(s + i);
+        const __mmask16 ml = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
+        if (ml) {
+            const __mmask16 ma = _mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ), mc = (__mmask16)(ml & ~ma);
+            _mm512_storeu_si512(above + a, _mm512_maskz_compress_epi32(ma, iv));
             _mm512_storeu_si512(cand + c, _mm512_maskz_compress_epi32(mc, iv));
             _mm512_storeu_ps(cs + c, _mm512_maskz_compress_ps(mc, v));
+            a += (size_t)__builtin_popcount(ma);
             c += (size_t)__builtin_popcount(mc);
         }
         iv = _mm512_add_epi32(iv, step);
@@ -4877,7 +4882,9 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
         return;
     }
     S = PQC__SAMPLE;
-    for (i = 0; i < S; i++) smp[i] = s[(size_t)(((uint64_t)i * 2654435761u + 97u) % n)];
+    /* spread positions: a multiplicative hash of i scaled to [0, n) by its high bits (n <
+       2^32 here; a division per sample cost about 0.1 ns per score of a 128K select) */
+    for (i = 0; i < S; i++) smp[i] = s[(size_t)(((uint64_t)(uint32_t)((uint32_t)i * 2654435761u + 97u) * n) >> 32)];
     p = (double)k / (double)n;
     delta = 3.0 * sqrt(p * (1.0 - p) / (double)S) + 2.0 / (double)S;
     hi = p - delta <= 0.0 ? INFINITY : pqc__kth_largest(smp, S, (size_t)floor((p - delta) * (double)S));
