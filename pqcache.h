@@ -4896,17 +4896,21 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     }
     need = k - na;
     if (need > 0) pqc__topk_core(cs, nc, need, tmp, pos, NULL);
-    /* merge the two ascending lists (branch-free: the order is data-dependent) */
-    a = b = o = 0;
-    while (a < na && b < need) {
-        uint32_t x = above[a], y = cand[pos[b]];
-        size_t tx = x < y;
-        idx[o++] = tx ? x : y;
-        a += tx;
-        b += 1 - tx;
+    /* merge the two ascending lists: each chosen candidate after the run of indices above
+       hi below it, the run copied whole. (An element at a time, branch-free, chained each
+       step's loads to the last step's comparison: about 16 cycles an index, half the
+       time of a 128K select at k = n/10.) */
+    a = o = 0;
+    for (b = 0; b < need; b++) {
+        const uint32_t y = cand[pos[b]];
+        size_t e = a;
+        while (e < na && above[e] < y) e++;
+        memcpy(idx + o, above + a, (e - a) * sizeof *idx);
+        o += e - a;
+        a = e;
+        idx[o++] = y;
     }
-    while (a < na) idx[o++] = above[a++];
-    while (b < need) idx[o++] = cand[pos[b++]];
+    memcpy(idx + o, above + a, (na - a) * sizeof *idx);
     if (outs)
         for (i = 0; i < k; i++) outs[i] = s[idx[i]];
 }
