@@ -362,6 +362,15 @@ def _optional(name):
 # ----- argument conversion --------------------------------------------------------------
 
 _F32 = np.dtype(np.float32)
+
+
+def _empty_f32_lines(shape):
+    """An uninitialised float32 array starting on a 64-byte line: large fetches write whole
+    lines around the caches there (numpy's own arrays start 16 bytes into one)."""
+    n = int(np.prod(shape)) * 4
+    buf = np.empty(n + 64, np.uint8)
+    off = -buf.ctypes.data % 64
+    return buf[off:off + n].view(_F32).reshape(shape)
 _F16 = np.dtype(np.float16)
 _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
@@ -1266,8 +1275,8 @@ class Cache(_Handle):
             raise InvalidArgumentError("Cache.fetch: sel must be a Selection")
         stride = max(1, int(sel._count.max()) if sel._count.size else 1)
         if out is None:
-            k = np.empty((self._n_kv_heads, stride, self._head_dim), _F32)
-            v = np.empty_like(k)
+            k = _empty_f32_lines((self._n_kv_heads, stride, self._head_dim))
+            v = _empty_f32_lines(k.shape)
         else:
             k, v = out
             for a, name in ((k, "k"), (v, "v")):
@@ -1534,8 +1543,8 @@ def batch_fetch(caches, layer, selections):
         for i, (c, sel) in enumerate(zip(caches, sels)):
             layer = c._layer(layer)
             stride = max(1, int(sel._count.max()))
-            k = np.empty((c._n_kv_heads, stride, c._head_dim), _F32)
-            v = np.empty_like(k)
+            k = _empty_f32_lines((c._n_kv_heads, stride, c._head_dim))
+            v = _empty_f32_lines(k.shape)
             views[i] = pqc_kv_out(ctypes.cast(k.ctypes.data, POINTER(c_float)),
                                   ctypes.cast(v.ctypes.data, POINTER(c_float)), stride)
             outs.append((k, v))

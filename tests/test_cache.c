@@ -224,6 +224,97 @@ TEST wide_rows_stored_as_converted(void)
     PASS();
 }
 
+/* A fetch large enough to stream its rows (forced here by lowering the cache's threshold)
+   writes what the regular stores write: every store type and width (whole 64-byte lines,
+   half lines, neither), an output starting on a line and one a float off it (which the
+   streaming levels leave to regular stores), one worker and several, every SIMD level this
+   processor has. The values are the stored rows converted, and nothing past a head's
+   selected rows is written. */
+TEST fetch_streams_the_same_rows(void)
+{
+    static const pqc_dtype stores[] = {PQC_F16, PQC_BF16, PQC_F32};
+    static const int dims[] = {128, 24, 20};
+    static const pqc_simd levels[] = {PQC_SIMD_AUTO, PQC_SIMD_AVX2, PQC_SIMD_SCALAR};
+    const size_t n = 2600, hs = n + 16; /* head_stride: each head's rows start on a line */
+    float *k = tu_normal_rows(&g_rng, n, 2 * 128), *v = tu_normal_rows(&g_rng, n, 2 * 128);
+    int si, di, li;
+    for (li = 0; li < 3; li++)
+        for (si = 0; si < 3; si++)
+            for (di = 0; di < 3; di++) {
+                pqc_runtime *rt = tu_cpu_runtime_simd(li == 0 ? 2 : -1, levels[li]);
+                pqc_cache_desc cd;
+                pqc_cache *c;
+                pqc_selection sel;
+                pqc_kv_out o[3];
+                unsigned char *mem[3];
+                int d = dims[di], h, w, e;
+                size_t floats = 2 * 2 * hs * (size_t)d, i, t;
+                float q[4 * 128];
+                if (!rt) continue; /* a level this processor lacks */
+                cd = tu_cache_desc(1, 2, 4, d);
+                cd.kv_dtype = stores[si];
+                cd.budget_ratio = 0.9; /* over 4096 rows in all: the fetch's parallel copies */
+                cd.pq.bits = 4; /* (the codebooks do not matter here) */
+                cd.pq.iters = 1;
+                for (e = 0; e < 4 * d; e++) q[e] = tu_normal(&g_rng);
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+                ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, n, 2 * (size_t)d));
+                ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+                ASSERT(sel.count[0] + sel.count[1] > 4096);
+                for (w = 0; w < 3; w++) { /* 0: streamed, on a line; 1: regular; 2: streamed, a float off */
+                    float *b;
+                    mem[w] = (unsigned char *)malloc(floats * sizeof(float) + 128);
+                    ASSERT(mem[w] != NULL);
+                    b = (float *)(void *)(mem[w] + (64 - (uintptr_t)mem[w] % 64)) + (w == 2);
+                    for (i = 0; i < floats; i++) b[i] = -7.0f; /* what must stay */
+                    o[w].k = b;
+                    o[w].v = b + 2 * hs * (size_t)d;
+                    o[w].head_stride = hs;
+                    c->fetch_stream = w == 1 ? (size_t)-1 : 0;
+                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c, 0, &sel, &o[w]));
+                }
+                for (h = 0; h < 2; h++) {
+                    const void *sk, *sv;
+                    size_t tokens;
+                    pqc_dtype dt;
+                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv(c, 0, h, &sk, &sv, &tokens, &dt));
+                    for (i = 0; i < hs; i++) {
+                        float wk[128], wv[128];
+                        size_t at = ((size_t)h * hs + i) * (size_t)d;
+                        for (e = 0; e < d; e++) {
+                            wk[e] = wv[e] = -7.0f;
+                            if (i < sel.count[h]) { /* the stored row converted */
+                                size_t r = (size_t)sel.idx[(size_t)h * sel.capacity + i] * (size_t)d + (size_t)e;
+                                if (dt == PQC_F32) {
+                                    wk[e] = ((const float *)sk)[r];
+                                    wv[e] = ((const float *)sv)[r];
+                                } else if (dt == PQC_F16) {
+                                    wk[e] = pqc_f16_to_f32(((const uint16_t *)sk)[r]);
+                                    wv[e] = pqc_f16_to_f32(((const uint16_t *)sv)[r]);
+                                } else {
+                                    wk[e] = pqc_bf16_to_f32(((const uint16_t *)sk)[r]);
+                                    wv[e] = pqc_bf16_to_f32(((const uint16_t *)sv)[r]);
+                                }
+                            }
+                        }
+                        for (w = 0; w < 3; w++) {
+                            ASSERT_MEM_EQ(wk, o[w].k + at, (size_t)d * sizeof(float));
+                            ASSERT_MEM_EQ(wv, o[w].v + at, (size_t)d * sizeof(float));
+                        }
+                    }
+                    (void)tokens;
+                }
+                for (t = 0; t < 3; t++) free(mem[t]);
+                pqc_selection_free(&sel);
+                pqc_cache_destroy(c);
+                pqc_runtime_destroy(rt);
+            }
+    free(k);
+    free(v);
+    PASS();
+}
+
 TEST fetch_rows_match_fetch(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
@@ -1800,6 +1891,7 @@ SUITE(cache)
     RUN_TEST(eviction_orders_match_reference);
     RUN_TEST(wide_rows_stored_as_converted);
     RUN_TEST(fetch_rows_match_fetch);
+    RUN_TEST(fetch_streams_the_same_rows);
     RUN_TEST(engine_backend_holds_the_slots_and_its_copies_are_the_traffic);
     RUN_TEST(scheduler_recovers_coefficients_and_clips);
     RUN_TEST(async_builds_and_destroy_during_build);
