@@ -780,7 +780,9 @@ PQCDEF void pqc_selection_free(pqc_selection *sel);
 PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel);
 /* Gathers the selected K/V through the block cache. The blocks holding the most selected
    tokens are admitted first (see the admission rule in docs/usage.md), so that they serve
-   this step's gather. */
+   this step's gather. A fetch of 64 MB or more of rows writes the heads' rows that start
+   on a 64-byte line (out->k, out->v and head_stride x head_dim x 4 bytes multiples of 64)
+   with non-temporal stores: about a third faster, the rows left in memory, not cache. */
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out);
 /* fetch without the copy, where the device tier is host memory (the CPU backend with fp32
    storage; else PQC_ERROR_UNSUPPORTED): krows[h][i] / vrows[h][i] point at the rows of
