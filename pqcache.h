@@ -10763,8 +10763,9 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
     need = qn + 2 * kn + 2 * cap * kn;
     if (need > c->dbuf_floats) { /* grows geometrically: decode steps allocate rarely */
         size_t want = need + need / 4;
-        /* store memory: pinned on a GPU, so that rows come back without staging */
-        float *nb = (float *)pqc__store_alloc(c, want * sizeof(float));
+        /* store memory: pinned on a GPU, so that rows come back without staging; 16 floats
+           more, so that the rows can start on a 64-byte line (a large fetch streams them) */
+        float *nb = (float *)pqc__store_alloc(c, (want + 16) * sizeof(float));
         if (!nb) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
         pqc__store_free(c, c->dbuf);
         c->dbuf = nb;
@@ -10777,7 +10778,7 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
         return r;
     }
     sel = &c->dsel;
-    q = c->dbuf;
+    q = c->dbuf + (64 - (uintptr_t)c->dbuf % 64) % 64 / sizeof(float);
     k = q + qn;
     v = k + kn;
     ko = v + kn;

@@ -1051,8 +1051,9 @@ static int toy_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k
 static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv)
 {
     toy *t = (toy *)u;
-    const float *kk = (const float *)kv->k[0];
+    const float *kk = (const float *)kv->k[0], *vv = (const float *)kv->v[0];
     size_t i;
+    int e;
     (void)q;
     if (layer == t->fail_at) return 1;
     t->last_count = kv->count[0];
@@ -1061,8 +1062,10 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
     for (i = 0; i < kv->count[0]; i++) {
         size_t p = kv->pos ? kv->pos[0][i] : i;
         const float *row = kv->krows ? (const float *)kv->krows[0][i] : kk + i * t->d;
+        const float *vrow = kv->vrows ? (const float *)kv->vrows[0][i] : vv + i * t->d;
         if (p >= pos0 + n) return 2;
-        if (row[0] != toy_val(layer, p, 0, 2)) return 3;
+        for (e = 0; e < t->d; e++)
+            if (row[e] != toy_val(layer, p, e, 2) || vrow[e] != toy_val(layer, p, e, 3)) return 3;
         t->checked++;
     }
     return 0;
@@ -1090,7 +1093,9 @@ TEST driver_runs_both_algorithms(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 400));
     ASSERT_EQ((size_t)400, t.last_count);
     for (pos = 400; pos < 420; pos++) {
-        e.accepts_row_pointers = pos % 2; /* both ways of handing the rows over */
+        e.accepts_row_pointers = pos % 4 == 1; /* both ways of handing the rows over */
+        /* the gather streamed (the V rows start on a line where pos + 1 is even) */
+        c->fetch_stream = pos % 4 == 3 ? 0 : PQC__FETCH_STREAM_BYTES;
         ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos));
         ASSERT_EQ(pos + 1, t.last_count); /* budget 1: every token */
     }
