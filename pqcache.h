@@ -2053,17 +2053,23 @@ static void pqc__halfrow_scalar(const void *src, pqc_dtype t, size_t n, float *d
 /* A fetched row pair: K and V, d stored values of type t each, as fp32 into ko and vo.
    With stream, the x86 levels write a pair whose destinations start on a 64-byte line
    with non-temporal stores (whole lines, around the caches: pqc__fetch_copy says when);
-   the values are the same either way. */
-static void pqc__rowpair_scalar(const void *k, const void *v, pqc_dtype t, size_t d, float *ko, float *vo, int stream)
+   the values are the same either way. pqc__rowpair_by: ordinary stores, through a
+   level's conversion. */
+static void pqc__rowpair_by(void (*halfrow)(const void *, pqc_dtype, size_t, float *), const void *k, const void *v,
+                            pqc_dtype t, size_t d, float *ko, float *vo)
 {
-    (void)stream;
     if (t == PQC_F32) {
         memcpy(ko, k, d * sizeof(float));
         memcpy(vo, v, d * sizeof(float));
     } else {
-        pqc__row_to_f32(k, t, d, ko);
-        pqc__row_to_f32(v, t, d, vo);
+        halfrow(k, t, d, ko);
+        halfrow(v, t, d, vo);
     }
+}
+static void pqc__rowpair_scalar(const void *k, const void *v, pqc_dtype t, size_t d, float *ko, float *vo, int stream)
+{
+    (void)stream;
+    pqc__rowpair_by(pqc__halfrow_scalar, k, v, t, d, ko, vo);
 }
 
 /* n fp32 values to fp16 or bf16 (t), each as pqc_f32_to_f16 / pqc_f32_to_bf16 makes it */
@@ -2660,12 +2666,8 @@ PQC__AVX2 static void pqc__rowpair_avx2(const void *k, const void *v, pqc_dtype 
             _mm256_stream_ps(ko + e, pqc__load8_avx2(a, t, e));
             _mm256_stream_ps(vo + e, pqc__load8_avx2(b, t, e));
         }
-    } else if (t == PQC_F32) {
-        memcpy(ko, k, d * sizeof(float));
-        memcpy(vo, v, d * sizeof(float));
     } else {
-        pqc__halfrow_avx2(k, t, d, ko);
-        pqc__halfrow_avx2(v, t, d, vo);
+        pqc__rowpair_by(pqc__halfrow_avx2, k, v, t, d, ko, vo);
     }
 }
 
@@ -4320,13 +4322,7 @@ static void pqc__halfrow_neon(const void *src, pqc_dtype t, size_t n, float *dst
 static void pqc__rowpair_neon(const void *k, const void *v, pqc_dtype t, size_t d, float *ko, float *vo, int stream)
 {
     (void)stream;
-    if (t == PQC_F32) {
-        memcpy(ko, k, d * sizeof(float));
-        memcpy(vo, v, d * sizeof(float));
-    } else {
-        pqc__halfrow_neon(k, t, d, ko);
-        pqc__halfrow_neon(v, t, d, vo);
-    }
+    pqc__rowpair_by(pqc__halfrow_neon, k, v, t, d, ko, vo);
 }
 
 /* Four values a step: fp16 by the conversion instruction (round to nearest even under
