@@ -9148,10 +9148,11 @@ static void pqc__host_fetch_head(void *ctx, size_t hi)
 /* A fetch whose rows (K and V as fp32, every head) come to at least this many bytes
    writes them with non-temporal stores where they start on 64-byte lines: rows that many
    would not stay in cache for the engine's read anyway, and stores that fill whole lines
-   around the caches save reading each line before writing it. Fetch, then the engine's
-   read of every row (bench_cache, 8 KV heads, fp16, one core), regular against
-   non-temporal stores: 128K tokens (107 MB of rows) 24.3-25.2 -> 18.3-18.7 ms, 64K (54
-   MB) 8.6-8.8 against 8.1-8.7, 32K (27 MB) 3.5 against 3.8: the crossing near 60 MB. */
+   around the caches save reading each line before writing it. Fetch, then a read that
+   only adds up every row (the reader that gains most from rows left in cache; 8 KV
+   heads, fp16 rows, one core), regular against non-temporal stores: 128K tokens (107 MB
+   of rows) 24.3-25.2 -> 18.3-18.7 ms, 64K (54 MB) 8.6-8.8 against 8.1-8.7, 32K (27 MB)
+   3.5 against 3.8: the crossing near 60 MB. */
 #ifndef PQC__FETCH_STREAM_BYTES
 #define PQC__FETCH_STREAM_BYTES ((size_t)64 << 20)
 #endif
