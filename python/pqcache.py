@@ -362,6 +362,11 @@ def _optional(name):
 # ----- argument conversion --------------------------------------------------------------
 
 _F32 = np.dtype(np.float32)
+_F16 = np.dtype(np.float16)
+_U16 = np.dtype(np.uint16)
+_U32 = np.dtype(np.uint32)
+_DTYPE_CODES = {"f32": 0, "float32": 0, "fp32": 0, "f16": 1, "float16": 1, "fp16": 1, "bf16": 2, "bfloat16": 2}
+_DTYPE_NUMPY = {0: _F32, 1: _F16, 2: _U16}
 
 
 def _empty_f32_lines(shape):
@@ -371,11 +376,7 @@ def _empty_f32_lines(shape):
     buf = np.empty(n + 64, np.uint8)
     off = -buf.ctypes.data % 64
     return buf[off:off + n].view(_F32).reshape(shape)
-_F16 = np.dtype(np.float16)
-_U16 = np.dtype(np.uint16)
-_U32 = np.dtype(np.uint32)
-_DTYPE_CODES = {"f32": 0, "float32": 0, "fp32": 0, "f16": 1, "float16": 1, "fp16": 1, "bf16": 2, "bfloat16": 2}
-_DTYPE_NUMPY = {0: _F32, 1: _F16, 2: _U16}
+
 
 _ENUMS = {
     "simd": {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "neon": 4},
