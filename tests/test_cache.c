@@ -224,6 +224,14 @@ TEST wide_rows_stored_as_converted(void)
     PASS();
 }
 
+/* value r of a store of type dt, as fp32 (by the public conversions) */
+static float stored_value(const void *s, pqc_dtype dt, size_t r)
+{
+    if (dt == PQC_F32) return ((const float *)s)[r];
+    if (dt == PQC_F16) return pqc_f16_to_f32(((const uint16_t *)s)[r]);
+    return pqc_bf16_to_f32(((const uint16_t *)s)[r]);
+}
+
 /* A fetch large enough to stream its rows (forced here by lowering the cache's threshold)
    writes what the regular stores write: every store type and width (whole 64-byte lines,
    half lines, neither), an output starting on a line and one a float off it (which the
@@ -286,16 +294,8 @@ TEST fetch_streams_the_same_rows(void)
                             wk[e] = wv[e] = -7.0f;
                             if (i < sel.count[h]) { /* the stored row converted */
                                 size_t r = (size_t)sel.idx[(size_t)h * sel.capacity + i] * (size_t)d + (size_t)e;
-                                if (dt == PQC_F32) {
-                                    wk[e] = ((const float *)sk)[r];
-                                    wv[e] = ((const float *)sv)[r];
-                                } else if (dt == PQC_F16) {
-                                    wk[e] = pqc_f16_to_f32(((const uint16_t *)sk)[r]);
-                                    wv[e] = pqc_f16_to_f32(((const uint16_t *)sv)[r]);
-                                } else {
-                                    wk[e] = pqc_bf16_to_f32(((const uint16_t *)sk)[r]);
-                                    wv[e] = pqc_bf16_to_f32(((const uint16_t *)sv)[r]);
-                                }
+                                wk[e] = stored_value(sk, dt, r);
+                                wv[e] = stored_value(sv, dt, r);
                             }
                         }
                         for (w = 0; w < 3; w++) {
