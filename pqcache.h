@@ -408,7 +408,11 @@ PQCDEF unsigned pqc_codes_get(const pqc_codes *codes, size_t t, int j);
 /* How the g query heads that share one KV head are combined into one score per token. */
 typedef enum pqc_gqa {
     PQC_GQA_SOFTMAX_SUM = 0, /* default, the authors': per head softmax(q.k / sqrt(d_h)) over
-                                all tokens, probabilities summed over the heads             */
+                                all tokens, probabilities summed over the heads. Over 8-bit
+                                codes, heads in groups of four, a PQ search takes a token's
+                                exponential as the product of per-sub-space tables of
+                                exponentials (no exponential per token and head): the same
+                                probabilities to a few units in the last place             */
     PQC_GQA_SUM = 1          /* plain sum of the heads' raw scores = score of the summed query;
                                 one table and one scan, g times cheaper                     */
 } pqc_gqa;
@@ -1974,6 +1978,18 @@ static float pqc__expsum_scalar(const float *s, size_t n, float mx, float scale,
     return z;
 }
 
+/* The sum of n values as pqc__expsum adds its exponentials: 16 lanes (value t into lane
+   t mod 16, in order), then the lanes in order from 0. */
+static float pqc__lanesum_scalar(const float *x, size_t n)
+{
+    float lanes[16] = {0}, z = 0.0f;
+    size_t t;
+    int l;
+    for (t = 0; t < n; t++) lanes[t & 15] += x[t];
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
 /* acc[t] = fma(e[t], w, acc[t]) */
 static void pqc__axpy_scalar(const float *e, size_t n, float w, float *acc)
 {
@@ -1984,21 +2000,24 @@ static void pqc__axpy_scalar(const float *e, size_t n, float w, float *acc)
 /* The scores of query heads [h_lo, h_hi) over tokens [t_lo, t_hi) in one pass over the
    codes: out[h * ostride + t] = sum_j lut[(j*ksub + code_j(t0+t))*g + h], j ascending,
    from 0 (for each head the very sums pqc__scan makes from its own table), and
-   mx[h] = max(mx[h], each of them). lut: the g heads' tables interleaved, [m][ksub][g]. */
-static void pqc__scan_heads_part(const pqc_codes *cd, const float *lut, int ksub, int g, int h_lo, int h_hi, size_t t0,
-                                 size_t t_lo, size_t t_hi, float *out, size_t ostride, float *mx)
+   mx[h] = max(mx[h], each of them). lut: the g heads' tables interleaved, [m][ksub][g].
+   prod: the same with products from 1 in place of the sums from 0 (tables of
+   exponentials: a product of them is the exponential of the sum). */
+static void pqc__scan_heads_part(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, int h_lo, int h_hi,
+                                 size_t t0, size_t t_lo, size_t t_hi, float *out, size_t ostride, float *mx)
 {
     size_t t;
     int h, j;
     unsigned mask = (1u << cd->bits) - 1u;
     for (t = t_lo; t < t_hi; t++)
         for (h = h_lo; h < h_hi; h++) {
-            float a = 0.0f;
+            float a = prod ? 1.0f : 0.0f;
             for (j = 0; j < cd->m; j++) {
                 const unsigned char *col = cd->data + (size_t)j * cd->col_stride;
                 size_t bit = (t0 + t) * (size_t)cd->bits;
                 unsigned v = ((unsigned)col[bit >> 3] | ((unsigned)col[(bit >> 3) + 1] << 8)) >> (bit & 7);
-                a += lut[((size_t)j * (size_t)ksub + (v & mask)) * (size_t)g + (size_t)h];
+                float x = lut[((size_t)j * (size_t)ksub + (v & mask)) * (size_t)g + (size_t)h];
+                a = prod ? a * x : a + x;
             }
             out[(size_t)h * ostride + t] = a;
             mx[h] = a > mx[h] ? a : mx[h];
@@ -2010,24 +2029,36 @@ static void pqc__scan_heads_part(const pqc_codes *cd, const float *lut, int ksub
    running maxima of the last group (lanes[4][4], head by head) folded into mx, as the
    scalar reference compares; then the heads past the groups (h0..g) over the tokens done,
    and every head over the tokens left (nv..n), by the scalar reference. */
-static void pqc__scan_heads_end(const pqc_codes *cd, const float *lut, int ksub, int g, const float *lanes, int h0,
-                                size_t t0, size_t nv, size_t n, float *out, size_t ostride, float *mx)
+static void pqc__scan_heads_end(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, const float *lanes,
+                                int h0, size_t t0, size_t nv, size_t n, float *out, size_t ostride, float *mx)
 {
     int i;
     for (i = 0; lanes && i < 4; i++) {
         float x = pqc__max_scalar(lanes + 4 * i, 4);
         mx[i] = x > mx[i] ? x : mx[i];
     }
-    if (h0 < g) pqc__scan_heads_part(cd, lut, ksub, g, h0, g, t0, 0, nv, out, ostride, mx);
-    if (nv < n) pqc__scan_heads_part(cd, lut, ksub, g, 0, g, t0, nv, n, out, ostride, mx);
+    if (h0 < g) pqc__scan_heads_part(cd, lut, ksub, g, prod, h0, g, t0, 0, nv, out, ostride, mx);
+    if (nv < n) pqc__scan_heads_part(cd, lut, ksub, g, prod, 0, g, t0, nv, n, out, ostride, mx);
 }
 #endif
 
 /* every head over n tokens from t0 (the reference of the SIMD versions) */
-static void pqc__scan_heads_scalar(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
-                                   float *out, size_t ostride, float *mx)
+static void pqc__scan_heads_scalar(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0,
+                                   size_t n, float *out, size_t ostride, float *mx)
 {
-    pqc__scan_heads_part(cd, lut, ksub, g, 0, g, t0, 0, n, out, ostride, mx);
+    pqc__scan_heads_part(cd, lut, ksub, g, prod, 0, g, t0, 0, n, out, ostride, mx);
+}
+
+/* Every head's products (pqc__scan_heads with prod) over n tokens from t0 into its row of
+   out, and z[h] = the row's sum as pqc__lanesum adds it (the reference of the SIMD
+   versions). el: tables of exponentials, interleaved [m][ksub][g]. */
+static void pqc__scan_products_scalar(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0, size_t n,
+                                      float *out, size_t ostride, float *z)
+{
+    int h;
+    for (h = 0; h < g; h++) z[h] = -INFINITY; /* (the maxima the scan also makes, unused) */
+    pqc__scan_heads_scalar(cd, el, ksub, g, 1, t0, n, out, ostride, z);
+    for (h = 0; h < g; h++) z[h] = pqc__lanesum_scalar(out + (size_t)h * ostride, n);
 }
 
 /* out[t] = sum_h e[h * estride + t] * w[h]: one fused chain from 0, heads in order (the
@@ -2539,9 +2570,13 @@ PQC__AVX2 static void pqc__axpy_avx2(const float *e, size_t n, float w, float *a
 /* Four heads from h0 at a time, four tokens a step: each token's four scores are one
    vector load per sub-space from the interleaved tables, added in j order, then turned
    into four rows of four tokens. Tokens past the last group of four and heads past the
-   last group of four: the scalar reference. gs: g (g = 4 has pqc__scan_g4_avx2). */
+   last group of four: the scalar reference. gs: g (g = 4 has pqc__scan_g4_avx2). prod:
+   products from 1 for the sums from 0 (a constant where it is called: each use compiles
+   to a loop of its own). */
+#define PQC__OP4(prod, a, x) ((prod) ? _mm_mul_ps(a, x) : _mm_add_ps(a, x))
 PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t gs,
-                                                   size_t t0, size_t n, float *out, size_t ostride, float *mx)
+                                                   const int prod, size_t t0, size_t n, float *out, size_t ostride,
+                                                   float *mx)
 {
     size_t t, h0, nv = n & ~(size_t)3;
     int j, m = cd->m;
@@ -2549,14 +2584,14 @@ PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const fl
         __m128 x0 = _mm_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
         float *o = out + h0 * ostride, lanes[16];
         for (t = 0; t < nv; t += 4) {
-            __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            __m128 a0 = _mm_set1_ps(prod ? 1.0f : 0.0f), a1 = a0, a2 = a0, a3 = a0;
             for (j = 0; j < m; j++) {
                 const unsigned char *c = cd->data + (size_t)j * cd->col_stride + t0 + t;
                 const float *l = lut + (size_t)j * (size_t)ksub * gs + h0;
-                a0 = _mm_add_ps(a0, _mm_loadu_ps(l + (size_t)c[0] * gs));
-                a1 = _mm_add_ps(a1, _mm_loadu_ps(l + (size_t)c[1] * gs));
-                a2 = _mm_add_ps(a2, _mm_loadu_ps(l + (size_t)c[2] * gs));
-                a3 = _mm_add_ps(a3, _mm_loadu_ps(l + (size_t)c[3] * gs));
+                a0 = PQC__OP4(prod, a0, _mm_loadu_ps(l + (size_t)c[0] * gs));
+                a1 = PQC__OP4(prod, a1, _mm_loadu_ps(l + (size_t)c[1] * gs));
+                a2 = PQC__OP4(prod, a2, _mm_loadu_ps(l + (size_t)c[2] * gs));
+                a3 = PQC__OP4(prod, a3, _mm_loadu_ps(l + (size_t)c[3] * gs));
             }
             _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
             _mm_storeu_ps(o + t, a0);
@@ -2572,25 +2607,25 @@ PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const fl
         _mm_storeu_ps(lanes + 4, x1);
         _mm_storeu_ps(lanes + 8, x2);
         _mm_storeu_ps(lanes + 12, x3);
-        pqc__scan_heads_end(cd, lut, ksub, (int)gs, lanes, (int)gs, t0, nv, nv, out, ostride, mx + h0);
+        pqc__scan_heads_end(cd, lut, ksub, (int)gs, prod, lanes, (int)gs, t0, nv, nv, out, ostride, mx + h0);
     }
-    pqc__scan_heads_end(cd, lut, ksub, (int)gs, NULL, (int)h0, t0, nv, n, out, ostride, mx);
+    pqc__scan_heads_end(cd, lut, ksub, (int)gs, prod, NULL, (int)h0, t0, nv, n, out, ostride, mx);
 }
 
 /* g = 4 (the usual GQA group), as pqc__scan_heads4_avx2 with the group size a constant
    (a shift, not a multiply, per code) and eight tokens a step in two groups of four
-   accumulators: the same additions in the same order. */
-#define PQC__G4_ADD(a, i) a = _mm_add_ps(a, _mm_loadu_ps(l + ((size_t)c[i] << 2)))
+   accumulators: the same operations in the same order. */
+#define PQC__G4_ADD(a, i) a = PQC__OP4(prod, a, _mm_loadu_ps(l + ((size_t)c[i] << 2)))
 #define PQC__G4_OUT(a0, a1, a2, a3, tt)                                                                                    do {                                                                                                                       _MM_TRANSPOSE4_PS(a0, a1, a2, a3);                                                                                     _mm_storeu_ps(out + (tt), a0);                                                                                         _mm_storeu_ps(out + ostride + (tt), a1);                                                                               _mm_storeu_ps(out + 2 * ostride + (tt), a2);                                                                           _mm_storeu_ps(out + 3 * ostride + (tt), a3);                                                                           x0 = _mm_max_ps(a0, x0);                                                                                               x1 = _mm_max_ps(a1, x1);                                                                                               x2 = _mm_max_ps(a2, x2);                                                                                               x3 = _mm_max_ps(a3, x3);                                                                                           } while (0)
-PQC__AVX2 static void pqc__scan_g4_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out,
-                                        size_t ostride, float *mx)
+PQC__AVX2 static inline void pqc__scan_g4_avx2(const pqc_codes *cd, const float *lut, int ksub, const int prod, size_t t0,
+                                               size_t n, float *out, size_t ostride, float *mx)
 {
     size_t t, nv = n & ~(size_t)7, tab = (size_t)ksub * 4;
     int j, m = cd->m;
     __m128 x0 = _mm_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
     float lanes[16];
     for (t = 0; t < nv; t += 8) {
-        __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m128 a0 = _mm_set1_ps(prod ? 1.0f : 0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         const unsigned char *c = cd->data + t0 + t;
         const float *l = lut;
         for (j = 0; j < m; j++, c += cd->col_stride, l += tab) {
@@ -2610,18 +2645,143 @@ PQC__AVX2 static void pqc__scan_g4_avx2(const pqc_codes *cd, const float *lut, i
     _mm_storeu_ps(lanes + 4, x1);
     _mm_storeu_ps(lanes + 8, x2);
     _mm_storeu_ps(lanes + 12, x3);
-    pqc__scan_heads_end(cd, lut, ksub, 4, lanes, 4, t0, nv, n, out, ostride, mx);
+    pqc__scan_heads_end(cd, lut, ksub, 4, prod, lanes, 4, t0, nv, n, out, ostride, mx);
 }
 #undef PQC__G4_ADD
 #undef PQC__G4_OUT
+#undef PQC__OP4
 
-PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
-                                           float *out, size_t ostride, float *mx)
+/* g = 4, 8-bit codes: pqc__scan_products in one pass, the sums of the rows kept in 16
+   lanes a head as they are written (the lanes pqc__lanesum adds: value t into lane t mod
+   16), eight tokens a step as pqc__scan_g4_avx2. SSE operations only, so that each x86
+   level compiles it with its own registers (AVX-512's 32 hold every lane). */
+#define PQC__PLD(a, i) a = _mm_loadu_ps(l + ((size_t)c[i] << 2))
+#define PQC__PMUL(a, i) a = _mm_mul_ps(a, _mm_loadu_ps(l + ((size_t)c[i] << 2)))
+#define PQC__PZ(q, a0, a1, a2, a3, b0, b1, b2, b3)                                                                         \
+    do {                                                                                                               \
+        z0##q = _mm_add_ps(z0##q, a0);                                                                                 \
+        z1##q = _mm_add_ps(z1##q, a1);                                                                                 \
+        z2##q = _mm_add_ps(z2##q, a2);                                                                                 \
+        z3##q = _mm_add_ps(z3##q, a3);                                                                                 \
+    } while (0)
+static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const float *el, int ksub, size_t t0, size_t n,
+                                                    float *out, size_t ostride, float *z)
 {
-    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
-    else if (g == 4) pqc__scan_g4_avx2(cd, lut, ksub, t0, n, out, ostride, mx);
-    else pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, t0, n, out, ostride, mx);
+    size_t t, nv = n & ~(size_t)7, tab = (size_t)ksub * 4;
+    int j, m = cd->m, h, q;
+    __m128 z0a = _mm_setzero_ps(), z0b = z0a, z0c = z0a, z0d = z0a, z1a = z0a, z1b = z0a, z1c = z0a, z1d = z0a;
+    __m128 z2a = z0a, z2b = z0a, z2c = z0a, z2d = z0a, z3a = z0a, z3b = z0a, z3c = z0a, z3d = z0a;
+    float lanes[4][16], mx[4];
+    for (t = 0; t < nv; t += 8) {
+        __m128 a0, a1, a2, a3, b0, b1, b2, b3;
+        const unsigned char *c = cd->data + t0 + t;
+        const float *l = el;
+        PQC__PLD(a0, 0);
+        PQC__PLD(a1, 1);
+        PQC__PLD(a2, 2);
+        PQC__PLD(a3, 3);
+        PQC__PLD(b0, 4);
+        PQC__PLD(b1, 5);
+        PQC__PLD(b2, 6);
+        PQC__PLD(b3, 7);
+        for (j = 1; j < m; j++) {
+            c += cd->col_stride;
+            l += tab;
+            PQC__PMUL(a0, 0);
+            PQC__PMUL(a1, 1);
+            PQC__PMUL(a2, 2);
+            PQC__PMUL(a3, 3);
+            PQC__PMUL(b0, 4);
+            PQC__PMUL(b1, 5);
+            PQC__PMUL(b2, 6);
+            PQC__PMUL(b3, 7);
+        }
+        _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
+        _MM_TRANSPOSE4_PS(b0, b1, b2, b3);
+        _mm_storeu_ps(out + t, a0);
+        _mm_storeu_ps(out + t + 4, b0);
+        _mm_storeu_ps(out + ostride + t, a1);
+        _mm_storeu_ps(out + ostride + t + 4, b1);
+        _mm_storeu_ps(out + 2 * ostride + t, a2);
+        _mm_storeu_ps(out + 2 * ostride + t + 4, b2);
+        _mm_storeu_ps(out + 3 * ostride + t, a3);
+        _mm_storeu_ps(out + 3 * ostride + t + 4, b3);
+        if (t & 8) {
+            PQC__PZ(c, a0, a1, a2, a3, b0, b1, b2, b3);
+            PQC__PZ(d, b0, b1, b2, b3, a0, a1, a2, a3);
+        } else {
+            PQC__PZ(a, a0, a1, a2, a3, b0, b1, b2, b3);
+            PQC__PZ(b, b0, b1, b2, b3, a0, a1, a2, a3);
+        }
+    }
+    _mm_storeu_ps(lanes[0], z0a);
+    _mm_storeu_ps(lanes[0] + 4, z0b);
+    _mm_storeu_ps(lanes[0] + 8, z0c);
+    _mm_storeu_ps(lanes[0] + 12, z0d);
+    _mm_storeu_ps(lanes[1], z1a);
+    _mm_storeu_ps(lanes[1] + 4, z1b);
+    _mm_storeu_ps(lanes[1] + 8, z1c);
+    _mm_storeu_ps(lanes[1] + 12, z1d);
+    _mm_storeu_ps(lanes[2], z2a);
+    _mm_storeu_ps(lanes[2] + 4, z2b);
+    _mm_storeu_ps(lanes[2] + 8, z2c);
+    _mm_storeu_ps(lanes[2] + 12, z2d);
+    _mm_storeu_ps(lanes[3], z3a);
+    _mm_storeu_ps(lanes[3] + 4, z3b);
+    _mm_storeu_ps(lanes[3] + 8, z3c);
+    _mm_storeu_ps(lanes[3] + 12, z3d);
+    if (nv < n) pqc__scan_heads_part(cd, el, ksub, 4, 1, 0, 4, t0, nv, n, out, ostride, mx);
+    for (h = 0; h < 4; h++) {
+        float a = 0.0f;
+        for (t = nv; t < n; t++) lanes[h][t & 15] += out[(size_t)h * ostride + t];
+        for (q = 0; q < 16; q++) a += lanes[h][q];
+        z[h] = a;
+    }
 }
+#undef PQC__PLD
+#undef PQC__PMUL
+#undef PQC__PZ
+
+PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0,
+                                           size_t n, float *out, size_t ostride, float *mx)
+{
+    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, prod, t0, n, out, ostride, mx);
+    else if (g == 4 && prod) pqc__scan_g4_avx2(cd, lut, ksub, 1, t0, n, out, ostride, mx);
+    else if (g == 4) pqc__scan_g4_avx2(cd, lut, ksub, 0, t0, n, out, ostride, mx);
+    else if (prod) pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, 1, t0, n, out, ostride, mx);
+    else pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, 0, t0, n, out, ostride, mx);
+}
+
+PQC__AVX2 static float pqc__lanesum_avx2(const float *x, size_t n)
+{
+    __m256 a = _mm256_setzero_ps(), b = a;
+    float lanes[16], z = 0.0f;
+    size_t t = 0;
+    int l;
+    for (; t + 16 <= n; t += 16) {
+        a = _mm256_add_ps(a, _mm256_loadu_ps(x + t));
+        b = _mm256_add_ps(b, _mm256_loadu_ps(x + t + 8));
+    }
+    _mm256_storeu_ps(lanes, a);
+    _mm256_storeu_ps(lanes + 8, b);
+    for (; t < n; t++) lanes[t & 15] += x[t];
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
+PQC__AVX2 static void pqc__scan_products_avx2(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0,
+                                              size_t n, float *out, size_t ostride, float *z)
+{
+    int h;
+    if (cd->bits == 8 && g == 4) {
+        pqc__products_g4_sse(cd, el, ksub, t0, n, out, ostride, z);
+        return;
+    }
+    for (h = 0; h < g; h++) z[h] = -INFINITY;
+    pqc__scan_heads_avx2(cd, el, ksub, g, 1, t0, n, out, ostride, z);
+    for (h = 0; h < g; h++) z[h] = pqc__lanesum_avx2(out + (size_t)h * ostride, n);
+}
+
 
 PQC__AVX2 static void pqc__combine_avx2(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
 {
@@ -3520,10 +3680,17 @@ PQC__AVX512 static void pqc__axpy_avx512(const float *e, size_t n, float w, floa
 }
 
 /* AVX-512 machines take the AVX2 code for this one (same results, as every level) */
-PQC__AVX512 static void pqc__scan_heads_avx512(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0,
-                                               size_t n, float *out, size_t ostride, float *mx)
+PQC__AVX512 static void pqc__scan_heads_avx512(const pqc_codes *cd, const float *lut, int ksub, int g, int prod,
+                                               size_t t0, size_t n, float *out, size_t ostride, float *mx)
 {
-    pqc__scan_heads_avx2(cd, lut, ksub, g, t0, n, out, ostride, mx);
+    pqc__scan_heads_avx2(cd, lut, ksub, g, prod, t0, n, out, ostride, mx);
+}
+
+PQC__AVX512 static void pqc__scan_products_avx512(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0,
+                                                  size_t n, float *out, size_t ostride, float *z)
+{
+    if (cd->bits == 8 && g == 4) pqc__products_g4_sse(cd, el, ksub, t0, n, out, ostride, z);
+    else pqc__scan_products_avx2(cd, el, ksub, g, t0, n, out, ostride, z);
 }
 
 PQC__AVX512 static void pqc__combine_avx512(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
@@ -4243,28 +4410,25 @@ static void pqc__axpy_neon(const float *e, size_t n, float w, float *acc)
 }
 
 /* as pqc__scan_heads4_avx2: four heads a vector, four tokens a step, transposed */
-static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
-                                 float *out, size_t ostride, float *mx)
+#define PQC__OP4N(prod, a, x) ((prod) ? vmulq_f32(a, x) : vaddq_f32(a, x))
+static inline void pqc__scan_heads4_neon(const pqc_codes *cd, const float *lut, int ksub, int g, const int prod,
+                                         size_t t0, size_t n, float *out, size_t ostride, float *mx)
 {
     size_t t, h0, gs = (size_t)g, nv = n & ~(size_t)3;
     int j, m = cd->m;
-    if (cd->bits != 8) {
-        pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
-        return;
-    }
     for (h0 = 0; h0 + 4 <= gs; h0 += 4) {
         float32x4_t x0 = vdupq_n_f32(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
         float *o = out + h0 * ostride, lanes[16];
         for (t = 0; t < nv; t += 4) {
-            float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0, r0, r1, r2, r3;
+            float32x4_t a0 = vdupq_n_f32(prod ? 1.0f : 0.0f), a1 = a0, a2 = a0, a3 = a0, r0, r1, r2, r3;
             float32x4x2_t p01, p23;
             for (j = 0; j < m; j++) {
                 const unsigned char *c = cd->data + (size_t)j * cd->col_stride + t0 + t;
                 const float *l = lut + (size_t)j * (size_t)ksub * gs + h0;
-                a0 = vaddq_f32(a0, vld1q_f32(l + (size_t)c[0] * gs));
-                a1 = vaddq_f32(a1, vld1q_f32(l + (size_t)c[1] * gs));
-                a2 = vaddq_f32(a2, vld1q_f32(l + (size_t)c[2] * gs));
-                a3 = vaddq_f32(a3, vld1q_f32(l + (size_t)c[3] * gs));
+                a0 = PQC__OP4N(prod, a0, vld1q_f32(l + (size_t)c[0] * gs));
+                a1 = PQC__OP4N(prod, a1, vld1q_f32(l + (size_t)c[1] * gs));
+                a2 = PQC__OP4N(prod, a2, vld1q_f32(l + (size_t)c[2] * gs));
+                a3 = PQC__OP4N(prod, a3, vld1q_f32(l + (size_t)c[3] * gs));
             }
             p01 = vtrnq_f32(a0, a1);
             p23 = vtrnq_f32(a2, a3);
@@ -4285,10 +4449,50 @@ static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub
         vst1q_f32(lanes + 4, x1);
         vst1q_f32(lanes + 8, x2);
         vst1q_f32(lanes + 12, x3);
-        pqc__scan_heads_end(cd, lut, ksub, g, lanes, g, t0, nv, nv, out, ostride, mx + h0);
+        pqc__scan_heads_end(cd, lut, ksub, g, prod, lanes, g, t0, nv, nv, out, ostride, mx + h0);
     }
-    pqc__scan_heads_end(cd, lut, ksub, g, NULL, (int)h0, t0, nv, n, out, ostride, mx);
+    pqc__scan_heads_end(cd, lut, ksub, g, prod, NULL, (int)h0, t0, nv, n, out, ostride, mx);
 }
+#undef PQC__OP4N
+
+static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0, size_t n,
+                                 float *out, size_t ostride, float *mx)
+{
+    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, prod, t0, n, out, ostride, mx);
+    else if (prod) pqc__scan_heads4_neon(cd, lut, ksub, g, 1, t0, n, out, ostride, mx);
+    else pqc__scan_heads4_neon(cd, lut, ksub, g, 0, t0, n, out, ostride, mx);
+}
+
+static float pqc__lanesum_neon(const float *x, size_t n)
+{
+    float32x4_t a = vdupq_n_f32(0.0f), b = a, c = a, d = a;
+    float lanes[16], z = 0.0f;
+    size_t t = 0;
+    int l;
+    for (; t + 16 <= n; t += 16) {
+        a = vaddq_f32(a, vld1q_f32(x + t));
+        b = vaddq_f32(b, vld1q_f32(x + t + 4));
+        c = vaddq_f32(c, vld1q_f32(x + t + 8));
+        d = vaddq_f32(d, vld1q_f32(x + t + 12));
+    }
+    vst1q_f32(lanes, a);
+    vst1q_f32(lanes + 4, b);
+    vst1q_f32(lanes + 8, c);
+    vst1q_f32(lanes + 12, d);
+    for (; t < n; t++) lanes[t & 15] += x[t];
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
+static void pqc__scan_products_neon(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0, size_t n,
+                                    float *out, size_t ostride, float *z)
+{
+    int h;
+    for (h = 0; h < g; h++) z[h] = -INFINITY;
+    pqc__scan_heads_neon(cd, el, ksub, g, 1, t0, n, out, ostride, z);
+    for (h = 0; h < g; h++) z[h] = pqc__lanesum_neon(out + (size_t)h * ostride, n);
+}
+
 
 static void pqc__combine_neon(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
 {
@@ -4624,11 +4828,17 @@ static void pqc__k_axpy(pqc_simd s, const float *e, size_t n, float w, float *ac
 {
     PQC__DISPATCH(s, pqc__axpy, (e, n, w, acc));
 }
-static void pqc__k_scan_heads(pqc_simd s, const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
-                              float *out, size_t ostride, float *mx)
+static void pqc__k_scan_heads(pqc_simd s, const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0,
+                              size_t n, float *out, size_t ostride, float *mx)
 {
-    PQC__DISPATCH(s, pqc__scan_heads, (cd, lut, ksub, g, t0, n, out, ostride, mx));
+    PQC__DISPATCH(s, pqc__scan_heads, (cd, lut, ksub, g, prod, t0, n, out, ostride, mx));
 }
+static void pqc__k_scan_products(pqc_simd s, const pqc_codes *cd, const float *el, int ksub, int g, size_t t0, size_t n,
+                                 float *out, size_t ostride, float *z)
+{
+    PQC__DISPATCH(s, pqc__scan_products, (cd, el, ksub, g, t0, n, out, ostride, z));
+}
+
 static void pqc__k_combine(pqc_simd s, const float *e, size_t estride, int g, size_t n, const float *w, float *out)
 {
     PQC__DISPATCH(s, pqc__combine, (e, estride, g, n, w, out));
@@ -6199,10 +6409,50 @@ static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_
 }
 
 /* Softmax-sum over 8-bit codes without residuals, in groups of four heads: one pass over
-   the codes scores every head (pqc__k_scan_heads); the same sums either way. */
+   the codes gives every head's exponentials (pqc__pq_softmax_products). */
 static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_search_desc *desc)
 {
     return gqa == PQC_GQA_SOFTMAX_SUM && pq->bits == 8 && g % 4 == 0 && !(desc && desc->residuals);
+}
+
+/* The smallest sum of a head's products for pqc__pq_softmax_products' results to stand
+   (2^-20): the products are taken relative to the sum of the sub-spaces' best entries,
+   which no token may reach; with this the best token's product is at least 2^-52 (at
+   most 2^32 tokens), and every token within 2^-74 of it a normal number, as with the
+   exponentials of the scores' differences. */
+#define PQC__PROD_FLOOR 9.5367431640625e-07f
+
+/* Softmax-sum of g heads (g a multiple of 4, 8-bit codes) with each head's exponentials
+   as products: E_hj[c] = pqc_exp((lut_h[j][c] - M_hj) * scale), M_hj the table's largest
+   entry, and token t's exponential under head h is the product over j (ascending, from 1)
+   of E_hj[code_j(t)], the exponential of its score less sum_j M_hj: no exponential per
+   token and head, and no pass for the maxima. Z_h = the sum of head h's products
+   (pqc__k_lanesum's order, pqc__k_scan_products), out = pqc__k_combine of the rows with
+   weights 1/Z_h. lut: the heads' tables [g][m][ksub]; el: [m][ksub][g] work (the
+   exponentials interleaved); w: 2g floats; rows: g * count floats. Returns 0 (out
+   untouched) when some head's Z_h is below PQC__PROD_FLOOR (queries whose sub-spaces'
+   best entries add up far beyond any token's score): the caller then takes the
+   exponentials of the scores. The results differ from those by rounding only (a few units in the last
+   place); every level makes these bit for bit. */
+static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, int g, size_t first,
+                                    size_t count, float scale, float *lut, float *el, float *w, float *rows, float *out)
+{
+    size_t i, ks = (size_t)pq->ksub;
+    float e[256];
+    int h, j;
+    for (h = 0; h < g; h++) {
+        for (j = 0; j < pq->m; j++) {
+            const float *t = lut + ((size_t)h * pq->m + (size_t)j) * ks;
+            (void)pqc__k_expsum(simd, t, ks, pqc__k_max(simd, t, ks), scale, e);
+            for (i = 0; i < ks; i++) el[((size_t)j * ks + i) * (size_t)g + (size_t)h] = e[i];
+        }
+    }
+    pqc__k_scan_products(simd, codes, el, pq->ksub, g, first, count, rows, count, w);
+    for (h = 0; h < g; h++)
+        if (!(w[h] >= PQC__PROD_FLOOR)) return 0;
+    for (h = 0; h < g; h++) w[g + h] = 1.0f / w[h];
+    pqc__k_combine(simd, rows, count, g, count, w + g, out);
+    return 1;
 }
 
 /* scores of the searched range into out; work: lut + tmp from scratch (sized
@@ -6251,14 +6501,18 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
             }
     }
     if (pqc__fused_heads(pq, g, gqa, desc)) {
-        /* every head's scores in one pass over the codes, from the heads' tables
-           interleaved; then each head's softmax and the sum, as pqc__combine makes them */
         float *il = lut + ((size_t)g + 1) * tl, *mx = rw;
+        float scale = 1.0f / sqrtf((float)pq->dim);
+        if (pqc__pq_softmax_products(c.simd, pq, codes, g, first, count, scale, lut, il + (size_t)g * tl, rw, tmp, out))
+            return PQC_SUCCESS;
+        /* the exponential of each sum: every head's scores in one pass over the codes,
+           from the heads' tables interleaved; then each head's softmax and the sum, as
+           pqc__combine makes them */
         for (h = 0; h < g; h++)
             for (i = 0; i < tl; i++) il[i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + i];
         for (h = 0; h < g; h++) mx[h] = -INFINITY;
-        pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, first, count, tmp, count, mx);
-        pqc__softmax_rows(c.simd, tmp, count, g, mx, 1.0f / sqrtf((float)pq->dim), rw + g, out);
+        pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, 0, first, count, tmp, count, mx);
+        pqc__softmax_rows(c.simd, tmp, count, g, mx, scale, rw + g, out);
         return PQC_SUCCESS;
     }
     pqc__combine(c.simd, gqa, g, count, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
@@ -6283,8 +6537,8 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
             return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, count);
     }
     fused = pqc__fused_heads(pq, g, gqa, desc);
-    ol = 0; /* tables [g + 1][m][ksub], then the interleaved [m][ksub][g] where fused */
-    orw = PQC__ALIGN_UP(((size_t)g + 1 + (fused ? (size_t)g : 0)) * pq->m * pq->ksub * sizeof(float));
+    ol = 0; /* tables [g + 1][m][ksub], then twice the interleaved [m][ksub][g] where fused */
+    orw = PQC__ALIGN_UP(((size_t)g + 1 + (fused ? 2 * (size_t)g : 0)) * pq->m * pq->ksub * sizeof(float));
     /* residual weights [g + 1][m], or the fused heads' maxima and weights [2g] */
     ot = orw + PQC__ALIGN_UP(PQC__MAX(((size_t)g + 1) * pq->m, 2 * (size_t)g) * sizeof(float));
     os = ot + PQC__ALIGN_UP((fused ? (size_t)g : 1) * count * sizeof(float));
@@ -10897,7 +11151,10 @@ static const char pqc__kernel_source[] =
 " * shape (no floating-point atomics), except the per-cluster sums of pqc_kmeans_assign\n"
 " * and pqc_kmeans_assign_dots.\n"
 " * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over\n"
-" * blocks here, 16 interleaved lanes on the CPU: a few ulps apart) and the k-means sums.\n"
+" * blocks here, 16 interleaved lanes on the CPU: a few ulps apart), SOFTMAX_SUM's\n"
+" * exponentials over 8-bit codes with the heads in groups of four (the CPU takes them as\n"
+" * products of per-sub-space tables of exponentials: a few ulps apart) and the k-means\n"
+" * sums.\n"
 " * That needs --fmad=false (the library passes it): only the explicit fmaf calls fuse.\n"
 " */\n"
 "\n"

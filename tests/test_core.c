@@ -560,6 +560,104 @@ TEST simd_matches_scalar(void)
     PASS();
 }
 
+/* Softmax-sum of 8-bit codes in groups of four heads takes each head's exponentials as
+   products of per-sub-space tables: every level makes the same bits, each score is the
+   exponentials' of the sums (pqc__scan_heads + pqc__softmax_rows) to a few units in the
+   last place, and the selection is theirs. Queries whose sub-spaces' best entries add up
+   far beyond any token's score leave the products too small: those searches take the
+   exponentials of the sums, bit for bit. */
+static void sums_softmax(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, const float *q, size_t n,
+                         float *rows, float *out)
+{
+    size_t tl = (size_t)pq->m * pq->ksub, i;
+    float *lut = (float *)malloc(sizeof(float) * tl * 8), *il = lut + tl * 4, mx[4], w[4];
+    int h;
+    pqc_pq_lut(NULL, pq, q, 4, lut);
+    for (h = 0; h < 4; h++) {
+        for (i = 0; i < tl; i++) il[i * 4 + (size_t)h] = lut[(size_t)h * tl + i];
+        mx[h] = -INFINITY;
+    }
+    pqc__k_scan_heads(simd, codes, il, pq->ksub, 4, 0, 0, n, rows, n, mx);
+    pqc__softmax_rows(simd, rows, n, 4, mx, 1.0f / sqrtf((float)pq->dim), w, out);
+    free(lut);
+}
+
+TEST softmax_products_match_exponentials(void)
+{
+    pqc_simd lv[3];
+    int nl = simd_levels(lv), li, big;
+    synth sy;
+    pqc_pq pq;
+    pqc_codes codes;
+    pqc_matrix keys;
+    pqc_pq_desc d = tu_pq_desc(4, 8, 3, 19);
+    pqc_search_desc sd;
+    size_t n, k, t;
+    float *sc[3], *rows, *ref, *q;
+    uint32_t *ix, *rx;
+    memset(&sy, 0, sizeof sy);
+    sy.s = TEST_SIZE(4099, 1030);
+    sy.d = 64;
+    sy.g = 4;
+    sy.n_needles = 2;
+    sy.seed = 37;
+    ASSERT_EQ(0, synth_make(&sy));
+    n = sy.s;
+    k = n / 10;
+    keys = pqc_matrix_f32(sy.keys, n, 64);
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+    ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, 0, NULL));
+    ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
+    for (li = 0; li < nl; li++) sc[li] = (float *)malloc(n * sizeof(float));
+    rows = (float *)malloc(4 * n * sizeof(float));
+    ref = (float *)malloc(n * sizeof(float));
+    q = (float *)malloc(4 * 64 * sizeof(float));
+    ix = (uint32_t *)malloc(2 * k * sizeof(uint32_t));
+    rx = ix + k;
+    memset(&sd, 0, sizeof sd);
+    sd.gqa = PQC_GQA_SOFTMAX_SUM;
+    sd.k = k;
+    for (big = 0; big <= 1; big++) {
+        float worst = 0.0f, el[4096], w[8];
+        for (t = 0; t < 4 * 64; t++) q[t] = sy.queries[t] * (big ? 4000.0f : 1.0f);
+        for (li = 0; li < nl; li++) {
+            pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
+            ASSERT(rt);
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_scores(rt, &pq, &codes, q, 4, &sd, NULL, sc[li]));
+            pqc_runtime_destroy(rt);
+            if (li) ASSERT_MEM_EQ(sc[0], sc[li], n * sizeof(float));
+        }
+        { /* the products stand for the ordinary queries only */
+            float lut[4096];
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_lut(NULL, &pq, q, 4, lut));
+            ASSERT_EQ(!big, pqc__pq_softmax_products(lv[0], &pq, &codes, 4, 0, n, 0.125f, lut, el, w, rows, ref));
+        }
+        sums_softmax(lv[0], &pq, &codes, q, n, rows, ref);
+        if (big) {
+            ASSERT_MEM_EQ(ref, sc[0], n * sizeof(float));
+            continue;
+        }
+        for (t = 0; t < n; t++) {
+            float e = fabsf(sc[0][t] - ref[t]) / ref[t];
+            worst = e > worst ? e : worst;
+        }
+        ASSERT(worst > 0.0f);   /* the two ways round differently */
+        ASSERT(worst < 2e-6f); /* by a few units in the last place */
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, q, 4, &sd, NULL, ix, NULL));
+        ref_topk(ref, n, k, rx);
+        ASSERT_MEM_EQ(rx, ix, k * sizeof(uint32_t));
+    }
+    for (li = 0; li < nl; li++) free(sc[li]);
+    free(rows);
+    free(ref);
+    free(q);
+    free(ix);
+    pqc_codes_free(&codes);
+    pqc_pq_free(&pq);
+    synth_free(&sy);
+    PASS();
+}
+
 TEST forced_simd_beyond_cpu_is_refused(void)
 {
     pqc_runtime_desc d;
@@ -827,6 +925,7 @@ SUITE(core)
     RUN_TEST(needles_always_retrieved);
     RUN_TEST(exact_search_matches_reference);
     RUN_TEST(simd_matches_scalar);
+    RUN_TEST(softmax_products_match_exponentials);
     RUN_TEST(forced_simd_beyond_cpu_is_refused);
     RUN_TEST(cuda_absence_is_a_clean_fallback);
     RUN_TEST(bad_inputs);
