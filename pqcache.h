@@ -6451,7 +6451,11 @@ static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_c
     for (h = 0; h < g; h++)
         if (!(w[h] >= PQC__PROD_FLOOR)) return 0;
     for (h = 0; h < g; h++) w[g + h] = 1.0f / w[h];
-    pqc__k_combine(simd, rows, count, g, count, w + g, out);
+    for (i = count; i > 0;) { /* the last rows written first: they are still in cache */
+        size_t b = i > 4096 ? i - 4096 : 0;
+        pqc__k_combine(simd, rows + b, count, g, i - b, w + g, out + b);
+        i = b;
+    }
     return 1;
 }
 
