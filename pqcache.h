@@ -2657,12 +2657,21 @@ PQC__AVX2 static inline void pqc__scan_g4_avx2(const pqc_codes *cd, const float 
    level compiles it with its own registers (AVX-512's 32 hold every lane). */
 #define PQC__PLD(a, i) a = _mm_loadu_ps(l + ((size_t)c[i] << 2))
 #define PQC__PMUL(a, i) a = _mm_mul_ps(a, _mm_loadu_ps(l + ((size_t)c[i] << 2)))
-#define PQC__PZ(q, a0, a1, a2, a3, b0, b1, b2, b3)                                                                         \
+/* lanes q (a: 0-3, b: 4-7, c: 8-11, d: 12-15) of each head += its four tokens' products */
+#define PQC__PZ(q, a0, a1, a2, a3)                                                                                     \
     do {                                                                                                               \
         z0##q = _mm_add_ps(z0##q, a0);                                                                                 \
         z1##q = _mm_add_ps(z1##q, a1);                                                                                 \
         z2##q = _mm_add_ps(z2##q, a2);                                                                                 \
         z3##q = _mm_add_ps(z3##q, a3);                                                                                 \
+    } while (0)
+/* head h's 16 lanes into lanes[h] */
+#define PQC__PLANES(h)                                                                                                 \
+    do {                                                                                                               \
+        _mm_storeu_ps(lanes[h], z##h##a);                                                                              \
+        _mm_storeu_ps(lanes[h] + 4, z##h##b);                                                                          \
+        _mm_storeu_ps(lanes[h] + 8, z##h##c);                                                                          \
+        _mm_storeu_ps(lanes[h] + 12, z##h##d);                                                                         \
     } while (0)
 static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const float *el, int ksub, size_t t0, size_t n,
                                                     float *out, size_t ostride, float *z)
@@ -2707,29 +2716,17 @@ static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const f
         _mm_storeu_ps(out + 3 * ostride + t, a3);
         _mm_storeu_ps(out + 3 * ostride + t + 4, b3);
         if (t & 8) {
-            PQC__PZ(c, a0, a1, a2, a3, b0, b1, b2, b3);
-            PQC__PZ(d, b0, b1, b2, b3, a0, a1, a2, a3);
+            PQC__PZ(c, a0, a1, a2, a3);
+            PQC__PZ(d, b0, b1, b2, b3);
         } else {
-            PQC__PZ(a, a0, a1, a2, a3, b0, b1, b2, b3);
-            PQC__PZ(b, b0, b1, b2, b3, a0, a1, a2, a3);
+            PQC__PZ(a, a0, a1, a2, a3);
+            PQC__PZ(b, b0, b1, b2, b3);
         }
     }
-    _mm_storeu_ps(lanes[0], z0a);
-    _mm_storeu_ps(lanes[0] + 4, z0b);
-    _mm_storeu_ps(lanes[0] + 8, z0c);
-    _mm_storeu_ps(lanes[0] + 12, z0d);
-    _mm_storeu_ps(lanes[1], z1a);
-    _mm_storeu_ps(lanes[1] + 4, z1b);
-    _mm_storeu_ps(lanes[1] + 8, z1c);
-    _mm_storeu_ps(lanes[1] + 12, z1d);
-    _mm_storeu_ps(lanes[2], z2a);
-    _mm_storeu_ps(lanes[2] + 4, z2b);
-    _mm_storeu_ps(lanes[2] + 8, z2c);
-    _mm_storeu_ps(lanes[2] + 12, z2d);
-    _mm_storeu_ps(lanes[3], z3a);
-    _mm_storeu_ps(lanes[3] + 4, z3b);
-    _mm_storeu_ps(lanes[3] + 8, z3c);
-    _mm_storeu_ps(lanes[3] + 12, z3d);
+    PQC__PLANES(0);
+    PQC__PLANES(1);
+    PQC__PLANES(2);
+    PQC__PLANES(3);
     if (nv < n) pqc__scan_heads_part(cd, el, ksub, 4, 1, 0, 4, t0, nv, n, out, ostride, mx);
     for (h = 0; h < 4; h++) {
         float a = 0.0f;
@@ -2741,6 +2738,7 @@ static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const f
 #undef PQC__PLD
 #undef PQC__PMUL
 #undef PQC__PZ
+#undef PQC__PLANES
 
 PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0,
                                            size_t n, float *out, size_t ostride, float *mx)
