@@ -2680,7 +2680,7 @@ static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const f
     int j, m = cd->m, h, q;
     __m128 z0a = _mm_setzero_ps(), z0b = z0a, z0c = z0a, z0d = z0a, z1a = z0a, z1b = z0a, z1c = z0a, z1d = z0a;
     __m128 z2a = z0a, z2b = z0a, z2c = z0a, z2d = z0a, z3a = z0a, z3b = z0a, z3c = z0a, z3d = z0a;
-    float lanes[4][16], mx[4];
+    float lanes[4][16], mx[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (the tail's maxima, unused) */
     for (t = 0; t < nv; t += 8) {
         __m128 a0, a1, a2, a3, b0, b1, b2, b3;
         const unsigned char *c = cd->data + t0 + t;
