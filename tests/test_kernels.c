@@ -667,7 +667,7 @@ TEST lanesum_is_expsums_order(void)
 /* Every head's products and their sums: the scalar reference's rows are
    pqc__scan_heads' with prod, its sums the rows' lane sums; every level equals it bit for
    bit, over head counts in and out of the fused group of four, odd starts and lengths
-   around the eight-token step, every code width */
+   around the eight-token step, code widths 4, 6 and 8 */
 TEST scan_products_bitwise(void)
 {
     static const size_t ns[] = {0, 1, 7, 8, 9, 15, 16, 17, 24, 100, 257};
