@@ -1978,16 +1978,23 @@ static float pqc__expsum_scalar(const float *s, size_t n, float mx, float scale,
     return z;
 }
 
+/* The end of a lane sum: values t..n-1 of x into lanes (value t into lane t mod 16), then
+   the lanes added in order from 0. */
+static float pqc__lanes_end(float *lanes, const float *x, size_t t, size_t n)
+{
+    float z = 0.0f;
+    int l;
+    for (; t < n; t++) lanes[t & 15] += x[t];
+    for (l = 0; l < 16; l++) z += lanes[l];
+    return z;
+}
+
 /* The sum of n values as pqc__expsum adds its exponentials: 16 lanes (value t into lane
    t mod 16, in order), then the lanes in order from 0. */
 static float pqc__lanesum_scalar(const float *x, size_t n)
 {
-    float lanes[16] = {0}, z = 0.0f;
-    size_t t;
-    int l;
-    for (t = 0; t < n; t++) lanes[t & 15] += x[t];
-    for (l = 0; l < 16; l++) z += lanes[l];
-    return z;
+    float lanes[16] = {0};
+    return pqc__lanes_end(lanes, x, 0, n);
 }
 
 /* acc[t] = fma(e[t], w, acc[t]) */
@@ -2677,7 +2684,7 @@ static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const f
                                                     float *out, size_t ostride, float *z)
 {
     size_t t, nv = n & ~(size_t)7, tab = (size_t)ksub * 4;
-    int j, m = cd->m, h, q;
+    int j, m = cd->m, h;
     __m128 z0a = _mm_setzero_ps(), z0b = z0a, z0c = z0a, z0d = z0a, z1a = z0a, z1b = z0a, z1c = z0a, z1d = z0a;
     __m128 z2a = z0a, z2b = z0a, z2c = z0a, z2d = z0a, z3a = z0a, z3b = z0a, z3c = z0a, z3d = z0a;
     float lanes[4][16], mx[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* (the tail's maxima, unused) */
@@ -2728,12 +2735,7 @@ static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const f
     PQC__PLANES(2);
     PQC__PLANES(3);
     if (nv < n) pqc__scan_heads_part(cd, el, ksub, 4, 1, 0, 4, t0, nv, n, out, ostride, mx);
-    for (h = 0; h < 4; h++) {
-        float a = 0.0f;
-        for (t = nv; t < n; t++) lanes[h][t & 15] += out[(size_t)h * ostride + t];
-        for (q = 0; q < 16; q++) a += lanes[h][q];
-        z[h] = a;
-    }
+    for (h = 0; h < 4; h++) z[h] = pqc__lanes_end(lanes[h], out + (size_t)h * ostride, nv, n);
 }
 #undef PQC__PLD
 #undef PQC__PMUL
@@ -2753,18 +2755,15 @@ PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut
 PQC__AVX2 static float pqc__lanesum_avx2(const float *x, size_t n)
 {
     __m256 a = _mm256_setzero_ps(), b = a;
-    float lanes[16], z = 0.0f;
+    float lanes[16];
     size_t t = 0;
-    int l;
     for (; t + 16 <= n; t += 16) {
         a = _mm256_add_ps(a, _mm256_loadu_ps(x + t));
         b = _mm256_add_ps(b, _mm256_loadu_ps(x + t + 8));
     }
     _mm256_storeu_ps(lanes, a);
     _mm256_storeu_ps(lanes + 8, b);
-    for (; t < n; t++) lanes[t & 15] += x[t];
-    for (l = 0; l < 16; l++) z += lanes[l];
-    return z;
+    return pqc__lanes_end(lanes, x, t, n);
 }
 
 PQC__AVX2 static void pqc__scan_products_avx2(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0,
@@ -4464,9 +4463,8 @@ static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub
 static float pqc__lanesum_neon(const float *x, size_t n)
 {
     float32x4_t a = vdupq_n_f32(0.0f), b = a, c = a, d = a;
-    float lanes[16], z = 0.0f;
+    float lanes[16];
     size_t t = 0;
-    int l;
     for (; t + 16 <= n; t += 16) {
         a = vaddq_f32(a, vld1q_f32(x + t));
         b = vaddq_f32(b, vld1q_f32(x + t + 4));
@@ -4477,9 +4475,7 @@ static float pqc__lanesum_neon(const float *x, size_t n)
     vst1q_f32(lanes + 4, b);
     vst1q_f32(lanes + 8, c);
     vst1q_f32(lanes + 12, d);
-    for (; t < n; t++) lanes[t & 15] += x[t];
-    for (l = 0; l < 16; l++) z += lanes[l];
-    return z;
+    return pqc__lanes_end(lanes, x, t, n);
 }
 
 static void pqc__scan_products_neon(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0, size_t n,
