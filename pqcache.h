@@ -409,7 +409,7 @@ PQCDEF unsigned pqc_codes_get(const pqc_codes *codes, size_t t, int j);
 typedef enum pqc_gqa {
     PQC_GQA_SOFTMAX_SUM = 0, /* default, the authors': per head softmax(q.k / sqrt(d_h)) over
                                 all tokens, probabilities summed over the heads. Over 8-bit
-                                codes, heads in groups of four, a PQ search takes a token's
+                                codes and two or more heads, a PQ search takes a token's
                                 exponential as the product of per-sub-space tables of
                                 exponentials (no exponential per token and head): the same
                                 probabilities to a few units in the last place             */
@@ -6402,11 +6402,15 @@ static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_
     return PQC_SUCCESS;
 }
 
-/* Softmax-sum over 8-bit codes without residuals, in groups of four heads: one pass over
-   the codes gives every head's exponentials (pqc__pq_softmax_products). */
+/* Softmax-sum over 8-bit codes without residuals, two or more heads: one pass over the
+   codes gives every head's exponentials (pqc__pq_softmax_products). A single head keeps
+   the exponentials of its scores (the four-head scan cost more than that saved). */
+#ifndef PQC__FUSED_MIN_G
+#define PQC__FUSED_MIN_G 2
+#endif
 static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_search_desc *desc)
 {
-    return gqa == PQC_GQA_SOFTMAX_SUM && pq->bits == 8 && g % 4 == 0 && !(desc && desc->residuals);
+    return gqa == PQC_GQA_SOFTMAX_SUM && pq->bits == 8 && g >= PQC__FUSED_MIN_G && !(desc && desc->residuals);
 }
 
 /* The smallest sum of a head's products for pqc__pq_softmax_products' results to stand
@@ -6415,39 +6419,45 @@ static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_sear
    most 2^32 tokens), and every token within 2^-74 of it a normal number, as with the
    exponentials of the scores' differences. */
 #define PQC__PROD_FLOOR 9.5367431640625e-07f
+/* g heads padded to a multiple of four (the scan's groups): the padding heads' tables are
+   ones, their rows unused */
+#define PQC__HEADS4(g) (((g) + 3) & ~3)
 
-/* Softmax-sum of g heads (g a multiple of 4, 8-bit codes) with each head's exponentials
-   as products: E_hj[c] = pqc_exp((lut_h[j][c] - M_hj) * scale), M_hj the table's largest
+/* Softmax-sum of g heads (8-bit codes; padded to a multiple of four for the scan, the
+   padding heads' tables ones and their rows unused) with each head's exponentials as
+   products: E_hj[c] = pqc_exp((lut_h[j][c] - M_hj) * scale), M_hj the table's largest
    entry, and token t's exponential under head h is the product over j (ascending, from 1)
    of E_hj[code_j(t)], the exponential of its score less sum_j M_hj: no exponential per
-   token and head, and no pass for the maxima. Z_h = the sum of head h's products
-   (pqc__k_lanesum's order, pqc__k_scan_products), out = pqc__k_combine of the rows with
-   weights 1/Z_h. lut: the heads' tables [g][m][ksub]; el: [m][ksub][g] work (the
-   exponentials interleaved); w: 2g floats; rows: g * count floats. Returns 0 (out
-   untouched) when some head's Z_h is below PQC__PROD_FLOOR (queries whose sub-spaces'
-   best entries add up far beyond any token's score): the caller then takes the
-   exponentials of the scores. The results differ from those by rounding only (a few units in the last
-   place); every level makes these bit for bit. */
+   token and head, and no pass for the maxima. Z_h = the sum of head h's products (in
+   pqc__lanesum's order, pqc__k_scan_products), out = pqc__k_combine of the rows with
+   weights 1/Z_h. lut: the heads' tables [g][m][ksub]; el: [m][ksub][gp] work (the
+   exponentials interleaved, gp = PQC__HEADS4(g)); w: 2gp floats; rows: gp * count
+   floats. Returns 0 (out untouched) when some head's Z_h is below PQC__PROD_FLOOR
+   (queries whose sub-spaces' best entries add up far beyond any token's score): the
+   caller then takes the exponentials of the scores. The results differ from those by
+   rounding only (a few units in the last place); every level makes these bit for bit. */
 static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, int g, size_t first,
                                     size_t count, float scale, float *lut, float *el, float *w, float *rows, float *out)
 {
     size_t i, ks = (size_t)pq->ksub;
     float e[256];
-    int h, j;
-    for (h = 0; h < g; h++) {
+    int h, j, gp = PQC__HEADS4(g);
+    for (h = 0; h < gp; h++) {
         for (j = 0; j < pq->m; j++) {
-            const float *t = lut + ((size_t)h * pq->m + (size_t)j) * ks;
-            (void)pqc__k_expsum(simd, t, ks, pqc__k_max(simd, t, ks), scale, e);
-            for (i = 0; i < ks; i++) el[((size_t)j * ks + i) * (size_t)g + (size_t)h] = e[i];
+            if (h < g) {
+                const float *t = lut + ((size_t)h * pq->m + (size_t)j) * ks;
+                (void)pqc__k_expsum(simd, t, ks, pqc__k_max(simd, t, ks), scale, e);
+            }
+            for (i = 0; i < ks; i++) el[((size_t)j * ks + i) * (size_t)gp + (size_t)h] = h < g ? e[i] : 1.0f;
         }
     }
-    pqc__k_scan_products(simd, codes, el, pq->ksub, g, first, count, rows, count, w);
+    pqc__k_scan_products(simd, codes, el, pq->ksub, gp, first, count, rows, count, w);
     for (h = 0; h < g; h++)
         if (!(w[h] >= PQC__PROD_FLOOR)) return 0;
-    for (h = 0; h < g; h++) w[g + h] = 1.0f / w[h];
+    for (h = 0; h < g; h++) w[gp + h] = 1.0f / w[h];
     for (i = count; i > 0;) { /* the last rows written first: they are still in cache */
         size_t b = i > 4096 ? i - 4096 : 0;
-        pqc__k_combine(simd, rows + b, count, g, i - b, w + g, out + b);
+        pqc__k_combine(simd, rows + b, count, g, i - b, w + gp, out + b);
         i = b;
     }
     return 1;
@@ -6522,7 +6532,7 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
                                       int g, const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx,
                                       float *scores, float *all_out)
 {
-    size_t first = 0, count = 0, ol, orw, ot, os, oc, bytes;
+    size_t first = 0, count = 0, ol, orw, ot, os, oc, bytes, gp;
     pqc_gqa gqa = PQC_GQA_SOFTMAX_SUM;
     pqc_result r;
     unsigned char *mem;
@@ -6535,11 +6545,14 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
             return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, count);
     }
     fused = pqc__fused_heads(pq, g, gqa, desc);
-    ol = 0; /* tables [g + 1][m][ksub], then twice the interleaved [m][ksub][g] where fused */
-    orw = PQC__ALIGN_UP(((size_t)g + 1 + (fused ? 2 * (size_t)g : 0)) * pq->m * pq->ksub * sizeof(float));
-    /* residual weights [g + 1][m], or the fused heads' maxima and weights [2g] */
-    ot = orw + PQC__ALIGN_UP(PQC__MAX(((size_t)g + 1) * pq->m, 2 * (size_t)g) * sizeof(float));
-    os = ot + PQC__ALIGN_UP((fused ? (size_t)g : 1) * count * sizeof(float));
+    gp = (size_t)PQC__HEADS4(g);
+    /* tables [g + 1][m][ksub], then where fused the interleaved [m][ksub][g] and the
+       exponentials' [m][ksub][gp] */
+    ol = 0;
+    orw = PQC__ALIGN_UP(((size_t)g + 1 + (fused ? (size_t)g + gp : 0)) * pq->m * pq->ksub * sizeof(float));
+    /* residual weights [g + 1][m], or the fused heads' maxima and weights [2gp] */
+    ot = orw + PQC__ALIGN_UP(PQC__MAX(((size_t)g + 1) * pq->m, 2 * gp) * sizeof(float));
+    os = ot + PQC__ALIGN_UP((fused ? gp : 1) * count * sizeof(float));
     oc = os + PQC__ALIGN_UP(count * sizeof(float));
     bytes = oc + (all_out ? 0 : pqc__select_scratch(count));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
@@ -11150,9 +11163,8 @@ static const char pqc__kernel_source[] =
 " * and pqc_kmeans_assign_dots.\n"
 " * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over\n"
 " * blocks here, 16 interleaved lanes on the CPU: a few ulps apart), SOFTMAX_SUM's\n"
-" * exponentials over 8-bit codes with the heads in groups of four (the CPU takes them as\n"
-" * products of per-sub-space tables of exponentials: a few ulps apart) and the k-means\n"
-" * sums.\n"
+" * exponentials over 8-bit codes with two or more heads (the CPU takes them as products\n"
+" * of per-sub-space tables of exponentials: a few ulps apart) and the k-means sums.\n"
 " * That needs --fmad=false (the library passes it): only the explicit fmaf calls fuse.\n"
 " */\n"
 "\n"

@@ -33,9 +33,8 @@
  * and pqc_kmeans_assign_dots.
  * Results equal the CPU library's bit for bit except Z_h of SOFTMAX_SUM (a tree over
  * blocks here, 16 interleaved lanes on the CPU: a few ulps apart), SOFTMAX_SUM's
- * exponentials over 8-bit codes with the heads in groups of four (the CPU takes them as
- * products of per-sub-space tables of exponentials: a few ulps apart) and the k-means
- * sums.
+ * exponentials over 8-bit codes with two or more heads (the CPU takes them as products
+ * of per-sub-space tables of exponentials: a few ulps apart) and the k-means sums.
  * That needs --fmad=false (the library passes it): only the explicit fmaf calls fuse.
  */
 

@@ -560,32 +560,33 @@ TEST simd_matches_scalar(void)
     PASS();
 }
 
-/* Softmax-sum of 8-bit codes in groups of four heads takes each head's exponentials as
+/* Softmax-sum of 8-bit codes (two or more heads) takes each head's exponentials as
    products of per-sub-space tables: every level makes the same bits, each score is the
    exponentials' of the sums (pqc__scan_heads + pqc__softmax_rows) to a few units in the
-   last place, and the selection is theirs. Queries whose sub-spaces' best entries add up
-   far beyond any token's score leave the products too small: those searches take the
-   exponentials of the sums, bit for bit. */
-static void sums_softmax(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, const float *q, size_t n,
+   last place, and the selection is theirs; with four heads and with three (padded to the
+   scan's group of four). Queries whose sub-spaces' best entries add up far beyond any
+   token's score leave the products too small: those searches take the exponentials of
+   the sums, bit for bit. */
+static void sums_softmax(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, const float *q, int g, size_t n,
                          float *rows, float *out)
 {
     size_t tl = (size_t)pq->m * pq->ksub, i;
     float *lut = (float *)malloc(sizeof(float) * tl * 8), *il = lut + tl * 4, mx[4], w[4];
     int h;
-    pqc_pq_lut(NULL, pq, q, 4, lut);
-    for (h = 0; h < 4; h++) {
-        for (i = 0; i < tl; i++) il[i * 4 + (size_t)h] = lut[(size_t)h * tl + i];
+    pqc_pq_lut(NULL, pq, q, g, lut);
+    for (h = 0; h < g; h++) {
+        for (i = 0; i < tl; i++) il[i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + i];
         mx[h] = -INFINITY;
     }
-    pqc__k_scan_heads(simd, codes, il, pq->ksub, 4, 0, 0, n, rows, n, mx);
-    pqc__softmax_rows(simd, rows, n, 4, mx, 1.0f / sqrtf((float)pq->dim), w, out);
+    pqc__k_scan_heads(simd, codes, il, pq->ksub, g, 0, 0, n, rows, n, mx);
+    pqc__softmax_rows(simd, rows, n, g, mx, 1.0f / sqrtf((float)pq->dim), w, out);
     free(lut);
 }
 
 TEST softmax_products_match_exponentials(void)
 {
     pqc_simd lv[3];
-    int nl = simd_levels(lv), li, big;
+    int nl = simd_levels(lv), li, big, g;
     synth sy;
     pqc_pq pq;
     pqc_codes codes;
@@ -617,23 +618,24 @@ TEST softmax_products_match_exponentials(void)
     memset(&sd, 0, sizeof sd);
     sd.gqa = PQC_GQA_SOFTMAX_SUM;
     sd.k = k;
+    for (g = 4; g >= 3; g--)
     for (big = 0; big <= 1; big++) {
         float worst = 0.0f, el[4096], w[8];
         for (t = 0; t < 4 * 64; t++) q[t] = sy.queries[t] * (big ? 4000.0f : 1.0f);
         for (li = 0; li < nl; li++) {
             pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
             ASSERT(rt);
-            ASSERT_EQ(PQC_SUCCESS, pqc_pq_scores(rt, &pq, &codes, q, 4, &sd, NULL, sc[li]));
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_scores(rt, &pq, &codes, q, g, &sd, NULL, sc[li]));
             pqc_runtime_destroy(rt);
             if (li) ASSERT_MEM_EQ(sc[0], sc[li], n * sizeof(float));
         }
         { /* the products stand for the ordinary queries only, and are what the search gave */
             float lut[4096];
-            ASSERT_EQ(PQC_SUCCESS, pqc_pq_lut(NULL, &pq, q, 4, lut));
-            ASSERT_EQ(!big, pqc__pq_softmax_products(lv[0], &pq, &codes, 4, 0, n, 0.125f, lut, el, w, rows, ref));
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_lut(NULL, &pq, q, g, lut));
+            ASSERT_EQ(!big, pqc__pq_softmax_products(lv[0], &pq, &codes, g, 0, n, 0.125f, lut, el, w, rows, ref));
             if (!big) ASSERT_MEM_EQ(sc[0], ref, n * sizeof(float));
         }
-        sums_softmax(lv[0], &pq, &codes, q, n, rows, ref);
+        sums_softmax(lv[0], &pq, &codes, q, g, n, rows, ref);
         if (big) {
             ASSERT_MEM_EQ(ref, sc[0], n * sizeof(float));
             continue;
@@ -644,7 +646,7 @@ TEST softmax_products_match_exponentials(void)
         }
         ASSERT(worst > 0.0f);   /* the two ways round differently */
         ASSERT(worst < 2e-6f); /* by a few units in the last place */
-        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, q, 4, &sd, NULL, ix, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(NULL, &pq, &codes, q, g, &sd, NULL, ix, NULL));
         ref_topk(ref, n, k, rx);
         ASSERT_MEM_EQ(rx, ix, k * sizeof(uint32_t));
     }

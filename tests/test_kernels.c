@@ -685,7 +685,8 @@ TEST scan_products_bitwise(void)
                 size_t cap = 17 + 257, tl = (size_t)m * (size_t)ksub;
                 pqc_codes cd;
                 float *el = (float *)malloc(sizeof(float) * tl * (size_t)g);
-                float *oa = (float *)malloc(sizeof(float) * 257 * (size_t)g), *ob = (float *)malloc(sizeof(float) * 257 * (size_t)g);
+                float *oa = (float *)malloc(sizeof(float) * 257 * (size_t)g);
+                float *ob = (float *)malloc(sizeof(float) * 257 * (size_t)g);
                 float za[8], zb[8], mx[8];
                 const char *bad = NULL;
                 random_codes(&cd, m, bits, cap, &st);
@@ -696,7 +697,8 @@ TEST scan_products_bitwise(void)
                         pqc__scan_products_scalar(&cd, el, ksub, g, t0, n, oa, n, za);
                         for (h = 0; h < g; h++) mx[h] = -INFINITY;
                         pqc__scan_heads_scalar(&cd, el, ksub, g, 1, t0, n, ob, n, mx);
-                        if (first_diff(oa, ob, n * (size_t)g, sizeof(float)) >= 0) bad = "scalar rows differ from scan_heads'";
+                        if (first_diff(oa, ob, n * (size_t)g, sizeof(float)) >= 0)
+                            bad = "scalar rows differ from scan_heads'";
                         for (h = 0; h < g && !bad; h++) {
                             float z = pqc__lanesum_scalar(oa + (size_t)h * n, n);
                             if (memcmp(&z, &za[h], sizeof z) != 0) bad = "scalar sum differs from the lane sum";
