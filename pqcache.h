@@ -6430,28 +6430,31 @@ static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_sear
    of E_hj[code_j(t)], the exponential of its score less sum_j M_hj: no exponential per
    token and head, and no pass for the maxima. Z_h = the sum of head h's products (in
    pqc__lanesum's order, pqc__k_scan_products), out = pqc__k_combine of the rows with
-   weights 1/Z_h. lut: the heads' tables [g][m][ksub]; el: [m][ksub][gp] work (the
-   exponentials interleaved, gp = PQC__HEADS4(g)); w: 2gp floats; rows: gp * count
-   floats. Returns 0 (out untouched) when some head's Z_h is below PQC__PROD_FLOOR
+   weights 1/Z_h. lut: the heads' tables [g][m][ksub]; el: gp * m * ksub floats of work
+   (each group of four heads' exponentials interleaved, [m][ksub][4], gp =
+   PQC__HEADS4(g)); w: 2gp floats; rows: gp * count floats. Returns 0 (out untouched) when some head's Z_h is below PQC__PROD_FLOOR
    (queries whose sub-spaces' best entries add up far beyond any token's score): the
    caller then takes the exponentials of the scores. The results differ from those by
    rounding only (a few units in the last place); every level makes these bit for bit. */
 static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, int g, size_t first,
                                     size_t count, float scale, float *lut, float *el, float *w, float *rows, float *out)
 {
-    size_t i, ks = (size_t)pq->ksub;
+    size_t i, ks = (size_t)pq->ksub, tl = (size_t)pq->m * ks;
     float e[256];
     int h, j, gp = PQC__HEADS4(g);
-    for (h = 0; h < gp; h++) {
+    for (h = 0; h < gp; h++) { /* each group of four heads' tables interleaved, [m][ksub][4] */
+        float *eg = el + (size_t)(h & ~3) * tl;
         for (j = 0; j < pq->m; j++) {
             if (h < g) {
                 const float *t = lut + ((size_t)h * pq->m + (size_t)j) * ks;
                 (void)pqc__k_expsum(simd, t, ks, pqc__k_max(simd, t, ks), scale, e);
             }
-            for (i = 0; i < ks; i++) el[((size_t)j * ks + i) * (size_t)gp + (size_t)h] = h < g ? e[i] : 1.0f;
+            for (i = 0; i < ks; i++) eg[((size_t)j * ks + i) * 4 + (size_t)(h & 3)] = h < g ? e[i] : 1.0f;
         }
     }
-    pqc__k_scan_products(simd, codes, el, pq->ksub, gp, first, count, rows, count, w);
+    for (h = 0; h < gp; h += 4) /* a pass over the codes a group (the four-head kernel) */
+        pqc__k_scan_products(simd, codes, el + (size_t)h * tl, pq->ksub, 4, first, count, rows + (size_t)h * count,
+                             count, w + h);
     for (h = 0; h < g; h++)
         if (!(w[h] >= PQC__PROD_FLOOR)) return 0;
     for (h = 0; h < g; h++) w[gp + h] = 1.0f / w[h];
@@ -6547,7 +6550,7 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
     fused = pqc__fused_heads(pq, g, gqa, desc);
     gp = (size_t)PQC__HEADS4(g);
     /* tables [g + 1][m][ksub], then where fused the interleaved [m][ksub][g] and the
-       exponentials' [m][ksub][gp] */
+       exponentials' gp * m * ksub */
     ol = 0;
     orw = PQC__ALIGN_UP(((size_t)g + 1 + (fused ? (size_t)g + gp : 0)) * pq->m * pq->ksub * sizeof(float));
     /* residual weights [g + 1][m], or the fused heads' maxima and weights [2gp] */

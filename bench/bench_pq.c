@@ -243,6 +243,24 @@ int main(int argc, char **argv)
             }
             printf("pqcache search_gqa4_softmax_ns_per_token %s %.3f\n", cfg_name[ci],
                    median(tt, reps * 5) * 1e9 / (double)s);
+            if (ci == 1) { /* the default shape under other GQA groups: g query heads (the
+                              synthetic four, then scaled copies of them) */
+                static const int groups[] = {1, 2, 3, 7, 8};
+                float *qg = (float *)malloc(8 * 128 * sizeof(float));
+                size_t gi, e;
+                for (e = 0; qg && e < 8 * 128; e++)
+                    qg[e] = sy.queries[(e / 128 % 4) * 128 + e % 128] * (1.0f + 0.1f * (float)(e / 512));
+                for (gi = 0; qg && gi < sizeof groups / sizeof groups[0]; gi++) {
+                    for (i = 0; i < reps * 5; i++) {
+                        t = now();
+                        pqc_pq_search(rt, &pq, &codes, qg, groups[gi], &s1, &scr, idx, NULL);
+                        tt[i] = now() - t;
+                    }
+                    printf("pqcache softmax_group_ns_per_token %s/g%d %.3f\n", cfg_name[ci], groups[gi],
+                           median(tt, reps * 5) * 1e9 / (double)s);
+                }
+                free(qg);
+            }
         }
         fflush(stdout);
         pqc_codes_free(&codes);

@@ -230,6 +230,12 @@ def main(argv):
                   "%.2fx" % (sm / su) if su else "n/a", num(faiss.get("search_ns_per_token", c)),
                   ratio(faiss.get("search_ns_per_token", c), sm)))
 
+    grp = sorted((int(cfg.split("/g")[1]), v) for (metric, cfg), v in ours.val.items()
+                 if metric == "softmax_group_ns_per_token" and "/g" in cfg)
+    if grp:
+        print("softmax-sum %s by GQA group (query heads per KV head): %s ns/tok" % (
+            DEFAULT_CFG, "  ".join("g=%d %s" % (g, num(v)) for g, v in grp)))
+
     print("-- selection quality --")
     for c in cfgs:
         print("recall %s: faiss %s pqcache %s" % (

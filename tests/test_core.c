@@ -563,15 +563,15 @@ TEST simd_matches_scalar(void)
 /* Softmax-sum of 8-bit codes (two or more heads) takes each head's exponentials as
    products of per-sub-space tables: every level makes the same bits, each score is the
    exponentials' of the sums (pqc__scan_heads + pqc__softmax_rows) to a few units in the
-   last place, and the selection is theirs; with four heads and with three (padded to the
-   scan's group of four). Queries whose sub-spaces' best entries add up far beyond any
+   last place, and the selection is theirs; with four heads, three (padded to the scan's
+   group of four) and eight (two groups). Queries whose sub-spaces' best entries add up far beyond any
    token's score leave the products too small: those searches take the exponentials of
    the sums, bit for bit. */
 static void sums_softmax(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, const float *q, int g, size_t n,
                          float *rows, float *out)
 {
     size_t tl = (size_t)pq->m * pq->ksub, i;
-    float *lut = (float *)malloc(sizeof(float) * tl * 8), *il = lut + tl * 4, mx[4], w[4];
+    float *lut = (float *)malloc(sizeof(float) * tl * 16), *il = lut + tl * 8, mx[8], w[8];
     int h;
     pqc_pq_lut(NULL, pq, q, g, lut);
     for (h = 0; h < g; h++) {
@@ -586,7 +586,7 @@ static void sums_softmax(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes
 TEST softmax_products_match_exponentials(void)
 {
     pqc_simd lv[3];
-    int nl = simd_levels(lv), li, big, g;
+    int nl = simd_levels(lv), li, gi;
     synth sy;
     pqc_pq pq;
     pqc_codes codes;
@@ -610,18 +610,19 @@ TEST softmax_products_match_exponentials(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, 0, NULL));
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
     for (li = 0; li < nl; li++) sc[li] = (float *)malloc(n * sizeof(float));
-    rows = (float *)malloc(4 * n * sizeof(float));
+    rows = (float *)malloc(8 * n * sizeof(float));
     ref = (float *)malloc(n * sizeof(float));
-    q = (float *)malloc(4 * 64 * sizeof(float));
+    q = (float *)malloc(8 * 64 * sizeof(float));
     ix = (uint32_t *)malloc(2 * k * sizeof(uint32_t));
     rx = ix + k;
     memset(&sd, 0, sizeof sd);
     sd.gqa = PQC_GQA_SOFTMAX_SUM;
     sd.k = k;
-    for (g = 4; g >= 3; g--)
-    for (big = 0; big <= 1; big++) {
-        float worst = 0.0f, el[4096], w[8];
-        for (t = 0; t < 4 * 64; t++) q[t] = sy.queries[t] * (big ? 4000.0f : 1.0f);
+    for (gi = 0; gi < 6; gi++) {
+        const int g = gi < 2 ? 8 : gi < 4 ? 4 : 3, big = gi & 1;
+        float worst = 0.0f, el[8192], w[16];
+        /* the four synthetic heads, then scaled copies of them */
+        for (t = 0; t < 8 * 64; t++) q[t] = sy.queries[t % 256] * (t < 256 ? 1.0f : 1.25f) * (big ? 4000.0f : 1.0f);
         for (li = 0; li < nl; li++) {
             pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
             ASSERT(rt);
@@ -630,7 +631,7 @@ TEST softmax_products_match_exponentials(void)
             if (li) ASSERT_MEM_EQ(sc[0], sc[li], n * sizeof(float));
         }
         { /* the products stand for the ordinary queries only, and are what the search gave */
-            float lut[4096];
+            float lut[8192];
             ASSERT_EQ(PQC_SUCCESS, pqc_pq_lut(NULL, &pq, q, g, lut));
             ASSERT_EQ(!big, pqc__pq_softmax_products(lv[0], &pq, &codes, g, 0, n, 0.125f, lut, el, w, rows, ref));
             if (!big) ASSERT_MEM_EQ(sc[0], ref, n * sizeof(float));
