@@ -6405,9 +6405,7 @@ static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_
 /* Softmax-sum over 8-bit codes without residuals, two or more heads: one pass over the
    codes gives every head's exponentials (pqc__pq_softmax_products). A single head keeps
    the exponentials of its scores (the four-head scan cost more than that saved). */
-#ifndef PQC__FUSED_MIN_G
 #define PQC__FUSED_MIN_G 2
-#endif
 static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_search_desc *desc)
 {
     return gqa == PQC_GQA_SOFTMAX_SUM && pq->bits == 8 && g >= PQC__FUSED_MIN_G && !(desc && desc->residuals);
@@ -6432,10 +6430,11 @@ static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_sear
    pqc__lanesum's order, pqc__k_scan_products), out = pqc__k_combine of the rows with
    weights 1/Z_h. lut: the heads' tables [g][m][ksub]; el: gp * m * ksub floats of work
    (each group of four heads' exponentials interleaved, [m][ksub][4], gp =
-   PQC__HEADS4(g)); w: 2gp floats; rows: gp * count floats. Returns 0 (out untouched) when some head's Z_h is below PQC__PROD_FLOOR
-   (queries whose sub-spaces' best entries add up far beyond any token's score): the
-   caller then takes the exponentials of the scores. The results differ from those by
-   rounding only (a few units in the last place); every level makes these bit for bit. */
+   PQC__HEADS4(g)); w: 2gp floats; rows: gp * count floats. Returns 0 (out untouched)
+   when some head's Z_h is below PQC__PROD_FLOOR (queries whose sub-spaces' best entries
+   add up far beyond any token's score): the caller then takes the exponentials of the
+   scores. The results differ from those by rounding only (a few units in the last
+   place); every level makes these bit for bit. */
 static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, int g, size_t first,
                                     size_t count, float scale, float *lut, float *el, float *w, float *rows, float *out)
 {
