@@ -2050,22 +2050,23 @@ static void pqc__scan_heads_end(const pqc_codes *cd, const float *lut, int ksub,
 #endif
 
 /* every head over n tokens from t0 (the reference of the SIMD versions) */
-static void pqc__scan_heads_scalar(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0,
-                                   size_t n, float *out, size_t ostride, float *mx)
+static void pqc__scan_heads_scalar(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
+                                   float *out, size_t ostride, float *mx)
 {
-    pqc__scan_heads_part(cd, lut, ksub, g, prod, 0, g, t0, 0, n, out, ostride, mx);
+    pqc__scan_heads_part(cd, lut, ksub, g, 0, 0, g, t0, 0, n, out, ostride, mx);
 }
 
-/* Every head's products (pqc__scan_heads with prod) over n tokens from t0 into its row of
-   out, and z[h] = the row's sum as pqc__lanesum adds it (the reference of the SIMD
-   versions). el: tables of exponentials, interleaved [m][ksub][g]. */
-static void pqc__scan_products_scalar(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0, size_t n,
-                                      float *out, size_t ostride, float *z)
+/* Four heads' products over n tokens from t0 (8-bit codes) into each head's row of out
+   (pqc__scan_heads_part with prod), and z[h] = the row's sum as pqc__lanesum adds it (the
+   reference of the SIMD versions). el: the four heads' tables of exponentials
+   interleaved, [m][ksub][4]. */
+static void pqc__scan_products_scalar(const pqc_codes *cd, const float *el, int ksub, size_t t0, size_t n, float *out,
+                                      size_t ostride, float *z)
 {
     int h;
-    for (h = 0; h < g; h++) z[h] = -INFINITY; /* (the maxima the scan also makes, unused) */
-    pqc__scan_heads_scalar(cd, el, ksub, g, 1, t0, n, out, ostride, z);
-    for (h = 0; h < g; h++) z[h] = pqc__lanesum_scalar(out + (size_t)h * ostride, n);
+    for (h = 0; h < 4; h++) z[h] = -INFINITY; /* (the maxima the scan also makes, unused) */
+    pqc__scan_heads_part(cd, el, ksub, 4, 1, 0, 4, t0, 0, n, out, ostride, z);
+    for (h = 0; h < 4; h++) z[h] = pqc__lanesum_scalar(out + (size_t)h * ostride, n);
 }
 
 /* out[t] = sum_h e[h * estride + t] * w[h]: one fused chain from 0, heads in order (the
@@ -2577,13 +2578,9 @@ PQC__AVX2 static void pqc__axpy_avx2(const float *e, size_t n, float w, float *a
 /* Four heads from h0 at a time, four tokens a step: each token's four scores are one
    vector load per sub-space from the interleaved tables, added in j order, then turned
    into four rows of four tokens. Tokens past the last group of four and heads past the
-   last group of four: the scalar reference. gs: g (g = 4 has pqc__scan_g4_avx2). prod:
-   products from 1 for the sums from 0 (a constant where it is called: each use compiles
-   to a loop of its own). */
-#define PQC__OP4(prod, a, x) ((prod) ? _mm_mul_ps(a, x) : _mm_add_ps(a, x))
+   last group of four: the scalar reference. gs: g (g = 4 has pqc__scan_g4_avx2). */
 PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t gs,
-                                                   const int prod, size_t t0, size_t n, float *out, size_t ostride,
-                                                   float *mx)
+                                                   size_t t0, size_t n, float *out, size_t ostride, float *mx)
 {
     size_t t, h0, nv = n & ~(size_t)3;
     int j, m = cd->m;
@@ -2591,14 +2588,14 @@ PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const fl
         __m128 x0 = _mm_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
         float *o = out + h0 * ostride, lanes[16];
         for (t = 0; t < nv; t += 4) {
-            __m128 a0 = _mm_set1_ps(prod ? 1.0f : 0.0f), a1 = a0, a2 = a0, a3 = a0;
+            __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             for (j = 0; j < m; j++) {
                 const unsigned char *c = cd->data + (size_t)j * cd->col_stride + t0 + t;
                 const float *l = lut + (size_t)j * (size_t)ksub * gs + h0;
-                a0 = PQC__OP4(prod, a0, _mm_loadu_ps(l + (size_t)c[0] * gs));
-                a1 = PQC__OP4(prod, a1, _mm_loadu_ps(l + (size_t)c[1] * gs));
-                a2 = PQC__OP4(prod, a2, _mm_loadu_ps(l + (size_t)c[2] * gs));
-                a3 = PQC__OP4(prod, a3, _mm_loadu_ps(l + (size_t)c[3] * gs));
+                a0 = _mm_add_ps(a0, _mm_loadu_ps(l + (size_t)c[0] * gs));
+                a1 = _mm_add_ps(a1, _mm_loadu_ps(l + (size_t)c[1] * gs));
+                a2 = _mm_add_ps(a2, _mm_loadu_ps(l + (size_t)c[2] * gs));
+                a3 = _mm_add_ps(a3, _mm_loadu_ps(l + (size_t)c[3] * gs));
             }
             _MM_TRANSPOSE4_PS(a0, a1, a2, a3);
             _mm_storeu_ps(o + t, a0);
@@ -2614,25 +2611,25 @@ PQC__AVX2 static inline void pqc__scan_heads4_avx2(const pqc_codes *cd, const fl
         _mm_storeu_ps(lanes + 4, x1);
         _mm_storeu_ps(lanes + 8, x2);
         _mm_storeu_ps(lanes + 12, x3);
-        pqc__scan_heads_end(cd, lut, ksub, (int)gs, prod, lanes, (int)gs, t0, nv, nv, out, ostride, mx + h0);
+        pqc__scan_heads_end(cd, lut, ksub, (int)gs, 0, lanes, (int)gs, t0, nv, nv, out, ostride, mx + h0);
     }
-    pqc__scan_heads_end(cd, lut, ksub, (int)gs, prod, NULL, (int)h0, t0, nv, n, out, ostride, mx);
+    pqc__scan_heads_end(cd, lut, ksub, (int)gs, 0, NULL, (int)h0, t0, nv, n, out, ostride, mx);
 }
 
 /* g = 4 (the usual GQA group), as pqc__scan_heads4_avx2 with the group size a constant
    (a shift, not a multiply, per code) and eight tokens a step in two groups of four
-   accumulators: the same operations in the same order. */
-#define PQC__G4_ADD(a, i) a = PQC__OP4(prod, a, _mm_loadu_ps(l + ((size_t)c[i] << 2)))
+   accumulators: the same additions in the same order. */
+#define PQC__G4_ADD(a, i) a = _mm_add_ps(a, _mm_loadu_ps(l + ((size_t)c[i] << 2)))
 #define PQC__G4_OUT(a0, a1, a2, a3, tt)                                                                                    do {                                                                                                                       _MM_TRANSPOSE4_PS(a0, a1, a2, a3);                                                                                     _mm_storeu_ps(out + (tt), a0);                                                                                         _mm_storeu_ps(out + ostride + (tt), a1);                                                                               _mm_storeu_ps(out + 2 * ostride + (tt), a2);                                                                           _mm_storeu_ps(out + 3 * ostride + (tt), a3);                                                                           x0 = _mm_max_ps(a0, x0);                                                                                               x1 = _mm_max_ps(a1, x1);                                                                                               x2 = _mm_max_ps(a2, x2);                                                                                               x3 = _mm_max_ps(a3, x3);                                                                                           } while (0)
-PQC__AVX2 static inline void pqc__scan_g4_avx2(const pqc_codes *cd, const float *lut, int ksub, const int prod, size_t t0,
-                                               size_t n, float *out, size_t ostride, float *mx)
+PQC__AVX2 static void pqc__scan_g4_avx2(const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out,
+                                        size_t ostride, float *mx)
 {
     size_t t, nv = n & ~(size_t)7, tab = (size_t)ksub * 4;
     int j, m = cd->m;
     __m128 x0 = _mm_set1_ps(-INFINITY), x1 = x0, x2 = x0, x3 = x0;
     float lanes[16];
     for (t = 0; t < nv; t += 8) {
-        __m128 a0 = _mm_set1_ps(prod ? 1.0f : 0.0f), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m128 a0 = _mm_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
         const unsigned char *c = cd->data + t0 + t;
         const float *l = lut;
         for (j = 0; j < m; j++, c += cd->col_stride, l += tab) {
@@ -2652,11 +2649,10 @@ PQC__AVX2 static inline void pqc__scan_g4_avx2(const pqc_codes *cd, const float 
     _mm_storeu_ps(lanes + 4, x1);
     _mm_storeu_ps(lanes + 8, x2);
     _mm_storeu_ps(lanes + 12, x3);
-    pqc__scan_heads_end(cd, lut, ksub, 4, prod, lanes, 4, t0, nv, n, out, ostride, mx);
+    pqc__scan_heads_end(cd, lut, ksub, 4, 0, lanes, 4, t0, nv, n, out, ostride, mx);
 }
 #undef PQC__G4_ADD
 #undef PQC__G4_OUT
-#undef PQC__OP4
 
 /* g = 4, 8-bit codes: pqc__scan_products in one pass, the sums of the rows kept in 16
    lanes a head as they are written (the lanes pqc__lanesum adds: value t into lane t mod
@@ -2742,43 +2738,20 @@ static PQC__INLINE_ALWAYS void pqc__products_g4_sse(const pqc_codes *cd, const f
 #undef PQC__PZ
 #undef PQC__PLANES
 
-PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0,
-                                           size_t n, float *out, size_t ostride, float *mx)
+PQC__AVX2 static void pqc__scan_heads_avx2(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
+                                           float *out, size_t ostride, float *mx)
 {
-    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, prod, t0, n, out, ostride, mx);
-    else if (g == 4 && prod) pqc__scan_g4_avx2(cd, lut, ksub, 1, t0, n, out, ostride, mx);
-    else if (g == 4) pqc__scan_g4_avx2(cd, lut, ksub, 0, t0, n, out, ostride, mx);
-    else if (prod) pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, 1, t0, n, out, ostride, mx);
-    else pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, 0, t0, n, out, ostride, mx);
+    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
+    else if (g == 4) pqc__scan_g4_avx2(cd, lut, ksub, t0, n, out, ostride, mx);
+    else pqc__scan_heads4_avx2(cd, lut, ksub, (size_t)g, t0, n, out, ostride, mx);
 }
 
-PQC__AVX2 static float pqc__lanesum_avx2(const float *x, size_t n)
+/* four heads, 8-bit codes: the fused kernel */
+PQC__AVX2 static void pqc__scan_products_avx2(const pqc_codes *cd, const float *el, int ksub, size_t t0, size_t n,
+                                              float *out, size_t ostride, float *z)
 {
-    __m256 a = _mm256_setzero_ps(), b = a;
-    float lanes[16];
-    size_t t = 0;
-    for (; t + 16 <= n; t += 16) {
-        a = _mm256_add_ps(a, _mm256_loadu_ps(x + t));
-        b = _mm256_add_ps(b, _mm256_loadu_ps(x + t + 8));
-    }
-    _mm256_storeu_ps(lanes, a);
-    _mm256_storeu_ps(lanes + 8, b);
-    return pqc__lanes_end(lanes, x, t, n);
+    pqc__products_g4_sse(cd, el, ksub, t0, n, out, ostride, z);
 }
-
-PQC__AVX2 static void pqc__scan_products_avx2(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0,
-                                              size_t n, float *out, size_t ostride, float *z)
-{
-    int h;
-    if (cd->bits == 8 && g == 4) {
-        pqc__products_g4_sse(cd, el, ksub, t0, n, out, ostride, z);
-        return;
-    }
-    for (h = 0; h < g; h++) z[h] = -INFINITY;
-    pqc__scan_heads_avx2(cd, el, ksub, g, 1, t0, n, out, ostride, z);
-    for (h = 0; h < g; h++) z[h] = pqc__lanesum_avx2(out + (size_t)h * ostride, n);
-}
-
 
 PQC__AVX2 static void pqc__combine_avx2(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
 {
@@ -3677,17 +3650,17 @@ PQC__AVX512 static void pqc__axpy_avx512(const float *e, size_t n, float w, floa
 }
 
 /* AVX-512 machines take the AVX2 code for this one (same results, as every level) */
-PQC__AVX512 static void pqc__scan_heads_avx512(const pqc_codes *cd, const float *lut, int ksub, int g, int prod,
-                                               size_t t0, size_t n, float *out, size_t ostride, float *mx)
+PQC__AVX512 static void pqc__scan_heads_avx512(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0,
+                                               size_t n, float *out, size_t ostride, float *mx)
 {
-    pqc__scan_heads_avx2(cd, lut, ksub, g, prod, t0, n, out, ostride, mx);
+    pqc__scan_heads_avx2(cd, lut, ksub, g, t0, n, out, ostride, mx);
 }
 
-PQC__AVX512 static void pqc__scan_products_avx512(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0,
-                                                  size_t n, float *out, size_t ostride, float *z)
+/* the fused kernel compiled with this level's 32 registers */
+PQC__AVX512 static void pqc__scan_products_avx512(const pqc_codes *cd, const float *el, int ksub, size_t t0, size_t n,
+                                                  float *out, size_t ostride, float *z)
 {
-    if (cd->bits == 8 && g == 4) pqc__products_g4_sse(cd, el, ksub, t0, n, out, ostride, z);
-    else pqc__scan_products_avx2(cd, el, ksub, g, t0, n, out, ostride, z);
+    pqc__products_g4_sse(cd, el, ksub, t0, n, out, ostride, z);
 }
 
 PQC__AVX512 static void pqc__combine_avx512(const float *e, size_t estride, int g, size_t n, const float *w, float *out)
@@ -4406,7 +4379,8 @@ static void pqc__axpy_neon(const float *e, size_t n, float w, float *acc)
     for (; t < n; t++) acc[t] = fmaf(e[t], w, acc[t]);
 }
 
-/* as pqc__scan_heads4_avx2: four heads a vector, four tokens a step, transposed */
+/* as pqc__scan_heads4_avx2: four heads a vector, four tokens a step, transposed; prod:
+   products from 1 for the sums from 0 (pqc__scan_products_neon), a constant where called */
 #define PQC__OP4N(prod, a, x) ((prod) ? vmulq_f32(a, x) : vaddq_f32(a, x))
 static inline void pqc__scan_heads4_neon(const pqc_codes *cd, const float *lut, int ksub, int g, const int prod,
                                          size_t t0, size_t n, float *out, size_t ostride, float *mx)
@@ -4452,11 +4426,10 @@ static inline void pqc__scan_heads4_neon(const pqc_codes *cd, const float *lut, 
 }
 #undef PQC__OP4N
 
-static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0, size_t n,
+static void pqc__scan_heads_neon(const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
                                  float *out, size_t ostride, float *mx)
 {
-    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, prod, t0, n, out, ostride, mx);
-    else if (prod) pqc__scan_heads4_neon(cd, lut, ksub, g, 1, t0, n, out, ostride, mx);
+    if (cd->bits != 8) pqc__scan_heads_scalar(cd, lut, ksub, g, t0, n, out, ostride, mx);
     else pqc__scan_heads4_neon(cd, lut, ksub, g, 0, t0, n, out, ostride, mx);
 }
 
@@ -4478,13 +4451,13 @@ static float pqc__lanesum_neon(const float *x, size_t n)
     return pqc__lanes_end(lanes, x, t, n);
 }
 
-static void pqc__scan_products_neon(const pqc_codes *cd, const float *el, int ksub, int g, size_t t0, size_t n,
-                                    float *out, size_t ostride, float *z)
+static void pqc__scan_products_neon(const pqc_codes *cd, const float *el, int ksub, size_t t0, size_t n, float *out,
+                                    size_t ostride, float *z)
 {
     int h;
-    for (h = 0; h < g; h++) z[h] = -INFINITY;
-    pqc__scan_heads_neon(cd, el, ksub, g, 1, t0, n, out, ostride, z);
-    for (h = 0; h < g; h++) z[h] = pqc__lanesum_neon(out + (size_t)h * ostride, n);
+    for (h = 0; h < 4; h++) z[h] = -INFINITY;
+    pqc__scan_heads4_neon(cd, el, ksub, 4, 1, t0, n, out, ostride, z);
+    for (h = 0; h < 4; h++) z[h] = pqc__lanesum_neon(out + (size_t)h * ostride, n);
 }
 
 
@@ -4822,15 +4795,15 @@ static void pqc__k_axpy(pqc_simd s, const float *e, size_t n, float w, float *ac
 {
     PQC__DISPATCH(s, pqc__axpy, (e, n, w, acc));
 }
-static void pqc__k_scan_heads(pqc_simd s, const pqc_codes *cd, const float *lut, int ksub, int g, int prod, size_t t0,
-                              size_t n, float *out, size_t ostride, float *mx)
+static void pqc__k_scan_heads(pqc_simd s, const pqc_codes *cd, const float *lut, int ksub, int g, size_t t0, size_t n,
+                              float *out, size_t ostride, float *mx)
 {
-    PQC__DISPATCH(s, pqc__scan_heads, (cd, lut, ksub, g, prod, t0, n, out, ostride, mx));
+    PQC__DISPATCH(s, pqc__scan_heads, (cd, lut, ksub, g, t0, n, out, ostride, mx));
 }
-static void pqc__k_scan_products(pqc_simd s, const pqc_codes *cd, const float *el, int ksub, int g, size_t t0, size_t n,
+static void pqc__k_scan_products(pqc_simd s, const pqc_codes *cd, const float *el, int ksub, size_t t0, size_t n,
                                  float *out, size_t ostride, float *z)
 {
-    PQC__DISPATCH(s, pqc__scan_products, (cd, el, ksub, g, t0, n, out, ostride, z));
+    PQC__DISPATCH(s, pqc__scan_products, (cd, el, ksub, t0, n, out, ostride, z));
 }
 
 static void pqc__k_combine(pqc_simd s, const float *e, size_t estride, int g, size_t n, const float *w, float *out)
@@ -6452,8 +6425,8 @@ static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_c
         }
     }
     for (h = 0; h < gp; h += 4) /* a pass over the codes a group (the four-head kernel) */
-        pqc__k_scan_products(simd, codes, el + (size_t)h * tl, pq->ksub, 4, first, count, rows + (size_t)h * count,
-                             count, w + h);
+        pqc__k_scan_products(simd, codes, el + (size_t)h * tl, pq->ksub, first, count, rows + (size_t)h * count, count,
+                             w + h);
     for (h = 0; h < g; h++)
         if (!(w[h] >= PQC__PROD_FLOOR)) return 0;
     for (h = 0; h < g; h++) w[gp + h] = 1.0f / w[h];
@@ -6521,7 +6494,7 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
         for (h = 0; h < g; h++)
             for (i = 0; i < tl; i++) il[i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + i];
         for (h = 0; h < g; h++) mx[h] = -INFINITY;
-        pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, 0, first, count, tmp, count, mx);
+        pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, first, count, tmp, count, mx);
         pqc__softmax_rows(c.simd, tmp, count, g, mx, scale, rw + g, out);
         return PQC_SUCCESS;
     }

@@ -578,7 +578,7 @@ static void sums_softmax(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes
         for (i = 0; i < tl; i++) il[i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + i];
         mx[h] = -INFINITY;
     }
-    pqc__k_scan_heads(simd, codes, il, pq->ksub, g, 0, 0, n, rows, n, mx);
+    pqc__k_scan_heads(simd, codes, il, pq->ksub, g, 0, n, rows, n, mx);
     pqc__softmax_rows(simd, rows, n, g, mx, 1.0f / sqrtf((float)pq->dim), w, out);
     free(lut);
 }

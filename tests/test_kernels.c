@@ -561,33 +561,20 @@ static void random_codes(pqc_codes *cd, int m, int bits, size_t cap, uint64_t *s
     for (b = 0; b < cd->col_stride * (size_t)m; b++) cd->data[b] = (unsigned char)rng_next(st);
 }
 
-/* The product of token t's table entries under head h (sub-spaces ascending, from 1), as
-   the scan of exponentials makes it: the code read as pqc_codes_get does */
-static float heads_product(const pqc_codes *cd, const float *il, int ksub, int g, int h, size_t t)
-{
-    float a = 1.0f;
-    int j;
-    for (j = 0; j < cd->m; j++)
-        a *= il[((size_t)j * (size_t)ksub + pqc_codes_get(cd, t, j)) * (size_t)g + (size_t)h];
-    return a;
-}
-
 /* The scalar reference scores each head as pqc__scan does from that head's own table,
    with each head's maximum; every level equals it bit for bit (rows and maxima), for
    every code width (8 bits has the vector code), head counts in and out of groups of
-   four, odd starts and lengths around the four-token step. The same for the products
-   (prod = 1: tables of exponentials), against each token's product taken alone. */
+   four, odd starts and lengths around the four-token step. */
 TEST scan_heads_bitwise(void)
 {
     static const size_t ns[] = {0, 1, 3, 4, 5, 7, 8, 17, 100, 257};
     static const size_t t0s[] = {0, 1, 3, 17};
     static const int ms[] = {1, 2, 3, 5}, gs[] = {1, 2, 3, 4, 5, 8, 12};
     uint64_t st = 21;
-    int li, bits, nl, prod;
+    int li, bits, nl;
     size_t ni, ti, mi, gi;
     pqc_simd lv_[3];
     nl = levels(lv_);
-    for (prod = 0; prod <= 1; prod++)
     for (bits = 1; bits <= 8; bits++)
         for (mi = 0; mi < sizeof ms / sizeof ms[0]; mi++)
             for (gi = 0; gi < sizeof gs / sizeof gs[0]; gi++) {
@@ -599,21 +586,17 @@ TEST scan_heads_bitwise(void)
                 float one[257], ma[12], mb[12];
                 const char *bad = NULL;
                 random_codes(&cd, m, bits, cap, &st);
-                for (i = 0; i < (int)tl * g; i++) lut[i] = prod ? 0.25f + rng_float(&st) : rng_float(&st) * 8.0f;
+                for (i = 0; i < (int)tl * g; i++) lut[i] = rng_float(&st) * 8.0f;
                 for (h = 0; h < g; h++)
                     for (i = 0; i < (int)tl; i++) il[(size_t)i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + (size_t)i];
                 for (ni = 0; ni < sizeof ns / sizeof ns[0] && !bad; ni++)
                     for (ti = 0; ti < sizeof t0s / sizeof t0s[0] && !bad; ti++) {
                         size_t n = ns[ni], t0 = t0s[ti];
                         for (h = 0; h < g; h++) ma[h] = -INFINITY;
-                        pqc__scan_heads_scalar(&cd, il, ksub, g, prod, t0, n, oa, n, ma);
+                        pqc__scan_heads_scalar(&cd, il, ksub, g, t0, n, oa, n, ma);
                         for (h = 0; h < g && !bad; h++) {
                             float x = -INFINITY;
-                            size_t t;
-                            if (prod)
-                                for (t = 0; t < n; t++) one[t] = heads_product(&cd, il, ksub, g, h, t0 + t);
-                            else
-                                pqc__scan_scalar(&cd, lut + (size_t)h * tl, ksub, t0, n, one);
+                            pqc__scan_scalar(&cd, lut + (size_t)h * tl, ksub, t0, n, one);
                             x = n ? pqc__max_scalar(one, n) : x;
                             if (first_diff(one, oa + (size_t)h * n, n, sizeof(float)) >= 0) bad = "scalar rows differ from pqc__scan";
                             else if (memcmp(&x, &ma[h], sizeof x) != 0) bad = "scalar maximum differs from pqc__max";
@@ -622,15 +605,14 @@ TEST scan_heads_bitwise(void)
                             pqc_simd lv = lv_[li];
                             for (h = 0; h < g; h++) mb[h] = -INFINITY;
                             memset(ob, 0xff, sizeof(float) * n * (size_t)g);
-                            pqc__k_scan_heads(lv, &cd, il, ksub, g, prod, t0, n, ob, n, mb);
+                            pqc__k_scan_heads(lv, &cd, il, ksub, g, t0, n, ob, n, mb);
                             UPPER_CLEAN("scan_heads");
                             if (first_diff(oa, ob, n * (size_t)g, sizeof(float)) >= 0 ||
                                 first_diff(ma, mb, (size_t)g, sizeof(float)) >= 0)
                                 bad = pqc_simd_name(lv);
                         }
-                        if (bad)
-                            snprintf(msg, sizeof msg, "scan_heads: %s (prod %d, bits %d, m %d, g %d, t0 %zu, n %zu)", bad,
-                                     prod, bits, m, g, t0, n);
+                        if (bad) snprintf(msg, sizeof msg, "scan_heads: %s (bits %d, m %d, g %d, t0 %zu, n %zu)", bad, bits, m,
+                                          g, t0, n);
                     }
                 free(lut);
                 free(il);
@@ -664,64 +646,69 @@ TEST lanesum_is_expsums_order(void)
     PASS();
 }
 
-/* Every head's products and their sums: the scalar reference's rows are
-   pqc__scan_heads' with prod, its sums the rows' lane sums; every level equals it bit for
-   bit, over head counts in and out of the fused group of four, odd starts and lengths
-   around the eight-token step, code widths 4, 6 and 8 */
+/* The product of token t's table entries under head h (sub-spaces ascending, from 1), as
+   the scan of exponentials makes it: the code read as pqc_codes_get does */
+static float heads_product(const pqc_codes *cd, const float *il, int ksub, int g, int h, size_t t)
+{
+    float a = 1.0f;
+    int j;
+    for (j = 0; j < cd->m; j++)
+        a *= il[((size_t)j * (size_t)ksub + pqc_codes_get(cd, t, j)) * (size_t)g + (size_t)h];
+    return a;
+}
+
+/* Four heads' products and their sums: the scalar reference's rows are each token's
+   product taken alone (heads_product), its sums the rows' lane sums; every level equals
+   it bit for bit, over odd starts and lengths around the eight-token step and sub-space
+   counts */
 TEST scan_products_bitwise(void)
 {
     static const size_t ns[] = {0, 1, 7, 8, 9, 15, 16, 17, 24, 100, 257};
     static const size_t t0s[] = {0, 1, 17};
-    static const int ms[] = {1, 2, 4}, gs[] = {1, 4, 5, 8};
+    static const int ms[] = {1, 2, 3, 4, 5};
     uint64_t st = 24;
-    int li, bits, nl;
-    size_t ni, ti, mi, gi;
+    int li, nl;
+    size_t ni, ti, mi;
     pqc_simd lv_[3];
     nl = levels(lv_);
-    for (bits = 4; bits <= 8; bits += 2)
-        for (mi = 0; mi < sizeof ms / sizeof ms[0]; mi++)
-            for (gi = 0; gi < sizeof gs / sizeof gs[0]; gi++) {
-                int m = ms[mi], g = gs[gi], ksub = 1 << bits, i, h;
-                size_t cap = 17 + 257, tl = (size_t)m * (size_t)ksub;
-                pqc_codes cd;
-                float *el = (float *)malloc(sizeof(float) * tl * (size_t)g);
-                float *oa = (float *)malloc(sizeof(float) * 257 * (size_t)g);
-                float *ob = (float *)malloc(sizeof(float) * 257 * (size_t)g);
-                float za[8], zb[8], mx[8];
-                const char *bad = NULL;
-                random_codes(&cd, m, bits, cap, &st);
-                for (i = 0; i < (int)tl * g; i++) el[i] = rng_float(&st) * 0.5f + 0.5f;
-                for (ni = 0; ni < sizeof ns / sizeof ns[0] && !bad; ni++)
-                    for (ti = 0; ti < sizeof t0s / sizeof t0s[0] && !bad; ti++) {
-                        size_t n = ns[ni], t0 = t0s[ti];
-                        pqc__scan_products_scalar(&cd, el, ksub, g, t0, n, oa, n, za);
-                        for (h = 0; h < g; h++) mx[h] = -INFINITY;
-                        pqc__scan_heads_scalar(&cd, el, ksub, g, 1, t0, n, ob, n, mx);
-                        if (first_diff(oa, ob, n * (size_t)g, sizeof(float)) >= 0)
-                            bad = "scalar rows differ from scan_heads'";
-                        for (h = 0; h < g && !bad; h++) {
-                            float z = pqc__lanesum_scalar(oa + (size_t)h * n, n);
-                            if (memcmp(&z, &za[h], sizeof z) != 0) bad = "scalar sum differs from the lane sum";
-                        }
-                        for (li = 0; li < nl && !bad; li++) {
-                            pqc_simd lv = lv_[li];
-                            memset(ob, 0xff, sizeof(float) * n * (size_t)g);
-                            pqc__k_scan_products(lv, &cd, el, ksub, g, t0, n, ob, n, zb);
-                            UPPER_CLEAN("scan_products");
-                            if (first_diff(oa, ob, n * (size_t)g, sizeof(float)) >= 0 ||
-                                first_diff(za, zb, (size_t)g, sizeof(float)) >= 0)
-                                bad = pqc_simd_name(lv);
-                        }
-                        if (bad)
-                            snprintf(msg, sizeof msg, "scan_products: %s (bits %d, m %d, g %d, t0 %zu, n %zu)", bad, bits, m,
-                                     g, t0, n);
+    for (mi = 0; mi < sizeof ms / sizeof ms[0]; mi++) {
+        int m = ms[mi], ksub = 256, i, h;
+        size_t cap = 17 + 257, tl = (size_t)m * (size_t)ksub, t;
+        pqc_codes cd;
+        float *el = (float *)malloc(sizeof(float) * tl * 4);
+        float *oa = (float *)malloc(sizeof(float) * 257 * 4), *ob = (float *)malloc(sizeof(float) * 257 * 4);
+        float za[4], zb[4];
+        const char *bad = NULL;
+        random_codes(&cd, m, 8, cap, &st);
+        for (i = 0; i < (int)tl * 4; i++) el[i] = rng_float(&st) * 0.5f + 0.5f;
+        for (ni = 0; ni < sizeof ns / sizeof ns[0] && !bad; ni++)
+            for (ti = 0; ti < sizeof t0s / sizeof t0s[0] && !bad; ti++) {
+                size_t n = ns[ni], t0 = t0s[ti];
+                pqc__scan_products_scalar(&cd, el, ksub, t0, n, oa, n, za);
+                for (h = 0; h < 4 && !bad; h++) {
+                    float z = pqc__lanesum_scalar(oa + (size_t)h * n, n);
+                    for (t = 0; t < n; t++) {
+                        float x = heads_product(&cd, el, ksub, 4, h, t0 + t);
+                        if (memcmp(&x, oa + (size_t)h * n + t, sizeof x) != 0) bad = "scalar rows differ from the products";
                     }
-                free(el);
-                free(oa);
-                free(ob);
-                free(cd.data);
-                if (bad) FAILm(msg);
+                    if (!bad && memcmp(&z, &za[h], sizeof z) != 0) bad = "scalar sum differs from the lane sum";
+                }
+                for (li = 0; li < nl && !bad; li++) {
+                    pqc_simd lv = lv_[li];
+                    memset(ob, 0xff, sizeof(float) * n * 4);
+                    pqc__k_scan_products(lv, &cd, el, ksub, t0, n, ob, n, zb);
+                    UPPER_CLEAN("scan_products");
+                    if (first_diff(oa, ob, n * 4, sizeof(float)) >= 0 || first_diff(za, zb, 4, sizeof(float)) >= 0)
+                        bad = pqc_simd_name(lv);
+                }
+                if (bad) snprintf(msg, sizeof msg, "scan_products: %s (m %d, t0 %zu, n %zu)", bad, m, t0, n);
             }
+        free(el);
+        free(oa);
+        free(ob);
+        free(cd.data);
+        if (bad) FAILm(msg);
+    }
     PASS();
 }
 
