@@ -3199,12 +3199,86 @@ PQC__AVX2 static void pqc__accum_avx2(const float *x, size_t n, int d, const uin
 /* ----- AVX-512 ----- */
 PQC__AVX512 static void pqc__dots_avx512(const float *x, int d, const float *ct, int kpad, int k, float *dots)
 {
-    int c, e;
-    for (c = 0; c < kpad && c < k; c += 16) {
+    int c = 0, e;
+    for (; c + 64 <= k; c += 64) { /* four independent chains (one alone waited on its latency) */
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *cp = ct + c;
+        for (e = 0; e < d; e++, cp += kpad) {
+            const __m512 s = _mm512_set1_ps(x[e]);
+            a0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(cp), a0);
+            a1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(cp + 16), a1);
+            a2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(cp + 32), a2);
+            a3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(cp + 48), a3);
+        }
+        _mm512_storeu_ps(dots + c, a0);
+        _mm512_storeu_ps(dots + c + 16, a1);
+        _mm512_storeu_ps(dots + c + 32, a2);
+        _mm512_storeu_ps(dots + c + 48, a3);
+    }
+    for (; c < kpad && c < k; c += 16) {
         __m512 acc = _mm512_setzero_ps();
         for (e = 0; e < d; e++) acc = _mm512_fmadd_ps(_mm512_set1_ps(x[e]), _mm512_loadu_ps(ct + (size_t)e * kpad + c), acc);
         if (c + 16 <= k) _mm512_storeu_ps(dots + c, acc);
         else _mm512_mask_storeu_ps(dots + c, (__mmask16)((1u << (k - c)) - 1u), acc);
+    }
+}
+
+/* pqc__dots_avx512 for four queries at once (rows x + h xs, outputs dots + h ds): each
+   centroid row of ct read once for the four (it was read from L2 once a query), 64
+   centroids x 4 queries a tile (16 independent chains), each lane one fma chain over the
+   dims from 0 as the scalar reference. */
+PQC__AVX512 static void pqc__dots4_avx512(const float *x, size_t xs, int d, const float *ct, int kpad, int k,
+                                          float *dots, size_t ds)
+{
+    const float *x0 = x, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+    float *o0 = dots, *o1 = o0 + ds, *o2 = o1 + ds, *o3 = o2 + ds;
+    int c = 0, e;
+    for (; c + 64 <= k; c += 64) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m512 e0 = a0, e1 = a0, e2 = a0, e3 = a0, f0 = a0, f1 = a0, f2 = a0, f3 = a0;
+        const float *cp = ct + c;
+        for (e = 0; e < d; e++, cp += kpad) {
+            const __m512 v0 = _mm512_loadu_ps(cp), v1 = _mm512_loadu_ps(cp + 16), v2 = _mm512_loadu_ps(cp + 32),
+                         v3 = _mm512_loadu_ps(cp + 48);
+            __m512 s_;
+#define PQC__D4(Q, A)                                                                                                  \
+    s_ = _mm512_set1_ps(x##Q[e]);                                                                                      \
+    A##0 = _mm512_fmadd_ps(s_, v0, A##0);                                                                              \
+    A##1 = _mm512_fmadd_ps(s_, v1, A##1);                                                                              \
+    A##2 = _mm512_fmadd_ps(s_, v2, A##2);                                                                              \
+    A##3 = _mm512_fmadd_ps(s_, v3, A##3)
+            PQC__D4(0, a);
+            PQC__D4(1, b);
+            PQC__D4(2, e);
+            PQC__D4(3, f);
+#undef PQC__D4
+        }
+#define PQC__D4S(O, A)                                                                                                 \
+    _mm512_storeu_ps(O + c, A##0);                                                                                     \
+    _mm512_storeu_ps(O + c + 16, A##1);                                                                                \
+    _mm512_storeu_ps(O + c + 32, A##2);                                                                                \
+    _mm512_storeu_ps(O + c + 48, A##3)
+        PQC__D4S(o0, a);
+        PQC__D4S(o1, b);
+        PQC__D4S(o2, e);
+        PQC__D4S(o3, f);
+#undef PQC__D4S
+    }
+    for (; c < kpad && c < k; c += 16) { /* 16 centroids, the last ones masked */
+        const __mmask16 m = c + 16 <= k ? (__mmask16)0xffff : (__mmask16)((1u << (k - c)) - 1u);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *cp = ct + c;
+        for (e = 0; e < d; e++, cp += kpad) {
+            const __m512 v = _mm512_loadu_ps(cp);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(x0[e]), v, a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(x1[e]), v, a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(x2[e]), v, a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(x3[e]), v, a3);
+        }
+        _mm512_mask_storeu_ps(o0 + c, m, a0);
+        _mm512_mask_storeu_ps(o1 + c, m, a1);
+        _mm512_mask_storeu_ps(o2 + c, m, a2);
+        _mm512_mask_storeu_ps(o3 + c, m, a3);
     }
 }
 
@@ -4775,6 +4849,19 @@ static void pqc__k_dots(pqc_simd s, const float *x, int d, const float *ct, int 
 {
     PQC__DISPATCH(s, pqc__dots, (x, d, ct, kpad, k, dots));
 }
+/* pqc__k_dots for g queries, rows x + h xs, outputs dots + h ds (AVX-512: four at once) */
+static void pqc__k_dots_heads(pqc_simd s, const float *x, size_t xs, int g, int d, const float *ct, int kpad, int k,
+                              float *dots, size_t ds)
+{
+    int h = 0;
+#if PQC__X86
+    if (s == PQC_SIMD_AVX512 && kpad % 16 == 0) {
+        for (; h + 4 <= g; h += 4) pqc__dots4_avx512(x + (size_t)h * xs, xs, d, ct, kpad, k, dots + (size_t)h * ds, ds);
+        PQC__AVX_EXIT();
+    }
+#endif
+    for (; h < g; h++) pqc__k_dots(s, x + (size_t)h * xs, d, ct, kpad, k, dots + (size_t)h * ds);
+}
 static void pqc__k_scan(pqc_simd s, const pqc_codes *cd, const float *lut, int ksub, size_t t0, size_t n, float *out)
 {
     PQC__DISPATCH(s, pqc__scan, (cd, lut, ksub, t0, n, out));
@@ -6251,20 +6338,17 @@ PQCDEF pqc_result pqc_pq_lut(pqc_runtime *rt, const pqc_pq *pq, const float *que
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_lut: query holds NaN, Inf or a huge value");
     if (pq->half_bands) { /* rope bands over the half-split layout: each query row in
                              sub-space order first */
-        qp = pq->dim <= 1024 ? stack : (float *)pqc__alloc(pqc__rt_alloc(rt), (size_t)pq->dim * sizeof(float));
+        const size_t nq = (size_t)g * (size_t)pq->dim;
+        qp = nq <= 1024 ? stack : (float *)pqc__alloc(pqc__rt_alloc(rt), nq * sizeof(float));
         if (!qp) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_lut: scratch allocation failed");
+        for (h = 0; h < g; h++)
+            for (j = 0; j < pq->m; j++)
+                pqc__gather_sub(pq, queries + (size_t)h * pq->dim, j, qp + (size_t)h * pq->dim + (size_t)j * pq->dsub);
     }
-    for (h = 0; h < g; h++) {
-        const float *qh = queries + (size_t)h * pq->dim;
-        if (qp) {
-            for (j = 0; j < pq->m; j++) pqc__gather_sub(pq, qh, j, qp + (size_t)j * pq->dsub);
-            qh = qp;
-        }
-        for (j = 0; j < pq->m; j++)
-            pqc__k_dots(pqc__simd(rt), qh + (size_t)j * pq->dsub, pq->dsub,
-                        pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad, pq->ksub_pad, pq->ksub,
-                        lut + ((size_t)h * pq->m + j) * pq->ksub);
-    }
+    for (j = 0; j < pq->m; j++) /* every head's table of sub-space j from one read of its centroids */
+        pqc__k_dots_heads(pqc__simd(rt), (qp ? qp : queries) + (size_t)j * pq->dsub, (size_t)pq->dim, g, pq->dsub,
+                          pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad, pq->ksub_pad, pq->ksub,
+                          lut + (size_t)j * pq->ksub, (size_t)pq->m * pq->ksub);
     if (qp && qp != stack) pqc__free(pqc__rt_alloc(rt), qp);
     return PQC_SUCCESS;
 }
