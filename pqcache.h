@@ -5019,8 +5019,8 @@ static uint32_t pqc__fkey(float f)
 {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u << 1) == 0) u = 0; /* -0 == +0 */
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    u &= 0u - (uint32_t)((u << 1) != 0);                  /* -0 == +0 */
+    return u ^ ((0u - (u >> 31)) | 0x80000000u); /* negatives: every bit flipped; else the sign */
 }
 
 /* bin (of nb bins) holding the k-th largest, given counts; *above = count in higher bins */
@@ -5037,12 +5037,15 @@ static uint32_t pqc__hist_pick(const uint32_t *h, uint32_t nb, size_t k, size_t 
     return b;
 }
 
-/* scratch: n uint32 */
+/* scratch: n uint32. The k-th largest key is found digit by digit over histograms of at
+   most 2048 bins, the first digit taken over the keys' own range (scores of one search sit
+   in a narrow range, which a fixed first digit of the key's top 11 bits put in a few bins:
+   every count then waited on the one before it); ties at it go to the lowest indices. */
 static void pqc__topk_core(const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *idx, float *outs)
 {
-    uint32_t h[2048];
+    uint32_t h[2048], lo = 0xffffffffu, hi = 0, base, key, b, nb;
     size_t i, nc = 0, above = 0, a2, need, taken = 0;
-    uint32_t b1, b2, b3, thr;
+    int shift, ns;
     if (k >= n) {
         for (i = 0; i < n; i++) {
             idx[i] = (uint32_t)i;
@@ -5050,28 +5053,42 @@ static void pqc__topk_core(const float *s, size_t n, size_t k, uint32_t *cand, u
         }
         return;
     }
-    memset(h, 0, sizeof h);
-    for (i = 0; i < n; i++) h[pqc__fkey(s[i]) >> 21]++;
-    b1 = pqc__hist_pick(h, 2048, k, &above);
     for (i = 0; i < n; i++) {
-        uint32_t key = pqc__fkey(s[i]);
-        if ((key >> 21) == b1) cand[nc++] = key;
+        key = pqc__fkey(s[i]);
+        cand[i] = key;
+        lo = key < lo ? key : lo;
+        hi = key > hi ? key : hi;
     }
-    memset(h, 0, sizeof h);
-    for (i = 0; i < nc; i++) h[(cand[i] >> 10) & 2047u]++;
-    b2 = pqc__hist_pick(h, 2048, k - above, &a2);
-    above += a2;
-    memset(h, 0, 1024 * sizeof h[0]);
-    for (i = 0; i < nc; i++)
-        if (((cand[i] >> 10) & 2047u) == b2) h[cand[i] & 1023u]++;
-    b3 = pqc__hist_pick(h, 1024, k - above, &a2);
-    above += a2;
-    thr = (b1 << 21) | (b2 << 10) | b3;
-    need = k - above; /* ties at thr to take, lowest index first */
+    for (shift = 0; shift < 32 && ((hi - lo) >> shift) >= 2048u; shift++) {}
+    base = lo;
+    nb = ((hi - lo) >> shift) + 1u;
+    memset(h, 0, nb * sizeof h[0]);
+    for (i = 0; i < n; i++) h[(cand[i] - base) >> shift]++;
+    b = pqc__hist_pick(h, nb, k, &above);
+    if (shift > 0) /* the keys of that bin, then their lower digits */
+        for (i = 0; i < n; i++)
+            if (((cand[i] - base) >> shift) == b) cand[nc++] = cand[i];
+    base += b << shift;
+    while (shift > 0) { /* the keys in cand lie in [base, base + 2^shift) */
+        size_t m = 0;
+        ns = shift > 11 ? shift - 11 : 0;
+        nb = 1u << (shift - ns);
+        memset(h, 0, nb * sizeof h[0]);
+        for (i = 0; i < nc; i++) h[(cand[i] - base) >> ns]++;
+        b = pqc__hist_pick(h, nb, k - above, &a2);
+        above += a2;
+        if (ns > 0)
+            for (i = 0; i < nc; i++)
+                if (((cand[i] - base) >> ns) == b) cand[m++] = cand[i];
+        nc = m;
+        base += b << ns;
+        shift = ns;
+    }
+    need = k - above; /* ties at base to take, lowest index first */
     for (i = 0; i < n; i++) {
-        uint32_t key = pqc__fkey(s[i]);
-        if (key > thr || (key == thr && need > 0)) {
-            if (key == thr) need--;
+        key = pqc__fkey(s[i]);
+        if (key > base || (key == base && need > 0)) {
+            if (key == base) need--;
             idx[taken] = (uint32_t)i;
             if (outs) outs[taken] = s[i];
             taken++;

@@ -351,13 +351,20 @@ TEST topk_matches_sort_reference(void)
         ks[2] = n / 2 + 1;
         ks[3] = n > 1 ? n - 1 : 1;
         ks[4] = n;
-        for (dist = 0; dist < 4; dist++) {
+        for (dist = 0; dist < 6; dist++) {
             for (i = 0; i < n; i++) {
                 switch (dist) {
                 case 0: s[i] = synth__normal(&st); break;                       /* continuous */
                 case 1: s[i] = (float)(synth__next(&st) % 7) - 3.0f; break;     /* heavy ties */
                 case 2: s[i] = 1.5f; break;                                     /* all equal */
-                default: s[i] = (i % 2 ? -1.0f : 1.0f) * (float)(i % 13) * 1e-30f; /* signs, tiny */
+                case 3: s[i] = (i % 2 ? -1.0f : 1.0f) * (float)(i % 13) * 1e-30f; break; /* signs, tiny */
+                case 4: /* a narrow range (the scores of one search), a few keys apart at most */
+                    s[i] = 1e-4f * (1.0f + 0.5f * (float)(synth__next(&st) % 1000000) * 1e-6f) +
+                           (float)(synth__next(&st) % 3) * 1e-12f;
+                    break;
+                default: /* every magnitude and both infinities */
+                    s[i] = i % 97 == 0 ? (i % 2 ? -INFINITY : INFINITY)
+                                       : (i % 2 ? -1.0f : 1.0f) * ldexpf(1.0f, (int)(synth__next(&st) % 250) - 125);
                 }
             }
             for (ki = 0; ki < 5; ki++) {
