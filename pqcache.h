@@ -3282,6 +3282,56 @@ PQC__AVX512 static void pqc__dots4_avx512(const float *x, size_t xs, int d, cons
     }
 }
 
+/* pqc__fkey of 16 scores */
+PQC__AVX512 static inline __m512i pqc__fkey16_avx512(const float *s)
+{
+    __m512i u = _mm512_loadu_si512((const void *)s);
+    u = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(_mm512_slli_epi32(u, 1), _mm512_slli_epi32(u, 1)), u);
+    return _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+/* pqc__topk_core's first pass over the whole blocks of 16 scores: their keys into keys[],
+   *lo / *hi lowered / raised to their extremes; returns the scores done */
+PQC__AVX512 static size_t pqc__topk_keys_avx512(const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
+{
+    __m512i vlo = _mm512_set1_epi32((int)*lo), vhi = _mm512_set1_epi32((int)*hi);
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i key = pqc__fkey16_avx512(s + i);
+        _mm512_storeu_si512((void *)(keys + i), key);
+        vlo = _mm512_min_epu32(vlo, key);
+        vhi = _mm512_max_epu32(vhi, key);
+    }
+    *lo = (uint32_t)_mm512_reduce_min_epu32(vlo);
+    *hi = (uint32_t)_mm512_reduce_max_epu32(vhi);
+    return i;
+}
+
+/* pqc__topk_core's last pass over the whole blocks of 16 scores: the indices of keys above
+   thr, and of the first *need keys equal to it (lowest index first), appended at idx +
+   *taken (their scores at outs + *taken); returns the scores done */
+PQC__AVX512 static size_t pqc__topk_take_avx512(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx,
+                                                float *outs, size_t *taken)
+{
+    const __m512i t = _mm512_set1_epi32((int)thr), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    size_t i = 0, got = *taken, left = *need;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i key = pqc__fkey16_avx512(s + i);
+        unsigned eq = (unsigned)_mm512_cmpeq_epi32_mask(key, t), m = (unsigned)_mm512_cmpgt_epu32_mask(key, t);
+        for (; eq && left > 0; left--, eq &= eq - 1) m |= eq & (0u - eq);
+        if (m) {
+            const __mmask16 c = (__mmask16)((1u << __builtin_popcount(m)) - 1u);
+            _mm512_mask_storeu_epi32(idx + got, c,
+                                     _mm512_maskz_compress_epi32((__mmask16)m, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i))));
+            if (outs) _mm512_mask_storeu_ps(outs + got, c, _mm512_maskz_compress_ps((__mmask16)m, _mm512_loadu_ps(s + i)));
+            got += (size_t)__builtin_popcount(m);
+        }
+    }
+    *taken = got;
+    *need = left;
+    return i;
+}
+
 /* lowest value, then lowest index, across the 16 lanes */
 PQC__AVX512 static inline void pqc__argmin16(__m512 best, __m512i bidx, uint16_t *idx, float *val)
 {
@@ -5041,7 +5091,8 @@ static uint32_t pqc__hist_pick(const uint32_t *h, uint32_t nb, size_t k, size_t 
    most 2048 bins, the first digit taken over the keys' own range (scores of one search sit
    in a narrow range, which a fixed first digit of the key's top 11 bits put in a few bins:
    every count then waited on the one before it); ties at it go to the lowest indices. */
-static void pqc__topk_core(const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *idx, float *outs)
+static void pqc__topk_core(pqc_simd simd, const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *idx,
+                           float *outs)
 {
     uint32_t h[2048], lo = 0xffffffffu, hi = 0, base, key, b, nb;
     size_t i, nc = 0, above = 0, a2, need, taken = 0;
@@ -5053,7 +5104,16 @@ static void pqc__topk_core(const float *s, size_t n, size_t k, uint32_t *cand, u
         }
         return;
     }
-    for (i = 0; i < n; i++) {
+    i = 0;
+#if PQC__X86
+    if (simd == PQC_SIMD_AVX512) {
+        i = pqc__topk_keys_avx512(s, n, cand, &lo, &hi);
+        PQC__AVX_EXIT();
+    }
+#else
+    (void)simd;
+#endif
+    for (; i < n; i++) {
         key = pqc__fkey(s[i]);
         cand[i] = key;
         lo = key < lo ? key : lo;
@@ -5085,7 +5145,14 @@ static void pqc__topk_core(const float *s, size_t n, size_t k, uint32_t *cand, u
         shift = ns;
     }
     need = k - above; /* ties at base to take, lowest index first */
-    for (i = 0; i < n; i++) {
+    i = 0;
+#if PQC__X86
+    if (simd == PQC_SIMD_AVX512) {
+        i = pqc__topk_take_avx512(s, n, base, &need, idx, outs, &taken);
+        PQC__AVX_EXIT();
+    }
+#endif
+    for (; i < n; i++) {
         key = pqc__fkey(s[i]);
         if (key > base || (key == base && need > 0)) {
             if (key == base) need--;
@@ -5241,7 +5308,7 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     size_t i, S, na = 0, nc = 0, need, a, b, o;
     double p, delta;
     if (k >= n || n <= 4 * PQC__SAMPLE) {
-        pqc__topk_core(s, n, k, above, idx, outs);
+        pqc__topk_core(simd, s, n, k, above, idx, outs);
         return;
     }
     S = PQC__SAMPLE;
@@ -5254,11 +5321,11 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     lo = p + delta >= 1.0 ? -INFINITY : pqc__kth_largest(smp, S, (size_t)ceil((p + delta) * (double)S));
     PQC__DISPATCH(simd, pqc__bracket, (s, n, lo, hi, above, &na, cand, cs, &nc));
     if (na > k || na + nc < k) { /* the bracket missed the k-th value */
-        pqc__topk_core(s, n, k, above, idx, outs);
+        pqc__topk_core(simd, s, n, k, above, idx, outs);
         return;
     }
     need = k - na;
-    if (need > 0) pqc__topk_core(cs, nc, need, tmp, pos, NULL);
+    if (need > 0) pqc__topk_core(simd, cs, nc, need, tmp, pos, NULL);
     /* merge the two ascending lists: each chosen candidate after the run of indices above
        hi below it, the run copied whole. (An element at a time, branch-free, chained each
        step's loads to the last step's comparison: about 16 cycles an index, half the
@@ -5765,7 +5832,7 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
         }
         for (i = 0; i < n; i++) /* the probes are in already; they can only be at distance 0 */
             if (flag[i]) dist[i] = -1.0f;
-        pqc__topk_core(dist, n, nfar, tmp, sel, NULL);
+        pqc__topk_core(simd, dist, n, nfar, tmp, sel, NULL);
         for (i = 0; i < nfar; i++) flag[sel[i]] = 1;
         for (i = 0, nfar = 0; i < n; i++) nfar += flag[i];
     }
