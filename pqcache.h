@@ -5305,7 +5305,7 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
 {
     uint32_t *above = (uint32_t *)scratch, *cand = above + n + 16, *tmp = cand + n + 16, *pos = tmp + n + 16;
     float *cs = (float *)(pos + n + 16), *smp = cs + n + 16, lo, hi;
-    size_t i, S, na = 0, nc = 0, need, a, b, o;
+    size_t i, S, na = 0, nc = 0, need, a, b, o, rl;
     double p, delta;
     if (k >= n || n <= 4 * PQC__SAMPLE) {
         pqc__topk_core(simd, s, n, k, above, idx, outs);
@@ -5317,8 +5317,16 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     for (i = 0; i < S; i++) smp[i] = s[(size_t)(((uint64_t)(uint32_t)((uint32_t)i * 2654435761u + 97u) * n) >> 32)];
     p = (double)k / (double)n;
     delta = 3.0 * sqrt(p * (1.0 - p) / (double)S) + 2.0 / (double)S;
-    hi = p - delta <= 0.0 ? INFINITY : pqc__kth_largest(smp, S, (size_t)floor((p - delta) * (double)S));
-    lo = p + delta >= 1.0 ? -INFINITY : pqc__kth_largest(smp, S, (size_t)ceil((p + delta) * (double)S));
+    /* the lower bound's rank first: quickselect leaves the values above it in front, so the
+       upper bound's rank is looked for among those few only */
+    rl = (size_t)ceil((p + delta) * (double)S);
+    if (p + delta >= 1.0 || rl >= S) { /* no lower bound: every sample is in front */
+        lo = -INFINITY;
+        rl = S - 1;
+    } else {
+        lo = pqc__kth_largest(smp, S, rl);
+    }
+    hi = p - delta <= 0.0 ? INFINITY : pqc__kth_largest(smp, rl + 1, (size_t)floor((p - delta) * (double)S));
     PQC__DISPATCH(simd, pqc__bracket, (s, n, lo, hi, above, &na, cand, cs, &nc));
     if (na > k || na + nc < k) { /* the bracket missed the k-th value */
         pqc__topk_core(simd, s, n, k, above, idx, outs);
