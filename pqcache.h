@@ -3313,18 +3313,20 @@ PQC__AVX512 static size_t pqc__topk_keys_avx512(const float *s, size_t n, uint32
 PQC__AVX512 static size_t pqc__topk_take_avx512(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx,
                                                 float *outs, size_t *taken)
 {
-    const __m512i t = _mm512_set1_epi32((int)thr), lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i t = _mm512_set1_epi32((int)thr);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     size_t i = 0, got = *taken, left = *need;
     for (; i + 16 <= n; i += 16) {
         const __m512i key = pqc__fkey16_avx512(s + i);
         unsigned eq = (unsigned)_mm512_cmpeq_epi32_mask(key, t), m = (unsigned)_mm512_cmpgt_epu32_mask(key, t);
         for (; eq && left > 0; left--, eq &= eq - 1) m |= eq & (0u - eq);
         if (m) {
-            const __mmask16 c = (__mmask16)((1u << __builtin_popcount(m)) - 1u);
-            _mm512_mask_storeu_epi32(idx + got, c,
-                                     _mm512_maskz_compress_epi32((__mmask16)m, _mm512_add_epi32(lane, _mm512_set1_epi32((int)i))));
-            if (outs) _mm512_mask_storeu_ps(outs + got, c, _mm512_maskz_compress_ps((__mmask16)m, _mm512_loadu_ps(s + i)));
-            got += (size_t)__builtin_popcount(m);
+            const int cnt = __builtin_popcount(m);
+            const __mmask16 c = (__mmask16)((1u << cnt) - 1u), mm = (__mmask16)m;
+            const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int)i));
+            _mm512_mask_storeu_epi32(idx + got, c, _mm512_maskz_compress_epi32(mm, at));
+            if (outs) _mm512_mask_storeu_ps(outs + got, c, _mm512_maskz_compress_ps(mm, _mm512_loadu_ps(s + i)));
+            got += (size_t)cnt;
         }
     }
     *taken = got;
