@@ -4757,11 +4757,13 @@ static void pqc__accum_neon(const float *x, size_t n, int d, const uint16_t *idx
 }
 
 /* The top-k's compaction pass (pqc__bracket_scalar, section 5): indices with s > hi into
-   above[], with lo <= s <= hi into cand[]/cs[], in index order; 4 lanes packed at a time
-   by a byte shuffle chosen by their mask (the buffers' 16 elements of slack take the
-   full stores) */
+   above[], with lo <= s <= hi into cand[]/cs[], in index order, and each block of 16's
+   count and mask; 4 lanes packed at a time by a byte shuffle chosen by their mask (the
+   buffers' 16 elements of slack take the full stores) */
+static void pqc__bracket_from(const float *s, size_t i0, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                              uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask);
 static void pqc__bracket_neon(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                              uint32_t *cand, float *cs, size_t *nc)
+                              uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
 {
     /* row m: the bytes of the lanes set in m, lowest first */
     static const unsigned char pack[16][16] = {
@@ -4787,31 +4789,30 @@ static void pqc__bracket_neon(const float *s, size_t n, float lo, float hi, uint
     const float32x4_t vlo = vdupq_n_f32(lo), vhi = vdupq_n_f32(hi);
     const uint32x4_t bits = vld1q_u32(bitv);
     uint32x4_t iv = vld1q_u32(lane);
-    for (; i + 4 <= n; i += 4, iv = vaddq_u32(iv, vdupq_n_u32(4))) {
-        float32x4_t v = vld1q_f32(s + i);
-        uint32x4_t ma = vcgtq_f32(v, vhi), mc = vandq_u32(vcgeq_f32(v, vlo), vcleq_f32(v, vhi));
-        unsigned ba = vaddvq_u32(vandq_u32(ma, bits)), bc = vaddvq_u32(vandq_u32(mc, bits));
-        if (ba) {
-            vst1q_u32(above + a, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), vld1q_u8(pack[ba]))));
-            a += (size_t)(pop >> (4 * ba) & 15u);
+    for (; i + 16 <= n; i += 16) { /* a block of 16 as four steps of 4 */
+        unsigned mk = 0, q;
+        bcnt[i >> 4] = (uint32_t)a;
+        for (q = 0; q < 4; q++, iv = vaddq_u32(iv, vdupq_n_u32(4))) {
+            float32x4_t v = vld1q_f32(s + i + 4 * q);
+            uint32x4_t ma = vcgtq_f32(v, vhi), mc = vandq_u32(vcgeq_f32(v, vlo), vcleq_f32(v, vhi));
+            unsigned ba = vaddvq_u32(vandq_u32(ma, bits)), bc = vaddvq_u32(vandq_u32(mc, bits));
+            mk |= ba << (4 * q);
+            if (ba) {
+                vst1q_u32(above + a, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), vld1q_u8(pack[ba]))));
+                a += (size_t)(pop >> (4 * ba) & 15u);
+            }
+            if (bc) {
+                uint8x16_t sh = vld1q_u8(pack[bc]);
+                vst1q_u32(cand + c, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), sh)));
+                vst1q_f32(cs + c, vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh)));
+                c += (size_t)(pop >> (4 * bc) & 15u);
+            }
         }
-        if (bc) {
-            uint8x16_t sh = vld1q_u8(pack[bc]);
-            vst1q_u32(cand + c, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), sh)));
-            vst1q_f32(cs + c, vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh)));
-            c += (size_t)(pop >> (4 * bc) & 15u);
-        }
-    }
-    for (; i < n; i++) {
-        float v = s[i];
-        if (v > hi) above[a++] = (uint32_t)i;
-        else if (v >= lo && v <= hi) {
-            cand[c] = (uint32_t)i;
-            cs[c++] = v;
-        }
+        bmask[i >> 4] = (uint16_t)mk;
     }
     *na = a;
     *nc = c;
+    pqc__bracket_from(s, i, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
 }
 #endif /* PQC__NEON */
 
@@ -5193,33 +5194,51 @@ static float pqc__kth_largest(float *a, size_t n, size_t r)
 }
 
 /* one pass: indices with s > hi into above[], with lo <= s <= hi into cand[]/cs[];
-   buffers need 16 elements of slack */
-static void pqc__bracket_scalar(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                                uint32_t *cand, float *cs, size_t *nc)
+   buffers need 16 elements of slack. Per block of 16 scores q (the last one partial):
+   bcnt[q] = the indices above hi before it, bmask[q] bit l = whether score 16q + l is
+   above hi (pqc__select places each chosen candidate by them). The scalar form runs from
+   i0, a multiple of 16, with *na and *nc counted so far (the SIMD levels' tails). */
+static void pqc__bracket_from(const float *s, size_t i0, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                              uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
 {
-    size_t i, a = 0, c = 0;
-    for (i = 0; i < n; i++) {
+    size_t i, a = *na, c = *nc;
+    unsigned mk = 0;
+    for (i = i0; i < n; i++) {
         float v = s[i];
+        if ((i & 15) == 0) {
+            bcnt[i >> 4] = (uint32_t)a;
+            mk = 0;
+        }
         above[a] = (uint32_t)i;
         a += v > hi;
+        mk |= (unsigned)(v > hi) << (i & 15);
         cand[c] = (uint32_t)i;
         cs[c] = v;
         c += (v >= lo) & (v <= hi);
+        if ((i & 15) == 15 || i + 1 == n) bmask[i >> 4] = (uint16_t)mk;
     }
     *na = a;
     *nc = c;
+}
+
+static void pqc__bracket_scalar(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
+                                uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
+{
+    *na = *nc = 0;
+    pqc__bracket_from(s, 0, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
 }
 
 #if PQC__X86
 /* as the scalar pass, eight scores a step: the lanes set in each comparison's mask are
    moved to the front by one permutation (from a table of the masks) and stored whole */
 PQC__AVX2 static void pqc__bracket_avx2(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                                        uint32_t *cand, float *cs, size_t *nc)
+                                        uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
 {
     uint32_t pack[256]; /* nibble r of pack[m]: the r-th lane set in m, lowest first */
     unsigned char cnt[256];
     size_t i = 0, a = 0, c = 0;
     unsigned m;
+    int half;
     const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
     const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low4 = _mm256_set1_epi32(15),
                   step = _mm256_set1_epi32(8);
@@ -5232,33 +5251,32 @@ PQC__AVX2 static void pqc__bracket_avx2(const float *s, size_t n, float lo, floa
         pack[m] = p;
         cnt[m] = (unsigned char)r;
     }
-    for (; i + 8 <= n; i += 8, iv = _mm256_add_epi32(iv, step)) {
-        __m256 v = _mm256_loadu_ps(s + i);
-        __m256 ga = _mm256_cmp_ps(v, vhi, _CMP_GT_OQ);
-        __m256 gc = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GE_OQ), _mm256_cmp_ps(v, vhi, _CMP_LE_OQ));
-        unsigned ba = (unsigned)_mm256_movemask_ps(ga), bc = (unsigned)_mm256_movemask_ps(gc);
-        __m256i pa = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[ba]), sh), low4);
-        __m256i pc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[bc]), sh), low4);
-        _mm256_storeu_si256((__m256i *)(above + a), _mm256_permutevar8x32_epi32(iv, pa));
-        _mm256_storeu_si256((__m256i *)(cand + c), _mm256_permutevar8x32_epi32(iv, pc));
-        _mm256_storeu_ps(cs + c, _mm256_permutevar8x32_ps(v, pc));
-        a += cnt[ba];
-        c += cnt[bc];
-    }
-    for (; i < n; i++) {
-        float v = s[i];
-        if (v > hi) above[a++] = (uint32_t)i;
-        else if (v >= lo) {
-            cand[c] = (uint32_t)i;
-            cs[c++] = v;
+    for (; i + 16 <= n; i += 16) { /* a block of 16 as two steps of 8 */
+        unsigned mk = 0;
+        bcnt[i >> 4] = (uint32_t)a;
+        for (half = 0; half < 2; half++, iv = _mm256_add_epi32(iv, step)) {
+            __m256 v = _mm256_loadu_ps(s + i + 8 * (size_t)half);
+            __m256 ga = _mm256_cmp_ps(v, vhi, _CMP_GT_OQ);
+            __m256 gc = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GE_OQ), _mm256_cmp_ps(v, vhi, _CMP_LE_OQ));
+            unsigned ba = (unsigned)_mm256_movemask_ps(ga), bc = (unsigned)_mm256_movemask_ps(gc);
+            __m256i pa = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[ba]), sh), low4);
+            __m256i pc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[bc]), sh), low4);
+            _mm256_storeu_si256((__m256i *)(above + a), _mm256_permutevar8x32_epi32(iv, pa));
+            _mm256_storeu_si256((__m256i *)(cand + c), _mm256_permutevar8x32_epi32(iv, pc));
+            _mm256_storeu_ps(cs + c, _mm256_permutevar8x32_ps(v, pc));
+            a += cnt[ba];
+            c += cnt[bc];
+            mk |= ba << (8 * half);
         }
+        bmask[i >> 4] = (uint16_t)mk;
     }
     *na = a;
     *nc = c;
+    pqc__bracket_from(s, i, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
 }
 
 PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                                            uint32_t *cand, float *cs, size_t *nc)
+                                            uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
 {
     size_t i = 0, a = 0, c = 0;
     const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
@@ -5272,32 +5290,40 @@ PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, 
     for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(s + i);
         const __mmask16 ml = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
+        __mmask16 ma = 0;
+        bcnt[i >> 4] = (uint32_t)a;
         if (ml) {
-            const __mmask16 ma = _mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ), mc = (__mmask16)(ml & ~ma);
+            const __mmask16 mc = (__mmask16)(ml & ~(ma = _mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ)));
             _mm512_storeu_si512(above + a, _mm512_maskz_compress_epi32(ma, iv));
             _mm512_storeu_si512(cand + c, _mm512_maskz_compress_epi32(mc, iv));
             _mm512_storeu_ps(cs + c, _mm512_maskz_compress_ps(mc, v));
             a += (size_t)__builtin_popcount(ma);
             c += (size_t)__builtin_popcount(mc);
         }
+        bmask[i >> 4] = (uint16_t)ma;
         iv = _mm512_add_epi32(iv, step);
-    }
-    for (; i < n; i++) {
-        float v = s[i];
-        if (v > hi) above[a++] = (uint32_t)i;
-        else if (v >= lo) {
-            cand[c] = (uint32_t)i;
-            cs[c++] = v;
-        }
     }
     *na = a;
     *nc = c;
+    pqc__bracket_from(s, i, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
 }
 #endif
 
 #define PQC__SAMPLE 2048
 /* scratch floats/u32 needed by pqc__select for n scores */
-static size_t pqc__select_scratch(size_t n) { return (5 * (n + 16) + PQC__SAMPLE) * sizeof(uint32_t); }
+static size_t pqc__select_scratch(size_t n)
+{
+    return (5 * (n + 16) + PQC__SAMPLE + 2 * ((n >> 4) + 1)) * sizeof(uint32_t);
+}
+
+/* the bits set in a 16-bit mask */
+static unsigned pqc__pop16(unsigned x)
+{
+    x = x - ((x >> 1) & 0x5555u);
+    x = (x & 0x3333u) + ((x >> 2) & 0x3333u);
+    x = (x + (x >> 4)) & 0x0f0fu;
+    return (x + (x >> 8)) & 0x1fu;
+}
 
 /* Exact top-k (indices ascending, ties to the lower index) of n finite scores.
    A sample brackets the k-th value in [lo, hi]; one pass keeps everything above hi and
@@ -5307,7 +5333,9 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
 {
     uint32_t *above = (uint32_t *)scratch, *cand = above + n + 16, *tmp = cand + n + 16, *pos = tmp + n + 16;
     float *cs = (float *)(pos + n + 16), *smp = cs + n + 16, lo, hi;
-    size_t i, S, na = 0, nc = 0, need, a, b, o, rl;
+    uint32_t *bcnt = (uint32_t *)(smp + PQC__SAMPLE);
+    uint16_t *bmask = (uint16_t *)(bcnt + (n >> 4) + 1);
+    size_t i, S, na = 0, nc = 0, need, a, b, rl;
     double p, delta;
     if (k >= n || n <= 4 * PQC__SAMPLE) {
         pqc__topk_core(simd, s, n, k, above, idx, outs);
@@ -5329,28 +5357,34 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
         lo = pqc__kth_largest(smp, S, rl);
     }
     hi = p - delta <= 0.0 ? INFINITY : pqc__kth_largest(smp, rl + 1, (size_t)floor((p - delta) * (double)S));
-    PQC__DISPATCH(simd, pqc__bracket, (s, n, lo, hi, above, &na, cand, cs, &nc));
+    PQC__DISPATCH(simd, pqc__bracket, (s, n, lo, hi, above, &na, cand, cs, &nc, bcnt, bmask));
     if (na > k || na + nc < k) { /* the bracket missed the k-th value */
         pqc__topk_core(simd, s, n, k, above, idx, outs);
         return;
     }
     need = k - na;
     if (need > 0) pqc__topk_core(simd, cs, nc, need, tmp, pos, NULL);
-    /* merge the two ascending lists: each chosen candidate after the run of indices above
-       hi below it, the run copied whole. (An element at a time, branch-free, chained each
-       step's loads to the last step's comparison: about 16 cycles an index, half the
-       time of a 128K select at k = n/10.) */
-    a = o = 0;
+    /* merge the two ascending lists: chosen candidate b (index y) has e indices above hi
+       before it (its block's count and the block mask's bits below y), so it lands at
+       b + e, after the run of those indices since the last one chosen. The runs are copied
+       16 at a time where 16 more entries fit in idx (the entries past a run are written
+       again by what follows: the output is made in order, and above[] has 16 of slack);
+       the last ones, and the rest, by memcpy. No comparison chained from one step to the
+       next (a merge by comparisons took about 16 cycles an index, a third of a 128K
+       select at k = n/10). */
+    a = 0;
     for (b = 0; b < need; b++) {
         const uint32_t y = cand[pos[b]];
-        size_t e = a;
-        while (e < na && above[e] < y) e++;
-        memcpy(idx + o, above + a, (e - a) * sizeof *idx);
-        o += e - a;
+        const size_t e = bcnt[y >> 4] + pqc__pop16(bmask[y >> 4] & ((1u << (y & 15)) - 1u));
+        size_t r = a;
+        if (a + b + ((e - a + 15) & ~(size_t)15) <= k)
+            for (; r < e; r += 16) memcpy(idx + r + b, above + r, 16 * sizeof *idx);
+        else
+            memcpy(idx + a + b, above + a, (e - a) * sizeof *idx);
+        idx[e + b] = y;
         a = e;
-        idx[o++] = y;
     }
-    memcpy(idx + o, above + a, (na - a) * sizeof *idx);
+    memcpy(idx + a + need, above + a, (na - a) * sizeof *idx);
     if (outs)
         for (i = 0; i < k; i++) outs[i] = s[idx[i]];
 }

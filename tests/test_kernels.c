@@ -1212,26 +1212,40 @@ TEST exact_heads_equal_head_by_head(void)
 
 /* the level's compaction pass; 0 where the level has none (the scalar one runs) */
 static int bracket_at(pqc_simd lv, const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                      uint32_t *cand, float *cs, size_t *nc)
+                      uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
 {
 #if PQC__X86
     if (lv == PQC_SIMD_AVX512) {
-        pqc__bracket_avx512(s, n, lo, hi, above, na, cand, cs, nc);
+        pqc__bracket_avx512(s, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
         return 1;
     }
     if (lv == PQC_SIMD_AVX2) {
-        pqc__bracket_avx2(s, n, lo, hi, above, na, cand, cs, nc);
+        pqc__bracket_avx2(s, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
         return 1;
     }
 #endif
 #if PQC__NEON
     if (lv == PQC_SIMD_NEON) {
-        pqc__bracket_neon(s, n, lo, hi, above, na, cand, cs, nc);
+        pqc__bracket_neon(s, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
         return 1;
     }
 #endif
     (void)lv, (void)s, (void)n, (void)lo, (void)hi, (void)above, (void)na, (void)cand, (void)cs, (void)nc;
+    (void)bcnt, (void)bmask;
     return 0;
+}
+
+/* the scalar pass's block counts and masks as defined: bcnt[q] the scores above hi before
+   block q, bit l of bmask[q] whether score 16q + l is */
+static int blocks_ok(const float *s, size_t n, float hi, const uint32_t *bcnt, const uint16_t *bmask)
+{
+    size_t i, a = 0;
+    for (i = 0; i < n; i++) {
+        if (i % 16 == 0 && bcnt[i / 16] != a) return 0;
+        if (((bmask[i / 16] >> (i % 16)) & 1u) != (unsigned)(s[i] > hi)) return 0;
+        a += s[i] > hi;
+    }
+    return 1;
 }
 
 TEST bracket_bitwise(void)
@@ -1246,24 +1260,31 @@ TEST bracket_bitwise(void)
         pqc_simd lv = lv_[li];
         for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++)
             for (bi = 0; bi < sizeof bounds / sizeof bounds[0]; bi++) {
-                size_t n = lens[ni], na = 0, nc = 0, nb = 0, ncb = 0;
+                size_t n = lens[ni], na = 0, nc = 0, nb = 0, ncb = 0, nq = n / 16 + 1;
                 float *s = (float *)malloc(sizeof(float) * (n + 1)), *cs = (float *)malloc(sizeof(float) * (n + 16));
                 float *csb = (float *)malloc(sizeof(float) * (n + 16));
                 uint32_t *ab = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16)), *cb = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16));
                 uint32_t *aa = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16)), *ca = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16));
+                uint32_t *qa = (uint32_t *)calloc(nq, sizeof(uint32_t)), *qb = (uint32_t *)calloc(nq, sizeof(uint32_t));
+                uint16_t *ma = (uint16_t *)calloc(nq, sizeof(uint16_t)), *mb = (uint16_t *)calloc(nq, sizeof(uint16_t));
                 int bad;
                 for (i = 0; i < n; i++) s[i] = rng_float(&st); /* ties at the bounds: 0, -0, multiples of 1/4 */
-                pqc__bracket_scalar(s, n, bounds[bi][0], bounds[bi][1], aa, &na, ca, cs, &nc);
-                if (bracket_at(lv, s, n, bounds[bi][0], bounds[bi][1], ab, &nb, cb, csb, &ncb)) ran++;
+                pqc__bracket_scalar(s, n, bounds[bi][0], bounds[bi][1], aa, &na, ca, cs, &nc, qa, ma);
+                if (bracket_at(lv, s, n, bounds[bi][0], bounds[bi][1], ab, &nb, cb, csb, &ncb, qb, mb)) ran++;
                 else {
                     nb = na;
                     ncb = nc;
                     memcpy(ab, aa, na * sizeof *aa);
                     memcpy(cb, ca, nc * sizeof *ca);
                     memcpy(csb, cs, nc * sizeof *cs);
+                    memcpy(qb, qa, nq * sizeof *qa);
+                    memcpy(mb, ma, nq * sizeof *ma);
                 }
+                nq = (n + 15) / 16; /* the blocks written */
                 bad = na != nb || nc != ncb || first_diff(aa, ab, na, sizeof *aa) >= 0 ||
-                      first_diff(ca, cb, nc, sizeof *ca) >= 0 || first_diff(cs, csb, nc, sizeof *cs) >= 0;
+                      first_diff(ca, cb, nc, sizeof *ca) >= 0 || first_diff(cs, csb, nc, sizeof *cs) >= 0 ||
+                      first_diff(qa, qb, nq, sizeof *qa) >= 0 || first_diff(ma, mb, nq, sizeof *ma) >= 0 ||
+                      !blocks_ok(s, n, bounds[bi][1], qa, ma);
                 free(s);
                 free(cs);
                 free(csb);
@@ -1271,6 +1292,10 @@ TEST bracket_bitwise(void)
                 free(ab);
                 free(ca);
                 free(cb);
+                free(qa);
+                free(qb);
+                free(ma);
+                free(mb);
                 if (bad) {
                     snprintf(msg, sizeof msg, "%s: compaction differs from scalar (n %zu, bounds %zu)", pqc_simd_name(lv),
                              n, bi);
