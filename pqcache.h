@@ -2250,6 +2250,59 @@ static void pqc__accum_scalar(const float *x, size_t n, int d, const uint16_t *i
     }
 }
 
+/* The top-k's keys (section 5): an order-preserving integer image of each score */
+static uint32_t pqc__fkey(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u &= 0u - (uint32_t)((u << 1) != 0);                  /* -0 == +0 */
+    return u ^ ((0u - (u >> 31)) | 0x80000000u); /* negatives: every bit flipped; else the sign */
+}
+
+/* the score whose key is key (+0 for the key of both zeros): as floats, scores compare
+   with it as their keys compare with key */
+static float pqc__key_value(uint32_t key)
+{
+    uint32_t u = key & 0x80000000u ? key ^ 0x80000000u : ~key;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The top-k's last pass (pqc__topk_take) at each level: the indices of keys above thr and
+   of the first *need keys equal to it, appended at idx + *taken (their scores at outs +
+   *taken), over the scores the level takes whole blocks of; returns the scores done, and
+   pqc__topk_take's scalar loop does the rest. The scalar level leaves it all to that loop. */
+static size_t pqc__take_scalar(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx, float *outs,
+                               size_t *taken)
+{
+    (void)s, (void)n, (void)thr, (void)need, (void)idx, (void)outs, (void)taken;
+    return 0;
+}
+
+/* The select's compaction pass (pqc__bracket_scalar) from score i0 on: *na +=
+   the scores above hi, and the scores with lo <= s <= hi appended at cs + *nc (cs needs 16
+   elements of slack: the SIMD levels store whole vectors) */
+static void pqc__bracket_from(const float *s, size_t i0, size_t n, float lo, float hi, size_t *na, float *cs,
+                              size_t *nc)
+{
+    size_t i, a = *na, c = *nc;
+    for (i = i0; i < n; i++) {
+        float v = s[i];
+        a += v > hi;
+        cs[c] = v;
+        c += (v >= lo) & (v <= hi);
+    }
+    *na = a;
+    *nc = c;
+}
+
+static void pqc__bracket_scalar(const float *s, size_t n, float lo, float hi, size_t *na, float *cs, size_t *nc)
+{
+    *na = *nc = 0;
+    pqc__bracket_from(s, 0, n, lo, hi, na, cs, nc);
+}
+
 #if PQC__X86
 /* GCC's own intrinsic headers self-initialise their "undefined" vectors, which its C++
    front end reports as maybe-uninitialised at our call sites: silence just that. */
@@ -3307,27 +3360,31 @@ PQC__AVX512 static size_t pqc__topk_keys_avx512(const float *s, size_t n, uint32
     return i;
 }
 
-/* pqc__topk_core's last pass over the whole blocks of 16 scores: the indices of keys above
-   thr, and of the first *need keys equal to it (lowest index first), appended at idx +
-   *taken (their scores at outs + *taken); returns the scores done */
-PQC__AVX512 static size_t pqc__topk_take_avx512(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx,
-                                                float *outs, size_t *taken)
+/* The top-k's last pass (pqc__take_scalar, section 5), sixteen scores a step, compared as
+   floats with thr's value (pqc__key_value: the same order and ties as the keys). No branch
+   on whether a step takes any: about one step in five takes none at k = n/10, and the
+   mispredictions made the pass twice as slow (128K scores: 52 -> 28 us). The chosen lanes
+   compressed in a register, then stored under a mask of their count (a compressing store
+   to memory was a little faster here, but is slow on some other cores). */
+PQC__AVX512 static size_t pqc__take_avx512(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx,
+                                           float *outs, size_t *taken)
 {
-    const __m512i t = _mm512_set1_epi32((int)thr);
+    const __m512 t = _mm512_set1_ps(pqc__key_value(thr));
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     size_t i = 0, got = *taken, left = *need;
     for (; i + 16 <= n; i += 16) {
-        const __m512i key = pqc__fkey16_avx512(s + i);
-        unsigned eq = (unsigned)_mm512_cmpeq_epi32_mask(key, t), m = (unsigned)_mm512_cmpgt_epu32_mask(key, t);
+        const __m512 v = _mm512_loadu_ps(s + i);
+        unsigned eq = (unsigned)_mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ);
+        unsigned m = (unsigned)_mm512_cmp_ps_mask(v, t, _CMP_GT_OQ);
+        const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int)i));
+        int cnt;
+        __mmask16 c;
         for (; eq && left > 0; left--, eq &= eq - 1) m |= eq & (0u - eq);
-        if (m) {
-            const int cnt = __builtin_popcount(m);
-            const __mmask16 c = (__mmask16)((1u << cnt) - 1u), mm = (__mmask16)m;
-            const __m512i at = _mm512_add_epi32(lane, _mm512_set1_epi32((int)i));
-            _mm512_mask_storeu_epi32(idx + got, c, _mm512_maskz_compress_epi32(mm, at));
-            if (outs) _mm512_mask_storeu_ps(outs + got, c, _mm512_maskz_compress_ps(mm, _mm512_loadu_ps(s + i)));
-            got += (size_t)cnt;
-        }
+        cnt = __builtin_popcount(m);
+        c = (__mmask16)((1u << cnt) - 1u);
+        _mm512_mask_storeu_epi32(idx + got, c, _mm512_maskz_compress_epi32((__mmask16)m, at));
+        if (outs) _mm512_mask_storeu_ps(outs + got, c, _mm512_maskz_compress_ps((__mmask16)m, v));
+        got += (size_t)cnt;
     }
     *taken = got;
     *need = left;
@@ -4756,63 +4813,84 @@ static void pqc__accum_neon(const float *x, size_t n, int d, const uint16_t *idx
     }
 }
 
-/* The top-k's compaction pass (pqc__bracket_scalar, section 5): indices with s > hi into
-   above[], with lo <= s <= hi into cand[]/cs[], in index order, and each block of 16's
-   count and mask; 4 lanes packed at a time by a byte shuffle chosen by their mask (the
-   buffers' 16 elements of slack take the full stores) */
-static void pqc__bracket_from(const float *s, size_t i0, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                              uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask);
-static void pqc__bracket_neon(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                              uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
+/* row m: the bytes of the lanes set in the 4-lane mask m, lowest first */
+static const unsigned char pqc__lanes4_neon[16][16] = {
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0},
+    {8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0},
+    {4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0, 0},
+    {12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+    {0, 1, 2, 3, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
+    {4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0},
+    {8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
+    {0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0},
+    {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}};
+#define PQC__POP4(m) ((size_t)(0x4332322132212110ull >> (4 * (m)) & 15u)) /* bits set in m < 16 */
+
+/* The select's compaction pass (pqc__bracket_scalar, section 5): the scores above hi
+   counted, those with lo <= s <= hi appended to cs in index order; 4 lanes packed at a
+   time by a byte shuffle chosen by their mask (cs's 16 elements of slack take the full
+   stores) */
+static void pqc__bracket_neon(const float *s, size_t n, float lo, float hi, size_t *na, float *cs, size_t *nc)
 {
-    /* row m: the bytes of the lanes set in m, lowest first */
-    static const unsigned char pack[16][16] = {
-        {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-        {0, 1, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-        {4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-        {0, 1, 2, 3, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0},
-        {8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-        {0, 1, 2, 3, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0},
-        {4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0, 0, 0, 0, 0, 0},
-        {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 0, 0, 0},
-        {12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
-        {0, 1, 2, 3, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
-        {4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
-        {0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15, 0, 0, 0, 0},
-        {8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0},
-        {0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0},
-        {4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0},
-        {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}};
-    static const uint32_t bitv[4] = {1, 2, 4, 8}, lane[4] = {0, 1, 2, 3};
-    const uint64_t pop = 0x4332322132212110ull; /* popcount of m in nibble m */
+    static const uint32_t bitv[4] = {1, 2, 4, 8};
     size_t i = 0, a = 0, c = 0;
     const float32x4_t vlo = vdupq_n_f32(lo), vhi = vdupq_n_f32(hi);
     const uint32x4_t bits = vld1q_u32(bitv);
-    uint32x4_t iv = vld1q_u32(lane);
-    for (; i + 16 <= n; i += 16) { /* a block of 16 as four steps of 4 */
-        unsigned mk = 0, q;
-        bcnt[i >> 4] = (uint32_t)a;
-        for (q = 0; q < 4; q++, iv = vaddq_u32(iv, vdupq_n_u32(4))) {
-            float32x4_t v = vld1q_f32(s + i + 4 * q);
-            uint32x4_t ma = vcgtq_f32(v, vhi), mc = vandq_u32(vcgeq_f32(v, vlo), vcleq_f32(v, vhi));
-            unsigned ba = vaddvq_u32(vandq_u32(ma, bits)), bc = vaddvq_u32(vandq_u32(mc, bits));
-            mk |= ba << (4 * q);
-            if (ba) {
-                vst1q_u32(above + a, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), vld1q_u8(pack[ba]))));
-                a += (size_t)(pop >> (4 * ba) & 15u);
-            }
-            if (bc) {
-                uint8x16_t sh = vld1q_u8(pack[bc]);
-                vst1q_u32(cand + c, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), sh)));
-                vst1q_f32(cs + c, vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh)));
-                c += (size_t)(pop >> (4 * bc) & 15u);
-            }
+    for (; i + 4 <= n; i += 4) {
+        float32x4_t v = vld1q_f32(s + i);
+        uint32x4_t ma = vcgtq_f32(v, vhi), mc = vandq_u32(vcgeq_f32(v, vlo), vcleq_f32(v, vhi));
+        unsigned ba = vaddvq_u32(vandq_u32(ma, bits)), bc = vaddvq_u32(vandq_u32(mc, bits));
+        a += PQC__POP4(ba);
+        if (bc) {
+            const uint8x16_t sh = vld1q_u8(pqc__lanes4_neon[bc]);
+            vst1q_f32(cs + c, vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh)));
+            c += PQC__POP4(bc);
         }
-        bmask[i >> 4] = (uint16_t)mk;
     }
     *na = a;
     *nc = c;
-    pqc__bracket_from(s, i, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
+    pqc__bracket_from(s, i, n, lo, hi, na, cs, nc);
+}
+
+/* The top-k's last pass (pqc__take_scalar, section 5), four scores a step, compared as
+   floats with thr's value (pqc__key_value); the chosen lanes packed by a byte shuffle,
+   stored a lane at a time (idx holds exactly the top k) */
+static size_t pqc__take_neon(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx, float *outs,
+                             size_t *taken)
+{
+    static const uint32_t bitv[4] = {1, 2, 4, 8}, lanev[4] = {0, 1, 2, 3};
+    const uint32x4_t bits = vld1q_u32(bitv);
+    const float32x4_t t = vdupq_n_f32(pqc__key_value(thr));
+    uint32x4_t iv = vld1q_u32(lanev);
+    size_t i = 0, got = *taken, left = *need, l;
+    for (; i + 4 <= n; i += 4, iv = vaddq_u32(iv, vdupq_n_u32(4))) {
+        const float32x4_t v = vld1q_f32(s + i);
+        unsigned eq = vaddvq_u32(vandq_u32(vceqq_f32(v, t), bits)), m = vaddvq_u32(vandq_u32(vcgtq_f32(v, t), bits));
+        for (; eq && left > 0; left--, eq &= eq - 1) m |= eq & (0u - eq);
+        if (m) {
+            const uint8x16_t sh = vld1q_u8(pqc__lanes4_neon[m]);
+            const size_t cnt = PQC__POP4(m);
+            uint32_t pi[4];
+            float pv[4];
+            vst1q_u32(pi, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), sh)));
+            for (l = 0; l < cnt; l++) idx[got + l] = pi[l];
+            if (outs) {
+                vst1q_f32(pv, vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh)));
+                for (l = 0; l < cnt; l++) outs[got + l] = pv[l];
+            }
+            got += cnt;
+        }
+    }
+    *taken = got;
+    *need = left;
+    return i;
 }
 #endif /* PQC__NEON */
 
@@ -5068,14 +5146,6 @@ static void *pqc__scratch_get(pqc_scratch *s, const pqc_allocator *a, size_t n, 
    final pass then emits every index above it plus the lowest-index ties, in index order.
    ------------------------------------------------------------------------------------- */
 
-static uint32_t pqc__fkey(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u &= 0u - (uint32_t)((u << 1) != 0);                  /* -0 == +0 */
-    return u ^ ((0u - (u >> 31)) | 0x80000000u); /* negatives: every bit flipped; else the sign */
-}
-
 /* bin (of nb bins) holding the k-th largest, given counts; *above = count in higher bins */
 static uint32_t pqc__hist_pick(const uint32_t *h, uint32_t nb, size_t k, size_t *above)
 {
@@ -5090,23 +5160,141 @@ static uint32_t pqc__hist_pick(const uint32_t *h, uint32_t nb, size_t k, size_t 
     return b;
 }
 
-/* scratch: n uint32. The k-th largest key is found digit by digit over histograms of at
-   most 2048 bins, the first digit taken over the keys' own range (scores of one search sit
-   in a narrow range, which a fixed first digit of the key's top 11 bits put in a few bins:
-   every count then waited on the one before it); ties at it go to the lowest indices. */
-static void pqc__topk_core(pqc_simd simd, const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *idx,
-                           float *outs)
+#if PQC__X86
+/* the bits set in a 16-bit mask */
+static unsigned pqc__pop16(unsigned x)
+{
+    x = x - ((x >> 1) & 0x5555u);
+    x = (x & 0x3333u) + ((x >> 2) & 0x3333u);
+    x = (x + (x >> 4)) & 0x0f0fu;
+    return (x + (x >> 8)) & 0x1fu;
+}
+
+/* nibble r of pqc__lanes8[m]: the r-th lane set in the 8-lane mask m, lowest first */
+static const uint32_t pqc__lanes8[256] = {
+    0x0u, 0x0u, 0x1u, 0x10u, 0x2u, 0x20u, 0x21u, 0x210u,
+    0x3u, 0x30u, 0x31u, 0x310u, 0x32u, 0x320u, 0x321u, 0x3210u,
+    0x4u, 0x40u, 0x41u, 0x410u, 0x42u, 0x420u, 0x421u, 0x4210u,
+    0x43u, 0x430u, 0x431u, 0x4310u, 0x432u, 0x4320u, 0x4321u, 0x43210u,
+    0x5u, 0x50u, 0x51u, 0x510u, 0x52u, 0x520u, 0x521u, 0x5210u,
+    0x53u, 0x530u, 0x531u, 0x5310u, 0x532u, 0x5320u, 0x5321u, 0x53210u,
+    0x54u, 0x540u, 0x541u, 0x5410u, 0x542u, 0x5420u, 0x5421u, 0x54210u,
+    0x543u, 0x5430u, 0x5431u, 0x54310u, 0x5432u, 0x54320u, 0x54321u, 0x543210u,
+    0x6u, 0x60u, 0x61u, 0x610u, 0x62u, 0x620u, 0x621u, 0x6210u,
+    0x63u, 0x630u, 0x631u, 0x6310u, 0x632u, 0x6320u, 0x6321u, 0x63210u,
+    0x64u, 0x640u, 0x641u, 0x6410u, 0x642u, 0x6420u, 0x6421u, 0x64210u,
+    0x643u, 0x6430u, 0x6431u, 0x64310u, 0x6432u, 0x64320u, 0x64321u, 0x643210u,
+    0x65u, 0x650u, 0x651u, 0x6510u, 0x652u, 0x6520u, 0x6521u, 0x65210u,
+    0x653u, 0x6530u, 0x6531u, 0x65310u, 0x6532u, 0x65320u, 0x65321u, 0x653210u,
+    0x654u, 0x6540u, 0x6541u, 0x65410u, 0x6542u, 0x65420u, 0x65421u, 0x654210u,
+    0x6543u, 0x65430u, 0x65431u, 0x654310u, 0x65432u, 0x654320u, 0x654321u, 0x6543210u,
+    0x7u, 0x70u, 0x71u, 0x710u, 0x72u, 0x720u, 0x721u, 0x7210u,
+    0x73u, 0x730u, 0x731u, 0x7310u, 0x732u, 0x7320u, 0x7321u, 0x73210u,
+    0x74u, 0x740u, 0x741u, 0x7410u, 0x742u, 0x7420u, 0x7421u, 0x74210u,
+    0x743u, 0x7430u, 0x7431u, 0x74310u, 0x7432u, 0x74320u, 0x74321u, 0x743210u,
+    0x75u, 0x750u, 0x751u, 0x7510u, 0x752u, 0x7520u, 0x7521u, 0x75210u,
+    0x753u, 0x7530u, 0x7531u, 0x75310u, 0x7532u, 0x75320u, 0x75321u, 0x753210u,
+    0x754u, 0x7540u, 0x7541u, 0x75410u, 0x7542u, 0x75420u, 0x75421u, 0x754210u,
+    0x7543u, 0x75430u, 0x75431u, 0x754310u, 0x75432u, 0x754320u, 0x754321u, 0x7543210u,
+    0x76u, 0x760u, 0x761u, 0x7610u, 0x762u, 0x7620u, 0x7621u, 0x76210u,
+    0x763u, 0x7630u, 0x7631u, 0x76310u, 0x7632u, 0x76320u, 0x76321u, 0x763210u,
+    0x764u, 0x7640u, 0x7641u, 0x76410u, 0x7642u, 0x76420u, 0x76421u, 0x764210u,
+    0x7643u, 0x76430u, 0x76431u, 0x764310u, 0x76432u, 0x764320u, 0x764321u, 0x7643210u,
+    0x765u, 0x7650u, 0x7651u, 0x76510u, 0x7652u, 0x76520u, 0x76521u, 0x765210u,
+    0x7653u, 0x76530u, 0x76531u, 0x765310u, 0x76532u, 0x765320u, 0x765321u, 0x7653210u,
+    0x7654u, 0x76540u, 0x76541u, 0x765410u, 0x76542u, 0x765420u, 0x765421u, 0x7654210u,
+    0x76543u, 0x765430u, 0x765431u, 0x7654310u, 0x765432u, 0x7654320u, 0x7654321u, 0x76543210u};
+
+/* the permutation that moves the lanes set in m (8 lanes) to the front */
+PQC__AVX2 static inline __m256i pqc__front8_avx2(unsigned m)
+{
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pqc__lanes8[m]),
+                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                            _mm256_set1_epi32(15));
+}
+
+/* as pqc__take_scalar, eight scores a step, compared as floats with thr's value (as
+   pqc__take_avx512); the chosen lanes moved to the front and stored under a mask of their
+   count, with no branch on whether there are any */
+PQC__AVX2 static size_t pqc__take_avx2(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx, float *outs,
+                                       size_t *taken)
+{
+    const __m256 t = _mm256_set1_ps(pqc__key_value(thr));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    size_t i = 0, got = *taken, left = *need;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(s + i);
+        unsigned eq = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_EQ_OQ));
+        unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ)), cnt;
+        __m256i p, keep;
+        for (; eq && left > 0; left--, eq &= eq - 1) m |= eq & (0u - eq);
+        cnt = pqc__pop16(m);
+        p = pqc__front8_avx2(m);
+        keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane);
+        _mm256_maskstore_epi32((int *)(idx + got), keep,
+                               _mm256_permutevar8x32_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32((int)i)), p));
+        if (outs) _mm256_maskstore_ps(outs + got, keep, _mm256_permutevar8x32_ps(v, p));
+        got += cnt;
+    }
+    *taken = got;
+    *need = left;
+    return i;
+}
+
+/* as the scalar pass, eight scores a step: the lanes in the bracket moved to the front by
+   one permutation and stored whole */
+PQC__AVX2 static void pqc__bracket_avx2(const float *s, size_t n, float lo, float hi, size_t *na, float *cs, size_t *nc)
+{
+    size_t i = 0, a = 0, c = 0;
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(s + i);
+        __m256 gc = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GE_OQ), _mm256_cmp_ps(v, vhi, _CMP_LE_OQ));
+        unsigned ba = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, vhi, _CMP_GT_OQ));
+        unsigned bc = (unsigned)_mm256_movemask_ps(gc);
+        _mm256_storeu_ps(cs + c, _mm256_permutevar8x32_ps(v, pqc__front8_avx2(bc)));
+        a += pqc__pop16(ba);
+        c += pqc__pop16(bc);
+    }
+    *na = a;
+    *nc = c;
+    pqc__bracket_from(s, i, n, lo, hi, na, cs, nc);
+}
+
+PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, float hi, size_t *na, float *cs,
+                                            size_t *nc)
+{
+    size_t i = 0, a = 0, c = 0;
+    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    /* No branch on what a step holds: a test of whether any of the 16 falls in the
+       bracket failed about one step in two at random, and the mispredictions made the pass
+       2.5x slower; one on whether any reaches lo (7 steps in 8 at k = n/10) cost little */
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(s + i);
+        const __mmask16 ml = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
+        const __mmask16 ma = _mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ), mc = (__mmask16)(ml & ~ma);
+        _mm512_storeu_ps(cs + c, _mm512_maskz_compress_ps(mc, v));
+        a += (size_t)__builtin_popcount(ma);
+        c += (size_t)__builtin_popcount(mc);
+    }
+    *na = a;
+    *nc = c;
+    pqc__bracket_from(s, i, n, lo, hi, na, cs, nc);
+}
+#endif
+
+/* The k-th largest key of n scores (0 < k < n) into *thr, and into *need how many keys
+   equal to it the top k hold (the rest of the top k lie above it). scratch: n uint32. The
+   key is found digit by digit over histograms of at most 2048 bins, the first digit taken
+   over the keys' own range (scores of one search sit in a narrow range, which a fixed
+   first digit of the key's top 11 bits put in a few bins: every count then waited on the
+   one before it). */
+static void pqc__topk_thresh(pqc_simd simd, const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *thr,
+                             size_t *need)
 {
     uint32_t h[2048], lo = 0xffffffffu, hi = 0, base, key, b, nb;
-    size_t i, nc = 0, above = 0, a2, need, taken = 0;
+    size_t i, nc = 0, above = 0, a2;
     int shift, ns;
-    if (k >= n) {
-        for (i = 0; i < n; i++) {
-            idx[i] = (uint32_t)i;
-            if (outs) outs[i] = s[i];
-        }
-        return;
-    }
     i = 0;
 #if PQC__X86
     if (simd == PQC_SIMD_AVX512) {
@@ -5147,24 +5335,48 @@ static void pqc__topk_core(pqc_simd simd, const float *s, size_t n, size_t k, ui
         base += b << ns;
         shift = ns;
     }
-    need = k - above; /* ties at base to take, lowest index first */
-    i = 0;
-#if PQC__X86
-    if (simd == PQC_SIMD_AVX512) {
-        i = pqc__topk_take_avx512(s, n, base, &need, idx, outs, &taken);
-        PQC__AVX_EXIT();
-    }
-#endif
+    *thr = base;
+    *need = k - above;
+}
+
+/* The indices of the n scores whose keys lie above thr, and of the first need keys equal
+   to it (lowest index first), in index order into idx (their scores into outs); returns
+   how many */
+static size_t pqc__topk_take(pqc_simd simd, const float *s, size_t n, uint32_t thr, size_t need, uint32_t *idx,
+                             float *outs)
+{
+    size_t i = 0, taken = 0;
+    const float tv = pqc__key_value(thr); /* compared as floats: the keys' order and ties */
+    PQC__DISPATCH_TO(i, simd, pqc__take, (s, n, thr, &need, idx, outs, &taken));
     for (; i < n; i++) {
-        key = pqc__fkey(s[i]);
-        if (key > base || (key == base && need > 0)) {
-            if (key == base) need--;
+        if (s[i] > tv || (s[i] == tv && need > 0)) {
+            if (s[i] == tv) need--;
             idx[taken] = (uint32_t)i;
             if (outs) outs[taken] = s[i];
             taken++;
         }
     }
+    return taken;
+}
+
+/* Exact top-k of n scores: indices ascending into idx (scores into outs), ties to the
+   lowest index. scratch: n uint32. */
+static void pqc__topk_core(pqc_simd simd, const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *idx,
+                           float *outs)
+{
+    uint32_t thr;
+    size_t i, need, taken;
+    if (k >= n) {
+        for (i = 0; i < n; i++) {
+            idx[i] = (uint32_t)i;
+            if (outs) outs[i] = s[i];
+        }
+        return;
+    }
+    pqc__topk_thresh(simd, s, n, k, cand, &thr, &need);
+    taken = pqc__topk_take(simd, s, n, thr, need, idx, outs);
     PQC_ASSERT(taken == k);
+    (void)taken;
 }
 
 /* Value of descending rank r (0 = largest) among a[0..n), reordering a (quickselect). */
@@ -5193,152 +5405,24 @@ static float pqc__kth_largest(float *a, size_t n, size_t r)
     return a[lo];
 }
 
-/* one pass: indices with s > hi into above[], with lo <= s <= hi into cand[]/cs[];
-   buffers need 16 elements of slack. Per block of 16 scores q (the last one partial):
-   bcnt[q] = the indices above hi before it, bmask[q] bit l = whether score 16q + l is
-   above hi (pqc__select places each chosen candidate by them). The scalar form runs from
-   i0, a multiple of 16, with *na and *nc counted so far (the SIMD levels' tails). */
-static void pqc__bracket_from(const float *s, size_t i0, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                              uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
-{
-    size_t i, a = *na, c = *nc;
-    unsigned mk = 0;
-    for (i = i0; i < n; i++) {
-        float v = s[i];
-        if ((i & 15) == 0) {
-            bcnt[i >> 4] = (uint32_t)a;
-            mk = 0;
-        }
-        above[a] = (uint32_t)i;
-        a += v > hi;
-        mk |= (unsigned)(v > hi) << (i & 15);
-        cand[c] = (uint32_t)i;
-        cs[c] = v;
-        c += (v >= lo) & (v <= hi);
-        if ((i & 15) == 15 || i + 1 == n) bmask[i >> 4] = (uint16_t)mk;
-    }
-    *na = a;
-    *nc = c;
-}
-
-static void pqc__bracket_scalar(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                                uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
-{
-    *na = *nc = 0;
-    pqc__bracket_from(s, 0, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
-}
-
-#if PQC__X86
-/* as the scalar pass, eight scores a step: the lanes set in each comparison's mask are
-   moved to the front by one permutation (from a table of the masks) and stored whole */
-PQC__AVX2 static void pqc__bracket_avx2(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                                        uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
-{
-    uint32_t pack[256]; /* nibble r of pack[m]: the r-th lane set in m, lowest first */
-    unsigned char cnt[256];
-    size_t i = 0, a = 0, c = 0;
-    unsigned m;
-    int half;
-    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
-    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low4 = _mm256_set1_epi32(15),
-                  step = _mm256_set1_epi32(8);
-    __m256i iv = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (m = 0; m < 256; m++) {
-        uint32_t p = 0;
-        unsigned l, r = 0;
-        for (l = 0; l < 8; l++)
-            if (m >> l & 1u) p |= (uint32_t)l << (4 * r++);
-        pack[m] = p;
-        cnt[m] = (unsigned char)r;
-    }
-    for (; i + 16 <= n; i += 16) { /* a block of 16 as two steps of 8 */
-        unsigned mk = 0;
-        bcnt[i >> 4] = (uint32_t)a;
-        for (half = 0; half < 2; half++, iv = _mm256_add_epi32(iv, step)) {
-            __m256 v = _mm256_loadu_ps(s + i + 8 * (size_t)half);
-            __m256 ga = _mm256_cmp_ps(v, vhi, _CMP_GT_OQ);
-            __m256 gc = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GE_OQ), _mm256_cmp_ps(v, vhi, _CMP_LE_OQ));
-            unsigned ba = (unsigned)_mm256_movemask_ps(ga), bc = (unsigned)_mm256_movemask_ps(gc);
-            __m256i pa = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[ba]), sh), low4);
-            __m256i pc = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)pack[bc]), sh), low4);
-            _mm256_storeu_si256((__m256i *)(above + a), _mm256_permutevar8x32_epi32(iv, pa));
-            _mm256_storeu_si256((__m256i *)(cand + c), _mm256_permutevar8x32_epi32(iv, pc));
-            _mm256_storeu_ps(cs + c, _mm256_permutevar8x32_ps(v, pc));
-            a += cnt[ba];
-            c += cnt[bc];
-            mk |= ba << (8 * half);
-        }
-        bmask[i >> 4] = (uint16_t)mk;
-    }
-    *na = a;
-    *nc = c;
-    pqc__bracket_from(s, i, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
-}
-
-PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                                            uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
-{
-    size_t i = 0, a = 0, c = 0;
-    const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
-    __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i step = _mm512_set1_epi32(16);
-    /* one test a step, whether any of the 16 reaches lo (at k = n/10 about 7 steps in 8
-       do: a test that rarely fails), and then both stores whatever they hold. A test of
-       whether any falls in the bracket failed about one step in two at random, and the
-       mispredictions made the pass 2.5x slower (128K scores, 8% above, 4% inside: 0.56-0.75
-       -> 0.22-0.31 ns a score). */
-    for (; i + 16 <= n; i += 16) {
-        const __m512 v = _mm512_loadu_ps(s + i);
-        const __mmask16 ml = _mm512_cmp_ps_mask(v, vlo, _CMP_GE_OQ);
-        __mmask16 ma = 0;
-        bcnt[i >> 4] = (uint32_t)a;
-        if (ml) {
-            const __mmask16 mc = (__mmask16)(ml & ~(ma = _mm512_cmp_ps_mask(v, vhi, _CMP_GT_OQ)));
-            _mm512_storeu_si512(above + a, _mm512_maskz_compress_epi32(ma, iv));
-            _mm512_storeu_si512(cand + c, _mm512_maskz_compress_epi32(mc, iv));
-            _mm512_storeu_ps(cs + c, _mm512_maskz_compress_ps(mc, v));
-            a += (size_t)__builtin_popcount(ma);
-            c += (size_t)__builtin_popcount(mc);
-        }
-        bmask[i >> 4] = (uint16_t)ma;
-        iv = _mm512_add_epi32(iv, step);
-    }
-    *na = a;
-    *nc = c;
-    pqc__bracket_from(s, i, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
-}
-#endif
-
 #define PQC__SAMPLE 2048
 /* scratch floats/u32 needed by pqc__select for n scores */
-static size_t pqc__select_scratch(size_t n)
-{
-    return (5 * (n + 16) + PQC__SAMPLE + 2 * ((n >> 4) + 1)) * sizeof(uint32_t);
-}
-
-/* the bits set in a 16-bit mask */
-static unsigned pqc__pop16(unsigned x)
-{
-    x = x - ((x >> 1) & 0x5555u);
-    x = (x & 0x3333u) + ((x >> 2) & 0x3333u);
-    x = (x + (x >> 4)) & 0x0f0fu;
-    return (x + (x >> 8)) & 0x1fu;
-}
+static size_t pqc__select_scratch(size_t n) { return (2 * (n + 16) + PQC__SAMPLE) * sizeof(uint32_t); }
 
 /* Exact top-k (indices ascending, ties to the lower index) of n finite scores.
-   A sample brackets the k-th value in [lo, hi]; one pass keeps everything above hi and
-   the candidates inside; a radix select among the candidates settles the rest. When
-   the bracket misses (rare: it only costs time), the full radix select runs instead. */
+   A sample brackets the k-th value in [lo, hi]; one pass counts the scores above hi and
+   keeps the values inside; the k-th largest key among those (pqc__topk_thresh) is the
+   k-th of all, and the top-k's last pass (pqc__topk_take) over every score gives the
+   indices. When the bracket misses (rare: it only costs time), the full radix select runs
+   instead. */
 static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void *scratch, uint32_t *idx, float *outs)
 {
-    uint32_t *above = (uint32_t *)scratch, *cand = above + n + 16, *tmp = cand + n + 16, *pos = tmp + n + 16;
-    float *cs = (float *)(pos + n + 16), *smp = cs + n + 16, lo, hi;
-    uint32_t *bcnt = (uint32_t *)(smp + PQC__SAMPLE);
-    uint16_t *bmask = (uint16_t *)(bcnt + (n >> 4) + 1);
-    size_t i, S, na = 0, nc = 0, need, a, b, rl;
+    uint32_t *keys = (uint32_t *)scratch, thr;
+    float *cs = (float *)(keys + n + 16), *smp = cs + n + 16, lo, hi;
+    size_t i, S, na = 0, nc = 0, need, rl, taken;
     double p, delta;
     if (k >= n || n <= 4 * PQC__SAMPLE) {
-        pqc__topk_core(simd, s, n, k, above, idx, outs);
+        pqc__topk_core(simd, s, n, k, keys, idx, outs);
         return;
     }
     S = PQC__SAMPLE;
@@ -5357,36 +5441,28 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
         lo = pqc__kth_largest(smp, S, rl);
     }
     hi = p - delta <= 0.0 ? INFINITY : pqc__kth_largest(smp, rl + 1, (size_t)floor((p - delta) * (double)S));
-    PQC__DISPATCH(simd, pqc__bracket, (s, n, lo, hi, above, &na, cand, cs, &nc, bcnt, bmask));
+    PQC__DISPATCH(simd, pqc__bracket, (s, n, lo, hi, &na, cs, &nc));
     if (na > k || na + nc < k) { /* the bracket missed the k-th value */
-        pqc__topk_core(simd, s, n, k, above, idx, outs);
+        pqc__topk_core(simd, s, n, k, keys, idx, outs);
         return;
     }
+    /* The k-th largest score is the (k - na)-th of those inside: every score above hi is
+       above it and every score below lo under it, as keys too (the keys keep the order of
+       the values, -0 and +0 one key), so its key's ties all lie inside, and the top k are
+       the keys above it and the first of its ties, as pqc__topk_core makes them. With
+       k = na the top k are the scores above hi: the keys above hi's. (Before this, the
+       indices above hi and those chosen inside were merged: a pass that stored indices
+       and values and a merge, about 17 us of a 128K select, where the pass over every
+       score costs about 10.) */
     need = k - na;
-    if (need > 0) pqc__topk_core(simd, cs, nc, need, tmp, pos, NULL);
-    /* merge the two ascending lists: chosen candidate b (index y) has e indices above hi
-       before it (its block's count and the block mask's bits below y), so it lands at
-       b + e, after the run of those indices since the last one chosen. The runs are copied
-       16 at a time where 16 more entries fit in idx (the entries past a run are written
-       again by what follows: the output is made in order, and above[] has 16 of slack);
-       the last ones, and the rest, by memcpy. No comparison chained from one step to the
-       next (a merge by comparisons took about 16 cycles an index, a third of a 128K
-       select at k = n/10). */
-    a = 0;
-    for (b = 0; b < need; b++) {
-        const uint32_t y = cand[pos[b]];
-        const size_t e = bcnt[y >> 4] + pqc__pop16(bmask[y >> 4] & ((1u << (y & 15)) - 1u));
-        size_t r = a;
-        if (a + b + ((e - a + 15) & ~(size_t)15) <= k)
-            for (; r < e; r += 16) memcpy(idx + r + b, above + r, 16 * sizeof *idx);
-        else
-            memcpy(idx + a + b, above + a, (e - a) * sizeof *idx);
-        idx[e + b] = y;
-        a = e;
+    if (need > 0) {
+        pqc__topk_thresh(simd, cs, nc, need, keys, &thr, &need);
+    } else {
+        thr = pqc__fkey(hi);
     }
-    memcpy(idx + a + need, above + a, (na - a) * sizeof *idx);
-    if (outs)
-        for (i = 0; i < k; i++) outs[i] = s[idx[i]];
+    taken = pqc__topk_take(simd, s, n, thr, need, idx, outs);
+    PQC_ASSERT(taken == k);
+    (void)taken;
 }
 
 PQCDEF pqc_result pqc_topk(pqc_runtime *rt, const float *scores, size_t n, size_t k, pqc_scratch *scratch,

@@ -1211,43 +1211,59 @@ TEST exact_heads_equal_head_by_head(void)
 /* ----- top-k: the compaction pass, and the whole selection ------------------------- */
 
 /* the level's compaction pass; 0 where the level has none (the scalar one runs) */
-static int bracket_at(pqc_simd lv, const float *s, size_t n, float lo, float hi, uint32_t *above, size_t *na,
-                      uint32_t *cand, float *cs, size_t *nc, uint32_t *bcnt, uint16_t *bmask)
+static int bracket_at(pqc_simd lv, const float *s, size_t n, float lo, float hi, size_t *na, float *cs, size_t *nc)
 {
 #if PQC__X86
     if (lv == PQC_SIMD_AVX512) {
-        pqc__bracket_avx512(s, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
+        pqc__bracket_avx512(s, n, lo, hi, na, cs, nc);
         return 1;
     }
     if (lv == PQC_SIMD_AVX2) {
-        pqc__bracket_avx2(s, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
+        pqc__bracket_avx2(s, n, lo, hi, na, cs, nc);
         return 1;
     }
 #endif
 #if PQC__NEON
     if (lv == PQC_SIMD_NEON) {
-        pqc__bracket_neon(s, n, lo, hi, above, na, cand, cs, nc, bcnt, bmask);
+        pqc__bracket_neon(s, n, lo, hi, na, cs, nc);
         return 1;
     }
 #endif
-    (void)lv, (void)s, (void)n, (void)lo, (void)hi, (void)above, (void)na, (void)cand, (void)cs, (void)nc;
-    (void)bcnt, (void)bmask;
+    (void)lv, (void)s, (void)n, (void)lo, (void)hi, (void)na, (void)cs, (void)nc;
     return 0;
 }
 
-/* the scalar pass's block counts and masks as defined: bcnt[q] the scores above hi before
-   block q, bit l of bmask[q] whether score 16q + l is */
-static int blocks_ok(const float *s, size_t n, float hi, const uint32_t *bcnt, const uint16_t *bmask)
+/* the level's take pass and pqc__topk_take's scalar rest; 0 where the level has none */
+static int take_at(pqc_simd lv, const float *s, size_t n, uint32_t thr, size_t need, uint32_t *idx, float *outs,
+                   size_t *taken)
 {
-    size_t i, a = 0;
-    for (i = 0; i < n; i++) {
-        if (i % 16 == 0 && bcnt[i / 16] != a) return 0;
-        if (((bmask[i / 16] >> (i % 16)) & 1u) != (unsigned)(s[i] > hi)) return 0;
-        a += s[i] > hi;
+    size_t i = 0;
+    *taken = 0;
+#if PQC__X86
+    if (lv == PQC_SIMD_AVX512) i = pqc__take_avx512(s, n, thr, &need, idx, outs, taken);
+    else if (lv == PQC_SIMD_AVX2) i = pqc__take_avx2(s, n, thr, &need, idx, outs, taken);
+    else return 0;
+#elif PQC__NEON
+    if (lv == PQC_SIMD_NEON) i = pqc__take_neon(s, n, thr, &need, idx, outs, taken);
+    else return 0;
+#else
+    (void)lv;
+    return 0;
+#endif
+    /* the rest as pqc__topk_take does it */
+    for (; i < n; i++) {
+        uint32_t key = pqc__fkey(s[i]);
+        if (key > thr || (key == thr && need > 0)) {
+            if (key == thr) need--;
+            idx[*taken] = (uint32_t)i;
+            if (outs) outs[*taken] = s[i];
+            ++*taken;
+        }
     }
     return 1;
 }
 
+/* the compaction pass and the take pass of each level against the scalar ones */
 TEST bracket_bitwise(void)
 {
     static const float bounds[][2] = {{-0.25f, 0.25f}, {0.0f, 0.0f}, {-INFINITY, 0.5f}, {0.5f, INFINITY},
@@ -1260,45 +1276,44 @@ TEST bracket_bitwise(void)
         pqc_simd lv = lv_[li];
         for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++)
             for (bi = 0; bi < sizeof bounds / sizeof bounds[0]; bi++) {
-                size_t n = lens[ni], na = 0, nc = 0, nb = 0, ncb = 0, nq = n / 16 + 1;
+                size_t n = lens[ni], na = 0, nc = 0, nb = 0, ncb = 0, ta = 0, tb = 0, need, w;
                 float *s = (float *)malloc(sizeof(float) * (n + 1)), *cs = (float *)malloc(sizeof(float) * (n + 16));
                 float *csb = (float *)malloc(sizeof(float) * (n + 16));
-                uint32_t *ab = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16)), *cb = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16));
-                uint32_t *aa = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16)), *ca = (uint32_t *)malloc(sizeof(uint32_t) * (n + 16));
-                uint32_t *qa = (uint32_t *)calloc(nq, sizeof(uint32_t)), *qb = (uint32_t *)calloc(nq, sizeof(uint32_t));
-                uint16_t *ma = (uint16_t *)calloc(nq, sizeof(uint16_t)), *mb = (uint16_t *)calloc(nq, sizeof(uint16_t));
+                float *va = (float *)malloc(sizeof(float) * (n + 1)), *vb = (float *)malloc(sizeof(float) * (n + 1));
+                uint32_t *ia = (uint32_t *)malloc(sizeof(uint32_t) * (n + 1));
+                uint32_t *ib = (uint32_t *)malloc(sizeof(uint32_t) * (n + 1));
+                uint32_t thr = pqc__fkey(bounds[bi][0] == -INFINITY ? bounds[bi][1] : bounds[bi][0]);
                 int bad;
                 for (i = 0; i < n; i++) s[i] = rng_float(&st); /* ties at the bounds: 0, -0, multiples of 1/4 */
-                pqc__bracket_scalar(s, n, bounds[bi][0], bounds[bi][1], aa, &na, ca, cs, &nc, qa, ma);
-                if (bracket_at(lv, s, n, bounds[bi][0], bounds[bi][1], ab, &nb, cb, csb, &ncb, qb, mb)) ran++;
+                pqc__bracket_scalar(s, n, bounds[bi][0], bounds[bi][1], &na, cs, &nc);
+                if (bracket_at(lv, s, n, bounds[bi][0], bounds[bi][1], &nb, csb, &ncb)) ran++;
                 else {
                     nb = na;
                     ncb = nc;
-                    memcpy(ab, aa, na * sizeof *aa);
-                    memcpy(cb, ca, nc * sizeof *ca);
                     memcpy(csb, cs, nc * sizeof *cs);
-                    memcpy(qb, qa, nq * sizeof *qa);
-                    memcpy(mb, ma, nq * sizeof *ma);
                 }
-                nq = (n + 15) / 16; /* the blocks written */
-                bad = na != nb || nc != ncb || first_diff(aa, ab, na, sizeof *aa) >= 0 ||
-                      first_diff(ca, cb, nc, sizeof *ca) >= 0 || first_diff(cs, csb, nc, sizeof *cs) >= 0 ||
-                      first_diff(qa, qb, nq, sizeof *qa) >= 0 || first_diff(ma, mb, nq, sizeof *ma) >= 0 ||
-                      !blocks_ok(s, n, bounds[bi][1], qa, ma);
+                bad = na != nb || nc != ncb || first_diff(cs, csb, nc, sizeof *cs) >= 0;
+                /* the take pass at a threshold of the bound's key, taking none, some and
+                   every tie */
+                for (w = 0; w < 3 && !bad; w++) {
+                    size_t eqs = 0;
+                    for (i = 0; i < n; i++) eqs += pqc__fkey(s[i]) == thr;
+                    need = w == 0 ? 0 : w == 1 ? eqs / 2 : eqs;
+                    ta = pqc__topk_take(PQC_SIMD_SCALAR, s, n, thr, need, ia, va);
+                    if (take_at(lv, s, n, thr, need, ib, vb, &tb))
+                        bad = ta != tb || first_diff(ia, ib, ta, sizeof *ia) >= 0 ||
+                              first_diff(va, vb, ta, sizeof *va) >= 0;
+                }
                 free(s);
                 free(cs);
                 free(csb);
-                free(aa);
-                free(ab);
-                free(ca);
-                free(cb);
-                free(qa);
-                free(qb);
-                free(ma);
-                free(mb);
+                free(va);
+                free(vb);
+                free(ia);
+                free(ib);
                 if (bad) {
-                    snprintf(msg, sizeof msg, "%s: compaction differs from scalar (n %zu, bounds %zu)", pqc_simd_name(lv),
-                             n, bi);
+                    snprintf(msg, sizeof msg, "%s: compaction or take differs from scalar (n %zu, bounds %zu)",
+                             pqc_simd_name(lv), n, bi);
                     FAILm(msg);
                 }
             }
