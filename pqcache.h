@@ -2280,6 +2280,15 @@ static size_t pqc__take_scalar(const float *s, size_t n, uint32_t thr, size_t *n
     return 0;
 }
 
+/* The top-k's first pass (pqc__topk_thresh) at each level: the keys of whole blocks of
+   scores into keys[], *lo / *hi lowered / raised to their extremes; returns the scores
+   done, and pqc__topk_thresh's scalar loop does the rest (at the scalar level, all) */
+static size_t pqc__topk_keys_scalar(const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
+{
+    (void)s, (void)n, (void)keys, (void)lo, (void)hi;
+    return 0;
+}
+
 /* The select's compaction pass (pqc__bracket_scalar) from score i0 on: *na +=
    the scores above hi, and the scores with lo <= s <= hi appended at cs + *nc (cs needs 16
    elements of slack: the SIMD levels store whole vectors) */
@@ -3343,8 +3352,7 @@ PQC__AVX512 static inline __m512i pqc__fkey16_avx512(const float *s)
     return _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32((int)0x80000000u)));
 }
 
-/* pqc__topk_core's first pass over the whole blocks of 16 scores: their keys into keys[],
-   *lo / *hi lowered / raised to their extremes; returns the scores done */
+/* pqc__topk_keys_scalar (section 5), sixteen scores a step */
 PQC__AVX512 static size_t pqc__topk_keys_avx512(const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
 {
     __m512i vlo = _mm512_set1_epi32((int)*lo), vhi = _mm512_set1_epi32((int)*hi);
@@ -4859,6 +4867,26 @@ static void pqc__bracket_neon(const float *s, size_t n, float lo, float hi, size
     pqc__bracket_from(s, i, n, lo, hi, na, cs, nc);
 }
 
+/* The top-k's first pass (pqc__topk_keys_scalar, section 5), four scores a step:
+   pqc__fkey's map, unsigned extremes */
+static size_t pqc__topk_keys_neon(const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
+{
+    const uint32x4_t sign = vdupq_n_u32(0x80000000u);
+    uint32x4_t vlo = vdupq_n_u32(*lo), vhi = vdupq_n_u32(*hi);
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        uint32x4_t u = vld1q_u32((const uint32_t *)(const void *)(s + i)), key;
+        u = vbicq_u32(u, vceqq_u32(vshlq_n_u32(u, 1), vdupq_n_u32(0)));
+        key = veorq_u32(u, vorrq_u32(vreinterpretq_u32_s32(vshrq_n_s32(vreinterpretq_s32_u32(u), 31)), sign));
+        vst1q_u32(keys + i, key);
+        vlo = vminq_u32(vlo, key);
+        vhi = vmaxq_u32(vhi, key);
+    }
+    *lo = vminvq_u32(vlo);
+    *hi = vmaxvq_u32(vhi);
+    return i;
+}
+
 /* The top-k's last pass (pqc__take_scalar, section 5), four scores a step, compared as
    floats with thr's value (pqc__key_value); the chosen lanes packed by a byte shuffle,
    stored a lane at a time (idx holds exactly the top k) */
@@ -5161,15 +5189,6 @@ static uint32_t pqc__hist_pick(const uint32_t *h, uint32_t nb, size_t k, size_t 
 }
 
 #if PQC__X86
-/* the bits set in a 16-bit mask */
-static unsigned pqc__pop16(unsigned x)
-{
-    x = x - ((x >> 1) & 0x5555u);
-    x = (x & 0x3333u) + ((x >> 2) & 0x3333u);
-    x = (x + (x >> 4)) & 0x0f0fu;
-    return (x + (x >> 8)) & 0x1fu;
-}
-
 /* nibble r of pqc__lanes8[m]: the r-th lane set in the 8-lane mask m, lowest first */
 static const uint32_t pqc__lanes8[256] = {
     0x0u, 0x0u, 0x1u, 0x10u, 0x2u, 0x20u, 0x21u, 0x210u,
@@ -5213,6 +5232,32 @@ PQC__AVX2 static inline __m256i pqc__front8_avx2(unsigned m)
                             _mm256_set1_epi32(15));
 }
 
+/* pqc__topk_keys_scalar, eight scores a step: pqc__fkey's map (both zeros to +0's key;
+   negatives every bit flipped, the rest the sign bit), unsigned extremes */
+PQC__AVX2 static size_t pqc__topk_keys_avx2(const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
+{
+    const __m256i sign = _mm256_set1_epi32((int)0x80000000u), zero = _mm256_setzero_si256();
+    __m256i vlo = _mm256_set1_epi32((int)*lo), vhi = _mm256_set1_epi32((int)*hi);
+    uint32_t l8[8], h8[8];
+    size_t i = 0;
+    int l;
+    for (; i + 8 <= n; i += 8) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(s + i)), key;
+        u = _mm256_andnot_si256(_mm256_cmpeq_epi32(_mm256_slli_epi32(u, 1), zero), u);
+        key = _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), sign));
+        _mm256_storeu_si256((__m256i *)(keys + i), key);
+        vlo = _mm256_min_epu32(vlo, key);
+        vhi = _mm256_max_epu32(vhi, key);
+    }
+    _mm256_storeu_si256((__m256i *)l8, vlo);
+    _mm256_storeu_si256((__m256i *)h8, vhi);
+    for (l = 0; l < 8; l++) {
+        *lo = l8[l] < *lo ? l8[l] : *lo;
+        *hi = h8[l] > *hi ? h8[l] : *hi;
+    }
+    return i;
+}
+
 /* as pqc__take_scalar, eight scores a step, compared as floats with thr's value (as
    pqc__take_avx512); the chosen lanes moved to the front and stored under a mask of their
    count, with no branch on whether there are any */
@@ -5228,7 +5273,7 @@ PQC__AVX2 static size_t pqc__take_avx2(const float *s, size_t n, uint32_t thr, s
         unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ)), cnt;
         __m256i p, keep;
         for (; eq && left > 0; left--, eq &= eq - 1) m |= eq & (0u - eq);
-        cnt = pqc__pop16(m);
+        cnt = (unsigned)__builtin_popcount(m);
         p = pqc__front8_avx2(m);
         keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane);
         _mm256_maskstore_epi32((int *)(idx + got), keep,
@@ -5253,8 +5298,8 @@ PQC__AVX2 static void pqc__bracket_avx2(const float *s, size_t n, float lo, floa
         unsigned ba = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, vhi, _CMP_GT_OQ));
         unsigned bc = (unsigned)_mm256_movemask_ps(gc);
         _mm256_storeu_ps(cs + c, _mm256_permutevar8x32_ps(v, pqc__front8_avx2(bc)));
-        a += pqc__pop16(ba);
-        c += pqc__pop16(bc);
+        a += (unsigned)__builtin_popcount(ba);
+        c += (unsigned)__builtin_popcount(bc);
     }
     *na = a;
     *nc = c;
@@ -5295,15 +5340,7 @@ static void pqc__topk_thresh(pqc_simd simd, const float *s, size_t n, size_t k, 
     uint32_t h[2048], lo = 0xffffffffu, hi = 0, base, key, b, nb;
     size_t i, nc = 0, above = 0, a2;
     int shift, ns;
-    i = 0;
-#if PQC__X86
-    if (simd == PQC_SIMD_AVX512) {
-        i = pqc__topk_keys_avx512(s, n, cand, &lo, &hi);
-        PQC__AVX_EXIT();
-    }
-#else
-    (void)simd;
-#endif
+    PQC__DISPATCH_TO(i, simd, pqc__topk_keys, (s, n, cand, &lo, &hi));
     for (; i < n; i++) {
         key = pqc__fkey(s[i]);
         cand[i] = key;

@@ -1263,7 +1263,34 @@ static int take_at(pqc_simd lv, const float *s, size_t n, uint32_t thr, size_t n
     return 1;
 }
 
-/* the compaction pass and the take pass of each level against the scalar ones */
+/* the level's keys pass and the scalar rest, as pqc__topk_thresh runs them; 0 where the
+   level has none */
+static int keys_at(pqc_simd lv, const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
+{
+    size_t i = 0;
+    *lo = 0xffffffffu;
+    *hi = 0;
+#if PQC__X86
+    if (lv == PQC_SIMD_AVX512) i = pqc__topk_keys_avx512(s, n, keys, lo, hi);
+    else if (lv == PQC_SIMD_AVX2) i = pqc__topk_keys_avx2(s, n, keys, lo, hi);
+    else return 0;
+#elif PQC__NEON
+    if (lv == PQC_SIMD_NEON) i = pqc__topk_keys_neon(s, n, keys, lo, hi);
+    else return 0;
+#else
+    (void)lv;
+    return 0;
+#endif
+    for (; i < n; i++) {
+        keys[i] = pqc__fkey(s[i]);
+        *lo = keys[i] < *lo ? keys[i] : *lo;
+        *hi = keys[i] > *hi ? keys[i] : *hi;
+    }
+    return 1;
+}
+
+/* the compaction pass, the take pass and the keys pass of each level against the scalar
+   ones */
 TEST bracket_bitwise(void)
 {
     static const float bounds[][2] = {{-0.25f, 0.25f}, {0.0f, 0.0f}, {-INFINITY, 0.5f}, {0.5f, INFINITY},
@@ -1304,6 +1331,16 @@ TEST bracket_bitwise(void)
                         bad = ta != tb || first_diff(ia, ib, ta, sizeof *ia) >= 0 ||
                               first_diff(va, vb, ta, sizeof *va) >= 0;
                 }
+                if (!bad && n > 0) { /* the keys, and their extremes, against pqc__fkey's */
+                    uint32_t lo = 0xffffffffu, hi = 0, lob, hib;
+                    for (i = 0; i < n; i++) {
+                        ia[i] = pqc__fkey(s[i]);
+                        lo = ia[i] < lo ? ia[i] : lo;
+                        hi = ia[i] > hi ? ia[i] : hi;
+                    }
+                    if (keys_at(lv, s, n, ib, &lob, &hib))
+                        bad = lo != lob || hi != hib || first_diff(ia, ib, n, sizeof *ia) >= 0;
+                }
                 free(s);
                 free(cs);
                 free(csb);
@@ -1312,7 +1349,7 @@ TEST bracket_bitwise(void)
                 free(ia);
                 free(ib);
                 if (bad) {
-                    snprintf(msg, sizeof msg, "%s: compaction or take differs from scalar (n %zu, bounds %zu)",
+                    snprintf(msg, sizeof msg, "%s: compaction, take or keys differ from scalar (n %zu, bounds %zu)",
                              pqc_simd_name(lv), n, bi);
                     FAILm(msg);
                 }
