@@ -2272,11 +2272,13 @@ static float pqc__key_value(uint32_t key)
 /* The top-k's last pass (pqc__topk_take) at each level: the indices of keys above thr and
    of the first *need keys equal to it, appended at idx + *taken (their scores at outs +
    *taken), over the scores the level takes whole blocks of; returns the scores done, and
-   pqc__topk_take's scalar loop does the rest. The scalar level leaves it all to that loop. */
+   pqc__topk_take's scalar loop does the rest. The scalar level leaves it all to that loop.
+   idx and outs hold cap entries, as many as the pass takes: a level may store whole
+   vectors where they fit, the lanes past the chosen ones written again by what follows. */
 static size_t pqc__take_scalar(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx, float *outs,
-                               size_t *taken)
+                               size_t cap, size_t *taken)
 {
-    (void)s, (void)n, (void)thr, (void)need, (void)idx, (void)outs, (void)taken;
+    (void)s, (void)n, (void)thr, (void)need, (void)idx, (void)outs, (void)cap, (void)taken;
     return 0;
 }
 
@@ -3375,11 +3377,12 @@ PQC__AVX512 static size_t pqc__topk_keys_avx512(const float *s, size_t n, uint32
    compressed in a register, then stored under a mask of their count (a compressing store
    to memory was a little faster here, but is slow on some other cores). */
 PQC__AVX512 static size_t pqc__take_avx512(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx,
-                                           float *outs, size_t *taken)
+                                           float *outs, size_t cap, size_t *taken)
 {
     const __m512 t = _mm512_set1_ps(pqc__key_value(thr));
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     size_t i = 0, got = *taken, left = *need;
+    (void)cap; /* masked stores: fast on the cores that have AVX-512 */
     for (; i + 16 <= n; i += 16) {
         const __m512 v = _mm512_loadu_ps(s + i);
         unsigned eq = (unsigned)_mm512_cmp_ps_mask(v, t, _CMP_EQ_OQ);
@@ -4888,10 +4891,10 @@ static size_t pqc__topk_keys_neon(const float *s, size_t n, uint32_t *keys, uint
 }
 
 /* The top-k's last pass (pqc__take_scalar, section 5), four scores a step, compared as
-   floats with thr's value (pqc__key_value); the chosen lanes packed by a byte shuffle,
-   stored a lane at a time (idx holds exactly the top k) */
+   floats with thr's value (pqc__key_value); the chosen lanes packed by a byte shuffle and
+   stored whole while 4 more entries fit in idx, the last ones a lane at a time */
 static size_t pqc__take_neon(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx, float *outs,
-                             size_t *taken)
+                             size_t cap, size_t *taken)
 {
     static const uint32_t bitv[4] = {1, 2, 4, 8}, lanev[4] = {0, 1, 2, 3};
     const uint32x4_t bits = vld1q_u32(bitv);
@@ -4905,13 +4908,20 @@ static size_t pqc__take_neon(const float *s, size_t n, uint32_t thr, size_t *nee
         if (m) {
             const uint8x16_t sh = vld1q_u8(pqc__lanes4_neon[m]);
             const size_t cnt = PQC__POP4(m);
-            uint32_t pi[4];
-            float pv[4];
-            vst1q_u32(pi, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), sh)));
-            for (l = 0; l < cnt; l++) idx[got + l] = pi[l];
-            if (outs) {
-                vst1q_f32(pv, vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh)));
-                for (l = 0; l < cnt; l++) outs[got + l] = pv[l];
+            const uint32x4_t pi = vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(iv), sh));
+            const float32x4_t pv = vreinterpretq_f32_u8(vqtbl1q_u8(vreinterpretq_u8_f32(v), sh));
+            if (got + 4 <= cap) {
+                vst1q_u32(idx + got, pi);
+                if (outs) vst1q_f32(outs + got, pv);
+            } else {
+                uint32_t ib[4];
+                float vb[4];
+                vst1q_u32(ib, pi);
+                vst1q_f32(vb, pv);
+                for (l = 0; l < cnt; l++) {
+                    idx[got + l] = ib[l];
+                    if (outs) outs[got + l] = vb[l];
+                }
             }
             got += cnt;
         }
@@ -5259,10 +5269,11 @@ PQC__AVX2 static size_t pqc__topk_keys_avx2(const float *s, size_t n, uint32_t *
 }
 
 /* as pqc__take_scalar, eight scores a step, compared as floats with thr's value (as
-   pqc__take_avx512); the chosen lanes moved to the front and stored under a mask of their
-   count, with no branch on whether there are any */
+   pqc__take_avx512); the chosen lanes moved to the front and stored whole while 8 more
+   entries fit in idx, the last ones under a mask of their count (a masked store in every
+   step is slow on some AVX2 cores), with no branch on whether a step takes any */
 PQC__AVX2 static size_t pqc__take_avx2(const float *s, size_t n, uint32_t thr, size_t *need, uint32_t *idx, float *outs,
-                                       size_t *taken)
+                                       size_t cap, size_t *taken)
 {
     const __m256 t = _mm256_set1_ps(pqc__key_value(thr));
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -5271,14 +5282,19 @@ PQC__AVX2 static size_t pqc__take_avx2(const float *s, size_t n, uint32_t thr, s
         const __m256 v = _mm256_loadu_ps(s + i);
         unsigned eq = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_EQ_OQ));
         unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, t, _CMP_GT_OQ)), cnt;
-        __m256i p, keep;
+        __m256i p, at;
         for (; eq && left > 0; left--, eq &= eq - 1) m |= eq & (0u - eq);
         cnt = (unsigned)__builtin_popcount(m);
         p = pqc__front8_avx2(m);
-        keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane);
-        _mm256_maskstore_epi32((int *)(idx + got), keep,
-                               _mm256_permutevar8x32_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32((int)i)), p));
-        if (outs) _mm256_maskstore_ps(outs + got, keep, _mm256_permutevar8x32_ps(v, p));
+        at = _mm256_permutevar8x32_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32((int)i)), p);
+        if (got + 8 <= cap) {
+            _mm256_storeu_si256((__m256i *)(idx + got), at);
+            if (outs) _mm256_storeu_ps(outs + got, _mm256_permutevar8x32_ps(v, p));
+        } else {
+            const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cnt), lane);
+            _mm256_maskstore_epi32((int *)(idx + got), keep, at);
+            if (outs) _mm256_maskstore_ps(outs + got, keep, _mm256_permutevar8x32_ps(v, p));
+        }
         got += cnt;
     }
     *taken = got;
@@ -5377,14 +5393,14 @@ static void pqc__topk_thresh(pqc_simd simd, const float *s, size_t n, size_t k, 
 }
 
 /* The indices of the n scores whose keys lie above thr, and of the first need keys equal
-   to it (lowest index first), in index order into idx (their scores into outs); returns
-   how many */
-static size_t pqc__topk_take(pqc_simd simd, const float *s, size_t n, uint32_t thr, size_t need, uint32_t *idx,
-                             float *outs)
+   to it (lowest index first), in index order into idx (their scores into outs), which
+   hold cap entries: exactly as many as it takes; returns how many */
+static size_t pqc__topk_take(pqc_simd simd, const float *s, size_t n, uint32_t thr, size_t need, size_t cap,
+                             uint32_t *idx, float *outs)
 {
     size_t i = 0, taken = 0;
     const float tv = pqc__key_value(thr); /* compared as floats: the keys' order and ties */
-    PQC__DISPATCH_TO(i, simd, pqc__take, (s, n, thr, &need, idx, outs, &taken));
+    PQC__DISPATCH_TO(i, simd, pqc__take, (s, n, thr, &need, idx, outs, cap, &taken));
     for (; i < n; i++) {
         if (s[i] > tv || (s[i] == tv && need > 0)) {
             if (s[i] == tv) need--;
@@ -5411,7 +5427,7 @@ static void pqc__topk_core(pqc_simd simd, const float *s, size_t n, size_t k, ui
         return;
     }
     pqc__topk_thresh(simd, s, n, k, cand, &thr, &need);
-    taken = pqc__topk_take(simd, s, n, thr, need, idx, outs);
+    taken = pqc__topk_take(simd, s, n, thr, need, k, idx, outs);
     PQC_ASSERT(taken == k);
     (void)taken;
 }
@@ -5497,7 +5513,7 @@ static void pqc__select(pqc_simd simd, const float *s, size_t n, size_t k, void 
     } else {
         thr = pqc__fkey(hi);
     }
-    taken = pqc__topk_take(simd, s, n, thr, need, idx, outs);
+    taken = pqc__topk_take(simd, s, n, thr, need, k, idx, outs);
     PQC_ASSERT(taken == k);
     (void)taken;
 }
