@@ -5179,9 +5179,11 @@ static void *pqc__scratch_get(pqc_scratch *s, const pqc_allocator *a, size_t n, 
 #define PQC__ALIGN_UP(x) (((x) + 63u) & ~(size_t)63u)
 
 /* ---------------------------------------------------------------------------------------
-   5. Top-k by radix select: three histogram levels (11 + 11 + 10 bits) over an
+   5. Top-k by radix select: histogram levels of at most 2048 bins over an
    order-preserving integer image of the scores find the k-th largest key exactly; one
    final pass then emits every index above it plus the lowest-index ties, in index order.
+   Above 8K scores a sample first brackets the k-th score, and the levels run over the
+   scores inside the bracket only.
    ------------------------------------------------------------------------------------- */
 
 /* bin (of nb bins) holding the k-th largest, given counts; *above = count in higher bins */
