@@ -1233,24 +1233,13 @@ static int bracket_at(pqc_simd lv, const float *s, size_t n, float lo, float hi,
     return 0;
 }
 
-/* the level's take pass and pqc__topk_take's scalar rest; 0 where the level has none */
-static int take_at(pqc_simd lv, const float *s, size_t n, uint32_t thr, size_t need, uint32_t *idx, float *outs,
-                   size_t cap, size_t *taken)
+/* the level's take pass (through the library's dispatch) and pqc__topk_take's scalar rest */
+static void take_at(pqc_simd lv, const float *s, size_t n, uint32_t thr, size_t need, uint32_t *idx, float *outs,
+                    size_t cap, size_t *taken)
 {
     size_t i = 0;
     *taken = 0;
-#if PQC__X86
-    if (lv == PQC_SIMD_AVX512) i = pqc__take_avx512(s, n, thr, &need, idx, outs, cap, taken);
-    else if (lv == PQC_SIMD_AVX2) i = pqc__take_avx2(s, n, thr, &need, idx, outs, cap, taken);
-    else return 0;
-#elif PQC__NEON
-    if (lv == PQC_SIMD_NEON) i = pqc__take_neon(s, n, thr, &need, idx, outs, cap, taken);
-    else return 0;
-#else
-    (void)lv;
-    return 0;
-#endif
-    /* the rest as pqc__topk_take does it */
+    PQC__DISPATCH_TO(i, lv, pqc__take, (s, n, thr, &need, idx, outs, cap, taken));
     for (; i < n; i++) {
         uint32_t key = pqc__fkey(s[i]);
         if (key > thr || (key == thr && need > 0)) {
@@ -1260,33 +1249,21 @@ static int take_at(pqc_simd lv, const float *s, size_t n, uint32_t thr, size_t n
             ++*taken;
         }
     }
-    return 1;
 }
 
-/* the level's keys pass and the scalar rest, as pqc__topk_thresh runs them; 0 where the
-   level has none */
-static int keys_at(pqc_simd lv, const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
+/* the level's keys pass (through the library's dispatch) and the scalar rest, as
+   pqc__topk_thresh runs them */
+static void keys_at(pqc_simd lv, const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
 {
     size_t i = 0;
     *lo = 0xffffffffu;
     *hi = 0;
-#if PQC__X86
-    if (lv == PQC_SIMD_AVX512) i = pqc__topk_keys_avx512(s, n, keys, lo, hi);
-    else if (lv == PQC_SIMD_AVX2) i = pqc__topk_keys_avx2(s, n, keys, lo, hi);
-    else return 0;
-#elif PQC__NEON
-    if (lv == PQC_SIMD_NEON) i = pqc__topk_keys_neon(s, n, keys, lo, hi);
-    else return 0;
-#else
-    (void)lv;
-    return 0;
-#endif
+    PQC__DISPATCH_TO(i, lv, pqc__topk_keys, (s, n, keys, lo, hi));
     for (; i < n; i++) {
         keys[i] = pqc__fkey(s[i]);
         *lo = keys[i] < *lo ? keys[i] : *lo;
         *hi = keys[i] > *hi ? keys[i] : *hi;
     }
-    return 1;
 }
 
 /* the compaction pass, the take pass and the keys pass of each level against the scalar
@@ -1333,9 +1310,9 @@ TEST bracket_bitwise(void)
                        sanitizer builds catch a store past them) */
                     ic = (uint32_t *)malloc(sizeof(uint32_t) * (ta ? ta : 1));
                     vc = (float *)malloc(sizeof(float) * (ta ? ta : 1));
-                    if (take_at(lv, s, n, thr, need, ic, vc, ta, &tb))
-                        bad = ta != tb || first_diff(ia, ic, ta, sizeof *ia) >= 0 ||
-                              first_diff(va, vc, ta, sizeof *va) >= 0;
+                    take_at(lv, s, n, thr, need, ic, vc, ta, &tb);
+                    bad = ta != tb || first_diff(ia, ic, ta, sizeof *ia) >= 0 ||
+                          first_diff(va, vc, ta, sizeof *va) >= 0;
                     free(ic);
                     free(vc);
                 }
@@ -1346,8 +1323,8 @@ TEST bracket_bitwise(void)
                         lo = ia[i] < lo ? ia[i] : lo;
                         hi = ia[i] > hi ? ia[i] : hi;
                     }
-                    if (keys_at(lv, s, n, ib, &lob, &hib))
-                        bad = lo != lob || hi != hib || first_diff(ia, ib, n, sizeof *ia) >= 0;
+                    keys_at(lv, s, n, ib, &lob, &hib);
+                    bad = lo != lob || hi != hib || first_diff(ia, ib, n, sizeof *ia) >= 0;
                 }
                 free(s);
                 free(cs);
