@@ -1343,6 +1343,28 @@ TEST bracket_bitwise(void)
     PASS();
 }
 
+/* pqc__topk_thresh at k = n (the select asks for it when it needs every score inside its
+   bracket): the smallest key, and all of its ties */
+TEST thresh_takes_everything(void)
+{
+    uint64_t st = 23;
+    size_t n, i;
+    for (n = 1; n <= 300; n += 13) {
+        float *s = (float *)malloc(sizeof(float) * n);
+        uint32_t *keys = (uint32_t *)malloc(sizeof(uint32_t) * n), mn = 0xffffffffu, thr;
+        size_t ties = 0, need;
+        for (i = 0; i < n; i++) s[i] = rng_float(&st);
+        for (i = 0; i < n; i++) mn = pqc__fkey(s[i]) < mn ? pqc__fkey(s[i]) : mn;
+        for (i = 0; i < n; i++) ties += pqc__fkey(s[i]) == mn;
+        pqc__topk_thresh(PQC_SIMD_SCALAR, s, n, n, keys, &thr, &need);
+        free(s);
+        free(keys);
+        ASSERT_EQ(mn, thr);
+        ASSERT_EQ(ties, need);
+    }
+    PASS();
+}
+
 TEST select_bitwise(void)
 {
     static const size_t ks[] = {1, 7, 100, 2000, 10000, 19999};
@@ -1411,6 +1433,7 @@ SUITE(kernels)
     RUN_TEST(gatherdots_bitwise);
     RUN_TEST(exact_heads_equal_head_by_head);
     RUN_TEST(bracket_bitwise);
+    RUN_TEST(thresh_takes_everything);
     RUN_TEST(select_bitwise);
 }
 
