@@ -2291,6 +2291,16 @@ static size_t pqc__topk_keys_scalar(const float *s, size_t n, uint32_t *keys, ui
     return 0;
 }
 
+/* The radix select's compaction (pqc__topk_thresh) at each level: the keys of cand[0..n)
+   whose digit ((key - base) >> shift) is b, moved to the front in order from cand + *nc
+   (*nc <= the first key not yet read), over whole blocks; returns the keys read, and
+   pqc__topk_thresh's scalar loop does the rest (at the scalar level, all) */
+static size_t pqc__topk_bin_scalar(uint32_t *cand, size_t n, uint32_t base, int shift, uint32_t b, size_t *nc)
+{
+    (void)cand, (void)n, (void)base, (void)shift, (void)b, (void)nc;
+    return 0;
+}
+
 /* The select's compaction pass (pqc__bracket_scalar) from score i0 on: *na +=
    the scores above hi, and the scores with lo <= s <= hi appended at cs + *nc (cs needs 16
    elements of slack: the SIMD levels store whole vectors) */
@@ -3367,6 +3377,24 @@ PQC__AVX512 static size_t pqc__topk_keys_avx512(const float *s, size_t n, uint32
     }
     *lo = (uint32_t)_mm512_reduce_min_epu32(vlo);
     *hi = (uint32_t)_mm512_reduce_max_epu32(vhi);
+    return i;
+}
+
+/* pqc__topk_bin_scalar (section 5), sixteen keys a step: the chosen ones compressed and
+   stored whole (at or before the step's own keys, already read) */
+PQC__AVX512 static size_t pqc__topk_bin_avx512(uint32_t *cand, size_t n, uint32_t base, int shift, uint32_t b,
+                                               size_t *nc)
+{
+    const __m512i vbase = _mm512_set1_epi32((int)base), vb = _mm512_set1_epi32((int)b);
+    const __m128i sh = _mm_cvtsi32_si128(shift);
+    size_t i = 0, c = *nc;
+    for (; i + 16 <= n; i += 16) {
+        const __m512i k = _mm512_loadu_si512((const void *)(cand + i));
+        const __mmask16 m = _mm512_cmpeq_epi32_mask(_mm512_srl_epi32(_mm512_sub_epi32(k, vbase), sh), vb);
+        _mm512_storeu_si512((void *)(cand + c), _mm512_maskz_compress_epi32(m, k));
+        c += (size_t)__builtin_popcount(m);
+    }
+    *nc = c;
     return i;
 }
 
@@ -4890,6 +4918,25 @@ static size_t pqc__topk_keys_neon(const float *s, size_t n, uint32_t *keys, uint
     return i;
 }
 
+/* The radix select's compaction (pqc__topk_bin_scalar, section 5), four keys a step:
+   the chosen ones packed by a byte shuffle and stored whole (at or before the step's own
+   keys, already read) */
+static size_t pqc__topk_bin_neon(uint32_t *cand, size_t n, uint32_t base, int shift, uint32_t b, size_t *nc)
+{
+    static const uint32_t bitv[4] = {1, 2, 4, 8};
+    const uint32x4_t bits = vld1q_u32(bitv), vbase = vdupq_n_u32(base), vb = vdupq_n_u32(b);
+    const int32x4_t sh = vdupq_n_s32(-shift);
+    size_t i = 0, c = *nc;
+    for (; i + 4 <= n; i += 4) {
+        const uint32x4_t k = vld1q_u32(cand + i);
+        const unsigned m = vaddvq_u32(vandq_u32(vceqq_u32(vshlq_u32(vsubq_u32(k, vbase), sh), vb), bits));
+        vst1q_u32(cand + c, vreinterpretq_u32_u8(vqtbl1q_u8(vreinterpretq_u8_u32(k), vld1q_u8(pqc__lanes4_neon[m]))));
+        c += PQC__POP4(m);
+    }
+    *nc = c;
+    return i;
+}
+
 /* The top-k's last pass (pqc__take_scalar, section 5), four scores a step, compared as
    floats with thr's value (pqc__key_value); the chosen lanes packed by a byte shuffle and
    stored whole while 4 more entries fit in idx, the last ones a lane at a time */
@@ -5270,6 +5317,24 @@ PQC__AVX2 static size_t pqc__topk_keys_avx2(const float *s, size_t n, uint32_t *
     return i;
 }
 
+/* pqc__topk_bin_scalar, eight keys a step: the chosen ones moved to the front by one
+   permutation and stored whole (at or before the step's own keys, already read) */
+PQC__AVX2 static size_t pqc__topk_bin_avx2(uint32_t *cand, size_t n, uint32_t base, int shift, uint32_t b, size_t *nc)
+{
+    const __m256i vbase = _mm256_set1_epi32((int)base), vb = _mm256_set1_epi32((int)b);
+    const __m128i sh = _mm_cvtsi32_si128(shift);
+    size_t i = 0, c = *nc;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i k = _mm256_loadu_si256((const __m256i *)(cand + i));
+        const __m256i eq = _mm256_cmpeq_epi32(_mm256_srl_epi32(_mm256_sub_epi32(k, vbase), sh), vb);
+        const unsigned m = (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(eq));
+        _mm256_storeu_si256((__m256i *)(cand + c), _mm256_permutevar8x32_epi32(k, pqc__front8_avx2(m)));
+        c += (unsigned)__builtin_popcount(m);
+    }
+    *nc = c;
+    return i;
+}
+
 /* as pqc__take_scalar, eight scores a step, compared as floats with thr's value (as
    pqc__take_avx512); the chosen lanes moved to the front and stored whole while 8 more
    entries fit in idx, the last ones under a mask of their count (a masked store in every
@@ -5371,9 +5436,11 @@ static void pqc__topk_thresh(pqc_simd simd, const float *s, size_t n, size_t k, 
     memset(h, 0, nb * sizeof h[0]);
     for (i = 0; i < n; i++) h[(cand[i] - base) >> shift]++;
     b = pqc__hist_pick(h, nb, k, &above);
-    if (shift > 0) /* the keys of that bin, then their lower digits */
-        for (i = 0; i < n; i++)
+    if (shift > 0) { /* the keys of that bin, then their lower digits */
+        PQC__DISPATCH_TO(i, simd, pqc__topk_bin, (cand, n, base, shift, b, &nc));
+        for (; i < n; i++)
             if (((cand[i] - base) >> shift) == b) cand[nc++] = cand[i];
+    }
     base += b << shift;
     while (shift > 0) { /* the keys in cand lie in [base, base + 2^shift) */
         size_t m = 0;
@@ -5383,9 +5450,11 @@ static void pqc__topk_thresh(pqc_simd simd, const float *s, size_t n, size_t k, 
         for (i = 0; i < nc; i++) h[(cand[i] - base) >> ns]++;
         b = pqc__hist_pick(h, nb, k - above, &a2);
         above += a2;
-        if (ns > 0)
-            for (i = 0; i < nc; i++)
+        if (ns > 0) {
+            PQC__DISPATCH_TO(i, simd, pqc__topk_bin, (cand, nc, base, ns, b, &m));
+            for (; i < nc; i++)
                 if (((cand[i] - base) >> ns) == b) cand[m++] = cand[i];
+        }
         nc = m;
         base += b << ns;
         shift = ns;

@@ -1343,6 +1343,46 @@ TEST bracket_bitwise(void)
     PASS();
 }
 
+/* the radix select's compaction at each level (through the library's dispatch, then the
+   scalar rest) against the scalar loop: keys of one digit moved to the front in place */
+TEST topk_bin_bitwise(void)
+{
+    static const int shifts[] = {1, 3, 8, 11, 14, 21, 31};
+    uint64_t st = 29;
+    size_t ni, si, i;
+    int li;
+    NEED_LEVELS(lv_, nl);
+    for (li = 0; li < nl; li++)
+        for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++)
+            for (si = 0; si < sizeof shifts / sizeof shifts[0]; si++) {
+                size_t n = lens[ni], na = 0, nb = 0;
+                int shift = shifts[si];
+                uint32_t *a = (uint32_t *)malloc(sizeof(uint32_t) * (n + 1));
+                uint32_t *c = (uint32_t *)malloc(sizeof(uint32_t) * (n + 1));
+                uint32_t base = (uint32_t)rng_next(&st), b = (uint32_t)(rng_next(&st) % 4), one = 1u << shift;
+                int bad;
+                for (i = 0; i < n; i++) /* digits 0-4, some keys just below base (wrapping) */
+                    a[i] = base + (uint32_t)(rng_next(&st) % 5) * one + (uint32_t)(rng_next(&st) % one) -
+                           (uint32_t)(i % 7 == 0);
+                memcpy(c, a, n * sizeof *a);
+                for (i = 0; i < n; i++)
+                    if (((a[i] - base) >> shift) == b) a[na++] = a[i];
+                i = 0;
+                PQC__DISPATCH_TO(i, lv_[li], pqc__topk_bin, (c, n, base, shift, b, &nb));
+                for (; i < n; i++)
+                    if (((c[i] - base) >> shift) == b) c[nb++] = c[i];
+                bad = na != nb || first_diff(a, c, na, sizeof *a) >= 0;
+                free(a);
+                free(c);
+                if (bad) {
+                    snprintf(msg, sizeof msg, "%s: the digit's compaction differs from scalar (n %zu, shift %d)",
+                             pqc_simd_name(lv_[li]), n, shift);
+                    FAILm(msg);
+                }
+            }
+    PASS();
+}
+
 /* pqc__topk_thresh at k = n (the select asks for it when it needs every score inside its
    bracket): the smallest key, and all of its ties */
 TEST thresh_takes_everything(void)
@@ -1433,6 +1473,7 @@ SUITE(kernels)
     RUN_TEST(gatherdots_bitwise);
     RUN_TEST(exact_heads_equal_head_by_head);
     RUN_TEST(bracket_bitwise);
+    RUN_TEST(topk_bin_bitwise);
     RUN_TEST(thresh_takes_everything);
     RUN_TEST(select_bitwise);
 }
