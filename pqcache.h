@@ -6824,16 +6824,27 @@ static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_c
                                     size_t count, float scale, float *lut, float *el, float *w, float *rows, float *out)
 {
     size_t i, ks = (size_t)pq->ksub, tl = (size_t)pq->m * ks;
-    float e[256];
-    int h, j, gp = PQC__HEADS4(g);
-    for (h = 0; h < gp; h++) { /* each group of four heads' tables interleaved, [m][ksub][4] */
-        float *eg = el + (size_t)(h & ~3) * tl;
+    float e[4][256];
+    int h, j, q, gp = PQC__HEADS4(g);
+    for (h = 0; h < gp; h += 4) { /* each group of four heads' tables interleaved, [m][ksub][4] */
         for (j = 0; j < pq->m; j++) {
-            if (h < g) {
-                const float *t = lut + ((size_t)h * pq->m + (size_t)j) * ks;
-                (void)pqc__k_expsum(simd, t, ks, pqc__k_max(simd, t, ks), scale, e);
+            float *o = el + (size_t)h * tl + (size_t)j * ks * 4;
+            for (q = 0; q < 4; q++) {
+                if (h + q < g) {
+                    const float *t = lut + ((size_t)(h + q) * pq->m + (size_t)j) * ks;
+                    (void)pqc__k_expsum(simd, t, ks, pqc__k_max(simd, t, ks), scale, e[q]);
+                } else {
+                    for (i = 0; i < ks; i++) e[q][i] = 1.0f;
+                }
             }
-            for (i = 0; i < ks; i++) eg[((size_t)j * ks + i) * 4 + (size_t)(h & 3)] = h < g ? e[i] : 1.0f;
+            /* a sub-space's four tables written together: whole lines, in order (one head
+               at a time, every line was written four times: 1.6 of a 4K search's 20 us) */
+            for (i = 0; i < ks; i++) {
+                o[4 * i] = e[0][i];
+                o[4 * i + 1] = e[1][i];
+                o[4 * i + 2] = e[2][i];
+                o[4 * i + 3] = e[3][i];
+            }
         }
     }
     for (h = 0; h < gp; h += 4) /* a pass over the codes a group (the four-head kernel) */
