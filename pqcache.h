@@ -2282,9 +2282,9 @@ static size_t pqc__take_scalar(const float *s, size_t n, uint32_t thr, size_t *n
     return 0;
 }
 
-/* The top-k's first pass (pqc__topk_thresh) at each level: the keys of whole blocks of
+/* The top-k's first pass (pqc__topk_keys) at each level: the keys of whole blocks of
    scores into keys[], *lo / *hi lowered / raised to their extremes; returns the scores
-   done, and pqc__topk_thresh's scalar loop does the rest (at the scalar level, all) */
+   done, and pqc__topk_keys' scalar loop does the rest (at the scalar level, all) */
 static size_t pqc__topk_keys_scalar(const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
 {
     (void)s, (void)n, (void)keys, (void)lo, (void)hi;
@@ -5411,6 +5411,20 @@ PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, 
 }
 #endif
 
+/* The keys of n scores into keys[], their extremes into *lo and *hi */
+static void pqc__topk_keys(pqc_simd simd, const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
+{
+    size_t i = 0;
+    *lo = 0xffffffffu;
+    *hi = 0;
+    PQC__DISPATCH_TO(i, simd, pqc__topk_keys, (s, n, keys, lo, hi));
+    for (; i < n; i++) {
+        keys[i] = pqc__fkey(s[i]);
+        *lo = keys[i] < *lo ? keys[i] : *lo;
+        *hi = keys[i] > *hi ? keys[i] : *hi;
+    }
+}
+
 /* The k-th largest key of n scores (0 < k <= n) into *thr, and into *need how many keys
    equal to it the top k hold (the rest of the top k lie above it). scratch: n uint32. The
    key is found digit by digit over histograms of at most 2048 bins, the first digit taken
@@ -5420,16 +5434,10 @@ PQC__AVX512 static void pqc__bracket_avx512(const float *s, size_t n, float lo, 
 static void pqc__topk_thresh(pqc_simd simd, const float *s, size_t n, size_t k, uint32_t *cand, uint32_t *thr,
                              size_t *need)
 {
-    uint32_t h[2048], lo = 0xffffffffu, hi = 0, base, key, b, nb;
+    uint32_t h[2048], lo, hi, base, b, nb;
     size_t i, nc = 0, above = 0, a2;
     int shift, ns;
-    PQC__DISPATCH_TO(i, simd, pqc__topk_keys, (s, n, cand, &lo, &hi));
-    for (; i < n; i++) {
-        key = pqc__fkey(s[i]);
-        cand[i] = key;
-        lo = key < lo ? key : lo;
-        hi = key > hi ? key : hi;
-    }
+    pqc__topk_keys(simd, s, n, cand, &lo, &hi);
     for (shift = 0; shift < 32 && ((hi - lo) >> shift) >= 2048u; shift++) {}
     base = lo;
     nb = ((hi - lo) >> shift) + 1u;

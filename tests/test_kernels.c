@@ -1233,39 +1233,6 @@ static int bracket_at(pqc_simd lv, const float *s, size_t n, float lo, float hi,
     return 0;
 }
 
-/* the level's take pass (through the library's dispatch) and pqc__topk_take's scalar rest */
-static void take_at(pqc_simd lv, const float *s, size_t n, uint32_t thr, size_t need, uint32_t *idx, float *outs,
-                    size_t cap, size_t *taken)
-{
-    size_t i = 0;
-    *taken = 0;
-    PQC__DISPATCH_TO(i, lv, pqc__take, (s, n, thr, &need, idx, outs, cap, taken));
-    for (; i < n; i++) {
-        uint32_t key = pqc__fkey(s[i]);
-        if (key > thr || (key == thr && need > 0)) {
-            if (key == thr) need--;
-            idx[*taken] = (uint32_t)i;
-            if (outs) outs[*taken] = s[i];
-            ++*taken;
-        }
-    }
-}
-
-/* the level's keys pass (through the library's dispatch) and the scalar rest, as
-   pqc__topk_thresh runs them */
-static void keys_at(pqc_simd lv, const float *s, size_t n, uint32_t *keys, uint32_t *lo, uint32_t *hi)
-{
-    size_t i = 0;
-    *lo = 0xffffffffu;
-    *hi = 0;
-    PQC__DISPATCH_TO(i, lv, pqc__topk_keys, (s, n, keys, lo, hi));
-    for (; i < n; i++) {
-        keys[i] = pqc__fkey(s[i]);
-        *lo = keys[i] < *lo ? keys[i] : *lo;
-        *hi = keys[i] > *hi ? keys[i] : *hi;
-    }
-}
-
 /* the compaction pass, the take pass and the keys pass of each level against the scalar
    ones */
 TEST bracket_bitwise(void)
@@ -1310,7 +1277,7 @@ TEST bracket_bitwise(void)
                        sanitizer builds catch a store past them) */
                     ic = (uint32_t *)malloc(sizeof(uint32_t) * (ta ? ta : 1));
                     vc = (float *)malloc(sizeof(float) * (ta ? ta : 1));
-                    take_at(lv, s, n, thr, need, ic, vc, ta, &tb);
+                    tb = pqc__topk_take(lv, s, n, thr, need, ta, ic, vc);
                     bad = ta != tb || first_diff(ia, ic, ta, sizeof *ia) >= 0 ||
                           first_diff(va, vc, ta, sizeof *va) >= 0;
                     free(ic);
@@ -1323,7 +1290,7 @@ TEST bracket_bitwise(void)
                         lo = ia[i] < lo ? ia[i] : lo;
                         hi = ia[i] > hi ? ia[i] : hi;
                     }
-                    keys_at(lv, s, n, ib, &lob, &hib);
+                    pqc__topk_keys(lv, s, n, ib, &lob, &hib);
                     bad = lo != lob || hi != hib || first_diff(ia, ib, n, sizeof *ia) >= 0;
                 }
                 free(s);
