@@ -584,7 +584,16 @@ typedef enum pqc_split {
                                with a derived window (window 0), each layer's window
                                lowered at its builds where the observed queries pay it
                                less than the top-k would keep (see window)               */
-    PQC_SPLIT_FIXED = 1     /* every head takes the same top-k, every layer the window    */
+    PQC_SPLIT_FIXED = 1,    /* every head takes the same top-k, every layer the window    */
+    PQC_SPLIT_COMPETE = 2   /* the heads share the top-k as under ADAPTIVE, and in each
+                               head the window competes, every step: its tokens but the
+                               last 16 are scored exactly with the step's queries and
+                               chosen with the coded tokens by the same scores for the
+                               head's top-k and their own places, so that a head that
+                               attends locally keeps its window and one that does not
+                               gives it to top-k (no build lowers the window). The CUDA
+                               tier then selects on the host (one synchronisation a
+                               layer)                                                     */
 } pqc_split;
 
 typedef struct pqc_cache_desc {
@@ -774,7 +783,9 @@ PQCDEF pqc_result pqc_cache_append(pqc_cache *c, int layer, const float *k, cons
 PQCDEF pqc_result pqc_selection_init(const pqc_cache *c, pqc_selection *sel);
 PQCDEF void pqc_selection_free(pqc_selection *sel);
 /* Per KV head the tokens to attend for queries q (n_q_heads x d_h fp32): sinks + top-k
-   mid tokens + the window (+ mid tokens not yet coded), deduplicated and ascending. Waits
+   mid tokens + the window (+ mid tokens not yet coded), deduplicated and ascending (under
+   PQC_SPLIT_COMPETE the window's last 16 tokens, and those of its others that won their
+   places against the coded tokens, whose top-k takes the places they lost). Waits
    for the layer's build when it is still running. Under PQC_METRIC_QUERY, a query that
    looks where its head's observed queries did not (its energy over the metric's weights,
    against a query shaped like the metric, above 1.5) is counted, and the layer is
@@ -6736,6 +6747,8 @@ typedef struct pqc__pq_ctx {
     size_t first, count;
     const uint8_t *res; /* residual-aware scoring, or NULL */
     const float *rw;    /* [g + 1][m] weight of one residual byte per head (then the sum) */
+    const float *xd;    /* rivals' exact dots [g][nx + nf] (see pqc__pq_scores_into), or NULL */
+    size_t nx, nf;
 } pqc__pq_ctx;
 
 static void pqc__pq_head(void *p, int h, float *out)
@@ -6757,6 +6770,19 @@ static void pqc__pq_head(void *p, int h, float *out)
                 float a = 0.0f;
                 for (j = 0; j < (int)m; j++) a += w[j] * (float)r[t * m + (size_t)j];
                 out[t] += a;
+            }
+        }
+    }
+    if (c->nx + c->nf > 0) { /* the rivals after the codes: a head's dots, or (SUM) their sum over the heads */
+        size_t i, nxf = c->nx + c->nf;
+        int hh;
+        if (h >= 0) {
+            memcpy(out + c->count, c->xd + (size_t)h * nxf, nxf * sizeof(float));
+        } else {
+            for (i = 0; i < nxf; i++) {
+                float a = 0.0f;
+                for (hh = 0; hh < c->g; hh++) a += c->xd[(size_t)hh * nxf + i];
+                out[c->count + i] = a;
             }
         }
     }
@@ -6823,24 +6849,35 @@ static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_sear
    pqc__lanesum's order, pqc__k_scan_products), out = pqc__k_combine of the rows with
    weights 1/Z_h. lut: the heads' tables [g][m][ksub]; el: gp * m * ksub floats of work
    (each group of four heads' exponentials interleaved, [m][ksub][4], gp =
-   PQC__HEADS4(g)); w: 2gp floats; rows: gp * count floats. Returns 0 (out untouched)
+   PQC__HEADS4(g)); w: 3gp floats; rows: gp * count floats. Returns 0 (out untouched)
    when some head's Z_h is below PQC__PROD_FLOOR (queries whose sub-spaces' best entries
    add up far beyond any token's score): the caller then takes the exponentials of the
    scores. The results differ from those by rounding only (a few units in the last
-   place); every level makes these bit for bit. */
+   place); every level makes these bit for bit.
+   Rivals (nx > 0: tokens outside the codes, xd their exact dots, then nf more tokens'
+   that only join the normalisation; head h's nx + nf at xd + h * (nx + nf)): their
+   exponentials relative to the same sum, S_h = sum_j M_hj (j ascending, from 0),
+   pqc__k_expsum of the nx + nf with maximum S_h (into ex, g * (nx + nf) floats), join Z_h
+   (added after the products' sum), and all are combined into out[count..count + nx +
+   nf). A token more than PQC__RIVAL_ABOVE above S_h (scaled) returns 0 too. */
+#define PQC__RIVAL_ABOVE 20.0f
 static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_codes *codes, int g, size_t first,
-                                    size_t count, float scale, float *lut, float *el, float *w, float *rows, float *out)
+                                    size_t count, float scale, float *lut, float *el, float *w, float *rows,
+                                    const float *xd, size_t nx, size_t nf, float *ex, float *out)
 {
-    size_t i, ks = (size_t)pq->ksub, tl = (size_t)pq->m * ks;
+    size_t i, ks = (size_t)pq->ksub, tl = (size_t)pq->m * ks, nxf = nx + nf;
     float e[4][256];
     int h, j, q, gp = PQC__HEADS4(g);
+    for (h = 0; h < g; h++) w[2 * gp + h] = 0.0f;
     for (h = 0; h < gp; h += 4) { /* each group of four heads' tables interleaved, [m][ksub][4] */
         for (j = 0; j < pq->m; j++) {
             float *o = el + (size_t)h * tl + (size_t)j * ks * 4;
             for (q = 0; q < 4; q++) {
                 if (h + q < g) {
                     const float *t = lut + ((size_t)(h + q) * pq->m + (size_t)j) * ks;
-                    (void)pqc__k_expsum(simd, t, ks, pqc__k_max(simd, t, ks), scale, e[q]);
+                    float mj = pqc__k_max(simd, t, ks);
+                    w[2 * gp + h + q] += mj;
+                    (void)pqc__k_expsum(simd, t, ks, mj, scale, e[q]);
                 } else {
                     for (i = 0; i < ks; i++) e[q][i] = 1.0f;
                 }
@@ -6860,20 +6897,32 @@ static int pqc__pq_softmax_products(pqc_simd simd, const pqc_pq *pq, const pqc_c
                              w + h);
     for (h = 0; h < g; h++)
         if (!(w[h] >= PQC__PROD_FLOOR)) return 0;
+    for (h = 0; nxf > 0 && h < g; h++)
+        if (!((pqc__k_max(simd, xd + (size_t)h * nxf, nxf) - w[2 * gp + h]) * scale <= PQC__RIVAL_ABOVE)) return 0;
+    for (h = 0; nxf > 0 && h < g; h++)
+        w[h] += pqc__k_expsum(simd, xd + (size_t)h * nxf, nxf, w[2 * gp + h], scale, ex + (size_t)h * nxf);
     for (h = 0; h < g; h++) w[gp + h] = 1.0f / w[h];
     for (i = count; i > 0;) { /* the last rows written first: they are still in cache */
         size_t b = i > 4096 ? i - 4096 : 0;
         pqc__k_combine(simd, rows + b, count, g, i - b, w + gp, out + b);
         i = b;
     }
+    if (nxf > 0) pqc__k_combine(simd, ex, nxf, g, nxf, w + gp, out + count);
     return 1;
 }
 
 /* scores of the searched range into out; work: lut + tmp from scratch (sized
-   by pqc__pq_search_impl) */
+   by pqc__pq_search_impl). Rivals (nx > 0; the cache's window tokens that compete with
+   the coded ones): tokens without codes whose exact dots with each head are known, and
+   nf more such tokens that are not chosen from (the cache's sinks and the window's
+   last tokens) but count in each head's softmax (xd: head h's nx + nf at xd + h * (nx +
+   nf)); their scores follow the range's, out[count..count + nx + nf), made as a coded
+   token's are from its heads' PQ scores (SUM: the dots summed over the heads in order;
+   softmax-sum: each head normalised over the range and all nx + nf together). */
 static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
                                       int g, pqc_gqa gqa, size_t first, size_t count, const pqc_search_desc *desc,
-                                      float *lut, float *rw, float *tmp, float *out)
+                                      const float *xd, size_t nx, size_t nf, float *lut, float *rw, float *tmp,
+                                      float *out)
 {
     pqc__pq_ctx c;
     pqc_result r;
@@ -6897,6 +6946,9 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
     c.count = count;
     c.res = NULL;
     c.rw = rw;
+    c.xd = xd;
+    c.nx = nx;
+    c.nf = nf;
     if (desc && desc->residuals) { /* per head and sub-space: weight x |q_j| x one step */
         int j, e;
         c.res = desc->residuals;
@@ -6917,38 +6969,52 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
     if (pqc__fused_heads(pq, g, gqa, desc)) {
         float *il = lut + ((size_t)g + 1) * tl, *mx = rw;
         float scale = 1.0f / sqrtf((float)pq->dim);
-        if (pqc__pq_softmax_products(c.simd, pq, codes, g, first, count, scale, lut, il + (size_t)g * tl, rw, tmp, out))
+        size_t gp = (size_t)PQC__HEADS4(g), nxf = nx + nf, na = count + nxf;
+        if (pqc__pq_softmax_products(c.simd, pq, codes, g, first, count, scale, lut, il + (size_t)g * tl, rw, tmp, xd,
+                                     nx, nf, tmp + gp * count, out))
             return PQC_SUCCESS;
         /* the exponential of each sum: every head's scores in one pass over the codes,
-           from the heads' tables interleaved; then each head's softmax and the sum, as
-           pqc__combine makes them */
+           from the heads' tables interleaved (the rivals' dots after them); then each
+           head's softmax and the sum, as pqc__combine makes them */
         for (h = 0; h < g; h++)
             for (i = 0; i < tl; i++) il[i * (size_t)g + (size_t)h] = lut[(size_t)h * tl + i];
         for (h = 0; h < g; h++) mx[h] = -INFINITY;
-        pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, first, count, tmp, count, mx);
-        pqc__softmax_rows(c.simd, tmp, count, g, mx, scale, rw + g, out);
+        pqc__k_scan_heads(c.simd, codes, il, pq->ksub, g, first, count, tmp, na, mx);
+        for (h = 0; nxf > 0 && h < g; h++) {
+            float *row = tmp + (size_t)h * na + count, xm;
+            memcpy(row, xd + (size_t)h * nxf, nxf * sizeof(float));
+            xm = pqc__k_max(c.simd, row, nxf);
+            if (xm > mx[h]) mx[h] = xm;
+        }
+        pqc__softmax_rows(c.simd, tmp, na, g, mx, scale, rw + g, out);
         return PQC_SUCCESS;
     }
-    pqc__combine(c.simd, gqa, g, count, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
+    pqc__combine(c.simd, gqa, g, count + nx + nf, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
     return PQC_SUCCESS;
 }
 
-/* scratch layout: lut ((g+1)*m*ksub) | tmp (count) | scores (count) | cand (count u32) */
-static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
-                                      int g, const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx,
-                                      float *scores, float *all_out)
+/* scratch layout: lut ((g+1)*m*ksub) | tmp (count) | scores (count) | cand (count u32).
+   With rivals (xd, nx, nf: see pqc__pq_scores_into; the range must start at token 0) the
+   top k are chosen from the range and the nx rivals together, rival i as index count + i
+   (all_out: count + nx + nf scores). */
+static pqc_result pqc__pq_search_x(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
+                                   int g, const pqc_search_desc *desc, const float *xd, size_t nx, size_t nf,
+                                   pqc_scratch *scratch, uint32_t *idx, float *scores, float *all_out)
 {
-    size_t first = 0, count = 0, ol, orw, ot, os, oc, bytes, gp;
+    size_t first = 0, count = 0, ol, orw, ot, os, oc, bytes, gp, na, nc;
     pqc_gqa gqa = PQC_GQA_SOFTMAX_SUM;
     pqc_result r;
     unsigned char *mem;
     void *tmpmem;
     int fused;
     if ((r = pqc__search_prep(rt, pq, codes, queries, g, desc, &first, &count, &gqa)) != PQC_SUCCESS) return r;
+    if (nx + nf > 0 && first > 0) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_search: rivals after a range");
+    na = count + nx + nf; /* scores */
+    nc = count + nx;      /* chosen from */
     if (!all_out) {
         if (!idx) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_search: null idx");
-        if (desc->k == 0 || desc->k > count)
-            return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, count);
+        if (desc->k == 0 || desc->k > nc)
+            return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: k = %zu not in 1..%zu", desc->k, nc);
     }
     fused = pqc__fused_heads(pq, g, gqa, desc);
     gp = (size_t)PQC__HEADS4(g);
@@ -6956,23 +7022,31 @@ static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const p
        exponentials' gp * m * ksub */
     ol = 0;
     orw = PQC__ALIGN_UP(((size_t)g + 1 + (fused ? (size_t)g + gp : 0)) * pq->m * pq->ksub * sizeof(float));
-    /* residual weights [g + 1][m], or the fused heads' maxima and weights [2gp] */
-    ot = orw + PQC__ALIGN_UP(PQC__MAX(((size_t)g + 1) * pq->m, 2 * gp) * sizeof(float));
-    os = ot + PQC__ALIGN_UP((fused ? gp : 1) * count * sizeof(float));
-    oc = os + PQC__ALIGN_UP(count * sizeof(float));
-    bytes = oc + (all_out ? 0 : pqc__select_scratch(count));
+    /* residual weights [g + 1][m], or the fused heads' maxima, weights and sums of their
+       sub-spaces' maxima [3gp] */
+    ot = orw + PQC__ALIGN_UP(PQC__MAX(((size_t)g + 1) * pq->m, 3 * gp) * sizeof(float));
+    /* the heads' rows (and the rivals' exponentials) */
+    os = ot + PQC__ALIGN_UP((fused ? gp : 1) * na * sizeof(float));
+    oc = os + PQC__ALIGN_UP(na * sizeof(float));
+    bytes = oc + (all_out ? 0 : pqc__select_scratch(nc));
     mem = (unsigned char *)pqc__scratch_get(scratch, pqc__rt_alloc(rt), bytes, &tmpmem);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_search: scratch allocation failed");
-    r = pqc__pq_scores_into(rt, pq, codes, queries, g, gqa, first, count, desc, (float *)(mem + ol),
+    r = pqc__pq_scores_into(rt, pq, codes, queries, g, gqa, first, count, desc, xd, nx, nf, (float *)(mem + ol),
                             (float *)(mem + orw), (float *)(mem + ot), all_out ? all_out : (float *)(mem + os));
     if (r == PQC_SUCCESS && !all_out) {
         size_t i;
-        pqc__select(pqc__simd(rt), (const float *)(mem + os), count, desc->k, mem + oc, idx, scores);
+        pqc__select(pqc__simd(rt), (const float *)(mem + os), nc, desc->k, mem + oc, idx, scores);
         if (first)
             for (i = 0; i < desc->k; i++) idx[i] += (uint32_t)first;
     }
     pqc__free(pqc__rt_alloc(rt), tmpmem);
     return r;
+}
+static pqc_result pqc__pq_search_impl(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
+                                      int g, const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx,
+                                      float *scores, float *all_out)
+{
+    return pqc__pq_search_x(rt, pq, codes, queries, g, desc, NULL, 0, 0, scratch, idx, scores, all_out);
 }
 
 PQCDEF pqc_result pqc_pq_scores(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
@@ -7696,6 +7770,7 @@ typedef struct pqc__scoring {
     int exact;             /* candidates are scored again with the stored keys */
     int adaptive;          /* the heads share the layer's top-k by observed attention */
     int adaptive_window;   /* a build with observations may lower its layer's window */
+    int compete;           /* the window's tokens compete with the coded ones every step */
     int tier_search;       /* the tier's search can find the candidates */
     int tier_step;         /* the tier can run a whole decode step */
     int device_rows;       /* the tier hands rows in device memory */
@@ -7833,13 +7908,14 @@ static void pqc__plan_init(pqc_cache *c)
     sp->residual_weight = residual ? (float)c->d.residual_weight : 0.0f;
     sp->rerank = c->d.rerank;
     sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
-    sp->adaptive = c->d.split == PQC_SPLIT_ADAPTIVE;
-    sp->adaptive_window = sp->adaptive && c->d.window == 0;
+    sp->adaptive = c->d.split != PQC_SPLIT_FIXED;
+    sp->adaptive_window = c->d.split == PQC_SPLIT_ADAPTIVE && c->d.window == 0;
+    sp->compete = c->d.split == PQC_SPLIT_COMPETE;
     sp->device_rows = (caps & PQC__CAN_DEVICE_ROWS) != 0;
     sp->map_stores = !sp->device_rows;
-    sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS));
+    sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS)) && !sp->compete;
     sp->tier_step = c->tier->step && sp->device_rows && (!residual || (caps & PQC__CAN_RESIDUALS)) &&
-                    (!sp->exact || (caps & PQC__CAN_EXACT));
+                    (!sp->exact || (caps & PQC__CAN_EXACT)) && !sp->compete;
 }
 
 /* The stored K and V rows of token t of a head: in the shared prefix (a fork's) or in
@@ -7985,7 +8061,7 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     PQC__RULE(d.metric != PQC_METRIC_QUERY || d.metric_floor >= 1e-11 * (double)d.head_dim, PQC_ERROR_OUT_OF_RANGE,
               "metric_floor %g below head_dim x 1e-11 = %g: the metric's weights could spread past the PQ core's 1e12",
               d.metric_floor, 1e-11 * (double)d.head_dim);
-    PQC__RULE((int)d.split >= 0 && (int)d.split <= 1, PQC_ERROR_OUT_OF_RANGE, "split %d unknown", (int)d.split);
+    PQC__RULE((int)d.split >= 0 && (int)d.split <= 2, PQC_ERROR_OUT_OF_RANGE, "split %d unknown", (int)d.split);
     PQC__RULE((int)d.gqa >= 0 && (int)d.gqa <= 1, PQC_ERROR_OUT_OF_RANGE, "gqa %d unknown", (int)d.gqa);
     PQC__RULE(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6), PQC_ERROR_OUT_OF_RANGE,
               "rerank %g: 0 (off) or 1..1e6", d.rerank);
@@ -9274,23 +9350,86 @@ static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t *n, 
                                NULL, NULL);
 }
 
-/* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
-   or the host's top cands, or every coded token) merged with its outlier list, scored with
-   the stored keys, the best takes kept (coded indices, ascending) into out. */
-static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
+/* Rivals (PQC_SPLIT_COMPETE): the window's tokens [from, from + nx) of head hi, then its
+   sinks [0, sink) and the window's last tokens [from + nx, n) (nf = sink + n - from - nx:
+   they count in the softmax), scored exactly by every query head of the KV head: their
+   dots into *xd ([g][nx + nf], allocated here; the caller frees *mem). */
+static pqc_result pqc__rival_dots(const pqc__sel_job *j, size_t hi, size_t sink, size_t from, size_t nx, size_t n,
+                                  float **xd, void **mem)
+{
+    pqc_cache *c = j->c;
+    const pqc__head *H = &c->layers[j->layer].heads[hi];
+    size_t d = (size_t)c->d.head_dim, nxf = nx + sink + (n - from - nx), lo[3], hi_[3], at = 0;
+    pqc_result r;
+    int part;
+    float *f = (float *)pqc__alloc(&c->alloc, ((size_t)c->g * nxf + d) * sizeof(float));
+    *mem = f;
+    if (!f) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: dots of %zu window tokens", nxf);
+    lo[0] = from;
+    hi_[0] = from + nx;
+    lo[1] = 0;
+    hi_[1] = sink;
+    lo[2] = from + nx;
+    hi_[2] = n;
+    for (part = 0; part < 3; part++) {
+        unsigned char *buf = NULL;
+        pqc_matrix m;
+        if (hi_[part] == lo[part]) continue;
+        if ((r = pqc__keys_gather(c, H, lo[part], hi_[part], &m, &buf)) != PQC_SUCCESS) return r;
+        (void)pqc__k_gatherdots(pqc__simd(c->rt), j->q + hi * (size_t)c->g * d, c->g, (const unsigned char *)m.data,
+                                m.row_stride, m.dtype, NULL, m.rows, (int)d, 0, 0.0f, f + (size_t)c->g * nxf, f + at,
+                                nxf);
+        at += m.rows;
+        pqc__free(&c->alloc, buf);
+    }
+    *xd = f;
+    return PQC_SUCCESS;
+}
+
+/* Head hi's best n of its coded tokens and its nx rivals together by PQ score (the
+   rivals' from their exact dots xd, with nf more tokens in the softmax:
+   pqc__pq_scores_into): coded token i as index i, rival i as coded + i, ascending; all
+   of them where n covers them. */
+static pqc_result pqc__head_rivals_top(const pqc__sel_job *j, size_t hi, size_t n, const float *xd, size_t nx,
+                                       size_t nf, uint32_t *out)
 {
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
     pqc__head *H = &L->heads[hi];
-    size_t nc = j->cands[hi], no = H->n_outliers, coded = L->n_coded, t, a, b, nm;
+    size_t coded = L->n_coded, t;
+    pqc_search_desc sd;
+    if (n >= coded + nx) {
+        for (t = 0; t < coded + nx; t++) out[t] = (uint32_t)t;
+        return PQC_SUCCESS;
+    }
+    memset(&sd, 0, sizeof sd);
+    sd.k = n;
+    sd.gqa = c->sp.gqa;
+    sd.count = coded;
+    pqc__residual_desc(c, H, &sd);
+    return pqc__pq_search_x(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, xd, nx, nf,
+                            &H->scratch, out, NULL, NULL);
+}
+
+/* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
+   or the host's top cands, or every coded token) merged with its outlier list, and its nx
+   rivals [from, from + nx) (PQC_SPLIT_COMPETE), scored with the stored keys, the best
+   takes + nx kept into out (coded token i as index i, rival i as coded + i, ascending). */
+static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, size_t from, size_t nx, uint32_t *out)
+{
+    pqc_cache *c = j->c;
+    pqc__layer *L = &c->layers[j->layer];
+    pqc__head *H = &L->heads[hi];
+    size_t nc = j->cands[hi], no = H->n_outliers, coded = L->n_coded, t, a, b, nm, ns = (size_t)c->d.n_sink;
+    size_t end = nx ? from + nx : ns + coded, take = j->takes[hi] + nx;
     uint32_t *cb, *mg;
     void *tmp;
-    pqc_matrix keys = pqc__keys_view(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + coded);
+    pqc_matrix keys = pqc__keys_view(c, H, ns, end);
     pqc_result r = PQC_SUCCESS;
-    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no) * sizeof(uint32_t), &tmp);
-    if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
-    mg = cb + nc + no;
-    r = pqc__head_pq_top(j, hi, &nc, cb);
+    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no + nx) * sizeof(uint32_t), &tmp);
+    if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no + nx);
+    mg = cb + nc + no + nx;
+    if (nc > 0) r = pqc__head_pq_top(j, hi, &nc, cb); /* (none where the split gave the head no top-k) */
     if (r == PQC_SUCCESS) { /* merge with the outlier list (both ascending) */
         a = b = nm = 0;
         while (a < nc || b < no) {
@@ -9303,7 +9442,8 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             a += x <= y;
             b += y <= x;
         }
-        if (c->pn > (size_t)c->d.n_sink && coded > c->pn - (size_t)c->d.n_sink) {
+        for (t = 0; t < nx; t++) mg[nm++] = (uint32_t)(from - ns + t); /* the rivals, after every coded token */
+        if (c->pn > ns && end > c->pn) {
             /* a fork's keys in two parts: score copies of the candidates' rows */
             unsigned char *kb = (unsigned char *)pqc__alloc(&c->alloc, nm * (c->row + sizeof(uint32_t)));
             uint32_t *id = kb ? (uint32_t *)(kb + nm * c->row) : NULL;
@@ -9317,14 +9457,16 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             }
             keys.data = kb;
             keys.rows = nm;
-            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, id, nm, j->takes[hi],
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, id, nm, take,
                                  &H->scratch, out, NULL, 0);
-            for (t = 0; r == PQC_SUCCESS && t < j->takes[hi]; t++) out[t] = mg[out[t]];
+            for (t = 0; r == PQC_SUCCESS && t < take; t++) out[t] = mg[out[t]];
             pqc__free(&c->alloc, kb);
         } else {
-            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, mg, nm, j->takes[hi],
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, mg, nm, take,
                                  &H->scratch, out, NULL, 0);
         }
+        for (t = 0; r == PQC_SUCCESS && t < take; t++) /* rivals as coded + i */
+            if (out[t] >= coded) out[t] = (uint32_t)(coded + (out[t] - (from - ns)));
     }
     pqc__free(&c->alloc, tmp);
     return r;
@@ -9332,32 +9474,53 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
 
 /* Head hi's selection: sinks, its top-k of the coded mid tokens (none, all of them, the
    PQ top-k, or the top-k of its candidates scored exactly, as the plan says), the
-   tokens not coded yet, the window; ascending. */
+   tokens not coded yet, the window; ascending. Under PQC_SPLIT_COMPETE, while the coded
+   tokens are searched, the window's tokens but its last PQC__WIN_MIN (its rivals) are
+   chosen with the coded ones, by the same scores (theirs exact): the head's top-k and
+   those tokens' places go to the best of both. */
 static void pqc__select_head(void *ctx, size_t hi)
 {
     pqc__sel_job *j = (pqc__sel_job *)ctx;
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
     size_t n = L->n_tokens, sink = PQC__MIN((size_t)c->d.n_sink, n), mid_end = pqc__mid_end(c, L, n), t, o = 0, k;
+    size_t from = PQC__MAX(mid_end, sink), nx = 0, coded = L->n_coded, unc = (size_t)c->d.n_sink + coded, kc = 0;
     uint32_t *out = j->out + hi * j->out_cap;
     pqc_result r = PQC_SUCCESS;
+    int placed = 0;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
-    if (j->search && j->takes[hi] > 0) {
+    if (j->search && c->sp.compete && n - from > PQC__WIN_MIN) nx = n - from - PQC__WIN_MIN;
+    if (j->search && j->takes[hi] + nx > 0) {
         /* (a head the adaptive split gave none of the layer's top-k takes sinks, uncoded
            tokens and window only) */
-        k = j->takes[hi];
-        r = j->exact ? pqc__select_exact(j, hi, out + o) : pqc__head_pq_top(j, hi, &k, out + o);
+        float *xd = NULL;
+        void *xm = NULL;
+        k = j->takes[hi] + nx;
+        if (j->exact) r = pqc__select_exact(j, hi, from, nx, out + o);
+        else if (nx == 0) r = pqc__head_pq_top(j, hi, &k, out + o);
+        else if ((r = pqc__rival_dots(j, hi, sink, from, nx, n, &xd, &xm)) == PQC_SUCCESS)
+            r = pqc__head_rivals_top(j, hi, k, xd, nx, sink + PQC__WIN_MIN, out + o);
+        pqc__free(&c->alloc, xm);
         if (r != PQC_SUCCESS) {
             j->head_res[hi] = r;
             return;
         }
-        for (t = 0; t < j->takes[hi]; t++) out[o + t] += (uint32_t)c->d.n_sink;
-        o += j->takes[hi];
+        for (kc = 0; kc < k && out[o + kc] < coded; kc++) out[o + kc] += (uint32_t)c->d.n_sink;
+        if (kc < k) { /* rivals chosen: after the tokens not coded yet */
+            size_t u = mid_end > unc ? mid_end - unc : 0;
+            memmove(out + o + kc + u, out + o + kc, (k - kc) * sizeof(uint32_t));
+            for (t = kc + u; t < k + u; t++) out[o + t] = (uint32_t)(from + (out[o + t] - coded));
+            for (t = 0; t < u; t++) out[o + kc + t] = (uint32_t)(unc + t);
+            o += k + u;
+            placed = 1;
+        } else {
+            o += k;
+        }
     } else if (!j->search && j->take > 0) {
         for (t = 0; t < L->n_coded; t++) out[o++] = (uint32_t)(sink + t); /* budget covers all coded */
     }
-    for (t = (size_t)c->d.n_sink + L->n_coded; t < mid_end; t++) out[o++] = (uint32_t)t; /* not coded yet */
-    for (t = PQC__MAX(mid_end, sink); t < n; t++) out[o++] = (uint32_t)t;                /* window */
+    for (t = unc; !placed && t < mid_end; t++) out[o++] = (uint32_t)t; /* not coded yet */
+    for (t = nx ? n - PQC__WIN_MIN : from; t < n; t++) out[o++] = (uint32_t)t; /* window */
     j->out_count[hi] = o;
     j->head_res[hi] = PQC_SUCCESS;
 }

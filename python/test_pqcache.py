@@ -767,6 +767,7 @@ def test_resolved_configuration_is_the_librarys(rng):
     assert pqc.resolve(**none) == none  # a resolved configuration resolves to itself
     with pytest.raises(pqc.OutOfRangeError, match="recent_share"):
         pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, recent_share=2.0)
+    assert pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, split="compete")["split"] == "compete"
     with pqc.Cache(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half") as c:
         cfg = c.config()
         assert cfg == pqc.resolve(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half")

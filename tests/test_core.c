@@ -627,7 +627,7 @@ TEST softmax_products_match_exponentials(void)
     sd.k = k;
     for (gi = 0; gi < 6; gi++) {
         const int g = gi < 2 ? 8 : gi < 4 ? 4 : 3, big = gi & 1;
-        float worst = 0.0f, el[8192], w[16];
+        float worst = 0.0f, el[8192], w[24];
         /* the four synthetic heads, then scaled copies of them */
         for (t = 0; t < 8 * 64; t++) q[t] = sy.queries[t % 256] * (t < 256 ? 1.0f : 1.25f) * (big ? 4000.0f : 1.0f);
         for (li = 0; li < nl; li++) {
@@ -640,8 +640,35 @@ TEST softmax_products_match_exponentials(void)
         { /* the products stand for the ordinary queries only, and are what the search gave */
             float lut[8192];
             ASSERT_EQ(PQC_SUCCESS, pqc_pq_lut(NULL, &pq, q, g, lut));
-            ASSERT_EQ(!big, pqc__pq_softmax_products(lv[0], &pq, &codes, g, 0, n, 0.125f, lut, el, w, rows, ref));
+            ASSERT_EQ(!big, pqc__pq_softmax_products(lv[0], &pq, &codes, g, 0, n, 0.125f, lut, el, w, rows, NULL, 0, 0,
+                                                     NULL, ref));
             if (!big) ASSERT_MEM_EQ(sc[0], ref, n * sizeof(float));
+        }
+        { /* rivals (a cache's competing window tokens) and tokens in the softmax only: every
+             level scores them bit for bit alike, in either form */
+            enum { NX = 37, NF = 11 };
+            float *xd = (float *)malloc(sizeof(float) * (size_t)g * (NX + NF)), *xo[3];
+            int h, e;
+            ASSERT(xd != NULL);
+            for (h = 0; h < g; h++)
+                for (t = 0; t < NX + NF; t++) {
+                    float a = 0.0f;
+                    for (e = 0; e < 64; e++) a += q[h * 64 + e] * sy.keys[(t * 97 % n) * 64 + (size_t)e];
+                    xd[(size_t)h * (NX + NF) + t] = a;
+                }
+            for (li = 0; li < nl; li++) {
+                pqc_runtime *rt = tu_cpu_runtime_simd(-1, lv[li]);
+                ASSERT(rt);
+                xo[li] = (float *)malloc(sizeof(float) * (n + NX + NF));
+                ASSERT(xo[li] != NULL);
+                ASSERT_EQ(PQC_SUCCESS, pqc__pq_search_x(rt, &pq, &codes, q, g, &sd, xd, NX, NF, NULL, NULL, NULL, xo[li]));
+                pqc_runtime_destroy(rt);
+                if (li) ASSERT_MEM_EQ(xo[0], xo[li], (n + NX + NF) * sizeof(float));
+            }
+            for (t = 0; t < n; t++) /* the rivals join each head's softmax: the coded tokens' scores fall */
+                ASSERT(xo[0][t] <= sc[0][t] * 1.00001f);
+            for (li = 0; li < nl; li++) free(xo[li]);
+            free(xd);
         }
         sums_softmax(lv[0], &pq, &codes, q, g, n, rows, ref);
         if (big) {

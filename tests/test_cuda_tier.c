@@ -300,8 +300,9 @@ typedef struct shape {
     int dstep;     /* the GPU cache decodes with pqc_cache_step_device: 1 always, 2 with
                       select + fetch every third step (the bookkeeping goes back and forth) */
     int lru;       /* desc.policy LRU */
+    int compete;   /* desc.split PQC_SPLIT_COMPETE */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0 };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0 };
 
 /* the same observations on both caches (and on `also`, unless NULL): rows whose energy
    sits in a few dimensions */
@@ -362,7 +363,8 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.outliers = sh->outliers;
     cd.residual_weight = sh->resid;
     if (sh->lru) cd.policy = PQC_POLICY_LRU;
-    if (sh->observe == 2) cd.recent_share = 0.5;
+    if (sh->compete) cd.split = PQC_SPLIT_COMPETE;
+    if (sh->observe == 2 || sh->compete) cd.recent_share = 0.5;
     if (sh->bands) {
         cd.pq.rope = PQC_ROPE_HALF;
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
@@ -475,7 +477,7 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0, 0, 0 };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0 };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* three layers through two code buffers: every select finds its codes prefetched */
@@ -808,6 +810,18 @@ TEST decode_matches_cpu_residual_scoring(void)
     shape sh = g_small;
     sh.resid = 0.15;
     sh.observe = 1;
+    sh.steps = 6;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
+}
+/* the window competing with the coded tokens (PQC_SPLIT_COMPETE): the host selects for
+   the device tier, which gathers what it chose (window tokens left out among them), with
+   select + fetch and with device steps */
+TEST decode_matches_cpu_window_competes(void)
+{
+    shape sh = g_small;
+    sh.compete = 1;
+    sh.observe = 1;
+    sh.dstep = 2;
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
@@ -1890,6 +1904,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_outliers);
     RUN_TEST(decode_matches_cpu_rerank_outliers_resident);
     RUN_TEST(decode_matches_cpu_residual_scoring);
+    RUN_TEST(decode_matches_cpu_window_competes);
     RUN_TEST(cache_file_loads_onto_the_device);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);

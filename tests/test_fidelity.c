@@ -1059,6 +1059,225 @@ TEST window_follows_the_observed_attention(void)
     PASS();
 }
 
+/* The window competes (PQC_SPLIT_COMPETE): in one layer, KV head 0's queries look at 300
+   tokens far back, more than its top-k of 198 holds, and KV head 1's at the last 200
+   tokens. Every step, head 0 gives its window (all but the last 16 tokens) to the far
+   tokens and head 1 keeps its window, each within the same budget as the fixed split,
+   for the product form of softmax-sum (8-bit codes), its other form (6-bit codes), the
+   summed query, and with re-ranking; a decode step, a fork and a file select the same.
+   The fixed split cannot: head 0 keeps at most 198 of the far tokens. */
+#define WC_N 4000
+#define WC_D 32
+#define WC_FAR 300
+static pqc_result compete_cache(const float *k, int split, int bits, pqc_gqa gqa, double rerank, pqc_cache **out)
+{
+    pqc_cache_desc cd = tu_cache_desc(1, 2, 4, WC_D);
+    pqc_matrix km = pqc_matrix_f32(k, WC_N, 2 * WC_D);
+    pqc_result r;
+    cd.max_tokens = 1 << 14;
+    cd.pq.m = 4;
+    cd.pq.bits = bits;
+    cd.pq.seed = 3;
+    cd.recent_share = 0.5;
+    cd.split = (pqc_split)split;
+    cd.gqa = gqa;
+    cd.rerank = rerank;
+    if ((r = pqc_cache_create(NULL, &cd, out)) != PQC_SUCCESS) return r;
+    if ((r = pqc_cache_prefill(*out, 0, &km, &km)) == PQC_SUCCESS) r = pqc_cache_sync(*out);
+    if (r != PQC_SUCCESS) pqc_cache_destroy(*out);
+    return r;
+}
+static int wc_ascending_unique(const uint32_t *a, size_t n)
+{
+    size_t i;
+    for (i = 1; i < n; i++)
+        if (a[i] <= a[i - 1]) return 0;
+    return 1;
+}
+static int wc_desc(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x > y ? -1 : x < y;
+}
+static size_t far_kept(const pqc_selection *sel)
+{
+    size_t i, kept = 0;
+    for (i = 0; i < WC_FAR; i++) kept += (size_t)tu_contains(sel->idx, sel->count[0], (uint32_t)(100 + 12 * i));
+    return kept;
+}
+static enum greatest_test_res compete_checks(const pqc_selection *sel, size_t n)
+{
+    size_t t, h;
+    for (h = 0; h < 2; h++) {
+        const uint32_t *ix = sel->idx + h * sel->capacity;
+        ASSERT_EQ((size_t)32 + (size_t)ceil(0.1 * (double)(n - 32)), sel->count[h]); /* the fixed split's budget */
+        ASSERT(wc_ascending_unique(ix, sel->count[h]));
+        for (t = 0; t < 32; t++) ASSERT(tu_contains(ix, sel->count[h], (uint32_t)t));
+        for (t = n - 16; t < n; t++) ASSERT(tu_contains(ix, sel->count[h], (uint32_t)t));
+    }
+    ASSERT_EQ((size_t)WC_FAR, far_kept(sel));
+    for (t = WC_N - 200; t < n; t++) ASSERT(tu_contains(sel->idx + sel->capacity, sel->count[1], (uint32_t)t));
+    PASS();
+}
+TEST window_competes_for_each_heads_budget(void)
+{
+    uint64_t rng = 41;
+    float *k = tu_normal_rows(&rng, WC_N, 2 * WC_D), q[4 * WC_D];
+    pqc_cache *c, *d, *f;
+    pqc_selection sel, sel2;
+    pqc_cache_desc cd;
+    size_t t, i;
+    char path[512];
+    int v;
+    ASSERT(k != NULL);
+    for (i = 0; i < WC_FAR; i++) k[(100 + 12 * i) * 2 * WC_D] += 10.0f;         /* head 0: far back */
+    for (t = WC_N - 200; t < WC_N; t++) k[t * 2 * WC_D + WC_D + 1] += 10.0f; /* head 1: the last 200 */
+    memset(q, 0, sizeof q);
+    q[0] = q[WC_D] = 8.0f;                 /* KV head 0's two query heads */
+    q[2 * WC_D + 1] = q[3 * WC_D + 1] = 8.0f; /* KV head 1's */
+    for (v = 0; v < 4; v++) {
+        ASSERT_EQ(PQC_SUCCESS, compete_cache(k, PQC_SPLIT_COMPETE, v == 1 ? 6 : 8,
+                                             v == 2 ? PQC_GQA_SUM : PQC_GQA_SOFTMAX_SUM, v == 3 ? 2.0 : 0.0, &c));
+        ASSERT_EQ(199, pqc_cache_layer_window(c, 0)); /* no build lowers it */
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel2));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        CHECK_CALL(compete_checks(&sel, WC_N));
+        for (t = 0; t < 3; t++) /* decode: the window moves, the tokens that leave it are coded */
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c, 0, k + (size_t)(200 + t) * 2 * WC_D, k));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        CHECK_CALL(compete_checks(&sel, WC_N + 3));
+        /* a fork and a file select the same */
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(c, &f));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(f, 0, q, &sel2));
+        for (i = 0; i < 2; i++) {
+            ASSERT_EQ(sel.count[i], sel2.count[i]);
+            ASSERT_EQ(0, memcmp(sel.idx + i * sel.capacity, sel2.idx + i * sel2.capacity, sel.count[i] * 4));
+        }
+        tu_tmp_path(path, sizeof path, "compete");
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(c, path));
+        pqc_cache_config(c, &cd);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &d));
+        remove(path);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(d, 0, q, &sel2));
+        for (i = 0; i < 2; i++) {
+            ASSERT_EQ(sel.count[i], sel2.count[i]);
+            ASSERT_EQ(0, memcmp(sel.idx + i * sel.capacity, sel2.idx + i * sel2.capacity, sel.count[i] * 4));
+        }
+        pqc_cache_destroy(d);
+        pqc_cache_destroy(f);
+        pqc_cache_destroy(c);
+        pqc_selection_free(&sel);
+        pqc_selection_free(&sel2);
+    }
+    /* the fixed split: the same budget, the window kept, at most the top-k of far tokens */
+    ASSERT_EQ(PQC_SUCCESS, compete_cache(k, PQC_SPLIT_FIXED, 8, PQC_GQA_SOFTMAX_SUM, 0.0, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+    ASSERT_EQ((size_t)32 + 397, sel.count[0]);
+    ASSERT(far_kept(&sel) <= 198);
+    pqc_selection_free(&sel);
+    pqc_cache_destroy(c);
+    free(k);
+    PASS();
+}
+
+/* What the window's rivals are scored with: against a reference made from the public
+   search (the coded tokens' PQ scores) and exact dots in double (the rivals', and under
+   softmax-sum the sinks' and the last 16 tokens', which count in each head's softmax:
+   one query head finds the window's tokens, so that most of its softmax is theirs), the
+   chosen top-k + rivals of one head are the reference's: all of them for the summed
+   query, all but at most two (rounding at the boundary) for softmax-sum, in its product
+   form (8-bit codes) and head by head (6-bit). */
+TEST window_rivals_score_as_coded_tokens(void)
+{
+    enum { N = 3000, D = 32, G = 2 };
+    uint64_t rng = 77;
+    float *k = tu_normal_rows(&rng, N, D), *q = tu_normal_rows(&rng, G, D), *ps = (float *)malloc(sizeof(float) * N);
+    double *sc = (double *)malloc(sizeof(double) * N), *srt = (double *)malloc(sizeof(double) * N);
+    pqc_cache_desc cd = tu_cache_desc(1, 1, G, D);
+    pqc_matrix km = pqc_matrix_f32(k, N, D);
+    pqc_selection sel;
+    pqc_scratch scr;
+    pqc_cache *c;
+    size_t t0;
+    int v, h, e;
+    ASSERT(k && q && ps && sc && srt);
+    memset(&scr, 0, sizeof scr);
+    for (e = 0; e < D; e++) q[e] *= 0.6f, q[D + e] *= 0.6f;
+    /* query head 1 finds the window's tokens: most of its softmax is theirs */
+    for (t0 = N - 1400; t0 < N; t0++) k[t0 * D + 5] += 2.0f;
+    q[D + 5] = 2.0f;
+    for (v = 0; v < 3; v++) {
+        pqc__layer *L;
+        pqc__head *H;
+        size_t n = N, coded, from, nx, take, kk, t, i, got = 0, sink = 32;
+        double thr;
+        pqc_search_desc sd;
+        cd.pq.m = 4;
+        cd.pq.bits = v == 2 ? 6 : 8; /* 6: softmax-sum head by head (pqc__combine) */
+        cd.recent_share = 0.5;
+        cd.split = PQC_SPLIT_COMPETE;
+        cd.gqa = v ? PQC_GQA_SOFTMAX_SUM : PQC_GQA_SUM;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        L = &c->layers[0];
+        H = &L->heads[0];
+        coded = L->n_coded;
+        from = sink + coded;
+        nx = n - from - 16;
+        take = (size_t)ceil(0.1 * (double)(n - sink));
+        take -= (size_t)pqc_cache_window(c);
+        kk = take + nx;
+        ASSERT(nx > 100 && coded > kk);
+        ASSERT_EQ(sink + kk + 16, sel.count[0]);
+        for (t = 0; t < n; t++) sc[t] = 0.0;
+        memset(&sd, 0, sizeof sd);
+        sd.gqa = PQC_GQA_SUM;
+        sd.count = coded;
+        if (v == 0) { /* summed query: the PQ scores of the summed query, the rivals' dots summed */
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_scores(NULL, &H->pq, &H->codes, q, G, &sd, &scr, ps));
+            for (t = 0; t < coded; t++) sc[sink + t] = ps[t];
+            for (t = from; t < from + nx; t++)
+                for (h = 0; h < G; h++)
+                    for (e = 0; e < D; e++) sc[t] += (double)q[h * D + e] * k[t * D + e];
+        } else { /* softmax-sum over the coded tokens, the rivals, the sinks and the last 16 */
+            for (h = 0; h < G; h++) {
+                double mx = -1e300, z = 0.0, *lg = srt;
+                ASSERT_EQ(PQC_SUCCESS, pqc_pq_scores(NULL, &H->pq, &H->codes, q + h * D, 1, &sd, &scr, ps));
+                for (t = 0; t < n; t++) {
+                    double a = 0.0;
+                    if (t >= sink && t < from) a = ps[t - sink];
+                    else
+                        for (e = 0; e < D; e++) a += (double)q[h * D + e] * k[t * D + e];
+                    lg[t] = a / sqrt((double)D);
+                    if (lg[t] > mx) mx = lg[t];
+                }
+                for (t = 0; t < n; t++) z += exp(lg[t] - mx);
+                for (t = 0; t < n; t++) sc[t] += exp(lg[t] - mx) / z;
+            }
+        }
+        for (i = 0, t = sink; t < from + nx; t++) srt[i++] = sc[t];
+        qsort(srt, i, sizeof(double), wc_desc);
+        thr = srt[kk - 1];
+        for (t = sink; t < from + nx; t++)
+            if (sc[t] >= thr) got += (size_t)tu_contains(sel.idx, sel.count[0], (uint32_t)t);
+        if (v == 0) ASSERT_EQ(kk, got);
+        else ASSERT(got + 2 >= kk);
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+    }
+    pqc_scratch_free(&scr);
+    free(k);
+    free(q);
+    free(ps);
+    free(sc);
+    free(srt);
+    PASS();
+}
+
 /* A top-k of 2 per head leaves no floor (a quarter of 2 is 0): when the observed
    attention of one head sits on four tokens and the other's is spread thin, the split
    gives the first head the layer's whole top-k and the second none, which must select
@@ -1642,6 +1861,8 @@ SUITE(fidelity)
     RUN_TEST(adaptive_split_gives_the_top_k_to_the_head_that_needs_it);
     RUN_TEST(adaptive_split_may_give_a_head_no_top_k);
     RUN_TEST(window_follows_the_observed_attention);
+    RUN_TEST(window_competes_for_each_heads_budget);
+    RUN_TEST(window_rivals_score_as_coded_tokens);
     RUN_TEST(rerank_over_every_row_is_the_exact_search);
     RUN_TEST(rerank_misuse_is_refused);
     RUN_TEST(rerank_and_outliers_keep_what_the_oracle_keeps);
