@@ -2,7 +2,8 @@
 
    1. select + fetch per layer (8 KV heads, 32 query heads, d_h 128, budget 1/10) at
       several lengths, next to the PQ search alone over the same codes, and (CPU tier)
-      re-ranking's select + fetch against the default's, the two alternated;
+      re-ranking's and the competing window's (PQC_SPLIT_COMPETE) select + fetch against
+      the default's, each pair alternated;
    2. bytes moved per generated token and block-cache hit rates for no cache, LRU and LFU
       on a synthetic decode trace in which a few regions stay important;
    3. how much of the PQ build hides behind a simulated prefill whose per-layer cost grows
@@ -253,13 +254,15 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
     free(needles);
 }
 
-/* re-ranking's cost against the default's, alternated: two caches over the same keys
-   (the default, and the default with `rerank`), select + fetch on each in turn, 15 pairs;
-   the median of the pairs' ratios. This machine's speed can move by a fifth within a
-   minute, so a ratio of two rows measured apart says little. */
-static void bench_rerank_pair(pqc_runtime *rt, size_t s, double rerank)
+/* re-ranking's cost (or the competing window's: split = PQC_SPLIT_COMPETE) against the
+   default's, alternated: two caches over the same keys (the default, and the default with
+   `rerank` or `split`), select + fetch on each in turn, 15 pairs; the median of the pairs'
+   ratios. This machine's speed can move by a fifth within a minute, so a ratio of two
+   rows measured apart says little. */
+static void bench_rerank_pair(pqc_runtime *rt, size_t s, double rerank, pqc_split split)
 {
     pqc_cache_desc cd = desc_for(s, 0, 0);
+    char what[48];
     pqc_cache *c[2];
     pqc_selection sel[2];
     pqc_kv_out out;
@@ -272,7 +275,10 @@ static void bench_rerank_pair(pqc_runtime *rt, size_t s, double rerank)
     if (!kv) return;
     c[0] = open_cache(rt, &cd, kv, s, &sel[0]);
     cd.rerank = rerank;
+    cd.split = split;
     c[1] = open_cache(rt, &cd, kv, s, &sel[1]);
+    if (split == PQC_SPLIT_COMPETE) snprintf(what, sizeof what, "the window competing");
+    else snprintf(what, sizeof what, "rerank %g", rerank);
     out = kv_out_alloc(s, HKV * s * D, &outmem);
     for (w = 0; w < 2; w++) { /* first calls: scratch and the output's pages */
         pqc_cache_select(c[w], 0, q, &sel[w]);
@@ -290,9 +296,9 @@ static void bench_rerank_pair(pqc_runtime *rt, size_t s, double rerank)
         if (ratio[r] < lo) lo = ratio[r];
         if (ratio[r] > hi) hi = ratio[r];
     }
-    printf("select+fetch s=%-7zu rerank %g against the default, alternated: ratio %.2fx (median of 15 pairs; "
-           "%.2f-%.2f)  default %.3f ms  rerank %.3f ms\n",
-           s, rerank, median(ratio, 15), lo, hi, median(t[0], 15) * 1e3, median(t[1], 15) * 1e3);
+    printf("select+fetch s=%-7zu %s against the default, alternated: ratio %.2fx (median of 15 pairs; "
+           "%.2f-%.2f)  default %.3f ms  %s %.3f ms\n",
+           s, what, median(ratio, 15), lo, hi, median(t[0], 15) * 1e3, what, median(t[1], 15) * 1e3);
     fflush(stdout);
     free(outmem);
     for (w = 0; w < 2; w++) {
@@ -539,7 +545,10 @@ int main(int argc, char **argv)
         bench_select_fetch(rt, sizes[i], 0, 0, 0);
         bench_select_fetch(rt, sizes[i], 0, 0, rerank); /* 3: the refinement that meets the suite's targets */
         bench_select_fetch(rt, sizes[i], 2, 6, 0);
-        if (backend == PQC_BACKEND_CPU) bench_rerank_pair(rt, sizes[i], rerank);
+        if (backend == PQC_BACKEND_CPU) {
+            bench_rerank_pair(rt, sizes[i], rerank, PQC_SPLIT_ADAPTIVE);
+            bench_rerank_pair(rt, sizes[i], 0.0, PQC_SPLIT_COMPETE);
+        }
     }
     if (select_only) {
         pqc_runtime_destroy(rt);

@@ -38,7 +38,8 @@ typedef struct setting {
     double residual;
     int no_obs;
     int contiguous;         /* 1: contiguous sub-spaces (the default with a RoPE layout: bands) */
-    int fixed;              /* 1: PQC_SPLIT_FIXED (the window as derived; the default's builds may lower it) */
+    int split;              /* 1: PQC_SPLIT_FIXED (the window as derived; the default's builds may lower it),
+                               2: PQC_SPLIT_COMPETE (the window competes with the coded tokens) */
 } setting;
 
 static const setting settings[] = {
@@ -67,6 +68,11 @@ static const setting settings[] = {
     {"m16 b8 (four times the bytes)", 16, 8, 0, 0, 0, 0, 0, 0, 0},
     {"fixed window (split fixed)", 0, 0, 0, 0, 0, 0, 0, 0, 1},
     {"rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 0},
+    {"window competes (split compete)", 0, 0, 0, 0, 0, 0, 0, 0, 2},
+    {"window competes, nothing observed", 0, 0, 0, 0, 0, 0, 1, 0, 2},
+    {"window competes, recent_share 0.3", 0, 0, 0.3, 0, 0, 0, 0, 0, 2},
+    {"window competes + rerank 2", 0, 0, 0, 2, 0, 0, 0, 0, 2},
+    {"window competes + rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 2},
 };
 /* sets: 9 in the tuning part, 9 + 2 long ones in the reported part */
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 20 };
@@ -144,7 +150,7 @@ static int run_setting(const suitekeys *k, const setting *st, const double *p, d
     cd.outliers = st->outliers;
     cd.residual_weight = st->residual;
     if (st->contiguous) cd.pq.subspaces = PQC_SUBSPACES_CONTIGUOUS;
-    if (st->fixed) cd.split = PQC_SPLIT_FIXED;
+    cd.split = (pqc_split)st->split;
     km = pqc_matrix_f32(k->keys, k->s, HK_D);
     if (pqc_cache_create(NULL, &cd, &c) != PQC_SUCCESS ||
         (!st->no_obs && pqc_cache_observe(c, 0, k->obs, (size_t)k->n_obs) != PQC_SUCCESS) ||
