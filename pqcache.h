@@ -592,8 +592,9 @@ typedef enum pqc_split {
                                head's top-k and their own places, so that a head that
                                attends locally keeps its window and one that does not
                                gives it to top-k (no build lowers the window). The CUDA
-                               tier then selects on the host (one synchronisation a
-                               layer)                                                     */
+                               tier scores and chooses the rivals in its device step too
+                               (with exact scoring, rerank or outliers, it selects on
+                               the host: one synchronisation a layer)                     */
 } pqc_split;
 
 typedef struct pqc_cache_desc {
@@ -823,8 +824,9 @@ PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_sele
    pqc_cache_stats (which waits for the stream). Exact scoring (rerank, outliers) runs on
    the device too, reading each candidate's key row where the gather would: in device
    memory when its block is there, else from the host store (across the bus on a discrete
-   GPU, counted in bytes_h2d); caches with residual scoring select on the host: one
-   synchronisation. */
+   GPU, counted in bytes_h2d); the window's rivals (PQC_SPLIT_COMPETE) are scored on the
+   device too; caches with residual scoring, and caches whose window competes while they
+   score exactly, select on the host: one synchronisation. */
 PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count);
 /* 1 when the cache's device tier is on a CUDA GPU, else 0. */
 PQCDEF int pqc_cache_on_device(const pqc_cache *c);
@@ -7915,7 +7917,7 @@ static void pqc__plan_init(pqc_cache *c)
     sp->map_stores = !sp->device_rows;
     sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS)) && !sp->compete;
     sp->tier_step = c->tier->step && sp->device_rows && (!residual || (caps & PQC__CAN_RESIDUALS)) &&
-                    (!sp->exact || (caps & PQC__CAN_EXACT)) && !sp->compete;
+                    (!sp->exact || (caps & PQC__CAN_EXACT)) && !(sp->compete && sp->exact);
 }
 
 /* The stored K and V rows of token t of a head: in the shared prefix (a fork's) or in
@@ -12793,16 +12795,88 @@ static const char pqc__kernel_source[] =
 "    if (hv && cache_v) pqc_warp_row_copy(hv + src, (char *)cache_v + dst, nbytes, lane);\n"
 "}\n"
 "\n"
-"/* Token at position i of a head's decode selection (see pqc_select_admit). */\n"
+"/* The window competing with the coded tokens (PQC_SPLIT_COMPETE): its rivals, the\n"
+" * window's tokens [from, from + nx), then the sinks [0, sink) and the window's last tokens\n"
+" * [from + nx, n), nxf = nx + sink + n - from - nx of them, as candidates of\n"
+" * pqc_rerank_dots (token n_sink + c for candidate c), one list for every head.\n"
+" *   pqc_rival_cands: grid ceil(nxf / 256), block 256; n_cand int32 [n_kv] gets nxf. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_rival_cands(int *__restrict__ cand, int *__restrict__ n_cand, int n_kv, int n_sink, int sink, int from, int nx,\n"
+"                int n)\n"
+"{\n"
+"    int i = blockIdx.x * PQC_BLOCK + threadIdx.x, nxf = n - from + sink;\n"
+"    if (i < n_kv) n_cand[i] = nxf;\n"
+"    if (i >= nxf) return;\n"
+"    int t = i < nx \? from + i : i < nx + sink \? i - nx : from + (i - sink);\n"
+"    cand[i] = t - n_sink;\n"
+"}\n"
+"\n"
+"/* pqc_rival_stats: the rivals and the other exactly scored tokens join each head's\n"
+" *   softmax statistics (pqc_softmax_finalize's {max_h, Z_h}): their online {max, sum}\n"
+" *   over the nxf dots of head h (dots + kv*dots_head_stride + h*dots_row_stride), merged\n"
+" *   into stats after the coded tokens'. grid (1, n_kv), block 256. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_rival_stats(const float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, int nxf, int g,\n"
+"                float scale, float *__restrict__ stats, pqc_i64 stats_head_stride)\n"
+"{\n"
+"    __shared__ float red_m[PQC_BLOCK];\n"
+"    __shared__ float red_s[PQC_BLOCK];\n"
+"    __shared__ float part[2];\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int tid = threadIdx.x;\n"
+"    for (int h = 0; h < g; ++h) {\n"
+"        const float *x = dots + kv * dots_head_stride + (pqc_i64)h * dots_row_stride;\n"
+"        float mx = -__int_as_float(0x7f800000), sm = 0.0f;\n"
+"        for (int i = tid; i < nxf; i += PQC_BLOCK) pqc_online_add(mx, sm, x[i], scale);\n"
+"        pqc_block_online_reduce(mx, sm, scale, red_m, red_s, part);\n"
+"        if (tid == 0) {\n"
+"            float *st = stats + kv * stats_head_stride + 2 * h, m1 = st[0], s1 = st[1];\n"
+"            pqc_online_merge(m1, s1, part[0], part[1], scale);\n"
+"            st[0] = m1;\n"
+"            st[1] = s1;\n"
+"        }\n"
+"        __syncthreads();\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_rival_scores: the rivals' scores after the coded tokens', out[s + i] for i < nx\n"
+" *   (out + kv*out_head_stride), made from their exact dots as pqc_scan makes a coded\n"
+" *   token's from its PQ scores: mode PQC_SCAN_RAW (the summed query) the heads' dots\n"
+" *   added in order from 0; PQC_SCAN_SOFTMAX_SUM fmaf(pqc_exp((dot_h - max_h) * scale),\n"
+" *   1/Z_h, out) over the heads in order, from 0. grid (ceil(nx / 256), n_kv), block 256. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_rival_scores(const float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, int nx, int g,\n"
+"                 int mode, const float *__restrict__ stats, pqc_i64 stats_head_stride, float scale, int s,\n"
+"                 float *__restrict__ out, pqc_i64 out_head_stride)\n"
+"{\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int i = blockIdx.x * PQC_BLOCK + threadIdx.x;\n"
+"    if (i >= nx) return;\n"
+"    const float *x = dots + kv * dots_head_stride + i;\n"
+"    const float *st = stats \? stats + kv * stats_head_stride : stats;\n"
+"    float a = 0.0f;\n"
+"    for (int h = 0; h < g; ++h) {\n"
+"        float v = x[(pqc_i64)h * dots_row_stride];\n"
+"        if (mode == PQC_SCAN_SOFTMAX_SUM) a = fmaf(pqc_exp((v - st[2 * h]) * scale), 1.0f / st[2 * h + 1], a);\n"
+"        else a += v;\n"
+"    }\n"
+"    out[kv * out_head_stride + s + i] = a;\n"
+"}\n"
+"\n"
+"/* Token at position i of a head's decode selection (see pqc_select_admit): the first kc\n"
+"   of the take top-k entries are coded tokens, the others rivals (coded + r: window\n"
+"   token rfrom + r), placed after the tokens not coded yet. */\n"
 "__device__ __forceinline__ int pqc_sel_token(int i, int sink, int take, const int *tk, int n_sink, int unc0,\n"
-"                                             int unc, int win0)\n"
+"                                             int unc, int win0, int kc, int coded, int rfrom)\n"
 "{\n"
 "    if (i < sink) return i;\n"
 "    i -= sink;\n"
-"    if (i < take) return (tk \? tk[i] : i) + n_sink;\n"
-"    i -= take;\n"
+"    if (i < kc) return (tk \? tk[i] : i) + n_sink;\n"
+"    i -= kc;\n"
 "    if (i < unc) return unc0 + i;\n"
-"    return win0 + (i - unc);\n"
+"    i -= unc;\n"
+"    if (i < take - kc) return rfrom + (tk[kc + i] - coded);\n"
+"    return win0 + (i - (take - kc));\n"
 "}\n"
 "\n"
 "/* pqc_select_admit: a decode step's selection and block-cache bookkeeping, per KV head, on\n"
@@ -12812,7 +12886,11 @@ static const char pqc__kernel_source[] =
 " *   Selection of head kv, ascending, into sel (+ kv*sel_head_stride), zeros after it up\n"
 " *   to `rows`: the sinks [0, min(n_sink, n)); the top-k, topk[i] + n_sink for i < take\n"
 " *   (take = takes[kv]; topk NULL: the coded tokens i + n_sink for i < take); the tokens not\n"
-" *   coded yet [n_sink + coded, mid_end); the window [max(mid_end, sinks), n).\n"
+" *   coded yet [n_sink + coded, mid_end); the window [max(mid_end, sinks), n). With rivals\n"
+" *   (PQC_SPLIT_COMPETE: the window's first `rivals` tokens competed with the coded ones,\n"
+" *   pqc_rival_scores) the top-k's entries from coded on are those rivals (window token\n"
+" *   max(mid_end, sinks) + entry - coded), which follow the tokens not coded yet, and the\n"
+" *   window is its last n - max(mid_end, sinks) - rivals tokens.\n"
 " *   Admission (cache_blocks > 0 and admit_blocks > 0): every mid block's score decays by\n"
 " *   0.75 and gains its selected tokens (blocks overlapping the sinks or the window\n"
 " *   excepted); up to admit_blocks selected blocks in score order (ties to the lower\n"
@@ -12836,11 +12914,11 @@ static const char pqc__kernel_source[] =
 "                 pqc_i64 blk_head_stride, int *block_of, pqc_u32 *filled, pqc_u32 *touched, pqc_u64 *freq,\n"
 "                 pqc_u64 *stamp, pqc_i64 slot_head_stride, int *slot_table, pqc_i64 table_head_stride,\n"
 "                 int *fill_b, int *fill_s, int *fill_rows, pqc_i64 fill_head_stride, pqc_u64 *stat,\n"
-"                 pqc_u64 row_bytes)\n"
+"                 pqc_u64 row_bytes, int rivals)\n"
 "{\n"
 "    __shared__ float r_sc[PQC_BLOCK];\n"
 "    __shared__ int r_b[PQC_BLOCK];\n"
-"    __shared__ int s_stop, s_nf;\n"
+"    __shared__ int s_stop, s_nf, s_kc;\n"
 "    __shared__ pqc_u32 s_hits, s_miss;\n"
 "    pqc_i64 kv = blockIdx.y;\n"
 "    int tid = threadIdx.x, bt = block_tokens;\n"
@@ -12848,8 +12926,8 @@ static const char pqc__kernel_source[] =
 "    int take = takes[kv];\n"
 "    int sink = n_sink < n \? n_sink : n;\n"
 "    int unc0 = n_sink + coded, unc = mid_end > unc0 \? mid_end - unc0 : 0;\n"
-"    int win0 = mid_end > sink \? mid_end : sink, win = n > win0 \? n - win0 : 0;\n"
-"    int count = sink + take + unc + win;\n"
+"    int rfrom = mid_end > sink \? mid_end : sink, win0 = rfrom + rivals, win = n > win0 \? n - win0 : 0;\n"
+"    int count = sink + take + unc + win, kc;\n"
 "    int nb = (mid_end + bt - 1) / bt, nb_all = (n + bt - 1) / bt;\n"
 "    int admit = cache_blocks > 0 && admit_blocks > 0, pool0 = sink_slots + ring_slots;\n"
 "    pqc_u64 next = step + 1;\n"
@@ -12863,8 +12941,19 @@ static const char pqc__kernel_source[] =
 "    int *fb = fill_b + kv * fill_head_stride, *fs = fill_s + kv * fill_head_stride;\n"
 "    int *fr = fill_rows + kv * fill_head_stride;\n"
 "\n"
+"    if (tid == 0) { /* the top-k's coded entries (ascending): those below coded */\n"
+"        int lo = 0, hi = take;\n"
+"        while (tk && rivals > 0 && lo < hi) {\n"
+"            int mid = (lo + hi) / 2;\n"
+"            if (tk[mid] < coded) lo = mid + 1;\n"
+"            else hi = mid;\n"
+"        }\n"
+"        s_kc = tk && rivals > 0 \? lo : take;\n"
+"    }\n"
+"    __syncthreads();\n"
+"    kc = s_kc;\n"
 "    for (int i = tid; i < rows; i += PQC_BLOCK)\n"
-"        out[i] = i < count \? pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0) : 0;\n"
+"        out[i] = i < count \? pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0, kc, coded, rfrom) : 0;\n"
 "    if (tid == 0) {\n"
 "        s_stop = 0;\n"
 "        s_nf = 0;\n"
@@ -12875,7 +12964,7 @@ static const char pqc__kernel_source[] =
 "    if (admit) {\n"
 "        for (int b = tid; b < nb; b += PQC_BLOCK) sc[b] = __fmul_rn(sc[b], 0.75f);\n"
 "        for (int i = tid; i < count; i += PQC_BLOCK) {\n"
-"            int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt;\n"
+"            int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0, kc, coded, rfrom), b = t / bt;\n"
 "            if (t >= n_sink && t < mid_end && !(b * bt < n_sink || (b + 1) * bt > mid_end)) atomicAdd(&cb[b], 1u);\n"
 "        }\n"
 "        __syncthreads();\n"
@@ -12967,7 +13056,7 @@ static const char pqc__kernel_source[] =
 "    }\n"
 "    /* hits: blocks resident by design, cached rows; misses: rows read from host memory */\n"
 "    for (int i = tid; i < count; i += PQC_BLOCK) {\n"
-"        int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt, s;\n"
+"        int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0, kc, coded, rfrom), b = t / bt, s;\n"
 "        if (t < n_sink || t >= mid_end) continue;\n"
 "        if (b * bt < n_sink || (b + 1) * bt > mid_end) {\n"
 "            atomicAdd(&s_hits, 1u);\n"
@@ -14206,14 +14295,14 @@ enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
     PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
     PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_RR_DOTS, PQC__K_RR_COMBINE, PQC__K_TAKE_AT,
-    PQC__K_RR_MERGE, PQC__K_N
+    PQC__K_RR_MERGE, PQC__K_RIVAL_CANDS, PQC__K_RIVAL_STATS, PQC__K_RIVAL_SCORES, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
     "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
     "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
     "pqc_centroid_norms", "pqc_lut_sum", "pqc_rerank_dots", "pqc_rerank_combine", "pqc_take_at",
-    "pqc_rerank_merge"
+    "pqc_rerank_merge", "pqc_rival_cands", "pqc_rival_stats", "pqc_rival_scores"
 };
 
 #define PQC__CU_RADIX_BINS 2048
@@ -14720,6 +14809,10 @@ struct pqc__gpu_tier {
        candidates merged with the outlier lists and [n_kv] their counts */
     pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids, rr_cand, rr_nm;
     size_t rr_cap;
+    /* the window's rivals (PQC_SPLIT_COMPETE, pqc__gpu_search): [rv_cap] candidates,
+       [n_kv] their count, [n_kv][g][rv_cap] dots */
+    pqc__dptr rv_cand, rv_n, rv_dots;
+    size_t rv_cap;
     pqc__cuEvent *ev_stage;   /* [2L] their copies done */
     size_t stage_bytes, pos_cap;
     uint32_t *h_pos;          /* pinned [n_kv][pos_cap]: selections read back with host rows */
@@ -14841,6 +14934,9 @@ static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
     pqc__gpu_dfree(u, &u->rr_ids);
     pqc__gpu_dfree(u, &u->rr_cand);
     pqc__gpu_dfree(u, &u->rr_nm);
+    pqc__gpu_dfree(u, &u->rv_cand);
+    pqc__gpu_dfree(u, &u->rv_n);
+    pqc__gpu_dfree(u, &u->rv_dots);
     if (u->h_stage) u->api->cuMemFreeHost(u->h_stage);
     if (u->h_pos) u->api->cuMemFreeHost(u->h_pos);
     pqc__free(&c->alloc, u->adm); /* with adm_nbc, adm_dev, ev_stage */
@@ -15288,11 +15384,63 @@ static pqc_result pqc__gpu_topk(pqc_cache *c, pqc__dptr scores, int64_t sc_hs, s
     }
 }
 
-static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores)
+/* The window's rivals of a device step (PQC_SPLIT_COMPETE; see pqc__select_head): nx
+   window tokens from `from` compete with the coded ones; the sinks [0, sink) and the
+   window's last tokens up to n join the softmax. slot_of, filled (slot_hs apart),
+   mid_end: where the device holds rows (as for pqc__gpu_rerank). */
+typedef struct pqc__gpu_rivals {
+    size_t nx, sink, from, n, mid_end, slot_hs;
+    pqc__dptr slot_of, filled;
+} pqc__gpu_rivals;
+
+/* The rivals' exact dots (pqc_rival_cands, pqc_rerank_dots over the rows the device
+   holds), into u->rv_dots [n_kv][g][rv_cap]. */
+static pqc_result pqc__gpu_rival_dots(pqc_cache *c, int l, const pqc__gpu_rivals *rv)
+{
+    struct pqc__gpu_tier *u = c->cu;
+    size_t nkv = (size_t)u->n_kv, g = (size_t)u->g, nxf = rv->n - rv->from + rv->sink;
+    int64_t cand_hs = 0, q_hs = (int64_t)g * u->d, hs = (int64_t)u->hstride, phs = (int64_t)u->phstride,
+            split = (int64_t)c->pn, ld = u->d, dots_hs, row_hs;
+    int n = (int)nxf, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d, nkvi = u->n_kv;
+    int bt = (int)u->block_tokens, me = (int)rv->mid_end, nsb = u->sink_blocks, wb = u->window_blocks,
+        cbk = c->d.cache_blocks, sk = (int)rv->sink, from = (int)rv->from, nx = (int)rv->nx, ni = (int)rv->n;
+    int64_t blk_hs = (int64_t)u->adm_nbc[l], slot_hs = (int64_t)rv->slot_hs,
+            pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d;
+    pqc__dptr stat = u->dstat + (size_t)l * nkv * 24, so = rv->slot_of, fl = rv->filled;
+    uint64_t rb = c->row;
+    pqc_result r;
+    if (nxf > u->rv_cap) {
+        size_t want = nxf + nxf / 4 + 256;
+        PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
+        u->rv_cap = 0;
+        if ((r = pqc__gpu_dalloc(c, &u->rv_cand, want * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rv_n, nkv * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rv_dots, nkv * g * want * sizeof(float))) != PQC_SUCCESS)
+            return r;
+        u->rv_cap = want;
+    }
+    row_hs = (int64_t)u->rv_cap;
+    dots_hs = (int64_t)g * row_hs;
+    {
+        void *p[] = { &u->rv_cand, &u->rv_n, &nkvi, &n_sink, &sk, &from, &nx, &ni };
+        if ((r = pqc__gpu_launch(c, PQC__K_RIVAL_CANDS, pqc__cdiv(PQC__MAX(nxf, nkv), 256), 1, 0, p)) != PQC_SUCCESS)
+            return r;
+    }
+    {
+        void *p[] = { &u->rv_cand, &cand_hs, &u->rv_n, &n, &n_sink, &u->q, &q_hs, &gi, &u->hk[l], &hs, &u->pk[l], &phs,
+                      &split, &ld, &dt, &d, &bt, &me, &nsb, &wb, &cbk, &so, &blk_hs, &fl, &slot_hs,
+                      &u->pool_k[l], &pool_hs, &stat, &rb, &u->rv_dots, &dots_hs, &row_hs };
+        if ((r = pqc__gpu_launch(c, PQC__K_RR_DOTS, pqc__cdiv(nxf, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+    }
+    return PQC_SUCCESS;
+}
+
+static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_head, int want_scores,
+                                  const pqc__gpu_rivals *rv)
 {
     struct pqc__gpu_tier *u = c->cu;
     pqc__layer *L = &c->layers[l];
-    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K;
+    size_t s = L->n_coded, nkv = (size_t)u->n_kv, tab = (size_t)u->m * u->K, nx = rv ? rv->nx : 0;
     int sl, si = (int)s, ki = (int)take, m = u->m, b = u->bits, K = u->K, dsub = u->dsub, g = u->g, mode;
     int half = pqc__half_bands(&c->d.pq);
     int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
@@ -15304,9 +15452,9 @@ static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     pqc__dptr zero = 0, lut_sum, lut;
     if (s > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 coded tokens");
     pqc__gpu_enter(c);
-    /* score, top-k and read-back buffers */
-    if (s > u->s_cap) {
-        size_t want = s + s / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
+    /* score, top-k and read-back buffers (the rivals' scores after the coded tokens') */
+    if (s + nx > u->s_cap) {
+        size_t want = s + nx + (s + nx) / 4 + 1024, tiles_cap = (want + PQC__CU_TILE - 1) / PQC__CU_TILE;
         PQC__GPU_WAIT(c, u->api->cuStreamSynchronize(u->st), "cuStreamSynchronize");
         u->s_cap = 0;
         if ((r = pqc__gpu_dalloc(c, &u->scores, nkv * want * sizeof(float))) != PQC_SUCCESS ||
@@ -15387,15 +15535,34 @@ static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
         if ((r = pqc__gpu_launch(c, PQC__K_STATS, P, (unsigned)nkv, smem, p1)) != PQC_SUCCESS) return r;
         if ((r = pqc__gpu_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
     }
+    if (nx > 0) { /* the rivals' dots; they join the softmax after the coded tokens */
+        int64_t rs = (int64_t)0, dhs;
+        int nxf = (int)(rv->n - rv->from + rv->sink);
+        if ((r = pqc__gpu_rival_dots(c, l, rv)) != PQC_SUCCESS) return r;
+        rs = (int64_t)u->rv_cap;
+        dhs = (int64_t)g * rs;
+        if (mode == 1) {
+            void *p[] = { &u->rv_dots, &dhs, &rs, &nxf, &g, &scale, &u->stats, &st_hs };
+            if ((r = pqc__gpu_launch(c, PQC__K_RIVAL_STATS, 1, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
+        }
+    }
     {
         pqc__dptr stats = mode == 1 ? u->stats : 0;
         void *p[] = { &u->code[sl], &code_hs, &cs, &si, &m, &b, &lut, &l_hs, &n_luts, &mode, &stats, &st_hs, &scale,
                       &u->scores, &sc_hs, &use_smem };
         if ((r = pqc__gpu_launch(c, PQC__K_SCAN, P, (unsigned)nkv, smem, p)) != PQC_SUCCESS) return r;
     }
+    if (nx > 0) { /* the rivals' scores after the coded tokens' */
+        int64_t rs = (int64_t)u->rv_cap, dhs = (int64_t)g * rs;
+        int nxi = (int)nx;
+        pqc__dptr stats = mode == 1 ? u->stats : 0;
+        void *p[] = { &u->rv_dots, &dhs, &rs, &nxi, &g, &mode, &stats, &st_hs, &scale, &si, &u->scores, &sc_hs };
+        if ((r = pqc__gpu_launch(c, PQC__K_RIVAL_SCORES, pqc__cdiv(nx, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
+            return r;
+    }
     PQC__GPU_CALL(c, u->api->cuEventRecord(u->ev_used[sl], u->st), "cuEventRecord");
     u->last_slot = sl;
-    if ((r = pqc__gpu_topk(c, u->scores, sc_hs, s, take, k_head, u->topk, idx_hs, want_scores ? u->topk_sc : 0)) !=
+    if ((r = pqc__gpu_topk(c, u->scores, sc_hs, s + nx, take, k_head, u->topk, idx_hs, want_scores ? u->topk_sc : 0)) !=
         PQC_SUCCESS)
         return r;
     /* prefetch the next layer's codes while this one finishes */
@@ -15424,7 +15591,7 @@ static pqc_result pqc__gpu_select(pqc_cache *c, int l, const float *q, size_t ta
         memcpy(u->h_q, q, qbytes);
         PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
     }
-    r = pqc__gpu_search(c, l, take, 0, want_scores);
+    r = pqc__gpu_search(c, l, take, 0, want_scores, NULL);
     u->lut_pre = 0;
     if (r != PQC_SUCCESS) return r;
     PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
@@ -16230,7 +16397,8 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     pqc__layer *L = &c->layers[l];
     size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
-    size_t take = 0, ocap = pqc__gpu_outlier_cap(c);
+    size_t take = 0, ocap = pqc__gpu_outlier_cap(c), mid_end0 = pqc__mid_end(c, L, n);
+    size_t rsink = PQC__MIN((size_t)c->d.n_sink, n), rfrom = PQC__MAX(mid_end0, rsink), nx = 0;
     unsigned char *stage;
     int32_t *tk;
     pqc__dptr topk = 0; /* each head's top-k, [head][topk_hs] (after the search, which may grow it) */
@@ -16239,6 +16407,10 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     pqc_result r;
     if (!u->ready) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "CUDA tier: decode before prefill");
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
+    /* the window's rivals (PQC_SPLIT_COMPETE), as pqc__select_head has them: they join each
+       head's top-k on the device */
+    if (search && c->sp.compete && n - rfrom > PQC__WIN_MIN) nx = n - rfrom - PQC__WIN_MIN;
+    topk_hs = (int64_t)(ctake + nx);
     pqc__gpu_enter(c);
     for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
     if ((r = pqc__gpu_step_init(c)) != PQC_SUCCESS || (r = pqc__gpu_rows_room(c, rows)) != PQC_SUCCESS) return r;
@@ -16264,13 +16436,13 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     tk = (int32_t *)(stage + qb);
     for (h = 0; h < nkv; h++) {
         const pqc__head *H = &L->heads[h];
-        tk[h] = (int32_t)takes[h];
+        tk[h] = (int32_t)(takes[h] + nx);
         if (cands) tk[nkv + h] = (int32_t)cands[h];
         if (cands && ocap) {
             tk[2 * nkv + h] = (int32_t)H->n_outliers;
             memcpy(tk + 3 * nkv + h * ocap, H->outliers, H->n_outliers * sizeof(uint32_t));
         }
-        take = PQC__MAX(take, takes[h]);
+        take = PQC__MAX(take, takes[h] + nx);
     }
     PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, stage, qb, u->st), "cuMemcpyHtoDAsync");
     PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->dtakes, tk, (cands ? (ocap ? 3 + ocap : 2) : 1) * nkv * 4, u->st),
@@ -16289,17 +16461,27 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
                 o_hs = (int64_t)u->rows_cap * u->d;
         int n_sink = c->d.n_sink, coded = (int)L->n_coded, me = (int)mid_end, ni = (int)n, nr = (int)rows, bt = (int)u->block_tokens;
         int nsb = u->sink_blocks, wb = u->window_blocks, cbk = c->d.cache_blocks, adm = c->d.admit_blocks, lfu = c->d.policy != PQC_POLICY_LRU;
-        int nf = (int)ab, row_lo = 0, dt = (int)c->d.kv_dtype, d = u->d;
+        int nf = (int)ab, row_lo = 0, dt = (int)c->d.kv_dtype, d = u->d, nxi = (int)nx;
         uint64_t step = L->step, rb = c->row;
+        pqc__gpu_rivals rv;
         void *pa[] = { &topk, &topk_hs, &u->dtakes, &n_sink, &coded, &me, &ni, &nr, &idx, &sel_hs, &bt, &nsb, &wb, &cbk,
                        &adm, &lfu, &step, &sc, &so, &cn, &blk_hs, &bo, &fl, &tc, &fq, &stp, &slot_hs, &tab, &tab_hs,
-                       &fb, &fs, &fr, &fill_hs, &stat, &rb };
+                       &fb, &fs, &fr, &fill_hs, &stat, &rb, &nxi };
         void *pf[] = { &fb, &fs, &fill_hs, &nf, &bt, &row_lo, &ni, &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l],
                        &phs, &split, &ld, &dt, &d, &u->pool_k[l], &u->pool_v[l], &pool_hs };
         void *pg[] = { &idx, &sel_hs, &nr, &tab, &tab_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
                        &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
                        &u->out_v, &o_hs, &zero };
-        if (search && (r = pqc__gpu_search(c, l, ctake, cands ? u->dtakes + nkv * 4 : u->dtakes, 0)) != PQC_SUCCESS)
+        rv.nx = nx;
+        rv.sink = rsink;
+        rv.from = rfrom;
+        rv.n = n;
+        rv.mid_end = mid_end;
+        rv.slot_of = so;
+        rv.filled = fl;
+        rv.slot_hs = ns;
+        if (search && (r = pqc__gpu_search(c, l, ctake + nx, cands ? u->dtakes + nkv * 4 : u->dtakes, 0,
+                                           nx ? &rv : NULL)) != PQC_SUCCESS)
             return r;
         if (search) topk = u->topk;
         if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, so, fl, mid_end, &topk, &topk_hs)) != PQC_SUCCESS)

@@ -1094,16 +1094,88 @@ pqc_cache_fill(const int *__restrict__ blocks, const int *__restrict__ slots,
     if (hv && cache_v) pqc_warp_row_copy(hv + src, (char *)cache_v + dst, nbytes, lane);
 }
 
-/* Token at position i of a head's decode selection (see pqc_select_admit). */
+/* The window competing with the coded tokens (PQC_SPLIT_COMPETE): its rivals, the
+ * window's tokens [from, from + nx), then the sinks [0, sink) and the window's last tokens
+ * [from + nx, n), nxf = nx + sink + n - from - nx of them, as candidates of
+ * pqc_rerank_dots (token n_sink + c for candidate c), one list for every head.
+ *   pqc_rival_cands: grid ceil(nxf / 256), block 256; n_cand int32 [n_kv] gets nxf. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_rival_cands(int *__restrict__ cand, int *__restrict__ n_cand, int n_kv, int n_sink, int sink, int from, int nx,
+                int n)
+{
+    int i = blockIdx.x * PQC_BLOCK + threadIdx.x, nxf = n - from + sink;
+    if (i < n_kv) n_cand[i] = nxf;
+    if (i >= nxf) return;
+    int t = i < nx ? from + i : i < nx + sink ? i - nx : from + (i - sink);
+    cand[i] = t - n_sink;
+}
+
+/* pqc_rival_stats: the rivals and the other exactly scored tokens join each head's
+ *   softmax statistics (pqc_softmax_finalize's {max_h, Z_h}): their online {max, sum}
+ *   over the nxf dots of head h (dots + kv*dots_head_stride + h*dots_row_stride), merged
+ *   into stats after the coded tokens'. grid (1, n_kv), block 256. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_rival_stats(const float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, int nxf, int g,
+                float scale, float *__restrict__ stats, pqc_i64 stats_head_stride)
+{
+    __shared__ float red_m[PQC_BLOCK];
+    __shared__ float red_s[PQC_BLOCK];
+    __shared__ float part[2];
+    pqc_i64 kv = blockIdx.y;
+    int tid = threadIdx.x;
+    for (int h = 0; h < g; ++h) {
+        const float *x = dots + kv * dots_head_stride + (pqc_i64)h * dots_row_stride;
+        float mx = -__int_as_float(0x7f800000), sm = 0.0f;
+        for (int i = tid; i < nxf; i += PQC_BLOCK) pqc_online_add(mx, sm, x[i], scale);
+        pqc_block_online_reduce(mx, sm, scale, red_m, red_s, part);
+        if (tid == 0) {
+            float *st = stats + kv * stats_head_stride + 2 * h, m1 = st[0], s1 = st[1];
+            pqc_online_merge(m1, s1, part[0], part[1], scale);
+            st[0] = m1;
+            st[1] = s1;
+        }
+        __syncthreads();
+    }
+}
+
+/* pqc_rival_scores: the rivals' scores after the coded tokens', out[s + i] for i < nx
+ *   (out + kv*out_head_stride), made from their exact dots as pqc_scan makes a coded
+ *   token's from its PQ scores: mode PQC_SCAN_RAW (the summed query) the heads' dots
+ *   added in order from 0; PQC_SCAN_SOFTMAX_SUM fmaf(pqc_exp((dot_h - max_h) * scale),
+ *   1/Z_h, out) over the heads in order, from 0. grid (ceil(nx / 256), n_kv), block 256. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_rival_scores(const float *__restrict__ dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, int nx, int g,
+                 int mode, const float *__restrict__ stats, pqc_i64 stats_head_stride, float scale, int s,
+                 float *__restrict__ out, pqc_i64 out_head_stride)
+{
+    pqc_i64 kv = blockIdx.y;
+    int i = blockIdx.x * PQC_BLOCK + threadIdx.x;
+    if (i >= nx) return;
+    const float *x = dots + kv * dots_head_stride + i;
+    const float *st = stats ? stats + kv * stats_head_stride : stats;
+    float a = 0.0f;
+    for (int h = 0; h < g; ++h) {
+        float v = x[(pqc_i64)h * dots_row_stride];
+        if (mode == PQC_SCAN_SOFTMAX_SUM) a = fmaf(pqc_exp((v - st[2 * h]) * scale), 1.0f / st[2 * h + 1], a);
+        else a += v;
+    }
+    out[kv * out_head_stride + s + i] = a;
+}
+
+/* Token at position i of a head's decode selection (see pqc_select_admit): the first kc
+   of the take top-k entries are coded tokens, the others rivals (coded + r: window
+   token rfrom + r), placed after the tokens not coded yet. */
 __device__ __forceinline__ int pqc_sel_token(int i, int sink, int take, const int *tk, int n_sink, int unc0,
-                                             int unc, int win0)
+                                             int unc, int win0, int kc, int coded, int rfrom)
 {
     if (i < sink) return i;
     i -= sink;
-    if (i < take) return (tk ? tk[i] : i) + n_sink;
-    i -= take;
+    if (i < kc) return (tk ? tk[i] : i) + n_sink;
+    i -= kc;
     if (i < unc) return unc0 + i;
-    return win0 + (i - unc);
+    i -= unc;
+    if (i < take - kc) return rfrom + (tk[kc + i] - coded);
+    return win0 + (i - (take - kc));
 }
 
 /* pqc_select_admit: a decode step's selection and block-cache bookkeeping, per KV head, on
@@ -1113,7 +1185,11 @@ __device__ __forceinline__ int pqc_sel_token(int i, int sink, int take, const in
  *   Selection of head kv, ascending, into sel (+ kv*sel_head_stride), zeros after it up
  *   to `rows`: the sinks [0, min(n_sink, n)); the top-k, topk[i] + n_sink for i < take
  *   (take = takes[kv]; topk NULL: the coded tokens i + n_sink for i < take); the tokens not
- *   coded yet [n_sink + coded, mid_end); the window [max(mid_end, sinks), n).
+ *   coded yet [n_sink + coded, mid_end); the window [max(mid_end, sinks), n). With rivals
+ *   (PQC_SPLIT_COMPETE: the window's first `rivals` tokens competed with the coded ones,
+ *   pqc_rival_scores) the top-k's entries from coded on are those rivals (window token
+ *   max(mid_end, sinks) + entry - coded), which follow the tokens not coded yet, and the
+ *   window is its last n - max(mid_end, sinks) - rivals tokens.
  *   Admission (cache_blocks > 0 and admit_blocks > 0): every mid block's score decays by
  *   0.75 and gains its selected tokens (blocks overlapping the sinks or the window
  *   excepted); up to admit_blocks selected blocks in score order (ties to the lower
@@ -1137,11 +1213,11 @@ pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const i
                  pqc_i64 blk_head_stride, int *block_of, pqc_u32 *filled, pqc_u32 *touched, pqc_u64 *freq,
                  pqc_u64 *stamp, pqc_i64 slot_head_stride, int *slot_table, pqc_i64 table_head_stride,
                  int *fill_b, int *fill_s, int *fill_rows, pqc_i64 fill_head_stride, pqc_u64 *stat,
-                 pqc_u64 row_bytes)
+                 pqc_u64 row_bytes, int rivals)
 {
     __shared__ float r_sc[PQC_BLOCK];
     __shared__ int r_b[PQC_BLOCK];
-    __shared__ int s_stop, s_nf;
+    __shared__ int s_stop, s_nf, s_kc;
     __shared__ pqc_u32 s_hits, s_miss;
     pqc_i64 kv = blockIdx.y;
     int tid = threadIdx.x, bt = block_tokens;
@@ -1149,8 +1225,8 @@ pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const i
     int take = takes[kv];
     int sink = n_sink < n ? n_sink : n;
     int unc0 = n_sink + coded, unc = mid_end > unc0 ? mid_end - unc0 : 0;
-    int win0 = mid_end > sink ? mid_end : sink, win = n > win0 ? n - win0 : 0;
-    int count = sink + take + unc + win;
+    int rfrom = mid_end > sink ? mid_end : sink, win0 = rfrom + rivals, win = n > win0 ? n - win0 : 0;
+    int count = sink + take + unc + win, kc;
     int nb = (mid_end + bt - 1) / bt, nb_all = (n + bt - 1) / bt;
     int admit = cache_blocks > 0 && admit_blocks > 0, pool0 = sink_slots + ring_slots;
     pqc_u64 next = step + 1;
@@ -1164,8 +1240,19 @@ pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const i
     int *fb = fill_b + kv * fill_head_stride, *fs = fill_s + kv * fill_head_stride;
     int *fr = fill_rows + kv * fill_head_stride;
 
+    if (tid == 0) { /* the top-k's coded entries (ascending): those below coded */
+        int lo = 0, hi = take;
+        while (tk && rivals > 0 && lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (tk[mid] < coded) lo = mid + 1;
+            else hi = mid;
+        }
+        s_kc = tk && rivals > 0 ? lo : take;
+    }
+    __syncthreads();
+    kc = s_kc;
     for (int i = tid; i < rows; i += PQC_BLOCK)
-        out[i] = i < count ? pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0) : 0;
+        out[i] = i < count ? pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0, kc, coded, rfrom) : 0;
     if (tid == 0) {
         s_stop = 0;
         s_nf = 0;
@@ -1176,7 +1263,7 @@ pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const i
     if (admit) {
         for (int b = tid; b < nb; b += PQC_BLOCK) sc[b] = __fmul_rn(sc[b], 0.75f);
         for (int i = tid; i < count; i += PQC_BLOCK) {
-            int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt;
+            int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0, kc, coded, rfrom), b = t / bt;
             if (t >= n_sink && t < mid_end && !(b * bt < n_sink || (b + 1) * bt > mid_end)) atomicAdd(&cb[b], 1u);
         }
         __syncthreads();
@@ -1268,7 +1355,7 @@ pqc_select_admit(const int *__restrict__ topk, pqc_i64 topk_head_stride, const i
     }
     /* hits: blocks resident by design, cached rows; misses: rows read from host memory */
     for (int i = tid; i < count; i += PQC_BLOCK) {
-        int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0), b = t / bt, s;
+        int t = pqc_sel_token(i, sink, take, tk, n_sink, unc0, unc, win0, kc, coded, rfrom), b = t / bt, s;
         if (t < n_sink || t >= mid_end) continue;
         if (b * bt < n_sink || (b + 1) * bt > mid_end) {
             atomicAdd(&s_hits, 1u);

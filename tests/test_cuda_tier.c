@@ -813,9 +813,9 @@ TEST decode_matches_cpu_residual_scoring(void)
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
-/* the window competing with the coded tokens (PQC_SPLIT_COMPETE): the host selects for
-   the device tier, which gathers what it chose (window tokens left out among them), with
-   select + fetch and with device steps */
+/* the window competing with the coded tokens (PQC_SPLIT_COMPETE): its rivals scored and
+   chosen on the device in device steps (pqc_rival_cands, pqc_rerank_dots, pqc_rival_stats,
+   pqc_rival_scores, pqc_select_admit), the host's select + fetch every third step */
 TEST decode_matches_cpu_window_competes(void)
 {
     shape sh = g_small;
@@ -824,6 +824,14 @@ TEST decode_matches_cpu_window_competes(void)
     sh.dstep = 2;
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
+}
+/* ... the summed query, every step on the device: the same selections bit for bit */
+TEST device_steps_window_competes_sum(void)
+{
+    shape sh = g_small;
+    sh.compete = 1;
+    sh.dstep = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F32, &sh);
 }
 /* A cache saved from the host tier loads onto the device tier (sinks, window, codebooks
    and codes go to the GPU as after a build) and decodes as the host cache goes on. */
@@ -1133,6 +1141,10 @@ static enum greatest_test_res never_wait(int defaults)
         cd.n_q_heads = 4;
         cd.head_dim = 32;
         if (defaults == 2) cd.rerank = 2.5;
+        if (defaults == 3) { /* the window competing: its rivals scored on the device */
+            cd.split = PQC_SPLIT_COMPETE;
+            cd.recent_share = 0.5;
+        }
     } else {
         cd.pq.m = 2;
         cd.codes_resident = 1;
@@ -1185,6 +1197,7 @@ static enum greatest_test_res never_wait(int defaults)
 TEST device_steps_never_wait(void) { return never_wait(0); }
 TEST device_steps_never_wait_default_configuration(void) { return never_wait(1); }
 TEST device_steps_never_wait_with_rerank(void) { return never_wait(2); }
+TEST device_steps_never_wait_window_competes(void) { return never_wait(3); }
 
 TEST misuse_gets_result_codes(void)
 {
@@ -1905,12 +1918,14 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_rerank_outliers_resident);
     RUN_TEST(decode_matches_cpu_residual_scoring);
     RUN_TEST(decode_matches_cpu_window_competes);
+    RUN_TEST(device_steps_window_competes_sum);
     RUN_TEST(cache_file_loads_onto_the_device);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);
     RUN_TEST(device_steps_never_wait);
     RUN_TEST(device_steps_never_wait_default_configuration);
     RUN_TEST(device_steps_never_wait_with_rerank);
+    RUN_TEST(device_steps_never_wait_window_competes);
     RUN_TEST(device_allocation_failure);
     RUN_TEST(device_kmeans);
     RUN_TEST(kmeans_gemm_matches_kernel);

@@ -323,6 +323,9 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_rerank_combine);
         K(pqc_take_at);
         K(pqc_rerank_merge);
+        K(pqc_rival_cands);
+        K(pqc_rival_stats);
+        K(pqc_rival_scores);
 #undef K
         k["pqc_scan_stats"].static_smem = 2 * 256 * 4; /* red_m, red_s */
     }
