@@ -578,23 +578,24 @@ typedef enum pqc_metric {
 } pqc_metric;
 
 typedef enum pqc_split {
-    PQC_SPLIT_ADAPTIVE = 0, /* each KV head's share of the layer's top-k from the attention
-                               the observed queries paid outside its sinks and window
-                               (default; the even split until a build measured it); and
-                               with a derived window (window 0), each layer's window
-                               lowered at its builds where the observed queries pay it
-                               less than the top-k would keep (see window)               */
-    PQC_SPLIT_FIXED = 1,    /* every head takes the same top-k, every layer the window    */
-    PQC_SPLIT_COMPETE = 2   /* the heads share the top-k as under ADAPTIVE, and in each
-                               head the window competes, every step: its tokens but the
-                               last 16 are scored exactly with the step's queries and
-                               chosen with the coded tokens by the same scores for the
+    PQC_SPLIT_COMPETE = 0,  /* each KV head's share of the layer's top-k from the attention
+                               the observed queries paid outside its sinks and window (the
+                               even split until a build measured it); and in each head the
+                               window competes, every step: its tokens but the last 16
+                               (its rivals) are scored exactly with the step's queries
+                               and chosen with the coded tokens by the same scores for the
                                head's top-k and their own places, so that a head that
                                attends locally keeps its window and one that does not
-                               gives it to top-k (no build lowers the window). The CUDA
-                               tier scores and chooses the rivals in its device step too
-                               (with exact scoring, rerank or outliers, it selects on
-                               the host: one synchronisation a layer)                     */
+                               gives it to top-k (default; the CUDA tier does this on
+                               the device). With exact scoring (rerank, outliers), whose
+                               candidates are scored exactly already, the window does not
+                               compete: as ADAPTIVE                                       */
+    PQC_SPLIT_FIXED = 1,    /* every head takes the same top-k, every layer the window    */
+    PQC_SPLIT_ADAPTIVE = 2  /* the heads share the top-k as under COMPETE; the window does
+                               not compete, but with a derived window (window 0) each
+                               layer's window is lowered at its builds where the observed
+                               queries pay it less than the top-k would keep (see window;
+                               the default before COMPETE)                               */
 } pqc_split;
 
 typedef struct pqc_cache_desc {
@@ -606,7 +607,9 @@ typedef struct pqc_cache_desc {
     size_t max_tokens;       /* sequence capacity; 0 = 1M. Longer prompts fail cleanly    */
     int n_sink;              /* sink tokens always attended; 0 = 32; -1 = none             */
     int window;              /* recent window in tokens, every layer's; 0 = recent_share of
-                                the budget at the first prefill, which under
+                                the budget at the first prefill (under PQC_SPLIT_COMPETE,
+                                the default, the window's tokens but its last 16 compete
+                                for their places every step), which under
                                 PQC_SPLIT_ADAPTIVE is the most a layer keeps: a build
                                 with observed queries weighs that window and its halves
                                 (down to 16 tokens) by the attention they pay, the window
@@ -770,8 +773,9 @@ PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, siz
    every token the layer held when its last build started, summed over the head's group
    and averaged): the share on the sinks and on the recent window of one (layer, KV
    head). PQC_ERROR_BAD_STATE until a build with observations has finished. Under
-   PQC_SPLIT_ADAPTIVE each head's top-k is the layer's total (heads x the even top-k) in
-   proportion to 1 - sinks - window, at least a quarter of the even top-k. */
+   PQC_SPLIT_COMPETE and PQC_SPLIT_ADAPTIVE each head's top-k is the layer's total (heads
+   x the even top-k) in proportion to 1 - sinks - window, at least a quarter of the even
+   top-k. */
 PQCDEF pqc_result pqc_cache_observed_mass(const pqc_cache *c, int layer, int head, double *sinks, double *window);
 /* Decode: one new token's K and V (n_kv_heads*d_h fp32 each) for one layer. The oldest
    window token leaves the window and is coded from its own stored key. Like every call
@@ -825,8 +829,7 @@ PQCDEF pqc_result pqc_cache_fetch_device(pqc_cache *c, int layer, const pqc_sele
    the device too, reading each candidate's key row where the gather would: in device
    memory when its block is there, else from the host store (across the bus on a discrete
    GPU, counted in bytes_h2d); the window's rivals (PQC_SPLIT_COMPETE) are scored on the
-   device too; caches with residual scoring, and caches whose window competes while they
-   score exactly, select on the host: one synchronisation. */
+   device too; caches with residual scoring select on the host: one synchronisation. */
 PQCDEF pqc_result pqc_cache_step_device(pqc_cache *c, int layer, const float *q, pqc_kv_device *out, size_t *count);
 /* 1 when the cache's device tier is on a CUDA GPU, else 0. */
 PQCDEF int pqc_cache_on_device(const pqc_cache *c);
@@ -7772,7 +7775,8 @@ typedef struct pqc__scoring {
     int exact;             /* candidates are scored again with the stored keys */
     int adaptive;          /* the heads share the layer's top-k by observed attention */
     int adaptive_window;   /* a build with observations may lower its layer's window */
-    int compete;           /* the window's tokens compete with the coded ones every step */
+    int compete;           /* the window's tokens compete with the coded ones every step
+                              (PQC_SPLIT_COMPETE without exact scoring) */
     int tier_search;       /* the tier's search can find the candidates */
     int tier_step;         /* the tier can run a whole decode step */
     int device_rows;       /* the tier hands rows in device memory */
@@ -7911,13 +7915,15 @@ static void pqc__plan_init(pqc_cache *c)
     sp->rerank = c->d.rerank;
     sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
     sp->adaptive = c->d.split != PQC_SPLIT_FIXED;
-    sp->adaptive_window = c->d.split == PQC_SPLIT_ADAPTIVE && c->d.window == 0;
-    sp->compete = c->d.split == PQC_SPLIT_COMPETE;
+    /* with exact scoring the candidates are scored exactly already: the window does not
+       compete, and the builds lower it as under ADAPTIVE (measured the better of the two) */
+    sp->compete = c->d.split == PQC_SPLIT_COMPETE && !sp->exact;
+    sp->adaptive_window = c->d.split != PQC_SPLIT_FIXED && !sp->compete && c->d.window == 0;
     sp->device_rows = (caps & PQC__CAN_DEVICE_ROWS) != 0;
     sp->map_stores = !sp->device_rows;
-    sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS)) && !sp->compete;
+    sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS));
     sp->tier_step = c->tier->step && sp->device_rows && (!residual || (caps & PQC__CAN_RESIDUALS)) &&
-                    (!sp->exact || (caps & PQC__CAN_EXACT)) && !(sp->compete && sp->exact);
+                    (!sp->exact || (caps & PQC__CAN_EXACT));
 }
 
 /* The stored K and V rows of token t of a head: in the shared prefix (a fork's) or in
@@ -7974,6 +7980,14 @@ static size_t pqc__mid_end(const pqc_cache *c, const pqc__layer *L, size_t n_tok
 static size_t pqc__mid_count(const pqc_cache *c, const pqc__layer *L, size_t n_tokens)
 {
     return pqc__mid_end(c, L, n_tokens) - pqc__sink_end(c, n_tokens);
+}
+
+/* The window's rivals of a step that searches the coded tokens (PQC_SPLIT_COMPETE): its
+   tokens [max(mid_end, sinks), n - PQC__WIN_MIN), how many (0: none compete). */
+static size_t pqc__rivals_of(const pqc_cache *c, const pqc__layer *L, size_t n)
+{
+    size_t from = PQC__MAX(pqc__mid_end(c, L, n), pqc__sink_end(c, n));
+    return c->sp.compete && n - from > PQC__WIN_MIN ? n - from - PQC__WIN_MIN : 0;
 }
 
 /* The budget for `mid` tokens beyond the sinks, unclamped: budget_tokens, or
@@ -9318,9 +9332,10 @@ static void pqc__residual_desc(const pqc_cache *c, const pqc__head *H, pqc_searc
 }
 
 /* Head hi's best n coded tokens by PQ score (ascending, from 0 = the first mid token)
-   into out: every coded token where n covers them (n is cut to that), else the best n
+   into out (with the tier's top-k, its nx rivals too: index coded + i, see
+   pqc__head_rivals_top): every coded token where n covers them (n is cut to that), else the best n
    of the tier's candidates, else a host search. */
-static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t *n, uint32_t *out)
+static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t nx, size_t *n, uint32_t *out)
 {
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
@@ -9328,9 +9343,9 @@ static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t *n, 
     size_t coded = L->n_coded, t;
     pqc_search_desc sd;
     pqc_result r = PQC_SUCCESS;
-    if (*n >= coded) {
-        for (t = 0; t < coded; t++) out[t] = (uint32_t)t;
-        *n = coded;
+    if (*n >= coded + nx) {
+        for (t = 0; t < coded + nx; t++) out[t] = (uint32_t)t;
+        *n = coded + nx;
         return PQC_SUCCESS;
     }
     if (j->gpu_idx) {
@@ -9414,24 +9429,23 @@ static pqc_result pqc__head_rivals_top(const pqc__sel_job *j, size_t hi, size_t 
 }
 
 /* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
-   or the host's top cands, or every coded token) merged with its outlier list, and its nx
-   rivals [from, from + nx) (PQC_SPLIT_COMPETE), scored with the stored keys, the best
-   takes + nx kept into out (coded token i as index i, rival i as coded + i, ascending). */
-static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, size_t from, size_t nx, uint32_t *out)
+   or the host's top cands, or every coded token) merged with its outlier list, scored with
+   the stored keys, the best takes kept (coded indices, ascending) into out. */
+static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
 {
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
     pqc__head *H = &L->heads[hi];
     size_t nc = j->cands[hi], no = H->n_outliers, coded = L->n_coded, t, a, b, nm, ns = (size_t)c->d.n_sink;
-    size_t end = nx ? from + nx : ns + coded, take = j->takes[hi] + nx;
+    size_t take = j->takes[hi];
     uint32_t *cb, *mg;
     void *tmp;
-    pqc_matrix keys = pqc__keys_view(c, H, ns, end);
+    pqc_matrix keys = pqc__keys_view(c, H, ns, ns + coded);
     pqc_result r = PQC_SUCCESS;
-    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no + nx) * sizeof(uint32_t), &tmp);
-    if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no + nx);
-    mg = cb + nc + no + nx;
-    if (nc > 0) r = pqc__head_pq_top(j, hi, &nc, cb); /* (none where the split gave the head no top-k) */
+    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no) * sizeof(uint32_t), &tmp);
+    if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
+    mg = cb + nc + no;
+    r = pqc__head_pq_top(j, hi, 0, &nc, cb);
     if (r == PQC_SUCCESS) { /* merge with the outlier list (both ascending) */
         a = b = nm = 0;
         while (a < nc || b < no) {
@@ -9444,8 +9458,7 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, size_t from, siz
             a += x <= y;
             b += y <= x;
         }
-        for (t = 0; t < nx; t++) mg[nm++] = (uint32_t)(from - ns + t); /* the rivals, after every coded token */
-        if (c->pn > ns && end > c->pn) {
+        if (c->pn > ns && coded > c->pn - ns) {
             /* a fork's keys in two parts: score copies of the candidates' rows */
             unsigned char *kb = (unsigned char *)pqc__alloc(&c->alloc, nm * (c->row + sizeof(uint32_t)));
             uint32_t *id = kb ? (uint32_t *)(kb + nm * c->row) : NULL;
@@ -9467,8 +9480,6 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, size_t from, siz
             r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, mg, nm, take,
                                  &H->scratch, out, NULL, 0);
         }
-        for (t = 0; r == PQC_SUCCESS && t < take; t++) /* rivals as coded + i */
-            if (out[t] >= coded) out[t] = (uint32_t)(coded + (out[t] - (from - ns)));
     }
     pqc__free(&c->alloc, tmp);
     return r;
@@ -9491,15 +9502,15 @@ static void pqc__select_head(void *ctx, size_t hi)
     pqc_result r = PQC_SUCCESS;
     int placed = 0;
     for (t = 0; t < sink; t++) out[o++] = (uint32_t)t;
-    if (j->search && c->sp.compete && n - from > PQC__WIN_MIN) nx = n - from - PQC__WIN_MIN;
+    if (j->search) nx = pqc__rivals_of(c, L, n);
     if (j->search && j->takes[hi] + nx > 0) {
         /* (a head the adaptive split gave none of the layer's top-k takes sinks, uncoded
            tokens and window only) */
         float *xd = NULL;
         void *xm = NULL;
         k = j->takes[hi] + nx;
-        if (j->exact) r = pqc__select_exact(j, hi, from, nx, out + o);
-        else if (nx == 0) r = pqc__head_pq_top(j, hi, &k, out + o);
+        if (j->exact) r = pqc__select_exact(j, hi, out + o); /* (never with rivals) */
+        else if (nx == 0 || j->gpu_idx) r = pqc__head_pq_top(j, hi, nx, &k, out + o); /* the tier's has them */
         else if ((r = pqc__rival_dots(j, hi, sink, from, nx, n, &xd, &xm)) == PQC_SUCCESS)
             r = pqc__head_rivals_top(j, hi, k, xd, nx, sink + PQC__WIN_MIN, out + o);
         pqc__free(&c->alloc, xm);
@@ -9572,7 +9583,7 @@ static void pqc__drift_note(pqc_cache *c, int l, const float *q)
 
 
 /* Each head's top-k (into takes) from the even top-k `take`; returns the largest. Under
-   PQC_SPLIT_ADAPTIVE, once every head's observed attention was measured, the layer's
+   PQC_SPLIT_COMPETE or ADAPTIVE, once every head's observed attention was measured, the layer's
    total (heads x take) goes to the mid tokens with the most observed attention, whatever
    their head (water-filling over the heads' histograms: every token of the bins above a
    common threshold, the threshold bin shared in proportion; what the histograms do not
@@ -9742,7 +9753,8 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
     j.gpu_sc = NULL;
-    if (p.tier_search && (r = c->tier->search(c, layer, q, p.ctake, p.trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
+    if (p.tier_search) j.ctake += pqc__rivals_of(c, L, n); /* the tier's top-k holds the window's rivals too */
+    if (p.tier_search && (r = c->tier->search(c, layer, q, j.ctake, p.trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, p.coded0);
         return r;
     }
@@ -15391,6 +15403,7 @@ static pqc_result pqc__gpu_topk(pqc_cache *c, pqc__dptr scores, int64_t sc_hs, s
 typedef struct pqc__gpu_rivals {
     size_t nx, sink, from, n, mid_end, slot_hs;
     pqc__dptr slot_of, filled;
+    int cache_blocks; /* the block cache's tables to look in (0: sink and window blocks only) */
 } pqc__gpu_rivals;
 
 /* The rivals' exact dots (pqc_rival_cands, pqc_rerank_dots over the rows the device
@@ -15403,10 +15416,11 @@ static pqc_result pqc__gpu_rival_dots(pqc_cache *c, int l, const pqc__gpu_rivals
             split = (int64_t)c->pn, ld = u->d, dots_hs, row_hs;
     int n = (int)nxf, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d, nkvi = u->n_kv;
     int bt = (int)u->block_tokens, me = (int)rv->mid_end, nsb = u->sink_blocks, wb = u->window_blocks,
-        cbk = c->d.cache_blocks, sk = (int)rv->sink, from = (int)rv->from, nx = (int)rv->nx, ni = (int)rv->n;
-    int64_t blk_hs = (int64_t)u->adm_nbc[l], slot_hs = (int64_t)rv->slot_hs,
+        cbk = rv->cache_blocks, sk = (int)rv->sink, from = (int)rv->from, nx = (int)rv->nx, ni = (int)rv->n;
+    int64_t blk_hs = cbk > 0 ? (int64_t)u->adm_nbc[l] : 0, slot_hs = (int64_t)rv->slot_hs,
             pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d;
-    pqc__dptr stat = u->dstat + (size_t)l * nkv * 24, so = rv->slot_of, fl = rv->filled;
+    /* (every row is in the sinks' and the window's blocks: none is read from host memory) */
+    pqc__dptr stat = 0, so = rv->slot_of, fl = rv->filled;
     uint64_t rb = c->row;
     pqc_result r;
     if (nxf > u->rv_cap) {
@@ -15581,17 +15595,32 @@ static pqc_result pqc__gpu_select(pqc_cache *c, int l, const float *q, size_t ta
     size_t nkv = (size_t)u->n_kv;
     pqc_result r;
     size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
+    pqc__layer *L = &c->layers[l];
+    size_t n = L->n_tokens;
+    pqc__gpu_rivals rv;
     pqc__gpu_enter(c);
+    rv.nx = pqc__rivals_of(c, L, n);
     /* tables a batch built for these queries and codebooks need neither the queries nor
        the table kernel (the stream already waits for them) */
     u->lut_pre = u->batch_ok && u->batch_layer == l && u->batch_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->batch_gen &&
                  memcmp(u->batch_q, q, qbytes) == 0;
     u->batch_ok = 0;
-    if (!u->lut_pre) {
+    if (!u->lut_pre || rv.nx) { /* (the rivals' dots need the queries) */
         memcpy(u->h_q, q, qbytes);
         PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
     }
-    r = pqc__gpu_search(c, l, take, 0, want_scores, NULL);
+    {
+        /* the window's rivals, their rows read from the device's sink and window blocks
+           (the block cache's tables may be on the host now: cache_blocks 0 here) */
+        rv.sink = PQC__MIN((size_t)c->d.n_sink, n);
+        rv.mid_end = pqc__mid_end(c, L, n);
+        rv.from = PQC__MAX(rv.mid_end, rv.sink);
+        rv.n = n;
+        rv.slot_hs = 1;
+        rv.slot_of = rv.filled = 0;
+        rv.cache_blocks = 0;
+        r = pqc__gpu_search(c, l, take, 0, want_scores, rv.nx ? &rv : NULL);
+    }
     u->lut_pre = 0;
     if (r != PQC_SUCCESS) return r;
     PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
@@ -16409,7 +16438,7 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
     /* the window's rivals (PQC_SPLIT_COMPETE), as pqc__select_head has them: they join each
        head's top-k on the device */
-    if (search && c->sp.compete && n - rfrom > PQC__WIN_MIN) nx = n - rfrom - PQC__WIN_MIN;
+    if (search) nx = pqc__rivals_of(c, L, n);
     topk_hs = (int64_t)(ctake + nx);
     pqc__gpu_enter(c);
     for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
@@ -16480,6 +16509,7 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
         rv.slot_of = so;
         rv.filled = fl;
         rv.slot_hs = ns;
+        rv.cache_blocks = c->d.cache_blocks;
         if (search && (r = pqc__gpu_search(c, l, ctake + nx, cands ? u->dtakes + nkv * 4 : u->dtakes, 0,
                                            nx ? &rv : NULL)) != PQC_SUCCESS)
             return r;

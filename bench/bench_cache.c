@@ -2,8 +2,8 @@
 
    1. select + fetch per layer (8 KV heads, 32 query heads, d_h 128, budget 1/10) at
       several lengths, next to the PQ search alone over the same codes, and (CPU tier)
-      re-ranking's and the competing window's (PQC_SPLIT_COMPETE) select + fetch against
-      the default's, each pair alternated;
+      re-ranking's and the adaptive split's (PQC_SPLIT_ADAPTIVE: windows that do not
+      compete) select + fetch against the default's, each pair alternated;
    2. bytes moved per generated token and block-cache hit rates for no cache, LRU and LFU
       on a synthetic decode trace in which a few regions stay important;
    3. how much of the PQ build hides behind a simulated prefill whose per-layer cost grows
@@ -254,11 +254,11 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
     free(needles);
 }
 
-/* re-ranking's cost (or the competing window's: split = PQC_SPLIT_COMPETE) against the
-   default's, alternated: two caches over the same keys (the default, and the default with
-   `rerank` or `split`), select + fetch on each in turn, 15 pairs; the median of the pairs'
-   ratios. This machine's speed can move by a fifth within a minute, so a ratio of two
-   rows measured apart says little. */
+/* re-ranking's cost (or the adaptive split's, whose windows do not compete: split =
+   PQC_SPLIT_ADAPTIVE) against the default's, alternated: two caches over the same keys
+   (the default, and the default with `rerank` or `split`), select + fetch on each in
+   turn, 15 pairs; the median of the pairs' ratios. This machine's speed can move by a
+   fifth within a minute, so a ratio of two rows measured apart says little. */
 static void bench_rerank_pair(pqc_runtime *rt, size_t s, double rerank, pqc_split split)
 {
     pqc_cache_desc cd = desc_for(s, 0, 0);
@@ -277,7 +277,7 @@ static void bench_rerank_pair(pqc_runtime *rt, size_t s, double rerank, pqc_spli
     cd.rerank = rerank;
     cd.split = split;
     c[1] = open_cache(rt, &cd, kv, s, &sel[1]);
-    if (split == PQC_SPLIT_COMPETE) snprintf(what, sizeof what, "the window competing");
+    if (split == PQC_SPLIT_ADAPTIVE) snprintf(what, sizeof what, "the adaptive split");
     else snprintf(what, sizeof what, "rerank %g", rerank);
     out = kv_out_alloc(s, HKV * s * D, &outmem);
     for (w = 0; w < 2; w++) { /* first calls: scratch and the output's pages */
@@ -546,8 +546,8 @@ int main(int argc, char **argv)
         bench_select_fetch(rt, sizes[i], 0, 0, rerank); /* 3: the refinement that meets the suite's targets */
         bench_select_fetch(rt, sizes[i], 2, 6, 0);
         if (backend == PQC_BACKEND_CPU) {
-            bench_rerank_pair(rt, sizes[i], rerank, PQC_SPLIT_ADAPTIVE);
-            bench_rerank_pair(rt, sizes[i], 0.0, PQC_SPLIT_COMPETE);
+            bench_rerank_pair(rt, sizes[i], rerank, PQC_SPLIT_COMPETE);
+            bench_rerank_pair(rt, sizes[i], 0.0, PQC_SPLIT_ADAPTIVE);
         }
     }
     if (select_only) {

@@ -38,8 +38,9 @@ typedef struct setting {
     double residual;
     int no_obs;
     int contiguous;         /* 1: contiguous sub-spaces (the default with a RoPE layout: bands) */
-    int split;              /* 1: PQC_SPLIT_FIXED (the window as derived; the default's builds may lower it),
-                               2: PQC_SPLIT_COMPETE (the window competes with the coded tokens) */
+    int split;              /* 0: the default (PQC_SPLIT_COMPETE: the window competes with the coded
+                               tokens), 1: PQC_SPLIT_FIXED (the window as derived), 2:
+                               PQC_SPLIT_ADAPTIVE (the builds may lower each layer's window) */
 } setting;
 
 static const setting settings[] = {
@@ -68,11 +69,11 @@ static const setting settings[] = {
     {"m16 b8 (four times the bytes)", 16, 8, 0, 0, 0, 0, 0, 0, 0},
     {"fixed window (split fixed)", 0, 0, 0, 0, 0, 0, 0, 0, 1},
     {"rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 0},
-    {"window competes (split compete)", 0, 0, 0, 0, 0, 0, 0, 0, 2},
-    {"window competes, nothing observed", 0, 0, 0, 0, 0, 0, 1, 0, 2},
-    {"window competes, recent_share 0.3", 0, 0, 0.3, 0, 0, 0, 0, 0, 2},
-    {"window competes + rerank 2", 0, 0, 0, 2, 0, 0, 0, 0, 2},
-    {"window competes + rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 2},
+    {"adaptive split (builds lower windows)", 0, 0, 0, 0, 0, 0, 0, 0, 2},
+    {"adaptive split, nothing observed", 0, 0, 0, 0, 0, 0, 1, 0, 2},
+    {"default, recent_share 0.3", 0, 0, 0.3, 0, 0, 0, 0, 0, 0},
+    {"adaptive split + rerank 2", 0, 0, 0, 2, 0, 0, 0, 0, 2},
+    {"adaptive split + rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 2},
 };
 /* sets: 9 in the tuning part, 9 + 2 long ones in the reported part */
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 20 };

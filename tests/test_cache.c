@@ -37,13 +37,6 @@ static pqc_result prefill_all(pqc_cache *c, int layers, const float *k, const fl
     return PQC_SUCCESS;
 }
 
-static int ascending_unique(const uint32_t *a, size_t n)
-{
-    size_t i;
-    for (i = 1; i < n; i++)
-        if (a[i] <= a[i - 1]) return 0;
-    return 1;
-}
 
 TEST sinks_and_window_always_selected(void)
 {
@@ -67,7 +60,7 @@ TEST sinks_and_window_always_selected(void)
                 const uint32_t *ix = sel.idx + h * sel.capacity;
                 uint32_t t;
                 ASSERT_EQ((size_t)(4 + 12 + 8), sel.count[h]);
-                ASSERT(ascending_unique(ix, sel.count[h]));
+                ASSERT(tu_ascending_unique(ix, sel.count[h]));
                 for (t = 0; t < 4; t++) ASSERT(tu_contains(ix, sel.count[h], t));
                 for (t = 492 + (uint32_t)it; t < 500 + (uint32_t)it; t++) ASSERT(tu_contains(ix, sel.count[h], t));
             }

@@ -300,7 +300,8 @@ typedef struct shape {
     int dstep;     /* the GPU cache decodes with pqc_cache_step_device: 1 always, 2 with
                       select + fetch every third step (the bookkeeping goes back and forth) */
     int lru;       /* desc.policy LRU */
-    int compete;   /* desc.split PQC_SPLIT_COMPETE */
+    int compete;   /* desc.split PQC_SPLIT_COMPETE, the default, and a window of half the
+                      budget (else the default; PQC_SPLIT_ADAPTIVE with observe 2) */
 } shape;
 static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0 };
 
@@ -363,7 +364,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.outliers = sh->outliers;
     cd.residual_weight = sh->resid;
     if (sh->lru) cd.policy = PQC_POLICY_LRU;
-    if (sh->compete) cd.split = PQC_SPLIT_COMPETE;
+    if (sh->observe == 2 && !sh->compete) cd.split = PQC_SPLIT_ADAPTIVE; /* windows the builds lower */
     if (sh->observe == 2 || sh->compete) cd.recent_share = 0.5;
     if (sh->bands) {
         cd.pq.rope = PQC_ROPE_HALF;

@@ -1059,17 +1059,20 @@ TEST window_follows_the_observed_attention(void)
     PASS();
 }
 
-/* The window competes (PQC_SPLIT_COMPETE): in one layer, KV head 0's queries look at 300
-   tokens far back, more than its top-k of 198 holds, and KV head 1's at the last 200
-   tokens. Every step, head 0 gives its window (all but the last 16 tokens) to the far
-   tokens and head 1 keeps its window, each within the same budget as the fixed split,
-   for the product form of softmax-sum (8-bit codes), its other form (6-bit codes), the
-   summed query, and with re-ranking; a decode step, a fork and a file select the same.
-   The fixed split cannot: head 0 keeps at most 198 of the far tokens. */
+/* The window competes (PQC_SPLIT_COMPETE, the default): in one layer, KV head 0's
+   queries look at 300 tokens far back, more than its top-k of 198 holds, and KV head 1's
+   at the last 200 tokens. Every step, head 0 gives its window (all but the last 16
+   tokens) to the far tokens and head 1 keeps its window, each within the same budget as
+   the fixed split, for the product form of softmax-sum (8-bit codes), its other form
+   (6-bit codes), the summed query and residual-aware scoring; a decode step, a fork and
+   a file select the same.
+   The fixed split cannot: head 0 keeps at most 198 of the far tokens; nor does
+   re-ranking, whose candidates are scored exactly already: there the window stays. */
 #define WC_N 4000
 #define WC_D 32
 #define WC_FAR 300
-static pqc_result compete_cache(const float *k, int split, int bits, pqc_gqa gqa, double rerank, pqc_cache **out)
+static pqc_result compete_cache(const float *k, int split, int bits, pqc_gqa gqa, double rerank, double resid,
+                                pqc_cache **out)
 {
     pqc_cache_desc cd = tu_cache_desc(1, 2, 4, WC_D);
     pqc_matrix km = pqc_matrix_f32(k, WC_N, 2 * WC_D);
@@ -1082,17 +1085,11 @@ static pqc_result compete_cache(const float *k, int split, int bits, pqc_gqa gqa
     cd.split = (pqc_split)split;
     cd.gqa = gqa;
     cd.rerank = rerank;
+    cd.residual_weight = resid;
     if ((r = pqc_cache_create(NULL, &cd, out)) != PQC_SUCCESS) return r;
     if ((r = pqc_cache_prefill(*out, 0, &km, &km)) == PQC_SUCCESS) r = pqc_cache_sync(*out);
     if (r != PQC_SUCCESS) pqc_cache_destroy(*out);
     return r;
-}
-static int wc_ascending_unique(const uint32_t *a, size_t n)
-{
-    size_t i;
-    for (i = 1; i < n; i++)
-        if (a[i] <= a[i - 1]) return 0;
-    return 1;
 }
 static int wc_desc(const void *a, const void *b)
 {
@@ -1111,7 +1108,7 @@ static enum greatest_test_res compete_checks(const pqc_selection *sel, size_t n)
     for (h = 0; h < 2; h++) {
         const uint32_t *ix = sel->idx + h * sel->capacity;
         ASSERT_EQ((size_t)32 + (size_t)ceil(0.1 * (double)(n - 32)), sel->count[h]); /* the fixed split's budget */
-        ASSERT(wc_ascending_unique(ix, sel->count[h]));
+        ASSERT(tu_ascending_unique(ix, sel->count[h]));
         for (t = 0; t < 32; t++) ASSERT(tu_contains(ix, sel->count[h], (uint32_t)t));
         for (t = n - 16; t < n; t++) ASSERT(tu_contains(ix, sel->count[h], (uint32_t)t));
     }
@@ -1137,7 +1134,7 @@ TEST window_competes_for_each_heads_budget(void)
     q[2 * WC_D + 1] = q[3 * WC_D + 1] = 8.0f; /* KV head 1's */
     for (v = 0; v < 4; v++) {
         ASSERT_EQ(PQC_SUCCESS, compete_cache(k, PQC_SPLIT_COMPETE, v == 1 ? 6 : 8,
-                                             v == 2 ? PQC_GQA_SUM : PQC_GQA_SOFTMAX_SUM, v == 3 ? 2.0 : 0.0, &c));
+                                             v == 2 ? PQC_GQA_SUM : PQC_GQA_SOFTMAX_SUM, 0.0, v == 3 ? 0.15 : 0.0, &c));
         ASSERT_EQ(199, pqc_cache_layer_window(c, 0)); /* no build lowers it */
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel2));
@@ -1170,14 +1167,19 @@ TEST window_competes_for_each_heads_budget(void)
         pqc_selection_free(&sel);
         pqc_selection_free(&sel2);
     }
-    /* the fixed split: the same budget, the window kept, at most the top-k of far tokens */
-    ASSERT_EQ(PQC_SUCCESS, compete_cache(k, PQC_SPLIT_FIXED, 8, PQC_GQA_SOFTMAX_SUM, 0.0, &c));
-    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
-    ASSERT_EQ((size_t)32 + 397, sel.count[0]);
-    ASSERT(far_kept(&sel) <= 198);
-    pqc_selection_free(&sel);
-    pqc_cache_destroy(c);
+    /* the fixed split, and re-ranking: the same budget, the window kept, at most the top-k
+       of far tokens */
+    for (v = 0; v < 2; v++) {
+        ASSERT_EQ(PQC_SUCCESS, compete_cache(k, v ? PQC_SPLIT_COMPETE : PQC_SPLIT_FIXED, 8, PQC_GQA_SOFTMAX_SUM,
+                                             v ? 2.0 : 0.0, 0.0, &c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        ASSERT_EQ((size_t)32 + 397, sel.count[0]);
+        ASSERT(far_kept(&sel) <= 198);
+        for (t = WC_N - 199; t < WC_N; t++) ASSERT(tu_contains(sel.idx, sel.count[0], (uint32_t)t));
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+    }
     free(k);
     PASS();
 }
@@ -1498,6 +1500,7 @@ TEST rerank_and_outliers_keep_what_the_oracle_keeps(void)
             int kp, r;
             cd.rerank = mode == 1 || mode == 3 ? 2.0 : mode == 4 ? 1e6 : 0.0;
             cd.outliers = mode == 2 || mode == 3 ? 64 : 0;
+            cd.split = PQC_SPLIT_ADAPTIVE; /* one window rule for every mode (exact scoring's) */
             ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
             n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
             ASSERT_EQ(sel.count[0], n_or);
@@ -1802,6 +1805,7 @@ TEST cache_residual_scoring_is_the_core_search(void)
     km = pqc_matrix_f32(hk.keys, S, D);
     cd.residual_weight = 0.15;
     cd.max_tokens = 2 * S;
+    cd.split = PQC_SPLIT_ADAPTIVE; /* the coded tokens' top-k alone (no window competing) */
     cd.pq.m = 2; /* two residual bytes per token below */
     cd.pq.bits = 6;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));

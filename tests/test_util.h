@@ -103,6 +103,15 @@ TU_FN float *tu_rows_of(float (*gen)(uint64_t *), uint64_t *rng, size_t n, size_
 TU_FN float *tu_normal_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_normal, rng, n, cols); }
 TU_FN float *tu_uniform_rows(uint64_t *rng, size_t n, size_t cols) { return tu_rows_of(tu_uniform, rng, n, cols); }
 
+/* 1 when a[0..n) is strictly ascending (a selection: sorted, no index twice) */
+TU_FN int tu_ascending_unique(const uint32_t *a, size_t n)
+{
+    size_t i;
+    for (i = 1; i < n; i++)
+        if (a[i] <= a[i - 1]) return 0;
+    return 1;
+}
+
 /* whether x is among the n indices of a */
 TU_FN int tu_contains(const uint32_t *a, size_t n, uint32_t x)
 {

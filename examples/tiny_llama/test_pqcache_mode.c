@@ -391,7 +391,7 @@ TEST passkey_pqcache_and_oracle_retrieve_it_at_budget_0_1_2k(void)
 }
 
 /* The harder variant at 4K: full attention and the default pqcache (codebooks
-   weighted by the observed queries, adaptive split) retrieve the passkey at
+   weighted by the observed queries, the default split) retrieve the passkey at
    every depth; plain PQ (Euclidean codebooks, fixed split, m=2 b=6: 1.5 bytes
    per token) loses it wherever it is outside the sinks and the window. (Plain PQ
    at the default's 4 bytes, m=4 b=8, keeps it at 25% and loses it at 50% and 75%.) */
