@@ -5441,6 +5441,17 @@ static void pqc__topk_keys(pqc_simd simd, const float *s, size_t n, uint32_t *ke
     }
 }
 
+/* The keys of cand[0..n) whose digit ((key - base) >> shift) is b, moved to the front in
+   order; returns how many */
+static size_t pqc__topk_bin(pqc_simd simd, uint32_t *cand, size_t n, uint32_t base, int shift, uint32_t b)
+{
+    size_t i = 0, nc = 0;
+    PQC__DISPATCH_TO(i, simd, pqc__topk_bin, (cand, n, base, shift, b, &nc));
+    for (; i < n; i++)
+        if (((cand[i] - base) >> shift) == b) cand[nc++] = cand[i];
+    return nc;
+}
+
 /* The k-th largest key of n scores (0 < k <= n) into *thr, and into *need how many keys
    equal to it the top k hold (the rest of the top k lie above it). scratch: n uint32. The
    key is found digit by digit over histograms of at most 2048 bins, the first digit taken
@@ -5460,26 +5471,17 @@ static void pqc__topk_thresh(pqc_simd simd, const float *s, size_t n, size_t k, 
     memset(h, 0, nb * sizeof h[0]);
     for (i = 0; i < n; i++) h[(cand[i] - base) >> shift]++;
     b = pqc__hist_pick(h, nb, k, &above);
-    if (shift > 0) { /* the keys of that bin, then their lower digits */
-        PQC__DISPATCH_TO(i, simd, pqc__topk_bin, (cand, n, base, shift, b, &nc));
-        for (; i < n; i++)
-            if (((cand[i] - base) >> shift) == b) cand[nc++] = cand[i];
-    }
+    /* the keys of that bin, then their lower digits */
+    if (shift > 0) nc = pqc__topk_bin(simd, cand, n, base, shift, b);
     base += b << shift;
     while (shift > 0) { /* the keys in cand lie in [base, base + 2^shift) */
-        size_t m = 0;
         ns = shift > 11 ? shift - 11 : 0;
         nb = 1u << (shift - ns);
         memset(h, 0, nb * sizeof h[0]);
         for (i = 0; i < nc; i++) h[(cand[i] - base) >> ns]++;
         b = pqc__hist_pick(h, nb, k - above, &a2);
         above += a2;
-        if (ns > 0) {
-            PQC__DISPATCH_TO(i, simd, pqc__topk_bin, (cand, nc, base, ns, b, &m));
-            for (; i < nc; i++)
-                if (((cand[i] - base) >> ns) == b) cand[m++] = cand[i];
-        }
-        nc = m;
+        nc = ns > 0 ? pqc__topk_bin(simd, cand, nc, base, ns, b) : 0;
         base += b << ns;
         shift = ns;
     }
@@ -9332,10 +9334,12 @@ static void pqc__residual_desc(const pqc_cache *c, const pqc__head *H, pqc_searc
 }
 
 /* Head hi's best n coded tokens by PQ score (ascending, from 0 = the first mid token)
-   into out (with the tier's top-k, its nx rivals too: index coded + i, see
-   pqc__head_rivals_top): every coded token where n covers them (n is cut to that), else the best n
-   of the tier's candidates, else a host search. */
-static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t nx, size_t *n, uint32_t *out)
+   into out, with its nx rivals among them (PQC_SPLIT_COMPETE; rival i as index coded + i:
+   in the tier's top-k, or scored by the host search from their exact dots xd, nf more
+   tokens in the softmax, pqc__pq_scores_into): every coded token and rival where n covers
+   them (n is cut to that), else the best n of the tier's candidates, else a host search. */
+static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, const float *xd, size_t nx, size_t nf, size_t *n,
+                                   uint32_t *out)
 {
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
@@ -9363,8 +9367,8 @@ static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, size_t nx, 
     sd.gqa = c->sp.gqa;
     sd.count = coded;
     pqc__residual_desc(c, H, &sd);
-    return pqc__pq_search_impl(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, &H->scratch, out,
-                               NULL, NULL);
+    return pqc__pq_search_x(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, xd, nx, nf,
+                            &H->scratch, out, NULL, NULL);
 }
 
 /* Rivals (PQC_SPLIT_COMPETE): the window's tokens [from, from + nx) of head hi, then its
@@ -9403,31 +9407,6 @@ static pqc_result pqc__rival_dots(const pqc__sel_job *j, size_t hi, size_t sink,
     return PQC_SUCCESS;
 }
 
-/* Head hi's best n of its coded tokens and its nx rivals together by PQ score (the
-   rivals' from their exact dots xd, with nf more tokens in the softmax:
-   pqc__pq_scores_into): coded token i as index i, rival i as coded + i, ascending; all
-   of them where n covers them. */
-static pqc_result pqc__head_rivals_top(const pqc__sel_job *j, size_t hi, size_t n, const float *xd, size_t nx,
-                                       size_t nf, uint32_t *out)
-{
-    pqc_cache *c = j->c;
-    pqc__layer *L = &c->layers[j->layer];
-    pqc__head *H = &L->heads[hi];
-    size_t coded = L->n_coded, t;
-    pqc_search_desc sd;
-    if (n >= coded + nx) {
-        for (t = 0; t < coded + nx; t++) out[t] = (uint32_t)t;
-        return PQC_SUCCESS;
-    }
-    memset(&sd, 0, sizeof sd);
-    sd.k = n;
-    sd.gqa = c->sp.gqa;
-    sd.count = coded;
-    pqc__residual_desc(c, H, &sd);
-    return pqc__pq_search_x(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, xd, nx, nf,
-                            &H->scratch, out, NULL, NULL);
-}
-
 /* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
    or the host's top cands, or every coded token) merged with its outlier list, scored with
    the stored keys, the best takes kept (coded indices, ascending) into out. */
@@ -9445,7 +9424,7 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
     cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no) * sizeof(uint32_t), &tmp);
     if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
     mg = cb + nc + no;
-    r = pqc__head_pq_top(j, hi, 0, &nc, cb);
+    r = pqc__head_pq_top(j, hi, NULL, 0, 0, &nc, cb);
     if (r == PQC_SUCCESS) { /* merge with the outlier list (both ascending) */
         a = b = nm = 0;
         while (a < nc || b < no) {
@@ -9509,10 +9488,13 @@ static void pqc__select_head(void *ctx, size_t hi)
         float *xd = NULL;
         void *xm = NULL;
         k = j->takes[hi] + nx;
-        if (j->exact) r = pqc__select_exact(j, hi, out + o); /* (never with rivals) */
-        else if (nx == 0 || j->gpu_idx) r = pqc__head_pq_top(j, hi, nx, &k, out + o); /* the tier's has them */
-        else if ((r = pqc__rival_dots(j, hi, sink, from, nx, n, &xd, &xm)) == PQC_SUCCESS)
-            r = pqc__head_rivals_top(j, hi, k, xd, nx, sink + PQC__WIN_MIN, out + o);
+        if (j->exact) { /* (never with rivals) */
+            r = pqc__select_exact(j, hi, out + o);
+        } else {
+            if (nx > 0 && !j->gpu_idx) /* (the tier's top-k holds the rivals already) */
+                r = pqc__rival_dots(j, hi, sink, from, nx, n, &xd, &xm);
+            if (r == PQC_SUCCESS) r = pqc__head_pq_top(j, hi, xd, nx, xd ? sink + PQC__WIN_MIN : 0, &k, out + o);
+        }
         pqc__free(&c->alloc, xm);
         if (r != PQC_SUCCESS) {
             j->head_res[hi] = r;
@@ -15401,17 +15383,33 @@ static pqc_result pqc__gpu_topk(pqc_cache *c, pqc__dptr scores, int64_t sc_hs, s
    window's last tokens up to n join the softmax. slot_of, filled (slot_hs apart),
    mid_end: where the device holds rows (as for pqc__gpu_rerank). */
 typedef struct pqc__gpu_rivals {
-    size_t nx, sink, from, n, mid_end, slot_hs;
+    size_t nx, nxf, sink, from, n, mid_end, slot_hs; /* nxf: every token scored (nx + sink + the last) */
     pqc__dptr slot_of, filled;
     int cache_blocks; /* the block cache's tables to look in (0: sink and window blocks only) */
 } pqc__gpu_rivals;
+
+/* The rivals of layer L's step over n tokens (none unless the step searches), their rows
+   looked for in the sink and window blocks only (a device step adds the block cache's
+   tables) */
+static void pqc__gpu_rivals_at(const pqc_cache *c, const pqc__layer *L, size_t n, int search, pqc__gpu_rivals *rv)
+{
+    rv->nx = search ? pqc__rivals_of(c, L, n) : 0;
+    rv->sink = PQC__MIN((size_t)c->d.n_sink, n);
+    rv->mid_end = pqc__mid_end(c, L, n);
+    rv->from = PQC__MAX(rv->mid_end, rv->sink);
+    rv->n = n;
+    rv->nxf = n - rv->from + rv->sink;
+    rv->slot_hs = 1;
+    rv->slot_of = rv->filled = 0;
+    rv->cache_blocks = 0;
+}
 
 /* The rivals' exact dots (pqc_rival_cands, pqc_rerank_dots over the rows the device
    holds), into u->rv_dots [n_kv][g][rv_cap]. */
 static pqc_result pqc__gpu_rival_dots(pqc_cache *c, int l, const pqc__gpu_rivals *rv)
 {
     struct pqc__gpu_tier *u = c->cu;
-    size_t nkv = (size_t)u->n_kv, g = (size_t)u->g, nxf = rv->n - rv->from + rv->sink;
+    size_t nkv = (size_t)u->n_kv, g = (size_t)u->g, nxf = rv->nxf;
     int64_t cand_hs = 0, q_hs = (int64_t)g * u->d, hs = (int64_t)u->hstride, phs = (int64_t)u->phstride,
             split = (int64_t)c->pn, ld = u->d, dots_hs, row_hs;
     int n = (int)nxf, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d, nkvi = u->n_kv;
@@ -15550,8 +15548,8 @@ static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
         if ((r = pqc__gpu_launch(c, PQC__K_FINAL, 1, (unsigned)nkv, 0, p2)) != PQC_SUCCESS) return r;
     }
     if (nx > 0) { /* the rivals' dots; they join the softmax after the coded tokens */
-        int64_t rs = (int64_t)0, dhs;
-        int nxf = (int)(rv->n - rv->from + rv->sink);
+        int64_t rs, dhs;
+        int nxf = (int)rv->nxf;
         if ((r = pqc__gpu_rival_dots(c, l, rv)) != PQC_SUCCESS) return r;
         rs = (int64_t)u->rv_cap;
         dhs = (int64_t)g * rs;
@@ -15595,11 +15593,11 @@ static pqc_result pqc__gpu_select(pqc_cache *c, int l, const float *q, size_t ta
     size_t nkv = (size_t)u->n_kv;
     pqc_result r;
     size_t qbytes = (size_t)c->d.n_q_heads * u->d * sizeof(float);
-    pqc__layer *L = &c->layers[l];
-    size_t n = L->n_tokens;
     pqc__gpu_rivals rv;
     pqc__gpu_enter(c);
-    rv.nx = pqc__rivals_of(c, L, n);
+    /* the window's rivals, their rows read from the device's sink and window blocks (the
+       block cache's tables may be on the host now) */
+    pqc__gpu_rivals_at(c, &c->layers[l], c->layers[l].n_tokens, 1, &rv);
     /* tables a batch built for these queries and codebooks need neither the queries nor
        the table kernel (the stream already waits for them) */
     u->lut_pre = u->batch_ok && u->batch_layer == l && u->batch_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->batch_gen &&
@@ -15609,18 +15607,7 @@ static pqc_result pqc__gpu_select(pqc_cache *c, int l, const float *q, size_t ta
         memcpy(u->h_q, q, qbytes);
         PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(u->q, u->h_q, qbytes, u->st), "cuMemcpyHtoDAsync");
     }
-    {
-        /* the window's rivals, their rows read from the device's sink and window blocks
-           (the block cache's tables may be on the host now: cache_blocks 0 here) */
-        rv.sink = PQC__MIN((size_t)c->d.n_sink, n);
-        rv.mid_end = pqc__mid_end(c, L, n);
-        rv.from = PQC__MAX(rv.mid_end, rv.sink);
-        rv.n = n;
-        rv.slot_hs = 1;
-        rv.slot_of = rv.filled = 0;
-        rv.cache_blocks = 0;
-        r = pqc__gpu_search(c, l, take, 0, want_scores, rv.nx ? &rv : NULL);
-    }
+    r = pqc__gpu_search(c, l, take, 0, want_scores, rv.nx ? &rv : NULL);
     u->lut_pre = 0;
     if (r != PQC_SUCCESS) return r;
     PQC__GPU_CALL(c, u->api->cuMemcpyDtoHAsync_v2(u->h_topk, u->topk, nkv * take * 4, u->st), "cuMemcpyDtoHAsync");
@@ -16426,8 +16413,8 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     pqc__layer *L = &c->layers[l];
     size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
-    size_t take = 0, ocap = pqc__gpu_outlier_cap(c), mid_end0 = pqc__mid_end(c, L, n);
-    size_t rsink = PQC__MIN((size_t)c->d.n_sink, n), rfrom = PQC__MAX(mid_end0, rsink), nx = 0;
+    size_t take = 0, ocap = pqc__gpu_outlier_cap(c), nx;
+    pqc__gpu_rivals rv;
     unsigned char *stage;
     int32_t *tk;
     pqc__dptr topk = 0; /* each head's top-k, [head][topk_hs] (after the search, which may grow it) */
@@ -16438,7 +16425,8 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     if (n > 0x7fffffffu) return pqc__cfail(c, PQC_ERROR_CAPACITY, "CUDA tier: more than 2^31 tokens");
     /* the window's rivals (PQC_SPLIT_COMPETE), as pqc__select_head has them: they join each
        head's top-k on the device */
-    if (search) nx = pqc__rivals_of(c, L, n);
+    pqc__gpu_rivals_at(c, L, n, search, &rv);
+    nx = rv.nx;
     topk_hs = (int64_t)(ctake + nx);
     pqc__gpu_enter(c);
     for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
@@ -16492,7 +16480,6 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
         int nsb = u->sink_blocks, wb = u->window_blocks, cbk = c->d.cache_blocks, adm = c->d.admit_blocks, lfu = c->d.policy != PQC_POLICY_LRU;
         int nf = (int)ab, row_lo = 0, dt = (int)c->d.kv_dtype, d = u->d, nxi = (int)nx;
         uint64_t step = L->step, rb = c->row;
-        pqc__gpu_rivals rv;
         void *pa[] = { &topk, &topk_hs, &u->dtakes, &n_sink, &coded, &me, &ni, &nr, &idx, &sel_hs, &bt, &nsb, &wb, &cbk,
                        &adm, &lfu, &step, &sc, &so, &cn, &blk_hs, &bo, &fl, &tc, &fq, &stp, &slot_hs, &tab, &tab_hs,
                        &fb, &fs, &fr, &fill_hs, &stat, &rb, &nxi };
@@ -16501,12 +16488,7 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
         void *pg[] = { &idx, &sel_hs, &nr, &tab, &tab_hs, &bt, &u->pool_k[l], &u->pool_v[l], &pool_hs, &dt,
                        &u->hk[l], &u->hv[l], &hs, &u->pk[l], &u->pv[l], &phs, &split, &ld, &dt, &d, &u->out_k,
                        &u->out_v, &o_hs, &zero };
-        rv.nx = nx;
-        rv.sink = rsink;
-        rv.from = rfrom;
-        rv.n = n;
-        rv.mid_end = mid_end;
-        rv.slot_of = so;
+        rv.slot_of = so; /* the rivals' rows in the block cache too */
         rv.filled = fl;
         rv.slot_hs = ns;
         rv.cache_blocks = c->d.cache_blocks;

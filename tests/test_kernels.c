@@ -1310,7 +1310,7 @@ TEST bracket_bitwise(void)
     PASS();
 }
 
-/* the radix select's compaction at each level (through the library's dispatch, then the
+/* the radix select's compaction at each level (pqc__topk_bin: the level's pass, then the
    scalar rest) against the scalar loop: keys of one digit moved to the front in place */
 TEST topk_bin_bitwise(void)
 {
@@ -1322,7 +1322,7 @@ TEST topk_bin_bitwise(void)
     for (li = 0; li < nl; li++)
         for (ni = 0; ni < sizeof lens / sizeof lens[0]; ni++)
             for (si = 0; si < sizeof shifts / sizeof shifts[0]; si++) {
-                size_t n = lens[ni], na = 0, nb = 0;
+                size_t n = lens[ni], na = 0, nb;
                 int shift = shifts[si];
                 uint32_t *a = (uint32_t *)malloc(sizeof(uint32_t) * (n + 1));
                 uint32_t *c = (uint32_t *)malloc(sizeof(uint32_t) * (n + 1));
@@ -1334,10 +1334,7 @@ TEST topk_bin_bitwise(void)
                 memcpy(c, a, n * sizeof *a);
                 for (i = 0; i < n; i++)
                     if (((a[i] - base) >> shift) == b) a[na++] = a[i];
-                i = 0;
-                PQC__DISPATCH_TO(i, lv_[li], pqc__topk_bin, (c, n, base, shift, b, &nb));
-                for (; i < n; i++)
-                    if (((c[i] - base) >> shift) == b) c[nb++] = c[i];
+                nb = pqc__topk_bin(lv_[li], c, n, base, shift, b);
                 bad = na != nb || first_diff(a, c, na, sizeof *a) >= 0;
                 free(a);
                 free(c);
