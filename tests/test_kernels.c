@@ -695,13 +695,15 @@ static float heads_product(const pqc_codes *cd, const float *il, int ksub, int g
 
 /* Four heads' products and their sums: the scalar reference's rows are each token's
    product taken alone (heads_product), its sums the rows' lane sums; every level equals
-   it bit for bit, over odd starts and lengths around the eight-token step and sub-space
-   counts */
+   it bit for bit, over odd starts and lengths around the eight-token step, the x86
+   kernels' chunks of offsets (4096 / m tokens, a multiple of 16: 1024 at m = 4, 816 at
+   m = 5, 256 at m = 16) and sub-space counts, up to one past the most that the chunks
+   take (257: the scalar reference) */
 TEST scan_products_bitwise(void)
 {
-    static const size_t ns[] = {0, 1, 7, 8, 9, 15, 16, 17, 24, 100, 257};
+    static const size_t ns[] = {0, 1, 7, 8, 9, 15, 16, 17, 24, 100, 257, 1032, 2100};
     static const size_t t0s[] = {0, 1, 17};
-    static const int ms[] = {1, 2, 3, 4, 5};
+    static const int ms[] = {1, 2, 3, 4, 5, 16, 257};
     uint64_t st = 24;
     int li, nl;
     size_t ni, ti, mi;
@@ -709,10 +711,10 @@ TEST scan_products_bitwise(void)
     nl = levels(lv_);
     for (mi = 0; mi < sizeof ms / sizeof ms[0]; mi++) {
         int m = ms[mi], ksub = 256, i, h;
-        size_t cap = 17 + 257, tl = (size_t)m * (size_t)ksub, t;
+        size_t cap = 17 + 2100, tl = (size_t)m * (size_t)ksub, t;
         pqc_codes cd;
         float *el = (float *)malloc(sizeof(float) * tl * 4);
-        float *oa = (float *)malloc(sizeof(float) * 257 * 4), *ob = (float *)malloc(sizeof(float) * 257 * 4);
+        float *oa = (float *)malloc(sizeof(float) * 2100 * 4), *ob = (float *)malloc(sizeof(float) * 2100 * 4);
         float za[4], zb[4];
         const char *bad = NULL;
         random_codes(&cd, m, 8, cap, &st);
