@@ -782,6 +782,16 @@ TEST bad_inputs(void)
     x[100] = INFINITY;
     ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_pq_train(NULL, &d, &keys, &pq));
     x[100] = 1.0f;
+    { /* rows off float boundaries are copied before the check; those on them are read
+         where they are: the same refusal either way */
+        static unsigned char raw[sizeof x + 1];
+        pqc_matrix off = keys;
+        float bad = NAN;
+        memcpy(raw + 1, x, sizeof x);
+        memcpy(raw + 1 + 100 * sizeof(float), &bad, sizeof bad);
+        off.data = raw + 1;
+        ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_pq_train(NULL, &d, &off, &pq));
+    }
     ASSERT_MEM_EQ(&untouched, &pq, sizeof pq);
 
     ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
