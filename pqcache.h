@@ -591,11 +591,18 @@ typedef enum pqc_split {
                                candidates are scored exactly already, the window does not
                                compete: as ADAPTIVE                                       */
     PQC_SPLIT_FIXED = 1,    /* every head takes the same top-k, every layer the window    */
-    PQC_SPLIT_ADAPTIVE = 2  /* the heads share the top-k as under COMPETE; the window does
+    PQC_SPLIT_ADAPTIVE = 2, /* the heads share the top-k as under COMPETE; the window does
                                not compete, but with a derived window (window 0) each
                                layer's window is lowered at its builds where the observed
                                queries pay it less than the top-k would keep (see window;
                                the default before COMPETE)                               */
+    PQC_SPLIT_FIXED_COMPETE = 3 /* every head takes the same top-k, as under FIXED, and in
+                               each head the window competes, as under COMPETE: a head's
+                               selection depends on its own keys and queries alone, so
+                               that caches holding slices of the heads (tensor
+                               parallelism: first_kv_head) select what one cache over
+                               every head does, with the competing window. With exact
+                               scoring: as FIXED                                         */
 } pqc_split;
 
 typedef struct pqc_cache_desc {
@@ -670,7 +677,9 @@ typedef struct pqc_cache_desc {
                                 hold a slice of the heads (a tensor-parallel rank's): head
                                 h's codebooks are seeded as model head first_kv_head + h,
                                 so that the slices build and select what one cache over
-                                every head would (with split = PQC_SPLIT_FIXED). 0 = 0   */
+                                every head would (with split = PQC_SPLIT_FIXED or
+                                PQC_SPLIT_FIXED_COMPETE, whose heads' selections do not
+                                depend on each other). 0 = 0                             */
 } pqc_cache_desc;
 
 /* What 0 means in a pqc_cache_desc (the rule of every desc: 0 = the default, negative =
@@ -7951,11 +7960,12 @@ static void pqc__plan_init(pqc_cache *c)
     sp->residual_weight = residual ? (float)c->d.residual_weight : 0.0f;
     sp->rerank = c->d.rerank;
     sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
-    sp->adaptive = c->d.split != PQC_SPLIT_FIXED;
+    sp->adaptive = c->d.split == PQC_SPLIT_COMPETE || c->d.split == PQC_SPLIT_ADAPTIVE;
     /* with exact scoring the candidates are scored exactly already: the window does not
-       compete, and the builds lower it as under ADAPTIVE (measured the better of the two) */
-    sp->compete = c->d.split == PQC_SPLIT_COMPETE && !sp->exact;
-    sp->adaptive_window = c->d.split != PQC_SPLIT_FIXED && !sp->compete && c->d.window == 0;
+       compete, and the builds lower it as under ADAPTIVE (measured the better of the two;
+       FIXED_COMPETE keeps it, as FIXED) */
+    sp->compete = (c->d.split == PQC_SPLIT_COMPETE || c->d.split == PQC_SPLIT_FIXED_COMPETE) && !sp->exact;
+    sp->adaptive_window = sp->adaptive && !sp->compete && c->d.window == 0;
     sp->device_rows = (caps & PQC__CAN_DEVICE_ROWS) != 0;
     sp->map_stores = !sp->device_rows;
     sp->tier_search = c->tier->search && (!residual || (caps & PQC__CAN_RESIDUALS));
@@ -8114,7 +8124,7 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     PQC__RULE(d.metric != PQC_METRIC_QUERY || d.metric_floor >= 1e-11 * (double)d.head_dim, PQC_ERROR_OUT_OF_RANGE,
               "metric_floor %g below head_dim x 1e-11 = %g: the metric's weights could spread past the PQ core's 1e12",
               d.metric_floor, 1e-11 * (double)d.head_dim);
-    PQC__RULE((int)d.split >= 0 && (int)d.split <= 2, PQC_ERROR_OUT_OF_RANGE, "split %d unknown", (int)d.split);
+    PQC__RULE((int)d.split >= 0 && (int)d.split <= 3, PQC_ERROR_OUT_OF_RANGE, "split %d unknown", (int)d.split);
     PQC__RULE((int)d.gqa >= 0 && (int)d.gqa <= 1, PQC_ERROR_OUT_OF_RANGE, "gqa %d unknown", (int)d.gqa);
     PQC__RULE(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6), PQC_ERROR_OUT_OF_RANGE,
               "rerank %g: 0 (off) or 1..1e6", d.rerank);

@@ -59,7 +59,8 @@
       written to --out (default build/fidelity.dat) for bench/fidelity.gp.
    5. Heads sharing a budget: the 12 data sets as the 12 KV heads of one cache (48 query
       heads), observed and selected once with the even split (PQC_SPLIT_FIXED) and once
-      with the adaptive split, and once with the window competing (PQC_SPLIT_COMPETE): per
+      with the adaptive split, once with the window competing (PQC_SPLIT_COMPETE) and once
+      with both the even split and the window competing (PQC_SPLIT_FIXED_COMPETE): per
       head the attention the observed queries paid to its sinks and window
       (pqc_cache_observed_mass), its top-k and the mass it kept; and the rare tokens kept
       of each head's oracle of the same shape.
@@ -521,12 +522,12 @@ int main(int argc, char **argv)
 
     /* ---- 5. heads sharing a budget ---- */
     {
-        double m_kept[3] = {0, 0, 0}, win[N_SETS], snk[N_SETS], mh[3][N_SETS];
-        size_t cnt[3][N_SETS];
-        int rk[3] = {0, 0, 0}, rr[3] = {0, 0, 0}, sp;
+        double m_kept[4] = {0, 0, 0, 0}, win[N_SETS], snk[N_SETS], mh[4][N_SETS];
+        size_t cnt[4][N_SETS];
+        int rk[4] = {0, 0, 0, 0}, rr[4] = {0, 0, 0, 0}, sp;
         pqc_matrix km = pqc_matrix_f32(all_k, s, (size_t)N_SETS * HK_D);
-        static const char *split_name[3] = {"even", "adaptive", "competing"};
-        for (sp = 0; sp < 3; sp++) {
+        static const char *split_name[4] = {"even", "adaptive", "competing", "even, competing"};
+        for (sp = 0; sp < 4; sp++) {
             pqc_cache_desc cd;
             pqc_cache *c;
             pqc_selection sel;
@@ -540,7 +541,10 @@ int main(int argc, char **argv)
             cd.max_tokens = s + 64;
             cd.pq.iters = 10;
             cd.pq.seed = 1;
-            cd.split = sp == 0 ? PQC_SPLIT_FIXED : sp == 1 ? PQC_SPLIT_ADAPTIVE : PQC_SPLIT_COMPETE;
+            cd.split = sp == 0   ? PQC_SPLIT_FIXED
+                       : sp == 1 ? PQC_SPLIT_ADAPTIVE
+                       : sp == 2 ? PQC_SPLIT_COMPETE
+                                 : PQC_SPLIT_FIXED_COMPETE;
             if (pqc_cache_create(rt, &cd, &c) || pqc_cache_observe(c, 0, all_obs, N_OBS) ||
                 pqc_cache_prefill(c, 0, &km, &km) || pqc_cache_sync(c) || pqc_selection_init(c, &sel) ||
                 pqc_cache_select(c, 0, all_q, &sel))
@@ -584,17 +588,19 @@ int main(int argc, char **argv)
             pqc_cache_destroy(c);
         }
         printf("\nHeads sharing a budget: the 12 data sets as the KV heads of one cache, the same total top-k\n");
-        printf("%-20s %9s %9s %9s %9s %9s %9s %9s\n", "head (data set)", "obs sinks", "obs wind", "top-k", "top-k",
-               "mass", "mass", "mass");
-        printf("%-20s %9s %9s %9s %9s %9s %9s %9s\n", "", "", "", "even", "adaptive", "even", "adaptive", "competing");
-        print_rule(92);
+        printf("%-20s %9s %9s %9s %9s %9s %9s %9s %9s\n", "head (data set)", "obs sinks", "obs wind", "top-k", "top-k",
+               "mass", "mass", "mass", "mass even");
+        printf("%-20s %9s %9s %9s %9s %9s %9s %9s %9s\n", "", "", "", "even", "adaptive", "even", "adaptive", "competing",
+               "competing");
+        print_rule(102);
         for (di = 0; di < N_SETS; di++)
-            printf("%-20s %9.3f %9.3f %9zu %9zu %9.3f %9.3f %9.3f\n", sets[di].name, snk[di], win[di], cnt[0][di],
-                   cnt[1][di], mh[0][di], mh[1][di], mh[2][di]);
-        printf("%-20s %9s %9s %9s %9s %9.3f %9.3f %9.3f  (of %d)\n", "total", "", "", "", "", m_kept[0], m_kept[1],
-               m_kept[2], N_SETS);
-        printf("rare tokens kept of the heads' oracles: even %d/%d, adaptive %d/%d, competing %d/%d\n", rk[0], rr[0],
-               rk[1], rr[1], rk[2], rr[2]);
+            printf("%-20s %9.3f %9.3f %9zu %9zu %9.3f %9.3f %9.3f %9.3f\n", sets[di].name, snk[di], win[di], cnt[0][di],
+                   cnt[1][di], mh[0][di], mh[1][di], mh[2][di], mh[3][di]);
+        printf("%-20s %9s %9s %9s %9s %9.3f %9.3f %9.3f %9.3f  (of %d)\n", "total", "", "", "", "", m_kept[0],
+               m_kept[1], m_kept[2], m_kept[3], N_SETS);
+        printf("rare tokens kept of the heads' oracles: even %d/%d, adaptive %d/%d, competing %d/%d, even and "
+               "competing %d/%d\n",
+               rk[0], rr[0], rk[1], rr[1], rk[2], rr[2], rk[3], rr[3]);
     }
     for (di = 0; di < N_SETS; di++) hk_free(&all_hk[di]);
     free(all_k);

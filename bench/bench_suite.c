@@ -40,7 +40,9 @@ typedef struct setting {
     int contiguous;         /* 1: contiguous sub-spaces (the default with a RoPE layout: bands) */
     int split;              /* 0: the default (PQC_SPLIT_COMPETE: the window competes with the coded
                                tokens), 1: PQC_SPLIT_FIXED (the window as derived), 2:
-                               PQC_SPLIT_ADAPTIVE (the builds may lower each layer's window) */
+                               PQC_SPLIT_ADAPTIVE (the builds may lower each layer's window), 3:
+                               PQC_SPLIT_FIXED_COMPETE (every head the same top-k, the window
+                               competing) */
 } setting;
 
 static const setting settings[] = {
@@ -74,6 +76,7 @@ static const setting settings[] = {
     {"default, recent_share 0.3", 0, 0, 0.3, 0, 0, 0, 0, 0, 0},
     {"adaptive split + rerank 2", 0, 0, 0, 2, 0, 0, 0, 0, 2},
     {"adaptive split + rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 2},
+    {"fixed split, window competes", 0, 0, 0, 0, 0, 0, 0, 0, 3},
 };
 /* sets: 9 in the tuning part, 9 + 2 long ones in the reported part */
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 20 };

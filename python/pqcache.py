@@ -388,7 +388,7 @@ _ENUMS = {
     "gqa": {"softmax_sum": 0, "sum": 1},
     "policy": {"lfu": 0, "lru": 1},
     "metric": {"query": 0, "l2": 1},
-    "split": {"compete": 0, "fixed": 1, "adaptive": 2},
+    "split": {"compete": 0, "fixed": 1, "adaptive": 2, "fixed_compete": 3},
 }
 
 _addressof = ctypes.addressof

@@ -768,6 +768,7 @@ def test_resolved_configuration_is_the_librarys(rng):
     with pytest.raises(pqc.OutOfRangeError, match="recent_share"):
         pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, recent_share=2.0)
     assert pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, split="adaptive")["split"] == "adaptive"
+    assert pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, split="fixed_compete")["split"] == "fixed_compete"
     with pqc.Cache(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half") as c:
         cfg = c.config()
         assert cfg == pqc.resolve(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16, rope="half")

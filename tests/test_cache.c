@@ -1456,8 +1456,10 @@ TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode
 /* 8 children over a 32K prefix: the family holds the prefix once (at most 1.2x one
    cache holding it), and a child decodes like a cache that never shared. */
 /* Caches over slices of a model's KV heads (tensor-parallel ranks), each told its first
-   head, train the codebooks of one cache over every head and select what it selects. */
-TEST head_slices_build_like_one_cache(void)
+   head, train the codebooks of one cache over every head and select what it selects:
+   with the fixed split, and with the fixed split whose window competes (a window of 64,
+   48 rivals a head, some of which win: its selection differs from the fixed split's). */
+static enum greatest_test_res head_slices(pqc_split split)
 {
     const int d = 32, n = 900, hkv = 3;
     pqc_runtime *rt = NULL;
@@ -1466,11 +1468,13 @@ TEST head_slices_build_like_one_cache(void)
     pqc_cache *all = NULL, *part[3] = { NULL, NULL, NULL };
     pqc_selection sa, sp;
     float *k = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d);
-    float *q = tu_normal_rows(&g_rng, 1, (size_t)hkv * d), *ks = (float *)malloc((size_t)n * d * sizeof(float) * 2), *vs = ks + (size_t)n * d;
+    float *q = tu_normal_rows(&g_rng, 1, (size_t)hkv * d), *obs = tu_normal_rows(&g_rng, 8, (size_t)hkv * d);
+    float *os = (float *)malloc(8 * (size_t)d * sizeof(float));
+    float *ks = (float *)malloc((size_t)n * d * sizeof(float) * 2), *vs = ks + (size_t)n * d;
     int h, t, sliced_same = 0;
     memset(&rd, 0, sizeof rd);
     rd.n_threads = 1;
-    ASSERT(k && v && q && ks);
+    ASSERT(k && v && q && obs && os && ks);
     ASSERT_EQ(PQC_SUCCESS, pqc_runtime_create(&rd, &rt));
     memset(&cd, 0, sizeof cd);
     cd.n_layers = 1;
@@ -1479,7 +1483,8 @@ TEST head_slices_build_like_one_cache(void)
     cd.head_dim = d;
     cd.max_tokens = 2048;
     cd.budget_ratio = 0.1;
-    cd.split = PQC_SPLIT_FIXED;
+    cd.split = split;
+    cd.window = split == PQC_SPLIT_FIXED_COMPETE ? 64 : 0;
     cd.pq.m = 4;
     cd.pq.bits = 5;
     cd.pq.iters = 5;
@@ -1487,11 +1492,32 @@ TEST head_slices_build_like_one_cache(void)
     {
         pqc_matrix km = pqc_matrix_f32(k, (size_t)n, (size_t)hkv * d), vm = pqc_matrix_f32(v, (size_t)n, (size_t)hkv * d);
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &all));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(all, 0, obs, 8));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(all, 0, &km, &vm));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(all));
     }
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(all, &sa));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(all, 0, q, &sa));
+    if (split == PQC_SPLIT_FIXED_COMPETE) { /* the window competed: some rival lost its place */
+        pqc_cache_desc fd = cd;
+        pqc_cache *fixed = NULL;
+        pqc_matrix km = pqc_matrix_f32(k, (size_t)n, (size_t)hkv * d), vm = pqc_matrix_f32(v, (size_t)n, (size_t)hkv * d);
+        int differ = 0;
+        fd.split = PQC_SPLIT_FIXED;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &fd, &fixed));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(fixed, 0, obs, 8));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(fixed, 0, &km, &vm));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(fixed, &sp));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(fixed, 0, q, &sp));
+        for (h = 0; h < hkv; h++) {
+            ASSERT_EQ(sp.count[h], sa.count[h]);
+            differ += memcmp(sp.idx + (size_t)h * sp.capacity, sa.idx + (size_t)h * sa.capacity,
+                             sa.count[h] * sizeof(uint32_t)) != 0;
+        }
+        pqc_selection_free(&sp);
+        pqc_cache_destroy(fixed);
+        ASSERT(differ > 0);
+    }
     for (h = 0; h < hkv; h++) { /* one cache per head, as ranks of one head each */
         pqc_cache_desc pd = cd;
         pqc_matrix km, vm;
@@ -1500,12 +1526,14 @@ TEST head_slices_build_like_one_cache(void)
             memcpy(ks + (size_t)t * d, k + ((size_t)t * hkv + h) * d, (size_t)d * sizeof(float));
             memcpy(vs + (size_t)t * d, v + ((size_t)t * hkv + h) * d, (size_t)d * sizeof(float));
         }
+        for (t = 0; t < 8; t++) memcpy(os + (size_t)t * d, obs + ((size_t)t * hkv + h) * d, (size_t)d * sizeof(float));
         km = pqc_matrix_f32(ks, (size_t)n, (size_t)d);
         vm = pqc_matrix_f32(vs, (size_t)n, (size_t)d);
         pd.n_kv_heads = 1;
         pd.n_q_heads = 1;
         pd.first_kv_head = h;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &pd, &part[h]));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(part[h], 0, os, 8));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(part[h], 0, &km, &vm));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(part[h]));
         a = &all->layers[0].heads[h].pq;
@@ -1521,6 +1549,7 @@ TEST head_slices_build_like_one_cache(void)
             pqc_cache *other = NULL;
             pd.first_kv_head = 0;
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &pd, &other));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(other, 0, os, 8));
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(other, 0, &km, &vm));
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(other));
             sliced_same += !memcmp(other->layers[0].heads[0].pq.centroids, a->centroids,
@@ -1538,9 +1567,13 @@ TEST head_slices_build_like_one_cache(void)
     free(k);
     free(v);
     free(q);
+    free(obs);
+    free(os);
     free(ks);
     PASS();
 }
+TEST head_slices_build_like_one_cache(void) { return head_slices(PQC_SPLIT_FIXED); }
+TEST head_slices_build_like_one_cache_window_competes(void) { return head_slices(PQC_SPLIT_FIXED_COMPETE); }
 
 TEST forks_hold_the_prefix_once(void)
 {
@@ -1898,6 +1931,7 @@ SUITE(cache)
     RUN_TEST(bad_inputs_leave_cache_intact);
     RUN_TEST(driver_runs_both_algorithms);
     RUN_TEST(head_slices_build_like_one_cache);
+    RUN_TEST(head_slices_build_like_one_cache_window_competes);
 }
 
 #ifndef PQC_TEST_UNITY /* tests/test_lib.c holds every suite in one program */

@@ -300,8 +300,9 @@ typedef struct shape {
     int dstep;     /* the GPU cache decodes with pqc_cache_step_device: 1 always, 2 with
                       select + fetch every third step (the bookkeeping goes back and forth) */
     int lru;       /* desc.policy LRU */
-    int compete;   /* desc.split PQC_SPLIT_COMPETE, the default, and a window of half the
-                      budget (else the default; PQC_SPLIT_ADAPTIVE with observe 2) */
+    int compete;   /* desc.split PQC_SPLIT_COMPETE, the default (2: PQC_SPLIT_FIXED_COMPETE),
+                      and a window of half the budget (else the default; PQC_SPLIT_ADAPTIVE
+                      with observe 2) */
 } shape;
 static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0 };
 
@@ -365,6 +366,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.residual_weight = sh->resid;
     if (sh->lru) cd.policy = PQC_POLICY_LRU;
     if (sh->observe == 2 && !sh->compete) cd.split = PQC_SPLIT_ADAPTIVE; /* windows the builds lower */
+    if (sh->compete == 2) cd.split = PQC_SPLIT_FIXED_COMPETE;
     if (sh->observe == 2 || sh->compete) cd.recent_share = 0.5;
     if (sh->bands) {
         cd.pq.rope = PQC_ROPE_HALF;
@@ -447,12 +449,14 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
             double a[2], b[2];
             ASSERT(p.cg->layers[l].heads[0].pq.metric != NULL);
             ASSERT(p.cg->layers[l].heads[1].pq.metric == NULL);
-            /* the observed attention, measured alike, split the top-k unevenly */
+            /* the observed attention, measured alike, split the top-k unevenly (evenly
+               under the fixed split) */
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(p.cc, l, 0, &a[0], &a[1]));
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(p.cg, l, 0, &b[0], &b[1]));
             ASSERT_EQ(a[0], b[0]);
             ASSERT_EQ(a[1], b[1]);
-            ASSERT(p.cg->takes[0] != p.cg->takes[1]);
+            if (sh->compete == 2) ASSERT_EQ(p.cg->takes[0], p.cg->takes[1]);
+            else ASSERT(p.cg->takes[0] != p.cg->takes[1]);
         }
     fprintf(stderr, "  gqa %s, %s: %zu tokens selected, %zu differ, %zu rows compared, %zu differ\n",
             gqa == PQC_GQA_SUM ? "sum" : "softmax-sum", dt == PQC_F16 ? "fp16" : dt == PQC_BF16 ? "bf16" : "fp32", st.selected, st.differ,
@@ -833,6 +837,17 @@ TEST device_steps_window_competes_sum(void)
     sh.compete = 1;
     sh.dstep = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F32, &sh);
+}
+/* ... with every head the same top-k (PQC_SPLIT_FIXED_COMPETE, the split of caches over
+   slices of the heads), softmax-sum over fp16 keys, observed, every step on the device */
+TEST device_steps_fixed_split_window_competes(void)
+{
+    shape sh = g_small;
+    sh.compete = 2;
+    sh.observe = 1;
+    sh.dstep = 1;
+    sh.steps = 6;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F16, &sh);
 }
 /* A cache saved from the host tier loads onto the device tier (sinks, window, codebooks
    and codes go to the GPU as after a build) and decodes as the host cache goes on. */
@@ -1920,6 +1935,7 @@ SUITE(cuda_tier)
     RUN_TEST(decode_matches_cpu_residual_scoring);
     RUN_TEST(decode_matches_cpu_window_competes);
     RUN_TEST(device_steps_window_competes_sum);
+    RUN_TEST(device_steps_fixed_split_window_competes);
     RUN_TEST(cache_file_loads_onto_the_device);
     RUN_TEST(device_fetch_on_engine_stream);
     RUN_TEST(driver_hands_device_rows);

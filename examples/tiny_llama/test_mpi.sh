@@ -15,7 +15,8 @@
 #   4. pqcache on the passkey model (widened to 2 KV heads) at 2K: the passkey is
 #      retrieved on 1 and on 2 ranks; every KV head of the 2-rank run selects at
 #      every step and layer the tokens the same head selected in the 1-rank run
-#      (each rank's cache is seeded by the model's head index: first_kv_head)
+#      (each rank's cache is seeded by the model's head index: first_kv_head; the
+#      split is the fixed one whose window competes: PQC_SPLIT_FIXED_COMPETE)
 #   5. the passkey at 8K on 2 ranks: retrieved
 #   6. errors: more ranks than KV heads, a truncated checkpoint, a bad option give a
 #      message and a non-zero exit, not a crash
@@ -94,7 +95,7 @@ fi
 P=build/passkey_hard.bin
 build/make_passkey --hard --prompt 2048 50 11 > $B/p2k.txt
 build/make_passkey --hard --prompt 8192 25 12 > $B/p8k.txt
-PQ="-a pqcache -T 10 --split fixed"
+PQ="-a pqcache -T 10 --split fixed-compete"
 if run 1 $B/pk1.log $P --widen 2 --prompt-file $B/p2k.txt -n 8 $PQ --save $B/pk1.rec &&
    grep -q ": retrieved" $B/pk1.log; then
     ok "passkey 2K, pqcache, 1 rank: retrieved"

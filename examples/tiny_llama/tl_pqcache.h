@@ -64,7 +64,8 @@ typedef struct {
     int backend;           /* device tier: PQC_BACKEND_CPU (default), AUTO or CUDA */
     int metric;            /* PQC_METRIC_QUERY (default: codebooks weighted by the observed
                               queries) or PQC_METRIC_L2 (plain PQ) */
-    int split;             /* PQC_SPLIT_COMPETE (default), PQC_SPLIT_FIXED or PQC_SPLIT_ADAPTIVE */
+    int split;             /* PQC_SPLIT_COMPETE (default), PQC_SPLIT_FIXED, PQC_SPLIT_ADAPTIVE or
+                              PQC_SPLIT_FIXED_COMPETE */
 } tlpq_config;
 
 /* Called from the prefill about every block of tokens: layer (0-based), tokens of
@@ -683,7 +684,10 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len)
     snprintf(buf, len, "m=%d bits=%d T=%s, %s metric, %s split, %d sinks, ratio %g, window %d, %d blocks of %d "
              "(%s), %d thread%s", r.pq.m, r.pq.bits, iters,
              r.metric == PQC_METRIC_L2 ? "L2" : "query",
-             r.split == PQC_SPLIT_FIXED ? "fixed" : r.split == PQC_SPLIT_ADAPTIVE ? "adaptive" : "competing",
+             r.split == PQC_SPLIT_FIXED            ? "fixed"
+             : r.split == PQC_SPLIT_ADAPTIVE       ? "adaptive"
+             : r.split == PQC_SPLIT_FIXED_COMPETE ? "fixed, competing"
+                                                  : "competing",
              r.n_sink < 0 ? 0 : r.n_sink, r.budget_ratio, r.window,
              r.cache_blocks < 0 ? 0 : r.cache_blocks, r.block_tokens,
              r.policy == PQC_POLICY_LRU ? "LRU" : "LFU", p->n_workers,

@@ -303,8 +303,8 @@ static const int t_metric_bad[] = {2, -1, INT_MAX};
 static const double t_mfloor[] = {0, 0.01, 1, 1e-6, 1e6};
 static const double t_mfloor_bad[] = {-1, NAN, INFINITY, 1e7, -1e-300, 1e-13};
 static const int t_observe[] = {0, 1, 4, -1};
-static const int t_split[] = {PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED, PQC_SPLIT_COMPETE};
-static const int t_split_bad[] = {3, -1};
+static const int t_split[] = {PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED, PQC_SPLIT_COMPETE, PQC_SPLIT_FIXED_COMPETE};
+static const int t_split_bad[] = {4, -1};
 static const int t_observe_bad[] = {INT_MAX, INT_MIN}; /* both valid: all, none */
 static const int t_rope[] = {PQC_ROPE_NONE, PQC_ROPE_HALF, PQC_ROPE_INTERLEAVED, PQC_ROPE_NONE};
 static const int t_rope_bad[] = {3, -1};
@@ -853,7 +853,7 @@ static void op_cache_create(fz_state *S)
         must_fail = 1;
     if (d.pq.device != 0 || d.codes_resident < 0 || d.codes_resident > 1) must_fail = 1;
     if ((int)d.metric < 0 || (int)d.metric > 1 || d.metric_floor != d.metric_floor || d.metric_floor < 0 ||
-        d.metric_floor > 1e6 || (int)d.split < 0 || (int)d.split > 2)
+        d.metric_floor > 1e6 || (int)d.split < 0 || (int)d.split > 3)
         must_fail = 1;
     if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1)
         must_fail = 1;

@@ -313,7 +313,8 @@ static void usage(void)
         "  -m M, -B BITS    PQ sub-spaces and bits (default 2, 6)\n"
         "  -T ITERS         k-means iterations (default 0: the adaptive scheduler)\n"
         "  -C BLOCKS        block-cache blocks per layer and KV head (default 32, -1 none)\n"
-        "  --split S        fixed, adaptive or compete (default fixed; see docs/serving.md)\n"
+        "  --split S        fixed-compete, fixed, adaptive or compete (default fixed-compete: every\n"
+        "                   head the same top-k, the window competing in each; see docs/serving.md)\n"
         "  --metric M       query or l2 (default query)\n"
         "  --save F         rank 0 writes every decode step's logits and per-head selections\n"
         "  --check F        compare with a --save file: logits within --tol, selections\n"
@@ -340,7 +341,7 @@ static int tp_parse(int argc, char **argv, tp_opts *o, char *err, size_t errlen)
     o->pq_m = 2;
     o->pq_bits = 6;
     o->cache_blocks = 32;
-    o->split = PQC_SPLIT_FIXED;
+    o->split = PQC_SPLIT_FIXED_COMPETE;
     o->metric = PQC_METRIC_QUERY;
     o->ratio = 0.1f;
     o->tol = 1e-4;
@@ -403,9 +404,13 @@ static int tp_parse(int argc, char **argv, tp_opts *o, char *err, size_t errlen)
             else { snprintf(err, errlen, "-a %s: expected full, window, oracle or pqcache", v); return -1; }
         } else if (!strcmp(a, "--split")) {
             if (!strcmp(v, "fixed")) o->split = PQC_SPLIT_FIXED;
+            else if (!strcmp(v, "fixed-compete")) o->split = PQC_SPLIT_FIXED_COMPETE;
             else if (!strcmp(v, "adaptive")) o->split = PQC_SPLIT_ADAPTIVE;
             else if (!strcmp(v, "compete")) o->split = PQC_SPLIT_COMPETE;
-            else { snprintf(err, errlen, "--split %s: expected fixed, adaptive or compete", v); return -1; }
+            else {
+                snprintf(err, errlen, "--split %s: expected fixed-compete, fixed, adaptive or compete", v);
+                return -1;
+            }
         } else if (!strcmp(a, "--metric")) {
             if (!strcmp(v, "query")) o->metric = PQC_METRIC_QUERY;
             else if (!strcmp(v, "l2")) o->metric = PQC_METRIC_L2;
