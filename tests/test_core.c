@@ -529,6 +529,15 @@ TEST simd_matches_scalar(void)
                 sd.count = gq ? sy.s - 3 : 0;
                 ASSERT_EQ(PQC_SUCCESS, pqc_pq_scores(rt, &pq[li], &codes[li], sy.queries, 3, &sd, NULL, sc[li] + gq * sy.s));
                 ASSERT_EQ(PQC_SUCCESS, pqc_pq_search(rt, &pq[li], &codes[li], sy.queries, 3, &sd, NULL, ix[li] + gq * sd.k, NULL));
+                if (gq == 0) { /* the search (softmax-sum at 8 bits: the heads' rows made in
+                                  its scores, head 0's combined in place) chooses the top-k
+                                  of the scores */
+                    uint32_t *tk = (uint32_t *)malloc(sd.k * sizeof(uint32_t));
+                    ASSERT(tk);
+                    ASSERT_EQ(PQC_SUCCESS, pqc_topk(rt, sc[li], sy.s, sd.k, NULL, tk, NULL));
+                    ASSERT_MEM_EQ(tk, ix[li], sd.k * sizeof(uint32_t));
+                    free(tk);
+                }
             }
             pqc_runtime_destroy(rt);
             if (li > 0) {
