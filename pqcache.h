@@ -636,7 +636,8 @@ typedef struct pqc_cache_desc {
                                 head_dim x 1e-11 (the weights' spread stays below 1e12)   */
     int observe;             /* driver prefill: the last `observe` queries of each call are
                                 observed; 0 = 32, -1 = none                               */
-    pqc_split split;         /* how the heads of a layer share its top-k; 0 = adaptive     */
+    pqc_split split;         /* how the heads of a layer share its top-k and whether the
+                                window competes; 0 = PQC_SPLIT_COMPETE (pqc_split)        */
     pqc_gqa gqa;             /* how query heads sharing a KV head combine; 0 = softmax-sum */
     double rerank;           /* re-ranking: each head's top ceil(rerank x k) coded tokens by
                                 PQ score (plus its outlier list) are scored again with the
@@ -9489,18 +9490,20 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             b += y <= x;
         }
         if (c->pn > ns && coded > c->pn - ns) {
-            /* a fork's keys in two parts: score copies of the candidates' rows */
-            unsigned char *kb = (unsigned char *)pqc__alloc(&c->alloc, nm * (c->row + sizeof(uint32_t)));
-            uint32_t *id = kb ? (uint32_t *)(kb + nm * c->row) : NULL;
+            /* a fork's keys in two parts: score copies of the candidates' rows (after
+               their indices: a row of 2-byte elements may be 2 bytes off a uint32_t) */
+            size_t ob = PQC__ALIGN_UP(nm * sizeof(uint32_t));
+            unsigned char *kb = (unsigned char *)pqc__alloc(&c->alloc, ob + nm * c->row);
+            uint32_t *id = (uint32_t *)(void *)kb;
             if (!kb) {
                 pqc__free(&c->alloc, tmp);
                 return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nm);
             }
             for (t = 0; t < nm; t++) {
-                memcpy(kb + t * c->row, pqc__krow(c, H, (size_t)c->d.n_sink + mg[t]), c->row);
+                memcpy(kb + ob + t * c->row, pqc__krow(c, H, (size_t)c->d.n_sink + mg[t]), c->row);
                 id[t] = (uint32_t)t;
             }
-            keys.data = kb;
+            keys.data = kb + ob;
             keys.rows = nm;
             r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, id, nm, take,
                                  &H->scratch, out, NULL, 0);

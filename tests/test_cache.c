@@ -1350,11 +1350,14 @@ static enum greatest_test_res same_step(pqc_cache *b, int l, const float *q, con
 
 /* A family of forks (a fork of a fork, a second fork after the parent appended, the
    parent destroyed first, a rebuild across the shared prefix, a fork saved to a file)
-   decodes exactly like one cache that never shared anything. */
+   decodes exactly like one cache that never shared anything. rich: 0 plain (fp16), 1
+   exact scoring and residual scoring (fp32), 2 exact scoring over fp16 rows of an odd
+   width (a fork scores copies of its candidates' rows, 66 bytes each: the copies' index
+   array must not follow them off its alignment) */
 static enum greatest_test_res forks_decode_like_unshared(int rich)
 {
     enum { NC = 6 }; /* ref, a, b (fork of a), c (2nd fork of a), e (fork of b), f (loaded from e's file) */
-    const int L = 2, hkv = 2, hq = 4, d = 32, S = 700, STEPS = 120;
+    const int L = 2, hkv = 2, hq = 4, d = rich == 2 ? 33 : 32, S = 700, STEPS = 120;
     pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *cs[NC] = { NULL, NULL, NULL, NULL, NULL, NULL };
     pqc_selection sel[NC];
@@ -1365,15 +1368,16 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
     int l, s, i;
     pqc_layer_stats st;
     tu_tmp_path(path, sizeof path, "fork_file_%d", rich);
-    cd.kv_dtype = rich ? PQC_F32 : PQC_F16;
+    cd.kv_dtype = rich == 1 ? PQC_F32 : PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
     cd.rebuild_share = 0.05; /* rebuilds during the run, over the shared prefix and own rows */
     if (rich) {
         cd.rerank = 2;
         cd.outliers = 8;
-        cd.residual_weight = 0.15;
+        cd.residual_weight = rich == 1 ? 0.15 : 0.0;
     }
+    if (rich == 2) cd.pq.m = 3; /* 3 x 11 dims */
     for (i = 0; i < 2; i++) {
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &cs[i]));
         for (l = 0; l < L; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(cs[i], l, obs, 8));
@@ -1452,6 +1456,7 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
 }
 TEST forks_decode_like_unshared_caches(void) { return forks_decode_like_unshared(0); }
 TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode_like_unshared(1); }
+TEST forks_decode_like_unshared_caches_exact_scoring_odd_rows(void) { return forks_decode_like_unshared(2); }
 
 /* 8 children over a 32K prefix: the family holds the prefix once (at most 1.2x one
    cache holding it), and a child decodes like a cache that never shared. */
@@ -1904,6 +1909,7 @@ SUITE(cache)
 {
     RUN_TEST(forks_decode_like_unshared_caches);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring);
+    RUN_TEST(forks_decode_like_unshared_caches_exact_scoring_odd_rows);
     RUN_TEST(forks_hold_the_prefix_once);
     RUN_TEST(forks_live_on_other_threads);
     RUN_TEST(fork_misuse_is_refused);
