@@ -814,11 +814,13 @@ PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_
    on a 64-byte line (out->k, out->v and head_stride x head_dim x 4 bytes multiples of 64)
    with non-temporal stores: about a third faster, the rows left in memory, not cache. */
 PQCDEF pqc_result pqc_cache_fetch(pqc_cache *c, int layer, const pqc_selection *sel, const pqc_kv_out *out);
-/* fetch without the copy, where the device tier is host memory (the CPU backend with fp32
-   storage; else PQC_ERROR_UNSUPPORTED): krows[h][i] / vrows[h][i] point at the rows of
-   selection entry i of head h, in a block-cache slot (a hit) or the host store. Admission
-   and statistics are those of pqc_cache_fetch. The pointers stay valid until the next
-   fetch, append or prefill on this cache. */
+/* fetch without the copy, where the device tier is host memory (the CPU backend; else
+   PQC_ERROR_UNSUPPORTED): krows[h][i] / vrows[h][i] point at the rows of selection entry
+   i of head h, in a block-cache slot (a hit) or the host store, as stored: head_dim
+   elements of kv_dtype (fp32, fp16 or bf16; a caller with 16-bit storage reads them so,
+   and is spared the conversion and the fp32 copy pqc_cache_fetch makes). Admission and
+   statistics are those of pqc_cache_fetch. The pointers stay valid until the next fetch,
+   append or prefill on this cache. */
 PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_selection *sel,
                                        const void *const *const **krows, const void *const *const **vrows);
 /* fetch into device memory (CUDA device tier; else PQC_ERROR_UNSUPPORTED): the gather
@@ -957,7 +959,8 @@ typedef struct pqc_kv_view {
     const size_t *count;         /* [n_kv_heads] */
     const uint32_t *const *pos;  /* [n_kv_heads] or NULL */
     /* Only for engines with accepts_row_pointers: when not NULL, row i of head h is at
-       krows[h][i] / vrows[h][i] (fp32, d_h floats each) and k, v are NULL. */
+       krows[h][i] / vrows[h][i] (d_h elements of dtype each: fp32, or with
+       accepts_row_pointers = 2 the cache's storage dtype) and k, v are NULL. */
     const void *const *const *krows;
     const void *const *const *vrows;
     /* Only for engines with accepts_device_kv on a CUDA cache: non-zero when k[h] and
@@ -975,8 +978,10 @@ typedef struct pqc_engine {
        decode: the selected tokens), then the output projection, residual and FFN. */
     int (*attend)(void *user, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv);
     /* Non-zero: decode views may hand rows by pointer (see pqc_kv_view), which spares the
-       copy of the selected rows when the device tier is host memory (the CPU backend with
-       fp32 storage). 0 (the default): rows always arrive gathered. */
+       copy of the selected rows when the device tier is host memory (the CPU backend):
+       1 where the storage is fp32, 2 whatever the storage (view dtype: the cache's
+       kv_dtype; fp16 and bf16 rows then arrive as stored, not converted). 0 (the
+       default): rows always arrive gathered, in fp32. */
     int accepts_row_pointers;
     /* Non-zero: with a CUDA device tier, decode views carry device addresses (on_device)
        and nothing is copied back to the host. 0: rows arrive in host memory. */
@@ -10215,10 +10220,7 @@ static void pqc__host_store_release(pqc_runtime *rt, const pqc_allocator *a, voi
     pqc__free(a, p);
 }
 static const pqc_allocator *pqc__host_codes_alloc(pqc_cache *c) { return &c->alloc; }
-static int pqc__host_zero_copy(const pqc_cache *c)
-{
-    return c->be.iface.alloc == pqc__cpu_alloc && c->d.kv_dtype == PQC_F32;
-}
+static int pqc__host_zero_copy(const pqc_cache *c) { return c->be.iface.alloc == pqc__cpu_alloc; }
 
 
 
@@ -10436,7 +10438,7 @@ PQCDEF pqc_result pqc_cache_fetch_rows(pqc_cache *c, int layer, const pqc_select
     size_t h, nh;
     if (!c || !krows || !vrows) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_fetch_rows: null pointer");
     if (!pqc__zero_copy(c))
-        return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_fetch_rows: needs the CPU backend and fp32 storage");
+        return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_fetch_rows: needs the CPU backend");
     nh = (size_t)c->d.n_kv_heads;
     if (!c->frows) {
         c->frows = (const void *const **)pqc__alloc(&c->alloc, 2 * nh * sizeof(void *));
@@ -11691,7 +11693,8 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
             if ((r = pqc_cache_select(c, l, q, sel)) != PQC_SUCCESS) break;
             if (view.on_device) {
                 if ((r = pqc_cache_fetch_device(c, l, sel, &dk)) != PQC_SUCCESS) break;
-            } else if (e->accepts_row_pointers && pqc__zero_copy(c)) {
+            } else if ((e->accepts_row_pointers == 2 || (e->accepts_row_pointers && c->d.kv_dtype == PQC_F32)) &&
+                       pqc__zero_copy(c)) {
                 if ((r = pqc_cache_fetch_rows(c, l, sel, &view.krows, &view.vrows)) != PQC_SUCCESS) break;
             } else if ((r = pqc_cache_fetch(c, l, sel, &out)) != PQC_SUCCESS) {
                 break;
@@ -11713,7 +11716,7 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
         }
         view.n_kv_heads = c->d.n_kv_heads;
         view.head_dim = c->d.head_dim;
-        view.dtype = PQC_F32;
+        view.dtype = view.krows ? c->d.kv_dtype : PQC_F32;
         view.k = kp;
         view.v = kp + c->d.n_kv_heads;
         view.count = sel->count;

@@ -97,6 +97,32 @@ static float read_rows(const pqc_kv_out *o, const pqc_selection *sel, int heads)
     return sum;
 }
 
+/* read_rows over rows handed by pointer (pqc_cache_fetch_rows), as stored: each row
+   converted to fp32 as it is read, as an engine's attention over fp16 rows converts them */
+static float read_rows_at(pqc_simd simd, const void *const *const *kr, const void *const *const *vr,
+                          const pqc_selection *sel, int heads, pqc_dtype dt)
+{
+    float a[16] = {0}, kb[D], vb[D], sum = 0.0f;
+    int h, l;
+    for (h = 0; h < heads; h++) {
+        size_t i, e;
+        for (i = 0; i < sel->count[h]; i++) {
+            if (i + PQC__ROWS_AHEAD < sel->count[h]) { /* scattered rows: asked for early */
+                for (e = 0; e < D * pqc_dtype_size(dt); e += 64) {
+                    PQC__PREFETCH((const char *)kr[h][i + PQC__ROWS_AHEAD] + e);
+                    PQC__PREFETCH((const char *)vr[h][i + PQC__ROWS_AHEAD] + e);
+                }
+            }
+            pqc__k_to_f32(simd, kr[h][i], dt, D, kb);
+            pqc__k_to_f32(simd, vr[h][i], dt, D, vb);
+            for (e = 0; e < D; e += 16)
+                for (l = 0; l < 16; l++) a[l] += kb[e + (size_t)l] * vb[e + (size_t)l];
+        }
+    }
+    for (l = 0; l < 16; l++) sum += a[l];
+    return sum;
+}
+
 static pqc_dtype g_kv_dtype = PQC_F32; /* the storage of parts 1-3 (--fp16) */
 
 /* m = bits = 0: the library's default codebook shape */
@@ -146,7 +172,7 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
     void *outmem;
     float *q, *kv, sink = 0.0f;
     uint32_t *needles, *idx;
-    double ts[15], tf[15], tr[15], tp[15], td[15], tw[15], te[15], step_waits = 0.0, step_bytes = 0.0;
+    double ts[15], tf[15], tr[15], tp[15], td[15], tw[15], te[15], tq[15], tx[15], step_waits = 0.0, step_bytes = 0.0;
     int r, h, found = 0, gpu = pqc_runtime_backend(rt) == PQC_BACKEND_CUDA;
     kv = make_kv(s, 3, &q, &needles);
     if (!kv) return;
@@ -235,14 +261,27 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
                               &L->heads[h].scratch, idx, NULL);
             tp[r] = now() - t0;
         }
+        for (r = 0; r < 15; r++) { /* the rows by pointer, as stored, read where they lie */
+            const void *const *const *kr;
+            const void *const *const *vr;
+            double t1, t2;
+            pqc_cache_select(c, 0, q, &sel);
+            t1 = now();
+            pqc_cache_fetch_rows(c, 0, &sel, &kr, &vr);
+            t2 = now();
+            sink += read_rows_at(pqc__simd(rt), kr, vr, &sel, HKV, rc.kv_dtype);
+            tq[r] = t2 - t1;
+            tx[r] = now() - t2;
+        }
     }
     if (!gpu) {
         double ms = median(ts, 15) * 1e3, mf = median(tf, 15) * 1e3, mp = median(tp, 15) * 1e3;
         printf("select+fetch s=%-7zu %s select %.3f ms  fetch %.3f ms  total %.3f ms = %.2f ns per token and KV head | "
                "PQ search alone %.3f ms (serial) | (select+fetch)/search %.2fx  needles %d/32  selected/head %zu | "
-               "then the engine's read of the rows %.3f ms%s\n",
+               "then the engine's read of the rows %.3f ms | rows by pointer (fetch_rows) %.3f ms, read as stored %.3f "
+               "ms%s\n",
                s, shape, ms, mf, ms + mf, (ms + mf) * 1e6 / ((double)s * HKV), mp, (ms + mf) / mp, found, sel.count[0],
-               median(tr, 15) * 1e3, sink == 1.0f ? " " : "");
+               median(tr, 15) * 1e3, median(tq, 15) * 1e3, median(tx, 15) * 1e3, sink == 1.0f ? " " : "");
     }
     fflush(stdout);
     free(outmem);

@@ -306,8 +306,24 @@ TEST fetch_streams_the_same_rows(void)
     PASS();
 }
 
+/* element e of a stored row (fp32, fp16 or bf16) in fp32 */
+static float stored_elem(const void *row, pqc_dtype dt, int e)
+{
+    uint16_t h;
+    float f;
+    if (dt == PQC_F32) {
+        memcpy(&f, (const char *)row + (size_t)e * 4, 4);
+        return f;
+    }
+    memcpy(&h, (const char *)row + (size_t)e * 2, 2);
+    return dt == PQC_F16 ? pqc_f16_to_f32(h) : pqc_bf16_to_f32(h);
+}
+
+/* Rows by pointer, in every storage dtype: the rows as stored, which converted are the
+   rows pqc_cache_fetch gathers, through the same admissions and traffic. */
 TEST fetch_rows_match_fetch(void)
 {
+    static const pqc_dtype dts[3] = { PQC_F32, PQC_F16, PQC_BF16 };
     pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = tu_cache_desc(1, 2, 4, 16);
     pqc_cache *a, *b;
@@ -318,52 +334,61 @@ TEST fetch_rows_match_fetch(void)
     const void *const *const *vr;
     size_t n = 3000, i;
     float *k = tu_normal_rows(&g_rng, n, 32), *v = tu_normal_rows(&g_rng, n, 32), q[64];
-    int h, step, e;
+    int h, step, e, di;
     cd.budget_ratio = 0.1;
     cd.cache_blocks = 4;
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &a));
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &b));
-    ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, n, 32));
-    ASSERT_EQ(PQC_SUCCESS, prefill_all(b, 1, k, v, n, 32));
-    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(a, &sa));
-    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
     out.head_stride = n + 8;
     out.k = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
     out.v = (float *)malloc(2 * out.head_stride * 16 * sizeof(float));
-    for (step = 0; step < 6; step++) {
-        for (e = 0; e < 64; e++) q[e] = tu_normal(&g_rng);
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, 0, q, &sa));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q, &sb));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, 0, &sa, &out));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_rows(b, 0, &sb, &kr, &vr));
-        for (h = 0; h < 2; h++) {
-            ASSERT_EQ(sa.count[h], sb.count[h]);
-            for (i = 0; i < sb.count[h]; i++) {
-                ASSERT_MEM_EQ(out.k + (h * out.head_stride + i) * 16, kr[h][i], 16 * sizeof(float));
-                ASSERT_MEM_EQ(out.v + (h * out.head_stride + i) * 16, vr[h][i], 16 * sizeof(float));
+    for (di = 0; di < 3; di++) {
+        size_t es = pqc_dtype_size(dts[di]);
+        cd.kv_dtype = dts[di];
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &a));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &b));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(a, 1, k, v, n, 32));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(b, 1, k, v, n, 32));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(a, &sa));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
+        for (step = 0; step < 6; step++) {
+            for (e = 0; e < 64; e++) q[e] = tu_normal(&g_rng);
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, 0, q, &sa));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q, &sb));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, 0, &sa, &out));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_rows(b, 0, &sb, &kr, &vr));
+            for (h = 0; h < 2; h++) {
+                ASSERT_EQ(sa.count[h], sb.count[h]);
+                for (i = 0; i < sb.count[h]; i++) {
+                    const float *ka = out.k + (h * out.head_stride + i) * 16, *va = out.v + (h * out.head_stride + i) * 16;
+                    const void *ks, *vs;
+                    size_t got;
+                    /* the rows as stored (in the store, or a block-cache slot's copy) */
+                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_kv_part(b, 0, h, sb.idx[h * sb.capacity + i], &ks, &vs, &got));
+                    ASSERT(got > 0);
+                    ASSERT_MEM_EQ(ks, kr[h][i], 16 * es);
+                    ASSERT_MEM_EQ(vs, vr[h][i], 16 * es);
+                    for (e = 0; e < 16; e++) {
+                        float x = stored_elem(kr[h][i], dts[di], e), y = stored_elem(vr[h][i], dts[di], e);
+                        ASSERT_MEM_EQ(&ka[e], &x, sizeof x);
+                        ASSERT_MEM_EQ(&va[e], &y, sizeof y);
+                    }
+                }
             }
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, 0, k + step * 32, v + step * 32));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, 0, k + step * 32, v + step * 32));
         }
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, 0, k + step * 32, v + step * 32));
-        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, 0, k + step * 32, v + step * 32));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(a, 0, &st_a));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(b, 0, &st_b));
+        ASSERT_EQ(st_a.hits, st_b.hits); /* the same admissions and the same traffic */
+        ASSERT_EQ(st_a.misses, st_b.misses);
+        ASSERT_EQ(st_a.bytes_h2d, st_b.bytes_h2d);
+        ASSERT_GT(st_a.hits, (uint64_t)0); /* rows from block-cache slots too */
+        pqc_selection_free(&sa);
+        pqc_selection_free(&sb);
+        pqc_cache_destroy(a);
+        pqc_cache_destroy(b);
     }
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(a, 0, &st_a));
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(b, 0, &st_b));
-    ASSERT_EQ(st_a.hits, st_b.hits); /* the same admissions and the same traffic */
-    ASSERT_EQ(st_a.misses, st_b.misses);
-    ASSERT_EQ(st_a.bytes_h2d, st_b.bytes_h2d);
-    ASSERT_GT(st_a.hits, (uint64_t)0);
-    pqc_cache_destroy(b);
-    cd.kv_dtype = PQC_F16; /* rows would need converting: refused */
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &b));
-    ASSERT_EQ(PQC_SUCCESS, prefill_all(b, 1, k, v, n, 32));
-    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q, &sb));
-    ASSERT_EQ(PQC_ERROR_UNSUPPORTED, pqc_cache_fetch_rows(b, 0, &sb, &kr, &vr));
     free(out.k);
     free(out.v);
-    pqc_selection_free(&sa);
-    pqc_selection_free(&sb);
-    pqc_cache_destroy(a);
-    pqc_cache_destroy(b);
     pqc_runtime_destroy(rt);
     free(k);
     free(v);
@@ -603,6 +628,11 @@ TEST engine_backend_holds_the_slots_and_its_copies_are_the_traffic(void)
     ASSERT_GT(st.hits, (uint64_t)0);
     /* bytes host -> device = codes + missed rows + what the backend copied into slots */
     ASSERT_EQ((uint64_t)cnt.copied, st.bytes_h2d - st.bytes_codes - st.misses * 2 * 16 * 4);
+    { /* the slots are the engine's memory: no row pointers into them */
+        const void *const *const *kr;
+        const void *const *const *vr;
+        ASSERT_EQ(PQC_ERROR_UNSUPPORTED, pqc_cache_fetch_rows(c, 0, &sel, &kr, &vr));
+    }
     free(out.k);
     free(out.v);
     pqc_selection_free(&sel);
@@ -1016,6 +1046,9 @@ typedef struct toy {
     size_t last_count;
     int checked;
     double acc;
+    pqc_dtype st;   /* the cache's storage */
+    int by_pointer; /* decode views whose rows came by pointer */
+    int want_dtype; /* -1: any; else the dtype pointer rows must come in */
 } toy;
 
 static float toy_val(int layer, size_t pos, int i, int which)
@@ -1039,30 +1072,46 @@ static int toy_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k
     return 0;
 }
 
+/* a value as the cache's storage keeps it */
+static float toy_stored(const toy *t, float x)
+{
+    return t->st == PQC_F16 ? pqc_f16_to_f32(pqc_f32_to_f16(x)) : t->st == PQC_BF16 ? pqc_bf16_to_f32(pqc_f32_to_bf16(x)) : x;
+}
+
 static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv)
 {
     toy *t = (toy *)u;
-    const float *kk = (const float *)kv->k[0], *vv = (const float *)kv->v[0];
-    size_t i;
+    size_t i, es = pqc_dtype_size(kv->dtype);
     int e;
     (void)q;
     if (layer == t->fail_at) return 1;
     t->last_count = kv->count[0];
-    /* every handed row equals what qkv produced for its position (rows gathered, or by
-       pointer when the engine accepts that) */
+    if (kv->krows) { /* by pointer: in the dtype the engine said it reads */
+        t->by_pointer++;
+        if (t->want_dtype >= 0 && kv->dtype != (pqc_dtype)t->want_dtype) return 4;
+    } else if (kv->pos && kv->dtype != PQC_F32) { /* gathered decode rows: fp32 */
+        return 4;
+    }
+    /* every handed row equals what qkv produced for its position, as stored (rows
+       gathered, or by pointer when the engine accepts that) */
     for (i = 0; i < kv->count[0]; i++) {
         size_t p = kv->pos ? kv->pos[0][i] : i;
-        const float *row = kv->krows ? (const float *)kv->krows[0][i] : kk + i * t->d;
-        const float *vrow = kv->vrows ? (const float *)kv->vrows[0][i] : vv + i * t->d;
+        const void *row = kv->krows ? kv->krows[0][i] : (const char *)kv->k[0] + i * t->d * es;
+        const void *vrow = kv->vrows ? kv->vrows[0][i] : (const char *)kv->v[0] + i * t->d * es;
         if (p >= pos0 + n) return 2;
         for (e = 0; e < t->d; e++)
-            if (row[e] != toy_val(layer, p, e, 2) || vrow[e] != toy_val(layer, p, e, 3)) return 3;
+            if (stored_elem(row, kv->dtype, e) != toy_stored(t, toy_val(layer, p, e, 2)) ||
+                stored_elem(vrow, kv->dtype, e) != toy_stored(t, toy_val(layer, p, e, 3)))
+                return 3;
         t->checked++;
     }
     return 0;
 }
 
-TEST driver_runs_both_algorithms(void)
+/* The driver over a toy engine, with fp32, fp16 and bf16 storage: decode rows gathered
+   (fp32), or by pointer where the engine accepts them (accepts_row_pointers 1: fp32
+   storage only; 2: as stored, the view's dtype the storage's). */
+static enum greatest_test_res driver_runs_both_algorithms_in(pqc_dtype st)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
     pqc_cache_desc cd = tu_cache_desc(2, 1, 2, 8);
@@ -1070,34 +1119,46 @@ TEST driver_runs_both_algorithms(void)
     pqc_engine e;
     toy t;
     size_t pos;
+    int ptr_expected = 0;
     memset(&t, 0, sizeof t);
     memset(&e, 0, sizeof e); /* 0 = defaults, as for every desc */
     t.layers = 2;
     t.d = 8;
     t.fail_at = -1;
+    t.st = st;
+    t.want_dtype = -1;
     e.user = &t;
     e.qkv = toy_qkv;
     e.attend = toy_attend;
     cd.budget_ratio = 1.0;
+    cd.kv_dtype = st;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
     ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_driver_decode(c, &e, 0));
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 400));
     ASSERT_EQ((size_t)400, t.last_count);
-    for (pos = 400; pos < 420; pos++) {
-        e.accepts_row_pointers = pos % 4 == 1; /* both ways of handing the rows over */
+    for (pos = 400; pos < 424; pos++) {
+        /* the ways of handing the rows over: gathered, fp32 pointers, stored pointers */
+        e.accepts_row_pointers = pos % 4 == 1 ? 1 : pos % 4 == 2 ? 2 : 0;
+        t.want_dtype = e.accepts_row_pointers == 2 ? (int)st : (int)PQC_F32;
         /* the gather streamed (the V rows start on a line where pos + 1 is even) */
         c->fetch_stream = pos % 4 == 3 ? 0 : PQC__FETCH_STREAM_BYTES;
         ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos));
         ASSERT_EQ(pos + 1, t.last_count); /* budget 1: every token */
+        /* by pointer on every layer where the engine reads the storage's dtype */
+        if (e.accepts_row_pointers == 2 || (e.accepts_row_pointers == 1 && st == PQC_F32)) ptr_expected += 2;
+        ASSERT_EQ(ptr_expected, t.by_pointer);
     }
     ASSERT_EQ(PQC_ERROR_BAD_STATE, pqc_driver_decode(c, &e, 999));
     t.fail_at = 1;
-    ASSERT_EQ(PQC_ERROR_CALLBACK, pqc_driver_decode(c, &e, 420));
+    ASSERT_EQ(PQC_ERROR_CALLBACK, pqc_driver_decode(c, &e, 424));
     ASSERT_GT(t.checked, 5000);
     pqc_cache_destroy(c);
     pqc_runtime_destroy(rt);
     PASS();
 }
+TEST driver_runs_both_algorithms(void) { return driver_runs_both_algorithms_in(PQC_F32); }
+TEST driver_runs_both_algorithms_fp16_rows(void) { return driver_runs_both_algorithms_in(PQC_F16); }
+TEST driver_runs_both_algorithms_bf16_rows(void) { return driver_runs_both_algorithms_in(PQC_BF16); }
 
 /* A saved cache loads back and decodes exactly as the original: every later selection and
    gather of both caches is equal. With the default settings, and with re-ranking, exact
@@ -1936,6 +1997,8 @@ SUITE(cache)
     RUN_TEST(batch_matches_individual);
     RUN_TEST(bad_inputs_leave_cache_intact);
     RUN_TEST(driver_runs_both_algorithms);
+    RUN_TEST(driver_runs_both_algorithms_fp16_rows);
+    RUN_TEST(driver_runs_both_algorithms_bf16_rows);
     RUN_TEST(head_slices_build_like_one_cache);
     RUN_TEST(head_slices_build_like_one_cache_window_competes);
 }

@@ -899,7 +899,7 @@ static void op_cache_create(fz_state *S)
     C->bt = bt;
     C->bits = bits_eff;
     C->iters = d.pq.iters > 0 ? d.pq.iters : d.pq.iters < 0 ? 1 : 10;
-    C->zero_copy = (d.backend == NULL || d.backend == &g_be_cpu) && d.kv_dtype == PQC_F32;
+    C->zero_copy = d.backend == NULL || d.backend == &g_be_cpu; /* rows by pointer, as stored */
     /* a window given stays (at most max_tokens); 0 is derived at the first prefill */
     if (d.window == 0 ? pqc_cache_window(C->c) != 0 : pqc_cache_window(C->c) < 1 || pqc_cache_window(C->c) > d.window)
         fz_fail("a new cache's window is %d for a desc's %d", pqc_cache_window(C->c), d.window);
@@ -1394,9 +1394,10 @@ static void op_fetch(fz_state *S, int rows_only)
             fz_rows_get(C, layer, (int)h, &R);
             for (i = 0; i < s->s.count[h]; i++) {
                 size_t t = s->s.idx[h * s->s.capacity + i];
-                const float *kr = (const float *)krows[h][i], *vr = (const float *)vrows[h][i];
+                const unsigned char *kr = (const unsigned char *)krows[h][i], *vr = (const unsigned char *)vrows[h][i];
                 for (e = 0; e < (size_t)C->D; e++)
-                    if (!fz_same(kr[e], fz_stored(C, &R, 0, t, e)) || !fz_same(vr[e], fz_stored(C, &R, 1, t, e)))
+                    if (!fz_same(fz_get(kr + e * C->es, C->st), fz_stored(C, &R, 0, t, e)) ||
+                        !fz_same(fz_get(vr + e * C->es, C->st), fz_stored(C, &R, 1, t, e)))
                         fz_fail("pqc_cache_fetch_rows: head %zu row %zu (token %zu) differs from the store", h, i, t);
             }
         }
@@ -1568,6 +1569,7 @@ typedef struct fz_engine {
     float *last_k; /* the K the last qkv call produced (decode: one token) */
     size_t last_k_n;
     size_t pos0, n;
+    int row_pointers; /* the engine's accepts_row_pointers */
 } fz_engine;
 
 static int fz_qkv(void *user, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
@@ -1622,24 +1624,29 @@ static int fz_attend(void *user, int layer, size_t pos0, size_t n, const float *
             }
             continue;
         }
-        if (kv->dtype != PQC_F32 || !pos || cnt == 0 || cnt > tokens)
-            fz_fail("decode view: head %zu has %zu rows of %zu tokens", h, cnt, tokens);
+        /* gathered rows come in fp32; rows by pointer as stored where the engine reads
+           the storage's dtype (accepts_row_pointers 2), else only from fp32 storage */
+        if (kv->dtype != (kv->krows ? C->st : PQC_F32) || !pos || cnt == 0 || cnt > tokens ||
+            (kv->krows && !(E->row_pointers == 2 || (E->row_pointers && C->st == PQC_F32))))
+            fz_fail("decode view: head %zu has %zu rows of %zu tokens (dtype %d)", h, cnt, tokens, (int)kv->dtype);
         for (i = 0; i < cnt; i++) {
-            const float *kr = kv->krows ? (const float *)kv->krows[h][i] : (const float *)kv->k[h] + i * D;
-            const float *vr = kv->vrows ? (const float *)kv->vrows[h][i] : (const float *)kv->v[h] + i * D;
+            size_t es = fz_dsize(kv->dtype);
+            const unsigned char *kr = kv->krows ? (const unsigned char *)kv->krows[h][i] : (const unsigned char *)kv->k[h] + i * D * es;
+            const unsigned char *vr = kv->vrows ? (const unsigned char *)kv->vrows[h][i] : (const unsigned char *)kv->v[h] + i * D * es;
             if (pos[i] >= tokens || (i > 0 && pos[i] <= pos[i - 1]))
                 fz_fail("decode view: head %zu position %zu (%u) bad", h, i, (unsigned)pos[i]);
-            for (e = 0; e < D; e++) acc += kr[e] + vr[e];
+            for (e = 0; e < D; e++) acc += fz_get(kr + e * es, kv->dtype) + fz_get(vr + e * es, kv->dtype);
         }
         /* the token just appended is attended, with the K the engine gave, as stored */
         if (pos[cnt - 1] != tokens - 1) fz_fail("decode view: head %zu lacks the new token", h);
         {
-            const float *kr =
-                kv->krows ? (const float *)kv->krows[h][cnt - 1] : (const float *)kv->k[h] + (cnt - 1) * D;
+            size_t es = fz_dsize(kv->dtype);
+            const unsigned char *kr = kv->krows ? (const unsigned char *)kv->krows[h][cnt - 1]
+                                                : (const unsigned char *)kv->k[h] + (cnt - 1) * D * es;
             for (e = 0; e < D; e++)
-                if (!fz_same(kr[e], fz_round(E->last_k[h * D + e], C->st)))
-                    fz_fail("decode view: head %zu new token's K[%zu] is %g, engine gave %g", h, e, (double)kr[e],
-                            (double)E->last_k[h * D + e]);
+                if (!fz_same(fz_get(kr + e * es, kv->dtype), fz_round(E->last_k[h * D + e], C->st)))
+                    fz_fail("decode view: head %zu new token's K[%zu] is %g, engine gave %g", h, e,
+                            (double)fz_get(kr + e * es, kv->dtype), (double)E->last_k[h * D + e]);
         }
     }
     g_sink = acc;
@@ -1664,7 +1671,9 @@ static void fz_engine_setup(fz_state *S, fz_cache *C, fz_engine *E, pqc_engine *
     pe->user = E;
     pe->qkv = fz_qkv;
     pe->attend = fz_attend;
-    pe->accepts_row_pointers = (a & 1) != 0;
+    /* rows by pointer: 0 never, 1 from fp32 storage, 2 as stored, 3 (any other non-zero
+       value) as 1 */
+    E->row_pointers = pe->accepts_row_pointers = (int)(a & 3);
 }
 
 static int fz_engine_clean(const fz_engine *E)
