@@ -1626,7 +1626,7 @@ static int fz_attend(void *user, int layer, size_t pos0, size_t n, const float *
         }
         /* gathered rows come in fp32; rows by pointer as stored where the engine reads
            the storage's dtype (accepts_row_pointers 2), else only from fp32 storage */
-        if (kv->dtype != (kv->krows ? C->st : PQC_F32) || !pos || cnt == 0 || cnt > tokens ||
+        if ((int)kv->dtype != (kv->krows ? C->st : (int)PQC_F32) || !pos || cnt == 0 || cnt > tokens ||
             (kv->krows && !(E->row_pointers == 2 || (E->row_pointers && C->st == PQC_F32))))
             fz_fail("decode view: head %zu has %zu rows of %zu tokens (dtype %d)", h, cnt, tokens, (int)kv->dtype);
         for (i = 0; i < cnt; i++) {
