@@ -720,10 +720,17 @@ static int fz_sel_valid(const fz_cache *C, int layer, const pqc_selection *sel, 
 
 static void fz_check_selection(const fz_cache *C, int layer, const pqc_selection *sel, const char *call)
 {
-    size_t n = pqc_cache_tokens(C->c, layer), w = (size_t)pqc_cache_window(C->c), h, i;
+    /* the layer's window (an adaptive build may have lowered the cache's); where the window
+       competes (PQC_SPLIT_COMPETE or PQC_SPLIT_FIXED_COMPETE without exact scoring) its
+       tokens but the last 16 may give their places to coded tokens */
+    size_t n = pqc_cache_tokens(C->c, layer), w = (size_t)pqc_cache_layer_window(C->c, layer), h, i;
     size_t sink = C->sink < n ? C->sink : n, mid_end = n > C->sink + w ? n - w : C->sink;
-    size_t wstart = mid_end > sink ? mid_end : sink, wcount = n > wstart ? n - wstart : 0;
+    size_t wstart = mid_end > sink ? mid_end : sink, wcount = n > wstart ? n - wstart : 0, wkept = wcount;
+    int competes = (C->d.split == PQC_SPLIT_COMPETE || C->d.split == PQC_SPLIT_FIXED_COMPETE) && !(C->d.rerank > 0) &&
+                   !(C->d.outliers > 0);
     if (w < 1) fz_fail("%s: window %zu after a prefill", call, w);
+    if (w > (size_t)pqc_cache_window(C->c)) fz_fail("%s: layer window %zu above the cache's %d", call, w, pqc_cache_window(C->c));
+    if (competes && wkept > 16) wkept = 16;
     for (h = 0; h < (size_t)C->H; h++) {
         size_t cnt = sel->count[h];
         const uint32_t *idx = sel->idx + h * sel->capacity;
@@ -734,7 +741,7 @@ static void fz_check_selection(const fz_cache *C, int layer, const pqc_selection
         if (cnt < sink + wcount) fz_fail("%s: head %zu holds %zu tokens, fewer than sinks + window", call, h, cnt);
         for (i = 0; i < sink; i++)
             if (idx[i] != i) fz_fail("%s: head %zu lacks sink %zu", call, h, i);
-        for (i = wstart; i < n; i++) /* the last wcount entries */
+        for (i = n - wkept; i < n; i++) /* the last wkept entries */
             if (idx[cnt - (n - i)] != i) fz_fail("%s: head %zu lacks window token %zu", call, h, i);
     }
 }
