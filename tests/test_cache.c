@@ -1161,8 +1161,9 @@ TEST driver_runs_both_algorithms_fp16_rows(void) { return driver_runs_both_algor
 TEST driver_runs_both_algorithms_bf16_rows(void) { return driver_runs_both_algorithms_in(PQC_BF16); }
 
 /* A saved cache loads back and decodes exactly as the original: every later selection and
-   gather of both caches is equal. With the default settings, and with re-ranking, exact
-   lists and residual-aware scoring on fp32 storage. */
+   gather of both caches is equal (every other step the loaded cache's rows by pointer,
+   as stored, in its mapped file too). With the default settings (fp16 storage), and with
+   re-ranking, exact lists and residual-aware scoring on fp32 storage. */
 static enum greatest_test_res save_load_resumes(int rich)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
@@ -1214,6 +1215,22 @@ static enum greatest_test_res save_load_resumes(int rich)
                 rows += sa.count[h];
             }
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(a, l, &sa, &oa));
+            if (s % 2) { /* the loaded cache's rows by pointer, as stored (in the mapped file
+                            too): converted, the rows the original gathers */
+                const void *const *const *kr;
+                const void *const *const *vr;
+                int e;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_rows(b, l, &sb, &kr, &vr));
+                for (h = 0; h < hkv; h++)
+                    for (t = 0; t < sa.count[h]; t++)
+                        for (e = 0; e < d; e++) {
+                            float x = stored_elem(kr[h][t], cd.kv_dtype, e), y = stored_elem(vr[h][t], cd.kv_dtype, e);
+                            size_t o = ((size_t)h * 1000 + t) * d + (size_t)e;
+                            ASSERT_MEM_EQ(oa.k + o, &x, 4);
+                            ASSERT_MEM_EQ(oa.v + o, &y, 4);
+                        }
+                continue;
+            }
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(b, l, &sb, &ob));
             for (h = 0; h < hkv; h++)
                 for (t = 0; t < sa.count[h]; t++) {
