@@ -1416,6 +1416,24 @@ static enum greatest_test_res same_step(pqc_cache *b, int l, const float *q, con
         ASSERT_EQ(sa->count[h], sb->count[h]);
         ASSERT_MEM_EQ(sa->idx + (size_t)h * sa->capacity, sb->idx + (size_t)h * sb->capacity, sa->count[h] * 4);
     }
+    if (pqc_cache_tokens(b, l) % 2) { /* every other step the rows by pointer, as stored
+                                         (across a fork's shared prefix, in a mapped file) */
+        const void *const *const *kr;
+        const void *const *const *vr;
+        pqc_cache_desc cfg;
+        int e;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(b, &cfg));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_rows(b, l, sb, &kr, &vr));
+        for (h = 0; h < sa->n_kv_heads; h++)
+            for (t = 0; t < sa->count[h]; t++)
+                for (e = 0; e < d; e++) {
+                    float x = stored_elem(kr[h][t], cfg.kv_dtype, e), y = stored_elem(vr[h][t], cfg.kv_dtype, e);
+                    size_t o = ((size_t)h * oa->head_stride + t) * (size_t)d + (size_t)e;
+                    ASSERT_MEM_EQ(oa->k + o, &x, 4);
+                    ASSERT_MEM_EQ(oa->v + o, &y, 4);
+                }
+        PASS();
+    }
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(b, l, sb, ob));
     for (h = 0; h < sa->n_kv_heads; h++)
         for (t = 0; t < sa->count[h]; t++) {
