@@ -6921,8 +6921,8 @@ static int pqc__fused_heads(const pqc_pq *pq, int g, pqc_gqa gqa, const pqc_sear
    stay in L2, 0.1 ns of a token's 2.3). Returns 0 (no score written; rows in out are
    left there) when some head's Z_h is below PQC__PROD_FLOOR (queries whose sub-spaces'
    best entries add up far beyond any token's score): the caller then takes the
-   exponentials of the scores. The results differ from those by rounding only (a few units in the last
-   place); every level makes these bit for bit.
+   exponentials of the scores. The results differ from those by rounding only (a few
+   units in the last place); every level makes these bit for bit.
    Rivals (nx > 0: tokens outside the codes, xd their exact dots, then nf more tokens'
    that only join the normalisation; head h's nx + nf at xd + h * (nx + nf)): their
    exponentials relative to the same sum, S_h = sum_j M_hj (j ascending, from 0),

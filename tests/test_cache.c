@@ -306,19 +306,6 @@ TEST fetch_streams_the_same_rows(void)
     PASS();
 }
 
-/* element e of a stored row (fp32, fp16 or bf16) in fp32 */
-static float stored_elem(const void *row, pqc_dtype dt, int e)
-{
-    uint16_t h;
-    float f;
-    if (dt == PQC_F32) {
-        memcpy(&f, (const char *)row + (size_t)e * 4, 4);
-        return f;
-    }
-    memcpy(&h, (const char *)row + (size_t)e * 2, 2);
-    return dt == PQC_F16 ? pqc_f16_to_f32(h) : pqc_bf16_to_f32(h);
-}
-
 /* Rows by pointer, in every storage dtype: the rows as stored, which converted are the
    rows pqc_cache_fetch gathers, through the same admissions and traffic. */
 TEST fetch_rows_match_fetch(void)
@@ -367,7 +354,8 @@ TEST fetch_rows_match_fetch(void)
                     ASSERT_MEM_EQ(ks, kr[h][i], 16 * es);
                     ASSERT_MEM_EQ(vs, vr[h][i], 16 * es);
                     for (e = 0; e < 16; e++) {
-                        float x = stored_elem(kr[h][i], dts[di], e), y = stored_elem(vr[h][i], dts[di], e);
+                        float x = stored_value(kr[h][i], dts[di], (size_t)e);
+                        float y = stored_value(vr[h][i], dts[di], (size_t)e);
                         ASSERT_MEM_EQ(&ka[e], &x, sizeof x);
                         ASSERT_MEM_EQ(&va[e], &y, sizeof y);
                     }
@@ -1100,8 +1088,8 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
         const void *vrow = kv->vrows ? kv->vrows[0][i] : (const char *)kv->v[0] + i * t->d * es;
         if (p >= pos0 + n) return 2;
         for (e = 0; e < t->d; e++)
-            if (stored_elem(row, kv->dtype, e) != toy_stored(t, toy_val(layer, p, e, 2)) ||
-                stored_elem(vrow, kv->dtype, e) != toy_stored(t, toy_val(layer, p, e, 3)))
+            if (stored_value(row, kv->dtype, (size_t)e) != toy_stored(t, toy_val(layer, p, e, 2)) ||
+                stored_value(vrow, kv->dtype, (size_t)e) != toy_stored(t, toy_val(layer, p, e, 3)))
                 return 3;
         t->checked++;
     }
@@ -1224,7 +1212,8 @@ static enum greatest_test_res save_load_resumes(int rich)
                 for (h = 0; h < hkv; h++)
                     for (t = 0; t < sa.count[h]; t++)
                         for (e = 0; e < d; e++) {
-                            float x = stored_elem(kr[h][t], cd.kv_dtype, e), y = stored_elem(vr[h][t], cd.kv_dtype, e);
+                            float x = stored_value(kr[h][t], cd.kv_dtype, (size_t)e);
+                            float y = stored_value(vr[h][t], cd.kv_dtype, (size_t)e);
                             size_t o = ((size_t)h * 1000 + t) * d + (size_t)e;
                             ASSERT_MEM_EQ(oa.k + o, &x, 4);
                             ASSERT_MEM_EQ(oa.v + o, &y, 4);
@@ -1427,7 +1416,8 @@ static enum greatest_test_res same_step(pqc_cache *b, int l, const float *q, con
         for (h = 0; h < sa->n_kv_heads; h++)
             for (t = 0; t < sa->count[h]; t++)
                 for (e = 0; e < d; e++) {
-                    float x = stored_elem(kr[h][t], cfg.kv_dtype, e), y = stored_elem(vr[h][t], cfg.kv_dtype, e);
+                    float x = stored_value(kr[h][t], cfg.kv_dtype, (size_t)e);
+                    float y = stored_value(vr[h][t], cfg.kv_dtype, (size_t)e);
                     size_t o = ((size_t)h * oa->head_stride + t) * (size_t)d + (size_t)e;
                     ASSERT_MEM_EQ(oa->k + o, &x, 4);
                     ASSERT_MEM_EQ(oa->v + o, &y, 4);
