@@ -9486,7 +9486,11 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
     void *tmp;
     pqc_matrix keys = pqc__keys_view(c, H, ns, ns + coded);
     pqc_result r = PQC_SUCCESS;
-    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, 2 * (nc + no) * sizeof(uint32_t), &tmp);
+    /* a fork's keys in two parts: the candidates' rows are scored from copies, which the
+       head's scratch holds after the indices (no allocation a step) */
+    int split = c->pn > ns && coded > c->pn - ns;
+    size_t oi = PQC__ALIGN_UP(2 * (nc + no) * sizeof(uint32_t)), ob = PQC__ALIGN_UP((nc + no) * sizeof(uint32_t));
+    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, oi + (split ? ob + (nc + no) * c->row : 0), &tmp);
     if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
     mg = cb + nc + no;
     r = pqc__head_pq_top(j, hi, NULL, 0, 0, &nc, cb);
@@ -9502,16 +9506,11 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             a += x <= y;
             b += y <= x;
         }
-        if (c->pn > ns && coded > c->pn - ns) {
-            /* a fork's keys in two parts: score copies of the candidates' rows (after
-               their indices: a row of 2-byte elements may be 2 bytes off a uint32_t) */
-            size_t ob = PQC__ALIGN_UP(nm * sizeof(uint32_t));
-            unsigned char *kb = (unsigned char *)pqc__alloc(&c->alloc, ob + nm * c->row);
+        if (split) {
+            /* score copies of the candidates' rows (after their indices: a row of 2-byte
+               elements may be 2 bytes off a uint32_t) */
+            unsigned char *kb = (unsigned char *)cb + oi;
             uint32_t *id = (uint32_t *)(void *)kb;
-            if (!kb) {
-                pqc__free(&c->alloc, tmp);
-                return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nm);
-            }
             for (t = 0; t < nm; t++) {
                 memcpy(kb + ob + t * c->row, pqc__krow(c, H, (size_t)c->d.n_sink + mg[t]), c->row);
                 id[t] = (uint32_t)t;
@@ -9521,7 +9520,6 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, id, nm, take,
                                  &H->scratch, out, NULL, 0);
             for (t = 0; r == PQC_SUCCESS && t < take; t++) out[t] = mg[out[t]];
-            pqc__free(&c->alloc, kb);
         } else {
             r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, mg, nm, take,
                                  &H->scratch, out, NULL, 0);

@@ -1544,6 +1544,72 @@ TEST forks_decode_like_unshared_caches(void) { return forks_decode_like_unshared
 TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode_like_unshared(1); }
 TEST forks_decode_like_unshared_caches_exact_scoring_odd_rows(void) { return forks_decode_like_unshared(2); }
 
+/* Selecting with exact scoring allocates nothing a step once its buffers have grown, on
+   a cache whose keys lie in two parts (a fork, and its parent since the fork: the
+   candidates' rows, across the shared prefix and their own, are scored from copies that
+   the head's scratch holds). Inline runtime: every allocation counted is the select's. */
+TEST forks_select_exactly_without_allocating(void)
+{
+    const int L = 2, hkv = 2, hq = 4, d = 33, S = 600, STEPS = 100;
+    tu_failing fa;
+    pqc_runtime_desc rd;
+    pqc_runtime *rt;
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
+    pqc_cache *c[2] = { NULL, NULL };
+    pqc_selection sel[2];
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d);
+    long grown[2] = { 0, 0 };
+    int s, l, i;
+    memset(&fa, 0, sizeof fa);
+    pthread_mutex_init(&fa.mu, NULL);
+    fa.fail_at = -1;
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = -1;
+    rd.allocator.alloc = tu_fail_alloc;
+    rd.allocator.free = tu_fail_free;
+    rd.allocator.user = &fa;
+    ASSERT((rt = tu_runtime(&rd)) != NULL);
+    cd.kv_dtype = PQC_F16;
+    cd.n_sink = 4;
+    cd.budget_ratio = 0.2;
+    cd.rerank = 2;
+    cd.outliers = 8;
+    cd.pq.m = 3;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c[0]));
+    ASSERT_EQ(PQC_SUCCESS, prefill_all(c[0], L, k, v, (size_t)S, (size_t)hkv * d));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(c[0], &c[1]));
+    for (i = 0; i < 2; i++) {
+        memset(&sel[i], 0, sizeof sel[i]);
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &sel[i]));
+    }
+    for (s = 0; s < STEPS; s++)
+        for (l = 0; l < L; l++)
+            for (i = 0; i < 2; i++) {
+                long before;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c[i], l, k + (size_t)(S + s) * hkv * d, v + (size_t)(S + s) * hkv * d));
+                before = fa.calls;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c[i], l, q + (size_t)s * hq * d, &sel[i]));
+                /* (the scratch grows with the candidates, which the split adds row copies to) */
+                if (s >= STEPS - 30) grown[i] += fa.calls - before;
+            }
+    for (l = 0; l < L; l++) /* the coded tokens run past the shared prefix */
+        for (i = 0; i < 2; i++) ASSERT(c[i]->layers[l].n_coded + (size_t)cd.n_sink > c[i]->pn);
+    ASSERT_EQ(0L, grown[0]);
+    ASSERT_EQ(0L, grown[1]);
+    for (i = 0; i < 2; i++) {
+        pqc_selection_free(&sel[i]);
+        pqc_cache_destroy(c[i]);
+    }
+    pqc_runtime_destroy(rt);
+    ASSERT_EQ(0L, fa.live);
+    pthread_mutex_destroy(&fa.mu);
+    free(k);
+    free(v);
+    free(q);
+    PASS();
+}
+
 /* 8 children over a 32K prefix: the family holds the prefix once (at most 1.2x one
    cache holding it), and a child decodes like a cache that never shared. */
 /* Caches over slices of a model's KV heads (tensor-parallel ranks), each told its first
@@ -1996,6 +2062,7 @@ SUITE(cache)
     RUN_TEST(forks_decode_like_unshared_caches);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring_odd_rows);
+    RUN_TEST(forks_select_exactly_without_allocating);
     RUN_TEST(forks_hold_the_prefix_once);
     RUN_TEST(forks_live_on_other_threads);
     RUN_TEST(fork_misuse_is_refused);
