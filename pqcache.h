@@ -8468,20 +8468,24 @@ static pqc_matrix pqc__keys_view(const pqc_cache *c, const pqc__head *H, size_t 
     return m;
 }
 
+/* Whether tokens [from, to) straddle a fork's shared prefix and its own rows */
+static int pqc__keys_straddle(const pqc_cache *c, size_t from, size_t to) { return from < c->pn && to > c->pn; }
+
 /* A fork's tokens [from, to) may straddle its shared prefix and its own rows: then they
-   are copied into *buf (freed by the caller) and the view is over the copy. */
+   are copied, into `into` where given ((to - from) rows), else into *buf (allocated,
+   freed by the caller), and the view is over the copy. */
 static pqc_result pqc__keys_gather(const pqc_cache *c, const pqc__head *H, size_t from, size_t to, pqc_matrix *m,
-                                   unsigned char **buf)
+                                   unsigned char *into, unsigned char **buf)
 {
     *buf = NULL;
     *m = pqc__keys_view(c, H, from, to);
-    if (from < c->pn && to > c->pn) {
+    if (pqc__keys_straddle(c, from, to)) {
         size_t a = (c->pn - from) * c->row;
-        if (!(*buf = (unsigned char *)pqc__alloc(&c->alloc, (to - from) * c->row)))
+        if (!into && !(into = *buf = (unsigned char *)pqc__alloc(&c->alloc, (to - from) * c->row)))
             return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "keys of %zu tokens", to - from);
-        memcpy(*buf, pqc__krow(c, H, from), a);
-        memcpy(*buf + a, pqc__krow(c, H, c->pn), (to - c->pn) * c->row);
-        m->data = *buf;
+        memcpy(into, pqc__krow(c, H, from), a);
+        memcpy(into + a, pqc__krow(c, H, c->pn), (to - c->pn) * c->row);
+        m->data = into;
     }
     return PQC_SUCCESS;
 }
@@ -8648,7 +8652,7 @@ static void pqc__build_job(void *arg)
     d.metric = b->metric;
     d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + c->d.first_kv_head + b->head + 1));
     /* nested work runs inline: the pool may be the engine's and fully busy */
-    r = pqc__keys_gather(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + b->n_keys, &keys, &kbuf);
+    r = pqc__keys_gather(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + b->n_keys, &keys, NULL, &kbuf);
     if (r == PQC_SUCCESS) r = pqc__pq_train_nested(c->rt, &d, &keys, &H->pq_new);
     if (r == PQC_SUCCESS)
         r = pqc_codes_init(&H->codes_new, &H->pq_new, b->n_keys + 256, c->tier->codes_alloc(c));
@@ -9439,34 +9443,37 @@ static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, const float
 /* Rivals (PQC_SPLIT_COMPETE): the window's tokens [from, from + nx) of head hi, then its
    sinks [0, sink) and the window's last tokens [from + nx, n) (nf = sink + n - from - nx:
    they count in the softmax), scored exactly by every query head of the KV head: their
-   dots into *xd ([g][nx + nf], allocated here; the caller frees *mem). */
+   dots into *xd ([g][nx + nf], in the head's candidate scratch, which exact scoring uses
+   otherwise: the two never meet). */
 static pqc_result pqc__rival_dots(const pqc__sel_job *j, size_t hi, size_t sink, size_t from, size_t nx, size_t n,
-                                  float **xd, void **mem)
+                                  float **xd)
 {
     pqc_cache *c = j->c;
-    const pqc__head *H = &c->layers[j->layer].heads[hi];
-    size_t d = (size_t)c->d.head_dim, nxf = nx + sink + (n - from - nx), lo[3], hi_[3], at = 0;
-    pqc_result r;
+    pqc__head *H = &c->layers[j->layer].heads[hi];
+    size_t d = (size_t)c->d.head_dim, nxf = nx + sink + (n - from - nx), lo[3], hi_[3], at = 0, of, gb = 0;
     int part;
-    float *f = (float *)pqc__alloc(&c->alloc, ((size_t)c->g * nxf + d) * sizeof(float));
-    *mem = f;
-    if (!f) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: dots of %zu window tokens", nxf);
+    float *f;
+    void *tmp;
     lo[0] = from;
     hi_[0] = from + nx;
     lo[1] = 0;
     hi_[1] = sink;
     lo[2] = from + nx;
     hi_[2] = n;
+    for (part = 0; part < 3; part++) /* room for a part's copy (across a fork's prefix) */
+        if (pqc__keys_straddle(c, lo[part], hi_[part])) gb = PQC__MAX(gb, (hi_[part] - lo[part]) * c->row);
+    of = PQC__ALIGN_UP(((size_t)c->g * nxf + d) * sizeof(float));
+    f = (float *)pqc__scratch_get(&H->cscratch, &c->alloc, of + gb, &tmp);
+    if (!f) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: dots of %zu window tokens", nxf);
     for (part = 0; part < 3; part++) {
-        unsigned char *buf = NULL;
+        unsigned char *buf;
         pqc_matrix m;
         if (hi_[part] == lo[part]) continue;
-        if ((r = pqc__keys_gather(c, H, lo[part], hi_[part], &m, &buf)) != PQC_SUCCESS) return r;
+        (void)pqc__keys_gather(c, H, lo[part], hi_[part], &m, (unsigned char *)f + of, &buf); /* (copies only) */
         (void)pqc__k_gatherdots(pqc__simd(c->rt), j->q + hi * (size_t)c->g * d, c->g, (const unsigned char *)m.data,
                                 m.row_stride, m.dtype, NULL, m.rows, (int)d, 0, 0.0f, f + (size_t)c->g * nxf, f + at,
                                 nxf);
         at += m.rows;
-        pqc__free(&c->alloc, buf);
     }
     *xd = f;
     return PQC_SUCCESS;
@@ -9551,16 +9558,14 @@ static void pqc__select_head(void *ctx, size_t hi)
         /* (a head the adaptive split gave none of the layer's top-k takes sinks, uncoded
            tokens and window only) */
         float *xd = NULL;
-        void *xm = NULL;
         k = j->takes[hi] + nx;
         if (j->exact) { /* (never with rivals) */
             r = pqc__select_exact(j, hi, out + o);
         } else {
             if (nx > 0 && !j->gpu_idx) /* (the tier's top-k holds the rivals already) */
-                r = pqc__rival_dots(j, hi, sink, from, nx, n, &xd, &xm);
+                r = pqc__rival_dots(j, hi, sink, from, nx, n, &xd);
             if (r == PQC_SUCCESS) r = pqc__head_pq_top(j, hi, xd, nx, xd ? sink + PQC__WIN_MIN : 0, &k, out + o);
         }
-        pqc__free(&c->alloc, xm);
         if (r != PQC_SUCCESS) {
             j->head_res[hi] = r;
             return;

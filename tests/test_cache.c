@@ -1544,11 +1544,12 @@ TEST forks_decode_like_unshared_caches(void) { return forks_decode_like_unshared
 TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode_like_unshared(1); }
 TEST forks_decode_like_unshared_caches_exact_scoring_odd_rows(void) { return forks_decode_like_unshared(2); }
 
-/* Selecting with exact scoring allocates nothing a step once its buffers have grown, on
-   a cache whose keys lie in two parts (a fork, and its parent since the fork: the
-   candidates' rows, across the shared prefix and their own, are scored from copies that
-   the head's scratch holds). Inline runtime: every allocation counted is the select's. */
-TEST forks_select_exactly_without_allocating(void)
+/* A select allocates nothing once its buffers have grown, on caches whose keys lie in
+   two parts (a fork, and its parent since the fork): the window's exact dots (the
+   default split's rivals), and with exact scoring the copies of the candidates' rows
+   (across the shared prefix and their own), lie in the head's scratch. Inline runtime:
+   every allocation counted is the select's. */
+static enum greatest_test_res forks_select_without_allocating(int exact)
 {
     const int L = 2, hkv = 2, hq = 4, d = 33, S = 600, STEPS = 100;
     tu_failing fa;
@@ -1573,8 +1574,10 @@ TEST forks_select_exactly_without_allocating(void)
     cd.kv_dtype = PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
-    cd.rerank = 2;
-    cd.outliers = 8;
+    if (exact) {
+        cd.rerank = 2;
+        cd.outliers = 8;
+    }
     cd.pq.m = 3;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c[0]));
     ASSERT_EQ(PQC_SUCCESS, prefill_all(c[0], L, k, v, (size_t)S, (size_t)hkv * d));
@@ -1609,6 +1612,8 @@ TEST forks_select_exactly_without_allocating(void)
     free(q);
     PASS();
 }
+TEST forks_select_without_allocating_default(void) { return forks_select_without_allocating(0); }
+TEST forks_select_without_allocating_exact_scoring(void) { return forks_select_without_allocating(1); }
 
 /* 8 children over a 32K prefix: the family holds the prefix once (at most 1.2x one
    cache holding it), and a child decodes like a cache that never shared. */
@@ -2062,7 +2067,8 @@ SUITE(cache)
     RUN_TEST(forks_decode_like_unshared_caches);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring_odd_rows);
-    RUN_TEST(forks_select_exactly_without_allocating);
+    RUN_TEST(forks_select_without_allocating_default);
+    RUN_TEST(forks_select_without_allocating_exact_scoring);
     RUN_TEST(forks_hold_the_prefix_once);
     RUN_TEST(forks_live_on_other_threads);
     RUN_TEST(fork_misuse_is_refused);
