@@ -5300,6 +5300,19 @@ static void *pqc__scratch_get(pqc_scratch *s, const pqc_allocator *a, size_t n, 
 
 #define PQC__ALIGN_UP(x) (((x) + 63u) & ~(size_t)63u)
 
+/* n bytes of working memory for one call: inside the caller's stack buffer (cap bytes;
+   from its first 64-byte line) where they fit, so that a call on a few rows (a decode
+   step's) allocates nothing, else allocated into *held, which the caller frees (NULL
+   when the stack serves). NULL when that allocation fails. */
+#define PQC__SMALL_BUF (4096 + 64)
+static void *pqc__small_get(const pqc_allocator *a, unsigned char *stack, size_t cap, size_t n, void **held)
+{
+    size_t skip = (size_t)((64u - ((uintptr_t)stack & 63u)) & 63u);
+    *held = NULL;
+    if (n <= cap - skip) return stack + skip;
+    return *held = pqc__alloc(a, n);
+}
+
 /* ---------------------------------------------------------------------------------------
    5. Top-k by radix select: histogram levels of at most 2048 bins over an
    order-preserving integer image of the scores find the k-th largest key exactly; one
@@ -6431,10 +6444,11 @@ static pqc_result pqc__check_pq(const pqc_runtime *rt, const pqc_pq *pq, const c
 PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_matrix *keys, pqc_codes *codes)
 {
     pqc_result r;
-    size_t n, at, need, i, bytes;
+    size_t n, at, need, i, bytes, ch;
     float *x, *row;
     uint16_t *idx;
-    unsigned char *mem;
+    unsigned char *mem, sbuf[PQC__SMALL_BUF];
+    void *held;
     if ((r = pqc__check_pq(rt, pq, "pqc_pq_encode")) != PQC_SUCCESS) return r;
     if (!codes || !codes->data) {
         if (!codes || codes->m == 0) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_encode: codes not initialised");
@@ -6444,12 +6458,13 @@ PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_mat
                          codes->m, codes->bits, pq->m, pq->bits);
     if ((r = pqc__check_matrix(rt, keys, (size_t)pq->dim, "pqc_pq_encode keys")) != PQC_SUCCESS) return r;
     n = keys->rows;
-    bytes = PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)) +
-            PQC__ALIGN_UP((size_t)(pq->dim + pq->dsub) * sizeof(float)) + PQC__ENC_CHUNK * sizeof(uint16_t);
-    mem = (unsigned char *)pqc__alloc(pqc__rt_alloc(rt), bytes);
+    ch = PQC__MIN(n, (size_t)PQC__ENC_CHUNK); /* rows a chunk: a decode step's few fit on the stack */
+    bytes = PQC__ALIGN_UP(ch * pq->dsub * sizeof(float)) + PQC__ALIGN_UP((size_t)(pq->dim + pq->dsub) * sizeof(float)) +
+            ch * sizeof(uint16_t);
+    mem = (unsigned char *)pqc__small_get(pqc__rt_alloc(rt), sbuf, sizeof sbuf, bytes, &held);
     if (!mem) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_encode: scratch allocation failed");
     x = (float *)mem;
-    row = (float *)(mem + PQC__ALIGN_UP((size_t)PQC__ENC_CHUNK * pq->dsub * sizeof(float)));
+    row = (float *)(mem + PQC__ALIGN_UP(ch * pq->dsub * sizeof(float)));
     idx = (uint16_t *)((unsigned char *)row + PQC__ALIGN_UP((size_t)(pq->dim + pq->dsub) * sizeof(float)));
     if ((r = pqc__check_finite(rt, keys, row, "pqc_pq_encode keys")) != PQC_SUCCESS) goto out;
     at = codes->count;
@@ -6459,11 +6474,10 @@ PQCDEF pqc_result pqc_pq_encode(pqc_runtime *rt, const pqc_pq *pq, const pqc_mat
         while (cap < need) cap = cap + cap / 2 + 64;
         if ((r = pqc_codes_reserve(codes, cap)) != PQC_SUCCESS) goto out;
     }
-    for (i = 0; i < n; i += PQC__ENC_CHUNK)
-        pqc__encode_rows(pqc__simd(rt), pq, keys, i, PQC__MIN((size_t)PQC__ENC_CHUNK, n - i), codes, at + i, x, row, idx);
+    for (i = 0; i < n; i += ch) pqc__encode_rows(pqc__simd(rt), pq, keys, i, PQC__MIN(ch, n - i), codes, at + i, x, row, idx);
     codes->count = need;
 out:
-    pqc__free(pqc__rt_alloc(rt), mem);
+    pqc__free(pqc__rt_alloc(rt), held);
     return r;
 }
 
@@ -10142,7 +10156,8 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     pqc__layer *L;
     pqc_result r;
     pqc__fetch_job j;
-    unsigned char *mem;
+    unsigned char *mem, sbuf[PQC__SMALL_BUF];
+    void *held;
     size_t nh, h, ab;
     double t0 = pqc__now();
     if ((r = pqc__check_layer(c, layer, "pqc_cache_fetch")) != PQC_SUCCESS) return r;
@@ -10172,7 +10187,8 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
     j.chunks = (j.rows_cap + PQC__FETCH_CHUNK - 1) / PQC__FETCH_CHUNK;
     if ((r = c->tier->fetch_prepare(c, j.rows_cap)) != PQC_SUCCESS) return r;
     ab = (size_t)(c->d.admit_blocks > 0 ? c->d.admit_blocks : 1);
-    mem = (unsigned char *)pqc__alloc(&c->alloc, nh * (4 * sizeof(uint64_t) + ab * sizeof(pqc__fill) + sizeof(int)));
+    mem = (unsigned char *)pqc__small_get(&c->alloc, sbuf, sizeof sbuf,
+                                          nh * (4 * sizeof(uint64_t) + ab * sizeof(pqc__fill) + sizeof(int)), &held);
     if (!mem) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_fetch: allocation failed");
     j.c = c;
     j.layer = layer;
@@ -10192,7 +10208,7 @@ static pqc_result pqc__fetch_impl(pqc_cache *c, int layer, const pqc_selection *
             L->st.misses += j.misses[h];
             L->st.bytes_h2d += j.h2d[h];
         }
-    pqc__free(&c->alloc, mem);
+    pqc__free(&c->alloc, held);
     if (r != PQC_SUCCESS) return r;
     L->step++;
     L->st.fetches++;

@@ -1544,12 +1544,14 @@ TEST forks_decode_like_unshared_caches(void) { return forks_decode_like_unshared
 TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode_like_unshared(1); }
 TEST forks_decode_like_unshared_caches_exact_scoring_odd_rows(void) { return forks_decode_like_unshared(2); }
 
-/* A select allocates nothing once its buffers have grown, on caches whose keys lie in
-   two parts (a fork, and its parent since the fork): the window's exact dots (the
-   default split's rivals), and with exact scoring the copies of the candidates' rows
-   (across the shared prefix and their own), lie in the head's scratch. Inline runtime:
-   every allocation counted is the select's. */
-static enum greatest_test_res forks_select_without_allocating(int exact)
+/* A decode step (append, select, fetch) allocates nothing once the buffers have grown,
+   on caches whose keys lie in two parts (a fork, and its parent since the fork): a step's
+   encoding and the fetch's counters use the stack; the window's exact dots (the default
+   split's rivals), and with exact scoring the copies of the candidates' rows (across the
+   shared prefix and their own), lie in the head's scratch. Appends grow the stores and
+   codes now and then, by half or more. Inline runtime: every allocation counted is the
+   call's. */
+static enum greatest_test_res decode_steps_without_allocating(int exact)
 {
     const int L = 2, hkv = 2, hq = 4, d = 33, S = 600, STEPS = 100;
     tu_failing fa;
@@ -1558,10 +1560,12 @@ static enum greatest_test_res forks_select_without_allocating(int exact)
     pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *c[2] = { NULL, NULL };
     pqc_selection sel[2];
+    pqc_kv_out out;
     float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
-    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d);
-    long grown[2] = { 0, 0 };
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *buf = kv_out_make(&out, hkv, 1000, d);
+    long appends[2] = { 0, 0 }, steps[2] = { 0, 0 };
     int s, l, i;
+    ASSERT(buf != NULL);
     memset(&fa, 0, sizeof fa);
     pthread_mutex_init(&fa.mu, NULL);
     fa.fail_at = -1;
@@ -1589,17 +1593,24 @@ static enum greatest_test_res forks_select_without_allocating(int exact)
     for (s = 0; s < STEPS; s++)
         for (l = 0; l < L; l++)
             for (i = 0; i < 2; i++) {
-                long before;
+                long before = fa.calls, mid;
                 ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c[i], l, k + (size_t)(S + s) * hkv * d, v + (size_t)(S + s) * hkv * d));
-                before = fa.calls;
+                mid = fa.calls;
                 ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c[i], l, q + (size_t)s * hq * d, &sel[i]));
-                /* (the scratch grows with the candidates, which the split adds row copies to) */
-                if (s >= STEPS - 30) grown[i] += fa.calls - before;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c[i], l, &sel[i], &out));
+                /* (the first steps grow the scratch with the candidates, which the split
+                   adds row copies to) */
+                if (s >= STEPS - 30) {
+                    appends[i] += mid - before;
+                    steps[i] += fa.calls - mid;
+                }
             }
     for (l = 0; l < L; l++) /* the coded tokens run past the shared prefix */
         for (i = 0; i < 2; i++) ASSERT(c[i]->layers[l].n_coded + (size_t)cd.n_sink > c[i]->pn);
-    ASSERT_EQ(0L, grown[0]);
-    ASSERT_EQ(0L, grown[1]);
+    for (i = 0; i < 2; i++) {
+        ASSERT_EQ(0L, steps[i]);
+        ASSERT(appends[i] <= 8); /* (one a step would be 60) */
+    }
     for (i = 0; i < 2; i++) {
         pqc_selection_free(&sel[i]);
         pqc_cache_destroy(c[i]);
@@ -1610,10 +1621,11 @@ static enum greatest_test_res forks_select_without_allocating(int exact)
     free(k);
     free(v);
     free(q);
+    free(buf);
     PASS();
 }
-TEST forks_select_without_allocating_default(void) { return forks_select_without_allocating(0); }
-TEST forks_select_without_allocating_exact_scoring(void) { return forks_select_without_allocating(1); }
+TEST decode_steps_without_allocating_default(void) { return decode_steps_without_allocating(0); }
+TEST decode_steps_without_allocating_exact_scoring(void) { return decode_steps_without_allocating(1); }
 
 /* 8 children over a 32K prefix: the family holds the prefix once (at most 1.2x one
    cache holding it), and a child decodes like a cache that never shared. */
@@ -2067,8 +2079,8 @@ SUITE(cache)
     RUN_TEST(forks_decode_like_unshared_caches);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring_odd_rows);
-    RUN_TEST(forks_select_without_allocating_default);
-    RUN_TEST(forks_select_without_allocating_exact_scoring);
+    RUN_TEST(decode_steps_without_allocating_default);
+    RUN_TEST(decode_steps_without_allocating_exact_scoring);
     RUN_TEST(forks_hold_the_prefix_once);
     RUN_TEST(forks_live_on_other_threads);
     RUN_TEST(fork_misuse_is_refused);
