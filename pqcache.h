@@ -7888,6 +7888,8 @@ struct pqc_cache {
     size_t sbuf_cap;
     const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
+    unsigned char *ubuf;       /* a driver call's undo record (pqc__undo), kept across calls */
+    size_t ubuf_cap;
     const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
     struct pqc__gpu_tier *cu;       /* the CUDA tier's state (only that tier's functions use it) */
     int in_step;               /* a driver decode step is running: drift commits at its end */
@@ -8340,6 +8342,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
     pqc__free(&c->alloc, c->sbuf);
     pqc__free(&c->alloc, (void *)c->fsrc);
     pqc__free(&c->alloc, (void *)c->frows);
+    pqc__free(&c->alloc, c->ubuf);
     pqc__free(&c->alloc, c);
 }
 
@@ -11463,8 +11466,14 @@ static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
         bytes > (size_t)-1 - nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats)))
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "driver: undo record too large");
     bytes += nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats));
-    u->n_tokens = (size_t *)pqc__alloc(&c->alloc, bytes);
-    if (!u->n_tokens) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
+    if (bytes > c->ubuf_cap) { /* the cache's record: a decode step allocates nothing */
+        unsigned char *nb = (unsigned char *)pqc__alloc(&c->alloc, bytes);
+        if (!nb) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
+        pqc__free(&c->alloc, c->ubuf);
+        c->ubuf = nb;
+        c->ubuf_cap = bytes;
+    }
+    u->n_tokens = (size_t *)(void *)c->ubuf;
     u->st = (pqc_layer_stats *)(u->n_tokens + nl); /* size_t then stats: both 8-byte aligned */
     u->step = (uint64_t *)(u->st + nl);
     u->qsq = qs ? (double *)(u->step + nl) : NULL;
@@ -11475,7 +11484,6 @@ static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
         if (!pqc__size3(nl, pqc__qobs_len(c), sizeof(float), &fb) || !(u->qobs = (float *)pqc__alloc(&c->alloc, fb)) ||
             !(u->n_qobs = (int *)pqc__alloc(&c->alloc, nl * sizeof(int)))) {
             pqc__free(&c->alloc, u->qobs);
-            pqc__free(&c->alloc, u->n_tokens);
             return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
         }
     }
@@ -11514,7 +11522,6 @@ static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result
         if (!pqc__tier_sized(c)) c->window = u->window;
         memcpy(pqc__errbuf, msg, sizeof msg);
     }
-    pqc__free(&c->alloc, u->n_tokens);
     pqc__free(&c->alloc, u->qobs);
     pqc__free(&c->alloc, u->n_qobs);
     return r;
@@ -11660,6 +11667,8 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
     pqc_kv_out out;
     pqc__undo undo;
     pqc_result r = PQC_SUCCESS;
+    unsigned char sbuf[PQC__SMALL_BUF];
+    void *held;
     int l, h;
     if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_decode: null");
     if (pos == 0) return pqc__cfail(c, PQC_ERROR_BAD_STATE, "pqc_driver_decode: position 0: prefill first");
@@ -11681,10 +11690,11 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
         c->dbuf = nb;
         c->dbuf_floats = want;
     }
-    kp = (const void **)pqc__alloc(&c->alloc, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads);
+    /* the view's pointers: K, V and positions per head */
+    kp = (const void **)pqc__small_get(&c->alloc, sbuf, sizeof sbuf, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads, &held);
     if (!kp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
     if ((r = pqc__undo_begin(c, &undo, 0)) != PQC_SUCCESS) {
-        pqc__free(&c->alloc, kp);
+        pqc__free(&c->alloc, held);
         return r;
     }
     sel = &c->dsel;
@@ -11753,7 +11763,7 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
             break;
         }
     }
-    pqc__free(&c->alloc, kp);
+    pqc__free(&c->alloc, held);
     c->in_step = 0;
     r = pqc__undo_end(c, &undo, l, r);
     for (l = 0; l < c->d.n_layers; l++) pqc__drift_commit(c, l, r == PQC_SUCCESS);

@@ -1144,6 +1144,57 @@ static enum greatest_test_res driver_runs_both_algorithms_in(pqc_dtype st)
     pqc_runtime_destroy(rt);
     PASS();
 }
+/* The driver's decode steps allocate nothing once its buffers have grown (its view's
+   pointers on the stack, its undo record the cache's), rows gathered or by pointer.
+   Inline runtime: every allocation counted is the step's. */
+TEST driver_decode_steps_without_allocating(void)
+{
+    tu_failing fa;
+    pqc_runtime_desc rd;
+    pqc_runtime *rt;
+    pqc_cache_desc cd = tu_cache_desc(2, 1, 2, 8);
+    pqc_cache *c;
+    pqc_engine e;
+    toy t;
+    size_t pos;
+    long grown = 0;
+    memset(&fa, 0, sizeof fa);
+    pthread_mutex_init(&fa.mu, NULL);
+    fa.fail_at = -1;
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = -1;
+    rd.allocator.alloc = tu_fail_alloc;
+    rd.allocator.free = tu_fail_free;
+    rd.allocator.user = &fa;
+    ASSERT((rt = tu_runtime(&rd)) != NULL);
+    memset(&t, 0, sizeof t);
+    memset(&e, 0, sizeof e);
+    t.layers = 2;
+    t.d = 8;
+    t.fail_at = -1;
+    t.st = PQC_F16;
+    t.want_dtype = -1;
+    e.user = &t;
+    e.qkv = toy_qkv;
+    e.attend = toy_attend;
+    cd.kv_dtype = PQC_F16;
+    cd.budget_ratio = 0.2; /* a search each step */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, 400));
+    for (pos = 400; pos < 480; pos++) {
+        long before = fa.calls;
+        e.accepts_row_pointers = pos % 2 ? 2 : 0;
+        ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos));
+        if (pos >= 440) grown += fa.calls - before;
+    }
+    ASSERT(t.by_pointer > 0);
+    ASSERT_EQ(0L, grown);
+    pqc_cache_destroy(c);
+    pqc_runtime_destroy(rt);
+    ASSERT_EQ(0L, fa.live);
+    pthread_mutex_destroy(&fa.mu);
+    PASS();
+}
 TEST driver_runs_both_algorithms(void) { return driver_runs_both_algorithms_in(PQC_F32); }
 TEST driver_runs_both_algorithms_fp16_rows(void) { return driver_runs_both_algorithms_in(PQC_F16); }
 TEST driver_runs_both_algorithms_bf16_rows(void) { return driver_runs_both_algorithms_in(PQC_BF16); }
@@ -2107,6 +2158,7 @@ SUITE(cache)
     RUN_TEST(batch_matches_individual);
     RUN_TEST(bad_inputs_leave_cache_intact);
     RUN_TEST(driver_runs_both_algorithms);
+    RUN_TEST(driver_decode_steps_without_allocating);
     RUN_TEST(driver_runs_both_algorithms_fp16_rows);
     RUN_TEST(driver_runs_both_algorithms_bf16_rows);
     RUN_TEST(head_slices_build_like_one_cache);
