@@ -37,8 +37,10 @@ FUZZ_RUNS    ?= 10000
 # (its seeds, then new inputs up to 3000 runs); make test-long fuzzes every target for
 # LONG_FUZZ_SECONDS
 FUZZ_RUNS_api ?= 3000
-# limits: a hostile size is a failure only when it really exhausts memory or time
-FUZZ_LIMITS  := -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=10
+# limits: a hostile size is a failure only when it really exhausts memory or time (an
+# api input may start a dozen PQ builds, each within the target's bound: 20-30 s under
+# the sanitizers' scalar kernels on a busy two-core machine, so a hang is 60 s)
+FUZZ_LIMITS  := -rss_limit_mb=2048 -malloc_limit_mb=2048 -timeout=60
 FUZZ_TOOLCHAIN := $(BUILD)/.fuzz_toolchain
 
 .PHONY: fuzz test-fuzz fuzz-build

@@ -905,7 +905,9 @@ static void op_cache_create(fz_state *S)
     C->blocks = blocks;
     C->bt = bt;
     C->bits = bits_eff;
-    C->iters = d.pq.iters > 0 ? d.pq.iters : d.pq.iters < 0 ? 1 : 10;
+    /* iterations a build may run: pq.iters, or with none given the scheduler's choice,
+       at most its t_max (10 without one) */
+    C->iters = d.pq.iters > 0 ? d.pq.iters : d.pq.iters < 0 ? 1 : d.scheduler && S->sched_tmax > 10 ? S->sched_tmax : 10;
     C->zero_copy = d.backend == NULL || d.backend == &g_be_cpu; /* rows by pointer, as stored */
     /* a window given stays (at most max_tokens); 0 is derived at the first prefill */
     if (d.window == 0 ? pqc_cache_window(C->c) != 0 : pqc_cache_window(C->c) < 1 || pqc_cache_window(C->c) > d.window)
