@@ -562,6 +562,89 @@ TEST device_steps_with_rerank(void)
     sh.dstep = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F32, &sh);
 }
+/* A decode step on the device tier allocates no host memory once its buffers have grown:
+   select and fetch (gathered into host rows, or on the device), and the device step, on
+   a fork and its parent. how: 0 select + fetch, 1 select + fetch_device, 2 step_device.
+   Inline runtime: every allocation counted is the call's. */
+static enum greatest_test_res decode_steps_without_allocating(int how)
+{
+    const int L = 2, hkv = 2, hq = 4, d = 32, S = 700, STEPS = 50;
+    const char *dir = getenv("PQC_TEST_KERNEL_CACHE");
+    tu_failing fa;
+    pqc_runtime_desc rd;
+    pqc_runtime *rt;
+    pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
+    pqc_cache *c[2] = { NULL, NULL };
+    pqc_selection sel[2];
+    pqc_kv_out out;
+    pqc_kv_device dk;
+    size_t cnt[2];
+    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *buf = (float *)malloc((size_t)2 * hkv * 2000 * d * sizeof(float));
+    long appends = 0, steps = 0;
+    int s, l, i;
+    pqc_matrix km = pqc_matrix_f32(k, (size_t)S, (size_t)hkv * d), vm = pqc_matrix_f32(v, (size_t)S, (size_t)hkv * d);
+    ASSERT(buf != NULL);
+    out.k = buf;
+    out.v = buf + (size_t)hkv * 2000 * d;
+    out.head_stride = 2000;
+    memset(&fa, 0, sizeof fa);
+    pthread_mutex_init(&fa.mu, NULL);
+    fa.fail_at = -1;
+    memset(&rd, 0, sizeof rd);
+    rd.n_threads = -1;
+    rd.backend = PQC_BACKEND_CUDA;
+    rd.cuda_kernel_cache = dir && dir[0] ? dir : "build/kernel-cache";
+    rd.allocator.alloc = tu_fail_alloc;
+    rd.allocator.free = tu_fail_free;
+    rd.allocator.user = &fa;
+    ASSERT((rt = tu_runtime(&rd)) != NULL);
+    ASSERT_EQ(PQC_BACKEND_CUDA, pqc_runtime_backend(rt));
+    cd.kv_dtype = PQC_F16;
+    cd.budget_ratio = 0.2;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c[0]));
+    for (l = 0; l < L; l++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c[0], l, &km, &vm));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(c[0], &c[1]));
+    for (i = 0; i < 2; i++) {
+        memset(&sel[i], 0, sizeof sel[i]);
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &sel[i]));
+    }
+    for (s = 0; s < STEPS; s++)
+        for (l = 0; l < L; l++)
+            for (i = 0; i < 2; i++) {
+                long before = fa.calls, mid;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c[i], l, k + (size_t)(S + s) * hkv * d, v + (size_t)(S + s) * hkv * d));
+                mid = fa.calls;
+                if (how == 2) {
+                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_step_device(c[i], l, q + (size_t)s * hq * d, &dk, cnt));
+                } else {
+                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c[i], l, q + (size_t)s * hq * d, &sel[i]));
+                    if (how == 1) ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_device(c[i], l, &sel[i], &dk));
+                    else ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c[i], l, &sel[i], &out));
+                }
+                if (s >= STEPS - 20) {
+                    appends += mid - before;
+                    steps += fa.calls - mid;
+                }
+            }
+    ASSERT_EQ(0L, steps);
+    ASSERT(appends <= 8); /* (growth now and then; one a step would be 80) */
+    for (i = 0; i < 2; i++) {
+        pqc_selection_free(&sel[i]);
+        pqc_cache_destroy(c[i]);
+    }
+    pqc_runtime_destroy(rt);
+    ASSERT_EQ(0L, fa.live);
+    pthread_mutex_destroy(&fa.mu);
+    free(k);
+    free(v);
+    free(q);
+    free(buf);
+    PASS();
+}
+TEST decode_steps_without_allocating_host_rows(void) { return decode_steps_without_allocating(0); }
+TEST decode_steps_without_allocating_device_rows(void) { return decode_steps_without_allocating(1); }
+TEST device_steps_without_allocating(void) { return decode_steps_without_allocating(2); }
 TEST decode_matches_cpu_with_metric_softmax(void)
 {
     shape sh = g_small;
@@ -1921,6 +2004,9 @@ SUITE(cuda_tier)
     RUN_TEST(device_steps_match_cpu_softmax);
     RUN_TEST(device_steps_match_cpu_default_shape);
     RUN_TEST(device_steps_with_rerank);
+    RUN_TEST(decode_steps_without_allocating_host_rows);
+    RUN_TEST(decode_steps_without_allocating_device_rows);
+    RUN_TEST(device_steps_without_allocating);
     RUN_TEST(device_rerank_matches_host_softmax_fp16);
     RUN_TEST(device_rerank_matches_host_sum_fork);
     RUN_TEST(device_rerank_matches_host_every_token);
