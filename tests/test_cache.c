@@ -1096,6 +1096,22 @@ static int toy_attend(void *u, int layer, size_t pos0, size_t n, const float *q,
     return 0;
 }
 
+/* The toy engine over 2 layers of 8 dimensions (one KV head, two query heads), its
+   rows stored as st; the engine's other fields 0 (defaults, as for every desc). */
+static void toy_engine(toy *t, pqc_engine *e, pqc_dtype st)
+{
+    memset(t, 0, sizeof *t);
+    memset(e, 0, sizeof *e);
+    t->layers = 2;
+    t->d = 8;
+    t->fail_at = -1;
+    t->st = st;
+    t->want_dtype = -1;
+    e->user = t;
+    e->qkv = toy_qkv;
+    e->attend = toy_attend;
+}
+
 /* The driver over a toy engine, with fp32, fp16 and bf16 storage: decode rows gathered
    (fp32), or by pointer where the engine accepts them (accepts_row_pointers 1: fp32
    storage only; 2: as stored, the view's dtype the storage's). */
@@ -1108,16 +1124,7 @@ static enum greatest_test_res driver_runs_both_algorithms_in(pqc_dtype st)
     toy t;
     size_t pos;
     int ptr_expected = 0;
-    memset(&t, 0, sizeof t);
-    memset(&e, 0, sizeof e); /* 0 = defaults, as for every desc */
-    t.layers = 2;
-    t.d = 8;
-    t.fail_at = -1;
-    t.st = st;
-    t.want_dtype = -1;
-    e.user = &t;
-    e.qkv = toy_qkv;
-    e.attend = toy_attend;
+    toy_engine(&t, &e, st);
     cd.budget_ratio = 1.0;
     cd.kv_dtype = st;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
@@ -1150,7 +1157,6 @@ static enum greatest_test_res driver_runs_both_algorithms_in(pqc_dtype st)
 TEST driver_decode_steps_without_allocating(void)
 {
     tu_failing fa;
-    pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_cache_desc cd = tu_cache_desc(2, 1, 2, 8);
     pqc_cache *c;
@@ -1158,25 +1164,8 @@ TEST driver_decode_steps_without_allocating(void)
     toy t;
     size_t pos;
     long grown = 0;
-    memset(&fa, 0, sizeof fa);
-    pthread_mutex_init(&fa.mu, NULL);
-    fa.fail_at = -1;
-    memset(&rd, 0, sizeof rd);
-    rd.n_threads = -1;
-    rd.allocator.alloc = tu_fail_alloc;
-    rd.allocator.free = tu_fail_free;
-    rd.allocator.user = &fa;
-    ASSERT((rt = tu_runtime(&rd)) != NULL);
-    memset(&t, 0, sizeof t);
-    memset(&e, 0, sizeof e);
-    t.layers = 2;
-    t.d = 8;
-    t.fail_at = -1;
-    t.st = PQC_F16;
-    t.want_dtype = -1;
-    e.user = &t;
-    e.qkv = toy_qkv;
-    e.attend = toy_attend;
+    ASSERT((rt = tu_counting_runtime(&fa, 0)) != NULL);
+    toy_engine(&t, &e, PQC_F16);
     cd.kv_dtype = PQC_F16;
     cd.budget_ratio = 0.2; /* a search each step */
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
@@ -1191,8 +1180,7 @@ TEST driver_decode_steps_without_allocating(void)
     ASSERT_EQ(0L, grown);
     pqc_cache_destroy(c);
     pqc_runtime_destroy(rt);
-    ASSERT_EQ(0L, fa.live);
-    pthread_mutex_destroy(&fa.mu);
+    ASSERT_EQ(0L, tu_failing_live(&fa));
     PASS();
 }
 TEST driver_runs_both_algorithms(void) { return driver_runs_both_algorithms_in(PQC_F32); }
@@ -1606,7 +1594,6 @@ static enum greatest_test_res decode_steps_without_allocating(int exact)
 {
     const int L = 2, hkv = 2, hq = 4, d = 33, S = 600, STEPS = 100;
     tu_failing fa;
-    pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *c[2] = { NULL, NULL };
@@ -1614,18 +1601,10 @@ static enum greatest_test_res decode_steps_without_allocating(int exact)
     pqc_kv_out out;
     float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
     float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *buf = kv_out_make(&out, hkv, 1000, d);
-    long appends[2] = { 0, 0 }, steps[2] = { 0, 0 };
-    int s, l, i;
+    long appends[2], steps[2];
+    int l, i;
     ASSERT(buf != NULL);
-    memset(&fa, 0, sizeof fa);
-    pthread_mutex_init(&fa.mu, NULL);
-    fa.fail_at = -1;
-    memset(&rd, 0, sizeof rd);
-    rd.n_threads = -1;
-    rd.allocator.alloc = tu_fail_alloc;
-    rd.allocator.free = tu_fail_free;
-    rd.allocator.user = &fa;
-    ASSERT((rt = tu_runtime(&rd)) != NULL);
+    ASSERT((rt = tu_counting_runtime(&fa, 0)) != NULL);
     cd.kv_dtype = PQC_F16;
     cd.n_sink = 4;
     cd.budget_ratio = 0.2;
@@ -1641,21 +1620,10 @@ static enum greatest_test_res decode_steps_without_allocating(int exact)
         memset(&sel[i], 0, sizeof sel[i]);
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &sel[i]));
     }
-    for (s = 0; s < STEPS; s++)
-        for (l = 0; l < L; l++)
-            for (i = 0; i < 2; i++) {
-                long before = fa.calls, mid;
-                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c[i], l, k + (size_t)(S + s) * hkv * d, v + (size_t)(S + s) * hkv * d));
-                mid = fa.calls;
-                ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c[i], l, q + (size_t)s * hq * d, &sel[i]));
-                ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c[i], l, &sel[i], &out));
-                /* (the first steps grow the scratch with the candidates, which the split
-                   adds row copies to) */
-                if (s >= STEPS - 30) {
-                    appends[i] += mid - before;
-                    steps[i] += fa.calls - mid;
-                }
-            }
+    /* (the first steps grow the scratch with the candidates, which the split adds row
+       copies to) */
+    ASSERT_EQ(PQC_SUCCESS, tu_counted_steps(c, sel, 2, L, k + (size_t)S * hkv * d, v + (size_t)S * hkv * d,
+                                            (size_t)hkv * d, q, (size_t)hq * d, STEPS, 30, 0, &out, &fa, appends, steps));
     for (l = 0; l < L; l++) /* the coded tokens run past the shared prefix */
         for (i = 0; i < 2; i++) ASSERT(c[i]->layers[l].n_coded + (size_t)cd.n_sink > c[i]->pn);
     for (i = 0; i < 2; i++) {
@@ -1667,8 +1635,7 @@ static enum greatest_test_res decode_steps_without_allocating(int exact)
         pqc_cache_destroy(c[i]);
     }
     pqc_runtime_destroy(rt);
-    ASSERT_EQ(0L, fa.live);
-    pthread_mutex_destroy(&fa.mu);
+    ASSERT_EQ(0L, tu_failing_live(&fa));
     free(k);
     free(v);
     free(q);

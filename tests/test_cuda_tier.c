@@ -569,36 +569,22 @@ TEST device_steps_with_rerank(void)
 static enum greatest_test_res decode_steps_without_allocating(int how)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32, S = 700, STEPS = 50;
-    const char *dir = getenv("PQC_TEST_KERNEL_CACHE");
     tu_failing fa;
-    pqc_runtime_desc rd;
     pqc_runtime *rt;
     pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *c[2] = { NULL, NULL };
     pqc_selection sel[2];
     pqc_kv_out out;
-    pqc_kv_device dk;
-    size_t cnt[2];
     float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
     float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *buf = (float *)malloc((size_t)2 * hkv * 2000 * d * sizeof(float));
-    long appends = 0, steps = 0;
-    int s, l, i;
+    long appends[2], steps[2];
+    int l, i;
     pqc_matrix km = pqc_matrix_f32(k, (size_t)S, (size_t)hkv * d), vm = pqc_matrix_f32(v, (size_t)S, (size_t)hkv * d);
     ASSERT(buf != NULL);
     out.k = buf;
     out.v = buf + (size_t)hkv * 2000 * d;
     out.head_stride = 2000;
-    memset(&fa, 0, sizeof fa);
-    pthread_mutex_init(&fa.mu, NULL);
-    fa.fail_at = -1;
-    memset(&rd, 0, sizeof rd);
-    rd.n_threads = -1;
-    rd.backend = PQC_BACKEND_CUDA;
-    rd.cuda_kernel_cache = dir && dir[0] ? dir : "build/kernel-cache";
-    rd.allocator.alloc = tu_fail_alloc;
-    rd.allocator.free = tu_fail_free;
-    rd.allocator.user = &fa;
-    ASSERT((rt = tu_runtime(&rd)) != NULL);
+    ASSERT((rt = tu_counting_runtime(&fa, 1)) != NULL);
     ASSERT_EQ(PQC_BACKEND_CUDA, pqc_runtime_backend(rt));
     cd.kv_dtype = PQC_F16;
     cd.budget_ratio = 0.2;
@@ -609,33 +595,18 @@ static enum greatest_test_res decode_steps_without_allocating(int how)
         memset(&sel[i], 0, sizeof sel[i]);
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c[i], &sel[i]));
     }
-    for (s = 0; s < STEPS; s++)
-        for (l = 0; l < L; l++)
-            for (i = 0; i < 2; i++) {
-                long before = fa.calls, mid;
-                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c[i], l, k + (size_t)(S + s) * hkv * d, v + (size_t)(S + s) * hkv * d));
-                mid = fa.calls;
-                if (how == 2) {
-                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_step_device(c[i], l, q + (size_t)s * hq * d, &dk, cnt));
-                } else {
-                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c[i], l, q + (size_t)s * hq * d, &sel[i]));
-                    if (how == 1) ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch_device(c[i], l, &sel[i], &dk));
-                    else ASSERT_EQ(PQC_SUCCESS, pqc_cache_fetch(c[i], l, &sel[i], &out));
-                }
-                if (s >= STEPS - 20) {
-                    appends += mid - before;
-                    steps += fa.calls - mid;
-                }
-            }
-    ASSERT_EQ(0L, steps);
-    ASSERT(appends <= 8); /* (growth now and then; one a step would be 80) */
+    ASSERT_EQ(PQC_SUCCESS, tu_counted_steps(c, sel, 2, L, k + (size_t)S * hkv * d, v + (size_t)S * hkv * d,
+                                            (size_t)hkv * d, q, (size_t)hq * d, STEPS, 20, how, &out, &fa, appends, steps));
+    for (i = 0; i < 2; i++) {
+        ASSERT_EQ(0L, steps[i]);
+        ASSERT(appends[i] <= 8); /* (growth now and then; one a step would be 40) */
+    }
     for (i = 0; i < 2; i++) {
         pqc_selection_free(&sel[i]);
         pqc_cache_destroy(c[i]);
     }
     pqc_runtime_destroy(rt);
-    ASSERT_EQ(0L, fa.live);
-    pthread_mutex_destroy(&fa.mu);
+    ASSERT_EQ(0L, tu_failing_live(&fa));
     free(k);
     free(v);
     free(q);

@@ -195,7 +195,7 @@ TU_FN pqc_runtime *tu_cpu_runtime(int threads) { return tu_cpu_runtime_simd(thre
    names) of `threads` workers, its kernels cached in build/kernel-cache, or in the
    directory PQC_TEST_KERNEL_CACHE names (tests/cuda_emu/run.sh: the one its other
    programs use, so that NVRTC compiles the kernels once there). */
-TU_FN pqc_runtime *tu_cuda_runtime(int threads)
+TU_FN pqc_runtime_desc tu_cuda_runtime_desc(int threads)
 {
     pqc_runtime_desc d;
     const char *dir = getenv("PQC_TEST_KERNEL_CACHE");
@@ -203,7 +203,37 @@ TU_FN pqc_runtime *tu_cuda_runtime(int threads)
     d.n_threads = threads;
     d.backend = PQC_BACKEND_CUDA;
     d.cuda_kernel_cache = dir && dir[0] ? dir : "build/kernel-cache";
+    return d;
+}
+TU_FN pqc_runtime *tu_cuda_runtime(int threads)
+{
+    pqc_runtime_desc d = tu_cuda_runtime_desc(threads);
     return tu_runtime(&d);
+}
+
+/* An inline runtime (no workers: every allocation counted is the calling test's call's),
+   on the CPU or (cuda) as tu_cuda_runtime's, whose allocator counts its calls and blocks
+   into *fa (set up here; never failing). tu_failing_live ends the count. */
+TU_FN pqc_runtime *tu_counting_runtime(tu_failing *fa, int cuda)
+{
+    pqc_runtime_desc d = tu_cuda_runtime_desc(-1);
+    if (!cuda) {
+        memset(&d, 0, sizeof d);
+        d.n_threads = -1;
+    }
+    memset(fa, 0, sizeof *fa);
+    pthread_mutex_init(&fa->mu, NULL);
+    fa->fail_at = -1;
+    d.allocator.alloc = tu_fail_alloc;
+    d.allocator.free = tu_fail_free;
+    d.allocator.user = fa;
+    return tu_runtime(&d);
+}
+/* The blocks *fa still counts (0: every one freed); its mutex is destroyed. */
+TU_FN long tu_failing_live(tu_failing *fa)
+{
+    pthread_mutex_destroy(&fa->mu);
+    return fa->live;
 }
 
 /* A product quantizer: m subspaces of `bits` bits, `iters` k-means iterations, seed. */
@@ -235,6 +265,41 @@ TU_FN pqc_cache_desc tu_cache_desc(int layers, int hkv, int hq, int d)
     cd.pq.iters = 4;
     cd.pq.seed = 1;
     return cd;
+}
+
+/* Decode steps on n caches of `layers` layers: at step s, on every layer and cache in
+   turn, the row k/v + s * kvcols is appended, then (how) 0: select + fetch into out,
+   1: select + fetch_device, 2: the device step, with query q + s * qcols. In the last
+   `counted` of the steps, the calls *fa counts go to appends[i] (in the appends) and
+   steps[i] (the rest) of cache i. Returns the first failure, PQC_SUCCESS otherwise. */
+TU_FN pqc_result tu_counted_steps(pqc_cache *const *c, pqc_selection *sel, int n, int layers, const float *k,
+                                  const float *v, size_t kvcols, const float *q, size_t qcols, int nsteps, int counted,
+                                  int how, pqc_kv_out *out, tu_failing *fa, long *appends, long *steps)
+{
+    pqc_kv_device dk;
+    size_t cnt[64];
+    pqc_result r = PQC_SUCCESS;
+    int s, l, i;
+    for (i = 0; i < n; i++) appends[i] = steps[i] = 0;
+    for (s = 0; s < nsteps && r == PQC_SUCCESS; s++)
+        for (l = 0; l < layers && r == PQC_SUCCESS; l++)
+            for (i = 0; i < n && r == PQC_SUCCESS; i++) {
+                const float *qs = q + (size_t)s * qcols;
+                long before = fa->calls, mid;
+                r = pqc_cache_append(c[i], l, k + (size_t)s * kvcols, v + (size_t)s * kvcols);
+                mid = fa->calls;
+                if (r != PQC_SUCCESS) break;
+                if (how == 2) {
+                    r = pqc_cache_step_device(c[i], l, qs, &dk, cnt);
+                } else if ((r = pqc_cache_select(c[i], l, qs, &sel[i])) == PQC_SUCCESS) {
+                    r = how == 1 ? pqc_cache_fetch_device(c[i], l, &sel[i], &dk) : pqc_cache_fetch(c[i], l, &sel[i], out);
+                }
+                if (s >= nsteps - counted) {
+                    appends[i] += mid - before;
+                    steps[i] += fa->calls - mid;
+                }
+            }
+    return r;
 }
 
 #endif /* PQCACHE_H */
