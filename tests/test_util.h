@@ -271,7 +271,8 @@ TU_FN pqc_cache_desc tu_cache_desc(int layers, int hkv, int hq, int d)
    turn, the row k/v + s * kvcols is appended, then (how) 0: select + fetch into out,
    1: select + fetch_device, 2: the device step, with query q + s * qcols. In the last
    `counted` of the steps, the calls *fa counts go to appends[i] (in the appends) and
-   steps[i] (the rest) of cache i. Returns the first failure, PQC_SUCCESS otherwise. */
+   steps[i] (the rest) of cache i (caches of at most 64 KV heads). Returns the first
+   failure, PQC_SUCCESS otherwise. */
 TU_FN pqc_result tu_counted_steps(pqc_cache *const *c, pqc_selection *sel, int n, int layers, const float *k,
                                   const float *v, size_t kvcols, const float *q, size_t qcols, int nsteps, int counted,
                                   int how, pqc_kv_out *out, tu_failing *fa, long *appends, long *steps)
