@@ -11370,6 +11370,8 @@ static pqc_result pqc__batch(pqc_cache *const *caches, int n, pqc__batch_job *b,
     pqc_result r = PQC_SUCCESS;
     int i;
     pqc_runtime *rt;
+    unsigned char sbuf[PQC__SMALL_BUF];
+    void *held;
     if (!caches || n <= 0) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "batch: no caches");
     for (i = 0; i < n; i++)
         if (!caches[i]) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "batch: cache %d is null", i);
@@ -11381,7 +11383,7 @@ static pqc_result pqc__batch(pqc_cache *const *caches, int n, pqc__batch_job *b,
             if (caches[j] == caches[i])
                 return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "batch: cache %d is also sequence %d", i, j);
     }
-    b->res = (pqc_result *)pqc__alloc(&caches[0]->alloc, sizeof(pqc_result) * (size_t)n);
+    b->res = (pqc_result *)pqc__small_get(&caches[0]->alloc, sbuf, sizeof sbuf, sizeof(pqc_result) * (size_t)n, &held);
     if (!b->res) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "batch: allocation failed");
     pqc__parallel_for(rt, (size_t)n, fn, b);
     for (i = 0; i < n && r == PQC_SUCCESS; i++)
@@ -11389,7 +11391,7 @@ static pqc_result pqc__batch(pqc_cache *const *caches, int n, pqc__batch_job *b,
             fn(b, (size_t)i); /* again on this thread (the call is atomic): its message is this thread's */
             r = b->res[i];
         }
-    pqc__free(&caches[0]->alloc, b->res);
+    pqc__free(&caches[0]->alloc, held);
     return r;
 }
 

@@ -1583,27 +1583,30 @@ TEST forks_decode_like_unshared_caches(void) { return forks_decode_like_unshared
 TEST forks_decode_like_unshared_caches_exact_scoring(void) { return forks_decode_like_unshared(1); }
 TEST forks_decode_like_unshared_caches_exact_scoring_odd_rows(void) { return forks_decode_like_unshared(2); }
 
-/* A decode step (append, select, fetch) allocates nothing once the buffers have grown,
-   on caches whose keys lie in two parts (a fork, and its parent since the fork): a step's
-   encoding and the fetch's counters use the stack; the window's exact dots (the default
-   split's rivals), and with exact scoring the copies of the candidates' rows (across the
-   shared prefix and their own), lie in the head's scratch. Appends grow the stores and
-   codes now and then, by half or more. Inline runtime: every allocation counted is the
+/* A decode step (append, select, fetch, or one batch select and fetch for both caches)
+   allocates nothing once the buffers have grown, on caches whose keys lie in two parts
+   (a fork, and its parent since the fork): a step's encoding, the fetch's counters and
+   a batch's results use the stack; the window's exact dots (the default split's
+   rivals), and with exact scoring the copies of the candidates' rows (across the shared
+   prefix and their own), lie in the head's scratch. Appends grow the stores and codes
+   now and then, by half or more. Inline runtime: every allocation counted is the
    call's. */
 static enum greatest_test_res decode_steps_without_allocating(int exact)
 {
-    const int L = 2, hkv = 2, hq = 4, d = 33, S = 600, STEPS = 100;
+    const int L = 2, hkv = 2, hq = 4, d = 33, S = 600, STEPS = 100, BATCH = 10;
     tu_failing fa;
     pqc_runtime *rt;
     pqc_cache_desc cd = tu_cache_desc(L, hkv, hq, d);
     pqc_cache *c[2] = { NULL, NULL };
     pqc_selection sel[2];
-    pqc_kv_out out;
-    float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
-    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *buf = kv_out_make(&out, hkv, 1000, d);
-    long appends[2], steps[2];
-    int l, i;
-    ASSERT(buf != NULL);
+    pqc_kv_out out[2];
+    const size_t n = (size_t)S + STEPS + BATCH;
+    float *k = tu_normal_rows(&g_rng, n, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, n, (size_t)hkv * d);
+    float *q = tu_normal_rows(&g_rng, STEPS + BATCH, (size_t)hq * d);
+    float *buf = kv_out_make(&out[0], hkv, 1000, d), *buf2 = kv_out_make(&out[1], hkv, 1000, d);
+    long appends[2], steps[2], batch = 0;
+    int l, i, s;
+    ASSERT(buf != NULL && buf2 != NULL);
     ASSERT((rt = tu_counting_runtime(&fa, 0)) != NULL);
     cd.kv_dtype = PQC_F16;
     cd.n_sink = 4;
@@ -1623,13 +1626,34 @@ static enum greatest_test_res decode_steps_without_allocating(int exact)
     /* (the first steps grow the scratch with the candidates, which the split adds row
        copies to) */
     ASSERT_EQ(PQC_SUCCESS, tu_counted_steps(c, sel, 2, L, k + (size_t)S * hkv * d, v + (size_t)S * hkv * d,
-                                            (size_t)hkv * d, q, (size_t)hq * d, STEPS, 30, 0, &out, &fa, appends, steps));
+                                            (size_t)hkv * d, q, (size_t)hq * d, STEPS, 30, 0, &out[0], &fa, appends, steps));
     for (l = 0; l < L; l++) /* the coded tokens run past the shared prefix */
         for (i = 0; i < 2; i++) ASSERT(c[i]->layers[l].n_coded + (size_t)cd.n_sink > c[i]->pn);
     for (i = 0; i < 2; i++) {
         ASSERT_EQ(0L, steps[i]);
         ASSERT(appends[i] <= 8); /* (one a step would be 60) */
     }
+    for (s = 0; s < BATCH; s++) /* then both caches in one batch select and one batch fetch */
+        for (l = 0; l < L; l++) {
+            const size_t t = (size_t)S + STEPS + s;
+            const float *qs[2];
+            pqc_selection *sp[2];
+            const pqc_selection *cs[2];
+            const pqc_kv_out *op[2];
+            long before;
+            for (i = 0; i < 2; i++) {
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(c[i], l, k + t * hkv * d, v + t * hkv * d));
+                qs[i] = q + (size_t)(STEPS + s) * hq * d;
+                sp[i] = &sel[i];
+                cs[i] = &sel[i];
+                op[i] = &out[i];
+            }
+            before = fa.calls;
+            ASSERT_EQ(PQC_SUCCESS, pqc_batch_select(c, 2, l, qs, sp));
+            ASSERT_EQ(PQC_SUCCESS, pqc_batch_fetch(c, 2, l, cs, op));
+            batch += fa.calls - before;
+        }
+    ASSERT_EQ(0L, batch);
     for (i = 0; i < 2; i++) {
         pqc_selection_free(&sel[i]);
         pqc_cache_destroy(c[i]);
@@ -1640,6 +1664,7 @@ static enum greatest_test_res decode_steps_without_allocating(int exact)
     free(v);
     free(q);
     free(buf);
+    free(buf2);
     PASS();
 }
 TEST decode_steps_without_allocating_default(void) { return decode_steps_without_allocating(0); }
