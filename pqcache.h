@@ -7888,8 +7888,7 @@ struct pqc_cache {
     size_t sbuf_cap;
     const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
-    unsigned char *ubuf;       /* a driver call's undo record (pqc__undo), kept across calls */
-    size_t ubuf_cap;
+    pqc_scratch uscratch;      /* a driver call's undo record (pqc__undo), kept across calls */
     const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
     struct pqc__gpu_tier *cu;       /* the CUDA tier's state (only that tier's functions use it) */
     int in_step;               /* a driver decode step is running: drift commits at its end */
@@ -8342,7 +8341,7 @@ PQCDEF void pqc_cache_destroy(pqc_cache *c)
     pqc__free(&c->alloc, c->sbuf);
     pqc__free(&c->alloc, (void *)c->fsrc);
     pqc__free(&c->alloc, (void *)c->frows);
-    pqc__free(&c->alloc, c->ubuf);
+    pqc_scratch_free(&c->uscratch);
     pqc__free(&c->alloc, c);
 }
 
@@ -9512,7 +9511,7 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
     pqc_result r = PQC_SUCCESS;
     /* a fork's keys in two parts: the candidates' rows are scored from copies, which the
        head's scratch holds after the indices (no allocation a step) */
-    int split = c->pn > ns && coded > c->pn - ns;
+    int split = pqc__keys_straddle(c, ns, ns + coded);
     size_t oi = PQC__ALIGN_UP(2 * (nc + no) * sizeof(uint32_t)), ob = PQC__ALIGN_UP((nc + no) * sizeof(uint32_t));
     cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, oi + (split ? ob + (nc + no) * c->row : 0), &tmp);
     if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
@@ -11463,19 +11462,15 @@ static size_t pqc__qobs_len(const pqc_cache *c)
 static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
 {
     size_t nl = (size_t)c->d.n_layers, qs = observes ? pqc__qsq_len(c) : 0, bytes;
+    void *tmp;
     int l;
     if (!pqc__size3(nl, qs, sizeof(double), &bytes) ||
         bytes > (size_t)-1 - nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats)))
         return pqc__cfail(c, PQC_ERROR_CAPACITY, "driver: undo record too large");
     bytes += nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats));
-    if (bytes > c->ubuf_cap) { /* the cache's record: a decode step allocates nothing */
-        unsigned char *nb = (unsigned char *)pqc__alloc(&c->alloc, bytes);
-        if (!nb) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
-        pqc__free(&c->alloc, c->ubuf);
-        c->ubuf = nb;
-        c->ubuf_cap = bytes;
-    }
-    u->n_tokens = (size_t *)(void *)c->ubuf;
+    /* the cache's record, grown as needed: a decode step allocates nothing */
+    u->n_tokens = (size_t *)pqc__scratch_get(&c->uscratch, &c->alloc, bytes, &tmp);
+    if (!u->n_tokens) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
     u->st = (pqc_layer_stats *)(u->n_tokens + nl); /* size_t then stats: both 8-byte aligned */
     u->step = (uint64_t *)(u->st + nl);
     u->qsq = qs ? (double *)(u->step + nl) : NULL;
