@@ -15,16 +15,6 @@
 
 static uint64_t g_rng = 12345;
 
-/* a gather buffer of `rows` rows per KV head for K and V (the returned memory, freed by
-   the caller; NULL when it cannot be had) */
-static float *kv_out_make(pqc_kv_out *o, int hkv, size_t rows, int d)
-{
-    float *b = (float *)malloc(sizeof(float) * 2 * (size_t)hkv * rows * (size_t)d);
-    o->k = b;
-    o->v = b ? b + (size_t)hkv * rows * (size_t)d : NULL;
-    o->head_stride = rows;
-    return b;
-}
 
 /* prefill every layer with the same random K/V */
 static pqc_result prefill_all(pqc_cache *c, int layers, const float *k, const float *v, size_t n, size_t cols)
@@ -1225,8 +1215,8 @@ static enum greatest_test_res save_load_resumes(int rich)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b));
     ASSERT_EQ(pqc_cache_window(a), pqc_cache_window(b));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
-    bufa = kv_out_make(&oa, hkv, 1000, d);
-    bufb = kv_out_make(&ob, hkv, 1000, d);
+    bufa = tu_kv_out(&oa, hkv, 1000, d);
+    bufb = tu_kv_out(&ob, hkv, 1000, d);
     ASSERT(bufa && bufb);
     for (s = 20; s < 60; s++) /* both go on alike */
         for (l = 0; l < L; l++) {
@@ -1509,7 +1499,7 @@ static enum greatest_test_res forks_decode_like_unshared(int rich)
         ASSERT_EQ(PQC_SUCCESS, prefill_all(cs[i], L, k, v, (size_t)S, (size_t)hkv * d));
     }
     for (i = 0; i < NC; i++) {
-        ASSERT((buf[i] = kv_out_make(&out[i], hkv, 2000, d)) != NULL);
+        ASSERT((buf[i] = tu_kv_out(&out[i], hkv, 2000, d)) != NULL);
         memset(&sel[i], 0, sizeof sel[i]);
     }
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(cs[0], &sel[0]));
@@ -1603,7 +1593,7 @@ static enum greatest_test_res decode_steps_without_allocating(int exact)
     const size_t n = (size_t)S + STEPS + BATCH;
     float *k = tu_normal_rows(&g_rng, n, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, n, (size_t)hkv * d);
     float *q = tu_normal_rows(&g_rng, STEPS + BATCH, (size_t)hq * d);
-    float *buf = kv_out_make(&out[0], hkv, 1000, d), *buf2 = kv_out_make(&out[1], hkv, 1000, d);
+    float *buf = tu_kv_out(&out[0], hkv, 1000, d), *buf2 = tu_kv_out(&out[1], hkv, 1000, d);
     long appends[2], steps[2], batch = 0;
     int l, i, s;
     ASSERT(buf != NULL && buf2 != NULL);
@@ -1813,8 +1803,8 @@ TEST forks_hold_the_prefix_once(void)
     ASSERT_EQ(PQC_SUCCESS, prefill_all(one, L, k, v, S, (size_t)hkv * d));
     for (i = 0; i < NCH; i++) ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(p, &ch[i]));
     /* each child decodes its own continuation; the unshared cache that of child 0 */
-    b1 = kv_out_make(&o1, hkv, 8192, d);
-    bc = kv_out_make(&oc, hkv, 8192, d);
+    b1 = tu_kv_out(&o1, hkv, 8192, d);
+    bc = tu_kv_out(&oc, hkv, 8192, d);
     ASSERT(b1 && bc);
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(one, &s1));
     ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(ch[0], &sc));
@@ -1989,7 +1979,7 @@ TEST mapped_file_survives_rename_over_and_truncation_is_sigbus(void)
     pqc_selection sa, sm;
     pqc_kv_out oa, om;
     float *k = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 300, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 4, (size_t)hq * d);
-    float *bufa = kv_out_make(&oa, hkv, 400, d), *bufm = kv_out_make(&om, hkv, 400, d);
+    float *bufa = tu_kv_out(&oa, hkv, 400, d), *bufm = tu_kv_out(&om, hkv, 400, d);
     char path[512], other[512];
     size_t own, shared;
     pid_t pid;
@@ -2058,7 +2048,7 @@ TEST loaded_cache_maps_its_file(void)
     pqc_selection sa, sb;
     pqc_kv_out oa, ob;
     float *k = tu_normal_rows(&g_rng, 400, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, 400, (size_t)hkv * d), *q = tu_normal_rows(&g_rng, 40, (size_t)hq * d);
-    float *bufa = kv_out_make(&oa, hkv, 500, d), *bufb = kv_out_make(&ob, hkv, 500, d);
+    float *bufa = tu_kv_out(&oa, hkv, 500, d), *bufb = tu_kv_out(&ob, hkv, 500, d);
     char path[512];
     size_t own, shared;
     long bytes;

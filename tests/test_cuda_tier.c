@@ -576,14 +576,11 @@ static enum greatest_test_res decode_steps_without_allocating(int how)
     pqc_selection sel[2];
     pqc_kv_out out;
     float *k = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)S + STEPS, (size_t)hkv * d);
-    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *buf = (float *)malloc((size_t)2 * hkv * 2000 * d * sizeof(float));
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)hq * d), *buf = tu_kv_out(&out, hkv, 2000, d);
     long appends[2], steps[2];
     int l, i;
     pqc_matrix km = pqc_matrix_f32(k, (size_t)S, (size_t)hkv * d), vm = pqc_matrix_f32(v, (size_t)S, (size_t)hkv * d);
     ASSERT(buf != NULL);
-    out.k = buf;
-    out.v = buf + (size_t)hkv * 2000 * d;
-    out.head_stride = 2000;
     ASSERT((rt = tu_counting_runtime(&fa, 1)) != NULL);
     ASSERT_EQ(PQC_BACKEND_CUDA, pqc_runtime_backend(rt));
     cd.kv_dtype = PQC_F16;

@@ -267,6 +267,17 @@ TU_FN pqc_cache_desc tu_cache_desc(int layers, int hkv, int hq, int d)
     return cd;
 }
 
+/* A gather buffer of `rows` rows per KV head for K and V (the returned memory, freed by
+   the caller; NULL when it cannot be had) */
+TU_FN float *tu_kv_out(pqc_kv_out *o, int hkv, size_t rows, int d)
+{
+    float *b = (float *)malloc(sizeof(float) * 2 * (size_t)hkv * rows * (size_t)d);
+    o->k = b;
+    o->v = b ? b + (size_t)hkv * rows * (size_t)d : NULL;
+    o->head_stride = rows;
+    return b;
+}
+
 /* Decode steps on n caches of `layers` layers: at step s, on every layer and cache in
    turn, the row k/v + s * kvcols is appended, then (how) 0: select + fetch into out,
    1: select + fetch_device, 2: the device step, with query q + s * qcols. In the last
