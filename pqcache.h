@@ -851,9 +851,15 @@ PQCDEF pqc_result pqc_cache_report_compute(pqc_cache *c, int layer, double token
    if any (and then installs none). */
 PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
 /* A cache to and from a file, to resume decoding where it stopped (another process, a
-   conversation that comes back). pqc_cache_save waits for the builds, then writes every
-   layer's stored K/V (storage dtype), codebooks, codes, observations, observed attention,
-   outlier lists and residual bytes, and the window, to a temporary file renamed into place.
+   conversation that comes back). pqc_cache_save first does what pqc_cache_sync does (waits
+   for every build and installs it; the builds that then fall due start at its end), then
+   writes every layer's stored K/V (storage dtype), codebooks, codes, observations,
+   observed attention, outlier lists and residual bytes, and the window, to a temporary
+   file renamed into place. A save thus changes the cache as a sync at that point does,
+   and nothing more: a cache not saved installs those builds at its next call on each
+   layer instead, and where one lowered a layer's window (PQC_SPLIT_ADAPTIVE, or exact
+   scoring) that call still selects with the former window, so its selections can differ
+   from the saved cache's at that step.
    pqc_cache_load creates a cache from desc and fills it from the file: it selects exactly
    what the saved cache would have selected. The statistics and the block cache start
    empty (hits differ, selections do not). On the host tier the file is mapped read-only
@@ -989,10 +995,12 @@ typedef struct pqc_engine {
 } pqc_engine;
 
 /* Prefill n tokens at positions [pos0, pos0+n) through every layer. On failure at any
-   layer (a callback, memory, a device) every layer gives back the tokens, codes and
-   statistics of this call, so that the cache holds what it held before and the same
-   call can be made again (the engine restarts its own state for these positions);
-   blocks admitted to the block cache by earlier layers may stay. Same for decode. */
+   layer (a callback, memory, a device) every layer gives back the tokens, codes, exact
+   lists, residual bytes, observations and statistics of this call, and a build the call
+   installed waits again, finished (one it started is dropped), so that the cache holds
+   what it held before, selects what it would have selected, and the same call can be
+   made again (the engine restarts its own state for these positions); blocks admitted
+   to the block cache by earlier layers may stay. Same for decode. */
 PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n);
 /* One decode step at position pos through every layer. */
 PQCDEF pqc_result pqc_driver_decode(pqc_cache *c, const pqc_engine *e, size_t pos);
@@ -7826,6 +7834,20 @@ typedef struct pqc__layer {
     double *u_omass, *u_ohist; /* [n_kv_heads][2], [n_kv_heads][PQC__OBS_BINS] */
 } pqc__layer;
 
+/* What a call that adds tokens to several layers (the driver's) restores on failure: per
+   layer the token count, statistics and step, the observations when the call observes,
+   and the window; `last` is the last layer the call reached. Taken by pqc__undo_begin,
+   applied (on failure) and released by the end of the outermost call, pqc__call_end. */
+typedef struct pqc__undo {
+    size_t *n_tokens;
+    uint64_t *step;
+    pqc_layer_stats *st;
+    double *qsq; /* the layers' observation sums, when the call observes */
+    float *qobs; /* and their kept rows, n_qobs of them */
+    int *n_qobs;
+    int window, last, active;
+} pqc__undo;
+
 /* The stored prefix shared by forked caches: the first n rows of every layer's K and V
    stores of the cache that was forked first, read-only from then on, freed by the last
    cache that lets go of it. */
@@ -7888,7 +7910,8 @@ struct pqc_cache {
     size_t sbuf_cap;
     const void *const **frows; /* fetch_rows: per head, the K then the V row arrays */
     size_t frows_cap;          /* rows per head in fsrc at the last fetch */
-    pqc_scratch uscratch;      /* a driver call's undo record (pqc__undo), kept across calls */
+    pqc__undo urec;            /* the running driver call's undo record (pqc__undo_begin) */
+    pqc_scratch uscratch;      /* its memory, kept across calls */
     const struct pqc__tier_i *tier; /* the device tier, chosen at creation */
     struct pqc__gpu_tier *cu;       /* the CUDA tier's state (only that tier's functions use it) */
     int in_step;               /* a driver decode step is running: drift commits at its end */
@@ -9136,11 +9159,90 @@ static void pqc__drift_commit(pqc_cache *c, int l, int keep)
 }
 
 
+/* floats of one layer's kept observation rows */
+static size_t pqc__qobs_len(const pqc_cache *c)
+{
+    return PQC__OBS_KEEP * (size_t)c->d.n_q_heads * (size_t)c->d.head_dim;
+}
+
+/* Takes the running call's undo record (c->urec): every layer's token count, statistics
+   and step, and its observations when the call observes. The end of the outermost call
+   applies it on failure and releases it. */
+static pqc_result pqc__undo_begin(pqc_cache *c, int observes)
+{
+    pqc__undo *u = &c->urec;
+    size_t nl = (size_t)c->d.n_layers, qs = observes ? pqc__qsq_len(c) : 0, bytes;
+    void *tmp;
+    int l;
+    if (!pqc__size3(nl, qs, sizeof(double), &bytes) ||
+        bytes > (size_t)-1 - nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats)))
+        return pqc__cfail(c, PQC_ERROR_CAPACITY, "driver: undo record too large");
+    bytes += nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats));
+    /* the cache's record, grown as needed: a decode step allocates nothing */
+    u->n_tokens = (size_t *)pqc__scratch_get(&c->uscratch, &c->alloc, bytes, &tmp);
+    if (!u->n_tokens) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
+    u->st = (pqc_layer_stats *)(u->n_tokens + nl); /* size_t then stats: both 8-byte aligned */
+    u->step = (uint64_t *)(u->st + nl);
+    u->qsq = qs ? (double *)(u->step + nl) : NULL;
+    u->qobs = NULL;
+    u->n_qobs = NULL;
+    if (qs) {
+        size_t fb;
+        if (!pqc__size3(nl, pqc__qobs_len(c), sizeof(float), &fb) || !(u->qobs = (float *)pqc__alloc(&c->alloc, fb)) ||
+            !(u->n_qobs = (int *)pqc__alloc(&c->alloc, nl * sizeof(int)))) {
+            pqc__free(&c->alloc, u->qobs);
+            u->qobs = NULL;
+            return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
+        }
+    }
+    for (l = 0; l < c->d.n_layers; l++) {
+        u->n_tokens[l] = c->layers[l].n_tokens;
+        u->st[l] = c->layers[l].st;
+        u->step[l] = c->layers[l].step;
+        if (qs) {
+            memcpy(u->qsq + (size_t)l * qs, c->layers[l].qsq, qs * sizeof(double));
+            memcpy(u->qobs + (size_t)l * pqc__qobs_len(c), c->layers[l].qobs, pqc__qobs_len(c) * sizeof(float));
+            u->n_qobs[l] = c->layers[l].n_qobs;
+        }
+    }
+    u->window = c->window;
+    u->last = c->d.n_layers - 1;
+    u->active = 1;
+    return PQC_SUCCESS;
+}
+
+/* The running call failed: every layer up to the last it reached as the record holds it
+   (the layers that took the call's tokens give them back). Runs after the call's installs
+   were undone, which bring back codes as they were at the install: with the tokens the
+   call had coded before it. */
+static void pqc__undo_restore(pqc_cache *c)
+{
+    const pqc__undo *u = &c->urec;
+    char msg[sizeof pqc__errbuf];
+    int l;
+    memcpy(msg, pqc__errbuf, sizeof msg);
+    for (l = 0; l <= u->last && l < c->d.n_layers; l++) {
+        int gave_back = c->layers[l].n_tokens > u->n_tokens[l];
+        pqc__layer_truncate(c, l, u->n_tokens[l], &u->st[l], u->step[l]);
+        if (u->qsq) {
+            memcpy(c->layers[l].qsq, u->qsq + (size_t)l * pqc__qsq_len(c), pqc__qsq_len(c) * sizeof(double));
+            memcpy(c->layers[l].qobs, u->qobs + (size_t)l * pqc__qobs_len(c), pqc__qobs_len(c) * sizeof(float));
+            c->layers[l].n_qobs = u->n_qobs[l];
+        }
+        /* the device's sink and window slots hold the given-back rows: copy them again */
+        if (gave_back && u->n_tokens[l] > 0) pqc__tier_stored(c, l, u->n_tokens[l]);
+    }
+    if (!pqc__tier_sized(c)) c->window = u->window;
+    memcpy(pqc__errbuf, msg, sizeof msg);
+}
+
 /* ----- calls as units -----
    A public call that changes a cache runs between pqc__call_begin and pqc__call_end
-   (nested calls, such as the driver's, count as one): when the outermost one ends,
-   every install it made is kept (success) or undone (failure), a build it started is
-   dropped on failure, and the builds that fell due after an install start (success). */
+   (nested calls, such as the driver's, count as one). When the outermost one ends, in
+   this order whatever the calls nested in it did: every install it made is kept
+   (success) or undone (failure), and a build it started is dropped on failure; then, on
+   failure, the layers give back what its undo record says (the driver's tokens); then,
+   on success, the builds that fell due after an install start. */
 static void pqc__call_begin(pqc_cache *c) { c->depth++; }
 
 static pqc_result pqc__call_end(pqc_cache *c, pqc_result r)
@@ -9149,13 +9251,23 @@ static pqc_result pqc__call_end(pqc_cache *c, pqc_result r)
     if (--c->depth > 0) return r;
     for (l = 0; l < c->d.n_layers; l++) {
         pqc__layer *L = &c->layers[l];
-        int due = L->due;
-        if (!L->undo && !L->fresh && !due) continue;
         if (r == PQC_SUCCESS && L->undo) pqc__install_keep(c, l);
-        else if (r != PQC_SUCCESS) pqc__install_undo(c, l);
+        else if (r != PQC_SUCCESS && (L->undo || L->fresh)) pqc__install_undo(c, l);
         L->fresh = 0;
+    }
+    if (c->urec.active) {
+        if (r != PQC_SUCCESS) pqc__undo_restore(c);
+        pqc__free(&c->alloc, c->urec.qobs);
+        pqc__free(&c->alloc, c->urec.n_qobs);
+        c->urec.qobs = NULL;
+        c->urec.n_qobs = NULL;
+        c->urec.active = 0;
+    }
+    for (l = 0; l < c->d.n_layers; l++) {
+        pqc__layer *L = &c->layers[l];
+        int due = L->due;
         L->due = 0;
-        if (r != PQC_SUCCESS) continue;
+        if (r != PQC_SUCCESS || !due) continue;
         if (due & PQC__DUE_GROWN) pqc__maybe_build(c, l);
         if (due & PQC__DUE_DRIFT) pqc__drift_commit(c, l, 1);
     }
@@ -11440,90 +11552,6 @@ static pqc_result pqc__driver_check_pos(const pqc_cache *c, size_t pos, const ch
     return PQC_SUCCESS;
 }
 
-/* What a driver call restores on failure: per layer the token count, statistics and step,
-   and the window. Layers that took the call's tokens give them back. */
-typedef struct pqc__undo {
-    size_t *n_tokens;
-    uint64_t *step;
-    pqc_layer_stats *st;
-    double *qsq; /* the layers' observation sums, when the call observes */
-    float *qobs; /* and their kept rows, n_qobs of them */
-    int *n_qobs;
-    int window;
-} pqc__undo;
-
-/* floats of one layer's kept observation rows */
-static size_t pqc__qobs_len(const pqc_cache *c)
-{
-    return PQC__OBS_KEEP * (size_t)c->d.n_q_heads * (size_t)c->d.head_dim;
-}
-
-
-static pqc_result pqc__undo_begin(pqc_cache *c, pqc__undo *u, int observes)
-{
-    size_t nl = (size_t)c->d.n_layers, qs = observes ? pqc__qsq_len(c) : 0, bytes;
-    void *tmp;
-    int l;
-    if (!pqc__size3(nl, qs, sizeof(double), &bytes) ||
-        bytes > (size_t)-1 - nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats)))
-        return pqc__cfail(c, PQC_ERROR_CAPACITY, "driver: undo record too large");
-    bytes += nl * (sizeof(size_t) + sizeof(uint64_t) + sizeof(pqc_layer_stats));
-    /* the cache's record, grown as needed: a decode step allocates nothing */
-    u->n_tokens = (size_t *)pqc__scratch_get(&c->uscratch, &c->alloc, bytes, &tmp);
-    if (!u->n_tokens) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
-    u->st = (pqc_layer_stats *)(u->n_tokens + nl); /* size_t then stats: both 8-byte aligned */
-    u->step = (uint64_t *)(u->st + nl);
-    u->qsq = qs ? (double *)(u->step + nl) : NULL;
-    u->qobs = NULL;
-    u->n_qobs = NULL;
-    if (qs) {
-        size_t fb;
-        if (!pqc__size3(nl, pqc__qobs_len(c), sizeof(float), &fb) || !(u->qobs = (float *)pqc__alloc(&c->alloc, fb)) ||
-            !(u->n_qobs = (int *)pqc__alloc(&c->alloc, nl * sizeof(int)))) {
-            pqc__free(&c->alloc, u->qobs);
-            return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "driver: allocation failed");
-        }
-    }
-    for (l = 0; l < c->d.n_layers; l++) {
-        u->n_tokens[l] = c->layers[l].n_tokens;
-        u->st[l] = c->layers[l].st;
-        u->step[l] = c->layers[l].step;
-        if (qs) {
-            memcpy(u->qsq + (size_t)l * qs, c->layers[l].qsq, qs * sizeof(double));
-            memcpy(u->qobs + (size_t)l * pqc__qobs_len(c), c->layers[l].qobs, pqc__qobs_len(c) * sizeof(float));
-            u->n_qobs[l] = c->layers[l].n_qobs;
-        }
-    }
-    u->window = c->window;
-    return PQC_SUCCESS;
-}
-
-/* Ends a driver call: on failure every layer up to `last` is put back (r is returned). */
-static pqc_result pqc__undo_end(pqc_cache *c, pqc__undo *u, int last, pqc_result r)
-{
-    int l;
-    if (r != PQC_SUCCESS) {
-        char msg[sizeof pqc__errbuf];
-        memcpy(msg, pqc__errbuf, sizeof msg);
-        for (l = 0; l <= last && l < c->d.n_layers; l++) {
-            int gave_back = c->layers[l].n_tokens > u->n_tokens[l];
-            pqc__layer_truncate(c, l, u->n_tokens[l], &u->st[l], u->step[l]);
-            if (u->qsq) {
-                memcpy(c->layers[l].qsq, u->qsq + (size_t)l * pqc__qsq_len(c), pqc__qsq_len(c) * sizeof(double));
-                memcpy(c->layers[l].qobs, u->qobs + (size_t)l * pqc__qobs_len(c), pqc__qobs_len(c) * sizeof(float));
-                c->layers[l].n_qobs = u->n_qobs[l];
-            }
-            /* the device's sink and window slots hold the given-back rows: copy them again */
-            if (gave_back && u->n_tokens[l] > 0) pqc__tier_stored(c, l, u->n_tokens[l]);
-        }
-        if (!pqc__tier_sized(c)) c->window = u->window;
-        memcpy(pqc__errbuf, msg, sizeof msg);
-    }
-    pqc__free(&c->alloc, u->qobs);
-    pqc__free(&c->alloc, u->n_qobs);
-    return r;
-}
-
 /* The rows of every head of layer l as one run each, for a prefill view (kp: K of each
    head, then V; cnt: rows): the store's own rows, or, where they lie in two parts (a
    fork, a cache loaded by mapping: the shared prefix, then the cache's own rows), copied
@@ -11575,7 +11603,6 @@ static pqc_result pqc__driver_prefill(pqc_cache *c, const pqc_engine *e, size_t 
     unsigned char *rows = NULL;
     const void **kp;
     size_t *cnt;
-    pqc__undo undo;
     pqc_result r = PQC_SUCCESS;
     int l;
     if (!c || !e || !e->qkv || !e->attend) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_driver_prefill: null");
@@ -11594,7 +11621,7 @@ static pqc_result pqc__driver_prefill(pqc_cache *c, const pqc_engine *e, size_t 
         pqc__free(&c->alloc, kp);
         return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_prefill: %zu bytes of Q/K/V", bytes);
     }
-    if ((r = pqc__undo_begin(c, &undo, c->d.observe > 0)) != PQC_SUCCESS) {
+    if ((r = pqc__undo_begin(c, c->d.observe > 0)) != PQC_SUCCESS) {
         pqc__free(&c->alloc, q);
         pqc__free(&c->alloc, kp);
         return r;
@@ -11644,7 +11671,8 @@ static pqc_result pqc__driver_prefill(pqc_cache *c, const pqc_engine *e, size_t 
     pqc__free(&c->alloc, q);
     pqc__free(&c->alloc, kp);
     pqc__free(&c->alloc, rows);
-    return pqc__undo_end(c, &undo, l, r);
+    c->urec.last = l; /* on failure, the end of the call gives back every layer up to l */
+    return r;
 }
 
 PQCDEF pqc_result pqc_driver_prefill(pqc_cache *c, const pqc_engine *e, size_t pos0, size_t n)
@@ -11662,7 +11690,6 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
     const uint32_t **pp;
     pqc_selection *sel;
     pqc_kv_out out;
-    pqc__undo undo;
     pqc_result r = PQC_SUCCESS;
     unsigned char sbuf[PQC__SMALL_BUF];
     void *held;
@@ -11690,7 +11717,7 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
     /* the view's pointers: K, V and positions per head */
     kp = (const void **)pqc__small_get(&c->alloc, sbuf, sizeof sbuf, sizeof(void *) * 3 * (size_t)c->d.n_kv_heads, &held);
     if (!kp) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_driver_decode: allocation failed");
-    if ((r = pqc__undo_begin(c, &undo, 0)) != PQC_SUCCESS) {
+    if ((r = pqc__undo_begin(c, 0)) != PQC_SUCCESS) {
         pqc__free(&c->alloc, held);
         return r;
     }
@@ -11762,7 +11789,7 @@ static pqc_result pqc__driver_decode(pqc_cache *c, const pqc_engine *e, size_t p
     }
     pqc__free(&c->alloc, held);
     c->in_step = 0;
-    r = pqc__undo_end(c, &undo, l, r);
+    c->urec.last = l; /* on failure, the end of the call gives back every layer up to l */
     for (l = 0; l < c->d.n_layers; l++) pqc__drift_commit(c, l, r == PQC_SUCCESS);
     return r;
 }

@@ -622,6 +622,9 @@ typedef struct eng {
        k[h] and v[h], and each must be the K/V eng_qkv made for that token */
     int check_rows;
     long rows_read, rows_wrong;
+    /* peaks: the queries all point one way and every third key points there too, so that
+       attention goes to a few mid tokens and builds lower the window (adaptive split) */
+    int peaks;
 } eng;
 static float eval(int layer, size_t pos, size_t i)
 {
@@ -768,9 +771,9 @@ static int eng_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k
     size_t t, i, qn = (size_t)e->hq * e->d, kn = (size_t)e->kv * e->d;
     if (layer == e->fail_qkv) return 1;
     for (t = 0; t < n; t++) {
-        for (i = 0; i < qn; i++) q[t * qn + i] = eval(layer + 100, pos0 + t, i);
+        for (i = 0; i < qn; i++) q[t * qn + i] = eval(layer + 100, pos0 + t, i) + (e->peaks ? 2.0f : 0.0f);
         for (i = 0; i < kn; i++) {
-            k[t * kn + i] = eval(layer, pos0 + t, i);
+            k[t * kn + i] = eval(layer, pos0 + t, i) + (e->peaks && (pos0 + t) % 3 == 1 ? 2.0f : 0.0f);
             v[t * kn + i] = eval(layer + 50, pos0 + t, i);
         }
     }
@@ -902,6 +905,9 @@ static uint64_t fold(uint64_t h, const void *p, size_t n)
 /* with_blocks 0: leave out the block cache's contents, which a failed driver call may
    have changed (it is a cache: what it holds decides hits, never what is selected) */
 static int g_with_blocks = 1;
+/* with_times 0: leave out the statistics' timings too (to compare two caches), and with
+   with_blocks 0 the block cache's hits and the bytes they saved */
+static int g_with_times = 1;
 static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
 {
     uint64_t h = 0xcbf29ce484222325ull;
@@ -912,12 +918,20 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
         pqc_layer_stats st;
         size_t n = pqc_cache_tokens(c, l), nb = (n + (size_t)c->d.block_tokens - 1) / (size_t)c->d.block_tokens;
         pqc_cache_stats(c, l, &st);
+        if (!g_with_times) {
+            st.select_s = st.fetch_s = st.build_s = st.wait_s = 0.0;
+            if (!g_with_blocks) st.hits = st.misses = st.bytes_h2d = 0; /* what the block cache held */
+        }
         h = fold(h, &n, sizeof n);
         h = fold(h, &st, sizeof st);
         h = fold(h, &L->n_coded, sizeof L->n_coded);
         h = fold(h, &L->n_trained, sizeof L->n_trained);
         h = fold(h, &L->gen, sizeof L->gen);
         h = fold(h, &L->step, sizeof L->step);
+        {
+            int lw = pqc_cache_layer_window(c, l);
+            h = fold(h, &lw, sizeof lw);
+        }
         for (hd = 0; hd < c->d.n_kv_heads; hd++) {
             const pqc__head *H = &L->heads[hd];
             const void *k, *v;
@@ -932,6 +946,14 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
             }
             if (H->pq.centroids)
                 h = fold(h, H->pq.centroids, sizeof(float) * (size_t)H->pq.m * (size_t)H->pq.ksub * (size_t)H->pq.dsub);
+            if (c->d.outliers > 0) { /* the exact lists */
+                h = fold(h, &H->n_outliers, sizeof H->n_outliers);
+                h = fold(h, &H->n_outliers_build, sizeof H->n_outliers_build);
+                h = fold(h, &H->outlier_thr, sizeof H->outlier_thr);
+                if (H->n_outliers) h = fold(h, H->outliers, H->n_outliers * sizeof(uint32_t));
+            }
+            if (c->d.residual_weight > 0 && H->rq && L->n_coded) /* the residual bytes */
+                h = fold(h, H->rq, L->n_coded * (size_t)c->d.pq.m);
             if (g_with_blocks) {
                 h = fold(h, blocks, sizeof(int32_t) * (size_t)(nbk < 0 ? 0 : nbk));
                 if (H->score) h = fold(h, H->score, sizeof(float) * nb);
@@ -1421,6 +1443,213 @@ TEST failed_driver_calls_give_back_their_tokens(void)
     PASS();
 }
 
+/* ----- a failed driver step leaves nothing behind ---------------------------------------- */
+
+/* An engine that fails where told (eng) and counts the failing steps in which a build was
+   installed before the failure (the cache's layers with an install the running call
+   would keep or undo). */
+typedef struct fstep_eng {
+    eng en;
+    const pqc_cache *c;
+    long installs_seen;
+} fstep_eng;
+static int fstep_attend(void *u, int layer, size_t pos0, size_t n, const float *q, const pqc_kv_view *kv)
+{
+    fstep_eng *f = (fstep_eng *)u;
+    if (layer == f->en.fail_attend && f->c) {
+        int l, any = 0;
+        for (l = 0; l < f->c->d.n_layers; l++) any |= f->c->layers[l].undo;
+        f->installs_seen += any;
+    }
+    return eng_attend(&f->en, layer, pos0, n, q, kv);
+}
+static int fstep_qkv(void *u, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
+{
+    return eng_qkv(&((fstep_eng *)u)->en, layer, pos0, n, q, k, v);
+}
+
+/* A cache of `kind` (0: its own prompt, 1: a fork of a cache with the prompt, 2: loaded
+   by mapping the file of such a cache) holding a 300-token prompt from the driver. */
+static pqc_result fstep_cache(int kind, const pqc_cache_desc *cd, const pqc_engine *e, const char *path, pqc_cache **out)
+{
+    pqc_cache *base = NULL;
+    pqc_result r = pqc_cache_create(NULL, cd, &base);
+    if (r == PQC_SUCCESS) r = pqc_driver_prefill(base, e, 0, 300);
+    if (r != PQC_SUCCESS || kind == 0) {
+        *out = base;
+        return r;
+    }
+    if (kind == 1) r = pqc_cache_fork(base, out);
+    else if ((r = pqc_cache_save(base, path)) == PQC_SUCCESS) r = pqc_cache_load(NULL, cd, path, out);
+    pqc_cache_destroy(base);
+    return r;
+}
+
+/* An engine callback that fails in a decode step, at each layer in turn, in its first or
+   its second callback, while rebuilds fall due and finished builds are installed inside
+   the failing step (a rebuild share of 0.05 on the inline runtime: a build started by the
+   step's append is installed by the same step's select), leaves the cache as it was: its
+   counts, codes, codebooks, exact lists and residual bytes, window and statistics; a save
+   afterwards loads; and the cache goes on to select exactly what a twin that never saw a
+   failure selects. Every split, with PQ scoring, exact scoring (re-ranking and outlier
+   lists) and residual scoring, on a cache, a fork and a mapped load. */
+TEST failed_driver_steps_leave_nothing_behind(void)
+{
+    static const pqc_split splits[] = { PQC_SPLIT_COMPETE, PQC_SPLIT_FIXED, PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED_COMPETE };
+    char path[512], spath[512];
+    int si, scoring, kind, steps = TEST_SIZE(36, 18);
+    long failed = 0, installs = 0, loads = 0, compared = 0;
+    tu_tmp_path(path, sizeof path, "fstep");
+    tu_tmp_path(spath, sizeof spath, "fstep_saved");
+    g_with_blocks = 0; /* the block cache is a cache: a failed step may have admitted blocks */
+    for (si = 0; si < 4; si++)
+        for (scoring = 0; scoring < 3; scoring++)
+            for (kind = 0; kind < 3; kind++) {
+                pqc_cache_desc cd = small_desc(3, 2, 4, 16);
+                pqc_cache *c = NULL, *ref = NULL;
+                pqc_engine e;
+                fstep_eng fe;
+                size_t pos = 300;
+                int step;
+                cd.n_sink = 4;
+                cd.budget_ratio = 0.2;
+                cd.rebuild_share = 0.05;
+                cd.split = splits[si];
+                if (scoring == 1) {
+                    cd.rerank = 1.5;
+                    cd.outliers = 4;
+                } else if (scoring == 2) {
+                    cd.residual_weight = 0.15;
+                }
+                eng_init(&e, &fe.en, 2, 4, 16);
+                e.user = &fe;
+                e.qkv = fstep_qkv;
+                e.attend = fstep_attend;
+                fe.c = NULL;
+                fe.installs_seen = 0;
+                ASSERT_EQ(PQC_SUCCESS, fstep_cache(kind, &cd, &e, path, &c));
+                ASSERT_EQ(PQC_SUCCESS, fstep_cache(kind, &cd, &e, path, &ref));
+                for (step = 0; step < steps; step++, pos++) {
+                    int at = step % 6, l;
+                    uint64_t before, after;
+                    pqc_result r;
+                    /* the failing step: qkv, then attend, at layer 0, 1, 2 in turn */
+                    fe.en.fail_qkv = at % 2 == 0 ? at / 2 : -1;
+                    fe.en.fail_attend = at % 2 == 1 ? at / 2 : -1;
+                    fe.c = c;
+                    before = observe(c, NULL);
+                    r = pqc_driver_decode(c, &e, pos);
+                    after = observe(c, NULL);
+                    if (r != PQC_ERROR_CALLBACK || before != after)
+                        FAILm(r != PQC_ERROR_CALLBACK ? "the step did not fail" : "a failed step left something behind");
+                    for (l = 0; l < 3; l++) ASSERT_EQ(pos, pqc_cache_tokens(c, l));
+                    failed++;
+                    if (step % 6 == 5) { /* a save after a failure loads, and saved, it loads the same */
+                        pqc_cache *m = NULL;
+                        ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(c, spath));
+                        ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, spath, &m));
+                        pqc_cache_destroy(m);
+                        ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(ref, spath)); /* (a save installs as a sync: both) */
+                        loads++;
+                    }
+                    /* then the step succeeds, on the cache and on its twin */
+                    fe.en.fail_qkv = fe.en.fail_attend = -1;
+                    fe.c = NULL;
+                    ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos));
+                    ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(ref, &e, pos));
+                    if (fold_sel(1, &c->dsel) != fold_sel(1, &ref->dsel)) FAILm("selections differ from the twin's");
+                    compared++;
+                }
+                g_with_times = 0;
+                if (observe(c, NULL) != observe(ref, NULL)) FAILm("the cache differs from its twin");
+                g_with_times = 1;
+                installs += fe.installs_seen;
+                pqc_cache_destroy(c);
+                pqc_cache_destroy(ref);
+            }
+    g_with_blocks = 1;
+    remove(path);
+    remove(spath);
+    ASSERT_GT(installs, failed / 20); /* the failing steps do install builds */
+    printf("    %ld failed steps (%ld with a build installed before the failure), %ld saves loaded, %ld steps compared\n",
+           failed, installs, loads, compared);
+    PASS();
+}
+
+/* pqc_cache_save changes a cache as pqc_cache_sync does, and nothing more: it installs
+   every finished build (waiting for those in flight), and the builds that fall due start
+   at its end. So a saved cache selects from then on what a twin synced at the same point
+   selects, and what the cache loaded from its file selects; a twin neither saved nor
+   synced installs the same builds at its next call instead, and where such a build
+   lowered the window (re-ranking, whose split is the adaptive one) that call still
+   selects with the former window: the saved cache's selections differ there, as
+   documented (the driver's prompt observed, rebuilds falling due every few steps,
+   builds on two workers). */
+TEST a_save_changes_a_cache_as_a_sync_does(void)
+{
+    pqc_cache_desc cd = small_desc(2, 2, 4, 16);
+    pqc_runtime *rt = tu_cpu_runtime(2);
+    pqc_cache *saved = NULL, *synced = NULL, *plain = NULL, *loaded = NULL;
+    pqc_engine e;
+    eng en;
+    char path[512];
+    size_t pos = 300;
+    int step, saves = 0, compared = 0, plain_differs = 0;
+    ASSERT(rt != NULL);
+    tu_tmp_path(path, sizeof path, "savesync");
+    cd.n_sink = 4;
+    cd.budget_ratio = 0.2;
+    cd.recent_share = 0.5;
+    cd.rebuild_share = 0.05;
+    cd.rerank = 1.5;
+    cd.split = PQC_SPLIT_COMPETE;
+    eng_init(&e, &en, 2, 4, 16);
+    en.peaks = 1;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &saved));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &synced));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &plain));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(saved, &e, 0, 300));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(synced, &e, 0, 300));
+    ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(plain, &e, 0, 300));
+    for (step = 0; step < 40; step++, pos++) {
+        if (step % 7 == 0) { /* saved, synced, and the file loaded (its own copy decodes on) */
+            pqc_cache_destroy(loaded);
+            loaded = NULL;
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(saved, path));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(synced));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(rt, &cd, path, &loaded));
+            saves++;
+        }
+        ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(saved, &e, pos));
+        ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(synced, &e, pos));
+        ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(plain, &e, pos));
+        if (fold_sel(1, &saved->dsel) != fold_sel(1, &synced->dsel)) FAILm("a saved cache selects otherwise than a synced one");
+        plain_differs += fold_sel(1, &saved->dsel) != fold_sel(1, &plain->dsel);
+        if (loaded) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(loaded, &e, pos));
+            if (fold_sel(1, &saved->dsel) != fold_sel(1, &loaded->dsel))
+                FAILm("a loaded cache selects otherwise than the saved one");
+        }
+        compared++;
+    }
+    ASSERT_EQ(6, saves);
+    ASSERT_GT(compared, 30);
+    ASSERT(pqc_cache_layer_window(saved, 0) < pqc_cache_window(saved)); /* a build lowered the window */
+    ASSERT_GT(plain_differs, 0);
+    {
+        pqc_layer_stats st;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(saved, 0, &st));
+        ASSERT_GT(st.rebuilds, 1); /* builds fell due and were installed along the way */
+    }
+    pqc_cache_destroy(loaded);
+    pqc_cache_destroy(saved);
+    pqc_cache_destroy(synced);
+    pqc_cache_destroy(plain);
+    pqc_runtime_destroy(rt);
+    remove(path);
+    PASS();
+}
+
 /* A prefill through the driver on a cache whose rows lie in two parts (a fork and its
    parent, a cache loaded by mapping its file) hands the engine every token's rows in one
    run per head, as documented: count[h] rows, row t the token t's. */
@@ -1573,6 +1802,8 @@ SUITE(contract)
     RUN_TEST(quantizer_file_damage_is_refused);
     RUN_TEST(loaded_calibration_sets_t_on_every_layer);
     RUN_TEST(failed_driver_calls_give_back_their_tokens);
+    RUN_TEST(failed_driver_steps_leave_nothing_behind);
+    RUN_TEST(a_save_changes_a_cache_as_a_sync_does);
     RUN_TEST(driver_prefill_views_hold_every_token_of_forks_and_loads);
     RUN_TEST(driver_refuses_layers_of_unequal_length);
     RUN_TEST(select_failing_on_a_worker_reports_its_message);

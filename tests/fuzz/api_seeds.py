@@ -311,6 +311,14 @@ def seeds():
         p.append().select()
     p.save_load().sel_init(slot=1).append(slot=1).select(slot=1).fetch(slot=1)
     s["load_rebuilding"] = p
+    # failed decode steps while rebuilds fall due (a share of 0.1, the inline runtime): a
+    # step whose append starts a build and whose select installs it, then fails at its
+    # attend callback, gives everything back; a save after it loads; re-ranking, outliers
+    p = P().create(layers=1, rebuild=2, rerank=1, outl=1, bits=1).driver_prefill(n=4)
+    for i in range(40):
+        p.driver_decode(attend_fail=bad(i % 2)).driver_decode()
+    p.save_load()
+    s["driver_failure_installs"] = p
     # the PQ core with interleaved rope bands
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     return s

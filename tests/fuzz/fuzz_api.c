@@ -977,6 +977,65 @@ static const char *fz_file(void)
     return fz_scratch_path("fuzz_api", "cache.pqc");
 }
 
+/* A save changes a cache as pqc_cache_sync does (it installs every finished build, and
+   the builds that fall due start at its end), and nothing more: two forks of the cache
+   take the same steps (an append to every layer, a select of each), one is saved and the
+   other synced after the second step, and they select alike at every step. */
+static void fz_check_save_as_sync(fz_state *S, fz_cache *P)
+{
+    const char *path = fz_file();
+    pqc_cache *tw[2] = { NULL, NULL };
+    pqc_selection sel[2];
+    float *q = NULL, *kv = NULL;
+    size_t n0 = pqc_cache_tokens(P->c, 0), qn = (size_t)P->Q * (size_t)P->D, kn = (size_t)P->H * (size_t)P->D, i;
+    int l, t, step, ok = 1, forked;
+    (void)S;
+    if (n0 == 0 || n0 + 4 > P->maxt || P->L > 4 || qn > 4096 || (double)P->L * (double)(n0 + 4) * P->H * P->D > 2e6)
+        return;
+    for (l = 0; l < P->L; l++)
+        if (pqc_cache_tokens(P->c, l) != n0 || !fz_layer_fits(P, n0 + 4)) return;
+    memset(sel, 0, sizeof sel);
+    q = (float *)fz_xalloc(sizeof(float) * qn);
+    kv = (float *)fz_xalloc(sizeof(float) * 2 * kn);
+    for (t = 0; t < 2 && ok; t++) /* (the fuzzer checks forks elsewhere: one refused ends the check) */
+        ok = pqc_cache_fork(P->c, &tw[t]) == PQC_SUCCESS && pqc_selection_init(tw[t], &sel[t]) == PQC_SUCCESS;
+    forked = ok;
+    for (step = 0; step < 4 && ok; step++) {
+        for (i = 0; i < 2 * kn; i++) kv[i] = 0.5f * (float)sin(1.3 * (double)i + 0.7 * (double)step + (double)n0);
+        for (i = 0; i < qn; i++) q[i] = (float)cos(0.9 * (double)i + 1.1 * (double)step);
+        for (l = 0; l < P->L && ok; l++) {
+            pqc_result ra, rb;
+            ra = pqc_cache_append(tw[0], l, kv, kv + kn);
+            rb = pqc_cache_append(tw[1], l, kv, kv + kn);
+            if (ra != PQC_SUCCESS || rb != PQC_SUCCESS) ok = 0;
+        }
+        if (ok && step == 1) {
+            pqc_result ra = pqc_cache_save(tw[0], path), rb = pqc_cache_sync(tw[1]);
+            remove(path);
+            if (ra != PQC_SUCCESS || rb != PQC_SUCCESS) ok = 0;
+        }
+        for (l = 0; l < P->L && ok; l++) {
+            size_t h;
+            if (pqc_cache_select(tw[0], l, q, &sel[0]) != PQC_SUCCESS || pqc_cache_select(tw[1], l, q, &sel[1]) != PQC_SUCCESS) {
+                ok = 0;
+                break;
+            }
+            for (h = 0; h < (size_t)P->H; h++)
+                if (sel[0].count[h] != sel[1].count[h] ||
+                    memcmp(sel[0].idx + h * sel[0].capacity, sel[1].idx + h * sel[1].capacity, sel[0].count[h] * sizeof(uint32_t)))
+                    fz_fail("a saved cache selects otherwise than its synced twin (step %d, layer %d, head %zu)", step, l, h);
+        }
+    }
+    /* the steps are valid calls: they fail only where an allocation was refused */
+    if (!ok && forked && fz_heap_failures() == 0) fz_fail("the twins of a saved cache failed a step: %s", pqc_last_error());
+    for (t = 0; t < 2; t++) {
+        pqc_selection_free(&sel[t]);
+        pqc_cache_destroy(tw[t]);
+    }
+    free(q);
+    free(kv);
+}
+
 /* a slot's cache saved and loaded into a slot (its own: the loaded cache is compared,
    then dropped again; another: the cache it replaces is destroyed first), on the host
    tier by mapping the file, which is unlinked at once (the mapping keeps the rows).
@@ -1037,6 +1096,7 @@ static void op_save_load(fz_state *S)
         pqc_selection_free(&b);
         free(q);
     }
+    fz_check_save_as_sync(S, P);
     fz_slot_put(C, P, out);
 }
 
@@ -1696,6 +1756,56 @@ static int fz_engine_clean(const fz_engine *E)
     return clean;
 }
 
+/* ----- a failed driver call: the counts it must leave, and a save that must load ----- */
+
+/* what each layer holds: tokens, coded and trained tokens, codebook generation and the
+   heads' code and outlier counts, folded into one value per layer */
+static uint64_t fz_layer_counts(const pqc_cache *c, int l)
+{
+    const pqc__layer *L = &c->layers[l];
+    uint64_t h = 0xcbf29ce484222325ull;
+    int hd;
+#define FZ_FOLD(x) (h = (h ^ (uint64_t)(x)) * 0x100000001B3ull)
+    FZ_FOLD(L->n_tokens);
+    FZ_FOLD(L->n_coded);
+    FZ_FOLD(L->n_trained);
+    FZ_FOLD(L->gen);
+    FZ_FOLD(pqc__layer_window_set(L));
+    for (hd = 0; hd < c->d.n_kv_heads; hd++) {
+        FZ_FOLD(L->heads[hd].codes.count);
+        FZ_FOLD(L->heads[hd].n_outliers);
+        FZ_FOLD(L->heads[hd].n_outliers_build);
+    }
+#undef FZ_FOLD
+    return h;
+}
+
+/* After a failed driver call: every layer's counts as before the call (counts[]), and a
+   save of the cache loads. */
+static void fz_check_driver_failure(fz_state *S, fz_cache *C, const uint64_t *counts, const char *call, pqc_result r)
+{
+    const char *path = fz_file();
+    pqc_cache *out = NULL;
+    pqc_result rs;
+    int l;
+    for (l = 0; l < C->L; l++)
+        if (fz_layer_counts(C->c, l) != counts[l])
+            fz_fail("failed %s (%d) changed the counts of layer %d (tokens %zu, coded %zu)", call, (int)r, l,
+                    C->c->layers[l].n_tokens, C->c->layers[l].n_coded);
+    if (pqc_cache_tokens(C->c, 0) == 0 || (double)C->L * (double)pqc_cache_tokens(C->c, 0) * C->H * C->D > 2e6) return;
+    fz_arm();
+    rs = fz_expect(pqc_cache_save(C->c, path), "pqc_cache_save after a failed driver call");
+    if (rs == PQC_SUCCESS) {
+        fz_arm();
+        rs = fz_expect(pqc_cache_load(C->rt_null ? NULL : S->rt, &C->d, path, &out), "pqc_cache_load after a failed driver call");
+        pqc_cache_destroy(out);
+    }
+    remove(path);
+    /* a file the cache wrote is never refused; anything else only where an allocation was */
+    if (rs == PQC_ERROR_BAD_FILE || rs == PQC_ERROR_BAD_SHAPE || (rs != PQC_SUCCESS && fz_heap_failures() == 0))
+        fz_fail("after failed %s (%d), a save of the cache did not load: %d (%s)", call, (int)r, (int)rs, pqc_last_error());
+}
+
 static void op_driver_prefill(fz_state *S)
 {
     static const size_t ns[] = {16, 1, 2, 64, 100, 40, 200, 33};
@@ -1704,6 +1814,7 @@ static void op_driver_prefill(fz_state *S)
     fz_cache *C = fz_pick_cache(S);
     unsigned pb = rd8(f);
     size_t n = PICK_Z(f, ns), pos0, per_tok, *before, l;
+    uint64_t *counts;
     fz_engine E;
     pqc_engine pe;
     int must_fail = 0, may_fail = 0, big = 0;
@@ -1738,6 +1849,8 @@ static void op_driver_prefill(fz_state *S)
         if (before[l] + n > C->maxt || before[l] != before[0]) may_fail = 1;
     }
     if (!fz_engine_clean(&E)) may_fail = 1;
+    counts = (uint64_t *)fz_xalloc((size_t)C->L * sizeof(uint64_t));
+    for (l = 0; l < (size_t)C->L; l++) counts[l] = fz_layer_counts(C->c, (int)l);
     E.pos0 = pos0;
     E.n = n;
     fz_arm();
@@ -1746,7 +1859,9 @@ static void op_driver_prefill(fz_state *S)
     if (r == PQC_SUCCESS)
         for (l = 0; l < (size_t)C->L; l++)
             if (pqc_cache_tokens(C->c, (int)l) != before[l] + n) fz_fail("pqc_driver_prefill: layer %zu tokens", l);
+    if (r != PQC_SUCCESS) fz_check_driver_failure(S, C, counts, "pqc_driver_prefill", r);
     fz_check_fit_finite(S, "pqc_driver_prefill");
+    free(counts);
     free(before);
     free(E.last_k);
 }
@@ -1757,6 +1872,7 @@ static void op_driver_decode(fz_state *S)
     fz_cache *C = fz_pick_cache(S);
     unsigned pb = rd8(f);
     size_t pos, *before, l;
+    uint64_t *counts;
     fz_engine E;
     pqc_engine pe;
     int must_fail = 0, may_fail = 0;
@@ -1784,6 +1900,8 @@ static void op_driver_decode(fz_state *S)
     }
     if ((double)C->maxt * C->H * 4.0 > (double)g_heap.limit_one) may_fail = 1; /* its selection */
     if (!fz_engine_clean(&E)) may_fail = 1;
+    counts = (uint64_t *)fz_xalloc((size_t)C->L * sizeof(uint64_t));
+    for (l = 0; l < (size_t)C->L; l++) counts[l] = fz_layer_counts(C->c, (int)l);
     E.pos0 = pos;
     E.n = 1;
     fz_arm();
@@ -1792,6 +1910,8 @@ static void op_driver_decode(fz_state *S)
     if (r == PQC_SUCCESS)
         for (l = 0; l < (size_t)C->L; l++)
             if (pqc_cache_tokens(C->c, (int)l) != before[l] + 1) fz_fail("pqc_driver_decode: layer %zu tokens", l);
+    if (r != PQC_SUCCESS) fz_check_driver_failure(S, C, counts, "pqc_driver_decode", r);
+    free(counts);
     free(before);
     free(E.last_k);
 }
