@@ -241,7 +241,10 @@ test-python: $(DEPS_test-python)
 # alongside everything else, then runs the group (tests/run_group.sh).
 TEST_GROUPS := test-cuda-emu test-tsan test-asan test-example-san test-fuzz test-variants test-core test-aarch64 tiny_llama_test \
                test-mpi test-transformers test-compile test-nvrtc test-python test-harness test-header
+# (tools/setup.sh first: it installs what the groups need and is missing, once, and where it
+# cannot, it says what is missing and make test stops before running anything)
 test:
+	@sh tools/setup.sh || { echo "make test: stopped before running any test: install what is missing (above)" >&2; exit 1; }
 	@MAKE="$(MAKE)" sh tests/run_all.sh $(TEST_GROUPS)
 
 
