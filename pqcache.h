@@ -808,6 +808,28 @@ PQCDEF void pqc_selection_free(pqc_selection *sel);
    growth of its coded tokens (within pqc_driver_decode and pqc_batch_select: once the
    whole call succeeded). */
 PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_selection *sel);
+/* A diagnostic view of one KV head's part in a select of this layer with queries q,
+   without selecting: plan gets the head's share of the step (its top-k among the coded
+   tokens, its candidates scored exactly when the cache re-ranks or keeps outlier lists,
+   the window, the sinks, the coded tokens); scores, when not NULL, the score the PQ
+   search ranks each coded token by (scores[i] for the mid token n_sink + i: softmax-sum
+   over the head's query heads with the normaliser taken over the coded tokens, or their
+   plain sum under PQC_GQA_SUM; residual scoring's bound added where on), room for cap of
+   them (PQC_ERROR_CAPACITY below plan.coded). Where the layer has no codebook yet,
+   scores is left as it is. Like a select it first installs a finished build and codes
+   the tokens that left the window; it changes nothing else (no statistics, no drift). */
+typedef struct pqc_head_plan {
+    size_t tokens;     /* the layer's tokens                                           */
+    size_t sinks;      /* sink tokens                                                  */
+    size_t window;     /* the recent window (under PQC_SPLIT_COMPETE its tokens but
+                          the last 16 compete with the coded ones for the top-k)       */
+    size_t coded;      /* coded mid tokens: scores[0 .. coded)                         */
+    size_t take;       /* this head's top-k among them this step                       */
+    size_t candidates; /* the PQ candidates scored again exactly (re-ranking, outlier
+                          lists), else take                                            */
+} pqc_head_plan;
+PQCDEF pqc_result pqc_cache_head_plan(pqc_cache *c, int layer, const float *q, int head, pqc_head_plan *plan,
+                                      float *scores, size_t cap);
 /* Gathers the selected K/V through the block cache. The blocks holding the most selected
    tokens are admitted first (see the admission rule in docs/usage.md), so that they serve
    this step's gather. A fetch of 64 MB or more of rows writes the heads' rows that start
@@ -9965,6 +9987,53 @@ PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_
     if (!c) return pqc__select_impl(c, layer, q, sel, 1);
     pqc__call_begin(c);
     return pqc__call_end(c, pqc__select_impl(c, layer, q, sel, 1));
+}
+
+static pqc_result pqc__head_plan(pqc_cache *c, int layer, const float *q, int head, pqc_head_plan *plan, float *scores,
+                                 size_t cap)
+{
+    pqc__plan p;
+    pqc__layer *L;
+    pqc__head *H;
+    pqc_result r;
+    if ((r = pqc__step_check(c, layer, q, "pqc_cache_head_plan")) != PQC_SUCCESS) return r;
+    if (!plan) return pqc__cfail(c, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_head_plan: null plan");
+    if (head < 0 || head >= c->d.n_kv_heads)
+        return pqc__cfail(c, PQC_ERROR_OUT_OF_RANGE, "pqc_cache_head_plan: head %d not in 0..%d", head, c->d.n_kv_heads - 1);
+    if ((r = pqc__plan_step(c, layer, &p)) != PQC_SUCCESS) return r;
+    L = &c->layers[layer];
+    H = &L->heads[head];
+    if (scores && L->n_coded > 0 && H->pq.m != 0) {
+        pqc_search_desc sd;
+        if (cap < L->n_coded)
+            r = pqc__cfail(c, PQC_ERROR_CAPACITY, "pqc_cache_head_plan: %zu coded tokens, room for %zu scores", L->n_coded,
+                           cap);
+        memset(&sd, 0, sizeof sd);
+        sd.gqa = c->sp.gqa;
+        pqc__residual_desc(c, H, &sd);
+        if (r == PQC_SUCCESS)
+            r = pqc_pq_scores(c->rt, &H->pq, &H->codes, q + (size_t)head * (size_t)c->g * (size_t)c->d.head_dim, c->g,
+                              &sd, NULL, scores);
+        if (r != PQC_SUCCESS) {
+            pqc__codes_truncate(c, layer, p.coded0); /* as it was (an install is undone at the call's end) */
+            return r;
+        }
+    }
+    plan->tokens = p.n;
+    plan->sinks = pqc__sink_end(c, p.n);
+    plan->window = p.n - pqc__mid_end(c, L, p.n);
+    plan->coded = L->n_coded;
+    plan->take = c->takes[head];
+    plan->candidates = p.exact ? c->cands[head] : plan->take;
+    return PQC_SUCCESS;
+}
+
+PQCDEF pqc_result pqc_cache_head_plan(pqc_cache *c, int layer, const float *q, int head, pqc_head_plan *plan,
+                                      float *scores, size_t cap)
+{
+    if (!c) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_head_plan: null cache");
+    pqc__call_begin(c);
+    return pqc__call_end(c, pqc__head_plan(c, layer, q, head, plan, scores, cap));
 }
 
 /* ---------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ size_t pqcpy_sizeof(const char *name)
     PQCPY_SIZE(pqc_cache_desc);
     PQCPY_SIZE(pqc_kv_device);
     PQCPY_SIZE(pqc_layer_stats);
+    PQCPY_SIZE(pqc_head_plan);
     PQCPY_SIZE(pqc_selection);
     PQCPY_SIZE(pqc_kv_out);
     PQCPY_SIZE(pqc_kv_view);

@@ -167,6 +167,11 @@ class pqc_layer_stats(Structure):
                 ("wait_s", c_double), ("device_waits", c_uint64)]
 
 
+class pqc_head_plan(Structure):
+    _fields_ = [("tokens", c_size_t), ("sinks", c_size_t), ("window", c_size_t), ("coded", c_size_t),
+                ("take", c_size_t), ("candidates", c_size_t)]
+
+
 class pqc_selection(Structure):
     _fields_ = [("n_kv_heads", c_int), ("capacity", c_size_t), ("count", POINTER(c_size_t)),
                 ("idx", POINTER(c_uint32)), ("alloc", pqc_allocator), ("owned", c_int)]
@@ -201,7 +206,8 @@ class pqc_cuda_info(Structure):
 
 STRUCTS = [pqc_allocator, pqc_matrix, pqc_runtime_desc, pqc_pq_desc, pqc_pq, pqc_codes, pqc_scratch,
            pqc_search_desc, pqc_scheduler_desc, pqc_scheduler_fit, pqc_backend_i, pqc_backend, pqc_cache_desc,
-           pqc_kv_device, pqc_layer_stats, pqc_selection, pqc_kv_out, pqc_kv_view, pqc_engine, pqc_cuda_info]
+           pqc_kv_device, pqc_layer_stats, pqc_head_plan, pqc_selection, pqc_kv_out, pqc_kv_view, pqc_engine,
+           pqc_cuda_info]
 
 # ----- the library ----------------------------------------------------------------------
 
@@ -279,6 +285,7 @@ _PROTOTYPES = {
     "pqc_cache_window": (c_int, [_P]),
     "pqc_cache_layer_window": (c_int, [_P, c_int]),
     "pqc_cache_stats": (_R, [_P, c_int, POINTER(pqc_layer_stats)]),
+    "pqc_cache_head_plan": (_R, [_P, c_int, _P, c_int, POINTER(pqc_head_plan), _P, c_size_t]),
     "pqc_cache_memory": (None, [_P, POINTER(c_size_t), POINTER(c_size_t)]),
     "pqc_cache_kv": (_R, [_P, c_int, c_int, POINTER(c_void_p), POINTER(c_void_p), POINTER(c_size_t),
                           POINTER(c_int)]),
@@ -1381,6 +1388,24 @@ class Cache(_Handle):
         s, w = c_double(), c_double()
         _check(lib.pqc_cache_observed_mass(self._ptr, layer, head, byref(s), byref(w)), "Cache.observed_mass")
         return s.value, w.value
+
+    @_locked
+    def head_plan(self, layer, q, head):
+        """One KV head's part in a select of this layer with queries q ((n_q_heads, head_dim)),
+        without selecting (pqc_cache_head_plan): (plan, scores), plan a dict (tokens, sinks,
+        window, coded, take, candidates), scores the PQ score the search ranks each coded
+        token by (float32, plan["coded"] of them; token n_sink + i for scores[i]; empty
+        before the layer's first build)."""
+        layer, head = self._layer(layer), self._head(head)
+        q = _f32(q, self._q_shapes[0], "queries")
+        plan = pqc_head_plan()
+        _check(lib.pqc_cache_head_plan(self._ptr, layer, _addr(q, "queries"), head, byref(plan), None, 0),
+               "Cache.head_plan")
+        scores = np.zeros(plan.coded, dtype=_F32)
+        if plan.coded:
+            _check(lib.pqc_cache_head_plan(self._ptr, layer, _addr(q, "queries"), head, byref(plan),
+                                           _addr(scores, "scores"), plan.coded), "Cache.head_plan")
+        return {name: getattr(plan, name) for name, _ in pqc_head_plan._fields_}, scores
 
     @_locked
     def report_compute(self, layer, tokens, seconds):

@@ -659,6 +659,21 @@ def test_observations_measure_attention(rt):
         cache.observe(0, rng.standard_normal((8, 2, 16)))
 
 
+def test_head_plan_shows_what_a_select_ranks_by(rt):
+    cache, k, v = make_cache(rt, n=2000, split="fixed", n_sink=4)
+    q = np.random.default_rng(3).standard_normal((4, 32)).astype(np.float32)
+    plan, scores = cache.head_plan(0, q, 1)
+    assert plan["tokens"] == 2000 and plan["sinks"] == 4
+    assert plan["coded"] == 2000 - 4 - plan["window"] == len(scores)
+    sel = cache.select(0, q)
+    coded = [t for t in sel[1] if 4 <= t < 4 + plan["coded"]]
+    assert len(coded) == plan["take"] == plan["candidates"]
+    # the coded tokens taken are the best by those scores
+    assert min(scores[np.array(coded) - 4]) >= np.sort(scores)[::-1][plan["take"] - 1]
+    with pytest.raises(pqc.PQCacheError):
+        cache.head_plan(0, q, 2)
+
+
 def test_time_select_times_the_c_call(rt):
     cache, _, _ = make_cache(rt, n=1000)
     sel = cache.selection()

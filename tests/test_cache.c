@@ -67,6 +67,86 @@ TEST sinks_and_window_always_selected(void)
     PASS();
 }
 
+/* pqc_cache_head_plan shows what a select ranks by: with the even split the head's
+   top-k, sinks and window add up to its selection, and the coded tokens it selects are
+   the top-k of the scores it returns; with the observed split the heads' takes add up
+   to the layer's; with re-ranking the candidates are
+   ceil(1.5 x take). A short score buffer, a head out of range or a NaN query are refused
+   and change nothing. */
+TEST head_plan_shows_the_scores_and_shares_a_select_uses(void)
+{
+    static const pqc_split splits[] = { PQC_SPLIT_FIXED, PQC_SPLIT_COMPETE };
+    pqc_runtime *rt = tu_cpu_runtime(1);
+    float *k = tu_normal_rows(&g_rng, 800, 32), *v = tu_normal_rows(&g_rng, 800, 32), q[64], qo[8 * 64];
+    float *sc = (float *)malloc(800 * sizeof(float));
+    int si, h, i;
+    for (i = 0; i < 8 * 64; i++) qo[i] = tu_normal(&g_rng) * ((i % 32) < 16 ? 1.0f : 0.1f);
+    for (si = 0; si < 3; si++) {
+        pqc_cache_desc cd = tu_cache_desc(1, 2, 4, 16);
+        pqc_cache *c;
+        pqc_selection sel;
+        pqc_head_plan pl[2];
+        size_t total = 0;
+        cd.n_sink = 4;
+        cd.split = splits[si % 2];
+        if (si == 2) cd.rerank = 1.5;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, qo, 8));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, 800, 32));
+        ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
+        for (i = 0; i < 64; i++) q[i] = tu_normal(&g_rng);
+        for (h = 0; h < 2; h++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_head_plan(c, 0, q, h, &pl[h], sc, 800));
+            ASSERT_EQ((size_t)800, pl[h].tokens);
+            ASSERT_EQ((size_t)4, pl[h].sinks);
+            ASSERT_EQ(pl[h].tokens - pl[h].sinks - pl[h].window, pl[h].coded); /* every mid token coded */
+            ASSERT(pl[h].take > 0 && pl[h].take < pl[h].coded);
+            total += pl[h].take;
+            ASSERT_EQ(si == 2 ? (size_t)ceil(1.5 * (double)pl[h].take) : pl[h].take, pl[h].candidates);
+        }
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
+        if (si == 0) {
+            for (h = 0; h < 2; h++) { /* the head's coded tokens: the top-k of its scores */
+                const uint32_t *ix = sel.idx + h * sel.capacity;
+                size_t j, n = 0, above = 0;
+                float worst = INFINITY;
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_head_plan(c, 0, q, h, &pl[h], sc, 800));
+                ASSERT_EQ(pl[h].sinks + pl[h].take + pl[h].window, sel.count[h]);
+                for (j = 0; j < sel.count[h]; j++)
+                    if (ix[j] >= 4 && ix[j] < 4 + pl[h].coded) {
+                        n++;
+                        if (sc[ix[j] - 4] < worst) worst = sc[ix[j] - 4];
+                    }
+                ASSERT_EQ(pl[h].take, n);
+                for (j = 0; j < pl[h].coded; j++) above += sc[j] > worst;
+                ASSERT(above < pl[h].take); /* nothing left out scores above what was taken */
+            }
+            ASSERT_EQ(pl[0].take, pl[1].take);
+        } else {
+            size_t even = (size_t)floor(0.1 * (800.0 - 4.0)) - pl[0].window; /* the budget less the window */
+            ASSERT_IN_RANGE(2 * even, total, 2);                             /* shared, not grown */
+        }
+        { /* refusals change nothing */
+            pqc_head_plan same = pl[0];
+            uint64_t before = (uint64_t)c->layers[0].n_coded * 1000003u + c->layers[0].st.selects;
+            ASSERT_EQ(PQC_ERROR_CAPACITY, pqc_cache_head_plan(c, 0, q, 0, &pl[0], sc, 10));
+            ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_head_plan(c, 0, q, 2, &pl[0], sc, 800));
+            q[3] = NAN;
+            ASSERT_EQ(PQC_ERROR_NON_FINITE, pqc_cache_head_plan(c, 0, q, 0, &pl[0], sc, 800));
+            ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_head_plan(NULL, 0, q, 0, &pl[0], sc, 800));
+            ASSERT_MEM_EQ(&same, &pl[0], sizeof same);
+            ASSERT_EQ(before, (uint64_t)c->layers[0].n_coded * 1000003u + c->layers[0].st.selects);
+        }
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+    }
+    pqc_runtime_destroy(rt);
+    free(sc);
+    free(k);
+    free(v);
+    PASS();
+}
+
 TEST needle_found_after_thousands_of_appends(void)
 {
     pqc_runtime *rt = tu_cpu_runtime(1);
@@ -2110,6 +2190,7 @@ TEST loaded_cache_maps_its_file(void)
 SUITE(cache)
 {
     RUN_TEST(forks_decode_like_unshared_caches);
+    RUN_TEST(head_plan_shows_the_scores_and_shares_a_select_uses);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring);
     RUN_TEST(forks_decode_like_unshared_caches_exact_scoring_odd_rows);
     RUN_TEST(decode_steps_without_allocating_default);
