@@ -8,14 +8,18 @@
 or register the backend yourself (pqcache_hf.register()) and pass
 attn_implementation="pqcache" to from_pretrained / from_config. Supported: the
 decoder-only models whose attention goes through transformers' attention-function
-registry and whose keys are rotated with rotate_half (Llama, Mistral, Qwen2 and their
-relatives); greedy or sampled generate() with one sequence or a batch of unpadded ones
-(one pqcache cache per sequence).
+registry and whose keys are rotated with rotate_half (Llama, Mistral, Qwen2, Gemma 3 and
+their relatives); greedy or sampled generate() with one sequence or a batch of unpadded
+ones (one pqcache cache per sequence). Hybrid models (Gemma 2 and 3's layer_types,
+Qwen2's use_sliding_window, Mistral's sliding_window): the sliding-window layers keep
+transformers' own sliding cache layers, mask and SDPA attention; pqcache serves the
+full-attention layers, one pqcache cache over just those (PQCacheHF.pq_layer maps a
+model layer to its pqcache layer).
 
 What happens: the prompt's forward pass observes each layer's last queries
 (`observe` settings: the library's default 32), stores its keys and values in the
-sequence's pqcache cache (every layer, every KV head; the layer's PQ build starts in the
-background) and attends densely and causally over the prompt, as the model would. Each
+sequence's pqcache cache (every full-attention layer, every KV head; the layer's PQ
+build starts in the background) and attends densely and causally over the prompt, as the model would. Each
 decode step appends the new token's key and value, selects sinks + top-k + window
 per KV head with the step's queries, gathers the selected rows and attends over them.
 The settings of cache_for are pqcache.Cache's (budget_ratio, m, bits, ...); the shape
@@ -27,8 +31,8 @@ cache holds and causally among its own, then its tokens join the cache as decode
 do (appended; the codes follow through the cache's rebuilds).
 
 Not supported (a clear error says so): a padded batch (an attention mask with zeros),
-beam search, a model whose layers do not all use full attention, a cache used with a
-different model.
+beam search, layer types other than full and sliding-window attention, a cache used with
+a different model.
 """
 import copy
 import threading
@@ -38,7 +42,8 @@ import numpy as np
 import torch
 import transformers
 import transformers.masking_utils
-from transformers.cache_utils import Cache as _HFCache, CacheLayerMixin
+from transformers.cache_utils import Cache as _HFCache, CacheLayerMixin, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import pqcache
 
@@ -59,12 +64,30 @@ def _model_shape(config):
         hd = int(getattr(config, "head_dim", None) or config.hidden_size // hq)
     except (AttributeError, TypeError) as e:
         raise PQCacheError("pqcache backend: the model's config has no decoder shape (%s)" % e) from None
-    kinds = getattr(config, "layer_types", None)
-    if kinds and any(k != "full_attention" for k in kinds):
-        raise PQCacheError("pqcache backend: layer_types %s: every layer must use full attention" % sorted(set(kinds)))
-    if getattr(config, "use_sliding_window", False):
-        raise PQCacheError("pqcache backend: sliding-window attention is not supported")
     return layers, hq, hkv, hd
+
+
+def _layer_kinds(config):
+    """("full" or "sliding" per layer, the sliding window or None): layer_types where the
+    config has them (Gemma 2 and 3, Qwen2 with use_sliding_window), else every layer
+    sliding where it has a sliding_window (Mistral's), else every layer full"""
+    config = getattr(config, "get_text_config", lambda: config)()
+    layers = _model_shape(config)[0]
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise PQCacheError("pqcache backend: layer_types %s: only full_attention and sliding_attention layers "
+                               "are supported" % unknown)
+        kinds = ["sliding" if t == "sliding_attention" else "full" for t in types]
+    else:
+        kinds = ["sliding" if window else "full"] * layers
+    if len(kinds) != layers:
+        raise PQCacheError("pqcache backend: %d layer_types for %d layers" % (len(kinds), layers))
+    if "sliding" in kinds and not (isinstance(window, int) and window > 0):
+        raise PQCacheError("pqcache backend: sliding-window layers without a sliding_window (%r)" % (window,))
+    return kinds, (window if "sliding" in kinds else None)
 
 
 class _Layer(CacheLayerMixin):
@@ -103,13 +126,21 @@ class _Layer(CacheLayerMixin):
 
 
 class PQCacheHF(_HFCache):
-    """A transformers Cache whose keys and values live in pqcache caches, one per sequence
-    of the batch (made at the prompt, when the batch size is known). Made by cache_for()."""
+    """A transformers Cache whose full-attention layers keep their keys and values in
+    pqcache caches, one per sequence of the batch (made at the prompt, when the batch size
+    is known), over those layers only; sliding-window layers keep transformers' own
+    sliding cache layers and attention. Made by cache_for()."""
 
     def __init__(self, config, runtime=None, **settings):
         self.shape = _model_shape(config)
-        layers = self.shape[0]
-        super().__init__(layers=[_Layer() for _ in range(layers)])
+        self.kinds, window = _layer_kinds(config)
+        # model layer -> the pqcache caches' layer, for the full-attention layers
+        self.pq_layer = {}
+        for layer, kind in enumerate(self.kinds):
+            if kind == "full":
+                self.pq_layer[layer] = len(self.pq_layer)
+        super().__init__(layers=[_Layer() if kind == "full" else DynamicSlidingWindowLayer(sliding_window=window)
+                                 for kind in self.kinds])
         self.runtime = runtime
         self.settings = dict(settings)
         self.caches = []           # pqcache.Cache per sequence
@@ -130,7 +161,7 @@ class PQCacheHF(_HFCache):
             raise PQCacheError("pqcache backend: keys of %d heads of %d, the cache was made for %d of %d "
                                "(a cache is for one model)" % (hkv, hd, mkv, mhd))
         if not self.caches:
-            s = dict(n_layers=layers, n_q_heads=hq, n_kv_heads=hkv, head_dim=hd, rope="half")
+            s = dict(n_layers=len(self.pq_layer), n_q_heads=hq, n_kv_heads=hkv, head_dim=hd, rope="half")
             s.update(self.settings)
             self.caches = [pqcache.Cache(self.runtime, **s) for _ in range(batch)]
             self._sels = [c.selection() for c in self.caches]
@@ -219,13 +250,17 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
     if not isinstance(cache, PQCacheHF):
         raise PQCacheError("pqcache backend: no pqcache cache for this forward pass; pass "
                            "cache=pqcache_hf.cache_for(model) to generate() or to the model")
-    if attention_mask is not None and torch.is_tensor(attention_mask) and attention_mask.dtype == torch.bool \
-            and not bool(attention_mask.all()):
-        raise PQCacheError("pqcache backend: a padded batch is not supported (one sequence, or unpadded ones)")
     layer = int(module.layer_idx)
     if cache._modules.setdefault(layer, id(module)) != id(module):
         raise PQCacheError("pqcache backend: this cache holds another model's layer %d (a cache is for one model "
                            "and its conversation; make a new one with cache_for(model))" % layer)
+    if layer not in cache.pq_layer:   # a sliding-window layer: transformers' own cache layer and attention
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    layer = cache.pq_layer[layer]     # the pqcache caches' layer
+    if attention_mask is not None and torch.is_tensor(attention_mask) and attention_mask.dtype == torch.bool \
+            and not bool(attention_mask.all()):
+        raise PQCacheError("pqcache backend: a padded batch is not supported (one sequence, or unpadded ones)")
     B, hq, T, D = query.shape
     hkv = key.shape[1]
     g = hq // hkv
@@ -262,11 +297,18 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def pqcache_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
                  **kwargs):
-    """The mask function registered as "pqcache": none (the prompt attends causally and a decode step over
-    its selection); a padded batch is refused here, where the padding mask is still in sight."""
+    """The mask function registered as "pqcache": none for the full-attention layers (the prompt attends
+    causally and a decode step over its selection); a sliding-window layer's (transformers passes its
+    window as local_size) is transformers' own SDPA mask. A padded batch is refused here, where the padding
+    mask is still in sight."""
     if attention_mask is not None and torch.is_tensor(attention_mask) and not bool(attention_mask.bool().all()):
         raise PQCacheError("pqcache backend: a padded batch is not supported (one sequence, or unpadded ones "
                            "of equal length)")
+    if kwargs.get("local_size") is not None:
+        if mask_function is not None:
+            kwargs["mask_function"] = mask_function
+        return transformers.masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                                    attention_mask=attention_mask, **kwargs)
     return None
 
 

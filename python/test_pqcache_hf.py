@@ -30,6 +30,14 @@ ARCHS = {
     "llama": (transformers.LlamaConfig, dict(rope_theta=500000.0)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, num_key_value_heads=1)),
     "qwen2": (transformers.Qwen2Config, dict(rope_theta=1e6)),
+    # hybrid models: sliding-window layers stay transformers' own, the full ones are pqcache's
+    "gemma3": (transformers.Gemma3TextConfig, dict(num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=16,
+                                                   sliding_window=24, pad_token_id=None, eos_token_id=None,
+                                                   layer_types=["sliding_attention", "full_attention",
+                                                                "sliding_attention", "full_attention"])),
+    "mistral-sliding": (transformers.MistralConfig, dict(sliding_window=32)),
+    "qwen2-sliding": (transformers.Qwen2Config, dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=32,
+                                                     max_window_layers=1)),
 }
 
 
@@ -71,7 +79,7 @@ def test_covering_budget_generates_what_eager_attention_does(arch):
     assert err < 1e-4
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_a_second_turn_continues_the_conversation(arch):
     """generate() again on the same cache with the conversation so far and a new prompt:
     the new prompt attends to everything before it, its tokens join the cache, and the

@@ -26,16 +26,17 @@ from test_hf import rel_err, run  # noqa: E402  (the engine's runner, TINY_LLAMA
 from test_transformers import need_torch  # noqa: E402
 
 MODEL = os.path.join(ROOT, "build", "models", "smollm2-135m-instruct")
+GEMMA = os.path.join(ROOT, "build", "models", "gemma3-270m")
 # the needle: 2K tokens of the licenses, the chat form, at half depth (full attention
 # retrieves it; bench_real's grid has the rest)
 NEEDLE = dict(half="tune", length=2048, depth=0.5, key=71432)
 
 
-def need_model():
+def need_model(path=MODEL):
     need_torch()
-    if not os.path.exists(os.path.join(MODEL, "MODEL_OK")):
+    if not os.path.exists(os.path.join(path, "MODEL_OK")):
         if os.environ.get("PQC_REQUIRE_TORCH") == "1":
-            pytest.fail("%s is missing: run sh tools/setup.sh" % MODEL)
+            pytest.fail("%s is missing: run sh tools/setup.sh" % path)
         pytest.skip("the real models are not there (tools/setup.sh fetches them)")
 
 
@@ -115,3 +116,32 @@ def test_transformers_backend_default_retrieves_the_needle(tok, needle):
     text = tok.decode(out[0, len(needle):])
     print("transformers + pqcache at budget 0.1: %r" % text)
     assert str(NEEDLE["key"]) in text.replace(" ", ""), text
+
+
+def test_gemma3_through_the_transformers_backend_is_eager_attention_at_a_covering_budget():
+    """Gemma 3 270M, a hybrid model: its sliding-window layers keep transformers' own cache
+    and attention, its three global layers are pqcache's; at a budget that covers the
+    sequence, greedy tokens and logits are those of transformers' eager attention over
+    1,200 tokens of real prose (beyond the 512-token window)."""
+    need_model(GEMMA)
+    import torch
+    import transformers
+    import pqcache_hf
+    tok = transformers.AutoTokenizer.from_pretrained(GEMMA)
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        ids = torch.tensor([tok(f.read())["input_ids"][:1200]])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(GEMMA, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    pq = pqcache_hf.from_pretrained(GEMMA, dtype=torch.float32).eval()
+    cache = pqcache_hf.cache_for(pq, budget_ratio=1.0)
+    with torch.no_grad():
+        want = ref.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+        got = pq.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                          cache=cache)
+    assert got.sequences.tolist() == want.sequences.tolist()
+    sw, sg = torch.stack(want.scores, 1), torch.stack(got.scores, 1)
+    err = float((sw - sg).abs().max() / sw.abs().max())
+    print("Gemma 3 270M, covering budget: largest logit difference %.2g of the largest logit" % err)
+    assert err < 1e-4
+    assert sorted(cache.pq_layer) == [5, 11, 17]                       # the global layers
+    assert cache.caches[0].tokens(0) == 1200 + 6 - 1
