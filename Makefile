@@ -16,7 +16,7 @@ TSAN    := -fsanitize=thread
 # under the sanitizers (clang's -Og is its -O1)
 SANOPT  := -Og
 
-.PHONY: all run test test-long coverage bench clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
+.PHONY: all run test test-long coverage bench bench-real clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
 LIBTESTS := core cache contract fidelity golden kernels
@@ -356,6 +356,14 @@ BENCH_TF_ARGS ?=
 bench-transformers: $(LIB)
 	@py=$$(sh tests/transformers_env.sh --check) && PQCACHE_LIB=$(CURDIR)/$(LIB) PYTHONPATH=python \
 	  $$py bench/bench_transformers.py $(BENCH_TF_ARGS)
+
+# real models and real text against full attention: the needle grid, teacher-forced NLL
+# and attention mass, both halves (the models and torch from tools/setup.sh; about an hour
+# on 2 cores; BENCH_REAL_ARGS=--quick for a smoke run). Figures in build/bench_real/.
+BENCH_REAL_ARGS ?=
+bench-real: $(LIB)
+	@sh tools/setup.sh && py=$$(sh tests/transformers_env.sh --check) && \
+	  PQCACHE_LIB=$(CURDIR)/$(LIB) TQDM_DISABLE=1 TRANSFORMERS_VERBOSITY=error $$py bench/bench_real.py $(BENCH_REAL_ARGS)
 
 bench: bench-pq bench-cache bench-python bench-hf
 include tests/fuzz/fuzz.mk
