@@ -817,7 +817,9 @@ PQCDEF pqc_result pqc_cache_select(pqc_cache *c, int layer, const float *q, pqc_
    plain sum under PQC_GQA_SUM; residual scoring's bound added where on), room for cap of
    them (PQC_ERROR_CAPACITY below plan.coded). Where the layer has no codebook yet,
    scores is left as it is. Like a select it first installs a finished build and codes
-   the tokens that left the window; it changes nothing else (no statistics, no drift). */
+   the tokens that left the window; it changes nothing else (no statistics, no drift).
+   Call it before the select it is to explain: a select whose queries drifted from the
+   observed ones may start a rebuild, which the next call (this one too) installs. */
 typedef struct pqc_head_plan {
     size_t tokens;     /* the layer's tokens                                           */
     size_t sinks;      /* sink tokens                                                  */

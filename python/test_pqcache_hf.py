@@ -212,10 +212,10 @@ def test_misuse_raises_clear_errors():
     mask[1, :5] = 0
     with pytest.raises(pqcache_hf.PQCacheError, match="padded"):
         greedy(pq, ids.repeat(2, 1), 2, attention_mask=mask, cache=pqcache_hf.cache_for(pq))
-    sliding = transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
-                                       use_sliding_window=True, sliding_window=16, max_window_layers=0)
-    with pytest.raises(pqcache_hf.PQCacheError, match="full attention|sliding"):
-        pqcache_hf.PQCacheHF(sliding)
+    chunked = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
+    chunked.layer_types = ["full_attention", "chunked_attention"]   # (Llama 4's): not supported
+    with pytest.raises(pqcache_hf.PQCacheError, match="chunked_attention"):
+        pqcache_hf.PQCacheHF(chunked)
 
 
 def test_readme_example_runs(tmp_path):
