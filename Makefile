@@ -358,8 +358,9 @@ bench-transformers: $(LIB)
 	  $$py bench/bench_transformers.py $(BENCH_TF_ARGS)
 
 # real models and real text against full attention: the needle grid, teacher-forced NLL
-# and attention mass, both halves (the models and torch from tools/setup.sh; about an hour
-# on 2 cores; BENCH_REAL_ARGS=--quick for a smoke run). Figures in build/bench_real/.
+# and attention mass, both halves (the models and torch from tools/setup.sh; about two
+# hours on 2 cores; BENCH_REAL_ARGS=--quick for a smoke run, "--half report" for the
+# reported half, "--model gemma3" for Gemma 3). Figures in build/bench_real/.
 BENCH_REAL_ARGS ?=
 bench-real: $(LIB)
 	@sh tools/setup.sh && py=$$(sh tests/transformers_env.sh --check) && \

@@ -22,8 +22,8 @@ that covers it (dense attention over the prompt, as every method has it); its ke
 values and last queries are captured, and each method gets a cache of its own filled
 from them (observe, prefill), then decodes greedily (needles) or teacher-forced (nll).
 
-usage: bench_real.py [--model smollm2] [--half tune|report|both] [--quick] [--out DIR]
-       [--methods a,b,...] [--parts needles,nll,mass]
+usage: bench_real.py [--model smollm2|gemma3] [--half tune|report|both] [--quick] [--out DIR]
+       [--methods a,b,...] [--parts needles,nll,mass] [--lengths 2048,...] [--depths 0.1,...]
 """
 import argparse
 import json
@@ -65,7 +65,10 @@ METHODS = {
     "l2": (dict(budget_ratio=BUDGET, metric="l2"), True),
     "even-l2": (dict(budget_ratio=BUDGET, split="fixed_compete", metric="l2"), True),
 }
-DEFAULT_METHODS = ["full", "default", "oracle", "window", "previous", "no-observe", "rerank2.5"]
+# the methods each part runs unless --methods says otherwise (full attention always)
+PART_METHODS = {"needles": ["default", "oracle", "window", "previous"],
+                "nll": ["default", "oracle", "window", "previous", "rerank1.5", "rerank2.5"],
+                "mass": ["default", "oracle", "window", "previous", "rerank1.5", "rerank2.5"]}
 
 HALVES = {
     "tune": dict(haystack="licenses", form="chat", passkeys=[71432, 58209, 90317]),
@@ -390,7 +393,7 @@ def summary(rows, methods):
             scored = [cl for cl in cells if any(r["retrieved"] for r in nr if r["method"] == "full" and
                                                 (r["length"], r["depth"], r["key"]) == cl)]
             lines.append("needles, %s half: %d cells, %d scored (full attention retrieves)" % (half, len(cells), len(scored)))
-            for m in methods:
+            for m in [m for m in methods if any(r["method"] == m for r in nr)]:
                 got = sum(1 for r in nr if r["method"] == m and r["retrieved"] and (r["length"], r["depth"], r["key"]) in scored)
                 missed = sorted((r["length"], r["depth"]) for r in nr if r["method"] == m and not r["retrieved"] and
                                 (r["length"], r["depth"], r["key"]) in scored)
@@ -418,7 +421,8 @@ def main():
     ap.add_argument("--models-dir", default=os.path.join(ROOT, "build", "models"))
     ap.add_argument("--half", default="both", choices=["tune", "report", "both"])
     ap.add_argument("--parts", default="needles,nll,mass")
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    ap.add_argument("--methods", default="", help="methods (default: each part's, PART_METHODS): %s" %
+                    ", ".join(METHODS))
     ap.add_argument("--lengths", default="")
     ap.add_argument("--depths", default="")
     ap.add_argument("--threads", type=int, default=2)
@@ -427,19 +431,23 @@ def main():
     a = ap.parse_args()
     spec = MODELS[a.model]
     DEPTHS_ARG[:] = [float(x) for x in a.depths.split(",")] if a.depths else []
-    methods = a.methods.split(",")
-    if "full" not in methods:
-        methods = ["full"] + methods
+    chosen = [m for m in a.methods.split(",") if m]
+    for m in chosen:
+        if m not in METHODS:
+            raise SystemExit("bench_real: unknown method %r (known: %s)" % (m, ", ".join(METHODS)))
     lengths = [int(x) for x in a.lengths.split(",")] if a.lengths else spec["lengths"]
     M = Model(os.path.join(a.models_dir, spec["dir"]), a.threads)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "%s.jsonl" % a.model)
     rows = []
+    every = ["full"]
     with open(path, "w") as out:
         for half in (["tune", "report"] if a.half == "both" else [a.half]):
             for part in a.parts.split(","):
+                methods = ["full"] + [m for m in (chosen or PART_METHODS[part]) if m != "full"]
+                every += [m for m in methods if m not in every]
                 rows += {"needles": needles, "nll": nll, "mass": mass}[part](M, half, methods, lengths, out, a.quick)
-    text = summary(rows, methods)
+    text = summary(rows, every)
     print("=== %s, budget %.2f, library defaults, RoPE layout stated (half), prompt's last 32 queries observed" % (
         a.model, BUDGET))
     print(text)
