@@ -64,6 +64,8 @@ METHODS = {
     "even-split": (dict(budget_ratio=BUDGET, split="fixed_compete"), True),
     "l2": (dict(budget_ratio=BUDGET, metric="l2"), True),
     "even-l2": (dict(budget_ratio=BUDGET, split="fixed_compete", metric="l2"), True),
+    "mfloor0.1": (dict(budget_ratio=BUDGET, metric_floor=0.1), True),   # flatter query weighting
+    "mfloor1": (dict(budget_ratio=BUDGET, metric_floor=1.0), True),
 }
 # the methods each part runs unless --methods says otherwise (full attention always)
 PART_METHODS = {"needles": ["default", "oracle", "window", "previous"],
