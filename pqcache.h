@@ -632,7 +632,7 @@ typedef struct pqc_cache_desc {
                                 metric below)                                             */
     pqc_metric metric;       /* distance of the PQ builds; 0 = PQC_METRIC_QUERY            */
     double metric_floor;     /* QUERY: weight of a dimension = its mean squared query over
-                                the mean over dimensions, plus this; 0 = 0.01; at least
+                                the mean over dimensions, plus this; 0 = 1; at least
                                 head_dim x 1e-11 (the weights' spread stays below 1e12)   */
     int observe;             /* driver prefill: the last `observe` queries of each call are
                                 observed; 0 = 32, -1 = none                               */
@@ -690,7 +690,7 @@ typedef struct pqc_cache_desc {
 #define PQC_DEFAULT_N_SINK 32
 #define PQC_DEFAULT_BUDGET_RATIO 0.1
 #define PQC_DEFAULT_RECENT_SHARE 0.15
-#define PQC_DEFAULT_METRIC_FLOOR 0.01
+#define PQC_DEFAULT_METRIC_FLOOR 1.0
 #define PQC_DEFAULT_OBSERVE 32
 #define PQC_DEFAULT_BLOCK_TOKENS 128
 #define PQC_DEFAULT_CACHE_BLOCKS 32
