@@ -216,15 +216,34 @@ def settings_of(name):
 
 # ----- the parts ------------------------------------------------------------------------------
 
+class DecodeKeys:
+    """Each pqcache layer's keys so far, (tokens, Hkv, D): the captured prompt's, then each
+    decode step's as a recorder sees it; and the attention a KV head's query heads pay
+    them."""
+
+    def __init__(self, M, cap):
+        layers, hq, hkv, d = M.shape
+        self.g, self.hkv, self.scale = hq // hkv, hkv, d ** -0.5
+        self.keys = [cap[l][0] for l in M.full]
+
+    def add(self, layer, k):
+        self.keys[layer] = np.concatenate([self.keys[layer], np.asarray(k)[None]])
+
+    def mass(self, layer, q, hd):
+        """softmax over every key of each query head of KV head hd, summed over the group"""
+        g = self.g
+        sc = (q[hd * g:(hd + 1) * g] @ self.keys[layer][:, hd].T) * self.scale
+        p = np.exp(sc - sc.max(1, keepdims=True))
+        return (p / p.sum(1, keepdims=True)).sum(0)
+
+
 class NeedleRecall:
     """A recorder of decode steps: of the needle's passkey tokens that exact top-k (at each
     head's count of this step) would select, the share the method's selection holds,
     over every layer, KV head and step; and where it missed: (layer, head, step)."""
 
     def __init__(self, M, cap, where):
-        layers, hq, hkv, d = M.shape
-        self.g, self.hkv, self.scale = hq // hkv, hkv, d ** -0.5
-        self.keys = [[cap[l][0]] for l in M.full]   # per pqcache layer
+        self.keys = DecodeKeys(M, cap)
         self.where = np.array(where, dtype=np.int64)
         self.want = self.got = 0
         self.missed = []
@@ -233,14 +252,9 @@ class NeedleRecall:
     def __call__(self, kind, layer, b, q, k, v, sel=None):
         if kind != "decode":
             return
-        self.keys[layer].append(np.array(k)[None])
-        K = np.concatenate(self.keys[layer])
-        self.keys[layer] = [K]
-        g = self.g
-        for hd in range(self.hkv):
-            sc = (q[hd * g:(hd + 1) * g] @ K[:, hd].T) * self.scale
-            p = np.exp(sc - sc.max(1, keepdims=True))
-            pm = (p / p.sum(1, keepdims=True)).sum(0)
+        self.keys.add(layer, k)
+        for hd in range(self.keys.hkv):
+            pm = self.keys.mass(layer, q, hd)
             chosen = np.asarray(sel[hd], dtype=np.int64)
             top = np.argpartition(-pm, len(chosen) - 1)[:len(chosen)] if len(chosen) < len(pm) else np.arange(len(pm))
             want = np.intersect1d(self.where, top)
@@ -339,9 +353,7 @@ def mass(M, half, methods, lengths, out, quick, steps=16):
     over the query heads of each KV head)"""
     h = HALVES[half]
     hay = M.tok(haystack(h["haystack"]), add_special_tokens=False)["input_ids"]
-    layers, hq, hkv, d = M.shape
-    g = hq // hkv
-    scale = d ** -0.5
+    hkv = M.shape[2]
     rows = []
     steps = 4 if quick else steps
     for length in lengths:
@@ -352,19 +364,14 @@ def mass(M, half, methods, lengths, out, quick, steps=16):
                 continue
             s, obs = settings_of(name)
             c = M.filled(cap, s, obs)
-            keys = [list(cap[l][0]) for l in M.full]   # rows so far, per pqcache layer (T, Hkv, D)
+            keys = DecodeKeys(M, cap)
             ratio = np.zeros((len(M.full), hkv))
             n = 0
 
             def rec(kind, layer, b, q, k, v, sel):
-                keys[layer].append(np.array(k))
-                K = np.stack(keys[layer])                      # (n, Hkv, D)
+                keys.add(layer, k)
                 for hd in range(hkv):
-                    qs = q[hd * g:(hd + 1) * g]                # (g, D)
-                    sc = (qs @ K[:, hd].T) * scale
-                    p = np.exp(sc - sc.max(1, keepdims=True))
-                    p /= p.sum(1, keepdims=True)
-                    pm = p.sum(0)                              # mass per token over the group's heads
+                    pm = keys.mass(layer, q, hd)               # mass per token over the group's heads
                     chosen = np.asarray(sel[hd], dtype=np.int64)
                     kept = pm[chosen].sum()
                     best = np.sort(pm)[::-1][:len(chosen)].sum()
