@@ -19,9 +19,10 @@ model layer to its pqcache layer).
 What happens: the prompt's forward pass observes each layer's last queries
 (`observe` settings: the library's default 32), stores its keys and values in the
 sequence's pqcache cache (every full-attention layer, every KV head; the layer's PQ
-build starts in the background) and attends densely and causally over the prompt, as the model would. Each
-decode step appends the new token's key and value, selects sinks + top-k + window
-per KV head with the step's queries, gathers the selected rows and attends over them.
+build starts in the background) and attends densely and causally over the prompt, as
+the model would. Each decode step appends the new token's key and value, selects sinks
++ top-k + window per KV head with the step's queries, gathers the selected rows and
+attends over them.
 The settings of cache_for are pqcache.Cache's (budget_ratio, m, bits, ...); the shape
 of the model (layers, heads, head size) and the RoPE layout come from its config.
 

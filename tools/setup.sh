@@ -22,9 +22,9 @@
 #     checkpoints in $PQC_CACHE/models by tools/models.py (SmolLM2-135M-Instruct and
 #     Gemma 3 270M)
 # PQC_CACHE (default ${XDG_CACHE_HOME:-$HOME/.cache}/pqcache) lies outside the clone, so
-# a fresh clone on a machine that has run this once downloads nothing; build/venv-hf and
-# build/hf4 and build/models are links into it. PQC_TORCH_PYTHON, when set, is a python with torch and
-# transformers 5 to use instead of venv-hf (build/hf4 is still made).
+# a fresh clone on a machine that has run this once downloads nothing; build/venv-hf,
+# build/hf4 and build/models are links into it. PQC_TORCH_PYTHON, when set, is a python
+# with torch and transformers 5 to use instead of venv-hf (build/hf4 is still made).
 #
 # Where it cannot install (not root, no apt-get, no route to the registries), it says
 # what is missing and the command that installs it, and exits 1: make test then stops
