@@ -611,6 +611,17 @@ static void print_model(const tl_model *m)
                 (double)c->rope_factor, (double)c->rope_low_freq_factor,
                 (double)c->rope_high_freq_factor, c->rope_orig_ctx);
     fprintf(stderr, "\n");
+    if (c->sliding_window > 0) {
+        int l, n_local = 0;
+        for (l = 0; l < c->n_layers; l++)
+            n_local += tl_layer_window(c, l) > 0;
+        fprintf(stderr, "layers: %d local (window %d, rope theta %.9g), %d global:", n_local, c->sliding_window,
+                (double)(c->rope_theta_local > 0.0f ? c->rope_theta_local : c->rope_theta), c->n_layers - n_local);
+        for (l = 0; l < c->n_layers; l++)
+            if (tl_layer_window(c, l) == 0)
+                fprintf(stderr, " %d", l);
+        fprintf(stderr, "\n");
+    }
 }
 
 int main(int argc, char **argv)

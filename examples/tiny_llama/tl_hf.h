@@ -11,7 +11,8 @@
    Hugging Face checkpoints: a directory with config.json and model.safetensors,
    or model.safetensors.index.json and the shards it names. tl_build_model
    takes such a directory (tl_build_hf_model directly). Architectures:
-   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM; weights in bf16,
+   LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Gemma3ForCausalLM
+   (its text model, tl_gemma.h); weights in bf16,
    fp16 or fp32, used as stored in the mapped files. */
 int tl_build_hf_model(tl_model *m, const char *dir, char *err, size_t errlen);
 
@@ -789,11 +790,14 @@ static int tl__hf_rope(const char *s, const tl__jnode *nodes, tl_config *c, char
     return 0;
 }
 
+static int tl__gemma_config(const char *s, const tl__jnode *nodes, tl_config *c, int *tie, char *err,
+                            size_t errlen); /* tl_gemma.h */
+
 int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, size_t errlen)
 {
     tl__jnode *nodes = NULL;
     char why[TL_ERR_LEN], buf[64];
-    int v, rc = -1, tie = 0, flag = 0;
+    int v, rc = -1, tie = 0, flag = 0, gemma;
     memset(c, 0, sizeof *c);
     if (tl__json_parse(json, len, &nodes, why, sizeof why))
         return tl__fail(err, errlen, "config.json: %s", why);
@@ -811,12 +815,14 @@ int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, si
     if (strcmp(buf, "LlamaForCausalLM") == 0) c->arch = TL_ARCH_LLAMA;
     else if (strcmp(buf, "MistralForCausalLM") == 0) c->arch = TL_ARCH_MISTRAL;
     else if (strcmp(buf, "Qwen2ForCausalLM") == 0) c->arch = TL_ARCH_QWEN2;
+    else if (strcmp(buf, "Gemma3ForCausalLM") == 0) c->arch = TL_ARCH_GEMMA3;
     else {
         tl__fail(err, errlen, "config.json: architecture %s is not supported (LlamaForCausalLM, "
-                 "MistralForCausalLM, Qwen2ForCausalLM)", buf);
+                 "MistralForCausalLM, Qwen2ForCausalLM, Gemma3ForCausalLM)", buf);
         goto out;
     }
-    v = tl__jget(json, nodes, 0, "hidden_act");
+    gemma = c->arch == TL_ARCH_GEMMA3;
+    v = gemma ? -1 : tl__jget(json, nodes, 0, "hidden_act");
     if (v >= 0 && (nodes[v].type != TL__J_STR || tl__jstr(json, &nodes[v], buf, sizeof buf) != 0 ||
                    strcmp(buf, "silu") != 0)) {
         tl__fail(err, errlen, "config.json: hidden_act must be \"silu\"");
@@ -833,8 +839,9 @@ int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, si
                      err, errlen) ||
         tl__jcfg_int(json, nodes, "head_dim", 0, 0, 2, 1 << 16, &c->head_size, err, errlen) ||
         tl__jcfg_float(json, nodes, 0, "rms_norm_eps", 1e-6, 1e-12, 0.5, &c->rms_eps, err, errlen) ||
-        tl__jcfg_bool(json, nodes, "tie_word_embeddings", 0, &tie, err, errlen) ||
-        tl__hf_rope(json, nodes, c, err, errlen))
+        (gemma ? tl__gemma_config(json, nodes, c, &tie, err, errlen)
+               : tl__jcfg_bool(json, nodes, "tie_word_embeddings", 0, &tie, err, errlen) ||
+                     tl__hf_rope(json, nodes, c, err, errlen)))
         goto out;
     if (c->arch == TL_ARCH_LLAMA && (tl__jcfg_bool(json, nodes, "attention_bias", 0, &flag, err, errlen) || flag ||
                                      tl__jcfg_bool(json, nodes, "mlp_bias", 0, &flag, err, errlen) || flag)) {
@@ -847,7 +854,7 @@ int tl_hf_parse_config(const char *json, size_t len, tl_config *c, char *err, si
             tl__fail(err, errlen, "config.json: use_sliding_window is not supported");
         goto out;
     }
-    v = tl__jget(json, nodes, 0, "layer_types"); /* every layer full attention, or refused */
+    v = gemma ? -1 : tl__jget(json, nodes, 0, "layer_types"); /* every layer full attention, or refused */
     if (v >= 0 && nodes[v].type != TL__J_NULL) {
         int e, i = 0;
         if (nodes[v].type != TL__J_ARR) {
@@ -898,6 +905,7 @@ const char *tl_arch_name(int arch)
     case TL_ARCH_LLAMA: return "LlamaForCausalLM";
     case TL_ARCH_MISTRAL: return "MistralForCausalLM";
     case TL_ARCH_QWEN2: return "Qwen2ForCausalLM";
+    case TL_ARCH_GEMMA3: return "Gemma3ForCausalLM";
     default: return "?";
     }
 }
@@ -971,6 +979,8 @@ static int tl__bind_vec(const tl__binder *b, const char *name, long long n, floa
     return 0;
 }
 
+#include "tl_gemma.h"
+
 int tl_hf_bind(const tl_config *c, const tl_st_file *files, const unsigned char *const *bases,
                int n_files, tl_model *m, char *err, size_t errlen)
 {
@@ -990,7 +1000,7 @@ int tl_hf_bind(const tl_config *c, const tl_st_file *files, const unsigned char 
     b.n_files = n_files;
     b.err = err;
     b.errlen = errlen;
-    per = 2 * dim + (c->qkv_bias ? qd + 2 * kv : 0);
+    per = c->arch == TL_ARCH_GEMMA3 ? TL__GEMMA_LAYER_FLOATS(c) : 2 * dim + (c->qkv_bias ? qd + 2 * kv : 0);
     total = tl__add(tl__mul(per, (size_t)c->n_layers, &ok), dim, &ok);
     if (!ok)
         return tl__fail(err, errlen, "the model's sizes overflow");
@@ -1010,7 +1020,8 @@ int tl_hf_bind(const tl_config *c, const tl_st_file *files, const unsigned char 
         cls = emb;
     else if (tl__bind_mat(&b, "lm_head.weight", V, D, &cls))
         goto fail;
-    if (tl__bind_vec(&b, "model.norm.weight", D, o))
+    if (c->arch == TL_ARCH_GEMMA3 ? tl__gemma_norm(&b, "model.norm.weight", D, o)
+                                  : tl__bind_vec(&b, "model.norm.weight", D, o))
         goto fail;
     if (o) o += dim;
     for (l = 0; l < c->n_layers; l++) {
@@ -1028,6 +1039,13 @@ int tl_hf_bind(const tl_config *c, const tl_st_file *files, const unsigned char 
             snprintf(name, sizeof name, "model.layers.%d.%s", l, mats[i].suffix);
             if (tl__bind_mat(&b, name, mats[i].rows, mats[i].cols, mats[i].dst))
                 goto fail;
+        }
+        if (c->arch == TL_ARCH_GEMMA3) {
+            if (tl__gemma_bind_layer(&b, l, &lw, &o))
+                goto fail;
+            if (layers)
+                layers[l] = lw;
+            continue;
         }
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
         if (tl__bind_vec(&b, name, D, o))

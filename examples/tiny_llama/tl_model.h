@@ -44,6 +44,7 @@
 #define TL_DEFAULT_ROPE_THETA 10000.0f
 #define TL_RMS_EPS 1e-5f
 #define TL_ERR_LEN 256           /* a good size for error buffers */
+#define TL_MAX_LAYERS 4096       /* layers a model may have */
 
 /* ----------------------------------------------------------------------------
    Model */
@@ -73,12 +74,22 @@ typedef struct {
     int rope_orig_ctx;     /* llama3: original_max_position_embeddings */
     int qkv_bias;          /* 1: q, k and v projections have biases (Qwen2) */
     int wtype;             /* tl_dtype of the projection matrices */
+    /* Gemma-style and hybrid local/global models (all zero otherwise) */
+    float attn_scale;      /* softmax scale of q.k; 0 = 1/sqrt(head_size) */
+    float embed_scale;     /* the token embedding row is multiplied by it; 0 = 1 */
+    int qk_norm;           /* 1: per-head RMSNorm of q and k before RoPE (q_norm, k_norm) */
+    int ffn_act;           /* tl_act: the FFN gate's activation */
+    int sliding_window;    /* local layers attend to the last sliding_window positions,
+                              the current one included */
+    float rope_theta_local;/* local layers' RoPE base, unscaled; 0 = the global layers' RoPE */
+    unsigned char local[TL_MAX_LAYERS / 8]; /* bit l: layer l is local (tl_layer_window) */
 } tl_config;
 
-typedef enum { TL_ARCH_LLAMA2C = 0, TL_ARCH_LLAMA, TL_ARCH_MISTRAL, TL_ARCH_QWEN2 } tl_arch;
+typedef enum { TL_ARCH_LLAMA2C = 0, TL_ARCH_LLAMA, TL_ARCH_MISTRAL, TL_ARCH_QWEN2, TL_ARCH_GEMMA3 } tl_arch;
 typedef enum { TL_ROPE_INTERLEAVED = 0, TL_ROPE_HALF = 1 } tl_rope_layout;
 typedef enum { TL_ROPE_SCALING_NONE = 0, TL_ROPE_SCALING_LINEAR, TL_ROPE_SCALING_LLAMA3 } tl_rope_scaling;
 typedef enum { TL_F32 = 0, TL_BF16 = 1, TL_F16 = 2 } tl_dtype;
+typedef enum { TL_ACT_SILU = 0, TL_ACT_GELU_TANH = 1 } tl_act;
 
 /* A weight matrix as stored: row-major (out, in), elements of type dtype. */
 typedef struct {
@@ -93,6 +104,9 @@ typedef struct {
     tl_mat w1, w2, w3;             /* gate_proj, down_proj, up_proj */
     const float *rms_att, *rms_ffn;
     const float *bq, *bk, *bv;     /* NULL without biases */
+    const float *q_norm, *k_norm;  /* (head_size) each with qk_norm, else NULL */
+    const float *rms_post_att, *rms_post_ffn; /* Gemma's norms of the attention's and the
+                                     FFN's outputs before the residual adds; NULL: none */
 } tl_layer_weights;
 
 typedef struct {
@@ -126,6 +140,13 @@ typedef struct {
 
 /* Checks a config's sizes and fills head_size and kv_dim. */
 int tl_check_config(tl_config *c, char *err, size_t errlen);
+/* The window a layer attends over: 0 for a global layer (every past position),
+   sliding_window for a local one. */
+int tl_layer_window(const tl_config *c, int layer);
+/* Marks layer l local (1) or global (0). */
+void tl_set_layer_local(tl_config *c, int layer, int local);
+/* The softmax scale of q.k: attn_scale, or 1/sqrt(head_size). */
+float tl_attn_scale(const tl_config *c);
 
 /* Bytes of weights one decode token reads (every matrix once, the
    classifier whole, one embedding row). */
@@ -166,7 +187,9 @@ typedef struct {
     int thread_min_work;      /* attended rows per layer below which 1 thread */
     char err[TL_ERR_LEN];     /* message of the last failed forward */
     void *pool;               /* worker threads of the projections (n_threads > 1) */
-    double *rope_freq;        /* (head_size / 2) inverse frequencies, scaling applied */
+    double *rope_freq;        /* (head_size) inverse frequencies: the global layers', scaling
+                                 applied, then the local layers' (rope_theta_local) */
+    int rope_local;           /* rope_cos and rope_sin hold the local layers' angles */
 } tl_state;
 
 /* ctx: positions to hold; 0 (or more than seq_len) means seq_len.
@@ -240,13 +263,14 @@ void tl_layer_attn_out(const tl_model *m, tl_state *s, int layer);
    first half of (c) for many tokens at once, as in a layer-major prefill).
    q: (n, n_heads * head_size) queries after RoPE. Key and value rows of KV
    head g for position i are at k[g] + i * stride and v[g] + i * stride, for
-   i = 0 .. pos0+n-1; token t attends over 0 .. pos0+t. Writes the heads'
+   i = 0 .. pos0+n-1; token t attends over 0 .. pos0+t (window > 0: over the
+   last `window` of them; rows before pos0 - window + 1 are not read). Writes the heads'
    outputs to out (n, n_heads * head_size). att is scratch of
    n * n_heads * (pos0 + n) floats. Each key and value row is read once for
    the whole block; per token the arithmetic is that of tl_layer_attention
    over positions 0 .. pos0+t, so the results are the same to the bit. */
 void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
-                      const float *const *k, const float *const *v, size_t stride,
+                      const float *const *k, const float *const *v, size_t stride, int window,
                       float *att, float *out);
 /* (d) x += w2(silu(w1 rmsnorm(x)) * w3 rmsnorm(x)) */
 void tl_layer_ffn(const tl_model *m, tl_state *s, int layer);
@@ -312,7 +336,7 @@ int tl_check_config(tl_config *c, char *err, size_t errlen)
                         c->head_size);
     c->q_dim = c->n_heads * c->head_size;
     c->kv_dim = c->n_kv_heads * c->head_size;
-    if (c->arch < 0 || c->arch > TL_ARCH_QWEN2)
+    if (c->arch < 0 || c->arch > TL_ARCH_GEMMA3)
         return tl__fail(err, errlen, "unknown architecture %d", c->arch);
     if (c->rope_layout != TL_ROPE_INTERLEAVED && c->rope_layout != TL_ROPE_HALF)
         return tl__fail(err, errlen, "unknown RoPE layout %d", c->rope_layout);
@@ -335,7 +359,45 @@ int tl_check_config(tl_config *c, char *err, size_t errlen)
     if (!(c->rope_theta > 0.0f && c->rope_theta <= 3.0e38f))
         return tl__fail(err, errlen, "rope_theta %g is not a positive finite number",
                         (double)c->rope_theta);
+    if (!(c->attn_scale >= 0.0f && c->attn_scale <= 1e6f) || !(c->embed_scale >= 0.0f && c->embed_scale <= 1e6f))
+        return tl__fail(err, errlen, "attention scale %g / embedding scale %g: not finite and >= 0",
+                        (double)c->attn_scale, (double)c->embed_scale);
+    if (!(c->rope_theta_local >= 0.0f && c->rope_theta_local <= 3.0e38f))
+        return tl__fail(err, errlen, "local rope_theta %g is not a finite number >= 0",
+                        (double)c->rope_theta_local);
+    if (c->ffn_act != TL_ACT_SILU && c->ffn_act != TL_ACT_GELU_TANH)
+        return tl__fail(err, errlen, "unknown FFN activation %d", c->ffn_act);
+    if (c->qk_norm != 0 && c->qk_norm != 1)
+        return tl__fail(err, errlen, "qk_norm is %d, must be 0 or 1", c->qk_norm);
+    if (c->sliding_window < 0)
+        return tl__fail(err, errlen, "sliding window %d is negative", c->sliding_window);
+    for (i = 0; i < TL_MAX_LAYERS; i++)
+        if ((c->local[i / 8] >> (i % 8) & 1) && (i >= c->n_layers || c->sliding_window == 0))
+            return tl__fail(err, errlen, "layer %d is marked local but %s", i,
+                            i >= c->n_layers ? "the model has fewer layers" : "there is no sliding window");
     return 0;
+}
+
+int tl_layer_window(const tl_config *c, int layer)
+{
+    if (layer < 0 || layer >= TL_MAX_LAYERS || !(c->local[layer / 8] >> (layer % 8) & 1))
+        return 0;
+    return c->sliding_window;
+}
+
+void tl_set_layer_local(tl_config *c, int layer, int local)
+{
+    if (layer < 0 || layer >= TL_MAX_LAYERS)
+        return;
+    if (local)
+        c->local[layer / 8] = (unsigned char)(c->local[layer / 8] | (1u << (layer % 8)));
+    else
+        c->local[layer / 8] = (unsigned char)(c->local[layer / 8] & ~(1u << (layer % 8)));
+}
+
+float tl_attn_scale(const tl_config *c)
+{
+    return c->attn_scale > 0.0f ? c->attn_scale : 1.0f / sqrtf((float)c->head_size);
 }
 
 /* ----------------------------------------------------------------------------
@@ -343,7 +405,8 @@ int tl_check_config(tl_config *c, char *err, size_t errlen)
 
 /* RoPE inverse frequencies: theta^(-2i/head_size), then the config's scaling
    (linear: divided by the factor; llama3: long wavelengths divided by the
-   factor, short ones kept, a smooth blend between) */
+   factor, short ones kept, a smooth blend between); then the local layers'
+   (f + head_size/2) */
 static void tl__rope_freqs(const tl_config *c, double *f)
 {
     int i, half = c->head_size / 2;
@@ -365,6 +428,9 @@ static void tl__rope_freqs(const tl_config *c, double *f)
         }
         f[i] = freq;
     }
+    for (i = 0; i < half; i++)   /* the local layers': their own base, unscaled */
+        f[half + i] = c->rope_theta_local > 0.0f ? pow((double)c->rope_theta_local, -2.0 * i / (double)c->head_size)
+                                                 : f[i];
 }
 
 int tl_build_state(tl_state *s, const tl_config *c, int ctx, int n_threads,
@@ -405,7 +471,7 @@ int tl_build_state_ex(tl_state *s, const tl_config *c, int ctx, int n_threads, i
     s->list_pos = (int *)calloc((size_t)c->n_kv_heads * ctxz, sizeof(int));
     s->mass = (float *)calloc(ctxz, sizeof(float));
     s->select_tmp = (float *)calloc(ctxz, sizeof(float));
-    s->rope_freq = (double *)calloc((size_t)c->head_size / 2 + 1, sizeof(double));
+    s->rope_freq = (double *)calloc((size_t)c->head_size + 1, sizeof(double));
     if (!s->rope_freq || !s->x || !s->xb || !s->xb2 || !s->hb || !s->hb2 || !s->q || !s->att ||
         !s->logits || (kv && (!s->key_cache || !s->value_cache)) || !s->rope_cos ||
         !s->rope_sin || !s->lists || !s->list_pos || !s->mass || !s->select_tmp) {
@@ -536,6 +602,57 @@ static void tl__rope_angles(const tl_config *c, const double *freq, int pos, flo
     }
 }
 
+/* s->rope_cos and s->rope_sin for a layer's RoPE at pos (kept while the position and the
+   layer's kind stay) */
+static void tl__rope_at(const tl_config *c, tl_state *s, int layer, int pos)
+{
+    int local = tl_layer_window(c, layer) > 0 && c->rope_theta_local > 0.0f;
+    if (s->rope_pos != pos || s->rope_local != local) {
+        tl__rope_angles(c, s->rope_freq + (local ? c->head_size / 2 : 0), pos, s->rope_cos, s->rope_sin);
+        s->rope_pos = pos;
+        s->rope_local = local;
+    }
+}
+
+/* q and k of one token: biases, per-head norms (qk_norm), RoPE at the layer's angles */
+static void tl__qk_finish(const tl_config *c, const tl_layer_weights *lw, float *q, float *k, float *v)
+{
+    int i, qd = tl__qdim(c);
+    if (lw->bq) {
+        for (i = 0; i < qd; i++)
+            q[i] += lw->bq[i];
+        for (i = 0; i < c->kv_dim; i++) {
+            k[i] += lw->bk[i];
+            v[i] += lw->bv[i];
+        }
+    }
+    if (lw->q_norm) {
+        for (i = 0; i < c->n_heads; i++)
+            tl__rmsnorm(q + (size_t)i * (size_t)c->head_size, q + (size_t)i * (size_t)c->head_size, lw->q_norm,
+                        c->head_size, c->rms_eps);
+        for (i = 0; i < c->n_kv_heads; i++)
+            tl__rmsnorm(k + (size_t)i * (size_t)c->head_size, k + (size_t)i * (size_t)c->head_size, lw->k_norm,
+                        c->head_size, c->rms_eps);
+    }
+}
+
+/* the FFN gate: act(h1) * h3 into h1 */
+static void tl__gate(const tl_config *c, float *h1, const float *h3, size_t n)
+{
+    size_t i;
+    if (c->ffn_act == TL_ACT_GELU_TANH) {
+        for (i = 0; i < n; i++) {
+            float a = h1[i];
+            h1[i] = 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a))) * h3[i];
+        }
+        return;
+    }
+    for (i = 0; i < n; i++) {
+        float a = h1[i];
+        h1[i] = a / (1.0f + expf(-a)) * h3[i];   /* silu(w1 x) * w3 x */
+    }
+}
+
 /* ----------------------------------------------------------------------------
    Forward stages */
 
@@ -546,6 +663,9 @@ void tl_embed(const tl_model *m, tl_state *s, int token)
         size_t row = (size_t)token * (size_t)c->dim, i;
         for (i = 0; i < (size_t)c->dim; i++)
             s->x[i] = tl__elem(m->emb.data, m->emb.dtype, row + i);
+        if (c->embed_scale > 0.0f)
+            for (i = 0; i < (size_t)c->dim; i++)
+                s->x[i] *= c->embed_scale;
         return;
     }
     memcpy(s->x, m->w.token_embedding + (size_t)token * (size_t)c->dim,
@@ -563,13 +683,9 @@ void tl_layer_qkv_rows(const tl_model *m, tl_state *s, int layer, int pos, float
     const tl_config *c = &m->config;
     tl_layer_weights lw;
     tl__mv_job j;
-    int i;
 
     tl__layer(m, layer, &lw);
-    if (s->rope_pos != pos) {   /* the angles depend on the position only */
-        tl__rope_angles(c, s->rope_freq, pos, s->rope_cos, s->rope_sin);
-        s->rope_pos = pos;
-    }
+    tl__rope_at(c, s, layer, pos);
     tl__rmsnorm(s->xb, s->x, lw.rms_att, c->dim, c->rms_eps);
     j.count = 3;
     j.n = c->dim;
@@ -579,14 +695,7 @@ void tl_layer_qkv_rows(const tl_model *m, tl_state *s, int layer, int pos, float
     j.w[2] = &lw.wv; j.out[2] = v; j.d[2] = c->kv_dim;
     j.next = 0;
     tl__mv_run(s, &j);
-    if (lw.bq) {
-        for (i = 0; i < tl__qdim(c); i++)
-            s->q[i] += lw.bq[i];
-        for (i = 0; i < c->kv_dim; i++) {
-            k[i] += lw.bk[i];
-            v[i] += lw.bv[i];
-        }
-    }
+    tl__qk_finish(c, &lw, s->q, k, v);
     tl__rope(s->q, c->n_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
     tl__rope(k, c->n_kv_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
 }
@@ -636,7 +745,7 @@ static void tl__heads_pass(const tl_config *c, tl_state *s, int g0, int g1, cons
 {
     int hs = c->head_size, group = c->n_heads / c->n_kv_heads;
     int i0, g, r, n = l->n, nr;
-    float scale = 1.0f / sqrtf((float)hs);
+    float scale = tl_attn_scale(c);
     const float *rows[TL__ATT_BLOCK], *hr[TL__ATT_BLOCK];
     size_t ctx = (size_t)s->ctx;
     for (i0 = 0; i0 < n; i0 += nr) {
@@ -696,7 +805,7 @@ static void tl__attend_kv_head(const tl_model *m, tl_state *s, int layer, int g,
     const tl_config *c = &m->config;
     int hs = c->head_size, group = c->n_heads / c->n_kv_heads;
     int h0 = g * group, i, j, n = l->n;
-    float scale = 1.0f / sqrtf((float)hs);
+    float scale = tl_attn_scale(c);
     const float *kbase = NULL, *vbase = NULL;
     size_t stride = l->k ? (size_t)hs : (size_t)c->kv_dim;
 #ifdef TL__X86
@@ -848,24 +957,27 @@ void tl_layer_attn_out(const tl_model *m, tl_state *s, int layer)
     int i;
     tl__layer(m, layer, &lw);
     tl__mv(s, s->xb2, s->xb, &lw.wo, tl__qdim(c), c->dim);
+    if (lw.rms_post_att)
+        tl__rmsnorm(s->xb2, s->xb2, lw.rms_post_att, c->dim, c->rms_eps);
     for (i = 0; i < c->dim; i++)
         s->x[i] += s->xb2[i];
 }
 
 void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
-                      const float *const *k, const float *const *v, size_t stride,
+                      const float *const *k, const float *const *v, size_t stride, int window,
                       float *att, float *out)
 {
     int hs = c->head_size, nh = c->n_heads, group = c->n_heads / c->n_kv_heads;
-    int rows = pos0 + n, g, i, t, j;
+    int rows = pos0 + n, g, i, t, j, first = window > 0 && pos0 - window + 1 > 0 ? pos0 - window + 1 : 0;
     size_t as = (size_t)rows, qd = (size_t)nh * (size_t)hs;
-    float scale = 1.0f / sqrtf((float)hs);
+    float scale = tl_attn_scale(c);
 
     for (g = 0; g < c->n_kv_heads; g++) {
         int h0 = g * group;
-        for (i = 0; i < rows; i++) {   /* scores: each key row once for the block */
+        for (i = first; i < rows; i++) {   /* scores: each key row once for the block */
             const float *kr = k[g] + (size_t)i * stride;
-            for (t = i > pos0 ? i - pos0 : 0; t < n; t++)
+            int t1 = window > 0 && i + window - pos0 < n ? i + window - pos0 : n; /* t < t1: i in t's window */
+            for (t = i > pos0 ? i - pos0 : 0; t < t1; t++)
                 for (j = 0; j < group; j++) {
                     int h = h0 + j;
                     att[((size_t)t * (size_t)nh + (size_t)h) * as + (size_t)i] =
@@ -874,13 +986,14 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
         }
         for (t = 0; t < n; t++)
             for (j = 0; j < group; j++) {
-                int h = h0 + j;
-                tl_softmax(att + ((size_t)t * (size_t)nh + (size_t)h) * as, pos0 + t + 1);
+                int h = h0 + j, lo = window > 0 && pos0 + t - window + 1 > 0 ? pos0 + t - window + 1 : 0;
+                tl_softmax(att + ((size_t)t * (size_t)nh + (size_t)h) * as + lo, pos0 + t + 1 - lo);
                 memset(out + (size_t)t * qd + (size_t)h * (size_t)hs, 0, (size_t)hs * sizeof(float));
             }
-        for (i = 0; i < rows; i++) {   /* weighted values: each value row once */
+        for (i = first; i < rows; i++) {   /* weighted values: each value row once */
             const float *vr = v[g] + (size_t)i * stride;
-            for (t = i > pos0 ? i - pos0 : 0; t < n; t++)
+            int t1 = window > 0 && i + window - pos0 < n ? i + window - pos0 : n;
+            for (t = i > pos0 ? i - pos0 : 0; t < t1; t++)
                 for (j = 0; j < group; j++) {
                     int h = h0 + j;
                     tl__axpy(out + (size_t)t * qd + (size_t)h * (size_t)hs,
@@ -905,11 +1018,10 @@ void tl_layer_ffn(const tl_model *m, tl_state *s, int layer)
     j.w[1] = &lw.w3; j.out[1] = s->hb2; j.d[1] = c->hidden_dim;
     j.next = 0;
     tl__mv_run(s, &j);
-    for (i = 0; i < c->hidden_dim; i++) {
-        float a = s->hb[i];
-        s->hb[i] = a / (1.0f + expf(-a)) * s->hb2[i];   /* silu(w1 x) * w3 x */
-    }
+    tl__gate(c, s->hb, s->hb2, (size_t)c->hidden_dim);
     tl__mv(s, s->xb, s->hb, &lw.w2, c->hidden_dim, c->dim);
+    if (lw.rms_post_ffn)
+        tl__rmsnorm(s->xb, s->xb, lw.rms_post_ffn, c->dim, c->rms_eps);
     for (i = 0; i < c->dim; i++)
         s->x[i] += s->xb[i];
 }
@@ -954,7 +1066,7 @@ int tl_layer_qkv_batch(const tl_model *m, tl_state *s, int layer, int pos0, int 
     size_t dim = (size_t)c->dim, qd = (size_t)tl__qdim(c), kv = (size_t)c->kv_dim;
     tl_layer_weights lw;
     float *xn = (float *)malloc((size_t)n * dim * sizeof(float));
-    int t, i, rc = -1;
+    int t, rc = -1;
     if (!xn)
         return -1;
     tl__layer(m, layer, &lw);
@@ -965,18 +1077,8 @@ int tl_layer_qkv_batch(const tl_model *m, tl_state *s, int layer, int pos0, int 
         goto out;
     for (t = 0; t < n; t++) {
         float *qt = q + (size_t)t * qd, *kt = k + (size_t)t * kv, *vt = v + (size_t)t * kv;
-        if (lw.bq) {
-            for (i = 0; i < (int)qd; i++)
-                qt[i] += lw.bq[i];
-            for (i = 0; i < (int)kv; i++) {
-                kt[i] += lw.bk[i];
-                vt[i] += lw.bv[i];
-            }
-        }
-        if (s->rope_pos != pos0 + t) {
-            tl__rope_angles(c, s->rope_freq, pos0 + t, s->rope_cos, s->rope_sin);
-            s->rope_pos = pos0 + t;
-        }
+        tl__qk_finish(c, &lw, qt, kt, vt);
+        tl__rope_at(c, s, layer, pos0 + t);
         tl__rope(qt, c->n_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
         tl__rope(kt, c->n_kv_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
     }
@@ -1002,6 +1104,9 @@ int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, flo
     tl__layer(m, layer, &lw);
     if (tl__mm(s, tmp, heads, n, &lw.wo, tl__qdim(c), c->dim))
         goto out;
+    if (lw.rms_post_att)
+        for (t = 0; t < n; t++)
+            tl__rmsnorm(tmp + (size_t)t * dim, tmp + (size_t)t * dim, lw.rms_post_att, c->dim, c->rms_eps);
     for (i = 0; i < all; i++)
         x[i] += tmp[i];
     for (t = 0; t < n; t++)
@@ -1009,12 +1114,12 @@ int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, flo
     if (tl__mm(s, h1, xn, n, &lw.w1, c->dim, c->hidden_dim) ||
         tl__mm(s, h3, xn, n, &lw.w3, c->dim, c->hidden_dim))
         goto out;
-    for (i = 0; i < (size_t)n * hid; i++) {
-        float a = h1[i];
-        h1[i] = a / (1.0f + expf(-a)) * h3[i];
-    }
+    tl__gate(c, h1, h3, (size_t)n * hid);
     if (tl__mm(s, tmp, h1, n, &lw.w2, c->hidden_dim, c->dim))
         goto out;
+    if (lw.rms_post_ffn)
+        for (t = 0; t < n; t++)
+            tl__rmsnorm(tmp + (size_t)t * dim, tmp + (size_t)t * dim, lw.rms_post_ffn, c->dim, c->rms_eps);
     for (i = 0; i < all; i++)
         x[i] += tmp[i];
     rc = 0;
@@ -1028,7 +1133,7 @@ out:
 
 typedef struct {
     const tl_config *c;
-    int pos0, n;
+    int pos0, n, window;
     const float *q;
     const float *const *k, *const *v;
     size_t stride;
@@ -1042,7 +1147,7 @@ static void tl__causal_part(void *arg, int part, int nparts)
     size_t qd = (size_t)tl__qdim(j->c);
     int t0 = (int)((long)j->n * part / nparts), t1 = (int)((long)j->n * (part + 1) / nparts);
     if (t1 > t0)
-        tl_attend_causal(j->c, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride,
+        tl_attend_causal(j->c, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride, j->window,
                          j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd);
 }
 
@@ -1101,6 +1206,7 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
             j.c = c;
             j.pos0 = p0;
             j.n = nb;
+            j.window = tl_layer_window(c, l);
             j.q = q;
             j.k = kp;
             j.v = vp;
@@ -1212,7 +1318,7 @@ static void tl__select_oracle(const tl_model *m, tl_state *s, int layer, int g, 
     const tl_config *c = &m->config;
     int hs = c->head_size, group = c->n_heads / c->n_kv_heads, i, j, cnt = 0;
     int lo = n_sink, hi = n - n_window, n_mid = hi - lo;
-    float scale = 1.0f / sqrtf((float)hs);
+    float scale = tl_attn_scale(c);
 
     for (i = 0; i < n_sink; i++)
         l->pos[cnt++] = i;
@@ -1263,13 +1369,15 @@ int tl_select(const tl_model *m, tl_state *s, const tl_policy *p, int layer, int
     }
     if (!s->key_cache)   /* the lists below point into the host KV cache */
         return tl__fail(s->err, sizeof s->err, "this run state has no KV cache");
-    if (mode == TL_ATTN_FULL) {
+    if (mode == TL_ATTN_FULL || tl_layer_window(c, layer) > 0) {   /* a local layer: its window */
+        int w = tl_layer_window(c, layer), first = w > 0 && n > w ? n - w : 0;
         for (g = 0; g < c->n_kv_heads; g++) {
             tl_kv_list *l = &s->lists[g];
-            for (i = 0; i < n; i++)
-                l->pos[i] = i;
-            l->n = n;
+            for (i = first; i < n; i++)
+                l->pos[i - first] = i;
+            l->n = n - first;
             l->k = l->v = NULL;
+            l->krow = l->vrow = NULL;
         }
         return 0;
     }

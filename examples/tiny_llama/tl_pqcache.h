@@ -219,7 +219,7 @@ static void *tlpq__attend_worker(void *arg)
         return NULL;
     nb = j->n - b0 < (size_t)p->block ? j->n - b0 : (size_t)p->block;
     tl_attend_causal(c, (int)(j->pos0 + b0), (int)nb, j->cq + b0 * qd, kr, vr,
-                     (size_t)c->head_size, p->att[j->worker], p->out[j->worker]);
+                     (size_t)c->head_size, 0, p->att[j->worker], p->out[j->worker]);
     return NULL;
 }
 
