@@ -368,9 +368,10 @@ static void report_pqcache(const tlpq *lib, const tl_config *c, int n_prompt, in
     fprintf(stderr, "pqcache: PQ builds %llu (%llu rebuilds), T = %d..%d iterations, build %.3f s "
             "(worker time), decode waited %.3f s for builds\n", st.builds, st.rebuilds,
             st.iters_min, st.iters_max, st.build_s, st.wait_s);
-    fprintf(stderr, "pqcache: select %.1f us/token, fetch %.1f us/token (all %d layers); "
+    fprintf(stderr, "pqcache: select %.1f us/token, fetch %.1f us/token (all %d layers%s); "
             "%.0f tokens attended per KV head and layer on average (window %d)\n",
-            1e6 * st.select_s / steps, 1e6 * st.fetch_s / steps, c->n_layers,
+            1e6 * st.select_s / steps, 1e6 * st.fetch_s / steps, lib->n_lib,
+            lib->n_lib < c->n_layers ? " it serves: the global ones" : "",
             st.selects ? (double)st.tokens_selected / ((double)st.selects * c->n_kv_heads) : 0.0,
             st.window);
     fprintf(stderr, "pqcache: block cache hit rate %.1f%% (%llu of %llu selected mid tokens); "
@@ -545,7 +546,7 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
         mid = n_ctx - sink;
         budget = ceil((double)o->policy.ratio * mid);
         window = pqc_cache_layer_window(lib.cache, 0);
-        for (l = 0, wmin = wmax = window; l < c->n_layers; l++) {
+        for (l = 0, wmin = wmax = window; l < lib.n_lib; l++) {
             int w = pqc_cache_layer_window(lib.cache, l);
             wmin = w < wmin ? w : wmin;
             wmax = w > wmax ? w : wmax;

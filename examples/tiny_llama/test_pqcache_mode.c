@@ -164,6 +164,136 @@ TEST pqcache_at_budget_1_gives_the_full_attention_logits_exactly(void)
     PASS();
 }
 
+/* A hybrid model: the random model's config made Gemma-like (local layers with a
+   sliding window and their own RoPE base, a softmax scale, an embedding scale, GeGLU):
+   layers local, global, local, so a local layer runs before the library's first layer
+   and after its last. */
+static int hybrid_model(tl_model *m)
+{
+    tl_config c;
+    char err[TL_ERR_LEN];
+    memset(&c, 0, sizeof c);
+    c.dim = 64; c.hidden_dim = 96; c.n_layers = 3; c.n_heads = 4; c.n_kv_heads = 2;
+    c.vocab_size = 50; c.seq_len = 1024; c.shared_classifier = 1; c.rope_theta = 10000.0f;
+    if (tl_write_random_checkpoint(tmp_path("hybrid.bin"), &c, 0, 23, err, sizeof err) ||
+        tl_build_model(m, tmp_path("hybrid.bin"), err, sizeof err)) {
+        printf("  %s\n", err);
+        return -1;
+    }
+    m->config.sliding_window = 24;
+    m->config.rope_theta_local = 500.0f;
+    m->config.attn_scale = 0.3f;
+    m->config.embed_scale = 1.5f;
+    m->config.ffn_act = TL_ACT_GELU_TANH;
+    tl_set_layer_local(&m->config, 0, 1);
+    tl_set_layer_local(&m->config, 2, 1);
+    if (tl_check_config(&m->config, err, sizeof err)) {
+        printf("  %s\n", err);
+        tl_free_model(m);
+        return -1;
+    }
+    return 0;
+}
+
+/* Full attention token by token over tokens 0..n-1 (token_at), the logits of every
+   position into out (n rows). */
+static int full_logits(const tl_model *m, int n, float *out)
+{
+    tl_state s;
+    char err[TL_ERR_LEN];
+    int pos, V = m->config.vocab_size;
+    if (tl_build_state(&s, &m->config, n, 1, err, sizeof err))
+        return -1;
+    for (pos = 0; pos < n; pos++) {
+        float *logits = tl_forward(m, &s, NULL, token_at(pos, V), pos);
+        if (!logits) {
+            tl_free_state(&s);
+            return -1;
+        }
+        memcpy(out + (size_t)pos * (size_t)V, logits, (size_t)V * sizeof(float));
+    }
+    tl_free_state(&s);
+    return 0;
+}
+
+TEST hybrid_model_through_pqcache_is_full_attention_to_the_bit(void)
+{
+    enum { N = R_PROMPT + R_STEPS, FIRST = 150, SECOND = 150, STEPS1 = 10 };
+    tl_model m;
+    tlpq lib, fork;
+    tlpq_config cfg;
+    tlpq_stats st;
+    char err[TL_ERR_LEN];
+    int tokens[N], pos, V, threads, local, ok = 1;
+    float *ref, *logits;
+    ASSERT(hybrid_model(&m) == 0);
+    V = m.config.vocab_size;
+    ASSERT_EQ(24, tl_layer_window(&m.config, 0));
+    ASSERT_EQ(0, tl_layer_window(&m.config, 1));
+    ref = (float *)malloc((size_t)N * (size_t)V * sizeof(float));
+    ASSERT(ref && full_logits(&m, N, ref) == 0);
+    for (pos = 0; pos < N; pos++)
+        tokens[pos] = token_at(pos, V);
+    for (threads = 1; threads <= 3 && ok; threads += 2) {
+        /* a prompt in two turns with decode steps between, then decode steps; at budget 1
+           every logit is full attention's, to the bit */
+        tlpq_default_config(&cfg);
+        cfg.ratio = 1.0f;
+        cfg.n_threads = threads;
+        cfg.iters = 5;
+        ASSERT(tlpq_create(&lib, &m, N, &cfg, err, sizeof err) == 0);
+        ASSERT_EQ(1, lib.n_lib);
+        ASSERT_EQ(1, lib.gl[0]);
+        logits = tlpq_prefill(&lib, tokens, FIRST);
+        ok = logits && memcmp(logits, ref + (size_t)(FIRST - 1) * (size_t)V, (size_t)V * sizeof(float)) == 0;
+        for (pos = FIRST; ok && pos < FIRST + STEPS1; pos++) {
+            logits = tlpq_decode(&lib, tokens[pos], pos);
+            ok = logits && memcmp(logits, ref + (size_t)pos * (size_t)V, (size_t)V * sizeof(float)) == 0;
+        }
+        logits = ok ? tlpq_prefill(&lib, tokens + pos, SECOND) : NULL;   /* the windows carry over */
+        ok = logits && memcmp(logits, ref + (size_t)(pos + SECOND - 1) * (size_t)V, (size_t)V * sizeof(float)) == 0;
+        pos += SECOND;
+        /* a fork decodes as its source does */
+        ASSERT(!ok || tlpq_fork(&fork, &lib, err, sizeof err) == 0);
+        for (; ok && pos < N; pos++) {
+            float *f = tlpq_decode(&fork, tokens[pos], pos);
+            logits = tlpq_decode(&lib, tokens[pos], pos);
+            ok = logits && f && memcmp(logits, ref + (size_t)pos * (size_t)V, (size_t)V * sizeof(float)) == 0 &&
+                 memcmp(f, logits, (size_t)V * sizeof(float)) == 0;
+        }
+        if (!ok)
+            printf("  threads %d, position %d: %s\n", threads, pos, lib.err);
+        tlpq_get_stats(&lib, &st);
+        ASSERT(!ok || st.selects == (unsigned long long)(STEPS1 + N - FIRST - STEPS1 - SECOND));
+        if (ok)
+            tlpq_destroy(&fork);
+        tlpq_destroy(&lib);
+    }
+    ASSERT(ok);
+    /* a real budget changes the decode logits, and only through the global layer */
+    tlpq_default_config(&cfg);
+    cfg.ratio = 0.1f;
+    cfg.n_sink = 4;
+    ASSERT(tlpq_create(&lib, &m, N, &cfg, err, sizeof err) == 0);
+    logits = tlpq_prefill(&lib, tokens, R_PROMPT);
+    ASSERT(logits && memcmp(logits, ref + (size_t)(R_PROMPT - 1) * (size_t)V, (size_t)V * sizeof(float)) == 0);
+    ok = 0;
+    for (pos = R_PROMPT; pos < N && logits; pos++) {
+        logits = tlpq_decode(&lib, tokens[pos], pos);
+        ok |= logits && memcmp(logits, ref + (size_t)pos * (size_t)V, (size_t)V * sizeof(float)) != 0;
+    }
+    ASSERT(logits && ok);
+    tlpq_destroy(&lib);
+    /* a model of local layers only leaves the library nothing to serve */
+    for (local = 0; local < 3; local++)
+        tl_set_layer_local(&m.config, local, 1);
+    ASSERT(tlpq_create(&lib, &m, N, &cfg, err, sizeof err) != 0);
+    ASSERT(strstr(err, "no full-attention layer") != NULL);
+    tl_free_model(&m);
+    free(ref);
+    PASS();
+}
+
 TEST layer_major_prefill_stores_the_token_by_token_keys_and_values(void)
 {
     tl_model m;
@@ -481,6 +611,7 @@ SUITE(pqcache_mode)
 {
     RUN_TEST(pqcache_at_budget_1_gives_the_full_attention_logits_exactly);
     RUN_TEST(layer_major_prefill_stores_the_token_by_token_keys_and_values);
+    RUN_TEST(hybrid_model_through_pqcache_is_full_attention_to_the_bit);
 }
 
 SUITE(passkey)

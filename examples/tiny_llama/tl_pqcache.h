@@ -104,6 +104,20 @@ typedef struct {
     void *progress_user;
     char err[TL_ERR_LEN];
     float *heads;                 /* (n_workers * block, q_dim): a chunk's attention outputs */
+    /* hybrid models: the library serves the global layers only (its layer i is the
+       model's layer gl[i]); the local layers keep their last `window` keys and values in
+       rings of the engine's own */
+    int n_lib;                    /* the library's layers: the model's global layers */
+    int *gl;                      /* (n_lib) model layer of each library layer */
+    int *ring_of;                 /* (n_layers) ring of a local layer, -1 for a global one */
+    int window;                   /* the local layers' window, 0 without local layers */
+    float *ring, *stage;          /* (n_local, 2, window, kv_dim): keys then values, position
+                                     pos in row pos % window; a prefill fills stage, then
+                                     swaps */
+    const void **ring_rows;       /* (n_kv_heads, 2, window): a decode step's row pointers */
+    float *lq, *lheads, *latt;    /* local prefill scratch: a chunk's queries and outputs,
+                                     the attention blocks */
+    float *lk, *lv;               /* local prefill: (window - 1 + prompt, kv_dim) */
 } tlpq;
 
 void tlpq_default_config(tlpq_config *cfg);
@@ -124,12 +138,16 @@ float *tlpq_prefill(tlpq *p, const int *tokens, int n);
    Returns the logits, or NULL with p->err set. */
 float *tlpq_decode(tlpq *p, int token, int pos);
 /* Copies the stored keys and values of positions 0..n-1 into an engine state's
-   KV cache (to start a full-attention reference from the same prefill). */
+   KV cache (to start a full-attention reference from the same prefill). A hybrid
+   model's local layers hold only their window: n must then be the sequence's
+   length, and only the window's positions of those layers are copied (the only
+   ones a later step reads). */
 int tlpq_copy_kv(tlpq *p, tl_state *dst, int n);
 /* Hands the first n stored positions of src (every layer's keys and values) to a
    new dst through pqc_cache_prefill, without running the model: a second
    configuration over the same prompt (its observations are not copied, so a
-   query-weighted metric falls back to plain codebooks). dst must be empty. */
+   query-weighted metric falls back to plain codebooks). dst must be empty; with
+   local layers n must be src's length (their windows are copied as they are). */
 int tlpq_prefill_from(tlpq *dst, tlpq *src, int n);
 void tlpq_get_stats(const tlpq *p, tlpq_stats *st);
 /* "m=2 bits=6 T=adaptive ..." */
@@ -224,13 +242,113 @@ static void *tlpq__attend_worker(void *arg)
 }
 
 /* ----------------------------------------------------------------------------
+   Local layers of a hybrid model: the engine's own, over rings of their window */
+
+/* Row of position pos (keys: which 0, values: 1) of ring r in base (p->ring or p->stage). */
+static float *tlpq__ring_row(const tlpq *p, float *base, int r, int which, size_t pos)
+{
+    size_t w = (size_t)p->window;
+    return base + (((size_t)r * 2 + (size_t)which) * w + pos % w) * (size_t)p->m->config.kv_dim;
+}
+
+/* Local layer l over the prompt's n tokens at pos0, layer-major as the driver runs the
+   global ones: keys and values into lk, lv after the window's earlier rows (from the
+   ring), attention over the window by chunks, wo, residual and FFN; the window's last
+   rows go to the stage. */
+static int tlpq__local_prefill(tlpq *p, int l, size_t pos0, size_t n)
+{
+    const tl_config *c = &p->m->config;
+    size_t kv = (size_t)c->kv_dim, dim = (size_t)c->dim, w = (size_t)p->window, hs = (size_t)c->head_size;
+    size_t prior = pos0 < w - 1 ? pos0 : w - 1, b0, nb, i;
+    int r = p->ring_of[l], g, parts = p->s.pool ? ((tl__pool *)p->s.pool)->n : 1;
+    const float **kp = (const float **)p->ring_rows, **vp = kp + c->n_kv_heads;
+    for (i = 0; i < prior; i++) {
+        memcpy(p->lk + i * kv, tlpq__ring_row(p, p->ring, r, 0, pos0 - prior + i), kv * sizeof(float));
+        memcpy(p->lv + i * kv, tlpq__ring_row(p, p->ring, r, 1, pos0 - prior + i), kv * sizeof(float));
+    }
+    for (b0 = 0; b0 < n; b0 += nb) {
+        size_t cur = prior + b0, base = cur > w - 1 ? cur - (w - 1) : 0;
+        tl__causal_job j;
+        nb = n - b0 < TLPQ__CHUNK ? n - b0 : TLPQ__CHUNK;
+        if (tl_layer_qkv_batch(p->m, &p->s, l, (int)(pos0 + b0), (int)nb, p->hidden + b0 * dim, p->lq,
+                               p->lk + cur * kv, p->lv + cur * kv))
+            return tl__fail(p->err, sizeof p->err, "local layer %d: out of memory", l);
+        for (g = 0; g < c->n_kv_heads; g++) {   /* rows from the window's first on */
+            kp[g] = p->lk + base * kv + (size_t)g * hs;
+            vp[g] = p->lv + base * kv + (size_t)g * hs;
+        }
+        j.c = c;
+        j.pos0 = (int)(cur - base);
+        j.n = (int)nb;
+        j.window = (int)w;
+        j.q = p->lq;
+        j.k = kp;
+        j.v = vp;
+        j.stride = kv;
+        j.att = p->latt;
+        j.out = p->lheads;
+        j.att_per_part = (size_t)((TLPQ__CHUNK + parts - 1) / parts) * (size_t)c->n_heads * (w - 1 + TLPQ__CHUNK);
+        tl_parallel(&p->s, tl__causal_part, &j);
+        if (tl_layer_out_ffn_batch(p->m, &p->s, l, (int)nb, p->hidden + b0 * dim, p->lheads))
+            return tl__fail(p->err, sizeof p->err, "local layer %d: out of memory", l);
+    }
+    for (i = prior + n > w ? prior + n - w : 0; i < prior + n; i++) {
+        memcpy(tlpq__ring_row(p, p->stage, r, 0, pos0 - prior + i), p->lk + i * kv, kv * sizeof(float));
+        memcpy(tlpq__ring_row(p, p->stage, r, 1, pos0 - prior + i), p->lv + i * kv, kv * sizeof(float));
+    }
+    return 0;
+}
+
+/* Local layer l for the token at pos: its key and value into the ring, attention over
+   the window's rows in place (ascending positions, as full attention reads them). */
+static void tlpq__local_decode(tlpq *p, int l, size_t pos)
+{
+    const tl_config *c = &p->m->config;
+    size_t w = (size_t)p->window, hs = (size_t)c->head_size, first = pos + 1 > w ? pos + 1 - w : 0, i;
+    int r = p->ring_of[l], g;
+    tl_layer_qkv_rows(p->m, &p->s, l, (int)pos, tlpq__ring_row(p, p->ring, r, 0, pos),
+                      tlpq__ring_row(p, p->ring, r, 1, pos));
+    for (g = 0; g < c->n_kv_heads; g++) {
+        tl_kv_list *lst = &p->s.lists[g];
+        const void **rows = p->ring_rows + (size_t)g * 2 * w;
+        for (i = first; i <= pos; i++) {
+            lst->pos[i - first] = (int)i;
+            rows[i - first] = tlpq__ring_row(p, p->ring, r, 0, i) + (size_t)g * hs;
+            rows[w + i - first] = tlpq__ring_row(p, p->ring, r, 1, i) + (size_t)g * hs;
+        }
+        lst->n = (int)(pos + 1 - first);
+        lst->k = lst->v = NULL;
+        lst->krow = rows;
+        lst->vrow = rows + w;
+    }
+    tl_layer_attention(p->m, &p->s, l, p->s.lists);
+    tl_layer_ffn(p->m, &p->s, l);
+}
+
+/* The local model layers from .. to-1 for the tokens of the current call. */
+static int tlpq__locals(tlpq *p, int from, int to, size_t pos0, size_t n)
+{
+    int l;
+    for (l = from; l < to; l++) {
+        if (p->prefill_n > 0 && tlpq__local_prefill(p, l, pos0, n))
+            return -1;
+        if (p->prefill_n == 0)
+            tlpq__local_decode(p, l, pos0);
+    }
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------
    Driver callbacks */
 
-static int tlpq__qkv(void *user, int layer, size_t pos0, size_t n, float *q, float *k, float *v)
+static int tlpq__qkv(void *user, int lib_layer, size_t pos0, size_t n, float *q, float *k, float *v)
 {
     tlpq *p = (tlpq *)user;
     const tl_config *c = &p->m->config;
     size_t qd = (size_t)c->n_heads * (size_t)c->head_size, kv = (size_t)c->kv_dim;
+    int layer = p->gl[lib_layer];   /* the model's layer; the local ones before it run first */
+    if (tlpq__locals(p, lib_layer > 0 ? p->gl[lib_layer - 1] + 1 : 0, layer, pos0, n))
+        return -1;
     if (p->prefill_n > 0) {   /* blocks of tokens: the projections as matrix products */
         size_t b0, nb;
         if (n != (size_t)p->prefill_n)
@@ -261,10 +379,23 @@ static int tlpq__check_view(tlpq *p, const pqc_kv_view *kv)
     return 0;
 }
 
-static int tlpq__attend(void *user, int layer, size_t pos0, size_t n, const float *q,
+static int tlpq__attend_global(tlpq *p, int layer, size_t pos0, size_t n, const float *q,
+                               const pqc_kv_view *kv);
+
+static int tlpq__attend(void *user, int lib_layer, size_t pos0, size_t n, const float *q,
                         const pqc_kv_view *kv)
 {
     tlpq *p = (tlpq *)user;
+    if (tlpq__attend_global(p, p->gl[lib_layer], pos0, n, q, kv))
+        return -1;
+    /* after the last global layer, the local layers after it (inside the driver's call,
+       so that a failure there undoes the call) */
+    return lib_layer == p->n_lib - 1 ? tlpq__locals(p, p->gl[lib_layer] + 1, p->m->config.n_layers, pos0, n) : 0;
+}
+
+static int tlpq__attend_global(tlpq *p, int layer, size_t pos0, size_t n, const float *q,
+                               const pqc_kv_view *kv)
+{
     const tl_config *c = &p->m->config;
     int g;
     if (tlpq__check_view(p, kv) != 0)
@@ -350,8 +481,54 @@ void tlpq_destroy(tlpq *p)
     free(p->out);
     free(p->hidden);
     free(p->heads);
+    free(p->gl);
+    free(p->ring_of);
+    free(p->ring);
+    free(p->stage);
+    free((void *)p->ring_rows);
+    free(p->lq);
+    free(p->lheads);
+    free(p->latt);
+    free(p->lk);
+    free(p->lv);
     tl_free_state(&p->s);
     memset(p, 0, sizeof *p);
+}
+
+/* The layer map of a hybrid model (every layer global otherwise) and the local layers'
+   rings and prefill scratch. */
+static int tlpq__layers_init(tlpq *p, char *err, size_t errlen)
+{
+    const tl_config *c = &p->m->config;
+    int l, n_local = 0, parts = p->n_workers;
+    size_t w, kv = (size_t)c->kv_dim, qd = (size_t)c->n_heads * (size_t)c->head_size, ring;
+    p->gl = (int *)malloc((size_t)c->n_layers * sizeof(int));
+    p->ring_of = (int *)malloc((size_t)c->n_layers * sizeof(int));
+    if (!p->gl || !p->ring_of)
+        return tl__fail(err, errlen, "pqcache: out of memory");
+    for (l = 0; l < c->n_layers; l++) {
+        p->ring_of[l] = tl_layer_window(c, l) > 0 ? n_local++ : -1;
+        if (p->ring_of[l] < 0)
+            p->gl[p->n_lib++] = l;
+    }
+    if (p->n_lib == 0)
+        return tl__fail(err, errlen, "pqcache: every layer of this model attends to a sliding window; "
+                        "there is no full-attention layer for the library to serve");
+    if (n_local == 0)
+        return 0;
+    p->window = c->sliding_window;
+    w = (size_t)p->window;
+    ring = (size_t)n_local * 2 * w * kv;
+    p->ring = (float *)calloc(ring, sizeof(float));
+    p->stage = (float *)calloc(ring, sizeof(float));
+    p->ring_rows = (const void **)calloc((size_t)c->n_kv_heads * 2 * w, sizeof(void *));
+    p->lq = (float *)malloc((size_t)TLPQ__CHUNK * qd * sizeof(float));
+    p->lheads = (float *)malloc((size_t)TLPQ__CHUNK * qd * sizeof(float));
+    p->latt = (float *)malloc((size_t)parts * (size_t)((TLPQ__CHUNK + parts - 1) / parts) * (size_t)c->n_heads *
+                              (w - 1 + TLPQ__CHUNK) * sizeof(float));
+    if (!p->ring || !p->stage || !p->ring_rows || !p->lq || !p->lheads || !p->latt)
+        return tl__fail(err, errlen, "pqcache: out of memory for the local layers' windows");
+    return 0;
 }
 
 /* The engine side of a tlpq: decode state, prefill workers and their scratch. */
@@ -401,6 +578,10 @@ static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const t
             return tl__fail(err, errlen, "pqcache: out of memory for the prefill blocks");
         }
     }
+    if (tlpq__layers_init(p, err, errlen)) {
+        tlpq_destroy(p);
+        return -1;
+    }
     p->engine.user = p;
     p->engine.qkv = tlpq__qkv;
     p->engine.attend = tlpq__attend;
@@ -415,6 +596,9 @@ int tlpq_fork(tlpq *dst, tlpq *src, char *err, size_t errlen)
     dst->rt = src->rt;
     dst->sched = src->sched;
     dst->borrowed = 1;
+    if (src->ring)   /* the local layers' windows, as src holds them */
+        memcpy(dst->ring, src->ring, (size_t)(src->m->config.n_layers - src->n_lib) * 2 * (size_t)src->window *
+                                         (size_t)src->m->config.kv_dim * sizeof(float));
     if (pqc_cache_fork(src->cache, &dst->cache) != PQC_SUCCESS) {
         tl__fail(err, errlen, "pqcache fork: %s", pqc_last_error());
         tlpq_destroy(dst);
@@ -452,7 +636,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
         }
     }
     memset(&cd, 0, sizeof cd);
-    cd.n_layers = c->n_layers;
+    cd.n_layers = p->n_lib;   /* the global layers: every layer of a model without local ones */
     cd.n_kv_heads = c->n_kv_heads;
     cd.n_q_heads = c->n_heads;
     cd.head_dim = c->head_size;
@@ -503,8 +687,15 @@ float *tlpq_prefill(tlpq *p, const int *tokens, int n)
             return NULL;
         }
     free(p->hidden);
+    free(p->lk);
+    free(p->lv);
+    p->lk = p->lv = NULL;
     p->hidden = (float *)malloc((size_t)n * dim * sizeof(float));
-    if (!p->hidden) {
+    if (p->window) {   /* the local layers' keys and values: the window's earlier rows, the prompt's */
+        p->lk = (float *)malloc(((size_t)p->window - 1 + (size_t)n) * (size_t)c->kv_dim * sizeof(float));
+        p->lv = (float *)malloc(((size_t)p->window - 1 + (size_t)n) * (size_t)c->kv_dim * sizeof(float));
+    }
+    if (!p->hidden || (p->window && (!p->lk || !p->lv))) {
         tl__fail(p->err, sizeof p->err, "out of memory for %d hidden states", n);
         return NULL;
     }
@@ -520,9 +711,16 @@ float *tlpq_prefill(tlpq *p, const int *tokens, int n)
             tl__fail(p->err, sizeof p->err, "pqcache prefill: %s", pqc_last_error());
         return NULL;
     }
+    if (p->window) {   /* the local layers' windows as the prompt left them */
+        float *t = p->ring;
+        p->ring = p->stage;
+        p->stage = t;
+    }
     memcpy(p->s.x, p->hidden + (size_t)(n - 1) * dim, dim * sizeof(float));
     free(p->hidden);
-    p->hidden = NULL;
+    free(p->lk);
+    free(p->lv);
+    p->hidden = p->lk = p->lv = NULL;
     return tl_classify(p->m, &p->s);
 }
 
@@ -566,17 +764,37 @@ static int tlpq__stored_rows(const tlpq *p, int l, int h, int n, const float **k
     return 0;
 }
 
+/* The local layers' windows at length n into dst's KV cache (n must be the length). */
+static int tlpq__copy_rings(tlpq *p, tl_state *dst, int n)
+{
+    const tl_config *c = &p->m->config;
+    int l, pos;
+    if ((size_t)n != pqc_cache_tokens(p->cache, 0))
+        return tl__fail(p->err, sizeof p->err, "copy of %d positions: the local layers hold the window of "
+                        "the sequence's %zu", n, pqc_cache_tokens(p->cache, 0));
+    for (l = 0; l < c->n_layers; l++)
+        for (pos = n > p->window ? n - p->window : 0; p->ring_of[l] >= 0 && pos < n; pos++) {
+            memcpy(tl_key_row(c, dst, l, pos), tlpq__ring_row(p, p->ring, p->ring_of[l], 0, (size_t)pos),
+                   (size_t)c->kv_dim * sizeof(float));
+            memcpy(tl_value_row(c, dst, l, pos), tlpq__ring_row(p, p->ring, p->ring_of[l], 1, (size_t)pos),
+                   (size_t)c->kv_dim * sizeof(float));
+        }
+    return 0;
+}
+
 int tlpq_copy_kv(tlpq *p, tl_state *dst, int n)
 {
     const tl_config *c = &p->m->config;
-    int l, h, pos, hs = c->head_size;
+    int i, l, h, pos, hs = c->head_size;
     if (n > dst->ctx || !dst->key_cache)
         return tl__fail(p->err, sizeof p->err, "copy of %d positions into a state of %d%s",
                           n, dst->ctx, dst->key_cache ? "" : " without a KV cache");
-    for (l = 0; l < c->n_layers; l++)
-        for (h = 0; h < c->n_kv_heads; h++) {
+    if (p->window && tlpq__copy_rings(p, dst, n))
+        return -1;
+    for (i = 0; i < p->n_lib; i++)
+        for (h = 0, l = p->gl[i]; h < c->n_kv_heads; h++) {
             const float *k = NULL, *v = NULL;
-            if (tlpq__stored_rows(p, l, h, n, &k, &v))
+            if (tlpq__stored_rows(p, i, h, n, &k, &v))
                 return tl__fail(p->err, sizeof p->err, "pqcache holds no fp32 rows 0..%d "
                                   "of layer %d head %d", n - 1, l, h);
             for (pos = 0; pos < n; pos++) {
@@ -598,13 +816,19 @@ int tlpq_prefill_from(tlpq *dst, tlpq *src, int n)
     if (dst->m != src->m || n < 1 || n > dst->max_tokens || pqc_cache_tokens(dst->cache, 0) != 0)
         return tl__fail(dst->err, sizeof dst->err, "prefill_from: %d positions into a cache of %d "
                         "(it must be empty and of the same model)", n, dst->max_tokens);
+    if (src->window && (size_t)n != pqc_cache_tokens(src->cache, 0))
+        return tl__fail(dst->err, sizeof dst->err, "prefill_from: %d positions of %zu; the local layers hold "
+                        "the window of the sequence's length", n, pqc_cache_tokens(src->cache, 0));
     kb = (float *)malloc((size_t)n * kvd * sizeof(float));
     vb = (float *)malloc((size_t)n * kvd * sizeof(float));
     if (!kb || !vb) {
         rc = tl__fail(dst->err, sizeof dst->err, "prefill_from: out of memory");
         goto done;
     }
-    for (l = 0; l < c->n_layers && rc == 0; l++) {
+    if (src->window)
+        memcpy(dst->ring, src->ring, (size_t)(c->n_layers - src->n_lib) * 2 * (size_t)src->window * kvd *
+                                         sizeof(float));
+    for (l = 0; l < src->n_lib && rc == 0; l++) {
         pqc_matrix km, vm;
         pqc_result r;
         for (h = 0; h < c->n_kv_heads; h++) {
@@ -640,7 +864,7 @@ void tlpq_get_stats(const tlpq *p, tlpq_stats *st)
     int l;
     memset(st, 0, sizeof *st);
     st->iters_min = 1 << 30;
-    for (l = 0; l < p->m->config.n_layers; l++) {
+    for (l = 0; l < p->n_lib; l++) {
         pqc_layer_stats ls;
         if (pqc_cache_stats(p->cache, l, &ls) != PQC_SUCCESS)
             continue;
