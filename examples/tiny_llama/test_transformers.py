@@ -34,7 +34,8 @@ from test_hf import prompt_ids, rel_err, run  # noqa: E402  (the engine's runner
 
 CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
            "mistral": ("MistralConfig", "MistralForCausalLM"),
-           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -54,11 +55,37 @@ VARIANTS = {
 }
 
 
+def gemma_rope(theta, local, scaling=None):
+    """Gemma 3's two RoPE settings in the layout of the installed transformers"""
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        full = dict(scaling or {"rope_type": "default"}, rope_theta=theta)
+        return dict(rope_parameters={"full_attention": full,
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": local}})
+    return dict(rope_theta=theta, rope_local_base_freq=local, rope_scaling=scaling)
+
+
+S, F = "sliding_attention", "full_attention"
+
+# Gemma 3 (torch only: the NumPy reference knows the Llama family): local and global
+# layers with a window shorter than the prompt, head_dim unlike hidden / heads, a softmax
+# scale unlike head_dim^-0.5, a local layer first and last
+GEMMA_VARIANTS = {
+    "gemma3-hybrid-tied": ("gemma3", dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                                          layer_types=[S, S, F, S], **gemma_rope(1e6, 1e4)), "fp32", 1),
+    "gemma3-linear-untied": ("gemma3", dict(num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                                            sliding_window=24, layer_types=[S, F, S], tie_word_embeddings=False,
+                                            **gemma_rope(5e5, 2e3, {"rope_type": "linear", "factor": 4.0})),
+                             "bf16", 2),
+}
+
+
 def make_config(arch, **opts):
     """a transformers config object of a small model"""
     base = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=97, max_position_embeddings=512, rms_norm_eps=1e-5,
                 initializer_range=0.1)
+    if "layer_types" in opts:
+        base["num_hidden_layers"] = len(opts["layer_types"])
     base.update(opts)
     cls = getattr(transformers, CLASSES[arch][0])
     cfg = cls(**base)
@@ -67,8 +94,11 @@ def make_config(arch, **opts):
 
 
 def expected_rope(cfg):
-    """(theta, scaling dict or None) as transformers itself holds them"""
+    """(theta, scaling dict or None) as transformers itself holds them (a hybrid model's:
+    its global layers')"""
     rp = getattr(cfg, "rope_parameters", None)
+    if rp is not None and F in rp:
+        rp = rp[F]
     if rp is not None:   # version 5 and later
         kind = rp.get("rope_type", "default")
         return float(rp["rope_theta"]), (None if kind == "default" else dict(rp))
@@ -84,11 +114,11 @@ def engine_rope(stderr):
     return m.groups()
 
 
-def generate(d, tokens, steps, tmp_path, name):
+def generate(d, tokens, steps, tmp_path, name, extra=()):
     ids = tmp_path / (name + ".ids")
     ids.write_text(" ".join(map(str, tokens)))
     out = tmp_path / (name + ".logits")
-    p = run([d, "-I", ids, "-n", steps, "-t", 0, "-o", out, "-j", 2])
+    p = run([d, "-I", ids, "-n", steps, "-t", 0, "-o", out, "-j", 2] + list(extra))
     gen = [int(t) for t in p.stdout.split()]
     assert len(gen) == steps
     return gen, np.fromfile(out, dtype=np.float32).reshape(steps, -1), p.stderr
@@ -180,10 +210,25 @@ def need_torch():
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+def check_layers(stderr, cfg):
+    """a hybrid model's layer kinds and local RoPE as the engine reports them"""
+    types = getattr(cfg, "layer_types", None)
+    if not types or all(t == F for t in types):
+        assert "layers:" not in stderr
+        return
+    rp = getattr(cfg, "rope_parameters", None)
+    local = rp[S]["rope_theta"] if rp is not None and S in rp else cfg.rope_local_base_freq
+    m = re.search(r"^layers: (\d+) local \(window (\d+), rope theta (\S+)\), (\d+) global:([ \d]*)$", stderr, re.M)
+    assert m, stderr
+    assert int(m.group(1)) == types.count(S) and int(m.group(2)) == cfg.sliding_window
+    assert float(m.group(3)) == pytest.approx(local, rel=1e-7)
+    assert [int(x) for x in m.group(5).split()] == [i for i, t in enumerate(types) if t == F]
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS) + sorted(GEMMA_VARIANTS))
 def test_logits_agree_with_transformers_forward(tmp_path, name):
     torch = need_torch()
-    arch, opts, dtype, shards = VARIANTS[name]
+    arch, opts, dtype, shards = VARIANTS[name] if name in VARIANTS else GEMMA_VARIANTS[name]
     cfg = make_config(arch, **opts)
     torch.manual_seed(len(name))
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -204,9 +249,13 @@ def test_logits_agree_with_transformers_forward(tmp_path, name):
     prompt = prompt_ids(70, cfg.vocab_size, seed=3)
     gen, logits, err = generate(str(d), prompt, 6, tmp_path, name)
     check_rope(err, cfg)
+    check_layers(err, cfg)
     with torch.no_grad():
         want = ref(torch.tensor([prompt + gen[:-1]])).logits[0, len(prompt) - 1:].double().numpy()
     e = rel_err(logits.astype(np.float64), want)
     print("%s: %s weights, %d shard(s): largest logit difference %.2g of the largest logit" % (name, dtype, shards, e))
     assert e < 1e-4, "%s: relative error %.3g of the largest logit" % (name, e)
     assert gen == [int(np.argmax(r)) for r in want]
+    if name in GEMMA_VARIANTS:   # pqcache over the global layers, every token selected: the same bits
+        gen_pq, logits_pq, _ = generate(str(d), prompt, 6, tmp_path, name + "-pq", ["-a", "pqcache", "-b", 1])
+        assert gen_pq == gen and np.array_equal(logits_pq, logits)
