@@ -6,6 +6,8 @@
 #   sh tools/setup.sh           install what is missing (Debian packages with apt-get when
 #                               running as root; Python packages from PyPI with pip)
 #   sh tools/setup.sh --check   only look: list what is missing, exit 1 if anything is
+#   sh tools/setup.sh --light   only what make run-real needs: no torch (the models are
+#                               converted with numpy), no compilers for the tests
 #
 # What the tests need beyond a C compiler and make (measured on a bare Debian 12 image with
 # gcc and clang, 2 cores: 110 s in all):
@@ -13,8 +15,8 @@
 #     libFuzzer's runtime and the sanitizer runtimes where missing, numpy and pytest for
 #     the system's python3, the AArch64 cross compiler with its C library and qemu-user
 #     (the NEON kernels), Open MPI (the tensor-parallel example)
-#   PyPI, into the system's python3: tokenizers and transformers 5 (their config classes
-#     and tokenizers, without torch)
+#   PyPI, into the system's python3: tokenizers, transformers 5 (their config classes and
+#     tokenizers, without torch) and gguf (GGUF files read and dequantised with numpy)
 #   PyPI, into $PQC_CACHE/venv-hf: torch with its CUDA libraries (it runs on the CPU here),
 #     transformers 5, safetensors, numpy and pytest (5.6 GB on disk); into $PQC_CACHE/hf4:
 #     transformers 4.57 apart (165 MB), for checkpoints in the layout transformers 4 writes
@@ -32,11 +34,14 @@
 set -u
 cd "$(dirname "$0")/.." || exit 1
 check_only=0
+light=0
 [ "${1:-}" = --check ] && check_only=1
+[ "${1:-}" = --light ] && light=1
 PQC_CACHE=${PQC_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pqcache}
 TORCH_VERSION=2.15.0
 TRANSFORMERS_VERSION=5.24.0
 TRANSFORMERS4_VERSION=4.57.6
+GGUF_VERSION=0.19.0
 
 say() { echo "setup: $*"; }
 has() { command -v "$1" >/dev/null 2>&1; }
@@ -46,27 +51,29 @@ apt_need=""
 need() { apt_need="$apt_need $1"; }
 has make || need make
 has gcc || need gcc
+if [ "$light" = 0 ]; then
 has g++ || need g++
 has clang || need clang
 ldconfig -p 2>/dev/null | grep -q libasan || need libasan8
 ldconfig -p 2>/dev/null | grep -q libtsan || need libtsan2
 ldconfig -p 2>/dev/null | grep -q libubsan || need libubsan1
 ls /usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a >/dev/null 2>&1 || need libclang-rt-14-dev
-/usr/bin/python3 -c 'import numpy, pytest' >/dev/null 2>&1 || need "python3-numpy python3-pytest"
-/usr/bin/python3 -m pip --version >/dev/null 2>&1 || need python3-pip
 /usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || need python3-venv
 has aarch64-linux-gnu-gcc || need gcc-aarch64-linux-gnu
 has aarch64-linux-gnu-g++ || need g++-aarch64-linux-gnu
 [ -e /usr/aarch64-linux-gnu/include/stdio.h ] || need libc6-dev-arm64-cross
 { has qemu-aarch64 || has qemu-aarch64-static; } || need qemu-user
 { has mpicc && has mpirun; } || need "openmpi-bin libopenmpi-dev"
+fi
+/usr/bin/python3 -c 'import numpy, pytest' >/dev/null 2>&1 || need "python3-numpy python3-pytest"
+/usr/bin/python3 -m pip --version >/dev/null 2>&1 || need python3-pip
 
 # the python make's PYTHON picks: python3 from PATH when it has numpy and pytest, else
 # the system's (which the Debian packages above fill)
 sys_py=/usr/bin/python3
 python3 -c 'import numpy, pytest' >/dev/null 2>&1 && sys_py=$(command -v python3)
 py_need=0
-$sys_py -c 'import tokenizers, transformers' >/dev/null 2>&1 || py_need=1
+$sys_py -c 'import tokenizers, transformers, gguf' >/dev/null 2>&1 || py_need=1
 
 venv=$PQC_CACHE/venv-hf
 hf4=$PQC_CACHE/hf4
@@ -74,7 +81,7 @@ tpy=${PQC_TORCH_PYTHON:-$venv/bin/python3}
 # the packages venv-hf needs beyond torch (pip installs only those missing into a venv that
 # has torch); find_spec, not import: importing torch takes seconds, and this runs before
 # every make test
-VENV_PKGS="transformers==$TRANSFORMERS_VERSION safetensors numpy pytest gguf==0.19.0 accelerate==1.16.0"
+VENV_PKGS="transformers==$TRANSFORMERS_VERSION safetensors numpy pytest gguf==$GGUF_VERSION accelerate==1.16.0"
 VENV_MODS="transformers safetensors numpy pytest gguf accelerate"
 venv_lacks() {
     [ -x "$tpy" ] || { echo torch; return; }
@@ -90,6 +97,11 @@ have4 || hf4_need=1
 # the real models, converted (tools/models.py; its --check only looks at their directories)
 models=$PQC_CACHE/models
 models_need=0
+if [ "$light" = 1 ]; then   # no torch: the system's python converts them with numpy
+    torch_need=0
+    hf4_need=0
+    tpy=$sys_py
+fi
 { [ "$torch_need" = 0 ] && "$tpy" tools/models.py --check --dir "$models" 2>/dev/null; } || models_need=1
 
 missing=""
@@ -97,8 +109,8 @@ missing=""
   Debian packages:$apt_need
       (as root) apt-get update && apt-get install -y$apt_need"
 [ "$py_need" = 1 ] && missing="$missing
-  tokenizers and transformers $TRANSFORMERS_VERSION for $sys_py
-      $sys_py -m pip install --break-system-packages tokenizers transformers==$TRANSFORMERS_VERSION"
+  tokenizers, transformers $TRANSFORMERS_VERSION and gguf $GGUF_VERSION for $sys_py
+      $sys_py -m pip install --break-system-packages tokenizers transformers==$TRANSFORMERS_VERSION gguf==$GGUF_VERSION"
 [ "$torch_need" = 2 ] && missing="$missing
   torch $TORCH_VERSION and transformers $TRANSFORMERS_VERSION in $venv (about 5.6 GB)
       python3 -m venv $venv && $venv/bin/pip install torch==$TORCH_VERSION $VENV_PKGS"
@@ -116,14 +128,18 @@ missing=""
 links() {
     mkdir -p build
     # build/venv-hf and build/hf4: links into the cache (the paths the tests name)
-    if [ ! -e build/venv-hf ] || [ -L build/venv-hf ]; then ln -sfn "$venv" build/venv-hf; fi
-    if [ ! -e build/hf4 ] || [ -L build/hf4 ]; then ln -sfn "$hf4" build/hf4; fi
+    if [ "$light" = 0 ] && { [ ! -e build/venv-hf ] || [ -L build/venv-hf ]; }; then ln -sfn "$venv" build/venv-hf; fi
+    if [ "$light" = 0 ] && { [ ! -e build/hf4 ] || [ -L build/hf4 ]; }; then ln -sfn "$hf4" build/hf4; fi
     if [ ! -e build/models ] || [ -L build/models ]; then ln -sfn "$models" build/models; fi
 }
 
 if [ -z "$missing" ]; then
     links
-    say "everything the tests need is installed (Python environments in $PQC_CACHE)"
+    if [ "$light" = 1 ]; then
+        say "everything make run-real needs is installed (the models in $models)"
+    else
+        say "everything the tests need is installed (Python environments in $PQC_CACHE)"
+    fi
     exit 0
 fi
 if [ "$check_only" = 1 ]; then
@@ -154,15 +170,15 @@ if [ -n "$apt_need" ]; then
     rm -f "$log"
     # python3 from PATH may be the system's, which now has numpy and pytest
     python3 -c 'import numpy, pytest' >/dev/null 2>&1 && sys_py=$(command -v python3)
-    $sys_py -c 'import tokenizers, transformers' >/dev/null 2>&1 && py_need=0
+    $sys_py -c 'import tokenizers, transformers, gguf' >/dev/null 2>&1 && py_need=0
 fi
 
 # ----- Python packages ------------------------------------------------------------------
 if [ "$py_need" = 1 ]; then
-    say "installing tokenizers and transformers $TRANSFORMERS_VERSION for $sys_py (pip)"
-    $sys_py -m pip install -q --break-system-packages tokenizers transformers==$TRANSFORMERS_VERSION 2>/dev/null ||
-        $sys_py -m pip install -q tokenizers transformers==$TRANSFORMERS_VERSION ||
-        fail "pip could not install tokenizers and transformers (no route to PyPI?)"
+    say "installing tokenizers, transformers $TRANSFORMERS_VERSION and gguf $GGUF_VERSION for $sys_py (pip)"
+    $sys_py -m pip install -q --break-system-packages tokenizers transformers==$TRANSFORMERS_VERSION gguf==$GGUF_VERSION 2>/dev/null ||
+        $sys_py -m pip install -q tokenizers transformers==$TRANSFORMERS_VERSION gguf==$GGUF_VERSION ||
+        fail "pip could not install tokenizers, transformers and gguf (no route to PyPI?)"
 fi
 mkdir -p "$PQC_CACHE" || fail "cannot create $PQC_CACHE"
 if [ "$torch_need" != 0 ] && [ -n "${PQC_TORCH_PYTHON:-}" ]; then

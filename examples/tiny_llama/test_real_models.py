@@ -180,3 +180,50 @@ def test_tiny_llama_runs_gemma3_as_transformers_does(tmp_path):
     assert e < 1e-4
     assert gen == [int(np.argmax(r)) for r in want]
     assert out["pqcache"][0] == gen and np.array_equal(out["pqcache"][1], logits)
+
+
+def test_the_numpy_conversion_is_transformers_conversion(tmp_path):
+    """tools/models.py --numpy (what make run-real uses, no torch) writes the checkpoints
+    transformers' own GGUF loader writes: every tensor equal to the bit, the same config,
+    the same token ids over real prose."""
+    need_model()
+    need_model(GEMMA)
+    import json
+    import subprocess
+    from tokenizers import Tokenizer
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import models
+    out = tmp_path / "models"
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "models.py"), "--numpy", "--dir", str(out)], check=True)
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        text = f.read()[:20000] + " Ünïcödé 日本語 🙂\n\n  tabs\t"
+    for name, ref in (("smollm2-135m-instruct", MODEL), ("gemma3-270m", GEMMA)):
+        got = str(out / name)
+        assert models.ready(got, models.MODELS[name])
+        a, b = safetensors_arrays(os.path.join(got, "model.safetensors")), safetensors_arrays(
+            os.path.join(ref, "model.safetensors"))
+        assert sorted(a) == sorted(b)
+        assert all(np.array_equal(a[k], b[k]) for k in a), [k for k in a if not np.array_equal(a[k], b[k])][:5]
+        for f in ("config.json", "generation_config.json"):
+            with open(os.path.join(got, f)) as x, open(os.path.join(ref, f)) as y:
+                assert json.load(x) == json.load(y), f
+        ta, tb = Tokenizer.from_file(os.path.join(got, "tokenizer.json")), Tokenizer.from_file(
+            os.path.join(ref, "tokenizer.json"))
+        assert ta.encode(text).ids == tb.encode(text).ids
+        print("%s: %d tensors equal, config equal, %d token ids equal" % (name, len(a), len(ta.encode(text).ids)))
+        del a, b
+    import shutil
+    shutil.rmtree(out)   # 1.6 GB
+
+
+def safetensors_arrays(path):
+    """{name: float32 array} of a safetensors file (mapped)"""
+    import json
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    return {k: np.frombuffer(data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]],
+                             dtype=np.float32).reshape(v["shape"])
+            for k, v in header.items() if k != "__metadata__"}
