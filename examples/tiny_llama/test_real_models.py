@@ -227,3 +227,19 @@ def safetensors_arrays(path):
     return {k: np.frombuffer(data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]],
                              dtype=np.float32).reshape(v["shape"])
             for k, v in header.items() if k != "__metadata__"}
+
+
+def test_make_run_real_answers_from_the_document():
+    """make run-real's script, short: the three modes answer, full attention and pqcache
+    with the planted fact, the table and the device tier's line there."""
+    need_model()
+    import subprocess
+    p = subprocess.run([sys.executable, os.path.join(HERE, "tools", "run_real.py"), "--tokens", "1000",
+                        "--steps", "6"], capture_output=True, text=True, check=True)
+    rows = {line.split()[0]: line.split() for line in p.stdout.splitlines() if line.split()[:1] in
+            (["full"], ["pqcache"], ["window"])}
+    print(p.stdout)
+    assert set(rows) == {"full", "pqcache", "window"}
+    assert "58209" in " ".join(rows["full"]) and "yes" in rows["full"]
+    assert "58209" in " ".join(rows["pqcache"]) and "yes" in rows["pqcache"]
+    assert "device tier" in p.stdout
