@@ -24,6 +24,7 @@ from them (observe, prefill), then decodes greedily (needles) or teacher-forced 
 
 usage: bench_real.py [--model smollm2|gemma3] [--half tune|report|both] [--quick] [--out DIR]
        [--methods a,b,...] [--parts needles,nll,mass] [--lengths 2048,...] [--depths 0.1,...]
+       [--keys N]
 """
 import argparse
 import json
@@ -78,6 +79,7 @@ HALVES = {
 }
 DEPTHS = [0.1, 0.3, 0.5, 0.7, 0.9]
 DEPTHS_ARG = []
+KEYS_ARG = []
 PYDOC_MODULES = ["argparse", "collections", "subprocess", "threading", "logging", "json", "re", "os", "pathlib",
                  "asyncio", "functools", "itertools", "socket", "datetime", "decimal", "email", "unittest",
                  "tarfile", "zipfile", "http.client", "urllib.request", "sqlite3", "csv", "random", "statistics"]
@@ -272,7 +274,7 @@ class NeedleRecall:
 def needles(M, half, methods, lengths, out, quick):
     h = HALVES[half]
     hay = M.tok(haystack(h["haystack"]), add_special_tokens=False)["input_ids"]
-    keys = h["passkeys"][:1] if quick else h["passkeys"]
+    keys = h["passkeys"][:1] if quick else h["passkeys"][:KEYS_ARG[0]] if KEYS_ARG else h["passkeys"]
     depths = [0.3, 0.7] if quick else (DEPTHS_ARG or DEPTHS)
     rows = []
     for length in lengths:
@@ -434,12 +436,14 @@ def main():
                     ", ".join(METHODS))
     ap.add_argument("--lengths", default="")
     ap.add_argument("--depths", default="")
+    ap.add_argument("--keys", type=int, default=0, help="the first N of the half's passkeys (default: all 3)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a few cells of each part (a smoke run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench_real"))
     a = ap.parse_args()
     spec = MODELS[a.model]
     DEPTHS_ARG[:] = [float(x) for x in a.depths.split(",")] if a.depths else []
+    KEYS_ARG[:] = [a.keys] if a.keys > 0 else []
     chosen = [m for m in a.methods.split(",") if m]
     for m in chosen:
         if m not in METHODS:

@@ -466,7 +466,7 @@ static void tp_attend_worker(void *arg, int wk, int nw)
     for (b0 = j->c0 + wk * TP_BLOCK; b0 < j->c1; b0 += nw * TP_BLOCK) {
         int nb = j->c1 - b0 < TP_BLOCK ? j->c1 - b0 : TP_BLOCK;
         tl_attend_causal(&t->lc, j->pos0 + b0, nb, j->cq + (size_t)b0 * (size_t)t->qd, j->kr, j->vr,
-                         (size_t)t->hs, t->patt[wk], t->pout[wk]);
+                         (size_t)t->hs, 0, t->patt[wk], t->pout[wk]);
         for (i = 0; i < nb; i++)
             tp_attn_part(t, j->layer, t->pout[wk] + (size_t)i * (size_t)t->qd,
                          t->ppart + (size_t)(b0 - j->c0 + i) * dim);
