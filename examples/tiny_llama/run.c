@@ -82,6 +82,8 @@ static void usage(void)
         "  -j <int>    threads (default 1): attention, split over KV heads; pqcache\n"
         "              also splits its prefill over tokens and sizes the library's pool\n"
         "  -q          quiet: print no tokens, only the report\n"
+        "  -x          the prompt's attention with the decode step's arithmetic, to\n"
+        "              the bit (default: tiled matrix products, equal to rounding)\n"
         "pqcache options:\n"
         "  -m <int>    PQ sub-spaces, divides the head size (default: the library's, 4)\n"
         "  -B <int>    bits per PQ code, 1..8 (default: the library's, 8)\n"
@@ -133,6 +135,7 @@ static int parse_options(int argc, char **argv, options *o)
             return -1;
         if (flag[1] == 'c') { o->compare = 1; continue; }
         if (flag[1] == 'q') { o->quiet = 1; continue; }
+        if (flag[1] == 'x') { o->pq.exact_prefill = 1; continue; }
         if (i + 1 >= argc)
             return -1;
         val = argv[++i];
@@ -433,6 +436,7 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
         fprintf(stderr, "error: %s\n", err);
         return 1;
     }
+    s.exact_prefill = o->pq.exact_prefill;
     if (o->compare && tl_build_state(&ref, c, ctx, o->threads, err, sizeof err)) {
         fprintf(stderr, "error: %s\n", err);
         if (pq)
@@ -441,6 +445,8 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
             tl_free_state(&s);
         return 1;
     }
+    if (o->compare)
+        ref.exact_prefill = o->pq.exact_prefill;
     if (tl_build_sampler(&sampler, c->vocab_size, o->temperature, o->topp, o->seed)) {
         fprintf(stderr, "error: out of memory\n");
         goto done;

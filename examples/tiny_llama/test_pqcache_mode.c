@@ -132,6 +132,7 @@ TEST pqcache_at_budget_1_gives_the_full_attention_logits_exactly(void)
             cfg.n_sink = sinks[i];
             cfg.n_threads = threads;
             cfg.iters = 5;
+            cfg.exact_prefill = 1;   /* the prompt with the decode step's arithmetic */
             memset(got, 0, n * sizeof(float));
             ASSERT(run_pqcache(&m, &cfg, got, &st) == 0);
             ASSERT(memcmp(ref, got, n * sizeof(float)) == 0);
@@ -145,14 +146,33 @@ TEST pqcache_at_budget_1_gives_the_full_attention_logits_exactly(void)
     cfg.policy = PQC_POLICY_LRU;
     cfg.cache_blocks = 2;
     cfg.block_tokens = 16;
+    cfg.exact_prefill = 1;
     ASSERT(run_pqcache(&m, &cfg, got, &st) == 0);
     ASSERT(memcmp(ref, got, n * sizeof(float)) == 0);
     ASSERT(st.hits > 0 && st.misses > 0);
+    /* the default, tiled prefill: the prompt's logits and then the decode steps' equal
+       to rounding */
+    for (threads = 1; threads <= 3; threads += 2) {
+        double worst = 0, top = 0;
+        size_t e;
+        tlpq_default_config(&cfg);
+        cfg.ratio = 1.0f;
+        cfg.n_threads = threads;
+        ASSERT(run_pqcache(&m, &cfg, got, &st) == 0);
+        for (e = 0; e < n; e++) {
+            worst = fabs((double)got[e] - (double)ref[e]) > worst ? fabs((double)got[e] - (double)ref[e]) : worst;
+            top = fabs((double)ref[e]) > top ? fabs((double)ref[e]) : top;
+        }
+        if (worst > 1e-5 * top)
+            printf("  tiled prefill, %d thread(s): logits up to %g differ by up to %g\n", threads, top, worst);
+        ASSERT(worst > 0 && worst <= 1e-5 * top);   /* fp32 sums in another order */
+    }
     /* a real budget attends fewer tokens and changes the decode logits (the
        prompt's logits come from full attention and stay the same) */
     tlpq_default_config(&cfg);
     cfg.ratio = 0.1f;
     cfg.n_sink = 4;
+    cfg.exact_prefill = 1;
     ASSERT(run_pqcache(&m, &cfg, got, &st) == 0);
     ASSERT(memcmp(ref, got, 50 * sizeof(float)) == 0);
     ASSERT(memcmp(ref + 50, got + 50, (n - 50) * sizeof(float)) != 0);
@@ -241,6 +261,7 @@ TEST hybrid_model_through_pqcache_is_full_attention_to_the_bit(void)
         cfg.ratio = 1.0f;
         cfg.n_threads = threads;
         cfg.iters = 5;
+        cfg.exact_prefill = 1;
         ASSERT(tlpq_create(&lib, &m, N, &cfg, err, sizeof err) == 0);
         ASSERT_EQ(1, lib.n_lib);
         ASSERT_EQ(1, lib.gl[0]);
@@ -274,6 +295,7 @@ TEST hybrid_model_through_pqcache_is_full_attention_to_the_bit(void)
     tlpq_default_config(&cfg);
     cfg.ratio = 0.1f;
     cfg.n_sink = 4;
+    cfg.exact_prefill = 1;
     ASSERT(tlpq_create(&lib, &m, N, &cfg, err, sizeof err) == 0);
     logits = tlpq_prefill(&lib, tokens, R_PROMPT);
     ASSERT(logits && memcmp(logits, ref + (size_t)(R_PROMPT - 1) * (size_t)V, (size_t)V * sizeof(float)) == 0);
@@ -316,6 +338,7 @@ TEST layer_major_prefill_stores_the_token_by_token_keys_and_values(void)
     tlpq_default_config(&cfg);
     cfg.n_threads = 2;
     cfg.all_outputs = 1;
+    cfg.exact_prefill = 1;
     ASSERT(tlpq_create(&lib, &m, R_PROMPT, &cfg, err, sizeof err) == 0);
     ASSERT(tlpq_prefill(&lib, tokens, R_PROMPT) != NULL);
     /* the keys and values the library stored are the token-by-token ones */

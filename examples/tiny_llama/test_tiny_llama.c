@@ -661,6 +661,83 @@ TEST attention_kernels_equal_the_portable_loops_to_the_bit(void)
     PASS();
 }
 
+/* The prompt's tiled attention (tl_attend_prefill, its SIMD and portable kernels) against
+   tl_attend_causal: the same function in another order, so equal to rounding. Head sizes
+   with and without a multiple of 8, groups of 1 to 4 query heads, blocks that start at 0
+   or later, windows shorter and longer than a key tile, and scores up to about +-60 so that
+   the running maximum moves (the online softmax's rescaling). */
+TEST prompt_attention_tiles_equal_the_causal_loops_to_rounding(void)
+{
+    static const int head_sizes[] = { 8, 12, 64, 256 };
+    static const int groups[] = { 1, 3, 4 };
+    static const int starts[] = { 0, 5, 100 };
+    static const int lens[] = { 1, 7, 70 };
+    static const int windows[] = { 0, 5, 100 };
+    int hi, gi, si, li, wi, simd, cases = 0;
+    double worst = 0;
+    for (hi = 0; hi < 4; hi++)
+        for (gi = 0; gi < 3; gi++)
+            for (si = 0; si < 3; si++)
+                for (li = 0; li < 3; li++)
+                    for (wi = 0; wi < 3; wi++) {
+                        tl_config cfg;
+                        int hs = head_sizes[hi], group = groups[gi], pos0 = starts[si], n = lens[li];
+                        int window = windows[wi], rows = pos0 + n, nkv = 2, g, i;
+                        size_t qd, stride, nq, nkvf;
+                        float *q, *kv, *want, *got, *work, *att, big = hi == 1 && li == 2 ? 8.0f : 1.0f;
+                        const float *kp[2], *vp[2];
+                        memset(&cfg, 0, sizeof cfg);
+                        cfg.n_kv_heads = nkv;
+                        cfg.n_heads = nkv * group;
+                        cfg.head_size = hs;
+                        qd = (size_t)cfg.n_heads * (size_t)hs;
+                        stride = (size_t)nkv * (size_t)hs;
+                        nq = (size_t)n * qd;
+                        nkvf = (size_t)rows * stride;
+                        q = (float *)malloc(nq * sizeof(float));
+                        kv = (float *)malloc(2 * nkvf * sizeof(float));
+                        want = (float *)malloc(nq * sizeof(float));
+                        got = (float *)malloc(nq * sizeof(float));
+                        work = (float *)malloc(tl_attend_prefill_work(&cfg) * sizeof(float));
+                        att = (float *)malloc((size_t)n * (size_t)cfg.n_heads * (size_t)rows * sizeof(float));
+                        if (!q || !kv || !want || !got || !work || !att) {
+                            free(q); free(kv); free(want); free(got); free(work); free(att);
+                            FAILm("out of memory");
+                        }
+                        random_elems(q, TL_F32, (int)nq);
+                        random_elems(kv, TL_F32, (int)(2 * nkvf));
+                        for (i = 0; i < (int)nq; i++)
+                            q[i] *= big;   /* scores up to about +-60 at head size 12 */
+                        for (g = 0; g < nkv; g++) {
+                            kp[g] = kv + (size_t)g * (size_t)hs;
+                            vp[g] = kv + nkvf + (size_t)g * (size_t)hs;
+                        }
+                        tl_attend_causal(&cfg, pos0, n, q, kp, vp, stride, window, att, want);
+                        for (simd = 0; simd <= 1; simd++) {
+                            double err = 0;
+                            memset(got, 0xff, nq * sizeof(float));   /* NaN: every output written */
+                            tl__attend_prefill_ex(&cfg, pos0, n, q, kp, vp, stride, window, work, got, simd, 0);
+                            for (i = 0; i < (int)nq; i++) {
+                                double d = fabs((double)got[i] - (double)want[i]);
+                                err = d > err || d != d ? (d != d ? 1e30 : d) : err;
+                            }
+                            /* a score of about 60 holds rounding errors about 60x larger */
+                            if (err > (big > 1.0f ? 1e-5 : 2e-6)) {
+                                printf("  head size %d, group %d, pos0 %d, n %d, window %d, %s: max error %g\n", hs,
+                                       group, pos0, n, window, simd ? "SIMD" : "portable", err);
+                                free(q); free(kv); free(want); free(got); free(work); free(att);
+                                FAILm("the tiled attention differs from tl_attend_causal beyond rounding");
+                            }
+                            worst = big == 1.0f && err > worst ? err : worst;
+                            cases++;
+                        }
+                        free(q); free(kv); free(want); free(got); free(work); free(att);
+                    }
+    printf("  %d cases, largest difference %.2g at scores of about +-3\n", cases, worst);
+    ASSERT_EQ(4 * 3 * 3 * 3 * 3 * 2, cases);
+    PASS();
+}
+
 /* ----------------------------------------------------------------------------
    Main */
 
@@ -688,6 +765,7 @@ SUITE(kernels)
 {
     RUN_TEST(projection_kernels_equal_the_portable_dot_products_to_the_bit);
     RUN_TEST(attention_kernels_equal_the_portable_loops_to_the_bit);
+    RUN_TEST(prompt_attention_tiles_equal_the_causal_loops_to_rounding);
 }
 
 GREATEST_MAIN_DEFS();

@@ -22,6 +22,8 @@
                      selection, the forward stages and the chunked prefill
      tl_kernels.h    projection kernels (fp32, bf16, fp16 weights as stored;
                      AVX2 chosen at run time) and their thread pool
+     tl_prefill.h    the prompt's attention as tiles of queries against tiles
+                     of keys with an online softmax (AVX2 + FMA at run time)
      tl_llama2c.h    llama2.c checkpoints: formats, header validation,
                      tl_build_model, random checkpoints
      tl_hf.h         Hugging Face model directories: JSON, safetensors,
@@ -46,6 +48,7 @@ extern "C" {
 
 #include "tl_model.h"
 #include "tl_kernels.h"
+#include "tl_prefill.h"
 #include "tl_llama2c.h"
 #include "tl_hf.h"
 #include "tl_sampler.h"
@@ -83,6 +86,7 @@ extern "C" {
 
 #include "tl_util.h"
 #include "tl_kernels.h"
+#include "tl_prefill.h"
 #include "tl_llama2c.h"
 #include "tl_hf.h"
 #include "tl_model.h"

@@ -150,6 +150,24 @@ static int tl__have_avx2(void)
     return tl__avx2_flag;
 }
 
+/* AVX2 with FMA: the prompt's kernels (tiled projections here, attention in tl_prefill.h),
+   whose sums need not follow tl__dot's order */
+#define TL__FMA __attribute__((target("avx2,fma")))
+static int tl__fma_flag;
+static pthread_once_t tl__fma_once = PTHREAD_ONCE_INIT;
+
+static void tl__fma_probe(void)
+{
+    __builtin_cpu_init();
+    tl__fma_flag = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+static int tl__have_fma(void)
+{
+    pthread_once(&tl__fma_once, tl__fma_probe);
+    return tl__fma_flag;
+}
+
 /* tl__finish on lanes held in a register: the lanes summed in the same order,
    ((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7)), in the register (a store and scalar
    reloads of the lanes, and a call, at the end of every row cost a decode
@@ -750,14 +768,19 @@ static void tl__mv(tl_state *s, float *out, const float *x, const tl_mat *w, int
     tl__mv_run(s, &j);
 }
 
-/* Matrix-matrix: out (t, d) = x (t, n) w^T for t tokens; each thread converts
-   its rows to fp32 once and multiplies them with every token. */
+/* Matrix-matrix: out (t, d) = x (t, n) w^T for t tokens.
+   Exact (tl_state.exact_prefill, or no AVX2 + FMA): each output is tl__dot's sum, so the
+   prompt's projections equal the decode step's to the bit; each thread converts its rows
+   to fp32 once and multiplies them with every token.
+   Otherwise tiled: x transposed once (n, t rounded up to 8), then blocks of 6 weight rows
+   x 16 tokens accumulated in registers over the whole of n (FMA), equal to rounding. */
 typedef struct {
     const tl_mat *w;
-    int n, d, t;
+    int n, d, t, tp;
     const float *x;
     float *out;
-    float *buf;               /* nparts * 2 * n floats */
+    float *buf;               /* nparts * 6 * n floats */
+    const float *xt;          /* tiled: (n, tp) x transposed, columns t .. tp-1 zero */
 } tl__mm_job;
 
 /* row r of w as fp32: the stored floats, or a conversion into buf */
@@ -784,7 +807,7 @@ static void tl__mm_part(void *arg, int part, int nparts)
     const tl__mm_job *j = (const tl__mm_job *)arg;
     int r0 = (int)((long)j->d * part / nparts), r1 = (int)((long)j->d * (part + 1) / nparts), r, t, k;
     size_t n = (size_t)j->n, d = (size_t)j->d;
-    float *buf = j->buf + (size_t)part * 2 * n;
+    float *buf = j->buf + (size_t)part * 6 * n;
     for (r = r0; r < r1; r += 2) {
         int two = r + 1 < r1;
         const float *a0 = tl__row_f32(j->w, j->n, r, buf);
@@ -814,20 +837,104 @@ static void tl__mm_part(void *arg, int part, int nparts)
     }
 }
 
+#ifdef TL__X86
+/* mr (1..6) weight rows a[] x nv (1, 2) vectors of 8 tokens at column c of xt: into o
+   (6 x 16, row i = weight row i) */
+TL__FMA __attribute__((always_inline)) static inline void tl__mm_tile(const float *const *a, const float *xt,
+                                                                   int n, int tp, int c, int mr, int nv,
+                                                                   float *o)
+{
+    __m256 acc[6][2];
+    int i, k;
+    TL__UNROLL8
+    for (i = 0; i < 6; i++)
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (k = 0; k < n; k++) {
+        const float *xk = xt + (size_t)k * (size_t)tp + c;
+        __m256 b0 = _mm256_loadu_ps(xk), b1 = nv > 1 ? _mm256_loadu_ps(xk + 8) : b0;
+        TL__UNROLL8
+        for (i = 0; i < 6; i++)
+            if (i < mr) {
+                __m256 w = _mm256_broadcast_ss(a[i] + k);
+                acc[i][0] = _mm256_fmadd_ps(w, b0, acc[i][0]);
+                if (nv > 1)
+                    acc[i][1] = _mm256_fmadd_ps(w, b1, acc[i][1]);
+            }
+    }
+    TL__UNROLL8
+    for (i = 0; i < 6; i++)
+        if (i < mr) {
+            _mm256_storeu_ps(o + i * 16, acc[i][0]);
+            if (nv > 1)
+                _mm256_storeu_ps(o + i * 16 + 8, acc[i][1]);
+        }
+}
+
+#define TL__MM_TILES(mr)                                                  \
+    for (c = 0; c < j->tp; c += 16) {                                     \
+        int nv = c + 16 <= j->tp ? 2 : 1, cols = j->t - c < 16 ? j->t - c : 16; \
+        tl__mm_tile(a, j->xt, j->n, j->tp, c, mr, nv, o);                 \
+        for (t = 0; t < cols; t++)                                        \
+            for (i = 0; i < mr; i++)                                      \
+                j->out[(size_t)(c + t) * d + (size_t)(r + i)] = o[i * 16 + t]; \
+    }
+
+TL__FMA static void tl__mm_tiled_part(void *arg, int part, int nparts)
+{
+    const tl__mm_job *j = (const tl__mm_job *)arg;
+    int r0 = (int)((long)j->d * part / nparts), r1 = (int)((long)j->d * (part + 1) / nparts), r, i, c, t;
+    size_t n = (size_t)j->n, d = (size_t)j->d;
+    float *buf = j->buf + (size_t)part * 6 * n, o[6 * 16];
+    const float *a[6];
+    for (r = r0; r < r1; r += 6) {
+        int mr = r1 - r < 6 ? r1 - r : 6;
+        for (i = 0; i < mr; i++)
+            a[i] = tl__row_f32(j->w, j->n, r + i, buf + (size_t)i * n);
+        switch (mr) {
+        case 6: TL__MM_TILES(6); break;
+        case 5: TL__MM_TILES(5); break;
+        case 4: TL__MM_TILES(4); break;
+        case 3: TL__MM_TILES(3); break;
+        case 2: TL__MM_TILES(2); break;
+        default: TL__MM_TILES(1); break;
+        }
+    }
+}
+#endif
+
 static int tl__mm(tl_state *s, float *out, const float *x, int t, const tl_mat *w, int n, int d)
 {
     tl__mm_job j;
     int parts = s->pool ? ((tl__pool *)s->pool)->n : 1;
+    float *xt = NULL;
     j.w = w;
     j.n = n;
     j.d = d;
     j.t = t;
+    j.tp = (t + 7) / 8 * 8;
     j.x = x;
     j.out = out;
-    j.buf = (float *)malloc((size_t)parts * 2 * (size_t)n * sizeof(float));
+    j.xt = NULL;
+    j.buf = (float *)malloc((size_t)parts * 6 * (size_t)n * sizeof(float));
     if (!j.buf)
         return -1;
-    tl_parallel(s, tl__mm_part, &j);
+#ifdef TL__X86
+    if (!s->exact_prefill && tl__have_fma()) {
+        int k, u;
+        xt = (float *)calloc((size_t)n * (size_t)j.tp, sizeof(float));
+        if (!xt) {
+            free(j.buf);
+            return -1;
+        }
+        for (u = 0; u < t; u++)
+            for (k = 0; k < n; k++)
+                xt[(size_t)k * (size_t)j.tp + (size_t)u] = x[(size_t)u * (size_t)n + (size_t)k];
+        j.xt = xt;
+        tl_parallel(s, tl__mm_tiled_part, &j);
+    } else
+#endif
+        tl_parallel(s, tl__mm_part, &j);
+    free(xt);
     free(j.buf);
     return 0;
 }

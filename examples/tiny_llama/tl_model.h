@@ -190,6 +190,9 @@ typedef struct {
     double *rope_freq;        /* (head_size) inverse frequencies: the global layers', scaling
                                  applied, then the local layers' (rope_theta_local) */
     int rope_local;           /* rope_cos and rope_sin hold the local layers' angles */
+    int exact_prefill;        /* 1: the prompt's attention by tl_attend_causal, the decode
+                                 step's arithmetic to the bit; 0 (default): by
+                                 tl_attend_prefill, tiled, equal to rounding */
 } tl_state;
 
 /* ctx: positions to hold; 0 (or more than seq_len) means seq_len.
@@ -272,6 +275,12 @@ void tl_layer_attn_out(const tl_model *m, tl_state *s, int layer);
 void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
                       const float *const *k, const float *const *v, size_t stride, int window,
                       float *att, float *out);
+/* The prompt's attention as the engine runs it: tl_attend_prefill, or with exact
+   tl_attend_causal. work: tl_attend_prompt_work(c, exact, n, pos0 + n) floats. */
+void tl_attend_prompt(const tl_config *c, int exact, int pos0, int n, const float *q,
+                      const float *const *k, const float *const *v, size_t stride, int window,
+                      float *work, float *out);
+size_t tl_attend_prompt_work(const tl_config *c, int exact, int n, int rows);
 /* (d) x += w2(silu(w1 rmsnorm(x)) * w3 rmsnorm(x)) */
 void tl_layer_ffn(const tl_model *m, tl_state *s, int layer);
 /* (e) logits = wcls rmsnorm(x); returns s->logits */
@@ -1003,6 +1012,21 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
     }
 }
 
+void tl_attend_prompt(const tl_config *c, int exact, int pos0, int n, const float *q,
+                      const float *const *k, const float *const *v, size_t stride, int window,
+                      float *work, float *out)
+{
+    if (exact)
+        tl_attend_causal(c, pos0, n, q, k, v, stride, window, work, out);
+    else
+        tl_attend_prefill(c, pos0, n, q, k, v, stride, window, work, out);
+}
+
+size_t tl_attend_prompt_work(const tl_config *c, int exact, int n, int rows)
+{
+    return exact ? (size_t)n * (size_t)c->n_heads * (size_t)rows : tl_attend_prefill_work(c);
+}
+
 void tl_layer_ffn(const tl_model *m, tl_state *s, int layer)
 {
     const tl_config *c = &m->config;
@@ -1138,7 +1162,9 @@ typedef struct {
     const float *const *k, *const *v;
     size_t stride;
     float *att, *out;
-    size_t att_per_part;
+    size_t att_per_part;          /* at least tl_attend_prompt_work(c, exact, ...) */
+    int exact;                    /* tl_state.exact_prefill */
+    int origin;                   /* position of rows k[g], v[g] (tiled only) */
 } tl__causal_job;
 
 static void tl__causal_part(void *arg, int part, int nparts)
@@ -1146,9 +1172,13 @@ static void tl__causal_part(void *arg, int part, int nparts)
     const tl__causal_job *j = (const tl__causal_job *)arg;
     size_t qd = (size_t)tl__qdim(j->c);
     int t0 = (int)((long)j->n * part / nparts), t1 = (int)((long)j->n * (part + 1) / nparts);
-    if (t1 > t0)
+    if (t1 > t0 && j->exact)
         tl_attend_causal(j->c, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride, j->window,
                          j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd);
+    else if (t1 > t0)
+        tl__attend_prefill_ex(j->c, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride,
+                              j->window, j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd, 1,
+                              j->origin);
 }
 
 #define TL_PREFILL_CHUNK 64
@@ -1177,7 +1207,7 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
                      c->vocab_size - 1);
             return NULL;
         }
-    att_part = (size_t)((TL_PREFILL_CHUNK + parts - 1) / parts) * (size_t)c->n_heads * (size_t)(pos0 + n);
+    att_part = tl_attend_prompt_work(c, s->exact_prefill, (TL_PREFILL_CHUNK + parts - 1) / parts, pos0 + n);
     x = (float *)malloc((size_t)TL_PREFILL_CHUNK * dim * sizeof(float));
     q = (float *)malloc((size_t)TL_PREFILL_CHUNK * qd * sizeof(float));
     heads = (float *)malloc((size_t)TL_PREFILL_CHUNK * qd * sizeof(float));
@@ -1214,6 +1244,8 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
             j.att = att;
             j.out = heads;
             j.att_per_part = att_part;
+            j.exact = s->exact_prefill;
+            j.origin = 0;
             tl_parallel(s, tl__causal_part, &j);
             if (tl_layer_out_ffn_batch(m, s, l, nb, x, heads))
                 goto oom;

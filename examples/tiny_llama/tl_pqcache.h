@@ -66,6 +66,8 @@ typedef struct {
                               queries) or PQC_METRIC_L2 (plain PQ) */
     int split;             /* PQC_SPLIT_COMPETE (default), PQC_SPLIT_FIXED, PQC_SPLIT_ADAPTIVE or
                               PQC_SPLIT_FIXED_COMPETE */
+    int exact_prefill;     /* 1: the prompt's attention with the decode step's arithmetic, to
+                              the bit (tl_state.exact_prefill); 0: tiled, equal to rounding */
 } tlpq_config;
 
 /* Called from the prefill about every block of tokens: layer (0-based), tokens of
@@ -236,7 +238,7 @@ static void *tlpq__attend_worker(void *arg)
     if (b0 >= j->n || (j->last_only && j->worker != 0))
         return NULL;
     nb = j->n - b0 < (size_t)p->block ? j->n - b0 : (size_t)p->block;
-    tl_attend_causal(c, (int)(j->pos0 + b0), (int)nb, j->cq + b0 * qd, kr, vr,
+    tl_attend_prompt(c, p->s.exact_prefill, (int)(j->pos0 + b0), (int)nb, j->cq + b0 * qd, kr, vr,
                      (size_t)c->head_size, 0, p->att[j->worker], p->out[j->worker]);
     return NULL;
 }
@@ -287,7 +289,10 @@ static int tlpq__local_prefill(tlpq *p, int l, size_t pos0, size_t n)
         j.stride = kv;
         j.att = p->latt;
         j.out = p->lheads;
-        j.att_per_part = (size_t)((TLPQ__CHUNK + parts - 1) / parts) * (size_t)c->n_heads * (w - 1 + TLPQ__CHUNK);
+        j.att_per_part = tl_attend_prompt_work(c, p->s.exact_prefill, (TLPQ__CHUNK + parts - 1) / parts,
+                                               (int)(w - 1 + TLPQ__CHUNK));
+        j.exact = p->s.exact_prefill;
+        j.origin = (int)(pos0 - prior + base);   /* lk's row 0 holds position pos0 - prior */
         tl_parallel(&p->s, tl__causal_part, &j);
         if (tl_layer_out_ffn_batch(p->m, &p->s, l, (int)nb, p->hidden + b0 * dim, p->lheads))
             return tl__fail(p->err, sizeof p->err, "local layer %d: out of memory", l);
@@ -524,8 +529,8 @@ static int tlpq__layers_init(tlpq *p, char *err, size_t errlen)
     p->ring_rows = (const void **)calloc((size_t)c->n_kv_heads * 2 * w, sizeof(void *));
     p->lq = (float *)malloc((size_t)TLPQ__CHUNK * qd * sizeof(float));
     p->lheads = (float *)malloc((size_t)TLPQ__CHUNK * qd * sizeof(float));
-    p->latt = (float *)malloc((size_t)parts * (size_t)((TLPQ__CHUNK + parts - 1) / parts) * (size_t)c->n_heads *
-                              (w - 1 + TLPQ__CHUNK) * sizeof(float));
+    p->latt = (float *)malloc((size_t)parts * tl_attend_prompt_work(c, p->s.exact_prefill,
+                              (TLPQ__CHUNK + parts - 1) / parts, (int)(w - 1 + TLPQ__CHUNK)) * sizeof(float));
     if (!p->ring || !p->stage || !p->ring_rows || !p->lq || !p->lheads || !p->latt)
         return tl__fail(err, errlen, "pqcache: out of memory for the local layers' windows");
     return 0;
@@ -556,6 +561,8 @@ static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const t
         p->block /= 2;
     if (tl_build_state_ex(&p->s, c, max_tokens, p->n_workers, TL_STATE_NO_KV_CACHE, err, errlen))
         return -1;
+    p->s.exact_prefill = cfg->exact_prefill != 0;
+    att_floats = tl_attend_prompt_work(c, p->s.exact_prefill, p->block, max_tokens);
     p->workers = (tl_state *)calloc((size_t)p->n_workers, sizeof(tl_state));
     p->att = (float **)calloc((size_t)p->n_workers, sizeof(float *));
     p->out = (float **)calloc((size_t)p->n_workers, sizeof(float *));
@@ -570,7 +577,7 @@ static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const t
             tlpq_destroy(p);
             return -1;
         }
-        p->att[t] = (float *)malloc((size_t)p->block * att_floats * sizeof(float));
+        p->att[t] = (float *)malloc(att_floats * sizeof(float));
         p->out[t] = p->heads + (size_t)t * (size_t)p->block * (size_t)c->n_heads *
                     (size_t)c->head_size;
         if (!p->att[t]) {

@@ -1,0 +1,400 @@
+/* tl_prefill.h - the attention of a prompt as blocked matrix products: a tile
+   of queries (a few tokens x the query heads of one KV head) against tiles of
+   keys, an online softmax (a running maximum and sum per query, the partial
+   output rescaled as the maximum grows), the causal mask and a sliding window
+   applied by tiles (tiles wholly outside them skipped). AVX2 + FMA kernels
+   chosen at run time, portable C otherwise.
+
+   The same function as tl_attend_causal, computed in another order: results
+   agree to rounding, not to the bit. tl_state.exact_prefill selects
+   tl_attend_causal instead (the decode path's arithmetic, to the bit).
+
+   Part of tiny_llama.h, which includes it: include tiny_llama.h, not this file. */
+#ifndef TL_PREFILL_H
+#define TL_PREFILL_H
+
+/* Floats of scratch one tl_attend_prefill call needs (per thread). */
+size_t tl_attend_prefill_work(const tl_config *c);
+
+/* The causal attention of n query tokens at positions pos0 .. pos0+n-1 (q: n rows of
+   n_heads * head_size, after RoPE) over the key and value rows 0 .. pos0+n-1 of each KV
+   head g (row i at k[g] + i * stride, v[g] + i * stride); with window > 0 a token at p
+   sees positions p-window+1 .. p only. Outputs to out (n rows of n_heads * head_size).
+   work: tl_attend_prefill_work(c) floats. */
+void tl_attend_prefill(const tl_config *c, int pos0, int n, const float *q,
+                       const float *const *k, const float *const *v, size_t stride, int window,
+                       float *work, float *out);
+
+#endif /* TL_PREFILL_H */
+
+/* ============================================================================
+   Implementation (where tiny_llama.h is included with TINY_LLAMA_IMPLEMENTATION) */
+
+#if defined(TINY_LLAMA_IMPLEMENTED) && !defined(TL_PREFILL_IMPLEMENTED)
+#define TL_PREFILL_IMPLEMENTED
+
+#define TL__PF_ROWS 48   /* query rows (tokens x heads of a group) per tile, about */
+#define TL__PF_TK 64     /* keys per tile */
+
+/* tokens per query tile: about TL__PF_ROWS rows, at least one token */
+static int tl__pf_tokens(const tl_config *c)
+{
+    int group = c->n_heads / c->n_kv_heads;
+    return group >= TL__PF_ROWS ? 1 : TL__PF_ROWS / group;
+}
+
+size_t tl_attend_prefill_work(const tl_config *c)
+{
+    size_t rows = (size_t)tl__pf_tokens(c) * (size_t)(c->n_heads / c->n_kv_heads), hs = (size_t)c->head_size;
+    /* the queries and the output of a tile, its scores, the keys transposed, max and sum */
+    return 2 * rows * hs + rows * TL__PF_TK + hs * TL__PF_TK + 2 * rows;
+}
+
+/* ----------------------------------------------------------------------------
+   The tile's products: s (rows x TL__PF_TK) = qt (rows x hs) kt (hs x TL__PF_TK), the
+   columns 0 .. ncol-1 (a multiple of 8 in the SIMD kernels); o (rows x hs) += p (rows x
+   TL__PF_TK) [v rows 0 .. nk-1] */
+
+static void tl__pf_scores_c(const float *qt, const float *kt, int rows, int hs, int ncol, float *s)
+{
+    int r, d, j;
+    for (r = 0; r < rows; r++) {
+        float *sr = s + (size_t)r * TL__PF_TK;
+        const float *qr = qt + (size_t)r * (size_t)hs;
+        for (j = 0; j < ncol; j++)
+            sr[j] = 0;
+        for (d = 0; d < hs; d++) {
+            float a = qr[d];
+            const float *kd = kt + (size_t)d * TL__PF_TK;
+            for (j = 0; j < ncol; j++)
+                sr[j] += a * kd[j];
+        }
+    }
+}
+
+static void tl__pf_values_c(const float *p, const float *const *vrow, int nk, int rows, int hs, float *o)
+{
+    int r, j, d;
+    for (r = 0; r < rows; r++) {
+        float *or_ = o + (size_t)r * (size_t)hs;
+        const float *pr = p + (size_t)r * TL__PF_TK;
+        for (j = 0; j < nk; j++) {
+            float a = pr[j];
+            const float *vj = vrow[j];
+            if (a == 0)
+                continue;
+            for (d = 0; d < hs; d++)
+                or_[d] += a * vj[d];
+        }
+    }
+}
+
+/* p[i] = exp(s[i] - mx) for i in [a, b), 0 elsewhere in [0, ncol); returns their sum */
+static float tl__pf_exp_c(float *s, int a, int b, int ncol, float mx)
+{
+    float sum = 0;
+    int j;
+    for (j = 0; j < ncol; j++) {
+        float e = j >= a && j < b ? expf(s[j] - mx) : 0.0f;
+        s[j] = e;
+        sum += e;
+    }
+    return sum;
+}
+
+#ifdef TL__X86
+/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of s at column c */
+TL__FMA __attribute__((always_inline)) static inline void tl__pf_scores_tile(const float *qt, const float *kt,
+                                                                          int hs, int c, int mr, int nv,
+                                                                          float *s)
+{
+    __m256 acc[6][2];
+    int i, d;
+    TL__UNROLL8
+    for (i = 0; i < 6; i++)
+        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (d = 0; d < hs; d++) {
+        const float *kd = kt + (size_t)d * TL__PF_TK + c;
+        __m256 b0 = _mm256_loadu_ps(kd), b1 = nv > 1 ? _mm256_loadu_ps(kd + 8) : b0;
+        TL__UNROLL8
+        for (i = 0; i < 6; i++)
+            if (i < mr) {
+                __m256 a = _mm256_broadcast_ss(qt + (size_t)i * (size_t)hs + d);
+                acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+                if (nv > 1)
+                    acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+            }
+    }
+    TL__UNROLL8
+    for (i = 0; i < 6; i++)
+        if (i < mr) {
+            _mm256_storeu_ps(s + (size_t)i * TL__PF_TK + c, acc[i][0]);
+            if (nv > 1)
+                _mm256_storeu_ps(s + (size_t)i * TL__PF_TK + c + 8, acc[i][1]);
+        }
+}
+
+#define TL__PF_SCORES(mr)                                                           \
+    for (c = 0; c + 16 <= ncol; c += 16)                                            \
+        tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt, hs, c, mr, 2, s + (size_t)r * TL__PF_TK); \
+    for (; c < ncol; c += 8)                                                        \
+        tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt, hs, c, mr, 1, s + (size_t)r * TL__PF_TK)
+
+TL__FMA static void tl__pf_scores_avx2(const float *qt, const float *kt, int rows, int hs, int ncol, float *s)
+{
+    int r = 0, c;
+    for (; r + 6 <= rows; r += 6) {
+        TL__PF_SCORES(6);
+    }
+    switch (rows - r) {
+    case 5: TL__PF_SCORES(5); break;
+    case 4: TL__PF_SCORES(4); break;
+    case 3: TL__PF_SCORES(3); break;
+    case 2: TL__PF_SCORES(2); break;
+    case 1: TL__PF_SCORES(1); break;
+    default: break;
+    }
+}
+
+/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of o at column c */
+TL__FMA __attribute__((always_inline)) static inline void tl__pf_values_tile(const float *p,
+                                                                          const float *const *vrow, int nk,
+                                                                          int hs, int c, int mr, int nv,
+                                                                          float *o)
+{
+    __m256 acc[6][2];
+    int i, j;
+    TL__UNROLL8
+    for (i = 0; i < 6; i++)
+        if (i < mr) {
+            acc[i][0] = _mm256_loadu_ps(o + (size_t)i * (size_t)hs + c);
+            acc[i][1] = nv > 1 ? _mm256_loadu_ps(o + (size_t)i * (size_t)hs + c + 8) : acc[i][0];
+        }
+    for (j = 0; j < nk; j++) {
+        const float *vj = vrow[j] + c;
+        __m256 b0 = _mm256_loadu_ps(vj), b1 = nv > 1 ? _mm256_loadu_ps(vj + 8) : b0;
+        TL__UNROLL8
+        for (i = 0; i < 6; i++)
+            if (i < mr) {
+                __m256 a = _mm256_broadcast_ss(p + (size_t)i * TL__PF_TK + j);
+                acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
+                if (nv > 1)
+                    acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
+            }
+    }
+    TL__UNROLL8
+    for (i = 0; i < 6; i++)
+        if (i < mr) {
+            _mm256_storeu_ps(o + (size_t)i * (size_t)hs + c, acc[i][0]);
+            if (nv > 1)
+                _mm256_storeu_ps(o + (size_t)i * (size_t)hs + c + 8, acc[i][1]);
+        }
+}
+
+#define TL__PF_VALUES(mr)                                                                     \
+    for (c = 0; c + 16 <= hs; c += 16)                                                        \
+        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vrow, nk, hs, c, mr, 2, o + (size_t)r * (size_t)hs); \
+    for (; c < hs; c += 8)                                                                    \
+        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vrow, nk, hs, c, mr, 1, o + (size_t)r * (size_t)hs)
+
+TL__FMA static void tl__pf_values_avx2(const float *p, const float *const *vrow, int nk, int rows, int hs,
+                                       float *o)
+{
+    int r = 0, c;
+    for (; r + 6 <= rows; r += 6) {
+        TL__PF_VALUES(6);
+    }
+    switch (rows - r) {
+    case 5: TL__PF_VALUES(5); break;
+    case 4: TL__PF_VALUES(4); break;
+    case 3: TL__PF_VALUES(3); break;
+    case 2: TL__PF_VALUES(2); break;
+    case 1: TL__PF_VALUES(1); break;
+    default: break;
+    }
+}
+
+/* exp of 8 arguments at most 0 (a range reduction by ln 2 in two parts and a degree-6
+   polynomial, the classic single-precision scheme: within 2 ulp); below -87.3, 0 */
+TL__FMA static inline __m256 tl__pf_exp8(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), fx, y, z;
+    __m256i e;
+    x = _mm256_max_ps(x, lo);
+    fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    z = _mm256_mul_ps(x, x);
+    y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
+TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
+{
+    __m256 m = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    __m256i lo = _mm256_set1_epi32(a - 1), hi = _mm256_set1_epi32(b);
+    __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m128 h;
+    int j;
+    for (j = 0; j < ncol; j += 8) {
+        __m256i jj = _mm256_add_epi32(idx, _mm256_set1_epi32(j));
+        __m256 in = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(jj, lo), _mm256_cmpgt_epi32(hi, jj)));
+        __m256 e = _mm256_and_ps(in, tl__pf_exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
+                                                               _mm256_setzero_ps())));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    h = _mm_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+}
+#endif
+
+/* ----------------------------------------------------------------------------
+   One KV head, one tile of query tokens [t0, t1) */
+
+typedef struct {
+    const tl_config *c;
+    int pos0, window, group, hs, simd, origin;
+    float *qt, *o, *s, *kt, *mx, *sum;
+} tl__pf_ctx;
+
+static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, const float *vg, size_t stride,
+                        int h0, int t0, int t1, float *out)
+{
+    const tl_config *c = x->c;
+    int group = x->group, hs = x->hs, rows = (t1 - t0) * group, r, d, j;
+    int pmin = x->pos0 + t0, pmax = x->pos0 + t1 - 1, k0;
+    int lo = x->window > 0 && pmin - x->window + 1 > 0 ? pmin - x->window + 1 : 0, k1;
+    size_t qd = (size_t)c->n_heads * (size_t)hs;
+    float scale = tl_attn_scale(c);
+    const float *vrow[TL__PF_TK];
+
+    for (r = 0; r < rows; r++) {   /* the tile's queries, scaled, row r = token r / group */
+        const float *qr = q + (size_t)(t0 + r / group) * qd + (size_t)(h0 + r % group) * (size_t)hs;
+        for (d = 0; d < hs; d++)
+            x->qt[(size_t)r * (size_t)hs + d] = qr[d] * scale;
+        x->mx[r] = -INFINITY;
+        x->sum[r] = 0;
+    }
+    memset(x->o, 0, (size_t)rows * (size_t)hs * sizeof(float));
+
+    /* key tiles at multiples of TL__PF_TK in positions origin + row: where a row's sums
+       split depends on its position alone, not on the rows that share its tile */
+    k0 = lo - (lo + x->origin) % TL__PF_TK;
+    for (k0 = k0 < 0 ? 0 : k0; k0 <= pmax; k0 = k1) {
+        int nk, ncol;
+        k1 = k0 - (k0 + x->origin) % TL__PF_TK + TL__PF_TK;
+        nk = (pmax + 1 < k1 ? pmax + 1 : k1) - k0;
+        ncol = (nk + 7) / 8 * 8;
+        for (j = 0; j < nk; j++) {   /* the keys transposed (padding columns 0) */
+            const float *kr = kg + (size_t)(k0 + j) * stride;
+            for (d = 0; d < hs; d++)
+                x->kt[(size_t)d * TL__PF_TK + j] = kr[d];
+            vrow[j] = vg + (size_t)(k0 + j) * stride;
+        }
+        for (; j < ncol; j++)
+            for (d = 0; d < hs; d++)
+                x->kt[(size_t)d * TL__PF_TK + j] = 0;
+#ifdef TL__X86
+        if (x->simd)
+            tl__pf_scores_avx2(x->qt, x->kt, rows, hs, ncol, x->s);
+        else
+#endif
+            tl__pf_scores_c(x->qt, x->kt, rows, hs, ncol, x->s);
+        for (r = 0; r < rows; r++) {   /* the online softmax, row by row */
+            int p = x->pos0 + t0 + r / group;
+            int a = x->window > 0 && p - x->window + 1 > k0 ? p - x->window + 1 - k0 : 0;
+            int b = p + 1 - k0 < nk ? p + 1 - k0 : nk;   /* columns [a, b) are visible */
+            float *sr = x->s + (size_t)r * TL__PF_TK, m = -INFINITY, mnew, alpha, add;
+            if (b <= a) {
+                memset(sr, 0, (size_t)ncol * sizeof(float));
+                continue;
+            }
+            for (j = a; j < b; j++)
+                m = sr[j] > m ? sr[j] : m;
+            mnew = m > x->mx[r] ? m : x->mx[r];
+#ifdef TL__X86
+            if (x->simd)
+                add = tl__pf_exp_avx2(sr, a, b, ncol, mnew);
+            else
+#endif
+                add = tl__pf_exp_c(sr, a, b, ncol, mnew);
+            if (mnew > x->mx[r]) {
+                float *orow = x->o + (size_t)r * (size_t)hs;
+                alpha = x->mx[r] == -INFINITY ? 0.0f : expf(x->mx[r] - mnew);
+                for (d = 0; d < hs; d++)
+                    orow[d] *= alpha;
+                x->sum[r] *= alpha;
+                x->mx[r] = mnew;
+            }
+            x->sum[r] += add;
+        }
+#ifdef TL__X86
+        if (x->simd)
+            tl__pf_values_avx2(x->s, vrow, nk, rows, hs, x->o);
+        else
+#endif
+            tl__pf_values_c(x->s, vrow, nk, rows, hs, x->o);
+    }
+    for (r = 0; r < rows; r++) {
+        float *dst = out + (size_t)(t0 + r / group) * qd + (size_t)(h0 + r % group) * (size_t)hs;
+        const float *orow = x->o + (size_t)r * (size_t)hs;
+        float inv = x->sum[r] > 0 ? 1.0f / x->sum[r] : 0.0f;
+        for (d = 0; d < hs; d++)
+            dst[d] = orow[d] * inv;
+    }
+}
+
+/* tl_attend_prefill with the SIMD kernels (where the CPU has them) or, simd 0, without;
+   row 0 of k and v holds position origin (key tiles start at multiples of TL__PF_TK in
+   positions, so a token's output is the same whichever rows are passed) */
+static void tl__attend_prefill_ex(const tl_config *c, int pos0, int n, const float *q,
+                                  const float *const *k, const float *const *v, size_t stride, int window,
+                                  float *work, float *out, int simd, int origin)
+{
+    tl__pf_ctx x;
+    int tq = tl__pf_tokens(c), g, t0;
+    size_t rows;
+    x.c = c;
+    x.pos0 = pos0;
+    x.window = window;
+    x.origin = origin;
+    x.group = c->n_heads / c->n_kv_heads;
+    x.hs = c->head_size;
+    rows = (size_t)tq * (size_t)x.group;
+    x.simd = 0;
+#ifdef TL__X86
+    x.simd = simd && c->head_size % 8 == 0 && tl__have_fma();
+#else
+    (void)simd;
+#endif
+    x.qt = work;
+    x.o = x.qt + rows * (size_t)x.hs;
+    x.s = x.o + rows * (size_t)x.hs;
+    x.kt = x.s + rows * TL__PF_TK;
+    x.mx = x.kt + (size_t)x.hs * TL__PF_TK;
+    x.sum = x.mx + rows;
+    for (g = 0; g < c->n_kv_heads; g++)
+        for (t0 = 0; t0 < n; t0 += tq)
+            tl__pf_tile(&x, q, k[g], v[g], stride, g * x.group, t0, t0 + tq < n ? t0 + tq : n, out);
+}
+
+void tl_attend_prefill(const tl_config *c, int pos0, int n, const float *q,
+                       const float *const *k, const float *const *v, size_t stride, int window,
+                       float *work, float *out)
+{
+    tl__attend_prefill_ex(c, pos0, n, q, k, v, stride, window, work, out, 1, 0);
+}
+
+#endif /* TL_PREFILL implementation */
