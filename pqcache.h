@@ -6932,7 +6932,8 @@ static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_
     if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: g = %d", g);
     if ((int)desc->gqa < 0 || (int)desc->gqa > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown gqa mode");
     if (!(desc->softmax_scale >= 0.0f && desc->softmax_scale <= 1e6f))
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: softmax_scale %g (0 = 1/sqrt(d_h), else up to 1e6)",
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                         "pqc_pq_search: softmax_scale %g (0 = 1/sqrt(d_h), else up to 1e6)",
                          (double)desc->softmax_scale);
     *gqa = desc->gqa;
     *first = desc->first;
@@ -7263,8 +7264,8 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_exact_search: g = %d", g);
     if ((int)gqa < 0 || (int)gqa > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown gqa mode");
     if (!(scale >= 0.0f && scale <= 1e6f))
-        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_exact_search: softmax_scale %g (0 = 1/sqrt(d_h), else up to 1e6)",
-                         (double)scale);
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                         "pqc_exact_search: softmax_scale %g (0 = 1/sqrt(d_h), else up to 1e6)", (double)scale);
     n = keys->rows;
     if (scale == 0.0f) scale = 1.0f / sqrtf((float)keys->cols);
     d = keys->cols;
@@ -8072,7 +8073,8 @@ static void pqc__plan_scale(pqc_cache *c)
 {
     pqc__scoring *sp = &c->sp;
     sp->scale = c->d.softmax_scale;
-    sp->scale_d = sp->scale == pqc__default_scale(c->d.head_dim) ? 1.0 / sqrt((double)c->d.head_dim) : (double)sp->scale;
+    sp->scale_d =
+        sp->scale == pqc__default_scale(c->d.head_dim) ? 1.0 / sqrt((double)c->d.head_dim) : (double)sp->scale;
 }
 
 static void pqc__plan_init(pqc_cache *c)
@@ -11070,7 +11072,8 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
     PQC__RD(&v, 4);
     /* version 2 (before layers' windows were saved): every layer has the cache's;
        versions 2 and 3 (before the softmax scale was saved): 1/sqrt(d_h) */
-    if (v != PQC__CACHE_VERSION && v != 3u && v != 2u) PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
+    if (v != PQC__CACHE_VERSION && v != 3u && v != 2u)
+        PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
     PQC__RD(shape, sizeof shape);
     pqc__cache_shape(c, mine);
     for (j = 0; j < PQC__CACHE_SHAPE; j++)

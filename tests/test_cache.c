@@ -1367,8 +1367,8 @@ TEST save_load_resumes_with_exact_scoring(void) { return save_load_resumes(1); }
 /* ----- the model's softmax scale ----- */
 
 /* Every cache of the scale tests sees the same calls: observed queries, a prefill of 600
-   tokens, then `steps` decode steps (append, select); sel[s] (n_kv_heads x capacity)
-   keeps each step's selection. */
+   tokens, then `steps` decode steps (append, select); keep holds each step's selection,
+   per KV head its count then cap indices. */
 static pqc_result scale_run(pqc_cache *c, const float *k, const float *v, const float *q, const float *obs, int steps,
                             uint32_t *keep, size_t cap)
 {
@@ -1377,9 +1377,9 @@ static pqc_result scale_run(pqc_cache *c, const float *k, const float *v, const 
     pqc_selection sel;
     pqc_result r;
     int s, h;
-    if ((r = pqc_cache_observe(c, 0, obs, 8)) != PQC_SUCCESS || (r = pqc_cache_prefill(c, 0, &km, &vm)) != PQC_SUCCESS ||
-        (r = pqc_selection_init(c, &sel)) != PQC_SUCCESS)
+    if ((r = pqc_cache_observe(c, 0, obs, 8)) != PQC_SUCCESS || (r = pqc_cache_prefill(c, 0, &km, &vm)) != PQC_SUCCESS)
         return r;
+    if ((r = pqc_selection_init(c, &sel)) != PQC_SUCCESS) return r;
     for (s = 0; s < steps && r == PQC_SUCCESS; s++) {
         const float *kk = k + (size_t)(600 + s) * hkv * d, *vv = v + (size_t)(600 + s) * hkv * d;
         if ((r = pqc_cache_append(c, 0, kk, vv)) == PQC_SUCCESS &&
