@@ -440,6 +440,8 @@ typedef struct pqc_search_desc {
     const uint8_t *residuals;     /* NULL = off; m bytes per token, row t = token t       */
     const float *residual_scale;  /* [m] the norm of one step of sub-space j's bytes       */
     float residual_weight;        /* > 0 with residuals                                   */
+    float softmax_scale; /* softmax-sum: each head's softmax is over score x this; 0 = the
+                            default 1/sqrt(d_h); negative, NaN or Inf is refused         */
 } pqc_search_desc;
 
 /* Residual norms for residual-aware scoring: for rows [0, keys->rows) of keys (their
@@ -462,7 +464,8 @@ PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_cod
 PQCDEF pqc_result pqc_pq_scores(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries,
                                 int g, const pqc_search_desc *desc, pqc_scratch *scratch, float *out);
 /* Exact reference: true scores of keys' rows under the same GQA combination, then the
-   same top-k. The yardstick for recall: what a perfect selector would pick. */
+   same top-k. The yardstick for recall: what a perfect selector would pick. Softmax-sum
+   at desc->softmax_scale; pqc_exact_scores and pqc_rerank below at 1/sqrt(d_h). */
 PQCDEF pqc_result pqc_exact_search(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g,
                                    const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores);
 PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
@@ -639,6 +642,12 @@ typedef struct pqc_cache_desc {
     pqc_split split;         /* how the heads of a layer share its top-k and whether the
                                 window competes; 0 = PQC_SPLIT_COMPETE (pqc_split)        */
     pqc_gqa gqa;             /* how query heads sharing a KV head combine; 0 = softmax-sum */
+    float softmax_scale;     /* the model's attention scale: each query head's softmax is
+                                over q.k x this, wherever the cache weighs tokens by it
+                                (softmax-sum scores, re-ranking, observed attention).
+                                0 = 1/sqrt(head_dim); Gemma: query_pre_attn_scalar^-0.5.
+                                Negative, NaN, Inf or above 1e6 is refused. Saved in
+                                cache files: pqc_cache_load with 0 here takes the file's */
     double rerank;           /* re-ranking: each head's top ceil(rerank x k) coded tokens by
                                 PQ score (plus its outlier list) are scored again with the
                                 exact stored keys in host memory (pqc_rerank: softmax-sum
@@ -750,7 +759,7 @@ typedef struct pqc_kv_out {
 PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out);
 /* The configuration pqc_cache_create makes of desc, into *out: every default filled in
    (n_q_heads, max_tokens, n_sink, budget_ratio, recent_share, metric_floor, observe,
-   block_tokens, cache_blocks, admit_blocks, rebuild_share, pq.m, pq.bits, pq.iters,
+   block_tokens, cache_blocks, admit_blocks, rebuild_share, softmax_scale, pq.m, pq.bits, pq.iters,
    pq.subspaces, pq.max_points_per_centroid), "none" written as -1 (a switched-off
    rerank, outliers or residual_weight as 0), every rule checked with a message of its
    own; nothing is allocated. Given back to pqc_cache_create (or to this call) it makes
@@ -886,7 +895,9 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    from the saved cache's at that step.
    pqc_cache_load creates a cache from desc and fills it from the file: it selects exactly
    what the saved cache would have selected. The statistics and the block cache start
-   empty (hits differ, selections do not). On the host tier the file is mapped read-only
+   empty (hits differ, selections do not). Its softmax scale is desc's, or where desc
+   leaves softmax_scale 0 the file's (a file of version 2 or 3: 1/sqrt(d_h)). On the host
+   tier the file is mapped read-only
    and its K/V rows become the cache's shared prefix, read in place through the page
    cache (not copied: loading takes the time of checking the file; processes that load
    one file share its pages); rows appended later are the cache's own. While such a cache
@@ -897,9 +908,10 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    cache (wrong rows, NaN among them, and then appends are refused). The CUDA
    tier copies the rows into its pinned stores. The file, little-endian (saving and loading
    refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
-     "PQCCACHE", u32 version (3), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
+     "PQCCACHE", u32 version (4; 3 for a cache at the default softmax scale, which
+     earlier builds read too), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
      sinks, m, bits, rope, rope bands (1) or contiguous (0), metric, outliers, residual
-     scoring on; u32 window;
+     scoring on; u32 window; f32 softmax scale (version 4 only);
      per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
        u32 the layer's window when a build lowered it, else 0 (version 2 files lack it);
        f64 observation sums [2 h_kv (d_h + 1) + 2]; f32 observed rows [rows][h d_h];
@@ -6900,6 +6912,15 @@ static void pqc__pq_head(void *p, int h, float *out)
     }
 }
 
+/* The default softmax scale, 1/sqrt(d_h), as the float every score is scaled by. */
+static float pqc__default_scale(int d) { return 1.0f / sqrtf((float)d); }
+
+/* a search desc's softmax scale (checked by pqc__search_prep): 0 = 1/sqrt(d_h) */
+static float pqc__search_scale(const pqc_search_desc *desc, int d)
+{
+    return desc && desc->softmax_scale > 0.0f ? desc->softmax_scale : pqc__default_scale(d);
+}
+
 static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
                                    const pqc_search_desc *desc, size_t *first, size_t *count, pqc_gqa *gqa)
 {
@@ -6910,6 +6931,10 @@ static pqc_result pqc__search_prep(pqc_runtime *rt, const pqc_pq *pq, const pqc_
         return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pqc_pq_search: codes do not belong to this PQ");
     if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_pq_search: g = %d", g);
     if ((int)desc->gqa < 0 || (int)desc->gqa > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown gqa mode");
+    if (!(desc->softmax_scale >= 0.0f && desc->softmax_scale <= 1e6f))
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                         "pqc_pq_search: softmax_scale %g (0 = 1/sqrt(d_h), else up to 1e6)",
+                         (double)desc->softmax_scale);
     *gqa = desc->gqa;
     *first = desc->first;
     *count = desc->count ? desc->count : (desc->first < codes->count ? codes->count - desc->first : 0);
@@ -7083,7 +7108,7 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
     }
     if (pqc__fused_heads(pq, g, gqa, desc)) {
         float *il = lut + ((size_t)g + 1) * tl, *mx = rw;
-        float scale = 1.0f / sqrtf((float)pq->dim);
+        float scale = pqc__search_scale(desc, pq->dim);
         size_t gp = (size_t)PQC__HEADS4(g), nxf = nx + nf, na = count + nxf;
         if (pqc__pq_softmax_products(c.simd, pq, codes, g, first, count, scale, lut, il + (size_t)g * tl, rw,
                                      rows_in_out ? out : tmp, xd, nx, nf, tmp + gp * count, out))
@@ -7104,7 +7129,7 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
         pqc__softmax_rows(c.simd, tmp, na, g, mx, scale, rw + g, out);
         return PQC_SUCCESS;
     }
-    pqc__combine(c.simd, gqa, g, count + nx + nf, 1.0f / sqrtf((float)pq->dim), pqc__pq_head, &c, tmp, out);
+    pqc__combine(c.simd, gqa, g, count + nx + nf, pqc__search_scale(desc, pq->dim), pqc__pq_head, &c, tmp, out);
     return PQC_SUCCESS;
 }
 
@@ -7225,7 +7250,8 @@ static void pqc__exact_heads(pqc__exact_ctx *c, float *out)
 }
 
 static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
-                                  size_t k, pqc_scratch *scratch, uint32_t *idx, float *scores, float *all_out)
+                                  float scale, size_t k, pqc_scratch *scratch, uint32_t *idx, float *scores,
+                                  float *all_out)
 {
     pqc__exact_ctx c;
     pqc_result r;
@@ -7237,7 +7263,11 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     if (!queries) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_search: null queries");
     if (g <= 0 || g > 1024) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_exact_search: g = %d", g);
     if ((int)gqa < 0 || (int)gqa > 1) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "unknown gqa mode");
+    if (!(scale >= 0.0f && scale <= 1e6f))
+        return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE,
+                         "pqc_exact_search: softmax_scale %g (0 = 1/sqrt(d_h), else up to 1e6)", (double)scale);
     n = keys->rows;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)keys->cols);
     d = keys->cols;
     if (n > 0xffffffffu) return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pqc_exact_search: more than 2^32 tokens");
     if (!all_out && (!idx || k == 0 || k > n))
@@ -7271,10 +7301,10 @@ static pqc_result pqc__exact_impl(pqc_runtime *rt, const pqc_matrix *keys, const
     if (heads) { /* as pqc__combine makes it, from the heads' rows */
         pqc__exact_heads(&c, (float *)(mem + ot));
         if (c.bad == (size_t)-1)
-            pqc__softmax_rows(c.simd, (float *)(mem + ot), n, g, NULL, 1.0f / sqrtf((float)d), (float *)(mem + ow),
+            pqc__softmax_rows(c.simd, (float *)(mem + ot), n, g, NULL, scale, (float *)(mem + ow),
                               (float *)(mem + os));
     } else {
-        pqc__combine(c.simd, gqa, g, n, 1.0f / sqrtf((float)d), pqc__exact_head, &c, (float *)(mem + ot),
+        pqc__combine(c.simd, gqa, g, n, scale, pqc__exact_head, &c, (float *)(mem + ot),
                      (float *)(mem + os));
     }
     if (c.bad != (size_t)-1) { /* keys with NaN or Inf have no ranking: refused like such queries */
@@ -7292,14 +7322,14 @@ PQCDEF pqc_result pqc_exact_search(pqc_runtime *rt, const pqc_matrix *keys, cons
                                    const pqc_search_desc *desc, pqc_scratch *scratch, uint32_t *idx, float *scores)
 {
     if (!desc) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_search: null desc");
-    return pqc__exact_impl(rt, keys, queries, g, desc->gqa, desc->k, scratch, idx, scores, NULL);
+    return pqc__exact_impl(rt, keys, queries, g, desc->gqa, desc->softmax_scale, desc->k, scratch, idx, scores, NULL);
 }
 
 PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
                                    pqc_scratch *scratch, float *out)
 {
     if (!out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_exact_scores: null output");
-    return pqc__exact_impl(rt, keys, queries, g, gqa, 0, scratch, NULL, NULL, out);
+    return pqc__exact_impl(rt, keys, queries, g, gqa, 0.0f, 0, scratch, NULL, NULL, out);
 }
 
 /* ----- re-ranking ----- */
@@ -7313,11 +7343,11 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
    scattered over the keys, so their reads are memory-bound: pqc__gatherdots asks for each
    row early and takes every head's dot of a row in one go. */
 static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
-                                   const uint32_t *cand, size_t n, size_t k, pqc_scratch *scratch, uint32_t *idx,
-                                   float *scores, int check)
+                                   float scale, const uint32_t *cand, size_t n, size_t k, pqc_scratch *scratch,
+                                   uint32_t *idx, float *scores, int check)
 {
     size_t d = keys->cols, i, oc, op, os, orow, bytes, bad;
-    float scale = 1.0f / sqrtf((float)d), *hs, *comb, *row;
+    float *hs, *comb, *row;
     uint32_t *pos;
     unsigned char *mem;
     void *tmpmem;
@@ -7381,7 +7411,8 @@ PQCDEF pqc_result pqc_rerank(pqc_runtime *rt, const pqc_matrix *keys, const floa
                              (unsigned)cand[i], keys->rows);
     if (!pqc__finite_row(queries, (size_t)g * keys->cols))
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: query holds NaN, Inf or a huge value");
-    return pqc__rerank_impl(rt, keys, queries, g, gqa, cand, n, k, scratch, idx, scores, 1);
+    return pqc__rerank_impl(rt, keys, queries, g, gqa, pqc__default_scale((int)keys->cols), cand, n, k, scratch, idx,
+                            scores, 1);
 }
 
 PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
@@ -7413,7 +7444,8 @@ PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_cod
     if (r == PQC_SUCCESS) {
         if (!pqc__finite_row(queries, (size_t)g * (size_t)pq->dim))
             r = pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_search: query holds NaN, Inf or a huge value");
-        else r = pqc__rerank_impl(rt, desc->keys, queries, g, gqa, cand, kk, desc->k, scratch, idx, scores, 1);
+        else r = pqc__rerank_impl(rt, desc->keys, queries, g, gqa, pqc__search_scale(desc, pq->dim), cand, kk, desc->k,
+                                  scratch, idx, scores, 1);
     }
     pqc__free(pqc__rt_alloc(rt), cand);
     return r;
@@ -7896,6 +7928,9 @@ typedef struct pqc__share {
    the options themselves. */
 typedef struct pqc__scoring {
     pqc_gqa gqa;           /* how the query heads of a KV head combine their scores */
+    float scale;           /* each head's softmax is over its dots x this (the desc's) */
+    double scale_d;        /* the same in double (observed attention): 1/sqrt(d_h) taken in
+                              double where the desc's is the default */
     float residual_weight; /* > 0: a PQ score adds this x sum_j |q_j| |r_j| */
     double rerank;         /* > 0: each head's candidates are ceil(rerank x its top-k) */
     int exact;             /* candidates are scored again with the stored keys */
@@ -8033,12 +8068,22 @@ static void pqc__store_free(pqc_cache *c, void *p)
 
 /* The plan's part fixed at creation: what scores a step and which of it the tier does,
    from the options and the tier's capabilities (the one place that reads both). */
+/* the plan's softmax scale from the desc's (again where a loaded file sets it) */
+static void pqc__plan_scale(pqc_cache *c)
+{
+    pqc__scoring *sp = &c->sp;
+    sp->scale = c->d.softmax_scale;
+    sp->scale_d =
+        sp->scale == pqc__default_scale(c->d.head_dim) ? 1.0 / sqrt((double)c->d.head_dim) : (double)sp->scale;
+}
+
 static void pqc__plan_init(pqc_cache *c)
 {
     pqc__scoring *sp = &c->sp;
     unsigned caps = c->tier->caps;
     int residual = c->d.residual_weight > 0;
     sp->gqa = c->d.gqa;
+    pqc__plan_scale(c);
     sp->residual_weight = residual ? (float)c->d.residual_weight : 0.0f;
     sp->rerank = c->d.rerank;
     sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
@@ -8226,6 +8271,9 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
               d.codes_resident);
     PQC__RULE(d.first_kv_head >= 0 && d.first_kv_head <= (1 << 20), PQC_ERROR_OUT_OF_RANGE,
               "first_kv_head %d not in 0..2^20", d.first_kv_head);
+    PQC__RULE(d.softmax_scale >= 0.0f && d.softmax_scale <= 1e6f, PQC_ERROR_OUT_OF_RANGE,
+              "softmax_scale %g: 0 (1/sqrt(head_dim)) or in (0, 1e6]", (double)d.softmax_scale);
+    if (d.softmax_scale == 0.0f) d.softmax_scale = pqc__default_scale(d.head_dim);
     PQC__RULE(!d.pq.metric, PQC_ERROR_INVALID_ARGUMENT,
               "pq.metric must be NULL (the cache derives each head's metric from observed queries; see metric)");
     PQC__RULE(pqc__size3((size_t)d.head_dim, pqc_dtype_size(d.kv_dtype), 2 * (size_t)d.block_tokens, &slot_bytes) &&
@@ -8586,7 +8634,7 @@ static int pqc__obs_bin(double p)
 }
 
 /* The attention the layer's kept observation rows pay, per row and query head of the
-   group an exact softmax (scale 1/sqrt(d_h)) over the n_all tokens held when the build
+   group an exact softmax (at the cache's scale, c->sp.scale_d) over the n_all tokens held when the build
    started, averaged (P): the share on the sinks, and for each window size the build
    weighs (b->wins) the share on that window, the mid tokens before it counted by their P
    into the bins of PQC__OBS_BINS, and the value of the split: the window's share plus
@@ -8601,7 +8649,7 @@ static pqc_result pqc__observed_mass(pqc_cache *c, pqc__build *b)
     const pqc__head *H = &L->heads[b->head];
     size_t n = b->n_all, d = (size_t)c->d.head_dim, qn = (size_t)c->d.n_q_heads * d, t, t0, nb, bytes = 0;
     size_t sink = pqc__sink_end(c, n), mid_end = n - b->wins[0], budget = pqc__budget(c, n - sink);
-    double scale = 1.0 / sqrt((double)d), acc_s = 0.0, *pt, cnt[PQC__OBS_BINS], ms[PQC__OBS_BINS], rows;
+    double scale = c->sp.scale_d, acc_s = 0.0, *pt, cnt[PQC__OBS_BINS], ms[PQC__OBS_BINS], rows;
     int np = b->n_obs * c->g, pr, r, j;
     pqc_simd simd = pqc__simd(c->rt);
     float *sc = NULL, *buf;
@@ -9586,6 +9634,7 @@ static pqc_result pqc__head_pq_top(const pqc__sel_job *j, size_t hi, const float
     memset(&sd, 0, sizeof sd);
     sd.k = *n;
     sd.gqa = c->sp.gqa;
+    sd.softmax_scale = c->sp.scale;
     sd.count = coded;
     pqc__residual_desc(c, H, &sd);
     return pqc__pq_search_x(c->rt, &H->pq, &H->codes, j->q + hi * c->g * c->d.head_dim, c->g, &sd, xd, nx, nf,
@@ -9676,12 +9725,12 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
             }
             keys.data = kb + ob;
             keys.rows = nm;
-            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, id, nm, take,
-                                 &H->scratch, out, NULL, 0);
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, c->sp.scale, id, nm,
+                                 take, &H->scratch, out, NULL, 0);
             for (t = 0; r == PQC_SUCCESS && t < take; t++) out[t] = mg[out[t]];
         } else {
-            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, mg, nm, take,
-                                 &H->scratch, out, NULL, 0);
+            r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, c->sp.scale, mg, nm,
+                                 take, &H->scratch, out, NULL, 0);
         }
     }
     pqc__free(&c->alloc, tmp);
@@ -10012,6 +10061,7 @@ static pqc_result pqc__head_plan(pqc_cache *c, int layer, const float *q, int he
                            cap);
         memset(&sd, 0, sizeof sd);
         sd.gqa = c->sp.gqa;
+        sd.softmax_scale = c->sp.scale;
         pqc__residual_desc(c, H, &sd);
         if (r == PQC_SUCCESS)
             r = pqc_pq_scores(c->rt, &H->pq, &H->codes, q + (size_t)head * (size_t)c->g * (size_t)c->d.head_dim, c->g,
@@ -10699,7 +10749,7 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
 /* ----- cache files ----- */
 
 #define PQC__CACHE_MAGIC "PQCCACHE"
-#define PQC__CACHE_VERSION 3u
+#define PQC__CACHE_VERSION 4u /* 3: no softmax scale (1/sqrt(d_h)); written for such caches */
 #define PQC__CACHE_ALIGN 64 /* K and V rows start at file offsets of a multiple of it */
 
 static int pqc__little_endian(void)
@@ -10842,11 +10892,15 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
     w.h.h = PQC__FNV_OFFSET;
     pqc__part_small(&w, PQC__CACHE_MAGIC, 8);
     {
-        uint32_t v = PQC__CACHE_VERSION, win = (uint32_t)c->window;
+        /* a cache at the default scale writes version 3, the same bytes as before the
+           scale was saved (earlier builds load it) */
+        int scaled = c->sp.scale != pqc__default_scale(c->d.head_dim);
+        uint32_t v = scaled ? PQC__CACHE_VERSION : 3u, win = (uint32_t)c->window;
         pqc__cache_shape(c, shape);
         pqc__part_small(&w, &v, 4);
         pqc__part_small(&w, shape, sizeof shape);
         pqc__part_small(&w, &win, 4);
+        if (scaled) pqc__part_small(&w, &c->sp.scale, 4);
     }
     for (l = 0; l < c->d.n_layers; l++) {
         const pqc__layer *L = &c->layers[l];
@@ -11016,8 +11070,10 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
     PQC__RD(magic, 8);
     if (memcmp(magic, PQC__CACHE_MAGIC, 8) != 0) PQC__BAD("pqc_cache_load: %.200s is not a pqcache cache file", path);
     PQC__RD(&v, 4);
-    /* version 2 (before layers' windows were saved): every layer has the cache's */
-    if (v != PQC__CACHE_VERSION && v != 2u) PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
+    /* version 2 (before layers' windows were saved): every layer has the cache's;
+       versions 2 and 3 (before the softmax scale was saved): 1/sqrt(d_h) */
+    if (v != PQC__CACHE_VERSION && v != 3u && v != 2u)
+        PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
     PQC__RD(shape, sizeof shape);
     pqc__cache_shape(c, mine);
     for (j = 0; j < PQC__CACHE_SHAPE; j++)
@@ -11028,6 +11084,15 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
     PQC__RD(&win, 4);
     if (win > c->d.max_tokens) PQC__BAD("pqc_cache_load: %.200s: window %u", path, (unsigned)win);
     c->window = (int)win;
+    {
+        float fs = pqc__default_scale(c->d.head_dim);
+        if (v >= 4u) PQC__RD(&fs, 4);
+        if (!(fs > 0.0f && fs <= 1e6f)) PQC__BAD("pqc_cache_load: %.200s: softmax scale %g", path, (double)fs);
+        if (c->udesc.softmax_scale == 0.0f) { /* the desc leaves it to the file (a fork keeps it) */
+            c->udesc.softmax_scale = c->d.softmax_scale = fs;
+            pqc__plan_scale(c);
+        }
+    }
     for (l = 0; l < c->d.n_layers; l++) {
         pqc__layer *L = &c->layers[l];
         size_t n, coded, trained;
@@ -15646,7 +15711,7 @@ static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
     int half = pqc__half_bands(&c->d.pq);
     int nl = (l + 1) % c->d.n_layers, n_luts, use_smem;
     unsigned P, smem;
-    float scale = 1.0f / sqrtf((float)u->d);
+    float scale = c->sp.scale;
     pqc_result r;
     int64_t q_hs = (int64_t)g * u->d, c_hs = (int64_t)pqc__gpu_cent_floats(c), l_hs = (int64_t)((size_t)g * tab),
             ls_hs = (int64_t)tab, code_hs, cs, p_hs, st_hs = 2 * g, sc_hs, idx_hs = ki;
@@ -16534,7 +16599,7 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
             pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d;
     pqc__dptr stat = u->dstat + (size_t)l * nkv * 24;
     uint64_t rb = c->row;
-    float scale = 1.0f / sqrtf((float)u->d);
+    float scale = c->sp.scale;
     pqc_result r;
     if (nn > u->rr_cap) {
         size_t want = PQC__MAX(nn, u->s_cap);

@@ -119,7 +119,7 @@ class pqc_scratch(Structure):
 class pqc_search_desc(Structure):
     _fields_ = [("k", c_size_t), ("gqa", c_int), ("first", c_size_t), ("count", c_size_t), ("rerank", c_double),
                 ("keys", POINTER(pqc_matrix)), ("residuals", POINTER(c_uint8)),
-                ("residual_scale", POINTER(c_float)), ("residual_weight", c_float)]
+                ("residual_scale", POINTER(c_float)), ("residual_weight", c_float), ("softmax_scale", c_float)]
 
 
 class pqc_scheduler_desc(Structure):
@@ -148,9 +148,9 @@ class pqc_cache_desc(Structure):
                 ("kv_dtype", c_int), ("max_tokens", c_size_t), ("n_sink", c_int), ("window", c_int),
                 ("budget_ratio", c_double), ("budget_tokens", c_size_t), ("recent_share", c_double),
                 ("pq", pqc_pq_desc), ("metric", c_int), ("metric_floor", c_double), ("observe", c_int),
-                ("split", c_int), ("gqa", c_int), ("rerank", c_double), ("outliers", c_int),
-                ("residual_weight", c_double), ("block_tokens", c_int), ("cache_blocks", c_int),
-                ("policy", c_int), ("admit_blocks", c_int), ("rebuild_share", c_double),
+                ("split", c_int), ("gqa", c_int), ("softmax_scale", c_float), ("rerank", c_double),
+                ("outliers", c_int), ("residual_weight", c_double), ("block_tokens", c_int),
+                ("cache_blocks", c_int), ("policy", c_int), ("admit_blocks", c_int), ("rebuild_share", c_double),
                 ("scheduler", c_void_p), ("backend", POINTER(pqc_backend)), ("cuda_stream", c_void_p),
                 ("codes_resident", c_int), ("first_kv_head", c_int)]
 
@@ -662,12 +662,13 @@ def cuda_probe():
 # ----- the PQ core ----------------------------------------------------------------------
 
 
-def _search_desc(k, gqa, first=0, count=0):
+def _search_desc(k, gqa, first=0, count=0, softmax_scale=0.0):
     d = pqc_search_desc()
     d.k = _size(k, "k")
     d.gqa = _enum("gqa", gqa)
     d.first = _size(first, "first")
     d.count = _size(count, "count")
+    d.softmax_scale = float(softmax_scale)
     return d
 
 
@@ -811,15 +812,17 @@ class PQ(_Handle):
         return out
 
     def search(self, codes, queries, k, gqa="softmax_sum", first=0, count=0, rerank=0.0, keys=None,
-               residuals=None, residual_scale=None, residual_weight=0.0, return_scores=False, runtime=None):
+               residuals=None, residual_scale=None, residual_weight=0.0, return_scores=False, runtime=None,
+               softmax_scale=0.0):
         """Approximate top-k over the codes for g query heads (queries: (g, d_h)).
 
         Returns k token indices, ascending (and their combined scores with
-        return_scores). rerank >= 1 rescores the top ceil(rerank k) with the exact keys."""
+        return_scores). rerank >= 1 rescores the top ceil(rerank k) with the exact keys.
+        softmax_scale: the model's attention scale (0: 1/sqrt(d_h))."""
         self._live()
         c = codes._live_c()
         q = _queries(queries, self._pq.dim)
-        d = _search_desc(k, gqa, first, count)
+        d = _search_desc(k, gqa, first, count, softmax_scale)
         keep = []
         if rerank:
             d.rerank = float(rerank)
@@ -843,12 +846,12 @@ class PQ(_Handle):
                "PQ.search")
         return (idx, scores) if return_scores else idx
 
-    def scores(self, codes, queries, gqa="softmax_sum", first=0, count=0, runtime=None):
+    def scores(self, codes, queries, gqa="softmax_sum", first=0, count=0, runtime=None, softmax_scale=0.0):
         """Every token's combined approximate score (no selection)."""
         self._live()
         c = codes._live_c()
         q = _queries(queries, self._pq.dim)
-        d = _search_desc(0, gqa, first, count)
+        d = _search_desc(0, gqa, first, count, softmax_scale)
         n = d.count or max(0, c.count - d.first)
         out = np.empty(max(1, min(n, c.count)), _F32)
         _check(lib.pqc_pq_scores(_rt(runtime), byref(self._pq), byref(c), _addr(q, "queries"), q.shape[0],
@@ -922,13 +925,14 @@ class Codes(_Handle):
         return out
 
 
-def exact_search(keys, queries, k, gqa="softmax_sum", return_scores=False, runtime=None):
-    """Exact top-k of keys' rows under the same GQA combination as the PQ search."""
+def exact_search(keys, queries, k, gqa="softmax_sum", return_scores=False, runtime=None, softmax_scale=0.0):
+    """Exact top-k of keys' rows under the same GQA combination as the PQ search
+    (softmax_scale: the model's attention scale, 0: 1/sqrt(d_h))."""
     qarr = np.asarray(queries)
     dim = qarr.shape[-1] if qarr.ndim else 0
     km, karr = _rows(keys, (dim,), "keys", _KV_DTYPES)
     q = _queries(qarr, dim)
-    d = _search_desc(k, gqa)
+    d = _search_desc(k, gqa, softmax_scale=softmax_scale)
     idx = np.empty(max(1, min(d.k, km.rows)), _U32)
     scores = np.empty_like(idx, dtype=_F32) if return_scores else None
     _check(lib.pqc_exact_search(_rt(runtime), byref(km), _addr(q, "queries"), q.shape[0], byref(d), None,
@@ -1056,7 +1060,8 @@ _CACHE_FIELDS = {
     "n_sink": ("n_sink", c_int), "window": ("window", c_int), "budget_ratio": ("budget_ratio", float),
     "budget_tokens": ("budget_tokens", c_size_t), "recent_share": ("recent_share", float),
     "metric": ("metric", "metric"), "metric_floor": ("metric_floor", float), "observe": ("observe", c_int),
-    "split": ("split", "split"), "gqa": ("gqa", "gqa"), "rerank": ("rerank", float),
+    "split": ("split", "split"), "gqa": ("gqa", "gqa"), "softmax_scale": ("softmax_scale", float),
+    "rerank": ("rerank", float),
     "outliers": ("outliers", c_int), "residual_weight": ("residual_weight", float),
     "block_tokens": ("block_tokens", c_int), "cache_blocks": ("cache_blocks", c_int),
     "policy": ("policy", "policy"), "admit_blocks": ("admit_blocks", c_int),

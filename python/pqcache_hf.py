@@ -91,6 +91,17 @@ def _layer_kinds(config):
     return kinds, (window if "sliding" in kinds else None)
 
 
+def _softmax_scale(config, module):
+    """The model's attention scale for the caches' softmax-sum scores: Gemma's
+    query_pre_attn_scalar^-0.5, else the attention module's scaling, else 0 (the
+    library's 1/sqrt(head_dim))"""
+    qpas = getattr(getattr(config, "get_text_config", lambda: config)(), "query_pre_attn_scalar", None)
+    if isinstance(qpas, (int, float)) and qpas > 0:
+        return float(qpas) ** -0.5
+    scaling = getattr(module, "scaling", None)
+    return float(scaling) if isinstance(scaling, (int, float)) and scaling > 0 else 0.0
+
+
 class _Layer(CacheLayerMixin):
     """One layer of a PQCacheHF: counts the tokens; the rows live in the pqcache caches."""
 
@@ -143,6 +154,7 @@ class PQCacheHF(_HFCache):
         super().__init__(layers=[_Layer() if kind == "full" else DynamicSlidingWindowLayer(sliding_window=window)
                                  for kind in self.kinds])
         self.runtime = runtime
+        self.model_config = config
         self.settings = dict(settings)
         self.caches = []           # pqcache.Cache per sequence
         self._sels = []
@@ -156,13 +168,14 @@ class PQCacheHF(_HFCache):
         _tls.cache = self
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _make(self, batch, hkv, hd):
+    def _make(self, batch, hkv, hd, module=None):
         layers, hq, mkv, mhd = self.shape
         if (hkv, hd) != (mkv, mhd):
             raise PQCacheError("pqcache backend: keys of %d heads of %d, the cache was made for %d of %d "
                                "(a cache is for one model)" % (hkv, hd, mkv, mhd))
         if not self.caches:
-            s = dict(n_layers=len(self.pq_layer), n_q_heads=hq, n_kv_heads=hkv, head_dim=hd, rope="half")
+            s = dict(n_layers=len(self.pq_layer), n_q_heads=hq, n_kv_heads=hkv, head_dim=hd, rope="half",
+                     softmax_scale=_softmax_scale(self.model_config, module))
             s.update(self.settings)
             self.caches = [pqcache.Cache(self.runtime, **s) for _ in range(batch)]
             self._sels = [c.selection() for c in self.caches]
@@ -266,7 +279,7 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
     hkv = key.shape[1]
     g = hq // hkv
     scale = float(scaling) if scaling is not None else D ** -0.5
-    cache._make(B, hkv, key.shape[3])
+    cache._make(B, hkv, key.shape[3], module)
     out = torch.empty((B, T, hq, D), dtype=torch.float32)
     for b, c in enumerate(cache.caches):
         if T > 1 or c.tokens(layer) == 0:

@@ -768,6 +768,50 @@ def test_closing_a_runtime_closes_its_caches():
     cache.close()
 
 
+def test_softmax_scale_passes_through(rt, rng, tmp_path):
+    """softmax_scale reaches the library: resolved and refused there, the exact search's
+    softmax at it, and a cache at scale 1 (head_dim 16) selecting what one at the default
+    1/4 selects on keys times 4, its file keeping the scale."""
+    base = dict(n_layers=1, n_kv_heads=2, n_q_heads=4, head_dim=16)
+    assert pqc.resolve(**base)["softmax_scale"] == 0.25
+    assert pqc.resolve(softmax_scale=1.5, **base)["softmax_scale"] == 1.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(pqc.OutOfRangeError, match="softmax_scale"):
+            pqc.resolve(softmax_scale=bad, **base)
+    keys = clustered_keys(rng, 500, 16)
+    q = rng.standard_normal((2, 16)).astype(np.float32)
+    s = keys.astype(np.float64) @ q.astype(np.float64).T * 2.0
+    p = np.exp(s - s.max(axis=0))
+    want = (p / p.sum(axis=0)).sum(axis=1)
+    got, scores = pqc.exact_search(keys, q, 20, return_scores=True, runtime=rt, softmax_scale=2.0)
+    assert got.tolist() == np_topk(want, 20).tolist()
+    np.testing.assert_allclose(scores, want[got], rtol=1e-4)
+    k = rng.standard_normal((600, 2, 16), dtype=np.float32)
+    v = rng.standard_normal((600, 2, 16), dtype=np.float32)
+    obs = rng.standard_normal((8, 4, 16), dtype=np.float32)
+    opts = dict(base, budget_ratio=0.1, n_sink=4, iters=4, seed=1, rerank=2)
+    caches = [pqc.Cache(rt, softmax_scale=1.0, **opts), pqc.Cache(rt, **opts), pqc.Cache(rt, **opts)]
+    for c, kk in zip(caches, (k, k * 4, k)):
+        c.observe(0, obs)
+        c.prefill(0, kk, v)
+    assert [c.config()["softmax_scale"] for c in caches] == [1.0, 0.25, 0.25]
+    differ = 0
+    for step in range(10):
+        qq = rng.standard_normal((4, 16)).astype(np.float32)
+        a, b, d = (c.select(0, qq).tolist() for c in caches)
+        assert a == b
+        differ += a != d
+    assert differ > 0
+    path = tmp_path / "scaled.pqcc"
+    caches[0].save(path)
+    back = pqc.Cache.load(path, rt, **opts)
+    assert back.config()["softmax_scale"] == 1.0
+    qq = rng.standard_normal((4, 16)).astype(np.float32)
+    assert back.select(0, qq).tolist() == caches[0].select(0, qq).tolist()
+    for c in caches + [back]:
+        c.close()
+
+
 def test_resolved_configuration_is_the_librarys(rng):
     """resolve() and Cache.config() give every default as the library fills it in."""
     got = pqc.resolve(n_layers=2, n_kv_heads=2, n_q_heads=4, head_dim=16)

@@ -183,6 +183,19 @@ def test_budget_selections_equal_the_c_librarys_on_transformers_keys():
     assert len(picked[0][0]) < 0.5 * 401                         # a real selection, not every token
 
 
+def test_the_caches_take_the_models_softmax_scale():
+    """Gemma 3's query_pre_attn_scalar^-0.5 (here unlike head_dim^-0.5), another model's
+    attention scaling, or the scale given to cache_for."""
+    for arch, opts, want in (("gemma3", dict(query_pre_attn_scalar=64), 0.125), ("llama", {}, 0.25)):
+        _, pq = make_models(arch, seed=2, **opts)
+        cache = pqcache_hf.cache_for(pq, budget_ratio=0.1)
+        greedy(pq, prompt(60), 2, cache=cache)
+        assert cache.caches[0].config()["softmax_scale"] == want, arch
+    cache = pqcache_hf.cache_for(pq, budget_ratio=0.1, softmax_scale=0.5)
+    greedy(pq, prompt(60), 2, cache=cache)
+    assert cache.caches[0].config()["softmax_scale"] == 0.5
+
+
 def test_a_batch_of_two_is_two_sequences():
     _, pq = make_models("qwen2", seed=4)
     ids = torch.cat([prompt(200, seed=6), prompt(200, seed=7)], 0)

@@ -1364,6 +1364,246 @@ static enum greatest_test_res save_load_resumes(int rich)
 TEST save_load_resumes_decoding(void) { return save_load_resumes(0); }
 TEST save_load_resumes_with_exact_scoring(void) { return save_load_resumes(1); }
 
+/* ----- the model's softmax scale ----- */
+
+/* Every cache of the scale tests sees the same calls: observed queries, a prefill of 600
+   tokens, then `steps` decode steps (append, select); keep holds each step's selection,
+   per KV head its count then cap indices. */
+static pqc_result scale_run(pqc_cache *c, const float *k, const float *v, const float *q, const float *obs, int steps,
+                            uint32_t *keep, size_t cap)
+{
+    const int hkv = c->d.n_kv_heads, hq = c->d.n_q_heads, d = c->d.head_dim;
+    pqc_matrix km = pqc_matrix_f32(k, 600, (size_t)hkv * d), vm = pqc_matrix_f32(v, 600, (size_t)hkv * d);
+    pqc_selection sel;
+    pqc_result r;
+    int s, h;
+    if ((r = pqc_cache_observe(c, 0, obs, 8)) != PQC_SUCCESS || (r = pqc_cache_prefill(c, 0, &km, &vm)) != PQC_SUCCESS)
+        return r;
+    if ((r = pqc_selection_init(c, &sel)) != PQC_SUCCESS) return r;
+    for (s = 0; s < steps && r == PQC_SUCCESS; s++) {
+        const float *kk = k + (size_t)(600 + s) * hkv * d, *vv = v + (size_t)(600 + s) * hkv * d;
+        if ((r = pqc_cache_append(c, 0, kk, vv)) == PQC_SUCCESS &&
+            (r = pqc_cache_select(c, 0, q + (size_t)s * hq * d, &sel)) == PQC_SUCCESS) {
+            uint32_t *o = keep + (size_t)s * hkv * (cap + 1);
+            for (h = 0; h < hkv; h++, o += cap + 1) {
+                o[0] = (uint32_t)sel.count[h];
+                memcpy(o + 1, sel.idx + (size_t)h * sel.capacity, sel.count[h] * 4);
+            }
+        }
+    }
+    pqc_selection_free(&sel);
+    return r;
+}
+
+/* A cache at softmax_scale s selects what a cache at the default 1/sqrt(d_h) selects on
+   keys multiplied by s sqrt(d_h): with d_h = 16 and s = 1 that is 4, a power of two, so
+   every dot, centroid and distance of the second cache is 4 times the first's exactly
+   and the softmax arguments (dots x scale) are the same floats. Step by step, with the
+   window competing (PQC_SPLIT_COMPETE) and with exact scoring (re-ranking, outlier
+   lists, the adaptive window from observed attention); and the default scale on the
+   same keys selects otherwise. */
+static enum greatest_test_res scale_selects_as_scaled_keys(int exact)
+{
+    enum { HKV = 2, HQ = 4, D = 16, N = 640, STEPS = 40, CAP = 640 };
+    pqc_cache_desc cd = tu_cache_desc(1, HKV, HQ, D), got;
+    pqc_cache *a, *b, *c;
+    float *k = tu_normal_rows(&g_rng, N, (size_t)HKV * D), *v = tu_normal_rows(&g_rng, N, (size_t)HKV * D);
+    float *q = tu_normal_rows(&g_rng, STEPS, (size_t)HQ * D), *obs = tu_normal_rows(&g_rng, 8, (size_t)HQ * D);
+    float *k4 = (float *)malloc(sizeof(float) * N * HKV * D);
+    size_t per = (size_t)STEPS * HKV * (CAP + 1), i;
+    uint32_t *sa = (uint32_t *)calloc(per, 4), *sb = (uint32_t *)calloc(per, 4), *sc = (uint32_t *)calloc(per, 4);
+    int s, differ = 0;
+    ASSERT(k4 && sa && sb && sc);
+    for (i = 0; i < (size_t)N * HKV * D; i++) k4[i] = 4.0f * k[i];
+    cd.kv_dtype = PQC_F32;
+    cd.n_sink = 4;
+    cd.budget_ratio = 0.1;
+    if (exact) {
+        cd.rerank = 2;
+        cd.outliers = 8;
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &got));
+    ASSERT_EQ(0.25f, got.softmax_scale); /* 0: 1/sqrt(16) */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &b));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    cd.softmax_scale = 1.0f;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(a, &got));
+    ASSERT_EQ(1.0f, got.softmax_scale);
+    ASSERT_EQ(PQC_SUCCESS, scale_run(a, k, v, q, obs, STEPS, sa, CAP));
+    ASSERT_EQ(PQC_SUCCESS, scale_run(b, k4, v, q, obs, STEPS, sb, CAP));
+    ASSERT_EQ(PQC_SUCCESS, scale_run(c, k, v, q, obs, STEPS, sc, CAP));
+    for (s = 0; s < STEPS; s++) {
+        size_t o = (size_t)s * HKV * (CAP + 1);
+        ASSERT_MEM_EQm("the scale selects as the scaled keys do", sa + o, sb + o, HKV * (CAP + 1) * 4);
+        ASSERT(sa[o] > 4 && sa[o] < 200);
+        differ += memcmp(sa + o, sc + o, HKV * (CAP + 1) * 4) != 0;
+    }
+    ASSERT(differ > 0); /* the default scale ranks the same keys otherwise */
+    pqc_cache_destroy(a);
+    pqc_cache_destroy(b);
+    pqc_cache_destroy(c);
+    free(k);
+    free(k4);
+    free(v);
+    free(q);
+    free(obs);
+    free(sa);
+    free(sb);
+    free(sc);
+    PASS();
+}
+TEST softmax_scale_selects_as_scaled_keys(void) { return scale_selects_as_scaled_keys(0); }
+TEST softmax_scale_selects_as_scaled_keys_exact_scoring(void) { return scale_selects_as_scaled_keys(1); }
+
+/* Three tokens and two heads where the scale decides (d_h 4: default 0.5): head 0's dots
+   10, 9.5, 0, head 1's -10, 1, 2. Softmax-sum at 0.5 ranks token 1 first (both heads pay
+   it some attention); at 4 each head's attention is nearly all on its best token, and
+   token 2 (head 1's) leads, then token 0 (head 0's). pqc_exact_search at either scale is
+   a softmax-sum taken here in double; a bad scale is refused. */
+TEST softmax_scale_changes_the_ranking_across_heads(void)
+{
+    static const float keys[3 * 4] = {10, -10, 0, 0, 9.5f, 1, 0, 0, 0, 2, 0, 0};
+    static const float q[2 * 4] = {1, 0, 0, 0, 0, 1, 0, 0};
+    static const float bad[] = {-1.0f, 2e6f, 0.0f, 0.0f};
+    pqc_matrix km = pqc_matrix_f32(keys, 3, 4);
+    pqc_search_desc sd;
+    uint32_t idx[2];
+    float sc[2], scales[2] = {0.0f, 4.0f};
+    int t, h, j, i;
+    memset(&sd, 0, sizeof sd);
+    sd.k = 1;
+    for (j = 0; j < 2; j++) {
+        double ref[3] = {0, 0, 0}, s = scales[j] > 0 ? scales[j] : 0.5;
+        int best = 0;
+        for (h = 0; h < 2; h++) {
+            double z = 0, x[3];
+            for (t = 0; t < 3; t++) z += (x[t] = exp(s * (keys[t * 4 + h] - (h ? 2.0 : 10.0))));
+            for (t = 0; t < 3; t++) ref[t] += x[t] / z;
+        }
+        for (t = 1; t < 3; t++)
+            if (ref[t] > ref[best]) best = t;
+        sd.softmax_scale = scales[j];
+        ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &km, q, 2, &sd, NULL, idx, sc));
+        ASSERT_EQ((uint32_t)best, idx[0]);
+        ASSERT_IN_RANGE(ref[best], sc[0], 1e-5);
+        ASSERT_EQ(j == 0 ? 1u : 2u, idx[0]);
+    }
+    sd.k = 2; /* at 4: tokens 0 and 2, at the default 1 and 2 */
+    ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &km, q, 2, &sd, NULL, idx, NULL));
+    ASSERT(idx[0] == 0 && idx[1] == 2);
+    sd.softmax_scale = 0.0f;
+    ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &km, q, 2, &sd, NULL, idx, NULL));
+    ASSERT(idx[0] == 1 && idx[1] == 2);
+    sd.gqa = PQC_GQA_SUM; /* the sum of dots has no scale: 1 and 2 at any */
+    sd.softmax_scale = 4.0f;
+    ASSERT_EQ(PQC_SUCCESS, pqc_exact_search(NULL, &km, q, 2, &sd, NULL, idx, NULL));
+    ASSERT(idx[0] == 1 && idx[1] == 2);
+    sd.gqa = PQC_GQA_SOFTMAX_SUM;
+    for (i = 0; i < 4; i++) {
+        pqc_cache_desc cd = tu_cache_desc(1, 1, 2, 4);
+        pqc_cache *c = NULL;
+        sd.softmax_scale = i == 2 ? nanf("") : i == 3 ? (float)INFINITY : bad[i];
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_exact_search(NULL, &km, q, 2, &sd, NULL, idx, NULL));
+        cd.softmax_scale = sd.softmax_scale;
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+        ASSERT(c == NULL);
+        ASSERTm(pqc_last_error(), strstr(pqc_last_error(), "softmax_scale") != NULL);
+    }
+    PASS();
+}
+
+/* A cache file keeps a scale other than the default (format version 4) and a load whose
+   desc leaves softmax_scale 0 takes it, a fork of that cache too, and decodes on as the
+   saved cache; a desc's own scale wins over the file's. A cache at the default scale
+   writes version 3, the format before the scale was saved, and such a file loads at
+   1/sqrt(d_h). */
+TEST softmax_scale_is_saved_and_loaded(void)
+{
+    enum { HKV = 2, HQ = 4, D = 16, N = 640, STEPS = 20, CAP = 640 };
+    pqc_cache_desc cd = tu_cache_desc(1, HKV, HQ, D), got;
+    pqc_cache *a, *b, *f, *c;
+    float *k = tu_normal_rows(&g_rng, N, (size_t)HKV * D), *v = tu_normal_rows(&g_rng, N, (size_t)HKV * D);
+    float *q = tu_normal_rows(&g_rng, 2 * STEPS, (size_t)HQ * D), *obs = tu_normal_rows(&g_rng, 8, (size_t)HQ * D);
+    char path[512], path3[512];
+    unsigned char *img;
+    long size;
+    uint32_t ver;
+    pqc_selection sa, sb;
+    int s, h;
+    tu_tmp_path(path, sizeof path, "scale_v4");
+    tu_tmp_path(path3, sizeof path3, "scale_v3");
+    cd.kv_dtype = PQC_F32;
+    cd.n_sink = 4;
+    {
+        uint32_t *keep = (uint32_t *)calloc((size_t)STEPS * HKV * (CAP + 1), 4);
+        ASSERT(keep);
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c)); /* the default scale */
+        ASSERT_EQ(PQC_SUCCESS, scale_run(c, k, v, q, obs, STEPS, keep, CAP));
+        cd.softmax_scale = 0.75f;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &a));
+        ASSERT_EQ(PQC_SUCCESS, scale_run(a, k, v, q, obs, STEPS, keep, CAP));
+        free(keep);
+    }
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(a, path));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(c, path3));
+    ASSERT((img = tu_file_image(path, &size)) != NULL);
+    memcpy(&ver, img + 8, 4);
+    ASSERT_EQ(4u, ver);
+    free(img);
+    ASSERT((img = tu_file_image(path3, &size)) != NULL);
+    memcpy(&ver, img + 8, 4);
+    ASSERT_EQ(3u, ver);
+    free(img);
+    cd.softmax_scale = 0.0f; /* the file's */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(b, &got));
+    ASSERT_EQ(0.75f, got.softmax_scale);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(b, &f));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(f, &got));
+    ASSERT_EQ(0.75f, got.softmax_scale);
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(a, &sa));
+    ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(b, &sb));
+    for (s = STEPS; s < 2 * STEPS; s++) { /* the saved cache and the loaded one go on alike */
+        const float *kk = k + (size_t)(600 + s) * HKV * D, *vv = v + (size_t)(600 + s) * HKV * D;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(a, 0, kk, vv));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, 0, kk, vv));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, 0, q + (size_t)s * HQ * D, &sa));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q + (size_t)s * HQ * D, &sb));
+        for (h = 0; h < HKV; h++) {
+            ASSERT_EQ(sa.count[h], sb.count[h]);
+            ASSERT_MEM_EQ(sa.idx + (size_t)h * sa.capacity, sb.idx + (size_t)h * sb.capacity, sa.count[h] * 4);
+        }
+    }
+    pqc_selection_free(&sa);
+    pqc_selection_free(&sb);
+    pqc_cache_destroy(f);
+    pqc_cache_destroy(b);
+    cd.softmax_scale = 2.0f; /* the desc's own */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(b, &got));
+    ASSERT_EQ(2.0f, got.softmax_scale);
+    pqc_cache_destroy(b);
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path3, &b));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(b, &got));
+    ASSERT_EQ(2.0f, got.softmax_scale);
+    pqc_cache_destroy(b);
+    cd.softmax_scale = 0.0f; /* a file of the earlier format: 1/sqrt(d_h) */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path3, &b));
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_config(b, &got));
+    ASSERT_EQ(0.25f, got.softmax_scale);
+    pqc_cache_destroy(b);
+    pqc_cache_destroy(a);
+    pqc_cache_destroy(c);
+    remove(path);
+    remove(path3);
+    free(k);
+    free(v);
+    free(q);
+    free(obs);
+    PASS();
+}
+
 /* The load's check of stored K/V rows from their bits: fp16 Inf or NaN at any position
    (the four-at-a-time part and the tail), bf16 beyond the key limit, fp32 NaN. */
 TEST stored_rows_check_finds_every_bad_value(void)
@@ -2205,6 +2445,10 @@ SUITE(cache)
     RUN_TEST(mapped_file_survives_rename_over_and_truncation_is_sigbus);
     RUN_TEST(save_load_resumes_decoding);
     RUN_TEST(save_load_resumes_with_exact_scoring);
+    RUN_TEST(softmax_scale_selects_as_scaled_keys);
+    RUN_TEST(softmax_scale_selects_as_scaled_keys_exact_scoring);
+    RUN_TEST(softmax_scale_changes_the_ranking_across_heads);
+    RUN_TEST(softmax_scale_is_saved_and_loaded);
     RUN_TEST(save_load_refuses_bad_files);
     RUN_TEST(save_load_refuses_a_crafted_drift_state);
     RUN_TEST(stored_rows_check_finds_every_bad_value);

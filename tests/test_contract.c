@@ -52,7 +52,7 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
         {"recent_share", 6}, {"metric 5 unknown", 7}, {"metric_floor", 8}, {"split", 9}, {"gqa", 10}, {"rerank", 11},
         {"outliers", 12}, {"residual_weight", 13}, {"block_tokens", 14}, {"admit_blocks", 15}, {"policy", 16},
         {"rebuild_share", 17}, {"codes_resident", 18}, {"first_kv_head", 19}, {"block cache", 20},
-        {"pq.metric", 21}};
+        {"pq.metric", 21}, {"softmax_scale", 22}};
     pqc_cache_desc cd = small_desc(2, 2, 4, 16), r, sentinel, got;
     pqc_cache *c;
     float w = 1.0f;
@@ -132,6 +132,7 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
         case 18: b.codes_resident = 2; break;
         case 19: b.first_kv_head = -1; break;
         case 20: b.block_tokens = 1 << 30; b.cache_blocks = 1 << 30; b.n_layers = 4096; break;
+        case 22: b.softmax_scale = -0.125f; break;
         default: b.pq.metric = &w; break;
         }
         memset(&sentinel, 0x5a, sizeof sentinel);

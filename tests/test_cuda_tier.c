@@ -303,8 +303,9 @@ typedef struct shape {
     int compete;   /* desc.split PQC_SPLIT_COMPETE, the default (2: PQC_SPLIT_FIXED_COMPETE),
                       and a window of half the budget (else the default; PQC_SPLIT_ADAPTIVE
                       with observe 2) */
+    float scale;   /* desc.softmax_scale */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0 };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0, 0.0f };
 
 /* the same observations on both caches (and on `also`, unless NULL): rows whose energy
    sits in a few dimensions */
@@ -364,6 +365,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.rerank = sh->rerank;
     cd.outliers = sh->outliers;
     cd.residual_weight = sh->resid;
+    cd.softmax_scale = sh->scale;
     if (sh->lru) cd.policy = PQC_POLICY_LRU;
     if (sh->observe == 2 && !sh->compete) cd.split = PQC_SPLIT_ADAPTIVE; /* windows the builds lower */
     if (sh->compete == 2) cd.split = PQC_SPLIT_FIXED_COMPETE;
@@ -482,7 +484,7 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0 };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0, 0.0f };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* three layers through two code buffers: every select finds its codes prefetched */
@@ -561,6 +563,17 @@ TEST device_steps_with_rerank(void)
     sh.rerank = 2.0;
     sh.dstep = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F32, &sh);
+}
+/* ... softmax-sum at a model's scale (not 1/sqrt(d_h)): the search, the device step's
+   re-ranking and the observed attention at that scale on both tiers */
+TEST device_steps_at_a_models_softmax_scale(void)
+{
+    shape sh = g_small;
+    sh.scale = 0.3f;
+    sh.rerank = 2.0;
+    sh.observe = 1;
+    sh.dstep = 1;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* A decode step on the device tier allocates no host memory once its buffers have grown:
    select and fetch (gathered into host rows, or on the device), and the device step, on
@@ -1972,6 +1985,7 @@ SUITE(cuda_tier)
     RUN_TEST(device_steps_match_cpu_softmax);
     RUN_TEST(device_steps_match_cpu_default_shape);
     RUN_TEST(device_steps_with_rerank);
+    RUN_TEST(device_steps_at_a_models_softmax_scale);
     RUN_TEST(decode_steps_without_allocating_host_rows);
     RUN_TEST(decode_steps_without_allocating_device_rows);
     RUN_TEST(device_steps_without_allocating);

@@ -663,6 +663,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     cd.policy = cfg->policy;
     cd.metric = (pqc_metric)cfg->metric;
     cd.split = (pqc_split)cfg->split;
+    cd.softmax_scale = tl_attn_scale(c); /* the model's (Gemma: query_pre_attn_scalar^-0.5) */
     cd.scheduler = p->sched;
     if ((r = pqc_cache_create(p->rt, &cd, &p->cache)) != PQC_SUCCESS) {
         tl__fail(err, errlen, "pqcache: %s", pqc_last_error());

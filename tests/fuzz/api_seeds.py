@@ -41,11 +41,15 @@ class P:
     def create(self, slot=0, strict=None, layers=0, kvh=1, group=1, dim=0, dtype=0, maxt=0, sink=1, window=1, ratio=1, budget=0,
                share=1, m=2, bits=1, iters=1, init=0, mppc=0, seed=1, device=0, gqa=0, bt=2, blocks=2, admit=0,
                policy=0, rebuild=0, resident=0, metric=0, mfloor=0, observe=0, split=0, rope=0, subsp=0, rerank=0,
-               outl=0, resw=0, backend=0, rt=0):
+               outl=0, resw=0, backend=0, rt=0, scale=None):
+        # scale: None = the default softmax scale, else an entry of the table (bad(i): hostile)
         if strict is None:  # hostile fields need the hostile mode
             strict = 255 if 224 <= max(layers, kvh, group, dim, dtype, maxt, sink, window, ratio, budget, share, m, bits,
                                        iters, init, mppc, device, gqa, bt, blocks, admit, policy, rebuild, resident,
-                                       metric, mfloor, observe, split, rope, subsp, rerank, outl, resw, backend) else 0
+                                       metric, mfloor, observe, split, rope, subsp, rerank, outl, resw, backend,
+                                       scale or 0) else 0
+        if scale is not None:
+            rt |= (28 + scale - 224 if scale >= 224 else 24 + scale) << 3
         return self.raw(0, slot, strict, layers, kvh, group, dim, dtype, maxt, sink, window, ratio, budget, share, m, bits, iters,
                         init, mppc, seed, device, gqa, bt, blocks, admit, policy, rebuild, resident, metric, mfloor,
                         observe, split, rope, subsp, rerank, outl, resw, backend, rt)
@@ -319,6 +323,12 @@ def seeds():
         p.driver_decode(attend_fail=bad(i % 2)).driver_decode()
     p.save_load()
     s["driver_failure_installs"] = p
+    # a model's softmax scale (4): selections with re-ranking and outlier lists, saved
+    # (format version 4) and loaded, the loaded cache going on; and a scale refused
+    p = P().create(scale=3, rerank=1, outl=1).prefill(rows=14).sel_init().append().select()
+    p.save_load().sel_init(slot=1).append(slot=1).select(slot=1).fetch(slot=1)
+    p.create(slot=2, scale=bad(1))
+    s["softmax_scale"] = p
     # the PQ core with interleaved rope bands
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     return s

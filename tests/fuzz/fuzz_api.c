@@ -316,6 +316,8 @@ static const int t_outl[] = {0, 4, 1, 64};
 static const int t_outl_bad[] = {-1, INT_MAX, INT_MIN};
 static const double t_resw[] = {0, 0.15, 1, 1e6};
 static const double t_resw_bad[] = {-0.1, NAN, INFINITY, 2e6, 1e-300};
+static const float t_smscale[] = {0.0625f, 0.5f, 1.0f, 4.0f};
+static const float t_smscale_bad[] = {-1.0f, NAN, INFINITY, 2e6f};
 
 /* what the documentation says about a pq desc's RoPE layout and sub-spaces: 1 = refused */
 /* the library's default m for a key of dim dimensions: PQC_DEFAULT_M where it divides
@@ -841,6 +843,10 @@ static void op_cache_create(fz_state *S)
     default: break;
     }
     rsel = rd8(f);
+    /* the softmax scale from rsel's high bits: the default for most inputs (0..23), else
+       one of the model scales, or (hostile inputs) one the library refuses */
+    if ((rsel >> 3) >= 28 && !g_ordinary) d.softmax_scale = t_smscale_bad[((rsel >> 3) - 28) % NT(t_smscale_bad)];
+    else if ((rsel >> 3) >= 24) d.softmax_scale = t_smscale[((rsel >> 3) - 24) % NT(t_smscale)];
     g_ordinary = 0;
 
     /* what the documentation says must fail */
@@ -869,6 +875,7 @@ static void op_cache_create(fz_state *S)
     if (!(d.rerank <= 0 || (d.rerank >= 1 && d.rerank <= 1e6)) || d.outliers > (1 << 24) ||
         !(d.residual_weight <= 1e6) || (d.residual_weight > 0 && !((float)d.residual_weight > 0)))
         must_fail = 1;
+    if (!(d.softmax_scale >= 0.0f && d.softmax_scale <= 1e6f)) must_fail = 1;
     /* the query metric's floor against the PQ core's weight spread (1e12) */
     if ((int)d.metric == 0 && d.head_dim > 0 && (d.metric_floor == 0 ? 0.01 : d.metric_floor) < 1e-11 * d.head_dim)
         must_fail = 1;
