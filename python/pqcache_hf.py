@@ -37,7 +37,9 @@ of the model (layers, heads, head size) and the RoPE layout come from its config
 A later prompt on the same cache (the next turn of a conversation: generate() again with
 the whole conversation so far and the same cache) attends densely to every token the
 cache holds and causally among its own, then its tokens join the cache as decode tokens
-do (appended; the codes follow through the cache's rebuilds).
+do (appended; the codes follow through the cache's rebuilds). PQCache.fork() branches a
+cache: the copy shares the stored rows with the original (the library's fork) and goes on
+on its own, as a second conversation from the same prefix.
 
 Not supported (a clear error says so): a padded batch (an attention mask with zeros),
 beam search, layer types other than full and sliding-window attention, a cache used with
@@ -376,6 +378,34 @@ class PQCache(_HFCache):
         if self._modules.setdefault(layer, id(module)) != id(module):
             raise PQCacheError("pqcache backend: this cache holds another model's layer %d (a cache is for one model "
                                "and its conversation; make a new one with cache_for(model))" % layer)
+
+    def fork(self) -> PQCache:
+        """A new cache that holds what this one holds and goes on independently: its pqcache
+        caches are forks of this one's (pqcache.Cache.fork: the stored rows are shared, not
+        copied), its sliding-window layers copies of this one's. generate() on the fork with
+        this cache's tokens and more continues from here, as it would on this cache, and
+        leaves this one as it was. For the same model; between forward passes.
+        """
+        new = copy.copy(self)
+        new.layers = []
+        for layer in self.layers:
+            layer = copy.copy(layer)
+            if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized:
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            new.layers.append(layer)
+        new.caches = []
+        try:
+            for c in self.caches:
+                new.caches.append(c.fork())
+        except BaseException:
+            new.close()
+            raise
+        new._sels = [c.selection() for c in new.caches]
+        new.settings = dict(self.settings)
+        new._desc = dict(self._desc)
+        new.resolved = dict(self.resolved)
+        new._modules = dict(self._modules)
+        return new
 
     def close(self) -> None:
         """Frees the sequences' pqcache caches (the cache can take a new prompt after)."""

@@ -115,6 +115,38 @@ def test_a_second_turn_continues_the_conversation(arch):
         assert min(head) == 0                                # a sink
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_forked_cache_generates_what_a_fresh_one_does(arch):
+    """The prompt run once, its cache forked, greedy generate() from the fork: at a budget
+    that selects, the tokens (and logits) of generate() from the prompt on a fresh cache.
+    A second fork, after the first has gone on, gives them again: the forked cache (its
+    pqcache caches and, in Gemma 3, its sliding-window layers) is as it was."""
+    _, pq = make_models(arch, seed=21)
+    ids = prompt(300, seed=22)
+    settings = dict(budget_ratio=0.1, n_sink=4)
+    steps = 10
+    want, want_logits = greedy(pq, ids, steps, cache=pqcache_hf.cache_for(pq, **settings), min_new_tokens=steps)
+    cache = pqcache_hf.cache_for(pq, **settings)
+    with torch.no_grad():
+        first = pq(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert first.tolist() == want[:, :1].tolist()
+    seq = torch.cat([ids, first], 1)
+    for _ in range(2):
+        fork = cache.fork()
+        assert isinstance(fork, pqcache_hf.PQCache) and fork.caches[0] is not cache.caches[0]
+        got, got_logits = greedy(pq, seq, steps - 1, cache=fork, min_new_tokens=steps - 1)
+        assert got.tolist() == want[:, 1:].tolist()
+        finite = torch.isfinite(want_logits[:, 1:])               # (min_new_tokens puts -inf at the end token)
+        assert torch.equal(finite, torch.isfinite(got_logits))
+        assert torch.equal(got_logits[finite], want_logits[:, 1:][finite])
+        assert fork.caches[0].tokens(0) == 300 + steps - 1
+        assert fork.get_seq_length() == 300 + steps - 1
+        fork.close()
+    for layer in range(cache.caches[0].n_layers):
+        assert cache.caches[0].tokens(layer) == 300
+    assert cache.get_seq_length() == 300
+
+
 def test_rows_reach_the_library_without_copies():
     """The keys and values of a prompt pass to the library as views of torch's storage
     (tokens first, as transformers' projections lay them out), for float32, float16 and
