@@ -4,9 +4,10 @@ which runs them with torch and transformers installed: tests/transformers_env.sh
 Random Llama, Mistral and Qwen2 models: at a budget that covers the sequence, greedy
 generate() with pqcache gives transformers' own eager tokens and logits; at budget 0.1
 the first layer's selections equal the C library's on the keys and queries transformers
-itself computed; a batch of two equals the two sequences alone; the constructed passkey
-model, exported to the Hugging Face layout, retrieves its passkey at 8K and 32K where
-window-only attention does not; misuse raises."""
+itself computed; a batch of two equals the two sequences alone; a forked cache generates
+what a fresh one does; the constructed passkey model, exported to the Hugging Face
+layout, retrieves its passkey at 8K and 32K where window-only attention does not; misuse
+raises."""
 import copy
 import os
 import subprocess
