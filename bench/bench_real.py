@@ -290,10 +290,10 @@ def needles(M, half, methods, lengths, out, quick):
                     s, obs = settings_of(name)
                     c = M.filled(cap, s, obs)
                     recall = NeedleRecall(M, cap, where) if name != "full" else None
-                    c.recorder = recall
                     gen = [first]
-                    for _ in range(7):
-                        gen.append(int(np.argmax(M.step(c, gen[-1]))))
+                    with pqcache_hf._hooks.recording(recall):
+                        for _ in range(7):
+                            gen.append(int(np.argmax(M.step(c, gen[-1]))))
                     c.close()
                     text = M.tok.decode(gen)
                     row = dict(part="needle", half=half, length=length, depth=depth, key=key, method=name,
@@ -378,10 +378,10 @@ def mass(M, half, methods, lengths, out, quick, steps=16):
                     kept = pm[chosen].sum()
                     best = np.sort(pm)[::-1][:len(chosen)].sum()
                     ratio[layer, hd] += kept / best
-            c.recorder = rec
-            for t in ids[length - steps:length]:
-                M.step(c, t)
-                n += 1
+            with pqcache_hf._hooks.recording(rec):
+                for t in ids[length - steps:length]:
+                    M.step(c, t)
+                    n += 1
             c.close()
             ratio /= n
             row = dict(part="mass", half=half, length=length, method=name, mean=float(ratio.mean()),

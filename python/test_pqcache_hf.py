@@ -4,9 +4,10 @@ which runs them with torch and transformers installed: tests/transformers_env.sh
 Random Llama, Mistral and Qwen2 models: at a budget that covers the sequence, greedy
 generate() with pqcache gives transformers' own eager tokens and logits; at budget 0.1
 the first layer's selections equal the C library's on the keys and queries transformers
-itself computed; a batch of two equals the two sequences alone; the constructed passkey
-model, exported to the Hugging Face layout, retrieves its passkey at 8K and 32K where
-window-only attention does not; misuse raises."""
+itself computed; a batch of two equals the two sequences alone; a forked cache generates
+what a fresh one does; the constructed passkey model, exported to the Hugging Face
+layout, retrieves its passkey at 8K and 32K where window-only attention does not; misuse
+raises."""
 import copy
 import os
 import subprocess
@@ -101,10 +102,10 @@ def test_a_second_turn_continues_the_conversation(arch):
     # at budget 0.1 a second turn decodes from a real selection over both turns
     cache = pqcache_hf.cache_for(pq, budget_ratio=0.1, n_sink=4)
     picked = []
-    cache.recorder = lambda kind, layer, b, *a: picked.append((kind, a[-1])) if layer == 0 else None
-    first, _ = greedy(pq, turn1, 6, cache=cache)
-    conv = torch.cat([turn1, first, prompt(40, seed=13)], 1)
-    second, _ = greedy(pq, conv, 4, cache=cache, min_new_tokens=4)
+    with pqcache_hf._hooks.recording(lambda kind, layer, b, *a: picked.append((kind, a[-1])) if layer == 0 else None):
+        first, _ = greedy(pq, turn1, 6, cache=cache)
+        conv = torch.cat([turn1, first, prompt(40, seed=13)], 1)
+        second, _ = greedy(pq, conv, 4, cache=cache, min_new_tokens=4)
     kinds = [k for k, _ in picked]
     assert kinds == ["prefill"] + ["decode"] * (first.shape[1] - 1) + ["extend"] + ["decode"] * 3
     last = picked[-1][1]                                     # the last step's selection, per KV head
@@ -113,6 +114,38 @@ def test_a_second_turn_continues_the_conversation(arch):
         assert len(head) < 0.5 * n
         assert max(head) == n - 1                            # the newest token (the window)
         assert min(head) == 0                                # a sink
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_forked_cache_generates_what_a_fresh_one_does(arch):
+    """The prompt run once, its cache forked, greedy generate() from the fork: at a budget
+    that selects, the tokens (and logits) of generate() from the prompt on a fresh cache.
+    A second fork, after the first has gone on, gives them again: the forked cache (its
+    pqcache caches and, in Gemma 3, its sliding-window layers) is as it was."""
+    _, pq = make_models(arch, seed=21)
+    ids = prompt(300, seed=22)
+    settings = dict(budget_ratio=0.1, n_sink=4)
+    steps = 10
+    want, want_logits = greedy(pq, ids, steps, cache=pqcache_hf.cache_for(pq, **settings), min_new_tokens=steps)
+    cache = pqcache_hf.cache_for(pq, **settings)
+    with torch.no_grad():
+        first = pq(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    assert first.tolist() == want[:, :1].tolist()
+    seq = torch.cat([ids, first], 1)
+    for _ in range(2):
+        fork = cache.fork()
+        assert isinstance(fork, pqcache_hf.PQCache) and fork.caches[0] is not cache.caches[0]
+        got, got_logits = greedy(pq, seq, steps - 1, cache=fork, min_new_tokens=steps - 1)
+        assert got.tolist() == want[:, 1:].tolist()
+        finite = torch.isfinite(want_logits[:, 1:])               # (min_new_tokens puts -inf at the end token)
+        assert torch.equal(finite, torch.isfinite(got_logits))
+        assert torch.equal(got_logits[finite], want_logits[:, 1:][finite])
+        assert fork.caches[0].tokens(0) == 300 + steps - 1
+        assert fork.get_seq_length() == 300 + steps - 1
+        fork.close()
+    for layer in range(cache.caches[0].n_layers):
+        assert cache.caches[0].tokens(layer) == 300
+    assert cache.get_seq_length() == 300
 
 
 def test_rows_reach_the_library_without_copies():
@@ -148,16 +181,20 @@ class _Recorder:
                                       **kw)
 
 
-def test_budget_selections_equal_the_c_librarys_on_transformers_keys():
+@pytest.mark.parametrize("observe", [0, 8, -1])
+def test_budget_selections_equal_the_c_librarys_on_transformers_keys(observe):
+    """observe: the setting (0: the library's default, 32; -1: none) the backend reads back
+    from the resolved configuration to observe the prompt's last queries"""
     ref, pq = make_models("llama", seed=3)
     ids = prompt(400, seed=5)
     steps = 10
-    settings = dict(budget_ratio=0.1, n_sink=4)
+    settings = dict(budget_ratio=0.1, n_sink=4, observe=observe)
     # pqcache: the first layer's selections of each decode step
     cache = pqcache_hf.cache_for(pq, **settings)
     picked = []
-    cache.recorder = lambda kind, layer, b, *a: picked.append(a[3]) if kind == "decode" and layer == 0 else None
-    tokens, _ = greedy(pq, ids, steps, cache=cache)
+    with pqcache_hf._hooks.recording(lambda kind, layer, b, *a: picked.append(a[3]) if kind == "decode" and layer == 0
+                                     else None):
+        tokens, _ = greedy(pq, ids, steps, cache=cache)
     # transformers' own eager run of the same tokens (teacher-forced), recording layer 0
     rec = _Recorder()
     transformers.AttentionInterface.register("pqcache_test_record", rec)
@@ -171,7 +208,8 @@ def test_budget_selections_equal_the_c_librarys_on_transformers_keys():
     # the C library (through the binding) on those queries and keys, with the settings cache_for used
     q0, k0, v0 = rec.calls[0]                                    # (Hq, T, D), (Hkv, T, D)
     c = pqcache.Cache(n_layers=1, n_q_heads=4, n_kv_heads=2, head_dim=16, rope="half", **settings)
-    c.observe(0, q0.transpose(0, 1)[-32:].numpy())
+    if observe >= 0:
+        c.observe(0, q0.transpose(0, 1)[-(observe or 32):].numpy())
     c.prefill(0, k0.transpose(0, 1).contiguous().numpy(), v0.transpose(0, 1).contiguous().numpy())
     same = 0
     for i, (q, k, v) in enumerate(rec.calls[1:]):
@@ -228,7 +266,17 @@ def test_misuse_raises_clear_errors():
     chunked = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2)
     chunked.layer_types = ["full_attention", "chunked_attention"]   # (Llama 4's): not supported
     with pytest.raises(pqcache_hf.PQCacheError, match="chunked_attention"):
-        pqcache_hf.PQCacheHF(chunked)
+        pqcache_hf.PQCache(chunked)
+    with pytest.raises(pqcache_hf.PQCacheError, match="budget_ratio"):
+        pqcache_hf.cache_for(pq, budget_ratio=2e6)               # the library's range
+    with pytest.raises(pqcache_hf.PQCacheError, match="unknown cache setting"):
+        pqcache_hf.cache_for(pq, budget=0.1)
+
+
+def test_previous_names_are_aliases():
+    assert pqcache_hf.PQCacheHF is pqcache_hf.PQCache
+    assert pqcache_hf.pqcache_attention is pqcache_hf.pqcache_attention_forward
+    assert transformers.AttentionInterface()[pqcache_hf.NAME] is pqcache_hf.pqcache_attention_forward
 
 
 def test_readme_example_runs(tmp_path):
