@@ -16,7 +16,7 @@ TINY_LLAMA_WARN := -Wall -Wextra -Werror -pedantic
 TINY_LLAMA_CFLAGS = $(CFLAGS) $(TINY_LLAMA_STD) $(TINY_LLAMA_WARN)
 
 # tiny_llama.h and the parts it includes
-TINY_LLAMA_ENGINE := $(addprefix examples/tiny_llama/,tiny_llama.h tl_model.h tl_kernels.h \
-                       tl_llama2c.h tl_hf.h tl_sampler.h tl_tokenizer.h tl_util.h)
+TINY_LLAMA_ENGINE := $(addprefix examples/tiny_llama/,tiny_llama.h tl_model.h tl_kernels.h tl_prefill.h \
+                       tl_llama2c.h tl_hf.h tl_gemma.h tl_sampler.h tl_tokenizer.h tl_util.h)
 
 endif # TINY_LLAMA_FLAGS_MK

@@ -772,15 +772,16 @@ static void tl__mv(tl_state *s, float *out, const float *x, const tl_mat *w, int
    Exact (tl_state.exact_prefill, or no AVX2 + FMA): each output is tl__dot's sum, so the
    prompt's projections equal the decode step's to the bit; each thread converts its rows
    to fp32 once and multiplies them with every token.
-   Otherwise tiled: x transposed once (n, t rounded up to 8), then blocks of 6 weight rows
-   x 16 tokens accumulated in registers over the whole of n (FMA), equal to rounding. */
+   Otherwise tiled: x transposed once into blocks of 16 tokens (block b holds element k of
+   token 16b + e at ((b n + k) 16 + e), tokens past t zero), then blocks of 6 weight rows x
+   16 tokens accumulated in registers over the whole of n (FMA), equal to rounding. */
 typedef struct {
     const tl_mat *w;
     int n, d, t, tp;
     const float *x;
     float *out;
     float *buf;               /* nparts * 6 * n floats */
-    const float *xt;          /* tiled: (n, tp) x transposed, columns t .. tp-1 zero */
+    const float *xt;          /* tiled: x transposed in blocks of 16 tokens */
 } tl__mm_job;
 
 /* row r of w as fp32: the stored floats, or a conversion into buf */
@@ -838,11 +839,10 @@ static void tl__mm_part(void *arg, int part, int nparts)
 }
 
 #ifdef TL__X86
-/* mr (1..6) weight rows a[] x nv (1, 2) vectors of 8 tokens at column c of xt: into o
+/* mr (1..6) weight rows a[] x nv (1, 2) vectors of 8 tokens of the block xb of xt: into o
    (6 x 16, row i = weight row i) */
-TL__FMA __attribute__((always_inline)) static inline void tl__mm_tile(const float *const *a, const float *xt,
-                                                                   int n, int tp, int c, int mr, int nv,
-                                                                   float *o)
+TL__FMA __attribute__((always_inline)) static inline void tl__mm_tile(const float *const *a, const float *xb,
+                                                                   int n, int mr, int nv, float *o)
 {
     __m256 acc[6][2];
     int i, k;
@@ -850,7 +850,7 @@ TL__FMA __attribute__((always_inline)) static inline void tl__mm_tile(const floa
     for (i = 0; i < 6; i++)
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (k = 0; k < n; k++) {
-        const float *xk = xt + (size_t)k * (size_t)tp + c;
+        const float *xk = xb + (size_t)k * 16;
         __m256 b0 = _mm256_loadu_ps(xk), b1 = nv > 1 ? _mm256_loadu_ps(xk + 8) : b0;
         TL__UNROLL8
         for (i = 0; i < 6; i++)
@@ -873,7 +873,10 @@ TL__FMA __attribute__((always_inline)) static inline void tl__mm_tile(const floa
 #define TL__MM_TILES(mr)                                                  \
     for (c = 0; c < j->tp; c += 16) {                                     \
         int nv = c + 16 <= j->tp ? 2 : 1, cols = j->t - c < 16 ? j->t - c : 16; \
-        tl__mm_tile(a, j->xt, j->n, j->tp, c, mr, nv, o);                 \
+        if (nv == 2)                                                      \
+            tl__mm_tile(a, j->xt + (size_t)c * (size_t)j->n, j->n, mr, 2, o); \
+        else                                                              \
+            tl__mm_tile(a, j->xt + (size_t)c * (size_t)j->n, j->n, mr, 1, o); \
         for (t = 0; t < cols; t++)                                        \
             for (i = 0; i < mr; i++)                                      \
                 j->out[(size_t)(c + t) * d + (size_t)(r + i)] = o[i * 16 + t]; \
@@ -921,14 +924,16 @@ static int tl__mm(tl_state *s, float *out, const float *x, int t, const tl_mat *
 #ifdef TL__X86
     if (!s->exact_prefill && tl__have_fma()) {
         int k, u;
-        xt = (float *)calloc((size_t)n * (size_t)j.tp, sizeof(float));
+        xt = (float *)calloc((size_t)n * (size_t)((t + 15) / 16 * 16), sizeof(float));
         if (!xt) {
             free(j.buf);
             return -1;
         }
-        for (u = 0; u < t; u++)
+        for (u = 0; u < t; u++) {
+            float *dst = xt + (size_t)(u / 16) * 16 * (size_t)n + (size_t)(u % 16);
             for (k = 0; k < n; k++)
-                xt[(size_t)k * (size_t)j.tp + (size_t)u] = x[(size_t)u * (size_t)n + (size_t)k];
+                dst[(size_t)k * 16] = x[(size_t)u * (size_t)n + (size_t)k];
+        }
         j.xt = xt;
         tl_parallel(s, tl__mm_tiled_part, &j);
     } else

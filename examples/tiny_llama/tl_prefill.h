@@ -33,7 +33,7 @@ void tl_attend_prefill(const tl_config *c, int pos0, int n, const float *q,
 #if defined(TINY_LLAMA_IMPLEMENTED) && !defined(TL_PREFILL_IMPLEMENTED)
 #define TL_PREFILL_IMPLEMENTED
 
-#define TL__PF_ROWS 48   /* query rows (tokens x heads of a group) per tile, about */
+#define TL__PF_ROWS 96   /* query rows (tokens x heads of a group) per tile, about */
 #define TL__PF_TK 64     /* keys per tile */
 
 /* tokens per query tile: about TL__PF_ROWS rows, at least one token */
@@ -46,14 +46,19 @@ static int tl__pf_tokens(const tl_config *c)
 size_t tl_attend_prefill_work(const tl_config *c)
 {
     size_t rows = (size_t)tl__pf_tokens(c) * (size_t)(c->n_heads / c->n_kv_heads), hs = (size_t)c->head_size;
-    /* the queries and the output of a tile, its scores, the keys transposed, max and sum */
-    return 2 * rows * hs + rows * TL__PF_TK + hs * TL__PF_TK + 2 * rows;
+    /* the queries and the output of a tile, its scores, the keys transposed and the values
+       packed (columns in blocks of 16), max and sum */
+    return 2 * rows * hs + rows * TL__PF_TK + hs * TL__PF_TK + (hs + 15) / 16 * 16 * TL__PF_TK + 2 * rows;
 }
 
 /* ----------------------------------------------------------------------------
-   The tile's products: s (rows x TL__PF_TK) = qt (rows x hs) kt (hs x TL__PF_TK), the
-   columns 0 .. ncol-1 (a multiple of 8 in the SIMD kernels); o (rows x hs) += p (rows x
-   TL__PF_TK) [v rows 0 .. nk-1] */
+   The tile's products, with the keys and values packed in blocks of 16 columns (so a
+   kernel's loads are contiguous): kt holds key j's element d at TL__PF_KT(hs, d, j), vt
+   value j's element d at TL__PF_VT(d, j).
+   s (rows x TL__PF_TK) = qt (rows x hs) kt, the columns 0 .. ncol-1 (a multiple of 8);
+   o (rows x hs) += p (rows x TL__PF_TK) [values 0 .. nk-1] */
+#define TL__PF_KT(hs, d, j) (((size_t)((j) / 16) * (size_t)(hs) + (size_t)(d)) * 16 + (size_t)((j) % 16))
+#define TL__PF_VT(d, j) (((size_t)((d) / 16) * TL__PF_TK + (size_t)(j)) * 16 + (size_t)((d) % 16))
 
 static void tl__pf_scores_c(const float *qt, const float *kt, int rows, int hs, int ncol, float *s)
 {
@@ -65,14 +70,13 @@ static void tl__pf_scores_c(const float *qt, const float *kt, int rows, int hs, 
             sr[j] = 0;
         for (d = 0; d < hs; d++) {
             float a = qr[d];
-            const float *kd = kt + (size_t)d * TL__PF_TK;
             for (j = 0; j < ncol; j++)
-                sr[j] += a * kd[j];
+                sr[j] += a * kt[TL__PF_KT(hs, d, j)];
         }
     }
 }
 
-static void tl__pf_values_c(const float *p, const float *const *vrow, int nk, int rows, int hs, float *o)
+static void tl__pf_values_c(const float *p, const float *vt, int nk, int rows, int hs, float *o)
 {
     int r, j, d;
     for (r = 0; r < rows; r++) {
@@ -80,11 +84,10 @@ static void tl__pf_values_c(const float *p, const float *const *vrow, int nk, in
         const float *pr = p + (size_t)r * TL__PF_TK;
         for (j = 0; j < nk; j++) {
             float a = pr[j];
-            const float *vj = vrow[j];
             if (a == 0)
                 continue;
             for (d = 0; d < hs; d++)
-                or_[d] += a * vj[d];
+                or_[d] += a * vt[TL__PF_VT(d, j)];
         }
     }
 }
@@ -103,8 +106,8 @@ static float tl__pf_exp_c(float *s, int a, int b, int ncol, float mx)
 }
 
 #ifdef TL__X86
-/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of s at column c */
-TL__FMA __attribute__((always_inline)) static inline void tl__pf_scores_tile(const float *qt, const float *kt,
+/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of s at column c (kb: kt's block of c) */
+TL__FMA __attribute__((always_inline)) static inline void tl__pf_scores_tile(const float *qt, const float *kb,
                                                                           int hs, int c, int mr, int nv,
                                                                           float *s)
 {
@@ -114,7 +117,7 @@ TL__FMA __attribute__((always_inline)) static inline void tl__pf_scores_tile(con
     for (i = 0; i < 6; i++)
         acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (d = 0; d < hs; d++) {
-        const float *kd = kt + (size_t)d * TL__PF_TK + c;
+        const float *kd = kb + (size_t)d * 16;
         __m256 b0 = _mm256_loadu_ps(kd), b1 = nv > 1 ? _mm256_loadu_ps(kd + 8) : b0;
         TL__UNROLL8
         for (i = 0; i < 6; i++)
@@ -134,11 +137,14 @@ TL__FMA __attribute__((always_inline)) static inline void tl__pf_scores_tile(con
         }
 }
 
-#define TL__PF_SCORES(mr)                                                           \
-    for (c = 0; c + 16 <= ncol; c += 16)                                            \
-        tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt, hs, c, mr, 2, s + (size_t)r * TL__PF_TK); \
-    for (; c < ncol; c += 8)                                                        \
-        tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt, hs, c, mr, 1, s + (size_t)r * TL__PF_TK)
+#define TL__PF_SCORES(mr)                                                                     \
+    for (c = 0; c < ncol; c += 16)                                                            \
+        if (c + 16 <= ncol)                                                                   \
+            tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt + (size_t)(c / 16) * (size_t)hs * 16, hs, c, mr, \
+                               2, s + (size_t)r * TL__PF_TK);                                  \
+        else                                                                                  \
+            tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt + (size_t)(c / 16) * (size_t)hs * 16, hs, c, mr, \
+                               1, s + (size_t)r * TL__PF_TK)
 
 TL__FMA static void tl__pf_scores_avx2(const float *qt, const float *kt, int rows, int hs, int ncol, float *s)
 {
@@ -156,10 +162,9 @@ TL__FMA static void tl__pf_scores_avx2(const float *qt, const float *kt, int row
     }
 }
 
-/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of o at column c */
-TL__FMA __attribute__((always_inline)) static inline void tl__pf_values_tile(const float *p,
-                                                                          const float *const *vrow, int nk,
-                                                                          int hs, int c, int mr, int nv,
+/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of o at column c (vb: vt's block of c) */
+TL__FMA __attribute__((always_inline)) static inline void tl__pf_values_tile(const float *p, const float *vb,
+                                                                          int nk, int hs, int c, int mr, int nv,
                                                                           float *o)
 {
     __m256 acc[6][2];
@@ -171,7 +176,7 @@ TL__FMA __attribute__((always_inline)) static inline void tl__pf_values_tile(con
             acc[i][1] = nv > 1 ? _mm256_loadu_ps(o + (size_t)i * (size_t)hs + c + 8) : acc[i][0];
         }
     for (j = 0; j < nk; j++) {
-        const float *vj = vrow[j] + c;
+        const float *vj = vb + (size_t)j * 16;
         __m256 b0 = _mm256_loadu_ps(vj), b1 = nv > 1 ? _mm256_loadu_ps(vj + 8) : b0;
         TL__UNROLL8
         for (i = 0; i < 6; i++)
@@ -191,26 +196,29 @@ TL__FMA __attribute__((always_inline)) static inline void tl__pf_values_tile(con
         }
 }
 
-#define TL__PF_VALUES(mr)                                                                     \
-    for (c = 0; c + 16 <= hs; c += 16)                                                        \
-        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vrow, nk, hs, c, mr, 2, o + (size_t)r * (size_t)hs); \
-    for (; c < hs; c += 8)                                                                    \
-        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vrow, nk, hs, c, mr, 1, o + (size_t)r * (size_t)hs)
+#define TL__PF_VALUES(mr)                                                                       \
+    if (nv == 2)                                                                                \
+        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vb, nk, hs, c, mr, 2, o + (size_t)r * (size_t)hs); \
+    else                                                                                        \
+        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vb, nk, hs, c, mr, 1, o + (size_t)r * (size_t)hs)
 
-TL__FMA static void tl__pf_values_avx2(const float *p, const float *const *vrow, int nk, int rows, int hs,
-                                       float *o)
+/* by blocks of 16 columns, then of 6 rows: a block of values stays in L1 across the rows */
+TL__FMA static void tl__pf_values_avx2(const float *p, const float *vt, int nk, int rows, int hs, float *o)
 {
-    int r = 0, c;
-    for (; r + 6 <= rows; r += 6) {
-        TL__PF_VALUES(6);
-    }
-    switch (rows - r) {
-    case 5: TL__PF_VALUES(5); break;
-    case 4: TL__PF_VALUES(4); break;
-    case 3: TL__PF_VALUES(3); break;
-    case 2: TL__PF_VALUES(2); break;
-    case 1: TL__PF_VALUES(1); break;
-    default: break;
+    int r, c;
+    for (c = 0; c < hs; c += 16) {
+        const float *vb = vt + (size_t)(c / 16) * TL__PF_TK * 16;
+        int nv = c + 16 <= hs ? 2 : 1;
+        for (r = 0; r + 6 <= rows; r += 6)
+            TL__PF_VALUES(6);
+        switch (rows - r) {
+        case 5: TL__PF_VALUES(5); break;
+        case 4: TL__PF_VALUES(4); break;
+        case 3: TL__PF_VALUES(3); break;
+        case 2: TL__PF_VALUES(2); break;
+        case 1: TL__PF_VALUES(1); break;
+        default: break;
+        }
     }
 }
 
@@ -258,6 +266,61 @@ TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
     h = _mm_hadd_ps(h, h);
     return _mm_cvtss_f32(_mm_hadd_ps(h, h));
 }
+
+/* the largest of s[a .. b-1] (b > a), or m if larger */
+TL__FMA static float tl__pf_max_avx2(const float *s, int a, int b, float m)
+{
+    __m256 v = _mm256_set1_ps(m);
+    __m128 h;
+    int j = a;
+    for (; j + 8 <= b; j += 8)
+        v = _mm256_max_ps(v, _mm256_loadu_ps(s + j));
+    h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    for (; j < b; j++)
+        m = s[j] > m ? s[j] : m;
+    return m;
+}
+
+/* o[0 .. n-1] *= a (n a multiple of 8) */
+TL__FMA static void tl__pf_scale_avx2(float *o, int n, float a)
+{
+    __m256 v = _mm256_set1_ps(a);
+    int d;
+    for (d = 0; d < n; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), v));
+}
+
+/* kt's columns j0 .. j0+7 (j0 a multiple of 8) = the 8 rows of k from k0 (stride apart),
+   hs a multiple of 8: 8 x 8 blocks transposed in registers */
+TL__FMA static void tl__pf_transpose8_avx2(const float *k0, size_t stride, int hs, float *kt, int j0)
+{
+    int d;
+    for (d = 0; d < hs; d += 8) {
+        __m256 r0 = _mm256_loadu_ps(k0 + d), r1 = _mm256_loadu_ps(k0 + stride + d);
+        __m256 r2 = _mm256_loadu_ps(k0 + 2 * stride + d), r3 = _mm256_loadu_ps(k0 + 3 * stride + d);
+        __m256 r4 = _mm256_loadu_ps(k0 + 4 * stride + d), r5 = _mm256_loadu_ps(k0 + 5 * stride + d);
+        __m256 r6 = _mm256_loadu_ps(k0 + 6 * stride + d), r7 = _mm256_loadu_ps(k0 + 7 * stride + d);
+        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+        __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+        __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+        __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+        __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+        float *o = kt + TL__PF_KT(hs, d, j0);
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+}
 #endif
 
 /* ----------------------------------------------------------------------------
@@ -266,7 +329,7 @@ TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
 typedef struct {
     const tl_config *c;
     int pos0, window, group, hs, simd, origin;
-    float *qt, *o, *s, *kt, *mx, *sum;
+    float *qt, *o, *s, *kt, *vt, *mx, *sum;
 } tl__pf_ctx;
 
 static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, const float *vg, size_t stride,
@@ -278,7 +341,6 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
     int lo = x->window > 0 && pmin - x->window + 1 > 0 ? pmin - x->window + 1 : 0, k1;
     size_t qd = (size_t)c->n_heads * (size_t)hs;
     float scale = tl_attn_scale(c);
-    const float *vrow[TL__PF_TK];
 
     for (r = 0; r < rows; r++) {   /* the tile's queries, scaled, row r = token r / group */
         const float *qr = q + (size_t)(t0 + r / group) * qd + (size_t)(h0 + r % group) * (size_t)hs;
@@ -297,15 +359,27 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
         k1 = k0 - (k0 + x->origin) % TL__PF_TK + TL__PF_TK;
         nk = (pmax + 1 < k1 ? pmax + 1 : k1) - k0;
         ncol = (nk + 7) / 8 * 8;
-        for (j = 0; j < nk; j++) {   /* the keys transposed (padding columns 0) */
+        j = 0;
+#ifdef TL__X86
+        if (x->simd)   /* the keys transposed, 8 at a time */
+            for (; j + 8 <= nk; j += 8)
+                tl__pf_transpose8_avx2(kg + (size_t)(k0 + j) * stride, stride, hs, x->kt, j);
+#endif
+        for (; j < nk; j++) {   /* the rest one by one (padding columns 0) */
             const float *kr = kg + (size_t)(k0 + j) * stride;
             for (d = 0; d < hs; d++)
-                x->kt[(size_t)d * TL__PF_TK + j] = kr[d];
-            vrow[j] = vg + (size_t)(k0 + j) * stride;
+                x->kt[TL__PF_KT(hs, d, j)] = kr[d];
+        }
+        for (j = 0; j < nk; j++) {   /* the values in blocks of 16 columns */
+            const float *vr = vg + (size_t)(k0 + j) * stride;
+            for (d = 0; d + 16 <= hs; d += 16)
+                memcpy(x->vt + TL__PF_VT(d, j), vr + d, 16 * sizeof(float));
+            for (; d < hs; d++)
+                x->vt[TL__PF_VT(d, j)] = vr[d];
         }
         for (; j < ncol; j++)
             for (d = 0; d < hs; d++)
-                x->kt[(size_t)d * TL__PF_TK + j] = 0;
+                x->kt[TL__PF_KT(hs, d, j)] = 0;
 #ifdef TL__X86
         if (x->simd)
             tl__pf_scores_avx2(x->qt, x->kt, rows, hs, ncol, x->s);
@@ -321,8 +395,13 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
                 memset(sr, 0, (size_t)ncol * sizeof(float));
                 continue;
             }
-            for (j = a; j < b; j++)
-                m = sr[j] > m ? sr[j] : m;
+#ifdef TL__X86
+            if (x->simd)
+                m = tl__pf_max_avx2(sr, a, b, m);
+            else
+#endif
+                for (j = a; j < b; j++)
+                    m = sr[j] > m ? sr[j] : m;
             mnew = m > x->mx[r] ? m : x->mx[r];
 #ifdef TL__X86
             if (x->simd)
@@ -333,8 +412,13 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
             if (mnew > x->mx[r]) {
                 float *orow = x->o + (size_t)r * (size_t)hs;
                 alpha = x->mx[r] == -INFINITY ? 0.0f : expf(x->mx[r] - mnew);
-                for (d = 0; d < hs; d++)
-                    orow[d] *= alpha;
+#ifdef TL__X86
+                if (x->simd)
+                    tl__pf_scale_avx2(orow, hs, alpha);
+                else
+#endif
+                    for (d = 0; d < hs; d++)
+                        orow[d] *= alpha;
                 x->sum[r] *= alpha;
                 x->mx[r] = mnew;
             }
@@ -342,10 +426,10 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
         }
 #ifdef TL__X86
         if (x->simd)
-            tl__pf_values_avx2(x->s, vrow, nk, rows, hs, x->o);
+            tl__pf_values_avx2(x->s, x->vt, nk, rows, hs, x->o);
         else
 #endif
-            tl__pf_values_c(x->s, vrow, nk, rows, hs, x->o);
+            tl__pf_values_c(x->s, x->vt, nk, rows, hs, x->o);
     }
     for (r = 0; r < rows; r++) {
         float *dst = out + (size_t)(t0 + r / group) * qd + (size_t)(h0 + r % group) * (size_t)hs;
@@ -383,7 +467,8 @@ static void tl__attend_prefill_ex(const tl_config *c, int pos0, int n, const flo
     x.o = x.qt + rows * (size_t)x.hs;
     x.s = x.o + rows * (size_t)x.hs;
     x.kt = x.s + rows * TL__PF_TK;
-    x.mx = x.kt + (size_t)x.hs * TL__PF_TK;
+    x.vt = x.kt + (size_t)x.hs * TL__PF_TK;
+    x.mx = x.vt + (size_t)(x.hs + 15) / 16 * 16 * TL__PF_TK;
     x.sum = x.mx + rows;
     for (g = 0; g < c->n_kv_heads; g++)
         for (t0 = 0; t0 < n; t0 += tq)
