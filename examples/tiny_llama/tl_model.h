@@ -33,7 +33,7 @@
      pqcache  filled in by a selection callback (tl_policy.select); the
               command line instead drives the stages from pqcache's own
               driver (tl_pqcache.h), using tl_layer_qkv_rows,
-              tl_attend_causal (a layer-major prefill over the library's
+              tl_attend_prompt (a layer-major prefill over the library's
               rows), tl_layer_attn_out and tl_layer_attention with explicit
               rows, on a state without a KV cache (tl_build_state_ex)
      budget = round(ratio * (context - n_sink)); see tl_budget.
@@ -190,9 +190,10 @@ typedef struct {
     double *rope_freq;        /* (head_size) inverse frequencies: the global layers', scaling
                                  applied, then the local layers' (rope_theta_local) */
     int rope_local;           /* rope_cos and rope_sin hold the local layers' angles */
-    int exact_prefill;        /* 1: the prompt's attention by tl_attend_causal, the decode
-                                 step's arithmetic to the bit; 0 (default): by
-                                 tl_attend_prefill, tiled, equal to rounding */
+    int exact_prefill;        /* 1: the prompt with the decode step's arithmetic, to the
+                                 bit (projections by tl__dot's sums, attention by
+                                 tl_attend_causal); 0 (default): tiled (projections in
+                                 register blocks, tl_attend_prefill), equal to rounding */
 } tl_state;
 
 /* ctx: positions to hold; 0 (or more than seq_len) means seq_len.
@@ -1181,7 +1182,7 @@ static void tl__causal_part(void *arg, int part, int nparts)
                               j->origin);
 }
 
-#define TL_PREFILL_CHUNK 64
+#define TL_PREFILL_CHUNK 128
 
 float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n, int pos0)
 {

@@ -7,12 +7,12 @@
               The hidden states of all prompt tokens are kept; per layer the
               qkv callback computes every token's query, key and value
               (tl_layer_qkv_batch: the projections as matrix-matrix products
-              over blocks of 64 tokens, their rows split over the threads),
+              over blocks of 128 tokens, their rows split over the threads),
               the library stores the keys and values and starts that layer's
               PQ build in the background, and the attend callback runs full
               causal attention over the rows the library hands back
-              (tl_attend_causal, blocks of tokens so each row is read once per
-              block, the blocks split over the threads), then wo, residual
+              (tl_attend_prompt: tiled, or the decode step's arithmetic with
+              exact_prefill; blocks of tokens split over the threads), then wo, residual
               and FFN for each chunk of blocks (tl_layer_out_ffn_batch). The
               RoPE layout handed to the library is the model's: interleaved
               for llama2.c checkpoints, half-split (PQC_ROPE_HALF) for Hugging
@@ -173,8 +173,8 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len);
 #include <string.h>
 
 #define TLPQ__MAX_THREADS 64
-#define TLPQ__BLOCK 32                      /* tokens per attention block */
-#define TLPQ__CHUNK 64                      /* tokens per projection block (prefill) */
+#define TLPQ__BLOCK 64                      /* tokens per attention block */
+#define TLPQ__CHUNK 128                     /* tokens per projection block (prefill) */
 #define TLPQ__ATT_FLOATS (16u * 1024u * 1024u) /* block scratch cap per thread */
 
 /* errors go through the engine's tl__fail (its implementation is in this file) */

@@ -33,14 +33,17 @@ void tl_attend_prefill(const tl_config *c, int pos0, int n, const float *q,
 #if defined(TINY_LLAMA_IMPLEMENTED) && !defined(TL_PREFILL_IMPLEMENTED)
 #define TL_PREFILL_IMPLEMENTED
 
-#define TL__PF_ROWS 96   /* query rows (tokens x heads of a group) per tile, about */
+#define TL__PF_ROWS 192  /* query rows (tokens x heads of a group) per tile, about, */
+#define TL__PF_ROW_FLOATS 24576 /* and at most this many floats of queries (L2 holds a tile) */
 #define TL__PF_TK 64     /* keys per tile */
 
 /* tokens per query tile: about TL__PF_ROWS rows, at least one token */
 static int tl__pf_tokens(const tl_config *c)
 {
-    int group = c->n_heads / c->n_kv_heads;
-    return group >= TL__PF_ROWS ? 1 : TL__PF_ROWS / group;
+    int group = c->n_heads / c->n_kv_heads, rows = TL__PF_ROWS;
+    if (rows * c->head_size > TL__PF_ROW_FLOATS)
+        rows = TL__PF_ROW_FLOATS / c->head_size;
+    return group >= rows ? 1 : rows / group;
 }
 
 size_t tl_attend_prefill_work(const tl_config *c)
@@ -253,8 +256,14 @@ TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
     __m256i lo = _mm256_set1_epi32(a - 1), hi = _mm256_set1_epi32(b);
     __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m128 h;
-    int j;
-    for (j = 0; j < ncol; j += 8) {
+    int j = 0;
+    if (a == 0)   /* columns below b need no mask (most rows: the whole tile) */
+        for (; j + 8 <= b; j += 8) {
+            __m256 e = tl__pf_exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), _mm256_setzero_ps()));
+            _mm256_storeu_ps(s + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+    for (; j < ncol; j += 8) {
         __m256i jj = _mm256_add_epi32(idx, _mm256_set1_epi32(j));
         __m256 in = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(jj, lo), _mm256_cmpgt_epi32(hi, jj)));
         __m256 e = _mm256_and_ps(in, tl__pf_exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
