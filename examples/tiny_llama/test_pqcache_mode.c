@@ -368,6 +368,100 @@ TEST layer_major_prefill_stores_the_token_by_token_keys_and_values(void)
 }
 
 /* ----------------------------------------------------------------------------
+   The README's excerpt of tl_pqcache.h is its code: every chunk of a ```c block (its
+   lines between blank lines) is a run of consecutive lines of the header, indentation
+   and trailing spaces aside. Both files are found next to this one (__FILE__, as the
+   build names it from the repository root). */
+
+/* The lines of text (modified in place), each without its leading and trailing blanks. */
+static int split_lines(char *text, char **lines, int cap)
+{
+    int n = 0;
+    char *s = text;
+    while (*s && n < cap) {
+        char *e = strchr(s, '\n'), *t;
+        if (e)
+            *e = '\0';
+        while (*s == ' ' || *s == '\t')
+            s++;
+        for (t = s + strlen(s); t > s && (t[-1] == ' ' || t[-1] == '\t' || t[-1] == '\r'); t--)
+            t[-1] = '\0';
+        lines[n++] = s;
+        if (!e)
+            break;
+        s = e + 1;
+    }
+    return n;
+}
+
+static char *read_beside(const char *name)
+{
+    char path[1024];
+    const char *slash = strrchr(__FILE__, '/');
+    size_t len = 0;
+    char *text;
+    snprintf(path, sizeof path, "%.*s%s", slash ? (int)(slash - __FILE__ + 1) : 0, __FILE__, name);
+    text = (char *)read_file(path, &len);
+    if (text)
+        text[len] = '\0';
+    else
+        printf("  cannot read %s\n", path);
+    return text;
+}
+
+/* Whether lines[0..n-1] are consecutive lines of src[0..n_src-1]. */
+static int found_in(char **src, int n_src, char **lines, int n)
+{
+    int i, j;
+    for (i = 0; i + n <= n_src; i++) {
+        for (j = 0; j < n && strcmp(src[i + j], lines[j]) == 0; j++)
+            ;
+        if (j == n)
+            return 1;
+    }
+    return 0;
+}
+
+#define EXCERPT_LINES 4096
+
+TEST readme_excerpt_is_the_code_of_tl_pqcache_h(void)
+{
+    char *readme = read_beside("README.md"), *header = read_beside("tl_pqcache.h");
+    char **rl = (char **)malloc(EXCERPT_LINES * sizeof(char *));
+    char **hl = (char **)malloc(EXCERPT_LINES * sizeof(char *));
+    int n_r, n_h, i, in_block = 0, start = -1, chunks = 0, bad = 0;
+    ASSERT(readme && header && rl && hl);
+    n_r = split_lines(readme, rl, EXCERPT_LINES);
+    n_h = split_lines(header, hl, EXCERPT_LINES);
+    ASSERT(n_r < EXCERPT_LINES && n_h < EXCERPT_LINES);
+    for (i = 0; i < n_r; i++) {
+        int fence = strncmp(rl[i], "```", 3) == 0;
+        if (!in_block) {
+            in_block = strcmp(rl[i], "```c") == 0;
+            continue;
+        }
+        if (fence || rl[i][0] == '\0') {   /* a chunk ends */
+            if (start >= 0 && !found_in(hl, n_h, rl + start, i - start)) {
+                printf("  README.md line %d: this chunk is not in tl_pqcache.h:\n    %s\n", start + 1, rl[start]);
+                bad++;
+            }
+            chunks += start >= 0;
+            start = -1;
+            in_block = !fence;
+        } else if (start < 0) {
+            start = i;
+        }
+    }
+    ASSERT_EQ(0, bad);
+    ASSERT(chunks >= 6);   /* the cache, the callbacks, a decode step, qkv and attend */
+    free(readme);
+    free(header);
+    free(rl);
+    free(hl);
+    PASS();
+}
+
+/* ----------------------------------------------------------------------------
    The passkey model */
 
 #define PK_TEST_LEN 2048
@@ -635,6 +729,7 @@ SUITE(pqcache_mode)
     RUN_TEST(pqcache_at_budget_1_gives_the_full_attention_logits_exactly);
     RUN_TEST(layer_major_prefill_stores_the_token_by_token_keys_and_values);
     RUN_TEST(hybrid_model_through_pqcache_is_full_attention_to_the_bit);
+    RUN_TEST(readme_excerpt_is_the_code_of_tl_pqcache_h);
 }
 
 SUITE(passkey)

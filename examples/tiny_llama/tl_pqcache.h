@@ -1,30 +1,36 @@
 /* tl_pqcache.h - the pqcache attention mode of tiny_llama.
 
    The engine's forward stages (tiny_llama.h) as the callbacks of pqcache's
-   driver (pqcache.h, "Driver"):
+   driver (pqcache.h, "Driver"), a pair per phase:
 
-     prefill  pqc_driver_prefill runs the prompt layer by layer (layer-major).
-              The hidden states of all prompt tokens are kept; per layer the
-              qkv callback computes every token's query, key and value
-              (tl_layer_qkv_batch: the projections as matrix-matrix products
-              over blocks of 128 tokens, their rows split over the threads),
-              the library stores the keys and values and starts that layer's
-              PQ build in the background, and the attend callback runs full
-              causal attention over the rows the library hands back
-              (tl_attend_prompt: tiled, or the decode step's arithmetic with
-              exact_prefill; blocks of tokens split over the threads), then wo, residual
-              and FFN for each chunk of blocks (tl_layer_out_ffn_batch). The
-              RoPE layout handed to the library is the model's: interleaved
-              for llama2.c checkpoints, half-split (PQC_ROPE_HALF) for Hugging
-              Face models. The last layer's attention and FFN only matter for
-              the last token (the logits); the other tokens skip them unless
-              all_outputs is set. Keys, values and the logits are those of
-              token-by-token full attention, to the bit.
-     decode   pqc_driver_decode per token: qkv of the new token, the library
-              appends it, selects sinks + top-k (PQ search) + the recent
-              window, gathers those rows through its block cache, and the
-              attend callback runs the engine's attention over them
-              (tl_layer_attention with explicit rows), wo, residual, FFN.
+     prefill  pqc_driver_prefill runs the prompt layer by layer (layer-major)
+              with tlpq__prefill_qkv and tlpq__prefill_attend. The hidden
+              states of all prompt tokens are kept; per layer qkv computes
+              every token's query, key and value (tl_layer_qkv_batch: the
+              projections as matrix-matrix products over blocks of 128 tokens,
+              their rows split over the state's threads), the library stores
+              the keys and values and starts that layer's PQ build in the
+              background, and attend runs full causal attention over the rows
+              the library hands back (tl_attend_prompt's arithmetic: tiled, or
+              the decode step's with exact_prefill; chunks of tokens split over
+              the threads), then wo, residual and FFN per chunk
+              (tl_layer_out_ffn_batch). The RoPE layout handed to the library
+              is the model's: interleaved for llama2.c checkpoints, half-split
+              (PQC_ROPE_HALF) for Hugging Face models. The last layer's
+              attention and FFN only matter for the last token (the logits);
+              the other tokens skip them unless all_outputs is set. Keys,
+              values and the logits are those of token-by-token full
+              attention, to the bit with exact_prefill.
+     decode   pqc_driver_decode per token with tlpq__decode_qkv and
+              tlpq__decode_attend: qkv of the new token, the library appends
+              it, selects sinks + top-k (PQ search) + the recent window,
+              gathers those rows through its block cache, and attend runs the
+              engine's attention over them (tl_layer_attention with explicit
+              rows), wo, residual, FFN. The example's README shows them.
+
+   Hybrid models (Gemma 3): the library serves the global layers; the local,
+   sliding-window layers run between them inside the same callbacks, over rings
+   of their window that the engine keeps.
 
    The engine holds no KV cache of its own in this mode: keys and values live
    in the library (tl_build_state_ex with TL_STATE_NO_KV_CACHE).
@@ -88,24 +94,24 @@ typedef struct {
     const tl_model *m;
     tlpq_config cfg;
     int max_tokens;
-    tl_state s;                   /* decode state, no KV cache */
-    int n_workers, block;         /* prefill threads, tokens per attention block */
-    tl_state *workers;            /* per prefill thread (kept for callers; the prefill
-                                     now runs its projections on s's threads) */
-    float **att, **out;           /* per prefill thread: block scratch (out[t] is a part
-                                     of heads) */
-    float *hidden;                /* (max prompt, dim) hidden states during a prefill */
-    const int *tokens;
-    int prefill_n, prefill_done;
+    tl_state s;                   /* the engine's state, no KV cache; its threads (n_threads)
+                                     run the prefill's products and attention */
+    int n_threads;                /* s's threads and the library's pool workers */
+    int chunk;                    /* prefill: tokens per attention chunk */
+    float *hidden;                /* (n_hidden, dim) hidden states during a prefill */
+    int n_hidden;                 /* prompt tokens of the prefill under way, 0 outside one */
+    float *heads;                 /* (TLPQ__CHUNK, q_dim): a chunk's attention outputs */
+    float *att;                   /* (n_threads, att_per_part): the chunk's attention scratch */
+    size_t att_per_part;
     pqc_runtime *rt;
     pqc_scheduler *sched;
     int borrowed;                 /* rt and sched belong to the tlpq this one was forked from */
     pqc_cache *cache;
-    pqc_engine engine;
+    pqc_engine prefill_engine;    /* the callbacks of pqc_driver_prefill */
+    pqc_engine decode_engine;     /* and of pqc_driver_decode */
     tlpq_progress_fn progress;
     void *progress_user;
     char err[TL_ERR_LEN];
-    float *heads;                 /* (n_workers * block, q_dim): a chunk's attention outputs */
     /* hybrid models: the library serves the global layers only (its layer i is the
        model's layer gl[i]); the local layers keep their last `window` keys and values in
        rings of the engine's own */
@@ -117,8 +123,8 @@ typedef struct {
                                      pos in row pos % window; a prefill fills stage, then
                                      swaps */
     const void **ring_rows;       /* (n_kv_heads, 2, window): a decode step's row pointers */
-    float *lq, *lheads, *latt;    /* local prefill scratch: a chunk's queries and outputs,
-                                     the attention blocks */
+    float *lq, *latt;             /* local prefill scratch: a chunk's queries, the attention
+                                     of s's threads */
     float *lk, *lv;               /* local prefill: (window - 1 + prompt, kv_dim) */
 } tlpq;
 
@@ -166,16 +172,16 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len);
 #if defined(TL_PQCACHE_IMPLEMENTATION) && !defined(TL_PQCACHE_IMPLEMENTED)
 #define TL_PQCACHE_IMPLEMENTED
 
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define TLPQ__MAX_THREADS 64
-#define TLPQ__BLOCK 64                      /* tokens per attention block */
-#define TLPQ__CHUNK 128                     /* tokens per projection block (prefill) */
-#define TLPQ__ATT_FLOATS (16u * 1024u * 1024u) /* block scratch cap per thread */
+#define TLPQ__CHUNK 128                     /* prefill: tokens per block of the products and
+                                               per attention chunk */
+#define TLPQ__ATT_FLOATS (16u * 1024u * 1024u) /* attention scratch cap per thread (exact
+                                                  prefill: chunks shrink to stay below it) */
 
 /* errors go through the engine's tl__fail (its implementation is in this file) */
 
@@ -184,63 +190,6 @@ void tlpq_default_config(tlpq_config *cfg)
 {
     memset(cfg, 0, sizeof *cfg);
     cfg->n_threads = 1;
-}
-
-/* ----------------------------------------------------------------------------
-   Threads over the tokens of one layer */
-
-typedef struct tlpq__job {
-    tlpq *p;
-    int worker, layer;
-    size_t pos0, n;
-    float *q, *k, *v;               /* qkv: outputs */
-    const float *cq;                /* attend: queries */
-    const pqc_kv_view *kv;
-    pthread_mutex_t *mu;
-    size_t c0;                      /* attend: the chunk's first token */
-    int last_only;
-} tlpq__job;
-
-/* Runs fn on one copy of the job per worker (worker = 0 .. n_workers-1), worker 0 on the
-   calling thread. */
-static void tlpq__run_jobs(tlpq *p, const tlpq__job *proto, void *(*fn)(void *))
-{
-    tlpq__job jobs[TLPQ__MAX_THREADS];
-    pthread_t th[TLPQ__MAX_THREADS];
-    int started[TLPQ__MAX_THREADS], t;
-    for (t = 0; t < p->n_workers; t++) {
-        jobs[t] = *proto;
-        jobs[t].p = p;
-        jobs[t].worker = t;
-    }
-    for (t = 1; t < p->n_workers; t++)
-        started[t] = pthread_create(&th[t], NULL, fn, &jobs[t]) == 0;
-    fn(&jobs[0]);
-    for (t = 1; t < p->n_workers; t++) {
-        if (started[t])
-            pthread_join(th[t], NULL);
-        else
-            fn(&jobs[t]);   /* no thread: its share runs here */
-    }
-}
-
-/* Attention of one block of the chunk at j->c0 (worker w: tokens c0 + w * block ..)
-   into its part of p->heads. */
-static void *tlpq__attend_worker(void *arg)
-{
-    tlpq__job *j = (tlpq__job *)arg;
-    tlpq *p = j->p;
-    const tl_config *c = &p->m->config;
-    size_t qd = (size_t)c->n_heads * (size_t)c->head_size;
-    size_t b0 = j->c0 + (size_t)j->worker * (size_t)p->block, nb;
-    const float *const *kr = (const float *const *)j->kv->k;
-    const float *const *vr = (const float *const *)j->kv->v;
-    if (b0 >= j->n || (j->last_only && j->worker != 0))
-        return NULL;
-    nb = j->n - b0 < (size_t)p->block ? j->n - b0 : (size_t)p->block;
-    tl_attend_prompt(c, p->s.exact_prefill, (int)(j->pos0 + b0), (int)nb, j->cq + b0 * qd, kr, vr,
-                     (size_t)c->head_size, 0, p->att[j->worker], p->out[j->worker]);
-    return NULL;
 }
 
 /* ----------------------------------------------------------------------------
@@ -288,13 +237,13 @@ static int tlpq__local_prefill(tlpq *p, int l, size_t pos0, size_t n)
         j.v = vp;
         j.stride = kv;
         j.att = p->latt;
-        j.out = p->lheads;
+        j.out = p->heads;
         j.att_per_part = tl_attend_prompt_work(c, p->s.exact_prefill, (TLPQ__CHUNK + parts - 1) / parts,
                                                (int)(w - 1 + TLPQ__CHUNK));
         j.exact = p->s.exact_prefill;
         j.origin = (int)(pos0 - prior + base);   /* lk's row 0 holds position pos0 - prior */
         tl_parallel(&p->s, tl__causal_part, &j);
-        if (tl_layer_out_ffn_batch(p->m, &p->s, l, (int)nb, p->hidden + b0 * dim, p->lheads))
+        if (tl_layer_out_ffn_batch(p->m, &p->s, l, (int)nb, p->hidden + b0 * dim, p->heads))
             return tl__fail(p->err, sizeof p->err, "local layer %d: out of memory", l);
     }
     for (i = prior + n > w ? prior + n - w : 0; i < prior + n; i++) {
@@ -330,50 +279,6 @@ static void tlpq__local_decode(tlpq *p, int l, size_t pos)
     tl_layer_ffn(p->m, &p->s, l);
 }
 
-/* The local model layers from .. to-1 for the tokens of the current call. */
-static int tlpq__locals(tlpq *p, int from, int to, size_t pos0, size_t n)
-{
-    int l;
-    for (l = from; l < to; l++) {
-        if (p->prefill_n > 0 && tlpq__local_prefill(p, l, pos0, n))
-            return -1;
-        if (p->prefill_n == 0)
-            tlpq__local_decode(p, l, pos0);
-    }
-    return 0;
-}
-
-/* ----------------------------------------------------------------------------
-   Driver callbacks */
-
-static int tlpq__qkv(void *user, int lib_layer, size_t pos0, size_t n, float *q, float *k, float *v)
-{
-    tlpq *p = (tlpq *)user;
-    const tl_config *c = &p->m->config;
-    size_t qd = (size_t)c->n_heads * (size_t)c->head_size, kv = (size_t)c->kv_dim;
-    int layer = p->gl[lib_layer];   /* the model's layer; the local ones before it run first */
-    if (tlpq__locals(p, lib_layer > 0 ? p->gl[lib_layer - 1] + 1 : 0, layer, pos0, n))
-        return -1;
-    if (p->prefill_n > 0) {   /* blocks of tokens: the projections as matrix products */
-        size_t b0, nb;
-        if (n != (size_t)p->prefill_n)
-            return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens, expected %d", n, p->prefill_n);
-        for (b0 = 0; b0 < n; b0 += nb) {
-            nb = n - b0 < TLPQ__CHUNK ? n - b0 : TLPQ__CHUNK;
-            if (tl_layer_qkv_batch(p->m, &p->s, layer, (int)(pos0 + b0), (int)nb,
-                                   p->hidden + b0 * (size_t)c->dim, q + b0 * qd, k + b0 * kv,
-                                   v + b0 * kv))
-                return tl__fail(p->err, sizeof p->err, "qkv: out of memory");
-        }
-        return 0;
-    }
-    if (n != 1)
-        return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens in a decode step", n);
-    tl_layer_qkv_rows(p->m, &p->s, layer, (int)pos0, k, v);
-    memcpy(q, p->s.q, qd * sizeof(float));
-    return 0;
-}
-
 static int tlpq__check_view(tlpq *p, const pqc_kv_view *kv)
 {
     const tl_config *c = &p->m->config;
@@ -384,83 +289,131 @@ static int tlpq__check_view(tlpq *p, const pqc_kv_view *kv)
     return 0;
 }
 
-static int tlpq__attend_global(tlpq *p, int layer, size_t pos0, size_t n, const float *q,
-                               const pqc_kv_view *kv);
+/* ----------------------------------------------------------------------------
+   Prefill callbacks (pqc_driver_prefill): every prompt token of a layer at once.
+   The library's layer lib_layer is the model's gl[lib_layer]; on a hybrid model qkv
+   first runs the local layers before it, and the last global layer's attend the local
+   layers after it (inside the driver's call, so that a failure there undoes the call). */
 
-static int tlpq__attend(void *user, int lib_layer, size_t pos0, size_t n, const float *q,
-                        const pqc_kv_view *kv)
+/* qkv: the projections as matrix products over blocks of tokens, rows split over s's
+   threads */
+static int tlpq__prefill_qkv(void *user, int lib_layer, size_t pos0, size_t n, float *q, float *k,
+                             float *v)
 {
     tlpq *p = (tlpq *)user;
-    if (tlpq__attend_global(p, p->gl[lib_layer], pos0, n, q, kv))
-        return -1;
-    /* after the last global layer, the local layers after it (inside the driver's call,
-       so that a failure there undoes the call) */
-    return lib_layer == p->n_lib - 1 ? tlpq__locals(p, p->gl[lib_layer] + 1, p->m->config.n_layers, pos0, n) : 0;
+    const tl_config *c = &p->m->config;
+    size_t qd = (size_t)c->n_heads * (size_t)c->head_size, kv = (size_t)c->kv_dim, b0, nb;
+    int l, layer = p->gl[lib_layer];
+    if (n != (size_t)p->n_hidden)
+        return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens, expected %d", n, p->n_hidden);
+    for (l = lib_layer > 0 ? p->gl[lib_layer - 1] + 1 : 0; l < layer; l++)
+        if (tlpq__local_prefill(p, l, pos0, n))
+            return -1;
+    for (b0 = 0; b0 < n; b0 += nb) {
+        nb = n - b0 < TLPQ__CHUNK ? n - b0 : TLPQ__CHUNK;
+        if (tl_layer_qkv_batch(p->m, &p->s, layer, (int)(pos0 + b0), (int)nb, p->hidden + b0 * (size_t)c->dim,
+                               q + b0 * qd, k + b0 * kv, v + b0 * kv))
+            return tl__fail(p->err, sizeof p->err, "qkv: out of memory");
+    }
+    return 0;
 }
 
-static int tlpq__attend_global(tlpq *p, int layer, size_t pos0, size_t n, const float *q,
-                               const pqc_kv_view *kv)
+/* attend: causal attention over every row the library holds (tl_attend_prompt's
+   arithmetic: tiled, or the decode step's with exact_prefill), by chunks of tokens split
+   over s's threads, then wo, residual and FFN per chunk. Nothing reads the other
+   tokens' outputs of the model's last layer: there it runs for the last token alone,
+   unless all_outputs is set. */
+static int tlpq__prefill_attend(void *user, int lib_layer, size_t pos0, size_t n, const float *q,
+                                const pqc_kv_view *kv)
 {
+    tlpq *p = (tlpq *)user;
     const tl_config *c = &p->m->config;
-    int g;
+    size_t qd = (size_t)c->n_heads * (size_t)c->head_size, dim = (size_t)c->dim, first, c0, nb;
+    int g, l, layer = p->gl[lib_layer];
+    tl__causal_job j;
     if (tlpq__check_view(p, kv) != 0)
         return -1;
-    if (p->prefill_n > 0) {
-        tlpq__job job;
-        pthread_mutex_t mu;
-        if (kv->pos != NULL || n != (size_t)p->prefill_n)
-            return tl__fail(p->err, sizeof p->err, "attend: unexpected prefill view");
-        for (g = 0; g < c->n_kv_heads; g++)
-            if (kv->count[g] != pos0 + n)
-                return tl__fail(p->err, sizeof p->err, "attend: head %d has %zu rows, "
-                                  "expected %zu", g, kv->count[g], pos0 + n);
-        size_t chunk = (size_t)p->block * (size_t)p->n_workers, c0, dim = (size_t)c->dim;
-        int last_only = !p->cfg.all_outputs && layer == c->n_layers - 1;
-        pthread_mutex_init(&mu, NULL);
-        p->prefill_done = 0;
-        memset(&job, 0, sizeof job);
-        job.layer = layer;
-        job.pos0 = pos0;
-        job.n = n;
-        job.cq = q;
-        job.kv = kv;
-        job.mu = &mu;
-        job.last_only = last_only;
-        /* nothing reads the other tokens' last-layer outputs */
-        for (c0 = last_only ? n - 1 : 0; c0 < n; c0 += chunk) {
-            size_t cnt = last_only ? 1 : (n - c0 < chunk ? n - c0 : chunk);
-            job.c0 = c0;
-            tlpq__run_jobs(p, &job, tlpq__attend_worker);
-            if (tl_layer_out_ffn_batch(p->m, &p->s, layer, (int)cnt, p->hidden + c0 * dim, p->heads)) {
-                pthread_mutex_destroy(&mu);
-                return tl__fail(p->err, sizeof p->err, "attend: out of memory");
-            }
-            p->prefill_done += (int)cnt;
-            if (p->progress)
-                p->progress(p->progress_user, layer, c->n_layers, p->prefill_done,
-                            last_only ? 1 : (int)n);
-        }
-        pthread_mutex_destroy(&mu);
-        return 0;
+    if (kv->pos != NULL || n != (size_t)p->n_hidden)
+        return tl__fail(p->err, sizeof p->err, "attend: unexpected prefill view");
+    for (g = 0; g < c->n_kv_heads; g++)
+        if (kv->count[g] != pos0 + n)
+            return tl__fail(p->err, sizeof p->err, "attend: head %d has %zu rows, expected %zu", g,
+                            kv->count[g], pos0 + n);
+    memset(&j, 0, sizeof j);   /* window 0, origin 0: rows from position 0 on */
+    j.c = c;
+    j.k = (const float *const *)kv->k;
+    j.v = (const float *const *)kv->v;
+    j.stride = (size_t)c->head_size;
+    j.att = p->att;
+    j.out = p->heads;
+    j.att_per_part = p->att_per_part;
+    j.exact = p->s.exact_prefill;
+    first = !p->cfg.all_outputs && layer == c->n_layers - 1 ? n - 1 : 0;
+    for (c0 = first; c0 < n; c0 += nb) {
+        nb = n - c0 < (size_t)p->chunk ? n - c0 : (size_t)p->chunk;
+        j.pos0 = (int)(pos0 + c0);
+        j.n = (int)nb;
+        j.q = q + c0 * qd;
+        tl_parallel(&p->s, tl__causal_part, &j);
+        if (tl_layer_out_ffn_batch(p->m, &p->s, layer, (int)nb, p->hidden + c0 * dim, p->heads))
+            return tl__fail(p->err, sizeof p->err, "attend: out of memory");
+        if (p->progress)
+            p->progress(p->progress_user, layer, c->n_layers, (int)(c0 + nb - first), (int)(n - first));
     }
+    for (l = layer + 1; lib_layer == p->n_lib - 1 && l < c->n_layers; l++)
+        if (tlpq__local_prefill(p, l, pos0, n))
+            return -1;
+    return 0;
+}
+
+/* ----------------------------------------------------------------------------
+   Decode callbacks (pqc_driver_decode): the new token, one layer at a time. On a hybrid
+   model the local layers run where the prefill's do. */
+
+/* qkv: the new token's query, key (after RoPE) and value; the library appends k, v */
+static int tlpq__decode_qkv(void *user, int lib_layer, size_t pos, size_t n, float *q, float *k, float *v)
+{
+    tlpq *p = (tlpq *)user;
+    const tl_config *c = &p->m->config;
+    int l, layer = p->gl[lib_layer];   /* the model's layer */
+    if (n != 1)
+        return tl__fail(p->err, sizeof p->err, "qkv: %zu tokens in a decode step", n);
+    for (l = lib_layer > 0 ? p->gl[lib_layer - 1] + 1 : 0; l < layer; l++)
+        tlpq__local_decode(p, l, pos);
+    tl_layer_qkv_rows(p->m, &p->s, layer, (int)pos, k, v);
+    memcpy(q, p->s.q, (size_t)c->n_heads * (size_t)c->head_size * sizeof(float));
+    return 0;
+}
+
+/* attend: per KV head, the positions and rows the library selected */
+static int tlpq__decode_attend(void *user, int lib_layer, size_t pos, size_t n, const float *q,
+                               const pqc_kv_view *kv)
+{
+    tlpq *p = (tlpq *)user;
+    const tl_config *c = &p->m->config;
+    int g, l, layer = p->gl[lib_layer];
+    if (tlpq__check_view(p, kv) != 0)
+        return -1;
     if (n != 1 || kv->pos == NULL)
         return tl__fail(p->err, sizeof p->err, "attend: unexpected decode view");
     for (g = 0; g < c->n_kv_heads; g++) {
-        tl_kv_list *l = &p->s.lists[g];
+        tl_kv_list *lst = &p->s.lists[g];
         size_t i, cnt = kv->count[g];
         if (cnt > (size_t)p->s.ctx)
             return tl__fail(p->err, sizeof p->err, "attend: %zu rows selected", cnt);
         for (i = 0; i < cnt; i++)
-            l->pos[i] = (int)kv->pos[g][i];
-        l->n = (int)cnt;
-        l->k = (const float *)kv->k[g];
-        l->v = (const float *)kv->v[g];
-        l->krow = kv->krows ? kv->krows[g] : NULL; /* rows in place: no copy */
-        l->vrow = kv->vrows ? kv->vrows[g] : NULL;
+            lst->pos[i] = (int)kv->pos[g][i];
+        lst->n = (int)cnt;
+        lst->k = (const float *)kv->k[g];
+        lst->v = (const float *)kv->v[g];
+        lst->krow = kv->krows ? kv->krows[g] : NULL;   /* rows in place: no copy */
+        lst->vrow = kv->vrows ? kv->vrows[g] : NULL;
     }
     memcpy(p->s.q, q, (size_t)c->n_heads * (size_t)c->head_size * sizeof(float));
-    tl_layer_attention(p->m, &p->s, layer, p->s.lists);
+    tl_layer_attention(p->m, &p->s, layer, p->s.lists);   /* attention, wo, residual */
     tl_layer_ffn(p->m, &p->s, layer);
+    for (l = layer + 1; lib_layer == p->n_lib - 1 && l < c->n_layers; l++)
+        tlpq__local_decode(p, l, pos);
     return 0;
 }
 
@@ -469,30 +422,20 @@ static int tlpq__attend_global(tlpq *p, int layer, size_t pos0, size_t n, const 
 
 void tlpq_destroy(tlpq *p)
 {
-    int t;
     pqc_cache_destroy(p->cache);
     if (!p->borrowed) {
         pqc_scheduler_destroy(p->sched);
         pqc_runtime_destroy(p->rt);
     }
-    if (p->workers)
-        for (t = 0; t < p->n_workers; t++)
-            tl_free_state(&p->workers[t]);
-    if (p->att)
-        for (t = 0; t < p->n_workers; t++)
-            free(p->att[t]);
-    free(p->workers);
-    free(p->att);
-    free(p->out);
     free(p->hidden);
     free(p->heads);
+    free(p->att);
     free(p->gl);
     free(p->ring_of);
     free(p->ring);
     free(p->stage);
     free((void *)p->ring_rows);
     free(p->lq);
-    free(p->lheads);
     free(p->latt);
     free(p->lk);
     free(p->lv);
@@ -505,7 +448,7 @@ void tlpq_destroy(tlpq *p)
 static int tlpq__layers_init(tlpq *p, char *err, size_t errlen)
 {
     const tl_config *c = &p->m->config;
-    int l, n_local = 0, parts = p->n_workers;
+    int l, n_local = 0, parts = p->n_threads;
     size_t w, kv = (size_t)c->kv_dim, qd = (size_t)c->n_heads * (size_t)c->head_size, ring;
     p->gl = (int *)malloc((size_t)c->n_layers * sizeof(int));
     p->ring_of = (int *)malloc((size_t)c->n_layers * sizeof(int));
@@ -528,21 +471,20 @@ static int tlpq__layers_init(tlpq *p, char *err, size_t errlen)
     p->stage = (float *)calloc(ring, sizeof(float));
     p->ring_rows = (const void **)calloc((size_t)c->n_kv_heads * 2 * w, sizeof(void *));
     p->lq = (float *)malloc((size_t)TLPQ__CHUNK * qd * sizeof(float));
-    p->lheads = (float *)malloc((size_t)TLPQ__CHUNK * qd * sizeof(float));
     p->latt = (float *)malloc((size_t)parts * tl_attend_prompt_work(c, p->s.exact_prefill,
                               (TLPQ__CHUNK + parts - 1) / parts, (int)(w - 1 + TLPQ__CHUNK)) * sizeof(float));
-    if (!p->ring || !p->stage || !p->ring_rows || !p->lq || !p->lheads || !p->latt)
+    if (!p->ring || !p->stage || !p->ring_rows || !p->lq || !p->latt)
         return tl__fail(err, errlen, "pqcache: out of memory for the local layers' windows");
     return 0;
 }
 
-/* The engine side of a tlpq: decode state, prefill workers and their scratch. */
+/* The engine side of a tlpq: its state (and threads), the prefill's scratch, the
+   callbacks of each phase. */
 static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *cfg,
                              char *err, size_t errlen)
 {
     const tl_config *c = &m->config;
-    size_t att_floats;
-    int t;
+    int parts;
 
     memset(p, 0, sizeof *p);
     if (max_tokens < 1 || max_tokens > c->seq_len)
@@ -553,46 +495,37 @@ static int tlpq__engine_init(tlpq *p, const tl_model *m, int max_tokens, const t
     p->m = m;
     p->cfg = *cfg;
     p->max_tokens = max_tokens;
-    p->n_workers = cfg->n_threads < 1 ? 1 : cfg->n_threads > TLPQ__MAX_THREADS ?
+    p->n_threads = cfg->n_threads < 1 ? 1 : cfg->n_threads > TLPQ__MAX_THREADS ?
                    TLPQ__MAX_THREADS : cfg->n_threads;
-    p->block = TLPQ__BLOCK;
-    att_floats = (size_t)c->n_heads * (size_t)max_tokens;
-    while (p->block > 1 && (size_t)p->block * att_floats > TLPQ__ATT_FLOATS)
-        p->block /= 2;
-    if (tl_build_state_ex(&p->s, c, max_tokens, p->n_workers, TL_STATE_NO_KV_CACHE, err, errlen))
+    if (tl_build_state_ex(&p->s, c, max_tokens, p->n_threads, TL_STATE_NO_KV_CACHE, err, errlen))
         return -1;
     p->s.exact_prefill = cfg->exact_prefill != 0;
-    att_floats = tl_attend_prompt_work(c, p->s.exact_prefill, p->block, max_tokens);
-    p->workers = (tl_state *)calloc((size_t)p->n_workers, sizeof(tl_state));
-    p->att = (float **)calloc((size_t)p->n_workers, sizeof(float *));
-    p->out = (float **)calloc((size_t)p->n_workers, sizeof(float *));
-    p->heads = (float *)malloc((size_t)p->n_workers * (size_t)p->block *
-                               (size_t)c->n_heads * (size_t)c->head_size * sizeof(float));
-    if (!p->workers || !p->att || !p->out || !p->heads) {
-        tlpq_destroy(p);
-        return tl__fail(err, errlen, "pqcache: out of memory");
+    parts = p->s.pool ? ((tl__pool *)p->s.pool)->n : 1;
+    for (p->chunk = TLPQ__CHUNK;; p->chunk /= 2) {   /* the exact prefill's scratch grows with
+                                                      the context: fewer tokens per chunk */
+        p->att_per_part = tl_attend_prompt_work(c, p->s.exact_prefill, (p->chunk + parts - 1) / parts,
+                                                max_tokens);
+        if (p->att_per_part <= TLPQ__ATT_FLOATS || p->chunk <= parts)
+            break;
     }
-    for (t = 0; t < p->n_workers; t++) {
-        if (tl_build_state_ex(&p->workers[t], c, 1, 1, TL_STATE_NO_KV_CACHE, err, errlen)) {
-            tlpq_destroy(p);
-            return -1;
-        }
-        p->att[t] = (float *)malloc(att_floats * sizeof(float));
-        p->out[t] = p->heads + (size_t)t * (size_t)p->block * (size_t)c->n_heads *
-                    (size_t)c->head_size;
-        if (!p->att[t]) {
-            tlpq_destroy(p);
-            return tl__fail(err, errlen, "pqcache: out of memory for the prefill blocks");
-        }
+    p->heads = (float *)malloc((size_t)TLPQ__CHUNK * (size_t)c->n_heads * (size_t)c->head_size *
+                               sizeof(float));
+    p->att = (float *)malloc((size_t)parts * p->att_per_part * sizeof(float));
+    if (!p->heads || !p->att) {
+        tlpq_destroy(p);
+        return tl__fail(err, errlen, "pqcache: out of memory for the prefill's attention");
     }
     if (tlpq__layers_init(p, err, errlen)) {
         tlpq_destroy(p);
         return -1;
     }
-    p->engine.user = p;
-    p->engine.qkv = tlpq__qkv;
-    p->engine.attend = tlpq__attend;
-    p->engine.accepts_row_pointers = 1;
+    p->prefill_engine.user = p;
+    p->prefill_engine.qkv = tlpq__prefill_qkv;
+    p->prefill_engine.attend = tlpq__prefill_attend;
+    p->decode_engine.user = p;
+    p->decode_engine.qkv = tlpq__decode_qkv;
+    p->decode_engine.attend = tlpq__decode_attend;
+    p->decode_engine.accepts_row_pointers = 1;   /* attend may read the rows in place */
     return 0;
 }
 
@@ -626,7 +559,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     if (tlpq__engine_init(p, m, max_tokens, cfg, err, errlen))
         return -1;
     memset(&rd, 0, sizeof rd);
-    rd.n_threads = p->n_workers;
+    rd.n_threads = p->n_threads;
     rd.backend = cfg->backend;
     if ((r = pqc_runtime_create(&rd, &p->rt)) != PQC_SUCCESS) {
         tl__fail(err, errlen, "pqcache runtime: %s", pqc_last_error());
@@ -635,7 +568,7 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     }
     if (cfg->iters == 0) {
         memset(&sd, 0, sizeof sd);
-        sd.parallel = (double)p->n_workers;
+        sd.parallel = (double)p->n_threads;
         if ((r = pqc_scheduler_create(&sd, &p->sched)) != PQC_SUCCESS) {
             tl__fail(err, errlen, "pqcache scheduler: %s", pqc_last_error());
             tlpq_destroy(p);
@@ -711,9 +644,9 @@ float *tlpq_prefill(tlpq *p, const int *tokens, int n)
         tl_embed(p->m, &p->s, tokens[t]);
         memcpy(p->hidden + (size_t)t * dim, p->s.x, dim * sizeof(float));
     }
-    p->prefill_n = n;
-    r = pqc_driver_prefill(p->cache, &p->engine, pos0, (size_t)n);
-    p->prefill_n = 0;
+    p->n_hidden = n;
+    r = pqc_driver_prefill(p->cache, &p->prefill_engine, pos0, (size_t)n);
+    p->n_hidden = 0;
     if (r != PQC_SUCCESS) {
         if (!p->err[0])
             tl__fail(p->err, sizeof p->err, "pqcache prefill: %s", pqc_last_error());
@@ -748,7 +681,7 @@ float *tlpq_decode(tlpq *p, int token, int pos)
         return NULL;
     }
     tl_embed(p->m, &p->s, token);
-    r = pqc_driver_decode(p->cache, &p->engine, (size_t)pos);
+    r = pqc_driver_decode(p->cache, &p->decode_engine, (size_t)pos);
     if (r != PQC_SUCCESS) {
         if (!p->err[0])
             tl__fail(p->err, sizeof p->err, "pqcache decode: %s", pqc_last_error());
@@ -922,8 +855,8 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len)
                                                   : "competing",
              r.n_sink < 0 ? 0 : r.n_sink, r.budget_ratio, r.window,
              r.cache_blocks < 0 ? 0 : r.cache_blocks, r.block_tokens,
-             r.policy == PQC_POLICY_LRU ? "LRU" : "LFU", p->n_workers,
-             p->n_workers == 1 ? "" : "s");
+             r.policy == PQC_POLICY_LRU ? "LRU" : "LFU", p->n_threads,
+             p->n_threads == 1 ? "" : "s");
 }
 
 #endif /* TL_PQCACHE_IMPLEMENTATION */
