@@ -280,7 +280,7 @@ static int gather_all(void *user, const tl_model *m, tl_state *s, int layer, int
     return 0;
 }
 
-TEST pqcache_mode_needs_a_callback_and_gathering_every_row_equals_full(void)
+TEST callback_mode_needs_a_callback_and_gathering_every_row_equals_full(void)
 {
     tl_config c = gen_config();
     tl_model m;
@@ -291,14 +291,18 @@ TEST pqcache_mode_needs_a_callback_and_gathering_every_row_equals_full(void)
     int np = 5, ns = 20;
     size_t n = (size_t)ns * 50;
     float *ref = (float *)malloc(n * sizeof(float)), *got = (float *)malloc(n * sizeof(float));
-    tl_default_policy(&p, TL_ATTN_PQCACHE);
+    tl_default_policy(&p, TL_ATTN_CALLBACK);
     ASSERT(tl_check_policy(&p, err, sizeof err) != 0);
-    ASSERT(strcmp(err, "pqcache mode not built in this binary") == 0);
+    ASSERT(strcmp(err, "callback mode without a selection callback") == 0);
     ASSERT(tl_write_random_checkpoint(tmp_path("pq.bin"), &c, 0, 8, err, sizeof err) == 0);
     ASSERT(tl_build_model(&m, tmp_path("pq.bin"), err, sizeof err) == 0);
     ASSERT(tl_build_state(&s, &m.config, 0, 1, err, sizeof err) == 0);
     ASSERT(tl_forward(&m, &s, &p, 1, 0) == NULL);
-    ASSERT(strcmp(s.err, "pqcache mode not built in this binary") == 0);
+    ASSERT(strcmp(s.err, "callback mode without a selection callback") == 0);
+    /* pqcache is its driver's (tl_pqcache.h), not a selection */
+    tl_default_policy(&full, TL_ATTN_PQCACHE);
+    ASSERT(tl_check_policy(&full, err, sizeof err) != 0 && strstr(err, "tl_pqcache.h") != NULL);
+    ASSERT(tl_forward(&m, &s, &full, 1, 0) == NULL && strstr(s.err, "tl_pqcache.h") != NULL);
     tl_free_state(&s);
     /* with a callback that gathers every row, the result is full attention */
     gc.k = (float *)malloc((size_t)(np + ns) * (size_t)m.config.kv_dim * sizeof(float));
@@ -753,7 +757,7 @@ SUITE(attention_modes)
     RUN_TEST(window_and_oracle_with_full_budget_equal_full);
     RUN_TEST(budget_splits_into_sinks_window_and_top_k);
     RUN_TEST(window_and_oracle_select_sinks_window_and_the_exact_top_k);
-    RUN_TEST(pqcache_mode_needs_a_callback_and_gathering_every_row_equals_full);
+    RUN_TEST(callback_mode_needs_a_callback_and_gathering_every_row_equals_full);
 }
 
 SUITE(sampling)

@@ -30,12 +30,12 @@
               attention (per KV head: the softmax probabilities of the query
               heads that share it, summed), window and top-k each half of the
               budget
-     pqcache  filled in by a selection callback (tl_policy.select); the
-              command line instead drives the stages from pqcache's own
-              driver (tl_pqcache.h), using tl_layer_qkv_rows,
-              tl_attend_prompt (a layer-major prefill over the library's
-              rows), tl_layer_attn_out and tl_layer_attention with explicit
-              rows, on a state without a KV cache (tl_build_state_ex)
+     callback a library's selection callback (tl_policy.select) fills the
+              lists: a KV-cache library without a driver of its own
+     pqcache  not a selection: pqcache's driver (tl_pqcache.h) runs the
+              stages itself (tl_layer_qkv_rows, tl_attend_prompt,
+              tl_layer_attention with explicit rows) on a state without a KV
+              cache; tl_select and tl_check_policy refuse the mode
      budget = round(ratio * (context - n_sink)); see tl_budget.
 */
 #ifndef TL_MODEL_H
@@ -217,7 +217,8 @@ typedef enum {
     TL_ATTN_FULL = 0,
     TL_ATTN_WINDOW,
     TL_ATTN_ORACLE,
-    TL_ATTN_PQCACHE
+    TL_ATTN_PQCACHE,       /* tl_pqcache.h's driver, not tl_select */
+    TL_ATTN_CALLBACK       /* tl_policy.select */
 } tl_attn_mode;
 
 /* A selection callback (how a KV-cache library plugs in). Called after
@@ -233,7 +234,7 @@ typedef struct {
     tl_attn_mode mode;
     int n_sink;            /* sink tokens (default 32) */
     float ratio;           /* budget as a fraction of the context (default 0.1) */
-    tl_select_fn select;   /* TL_ATTN_PQCACHE: the library's selection */
+    tl_select_fn select;   /* TL_ATTN_CALLBACK: the library's selection */
     void *select_user;
 } tl_policy;
 
@@ -1268,7 +1269,9 @@ out:
 }
 
 /* ----------------------------------------------------------------------------
-   Attention selection: full, window, oracle */
+   Attention selection: full, window, oracle, a callback's */
+
+#define TL__PQCACHE_NOT_HERE "pqcache mode runs through tl_pqcache.h's driver, not tl_select"
 
 void tl_default_policy(tl_policy *p, tl_attn_mode mode)
 {
@@ -1285,20 +1288,23 @@ const char *tl_mode_name(tl_attn_mode mode)
     case TL_ATTN_WINDOW: return "window";
     case TL_ATTN_ORACLE: return "oracle";
     case TL_ATTN_PQCACHE: return "pqcache";
+    case TL_ATTN_CALLBACK: return "callback";
     }
     return "unknown";
 }
 
 int tl_check_policy(const tl_policy *p, char *err, size_t errlen)
 {
-    if ((int)p->mode < (int)TL_ATTN_FULL || (int)p->mode > (int)TL_ATTN_PQCACHE)
+    if ((int)p->mode < (int)TL_ATTN_FULL || (int)p->mode > (int)TL_ATTN_CALLBACK)
         return tl__fail(err, errlen, "unknown attention mode %d", (int)p->mode);
+    if (p->mode == TL_ATTN_PQCACHE)
+        return tl__fail(err, errlen, TL__PQCACHE_NOT_HERE);
     if (p->n_sink < 0)
         return tl__fail(err, errlen, "sink count %d is negative", p->n_sink);
     if (!(p->ratio >= 0.0f && p->ratio <= 1.0f))
         return tl__fail(err, errlen, "budget ratio %g is not in [0, 1]", (double)p->ratio);
-    if (p->mode == TL_ATTN_PQCACHE && !p->select)
-        return tl__fail(err, errlen, "pqcache mode not built in this binary");
+    if (p->mode == TL_ATTN_CALLBACK && !p->select)
+        return tl__fail(err, errlen, "callback mode without a selection callback");
     return 0;
 }
 
@@ -1395,9 +1401,11 @@ int tl_select(const tl_model *m, tl_state *s, const tl_policy *p, int layer, int
     int n = pos + 1, g, i, n_sink, n_window, n_topk;
     tl_attn_mode mode = p ? p->mode : TL_ATTN_FULL;
 
-    if (mode == TL_ATTN_PQCACHE) {
+    if (mode == TL_ATTN_PQCACHE)
+        return tl__fail(s->err, sizeof s->err, TL__PQCACHE_NOT_HERE);
+    if (mode == TL_ATTN_CALLBACK) {
         if (!p->select)
-            return tl__fail(s->err, sizeof s->err, "pqcache mode not built in this binary");
+            return tl__fail(s->err, sizeof s->err, "callback mode without a selection callback");
         return p->select(p->select_user, m, s, layer, pos, s->lists);
     }
     if (!s->key_cache)   /* the lists below point into the host KV cache */
