@@ -6,6 +6,8 @@
    reference next to the chosen mode and reports how often the two agree on
    the next token and the mean KL divergence of their distributions.
 
+   generate() drives an engine (prefill, decode, the split it attended over, its
+   report): the plain engine runs full, window and oracle on its own KV cache;
    pqcache runs through the library's driver (tl_pqcache.h): the prompt is
    prefilled layer by layer with pqc_driver_prefill, every decode step is a
    pqc_driver_decode (append, select, fetch, attention over the selection). */
@@ -43,7 +45,7 @@ typedef struct {
     int compare;             /* -c */
     int quiet;               /* -q */
     tl_policy policy;        /* -a -b -S */
-    tlpq_config pq;          /* -m -B -T -C -E (and -b -S -j -s) */
+    tlpq_config pq;          /* -m -B -T -C -K -E -D -x (and -b -S -j -s) */
 } options;
 
 static void usage(void)
@@ -74,13 +76,14 @@ static void usage(void)
         "                pqcache  sinks + the recent window + the top-k by PQ score,\n"
         "                         through the pqcache library's driver (the prompt is\n"
         "                         prefilled layer by layer, full attention)\n"
-        "  -b <float>  budget ratio (default 0.1): B = ratio * (context - S), so every\n"
-        "              selection mode attends over S + B tokens\n"
-        "  -S <int>    sink tokens (default 32)\n"
+        "  -b <float>  budget ratio (default 0.1; pqcache: above 0): B = ratio *\n"
+        "              (context - S), so every selection mode attends over S + B tokens\n"
+        "  -S <int>    sink tokens (default 32; 0 = none)\n"
         "  -c          compare with a full-attention reference during decode:\n"
         "              next-token agreement and mean KL(full || mode)\n"
-        "  -j <int>    threads (default 1): attention, split over KV heads; pqcache\n"
-        "              also splits its prefill over tokens and sizes the library's pool\n"
+        "  -j <int>    threads (default 1): the projections' rows, a decode step's\n"
+        "              attention over KV heads, the prompt's over tokens; pqcache also\n"
+        "              sizes the library's pool (its PQ builds) with it\n"
         "  -q          quiet: print no tokens, only the report\n"
         "  -x          prefill with the decode step's arithmetic: the prompt's logits\n"
         "              equal token by token's to the bit (default: tiled matrix\n"
@@ -342,29 +345,146 @@ static double kl_divergence(const float *p_logits, const float *q_logits, int n)
     return kl > 0.0 ? kl : 0.0;
 }
 
-/* prefill progress of the pqcache mode (layer-major) */
-typedef struct {
-    double t0, last;
-    int shown;
-} progress_state;
+/* ----------------------------------------------------------------------------
+   Engines: what generate() drives. The plain engine runs the modes full, window and
+   oracle on its own KV cache; pqcache runs through the library's driver (tl_pqcache.h). */
 
-static void prefill_progress(void *user, int layer, int n_layers, int done, int total)
+typedef struct engine engine;
+struct engine {
+    const char *name;         /* the mode, as the report names it */
+    const char *prefill_how;  /* the prefill line's words after "full attention" */
+    /* the logits of the prompt's last token, of a decode step; NULL with err set */
+    float *(*prefill)(engine *e, const int *tokens, int n);
+    float *(*decode)(engine *e, int token, int pos);
+    /* the keys and values of positions 0..n-1 into a state's KV cache (-c's reference) */
+    int (*copy_kv)(engine *e, tl_state *dst, int n);
+    /* what the last decode step attended over, for the decode line: "<mode>, ..." */
+    void (*split)(engine *e, int n_ctx, char *buf, size_t len);
+    void (*report)(engine *e, int n_prompt, int decoded);   /* lines of its own */
+    void (*destroy)(engine *e);
+    const char *err;
+    int progress_shown;       /* the prefill printed a progress line */
+    const options *o;
+    const tl_model *m;
+    tl_state s;               /* plain */
+    tlpq lib;                 /* pqcache */
+    double t0, last;          /* prefill progress */
+};
+
+/* A prefill's end: its progress line cleared, unless it failed (the error follows it). */
+static float *end_progress(engine *e, float *logits)
 {
-    progress_state *ps = (progress_state *)user;
-    double now = tl_time_s();
-    if (now - ps->last < 0.25 || done >= total)
-        return;
-    fprintf(stderr, "\rprefill layer %d/%d: %d/%d tokens (%.0f%%), %.1f s   ", layer + 1,
-            n_layers, done, total, 100.0 * done / total, now - ps->t0);
-    ps->last = now;
-    ps->shown = 1;
+    if (logits && e->progress_shown)
+        fprintf(stderr, "\r%70s\r", "");
+    return logits;
 }
 
-static void report_pqcache(const tlpq *lib, const tl_config *c, int n_prompt, int decoded)
+static float *plain_prefill(engine *e, const int *tokens, int n)
+{
+    float *logits = NULL;
+    int pos, nb;
+    double now;
+    e->t0 = e->last = tl_time_s();
+    for (pos = 0; pos < n; pos += nb) {   /* chunks: the projections as matrix-matrix products */
+        nb = n - pos < PREFILL_CHUNK ? n - pos : PREFILL_CHUNK;
+        if (!(logits = tl_forward_chunk(e->m, &e->s, tokens + pos, nb, pos)))
+            return NULL;
+        now = tl_time_s();
+        if (now - e->last >= 0.25 && pos + nb < n) {
+            fprintf(stderr, "\rprefill %d/%d tokens (%.0f%%), %.1f tok/s   ", pos + nb, n,
+                    100.0 * (pos + nb) / n, (pos + nb) / (now - e->t0));
+            e->last = now;
+            e->progress_shown = 1;
+        }
+    }
+    return end_progress(e, logits);
+}
+
+static float *plain_decode(engine *e, int token, int pos)
+{
+    return tl_forward(e->m, &e->s, &e->o->policy, token, pos);
+}
+
+static int plain_copy_kv(engine *e, tl_state *dst, int n)
+{
+    const tl_config *c = &e->m->config;
+    size_t bytes = (size_t)n * (size_t)c->kv_dim * sizeof(float);
+    int l;
+    for (l = 0; l < c->n_layers; l++) {
+        memcpy(tl_key_row(c, dst, l, 0), tl_key_row(c, &e->s, l, 0), bytes);
+        memcpy(tl_value_row(c, dst, l, 0), tl_value_row(c, &e->s, l, 0), bytes);
+    }
+    return 0;
+}
+
+static void plain_split(engine *e, int n_ctx, char *buf, size_t len)
+{
+    int sink, window, topk;
+    tl_budget(&e->o->policy, n_ctx, &sink, &window, &topk);
+    if (e->o->policy.mode == TL_ATTN_FULL)
+        snprintf(buf, len, "full, context %d", n_ctx);
+    else
+        snprintf(buf, len, "%s: %d sinks + %d window + %d top-k of %d at the last step", e->name, sink, window,
+                 topk, n_ctx);
+}
+
+static void plain_report(engine *e, int n_prompt, int decoded)
+{
+    (void)e;
+    (void)n_prompt;
+    (void)decoded;
+}
+
+static void plain_destroy(engine *e) { tl_free_state(&e->s); }
+
+/* prefill progress of the pqcache mode (layer-major) */
+static void pq_progress(void *user, int layer, int n_layers, int done, int total)
+{
+    engine *e = (engine *)user;
+    double now = tl_time_s();
+    if (now - e->last < 0.25 || done >= total)
+        return;
+    fprintf(stderr, "\rprefill layer %d/%d: %d/%d tokens (%.0f%%), %.1f s   ", layer + 1,
+            n_layers, done, total, 100.0 * done / total, now - e->t0);
+    e->last = now;
+    e->progress_shown = 1;
+}
+
+static float *pq_prefill(engine *e, const int *tokens, int n)
+{
+    e->t0 = e->last = tl_time_s();
+    e->lib.progress = pq_progress;
+    e->lib.progress_user = e;
+    return end_progress(e, tlpq_prefill(&e->lib, tokens, n));
+}
+
+static float *pq_decode(engine *e, int token, int pos) { return tlpq_decode(&e->lib, token, pos); }
+
+static int pq_copy_kv(engine *e, tl_state *dst, int n) { return tlpq_copy_kv(&e->lib, dst, n); }
+
+/* the split as the library resolved it (tlpq_stats) */
+static void pq_split(engine *e, int n_ctx, char *buf, size_t len)
 {
     tlpq_stats st;
+    char windows[80] = "";
+    (void)n_ctx;
+    tlpq_get_stats(&e->lib, &st);
+    if (st.window_min < st.window_max)
+        snprintf(windows, sizeof windows, "; the layers' windows %d-%d", st.window_min, st.window_max);
+    snprintf(buf, len, "pqcache: %d sinks + %d window + %d top-k of %d at the last step%s", st.sinks,
+             st.step_window, st.top_k, st.n_tokens, windows);
+}
+
+static void pq_report(engine *e, int n_prompt, int decoded)
+{
+    const tl_config *c = &e->m->config;
+    const tlpq *lib = &e->lib;
+    tlpq_stats st;
     double steps = decoded > 0 ? (double)decoded : 1.0;
-    unsigned long long looked = 0;
+    unsigned long long looked;
+    char desc[200];
+    tlpq_describe(lib, desc, sizeof desc);
+    fprintf(stderr, "pqcache: %s\n", desc);
     tlpq_get_stats(lib, &st);
     looked = st.hits + st.misses;
     if (pqc_runtime_backend_note(lib->rt)[0])
@@ -389,36 +509,155 @@ static void report_pqcache(const tlpq *lib, const tl_config *c, int n_prompt, in
             n_prompt + decoded);
 }
 
-static void copy_prefix(const tl_config *c, tl_state *dst, const tl_state *src, int n_pos)
+static void pq_destroy(engine *e) { tlpq_destroy(&e->lib); }
+
+/* The engine of o's mode, for sequences of up to ctx positions. */
+static int open_engine(engine *e, const options *o, const tl_model *m, int ctx, char *err, size_t errlen)
 {
-    int l;
-    size_t bytes = (size_t)n_pos * (size_t)c->kv_dim * sizeof(float);
-    for (l = 0; l < c->n_layers; l++) {
-        memcpy(tl_key_row(c, dst, l, 0), tl_key_row(c, src, l, 0), bytes);
-        memcpy(tl_value_row(c, dst, l, 0), tl_value_row(c, src, l, 0), bytes);
-    }
+    int pq = o->policy.mode == TL_ATTN_PQCACHE;
+    memset(e, 0, sizeof *e);
+    e->o = o;
+    e->m = m;
+    e->name = tl_mode_name(o->policy.mode);
+    e->prefill_how = pq ? ", layer-major through pqc_driver_prefill" : "";
+    e->prefill = pq ? pq_prefill : plain_prefill;
+    e->decode = pq ? pq_decode : plain_decode;
+    e->copy_kv = pq ? pq_copy_kv : plain_copy_kv;
+    e->split = pq ? pq_split : plain_split;
+    e->report = pq ? pq_report : plain_report;
+    e->destroy = pq ? pq_destroy : plain_destroy;
+    e->err = pq ? e->lib.err : e->s.err;
+    if (pq)
+        return tlpq_create(&e->lib, m, ctx, &o->pq, err, errlen);
+    if (tl_build_state(&e->s, &m->config, ctx, o->threads, err, errlen))
+        return -1;
+    e->s.exact_prefill = o->pq.exact_prefill;
+    return 0;
 }
 
 /* ----------------------------------------------------------------------------
-   Generation */
+   Generation: the prompt's prefill is step 0, each further step a decode step */
+
+/* -c: a full-attention reference from the same prefill, fed the mode's tokens */
+typedef struct {
+    tl_state s;
+    int agree;       /* steps where both pick the same most likely token */
+    double kl_sum;   /* KL(reference || mode) summed over the steps */
+    double t;        /* seconds in its decode steps */
+} reference;
+
+static int reference_open(reference *r, const options *o, const tl_config *c, int ctx, char *err,
+                          size_t errlen)
+{
+    if (tl_build_state(&r->s, c, ctx, o->threads, err, errlen))
+        return -1;
+    r->s.exact_prefill = o->pq.exact_prefill;   /* prefilled as the mode is (its keys, values) */
+    return 0;
+}
+
+static int reference_step(reference *r, const tl_model *m, int token, int pos, const float *logits)
+{
+    int V = m->config.vocab_size;
+    double t0 = tl_time_s();
+    float *ref_logits = tl_forward(m, &r->s, NULL, token, pos);
+    r->t += tl_time_s() - t0;
+    if (!ref_logits) {
+        fprintf(stderr, "\nerror: %s\n", r->s.err);
+        return -1;
+    }
+    r->agree += tl_argmax(ref_logits, V) == tl_argmax(logits, V);
+    r->kl_sum += kl_divergence(ref_logits, logits, V);
+    return 0;
+}
 
 static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok,
                     const int *prompt, int n_prompt)
 {
     const tl_config *c = &m->config;
-    tl_state s, ref;
-    tlpq lib;
-    progress_state ps;
-    int pq = o->policy.mode == TL_ATTN_PQCACHE;
+    int V = c->vocab_size, ctx = n_prompt + o->steps - 1, step, token = prompt[n_prompt - 1];
+    int next, decoded = 0, rc = 1;
+    engine e;
+    reference ref;
     tl_sampler sampler;
-    char err[TL_ERR_LEN];
     FILE *dump = NULL;
-    float *logits = NULL, *ref_logits;
-    double t0, t_prefill, t_decode = 0.0, t_ref = 0.0, last_report, kl_sum = 0.0;
-    int ctx = o->ctx ? o->ctx : c->seq_len, pos, token, next, step, agree = 0;
-    int decoded = 0, progress = 0, rc = 1, sink, window, topk, wmin = 0, wmax = 0;
-    char wtext[80] = "";
+    float *logits;
+    double t0, t_prefill = 0.0, t_decode = 0.0;
+    char err[TL_ERR_LEN], split[200];
 
+    memset(&ref, 0, sizeof ref);
+    memset(&sampler, 0, sizeof sampler);
+    if (open_engine(&e, o, m, ctx, err, sizeof err)) {
+        fprintf(stderr, "error: %s\n", err);
+        return 1;
+    }
+    if (o->compare && reference_open(&ref, o, c, ctx, err, sizeof err)) {
+        fprintf(stderr, "error: %s\n", err);
+        goto done;
+    }
+    if (tl_build_sampler(&sampler, V, o->temperature, o->topp, o->seed)) {
+        fprintf(stderr, "error: out of memory\n");
+        goto done;
+    }
+    if (o->logits_out && !(dump = fopen(o->logits_out, "wb"))) {
+        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
+        goto done;
+    }
+    for (step = 0; step < o->steps; step++) {
+        if (step > 0 && tok && (token == TL_BOS || token == TL_EOS))
+            break;
+        t0 = tl_time_s();
+        logits = step == 0 ? e.prefill(&e, prompt, n_prompt) : e.decode(&e, token, n_prompt + step - 1);
+        *(step == 0 ? &t_prefill : &t_decode) += tl_time_s() - t0;
+        if (!logits) {
+            fprintf(stderr, "\nerror: %s\n", e.err);
+            goto done;
+        }
+        if (o->compare && step == 0 && e.copy_kv(&e, &ref.s, n_prompt) != 0) {
+            fprintf(stderr, "error: %s\n", e.err);
+            goto done;
+        }
+        if (dump && fwrite(logits, sizeof(float), (size_t)V, dump) != (size_t)V) {
+            fprintf(stderr, "%serror: cannot write %s\n", step ? "\n" : "", o->logits_out);
+            goto done;
+        }
+        if (o->compare && step > 0 && reference_step(&ref, m, token, n_prompt + step - 1, logits) != 0)
+            goto done;
+        next = tl_sample(&sampler, logits);   /* the reference, too, goes on with the mode's token */
+        print_token(o, tok, token, next);
+        token = next;
+        decoded += step > 0;
+    }
+    if (!o->quiet)
+        printf("\n");
+    e.split(&e, n_prompt + decoded, split, sizeof split);
+    fprintf(stderr, "prefill: %d tokens in %.3f s, %.1f tok/s (full attention%s)\n", n_prompt, t_prefill,
+            t_prefill > 0 ? n_prompt / t_prefill : 0.0, e.prefill_how);
+    fprintf(stderr, "decode:  %d steps in %.3f s, %.1f tok/s (%s)\n", decoded, t_decode,
+            t_decode > 0 ? decoded / t_decode : 0.0, split);
+    e.report(&e, n_prompt, decoded);
+    if (o->compare && decoded > 0)
+        fprintf(stderr, "compare: next-token agreement %.2f%% (%d/%d), mean KL(full || %s) "
+                "%.6f nats; reference %.1f tok/s\n", 100.0 * ref.agree / decoded, ref.agree, decoded, e.name,
+                ref.kl_sum / decoded, ref.t > 0 ? decoded / ref.t : 0.0);
+    rc = 0;
+done:
+    if (dump && fclose(dump) != 0 && rc == 0) {
+        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
+        rc = 1;
+    }
+    tl_free_sampler(&sampler);
+    tl_free_state(&ref.s);
+    e.destroy(&e);
+    return rc;
+}
+
+/* ----------------------------------------------------------------------------
+   Main */
+
+/* The prompt and the tokens to generate fit the context (-L, the model's seq_len). */
+static int check_context(const options *o, const tl_config *c, int n_prompt)
+{
+    int ctx = o->ctx ? o->ctx : c->seq_len;
     if (ctx > c->seq_len) {
         fprintf(stderr, "error: context %d exceeds the model's seq_len %d\n", ctx, c->seq_len);
         return 1;
@@ -429,177 +668,8 @@ static int generate(const options *o, const tl_model *m, const tl_tokenizer *tok
                 n_prompt, o->steps, n_prompt + o->steps - 1, ctx);
         return 1;
     }
-    ctx = n_prompt + o->steps - 1;   /* no need to allocate more */
-    memset(&s, 0, sizeof s);
-    memset(&lib, 0, sizeof lib);
-    if (pq ? tlpq_create(&lib, m, ctx, &o->pq, err, sizeof err)
-           : tl_build_state(&s, c, ctx, o->threads, err, sizeof err)) {
-        fprintf(stderr, "error: %s\n", err);
-        return 1;
-    }
-    s.exact_prefill = o->pq.exact_prefill;
-    if (o->compare && tl_build_state(&ref, c, ctx, o->threads, err, sizeof err)) {
-        fprintf(stderr, "error: %s\n", err);
-        if (pq)
-            tlpq_destroy(&lib);
-        else
-            tl_free_state(&s);
-        return 1;
-    }
-    if (o->compare)
-        ref.exact_prefill = o->pq.exact_prefill;
-    if (tl_build_sampler(&sampler, c->vocab_size, o->temperature, o->topp, o->seed)) {
-        fprintf(stderr, "error: out of memory\n");
-        goto done;
-    }
-    if (o->logits_out && !(dump = fopen(o->logits_out, "wb"))) {
-        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
-        goto done_sampler;
-    }
-
-    /* prefill: full attention, logits only for the last prompt token */
-    t0 = last_report = tl_time_s();
-    if (pq) {   /* layer-major through the library's driver */
-        ps.t0 = ps.last = t0;
-        ps.shown = 0;
-        lib.progress = prefill_progress;
-        lib.progress_user = &ps;
-        logits = tlpq_prefill(&lib, prompt, n_prompt);
-        progress = ps.shown;
-        if (!logits) {
-            fprintf(stderr, "\nerror: %s\n", lib.err);
-            goto done_sampler;
-        }
-    }
-    for (pos = 0; !pq && pos < n_prompt; pos += PREFILL_CHUNK) {
-        /* chunks of tokens: the projections run as matrix-matrix products */
-        int nb = n_prompt - pos < PREFILL_CHUNK ? n_prompt - pos : PREFILL_CHUNK;
-        double now;
-        logits = tl_forward_chunk(m, &s, prompt + pos, nb, pos);
-        now = tl_time_s();
-        if (!logits) {
-            fprintf(stderr, "\nerror: %s\n", s.err);
-            goto done_sampler;
-        }
-        if (now - last_report >= 0.25 && pos + nb < n_prompt) {
-            fprintf(stderr, "\rprefill %d/%d tokens (%.0f%%), %.1f tok/s   ", pos + nb,
-                    n_prompt, 100.0 * (pos + nb) / n_prompt, (pos + nb) / (now - t0));
-            last_report = now;
-            progress = 1;
-        }
-    }
-    t_prefill = tl_time_s() - t0;
-    if (progress)
-        fprintf(stderr, "\r%70s\r", "");
-    if (o->compare && pq && tlpq_copy_kv(&lib, &ref, n_prompt) != 0) {
-        fprintf(stderr, "error: %s\n", lib.err);
-        goto done_sampler;
-    }
-    if (o->compare && !pq)
-        copy_prefix(c, &ref, &s, n_prompt);
-
-    if (dump && fwrite(logits, sizeof(float), (size_t)c->vocab_size, dump) != (size_t)c->vocab_size) {
-        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
-        goto done_sampler;
-    }
-    token = tl_sample(&sampler, logits);
-    print_token(o, tok, prompt[n_prompt - 1], token);
-
-    /* decode: each step feeds the last token and samples the next */
-    for (step = 1; step < o->steps; step++) {
-        pos = n_prompt + step - 1;
-        if (tok && (token == TL_BOS || token == TL_EOS))
-            break;
-        t0 = tl_time_s();
-        logits = pq ? tlpq_decode(&lib, token, pos) : tl_forward(m, &s, &o->policy, token, pos);
-        t_decode += tl_time_s() - t0;
-        if (!logits) {
-            fprintf(stderr, "\nerror: %s\n", pq ? lib.err : s.err);
-            goto done_sampler;
-        }
-        if (dump && fwrite(logits, sizeof(float), (size_t)c->vocab_size, dump) != (size_t)c->vocab_size) {
-            fprintf(stderr, "\nerror: cannot write %s\n", o->logits_out);
-            goto done_sampler;
-        }
-        if (o->compare) {
-            t0 = tl_time_s();
-            ref_logits = tl_forward(m, &ref, NULL, token, pos);
-            t_ref += tl_time_s() - t0;
-            if (!ref_logits) {
-                fprintf(stderr, "\nerror: %s\n", ref.err);
-                goto done_sampler;
-            }
-            agree += tl_argmax(ref_logits, c->vocab_size) == tl_argmax(logits, c->vocab_size);
-            kl_sum += kl_divergence(ref_logits, logits, c->vocab_size);
-        }
-        next = tl_sample(&sampler, logits);   /* both continue with the mode's token */
-        print_token(o, tok, token, next);
-        token = next;
-        decoded++;
-    }
-    if (!o->quiet)
-        printf("\n");
-
-    /* report */
-    fprintf(stderr, "prefill: %d tokens in %.3f s, %.1f tok/s (full attention%s)\n",
-            n_prompt, t_prefill, t_prefill > 0 ? n_prompt / t_prefill : 0.0,
-            pq ? ", layer-major through pqc_driver_prefill" : "");
-    tl_budget(&o->policy, n_prompt + decoded, &sink, &window, &topk);
-    if (pq) {   /* the library's split: window fixed at the prefill (each layer's at most
-                   the cache's: a build may lower it), top-k the rest; layer 0's shown */
-        int n_ctx = n_prompt + decoded, mid, l;
-        double budget;
-        sink = o->policy.n_sink < n_ctx ? o->policy.n_sink : n_ctx;
-        mid = n_ctx - sink;
-        budget = ceil((double)o->policy.ratio * mid);
-        window = pqc_cache_layer_window(lib.cache, 0);
-        for (l = 0, wmin = wmax = window; l < lib.n_lib; l++) {
-            int w = pqc_cache_layer_window(lib.cache, l);
-            wmin = w < wmin ? w : wmin;
-            wmax = w > wmax ? w : wmax;
-        }
-        topk = budget > window ? (int)budget - window : 0;
-        if (window > mid)
-            window = mid;
-        snprintf(wtext, sizeof wtext, "; the layers' windows %d-%d", wmin, wmax);
-    }
-    fprintf(stderr, "decode:  %d steps in %.3f s, %.1f tok/s (%s", decoded, t_decode,
-            t_decode > 0 ? decoded / t_decode : 0.0, tl_mode_name(o->policy.mode));
-    if (o->policy.mode == TL_ATTN_FULL)
-        fprintf(stderr, ", context %d)\n", n_prompt + decoded);
-    else
-        fprintf(stderr, ": %d sinks + %d window + %d top-k of %d at the last step%s)\n",
-                sink, window, topk, n_prompt + decoded, wmin < wmax ? wtext : "");
-    if (pq) {
-        char desc[200];
-        tlpq_describe(&lib, desc, sizeof desc);
-        fprintf(stderr, "pqcache: %s\n", desc);
-        report_pqcache(&lib, c, n_prompt, decoded);
-    }
-    if (o->compare && decoded > 0)
-        fprintf(stderr, "compare: next-token agreement %.2f%% (%d/%d), mean KL(full || %s) "
-                "%.6f nats; reference %.1f tok/s\n", 100.0 * agree / decoded, agree,
-                decoded, tl_mode_name(o->policy.mode), kl_sum / decoded,
-                t_ref > 0 ? decoded / t_ref : 0.0);
-    rc = 0;
-done_sampler:
-    tl_free_sampler(&sampler);
-    if (dump && fclose(dump) != 0 && rc == 0) {
-        fprintf(stderr, "error: cannot write %s\n", o->logits_out);
-        rc = 1;
-    }
-done:
-    if (o->compare)
-        tl_free_state(&ref);
-    if (pq)
-        tlpq_destroy(&lib);
-    else
-        tl_free_state(&s);
-    return rc;
+    return 0;
 }
-
-/* ----------------------------------------------------------------------------
-   Main */
 
 static void print_model(const tl_model *m)
 {
@@ -644,18 +714,13 @@ int main(int argc, char **argv)
         usage();
         return 1;
     }
-    {   /* pqcache runs through the library's driver, not a selection callback */
-        tl_policy check = o.policy;
-        if (check.mode == TL_ATTN_PQCACHE)
-            check.mode = TL_ATTN_FULL;
-        if (tl_check_policy(&check, err, sizeof err)) {
-            fprintf(stderr, "error: %s\n", err);
-            return 1;
-        }
-        if (o.policy.mode == TL_ATTN_PQCACHE && !(o.policy.ratio > 0.0f)) {
-            fprintf(stderr, "error: pqcache needs a budget ratio above 0 (-b)\n");
-            return 1;
-        }
+    if (o.policy.mode == TL_ATTN_PQCACHE && !(o.policy.ratio > 0.0f)) {
+        fprintf(stderr, "error: pqcache needs a budget ratio above 0 (-b)\n");
+        return 1;
+    }
+    if (o.policy.mode != TL_ATTN_PQCACHE && tl_check_policy(&o.policy, err, sizeof err)) {
+        fprintf(stderr, "error: %s\n", err);   /* pqcache is the library's driver, not tl_select */
+        return 1;
     }
     if ((o.input != NULL) + (o.synthetic > 0) + (o.ids_file != NULL) > 1) {
         fprintf(stderr, "error: -i, -I and -P exclude each other\n");
@@ -682,7 +747,8 @@ int main(int argc, char **argv)
             for (i = 0; i < n_prompt; i++)
                 print_token(&o, o.tokenizer ? &tok : NULL, i ? prompt[i - 1] : -1, prompt[i]);
         }
-        rc = generate(&o, &model, o.tokenizer ? &tok : NULL, prompt, n_prompt);
+        rc = check_context(&o, &model.config, n_prompt) ||
+             generate(&o, &model, o.tokenizer ? &tok : NULL, prompt, n_prompt);
     }
     free(prompt);
     if (o.tokenizer)

@@ -88,6 +88,12 @@ typedef struct {
     double select_s, fetch_s, build_s, wait_s;
     size_t device_bytes, full_bytes;  /* pqc_cache_memory */
     int window;                   /* the library's recent window */
+    /* the split of a decode step at the sequence's current length (n_tokens), as the
+       library resolves it: sinks, then the budget beyond them (budget_tokens, or
+       ceil(ratio x the rest)) as layer 0's window (at most the rest) and top-k = the
+       budget beyond that window; window_min..window_max: the layers' windows (a build
+       may lower one, pqc_cache_layer_window) */
+    int n_tokens, sinks, step_window, top_k, window_min, window_max;
 } tlpq_stats;
 
 typedef struct {
@@ -172,6 +178,7 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len);
 #if defined(TL_PQCACHE_IMPLEMENTATION) && !defined(TL_PQCACHE_IMPLEMENTED)
 #define TL_PQCACHE_IMPLEMENTED
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -800,6 +807,32 @@ done:
     return rc;
 }
 
+/* tlpq_stats' split, from the resolved configuration (pqc_cache_config) and the layers'
+   windows */
+static void tlpq__split(const tlpq *p, tlpq_stats *st)
+{
+    pqc_cache_desc r;
+    size_t n = pqc_cache_tokens(p->cache, 0), mid;
+    double budget;
+    int l, w0;
+    if (pqc_cache_config(p->cache, &r) != PQC_SUCCESS)
+        return;
+    st->n_tokens = (int)n;
+    st->sinks = r.n_sink < 0 ? 0 : (size_t)r.n_sink < n ? r.n_sink : (int)n;
+    mid = n - (size_t)st->sinks;
+    budget = r.budget_tokens ? (double)r.budget_tokens : ceil(r.budget_ratio * (double)mid);
+    budget = budget < (double)mid ? budget : (double)mid;
+    st->window_min = st->window_max = pqc_cache_layer_window(p->cache, 0);
+    for (l = 1; l < p->n_lib; l++) {
+        int w = pqc_cache_layer_window(p->cache, l);
+        st->window_min = w < st->window_min ? w : st->window_min;
+        st->window_max = w > st->window_max ? w : st->window_max;
+    }
+    w0 = pqc_cache_layer_window(p->cache, 0);
+    st->top_k = budget > (double)w0 ? (int)budget - w0 : 0;
+    st->step_window = (size_t)w0 < mid ? w0 : (int)mid;
+}
+
 void tlpq_get_stats(const tlpq *p, tlpq_stats *st)
 {
     int l;
@@ -831,6 +864,7 @@ void tlpq_get_stats(const tlpq *p, tlpq_stats *st)
         st->iters_min = st->iters_max;
     pqc_cache_memory(p->cache, &st->device_bytes, &st->full_bytes);
     st->window = pqc_cache_window(p->cache);
+    tlpq__split(p, st);
 }
 
 /* What the library resolved the configuration to (pqc_cache_config), not what was asked. */
