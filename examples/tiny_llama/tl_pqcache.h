@@ -76,7 +76,7 @@ typedef struct {
                               the bit (tl_state.exact_prefill); 0: tiled, equal to rounding */
 } tlpq_config;
 
-/* Called from the prefill about every block of tokens: layer (0-based), tokens of
+/* Called from the prefill after every chunk of tokens: layer (0-based), tokens of
    that layer done so far, tokens to do. */
 typedef void (*tlpq_progress_fn)(void *user, int layer, int n_layers, int done, int total);
 
