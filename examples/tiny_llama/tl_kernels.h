@@ -768,6 +768,107 @@ static void tl__mv(tl_state *s, float *out, const float *x, const tl_mat *w, int
     tl__mv_run(s, &j);
 }
 
+/* The FFN's gate, h1 = act(h1) * h3: SiLU, or GELU with tanh (Gemma) */
+static void tl__gate(const tl_config *c, float *h1, const float *h3, size_t n)
+{
+    size_t i;
+    if (c->ffn_act == TL_ACT_GELU_TANH) {
+        for (i = 0; i < n; i++) {
+            float a = h1[i];
+            h1[i] = 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a))) * h3[i];
+        }
+        return;
+    }
+    for (i = 0; i < n; i++) {
+        float a = h1[i];
+        h1[i] = a / (1.0f + expf(-a)) * h3[i];   /* silu(w1 x) * w3 x */
+    }
+}
+
+#ifdef TL__X86
+/* exp of 8 arguments up to 88 (a range reduction by ln 2 in two parts and a degree-6
+   polynomial, the classic single-precision scheme: within 2 ulp); below -87.3, 0 */
+TL__FMA static inline __m256 tl__exp8(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), fx, y, z;
+    __m256i e;
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+    fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    z = _mm256_mul_ps(x, x);
+    y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
+/* the gate with a vector exp: act(a) = a / (1 + exp(-z)), z = a (SiLU) or 2 sqrt(2/pi)
+   (a + 0.044715 a^3) (GELU with tanh: 0.5 (1 + tanh(z/2)) = 1 / (1 + exp(-z))) */
+TL__FMA static void tl__gate_avx2(const tl_config *c, float *h1, const float *h3, size_t n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), k0 = _mm256_set1_ps(-1.5957691216057308f);
+    const __m256 k1 = _mm256_set1_ps(0.044715f);
+    int gelu = c->ffn_act == TL_ACT_GELU_TANH;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_loadu_ps(h1 + i), z;
+        if (gelu)
+            z = _mm256_mul_ps(k0, _mm256_fmadd_ps(_mm256_mul_ps(k1, a), _mm256_mul_ps(a, a), a));
+        else
+            z = _mm256_sub_ps(_mm256_setzero_ps(), a);
+        z = _mm256_div_ps(a, _mm256_add_ps(one, tl__exp8(z)));
+        _mm256_storeu_ps(h1 + i, _mm256_mul_ps(z, _mm256_loadu_ps(h3 + i)));
+    }
+    tl__gate(c, h1 + i, h3 + i, n - i);
+}
+#endif
+
+typedef struct {
+    const tl_config *c;
+    float *h1;
+    const float *h3;
+    size_t n;
+    int fast;
+} tl__gate_job;
+
+static void tl__gate_part(void *arg, int part, int nparts)
+{
+    const tl__gate_job *j = (const tl__gate_job *)arg;
+    size_t i0 = j->n * (size_t)part / (size_t)nparts, i1 = j->n * (size_t)(part + 1) / (size_t)nparts;
+#ifdef TL__X86
+    if (j->fast) {
+        tl__gate_avx2(j->c, j->h1 + i0, j->h3 + i0, i1 - i0);
+        return;
+    }
+#endif
+    tl__gate(j->c, j->h1 + i0, j->h3 + i0, i1 - i0);
+}
+
+/* the gate of a prompt chunk over the threads; tiled (not exact_prefill), with the vector
+   exp (equal to rounding), else tl__gate's arithmetic */
+static void tl__gate_run(tl_state *s, const tl_config *c, float *h1, const float *h3, size_t n)
+{
+    tl__gate_job j;
+    j.c = c;
+    j.h1 = h1;
+    j.h3 = h3;
+    j.n = n;
+    j.fast = 0;
+#ifdef TL__X86
+    j.fast = !s->exact_prefill && tl__have_fma();
+#endif
+    tl_parallel(s, tl__gate_part, &j);
+}
+
 /* Matrix-matrix: out (t, d) = x (t, n) w^T for t tokens.
    Exact (tl_state.exact_prefill, or no AVX2 + FMA): each output is tl__dot's sum, so the
    prompt's projections equal the decode step's to the bit; each thread converts its rows

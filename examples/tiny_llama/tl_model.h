@@ -648,22 +648,6 @@ static void tl__qk_finish(const tl_config *c, const tl_layer_weights *lw, float 
 }
 
 /* the FFN gate: act(h1) * h3 into h1 */
-static void tl__gate(const tl_config *c, float *h1, const float *h3, size_t n)
-{
-    size_t i;
-    if (c->ffn_act == TL_ACT_GELU_TANH) {
-        for (i = 0; i < n; i++) {
-            float a = h1[i];
-            h1[i] = 0.5f * a * (1.0f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a))) * h3[i];
-        }
-        return;
-    }
-    for (i = 0; i < n; i++) {
-        float a = h1[i];
-        h1[i] = a / (1.0f + expf(-a)) * h3[i];   /* silu(w1 x) * w3 x */
-    }
-}
-
 /* ----------------------------------------------------------------------------
    Forward stages */
 
@@ -1140,7 +1124,7 @@ int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, flo
     if (tl__mm(s, h1, xn, n, &lw.w1, c->dim, c->hidden_dim) ||
         tl__mm(s, h3, xn, n, &lw.w3, c->dim, c->hidden_dim))
         goto out;
-    tl__gate(c, h1, h3, (size_t)n * hid);
+    tl__gate_run(s, c, h1, h3, (size_t)n * hid);
     if (tl__mm(s, tmp, h1, n, &lw.w2, c->hidden_dim, c->dim))
         goto out;
     if (lw.rms_post_ffn)

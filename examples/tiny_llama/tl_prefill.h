@@ -225,31 +225,6 @@ TL__FMA static void tl__pf_values_avx2(const float *p, const float *vt, int nk, 
     }
 }
 
-/* exp of 8 arguments at most 0 (a range reduction by ln 2 in two parts and a degree-6
-   polynomial, the classic single-precision scheme: within 2 ulp); below -87.3, 0 */
-TL__FMA static inline __m256 tl__pf_exp8(__m256 x)
-{
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), fx, y, z;
-    __m256i e;
-    x = _mm256_max_ps(x, lo);
-    fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    z = _mm256_mul_ps(x, x);
-    y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, y);
-}
-
 TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
 {
     __m256 m = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
@@ -259,14 +234,14 @@ TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
     int j = 0;
     if (a == 0)   /* columns below b need no mask (most rows: the whole tile) */
         for (; j + 8 <= b; j += 8) {
-            __m256 e = tl__pf_exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), _mm256_setzero_ps()));
+            __m256 e = tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), _mm256_setzero_ps()));
             _mm256_storeu_ps(s + j, e);
             sum = _mm256_add_ps(sum, e);
         }
     for (; j < ncol; j += 8) {
         __m256i jj = _mm256_add_epi32(idx, _mm256_set1_epi32(j));
         __m256 in = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(jj, lo), _mm256_cmpgt_epi32(hi, jj)));
-        __m256 e = _mm256_and_ps(in, tl__pf_exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
+        __m256 e = _mm256_and_ps(in, tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
                                                                _mm256_setzero_ps())));
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
