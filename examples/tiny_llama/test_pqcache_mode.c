@@ -306,6 +306,26 @@ TEST hybrid_model_through_pqcache_is_full_attention_to_the_bit(void)
     }
     ASSERT(logits && ok);
     tlpq_destroy(&lib);
+    /* the tiled prefill (the default): the full mode's chunked prefill and the pqcache
+       mode's layer-major one give the same bits, windows included (a key tile starts at a
+       multiple of 64 positions whatever rows are passed, and the sums run in position
+       order) */
+    {
+        tl_state full;
+        float *chunk;
+        tlpq_default_config(&cfg);
+        cfg.ratio = 1.0f;
+        cfg.n_threads = 2;
+        ASSERT(tl_build_state(&full, &m.config, N, 2, err, sizeof err) == 0);
+        chunk = tl_forward_chunk(&m, &full, tokens, R_PROMPT, 0);
+        ASSERT(chunk != NULL);
+        ASSERT(tlpq_create(&lib, &m, N, &cfg, err, sizeof err) == 0);
+        logits = tlpq_prefill(&lib, tokens, R_PROMPT);
+        ok = logits && memcmp(logits, chunk, (size_t)V * sizeof(float)) == 0;
+        tlpq_destroy(&lib);
+        tl_free_state(&full);
+        ASSERT(ok);
+    }
     /* a model of local layers only leaves the library nothing to serve */
     for (local = 0; local < 3; local++)
         tl_set_layer_local(&m.config, local, 1);

@@ -227,28 +227,26 @@ TL__FMA static void tl__pf_values_avx2(const float *p, const float *vt, int nk, 
 
 TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
 {
-    __m256 m = _mm256_set1_ps(mx), sum = _mm256_setzero_ps();
+    __m256 m = _mm256_set1_ps(mx);
     __m256i lo = _mm256_set1_epi32(a - 1), hi = _mm256_set1_epi32(b);
     __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m128 h;
+    float sum = 0;
     int j = 0;
     if (a == 0)   /* columns below b need no mask (most rows: the whole tile) */
-        for (; j + 8 <= b; j += 8) {
-            __m256 e = tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m), _mm256_setzero_ps()));
-            _mm256_storeu_ps(s + j, e);
-            sum = _mm256_add_ps(sum, e);
-        }
+        for (; j + 8 <= b; j += 8)
+            _mm256_storeu_ps(s + j, tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
+                                                           _mm256_setzero_ps())));
     for (; j < ncol; j += 8) {
         __m256i jj = _mm256_add_epi32(idx, _mm256_set1_epi32(j));
         __m256 in = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(jj, lo), _mm256_cmpgt_epi32(hi, jj)));
-        __m256 e = _mm256_and_ps(in, tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
-                                                               _mm256_setzero_ps())));
-        _mm256_storeu_ps(s + j, e);
-        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(s + j, _mm256_and_ps(in, tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
+                                                                             _mm256_setzero_ps()))));
     }
-    h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-    h = _mm_hadd_ps(h, h);
-    return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+    /* summed in the order of positions, as the portable path does: the sum does not depend
+       on where the tile starts (a window's first tile starts where its rows do) */
+    for (j = a; j < b; j++)
+        sum += s[j];
+    return sum;
 }
 
 /* the largest of s[a .. b-1] (b > a), or m if larger */
