@@ -881,7 +881,8 @@ typedef struct {
     int n, d, t, tp;
     const float *x;
     float *out;
-    float *buf;               /* nparts * 6 * n floats */
+    float *buf;               /* nparts * 6 * (n + tp) floats: rows converted to fp32,
+                                 and the tiled path's output block */
     const float *xt;          /* tiled: x transposed in blocks of 16 tokens */
 } tl__mm_job;
 
@@ -909,7 +910,7 @@ static void tl__mm_part(void *arg, int part, int nparts)
     const tl__mm_job *j = (const tl__mm_job *)arg;
     int r0 = (int)((long)j->d * part / nparts), r1 = (int)((long)j->d * (part + 1) / nparts), r, t, k;
     size_t n = (size_t)j->n, d = (size_t)j->d;
-    float *buf = j->buf + (size_t)part * 6 * n;
+    float *buf = j->buf + (size_t)part * 6 * (n + (size_t)j->tp);
     for (r = r0; r < r1; r += 2) {
         int two = r + 1 < r1;
         const float *a0 = tl__row_f32(j->w, j->n, r, buf);
@@ -940,23 +941,29 @@ static void tl__mm_part(void *arg, int part, int nparts)
 }
 
 #ifdef TL__X86
-/* mr (1..6) weight rows a[] x nv (1, 2) vectors of 8 tokens of the block xb of xt: into o
-   (6 x 16, row i = weight row i) */
-TL__FMA __attribute__((always_inline)) static inline void tl__mm_tile(const float *const *a, const float *xb,
-                                                                   int n, int mr, int nv, float *o)
+/* The register block of the prompt's kernels (the projections here, the attention's
+   scores and weighted values in tl_prefill.h): o (mr rows at stride os, 8 nv columns) =
+   (add: o +) the sum over k < n of a[i as + k] x b[16 k ..], b packed 16 columns wide
+   (nv 1: its first 8 only), mr 1..6; mr, nv and add are constants where it is inlined */
+TL__FMA __attribute__((always_inline)) static inline void tl__fma_6x16(const float *a, size_t as, const float *b,
+                                                                    int n, int mr, int nv, int add, float *o,
+                                                                    size_t os)
 {
     __m256 acc[6][2];
     int i, k;
     TL__UNROLL8
     for (i = 0; i < 6; i++)
-        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        if (i < mr) {
+            acc[i][0] = add ? _mm256_loadu_ps(o + (size_t)i * os) : _mm256_setzero_ps();
+            acc[i][1] = add && nv > 1 ? _mm256_loadu_ps(o + (size_t)i * os + 8) : _mm256_setzero_ps();
+        }
     for (k = 0; k < n; k++) {
-        const float *xk = xb + (size_t)k * 16;
-        __m256 b0 = _mm256_loadu_ps(xk), b1 = nv > 1 ? _mm256_loadu_ps(xk + 8) : b0;
+        const float *bk = b + (size_t)k * 16;
+        __m256 b0 = _mm256_loadu_ps(bk), b1 = nv > 1 ? _mm256_loadu_ps(bk + 8) : b0;
         TL__UNROLL8
         for (i = 0; i < 6; i++)
             if (i < mr) {
-                __m256 w = _mm256_broadcast_ss(a[i] + k);
+                __m256 w = _mm256_broadcast_ss(a + (size_t)i * as + k);
                 acc[i][0] = _mm256_fmadd_ps(w, b0, acc[i][0]);
                 if (nv > 1)
                     acc[i][1] = _mm256_fmadd_ps(w, b1, acc[i][1]);
@@ -965,43 +972,56 @@ TL__FMA __attribute__((always_inline)) static inline void tl__mm_tile(const floa
     TL__UNROLL8
     for (i = 0; i < 6; i++)
         if (i < mr) {
-            _mm256_storeu_ps(o + i * 16, acc[i][0]);
+            _mm256_storeu_ps(o + (size_t)i * os, acc[i][0]);
             if (nv > 1)
-                _mm256_storeu_ps(o + i * 16 + 8, acc[i][1]);
+                _mm256_storeu_ps(o + (size_t)i * os + 8, acc[i][1]);
         }
 }
 
-#define TL__MM_TILES(mr)                                                  \
-    for (c = 0; c < j->tp; c += 16) {                                     \
-        int nv = c + 16 <= j->tp ? 2 : 1, cols = j->t - c < 16 ? j->t - c : 16; \
-        if (nv == 2)                                                      \
-            tl__mm_tile(a, j->xt + (size_t)c * (size_t)j->n, j->n, mr, 2, o); \
-        else                                                              \
-            tl__mm_tile(a, j->xt + (size_t)c * (size_t)j->n, j->n, mr, 1, o); \
-        for (t = 0; t < cols; t++)                                        \
-            for (i = 0; i < mr; i++)                                      \
-                j->out[(size_t)(c + t) * d + (size_t)(r + i)] = o[i * 16 + t]; \
+/* o (mr rows at stride os, ncol columns, a multiple of 8) (add: +)= a (mr rows at stride
+   as, n long) b, b in blocks of n x 16 columns bs floats apart: tl__fma_6x16 over the
+   blocks, mr a constant (in a function with int c and a, as, b, bs, n, ncol, o, os in
+   scope) */
+#define TL__FMA_BLOCKS(mr, add)                                                              \
+    for (c = 0; c < ncol; c += 16) {                                                         \
+        const float *bb_ = b + (size_t)(c / 16) * bs;                                        \
+        if (c + 16 <= ncol)                                                                  \
+            tl__fma_6x16(a, as, bb_, n, mr, 2, add, o + c, os);                              \
+        else                                                                                 \
+            tl__fma_6x16(a, as, bb_, n, mr, 1, add, o + c, os);                              \
     }
 
+/* a block of rows of a (mr of them, 1..6) through TL__FMA_BLOCKS */
+#define TL__FMA_ROWS(mr, add)                         \
+    switch (mr) {                                     \
+    case 6: TL__FMA_BLOCKS(6, add); break;            \
+    case 5: TL__FMA_BLOCKS(5, add); break;            \
+    case 4: TL__FMA_BLOCKS(4, add); break;            \
+    case 3: TL__FMA_BLOCKS(3, add); break;            \
+    case 2: TL__FMA_BLOCKS(2, add); break;            \
+    default: TL__FMA_BLOCKS(1, add); break;           \
+    }
+
+/* rows r0 .. r1-1 of w by 6 (converted to fp32 once) against every token, into a 6 x tp
+   buffer, then into out's columns */
 TL__FMA static void tl__mm_tiled_part(void *arg, int part, int nparts)
 {
     const tl__mm_job *j = (const tl__mm_job *)arg;
     int r0 = (int)((long)j->d * part / nparts), r1 = (int)((long)j->d * (part + 1) / nparts), r, i, c, t;
-    size_t n = (size_t)j->n, d = (size_t)j->d;
-    float *buf = j->buf + (size_t)part * 6 * n, o[6 * 16];
-    const float *a[6];
+    int n = j->n, ncol = j->tp;
+    size_t as = (size_t)n, os = (size_t)j->tp, bs = 16 * (size_t)n;
+    float *buf = j->buf + (size_t)part * 6 * (as + os), *o = buf + 6 * as;
+    const float *b = j->xt;
     for (r = r0; r < r1; r += 6) {
         int mr = r1 - r < 6 ? r1 - r : 6;
-        for (i = 0; i < mr; i++)
-            a[i] = tl__row_f32(j->w, j->n, r + i, buf + (size_t)i * n);
-        switch (mr) {
-        case 6: TL__MM_TILES(6); break;
-        case 5: TL__MM_TILES(5); break;
-        case 4: TL__MM_TILES(4); break;
-        case 3: TL__MM_TILES(3); break;
-        case 2: TL__MM_TILES(2); break;
-        default: TL__MM_TILES(1); break;
-        }
+        const float *a = j->w->dtype == TL_F32 ? (const float *)j->w->data + (size_t)r * as : buf;
+        if (j->w->dtype != TL_F32)
+            for (i = 0; i < mr; i++)
+                tl__row_f32(j->w, n, r + i, buf + (size_t)i * as);
+        TL__FMA_ROWS(mr, 0);
+        for (t = 0; t < j->t; t++)
+            for (i = 0; i < mr; i++)
+                j->out[(size_t)t * (size_t)j->d + (size_t)(r + i)] = o[(size_t)i * os + (size_t)t];
     }
 }
 #endif
@@ -1019,7 +1039,7 @@ static int tl__mm(tl_state *s, float *out, const float *x, int t, const tl_mat *
     j.x = x;
     j.out = out;
     j.xt = NULL;
-    j.buf = (float *)malloc((size_t)parts * 6 * (size_t)n * sizeof(float));
+    j.buf = (float *)malloc((size_t)parts * 6 * ((size_t)n + (size_t)j.tp) * sizeof(float));
     if (!j.buf)
         return -1;
 #ifdef TL__X86

@@ -109,118 +109,45 @@ static float tl__pf_exp_c(float *s, int a, int b, int ncol, float mx)
 }
 
 #ifdef TL__X86
-/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of s at column c (kb: kt's block of c) */
-TL__FMA __attribute__((always_inline)) static inline void tl__pf_scores_tile(const float *qt, const float *kb,
-                                                                          int hs, int c, int mr, int nv,
-                                                                          float *s)
-{
-    __m256 acc[6][2];
-    int i, d;
-    TL__UNROLL8
-    for (i = 0; i < 6; i++)
-        acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (d = 0; d < hs; d++) {
-        const float *kd = kb + (size_t)d * 16;
-        __m256 b0 = _mm256_loadu_ps(kd), b1 = nv > 1 ? _mm256_loadu_ps(kd + 8) : b0;
-        TL__UNROLL8
-        for (i = 0; i < 6; i++)
-            if (i < mr) {
-                __m256 a = _mm256_broadcast_ss(qt + (size_t)i * (size_t)hs + d);
-                acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
-                if (nv > 1)
-                    acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
-            }
-    }
-    TL__UNROLL8
-    for (i = 0; i < 6; i++)
-        if (i < mr) {
-            _mm256_storeu_ps(s + (size_t)i * TL__PF_TK + c, acc[i][0]);
-            if (nv > 1)
-                _mm256_storeu_ps(s + (size_t)i * TL__PF_TK + c + 8, acc[i][1]);
-        }
-}
-
-#define TL__PF_SCORES(mr)                                                                     \
-    for (c = 0; c < ncol; c += 16)                                                            \
-        if (c + 16 <= ncol)                                                                   \
-            tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt + (size_t)(c / 16) * (size_t)hs * 16, hs, c, mr, \
-                               2, s + (size_t)r * TL__PF_TK);                                  \
-        else                                                                                  \
-            tl__pf_scores_tile(qt + (size_t)r * (size_t)hs, kt + (size_t)(c / 16) * (size_t)hs * 16, hs, c, mr, \
-                               1, s + (size_t)r * TL__PF_TK)
-
+/* the kernels by register blocks of 6 rows x 16 columns (tl__fma_6x16, tl_kernels.h) */
 TL__FMA static void tl__pf_scores_avx2(const float *qt, const float *kt, int rows, int hs, int ncol, float *s)
 {
-    int r = 0, c;
-    for (; r + 6 <= rows; r += 6) {
-        TL__PF_SCORES(6);
-    }
-    switch (rows - r) {
-    case 5: TL__PF_SCORES(5); break;
-    case 4: TL__PF_SCORES(4); break;
-    case 3: TL__PF_SCORES(3); break;
-    case 2: TL__PF_SCORES(2); break;
-    case 1: TL__PF_SCORES(1); break;
-    default: break;
+    const float *b = kt;
+    size_t as = (size_t)hs, bs = 16 * (size_t)hs, os = TL__PF_TK;
+    int n = hs, r, c;
+    for (r = 0; r < rows; r += 6) {
+        const float *a = qt + (size_t)r * as;
+        float *o = s + (size_t)r * os;
+        TL__FMA_ROWS(rows - r < 6 ? rows - r : 6, 0);
     }
 }
-
-/* mr (1..6) rows x nv (1, 2) vectors of 8 columns of o at column c (vb: vt's block of c) */
-TL__FMA __attribute__((always_inline)) static inline void tl__pf_values_tile(const float *p, const float *vb,
-                                                                          int nk, int hs, int c, int mr, int nv,
-                                                                          float *o)
-{
-    __m256 acc[6][2];
-    int i, j;
-    TL__UNROLL8
-    for (i = 0; i < 6; i++)
-        if (i < mr) {
-            acc[i][0] = _mm256_loadu_ps(o + (size_t)i * (size_t)hs + c);
-            acc[i][1] = nv > 1 ? _mm256_loadu_ps(o + (size_t)i * (size_t)hs + c + 8) : acc[i][0];
-        }
-    for (j = 0; j < nk; j++) {
-        const float *vj = vb + (size_t)j * 16;
-        __m256 b0 = _mm256_loadu_ps(vj), b1 = nv > 1 ? _mm256_loadu_ps(vj + 8) : b0;
-        TL__UNROLL8
-        for (i = 0; i < 6; i++)
-            if (i < mr) {
-                __m256 a = _mm256_broadcast_ss(p + (size_t)i * TL__PF_TK + j);
-                acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
-                if (nv > 1)
-                    acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
-            }
-    }
-    TL__UNROLL8
-    for (i = 0; i < 6; i++)
-        if (i < mr) {
-            _mm256_storeu_ps(o + (size_t)i * (size_t)hs + c, acc[i][0]);
-            if (nv > 1)
-                _mm256_storeu_ps(o + (size_t)i * (size_t)hs + c + 8, acc[i][1]);
-        }
-}
-
-#define TL__PF_VALUES(mr)                                                                       \
-    if (nv == 2)                                                                                \
-        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vb, nk, hs, c, mr, 2, o + (size_t)r * (size_t)hs); \
-    else                                                                                        \
-        tl__pf_values_tile(p + (size_t)r * TL__PF_TK, vb, nk, hs, c, mr, 1, o + (size_t)r * (size_t)hs)
 
 /* by blocks of 16 columns, then of 6 rows: a block of values stays in L1 across the rows */
 TL__FMA static void tl__pf_values_avx2(const float *p, const float *vt, int nk, int rows, int hs, float *o)
 {
+    size_t as = TL__PF_TK, os = (size_t)hs;
     int r, c;
     for (c = 0; c < hs; c += 16) {
-        const float *vb = vt + (size_t)(c / 16) * TL__PF_TK * 16;
+        const float *b = vt + (size_t)(c / 16) * TL__PF_TK * 16;
         int nv = c + 16 <= hs ? 2 : 1;
-        for (r = 0; r + 6 <= rows; r += 6)
-            TL__PF_VALUES(6);
-        switch (rows - r) {
-        case 5: TL__PF_VALUES(5); break;
-        case 4: TL__PF_VALUES(4); break;
-        case 3: TL__PF_VALUES(3); break;
-        case 2: TL__PF_VALUES(2); break;
-        case 1: TL__PF_VALUES(1); break;
-        default: break;
+        for (r = 0; r < rows; r += 6) {
+            int mr = rows - r < 6 ? rows - r : 6;
+            const float *a = p + (size_t)r * as;
+            float *or_ = o + (size_t)r * os + c;
+#define TL__PF_VALUES(mr)                                  \
+    if (nv == 2)                                           \
+        tl__fma_6x16(a, as, b, nk, mr, 2, 1, or_, os);     \
+    else                                                   \
+        tl__fma_6x16(a, as, b, nk, mr, 1, 1, or_, os)
+            switch (mr) {
+            case 6: TL__PF_VALUES(6); break;
+            case 5: TL__PF_VALUES(5); break;
+            case 4: TL__PF_VALUES(4); break;
+            case 3: TL__PF_VALUES(3); break;
+            case 2: TL__PF_VALUES(2); break;
+            default: TL__PF_VALUES(1); break;
+            }
+#undef TL__PF_VALUES
         }
     }
 }
