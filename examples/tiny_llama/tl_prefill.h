@@ -152,7 +152,8 @@ TL__FMA static void tl__pf_values_avx2(const float *p, const float *vt, int nk, 
     }
 }
 
-TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
+/* the SIMD tl__pf_exp_c; pos: the position of column 0 */
+TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx, int pos)
 {
     __m256 m = _mm256_set1_ps(mx);
     __m256i lo = _mm256_set1_epi32(a - 1), hi = _mm256_set1_epi32(b);
@@ -169,10 +170,22 @@ TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx)
         _mm256_storeu_ps(s + j, _mm256_and_ps(in, tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
                                                                              _mm256_setzero_ps()))));
     }
-    /* summed in the order of positions, as the portable path does: the sum does not depend
-       on where the tile starts (a window's first tile starts where its rows do) */
-    for (j = a; j < b; j++)
-        sum += s[j];
+    /* summed in four lanes by position mod 4, each in the order of positions, so that the
+       sum does not depend on where the tile starts (a window's first tile starts where
+       its rows do) */
+    {
+        float lane[4] = { 0, 0, 0, 0 };
+        __m128 v = _mm_setzero_ps();
+        for (j = a; j < b && (pos + j) % 4 != 0; j++)
+            lane[(pos + j) % 4] += s[j];
+        v = _mm_loadu_ps(lane);
+        for (; j + 4 <= b; j += 4)
+            v = _mm_add_ps(v, _mm_loadu_ps(s + j));
+        _mm_storeu_ps(lane, v);
+        for (; j < b; j++)
+            lane[(pos + j) % 4] += s[j];
+        sum = (lane[0] + lane[1]) + (lane[2] + lane[3]);
+    }
     return sum;
 }
 
@@ -314,7 +327,7 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
             mnew = m > x->mx[r] ? m : x->mx[r];
 #ifdef TL__X86
             if (x->simd)
-                add = tl__pf_exp_avx2(sr, a, b, ncol, mnew);
+                add = tl__pf_exp_avx2(sr, a, b, ncol, mnew, x->origin + k0);
             else
 #endif
                 add = tl__pf_exp_c(sr, a, b, ncol, mnew);
