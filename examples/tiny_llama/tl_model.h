@@ -278,10 +278,12 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
                       const float *const *k, const float *const *v, size_t stride, int window,
                       float *att, float *out);
 /* The prompt's attention as the engine runs it: tl_attend_prefill, or with exact
-   tl_attend_causal. work: tl_attend_prompt_work(c, exact, n, pos0 + n) floats. */
+   tl_attend_causal; origin: the position of rows k[g], v[g] (the tiled path starts its
+   key tiles at multiples of 64 positions, so a token's output does not depend on which
+   rows are passed). work: tl_attend_prompt_work(c, exact, n, pos0 + n) floats. */
 void tl_attend_prompt(const tl_config *c, int exact, int pos0, int n, const float *q,
                       const float *const *k, const float *const *v, size_t stride, int window,
-                      float *work, float *out);
+                      int origin, float *work, float *out);
 size_t tl_attend_prompt_work(const tl_config *c, int exact, int n, int rows);
 /* (d) x += w2(silu(w1 rmsnorm(x)) * w3 rmsnorm(x)) */
 void tl_layer_ffn(const tl_model *m, tl_state *s, int layer);
@@ -1000,12 +1002,12 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
 
 void tl_attend_prompt(const tl_config *c, int exact, int pos0, int n, const float *q,
                       const float *const *k, const float *const *v, size_t stride, int window,
-                      float *work, float *out)
+                      int origin, float *work, float *out)
 {
     if (exact)
         tl_attend_causal(c, pos0, n, q, k, v, stride, window, work, out);
     else
-        tl_attend_prefill(c, pos0, n, q, k, v, stride, window, work, out);
+        tl__attend_prefill_ex(c, pos0, n, q, k, v, stride, window, work, out, 1, origin);
 }
 
 size_t tl_attend_prompt_work(const tl_config *c, int exact, int n, int rows)
@@ -1158,13 +1160,9 @@ static void tl__causal_part(void *arg, int part, int nparts)
     const tl__causal_job *j = (const tl__causal_job *)arg;
     size_t qd = (size_t)tl__qdim(j->c);
     int t0 = (int)((long)j->n * part / nparts), t1 = (int)((long)j->n * (part + 1) / nparts);
-    if (t1 > t0 && j->exact)
-        tl_attend_causal(j->c, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride, j->window,
-                         j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd);
-    else if (t1 > t0)
-        tl__attend_prefill_ex(j->c, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride,
-                              j->window, j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd, 1,
-                              j->origin);
+    if (t1 > t0)
+        tl_attend_prompt(j->c, j->exact, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride,
+                         j->window, j->origin, j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd);
 }
 
 #define TL_PREFILL_CHUNK 128
