@@ -274,6 +274,8 @@ clean:
 include examples/tiny_llama/build.mk
 # tensor parallel over MPI: build/tiny_llama_mpi, run-mpi, test-mpi (skipped without MPI)
 include examples/tiny_llama/tools/mpi.mk
+# pqcache inside llama.cpp: build/pqc_llama, test-llamacpp, bench-llamacpp
+include examples/llama_cpp/build.mk
 
 # the example's tests under the sanitizers too (the pqcache mode runs the library's pool)
 $(BUILD)/asan_tiny_llama: examples/tiny_llama/test_tiny_llama.c $(TINY_LLAMA_TEST_DEPS) $(TINY_LLAMA_PQ_DEPS) | $(BUILD)

@@ -54,6 +54,8 @@ has gcc || need gcc
 if [ "$light" = 0 ]; then
 has g++ || need g++
 has clang || need clang
+has cmake || need cmake   # llama.cpp's build (make test-llamacpp)
+has patch || need patch
 ldconfig -p 2>/dev/null | grep -q libasan || need libasan8
 ldconfig -p 2>/dev/null | grep -q libtsan || need libtsan2
 ldconfig -p 2>/dev/null | grep -q libubsan || need libubsan1
