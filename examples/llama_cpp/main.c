@@ -30,7 +30,8 @@ static void usage(void) {
             "              compares llama.cpp's two attention kernels with each other\n"
             "  -f32        pqcache stores K/V as fp32 (default fp16, as llama.cpp's cache)\n"
             "  -q          print no text, only the report; -O <path>: the generated token ids\n"
-            "  -T          print the prompt's token count and exit\n");
+            "  -T          print the prompt's token count and exit\n"
+            "  -e          generate -n tokens even past an end-of-generation token\n");
 }
 
 static double now_s(void) {
@@ -127,7 +128,7 @@ static int decode(struct llama_context *ctx, pqc_llama *g, llama_token *tok, int
 
 int main(int argc, char **argv) {
     const char *model_path = NULL, *prompt_path = NULL, *prompt_text = NULL, *mode = "pqcache", *ids_path = NULL;
-    int n_gen = 32, threads = 2, compare = 0, quiet = 0, count_only = 0, kv_f32 = 0, ref_set = 0, i, n_prompt, n_vocab, agree = 0, steps = 0, rc = 1;
+    int n_gen = 32, threads = 2, compare = 0, quiet = 0, count_only = 0, kv_f32 = 0, ignore_eos = 0, ref_set = 0, i, n_prompt, n_vocab, agree = 0, steps = 0, rc = 1;
     double budget = 0, kl_sum = 0, t0, t_prefill, t_decode = 0, kv_bytes = 0;
     char *text = NULL;
     llama_token *tokens = NULL, *out_ids = NULL;
@@ -145,6 +146,7 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "-c")) compare = 1;
         else if (!strcmp(a, "-T")) count_only = 1;
         else if (!strcmp(a, "-f32")) kv_f32 = 1;
+        else if (!strcmp(a, "-e")) ignore_eos = 1;
         else if (!strcmp(a, "-q")) quiet = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             usage();
@@ -266,7 +268,7 @@ int main(int argc, char **argv) {
             if (n > 0) fwrite(piece, 1, (size_t)n, stdout);
             fflush(stdout);
         }
-        if (llama_vocab_is_eog(vocab, tok) || i + 1 == n_gen) {
+        if ((!ignore_eos && llama_vocab_is_eog(vocab, tok)) || i + 1 == n_gen) {
             n_gen = i + 1;
             break;
         }
@@ -298,10 +300,11 @@ int main(int argc, char **argv) {
         if (st.steps)
             fprintf(stderr,
                     "pqcache step: select %.3f ms, fetch %.3f ms, attend %.3f ms per token (%.1f%% of a step), "
-                    "%.0f rows per layer and KV head\n",
+                    "%.0f rows per layer and KV head; the first selects waited %.3f s for the builds\n",
                     1e3 * st.select_s / (double)st.steps, 1e3 * st.fetch_s / (double)st.steps,
                     1e3 * st.attend_s / (double)st.steps, 100.0 * (st.select_s + st.fetch_s + st.attend_s) / t_decode,
-                    (double)st.tokens_selected / (double)st.steps / (double)st.layers / (double)st.kv_heads);
+                    (double)st.tokens_selected / (double)st.steps / (double)st.layers / (double)st.kv_heads,
+                    st.build_wait_s);
         fprintf(stderr, "pqcache host memory: %.1f MB for %zu tokens per layer\n", st.host_bytes / 1e6, st.tokens);
     }
     fprintf(stderr, "llama.cpp KV cache: %.1f MB allocated (%u cells)\n", kv_bytes / 1e6, cp.n_ctx);

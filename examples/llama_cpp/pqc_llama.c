@@ -244,6 +244,16 @@ static void pqcl_select(struct ggml_tensor *dst, int ith, int nth, void *user) {
     g->decoded = 1;
 }
 
+/* q . k in eight partial sums (which the compiler keeps in vector registers) */
+static float pqcl_dot(const float *q, const float *k, int d) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int e = 0, l;
+    for (; e + 8 <= d; e += 8)
+        for (l = 0; l < 8; l++) acc[l] += q[e + l] * k[e + l];
+    for (; e < d; e++) acc[0] += q[e] * k[e];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
 /* A decode step, every thread: softmax attention of the thread's query heads over their
    KV head's gathered rows. After a failure: zeros. */
 static void pqcl_attend(struct ggml_tensor *dst, int ith, int nth, void *user) {
@@ -267,9 +277,7 @@ static void pqcl_attend(struct ggml_tensor *dst, int ith, int nth, void *user) {
         float *s = g->scores + (size_t)h * g->rows_cap, *o = out + (size_t)h * (size_t)d;
         float most = -INFINITY, sum = 0.0f;
         for (i = 0; i < n; i++) {
-            float dot = 0.0f;
-            for (e = 0; e < d; e++) dot += qh[e] * K[i * (size_t)d + (size_t)e];
-            s[i] = dot * L->scale;
+            s[i] = pqcl_dot(qh, K + i * (size_t)d, d) * L->scale;
             if (s[i] > most) most = s[i];
         }
         for (e = 0; e < d; e++) o[e] = 0.0f;
@@ -342,7 +350,14 @@ const char *pqc_llama_error(const pqc_llama *g) { return g->status == PQC_SUCCES
 void pqc_llama_stats_get(const pqc_llama *g, pqc_llama_stats *out) {
     size_t own = 0, shared = 0;
     *out = g->st;
-    if (g->cache) pqc_cache_host_memory(g->cache, &own, &shared);
+    if (g->cache) {
+        int l;
+        pqc_cache_host_memory(g->cache, &own, &shared);
+        for (l = 0; l < g->n_served; l++) {
+            pqc_layer_stats ls;
+            if (pqc_cache_stats(g->cache, l, &ls) == PQC_SUCCESS) out->build_wait_s += ls.wait_s;
+        }
+    }
     out->host_bytes = own + shared;
 }
 

@@ -51,6 +51,7 @@ typedef struct pqc_llama_stats {
     size_t host_bytes;      /* pqcache's host memory (K/V store, codes, codebooks, ...) */
     size_t tokens_selected; /* rows attended, summed over layers, KV heads and steps   */
     size_t tokens;          /* tokens held per layer                                    */
+    double build_wait_s;    /* time selects waited for the layers' first PQ builds      */
 } pqc_llama_stats;
 
 typedef struct pqc_llama pqc_llama;

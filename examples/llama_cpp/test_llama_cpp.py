@@ -177,7 +177,7 @@ def bench(tmp, threads, n_tokens, gemma_tokens, reps, steps):
         reports = {}
         for _ in range(reps):
             for mode in ("full", "pqcache"):
-                p = run(["-m", model, "-f", path, "-n", str(steps), "-t", str(threads), "-a", mode, "-q"])
+                p = run(["-m", model, "-f", path, "-n", str(steps), "-t", str(threads), "-a", mode, "-q", "-e"])
                 rows[mode].append(figure(r"^decode: (\S+) tokens/s", p.stderr))
                 reports[mode] = p.stderr
         print("== %s, %d prompt tokens, %d threads, %d decode steps, %d alternated runs" %
