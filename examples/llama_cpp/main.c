@@ -31,7 +31,9 @@ static void usage(void) {
             "  -f32        pqcache stores K/V as fp32 (default fp16, as llama.cpp's cache)\n"
             "  -q          print no text, only the report; -O <path>: the generated token ids\n"
             "  -T          print the prompt's token count and exit\n"
-            "  -e          generate -n tokens even past an end-of-generation token\n");
+            "  -e          generate -n tokens even past an end-of-generation token\n"
+            "  -p2 <text>  after generating, one more prompt turn in the same context (its\n"
+            "              next token printed); pqcache refuses it (docs/llama_cpp.md)\n");
 }
 
 static double now_s(void) {
@@ -128,6 +130,7 @@ static int decode(struct llama_context *ctx, pqc_llama *g, llama_token *tok, int
 
 int main(int argc, char **argv) {
     const char *model_path = NULL, *prompt_path = NULL, *prompt_text = NULL, *mode = "pqcache", *ids_path = NULL;
+    const char *second = NULL;
     int n_gen = 32, threads = 2, compare = 0, quiet = 0, count_only = 0, kv_f32 = 0, ignore_eos = 0, ref_set = 0, i, n_prompt, n_vocab, agree = 0, steps = 0, rc = 1;
     double budget = 0, kl_sum = 0, t0, t_prefill, t_decode = 0, kv_bytes = 0;
     char *text = NULL;
@@ -164,6 +167,7 @@ int main(int argc, char **argv) {
             else if (!strcmp(a, "-b")) budget = atof(v);
             else if (!strcmp(a, "-t")) threads = atoi(v);
             else if (!strcmp(a, "-O")) ids_path = v;
+            else if (!strcmp(a, "-p2")) second = v;
             else if (!strcmp(a, "-fa") && fa_of(v, &fa)) ref_set ? (void)0 : (void)(ref_fa = fa);
             else if (!strcmp(a, "-rfa") && fa_of(v, &ref_fa)) ref_set = 1;
             else {
@@ -278,6 +282,19 @@ int main(int argc, char **argv) {
         if (ref && decode(ref, NULL, &tok, 1, "reference decode")) goto done;
     }
     if (!quiet) printf("\n");
+    if (second) { /* another turn: the generated tokens, then the new prompt's */
+        int len = (int)strlen(second), n2;
+        llama_token *t2 = (llama_token *)malloc((size_t)(len + 17) * sizeof *t2);
+        if (!t2) goto done;
+        t2[0] = out_ids[n_gen - 1];
+        n2 = llama_tokenize(vocab, second, len, t2 + 1, len + 16, false, true);
+        if (n2 < 0 || decode(ctx, g, t2, n2 + 1, "second prompt")) {
+            free(t2);
+            goto done;
+        }
+        free(t2);
+        printf("second prompt: next token %d\n", (int)argmax(llama_get_logits_ith(ctx, -1), n_vocab));
+    }
     if (ids_path) {
         if (!(ids = fopen(ids_path, "w"))) {
             fprintf(stderr, "pqc_llama: cannot write %s\n", ids_path);

@@ -28,6 +28,7 @@ struct pqc_llama {
     int observe;            /* queries observed before a layer's first prefill */
     int n_q, n_kv, d;       /* from the tensors of the first op               */
     pqc_selection sel;
+    int sel_ready;
     float *k_rows, *v_rows; /* the step's gathered rows: [n_kv][rows_cap][d]   */
     float *scores;          /* [n_q][rows_cap]                                 */
     size_t rows_cap;
@@ -131,6 +132,7 @@ static int pqcl_ready(pqc_llama *g, const pqcl_layer *L, const struct ggml_tenso
     if (pqcl_check(g, pqc_cache_config(g->cache, &got), "pqc_cache_config", L->il)) return 0;
     g->observe = got.observe > 0 ? got.observe : 0;
     if (pqcl_check(g, pqc_selection_init(g->cache, &g->sel), "pqc_selection_init", L->il)) return 0;
+    g->sel_ready = 1;
     g->st.layers = g->n_served;
     g->st.kv_heads = g->n_kv;
     return 1;
@@ -366,7 +368,7 @@ pqc_cache *pqc_llama_cache(pqc_llama *g) { return g->cache; }
 void pqc_llama_destroy(pqc_llama *g) {
     int i;
     if (!g) return;
-    if (g->cache) pqc_selection_free(&g->sel);
+    if (g->sel_ready) pqc_selection_free(&g->sel);
     pqc_cache_destroy(g->cache);
     pqc_runtime_destroy(g->rt);
     for (i = 0; i < 3; i++) free(g->tmp[i]);

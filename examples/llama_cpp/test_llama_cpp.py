@@ -16,7 +16,9 @@ fetches it), the text the licenses Debian ships in /usr/share/common-licenses. C
 
 --bench (make bench-llamacpp): decode speed and memory side by side, llama.cpp's own
 attention against pqcache at budget 0.1, the same prompt and threads, alternated runs,
-medians: SmolLM2 at 8K tokens (--tokens), and Gemma 3 270M at --gemma-tokens (0: skip).
+medians: SmolLM2 at 8K tokens (--tokens; 0: skip), and Gemma 3 270M at --gemma-tokens
+(0: skip). The prompt is the needle prompt (the fact at 40%); -e keeps decoding past the
+answer, so every run decodes --steps - 1 steps.
 
 Needs only python3 and build/pqc_llama.
 """
@@ -151,6 +153,17 @@ def tests(tmp, threads):
     if os.path.exists(GEMMA3):   # hybrid: 3 global layers through pqcache, 15 sliding ones llama.cpp's
         covering(tmp, GEMMA3, 6000, 16, threads)
 
+    # a second prompt turn after decode steps: llama.cpp's own attention takes it; the glue
+    # refuses it with its message (llama.cpp's cache lacks the decoded tokens' K/V)
+    path = write(tmp, "short.txt", document()[:600])
+    base = ["-m", SMOLLM2, "-f", path, "-n", "4", "-t", str(threads), "-q", "-p2", " And then?"]
+    full = run(base + ["-a", "full"], check=False)
+    pq = run(base + ["-a", "pqcache"], check=False)
+    check(full.returncode == 0 and "second prompt: next token" in full.stdout,
+          "a second prompt turn through llama.cpp's own attention (%s)" % full.stdout.strip()[-80:])
+    check(pq.returncode == 1 and "a prompt after decode steps" in pq.stderr and "second prompt" not in pq.stdout,
+          "pqcache refuses a second prompt turn with its reason (%s)" % pq.stderr.strip().splitlines()[-1:])
+
     # the needle at 4K: one run at budget 0.1 with the reference beside it; every step
     # agreeing means llama.cpp's own greedy answer is pqcache's
     key, depth = 58209, 0.9
@@ -165,7 +178,7 @@ def tests(tmp, threads):
 
 
 def bench(tmp, threads, n_tokens, gemma_tokens, reps, steps):
-    cells = [(SMOLLM2, n_tokens)]
+    cells = [(SMOLLM2, n_tokens)] if n_tokens else []
     if gemma_tokens:
         cells.append((GEMMA3, gemma_tokens))
     for model, n in cells:
