@@ -35,30 +35,15 @@ BIN = os.path.join(ROOT, "build", "pqc_llama")
 GGUF = os.path.join(os.environ.get("PQC_CACHE") or os.path.expanduser("~/.cache/pqcache"), "gguf")
 SMOLLM2 = os.path.join(GGUF, "SmolLM2-135M-Instruct.Q4_1.gguf")
 GEMMA3 = os.path.join(GGUF, "gemma-3-270m-q4_k_m.gguf")
-FACT = " The access code of the archive is %d. "
-QUESTION = "What is the access code of the archive, according to the document?"
-
-
-def document():
-    """the licenses Debian ships, in name order"""
-    d = "/usr/share/common-licenses"
-    parts = []
-    for f in sorted(os.listdir(d)):
-        p = os.path.join(d, f)
-        if os.path.isfile(p) and not os.path.islink(p):
-            with open(p, errors="replace") as fh:
-                parts.append(fh.read())
-    return "\n\n".join(parts)
+sys.path.insert(0, os.path.join(ROOT, "examples", "tiny_llama", "tools"))
+from run_real import FACT, document, frame as chat_frame  # noqa: E402 (make run-real's text and question)
 
 
 def frame(model):
-    """(text before the document, text after it) in the model's chat form"""
-    ask = "Read this document and answer the question at its end.\n\n"
-    end = "\n\n" + QUESTION
-    if model == SMOLLM2:
-        return ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-                "<|im_start|>user\n" + ask, end + "<|im_end|>\n<|im_start|>assistant\nThe access code is")
-    return ("<start_of_turn>user\n" + ask, end + "<end_of_turn>\n<start_of_turn>model\nThe access code is")
+    """(text before the document, text after it) in the model's chat form; llama.cpp's
+    tokenizer adds Gemma's BOS itself"""
+    pre, post = chat_frame("smollm2" if model == SMOLLM2 else "gemma3")
+    return pre.replace("<bos>", "", 1), post
 
 
 def run(args, check=True):
