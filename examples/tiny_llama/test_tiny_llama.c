@@ -720,7 +720,28 @@ TEST prompt_attention_tiles_equal_the_causal_loops_to_rounding(void)
                         for (simd = 0; simd <= 1; simd++) {
                             double err = 0;
                             memset(got, 0xff, nq * sizeof(float));   /* NaN: every output written */
-                            tl__attend_prefill_ex(&cfg, pos0, n, q, kp, vp, stride, window, work, got, simd, 0);
+                            tl__attend_prefill_ex(&cfg, pos0, n, q, kp, vp, stride, window, work, got, simd, 0, NULL);
+                            {   /* the rows packed once (tl_prefill_pack): the same bits */
+                                tl_prefill_tiles tiles;
+                                float *got2 = (float *)malloc(nq * sizeof(float));
+                                int same;
+                                if (!got2 || tl_prefill_tiles_init(&tiles, &cfg, rows)) {
+                                    free(got2); free(q); free(kv); free(want); free(got); free(work); free(att);
+                                    FAILm("out of memory");
+                                }
+                                tl_prefill_pack(&cfg, kp, vp, stride, 0, rows, &tiles);
+                                tl__attend_prefill_ex(&cfg, pos0, n, q, kp, vp, stride, window, work, got2, simd, 0,
+                                                      &tiles);
+                                same = memcmp(got2, got, nq * sizeof(float)) == 0;
+                                tl_prefill_tiles_free(&tiles);
+                                free(got2);
+                                if (!same) {
+                                    printf("  head size %d, group %d, pos0 %d, n %d, window %d, %s\n", hs, group, pos0,
+                                           n, window, simd ? "SIMD" : "portable");
+                                    free(q); free(kv); free(want); free(got); free(work); free(att);
+                                    FAILm("the attention over packed tiles differs from the tile-by-tile packing");
+                                }
+                            }
                             for (i = 0; i < (int)nq; i++) {
                                 double d = fabs((double)got[i] - (double)want[i]);
                                 err = d > err || d != d ? (d != d ? 1e30 : d) : err;

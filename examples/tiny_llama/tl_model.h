@@ -280,10 +280,12 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
 /* The prompt's attention as the engine runs it: tl_attend_prefill, or with exact
    tl_attend_causal; origin: the position of rows k[g], v[g] (the tiled path starts its
    key tiles at multiples of 64 positions, so a token's output does not depend on which
-   rows are passed). work: tl_attend_prompt_work(c, exact, n, pos0 + n) floats. */
+   rows are passed). tiles (tiled path, origin 0; may be NULL): the rows already packed
+   (tl_prefill_pack). work: tl_attend_prompt_work(c, exact, n, pos0 + n) floats. */
+struct tl_prefill_tiles; /* tl_prefill.h */
 void tl_attend_prompt(const tl_config *c, int exact, int pos0, int n, const float *q,
                       const float *const *k, const float *const *v, size_t stride, int window,
-                      int origin, float *work, float *out);
+                      int origin, const struct tl_prefill_tiles *tiles, float *work, float *out);
 size_t tl_attend_prompt_work(const tl_config *c, int exact, int n, int rows);
 /* (d) x += w2(silu(w1 rmsnorm(x)) * w3 rmsnorm(x)) */
 void tl_layer_ffn(const tl_model *m, tl_state *s, int layer);
@@ -1002,12 +1004,12 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
 
 void tl_attend_prompt(const tl_config *c, int exact, int pos0, int n, const float *q,
                       const float *const *k, const float *const *v, size_t stride, int window,
-                      int origin, float *work, float *out)
+                      int origin, const struct tl_prefill_tiles *tiles, float *work, float *out)
 {
     if (exact)
         tl_attend_causal(c, pos0, n, q, k, v, stride, window, work, out);
     else
-        tl__attend_prefill_ex(c, pos0, n, q, k, v, stride, window, work, out, 1, origin);
+        tl__attend_prefill_ex(c, pos0, n, q, k, v, stride, window, work, out, 1, origin, tiles);
 }
 
 size_t tl_attend_prompt_work(const tl_config *c, int exact, int n, int rows)
@@ -1153,6 +1155,7 @@ typedef struct {
     size_t att_per_part;          /* at least tl_attend_prompt_work(c, exact, ...) */
     int exact;                    /* tl_state.exact_prefill */
     int origin;                   /* position of rows k[g], v[g] (tiled only) */
+    const tl_prefill_tiles *tiles; /* the rows packed (tiled, origin 0), or NULL */
 } tl__causal_job;
 
 static void tl__causal_part(void *arg, int part, int nparts)
@@ -1162,7 +1165,8 @@ static void tl__causal_part(void *arg, int part, int nparts)
     int t0 = (int)((long)j->n * part / nparts), t1 = (int)((long)j->n * (part + 1) / nparts);
     if (t1 > t0)
         tl_attend_prompt(j->c, j->exact, j->pos0 + t0, t1 - t0, j->q + (size_t)t0 * qd, j->k, j->v, j->stride,
-                         j->window, j->origin, j->att + (size_t)part * j->att_per_part, j->out + (size_t)t0 * qd);
+                         j->window, j->origin, j->tiles, j->att + (size_t)part * j->att_per_part,
+                         j->out + (size_t)t0 * qd);
 }
 
 #define TL_PREFILL_CHUNK 128
@@ -1176,6 +1180,7 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
     const float **kp = NULL, **vp = NULL;
     float *ret = NULL;
     size_t att_part;
+    tl_prefill_tiles tiles = { NULL, NULL, 0 };
 
     if (n < 1 || pos0 < 0 || pos0 + n > s->ctx) {
         tl__fail(s->err, sizeof s->err, "prefill of %d tokens at %d: the context holds %d", n, pos0, s->ctx);
@@ -1191,32 +1196,40 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
                      c->vocab_size - 1);
             return NULL;
         }
+    /* layer by layer, each in chunks of TL_PREFILL_CHUNK tokens (a token's arithmetic is
+       the same in either order): the tiled attention then packs a layer's keys and
+       values once (tiles), not once per chunk and thread */
     att_part = tl_attend_prompt_work(c, s->exact_prefill, (TL_PREFILL_CHUNK + parts - 1) / parts, pos0 + n);
-    x = (float *)malloc((size_t)TL_PREFILL_CHUNK * dim * sizeof(float));
+    x = (float *)malloc((size_t)n * dim * sizeof(float));
     q = (float *)malloc((size_t)TL_PREFILL_CHUNK * qd * sizeof(float));
     heads = (float *)malloc((size_t)TL_PREFILL_CHUNK * qd * sizeof(float));
     att = (float *)malloc((size_t)parts * att_part * sizeof(float));
     kp = (const float **)malloc((size_t)c->n_kv_heads * sizeof(float *));
     vp = (const float **)malloc((size_t)c->n_kv_heads * sizeof(float *));
-    if (!x || !q || !heads || !att || !kp || !vp) {
+    if (!x || !q || !heads || !att || !kp || !vp ||
+        (!s->exact_prefill && tl_prefill_tiles_init(&tiles, c, pos0 + n))) {
         tl__fail(s->err, sizeof s->err, "out of memory for the prefill of %d tokens", n);
         goto out;
     }
-    for (b0 = 0; b0 < n; b0 += TL_PREFILL_CHUNK) {
-        int nb = n - b0 < TL_PREFILL_CHUNK ? n - b0 : TL_PREFILL_CHUNK, p0 = pos0 + b0;
-        for (t = 0; t < nb; t++) {
-            tl_embed(m, s, tokens[b0 + t]);
-            memcpy(x + (size_t)t * dim, s->x, dim * sizeof(float));
+    for (t = 0; t < n; t++) {
+        tl_embed(m, s, tokens[t]);
+        memcpy(x + (size_t)t * dim, s->x, dim * sizeof(float));
+    }
+    for (l = 0; l < c->n_layers; l++) {
+        for (g = 0; g < c->n_kv_heads; g++) {
+            kp[g] = tl_key_row(c, s, l, 0) + (size_t)g * hs;
+            vp[g] = tl_value_row(c, s, l, 0) + (size_t)g * hs;
         }
-        for (l = 0; l < c->n_layers; l++) {
+        if (tiles.kt)   /* the positions before this prompt */
+            tl_prefill_pack(c, kp, vp, kv, 0, pos0, &tiles);
+        for (b0 = 0; b0 < n; b0 += TL_PREFILL_CHUNK) {
+            int nb = n - b0 < TL_PREFILL_CHUNK ? n - b0 : TL_PREFILL_CHUNK, p0 = pos0 + b0;
+            float *xb = x + (size_t)b0 * dim;
             tl__causal_job j;
-            if (tl_layer_qkv_batch(m, s, l, p0, nb, x, q, tl_key_row(c, s, l, p0),
-                                   tl_value_row(c, s, l, p0)))
+            if (tl_layer_qkv_batch(m, s, l, p0, nb, xb, q, tl_key_row(c, s, l, p0), tl_value_row(c, s, l, p0)))
                 goto oom;
-            for (g = 0; g < c->n_kv_heads; g++) {
-                kp[g] = tl_key_row(c, s, l, 0) + (size_t)g * hs;
-                vp[g] = tl_value_row(c, s, l, 0) + (size_t)g * hs;
-            }
+            if (tiles.kt)
+                tl_prefill_pack(c, kp, vp, kv, p0, p0 + nb, &tiles);
             j.c = c;
             j.pos0 = p0;
             j.n = nb;
@@ -1230,17 +1243,19 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
             j.att_per_part = att_part;
             j.exact = s->exact_prefill;
             j.origin = 0;
+            j.tiles = tiles.kt ? &tiles : NULL;
             tl_parallel(s, tl__causal_part, &j);
-            if (tl_layer_out_ffn_batch(m, s, l, nb, x, heads))
+            if (tl_layer_out_ffn_batch(m, s, l, nb, xb, heads))
                 goto oom;
         }
-        memcpy(s->x, x + (size_t)(nb - 1) * dim, dim * sizeof(float));
     }
+    memcpy(s->x, x + (size_t)(n - 1) * dim, dim * sizeof(float));
     ret = tl_classify(m, s);
     goto out;
 oom:
     tl__fail(s->err, sizeof s->err, "out of memory for the prefill of %d tokens", n);
 out:
+    tl_prefill_tiles_free(&tiles);
     free(x);
     free(q);
     free(heads);

@@ -249,6 +249,7 @@ static int tlpq__local_prefill(tlpq *p, int l, size_t pos0, size_t n)
                                                (int)(w - 1 + TLPQ__CHUNK));
         j.exact = p->s.exact_prefill;
         j.origin = (int)(pos0 - prior + base);   /* lk's row 0 holds position pos0 - prior */
+        j.tiles = NULL;
         tl_parallel(&p->s, tl__causal_part, &j);
         if (tl_layer_out_ffn_batch(p->m, &p->s, l, (int)nb, p->hidden + b0 * dim, p->heads))
             return tl__fail(p->err, sizeof p->err, "local layer %d: out of memory", l);
@@ -338,6 +339,7 @@ static int tlpq__prefill_attend(void *user, int lib_layer, size_t pos0, size_t n
     size_t qd = (size_t)c->n_heads * (size_t)c->head_size, dim = (size_t)c->dim, first, c0, nb;
     int g, l, layer = p->gl[lib_layer];
     tl__causal_job j;
+    tl_prefill_tiles tiles = { NULL, NULL, 0 };
     if (tlpq__check_view(p, kv) != 0)
         return -1;
     if (kv->pos != NULL || n != (size_t)p->n_hidden)
@@ -351,6 +353,12 @@ static int tlpq__prefill_attend(void *user, int lib_layer, size_t pos0, size_t n
     j.k = (const float *const *)kv->k;
     j.v = (const float *const *)kv->v;
     j.stride = (size_t)c->head_size;
+    if (!p->s.exact_prefill) {   /* the tiled path: the rows packed once for every chunk */
+        if (tl_prefill_tiles_init(&tiles, c, (int)(pos0 + n)))
+            return tl__fail(p->err, sizeof p->err, "attend: out of memory");
+        tl_prefill_pack(c, j.k, j.v, j.stride, 0, (int)(pos0 + n), &tiles);
+        j.tiles = &tiles;
+    }
     j.att = p->att;
     j.out = p->heads;
     j.att_per_part = p->att_per_part;
@@ -362,11 +370,14 @@ static int tlpq__prefill_attend(void *user, int lib_layer, size_t pos0, size_t n
         j.n = (int)nb;
         j.q = q + c0 * qd;
         tl_parallel(&p->s, tl__causal_part, &j);
-        if (tl_layer_out_ffn_batch(p->m, &p->s, layer, (int)nb, p->hidden + c0 * dim, p->heads))
+        if (tl_layer_out_ffn_batch(p->m, &p->s, layer, (int)nb, p->hidden + c0 * dim, p->heads)) {
+            tl_prefill_tiles_free(&tiles);
             return tl__fail(p->err, sizeof p->err, "attend: out of memory");
+        }
         if (p->progress)
             p->progress(p->progress_user, layer, c->n_layers, (int)(c0 + nb - first), (int)(n - first));
     }
+    tl_prefill_tiles_free(&tiles);
     for (l = layer + 1; lib_layer == p->n_lib - 1 && l < c->n_layers; l++)
         if (tlpq__local_prefill(p, l, pos0, n))
             return -1;

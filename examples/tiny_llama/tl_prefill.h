@@ -25,6 +25,21 @@ void tl_attend_prefill(const tl_config *c, int pos0, int n, const float *q,
                        const float *const *k, const float *const *v, size_t stride, int window,
                        float *work, float *out);
 
+/* A layer's keys and values packed once as the tiles' kernels read them, for positions
+   0 .. positions-1 in tiles of 64: the query tiles of every chunk and thread then read
+   them instead of packing each key tile they meet again (tl_attend_prompt's tiles). */
+typedef struct tl_prefill_tiles {
+    float *kt, *vt; /* per KV head g, tile t: kt + (g * tiles + t) * head_size * 64, and vt
+                       + (g * tiles + t) * head_size (rounded up to 16) * 64 floats     */
+    int tiles;      /* tiles per KV head                                               */
+} tl_prefill_tiles;
+/* Allocates (zeroed) tiles for positions 0 .. positions-1; -1 when out of memory. */
+int tl_prefill_tiles_init(tl_prefill_tiles *t, const tl_config *c, int positions);
+void tl_prefill_tiles_free(tl_prefill_tiles *t);
+/* Packs the rows of positions from .. to-1 (row p of KV head g at k[g] + p * stride). */
+void tl_prefill_pack(const tl_config *c, const float *const *k, const float *const *v, size_t stride, int from,
+                     int to, tl_prefill_tiles *t);
+
 #endif /* TL_PREFILL_H */
 
 /* ============================================================================
@@ -252,7 +267,50 @@ typedef struct {
     const tl_config *c;
     int pos0, window, group, hs, simd, origin;
     float *qt, *o, *s, *kt, *vt, *mx, *sum;
+    const tl_prefill_tiles *tiles; /* packed keys and values, or NULL: each tile packs */
 } tl__pf_ctx;
+
+static size_t tl__pf_vt_floats(int hs) { return (size_t)(hs + 15) / 16 * 16 * TL__PF_TK; }
+
+int tl_prefill_tiles_init(tl_prefill_tiles *t, const tl_config *c, int positions)
+{
+    size_t n;
+    t->tiles = (positions + TL__PF_TK - 1) / TL__PF_TK;
+    n = (size_t)c->n_kv_heads * (size_t)t->tiles;
+    t->kt = (float *)calloc(n * (size_t)c->head_size * TL__PF_TK, sizeof(float));
+    t->vt = (float *)calloc(n * tl__pf_vt_floats(c->head_size), sizeof(float));
+    if (!t->kt || !t->vt) {
+        tl_prefill_tiles_free(t);
+        return -1;
+    }
+    return 0;
+}
+
+void tl_prefill_tiles_free(tl_prefill_tiles *t)
+{
+    free(t->kt);
+    free(t->vt);
+    t->kt = t->vt = NULL;
+    t->tiles = 0;
+}
+
+void tl_prefill_pack(const tl_config *c, const float *const *k, const float *const *v, size_t stride, int from,
+                     int to, tl_prefill_tiles *t)
+{
+    int hs = c->head_size, g, p, d;
+    size_t kts = (size_t)hs * TL__PF_TK, vts = tl__pf_vt_floats(hs);
+    for (g = 0; g < c->n_kv_heads; g++)
+        for (p = from; p < to; p++) {
+            size_t tile = (size_t)g * (size_t)t->tiles + (size_t)(p / TL__PF_TK);
+            float *kt = t->kt + tile * kts, *vt = t->vt + tile * vts;
+            const float *kr = k[g] + (size_t)p * stride, *vr = v[g] + (size_t)p * stride;
+            int j = p % TL__PF_TK;
+            for (d = 0; d < hs; d++) {
+                kt[TL__PF_KT(hs, d, j)] = kr[d];
+                vt[TL__PF_VT(d, j)] = vr[d];
+            }
+        }
+}
 
 static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, const float *vg, size_t stride,
                         int h0, int t0, int t1, float *out)
@@ -261,6 +319,7 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
     int group = x->group, hs = x->hs, rows = (t1 - t0) * group, r, d, j;
     int pmin = x->pos0 + t0, pmax = x->pos0 + t1 - 1, k0;
     int lo = x->window > 0 && pmin - x->window + 1 > 0 ? pmin - x->window + 1 : 0, k1;
+    const float *kt, *vt;
     size_t qd = (size_t)c->n_heads * (size_t)hs;
     float scale = tl_attn_scale(c);
 
@@ -281,33 +340,41 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
         k1 = k0 - (k0 + x->origin) % TL__PF_TK + TL__PF_TK;
         nk = (pmax + 1 < k1 ? pmax + 1 : k1) - k0;
         ncol = (nk + 7) / 8 * 8;
-        j = 0;
+        if (x->tiles) {   /* packed once (columns past nk: zeros or later keys, masked) */
+            size_t tile = (size_t)(h0 / group) * (size_t)x->tiles->tiles + (size_t)(k0 / TL__PF_TK);
+            kt = x->tiles->kt + tile * (size_t)hs * TL__PF_TK;
+            vt = x->tiles->vt + tile * tl__pf_vt_floats(hs);
+        } else {
+            kt = x->kt;
+            vt = x->vt;
+            j = 0;
 #ifdef TL__X86
-        if (x->simd)   /* the keys transposed, 8 at a time */
-            for (; j + 8 <= nk; j += 8)
-                tl__pf_transpose8_avx2(kg + (size_t)(k0 + j) * stride, stride, hs, x->kt, j);
+            if (x->simd)   /* the keys transposed, 8 at a time */
+                for (; j + 8 <= nk; j += 8)
+                    tl__pf_transpose8_avx2(kg + (size_t)(k0 + j) * stride, stride, hs, x->kt, j);
 #endif
-        for (; j < nk; j++) {   /* the rest one by one (padding columns 0) */
-            const float *kr = kg + (size_t)(k0 + j) * stride;
-            for (d = 0; d < hs; d++)
-                x->kt[TL__PF_KT(hs, d, j)] = kr[d];
+            for (; j < nk; j++) {   /* the rest one by one (padding columns 0) */
+                const float *kr = kg + (size_t)(k0 + j) * stride;
+                for (d = 0; d < hs; d++)
+                    x->kt[TL__PF_KT(hs, d, j)] = kr[d];
+            }
+            for (j = 0; j < nk; j++) {   /* the values in blocks of 16 columns */
+                const float *vr = vg + (size_t)(k0 + j) * stride;
+                for (d = 0; d + 16 <= hs; d += 16)
+                    memcpy(x->vt + TL__PF_VT(d, j), vr + d, 16 * sizeof(float));
+                for (; d < hs; d++)
+                    x->vt[TL__PF_VT(d, j)] = vr[d];
+            }
+            for (; j < ncol; j++)
+                for (d = 0; d < hs; d++)
+                    x->kt[TL__PF_KT(hs, d, j)] = 0;
         }
-        for (j = 0; j < nk; j++) {   /* the values in blocks of 16 columns */
-            const float *vr = vg + (size_t)(k0 + j) * stride;
-            for (d = 0; d + 16 <= hs; d += 16)
-                memcpy(x->vt + TL__PF_VT(d, j), vr + d, 16 * sizeof(float));
-            for (; d < hs; d++)
-                x->vt[TL__PF_VT(d, j)] = vr[d];
-        }
-        for (; j < ncol; j++)
-            for (d = 0; d < hs; d++)
-                x->kt[TL__PF_KT(hs, d, j)] = 0;
 #ifdef TL__X86
         if (x->simd)
-            tl__pf_scores_avx2(x->qt, x->kt, rows, hs, ncol, x->s);
+            tl__pf_scores_avx2(x->qt, kt, rows, hs, ncol, x->s);
         else
 #endif
-            tl__pf_scores_c(x->qt, x->kt, rows, hs, ncol, x->s);
+            tl__pf_scores_c(x->qt, kt, rows, hs, ncol, x->s);
         for (r = 0; r < rows; r++) {   /* the online softmax, row by row */
             int p = x->pos0 + t0 + r / group;
             int a = x->window > 0 && p - x->window + 1 > k0 ? p - x->window + 1 - k0 : 0;
@@ -348,10 +415,10 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
         }
 #ifdef TL__X86
         if (x->simd)
-            tl__pf_values_avx2(x->s, x->vt, nk, rows, hs, x->o);
+            tl__pf_values_avx2(x->s, vt, nk, rows, hs, x->o);
         else
 #endif
-            tl__pf_values_c(x->s, x->vt, nk, rows, hs, x->o);
+            tl__pf_values_c(x->s, vt, nk, rows, hs, x->o);
     }
     for (r = 0; r < rows; r++) {
         float *dst = out + (size_t)(t0 + r / group) * qd + (size_t)(h0 + r % group) * (size_t)hs;
@@ -367,7 +434,7 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
    positions, so a token's output is the same whichever rows are passed) */
 static void tl__attend_prefill_ex(const tl_config *c, int pos0, int n, const float *q,
                                   const float *const *k, const float *const *v, size_t stride, int window,
-                                  float *work, float *out, int simd, int origin)
+                                  float *work, float *out, int simd, int origin, const tl_prefill_tiles *tiles)
 {
     tl__pf_ctx x;
     int tq = tl__pf_tokens(c), g, t0;
@@ -376,6 +443,7 @@ static void tl__attend_prefill_ex(const tl_config *c, int pos0, int n, const flo
     x.pos0 = pos0;
     x.window = window;
     x.origin = origin;
+    x.tiles = origin == 0 ? tiles : NULL;   /* the tiles start at position 0 */
     x.group = c->n_heads / c->n_kv_heads;
     x.hs = c->head_size;
     rows = (size_t)tq * (size_t)x.group;
@@ -401,7 +469,7 @@ void tl_attend_prefill(const tl_config *c, int pos0, int n, const float *q,
                        const float *const *k, const float *const *v, size_t stride, int window,
                        float *work, float *out)
 {
-    tl__attend_prefill_ex(c, pos0, n, q, k, v, stride, window, work, out, 1, 0);
+    tl__attend_prefill_ex(c, pos0, n, q, k, v, stride, window, work, out, 1, 0, NULL);
 }
 
 #endif /* TL_PREFILL implementation */
