@@ -21,6 +21,9 @@ medians: SmolLM2 at 8K tokens (--tokens; 0: skip), and Gemma 3 270M at --gemma-t
 (0: skip). The prompt is the needle prompt (the fact at 40%); -e keeps decoding past the
 answer, so every run decodes --steps - 1 steps.
 
+--grid: the needle grid at --tokens (depths x keys), SmolLM2: llama.cpp's own attention in
+every cell, pqcache at budget 0.1 where it retrieves.
+
 Needs only python3 and build/pqc_llama.
 """
 import argparse
@@ -196,6 +199,25 @@ def bench(tmp, threads, n_tokens, gemma_tokens, reps, steps):
         print(figure(r"^(pqcache: \d+ layers served.*)$", reports["pqcache"], str))
 
 
+def grid(tmp, threads, n_tokens, depths, keys):
+    """the needle grid at n_tokens: llama.cpp's own attention in every cell, pqcache at
+    budget 0.1 in the cells it retrieves (the scored cells)"""
+    scored = found = 0
+    for key in keys:
+        for depth in depths:
+            path, n = needle_prompt(tmp, SMOLLM2, n_tokens, depth, key)
+            base = ["-m", SMOLLM2, "-f", path, "-n", "6", "-t", str(threads)]
+            full = run(base + ["-a", "full"]).stdout.strip()
+            line = "%d tokens, depth %.2f, key %d: llama.cpp %r" % (n, depth, key, full)
+            if str(key) in full:
+                pq = run(base + ["-a", "pqcache", "-b", "0.1"]).stdout.strip()
+                scored += 1
+                found += str(key) in pq
+                line += ", pqcache %r" % pq
+            print(line, flush=True)
+    print("pqcache retrieves %d of the %d cells where llama.cpp's own attention does" % (found, scored))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench", action="store_true")
@@ -204,12 +226,18 @@ def main():
     ap.add_argument("--gemma-tokens", type=int, default=0)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=65)
+    ap.add_argument("--grid", action="store_true", help="the needle grid at --tokens (SmolLM2)")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--keys", default="58209,71432")
     a = ap.parse_args()
     if not os.path.exists(BIN):
         sys.exit("test_llama_cpp: build/pqc_llama is missing (make build/pqc_llama)")
     if not os.path.exists(SMOLLM2):
         sys.exit("test_llama_cpp: %s is missing (sh tools/setup.sh fetches it)" % SMOLLM2)
     with tempfile.TemporaryDirectory() as tmp:
+        if a.grid:
+            grid(tmp, a.threads, a.tokens, [float(x) for x in a.depths.split(",")], [int(x) for x in a.keys.split(",")])
+            return
         if a.bench:
             bench(tmp, a.threads, a.tokens, a.gemma_tokens, a.reps, a.steps)
             return
