@@ -61,12 +61,15 @@ static int tl__pf_tokens(const tl_config *c)
     return group >= rows ? 1 : rows / group;
 }
 
+/* floats of one tile of values packed in blocks of 16 columns */
+static size_t tl__pf_vt_floats(int hs) { return (size_t)(hs + 15) / 16 * 16 * TL__PF_TK; }
+
 size_t tl_attend_prefill_work(const tl_config *c)
 {
     size_t rows = (size_t)tl__pf_tokens(c) * (size_t)(c->n_heads / c->n_kv_heads), hs = (size_t)c->head_size;
     /* the queries and the output of a tile, its scores, the keys transposed and the values
        packed (columns in blocks of 16), max and sum */
-    return 2 * rows * hs + rows * TL__PF_TK + hs * TL__PF_TK + (hs + 15) / 16 * 16 * TL__PF_TK + 2 * rows;
+    return 2 * rows * hs + rows * TL__PF_TK + hs * TL__PF_TK + tl__pf_vt_floats(c->head_size) + 2 * rows;
 }
 
 /* ----------------------------------------------------------------------------
@@ -270,8 +273,6 @@ typedef struct {
     const tl_prefill_tiles *tiles; /* packed keys and values, or NULL: each tile packs */
 } tl__pf_ctx;
 
-static size_t tl__pf_vt_floats(int hs) { return (size_t)(hs + 15) / 16 * 16 * TL__PF_TK; }
-
 int tl_prefill_tiles_init(tl_prefill_tiles *t, const tl_config *c, int positions)
 {
     size_t n;
@@ -458,7 +459,7 @@ static void tl__attend_prefill_ex(const tl_config *c, int pos0, int n, const flo
     x.s = x.o + rows * (size_t)x.hs;
     x.kt = x.s + rows * TL__PF_TK;
     x.vt = x.kt + (size_t)x.hs * TL__PF_TK;
-    x.mx = x.vt + (size_t)(x.hs + 15) / 16 * 16 * TL__PF_TK;
+    x.mx = x.vt + tl__pf_vt_floats(x.hs);
     x.sum = x.mx + rows;
     for (g = 0; g < c->n_kv_heads; g++)
         for (t0 = 0; t0 < n; t0 += tq)
