@@ -239,8 +239,8 @@ test-python: $(DEPS_test-python)
 # The groups, longest first (a parallel make starts them in this order). `make test` runs
 # them in one parallel make: each run-GROUP target builds GROUP's programs (DEPS_GROUP)
 # alongside everything else, then runs the group (tests/run_group.sh).
-TEST_GROUPS := test-cuda-emu test-tsan test-asan test-example-san test-fuzz test-variants test-core test-aarch64 tiny_llama_test \
-               test-mpi test-transformers test-compile test-nvrtc test-python test-harness test-header
+TEST_GROUPS := test-transformers test-cuda-emu test-tsan test-asan test-example-san test-fuzz test-variants test-core test-aarch64 \
+               tiny_llama_test test-mpi test-compile test-nvrtc test-python test-harness test-header
 # (tools/setup.sh first: it installs what the groups need and is missing, once, and where it
 # cannot, it says what is missing and make test stops before running anything)
 test:
