@@ -299,8 +299,11 @@ typedef enum pqc_subspaces {
 } pqc_subspaces;
 
 typedef struct pqc_pq_desc {
-    int m;                       /* sub-spaces; must divide d_h. 0 = PQC_DEFAULT_M where it
-                                    divides d_h (and d_h/2 for rope bands), else 2, else 1 */
+    int m;                       /* sub-spaces; must divide d_h. 0 = the default: d_h/32
+                                    (codes of 1/64 of an fp16 key's bytes at 8 bits) and at
+                                    least PQC_DEFAULT_M, where that divides d_h (and d_h/2
+                                    for rope bands); else PQC_DEFAULT_M, 2 or 1, the
+                                    largest that divides                                  */
     int bits;                    /* bits per code, 1..8 (2^bits centroids). 0 = the default */
     int iters;                   /* Lloyd iterations T. 0 = the default (PQC_DEFAULT_ITERS;
                                     in a cache with a scheduler, the scheduler's choice);
@@ -334,8 +337,9 @@ typedef struct pqc_pq_desc {
 /* What 0 means in a pqc_pq_desc. Every desc of the library follows one rule: 0 is the
    default (a PQC_DEFAULT_ constant), and where an option can be nothing (no sinks, no
    block cache, no iterations, ...) a negative value means none. */
-#define PQC_DEFAULT_M 4    /* with 8 bits: 4 bytes of codes per token and KV head, the */
-#define PQC_DEFAULT_BITS 8 /* paper's operating point (see docs/benchmarks.md, suite)  */
+#define PQC_DEFAULT_M 4    /* the fewest by default: with 8 bits 4 bytes of codes per  */
+#define PQC_DEFAULT_BITS 8 /* token and KV head, 1/64 of a 128-wide fp16 key (the
+                              paper's operating point); wider keys get d_h/32 (m 8 at 256) */
 #define PQC_DEFAULT_ITERS 10
 #define PQC_DEFAULT_MAX_POINTS_PER_CENTROID 256
 
@@ -5782,9 +5786,12 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
 {
     if (in) *d = *in;
     else memset(d, 0, sizeof *d);
-    if (d->m == 0) { /* the default, or the largest of 2 and 1 that divides the dims */
+    if (d->m == 0) { /* d_h/32 (at least the default), or the largest of the default, 2, 1
+                        that divides the dims */
         int need = d->subspaces == PQC_SUBSPACES_ROPE_BANDS && dim % 2 == 0 ? dim / 2 : dim;
-        d->m = need > 0 && need % PQC_DEFAULT_M == 0 ? PQC_DEFAULT_M : need > 0 && need % 2 == 0 ? 2 : 1;
+        int wide = dim / 32 > PQC_DEFAULT_M ? dim / 32 : PQC_DEFAULT_M;
+        d->m = need > 0 && need % wide == 0 ? wide
+             : need > 0 && need % PQC_DEFAULT_M == 0 ? PQC_DEFAULT_M : need > 0 && need % 2 == 0 ? 2 : 1;
     }
     if (d->bits == 0) d->bits = PQC_DEFAULT_BITS;
     if (d->iters == 0) d->iters = PQC_DEFAULT_ITERS;

@@ -67,6 +67,11 @@ METHODS = {
     "even-l2": (dict(budget_ratio=BUDGET, split="fixed_compete", metric="l2"), True),
     "mfloor0.1": (dict(budget_ratio=BUDGET, metric_floor=0.1), True),   # flatter query weighting
     "mfloor1": (dict(budget_ratio=BUDGET, metric_floor=1.0), True),
+    "m4": (dict(budget_ratio=BUDGET, m=4), True),     # codes of 4 bytes whatever the key's width
+    "m8": (dict(budget_ratio=BUDGET, m=8), True),     # 8 bytes (1/64 of a 256-wide fp16 key)
+    "m16": (dict(budget_ratio=BUDGET, m=16), True),
+    "m8-l2": (dict(budget_ratio=BUDGET, m=8, metric="l2"), True),
+    "m8-rerank1.5": (dict(budget_ratio=BUDGET, m=8, rerank=1.5), True),
 }
 # the methods each part runs unless --methods says otherwise (full attention always)
 PART_METHODS = {"needles": ["default", "oracle", "window", "previous"],

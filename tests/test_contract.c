@@ -165,6 +165,28 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
     PASS();
 }
 
+/* The default m follows the key's width: d_h/32 sub-spaces of 8 bits (codes of 1/64 of an
+   fp16 key's bytes), 4 at the fewest; where that does not divide the dims (or the rotation
+   pairs, where rope bands are asked for) the largest of 4, 2, 1 that does. Rope bands are
+   the sub-spaces where m divides the pairs (d_h 36: m 4 over contiguous dims). */
+TEST default_codes_follow_the_keys_width(void)
+{
+    static const struct { int d, rope, m; } want[] = {
+        {64, 1, 4}, {128, 1, 4}, {256, 1, 8}, {512, 2, 16}, {96, 1, 4}, {80, 0, 4}, {192, 1, 6},
+        {320, 1, 10}, {160, 1, 5}, {160, 0, 5}, {36, 1, 4}, {6, 0, 2}, {7, 0, 1}};
+    size_t i;
+    for (i = 0; i < sizeof want / sizeof want[0]; i++) {
+        pqc_cache_desc cd = tu_cache_desc(1, 1, 2, want[i].d), r;
+        cd.pq.m = 0;
+        cd.pq.bits = 0;
+        cd.pq.rope = (pqc_rope)want[i].rope;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
+        ASSERT_EQm("m of the default", want[i].m, r.pq.m);
+        ASSERT_EQ(8, r.pq.bits);
+    }
+    PASS();
+}
+
 /* ----- hostile sizes and values ------------------------------------------------------ */
 
 TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
@@ -1785,6 +1807,7 @@ SUITE(contract)
 {
     RUN_TEST(batch_refuses_one_cache_twice);
     RUN_TEST(resolved_configuration_names_its_defaults_and_each_rule);
+    RUN_TEST(default_codes_follow_the_keys_width);
     RUN_TEST(fetch_with_fewer_tokens_than_sinks_stays_in_bounds);
     RUN_TEST(fetch_on_a_layer_without_prefill_is_refused);
     RUN_TEST(selection_count_beyond_capacity_is_refused);
