@@ -24,7 +24,7 @@ from them (observe, prefill), then decodes greedily (needles) or teacher-forced 
 
 usage: bench_real.py [--model smollm2|gemma3] [--half tune|report|both] [--quick] [--out DIR]
        [--methods a,b,...] [--parts needles,nll,mass] [--lengths 2048,...] [--depths 0.1,...]
-       [--keys N]
+       [--keys N] [--nll-steps N]
 """
 import argparse
 import json
@@ -67,11 +67,17 @@ METHODS = {
     "even-l2": (dict(budget_ratio=BUDGET, split="fixed_compete", metric="l2"), True),
     "mfloor0.1": (dict(budget_ratio=BUDGET, metric_floor=0.1), True),   # flatter query weighting
     "mfloor1": (dict(budget_ratio=BUDGET, metric_floor=1.0), True),
+    "m2": (dict(budget_ratio=BUDGET, m=2), True),     # 2 bytes (1/64 of a 64-wide fp16 key)
     "m4": (dict(budget_ratio=BUDGET, m=4), True),     # codes of 4 bytes whatever the key's width
     "m8": (dict(budget_ratio=BUDGET, m=8), True),     # 8 bytes (1/64 of a 256-wide fp16 key)
     "m16": (dict(budget_ratio=BUDGET, m=16), True),
     "m8-l2": (dict(budget_ratio=BUDGET, m=8, metric="l2"), True),
     "m8-rerank1.5": (dict(budget_ratio=BUDGET, m=8, rerank=1.5), True),
+    "m8-resid0.15": (dict(budget_ratio=BUDGET, m=8, residual_weight=0.15), True),
+    "m8-out64": (dict(budget_ratio=BUDGET, m=8, outliers=64), True),
+    "m8-mfloor0.1": (dict(budget_ratio=BUDGET, m=8, metric_floor=0.1), True),
+    "m8-mfloor10": (dict(budget_ratio=BUDGET, m=8, metric_floor=10.0), True),
+    "m8-sum": (dict(budget_ratio=BUDGET, m=8, gqa="sum"), True),
 }
 # the methods each part runs unless --methods says otherwise (full attention always)
 PART_METHODS = {"needles": ["default", "oracle", "window", "previous"],
@@ -442,6 +448,7 @@ def main():
     ap.add_argument("--lengths", default="")
     ap.add_argument("--depths", default="")
     ap.add_argument("--keys", type=int, default=0, help="the first N of the half's passkeys (default: all 3)")
+    ap.add_argument("--nll-steps", type=int, default=64, help="teacher-forced tokens of the nll part (default 64)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a few cells of each part (a smoke run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "build", "bench_real"))
@@ -464,7 +471,8 @@ def main():
             for part in a.parts.split(","):
                 methods = ["full"] + [m for m in (chosen or PART_METHODS[part]) if m != "full"]
                 every += [m for m in methods if m not in every]
-                rows += {"needles": needles, "nll": nll, "mass": mass}[part](M, half, methods, lengths, out, a.quick)
+                kw = dict(steps=a.nll_steps) if part == "nll" else {}
+                rows += {"needles": needles, "nll": nll, "mass": mass}[part](M, half, methods, lengths, out, a.quick, **kw)
     text = summary(rows, every)
     print("=== %s, budget %.2f, library defaults, RoPE layout stated (half), prompt's last 32 queries observed" % (
         a.model, BUDGET))
