@@ -24,7 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PREFILL_CHUNK 256   /* tokens per tl_forward_chunk call (a progress line each) */
 
 /* ----------------------------------------------------------------------------
    Options */
@@ -379,24 +378,30 @@ static float *end_progress(engine *e, float *logits)
     return logits;
 }
 
+/* prefill progress, layer-major (the plain modes' tl_forward_chunk and the pqcache
+   mode's driver alike) */
+static void prefill_progress(void *user, int layer, int n_layers, int done, int total)
+{
+    engine *e = (engine *)user;
+    double now = tl_time_s();
+    if (now - e->last < 0.25 || done >= total)
+        return;
+    fprintf(stderr, "\rprefill layer %d/%d: %d/%d tokens (%.0f%%), %.1f s   ", layer + 1,
+            n_layers, done, total, 100.0 * done / total, now - e->t0);
+    e->last = now;
+    e->progress_shown = 1;
+}
+
+/* the whole prompt in one call: layer by layer, its keys and values packed once per
+   layer for the tiled attention */
 static float *plain_prefill(engine *e, const int *tokens, int n)
 {
-    float *logits = NULL;
-    int pos, nb;
-    double now;
+    float *logits;
     e->t0 = e->last = tl_time_s();
-    for (pos = 0; pos < n; pos += nb) {   /* chunks: the projections as matrix-matrix products */
-        nb = n - pos < PREFILL_CHUNK ? n - pos : PREFILL_CHUNK;
-        if (!(logits = tl_forward_chunk(e->m, &e->s, tokens + pos, nb, pos)))
-            return NULL;
-        now = tl_time_s();
-        if (now - e->last >= 0.25 && pos + nb < n) {
-            fprintf(stderr, "\rprefill %d/%d tokens (%.0f%%), %.1f tok/s   ", pos + nb, n,
-                    100.0 * (pos + nb) / n, (pos + nb) / (now - e->t0));
-            e->last = now;
-            e->progress_shown = 1;
-        }
-    }
+    e->s.progress = prefill_progress;
+    e->s.progress_user = e;
+    logits = tl_forward_chunk(e->m, &e->s, tokens, n, 0);
+    e->s.progress = NULL;
     return end_progress(e, logits);
 }
 
@@ -437,23 +442,10 @@ static void plain_report(engine *e, int n_prompt, int decoded)
 
 static void plain_destroy(engine *e) { tl_free_state(&e->s); }
 
-/* prefill progress of the pqcache mode (layer-major) */
-static void pq_progress(void *user, int layer, int n_layers, int done, int total)
-{
-    engine *e = (engine *)user;
-    double now = tl_time_s();
-    if (now - e->last < 0.25 || done >= total)
-        return;
-    fprintf(stderr, "\rprefill layer %d/%d: %d/%d tokens (%.0f%%), %.1f s   ", layer + 1,
-            n_layers, done, total, 100.0 * done / total, now - e->t0);
-    e->last = now;
-    e->progress_shown = 1;
-}
-
 static float *pq_prefill(engine *e, const int *tokens, int n)
 {
     e->t0 = e->last = tl_time_s();
-    e->lib.progress = pq_progress;
+    e->lib.progress = prefill_progress;
     e->lib.progress_user = e;
     return end_progress(e, tlpq_prefill(&e->lib, tokens, n));
 }

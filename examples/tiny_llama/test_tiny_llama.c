@@ -567,6 +567,97 @@ TEST projection_kernels_equal_the_portable_dot_products_to_the_bit(void)
     PASS();
 }
 
+/* The prompt's projections (tl__mm_multi): the tiled products against sums in double
+   for every shape part of the kernels (rows in panels of 6 and their rest, tokens in
+   blocks of 16 and 8 and their rest, widths with and without a multiple of 8), weights
+   as stored; the same bits whether the matrices go together or one by one, and on one
+   thread or two (each output's sum runs over k in order whoever computes it). */
+TEST prompt_projections_equal_the_sums_to_rounding(void)
+{
+    static const int widths[] = { 8, 13, 64, 71, 576 };
+    static const int tokens[] = { 1, 5, 8, 13, 16, 17, 40 };
+    static const int types[] = { TL_F32, TL_BF16, TL_F16 };
+    static const int rows[3] = { 7, 16, 25 };
+    tl_state one, two;
+    int wi, ti, ty, i, r, t, k, cases = 0;
+    double worst = 0;
+    memset(&one, 0, sizeof one);
+    memset(&two, 0, sizeof two);
+    two.pool = tl__pool_create(2);
+    two.n_threads = 2;
+    for (wi = 0; wi < 5; wi++)
+        for (ti = 0; ti < 7; ti++)
+            for (ty = 0; ty < 3; ty++) {
+                int n = widths[wi], nt = tokens[ti], dt = types[ty], ok = 1;
+                size_t es = dt == TL_F32 ? 4u : 2u;
+                unsigned char *w[3];
+                float *x = (float *)malloc((size_t)nt * (size_t)n * sizeof(float)), *out[3], *sep[3], *par[3];
+                tl_mat m[3];
+                const tl_mat *mp[3];
+                for (i = 0; i < 3; i++) {
+                    w[i] = (unsigned char *)malloc((size_t)rows[i] * (size_t)n * es);
+                    out[i] = (float *)malloc((size_t)nt * (size_t)rows[i] * sizeof(float));
+                    sep[i] = (float *)malloc((size_t)nt * (size_t)rows[i] * sizeof(float));
+                    par[i] = (float *)malloc((size_t)nt * (size_t)rows[i] * sizeof(float));
+                    ok &= w[i] && out[i] && sep[i] && par[i];
+                }
+                ok &= x != NULL;
+                if (ok) {
+                    random_elems(x, TL_F32, nt * n);
+                    for (i = 0; i < 3; i++) {
+                        random_elems(w[i], dt, rows[i] * n);
+                        m[i].data = w[i];
+                        m[i].dtype = dt;
+                        mp[i] = &m[i];
+                    }
+                    ok = tl__mm_multi(&one, x, nt, n, 3, mp, out, rows) == 0 &&
+                         tl__mm_multi(&two, x, nt, n, 3, mp, par, rows) == 0;
+                    for (i = 0; i < 3 && ok; i++)
+                        ok = tl__mm(&one, sep[i], x, nt, &m[i], n, rows[i]) == 0;
+                }
+                for (i = 0; i < 3 && ok; i++) {
+                    size_t bytes = (size_t)nt * (size_t)rows[i] * sizeof(float);
+                    if (memcmp(out[i], sep[i], bytes) != 0 || memcmp(out[i], par[i], bytes) != 0) {
+                        printf("  width %d, %d tokens, type %d, matrix %d\n", n, nt, dt, i);
+                        ok = 0;
+                        break;
+                    }
+                    for (t = 0; t < nt; t++)
+                        for (r = 0; r < rows[i]; r++) {
+                            double want = 0, mag = 0, err;
+                            for (k = 0; k < n; k++) {
+                                double p = (double)tl__elem(w[i] + (size_t)r * (size_t)n * es, dt, (size_t)k) *
+                                           (double)x[(size_t)t * (size_t)n + (size_t)k];
+                                want += p;
+                                mag += fabs(p);
+                            }
+                            err = fabs((double)out[i][(size_t)t * (size_t)rows[i] + (size_t)r] - want) / (mag + 1e-30);
+                            if (!(err <= 1e-6)) {
+                                printf("  width %d, %d tokens, type %d, matrix %d, token %d, row %d: error %g\n", n,
+                                       nt, dt, i, t, r, err);
+                                ok = 0;
+                            }
+                            worst = err > worst ? err : worst;
+                        }
+                }
+                free(x);
+                for (i = 0; i < 3; i++) {
+                    free(w[i]); free(out[i]); free(sep[i]); free(par[i]);
+                }
+                if (!ok) {
+                    tl_free_state(&one);
+                    tl_free_state(&two);
+                    FAILm("the prompt's projections differ from the sums, or between their orders");
+                }
+                cases++;
+            }
+    tl_free_state(&one);
+    tl_free_state(&two);
+    printf("  %d cases, largest difference %.2g of the sum of magnitudes\n", cases, worst);
+    ASSERT_EQ(5 * 7 * 3, cases);
+    PASS();
+}
+
 /* Decode attention over the host cache (every head the same positions, read
    together for the heads of a thread) and over rows given one by one, for
    head sizes that use each part of the kernels and lengths with partial
@@ -789,6 +880,7 @@ SUITE(sampling)
 SUITE(kernels)
 {
     RUN_TEST(projection_kernels_equal_the_portable_dot_products_to_the_bit);
+    RUN_TEST(prompt_projections_equal_the_sums_to_rounding);
     RUN_TEST(attention_kernels_equal_the_portable_loops_to_the_bit);
     RUN_TEST(prompt_attention_tiles_equal_the_causal_loops_to_rounding);
 }

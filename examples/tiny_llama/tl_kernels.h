@@ -869,21 +869,49 @@ static void tl__gate_run(tl_state *s, const tl_config *c, float *h1, const float
     tl_parallel(s, tl__gate_part, &j);
 }
 
-/* Matrix-matrix: out (t, d) = x (t, n) w^T for t tokens.
+/* s's scratch buffer slot (0 .. TL_SCRATCH_SLOTS-1) of at least n floats, its contents
+   undefined; NULL when memory runs out (the slot's previous buffer stays) */
+static float *tl__scratch(tl_state *s, int slot, size_t n)
+{
+    if (s->scratch_n[slot] < n) {
+        float *p = (float *)realloc(s->scratch[slot], n * sizeof(float));
+        if (!p)
+            return NULL;
+        s->scratch[slot] = p;
+        s->scratch_n[slot] = n;
+    }
+    return s->scratch[slot];
+}
+#define TL__SCRATCH_XT 0   /* tl__mm: x transposed      */
+#define TL__SCRATCH_MM 1   /* tl__mm: the threads' rows */
+#define TL__SCRATCH_XN 2   /* the batched stages' own   */
+#define TL__SCRATCH_TMP 3
+#define TL__SCRATCH_H1 4
+#define TL__SCRATCH_H3 5
+
+/* Matrix-matrix: out[i] (t, d[i]) = x (t, n) w[i]^T for t tokens and up to TL__MM_MAX
+   matrices that share x (one call: their rows split over the threads together).
    Exact (tl_state.exact_prefill, or no AVX2 + FMA): each output is tl__dot's sum, so the
    prompt's projections equal the decode step's to the bit; each thread converts its rows
    to fp32 once and multiplies them with every token.
-   Otherwise tiled: x transposed once into blocks of 16 tokens (block b holds element k of
-   token 16b + e at ((b n + k) 16 + e), tokens past t zero), then blocks of 6 weight rows x
-   16 tokens accumulated in registers over the whole of n (FMA), equal to rounding. */
+   Otherwise tiled: x transposed once (by the threads) into blocks of 16 tokens (block b
+   holds element k of token 16b + e at ((b n + k) 16 + e), tokens past t zero), then blocks
+   of 6 weight rows x 16 tokens accumulated in registers over the whole of n (FMA), equal
+   to rounding. */
+#define TL__MM_MAX 3
 typedef struct {
-    const tl_mat *w;
-    int n, d, t, tp;
-    const float *x;
+    int count;                /* matrices, 1 .. TL__MM_MAX */
+    const tl_mat *ws[TL__MM_MAX];
+    float *outs[TL__MM_MAX];
+    int ds[TL__MM_MAX], dsum; /* their rows, and the sum */
+    const tl_mat *w;          /* tl__mm_part: the one matrix, its output and rows */
     float *out;
+    int d;
+    int n, t, tp;
+    const float *x;
     float *buf;               /* nparts * 6 * (n + tp) floats: rows converted to fp32,
                                  and the tiled path's output block */
-    const float *xt;          /* tiled: x transposed in blocks of 16 tokens */
+    float *xt;                /* tiled: x transposed in blocks of 16 tokens */
 } tl__mm_job;
 
 /* row r of w as fp32: the stored floats, or a conversion into buf */
@@ -1002,67 +1030,143 @@ TL__FMA __attribute__((always_inline)) static inline void tl__fma_6x16(const flo
     default: TL__FMA_BLOCKS(1, add); break;           \
     }
 
-/* rows r0 .. r1-1 of w by 6 (converted to fp32 once) against every token, into a 6 x tp
-   buffer, then into out's columns */
-TL__FMA static void tl__mm_tiled_part(void *arg, int part, int nparts)
+/* x's rows u0 .. u0+7 (u0 a multiple of 8; rows stride apart), elements 0 .. n/8*8-1,
+   into xt's blocks of 16 rows (element k of row u at ((u/16) n + k) 16 + u%16): 8 x 8
+   blocks transposed in registers. The projections' tokens here, the keys of the prompt's
+   attention in tl_prefill.h (the same layout) */
+TL__FMA static void tl__transpose8_avx2(const float *x0, size_t stride, int n, float *xt, int u0)
 {
-    const tl__mm_job *j = (const tl__mm_job *)arg;
-    int r0 = (int)((long)j->d * part / nparts), r1 = (int)((long)j->d * (part + 1) / nparts), r, i, c, t;
-    int n = j->n, ncol = j->tp;
+    int k;
+    for (k = 0; k + 8 <= n; k += 8) {
+        __m256 r0 = _mm256_loadu_ps(x0 + k), r1 = _mm256_loadu_ps(x0 + stride + k);
+        __m256 r2 = _mm256_loadu_ps(x0 + 2 * stride + k), r3 = _mm256_loadu_ps(x0 + 3 * stride + k);
+        __m256 r4 = _mm256_loadu_ps(x0 + 4 * stride + k), r5 = _mm256_loadu_ps(x0 + 5 * stride + k);
+        __m256 r6 = _mm256_loadu_ps(x0 + 6 * stride + k), r7 = _mm256_loadu_ps(x0 + 7 * stride + k);
+        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+        __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+        __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+        __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+        __m256 v0 = _mm256_shuffle_ps(t0, t2, 0x44), v1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        __m256 v2 = _mm256_shuffle_ps(t1, t3, 0x44), v3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        __m256 v4 = _mm256_shuffle_ps(t4, t6, 0x44), v5 = _mm256_shuffle_ps(t4, t6, 0xee);
+        __m256 v6 = _mm256_shuffle_ps(t5, t7, 0x44), v7 = _mm256_shuffle_ps(t5, t7, 0xee);
+        float *o = xt + ((size_t)(u0 / 16) * (size_t)n + (size_t)k) * 16 + (size_t)(u0 % 16);
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(v0, v4, 0x20));
+        _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(v1, v5, 0x20));
+        _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(v2, v6, 0x20));
+        _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(v3, v7, 0x20));
+        _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(v0, v4, 0x31));
+        _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(v1, v5, 0x31));
+        _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(v2, v6, 0x31));
+        _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(v3, v7, 0x31));
+    }
+}
+
+/* tokens [u0, u1) of x (t x n; u0 a multiple of 16) into xt: eight at a time in
+   registers, the rest one by one; tokens past t zero */
+TL__FMA static void tl__mm_transpose(const float *x, int t, int n, int u0, int u1, float *xt)
+{
+    int u = u0, v, k, kv = n / 8 * 8;
+    for (; u + 8 <= u1 && u + 8 <= t; u += 8)
+        tl__transpose8_avx2(x + (size_t)u * (size_t)n, (size_t)n, n, xt, u);
+    for (v = u0; v < u1; v++) {
+        float *dst = xt + (size_t)(v / 16) * 16 * (size_t)n + (size_t)(v % 16);
+        for (k = v < u ? kv : 0; k < n; k++)
+            dst[(size_t)k * 16] = v < t ? x[(size_t)v * (size_t)n + (size_t)k] : 0.0f;
+    }
+}
+
+/* rows r0 .. r1-1 of matrix i by 6 (converted to fp32 once) against every token, into a
+   6 x tp buffer, then into its output's columns */
+TL__FMA static void tl__mm_tiled_rows(const tl__mm_job *j, int i, int r0, int r1, float *buf)
+{
+    const tl_mat *w = j->ws[i];
+    int n = j->n, ncol = j->tp, d = j->ds[i], r, e, c, t;
     size_t as = (size_t)n, os = (size_t)j->tp, bs = 16 * (size_t)n;
-    float *buf = j->buf + (size_t)part * 6 * (as + os), *o = buf + 6 * as;
+    float *o = buf + 6 * as, *out = j->outs[i];
     const float *b = j->xt;
     for (r = r0; r < r1; r += 6) {
         int mr = r1 - r < 6 ? r1 - r : 6;
-        const float *a = j->w->dtype == TL_F32 ? (const float *)j->w->data + (size_t)r * as : buf;
-        if (j->w->dtype != TL_F32)
-            for (i = 0; i < mr; i++)
-                tl__row_f32(j->w, n, r + i, buf + (size_t)i * as);
+        const float *a = w->dtype == TL_F32 ? (const float *)w->data + (size_t)r * as : buf;
+        if (w->dtype != TL_F32)
+            for (e = 0; e < mr; e++)
+                tl__row_f32(w, n, r + e, buf + (size_t)e * as);
         TL__FMA_ROWS(mr, 0);
         for (t = 0; t < j->t; t++)
-            for (i = 0; i < mr; i++)
-                j->out[(size_t)t * (size_t)j->d + (size_t)(r + i)] = o[(size_t)i * os + (size_t)t];
+            for (e = 0; e < mr; e++)
+                out[(size_t)t * (size_t)d + (size_t)(r + e)] = o[(size_t)e * os + (size_t)t];
     }
+}
+
+/* the part's share of the matrices' rows, taken together */
+TL__FMA static void tl__mm_tiled_part(void *arg, int part, int nparts)
+{
+    const tl__mm_job *j = (const tl__mm_job *)arg;
+    int a = (int)((long)j->dsum * part / nparts), b = (int)((long)j->dsum * (part + 1) / nparts), i, off = 0;
+    float *buf = j->buf + (size_t)part * 6 * ((size_t)j->n + (size_t)j->tp);
+    for (i = 0; i < j->count; off += j->ds[i], i++) {
+        int r0 = a > off ? a - off : 0, r1 = b - off < j->ds[i] ? b - off : j->ds[i];
+        if (r1 > r0)
+            tl__mm_tiled_rows(j, i, r0, r1, buf);
+    }
+}
+
+/* x's tokens by blocks of 16, split over the threads */
+TL__FMA static void tl__mm_transpose_part(void *arg, int part, int nparts)
+{
+    const tl__mm_job *j = (const tl__mm_job *)arg;
+    int blocks = (j->t + 15) / 16;
+    int b0 = (int)((long)blocks * part / nparts), b1 = (int)((long)blocks * (part + 1) / nparts);
+    if (b1 > b0)
+        tl__mm_transpose(j->x, j->t, j->n, 16 * b0, 16 * b1, j->xt);
 }
 #endif
 
-static int tl__mm(tl_state *s, float *out, const float *x, int t, const tl_mat *w, int n, int d)
+/* out[i] (t, d[i]) = x (t, n) w[i]^T for count (1 .. TL__MM_MAX) matrices; 0, or -1 when
+   memory runs out */
+static int tl__mm_multi(tl_state *s, const float *x, int t, int n, int count, const tl_mat *const *w,
+                        float *const *out, const int *d)
 {
     tl__mm_job j;
-    int parts = s->pool ? ((tl__pool *)s->pool)->n : 1;
-    float *xt = NULL;
-    j.w = w;
+    int parts = s->pool ? ((tl__pool *)s->pool)->n : 1, i;
+    memset(&j, 0, sizeof j);
+    j.count = count;
     j.n = n;
-    j.d = d;
     j.t = t;
     j.tp = (t + 7) / 8 * 8;
     j.x = x;
-    j.out = out;
-    j.xt = NULL;
-    j.buf = (float *)malloc((size_t)parts * 6 * ((size_t)n + (size_t)j.tp) * sizeof(float));
+    j.buf = tl__scratch(s, TL__SCRATCH_MM, (size_t)parts * 6 * ((size_t)n + (size_t)j.tp));
     if (!j.buf)
         return -1;
+    for (i = 0; i < count; i++) {
+        j.ws[i] = w[i];
+        j.outs[i] = out[i];
+        j.ds[i] = d[i];
+        j.dsum += d[i];
+    }
 #ifdef TL__X86
     if (!s->exact_prefill && tl__have_fma()) {
-        int k, u;
-        xt = (float *)calloc((size_t)n * (size_t)((t + 15) / 16 * 16), sizeof(float));
-        if (!xt) {
-            free(j.buf);
+        j.xt = tl__scratch(s, TL__SCRATCH_XT, (size_t)n * (size_t)((t + 15) / 16 * 16));
+        if (!j.xt)
             return -1;
-        }
-        for (u = 0; u < t; u++) {
-            float *dst = xt + (size_t)(u / 16) * 16 * (size_t)n + (size_t)(u % 16);
-            for (k = 0; k < n; k++)
-                dst[(size_t)k * 16] = x[(size_t)u * (size_t)n + (size_t)k];
-        }
-        j.xt = xt;
+        tl_parallel(s, tl__mm_transpose_part, &j);
         tl_parallel(s, tl__mm_tiled_part, &j);
-    } else
+        return 0;
+    }
 #endif
+    for (i = 0; i < count; i++) {
+        j.w = w[i];
+        j.out = out[i];
+        j.d = d[i];
         tl_parallel(s, tl__mm_part, &j);
-    free(xt);
-    free(j.buf);
+    }
     return 0;
+}
+
+/* out (t, d) = x (t, n) w^T */
+static int tl__mm(tl_state *s, float *out, const float *x, int t, const tl_mat *w, int n, int d)
+{
+    return tl__mm_multi(s, x, t, n, 1, &w, &out, &d);
 }
 
 #endif /* TL_KERNELS implementation */

@@ -167,6 +167,8 @@ typedef struct {
     const void *const *vrow; /* the same for values */
 } tl_kv_list;
 
+#define TL_SCRATCH_SLOTS 6
+
 typedef struct {
     int ctx;                  /* positions the cache holds (<= seq_len) */
     float *x;                 /* residual stream (dim) */
@@ -194,6 +196,13 @@ typedef struct {
                                  bit (projections by tl__dot's sums, attention by
                                  tl_attend_causal); 0 (default): tiled (projections in
                                  register blocks, tl_attend_prefill), equal to rounding */
+    /* tl_forward_chunk's progress, or NULL: called after each block of tokens of each
+       layer (layer-major; done of total tokens of that layer) */
+    void (*progress)(void *user, int layer, int n_layers, int done, int total);
+    void *progress_user;
+    /* the batched stages' buffers, kept between calls (grown as needed; internal) */
+    float *scratch[TL_SCRATCH_SLOTS];
+    size_t scratch_n[TL_SCRATCH_SLOTS];
 } tl_state;
 
 /* ctx: positions to hold; 0 (or more than seq_len) means seq_len.
@@ -505,10 +514,13 @@ int tl_build_state_ex(tl_state *s, const tl_config *c, int ctx, int n_threads, i
 
 void tl_free_state(tl_state *s)
 {
+    int i;
     free(s->x); free(s->xb); free(s->xb2); free(s->hb); free(s->hb2);
     free(s->q); free(s->att); free(s->logits); free(s->key_cache);
     free(s->value_cache); free(s->rope_cos); free(s->rope_sin); free(s->lists);
     free(s->list_pos); free(s->mass); free(s->select_tmp); free(s->rope_freq);
+    for (i = 0; i < TL_SCRATCH_SLOTS; i++)
+        free(s->scratch[i]);
     tl__pool_destroy((tl__pool *)s->pool);
     memset(s, 0, sizeof *s);
 }
@@ -1079,16 +1091,20 @@ int tl_layer_qkv_batch(const tl_model *m, tl_state *s, int layer, int pos0, int 
     const tl_config *c = &m->config;
     size_t dim = (size_t)c->dim, qd = (size_t)tl__qdim(c), kv = (size_t)c->kv_dim;
     tl_layer_weights lw;
-    float *xn = (float *)malloc((size_t)n * dim * sizeof(float));
-    int t, rc = -1;
+    float *xn = tl__scratch(s, TL__SCRATCH_XN, (size_t)n * dim);
+    const tl_mat *w[3];
+    float *out[3];
+    int d[3], t;
     if (!xn)
         return -1;
     tl__layer(m, layer, &lw);
     for (t = 0; t < n; t++)
         tl__rmsnorm(xn + (size_t)t * dim, x + (size_t)t * dim, lw.rms_att, c->dim, c->rms_eps);
-    if (tl__mm(s, q, xn, n, &lw.wq, c->dim, (int)qd) || tl__mm(s, k, xn, n, &lw.wk, c->dim, (int)kv) ||
-        tl__mm(s, v, xn, n, &lw.wv, c->dim, (int)kv))
-        goto out;
+    w[0] = &lw.wq; out[0] = q; d[0] = (int)qd;
+    w[1] = &lw.wk; out[1] = k; d[1] = (int)kv;
+    w[2] = &lw.wv; out[2] = v; d[2] = (int)kv;
+    if (tl__mm_multi(s, xn, n, c->dim, 3, w, out, d))
+        return -1;
     for (t = 0; t < n; t++) {
         float *qt = q + (size_t)t * qd, *kt = k + (size_t)t * kv, *vt = v + (size_t)t * kv;
         tl__qk_finish(c, &lw, qt, kt, vt);
@@ -1096,10 +1112,7 @@ int tl_layer_qkv_batch(const tl_model *m, tl_state *s, int layer, int pos0, int 
         tl__rope(qt, c->n_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
         tl__rope(kt, c->n_kv_heads, c->head_size, s->rope_cos, s->rope_sin, c->rope_layout);
     }
-    rc = 0;
-out:
-    free(xn);
-    return rc;
+    return 0;
 }
 
 int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, float *x,
@@ -1108,16 +1121,16 @@ int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, flo
     const tl_config *c = &m->config;
     size_t dim = (size_t)c->dim, hid = (size_t)c->hidden_dim, i, all = (size_t)n * dim;
     tl_layer_weights lw;
-    float *tmp = (float *)malloc(all * sizeof(float));
-    float *xn = (float *)malloc(all * sizeof(float));
-    float *h1 = (float *)malloc((size_t)n * hid * sizeof(float));
-    float *h3 = (float *)malloc((size_t)n * hid * sizeof(float));
-    int t, rc = -1;
+    float *tmp = tl__scratch(s, TL__SCRATCH_TMP, all), *xn = tl__scratch(s, TL__SCRATCH_XN, all);
+    float *h1 = tl__scratch(s, TL__SCRATCH_H1, (size_t)n * hid), *h3 = tl__scratch(s, TL__SCRATCH_H3, (size_t)n * hid);
+    const tl_mat *w[2];
+    float *out[2];
+    int d[2], t;
     if (!tmp || !xn || !h1 || !h3)
-        goto out;
+        return -1;
     tl__layer(m, layer, &lw);
     if (tl__mm(s, tmp, heads, n, &lw.wo, tl__qdim(c), c->dim))
-        goto out;
+        return -1;
     if (lw.rms_post_att)
         for (t = 0; t < n; t++)
             tl__rmsnorm(tmp + (size_t)t * dim, tmp + (size_t)t * dim, lw.rms_post_att, c->dim, c->rms_eps);
@@ -1125,24 +1138,19 @@ int tl_layer_out_ffn_batch(const tl_model *m, tl_state *s, int layer, int n, flo
         x[i] += tmp[i];
     for (t = 0; t < n; t++)
         tl__rmsnorm(xn + (size_t)t * dim, x + (size_t)t * dim, lw.rms_ffn, c->dim, c->rms_eps);
-    if (tl__mm(s, h1, xn, n, &lw.w1, c->dim, c->hidden_dim) ||
-        tl__mm(s, h3, xn, n, &lw.w3, c->dim, c->hidden_dim))
-        goto out;
+    w[0] = &lw.w1; out[0] = h1; d[0] = c->hidden_dim;
+    w[1] = &lw.w3; out[1] = h3; d[1] = c->hidden_dim;
+    if (tl__mm_multi(s, xn, n, c->dim, 2, w, out, d))
+        return -1;
     tl__gate_run(s, c, h1, h3, (size_t)n * hid);
     if (tl__mm(s, tmp, h1, n, &lw.w2, c->hidden_dim, c->dim))
-        goto out;
+        return -1;
     if (lw.rms_post_ffn)
         for (t = 0; t < n; t++)
             tl__rmsnorm(tmp + (size_t)t * dim, tmp + (size_t)t * dim, lw.rms_post_ffn, c->dim, c->rms_eps);
     for (i = 0; i < all; i++)
         x[i] += tmp[i];
-    rc = 0;
-out:
-    free(tmp);
-    free(xn);
-    free(h1);
-    free(h3);
-    return rc;
+    return 0;
 }
 
 typedef struct {
@@ -1223,18 +1231,26 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
         if (tiles.kt)   /* the positions before this prompt */
             tl_prefill_pack(c, kp, vp, kv, 0, pos0, &tiles);
         for (b0 = 0; b0 < n; b0 += TL_PREFILL_CHUNK) {
-            int nb = n - b0 < TL_PREFILL_CHUNK ? n - b0 : TL_PREFILL_CHUNK, p0 = pos0 + b0;
-            float *xb = x + (size_t)b0 * dim;
+            int nb = n - b0 < TL_PREFILL_CHUNK ? n - b0 : TL_PREFILL_CHUNK, p0 = pos0 + b0, done = b0 + nb;
+            float *xb = x + (size_t)b0 * dim, *qb = q;
             tl__causal_job j;
             if (tl_layer_qkv_batch(m, s, l, p0, nb, xb, q, tl_key_row(c, s, l, p0), tl_value_row(c, s, l, p0)))
                 goto oom;
             if (tiles.kt)
                 tl_prefill_pack(c, kp, vp, kv, p0, p0 + nb, &tiles);
+            if (l == c->n_layers - 1) {   /* the last layer: only the last token's output */
+                if (done < n)             /* is read (its logits); the others' keys and   */
+                    continue;             /* values are in the cache now                  */
+                xb += (size_t)(nb - 1) * dim;
+                qb += (size_t)(nb - 1) * qd;
+                p0 += nb - 1;
+                nb = 1;
+            }
             j.c = c;
             j.pos0 = p0;
             j.n = nb;
             j.window = tl_layer_window(c, l);
-            j.q = q;
+            j.q = qb;
             j.k = kp;
             j.v = vp;
             j.stride = kv;
@@ -1247,6 +1263,8 @@ float *tl_forward_chunk(const tl_model *m, tl_state *s, const int *tokens, int n
             tl_parallel(s, tl__causal_part, &j);
             if (tl_layer_out_ffn_batch(m, s, l, nb, xb, heads))
                 goto oom;
+            if (s->progress)
+                s->progress(s->progress_user, l, c->n_layers, done, n);
         }
     }
     memcpy(s->x, x + (size_t)(n - 1) * dim, dim * sizeof(float));

@@ -113,13 +113,14 @@ static void tl__pf_values_c(const float *p, const float *vt, int nk, int rows, i
     }
 }
 
-/* p[i] = exp(s[i] - mx) for i in [a, b), 0 elsewhere in [0, ncol); returns their sum */
+/* p[i] = 2^(s[i] - mx) for i in [a, b), 0 elsewhere in [0, ncol); returns their sum (the
+   scores are in base 2: the queries carry log2(e)) */
 static float tl__pf_exp_c(float *s, int a, int b, int ncol, float mx)
 {
     float sum = 0;
     int j;
     for (j = 0; j < ncol; j++) {
-        float e = j >= a && j < b ? expf(s[j] - mx) : 0.0f;
+        float e = j >= a && j < b ? exp2f(s[j] - mx) : 0.0f;
         s[j] = e;
         sum += e;
     }
@@ -170,6 +171,28 @@ TL__FMA static void tl__pf_values_avx2(const float *p, const float *vt, int nk, 
     }
 }
 
+/* 2^x for x <= 0 (0 below -126): 2^round(x) times a polynomial of the rest (in
+   [-0.5, 0.5]; Cephes' exp2f coefficients, about 1 ulp), fewer operations than
+   tl__exp8's e^x */
+TL__FMA static inline __m256 tl__pf_exp2(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-126.0f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), fx, y;
+    __m256i e;
+    x = _mm256_max_ps(x, lo);
+    fx = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, fx);
+    y = _mm256_set1_ps(1.535336188319500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.339887440266574e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(9.618437357674640e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.550332471162809e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(2.402264791363012e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(6.931472028550421e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.0f));
+    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
 /* the SIMD tl__pf_exp_c; pos: the position of column 0 */
 TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx, int pos)
 {
@@ -180,13 +203,13 @@ TL__FMA static float tl__pf_exp_avx2(float *s, int a, int b, int ncol, float mx,
     int j = 0;
     if (a == 0)   /* columns below b need no mask (most rows: the whole tile) */
         for (; j + 8 <= b; j += 8)
-            _mm256_storeu_ps(s + j, tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
-                                                           _mm256_setzero_ps())));
+            _mm256_storeu_ps(s + j, tl__pf_exp2(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
+                                                              _mm256_setzero_ps())));
     for (; j < ncol; j += 8) {
         __m256i jj = _mm256_add_epi32(idx, _mm256_set1_epi32(j));
         __m256 in = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(jj, lo), _mm256_cmpgt_epi32(hi, jj)));
-        _mm256_storeu_ps(s + j, _mm256_and_ps(in, tl__exp8(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
-                                                                             _mm256_setzero_ps()))));
+        _mm256_storeu_ps(s + j, _mm256_and_ps(in, tl__pf_exp2(_mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), m),
+                                                                                _mm256_setzero_ps()))));
     }
     /* summed in four lanes by position mod 4, each in the order of positions, so that the
        sum does not depend on where the tile starts (a window's first tile starts where
@@ -232,35 +255,6 @@ TL__FMA static void tl__pf_scale_avx2(float *o, int n, float a)
         _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_loadu_ps(o + d), v));
 }
 
-/* kt's columns j0 .. j0+7 (j0 a multiple of 8) = the 8 rows of k from k0 (stride apart),
-   hs a multiple of 8: 8 x 8 blocks transposed in registers */
-TL__FMA static void tl__pf_transpose8_avx2(const float *k0, size_t stride, int hs, float *kt, int j0)
-{
-    int d;
-    for (d = 0; d < hs; d += 8) {
-        __m256 r0 = _mm256_loadu_ps(k0 + d), r1 = _mm256_loadu_ps(k0 + stride + d);
-        __m256 r2 = _mm256_loadu_ps(k0 + 2 * stride + d), r3 = _mm256_loadu_ps(k0 + 3 * stride + d);
-        __m256 r4 = _mm256_loadu_ps(k0 + 4 * stride + d), r5 = _mm256_loadu_ps(k0 + 5 * stride + d);
-        __m256 r6 = _mm256_loadu_ps(k0 + 6 * stride + d), r7 = _mm256_loadu_ps(k0 + 7 * stride + d);
-        __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-        __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-        __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-        __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-        __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
-        __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
-        __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
-        __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
-        float *o = kt + TL__PF_KT(hs, d, j0);
-        _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
-        _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u1, u5, 0x20));
-        _mm256_storeu_ps(o + 2 * 16, _mm256_permute2f128_ps(u2, u6, 0x20));
-        _mm256_storeu_ps(o + 3 * 16, _mm256_permute2f128_ps(u3, u7, 0x20));
-        _mm256_storeu_ps(o + 4 * 16, _mm256_permute2f128_ps(u0, u4, 0x31));
-        _mm256_storeu_ps(o + 5 * 16, _mm256_permute2f128_ps(u1, u5, 0x31));
-        _mm256_storeu_ps(o + 6 * 16, _mm256_permute2f128_ps(u2, u6, 0x31));
-        _mm256_storeu_ps(o + 7 * 16, _mm256_permute2f128_ps(u3, u7, 0x31));
-    }
-}
 #endif
 
 /* ----------------------------------------------------------------------------
@@ -322,7 +316,7 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
     int lo = x->window > 0 && pmin - x->window + 1 > 0 ? pmin - x->window + 1 : 0, k1;
     const float *kt, *vt;
     size_t qd = (size_t)c->n_heads * (size_t)hs;
-    float scale = tl_attn_scale(c);
+    float scale = tl_attn_scale(c) * 1.44269504088896341f;   /* and log2(e): base-2 scores */
 
     for (r = 0; r < rows; r++) {   /* the tile's queries, scaled, row r = token r / group */
         const float *qr = q + (size_t)(t0 + r / group) * qd + (size_t)(h0 + r % group) * (size_t)hs;
@@ -352,7 +346,7 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
 #ifdef TL__X86
             if (x->simd)   /* the keys transposed, 8 at a time */
                 for (; j + 8 <= nk; j += 8)
-                    tl__pf_transpose8_avx2(kg + (size_t)(k0 + j) * stride, stride, hs, x->kt, j);
+                    tl__transpose8_avx2(kg + (size_t)(k0 + j) * stride, stride, hs, x->kt, j);
 #endif
             for (; j < nk; j++) {   /* the rest one by one (padding columns 0) */
                 const float *kr = kg + (size_t)(k0 + j) * stride;
@@ -401,7 +395,7 @@ static void tl__pf_tile(const tl__pf_ctx *x, const float *q, const float *kg, co
                 add = tl__pf_exp_c(sr, a, b, ncol, mnew);
             if (mnew > x->mx[r]) {
                 float *orow = x->o + (size_t)r * (size_t)hs;
-                alpha = x->mx[r] == -INFINITY ? 0.0f : expf(x->mx[r] - mnew);
+                alpha = x->mx[r] == -INFINITY ? 0.0f : exp2f(x->mx[r] - mnew);
 #ifdef TL__X86
                 if (x->simd)
                     tl__pf_scale_avx2(orow, hs, alpha);
