@@ -308,7 +308,7 @@ TEST hybrid_model_through_pqcache_is_full_attention_to_the_bit(void)
     tlpq_destroy(&lib);
     /* the tiled prefill (the default): the full mode's chunked prefill and the pqcache
        mode's layer-major one give the same bits, windows included (a key tile starts at a
-       multiple of 64 positions whatever rows are passed, and the sums run in position
+       multiple of 128 positions whatever rows are passed, and the sums run in position
        order) */
     {
         tl_state full;

@@ -288,7 +288,7 @@ void tl_attend_causal(const tl_config *c, int pos0, int n, const float *q,
                       float *att, float *out);
 /* The prompt's attention as the engine runs it: tl_attend_prefill, or with exact
    tl_attend_causal; origin: the position of rows k[g], v[g] (the tiled path starts its
-   key tiles at multiples of 64 positions, so a token's output does not depend on which
+   key tiles at multiples of 128 positions, so a token's output does not depend on which
    rows are passed). tiles (tiled path, origin 0; may be NULL): the rows already packed
    (tl_prefill_pack). work: tl_attend_prompt_work(c, exact, n, pos0 + n) floats. */
 struct tl_prefill_tiles; /* tl_prefill.h */

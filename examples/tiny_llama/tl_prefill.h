@@ -26,11 +26,11 @@ void tl_attend_prefill(const tl_config *c, int pos0, int n, const float *q,
                        float *work, float *out);
 
 /* A layer's keys and values packed once as the tiles' kernels read them, for positions
-   0 .. positions-1 in tiles of 64: the query tiles of every chunk and thread then read
+   0 .. positions-1 in tiles of 128: the query tiles of every chunk and thread then read
    them instead of packing each key tile they meet again (tl_attend_prompt's tiles). */
 typedef struct tl_prefill_tiles {
-    float *kt, *vt; /* per KV head g, tile t: kt + (g * tiles + t) * head_size * 64, and vt
-                       + (g * tiles + t) * head_size (rounded up to 16) * 64 floats     */
+    float *kt, *vt; /* per KV head g, tile t: kt + (g * tiles + t) * head_size * 128, and vt
+                       + (g * tiles + t) * head_size (rounded up to 16) * 128 floats    */
     int tiles;      /* tiles per KV head                                               */
 } tl_prefill_tiles;
 /* Allocates (zeroed) tiles for positions 0 .. positions-1; -1 when out of memory. */
@@ -50,7 +50,7 @@ void tl_prefill_pack(const tl_config *c, const float *const *k, const float *con
 
 #define TL__PF_ROWS 192  /* query rows (tokens x heads of a group) per tile, about, */
 #define TL__PF_ROW_FLOATS 24576 /* and at most this many floats of queries (L2 holds a tile) */
-#define TL__PF_TK 64     /* keys per tile */
+#define TL__PF_TK 128    /* keys per tile */
 
 /* tokens per query tile: about TL__PF_ROWS rows, at least one token */
 static int tl__pf_tokens(const tl_config *c)
