@@ -350,9 +350,15 @@ bench-pq: $(BUILD)/bench_pq
 $(BUILD)/bench_cache: bench/bench_cache.c bench/bench_util.h tests/synth.h $(HDR) | $(BUILD)
 	$(CC) $(STD) -O2 $(WARN) $< -o $@ $(LDLIBS)
 
-bench-cache: $(BUILD)/bench_cache
+# the same at 4 KV heads and 8 query heads of 256 (wide keys: the default m is 8 there)
+$(BUILD)/bench_cache_d256: bench/bench_cache.c bench/bench_util.h tests/synth.h $(HDR) | $(BUILD)
+	$(CC) $(STD) -O2 $(WARN) -DBENCH_HKV=4 -DBENCH_HQ=8 -DBENCH_D=256 $< -o $@ $(LDLIBS)
+
+bench-cache: $(BUILD)/bench_cache $(BUILD)/bench_cache_d256
 	@echo "=== sequence cache: select+fetch, block cache traffic, build overlap ==="
 	$(BUILD)/bench_cache --sizes 4096,32768,131072 --threads 2
+	@echo "=== select+fetch at d_h 256, one core: the default (m 8) against m 4 ==="
+	$(BUILD)/bench_cache_d256 --select-only --sizes 131072 --threads 1 --alt 4,8
 
 # fidelity against exact attention on hard LLM-like keys (bench-fidelity, bench-fidelity-quick)
 include bench/fidelity.mk

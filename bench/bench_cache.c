@@ -1,6 +1,7 @@
 /* bench_cache: the sequence cache at decode time and during prefill.
 
-   1. select + fetch per layer (8 KV heads, 32 query heads, d_h 128, budget 1/10) at
+   1. select + fetch per layer (8 KV heads, 32 query heads, d_h 128, budget 1/10; another
+      shape where the build sets BENCH_HKV, BENCH_HQ and BENCH_D) at
       several lengths, next to the PQ search alone over the same codes, and (CPU tier)
       re-ranking's and the adaptive split's (PQC_SPLIT_ADAPTIVE: windows that do not
       compete) select + fetch against the default's, each pair alternated;
@@ -15,11 +16,13 @@
 
    usage: bench_cache [--sizes 4096,16384,65536,131072] [--threads T] [--quick]
                       [--backend cpu|cuda] [--select-only] [--files] [--fp16] [--rerank R]
+                      [--alt M,BITS]
    --backend cuda puts the device tier on a CUDA GPU (select and fetch then run there,
    the fetch copying the gathered rows back to the host; part 1 adds the device fetch
    without that copy); --select-only stops after part 1; --fp16: the caches of parts 1-3
    store K and V in fp16 (as engines do; the default is fp32), the fetch converting them;
-   --rerank R: the re-ranking row of part 1 takes the top R x k (default 3). */
+   --rerank R: the re-ranking row of part 1 takes the top R x k (default 3); --alt M,BITS:
+   its last row's code shape (default 2,6, the library's first default). */
 #define PQCACHE_IMPLEMENTATION
 #include "../pqcache.h"
 #include "../tests/synth.h"
@@ -39,7 +42,14 @@ static void sleep_s(double s)
     ts.tv_nsec = (long)((s - (double)ts.tv_sec) * 1e9);
     nanosleep(&ts, NULL);
 }
-enum { HKV = 8, HQ = 32, D = 128 };
+/* the attention shape: 8 KV heads, 32 query heads, d_h 128 unless the build says otherwise
+   (make bench-cache also builds bench_cache_d256: 4 KV heads, 8 query heads of 256) */
+#ifndef BENCH_HKV
+#define BENCH_HKV 8
+#define BENCH_HQ 32
+#define BENCH_D 128
+#endif
+enum { HKV = BENCH_HKV, HQ = BENCH_HQ, D = BENCH_D };
 
 /* keys of 8 heads: the synthetic generator per head (different seeds), interleaved */
 static float *make_kv(size_t s, uint64_t seed, float **queries, uint32_t **needles)
@@ -241,8 +251,8 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
         pqc_layer_stats st;
         pqc_cache_stats(c, 0, &st);
         printf("cuda select+fetch s=%-7zu %s select %.3f ms  fetch %.3f ms (rows to the host)  fetch_device %.3f ms "
-               "(enqueue)  total %.3f ms  needles %d/32  selected/head %zu  hit rate %.1f%%\n",
-               s, shape, ms, mf, md, ms + mf, found, sel.count[0],
+               "(enqueue)  total %.3f ms  needles %d/%d  selected/head %zu  hit rate %.1f%%\n",
+               s, shape, ms, mf, md, ms + mf, found, 4 * HKV, sel.count[0],
                st.hits + st.misses ? 100.0 * (double)st.hits / (double)(st.hits + st.misses) : 0.0);
         printf("cuda device step s=%-7zu %s %.1f us per layer step (select, admission and gather on the device, one "
                "wait per 2 steps)  host enqueue %.1f us  library waits per step %.2f  bytes up per step %.0f\n",
@@ -257,7 +267,7 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
         for (r = 0; r < 15; r++) {
             double t0 = now();
             for (h = 0; h < HKV; h++)
-                pqc_pq_search(rt, &L->heads[h].pq, &L->heads[h].codes, q + (size_t)h * 4 * D, 4, &sd,
+                pqc_pq_search(rt, &L->heads[h].pq, &L->heads[h].codes, q + (size_t)h * (HQ / HKV) * D, HQ / HKV, &sd,
                               &L->heads[h].scratch, idx, NULL);
             tp[r] = now() - t0;
         }
@@ -277,10 +287,10 @@ static void bench_select_fetch(pqc_runtime *rt, size_t s, int m, int bits, doubl
     if (!gpu) {
         double ms = median(ts, 15) * 1e3, mf = median(tf, 15) * 1e3, mp = median(tp, 15) * 1e3;
         printf("select+fetch s=%-7zu %s select %.3f ms  fetch %.3f ms  total %.3f ms = %.2f ns per token and KV head | "
-               "PQ search alone %.3f ms (serial) | (select+fetch)/search %.2fx  needles %d/32  selected/head %zu | "
+               "PQ search alone %.3f ms (serial) | (select+fetch)/search %.2fx  needles %d/%d  selected/head %zu | "
                "then the engine's read of the rows %.3f ms | rows by pointer (fetch_rows) %.3f ms, read as stored %.3f "
                "ms%s\n",
-               s, shape, ms, mf, ms + mf, (ms + mf) * 1e6 / ((double)s * HKV), mp, (ms + mf) / mp, found, sel.count[0],
+               s, shape, ms, mf, ms + mf, (ms + mf) * 1e6 / ((double)s * HKV), mp, (ms + mf) / mp, found, 4 * HKV, sel.count[0],
                median(tr, 15) * 1e3, median(tq, 15) * 1e3, median(tx, 15) * 1e3, sink == 1.0f ? " " : "");
     }
     fflush(stdout);
@@ -530,6 +540,7 @@ int main(int argc, char **argv)
 {
     size_t sizes[8] = {4096, 16384, 65536, 131072};
     int ns = 4, threads = 2, quick = 0, i, backend = PQC_BACKEND_CPU, select_only = 0, files = 0;
+    int alt_m = 2, alt_bits = 6;
     double rerank = 3.0;
     pqc_runtime_desc rd;
     pqc_runtime *rt;
@@ -542,6 +553,12 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--fp16")) g_kv_dtype = PQC_F16;
         else if (!strcmp(argv[i], "--files")) files = 1;
         else if (!strcmp(argv[i], "--rerank") && i + 1 < argc) rerank = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--alt") && i + 1 < argc) {
+            if (sscanf(argv[++i], "%d,%d", &alt_m, &alt_bits) != 2 || alt_m < 1 || alt_bits < 1) {
+                fprintf(stderr, "bench_cache: --alt M,BITS (for example 4,8)\n");
+                return 2;
+            }
+        }
         else if (!strcmp(argv[i], "--backend") && i + 1 < argc) {
             const char *b = argv[++i];
             if (!strcmp(b, "cpu")) backend = PQC_BACKEND_CPU;
@@ -559,7 +576,7 @@ int main(int argc, char **argv)
                 if (*p == ',') p++;
             }
         } else {
-            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only] [--files] [--fp16] [--rerank R]\n",
+            fprintf(stderr, "usage: %s [--sizes a,b,c] [--threads T] [--quick] [--backend cpu|cuda] [--select-only] [--files] [--fp16] [--rerank R] [--alt M,BITS]\n",
                     argv[0]);
             return 2;
         }
@@ -572,9 +589,9 @@ int main(int argc, char **argv)
         return 1;
     }
     if (pqc_runtime_backend_note(rt)[0]) printf("# %s\n", pqc_runtime_backend_note(rt));
-    printf("# pqcache %s, simd %s, %d thread(s); 8 KV heads, 32 query heads, d_h 128, budget 1/10; select+fetch for the "
-           "default codebooks and for m=2 b=6 (the other parts: m=2 b=6)\n",
-           pqc_version(), pqc_simd_name(pqc_runtime_simd(rt)), threads);
+    printf("# pqcache %s, simd %s, %d thread(s); %d KV heads, %d query heads, d_h %d, budget 1/10; select+fetch for "
+           "the default codebooks and for m=%d b=%d (the other parts: m=2 b=6)\n",
+           pqc_version(), pqc_simd_name(pqc_runtime_simd(rt)), threads, HKV, HQ, D, alt_m, alt_bits);
     if (files) {
         for (i = 0; i < ns; i++) bench_files(rt, sizes[i]);
         pqc_runtime_destroy(rt);
@@ -583,7 +600,7 @@ int main(int argc, char **argv)
     for (i = 0; i < ns; i++) {
         bench_select_fetch(rt, sizes[i], 0, 0, 0);
         bench_select_fetch(rt, sizes[i], 0, 0, rerank); /* 3: the refinement that meets the suite's targets */
-        bench_select_fetch(rt, sizes[i], 2, 6, 0);
+        bench_select_fetch(rt, sizes[i], alt_m, alt_bits, 0);
         if (backend == PQC_BACKEND_CPU) {
             bench_rerank_pair(rt, sizes[i], rerank, PQC_SPLIT_COMPETE);
             bench_rerank_pair(rt, sizes[i], 0.0, PQC_SPLIT_ADAPTIVE);
