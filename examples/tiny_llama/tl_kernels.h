@@ -786,13 +786,20 @@ static void tl__gate(const tl_config *c, float *h1, const float *h3, size_t n)
 }
 
 #ifdef TL__X86
+/* y 2^n for whole n (in the normal range), 0 where under is set: the last step of an
+   exponential (tl__exp8, tl_prefill.h's tl__pf_exp2) */
+TL__FMA static inline __m256 tl__ldexp8(__m256 y, __m256 n, __m256 under)
+{
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
 /* exp of 8 arguments up to 88 (a range reduction by ln 2 in two parts and a degree-6
    polynomial, the classic single-precision scheme: within 2 ulp); below -87.3, 0 */
 TL__FMA static inline __m256 tl__exp8(__m256 x)
 {
     const __m256 lo = _mm256_set1_ps(-87.3f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), fx, y, z;
-    __m256i e;
     x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
     fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -806,9 +813,7 @@ TL__FMA static inline __m256 tl__exp8(__m256 x)
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
     y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, y);
+    return tl__ldexp8(y, fx, under);
 }
 
 /* the gate with a vector exp: act(a) = a / (1 + exp(-z)), z = a (SiLU) or 2 sqrt(2/pi)
@@ -893,7 +898,7 @@ static float *tl__scratch(tl_state *s, int slot, size_t n)
    matrices that share x (one call: their rows split over the threads together).
    Exact (tl_state.exact_prefill, or no AVX2 + FMA): each output is tl__dot's sum, so the
    prompt's projections equal the decode step's to the bit; each thread converts its rows
-   to fp32 once and multiplies them with every token.
+   to fp32 once and multiplies them with every token (one pass too).
    Otherwise tiled: x transposed once (by the threads) into blocks of 16 tokens (block b
    holds element k of token 16b + e at ((b n + k) 16 + e), tokens past t zero), then blocks
    of 6 weight rows x 16 tokens accumulated in registers over the whole of n (FMA), equal
@@ -904,9 +909,6 @@ typedef struct {
     const tl_mat *ws[TL__MM_MAX];
     float *outs[TL__MM_MAX];
     int ds[TL__MM_MAX], dsum; /* their rows, and the sum */
-    const tl_mat *w;          /* tl__mm_part: the one matrix, its output and rows */
-    float *out;
-    int d;
     int n, t, tp;
     const float *x;
     float *buf;               /* nparts * 6 * (n + tp) floats: rows converted to fp32,
@@ -933,16 +935,18 @@ static const float *tl__row_f32(const tl_mat *w, int n, int r, float *buf)
     return buf;
 }
 
-static void tl__mm_part(void *arg, int part, int nparts)
+/* rows r0 .. r1-1 of matrix i (converted to fp32 once, two at a time) against every
+   token by tl__dot's sums */
+static void tl__mm_exact_rows(const tl__mm_job *j, int i, int r0, int r1, float *buf)
 {
-    const tl__mm_job *j = (const tl__mm_job *)arg;
-    int r0 = (int)((long)j->d * part / nparts), r1 = (int)((long)j->d * (part + 1) / nparts), r, t, k;
-    size_t n = (size_t)j->n, d = (size_t)j->d;
-    float *buf = j->buf + (size_t)part * 6 * (n + (size_t)j->tp);
+    const tl_mat *w = j->ws[i];
+    float *out = j->outs[i];
+    size_t n = (size_t)j->n, d = (size_t)j->ds[i];
+    int r, t, k;
     for (r = r0; r < r1; r += 2) {
         int two = r + 1 < r1;
-        const float *a0 = tl__row_f32(j->w, j->n, r, buf);
-        const float *a1 = two ? tl__row_f32(j->w, j->n, r + 1, buf + n) : NULL;
+        const float *a0 = tl__row_f32(w, j->n, r, buf);
+        const float *a1 = two ? tl__row_f32(w, j->n, r + 1, buf + n) : NULL;
         for (t = 0; t + 4 <= j->t; t += 4) {
             const float *b[4];
             float o[8];
@@ -951,21 +955,40 @@ static void tl__mm_part(void *arg, int part, int nparts)
             if (two) {
                 tl__dot_2x4(a0, a1, b, j->n, o);
                 for (k = 0; k < 4; k++) {
-                    j->out[(size_t)(t + k) * d + (size_t)r] = o[k];
-                    j->out[(size_t)(t + k) * d + (size_t)r + 1] = o[4 + k];
+                    out[(size_t)(t + k) * d + (size_t)r] = o[k];
+                    out[(size_t)(t + k) * d + (size_t)r + 1] = o[4 + k];
                 }
             } else {
                 tl__dot_1x4(a0, b, j->n, o);
                 for (k = 0; k < 4; k++)
-                    j->out[(size_t)(t + k) * d + (size_t)r] = o[k];
+                    out[(size_t)(t + k) * d + (size_t)r] = o[k];
             }
         }
         for (; t < j->t; t++) {
-            j->out[(size_t)t * d + (size_t)r] = tl__dot(a0, j->x + (size_t)t * n, j->n);
+            out[(size_t)t * d + (size_t)r] = tl__dot(a0, j->x + (size_t)t * n, j->n);
             if (two)
-                j->out[(size_t)t * d + (size_t)r + 1] = tl__dot(a1, j->x + (size_t)t * n, j->n);
+                out[(size_t)t * d + (size_t)r + 1] = tl__dot(a1, j->x + (size_t)t * n, j->n);
         }
     }
+}
+
+/* the part's share of the matrices' rows, taken together: rows() for each matrix it
+   meets, with the part's buffer (every output is one row's sum, whoever computes it) */
+static void tl__mm_split(const tl__mm_job *j, int part, int nparts,
+                         void (*rows)(const tl__mm_job *, int, int, int, float *))
+{
+    int a = (int)((long)j->dsum * part / nparts), b = (int)((long)j->dsum * (part + 1) / nparts), i, off = 0;
+    float *buf = j->buf + (size_t)part * 6 * ((size_t)j->n + (size_t)j->tp);
+    for (i = 0; i < j->count; off += j->ds[i], i++) {
+        int r0 = a > off ? a - off : 0, r1 = b - off < j->ds[i] ? b - off : j->ds[i];
+        if (r1 > r0)
+            rows(j, i, r0, r1, buf);
+    }
+}
+
+static void tl__mm_part(void *arg, int part, int nparts)
+{
+    tl__mm_split((const tl__mm_job *)arg, part, nparts, tl__mm_exact_rows);
 }
 
 #ifdef TL__X86
@@ -1098,17 +1121,9 @@ TL__FMA static void tl__mm_tiled_rows(const tl__mm_job *j, int i, int r0, int r1
     }
 }
 
-/* the part's share of the matrices' rows, taken together */
 TL__FMA static void tl__mm_tiled_part(void *arg, int part, int nparts)
 {
-    const tl__mm_job *j = (const tl__mm_job *)arg;
-    int a = (int)((long)j->dsum * part / nparts), b = (int)((long)j->dsum * (part + 1) / nparts), i, off = 0;
-    float *buf = j->buf + (size_t)part * 6 * ((size_t)j->n + (size_t)j->tp);
-    for (i = 0; i < j->count; off += j->ds[i], i++) {
-        int r0 = a > off ? a - off : 0, r1 = b - off < j->ds[i] ? b - off : j->ds[i];
-        if (r1 > r0)
-            tl__mm_tiled_rows(j, i, r0, r1, buf);
-    }
+    tl__mm_split((const tl__mm_job *)arg, part, nparts, tl__mm_tiled_rows);
 }
 
 /* x's tokens by blocks of 16, split over the threads */
@@ -1154,12 +1169,7 @@ static int tl__mm_multi(tl_state *s, const float *x, int t, int n, int count, co
         return 0;
     }
 #endif
-    for (i = 0; i < count; i++) {
-        j.w = w[i];
-        j.out = out[i];
-        j.d = d[i];
-        tl_parallel(s, tl__mm_part, &j);
-    }
+    tl_parallel(s, tl__mm_part, &j);
     return 0;
 }
 

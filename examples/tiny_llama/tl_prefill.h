@@ -178,7 +178,6 @@ TL__FMA static inline __m256 tl__pf_exp2(__m256 x)
 {
     const __m256 lo = _mm256_set1_ps(-126.0f);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), fx, y;
-    __m256i e;
     x = _mm256_max_ps(x, lo);
     fx = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_sub_ps(x, fx);
@@ -189,8 +188,7 @@ TL__FMA static inline __m256 tl__pf_exp2(__m256 x)
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(2.402264791363012e-1f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(6.931472028550421e-1f));
     y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.0f));
-    e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    return tl__ldexp8(y, fx, under);
 }
 
 /* the SIMD tl__pf_exp_c; pos: the position of column 0 */
