@@ -331,6 +331,8 @@ def seeds():
     s["softmax_scale"] = p
     # the PQ core with interleaved rope bands
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
+    # the default m of wide keys (1024 dims: d_h / 32 = 32 sub-spaces), with the objective
+    s["pq_wide_default_m"] = P().pq_train(dim=bad(6), rows=1, m=0, bits=1, iters=1)
     return s
 
 

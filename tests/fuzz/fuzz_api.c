@@ -320,12 +320,15 @@ static const float t_smscale[] = {0.0625f, 0.5f, 1.0f, 4.0f};
 static const float t_smscale_bad[] = {-1.0f, NAN, INFINITY, 2e6f};
 
 /* what the documentation says about a pq desc's RoPE layout and sub-spaces: 1 = refused */
-/* the library's default m for a key of dim dimensions: PQC_DEFAULT_M where it divides
-   them (d_h / 2 for rope bands), else 2, else 1 */
+/* the library's default m for a key of dim dimensions: dim / 32, at least PQC_DEFAULT_M,
+   where it divides them (d_h / 2 for rope bands), else PQC_DEFAULT_M, 2 or 1, the first
+   that divides them */
 static int fz_default_m(long long dim, int subspaces)
 {
     long long need = subspaces == PQC_SUBSPACES_ROPE_BANDS && dim % 2 == 0 ? dim / 2 : dim;
-    return need > 0 && need % PQC_DEFAULT_M == 0 ? PQC_DEFAULT_M : need > 0 && need % 2 == 0 ? 2 : 1;
+    long long wide = dim / 32 > PQC_DEFAULT_M ? dim / 32 : PQC_DEFAULT_M; /* d_h/32, at least the default */
+    return need > 0 && need % wide == 0 ? (int)wide
+         : need > 0 && need % PQC_DEFAULT_M == 0 ? PQC_DEFAULT_M : need > 0 && need % 2 == 0 ? 2 : 1;
 }
 
 static int fz_rope_bad(int rope, int subsp, long long dim, int m_eff)
