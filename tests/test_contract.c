@@ -1161,18 +1161,9 @@ done:
     return res;
 }
 
-/* Under ThreadSanitizer (10-20x slower) the sweep takes every 8th allocation: races are
-   what it is there for; the other builds take every allocation. */
-#if defined(__SANITIZE_THREAD__)
-#define SWEEP_STRIDE 8
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define SWEEP_STRIDE 8
-#endif
-#endif
-#ifndef SWEEP_STRIDE
-#define SWEEP_STRIDE 1
-#endif
+/* Under ThreadSanitizer the sweep takes every 8th allocation: races are what it is there
+   for; the other builds take every allocation. */
+#define SWEEP_STRIDE (TU_TSAN ? 8 : 1)
 
 /* The scenario's decode steps: in the small size each loop still runs more than once (the
    block cache admits and evicts, a rebuild falls due, the fork decodes past its prefix),

@@ -26,6 +26,20 @@
 #define TU_PRINTF(f, a)
 #endif
 
+/* TU_TSAN: 1 in a ThreadSanitizer build (10-20x slower), where a test may leave out the
+   configurations that start no thread: races are what it is there for, and the other
+   builds run those */
+#if defined(__SANITIZE_THREAD__)
+#define TU_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TU_TSAN 1
+#endif
+#endif
+#ifndef TU_TSAN
+#define TU_TSAN 0
+#endif
+
 /* ----- files ------------------------------------------------------------------------- */
 
 /* The whole file at path in a buffer with a NUL byte after it (NULL on failure); *size

@@ -121,47 +121,60 @@ def test_transformers_backend_default_retrieves_the_needle(tok, needle):
     assert str(NEEDLE["key"]) in text.replace(" ", ""), text
 
 
-def test_gemma3_through_the_transformers_backend_is_eager_attention_at_a_covering_budget():
+# Gemma 3's tests: this many tokens of real prose, beyond the 512-token window of its local
+# layers
+GEMMA_TOKENS = 800
+
+
+@pytest.fixture(scope="module")
+def gemma_eager():
+    """Gemma 3 270M over GEMMA_TOKENS tokens of the GPL: the ids and transformers' eager
+    fp32 greedy decode of 6 tokens (its tokens and raw logits), computed once for the
+    module's Gemma tests (the tokenizers library reads the ids: the same ids as
+    transformers' tokenizer, which takes four times as long to load)"""
+    need_model(GEMMA)
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+    with open("/usr/share/common-licenses/GPL-3") as f:
+        ids = Tokenizer.from_file(os.path.join(GEMMA, "tokenizer.json")).encode(f.read()).ids[:GEMMA_TOKENS]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(GEMMA, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, output_logits=True,
+                           return_dict_in_generate=True)
+    return dict(ids=ids, gen=out.sequences[0, len(ids):].tolist(),
+                logits=torch.stack(out.logits, 1)[0].double().numpy())
+
+
+def test_gemma3_through_the_transformers_backend_is_eager_attention_at_a_covering_budget(gemma_eager):
     """Gemma 3 270M, a hybrid model: its sliding-window layers keep transformers' own cache
     and attention, its three global layers are pqcache's; at a budget that covers the
     sequence, greedy tokens and logits are those of transformers' eager attention over
-    1,200 tokens of real prose (beyond the 512-token window)."""
-    need_model(GEMMA)
+    GEMMA_TOKENS tokens of real prose (beyond the 512-token window)."""
     import torch
-    import transformers
     import pqcache_hf
-    tok = transformers.AutoTokenizer.from_pretrained(GEMMA)
-    with open("/usr/share/common-licenses/GPL-3") as f:
-        ids = torch.tensor([tok(f.read())["input_ids"][:1200]])
-    ref = transformers.AutoModelForCausalLM.from_pretrained(GEMMA, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
+    ids = gemma_eager["ids"]
     pq = pqcache_hf.from_pretrained(GEMMA, dtype=torch.float32).eval()
     cache = pqcache_hf.cache_for(pq, budget_ratio=1.0)
     with torch.no_grad():
-        want = ref.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
-        got = pq.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
-                          cache=cache)
-    assert got.sequences.tolist() == want.sequences.tolist()
-    sw, sg = torch.stack(want.scores, 1), torch.stack(got.scores, 1)
-    err = float((sw - sg).abs().max() / sw.abs().max())
+        got = pq.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, cache=cache)
+    assert got.sequences[0, len(ids):].tolist() == gemma_eager["gen"]
+    err = rel_err(torch.stack(got.logits, 1)[0].double().numpy(), gemma_eager["logits"])
     print("Gemma 3 270M, covering budget: largest logit difference %.2g of the largest logit" % err)
     assert err < 1e-4
     assert sorted(cache.pq_layer) == [5, 11, 17]                       # the global layers
-    assert cache.caches[0].tokens(0) == 1200 + 6 - 1
+    assert cache.caches[0].tokens(0) == len(ids) + 6 - 1
 
 
-def test_tiny_llama_runs_gemma3_as_transformers_does(tmp_path):
-    """Gemma 3 270M in tiny_llama, 1,200 tokens of real prose (beyond the 512-token window
-    of its local layers): full attention's logits agree with transformers' eager fp32
-    forward and its greedy tokens are transformers'; the pqcache mode at a covering
+def test_tiny_llama_runs_gemma3_as_transformers_does(tmp_path, gemma_eager):
+    """Gemma 3 270M in tiny_llama, GEMMA_TOKENS tokens of real prose (beyond the 512-token
+    window of its local layers): full attention's logits agree with transformers' eager
+    fp32 decode and its greedy tokens are transformers'; the pqcache mode at a covering
     budget (the library's cache over the three global layers, the local layers in the
     engine's windows) gives the same logits to the bit."""
-    need_model(GEMMA)
-    import torch
-    import transformers
-    tok = transformers.AutoTokenizer.from_pretrained(GEMMA)
-    with open("/usr/share/common-licenses/GPL-3") as f:
-        ids = tok(f.read())["input_ids"][:1200]
+    ids = gemma_eager["ids"]
     path = tmp_path / "ids"
     path.write_text(" ".join(map(str, ids)))
     out = {}
@@ -171,14 +184,11 @@ def test_tiny_llama_runs_gemma3_as_transformers_does(tmp_path):
         assert "layers: 15 local (window 512, rope theta 10000), 3 global: 5 11 17" in p.stderr
         out[mode] = ([int(t) for t in p.stdout.split()], np.fromfile(o, dtype=np.float32).reshape(6, -1))
     gen, logits = out["full"]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(GEMMA, dtype=torch.float32,
-                                                            attn_implementation="eager").eval()
-    with torch.no_grad():
-        want = ref(torch.tensor([ids + gen[:-1]])).logits[0, len(ids) - 1:].double().numpy()
-    e = rel_err(logits.astype(np.float64), want)
-    print("Gemma 3 270M in tiny_llama, 1,200 tokens of the GPL: largest logit difference %.2g of the largest" % e)
+    e = rel_err(logits.astype(np.float64), gemma_eager["logits"])
+    print("Gemma 3 270M in tiny_llama, %d tokens of the GPL: largest logit difference %.2g of the largest"
+          % (len(ids), e))
     assert e < 1e-4
-    assert gen == [int(np.argmax(r)) for r in want]
+    assert gen == gemma_eager["gen"]
     assert out["pqcache"][0] == gen and np.array_equal(out["pqcache"][1], logits)
 
 
