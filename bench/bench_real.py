@@ -60,6 +60,7 @@ METHODS = {
     "window": (dict(budget_ratio=BUDGET, recent_share=1.0, split="fixed"), True),  # sinks + window
     "previous": (dict(budget_ratio=BUDGET, m=2, bits=6, recent_share=0.5, split="fixed"), True),
     "no-observe": (dict(budget_ratio=BUDGET, observe=-1), False),
+    "rerank1.2": (dict(budget_ratio=BUDGET, rerank=1.2), True),
     "rerank1.5": (dict(budget_ratio=BUDGET, rerank=1.5), True),
     "rerank2.5": (dict(budget_ratio=BUDGET, rerank=2.5), True),
     "even-split": (dict(budget_ratio=BUDGET, split="fixed_compete"), True),
