@@ -332,6 +332,17 @@ typedef struct pqc_pq_desc {
                                     cache ties the metric's weights within each pair:
                                     rotation moves a pair's energy between its two dims */
     pqc_subspaces subspaces;     /* 0 = PQC_SUBSPACES_DEFAULT (resolved to one of the two) */
+    const float *metric_blocks;  /* optional, instead of metric: m symmetric positive
+                                    definite matrices W_j [m][d_h/m][d_h/m] (row-major, in
+                                    sub-space element order, pqc_pq_dim) of the distance
+                                    sum_j (x_j - c_j)^T W_j (x_j - c_j) that training and
+                                    coding minimise (copied). It weighs directions, not
+                                    only dims: with W_j = the queries' second moments over
+                                    sub-space j's dims it is the expected squared error of
+                                    q.k where the queries' dims are correlated. Finite,
+                                    symmetric to 1e-6 of its largest entry, and positive
+                                    definite with no Cholesky pivot below 1e-12 of its
+                                    largest diagonal entry. NULL: none                   */
 } pqc_pq_desc;
 
 /* What 0 means in a pqc_pq_desc. Every desc of the library follows one rule: 0 is the
@@ -359,6 +370,10 @@ typedef struct pqc_pq {
     int half_bands;   /* 1: rope bands over the half-split layout: element e of
                          sub-space j is dim pqc_pq_dim(pq, j, e); 0: j*dsub + e */
     pqc_allocator alloc;
+    float *mblocks;   /* [m][dsub][dsub] the desc's metric blocks, or NULL      */
+    float *wcent_t;   /* [m][dsub][ksub_pad] W_j c transposed, private (blocks) */
+    float *mchol;     /* [m][dsub][dsub] the blocks' Cholesky factors L_j (W_j = L_j
+                         L_j^T, lower, row-major), private                       */
 } pqc_pq;
 
 /* The key dim of element e of sub-space j (centroid element e of sub-space j). */
@@ -388,9 +403,10 @@ PQCDEF pqc_result pqc_pq_decode(const pqc_pq *pq, const pqc_codes *codes, size_t
 /* A trained quantizer to and from a file. The file, little-endian throughout:
      8 bytes  "PQCPQ\0\0\0"      4 bytes  format version (1)
      4 bytes  dim, m, bits, flags each (flags: 1 = metric weights present,
-              2 = rope bands over the half-split layout)
+              2 = rope bands over the half-split layout, 4 = metric blocks present)
      m * 2^bits * dim/m floats: the centroids ([m][2^bits][dim/m], IEEE binary32),
-     then dim floats of metric weights when flag 1 is set
+     then dim floats of metric weights when flag 1 is set, then m * (dim/m)^2 floats
+     of metric blocks when flag 4 is set
      8 bytes  FNV-1a 64 of everything before it
    Saving writes a temporary file next to path and renames it into place. Loading
    refuses a truncated, damaged or foreign file (PQC_ERROR_BAD_FILE), something other
@@ -5782,6 +5798,69 @@ static int pqc__half_bands(const pqc_pq_desc *d)
     return d->subspaces == PQC_SUBSPACES_ROPE_BANDS && d->rope == PQC_ROPE_HALF;
 }
 
+/* metric blocks: sub-spaces of at most this many dims (their factors are dense) */
+#define PQC__MAX_BLOCK 256
+
+/* The Cholesky factor L (lower, row-major n x n, in double) of the symmetric n x n
+   matrix w: 0, or 1 + the row whose pivot is not above 1e-12 of the largest diagonal
+   entry (not positive definite, or too near singular). */
+static int pqc__cholesky(const float *w, int n, double *l)
+{
+    double big = 0.0;
+    int i, j, k;
+    for (i = 0; i < n; i++) big = (double)w[(size_t)i * n + i] > big ? (double)w[(size_t)i * n + i] : big;
+    for (i = 0; i < n; i++) {
+        for (j = 0; j <= i; j++) {
+            double a = (double)w[(size_t)i * n + j];
+            for (k = 0; k < j; k++) a -= l[(size_t)i * n + k] * l[(size_t)j * n + k];
+            if (i == j) {
+                if (!(a > 1e-12 * big)) return i + 1;
+                l[(size_t)i * n + i] = sqrt(a);
+            } else {
+                l[(size_t)i * n + j] = a / l[(size_t)j * n + j];
+            }
+        }
+        for (j = i + 1; j < n; j++) l[(size_t)i * n + j] = 0.0;
+    }
+    return 0;
+}
+
+/* Checks m metric blocks of n x n (finite, symmetric to 1e-6 of the largest entry,
+   positive definite); with chol, their Cholesky factors into it ([m][n][n] floats).
+   Failures return `code`, the message naming `what`. */
+static pqc_result pqc__blocks_check(const pqc_runtime *rt, const float *w, int m, int n, float *chol, pqc_result code,
+                                    const char *what)
+{
+    size_t nn = (size_t)n * n, i;
+    double *l = (double *)pqc__alloc(pqc__rt_alloc(rt), nn * sizeof(double));
+    int j, a, b, bad;
+    if (!l) return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "%s: %zu bytes", what, nn * sizeof(double));
+    for (j = 0; j < m; j++) {
+        const float *wj = w + (size_t)j * nn;
+        float big = 0.0f;
+        for (i = 0; i < nn; i++) {
+            if (!(fabsf(wj[i]) <= 3.0e38f)) {
+                pqc__free(pqc__rt_alloc(rt), l);
+                return pqc__fail(rt, code, "%s: block %d holds NaN, Inf or a huge value", what, j);
+            }
+            big = fabsf(wj[i]) > big ? fabsf(wj[i]) : big;
+        }
+        for (a = 0; a < n; a++)
+            for (b = 0; b < a; b++)
+                if (!(fabsf(wj[(size_t)a * n + b] - wj[(size_t)b * n + a]) <= 1e-6f * big)) {
+                    pqc__free(pqc__rt_alloc(rt), l);
+                    return pqc__fail(rt, code, "%s: block %d is not symmetric (at %d, %d)", what, j, a, b);
+                }
+        if ((bad = pqc__cholesky(wj, n, l)) != 0) {
+            pqc__free(pqc__rt_alloc(rt), l);
+            return pqc__fail(rt, code, "%s: block %d is not positive definite (pivot %d)", what, j, bad - 1);
+        }
+        for (i = 0; chol && i < nn; i++) chol[(size_t)j * nn + i] = (float)l[i];
+    }
+    pqc__free(pqc__rt_alloc(rt), l);
+    return PQC_SUCCESS;
+}
+
 static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *in, int dim, pqc_pq_desc *d)
 {
     if (in) *d = *in;
@@ -5837,6 +5916,17 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
             return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.metric: largest/smallest weight %g exceeds 1e12",
                              (double)hi / (double)lo);
     }
+    if (d->metric_blocks) {
+        pqc_result r;
+        if (d->metric)
+            return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pq.metric and pq.metric_blocks: one metric, not both");
+        if (dim / d->m > PQC__MAX_BLOCK)
+            return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pq.metric_blocks: sub-spaces of %d dims, over %d", dim / d->m,
+                             PQC__MAX_BLOCK);
+        if ((r = pqc__blocks_check(rt, d->metric_blocks, d->m, dim / d->m, NULL, PQC_ERROR_OUT_OF_RANGE,
+                                   "pq.metric_blocks")) != PQC_SUCCESS)
+            return r;
+    }
     return PQC_SUCCESS;
 }
 
@@ -5850,11 +5940,14 @@ PQCDEF void pqc_pq_free(pqc_pq *pq)
     pqc__free(&pq->alloc, pq->cnorm);
     pqc__free(&pq->alloc, pq->metric);
     pqc__free(&pq->alloc, pq->wnorm);
+    pqc__free(&pq->alloc, pq->mblocks);
+    pqc__free(&pq->alloc, pq->wcent_t);
+    pqc__free(&pq->alloc, pq->mchol);
     pqc__pq_zero(pq);
 }
 
 static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *metric,
-                                int half_bands)
+                                const float *blocks, int half_bands)
 {
     size_t kpad;
     pqc__pq_zero(pq);
@@ -5875,9 +5968,25 @@ static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int 
         pq->wnorm = (float *)pqc__calloc(&pq->alloc, (size_t)m * kpad * sizeof(float));
         if (pq->metric) memcpy(pq->metric, metric, (size_t)dim * sizeof(float));
     }
-    if (!pq->centroids || !pq->cent_t || !pq->cnorm || (metric && (!pq->metric || !pq->wnorm))) {
+    if (blocks) { /* checked by the caller; the factors are computed here */
+        size_t nb = (size_t)m * pq->dsub * pq->dsub;
+        pq->mblocks = (float *)pqc__alloc(&pq->alloc, nb * sizeof(float));
+        pq->mchol = (float *)pqc__alloc(&pq->alloc, nb * sizeof(float));
+        pq->wcent_t = (float *)pqc__calloc(&pq->alloc, (size_t)m * pq->dsub * kpad * sizeof(float));
+        pq->wnorm = (float *)pqc__calloc(&pq->alloc, (size_t)m * kpad * sizeof(float));
+        if (pq->mblocks) memcpy(pq->mblocks, blocks, nb * sizeof(float));
+    }
+    if (!pq->centroids || !pq->cent_t || !pq->cnorm || (metric && (!pq->metric || !pq->wnorm)) ||
+        (blocks && (!pq->mblocks || !pq->mchol || !pq->wcent_t || !pq->wnorm))) {
         pqc_pq_free(pq);
         return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "PQ codebook allocation failed");
+    }
+    if (blocks) {
+        pqc_result r = pqc__blocks_check(rt, blocks, m, pq->dsub, pq->mchol, PQC_ERROR_OUT_OF_RANGE, "metric blocks");
+        if (r != PQC_SUCCESS) {
+            pqc_pq_free(pq);
+            return r;
+        }
     }
     return PQC_SUCCESS;
 }
@@ -5930,6 +6039,30 @@ static void pqc__pq_finish_sub(pqc_pq *pq, int j)
             }
             for (e = 0; e < pq->dsub; e++) acc = fmaf(pq->metric[pqc_pq_dim(pq, j, e)] * cc[e], cc[e], acc);
             pq->wnorm[(size_t)j * kpad + (size_t)i] = acc;
+        }
+    }
+    if (pq->mblocks) {
+        /* W_j c (each entry a sequential fmaf from 0) transposed, and c.(W_j c): coding
+           compares these norms with 2 x.(W_j c), which orders centroids by
+           (x - c)^T W_j (x - c) for the symmetric W_j */
+        const float *w = pq->mblocks + (size_t)j * pq->dsub * pq->dsub;
+        float *wt = pq->wcent_t + (size_t)j * pq->dsub * kpad;
+        int i, a, b;
+        for (i = 0; i < pq->ksub_pad; i++) {
+            const float *cc = pq->centroids + ((size_t)j * pq->ksub + (size_t)i) * pq->dsub;
+            float nrm = 0.0f;
+            if (i >= pq->ksub) {
+                for (a = 0; a < pq->dsub; a++) wt[(size_t)a * kpad + (size_t)i] = 0.0f;
+                pq->wnorm[(size_t)j * kpad + (size_t)i] = INFINITY;
+                continue;
+            }
+            for (a = 0; a < pq->dsub; a++) {
+                float acc = 0.0f;
+                for (b = 0; b < pq->dsub; b++) acc = fmaf(w[(size_t)a * pq->dsub + b], cc[b], acc);
+                wt[(size_t)a * kpad + (size_t)i] = acc;
+                nrm = fmaf(acc, cc[a], nrm);
+            }
+            pq->wnorm[(size_t)j * kpad + (size_t)i] = nrm;
         }
     }
 }
@@ -6132,6 +6265,36 @@ static void pqc__sub_to_f32(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *k
     pqc__k_to_f32(simd, row + ((size_t)pq->dim / 2 + (size_t)j * h) * es, keys->dtype, h, out + h);
 }
 
+/* A sub-vector x (d floats) into the space where the metric is Euclidean: x_e sqrt(w_e)
+   for the weights' square roots sw, or L^T x for a metric block's Cholesky factor l
+   (lower, row-major: (L^T x)_a = sum over b >= a of l[b][a] x_b, in double), in place;
+   neither: unchanged. Then |map(x) - map(c)|^2 is the metric's distance. */
+static void pqc__metric_map(float *x, int d, const float *sw, const float *l)
+{
+    int a, b;
+    if (sw) {
+        for (a = 0; a < d; a++) x[a] *= sw[a];
+    } else if (l) {
+        for (a = 0; a < d; a++) { /* x[a] is read before it is written; later rows read b > a */
+            double acc = 0.0;
+            for (b = a; b < d; b++) acc += (double)l[(size_t)b * d + a] * x[b];
+            x[a] = (float)acc;
+        }
+    }
+}
+
+/* The inverse of pqc__metric_map for a metric block: c from y = L^T c (back
+   substitution in double), in place. */
+static void pqc__metric_unmap(float *y, int d, const float *l)
+{
+    int a, b;
+    for (a = d - 1; a >= 0; a--) {
+        double acc = (double)y[a];
+        for (b = a + 1; b < d; b++) acc -= (double)l[(size_t)b * d + a] * y[b];
+        y[a] = (float)(acc / (double)l[(size_t)a * d + a]);
+    }
+}
+
 /* The training sample for sub-space j when the cap binds: with 64+ centroids the cap/32
    points worst served by a few probe centres, and the probes (rare, distinctive keys must
    shape the codebook: they are what a query is looking for, and a uniform sample keeps a
@@ -6139,12 +6302,14 @@ static void pqc__sub_to_f32(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *k
    token order. The probes are PQC__PROBES k-means++ (D^2) draws over a uniform subset, so
    they sit in the dense clusters; a point far from all of them is an outlier wherever the
    mean lies (a needle inside the cloud of a multi-cluster sub-space is no farther from the
-   mean than the clusters are). sw: square roots of the metric's weights, or NULL. */
+   mean than the clusters are). sw: square roots of the metric's weights, or NULL; l: the
+   sub-space's metric block's Cholesky factor, or NULL (pqc__metric_map). */
 #define PQC__PROBES 16
 #define PQC__PROBE_BLOCK 1024
 #define PQC__PROBE_POOL PQC__PROBE_BLOCK /* the pool's rows are held in one block */
 static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *keys, int j, int d, int k,
-                                    size_t cap, uint64_t *rng, const pqc_allocator *al, const float *sw, uint32_t *sel)
+                                    size_t cap, uint64_t *rng, const pqc_allocator *al, const float *sw, const float *l,
+                                    uint32_t *sel)
 {
     size_t n = keys->rows, nfar = k >= 64 ? cap / 32 : 0, i, got = 0, left, want;
     size_t pool = PQC__MIN(n, (size_t)PQC__PROBE_POOL), fl_bytes;
@@ -6181,8 +6346,7 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
             pidx[i] = (uint32_t)pqc__rng_below(rng, n);
             pd[i] = INFINITY;
             pqc__sub_to_f32(simd, pq, keys, pidx[i], j, blk + i * d);
-            if (sw)
-                for (e = 0; e < d; e++) blk[i * d + e] *= sw[e];
+            pqc__metric_map(blk + i * d, d, sw, l);
         }
         for (pi = 0; pi < PQC__PROBES; pi++) {
             size_t pick = 0;
@@ -6213,8 +6377,7 @@ static pqc_result pqc__train_sample(pqc_simd simd, const pqc_pq *pq, const pqc_m
             for (i = 0; i < nb; i++) {
                 float *row = blk + i * d;
                 pqc__sub_to_f32(simd, pq, keys, b + i, j, row);
-                if (sw)
-                    for (e = 0; e < d; e++) row[e] *= sw[e];
+                pqc__metric_map(row, d, sw, l);
             }
             pqc__k_sqnorms(simd, blk, nb, d, bxn);
             pqc__k_assign(simd, blk, nb, d, ct, cn, PQC__PROBES, PQC__PROBES, bidx, bval);
@@ -6258,7 +6421,7 @@ static void pqc__train_sub(void *arg)
     uint64_t rng = jb->desc->seed ^ (0x5851F42D4C957F2Dull * (uint64_t)(j + 1));
     uint32_t *sel = NULL;
     float *x = NULL, sw[256];
-    const float *swp = NULL;
+    const float *swp = NULL, *lp = pq->mchol ? pq->mchol + (size_t)jb->j * pq->dsub * pq->dsub : NULL;
     double *obj = jb->desc->objective ? jb->desc->objective + (size_t)j * (jb->desc->iters + 1) : NULL;
     pqc_simd simd = pqc__simd(jb->rt);
     (void)pqc__rng_next(&rng);
@@ -6279,17 +6442,14 @@ static void pqc__train_sub(void *arg)
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
     }
-    if (cap < n && pqc__train_sample(simd, pq, keys, j, d, k, cap, &rng, al, swp, sel) != PQC_SUCCESS) {
+    if (cap < n && pqc__train_sample(simd, pq, keys, j, d, k, cap, &rng, al, swp, lp, sel) != PQC_SUCCESS) {
         jb->res = PQC_ERROR_OUT_OF_MEMORY;
         snprintf(jb->err, sizeof jb->err, "training sample allocation failed (sub-space %d)", j);
         goto done;
     }
     for (i = 0; i < cap; i++) {
         pqc__sub_to_f32(simd, pq, keys, sel ? sel[i] : i, j, x + i * d);
-        if (swp) {
-            int e;
-            for (e = 0; e < d; e++) x[i * d + e] *= swp[e];
-        }
+        pqc__metric_map(x + i * d, d, swp, lp);
     }
     jb->res = pqc__kmeans(simd, al, x, cap, d, k, pq->ksub_pad, jb->desc->iters, jb->desc->init, &rng,
                           pq->centroids + (size_t)j * k * d, obj, jb->err, sizeof jb->err,
@@ -6299,6 +6459,11 @@ static void pqc__train_sub(void *arg)
         int ci, e;
         for (ci = 0; ci < k; ci++)
             for (e = 0; e < d; e++) cc[(size_t)ci * d + e] /= swp[e];
+    }
+    if (jb->res == PQC_SUCCESS && lp) { /* the means map back exactly (a linear map) */
+        float *cc = pq->centroids + (size_t)j * k * d;
+        int ci;
+        for (ci = 0; ci < k; ci++) pqc__metric_unmap(cc + (size_t)ci * d, d, lp);
     }
     if (jb->res == PQC_SUCCESS) pqc__pq_finish_sub(pq, j);
 done:
@@ -6326,7 +6491,8 @@ static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, c
     r = pqc__check_finite(rt, keys, tmp, "pqc_pq_train keys");
     pqc__free(pqc__rt_alloc(rt), tmp);
     if (r != PQC_SUCCESS) return r;
-    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric, pqc__half_bands(&d))) != PQC_SUCCESS)
+    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric, d.metric_blocks, pqc__half_bands(&d))) !=
+        PQC_SUCCESS)
         return r;
     jobs = (pqc__train_job *)pqc__calloc(&pq.alloc, (size_t)d.m * sizeof *jobs);
     if (!jobs) {
@@ -6479,8 +6645,10 @@ static void pqc__encode_rows(pqc_simd simd, const pqc_pq *pq, const pqc_matrix *
                 for (e = 0; e < pq->dsub; e++) x[i * pq->dsub + e] = x[i * pq->dsub + e] * w[e];
             }
         }
-        pqc__k_assign(simd, x, n, pq->dsub, pq->cent_t + (size_t)j * pq->dsub * pq->ksub_pad,
-                      (w ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx, NULL);
+        /* a metric block: x.(W_j c) against c.(W_j c) (pqc__pq_finish_sub) */
+        pqc__k_assign(simd, x, n, pq->dsub, (pq->mblocks ? pq->wcent_t : pq->cent_t) + (size_t)j * pq->dsub * pq->ksub_pad,
+                      (w || pq->mblocks ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad, pq->ksub_pad, pq->ksub, idx,
+                      NULL);
         for (i = 0; i < n; i++) pqc__codes_put(codes, at + i, j, idx[i]);
     }
 }
@@ -6569,7 +6737,7 @@ static void pqc__put_f32s(unsigned char *p, const float *x, size_t n)
 
 PQCDEF pqc_result pqc_pq_save(const pqc_pq *pq, const char *path)
 {
-    size_t nc, nw, bytes, i, len;
+    size_t nc, nw, nb, bytes, i, len;
     unsigned char *buf;
     const void *part;
     uint64_t h;
@@ -6579,7 +6747,8 @@ PQCDEF pqc_result pqc_pq_save(const pqc_pq *pq, const char *path)
     if (!path) return pqc__fail(NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_save: null path");
     nc = (size_t)pq->m * (size_t)pq->ksub * (size_t)pq->dsub;
     nw = pq->metric ? (size_t)pq->dim : 0;
-    bytes = PQC__PQ_HEAD + 4 * (nc + nw) + 8;
+    nb = pq->mblocks ? (size_t)pq->dim * (size_t)pq->dsub : 0; /* m dsub^2 */
+    bytes = PQC__PQ_HEAD + 4 * (nc + nw + nb) + 8;
     if (!(buf = (unsigned char *)pqc__alloc(&pq->alloc, bytes)))
         return pqc__fail(NULL, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_save: %zu bytes", bytes);
     memcpy(buf, PQC__PQ_MAGIC, 8);
@@ -6587,9 +6756,10 @@ PQCDEF pqc_result pqc_pq_save(const pqc_pq *pq, const char *path)
     pqc__put_u32(buf + 12, (uint32_t)pq->dim);
     pqc__put_u32(buf + 16, (uint32_t)pq->m);
     pqc__put_u32(buf + 20, (uint32_t)pq->bits);
-    pqc__put_u32(buf + 24, (pq->metric ? 1u : 0u) | (pq->half_bands ? 2u : 0u));
+    pqc__put_u32(buf + 24, (pq->metric ? 1u : 0u) | (pq->half_bands ? 2u : 0u) | (pq->mblocks ? 4u : 0u));
     pqc__put_f32s(buf + PQC__PQ_HEAD, pq->centroids, nc);
     if (nw) pqc__put_f32s(buf + PQC__PQ_HEAD + 4 * nc, pq->metric, nw);
+    if (nb) pqc__put_f32s(buf + PQC__PQ_HEAD + 4 * (nc + nw), pq->mblocks, nb);
     h = pqc__fnv(buf, bytes - 8, PQC__FNV_OFFSET);
     for (i = 0; i < 8; i++) buf[bytes - 8 + i] = (unsigned char)(h >> (8 * i));
     part = buf;
@@ -6601,11 +6771,12 @@ PQCDEF pqc_result pqc_pq_save(const pqc_pq *pq, const char *path)
     return r;
 }
 
-/* A codebook from read-in floats: centroids [m][2^bits][dim/m] and metric weights (or
-   NULL), refused with PQC_ERROR_BAD_FILE (the message naming `what`) unless they are
-   finite and the weights positive. */
+/* A codebook from read-in floats: centroids [m][2^bits][dim/m], metric weights (or
+   NULL) and metric blocks [m][dim/m][dim/m] (or NULL), refused with PQC_ERROR_BAD_FILE
+   (the message naming `what`) unless they are finite, the weights positive and the
+   blocks symmetric positive definite. */
 static pqc_result pqc__pq_from_floats(pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *cent,
-                                      const float *w, int half_bands, const char *what)
+                                      const float *w, const float *blocks, int half_bands, const char *what)
 {
     size_t nc = (size_t)dim << bits, i;
     pqc_result r;
@@ -6614,7 +6785,10 @@ static pqc_result pqc__pq_from_floats(pqc_runtime *rt, pqc_pq *pq, int dim, int 
         return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds NaN, Inf or huge centroids or weights", what);
     for (i = 0; w && i < (size_t)dim; i++)
         if (!(w[i] > 0.0f)) return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds a metric weight <= 0", what);
-    if ((r = pqc__pq_alloc(rt, pq, dim, m, bits, w, half_bands)) != PQC_SUCCESS) return r;
+    if (blocks && (dim / m > PQC__MAX_BLOCK || (w && blocks)))
+        return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds metric blocks it cannot have", what);
+    if (blocks && (r = pqc__blocks_check(rt, blocks, m, dim / m, NULL, PQC_ERROR_BAD_FILE, what)) != PQC_SUCCESS) return r;
+    if ((r = pqc__pq_alloc(rt, pq, dim, m, bits, w, blocks, half_bands)) != PQC_SUCCESS) return r;
     memcpy(pq->centroids, cent, nc * sizeof(float));
     for (j = 0; j < m; j++) pqc__pq_finish_sub(pq, j);
     return PQC_SUCCESS;
@@ -6624,13 +6798,13 @@ PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
 {
     unsigned char head[PQC__PQ_HEAD], *buf = NULL, extra;
     uint32_t dim, m, bits, flags;
-    size_t nc, nw, bytes, i;
+    size_t nc, nw, nb, bytes, i;
     uint64_t h = 0;
     char why[300];
     FILE *fp;
     pqc_pq pq;
     pqc_result r;
-    float *w = NULL;
+    float *w = NULL, *wb = NULL;
     if (!path || !out) return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pqc_pq_load: null argument");
     if (!(fp = pqc__open_regular(path, why, sizeof why))) return pqc__fail(rt, PQC_ERROR_IO, "pqc_pq_load: %s", why);
     if (fread(head, 1, sizeof head, fp) != sizeof head || memcmp(head, PQC__PQ_MAGIC, 8) != 0) {
@@ -6642,7 +6816,8 @@ PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
     bits = pqc__get_u32(head + 20);
     flags = pqc__get_u32(head + 24);
     if (pqc__get_u32(head + 8) != PQC__PQ_VERSION || dim == 0 || dim > 65536 || m == 0 || m > dim || dim % m ||
-        bits < 1 || bits > 8 || flags > 3 || ((flags & 2) && (dim / m) % 2)) {
+        bits < 1 || bits > 8 || flags > 7 || ((flags & 2) && (dim / m) % 2) || ((flags & 4) && (flags & 1)) ||
+        ((flags & 4) && dim / m > PQC__MAX_BLOCK)) {
         fclose(fp);
         return pqc__fail(rt, PQC_ERROR_BAD_FILE,
                          "pqc_pq_load: %.200s: version %u, dim %u, m %u, bits %u or flags %u not understood", path,
@@ -6650,7 +6825,8 @@ PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
     }
     nc = (size_t)dim << bits; /* m * 2^bits * dim/m */
     nw = (flags & 1) ? dim : 0;
-    bytes = PQC__PQ_HEAD + 4 * (nc + nw) + 8;
+    nb = (flags & 4) ? (size_t)dim * (dim / m) : 0;
+    bytes = PQC__PQ_HEAD + 4 * (nc + nw + nb) + 8;
     if (!(buf = (unsigned char *)pqc__alloc(pqc__rt_alloc(rt), bytes))) {
         fclose(fp);
         return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "pqc_pq_load: %zu bytes", bytes);
@@ -6669,13 +6845,14 @@ PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
         return pqc__fail(rt, PQC_ERROR_BAD_FILE, "pqc_pq_load: %.200s is damaged (checksum)", path);
     }
     /* the floats, in place (a float is 4 bytes: pqc__float_is_binary32), then checked */
-    for (i = 0; i < nc + nw; i++) {
+    for (i = 0; i < nc + nw + nb; i++) {
         uint32_t u = pqc__get_u32(buf + PQC__PQ_HEAD + 4 * i);
         memcpy(buf + PQC__PQ_HEAD + 4 * i, &u, 4);
     }
     if (nw) w = (float *)(buf + PQC__PQ_HEAD) + nc;
+    if (nb) wb = (float *)(buf + PQC__PQ_HEAD) + nc + nw;
     snprintf(why, sizeof why, "pqc_pq_load: %.200s", path);
-    r = pqc__pq_from_floats(rt, &pq, (int)dim, (int)m, (int)bits, (const float *)(buf + PQC__PQ_HEAD), w,
+    r = pqc__pq_from_floats(rt, &pq, (int)dim, (int)m, (int)bits, (const float *)(buf + PQC__PQ_HEAD), w, wb,
                             (flags & 2) != 0, why);
     pqc__free(pqc__rt_alloc(rt), buf);
     if (r != PQC_SUCCESS) return r;
@@ -6684,15 +6861,25 @@ PQCDEF pqc_result pqc_pq_load(pqc_runtime *rt, const char *path, pqc_pq *out)
 }
 
 /* The squared residual of token t's sub-space j: x (a key row, dim order) against its
-   centroid, weighted by wj (the sub-space's metric weights in sub-space order) or not.
-   sub: dsub floats. */
+   centroid, weighted by wj (the sub-space's metric weights in sub-space order) or by the
+   codebook's metric block for sub-space j (r^T W_j r), or not. sub: dsub floats. */
 static float pqc__sub_residual(const pqc_pq *pq, const pqc_codes *codes, size_t t, const float *x, int j,
                                const float *wj, float *sub)
 {
     const float *cc = pq->centroids + ((size_t)j * pq->ksub + pqc_codes_get(codes, t, j)) * pq->dsub;
     float a = 0.0f;
-    int e;
+    int e, b;
     pqc__gather_sub(pq, x, j, sub);
+    if (pq->mblocks) {
+        const float *w = pq->mblocks + (size_t)j * pq->dsub * pq->dsub;
+        for (e = 0; e < pq->dsub; e++) sub[e] -= cc[e];
+        for (e = 0; e < pq->dsub; e++) {
+            float r = 0.0f;
+            for (b = 0; b < pq->dsub; b++) r += w[(size_t)e * pq->dsub + b] * sub[b];
+            a += r * sub[e];
+        }
+        return a > 0.0f ? a : 0.0f; /* positive definite: only rounding takes it below 0 */
+    }
     for (e = 0; e < pq->dsub; e++) {
         float d = sub[e] - cc[e];
         a += (wj ? wj[e] * d : d) * d; /* not fmaf: a library call where FMA is not compiled in */
@@ -7104,9 +7291,21 @@ static pqc_result pqc__pq_scores_into(pqc_runtime *rt, const pqc_pq *pq, const p
             for (j = 0; j < pq->m; j++) {
                 const float *qh = queries + (size_t)h * pq->dim;
                 float a = 0.0f, v;
-                for (e = 0; e < pq->dsub; e++) {
-                    int dim = pqc_pq_dim(pq, j, e);
-                    a += qh[dim] * qh[dim] / (pq->metric ? pq->metric[dim] : 1.0f);
+                if (pq->mchol) { /* q_j^T W_j^-1 q_j = |z|^2 with L_j z = q_j */
+                    const float *l = pq->mchol + (size_t)j * pq->dsub * pq->dsub;
+                    float z[PQC__MAX_BLOCK];
+                    int b;
+                    for (e = 0; e < pq->dsub; e++) {
+                        float t = qh[pqc_pq_dim(pq, j, e)];
+                        for (b = 0; b < e; b++) t -= l[(size_t)e * pq->dsub + b] * z[b];
+                        z[e] = t / l[(size_t)e * pq->dsub + e];
+                        a += z[e] * z[e];
+                    }
+                } else {
+                    for (e = 0; e < pq->dsub; e++) {
+                        int dim = pqc_pq_dim(pq, j, e);
+                        a += qh[dim] * qh[dim] / (pq->metric ? pq->metric[dim] : 1.0f);
+                    }
                 }
                 v = desc->residual_weight * sqrtf(a) * desc->residual_scale[j];
                 rw[(size_t)h * pq->m + (size_t)j] = v;
@@ -8281,8 +8480,9 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     PQC__RULE(d.softmax_scale >= 0.0f && d.softmax_scale <= 1e6f, PQC_ERROR_OUT_OF_RANGE,
               "softmax_scale %g: 0 (1/sqrt(head_dim)) or in (0, 1e6]", (double)d.softmax_scale);
     if (d.softmax_scale == 0.0f) d.softmax_scale = pqc__default_scale(d.head_dim);
-    PQC__RULE(!d.pq.metric, PQC_ERROR_INVALID_ARGUMENT,
-              "pq.metric must be NULL (the cache derives each head's metric from observed queries; see metric)");
+    PQC__RULE(!d.pq.metric && !d.pq.metric_blocks, PQC_ERROR_INVALID_ARGUMENT,
+              "pq.metric and pq.metric_blocks must be NULL (the cache derives each head's metric from observed queries; "
+              "see metric)");
     PQC__RULE(pqc__size3((size_t)d.head_dim, pqc_dtype_size(d.kv_dtype), 2 * (size_t)d.block_tokens, &slot_bytes) &&
                   pqc__mul(slot_bytes, (size_t)d.cache_blocks, &row_bytes) &&
                   pqc__size3(row_bytes, (size_t)d.n_kv_heads, (size_t)d.n_layers, &all_heads),
@@ -11180,7 +11380,7 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
                 char what[300];
                 if (wt) w = cent + nc;
                 snprintf(what, sizeof what, "pqc_cache_load: %.200s: layer %d head %d", path, l, hh);
-                r = pqc__pq_from_floats(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, cent, w,
+                r = pqc__pq_from_floats(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, cent, w, NULL,
                                         pqc__half_bands(&c->d.pq),
                                         what);
                 pqc__free(&c->alloc, cent);
@@ -11286,8 +11486,8 @@ PQCDEF pqc_result pqc_cache_load(pqc_runtime *rt, const pqc_cache_desc *desc, co
 /* A copy of a codebook into the cache's memory. */
 static pqc_result pqc__pq_copy(pqc_cache *c, pqc_pq *dst, const pqc_pq *src)
 {
-    return pqc__pq_from_floats(c->rt, dst, src->dim, src->m, src->bits, src->centroids, src->metric, src->half_bands,
-                               "pqc_cache_fork");
+    return pqc__pq_from_floats(c->rt, dst, src->dim, src->m, src->bits, src->centroids, src->metric, src->mblocks,
+                               src->half_bands, "pqc_cache_fork");
 }
 
 /* The child's copy of the parent's selection state: window, observations, and per head

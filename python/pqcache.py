@@ -97,14 +97,16 @@ class pqc_runtime_desc(Structure):
 class pqc_pq_desc(Structure):
     _fields_ = [("m", c_int), ("bits", c_int), ("iters", c_int), ("init", c_int),
                 ("max_points_per_centroid", c_int), ("seed", c_uint64), ("objective", POINTER(c_double)),
-                ("device", c_int), ("metric", POINTER(c_float)), ("rope", c_int), ("subspaces", c_int)]
+                ("device", c_int), ("metric", POINTER(c_float)), ("rope", c_int), ("subspaces", c_int),
+                ("metric_blocks", POINTER(c_float))]
 
 
 class pqc_pq(Structure):
     _fields_ = [("dim", c_int), ("m", c_int), ("bits", c_int), ("ksub", c_int), ("dsub", c_int),
                 ("ksub_pad", c_int), ("centroids", POINTER(c_float)), ("cent_t", POINTER(c_float)),
                 ("cnorm", POINTER(c_float)), ("metric", POINTER(c_float)), ("wnorm", POINTER(c_float)),
-                ("half_bands", c_int), ("alloc", pqc_allocator)]
+                ("half_bands", c_int), ("alloc", pqc_allocator), ("mblocks", POINTER(c_float)),
+                ("wcent_t", POINTER(c_float)), ("mchol", POINTER(c_float))]
 
 
 class pqc_codes(Structure):
@@ -703,12 +705,14 @@ class PQ(_Handle):
 
     @classmethod
     def train(cls, keys, m=0, bits=0, iters=0, init="kmeans++", seed=0, metric=None, rope="none",
-              subspaces="default", max_points_per_centroid=0, runtime=None, objective=False):
+              subspaces="default", max_points_per_centroid=0, runtime=None, objective=False, metric_blocks=None):
         """Trains on the rows of keys (s x d_h; float32, float16 or bfloat16 as uint16).
 
         0 means the library's default (m=4, bits=8, iters=10; rope bands where rope states
-        a layout). metric: optional d_h weights of the distance. objective=True keeps the
-        k-means objective per sub-space and iteration in `.objective` (m x (iters + 1))."""
+        a layout). metric: optional d_h weights of the distance. metric_blocks: instead,
+        optional symmetric positive definite matrices (m, d_h/m, d_h/m), one per sub-space
+        in its element order (m=0 takes m from them). objective=True keeps the k-means
+        objective per sub-space and iteration in `.objective` (m x (iters + 1))."""
         keys = np.asarray(keys)
         km, karr = _rows(keys, keys.shape[-1:], "keys", _KV_DTYPES)
         d = pqc_pq_desc()
@@ -720,10 +724,18 @@ class PQ(_Handle):
         d.rope = _enum("rope", rope)
         d.subspaces = _enum("subspaces", subspaces)
         d.max_points_per_centroid = _int(max_points_per_centroid, "max_points_per_centroid")
-        w = None
+        w = wb = None
         if metric is not None:
             w = _f32(metric, (km.cols,), "metric")
             d.metric = ctypes.cast(_addr(w, "metric"), POINTER(c_float))
+        if metric_blocks is not None:
+            wb = np.asarray(metric_blocks)
+            mb = d.m if d.m > 0 else (wb.shape[0] if wb.ndim == 3 and wb.shape[0] > 0 else 1)
+            if km.cols % mb:
+                raise BadShapeError("metric_blocks: m = %d does not divide d_h = %d" % (mb, km.cols))
+            wb = _f32(wb, (mb, km.cols // mb, km.cols // mb), "metric_blocks")
+            d.m = mb
+            d.metric_blocks = ctypes.cast(_addr(wb, "metric_blocks"), POINTER(c_float))
         obj = None
         if objective:  # sized for what the C side writes when it accepts the settings
             t = 10 if d.iters == 0 else min(max(d.iters, 0), 100000)
@@ -771,6 +783,15 @@ class PQ(_Handle):
         if not self._pq.metric:
             return None
         return np.ctypeslib.as_array(self._pq.metric, shape=(self._pq.dim,)).copy()
+
+    @property
+    def metric_blocks(self):
+        """A copy of the metric blocks (m, d_h/m, d_h/m), or None."""
+        self._live()
+        p = self._pq
+        if not p.mblocks:
+            return None
+        return np.ctypeslib.as_array(p.mblocks, shape=(p.m, p.dsub, p.dsub)).copy()
 
     def subspace_dim(self, j, e):
         """The key dim of element e of sub-space j (pqc_pq_dim)."""

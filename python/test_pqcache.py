@@ -220,6 +220,35 @@ def test_pq_save_load_round_trip(rt, rng, tmp_path):
         back.save(path)
 
 
+def test_pq_metric_blocks(rt, rng, tmp_path):
+    """codes nearest under each sub-space's block, kept through a file; bad blocks raise"""
+    keys = clustered_keys(rng, 1500, 16)
+    a = rng.standard_normal((4, 4, 4))
+    blocks = (a @ a.transpose(0, 2, 1) + 0.1 * np.eye(4)).astype(np.float32)
+    pq = pqc.PQ.train(keys, bits=4, metric_blocks=blocks, runtime=rt)   # m from the blocks
+    assert pq.m == 4 and pq.metric is None
+    np.testing.assert_array_equal(pq.metric_blocks, blocks)
+    codes = pq.encode(keys).to_array()
+    cent = pq.centroids
+    for j in range(4):
+        r = keys[:, None, j * 4:(j + 1) * 4].astype(np.float64) - cent[j][None]        # (n, K, 4)
+        dist = np.einsum("nka,ab,nkb->nk", r, blocks[j].astype(np.float64), r)
+        best = dist.min(1)
+        got = dist[np.arange(len(keys)), codes[:, j]]
+        assert np.all(got <= best + 1e-4 * (1 + best))
+    path = tmp_path / "blocks.pqc"
+    pq.save(path)
+    back = pqc.PQ.load(path, runtime=rt)
+    np.testing.assert_array_equal(back.metric_blocks, blocks)
+    np.testing.assert_array_equal(back.encode(keys).to_array(), codes)
+    with pytest.raises(pqc.BadShapeError):
+        pqc.PQ.train(keys, m=2, metric_blocks=blocks)          # 4 blocks of 4 for 2 sub-spaces of 8
+    with pytest.raises(pqc.OutOfRangeError):
+        pqc.PQ.train(keys, metric_blocks=-blocks)              # not positive definite
+    with pytest.raises(pqc.InvalidArgumentError):
+        pqc.PQ.train(keys, metric=np.ones(16), metric_blocks=blocks)
+
+
 def test_pq_bad_input_raises(rt, rng):
     keys = rng.standard_normal((300, 64)).astype(np.float32)
     with pytest.raises(pqc.BadShapeError):

@@ -658,14 +658,16 @@ static float eval(int layer, size_t pos, size_t i)
     return (float)((double)(z >> 11) / 9007199254740992.0) * 2.0f - 1.0f;
 }
 
-/* a small trained quantizer: 300 keys of d_h 16, m 4, 3 bits; with a metric and rope
-   bands when `rich` */
+/* a small trained quantizer: 300 keys of d_h 16, m 4, 3 bits; with rope bands and a
+   metric when `rich` (1: weights, 2: blocks) */
 static int small_pq(int rich, pqc_pq *pq, float *keys)
 {
     pqc_pq_desc d;
     pqc_matrix km = pqc_matrix_f32(keys, 300, 16);
-    float w[16];
+    float w[16], wb[2 * 8 * 8];
     int i;
+    for (i = 0; i < 2 * 8 * 8; i++) /* 1 + 0.5 on the diagonal, 0.5 off it: positive definite */
+        wb[i] = (i % 64) / 8 == i % 8 ? 1.5f + (float)(i / 64) : 0.5f;
     for (i = 0; i < 300 * 16; i++) keys[i] = eval(1, (size_t)i / 16, (size_t)i % 16) * (i % 16 < 4 ? 5.0f : 1.0f);
     for (i = 0; i < 16; i++) w[i] = 0.25f + (float)(i % 4);
     memset(&d, 0, sizeof d);
@@ -674,7 +676,8 @@ static int small_pq(int rich, pqc_pq *pq, float *keys)
     d.iters = 4;
     d.seed = 7;
     if (rich) {
-        d.metric = w;
+        d.metric = rich == 1 ? w : NULL;
+        d.metric_blocks = rich == 2 ? wb : NULL;
         d.rope = PQC_ROPE_HALF;
         d.subspaces = PQC_SUBSPACES_ROPE_BANDS;
     }
@@ -689,7 +692,7 @@ TEST quantizer_files_round_trip(void)
     int rich, i;
     tu_tmp_path(path, sizeof path, "pq");
     for (i = 0; i < 32; i++) q[i] = eval(2, 0, (size_t)i);
-    for (rich = 0; rich < 2; rich++) {
+    for (rich = 0; rich < 3; rich++) {
         pqc_pq a, b;
         pqc_codes ca, cb;
         pqc_search_desc sd;
@@ -702,10 +705,13 @@ TEST quantizer_files_round_trip(void)
         ASSERT_EQ(a.m, b.m);
         ASSERT_EQ(a.bits, b.bits);
         ASSERT_EQ(a.half_bands, b.half_bands);
-        ASSERT_EQ(rich, a.half_bands);
+        ASSERT_EQ(rich != 0, a.half_bands);
         ASSERT_MEM_EQ(a.centroids, b.centroids, sizeof(float) * (size_t)a.m * (size_t)a.ksub * (size_t)a.dsub);
         ASSERT_EQ(a.metric == NULL, b.metric == NULL);
         if (a.metric) ASSERT_MEM_EQ(a.metric, b.metric, sizeof(float) * 16);
+        ASSERT_EQ(rich == 2, a.mblocks != NULL);
+        ASSERT_EQ(a.mblocks == NULL, b.mblocks == NULL);
+        if (a.mblocks) ASSERT_MEM_EQ(a.mblocks, b.mblocks, sizeof(float) * 2 * 8 * 8);
         ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&ca, &a, 300, NULL));
         ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&cb, &b, 300, NULL));
         ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &a, &km, &ca));
@@ -782,6 +788,36 @@ TEST quantizer_file_damage_is_refused(void)
         ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_save(&a, NULL));
     }
     ASSERT(refused > 60);
+    { /* well-formed files whose metric blocks are not a metric, or come with weights */
+        pqc_pq bk;
+        unsigned char *im;
+        long n = 0, at = 28 + 4 * (16 << 3); /* head, then the centroids: the blocks */
+        int k;
+        ASSERT(small_pq(2, &bk, keys));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_save(&bk, path));
+        pqc_pq_free(&bk);
+        ASSERT((im = tu_file_image(path, &n)) != NULL);
+        ASSERT_EQ(at + 4 * 2 * 8 * 8 + 8, n);
+        for (k = 0; k < 2; k++) {
+            uint64_t h;
+            int b;
+            unsigned char sv[4];
+            if (k == 0) { /* the first block's first diagonal entry -1.5: not positive definite */
+                memcpy(sv, im + at, 4);
+                im[at + 3] |= 0x80;
+            } else { /* flags 1 | 2 | 4: weights and blocks both */
+                memcpy(sv, im + 24, 4);
+                im[24] = 7;
+            }
+            h = pqc__fnv(im, (size_t)n - 8, PQC__FNV_OFFSET);
+            for (b = 0; b < 8; b++) im[n - 8 + b] = (unsigned char)(h >> (8 * b));
+            ASSERT(tu_file_write(bad, im, (size_t)n));
+            ASSERT_EQ(PQC_ERROR_BAD_FILE, pqc_pq_load(NULL, bad, &out));
+            memcpy(k == 0 ? im + at : im + 24, sv, 4);
+        }
+        free(im);
+        remove(bad);
+    }
     rmdir(dir);
     remove(path);
     free(img);

@@ -125,6 +125,217 @@ TEST metric_codes_each_key_to_its_weighted_nearest_centroid(void)
     PASS();
 }
 
+/* m random symmetric positive definite blocks of n x n: A A^T / n + floor I, A with a
+   strong shared direction (correlated dims, as queries have) */
+static void spd_blocks(int m, int n, float floor_, uint64_t seed, float *w)
+{
+    uint64_t st = seed;
+    int j, a, b, k;
+    float *A = (float *)malloc(sizeof(float) * (size_t)n * n);
+    for (j = 0; j < m; j++) {
+        for (a = 0; a < n * n; a++) A[a] = hk__normal(&st);
+        for (a = 0; a < n; a++) A[(size_t)a * n] = 4.0f * (1.0f + 0.1f * (float)a); /* the shared direction */
+        for (a = 0; a < n; a++)
+            for (b = 0; b <= a; b++) {
+                double acc = 0;
+                for (k = 0; k < n; k++) acc += (double)A[(size_t)a * n + k] * A[(size_t)b * n + k];
+                w[((size_t)j * n + a) * n + b] = w[((size_t)j * n + b) * n + a] = (float)(acc / n) + (a == b ? floor_ : 0.0f);
+            }
+    }
+    free(A);
+}
+
+/* (x_j - c)^T W_j (x_j - c) in double over sub-space j's elements (pqc_pq_dim order) */
+static double block_dist(const pqc_pq *pq, const float *w, const float *x, int j, int c)
+{
+    const float *cc = pq->centroids + ((size_t)j * pq->ksub + (size_t)c) * pq->dsub;
+    const float *wj = w + (size_t)j * pq->dsub * pq->dsub;
+    double acc = 0;
+    int a, b;
+    for (a = 0; a < pq->dsub; a++)
+        for (b = 0; b < pq->dsub; b++)
+            acc += ((double)x[pqc_pq_dim(pq, j, a)] - cc[a]) * wj[(size_t)a * pq->dsub + b] *
+                   ((double)x[pqc_pq_dim(pq, j, b)] - cc[b]);
+    return acc;
+}
+
+/* With metric blocks, each key's code is its nearest centroid under (x - c)^T W_j (x - c),
+   in both sub-space layouts, and the residual bytes bound that distance's root. */
+TEST metric_blocks_code_each_key_to_its_nearest_centroid_under_the_block(void)
+{
+    enum { N = 1200, DD = 16, M = 2, DS = DD / M };
+    float *x = (float *)malloc(sizeof(float) * N * DD), w[M * DS * DS], scale[M];
+    uint8_t *rb = (uint8_t *)malloc((size_t)N * M);
+    uint64_t st = 11;
+    size_t t;
+    int layout, j, c;
+    ASSERT(x != NULL && rb != NULL);
+    for (t = 0; t < (size_t)N * DD; t++) x[t] = hk__normal(&st) * (t % DD < 4 ? 0.3f : 1.5f);
+    spd_blocks(M, DS, 0.05f, 3, w);
+    for (layout = 0; layout < 2; layout++) {
+        pqc_pq pq;
+        pqc_codes codes;
+        pqc_pq_desc d = tu_pq_desc(M, 5, 10, 1);
+        pqc_matrix keys = pqc_matrix_f32(x, N, DD);
+        double obj[M * 11], sum[M] = {0, 0};
+        if (layout) d.rope = PQC_ROPE_HALF; /* rope bands: sub-space j gathers from both halves */
+        d.metric_blocks = w;
+        d.objective = obj;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &keys, &pq));
+        ASSERT_EQ(layout, pq.half_bands);
+        ASSERT(pq.mblocks != NULL && pq.mblocks != w && pq.metric == NULL);
+        ASSERT_MEM_EQ(w, pq.mblocks, sizeof w); /* a copy of the caller's blocks */
+        ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, N, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &keys, &codes));
+        for (j = 0; j < M; j++) scale[j] = 0.0f;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_residuals(NULL, &pq, &codes, 0, &keys, scale, rb));
+        for (t = 0; t < N; t++)
+            for (j = 0; j < M; j++) {
+                double best = 1e300, got = 0;
+                unsigned code = pqc_codes_get(&codes, t, j);
+                for (c = 0; c < pq.ksub; c++) {
+                    double dd = block_dist(&pq, w, x + t * DD, j, c);
+                    if (dd < best) best = dd;
+                    if ((unsigned)c == code) got = dd;
+                }
+                ASSERT_IN_RANGE(best, got, 1e-4 * (1.0 + best)); /* a float-rounding tie at most */
+                sum[j] += best / N;
+                /* the byte is ceil(root / scale): it bounds the root from above */
+                ASSERT(sqrt(got) <= (double)rb[t * M + (size_t)j] * scale[j] * (1.0 + 1e-4) + 1e-6);
+                ASSERT(sqrt(got) >= ((double)rb[t * M + (size_t)j] - 1.0) * scale[j] * (1.0 - 1e-4) - 1e-6);
+            }
+        /* the centroids are the training's, in the keys' space: their error under the
+           blocks is the k-means objective's last value less its final update's gain */
+        for (j = 0; j < M; j++) {
+            ASSERT(sum[j] <= obj[j * 11 + 10] * (1.0 + 1e-3));
+            ASSERT(sum[j] >= obj[j * 11 + 10] * 0.8);
+        }
+        pqc_codes_free(&codes);
+        pqc_pq_free(&pq);
+    }
+    free(rb);
+    free(x);
+    PASS();
+}
+
+/* Queries whose dims are correlated: the codebook trained under their second moments as
+   blocks errs less on q.k than one trained under the diagonal of the same moments (the
+   per-dimension metric) or the Euclidean one, on keys and queries it never saw. */
+TEST metric_blocks_serve_correlated_queries_better_than_weights(void)
+{
+    enum { N = 4000, NQ = 400, DD = 32, M = 4, DS = DD / M };
+    float *x = (float *)malloc(sizeof(float) * (N + N) * DD), *q = (float *)malloc(sizeof(float) * NQ * 2 * DD);
+    float w[M * DS * DS], diag[DD];
+    double err[3] = {0, 0, 0}, mom[DD * DD];
+    uint64_t st = 5;
+    size_t t, i;
+    int mode, a, b, j;
+    ASSERT(x != NULL && q != NULL);
+    for (t = 0; t < (size_t)2 * N * DD; t++) x[t] = hk__normal(&st);
+    /* queries: per sub-space one dominant random direction plus a little noise */
+    {
+        float u[DD];
+        for (a = 0; a < DD; a++) u[a] = hk__normal(&st);
+        for (i = 0; i < (size_t)NQ * 2; i++) {
+            float s = hk__normal(&st);
+            for (a = 0; a < DD; a++) q[i * DD + a] = 3.0f * s * u[a] + 0.3f * hk__normal(&st);
+        }
+    }
+    for (a = 0; a < DD * DD; a++) mom[a] = 0;
+    for (i = 0; i < NQ; i++) /* the first half of the queries shapes the metric */
+        for (a = 0; a < DD; a++)
+            for (b = 0; b < DD; b++) mom[a * DD + b] += (double)q[i * DD + a] * q[i * DD + b] / NQ;
+    for (j = 0; j < M; j++)
+        for (a = 0; a < DS; a++)
+            for (b = 0; b < DS; b++)
+                w[((size_t)j * DS + a) * DS + b] = (float)mom[(j * DS + a) * DD + j * DS + b] + (a == b ? 0.01f : 0.0f);
+    for (a = 0; a < DD; a++) diag[a] = (float)mom[a * DD + a] + 0.01f;
+    for (mode = 0; mode < 3; mode++) { /* Euclidean, weights, blocks */
+        pqc_pq pq;
+        pqc_codes codes;
+        pqc_pq_desc d = tu_pq_desc(M, 6, 12, 2);
+        pqc_matrix train = pqc_matrix_f32(x, N, DD), test = pqc_matrix_f32(x + (size_t)N * DD, N, DD);
+        float rec[DD];
+        if (mode == 1) d.metric = diag;
+        if (mode == 2) d.metric_blocks = w;
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_train(NULL, &d, &train, &pq));
+        ASSERT_EQ(PQC_SUCCESS, pqc_codes_init(&codes, &pq, N, NULL));
+        ASSERT_EQ(PQC_SUCCESS, pqc_pq_encode(NULL, &pq, &test, &codes));
+        for (t = 0; t < N; t++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_pq_decode(&pq, &codes, t, rec));
+            for (i = NQ; i < (size_t)2 * NQ; i += 8) { /* the held-out queries */
+                double e = 0;
+                for (a = 0; a < DD; a++) e += (double)q[i * DD + a] * ((double)x[((size_t)N + t) * DD + a] - rec[a]);
+                err[mode] += e * e;
+            }
+        }
+        pqc_codes_free(&codes);
+        pqc_pq_free(&pq);
+    }
+    fprintf(stderr, "  mean squared q.k error: Euclidean %.4f, weights %.4f, blocks %.4f\n", err[0] / (N * NQ / 8),
+            err[1] / (N * NQ / 8), err[2] / (N * NQ / 8));
+    ASSERT(err[2] < 0.5 * err[1]);
+    ASSERT(err[2] < 0.5 * err[0]);
+    free(x);
+    free(q);
+    PASS();
+}
+
+/* Blocks that are not symmetric positive definite and finite, blocks with weights, and
+   sub-spaces too wide for them are refused, the output untouched; a cache takes none. */
+TEST metric_blocks_misuse_is_refused(void)
+{
+    enum { DD = 8, M = 2, DS = 4 };
+    float x[64 * DD], w[M * DS * DS], bad[M * DS * DS], wt[DD];
+    pqc_matrix keys;
+    pqc_pq out;
+    pqc_pq_desc d = tu_pq_desc(M, 3, 2, 1);
+    unsigned char want[sizeof out];
+    uint64_t st = 9;
+    int i, kind;
+    for (i = 0; i < 64 * DD; i++) x[i] = hk__normal(&st);
+    keys = pqc_matrix_f32(x, 64, DD);
+    for (i = 0; i < DD; i++) wt[i] = 1.0f;
+    spd_blocks(M, DS, 0.1f, 4, w);
+    memset(&out, 0x5a, sizeof out);
+    memset(want, 0x5a, sizeof want);
+    d.metric_blocks = w;
+    d.metric = wt;
+    ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_pq_train(NULL, &d, &keys, &out));
+    d.metric = NULL;
+    for (kind = 0; kind < 4; kind++) {
+        memcpy(bad, w, sizeof w);
+        if (kind == 0) bad[DS * DS + 1] += 1.0f;                     /* block 1 not symmetric */
+        if (kind == 1) bad[0] = -bad[0];                             /* a negative diagonal entry */
+        if (kind == 2) bad[DS * DS + DS + 1] = 0.0f / (float)(kind - 2); /* NaN */
+        if (kind == 3)                                               /* positive semidefinite, singular */
+            for (i = 0; i < DS * DS; i++) bad[i] = 1.0f;
+        d.metric_blocks = bad;
+        ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_pq_train(NULL, &d, &keys, &out));
+        ASSERT(strstr(pqc_last_error(), "metric_blocks") != NULL);
+    }
+    {
+        float wide[1];
+        float *xw = (float *)calloc(64 * 512, sizeof(float));
+        pqc_matrix kw = pqc_matrix_f32(xw, 64, 512);
+        pqc_pq_desc dw = tu_pq_desc(1, 3, 2, 1);
+        ASSERT(xw != NULL);
+        wide[0] = 1.0f;
+        dw.metric_blocks = wide; /* one sub-space of 512 dims: over the blocks' 256 */
+        ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_pq_train(NULL, &dw, &kw, &out));
+        free(xw);
+    }
+    ASSERT_MEM_EQ(want, &out, sizeof out);
+    {
+        pqc_cache_desc cd = tu_cache_desc(1, 1, 1, DD);
+        pqc_cache *c = NULL;
+        cd.pq.metric_blocks = w;
+        ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_create(NULL, &cd, &c));
+        ASSERT(c == NULL);
+    }
+    PASS();
+}
+
 TEST metric_out_of_range_is_refused(void)
 {
     float x[64 * 4], w[4] = {1, 1, 1, 1};
@@ -1852,6 +2063,9 @@ SUITE(fidelity)
 {
     RUN_TEST(metric_codes_each_key_to_its_weighted_nearest_centroid);
     RUN_TEST(metric_out_of_range_is_refused);
+    RUN_TEST(metric_blocks_code_each_key_to_its_nearest_centroid_under_the_block);
+    RUN_TEST(metric_blocks_serve_correlated_queries_better_than_weights);
+    RUN_TEST(metric_blocks_misuse_is_refused);
     RUN_TEST(rope_bands_are_the_band_ordered_contiguous_pq);
     RUN_TEST(rope_layout_misuse_is_refused);
     RUN_TEST(default_subspaces_follow_the_rope_layout);
