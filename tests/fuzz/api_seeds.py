@@ -333,6 +333,13 @@ def seeds():
     s["pq_rope_bands"] = P().pq_train(dim=0, rows=11, m=2, bits=2, rope=2, subsp=1)
     # the default m of wide keys (1024 dims: d_h / 32 = 32 sub-spaces), with the objective
     s["pq_wide_default_m"] = P().pq_train(dim=bad(6), rows=1, m=0, bits=1, iters=1)
+    # metric blocks (flags 8): positive definite ones code and search; each broken kind
+    # (not symmetric, not positive definite, NaN, with weights) is refused
+    p = P().pq_train(flags=14, rows=9, m=2, bits=2, iters=2).raw(0).codes_init(cap=2).encode(rows=9)
+    p.search(count=0, k=2, g=1)
+    for kind in (1, 2, 3, 4):
+        p.pq_train(slot=1, flags=14, rows=9, m=2, bits=2, iters=2).raw(kind)
+    s["pq_metric_blocks"] = p
     return s
 
 

@@ -2072,6 +2072,7 @@ static void op_pq_train(fz_state *S)
     pqc_pq out, ref;
     fz_mat K;
     double *obj = NULL, *obj2 = NULL;
+    float *blocks = NULL;
     int must_fail = 0, m_eff, bits_eff, it_eff, use_null = (flags & 1) != 0;
     pqc_result r;
     unsigned char pattern[sizeof(pqc_pq)];
@@ -2103,6 +2104,31 @@ static void op_pq_train(fz_state *S)
         it_eff > 100000 || (int)d.init < 0 || (int)d.init > 1 || d.device != 0)
         must_fail = 1;
     if (cols > 0 && cols <= 65536 && fz_rope_bad((int)d.rope, (int)d.subspaces, (long long)cols, m_eff)) must_fail = 1;
+    if ((flags & 8) && m_eff >= 1 && cols > 0 && cols <= 65536 && cols % (size_t)m_eff == 0 &&
+        cols * (cols / (size_t)m_eff) <= ((size_t)1 << 18)) {
+        /* metric blocks: symmetric positive definite (diagonally dominant), or broken */
+        size_t ds = cols / (size_t)m_eff, j, a, b;
+        unsigned kind = rd8(f), x = 2463534242u ^ (kind * 2654435761u);
+        kind %= 5;
+        blocks = (float *)fz_xalloc((size_t)m_eff * ds * ds * sizeof(float));
+        for (j = 0; j < (size_t)m_eff; j++) /* entries from the byte's xorshift, not the input */
+            for (a = 0; a < ds; a++)
+                for (b = 0; b <= a; b++) {
+                    float v;
+                    x ^= x << 13;
+                    x ^= x >> 17;
+                    x ^= x << 5;
+                    v = a == b ? (float)(ds + 1 + (x & 7)) : (float)((int)(x % 3) - 1);
+                    blocks[(j * ds + a) * ds + b] = blocks[(j * ds + b) * ds + a] = v;
+                }
+        if (kind == 1 && ds > 1) blocks[1] += 1.0f;         /* not symmetric */
+        if (kind == 2) blocks[0] = -blocks[0];              /* not positive definite */
+        if (kind == 3) blocks[(size_t)(m_eff - 1) * ds * ds] = NAN;
+        if ((kind == 1 && ds > 1) || kind == 2 || kind == 3 || ds > 256) must_fail = 1;
+        if (kind == 4) d.metric = blocks;                   /* weights and blocks: one metric, not both */
+        if (kind == 4) must_fail = 1;
+        d.metric_blocks = blocks;
+    }
     if (!must_fail && (flags & 2)) {
         nobj = (size_t)m_eff * (size_t)(it_eff + 1);
         obj = (double *)fz_xalloc(nobj * sizeof(double));
@@ -2164,6 +2190,7 @@ static void op_pq_train(fz_state *S)
 done:
     free(obj);
     free(obj2);
+    free(blocks);
     fz_mat_free(&K);
 }
 
