@@ -16,7 +16,7 @@ TSAN    := -fsanitize=thread
 # under the sanitizers (clang's -Og is its -O1)
 SANOPT  := -Og
 
-.PHONY: all run run-real test test-long coverage bench bench-real clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
+.PHONY: all run run-real test test-long coverage bench bench-real bench-metric clean test-core test-asan test-tsan test-compile test-variants test-header test-harness test-nvrtc test-cuda-emu kernels bench-pq bench-cache lib test-python bench-python bench-transformers
 
 # ----- library tests: each tests/test_NAME.c runs plain, under ASan+UBSan and under TSan
 LIBTESTS := core cache contract fidelity golden kernels
@@ -392,6 +392,13 @@ BENCH_REAL_ARGS ?=
 bench-real: $(LIB)
 	@sh tools/setup.sh && py=$$(sh tests/transformers_env.sh --check) && \
 	  PQCACHE_LIB=$(CURDIR)/$(LIB) TQDM_DISABLE=1 TRANSFORMERS_VERBOSITY=error $$py bench/bench_real.py $(BENCH_REAL_ARGS)
+
+# codebook metrics tried outside the library on the real models' captured keys and
+# queries (bench/bench_metric.py says how): BENCH_METRIC_ARGS="--model gemma3" for Gemma 3
+BENCH_METRIC_ARGS ?=
+bench-metric: $(LIB)
+	@sh tools/setup.sh && py=$$(sh tests/transformers_env.sh --check) && \
+	  PQCACHE_LIB=$(CURDIR)/$(LIB) TQDM_DISABLE=1 TRANSFORMERS_VERBOSITY=error $$py bench/bench_metric.py $(BENCH_METRIC_ARGS)
 
 bench: bench-pq bench-cache bench-python bench-hf
 include tests/fuzz/fuzz.mk
