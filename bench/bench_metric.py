@@ -35,10 +35,6 @@ import os
 import sys
 
 import numpy as np
-import torch
-import transformers
-import transformers.masking_utils
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -50,22 +46,7 @@ N_OBS = 32
 
 def capture(M, ids, n_q):
     """per pqcache layer (K, V, the last n_q queries), keys and queries after RoPE"""
-    cap = {}
-
-    def hook(module, query, key, value, attention_mask, **kw):
-        layer = int(module.layer_idx)
-        if layer in M.full:
-            cap[layer] = (key[0].transpose(0, 1).float().numpy().copy(), value[0].transpose(0, 1).float().numpy().copy(),
-                          query[0, :, -n_q:].transpose(0, 1).float().numpy().copy())
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-    transformers.AttentionInterface.register("pqc_metric", hook)
-    transformers.masking_utils.AttentionMaskInterface.register("pqc_metric", transformers.masking_utils.sdpa_mask)
-    M.model.set_attn_implementation("pqc_metric")
-    try:
-        with torch.no_grad():
-            M.model(torch.tensor([ids]), use_cache=False, logits_to_keep=1)
-    finally:
-        M.model.set_attn_implementation(B.pqcache_hf.NAME)
+    _, cap = M.prompt(ids, n_obs=n_q)
     return [cap[layer] for layer in M.full]
 
 
@@ -216,7 +197,8 @@ def main():
             print(line, flush=True)
     print("summary (%s half, %d tokens):" % (a.half, a.length))
     for mt in metrics:
-        print("  %-6s mass %.4f  needle tokens kept %.3f" % (mt, np.mean(tot[mt][0]), tot[mt][2] / max(tot[mt][1], 1)))
+        kept = "%.3f" % (tot[mt][2] / tot[mt][1]) if tot[mt][1] else "-"
+        print("  %-6s mass %.4f  needle tokens kept %s" % (mt, np.mean(tot[mt][0]), kept))
 
 
 if __name__ == "__main__":
