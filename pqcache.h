@@ -5968,7 +5968,7 @@ static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int 
         pq->wnorm = (float *)pqc__calloc(&pq->alloc, (size_t)m * kpad * sizeof(float));
         if (pq->metric) memcpy(pq->metric, metric, (size_t)dim * sizeof(float));
     }
-    if (blocks) { /* checked by the caller; the factors are computed here */
+    if (blocks) { /* checked by the caller; checked again below as they are factored */
         size_t nb = (size_t)m * pq->dsub * pq->dsub;
         pq->mblocks = (float *)pqc__alloc(&pq->alloc, nb * sizeof(float));
         pq->mchol = (float *)pqc__alloc(&pq->alloc, nb * sizeof(float));
