@@ -5916,16 +5916,12 @@ static pqc_result pqc__pq_check_desc(const pqc_runtime *rt, const pqc_pq_desc *i
             return pqc__fail(rt, PQC_ERROR_OUT_OF_RANGE, "pq.metric: largest/smallest weight %g exceeds 1e12",
                              (double)hi / (double)lo);
     }
-    if (d->metric_blocks) {
-        pqc_result r;
+    if (d->metric_blocks) { /* their values: checked as pqc__pq_alloc factors them */
         if (d->metric)
             return pqc__fail(rt, PQC_ERROR_INVALID_ARGUMENT, "pq.metric and pq.metric_blocks: one metric, not both");
         if (dim / d->m > PQC__MAX_BLOCK)
             return pqc__fail(rt, PQC_ERROR_BAD_SHAPE, "pq.metric_blocks: sub-spaces of %d dims, over %d", dim / d->m,
                              PQC__MAX_BLOCK);
-        if ((r = pqc__blocks_check(rt, d->metric_blocks, d->m, dim / d->m, NULL, PQC_ERROR_OUT_OF_RANGE,
-                                   "pq.metric_blocks")) != PQC_SUCCESS)
-            return r;
     }
     return PQC_SUCCESS;
 }
@@ -5946,8 +5942,10 @@ PQCDEF void pqc_pq_free(pqc_pq *pq)
     pqc__pq_zero(pq);
 }
 
+/* A zeroed codebook's storage; with blocks, their check (failing with `bad`, the message
+   naming `what`) and Cholesky factors. */
 static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *metric,
-                                const float *blocks, int half_bands)
+                                const float *blocks, int half_bands, pqc_result bad, const char *what)
 {
     size_t kpad;
     pqc__pq_zero(pq);
@@ -5968,7 +5966,7 @@ static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int 
         pq->wnorm = (float *)pqc__calloc(&pq->alloc, (size_t)m * kpad * sizeof(float));
         if (pq->metric) memcpy(pq->metric, metric, (size_t)dim * sizeof(float));
     }
-    if (blocks) { /* checked by the caller; checked again below as they are factored */
+    if (blocks) {
         size_t nb = (size_t)m * pq->dsub * pq->dsub;
         pq->mblocks = (float *)pqc__alloc(&pq->alloc, nb * sizeof(float));
         pq->mchol = (float *)pqc__alloc(&pq->alloc, nb * sizeof(float));
@@ -5982,7 +5980,7 @@ static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int 
         return pqc__fail(rt, PQC_ERROR_OUT_OF_MEMORY, "PQ codebook allocation failed");
     }
     if (blocks) {
-        pqc_result r = pqc__blocks_check(rt, blocks, m, pq->dsub, pq->mchol, PQC_ERROR_OUT_OF_RANGE, "metric blocks");
+        pqc_result r = pqc__blocks_check(rt, blocks, m, pq->dsub, pq->mchol, bad, what);
         if (r != PQC_SUCCESS) {
             pqc_pq_free(pq);
             return r;
@@ -6491,8 +6489,8 @@ static pqc_result pqc__pq_train_impl(pqc_runtime *rt, const pqc_pq_desc *desc, c
     r = pqc__check_finite(rt, keys, tmp, "pqc_pq_train keys");
     pqc__free(pqc__rt_alloc(rt), tmp);
     if (r != PQC_SUCCESS) return r;
-    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric, d.metric_blocks, pqc__half_bands(&d))) !=
-        PQC_SUCCESS)
+    if ((r = pqc__pq_alloc(rt, &pq, (int)keys->cols, d.m, d.bits, d.metric, d.metric_blocks, pqc__half_bands(&d),
+                           PQC_ERROR_OUT_OF_RANGE, "pq.metric_blocks")) != PQC_SUCCESS)
         return r;
     jobs = (pqc__train_job *)pqc__calloc(&pq.alloc, (size_t)d.m * sizeof *jobs);
     if (!jobs) {
@@ -6785,10 +6783,10 @@ static pqc_result pqc__pq_from_floats(pqc_runtime *rt, pqc_pq *pq, int dim, int 
         return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds NaN, Inf or huge centroids or weights", what);
     for (i = 0; w && i < (size_t)dim; i++)
         if (!(w[i] > 0.0f)) return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds a metric weight <= 0", what);
-    if (blocks && (dim / m > PQC__MAX_BLOCK || (w && blocks)))
+    if (blocks && (dim / m > PQC__MAX_BLOCK || w))
         return pqc__fail(rt, PQC_ERROR_BAD_FILE, "%s holds metric blocks it cannot have", what);
-    if (blocks && (r = pqc__blocks_check(rt, blocks, m, dim / m, NULL, PQC_ERROR_BAD_FILE, what)) != PQC_SUCCESS) return r;
-    if ((r = pqc__pq_alloc(rt, pq, dim, m, bits, w, blocks, half_bands)) != PQC_SUCCESS) return r;
+    if ((r = pqc__pq_alloc(rt, pq, dim, m, bits, w, blocks, half_bands, PQC_ERROR_BAD_FILE, what)) != PQC_SUCCESS)
+        return r;
     memcpy(pq->centroids, cent, nc * sizeof(float));
     for (j = 0; j < m; j++) pqc__pq_finish_sub(pq, j);
     return PQC_SUCCESS;
