@@ -597,7 +597,13 @@ typedef enum pqc_metric {
                              its heads were observed with (pqc_cache_observe; the driver
                              observes the prompt's last queries); Euclidean until a head
                              has observations (default)                                  */
-    PQC_METRIC_L2 = 1     /* plain Euclidean k-means, observations ignored                */
+    PQC_METRIC_L2 = 1,    /* plain Euclidean k-means, observations ignored                */
+    PQC_METRIC_QUERY_BANDS = 2 /* as PQC_METRIC_QUERY, with a full matrix per sub-space
+                             (pqc_pq_desc.metric_blocks): the observed queries' second
+                             moments over the sub-space's dims (a RoPE band's under a rope
+                             layout), divided by their mean diagonal entry, plus
+                             metric_floor on the diagonal. It weighs directions where the
+                             queries' dims are correlated. Needs d_h/m <= 256      */
 } pqc_metric;
 
 typedef enum pqc_split {
@@ -934,12 +940,14 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
      scoring on; u32 window; f32 softmax scale (version 4 only);
      per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
        u32 the layer's window when a build lowered it, else 0 (version 2 files lack it);
-       f64 observation sums [2 h_kv (d_h + 1) + 2]; f32 observed rows [rows][h d_h];
+       f64 observation sums [2 h_kv (d_h + 1 + B) + 2] (B = d_h x d_h/m under
+       PQC_METRIC_QUERY_BANDS, else 0); f32 observed rows [rows][h d_h];
        f64 observed masses [h_kv][2]; f64 histograms [h_kv][64];
        per KV head: K rows, V rows [tokens][d_h] (storage dtype, each preceded by zero
          bytes up to a file offset that is a multiple of 64); u32 codebook present,
-         u32 metric present; if present: f32 centroids [m][2^bits][d_h/m], f32 metric
-         [d_h] (if present), the m code columns (ceil(coded bits / 8) bytes each); with
+         u32 metric present (1: weights, 2: blocks); if present: f32 centroids
+         [m][2^bits][d_h/m], f32 metric [d_h] or blocks [m][d_h/m][d_h/m] (if present),
+         the m code columns (ceil(coded bits / 8) bytes each); with
          outliers: u64 listed, u64 of them from the build, f32 threshold, u32 tokens,
          f32 residuals of those since the build; with residual scoring: f32 scales [m],
          the residual bytes [coded][m]
@@ -8033,6 +8041,7 @@ typedef struct pqc__build {
     int layer, head;
     size_t n_keys;        /* mid tokens the build trains on and codes */
     const float *metric;  /* the distance's weights (into the layer's bmetric), or NULL */
+    const float *blocks;  /* or its blocks (likewise), or NULL */
     size_t n_all;         /* tokens the layer held when the build started */
     int n_obs;            /* observation rows to measure the attention of (0: none) */
     int n_wins;           /* window sizes weighed (1: the layer's window only) */
@@ -8066,7 +8075,8 @@ typedef struct pqc__layer {
                              drift rebuild + 1 (0: none) */
     double *qpend;        /* [n_kv_heads][d_h + 1] drifted decode queries of a driver step,
                              added to qsq when the whole step succeeded; then the flag */
-    float *bmetric;       /* [n_kv_heads][d_h] the weights of the build in flight */
+    float *bmetric;       /* [n_kv_heads][d_h] the weights of the build in flight, or
+                             [n_kv_heads][d_h x d_sub] its blocks (PQC_METRIC_QUERY_BANDS) */
     float *qobs;          /* [PQC__OBS_KEEP][n_q_heads * d_h] the last observed rows, oldest
                              first; n_qobs of them */
     int n_qobs;
@@ -8391,9 +8401,24 @@ static int pqc__derive_window(const pqc_cache *c, size_t n_tokens)
     return (int)(w < 1.0 ? 1.0 : (w > hi ? hi : w));
 }
 
+/* Whether the cache's metric is a full matrix per sub-space (PQC_METRIC_QUERY_BANDS). */
+static int pqc__bands(const pqc_cache *c) { return c->d.metric == PQC_METRIC_QUERY_BANDS; }
+
+/* Floats of one head's metric blocks: m matrices of d_sub x d_sub, d_h x d_sub in all. */
+static size_t pqc__blocks_len(const pqc_cache *c)
+{
+    return (size_t)c->d.head_dim * ((size_t)c->d.head_dim / (size_t)c->d.pq.m);
+}
+
 /* The layout of a layer's observations (pqc__layer.qsq): observed queries, drifted
-   decode queries, the drift flag and the coded count at the last drift rebuild + 1. */
-static size_t pqc__qsq_part(const pqc_cache *c) { return (size_t)c->d.n_kv_heads * ((size_t)c->d.head_dim + 1); }
+   decode queries, the drift flag and the coded count at the last drift rebuild + 1. Each
+   part: [n_kv_heads][d_h] sums of squares, [n_kv_heads] the rows counted, and under
+   PQC_METRIC_QUERY_BANDS [n_kv_heads][m][d_sub][d_sub] the sums of the rows' outer
+   products over each sub-space's dims (in sub-space element order, pqc_pq_dim). */
+static size_t pqc__qsq_part(const pqc_cache *c)
+{
+    return (size_t)c->d.n_kv_heads * ((size_t)c->d.head_dim + 1 + (pqc__bands(c) ? pqc__blocks_len(c) : 0));
+}
 static size_t pqc__qsq_len(const pqc_cache *c) { return 2 * pqc__qsq_part(c) + 2; }
 
 /* ----- the configuration: a desc resolved once -----
@@ -8446,13 +8471,13 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
               d.budget_ratio);
     PQC__RULE(d.recent_share >= 0 && d.recent_share <= 1, PQC_ERROR_OUT_OF_RANGE, "recent_share %g not in [0, 1]",
               d.recent_share);
-    PQC__RULE((int)d.metric >= 0 && (int)d.metric <= 1, PQC_ERROR_OUT_OF_RANGE, "metric %d unknown", (int)d.metric);
+    PQC__RULE((int)d.metric >= 0 && (int)d.metric <= 2, PQC_ERROR_OUT_OF_RANGE, "metric %d unknown", (int)d.metric);
     PQC__RULE(d.metric_floor > 0 && d.metric_floor <= 1e6, PQC_ERROR_OUT_OF_RANGE, "metric_floor %g not in (0, 1e6]",
               d.metric_floor);
     /* the query metric's weights are normalised to a mean of 1 (so at most head_dim) plus
        the floor: a floor below head_dim x 1e-11 could spread them past the PQ core's limit
        of 1e12 (largest / smallest) and every build of the layer would fail */
-    PQC__RULE(d.metric != PQC_METRIC_QUERY || d.metric_floor >= 1e-11 * (double)d.head_dim, PQC_ERROR_OUT_OF_RANGE,
+    PQC__RULE(d.metric == PQC_METRIC_L2 || d.metric_floor >= 1e-11 * (double)d.head_dim, PQC_ERROR_OUT_OF_RANGE,
               "metric_floor %g below head_dim x 1e-11 = %g: the metric's weights could spread past the PQ core's 1e12",
               d.metric_floor, 1e-11 * (double)d.head_dim);
     PQC__RULE((int)d.split >= 0 && (int)d.split <= 3, PQC_ERROR_OUT_OF_RANGE, "split %d unknown", (int)d.split);
@@ -8490,6 +8515,14 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     if ((size_t)d.n_sink > d.max_tokens) d.n_sink = (int)d.max_tokens;
     if ((size_t)d.window > d.max_tokens) d.window = (int)d.max_tokens;
     if ((r = pqc__pq_check_desc(rt, &d.pq, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
+    /* the blocks are normalised to a mean diagonal entry of 1 (entries at most d_sub),
+       then rounded to float: a floor of 0.01 keeps them positive definite through that */
+    PQC__RULE(d.metric != PQC_METRIC_QUERY_BANDS || d.metric_floor >= 0.01, PQC_ERROR_OUT_OF_RANGE,
+              "metric_floor %g below 0.01 under PQC_METRIC_QUERY_BANDS: float rounding could leave a block not "
+              "positive definite", d.metric_floor);
+    PQC__RULE(d.metric != PQC_METRIC_QUERY_BANDS || d.head_dim / tmp.m <= PQC__MAX_BLOCK, PQC_ERROR_OUT_OF_RANGE,
+              "metric PQC_METRIC_QUERY_BANDS: sub-spaces of %d dims, over %d (raise pq.m)", d.head_dim / tmp.m,
+              PQC__MAX_BLOCK);
     d.pq.m = tmp.m;
     d.pq.bits = tmp.bits;
     d.pq.subspaces = tmp.subspaces;
@@ -8966,6 +8999,7 @@ static void pqc__build_job(void *arg)
     double t0 = pqc__now();
     d.iters = b->iters > 0 ? b->iters : -1;
     d.metric = b->metric;
+    d.metric_blocks = b->blocks;
     d.seed = c->d.pq.seed ^ (0x9E3779B97F4A7C15ull * (uint64_t)(b->layer * 4099 + c->d.first_kv_head + b->head + 1));
     /* nested work runs inline: the pool may be the engine's and fully busy */
     r = pqc__keys_gather(c, H, (size_t)c->d.n_sink, (size_t)c->d.n_sink + b->n_keys, &keys, NULL, &kbuf);
@@ -8997,28 +9031,52 @@ static void pqc__build_job(void *arg)
     b->seconds = pqc__now() - t0;
 }
 
-/* The distance's weights for head h's next build (into the layer's bmetric), or NULL
-   for Euclidean: w_e = mean q_e^2 / (mean over e of it) + metric_floor, over the decode
-   queries that drifted from the metric when there are any, else over the observed ones. */
-static const float *pqc__build_metric(pqc_cache *c, int l, int h)
+/* The distance for head h's next build (into the layer's bmetric), from the decode
+   queries that drifted from the metric when there are any, else from the observed ones;
+   both NULL (Euclidean) without observations or under PQC_METRIC_L2.
+   PQC_METRIC_QUERY: *w gets the weights w_e = mean q_e^2 / (mean over e of it) +
+   metric_floor. PQC_METRIC_QUERY_BANDS: *blocks gets per sub-space W_j = C_j / (mean
+   diagonal entry of C_j) + metric_floor I, C_j the queries' second moments over its dims
+   (the identity where the queries never touched them). Queries of no energy at all: NULL. */
+static void pqc__build_metric(pqc_cache *c, int l, int h, const float **wout, const float **bout)
 {
     pqc__layer *L = &c->layers[l];
     size_t d = (size_t)c->d.head_dim, e, part = pqc__qsq_part(c), nkv = (size_t)c->d.n_kv_heads;
     const double *base = L->qsq[part + nkv * d + (size_t)h] > 0.0 ? L->qsq + part : L->qsq;
     const double *qs = base + (size_t)h * d;
-    float *w = L->bmetric + (size_t)h * d;
     double tot = 0.0;
-    if (c->d.metric != PQC_METRIC_QUERY || base[nkv * d + (size_t)h] <= 0.0) return NULL;
+    *wout = *bout = NULL;
+    if (c->d.metric == PQC_METRIC_L2 || base[nkv * d + (size_t)h] <= 0.0) return;
     for (e = 0; e < d; e++) tot += qs[e];
-    if (!(tot > 0.0) || !(tot < 1e300)) return NULL;
-    for (e = 0; e < d; e++) {
-        /* with a RoPE layout, one weight per rotation pair: rotation moves a key's (and a
-           later query's) energy between the pair's two dims */
-        size_t p = c->d.pq.rope == PQC_ROPE_HALF ? (e < d / 2 ? e + d / 2 : e - d / 2)
-                 : c->d.pq.rope == PQC_ROPE_INTERLEAVED ? (e ^ 1u) : e;
-        w[e] = (float)(0.5 * (qs[e] + qs[p]) * (double)d / tot + c->d.metric_floor);
+    if (!(tot > 0.0) || !(tot < 1e300)) return; /* queries of no energy: Euclidean */
+    if (pqc__bands(c)) {
+        size_t m = (size_t)c->d.pq.m, ds = d / m, j, a, b;
+        const double *src = base + nkv * (d + 1) + (size_t)h * pqc__blocks_len(c);
+        float *w = L->bmetric + (size_t)h * pqc__blocks_len(c);
+        for (j = 0; j < m; j++) {
+            const double *cj = src + j * ds * ds;
+            float *wj = w + j * ds * ds;
+            double tr = 0.0;
+            for (a = 0; a < ds; a++) tr += cj[a * ds + a];
+            for (a = 0; a < ds; a++)
+                for (b = 0; b < ds; b++)
+                    wj[a * ds + b] = (float)((tr > 0.0 && tr < 1e300 ? cj[a * ds + b] * (double)ds / tr : (a == b)) +
+                                             (a == b ? c->d.metric_floor : 0.0));
+        }
+        *bout = w;
+        return;
     }
-    return w;
+    {
+        float *w = L->bmetric + (size_t)h * d;
+        for (e = 0; e < d; e++) {
+            /* with a RoPE layout, one weight per rotation pair: rotation moves a key's (and a
+               later query's) energy between the pair's two dims */
+            size_t p = c->d.pq.rope == PQC_ROPE_HALF ? (e < d / 2 ? e + d / 2 : e - d / 2)
+                     : c->d.pq.rope == PQC_ROPE_INTERLEAVED ? (e ^ 1u) : e;
+            w[e] = (float)(0.5 * (qs[e] + qs[p]) * (double)d / tot + c->d.metric_floor);
+        }
+        *wout = w;
+    }
 }
 
 /* Starts the build of layer l over its current mid tokens. */
@@ -9042,7 +9100,7 @@ static void pqc__start_build(pqc_cache *c, int l)
         b->layer = l;
         b->head = h;
         b->n_keys = n;
-        b->metric = pqc__build_metric(c, l, h);
+        pqc__build_metric(c, l, h, &b->metric, &b->blocks);
         b->n_all = L->n_tokens;
         b->n_obs = L->n_qobs;
         b->n_wins = c->sp.adaptive_window ? PQC__WIN_CANDS : 1;
@@ -9620,6 +9678,27 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     return pqc__call_end(c, pqc__prefill(c, layer, k, v));
 }
 
+/* Dim of element e of sub-space j in the cache's codebooks (pqc_pq_dim, before one exists). */
+static size_t pqc__sub_dim(const pqc_cache *c, size_t j, size_t e)
+{
+    size_t d = (size_t)c->d.head_dim, ds = d / (size_t)c->d.pq.m, h = ds / 2;
+    if (!pqc__half_bands(&c->d.pq) || ds % 2 != 0) return j * ds + e;
+    return e < h ? j * h + e : d / 2 + j * h + (e - h);
+}
+
+/* Adds the outer products of query row q over each sub-space's dims to blk ([m][d_sub]
+   [d_sub], sub-space element order). */
+static void pqc__blocks_add(const pqc_cache *c, double *blk, const float *q)
+{
+    size_t m = (size_t)c->d.pq.m, ds = (size_t)c->d.head_dim / m, j, a, b;
+    double x[PQC__MAX_BLOCK];
+    for (j = 0; j < m; j++, blk += ds * ds) {
+        for (a = 0; a < ds; a++) x[a] = (double)q[pqc__sub_dim(c, j, a)];
+        for (a = 0; a < ds; a++)
+            for (b = 0; b < ds; b++) blk[a * ds + b] += x[a] * x[b];
+    }
+}
+
 static pqc_result pqc__observe(pqc_cache *c, int layer, const float *q, size_t n)
 {
     pqc__layer *L;
@@ -9645,11 +9724,12 @@ static pqc_result pqc__observe(pqc_cache *c, int layer, const float *q, size_t n
         L->n_qobs = (int)(old + keep);
     }
     for (h = 0; h < c->d.n_kv_heads; h++) {
-        double *qs = L->qsq + (size_t)h * d;
+        double *qs = L->qsq + (size_t)h * d, *blk = L->qsq + (size_t)c->d.n_kv_heads * (d + 1) + (size_t)h * pqc__blocks_len(c);
         for (i = 0; i < n; i++)
             for (hh = 0; hh < c->g; hh++) {
                 const float *row = q + i * qn + ((size_t)h * (size_t)c->g + (size_t)hh) * d;
                 for (e = 0; e < d; e++) qs[e] += (double)row[e] * (double)row[e];
+                if (pqc__bands(c)) pqc__blocks_add(c, blk, row);
             }
         L->qsq[(size_t)c->d.n_kv_heads * d + (size_t)h] += (double)n * (double)c->g;
     }
@@ -10015,27 +10095,39 @@ static void pqc__drift_note(pqc_cache *c, int l, const float *q)
     pqc__layer *L = &c->layers[l];
     size_t d = (size_t)c->d.head_dim, e, nkv = (size_t)c->d.n_kv_heads;
     int h, hh;
-    if (c->d.metric != PQC_METRIC_QUERY) return;
+    if (c->d.metric == PQC_METRIC_L2) return;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         const pqc_pq *pq = &L->heads[h].pq;
         double all = 0.0, inv = 0.0, wsum = 0.0;
-        if (!pq->metric) continue;
-        for (e = 0; e < d; e++) wsum += pq->metric[e];
+        size_t ds = (size_t)pq->dsub, j;
+        if (!pq->metric && !pq->mblocks) continue;
+        /* the weights: the metric's, or the blocks' diagonals (each dim's own weight) */
         for (hh = 0; hh < c->g; hh++) {
             const float *qr = q + ((size_t)h * (size_t)c->g + (size_t)hh) * d;
-            for (e = 0; e < d; e++) {
-                double v = (double)qr[e] * (double)qr[e];
-                all += v;
-                inv += v / (double)pq->metric[e];
-            }
+            if (pq->metric)
+                for (e = 0; e < d; e++) {
+                    double v = (double)qr[e] * (double)qr[e];
+                    all += v;
+                    inv += v / (double)pq->metric[e];
+                    if (hh == 0) wsum += pq->metric[e];
+                }
+            else
+                for (j = 0; j < (size_t)pq->m; j++)
+                    for (e = 0; e < ds; e++) {
+                        double v = qr[pqc_pq_dim(pq, (int)j, (int)e)], w = pq->mblocks[(j * ds + e) * ds + e];
+                        all += v * v;
+                        inv += v * v / w;
+                        if (hh == 0) wsum += w;
+                    }
         }
         if (!(all > 0.0) || !(inv * wsum > PQC__DRIFT_RATIO * (double)d * all)) continue;
         for (hh = 0; hh < c->g; hh++) {
             const float *qr = q + ((size_t)h * (size_t)c->g + (size_t)hh) * d;
             for (e = 0; e < d; e++) L->qpend[(size_t)h * d + e] += (double)qr[e] * (double)qr[e];
+            if (pqc__bands(c)) pqc__blocks_add(c, L->qpend + nkv * (d + 1) + (size_t)h * pqc__blocks_len(c), qr);
         }
         L->qpend[nkv * d + (size_t)h] += (double)c->g;
-        L->qpend[nkv * (d + 1)] = 1.0;
+        L->qpend[pqc__qsq_part(c)] = 1.0;
     }
 }
 
@@ -10714,11 +10806,12 @@ static pqc_result pqc__layers_alloc(pqc_cache *c)
         L->heads = (pqc__head *)pqc__calloc(&c->alloc, sizeof(pqc__head) * (size_t)d.n_kv_heads);
         L->builds = (pqc__build *)pqc__calloc(&c->alloc, sizeof(pqc__build) * (size_t)d.n_kv_heads);
         {
-            size_t part = (size_t)d.n_kv_heads * ((size_t)d.head_dim + 1);
+            size_t part = pqc__qsq_part(c);
             L->qsq = (double *)pqc__calloc(&c->alloc, sizeof(double) * (2 * part + 2));
             L->qpend = (double *)pqc__calloc(&c->alloc, sizeof(double) * (part + 1));
         }
-        L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads * (size_t)d.head_dim);
+        L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads *
+                                                        (pqc__bands(c) ? pqc__blocks_len(c) : (size_t)d.head_dim));
         L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
         L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 4 * (size_t)d.n_kv_heads);
         L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * PQC__OBS_BINS * (size_t)d.n_kv_heads);
@@ -11123,7 +11216,7 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
         pqc__part(&w, L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
         for (h = 0; h < c->d.n_kv_heads; h++) {
             const pqc__head *H = &L->heads[h];
-            uint32_t has = H->pq.m != 0, wt = has && H->pq.metric != NULL;
+            uint32_t has = H->pq.m != 0, wt = !has ? 0u : H->pq.mblocks ? 2u : H->pq.metric ? 1u : 0u;
             size_t ns = PQC__MIN(L->n_tokens, c->pn); /* a fork's shared rows, then its own */
             pqc__part_pad(&w);
             pqc__part(&w, H->pk, ns * c->row);
@@ -11135,7 +11228,8 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
             pqc__part_small(&w, &wt, 4);
             if (!has) continue;
             pqc__part(&w, H->pq.centroids, (size_t)H->pq.m * H->pq.ksub * H->pq.dsub * sizeof(float));
-            if (wt) pqc__part(&w, H->pq.metric, d * sizeof(float));
+            if (wt == 1) pqc__part(&w, H->pq.metric, d * sizeof(float));
+            if (wt == 2) pqc__part(&w, H->pq.mblocks, pqc__blocks_len(c) * sizeof(float));
             col = (L->n_coded * (size_t)H->pq.bits + 7) / 8;
             for (j = 0; j < H->pq.m; j++) pqc__part(&w, H->codes.data + (size_t)j * H->codes.col_stride, col);
             if (c->d.outliers > 0) {
@@ -11318,8 +11412,13 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
         PQC__RD(L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
         if (!pqc__within(L->qobs, (size_t)nq * qn, PQC__KEY_LIMIT))
             PQC__BAD("pqc_cache_load: %.200s: layer %d holds non-finite observations", path, l);
-        for (t = 0; t < pqc__qsq_len(c); t++)
-            if (!(L->qsq[t] >= 0.0 && L->qsq[t] < 1e300)) PQC__BAD("pqc_cache_load: %.200s: layer %d statistics", path, l);
+        for (t = 0; t < pqc__qsq_len(c); t++) { /* sums of squares and counts: not negative; the blocks' other
+                                                   entries (products of two dims) may be */
+            size_t at = t % pqc__qsq_part(c), diag = nkv * (d + 1), bl = pqc__blocks_len(c), ds = d / (size_t)c->d.pq.m;
+            int sign_free = t < 2 * pqc__qsq_part(c) && at >= diag && ((at - diag) % bl) % (ds * ds) % (ds + 1) != 0;
+            if (!((sign_free ? fabs(L->qsq[t]) : L->qsq[t]) >= 0.0 && fabs(L->qsq[t]) < 1e300))
+                PQC__BAD("pqc_cache_load: %.200s: layer %d statistics", path, l);
+        }
         { /* the drift flags: pending (0 or 1), and the coded count at the last drift rebuild
              + 1, a whole number of tokens (the next select converts it to a size) */
             const double *flag = L->qsq + 2 * pqc__qsq_part(c);
@@ -11362,23 +11461,27 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
             }
             PQC__RD(&has, 4);
             PQC__RD(&wt, 4);
-            if (has > 1 || wt > has || has != (coded > 0))
+            /* wt: the codebook's metric, none (0), weights (1) or blocks (2, under
+               PQC_METRIC_QUERY_BANDS) */
+            if (has > 1 || (wt != 0 && wt != (pqc__bands(c) ? 2u : 1u)) || (wt && !has) || has != (coded > 0))
                 PQC__BAD("pqc_cache_load: %.200s: layer %d head %d codebook flags", path, l, hh);
             if (!has) continue;
             {
-                float *cent = NULL, *w = NULL;
+                float *cent = NULL, *w = NULL, *blk = NULL;
                 size_t nc = (size_t)c->d.pq.m * ((size_t)1 << c->d.pq.bits) * (d / (size_t)c->d.pq.m);
-                cent = (float *)pqc__alloc(&c->alloc, (nc + d) * sizeof(float));
+                size_t nw = wt == 2 ? pqc__blocks_len(c) : wt ? d : 0;
+                cent = (float *)pqc__alloc(&c->alloc, (nc + nw) * sizeof(float));
                 if (!cent) return pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "pqc_cache_load: allocation failed");
                 if (!pqc__rd_copy(&rd, cent, nc * sizeof(float)) ||
-                    (wt && !pqc__rd_copy(&rd, cent + nc, d * sizeof(float)))) {
+                    (nw && !pqc__rd_copy(&rd, cent + nc, nw * sizeof(float)))) {
                     pqc__free(&c->alloc, cent);
                     PQC__BAD("pqc_cache_load: %.200s is truncated", path);
                 }
                 char what[300];
-                if (wt) w = cent + nc;
+                if (wt == 1) w = cent + nc;
+                if (wt == 2) blk = cent + nc;
                 snprintf(what, sizeof what, "pqc_cache_load: %.200s: layer %d head %d", path, l, hh);
-                r = pqc__pq_from_floats(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, cent, w, NULL,
+                r = pqc__pq_from_floats(c->rt, &H->pq, (int)d, c->d.pq.m, c->d.pq.bits, cent, w, blk,
                                         pqc__half_bands(&c->d.pq),
                                         what);
                 pqc__free(&c->alloc, cent);
@@ -11659,13 +11762,16 @@ PQCDEF void pqc_cache_host_memory(const pqc_cache *c, size_t *own_bytes, size_t 
             const pqc__layer *L = &c->layers[l];
             own += 2 * nkv * c->cap * c->row;
             own += (pqc__qsq_len(c) + pqc__qsq_part(c) + 1 + 4 * nkv + 2 * PQC__OBS_BINS * nkv) * sizeof(double);
-            own += (PQC__OBS_KEEP * qn + nkv * (size_t)c->d.head_dim) * sizeof(float);
+            own += (PQC__OBS_KEEP * qn + nkv * (pqc__bands(c) ? pqc__blocks_len(c) : (size_t)c->d.head_dim)) * sizeof(float);
             for (h = 0; h < c->d.n_kv_heads; h++) {
                 const pqc__head *H = &L->heads[h];
                 if (H->pq.m) {
                     size_t kc = (size_t)H->pq.m * (size_t)H->pq.ksub * (size_t)H->pq.dsub;
                     own += (2 * kc + 2 * (size_t)H->pq.m * (size_t)H->pq.ksub_pad) * sizeof(float);
                     if (H->pq.metric) own += (size_t)c->d.head_dim * sizeof(float);
+                    if (H->pq.mblocks) /* the blocks, their Cholesky factors and W c (transposed) */
+                        own += (2 * pqc__blocks_len(c) + (size_t)H->pq.m * (size_t)H->pq.dsub * H->pq.ksub_pad +
+                                (size_t)H->pq.m * (size_t)H->pq.ksub_pad) * sizeof(float);
                 }
                 own += pqc_codes_bytes(&H->codes) + H->rq_cap * (size_t)c->d.pq.m;
                 own += (size_t)c->d.outliers * (4 * sizeof(uint32_t) + 2 * sizeof(float));
@@ -15239,6 +15345,7 @@ struct pqc__gpu_tier {
     size_t s_cap;
     float *h_q;
     float *h_ones;              /* [d_h] 1.0f: the weights of a head without a metric */
+    float *h_wc;                /* [m][K][d_sub] a head's W c, uploaded (metric blocks) */
     int32_t *h_topk;
     float *h_topk_sc;           /* the top-k's scores, read back when a head takes fewer */
     /* fetch: one upload arena [table | idx | fill blocks, fill slots] on host and device */
@@ -15414,6 +15521,7 @@ static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
     pqc__gpu_dfree(u, &u->out_v);
     if (u->h_q) u->api->cuMemFreeHost(u->h_q);
     pqc__free(&c->alloc, u->h_ones);
+    pqc__free(&c->alloc, u->h_wc);
     if (u->h_topk) u->api->cuMemFreeHost(u->h_topk);
     if (u->h_topk_sc) u->api->cuMemFreeHost(u->h_topk_sc);
     if (u->h_arena) u->api->cuMemFreeHost(u->h_arena);
@@ -15427,20 +15535,24 @@ static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
 
 /* Floats per KV head of a layer's codebook buffer: the centroids [m][K][dsub], then the
    norms the coding kernel compares with [m][K] and the metric's weights [d_h] (uploaded
-   when a head of the layer has a metric). */
+   when a head of the layer has a metric), then under PQC_METRIC_QUERY_BANDS W_j c
+   [m][K][dsub] (what coding compares a key with; the centroids where a head has no
+   blocks). */
 static size_t pqc__gpu_cent_floats(const pqc_cache *c)
 {
     const struct pqc__gpu_tier *u = c->cu;
     size_t tab = (size_t)u->m * u->K;
-    return tab * (size_t)u->dsub + tab + (size_t)u->d;
+    return tab * (size_t)u->dsub + tab + (size_t)u->d + (pqc__bands(c) ? tab * (size_t)u->dsub : 0);
 }
 
-/* 1 when a head of layer l codes with a metric */
+/* How a head of layer l codes: 0 plain, 1 with weights, 2 with metric blocks */
 static int pqc__layer_metric(const pqc_cache *c, int l)
 {
     int h;
-    for (h = 0; h < c->d.n_kv_heads; h++)
+    for (h = 0; h < c->d.n_kv_heads; h++) {
+        if (c->layers[l].heads[h].pq.mblocks) return 2;
         if (c->layers[l].heads[h].pq.metric) return 1;
+    }
     return 0;
 }
 
@@ -15521,7 +15633,8 @@ static pqc_result pqc__gpu_create(pqc_cache *c)
         for (l = 0; l < L; l++)
             if ((r = pqc__gpu_dalloc(c, &u->cent[l], cent)) != PQC_SUCCESS) goto fail;
         u->h_ones = (float *)pqc__alloc(&c->alloc, (size_t)u->d * sizeof(float));
-        if (!u->h_ones) {
+        if (pqc__bands(c)) u->h_wc = (float *)pqc__alloc(&c->alloc, tab * (size_t)u->dsub * sizeof(float));
+        if (!u->h_ones || (pqc__bands(c) && !u->h_wc)) {
             r = pqc__cfail(c, PQC_ERROR_OUT_OF_MEMORY, "CUDA tier: allocation failed");
             goto fail;
         }
@@ -15797,12 +15910,24 @@ static pqc_result pqc__gpu_cents(pqc_cache *c, int l)
                plain ones with weights 1 are the same numbers) and the weights */
             for (j = 0; j < m; j++)
                 PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (size_t)j * K * sizeof(float),
-                                                              (pq->metric ? pq->wnorm : pq->cnorm) + (size_t)j * pq->ksub_pad,
+                                                              (pq->metric || pq->mblocks ? pq->wnorm : pq->cnorm) +
+                                                                  (size_t)j * pq->ksub_pad,
                                                               (size_t)K * sizeof(float), u->st),
                               "cuMemcpyHtoDAsync");
             PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + tab * sizeof(float), pq->metric ? pq->metric : u->h_ones,
                                                           (size_t)u->d * sizeof(float), u->st),
                           "cuMemcpyHtoDAsync");
+            if (weighted == 2) { /* W_j c out of its transposed copy (pageable: copied before the call returns) */
+                const float *src = pq->mblocks ? pq->wcent_t : pq->cent_t;
+                int k, e;
+                for (j = 0; j < m; j++)
+                    for (k = 0; k < K; k++)
+                        for (e = 0; e < dsub; e++)
+                            u->h_wc[((size_t)j * K + k) * dsub + e] = src[((size_t)j * dsub + e) * pq->ksub_pad + k];
+                PQC__GPU_CALL(c, u->api->cuMemcpyHtoDAsync_v2(base + cb + (tab + (size_t)u->d) * sizeof(float), u->h_wc, cb,
+                                                              u->st),
+                              "cuMemcpyHtoDAsync");
+            }
         }
         u->cent_gen[l] = L->dgen + 1;
     }
@@ -15960,13 +16085,18 @@ static pqc_result pqc__gpu_search(pqc_cache *c, int l, size_t take, pqc__dptr k_
         size_t t0z = u->code_n[sl], cut = pqc__mid_cut(c, t0z, s), end = cut > t0z ? cut : s;
         size_t row0 = (size_t)c->d.n_sink + t0z;
         int64_t x_ld = u->d, x_hs = (int64_t)(row0 < c->pn ? u->phstride : u->hstride), co_hs = 0;
-        int x_dt = (int)c->d.kv_dtype, n = (int)(end - t0z), t0 = (int)t0z;
+        int x_dt = (int)c->d.kv_dtype, n = (int)(end - t0z), t0 = (int)t0z, how = pqc__layer_metric(c, l);
         pqc__dptr x = row0 < c->pn ? u->pk[l] + row0 * c->row : u->hk[l] + (row0 - c->pn) * c->row, cn = 0, w = 0;
-        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &u->cent[l], &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub, &half,
+        pqc__dptr cen = u->cent[l];
+        void *p[] = { &x, &x_dt, &x_ld, &x_hs, &n, &cen, &cn, &c_hs, &c_hs, &w, &c_hs, &m, &b, &dsub, &half,
                       &u->code[sl], &code_hs, &cs, &t0, &zero, &co_hs };
-        if (pqc__layer_metric(c, l)) { /* weighted coding: the uploaded norms and weights */
+        if (how) { /* weighted coding: the uploaded norms and weights */
             cn = u->cent[l] + tab * (size_t)dsub * sizeof(float);
             w = cn + tab * sizeof(float);
+        }
+        if (how == 2) { /* metric blocks: x.(W_j c) against c.(W_j c), no weights */
+            cen = w + (size_t)u->d * sizeof(float);
+            w = 0;
         }
         if ((r = pqc__gpu_launch(c, PQC__K_ASSIGN, pqc__cdiv((size_t)n * (size_t)m, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
             return r;

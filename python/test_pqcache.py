@@ -864,3 +864,29 @@ def test_resolved_configuration_is_the_librarys(rng):
         k = rng.standard_normal((300, 2, 16), dtype=np.float32)
         c.prefill(0, k, k)
         assert c.config()["window"] == c.window > 0
+
+
+def test_cache_metric_blocks_from_observed_queries(rng, tmp_path):
+    """metric="query_bands": each head's build gets a matrix per rope band from the observed
+    queries; a saved cache loads and selects the same, and a fork selects the same."""
+    opts = dict(n_layers=1, n_kv_heads=1, n_q_heads=2, head_dim=16, rope="half", metric="query_bands",
+                iters=4, budget_ratio=0.2)
+    assert pqc.resolve(**opts)["metric"] == "query_bands"
+    with pytest.raises(pqc.OutOfRangeError, match="metric_floor"):
+        pqc.resolve(**dict(opts, metric_floor=0.001))
+    q = rng.standard_normal((8, 2 * 16)).astype(np.float32)
+    q[:, 0] *= 6.0  # the queries look along dims 0 and 8 (one band, a rotation pair)
+    q[:, 8] = 0.5 * q[:, 0] + 0.1 * q[:, 8]
+    k = rng.standard_normal((600, 1, 16), dtype=np.float32)
+    with pqc.Cache(**opts) as c:
+        c.observe(0, q)
+        c.prefill(0, k, k)
+        c.sync()
+        qq = q[:1].reshape(2, 16)
+        want = c.select(0, qq).tolist()
+        path = str(tmp_path / "bands.pqc")
+        c.save(path)
+        with pqc.Cache.load(path, **opts) as back:
+            assert back.select(0, qq).tolist() == want
+        with c.fork() as f:
+            assert f.select(0, qq).tolist() == want

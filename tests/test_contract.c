@@ -987,6 +987,7 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
         h = fold(h, &L->n_trained, sizeof L->n_trained);
         h = fold(h, &L->gen, sizeof L->gen);
         h = fold(h, &L->step, sizeof L->step);
+        h = fold(h, L->qsq, pqc__qsq_len(c) * sizeof(double)); /* the observations and drift state */
         {
             int lw = pqc_cache_layer_window(c, l);
             h = fold(h, &lw, sizeof lw);
@@ -1005,6 +1006,8 @@ static uint64_t observe(const pqc_cache *c, const pqc_selection *sel)
             }
             if (H->pq.centroids)
                 h = fold(h, H->pq.centroids, sizeof(float) * (size_t)H->pq.m * (size_t)H->pq.ksub * (size_t)H->pq.dsub);
+            if (H->pq.metric) h = fold(h, H->pq.metric, sizeof(float) * (size_t)H->pq.dim);
+            if (H->pq.mblocks) h = fold(h, H->pq.mblocks, sizeof(float) * (size_t)H->pq.dim * (size_t)H->pq.dsub);
             if (c->d.outliers > 0) { /* the exact lists */
                 h = fold(h, &H->n_outliers, sizeof H->n_outliers);
                 h = fold(h, &H->n_outliers_build, sizeof H->n_outliers_build);
@@ -1542,7 +1545,8 @@ static pqc_result fstep_cache(int kind, const pqc_cache_desc *cd, const pqc_engi
    counts, codes, codebooks, exact lists and residual bytes, window and statistics; a save
    afterwards loads; and the cache goes on to select exactly what a twin that never saw a
    failure selects. Every split, with PQ scoring, exact scoring (re-ranking and outlier
-   lists) and residual scoring, on a cache, a fork and a mapped load. */
+   lists) and residual scoring, and the default split with metric blocks (and outlier
+   lists, their residuals under the blocks), on a cache, a fork and a mapped load. */
 TEST failed_driver_steps_leave_nothing_behind(void)
 {
     static const pqc_split splits[] = { PQC_SPLIT_COMPETE, PQC_SPLIT_FIXED, PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED_COMPETE };
@@ -1553,8 +1557,8 @@ TEST failed_driver_steps_leave_nothing_behind(void)
     tu_tmp_path(spath, sizeof spath, "fstep_saved");
     g_with_blocks = 0; /* the block cache is a cache: a failed step may have admitted blocks */
     for (si = 0; si < 4; si++)
-        for (scoring = 0; scoring < 3; scoring++)
-            for (kind = 0; kind < 3; kind++) {
+        for (scoring = 0; scoring < 4; scoring++)
+            for (kind = 0; kind < 3 && (scoring < 3 || si == 0); kind++) {
                 pqc_cache_desc cd = small_desc(3, 2, 4, 16);
                 pqc_cache *c = NULL, *ref = NULL;
                 pqc_engine e;
@@ -1570,6 +1574,9 @@ TEST failed_driver_steps_leave_nothing_behind(void)
                     cd.outliers = 4;
                 } else if (scoring == 2) {
                     cd.residual_weight = 0.15;
+                } else if (scoring == 3) { /* a matrix per sub-space from the observed prompt */
+                    cd.metric = PQC_METRIC_QUERY_BANDS;
+                    cd.outliers = 4;
                 }
                 eng_init(&e, &fe.en, 2, 4, 16);
                 e.user = &fe;
@@ -1614,6 +1621,7 @@ TEST failed_driver_steps_leave_nothing_behind(void)
                 if (observe(c, NULL) != observe(ref, NULL)) FAILm("the cache differs from its twin");
                 g_with_times = 1;
                 installs += fe.installs_seen;
+                if (scoring == 3) ASSERT(c->layers[0].heads[0].pq.mblocks != NULL && c->layers[2].heads[1].pq.mblocks != NULL);
                 pqc_cache_destroy(c);
                 pqc_cache_destroy(ref);
             }

@@ -304,8 +304,9 @@ typedef struct shape {
                       and a window of half the budget (else the default; PQC_SPLIT_ADAPTIVE
                       with observe 2) */
     float scale;   /* desc.softmax_scale */
+    int qbands;    /* desc.metric PQC_METRIC_QUERY_BANDS: a matrix per sub-space (with observe) */
 } shape;
-static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0, 0.0f };
+static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0, 0.0f, 0 };
 
 /* the same observations on both caches (and on `also`, unless NULL): rows whose energy
    sits in a few dimensions */
@@ -374,6 +375,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
         cd.pq.rope = PQC_ROPE_HALF;
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
     }
+    if (sh->qbands) cd.metric = PQC_METRIC_QUERY_BANDS;
     memset(&st, 0, sizeof st);
     ASSERT(pair_open(&p, &cd));
     ASSERT_EQ(1, pqc_cache_on_device(p.cg));
@@ -449,8 +451,8 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     if (sh->observe == 1) /* head 0 codes with a metric, head 1 (zero observations) without */
         for (l = 0; l < L; l++) {
             double a[2], b[2];
-            ASSERT(p.cg->layers[l].heads[0].pq.metric != NULL);
-            ASSERT(p.cg->layers[l].heads[1].pq.metric == NULL);
+            ASSERT(sh->qbands ? p.cg->layers[l].heads[0].pq.mblocks != NULL : p.cg->layers[l].heads[0].pq.metric != NULL);
+            ASSERT(p.cg->layers[l].heads[1].pq.metric == NULL && p.cg->layers[l].heads[1].pq.mblocks == NULL);
             /* the observed attention, measured alike, split the top-k unevenly (evenly
                under the fixed split) */
             ASSERT_EQ(PQC_SUCCESS, pqc_cache_observed_mass(p.cc, l, 0, &a[0], &a[1]));
@@ -484,7 +486,7 @@ TEST decode_matches_cpu_sum_fp32(void) { return decode_matches(PQC_GQA_SUM, PQC_
 /* sub-vectors longer than the coding kernel takes (256): new codes are copied instead */
 TEST decode_matches_cpu_long_subvectors(void)
 {
-    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0, 0.0f };
+    static const shape sh = { 1, 1, 2, 512, 1, 4, 6, 500, 700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0, 0.0f, 0 };
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* three layers through two code buffers: every select finds its codes prefetched */
@@ -649,6 +651,27 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
+/* a matrix per sub-space (observed queries' second moments per rope band): the device
+   codes new tokens against W c with the blocks' norms, as the host does; head 1 (no
+   observations) stays Euclidean in the same layer */
+TEST decode_matches_cpu_metric_blocks(void)
+{
+    shape sh = g_small;
+    sh.bands = 1;
+    sh.observe = 1;
+    sh.qbands = 1;
+    return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
+}
+TEST device_steps_match_cpu_metric_blocks(void)
+{
+    shape sh = g_small;
+    sh.observe = 1;
+    sh.qbands = 1;
+    sh.dstep = 1;
+    sh.steps = 6;
+    return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
+}
+
 /* The candidates the last device step of the GPU cache scored exactly: head h's count
    (0 on a failed read) and, with list, the candidates. They are the device's PQ top-k
    (cands[h] of [head][the largest of cands]) or, with outlier lists, their union with the
@@ -1996,6 +2019,8 @@ SUITE(cuda_tier)
     RUN_TEST(device_outlier_lists_alone);
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
+    RUN_TEST(decode_matches_cpu_metric_blocks);
+    RUN_TEST(device_steps_match_cpu_metric_blocks);
     RUN_TEST(decode_matches_cpu_rerank);
     RUN_TEST(fork_on_the_device_matches_cpu);
     RUN_TEST(decode_matches_cpu_outliers);

@@ -703,6 +703,83 @@ TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
     PASS();
 }
 
+/* PQC_METRIC_QUERY_BANDS: each head's build gets W_j = C_j / mean diag C_j + floor I
+   from the observed queries' second moments over sub-space j's dims, codes every key with
+   its nearest centroid under W_j, and keeps the rare tokens the oracle keeps. */
+TEST bands_metric_builds_the_observed_blocks(void)
+{
+    pqc_scratch scr;
+    uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    int i, kept = 0, in_ref = 0;
+    ASSERT(orc != NULL);
+    memset(&scr, 0, sizeof scr);
+    for (i = 0; i < 2; i++) {
+        hardkeys hk;
+        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY_BANDS);
+        pqc_cache *c;
+        pqc_selection sel;
+        const pqc_pq *pq;
+        size_t n_or, t;
+        int kp, r, j, a, b, bad = 0;
+        ASSERT_EQ(0, make_hard(&hk, i, 0));
+        ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
+        pq = &c->layers[0].heads[0].pq;
+        ASSERT(pq->mblocks != NULL && pq->metric == NULL);
+        for (j = 0; j < pq->m; j++) { /* the blocks, from the observations in double */
+            enum { MAXS = 64 };
+            double cj[MAXS * MAXS], tr = 0.0;
+            int ds = pq->dsub;
+            ASSERT(ds <= MAXS);
+            memset(cj, 0, sizeof cj);
+            for (t = 0; t < (size_t)N_OBS * G; t++)
+                for (a = 0; a < ds; a++)
+                    for (b = 0; b < ds; b++)
+                        cj[a * ds + b] += (double)hk.obs[t * D + (size_t)pqc_pq_dim(pq, j, a)] *
+                                          (double)hk.obs[t * D + (size_t)pqc_pq_dim(pq, j, b)];
+            for (a = 0; a < ds; a++) tr += cj[a * ds + a];
+            for (a = 0; a < ds; a++)
+                for (b = 0; b < ds; b++) {
+                    double want = cj[a * ds + b] * ds / tr + (a == b ? c->d.metric_floor : 0.0);
+                    double got = pq->mblocks[((size_t)j * ds + a) * ds + b];
+                    ASSERT(fabs(got - want) <= 1e-5 * (fabs(want) + 1.0));
+                }
+        }
+        for (t = 0; t < 400; t++) { /* every code the nearest centroid under its block */
+            const float *x = hk.keys + (32 + t) * D;
+            for (j = 0; j < pq->m; j++) {
+                int ds = pq->dsub, code = pqc_codes_get(&c->layers[0].heads[0].codes, t, j), k;
+                double best = 1e300, mine = 0.0;
+                for (k = 0; k < pq->ksub; k++) {
+                    const float *cc = pq->centroids + ((size_t)j * pq->ksub + k) * ds;
+                    const float *w = pq->mblocks + (size_t)j * ds * ds;
+                    double q = 0.0;
+                    for (a = 0; a < ds; a++)
+                        for (b = 0; b < ds; b++)
+                            q += (x[pqc_pq_dim(pq, j, a)] - cc[a]) * (double)w[a * ds + b] * (x[pqc_pq_dim(pq, j, b)] - cc[b]);
+                    if (k == code) mine = q;
+                    best = q < best ? q : best;
+                }
+                bad += mine > best + 1e-4 * (best + 1.0);
+            }
+        }
+        ASSERT_EQ(0, bad);
+        n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
+        ASSERT_EQ(sel.count[0], n_or);
+        rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
+        kept += kp;
+        in_ref += r;
+        pqc_selection_free(&sel);
+        pqc_cache_destroy(c);
+        hk_free(&hk);
+    }
+    fprintf(stderr, "  cache, metric blocks: rare tokens kept of the oracle's %d: %d\n", in_ref, kept);
+    ASSERT(in_ref >= 8);
+    ASSERT_EQ(in_ref, kept);
+    pqc_scratch_free(&scr);
+    free(orc);
+    PASS();
+}
+
 TEST observe_misuse_is_refused_and_changes_nothing(void)
 {
     pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
@@ -729,9 +806,23 @@ TEST observe_misuse_is_refused_and_changes_nothing(void)
     cd.metric_floor = -1;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
     cd.metric_floor = 0;
-    cd.metric = (pqc_metric)2;
+    cd.metric = (pqc_metric)3;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    cd.metric = PQC_METRIC_QUERY_BANDS; /* blocks: a floor that keeps them positive definite, */
+    cd.metric_floor = 0.009;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    ASSERT(strstr(pqc_last_error(), "metric_floor") != NULL);
+    cd.metric_floor = 0.01;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    pqc_cache_destroy(c);
+    cd.pq.m = 1; /* and sub-spaces of at most 256 dims */
+    cd.head_dim = 512;
+    cd.n_q_heads = cd.n_kv_heads;
+    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
+    ASSERT(strstr(pqc_last_error(), "256") != NULL);
     cd.metric = PQC_METRIC_QUERY;
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    pqc_cache_destroy(c);
     cd.pq.metric = q;
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_create(NULL, &cd, &c));
     PASS();
@@ -2071,6 +2162,7 @@ SUITE(fidelity)
     RUN_TEST(default_subspaces_follow_the_rope_layout);
     RUN_TEST(metric_keeps_the_rare_tokens_plain_pq_loses);
     RUN_TEST(observed_queries_keep_the_rare_tokens_the_oracle_keeps);
+    RUN_TEST(bands_metric_builds_the_observed_blocks);
     RUN_TEST(observe_misuse_is_refused_and_changes_nothing);
     RUN_TEST(tiny_scoring_settings_are_refused_or_build);
     RUN_TEST(driver_observes_the_prompt_and_gives_observations_back_on_failure);

@@ -298,8 +298,8 @@ static const double t_rebuild[] = {0, 0.5, 0.1, 1, 2};
 static const double t_rebuild_bad[] = {NAN, -1, INFINITY, 1e-300, -0.0};
 static const int t_resident[] = {0};
 static const int t_resident_bad[] = {1, 2, -1};
-static const int t_metric[] = {PQC_METRIC_QUERY, PQC_METRIC_L2};
-static const int t_metric_bad[] = {2, -1, INT_MAX};
+static const int t_metric[] = {PQC_METRIC_QUERY, PQC_METRIC_L2, PQC_METRIC_QUERY_BANDS};
+static const int t_metric_bad[] = {3, -1, INT_MAX};
 static const double t_mfloor[] = {0, 0.01, 1, 1e-6, 1e6};
 static const double t_mfloor_bad[] = {-1, NAN, INFINITY, 1e7, -1e-300, 1e-13};
 static const int t_observe[] = {0, 1, 4, -1};
@@ -868,7 +868,7 @@ static void op_cache_create(fz_state *S)
     if (bits_eff < 1 || bits_eff > 8 || m_eff < 1 || (d.head_dim > 0 && (m_eff > d.head_dim || d.head_dim % m_eff)))
         must_fail = 1;
     if (d.pq.device != 0 || d.codes_resident < 0 || d.codes_resident > 1) must_fail = 1;
-    if ((int)d.metric < 0 || (int)d.metric > 1 || d.metric_floor != d.metric_floor || d.metric_floor < 0 ||
+    if ((int)d.metric < 0 || (int)d.metric > 2 || d.metric_floor != d.metric_floor || d.metric_floor < 0 ||
         d.metric_floor > 1e6 || (int)d.split < 0 || (int)d.split > 3)
         must_fail = 1;
     if (d.pq.iters > 100000 || (int)d.pq.init < 0 || (int)d.pq.init > 1)
@@ -880,7 +880,12 @@ static void op_cache_create(fz_state *S)
         must_fail = 1;
     if (!(d.softmax_scale >= 0.0f && d.softmax_scale <= 1e6f)) must_fail = 1;
     /* the query metric's floor against the PQ core's weight spread (1e12) */
-    if ((int)d.metric == 0 && d.head_dim > 0 && (d.metric_floor == 0 ? 0.01 : d.metric_floor) < 1e-11 * d.head_dim)
+    if (((int)d.metric == 0 || (int)d.metric == 2) && d.head_dim > 0 &&
+        (d.metric_floor == 0 ? 0.01 : d.metric_floor) < 1e-11 * d.head_dim)
+        must_fail = 1;
+    /* metric blocks: a floor that keeps them positive definite, sub-spaces of at most 256 */
+    if ((int)d.metric == 2 && ((d.metric_floor == 0 ? 1.0 : d.metric_floor) < 0.01 ||
+                               (m_eff > 0 && d.head_dim / m_eff > 256)))
         must_fail = 1;
     if (d.backend == &g_be_nocopy || (d.backend == &g_be_noalloc && blocks > 0)) must_fail = 1;
     /* a block-cache slot array the allocator cannot grant (the sizes are exact in double
