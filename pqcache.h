@@ -810,8 +810,10 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
    codebook spends its centroids where queries look, so a rare key that differs from its
    cluster only where queries look keeps its own centroid. Call it before the layer's
    first pqc_cache_prefill (pqc_driver_prefill does); later observations count from the
-   next rebuild. The last 4 rows are kept to measure where the heads' attention goes
-   (see pqc_cache_observed_mass). Waits for a build of the layer that is running, as
+   next rebuild. Under PQC_METRIC_QUERY_BANDS each sub-space gets a matrix instead of
+   weights: the rows' second moments over its dims, normalised (see the enum). The last
+   4 rows are kept to measure where the heads' attention goes (see
+   pqc_cache_observed_mass). Waits for a build of the layer that is running, as
    prefill does. Nothing changes on failure. */
 PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n);
 /* The attention the observed queries paid (the last 4 observed rows, exact softmax over

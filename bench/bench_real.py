@@ -66,6 +66,7 @@ METHODS = {
     "even-split": (dict(budget_ratio=BUDGET, split="fixed_compete"), True),
     "l2": (dict(budget_ratio=BUDGET, metric="l2"), True),
     "bands": (dict(budget_ratio=BUDGET, metric="query_bands"), True),  # a full matrix per sub-space
+    "bands-rerank1.5": (dict(budget_ratio=BUDGET, metric="query_bands", rerank=1.5), True),
     "even-l2": (dict(budget_ratio=BUDGET, split="fixed_compete", metric="l2"), True),
     "mfloor0.1": (dict(budget_ratio=BUDGET, metric_floor=0.1), True),   # flatter query weighting
     "mfloor1": (dict(budget_ratio=BUDGET, metric_floor=1.0), True),
