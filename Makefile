@@ -393,7 +393,7 @@ bench-real: $(LIB)
 	@sh tools/setup.sh && py=$$(sh tests/transformers_env.sh --check) && \
 	  PQCACHE_LIB=$(CURDIR)/$(LIB) TQDM_DISABLE=1 TRANSFORMERS_VERBOSITY=error $$py bench/bench_real.py $(BENCH_REAL_ARGS)
 
-# codebook metrics tried outside the library on the real models' captured keys and
+# codebook metrics side by side on the real models' captured keys and
 # queries (bench/bench_metric.py says how): BENCH_METRIC_ARGS="--model gemma3" for Gemma 3
 BENCH_METRIC_ARGS ?=
 bench-metric: $(LIB)

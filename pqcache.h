@@ -593,17 +593,21 @@ typedef enum pqc_policy {
 } pqc_policy;
 
 typedef enum pqc_metric {
-    PQC_METRIC_QUERY = 0, /* each head's codebook weighs dimensions by the mean squared query
-                             its heads were observed with (pqc_cache_observe; the driver
-                             observes the prompt's last queries); Euclidean until a head
-                             has observations (default)                                  */
+    PQC_METRIC_QUERY = 0, /* each head's codebook minimises the expected squared error of
+                             q.k over the queries its heads were observed with
+                             (pqc_cache_observe; the driver observes the prompt's last
+                             queries): per sub-space (a RoPE band under a rope layout) a
+                             matrix W_j, the queries' second moments over its dims divided
+                             by their mean diagonal entry, plus metric_floor on the
+                             diagonal (pqc_pq_desc.metric_blocks). It weighs directions
+                             where the queries' dims are correlated. Sub-spaces over 256
+                             dims get PQC_METRIC_QUERY_DIAG's weights instead. Euclidean
+                             until a head has observations (default)                     */
     PQC_METRIC_L2 = 1,    /* plain Euclidean k-means, observations ignored                */
-    PQC_METRIC_QUERY_BANDS = 2 /* as PQC_METRIC_QUERY, with a full matrix per sub-space
-                             (pqc_pq_desc.metric_blocks): the observed queries' second
-                             moments over the sub-space's dims (a RoPE band's under a rope
-                             layout), divided by their mean diagonal entry, plus
-                             metric_floor on the diagonal. It weighs directions where the
-                             queries' dims are correlated. Needs d_h/m <= 256      */
+    PQC_METRIC_QUERY_DIAG = 2 /* weights per dimension instead of matrices: the observed
+                             queries' mean square, tied within each RoPE pair, divided by
+                             its mean over the dims, plus metric_floor
+                             (pqc_pq_desc.metric)                                        */
 } pqc_metric;
 
 typedef enum pqc_split {
@@ -660,9 +664,10 @@ typedef struct pqc_cache_desc {
                                 scheduler's T, with one); pq.metric must be NULL (see
                                 metric below)                                             */
     pqc_metric metric;       /* distance of the PQ builds; 0 = PQC_METRIC_QUERY            */
-    double metric_floor;     /* QUERY: weight of a dimension = its mean squared query over
-                                the mean over dimensions, plus this; 0 = 1; at least
-                                head_dim x 1e-11 (the weights' spread stays below 1e12)   */
+    double metric_floor;     /* the query metric's floor: added to its normalised blocks'
+                                diagonal (or weights); 0 = 1; at least 0.01 for blocks
+                                (they stay positive definite in float) and head_dim x
+                                1e-11 for weights (their spread stays below 1e12)        */
     int observe;             /* driver prefill: the last `observe` queries of each call are
                                 observed; 0 = 32, -1 = none                               */
     pqc_split split;         /* how the heads of a layer share its top-k and whether the
@@ -805,14 +810,14 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
 /* Observes n queries of one layer (n rows of n_q_heads*d_h fp32, post-RoPE; best the
    prompt's last ones, which look for what decoding will look for). Under
    PQC_METRIC_QUERY each KV head's next build (the first prefill's, or a rebuild) trains
-   and codes with the distance sum_e w_e (k_e - c_e)^2, w_e = the mean over the head's
-   group and every observation so far of q_e^2, normalised (see metric_floor): the
-   codebook spends its centroids where queries look, so a rare key that differs from its
-   cluster only where queries look keeps its own centroid. Call it before the layer's
-   first pqc_cache_prefill (pqc_driver_prefill does); later observations count from the
-   next rebuild. Under PQC_METRIC_QUERY_BANDS each sub-space gets a matrix instead of
-   weights: the rows' second moments over its dims, normalised (see the enum). The last
-   4 rows are kept to measure where the heads' attention goes (see
+   and codes with the distance sum_j (k_j - c_j)^T W_j (k_j - c_j) over its sub-spaces,
+   W_j = the second moments over sub-space j's dims of the head's group's observed rows
+   so far, normalised (see the enum and metric_floor); under PQC_METRIC_QUERY_DIAG with
+   sum_e w_e (k_e - c_e)^2, w_e their mean q_e^2. Either way the codebook spends its
+   centroids where queries look, so a rare key that differs from its cluster only where
+   queries look keeps its own centroid. Call it before the layer's first
+   pqc_cache_prefill (pqc_driver_prefill does); later observations count from the next
+   rebuild. The last 4 rows are kept to measure where the heads' attention goes (see
    pqc_cache_observed_mass). Waits for a build of the layer that is running, as
    prefill does. Nothing changes on failure. */
 PQCDEF pqc_result pqc_cache_observe(pqc_cache *c, int layer, const float *q, size_t n);
@@ -938,12 +943,13 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
      "PQCCACHE", u32 version (4; 3 for a cache at the default softmax scale, which
      earlier builds read too), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
-     sinks, m, bits, rope, rope bands (1) or contiguous (0), metric, outliers, residual
+     sinks, m, bits, rope, rope bands (1) or contiguous (0), metric (0 weights, 1
+     Euclidean, 2 blocks), outliers, residual
      scoring on; u32 window; f32 softmax scale (version 4 only);
      per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
        u32 the layer's window when a build lowered it, else 0 (version 2 files lack it);
        f64 observation sums [2 h_kv (d_h + 1 + B) + 2] (B = d_h x d_h/m under
-       PQC_METRIC_QUERY_BANDS, else 0); f32 observed rows [rows][h d_h];
+       PQC_METRIC_QUERY with blocks, else 0); f32 observed rows [rows][h d_h];
        f64 observed masses [h_kv][2]; f64 histograms [h_kv][64];
        per KV head: K rows, V rows [tokens][d_h] (storage dtype, each preceded by zero
          bytes up to a file offset that is a multiple of 64); u32 codebook present,
@@ -8078,7 +8084,7 @@ typedef struct pqc__layer {
     double *qpend;        /* [n_kv_heads][d_h + 1] drifted decode queries of a driver step,
                              added to qsq when the whole step succeeded; then the flag */
     float *bmetric;       /* [n_kv_heads][d_h] the weights of the build in flight, or
-                             [n_kv_heads][d_h x d_sub] its blocks (PQC_METRIC_QUERY_BANDS) */
+                             [n_kv_heads][d_h x d_sub] its blocks (pqc__bands) */
     float *qobs;          /* [PQC__OBS_KEEP][n_q_heads * d_h] the last observed rows, oldest
                              first; n_qobs of them */
     int n_qobs;
@@ -8403,8 +8409,13 @@ static int pqc__derive_window(const pqc_cache *c, size_t n_tokens)
     return (int)(w < 1.0 ? 1.0 : (w > hi ? hi : w));
 }
 
-/* Whether the cache's metric is a full matrix per sub-space (PQC_METRIC_QUERY_BANDS). */
-static int pqc__bands(const pqc_cache *c) { return c->d.metric == PQC_METRIC_QUERY_BANDS; }
+/* Whether a resolved desc's metric is a full matrix per sub-space (PQC_METRIC_QUERY with
+   sub-spaces of at most 256 dims). */
+static int pqc__desc_bands(const pqc_cache_desc *d)
+{
+    return d->metric == PQC_METRIC_QUERY && d->pq.m > 0 && d->head_dim / d->pq.m <= PQC__MAX_BLOCK;
+}
+static int pqc__bands(const pqc_cache *c) { return pqc__desc_bands(&c->d); }
 
 /* Floats of one head's metric blocks: m matrices of d_sub x d_sub, d_h x d_sub in all. */
 static size_t pqc__blocks_len(const pqc_cache *c)
@@ -8415,7 +8426,7 @@ static size_t pqc__blocks_len(const pqc_cache *c)
 /* The layout of a layer's observations (pqc__layer.qsq): observed queries, drifted
    decode queries, the drift flag and the coded count at the last drift rebuild + 1. Each
    part: [n_kv_heads][d_h] sums of squares, [n_kv_heads] the rows counted, and under
-   PQC_METRIC_QUERY_BANDS [n_kv_heads][m][d_sub][d_sub] the sums of the rows' outer
+   metric blocks (pqc__bands) [n_kv_heads][m][d_sub][d_sub] the sums of the rows' outer
    products over each sub-space's dims (in sub-space element order, pqc_pq_dim). */
 static size_t pqc__qsq_part(const pqc_cache *c)
 {
@@ -8517,15 +8528,12 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     if ((size_t)d.n_sink > d.max_tokens) d.n_sink = (int)d.max_tokens;
     if ((size_t)d.window > d.max_tokens) d.window = (int)d.max_tokens;
     if ((r = pqc__pq_check_desc(rt, &d.pq, d.head_dim, &tmp)) != PQC_SUCCESS) return r;
+    d.pq.m = tmp.m;
     /* the blocks are normalised to a mean diagonal entry of 1 (entries at most d_sub),
        then rounded to float: a floor of 0.01 keeps them positive definite through that */
-    PQC__RULE(d.metric != PQC_METRIC_QUERY_BANDS || d.metric_floor >= 0.01, PQC_ERROR_OUT_OF_RANGE,
-              "metric_floor %g below 0.01 under PQC_METRIC_QUERY_BANDS: float rounding could leave a block not "
-              "positive definite", d.metric_floor);
-    PQC__RULE(d.metric != PQC_METRIC_QUERY_BANDS || d.head_dim / tmp.m <= PQC__MAX_BLOCK, PQC_ERROR_OUT_OF_RANGE,
-              "metric PQC_METRIC_QUERY_BANDS: sub-spaces of %d dims, over %d (raise pq.m)", d.head_dim / tmp.m,
-              PQC__MAX_BLOCK);
-    d.pq.m = tmp.m;
+    PQC__RULE(!pqc__desc_bands(&d) || d.metric_floor >= 0.01, PQC_ERROR_OUT_OF_RANGE,
+              "metric_floor %g below 0.01 under PQC_METRIC_QUERY (its blocks could round to a matrix not positive "
+              "definite; PQC_METRIC_QUERY_DIAG takes floors down to head_dim x 1e-11)", d.metric_floor);
     d.pq.bits = tmp.bits;
     d.pq.subspaces = tmp.subspaces;
     d.pq.max_points_per_centroid = tmp.max_points_per_centroid;
@@ -9036,10 +9044,11 @@ static void pqc__build_job(void *arg)
 /* The distance for head h's next build (into the layer's bmetric), from the decode
    queries that drifted from the metric when there are any, else from the observed ones;
    both NULL (Euclidean) without observations or under PQC_METRIC_L2.
-   PQC_METRIC_QUERY: *w gets the weights w_e = mean q_e^2 / (mean over e of it) +
-   metric_floor. PQC_METRIC_QUERY_BANDS: *blocks gets per sub-space W_j = C_j / (mean
-   diagonal entry of C_j) + metric_floor I, C_j the queries' second moments over its dims
-   (the identity where the queries never touched them). Queries of no energy at all: NULL. */
+   Weights (PQC_METRIC_QUERY_DIAG, or sub-spaces over 256 dims): *w gets w_e = mean q_e^2
+   / (mean over e of it) + metric_floor. Blocks (PQC_METRIC_QUERY): *blocks gets per
+   sub-space W_j = C_j / (mean diagonal entry of C_j) + metric_floor I, C_j the queries'
+   second moments over its dims (the identity where the queries never touched them).
+   Queries of no energy at all: NULL. */
 static void pqc__build_metric(pqc_cache *c, int l, int h, const float **wout, const float **bout)
 {
     pqc__layer *L = &c->layers[l];
@@ -11156,7 +11165,7 @@ static void pqc__cache_shape(const pqc_cache *c, uint32_t *f)
     f[7] = (uint32_t)c->d.pq.bits;
     f[8] = (uint32_t)c->d.pq.rope;
     f[9] = c->d.pq.subspaces == PQC_SUBSPACES_ROPE_BANDS; /* 0: contiguous, as files have it */
-    f[10] = (uint32_t)c->d.metric;
+    f[10] = pqc__bands(c) ? 2u : c->d.metric == PQC_METRIC_L2 ? 1u : 0u; /* weights 0, blocks 2, as files have it */
     f[11] = (uint32_t)c->d.outliers;
     f[12] = c->d.residual_weight > 0;
 }
@@ -11377,6 +11386,10 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
         PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
     PQC__RD(shape, sizeof shape);
     pqc__cache_shape(c, mine);
+    if (shape[10] == 0u && mine[10] == 2u)
+        return pqc__cfail(c, PQC_ERROR_BAD_SHAPE,
+                          "pqc_cache_load: %.200s was saved with the query metric's weights (before it had matrices, "
+                          "or with PQC_METRIC_QUERY_DIAG): load it with metric = PQC_METRIC_QUERY_DIAG", path);
     for (j = 0; j < PQC__CACHE_SHAPE; j++)
         if (shape[j] != mine[j])
             return pqc__cfail(c, PQC_ERROR_BAD_SHAPE,
@@ -11464,7 +11477,7 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
             PQC__RD(&has, 4);
             PQC__RD(&wt, 4);
             /* wt: the codebook's metric, none (0), weights (1) or blocks (2, under
-               PQC_METRIC_QUERY_BANDS) */
+               PQC_METRIC_QUERY with blocks) */
             if (has > 1 || (wt != 0 && wt != (pqc__bands(c) ? 2u : 1u)) || (wt && !has) || has != (coded > 0))
                 PQC__BAD("pqc_cache_load: %.200s: layer %d head %d codebook flags", path, l, hh);
             if (!has) continue;
@@ -15537,7 +15550,7 @@ static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
 
 /* Floats per KV head of a layer's codebook buffer: the centroids [m][K][dsub], then the
    norms the coding kernel compares with [m][K] and the metric's weights [d_h] (uploaded
-   when a head of the layer has a metric), then under PQC_METRIC_QUERY_BANDS W_j c
+   when a head of the layer has a metric), then with metric blocks W_j c
    [m][K][dsub] (what coding compares a key with; the centroids where a head has no
    blocks). */
 static size_t pqc__gpu_cent_floats(const pqc_cache *c)

@@ -1,22 +1,22 @@
 #!/usr/bin/env python3
-"""Codebook metrics on real models' keys and queries, tried before the library has them
-(make bench-metric).
+"""Codebook metrics on real models' captured keys and queries, side by side outside the
+sequence cache's own derivation (make bench-metric).
 
-The library trains each head's codebooks under a diagonal metric: the observed queries'
-mean square per dimension (tied within each RoPE pair), plus metric_floor. This bench asks
-what a full metric within each sub-space would do: per sub-space j (a band of rotation
-pairs) W_j = C_j / mean(diag C_j) + floor I, C_j the observed queries' second moments
-over the band's dims. It needs no change to the library: with W_j = L_j L_j^T (Cholesky),
-the keys handed to the cache are L_j^T k and the queries L_j^-1 q, band by band, so every
-q.k is unchanged while the cache's codebooks (Euclidean on those keys: metric "l2") see
-the distance (k - c)^T W_j (k - c). Selections are then scored against exact attention
-on the model's own, untransformed queries and keys.
+The library's default metric (PQC_METRIC_QUERY) is a matrix per sub-space (a band of
+rotation pairs): W_j = C_j / mean(diag C_j) + floor I, C_j the observed queries' second
+moments over the band's dims. Here "band" reaches the same distance through a map, with
+Euclidean codebooks: with W_j = L_j L_j^T (Cholesky), the keys handed to the cache are
+L_j^T k and the queries L_j^-1 q, band by band, so every q.k is unchanged while the
+cache's codebooks (metric "l2") see the distance (k - c)^T W_j (k - c). Other maps try
+metrics the library does not have. Selections are scored against exact attention on the
+model's own, untransformed queries and keys.
 
-Metrics: diag (the library's default), band (the above), rotate (one map for the whole
-head, the sub-spaces no longer rope bands: the observed queries' second moments C over
-all d_h dims with the same floor, y = C^1/2 k, then y's principal axes dealt to the
-sub-spaces by eigenvalue allocation, as OPQ's parametric form does), oracle (every
-coded token scored exactly).
+Metrics: diag (PQC_METRIC_QUERY_DIAG: the observed queries' mean square per dimension,
+tied within each RoPE pair, plus metric_floor), band (the above), rotate (one map for
+the whole head, the sub-spaces no longer rope bands: the observed queries' second moments
+C over all d_h dims with the same floor, y = C^1/2 k, then y's principal axes dealt to the
+sub-spaces by eigenvalue allocation, as OPQ's parametric form does), oracle (every coded
+token scored exactly).
 
 Captures (one dense forward pass each, through transformers, keys and queries after RoPE):
   mass     the half's haystack, its last 16 tokens decoded teacher-forced: attention mass
@@ -103,6 +103,8 @@ def run(M, cap, steps, metric, seed, floor, where=None):
     settings = dict(budget_ratio=B.BUDGET, seed=seed)
     if metric in ("band", "rotate"):
         settings["metric"] = "l2"
+    if metric == "diag":
+        settings["metric"] = "query_diag"
     if metric == "oracle":
         settings["rerank"] = 1e6
     c = pqcache.Cache(M.runtime, n_layers=nl, n_q_heads=hq, n_kv_heads=hkv, head_dim=d,

@@ -65,8 +65,7 @@ METHODS = {
     "rerank2.5": (dict(budget_ratio=BUDGET, rerank=2.5), True),
     "even-split": (dict(budget_ratio=BUDGET, split="fixed_compete"), True),
     "l2": (dict(budget_ratio=BUDGET, metric="l2"), True),
-    "bands": (dict(budget_ratio=BUDGET, metric="query_bands"), True),  # a full matrix per sub-space
-    "bands-rerank1.5": (dict(budget_ratio=BUDGET, metric="query_bands", rerank=1.5), True),
+    "diag": (dict(budget_ratio=BUDGET, metric="query_diag"), True),  # weights per dim, not a matrix per band
     "even-l2": (dict(budget_ratio=BUDGET, split="fixed_compete", metric="l2"), True),
     "mfloor0.1": (dict(budget_ratio=BUDGET, metric_floor=0.1), True),   # flatter query weighting
     "mfloor1": (dict(budget_ratio=BUDGET, metric_floor=1.0), True),

@@ -396,7 +396,7 @@ _ENUMS = {
     "subspaces": {"default": 0, "rope_bands": 1, "contiguous": 2},
     "gqa": {"softmax_sum": 0, "sum": 1},
     "policy": {"lfu": 0, "lru": 1},
-    "metric": {"query": 0, "l2": 1, "query_bands": 2},
+    "metric": {"query": 0, "l2": 1, "query_diag": 2},
     "split": {"compete": 0, "fixed": 1, "adaptive": 2, "fixed_compete": 3},
 }
 

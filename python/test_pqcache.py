@@ -867,13 +867,14 @@ def test_resolved_configuration_is_the_librarys(rng):
 
 
 def test_cache_metric_blocks_from_observed_queries(rng, tmp_path):
-    """metric="query_bands": each head's build gets a matrix per rope band from the observed
-    queries; a saved cache loads and selects the same, and a fork selects the same."""
-    opts = dict(n_layers=1, n_kv_heads=1, n_q_heads=2, head_dim=16, rope="half", metric="query_bands",
-                iters=4, budget_ratio=0.2)
-    assert pqc.resolve(**opts)["metric"] == "query_bands"
+    """The default metric ("query"): each head's build gets a matrix per rope band from the
+    observed queries; a saved cache loads and selects the same, and a fork selects the same.
+    Its floor is at least 0.01; the diagonal metric ("query_diag") takes smaller ones."""
+    opts = dict(n_layers=1, n_kv_heads=1, n_q_heads=2, head_dim=16, rope="half", iters=4, budget_ratio=0.2)
+    assert pqc.resolve(**opts)["metric"] == "query"
     with pytest.raises(pqc.OutOfRangeError, match="metric_floor"):
         pqc.resolve(**dict(opts, metric_floor=0.001))
+    assert pqc.resolve(**dict(opts, metric_floor=0.001, metric="query_diag"))["metric"] == "query_diag"
     q = rng.standard_normal((8, 2 * 16)).astype(np.float32)
     q[:, 0] *= 6.0  # the queries look along dims 0 and 8 (one band, a rotation pair)
     q[:, 8] = 0.5 * q[:, 0] + 0.1 * q[:, 8]

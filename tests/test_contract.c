@@ -1545,8 +1545,8 @@ static pqc_result fstep_cache(int kind, const pqc_cache_desc *cd, const pqc_engi
    counts, codes, codebooks, exact lists and residual bytes, window and statistics; a save
    afterwards loads; and the cache goes on to select exactly what a twin that never saw a
    failure selects. Every split, with PQ scoring, exact scoring (re-ranking and outlier
-   lists) and residual scoring, and the default split with metric blocks (and outlier
-   lists, their residuals under the blocks), on a cache, a fork and a mapped load. */
+   lists) and residual scoring (the default metric: blocks), and the default split with
+   the diagonal metric (and outlier lists), on a cache, a fork and a mapped load. */
 TEST failed_driver_steps_leave_nothing_behind(void)
 {
     static const pqc_split splits[] = { PQC_SPLIT_COMPETE, PQC_SPLIT_FIXED, PQC_SPLIT_ADAPTIVE, PQC_SPLIT_FIXED_COMPETE };
@@ -1574,8 +1574,8 @@ TEST failed_driver_steps_leave_nothing_behind(void)
                     cd.outliers = 4;
                 } else if (scoring == 2) {
                     cd.residual_weight = 0.15;
-                } else if (scoring == 3) { /* a matrix per sub-space from the observed prompt */
-                    cd.metric = PQC_METRIC_QUERY_BANDS;
+                } else if (scoring == 3) { /* weights per dim (not the default's blocks) */
+                    cd.metric = PQC_METRIC_QUERY_DIAG;
                     cd.outliers = 4;
                 }
                 eng_init(&e, &fe.en, 2, 4, 16);
@@ -1621,7 +1621,8 @@ TEST failed_driver_steps_leave_nothing_behind(void)
                 if (observe(c, NULL) != observe(ref, NULL)) FAILm("the cache differs from its twin");
                 g_with_times = 1;
                 installs += fe.installs_seen;
-                if (scoring == 3) ASSERT(c->layers[0].heads[0].pq.mblocks != NULL && c->layers[2].heads[1].pq.mblocks != NULL);
+                ASSERT(scoring == 3 ? c->layers[0].heads[0].pq.metric != NULL && c->layers[2].heads[1].pq.metric != NULL
+                                    : c->layers[0].heads[0].pq.mblocks != NULL && c->layers[2].heads[1].pq.mblocks != NULL);
                 pqc_cache_destroy(c);
                 pqc_cache_destroy(ref);
             }

@@ -304,7 +304,7 @@ typedef struct shape {
                       and a window of half the budget (else the default; PQC_SPLIT_ADAPTIVE
                       with observe 2) */
     float scale;   /* desc.softmax_scale */
-    int qbands;    /* desc.metric PQC_METRIC_QUERY_BANDS: a matrix per sub-space (with observe) */
+    int qdiag;     /* desc.metric PQC_METRIC_QUERY_DIAG: weights, not the default's blocks (with observe) */
 } shape;
 static const shape g_small = { 2, 2, 4, 64, 4, 6, 12, 1500, 1700, 0, 0, 0, 0.0, 0, 0.0, 0, 0, 0, 0.0f, 0 };
 
@@ -375,7 +375,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
         cd.pq.rope = PQC_ROPE_HALF;
         cd.pq.subspaces = PQC_SUBSPACES_ROPE_BANDS;
     }
-    if (sh->qbands) cd.metric = PQC_METRIC_QUERY_BANDS;
+    if (sh->qdiag) cd.metric = PQC_METRIC_QUERY_DIAG;
     memset(&st, 0, sizeof st);
     ASSERT(pair_open(&p, &cd));
     ASSERT_EQ(1, pqc_cache_on_device(p.cg));
@@ -451,7 +451,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     if (sh->observe == 1) /* head 0 codes with a metric, head 1 (zero observations) without */
         for (l = 0; l < L; l++) {
             double a[2], b[2];
-            ASSERT(sh->qbands ? p.cg->layers[l].heads[0].pq.mblocks != NULL : p.cg->layers[l].heads[0].pq.metric != NULL);
+            ASSERT(sh->qdiag ? p.cg->layers[l].heads[0].pq.metric != NULL : p.cg->layers[l].heads[0].pq.mblocks != NULL);
             ASSERT(p.cg->layers[l].heads[1].pq.metric == NULL && p.cg->layers[l].heads[1].pq.mblocks == NULL);
             /* the observed attention, measured alike, split the top-k unevenly (evenly
                under the fixed split) */
@@ -636,7 +636,7 @@ TEST decode_matches_cpu_with_metric_softmax(void)
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 /* sub-spaces of rope bands over the half-split layout (the kernels gather each sub-space
-   from two runs of dims), with and without a metric (tied within rotation pairs) */
+   from two runs of dims), with and without a metric (a matrix per band) */
 TEST decode_matches_cpu_rope_bands(void)
 {
     shape sh = g_small;
@@ -651,22 +651,22 @@ TEST decode_matches_cpu_rope_bands_with_metric(void)
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
-/* a matrix per sub-space (observed queries' second moments per rope band): the device
-   codes new tokens against W c with the blocks' norms, as the host does; head 1 (no
-   observations) stays Euclidean in the same layer */
-TEST decode_matches_cpu_metric_blocks(void)
+/* the diagonal metric (weights per dim, PQC_METRIC_QUERY_DIAG): the device multiplies
+   the key by the weights before the search, as the host does; head 1 (no observations)
+   stays Euclidean in the same layer */
+TEST decode_matches_cpu_diagonal_metric(void)
 {
     shape sh = g_small;
     sh.bands = 1;
     sh.observe = 1;
-    sh.qbands = 1;
+    sh.qdiag = 1;
     return decode_matches_shape(PQC_GQA_SUM, PQC_F16, &sh);
 }
-TEST device_steps_match_cpu_metric_blocks(void)
+TEST device_steps_match_cpu_diagonal_metric(void)
 {
     shape sh = g_small;
     sh.observe = 1;
-    sh.qbands = 1;
+    sh.qdiag = 1;
     sh.dstep = 1;
     sh.steps = 6;
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
@@ -2019,8 +2019,8 @@ SUITE(cuda_tier)
     RUN_TEST(device_outlier_lists_alone);
     RUN_TEST(decode_matches_cpu_rope_bands);
     RUN_TEST(decode_matches_cpu_rope_bands_with_metric);
-    RUN_TEST(decode_matches_cpu_metric_blocks);
-    RUN_TEST(device_steps_match_cpu_metric_blocks);
+    RUN_TEST(decode_matches_cpu_diagonal_metric);
+    RUN_TEST(device_steps_match_cpu_diagonal_metric);
     RUN_TEST(decode_matches_cpu_rerank);
     RUN_TEST(fork_on_the_device_matches_cpu);
     RUN_TEST(decode_matches_cpu_outliers);

@@ -675,13 +675,14 @@ TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
             int kp, r;
             /* observed in both modes: L2 ignores them */
             ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
-            ASSERT(mode ? c->layers[0].heads[0].pq.metric != NULL : c->layers[0].heads[0].pq.metric == NULL);
+            ASSERT(mode ? c->layers[0].heads[0].pq.mblocks != NULL : c->layers[0].heads[0].pq.mblocks == NULL);
+            ASSERT(c->layers[0].heads[0].pq.metric == NULL);
             { /* decode queries like the observed ones: no drift, no rebuild */
                 pqc_layer_stats ls;
                 ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
                 ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &ls));
                 ASSERT_EQ(0, (int)ls.rebuilds);
-                ASSERT_EQ(0.0, c->layers[0].qsq[(size_t)(D + 1) + D]);
+                ASSERT_EQ(0.0, c->layers[0].qsq[pqc__qsq_part(c) + D]);
             }
             n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
             ASSERT_EQ(sel.count[0], n_or);
@@ -703,7 +704,7 @@ TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
     PASS();
 }
 
-/* PQC_METRIC_QUERY_BANDS: each head's build gets W_j = C_j / mean diag C_j + floor I
+/* PQC_METRIC_QUERY (blocks): each head's build gets W_j = C_j / mean diag C_j + floor I
    from the observed queries' second moments over sub-space j's dims, codes every key with
    its nearest centroid under W_j, and keeps the rare tokens the oracle keeps. */
 TEST bands_metric_builds_the_observed_blocks(void)
@@ -715,7 +716,7 @@ TEST bands_metric_builds_the_observed_blocks(void)
     memset(&scr, 0, sizeof scr);
     for (i = 0; i < 2; i++) {
         hardkeys hk;
-        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY_BANDS);
+        pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
         pqc_cache *c;
         pqc_selection sel;
         const pqc_pq *pq;
@@ -808,20 +809,24 @@ TEST observe_misuse_is_refused_and_changes_nothing(void)
     cd.metric_floor = 0;
     cd.metric = (pqc_metric)3;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
-    cd.metric = PQC_METRIC_QUERY_BANDS; /* blocks: a floor that keeps them positive definite, */
+    cd.metric = PQC_METRIC_QUERY; /* blocks: a floor that keeps them positive definite */
     cd.metric_floor = 0.009;
     ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
     ASSERT(strstr(pqc_last_error(), "metric_floor") != NULL);
+    cd.metric = PQC_METRIC_QUERY_DIAG; /* (weights take it) */
+    ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    pqc_cache_destroy(c);
+    cd.metric = PQC_METRIC_QUERY;
     cd.metric_floor = 0.01;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     pqc_cache_destroy(c);
-    cd.pq.m = 1; /* and sub-spaces of at most 256 dims */
+    cd.pq.m = 1; /* sub-spaces over 256 dims: weights, whatever the floor */
     cd.head_dim = 512;
     cd.n_q_heads = cd.n_kv_heads;
-    ASSERT_EQ(PQC_ERROR_OUT_OF_RANGE, pqc_cache_create(NULL, &cd, &c));
-    ASSERT(strstr(pqc_last_error(), "256") != NULL);
-    cd.metric = PQC_METRIC_QUERY;
+    cd.metric_floor = 0.001;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    ASSERT_EQ(0, pqc__bands(c));
+    ASSERT_EQ((size_t)cd.n_kv_heads * 513, pqc__qsq_part(c));
     pqc_cache_destroy(c);
     cd.pq.metric = q;
     ASSERT_EQ(PQC_ERROR_INVALID_ARGUMENT, pqc_cache_create(NULL, &cd, &c));
@@ -846,7 +851,7 @@ TEST tiny_scoring_settings_are_refused_or_build(void)
     for (i = 0; i < 300 * 16; i++) k[i] = hk__normal(&rng);
     for (i = 0; i < 16; i++) q[i] = i == 0 ? 0.0f : 1.0f + (float)i; /* dimension 0: no energy */
     km = pqc_matrix_f32(k, 300, 16);
-    cd = hard_desc(PQC_METRIC_QUERY); /* one layer and KV head, seed 1; smaller here: */
+    cd = hard_desc(PQC_METRIC_QUERY_DIAG); /* one layer and KV head, seed 1; smaller here: */
     cd.n_q_heads = 1;
     cd.head_dim = 16;
     cd.max_tokens = 1024;
@@ -869,10 +874,11 @@ TEST tiny_scoring_settings_are_refused_or_build(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
     pqc_cache_destroy(c);
     c = NULL;
-    cd.metric = PQC_METRIC_QUERY;
-    for (pass = 0; pass < 2; pass++) { /* the smallest floor; the smallest float residual weight */
-        cd.metric_floor = pass == 0 ? 1e-11 * 16 : 0;
-        cd.residual_weight = pass == 0 ? 0 : 1e-38;
+    for (pass = 0; pass < 3; pass++) { /* the smallest floor of weights, then of blocks; the smallest
+                                          float residual weight */
+        cd.metric = pass == 1 ? PQC_METRIC_QUERY : PQC_METRIC_QUERY_DIAG;
+        cd.metric_floor = pass == 0 ? 1e-11 * 16 : pass == 1 ? 0.01 : 0;
+        cd.residual_weight = pass == 2 ? 1e-38 : 0;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, q, 1));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_prefill(c, 0, &km, &km));
@@ -880,7 +886,7 @@ TEST tiny_scoring_settings_are_refused_or_build(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
         ASSERT_EQ(1, (int)st.builds);
         ASSERT(c->layers[0].n_coded > 0);
-        ASSERT(c->layers[0].heads[0].pq.metric != NULL);
+        ASSERT(pass == 1 ? c->layers[0].heads[0].pq.mblocks != NULL : c->layers[0].heads[0].pq.metric != NULL);
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
         ASSERT(sel.count[0] > 0);
@@ -982,21 +988,23 @@ TEST driver_observes_the_prompt_and_gives_observations_back_on_failure(void)
 /* Observations that look elsewhere than decoding does: the first selection loses the
    rare tokens, the cache notices that the decode query's energy lies where its metric
    did not look, and rebuilds in the background with the decode queries' metric. */
-TEST drifted_queries_rebuild_the_codebook_with_their_metric(void)
+TEST drift_rebuild_with(pqc_metric metric)
 {
-    pqc_cache_desc cd = hard_desc(PQC_METRIC_QUERY);
+    pqc_cache_desc cd = hard_desc(metric);
     pqc_cache *c;
     pqc_selection sel;
     pqc_layer_stats st;
     pqc_scratch scr;
     hardkeys hk;
     uint32_t *orc = (uint32_t *)malloc(sizeof(uint32_t) * S);
-    size_t n_or, part = (size_t)(D + 1);
+    size_t n_or, part;
     int kp1, kp2, r;
     ASSERT(orc != NULL);
     memset(&scr, 0, sizeof scr);
     ASSERT_EQ(0, make_hard(&hk, 3, 1));
     ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));
+    part = pqc__qsq_part(c);
+    ASSERT(metric == PQC_METRIC_QUERY ? c->layers[0].heads[0].pq.mblocks != NULL : c->layers[0].heads[0].pq.metric != NULL);
     n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
     rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp1, &r);
     ASSERT_EQ((double)G, c->layers[0].qsq[part + D]); /* the decode query was counted */
@@ -1005,7 +1013,8 @@ TEST drifted_queries_rebuild_the_codebook_with_their_metric(void)
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_stats(c, 0, &st));
     ASSERT_EQ(1, (int)st.rebuilds);
     rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp2, &r);
-    fprintf(stderr, "  unrelated observations: rare tokens kept of %d: %d, after the drift rebuild %d\n", r, kp1, kp2);
+    fprintf(stderr, "  unrelated observations, %s: rare tokens kept of %d: %d, after the drift rebuild %d\n",
+            metric == PQC_METRIC_QUERY ? "blocks" : "weights", r, kp1, kp2);
     ASSERT(r >= 3);
     ASSERT(kp1 * 2 <= r);
     ASSERT_EQ(r, kp2);
@@ -1022,6 +1031,8 @@ TEST drifted_queries_rebuild_the_codebook_with_their_metric(void)
     free(orc);
     PASS();
 }
+TEST drifted_queries_rebuild_the_codebook_with_their_metric(void) { return drift_rebuild_with(PQC_METRIC_QUERY); }
+TEST drifted_queries_rebuild_the_weights_with_theirs(void) { return drift_rebuild_with(PQC_METRIC_QUERY_DIAG); }
 
 /* In a driver step the drifted queries count only when the whole step succeeds. */
 TEST a_failed_decode_step_leaves_no_drift_behind(void)
@@ -1032,7 +1043,8 @@ TEST a_failed_decode_step_leaves_no_drift_behind(void)
     heng en;
     hardkeys hk;
     pqc_layer_stats st;
-    const size_t P = S - 8, part = (size_t)(D + 1);
+    const size_t P = S - 8;
+    size_t part;
     ASSERT_EQ(0, make_hard(&hk, 3, 1));
     cd.n_layers = 2;
     cd.observe = N_OBS;
@@ -1044,6 +1056,7 @@ TEST a_failed_decode_step_leaves_no_drift_behind(void)
     e.qkv = heng_qkv;
     e.attend = heng_attend;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+    part = pqc__qsq_part(c);
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, P));
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_sync(c));
     en.fail_attend = 1; /* layer 0 selects (and notes the drift), layer 1 fails */
@@ -2167,6 +2180,7 @@ SUITE(fidelity)
     RUN_TEST(tiny_scoring_settings_are_refused_or_build);
     RUN_TEST(driver_observes_the_prompt_and_gives_observations_back_on_failure);
     RUN_TEST(drifted_queries_rebuild_the_codebook_with_their_metric);
+    RUN_TEST(drifted_queries_rebuild_the_weights_with_theirs);
     RUN_TEST(a_failed_decode_step_leaves_no_drift_behind);
     RUN_TEST(adaptive_split_gives_the_top_k_to_the_head_that_needs_it);
     RUN_TEST(adaptive_split_may_give_a_head_no_top_k);

@@ -18,7 +18,7 @@
 #define GOLDEN_FILE "tests/data/golden.pqc"
 #define GOLDEN_V1_FILE "tests/data/golden_v1.pqc"
 #define GOLDEN_V1_DIGEST 0x0e74484995ff4467ull /* program 1 decoding on from it */
-#define N_PROGRAMS 5
+#define N_PROGRAMS 6
 #define PROMPT 320
 #define STEPS 60
 #define SAVE_AT 30 /* the file holds program 1 after this many decode steps */
@@ -27,6 +27,7 @@
 static const uint64_t recorded[N_PROGRAMS + 1] = {
     0x6ce03e983b68f2a1ull, 0x90c34824ed50926dull, 0xd5d7b9ac73e3d789ull, /* programs 0-2 */
     0x19c18978a9cb568cull, 0x3db84241a7dfe086ull,                      /* programs 3-4 */
+    0x565823669f4ecc87ull,                                             /* program 5 */
     0x91cab0dc120db7e8ull /* program 1 decoding on from the file */
 };
 
@@ -73,6 +74,7 @@ static pqc_cache_desc program_desc(int p)
     cd.block_tokens = 16;
     cd.cache_blocks = 4;
     cd.observe = 16;
+    cd.metric = PQC_METRIC_QUERY_DIAG; /* the default's weights when 0-4 were recorded */
     switch (p) {
     case 1: /* fp16 storage, re-ranking, outliers */
         cd.kv_dtype = PQC_F16;
@@ -93,6 +95,11 @@ static pqc_cache_desc program_desc(int p)
         cd.budget_tokens = 60;
         cd.recent_share = 0.25;
         cd.n_sink = -1;
+        break;
+    case 5: /* the default metric: a matrix per sub-space, rope bands, rebuilds */
+        cd.metric = PQC_METRIC_QUERY;
+        cd.pq.rope = PQC_ROPE_HALF;
+        cd.rebuild_share = 0.05;
         break;
     default: break;
     }
@@ -240,6 +247,12 @@ TEST the_recorded_file_loads_and_saving_writes_it_again(void)
 TEST a_file_of_an_earlier_build_decodes_on_as_it_did(void)
 {
     uint64_t h;
+    pqc_cache_desc cd = program_desc(1);
+    pqc_cache *c = NULL;
+    cd.metric = PQC_METRIC_QUERY; /* the query metric's weights were its default then: the message says so */
+    ASSERT_EQ(PQC_ERROR_BAD_SHAPE, pqc_cache_load(NULL, &cd, GOLDEN_V1_FILE, &c));
+    ASSERT(strstr(pqc_last_error(), "PQC_METRIC_QUERY_DIAG") != NULL);
+    ASSERT(c == NULL);
     ASSERT_EQ(PQC_SUCCESS, run_from_file(GOLDEN_V1_FILE, &h));
     if (h != GOLDEN_V1_DIGEST) {
         fprintf(stderr, "from %s: selections digest 0x%016llxull, recorded 0x%016llxull\n", GOLDEN_V1_FILE,

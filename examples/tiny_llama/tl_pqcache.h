@@ -68,8 +68,9 @@ typedef struct {
     unsigned long long seed; /* k-means seed */
     int all_outputs;       /* 1: run the last layer for every prompt token, not just the last */
     int backend;           /* device tier: PQC_BACKEND_CPU (default), AUTO or CUDA */
-    int metric;            /* PQC_METRIC_QUERY (default: codebooks weighted by the observed
-                              queries) or PQC_METRIC_L2 (plain PQ) */
+    int metric;            /* PQC_METRIC_QUERY (default: codebooks under the observed queries'
+                              second moments per band), PQC_METRIC_QUERY_DIAG (their mean
+                              square per dim) or PQC_METRIC_L2 (plain PQ) */
     int split;             /* PQC_SPLIT_COMPETE (default), PQC_SPLIT_FIXED, PQC_SPLIT_ADAPTIVE or
                               PQC_SPLIT_FIXED_COMPETE */
     int exact_prefill;     /* 1: the prompt's attention with the decode step's arithmetic, to
@@ -893,7 +894,7 @@ void tlpq_describe(const tlpq *p, char *buf, size_t len)
         snprintf(iters, sizeof iters, "adaptive");
     snprintf(buf, len, "m=%d bits=%d T=%s, %s metric, %s split, %d sinks, ratio %g, window %d, %d blocks of %d "
              "(%s), %d thread%s", r.pq.m, r.pq.bits, iters,
-             r.metric == PQC_METRIC_L2 ? "L2" : "query",
+             r.metric == PQC_METRIC_L2 ? "L2" : r.metric == PQC_METRIC_QUERY_DIAG ? "query (diagonal)" : "query",
              r.split == PQC_SPLIT_FIXED            ? "fixed"
              : r.split == PQC_SPLIT_ADAPTIVE       ? "adaptive"
              : r.split == PQC_SPLIT_FIXED_COMPETE ? "fixed, competing"

@@ -340,12 +340,12 @@ def seeds():
     for kind in (1, 2, 3, 4):
         p.pq_train(slot=1, flags=14, rows=9, m=2, bits=2, iters=2).raw(kind)
     s["pq_metric_blocks"] = p
-    # the cache's metric blocks (metric 2): observed queries, rope bands, a save and load,
-    # a fork, appends that code with the blocks
+    # the cache's diagonal metric (metric 2, weights): observed queries, rope bands, a save
+    # and load, a fork, appends that code with the weights
     p = P().create(layers=1, m=2, rope=1, subsp=1, metric=2).observe(layer=0).observe(layer=1).prefill(rows=14)
     p.prefill(layer=1, rows=14).sel_init().select().fetch().append().append(layer=1).select(layer=1).save_load().fork()
     p.append(slot=1).sel_init(slot=1).select(slot=1).sync()
-    s["cache_metric_blocks"] = p
+    s["cache_metric_diag"] = p
     return s
 
 

@@ -298,7 +298,7 @@ static const double t_rebuild[] = {0, 0.5, 0.1, 1, 2};
 static const double t_rebuild_bad[] = {NAN, -1, INFINITY, 1e-300, -0.0};
 static const int t_resident[] = {0};
 static const int t_resident_bad[] = {1, 2, -1};
-static const int t_metric[] = {PQC_METRIC_QUERY, PQC_METRIC_L2, PQC_METRIC_QUERY_BANDS};
+static const int t_metric[] = {PQC_METRIC_QUERY, PQC_METRIC_L2, PQC_METRIC_QUERY_DIAG};
 static const int t_metric_bad[] = {3, -1, INT_MAX};
 static const double t_mfloor[] = {0, 0.01, 1, 1e-6, 1e6};
 static const double t_mfloor_bad[] = {-1, NAN, INFINITY, 1e7, -1e-300, 1e-13};
@@ -883,9 +883,9 @@ static void op_cache_create(fz_state *S)
     if (((int)d.metric == 0 || (int)d.metric == 2) && d.head_dim > 0 &&
         (d.metric_floor == 0 ? 0.01 : d.metric_floor) < 1e-11 * d.head_dim)
         must_fail = 1;
-    /* metric blocks: a floor that keeps them positive definite, sub-spaces of at most 256 */
-    if ((int)d.metric == 2 && ((d.metric_floor == 0 ? 1.0 : d.metric_floor) < 0.01 ||
-                               (m_eff > 0 && d.head_dim / m_eff > 256)))
+    /* metric blocks (the query metric where sub-spaces have at most 256 dims): a floor
+       that keeps them positive definite */
+    if ((int)d.metric == 0 && m_eff > 0 && d.head_dim / m_eff <= 256 && (d.metric_floor == 0 ? 1.0 : d.metric_floor) < 0.01)
         must_fail = 1;
     if (d.backend == &g_be_nocopy || (d.backend == &g_be_noalloc && blocks > 0)) must_fail = 1;
     /* a block-cache slot array the allocator cannot grant (the sizes are exact in double

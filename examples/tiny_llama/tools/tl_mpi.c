@@ -315,7 +315,7 @@ static void usage(void)
         "  -C BLOCKS        block-cache blocks per layer and KV head (default 32, -1 none)\n"
         "  --split S        fixed-compete, fixed, adaptive or compete (default fixed-compete: every\n"
         "                   head the same top-k, the window competing in each; see docs/serving.md)\n"
-        "  --metric M       query or l2 (default query)\n"
+        "  --metric M       query, diag or l2 (default query)\n"
         "  --save F         rank 0 writes every decode step's logits and per-head selections\n"
         "  --check F        compare with a --save file: logits within --tol, selections\n"
         "  --tol X          largest logit difference allowed by --check (default 1e-4)\n"
@@ -413,8 +413,9 @@ static int tp_parse(int argc, char **argv, tp_opts *o, char *err, size_t errlen)
             }
         } else if (!strcmp(a, "--metric")) {
             if (!strcmp(v, "query")) o->metric = PQC_METRIC_QUERY;
+            else if (!strcmp(v, "diag")) o->metric = PQC_METRIC_QUERY_DIAG;
             else if (!strcmp(v, "l2")) o->metric = PQC_METRIC_L2;
-            else { snprintf(err, errlen, "--metric %s: expected query or l2", v); return -1; }
+            else { snprintf(err, errlen, "--metric %s: expected query, diag or l2", v); return -1; }
         } else {
             snprintf(err, errlen, "unknown option %s", a);
             return -1;
