@@ -720,6 +720,7 @@ TEST bands_metric_builds_the_observed_blocks(void)
         pqc_cache *c;
         pqc_selection sel;
         const pqc_pq *pq;
+        double *cwc;
         size_t n_or, t;
         int kp, r, j, a, b, bad = 0;
         ASSERT_EQ(0, make_hard(&hk, i, 0));
@@ -745,24 +746,44 @@ TEST bands_metric_builds_the_observed_blocks(void)
                     ASSERT(fabs(got - want) <= 1e-5 * (fabs(want) + 1.0));
                 }
         }
-        for (t = 0; t < 400; t++) { /* every code the nearest centroid under its block */
+        cwc = (double *)malloc(sizeof(double) * (size_t)pq->m * (size_t)pq->ksub);
+        ASSERT(cwc != NULL);
+        for (j = 0; j < pq->m; j++) { /* c^T W c of every centroid */
+            int ds = pq->dsub, k;
+            const float *w = pq->mblocks + (size_t)j * ds * ds;
+            for (k = 0; k < pq->ksub; k++) {
+                const float *cc = pq->centroids + ((size_t)j * pq->ksub + k) * ds;
+                double acc = 0.0;
+                for (a = 0; a < ds; a++)
+                    for (b = 0; b < ds; b++) acc += cc[a] * (double)w[a * ds + b] * cc[b];
+                cwc[(size_t)j * pq->ksub + k] = acc;
+            }
+        }
+        for (t = 0; t < 400; t++) { /* every code the nearest centroid under its block:
+                                         (x - c)^T W (x - c) = x^T W x - 2 c^T W x + c^T W c */
             const float *x = hk.keys + (32 + t) * D;
             for (j = 0; j < pq->m; j++) {
+                enum { MAXS = 64 };
                 int ds = pq->dsub, code = pqc_codes_get(&c->layers[0].heads[0].codes, t, j), k;
-                double best = 1e300, mine = 0.0;
+                const float *w = pq->mblocks + (size_t)j * ds * ds;
+                double best = 1e300, mine = 0.0, xs[MAXS], wx[MAXS], xwx = 0.0;
+                for (a = 0; a < ds; a++) xs[a] = x[pqc_pq_dim(pq, j, a)];
+                for (a = 0; a < ds; a++) {
+                    wx[a] = 0.0;
+                    for (b = 0; b < ds; b++) wx[a] += (double)w[a * ds + b] * xs[b];
+                    xwx += xs[a] * wx[a];
+                }
                 for (k = 0; k < pq->ksub; k++) {
                     const float *cc = pq->centroids + ((size_t)j * pq->ksub + k) * ds;
-                    const float *w = pq->mblocks + (size_t)j * ds * ds;
-                    double q = 0.0;
-                    for (a = 0; a < ds; a++)
-                        for (b = 0; b < ds; b++)
-                            q += (x[pqc_pq_dim(pq, j, a)] - cc[a]) * (double)w[a * ds + b] * (x[pqc_pq_dim(pq, j, b)] - cc[b]);
+                    double q = xwx + cwc[(size_t)j * pq->ksub + k];
+                    for (a = 0; a < ds; a++) q -= 2.0 * cc[a] * wx[a];
                     if (k == code) mine = q;
                     best = q < best ? q : best;
                 }
                 bad += mine > best + 1e-4 * (best + 1.0);
             }
         }
+        free(cwc);
         ASSERT_EQ(0, bad);
         n_or = oracle_of(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc);
         ASSERT_EQ(sel.count[0], n_or);
