@@ -5960,13 +5960,25 @@ PQCDEF void pqc_pq_free(pqc_pq *pq)
 
 /* A zeroed codebook's storage; with blocks, their check (failing with `bad`, the message
    naming `what`) and Cholesky factors. */
+/* Whether sub-spaces gather from the two halves (pqc_pq.half_bands): the layout asks for
+   it (pqc__half_bands) and each sub-space holds whole pairs. */
+static int pqc__bands_half(int half_bands, int dim, int m) { return half_bands && m > 0 && (dim / m) % 2 == 0; }
+
+/* Dim of element e of sub-space j (of dsub dims) in a dim-wide row (pqc_pq_dim). */
+static int pqc__subspace_dim(int dim, int dsub, int half, int j, int e)
+{
+    int h = dsub / 2;
+    if (!half) return j * dsub + e;
+    return e < h ? j * h + e : dim / 2 + j * h + (e - h);
+}
+
 static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *metric,
                                 const float *blocks, int half_bands, pqc_result bad, const char *what)
 {
     size_t kpad;
     pqc__pq_zero(pq);
     if (rt) pq->alloc = rt->alloc;
-    pq->half_bands = half_bands && m > 0 && (dim / m) % 2 == 0;
+    pq->half_bands = pqc__bands_half(half_bands, dim, m);
     pq->dim = dim;
     pq->m = m;
     pq->bits = bits;
@@ -6005,13 +6017,7 @@ static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int 
     return PQC_SUCCESS;
 }
 
-PQCDEF int pqc_pq_dim(const pqc_pq *pq, int j, int e)
-{
-    int h;
-    if (!pq->half_bands) return j * pq->dsub + e;
-    h = pq->dsub / 2;
-    return e < h ? j * h + e : pq->dim / 2 + j * h + (e - h);
-}
+PQCDEF int pqc_pq_dim(const pqc_pq *pq, int j, int e) { return pqc__subspace_dim(pq->dim, pq->dsub, pq->half_bands, j, e); }
 
 /* Sub-vector j of a dim-float row x (in pq's sub-space order) into out. */
 static void pqc__gather_sub(const pqc_pq *pq, const float *x, int j, float *out)
@@ -9689,22 +9695,15 @@ PQCDEF pqc_result pqc_cache_prefill(pqc_cache *c, int layer, const pqc_matrix *k
     return pqc__call_end(c, pqc__prefill(c, layer, k, v));
 }
 
-/* Dim of element e of sub-space j in the cache's codebooks (pqc_pq_dim, before one exists). */
-static size_t pqc__sub_dim(const pqc_cache *c, size_t j, size_t e)
-{
-    size_t d = (size_t)c->d.head_dim, ds = d / (size_t)c->d.pq.m, h = ds / 2;
-    if (!pqc__half_bands(&c->d.pq) || ds % 2 != 0) return j * ds + e;
-    return e < h ? j * h + e : d / 2 + j * h + (e - h);
-}
-
 /* Adds the outer products of query row q over each sub-space's dims to blk ([m][d_sub]
    [d_sub], sub-space element order). */
 static void pqc__blocks_add(const pqc_cache *c, double *blk, const float *q)
 {
-    size_t m = (size_t)c->d.pq.m, ds = (size_t)c->d.head_dim / m, j, a, b;
+    int d = c->d.head_dim, half = pqc__bands_half(pqc__half_bands(&c->d.pq), d, c->d.pq.m);
+    size_t m = (size_t)c->d.pq.m, ds = (size_t)d / m, j, a, b;
     double x[PQC__MAX_BLOCK];
-    for (j = 0; j < m; j++, blk += ds * ds) {
-        for (a = 0; a < ds; a++) x[a] = (double)q[pqc__sub_dim(c, j, a)];
+    for (j = 0; j < m; j++, blk += ds * ds) { /* in the codebooks' sub-space order (pqc_pq_dim) */
+        for (a = 0; a < ds; a++) x[a] = (double)q[pqc__subspace_dim(d, (int)ds, half, (int)j, (int)a)];
         for (a = 0; a < ds; a++)
             for (b = 0; b < ds; b++) blk[a * ds + b] += x[a] * x[b];
     }
