@@ -82,9 +82,10 @@ test-asan: $(DEPS_test-asan)
 	@echo "== contract (clang's pointer-overflow check, $(SAN_SIZE) scenarios)"; \
 	  PQC_TEST_SIZE=$(SAN_SIZE) UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/clang_ub_contract
 
-# (the allocation-failure sweep without threads has nothing for TSan to check: its
-# threaded twin runs)
-TSAN_EXCLUDE ?= -x every_allocation_inline
+# (tests that run on the inline runtime alone have nothing for TSan to check: the
+# allocation-failure sweep without threads, whose threaded twin runs, and the failed
+# driver steps, which ASan runs)
+TSAN_EXCLUDE ?= -x every_allocation_inline -x failed_driver_steps
 DEPS_test-tsan := $(BUILD)/tsan_lib
 test-tsan: $(DEPS_test-tsan)
 	@echo "== $(TSAN_TESTS) (TSan, $(SAN_SIZE) scenarios)"; \

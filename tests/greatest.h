@@ -48,7 +48,7 @@
  * Flags: -h help, -v verbose (one line per test), -l list only,
  *   -t NAME run tests whose name contains NAME, -s NAME suites only (tests
  *   run outside any suite are not affected), -x NAME exclude tests
- *   containing NAME, -e exact match for -t/-s, -f stop after the first
+ *   containing NAME (repeatable, up to GREATEST_MAX_EXCLUDES names), -e exact match for -t/-s, -f stop after the first
  *   failure.  Flags combine ("-vf"); values may be attached ("-tname").
  * The last line on stdout is "N passed, N failed" (", N skipped" added
  * when any test skipped); main returns EXIT_FAILURE if any test failed.
@@ -70,6 +70,9 @@
 #endif
 #ifndef GREATEST_FLOAT
 #define GREATEST_FLOAT double
+#endif
+#ifndef GREATEST_MAX_EXCLUDES
+#define GREATEST_MAX_EXCLUDES 8
 #endif
 
 enum greatest_test_res {
@@ -101,7 +104,9 @@ struct greatest_run_info {
     char detail[1024];           /* extra failure text (values, offsets) */
     size_t detail_len;
     unsigned col;                /* chars on the current progress line */
-    const char *test_filter, *suite_filter, *test_exclude;
+    const char *test_filter, *suite_filter;
+    const char *test_exclude[GREATEST_MAX_EXCLUDES]; /* -x, each given */
+    int n_exclude;
     greatest_setup_cb *setup;
     void *setup_udata;
     greatest_teardown_cb *teardown;
@@ -337,8 +342,11 @@ static inline int greatest_test_pre(const char *name) {
     struct greatest_run_info *g = &greatest_info;
     int exact = (g->flags & GREATEST_FLAG_EXACT_NAME_MATCH) != 0;
     int list = (g->flags & GREATEST_FLAG_LIST_ONLY) != 0;
+    int i;
     if (!greatest_name_match(name, g->test_filter, exact)) { return 0; }
-    if (g->test_exclude != NULL && strstr(name, g->test_exclude) != NULL) { return 0; }
+    for (i = 0; i < g->n_exclude; i++) {
+        if (strstr(name, g->test_exclude[i]) != NULL) { return 0; }
+    }
     if ((g->flags & GREATEST_FLAG_FIRST_FAIL) && g->failed > 0) { return 0; }
     if (g->suite_name != NULL && !g->suite_shown) {
         greatest_newline_if_needed();
@@ -424,7 +432,7 @@ static inline void greatest_usage(FILE *out, const char *prog) {
             "  -h help   -v verbose   -l list only   -f stop at first failure\n"
             "  -t TEST   only tests whose name contains TEST\n"
             "  -s SUITE  only suites whose name contains SUITE\n"
-            "  -x NAME   skip tests whose name contains NAME\n"
+            "  -x NAME   skip tests whose name contains NAME (repeatable)\n"
             "  -e        -t and -s need an exact name match\n", prog);
 }
 
@@ -460,7 +468,11 @@ static inline void greatest_parse_options(int argc, char **argv) {
                 }
                 if (a[j] == 't') { g->test_filter = value; }
                 else if (a[j] == 's') { g->suite_filter = value; }
-                else { g->test_exclude = value; }
+                else if (g->n_exclude < GREATEST_MAX_EXCLUDES) { g->test_exclude[g->n_exclude++] = value; }
+                else {
+                    fprintf(stderr, "Option -x: at most %d names\n", GREATEST_MAX_EXCLUDES);
+                    exit(EXIT_FAILURE);
+                }
                 took_value = 1;
                 break;
             default:

@@ -97,6 +97,10 @@ expect_not "PASS asserts_" "-x excludes matching tests"
 expect_has "PASS takes_int" "-x keeps other tests"
 expect_last "^$((total_passed - N_ASSERTS_TESTS)) passed, 0 failed" "-x summary"
 
+run -v -x asserts_ -x takes_int
+expect_not "PASS asserts_" "-x given twice: the first name excluded"
+expect_not "PASS takes_int" "-x given twice: the second name excluded"
+
 run -v -s runner
 expect_has "* Suite runner_suite:" "-s runs the matching suite"
 expect_not "* Suite assert_suite:" "-s skips other suites"
