@@ -82,10 +82,11 @@ test-asan: $(DEPS_test-asan)
 	@echo "== contract (clang's pointer-overflow check, $(SAN_SIZE) scenarios)"; \
 	  PQC_TEST_SIZE=$(SAN_SIZE) UBSAN_OPTIONS=print_stacktrace=1 $(BUILD)/clang_ub_contract
 
-# (tests that run on the inline runtime alone have nothing for TSan to check: the
-# allocation-failure sweep without threads, whose threaded twin runs, and the failed
-# driver steps, which ASan runs)
-TSAN_EXCLUDE ?= -x every_allocation_inline -x failed_driver_steps
+# (the slow tests that run on the inline runtime alone have nothing for TSan to check,
+# and ASan runs them: the allocation-failure sweep without threads, whose threaded twin
+# runs, the failed driver steps, the fork families, and the top-k and SIMD sweeps)
+TSAN_EXCLUDE ?= -x every_allocation_inline -x failed_driver_steps -x forks_decode_like_unshared \
+  -x forks_hold_the_prefix_once -x topk_matches_sort_reference -x simd_matches_scalar
 DEPS_test-tsan := $(BUILD)/tsan_lib
 test-tsan: $(DEPS_test-tsan)
 	@echo "== $(TSAN_TESTS) (TSan, $(SAN_SIZE) scenarios)"; \
