@@ -48,8 +48,9 @@
  * Flags: -h help, -v verbose (one line per test), -l list only,
  *   -t NAME run tests whose name contains NAME, -s NAME suites only (tests
  *   run outside any suite are not affected), -x NAME exclude tests
- *   containing NAME (repeatable, up to GREATEST_MAX_EXCLUDES names), -e exact match for -t/-s, -f stop after the first
- *   failure.  Flags combine ("-vf"); values may be attached ("-tname").
+ *   containing NAME (repeatable, up to GREATEST_MAX_EXCLUDES names), -e
+ *   exact match for -t/-s, -f stop after the first failure.  Flags combine
+ *   ("-vf"); values may be attached ("-tname").
  * The last line on stdout is "N passed, N failed" (", N skipped" added
  * when any test skipped); main returns EXIT_FAILURE if any test failed.
  * With GREATEST_TIMES=FILE in the environment, every test run appends one
