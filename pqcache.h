@@ -5958,8 +5958,6 @@ PQCDEF void pqc_pq_free(pqc_pq *pq)
     pqc__pq_zero(pq);
 }
 
-/* A zeroed codebook's storage; with blocks, their check (failing with `bad`, the message
-   naming `what`) and Cholesky factors. */
 /* Whether sub-spaces gather from the two halves (pqc_pq.half_bands): the layout asks for
    it (pqc__half_bands) and each sub-space holds whole pairs. */
 static int pqc__bands_half(int half_bands, int dim, int m) { return half_bands && m > 0 && (dim / m) % 2 == 0; }
@@ -5972,6 +5970,8 @@ static int pqc__subspace_dim(int dim, int dsub, int half, int j, int e)
     return e < h ? j * h + e : dim / 2 + j * h + (e - h);
 }
 
+/* A zeroed codebook's storage; with blocks, their check (failing with `bad`, the message
+   naming `what`) and Cholesky factors. */
 static pqc_result pqc__pq_alloc(const pqc_runtime *rt, pqc_pq *pq, int dim, int m, int bits, const float *metric,
                                 const float *blocks, int half_bands, pqc_result bad, const char *what)
 {

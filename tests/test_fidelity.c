@@ -767,6 +767,7 @@ TEST bands_metric_builds_the_observed_blocks(void)
                 int ds = pq->dsub, code = pqc_codes_get(&c->layers[0].heads[0].codes, t, j), k;
                 const float *w = pq->mblocks + (size_t)j * ds * ds;
                 double best = 1e300, mine = 0.0, xs[MAXS], wx[MAXS], xwx = 0.0;
+                ASSERT(ds <= MAXS);
                 for (a = 0; a < ds; a++) xs[a] = x[pqc_pq_dim(pq, j, a)];
                 for (a = 0; a < ds; a++) {
                     wx[a] = 0.0;
