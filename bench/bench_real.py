@@ -63,6 +63,9 @@ METHODS = {
     "rerank1.2": (dict(budget_ratio=BUDGET, rerank=1.2), True),
     "rerank1.5": (dict(budget_ratio=BUDGET, rerank=1.5), True),
     "rerank2.5": (dict(budget_ratio=BUDGET, rerank=2.5), True),
+    "sinks4": (dict(budget_ratio=BUDGET, n_sink=4), True),           # 4 sinks, the rest of the first 32 coded
+    "sinks4-rerank1.5": (dict(budget_ratio=BUDGET, n_sink=4, rerank=1.5), True),
+    "sinks4-rerank2": (dict(budget_ratio=BUDGET, n_sink=4, rerank=2.0), True),
     "even-split": (dict(budget_ratio=BUDGET, split="fixed_compete"), True),
     "l2": (dict(budget_ratio=BUDGET, metric="l2"), True),
     "diag": (dict(budget_ratio=BUDGET, metric="query_diag"), True),  # weights per dim, not a matrix per band
