@@ -619,10 +619,10 @@ typedef enum pqc_split {
                                and chosen with the coded tokens by the same scores for the
                                head's top-k and their own places, so that a head that
                                attends locally keeps its window and one that does not
-                               gives it to top-k (default; the CUDA tier does this on
-                               the device). With exact scoring (rerank, outliers), whose
-                               candidates are scored exactly already, the window does not
-                               compete: as ADAPTIVE                                       */
+                               gives it to top-k (the CUDA tier does this on the
+                               device). With exact scoring (rerank, on by default, or
+                               outliers), whose candidates are scored exactly already,
+                               the window does not compete: as ADAPTIVE (default)         */
     PQC_SPLIT_FIXED = 1,    /* every head takes the same top-k, every layer the window    */
     PQC_SPLIT_ADAPTIVE = 2, /* the heads share the top-k as under COMPETE; the window does
                                not compete, but with a derived window (window 0) each
@@ -645,12 +645,13 @@ typedef struct pqc_cache_desc {
     int head_dim;            /* d_h                                                       */
     pqc_dtype kv_dtype;      /* host storage of K and V; 0 = fp32                          */
     size_t max_tokens;       /* sequence capacity; 0 = 1M. Longer prompts fail cleanly    */
-    int n_sink;              /* sink tokens always attended; 0 = 32; -1 = none             */
+    int n_sink;              /* sink tokens always attended; 0 = 4; -1 = none              */
     int window;              /* recent window in tokens, every layer's; 0 = recent_share of
-                                the budget at the first prefill (under PQC_SPLIT_COMPETE,
-                                the default, the window's tokens but its last 16 compete
-                                for their places every step), which under
-                                PQC_SPLIT_ADAPTIVE is the most a layer keeps: a build
+                                the budget at the first prefill (under PQC_SPLIT_COMPETE
+                                with rerank off, the window's tokens but its last 16
+                                compete for their places every step), which under
+                                PQC_SPLIT_ADAPTIVE (and COMPETE with exact scoring, the
+                                default) is the most a layer keeps: a build
                                 with observed queries weighs that window and its halves
                                 (down to 16 tokens) by the attention they pay, the window
                                 plus half of what the budget's other tokens would hold
@@ -682,8 +683,9 @@ typedef struct pqc_cache_desc {
     double rerank;           /* re-ranking: each head's top ceil(rerank x k) coded tokens by
                                 PQ score (plus its outlier list) are scored again with the
                                 exact stored keys in host memory (pqc_rerank: softmax-sum
-                                over those candidates) and the best k kept. 0 = off
-                                (default, as is a negative value); else at least 1       */
+                                over those candidates) and the best k kept. 0 =
+                                PQC_DEFAULT_RERANK (1.5); negative = off (the PQ top-k
+                                alone); else at least 1                                  */
     int outliers;            /* outlier list: per head, the coded tokens its codebook serves
                                 worst (largest residual, weighted by the head's metric),
                                 `outliers` of them at each build plus up to as many coded
@@ -727,7 +729,8 @@ typedef struct pqc_cache_desc {
    none, for n_sink, observe, cache_blocks, admit_blocks, rebuild_share, rerank, outliers,
    residual_weight and pq.iters; pq's own defaults are the PQC_DEFAULT_ of a PQ desc). */
 #define PQC_DEFAULT_MAX_TOKENS ((size_t)1 << 20)
-#define PQC_DEFAULT_N_SINK 32
+#define PQC_DEFAULT_N_SINK 4
+#define PQC_DEFAULT_RERANK 1.5
 #define PQC_DEFAULT_BUDGET_RATIO 0.1
 #define PQC_DEFAULT_RECENT_SHARE 0.15
 #define PQC_DEFAULT_METRIC_FLOOR 1.0
@@ -790,9 +793,9 @@ typedef struct pqc_kv_out {
 PQCDEF pqc_result pqc_cache_create(pqc_runtime *rt, const pqc_cache_desc *desc, pqc_cache **out);
 /* The configuration pqc_cache_create makes of desc, into *out: every default filled in
    (n_q_heads, max_tokens, n_sink, budget_ratio, recent_share, metric_floor, observe,
-   block_tokens, cache_blocks, admit_blocks, rebuild_share, softmax_scale, pq.m, pq.bits, pq.iters,
-   pq.subspaces, pq.max_points_per_centroid), "none" written as -1 (a switched-off
-   rerank, outliers or residual_weight as 0), every rule checked with a message of its
+   rerank, block_tokens, cache_blocks, admit_blocks, rebuild_share, softmax_scale, pq.m,
+   pq.bits, pq.iters, pq.subspaces, pq.max_points_per_centroid), "none" written as -1 (a
+   switched-off outliers or residual_weight as 0), every rule checked with a message of its
    own; nothing is allocated. Given back to pqc_cache_create (or to this call) it makes
    the same cache. window stays 0 where it is derived at the first prefill; pq.iters
    stays 0 where a scheduler picks T. rt: for its log, may be NULL. *out is written only
@@ -8472,7 +8475,8 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     if (d.metric_floor == 0) d.metric_floor = PQC_DEFAULT_METRIC_FLOOR;
     if (d.observe == 0) d.observe = PQC_DEFAULT_OBSERVE;
     else if (d.observe < 0) d.observe = 0;
-    if (d.rerank < 0) d.rerank = 0;
+    if (d.rerank == 0) d.rerank = PQC_DEFAULT_RERANK;
+    else if (d.rerank < 0) d.rerank = 0;
     if (d.outliers < 0) d.outliers = 0;
     if (d.residual_weight < 0) d.residual_weight = 0;
     if (d.pq.iters == 0 && !d.scheduler) d.pq.iters = PQC_DEFAULT_ITERS;
@@ -8554,6 +8558,7 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
 static void pqc__desc_public(pqc_cache_desc *d)
 {
     if (d->n_sink == 0) d->n_sink = -1;
+    if (d->rerank == 0) d->rerank = -1;
     if (d->observe == 0) d->observe = -1;
     if (d->cache_blocks == 0) d->cache_blocks = -1;
     if (d->admit_blocks == 0) d->admit_blocks = -1;

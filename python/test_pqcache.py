@@ -689,7 +689,7 @@ def test_observations_measure_attention(rt):
 
 
 def test_head_plan_shows_what_a_select_ranks_by(rt):
-    cache, k, v = make_cache(rt, n=2000, split="fixed", n_sink=4)
+    cache, k, v = make_cache(rt, n=2000, split="fixed", n_sink=4, rerank=-1)  # the PQ top-k alone
     q = np.random.default_rng(3).standard_normal((4, 32)).astype(np.float32)
     plan, scores = cache.head_plan(0, q, 1)
     assert plan["tokens"] == 2000 and plan["sinks"] == 4
@@ -844,14 +844,16 @@ def test_softmax_scale_passes_through(rt, rng, tmp_path):
 def test_resolved_configuration_is_the_librarys(rng):
     """resolve() and Cache.config() give every default as the library fills it in."""
     got = pqc.resolve(n_layers=2, n_kv_heads=2, n_q_heads=4, head_dim=16)
-    assert got["n_sink"] == 32 and got["budget_ratio"] == 0.1 and got["recent_share"] == 0.15
+    assert got["n_sink"] == 4 and got["budget_ratio"] == 0.1 and got["recent_share"] == 0.15
+    assert got["rerank"] == 1.5  # re-ranking the PQ top 1.5k by default
     assert got["max_tokens"] == 1 << 20 and got["cache_blocks"] == 32 and got["block_tokens"] == 128
     assert got["admit_blocks"] == 32 and got["observe"] == 32 and got["rebuild_share"] == 0.5
     assert got["metric"] == "query" and got["split"] == "compete" and got["kv_dtype"] == "f32"
     assert got["window"] == 0 and got["iters"] == 10 and got["m"] == 4 and got["bits"] == 8
     assert got["subspaces"] == "contiguous"  # no RoPE layout stated
-    none = pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, n_sink=-1, cache_blocks=-1, rebuild_share=-1)
+    none = pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, n_sink=-1, cache_blocks=-1, rebuild_share=-1, rerank=-1)
     assert none["n_sink"] == -1 and none["cache_blocks"] == -1 and none["rebuild_share"] == -1
+    assert none["rerank"] == -1
     assert pqc.resolve(**none) == none  # a resolved configuration resolves to itself
     with pytest.raises(pqc.OutOfRangeError, match="recent_share"):
         pqc.resolve(n_layers=1, n_kv_heads=1, head_dim=8, recent_share=2.0)

@@ -2019,6 +2019,7 @@ static enum greatest_test_res head_slices(pqc_split split)
     cd.budget_ratio = 0.1;
     cd.split = split;
     cd.window = split == PQC_SPLIT_FIXED_COMPETE ? 64 : 0;
+    cd.rerank = -1; /* the window competes with the PQ scores alone */
     cd.pq.m = 4;
     cd.pq.bits = 5;
     cd.pq.iters = 5;

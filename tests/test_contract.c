@@ -63,9 +63,12 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
     cd.block_tokens = 0;
     cd.n_q_heads = 0;
     cd.n_kv_heads = 2;
+    cd.n_sink = 0;
+    cd.rerank = 0;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &r));
     ASSERT_EQ(PQC_DEFAULT_MAX_TOKENS, r.max_tokens);
     ASSERT_EQ(PQC_DEFAULT_N_SINK, r.n_sink);
+    ASSERT_EQ(PQC_DEFAULT_RERANK, r.rerank);
     ASSERT_EQ(PQC_DEFAULT_BUDGET_RATIO, r.budget_ratio);
     ASSERT_EQ(PQC_DEFAULT_RECENT_SHARE, r.recent_share);
     ASSERT_EQ(PQC_DEFAULT_METRIC_FLOOR, r.metric_floor);
@@ -99,7 +102,7 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
     ASSERT_EQ(-1, r.admit_blocks);
     ASSERT_EQ(-1, r.observe);
     ASSERT_EQ(-1, r.rebuild_share);
-    ASSERT_EQ(0, r.rerank);
+    ASSERT_EQ(-1, r.rerank); /* off, written as -1 so that it resolves to itself */
     ASSERT_EQ(0, r.outliers);
     ASSERT_EQ(-1, r.pq.iters);
     ASSERT_EQ(-1, r.pq.max_points_per_centroid);
@@ -200,7 +203,7 @@ TEST fetch_with_fewer_tokens_than_sinks_stays_in_bounds(void)
         const void *const *const *kr, *const *const *vr;
         pqc_kv_out out;
         size_t n = 10, h, i;
-        if (variant == 0) cd.max_tokens = 20;      /* default 32 sinks, capacity under it */
+        if (variant == 0) cd.max_tokens = 20;      /* 32 sinks, capacity under it */
         if (variant == 1) cd.n_sink = 1000000;     /* huge sink count, short prompt */
         if (variant == 2) cd.n_sink = 12, n = 11;  /* just under the sinks */
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));

@@ -363,7 +363,7 @@ static enum greatest_test_res decode_matches_shape(pqc_gqa gqa, pqc_dtype dt, co
     cd.pq.m = sh->m;
     cd.pq.bits = sh->bits;
     cd.codes_resident = sh->resident;
-    cd.rerank = sh->rerank;
+    cd.rerank = sh->rerank > 0 ? sh->rerank : -1; /* 0: none */
     cd.outliers = sh->outliers;
     cd.residual_weight = sh->resid;
     cd.softmax_scale = sh->scale;
@@ -768,13 +768,13 @@ static enum greatest_test_res rerank_on_device(pqc_gqa gqa, pqc_dtype dt, double
     int s, l, h;
     cd.gqa = gqa;
     cd.kv_dtype = dt;
-    cd.rerank = rerank;
+    cd.rerank = rerank > 0 ? rerank : -1; /* 0: none */
     cd.outliers = outliers;
     /* plain k-means: under the query metric a decode query unlike the observed ones may
        start a rebuild, which the second call of a step would then install */
     cd.metric = PQC_METRIC_L2;
     pd = cd;
-    pd.rerank = 0;
+    pd.rerank = -1;
     pd.outliers = 0;
     memset(&st, 0, sizeof st);
     ASSERT(pair_open(&p, &cd));
@@ -1206,9 +1206,9 @@ TEST driver_hands_device_rows(void)
    it waits once per layer, for the rows (the engine needs them before the next layer).
    With the test shape (m = 2, resident codes), with the library's default configuration
    (every setting but the shape left to pqc_cache_resolve: m = 4 b = 8, softmax-sum,
-   observed queries, codes where the tier keeps them by default), and with re-ranking
-   (defaults 2: the defaults and rerank = 2.5; each head's candidate count goes up with
-   its top-k, in the same copy). */
+   observed queries, codes where the tier keeps them by default, re-ranking 1.5), and
+   with re-ranking 2.5 (defaults 2); with re-ranking each head's candidate count goes up
+   with its top-k, in the same copy. */
 static enum greatest_test_res never_wait(int defaults)
 {
     toy t;
@@ -1218,7 +1218,7 @@ static enum greatest_test_res never_wait(int defaults)
     pqc_cache *c = NULL;
     emu_counters_fn counters;
     unsigned long long n[4];
-    const unsigned long long steps = 6, L = 2, up = (4 * 32 * 4 + (defaults == 2 ? 2 : 1) * 2 * 4) * L; /* per step */
+    const unsigned long long steps = 6, L = 2, up = (4 * 32 * 4 + (defaults == 1 || defaults == 2 ? 2 : 1) * 2 * 4) * L; /* per step */
     size_t pos = 700, i;
     pqc_layer_stats st, st0, st1;
     void *sym;
@@ -1246,6 +1246,7 @@ static enum greatest_test_res never_wait(int defaults)
         if (defaults == 2) cd.rerank = 2.5;
         if (defaults == 3) { /* the window competing: its rivals scored on the device */
             cd.split = PQC_SPLIT_COMPETE;
+            cd.rerank = -1;
             cd.recent_share = 0.5;
         }
     } else {
@@ -1259,6 +1260,7 @@ static enum greatest_test_res never_wait(int defaults)
         ASSERT_EQ(PQC_DEFAULT_M, got.pq.m);
         ASSERT_EQ(PQC_DEFAULT_BITS, got.pq.bits);
         ASSERT_EQ(PQC_GQA_SOFTMAX_SUM, got.gqa);
+        ASSERT_EQ(defaults == 2 ? 2.5 : defaults == 3 ? -1.0 : PQC_DEFAULT_RERANK, got.rerank);
     }
     ASSERT_EQ(PQC_SUCCESS, pqc_driver_prefill(c, &e, 0, pos));
     for (i = 0; i < 2; i++) ASSERT_EQ(PQC_SUCCESS, pqc_driver_decode(c, &e, pos++)); /* first steps set up */

@@ -1421,7 +1421,7 @@ static pqc_result compete_cache(const float *k, int split, int bits, pqc_gqa gqa
     cd.recent_share = 0.5;
     cd.split = (pqc_split)split;
     cd.gqa = gqa;
-    cd.rerank = rerank;
+    cd.rerank = rerank > 0 ? rerank : -1; /* 0: none */
     cd.residual_weight = resid;
     if ((r = pqc_cache_create(NULL, &cd, out)) != PQC_SUCCESS) return r;
     if ((r = pqc_cache_prefill(*out, 0, &km, &km)) == PQC_SUCCESS) r = pqc_cache_sync(*out);
@@ -1805,7 +1805,7 @@ TEST rerank_misuse_is_refused(void)
         cd.rerank = -1; /* negative: none, as everywhere */
         cd.outliers = -1;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_resolve(NULL, &cd, &got));
-        ASSERT_EQ(0, got.rerank);
+        ASSERT_EQ(-1, got.rerank); /* off, written as -1 so that it resolves to itself */
         ASSERT_EQ(0, got.outliers);
     }
     PASS();
@@ -1835,7 +1835,7 @@ TEST rerank_and_outliers_keep_what_the_oracle_keeps(void)
             pqc_selection sel;
             size_t n_or;
             int kp, r;
-            cd.rerank = mode == 1 || mode == 3 ? 2.0 : mode == 4 ? 1e6 : 0.0;
+            cd.rerank = mode == 1 || mode == 3 ? 2.0 : mode == 4 ? 1e6 : -1.0;
             cd.outliers = mode == 2 || mode == 3 ? 64 : 0;
             cd.split = PQC_SPLIT_ADAPTIVE; /* one window rule for every mode (exact scoring's) */
             ASSERT_EQ(PQC_SUCCESS, open_and_select(&cd, &hk, &c, &sel));

@@ -18,7 +18,7 @@
 #define GOLDEN_FILE "tests/data/golden.pqc"
 #define GOLDEN_V1_FILE "tests/data/golden_v1.pqc"
 #define GOLDEN_V1_DIGEST 0x0e74484995ff4467ull /* program 1 decoding on from it */
-#define N_PROGRAMS 6
+#define N_PROGRAMS 7
 #define PROMPT 320
 #define STEPS 60
 #define SAVE_AT 30 /* the file holds program 1 after this many decode steps */
@@ -28,6 +28,7 @@ static const uint64_t recorded[N_PROGRAMS + 1] = {
     0x6ce03e983b68f2a1ull, 0x90c34824ed50926dull, 0xd5d7b9ac73e3d789ull, /* programs 0-2 */
     0x19c18978a9cb568cull, 0x3db84241a7dfe086ull,                      /* programs 3-4 */
     0x565823669f4ecc87ull,                                             /* program 5 */
+    0x870570302e7b2ed1ull,                                             /* program 6 */
     0x91cab0dc120db7e8ull /* program 1 decoding on from the file */
 };
 
@@ -75,6 +76,7 @@ static pqc_cache_desc program_desc(int p)
     cd.cache_blocks = 4;
     cd.observe = 16;
     cd.metric = PQC_METRIC_QUERY_DIAG; /* the default's weights when 0-4 were recorded */
+    cd.rerank = -1;                    /* the PQ top-k alone, the default when 0-5 were */
     switch (p) {
     case 1: /* fp16 storage, re-ranking, outliers */
         cd.kv_dtype = PQC_F16;
@@ -100,6 +102,12 @@ static pqc_cache_desc program_desc(int p)
         cd.metric = PQC_METRIC_QUERY;
         cd.pq.rope = PQC_ROPE_HALF;
         cd.rebuild_share = 0.05;
+        break;
+    case 6: /* the defaults of selection: 4 sinks, re-ranking 1.5, the query metric */
+        cd.n_sink = 0;
+        cd.rerank = 0;
+        cd.metric = PQC_METRIC_QUERY;
+        cd.pq.rope = PQC_ROPE_HALF;
         break;
     default: break;
     }

@@ -263,8 +263,9 @@ TU_FN pqc_pq_desc tu_pq_desc(int m, int bits, int iters, uint64_t seed)
 }
 
 /* The base cache: `layers` layers of hkv KV heads and hq query heads of d dimensions,
-   up to 65,536 tokens, PQ with m = 2, 6 bits, 4 iterations, seed 1; every other field
-   0 (its default). */
+   up to 65,536 tokens, PQ with m = 2, 6 bits, 4 iterations, seed 1, 32 sinks and the PQ
+   top-k alone (no re-ranking: a test that re-ranks says so); every other field 0 (its
+   default). Tests of the defaults themselves start from a zeroed desc. */
 TU_FN pqc_cache_desc tu_cache_desc(int layers, int hkv, int hq, int d)
 {
     pqc_cache_desc cd;
@@ -278,6 +279,8 @@ TU_FN pqc_cache_desc tu_cache_desc(int layers, int hkv, int hq, int d)
     cd.pq.bits = 6;
     cd.pq.iters = 4;
     cd.pq.seed = 1;
+    cd.n_sink = 32;
+    cd.rerank = -1;
     return cd;
 }
 

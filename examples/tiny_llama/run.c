@@ -76,7 +76,7 @@ static void usage(void)
         "                         prefilled layer by layer, full attention)\n"
         "  -b <float>  budget ratio (default 0.1; pqcache: above 0): B = ratio *\n"
         "              (context - S), so every selection mode attends over S + B tokens\n"
-        "  -S <int>    sink tokens (default 32; 0 = none)\n"
+        "  -S <int>    sink tokens (default 4, the library's; 0 = none)\n"
         "  -c          compare with a full-attention reference during decode:\n"
         "              next-token agreement and mean KL(full || mode)\n"
         "  -j <int>    threads (default 1): the projections' rows, a decode step's\n"

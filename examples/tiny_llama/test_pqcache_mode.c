@@ -556,6 +556,7 @@ static int retrieve_on(const tl_model *m, tl_attn_mode mode, int len, double dep
     make_prompt(len, depth, 7, n, toks, &query, answer);
     pk_vocab = PK_VOCAB;
     tl_default_policy(&pol, mode);
+    pol.n_sink = 32; /* the window and oracle baselines: the 32 sinks these grids were written for */
     pol.ratio = ratio;
     if (mode == TL_ATTN_PQCACHE) {
         tlpq_config cfg;

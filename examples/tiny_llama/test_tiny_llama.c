@@ -138,6 +138,8 @@ TEST budget_splits_into_sinks_window_and_top_k(void)
     tl_policy p;
     int s, w, k;
     tl_default_policy(&p, TL_ATTN_ORACLE);
+    ASSERT_EQ(4, p.n_sink); /* pqcache's default */
+    p.n_sink = 32;
     tl_budget(&p, 32768, &s, &w, &k);
     ASSERT(s == 32 && w == 1637 && k == 1637);   /* 0.1 * 32736 = 3273.6 -> 3274 */
     p.mode = TL_ATTN_WINDOW;

@@ -241,7 +241,7 @@ typedef int (*tl_select_fn)(void *user, const tl_model *m, tl_state *s,
 
 typedef struct {
     tl_attn_mode mode;
-    int n_sink;            /* sink tokens (default 32) */
+    int n_sink;            /* sink tokens (default 4, pqcache's) */
     float ratio;           /* budget as a fraction of the context (default 0.1) */
     tl_select_fn select;   /* TL_ATTN_CALLBACK: the library's selection */
     void *select_user;
@@ -1292,7 +1292,7 @@ void tl_default_policy(tl_policy *p, tl_attn_mode mode)
 {
     memset(p, 0, sizeof *p);
     p->mode = mode;
-    p->n_sink = 32;
+    p->n_sink = 4;
     p->ratio = 0.1f;
 }
 

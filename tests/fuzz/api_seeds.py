@@ -186,8 +186,8 @@ def seeds():
     # a finite fp32 key above the fp16 range into fp16 storage, then the layer's build
     p = P().create(dtype=1, iters=0).prefill(rows=14, k={"specials": [(50, 2, F70000)]}).sel_init().select().sync()
     s["fp16_overflow_key"] = p
-    # max_tokens below the default 32 sinks: a sequence shorter than its sinks, one-token blocks
-    p = P().create(maxt=6, sink=0, bt=3).prefill(rows=4).sel_init().select().fetch().fetch_rows()
+    # max_tokens below 16 sinks: a sequence shorter than its sinks, one-token blocks
+    p = P().create(maxt=6, sink=5, bt=3).prefill(rows=4).sel_init().select().fetch().fetch_rows()
     s["tiny_max_tokens"] = p
     # a huge n_sink
     p = P().create(sink=bad(0)).prefill(rows=14).sel_init().select().fetch().append().select().fetch()

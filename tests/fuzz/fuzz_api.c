@@ -310,7 +310,7 @@ static const int t_rope[] = {PQC_ROPE_NONE, PQC_ROPE_HALF, PQC_ROPE_INTERLEAVED,
 static const int t_rope_bad[] = {3, -1};
 static const int t_subsp[] = {PQC_SUBSPACES_DEFAULT, PQC_SUBSPACES_ROPE_BANDS, PQC_SUBSPACES_CONTIGUOUS};
 static const int t_subsp_bad[] = {3, -1};
-static const double t_rerank[] = {0, 2, 1, 1e6};
+static const double t_rerank[] = {0, 2, 1, 1e6, -1};
 static const double t_rerank_bad[] = {0.5, -1, NAN, INFINITY, 2e6};
 static const int t_outl[] = {0, 4, 1, 64};
 static const int t_outl_bad[] = {-1, INT_MAX, INT_MIN};
@@ -726,12 +726,13 @@ static int fz_sel_valid(const fz_cache *C, int layer, const pqc_selection *sel, 
 static void fz_check_selection(const fz_cache *C, int layer, const pqc_selection *sel, const char *call)
 {
     /* the layer's window (an adaptive build may have lowered the cache's); where the window
-       competes (PQC_SPLIT_COMPETE or PQC_SPLIT_FIXED_COMPETE without exact scoring) its
+       competes (PQC_SPLIT_COMPETE or PQC_SPLIT_FIXED_COMPETE without exact scoring: rerank
+       negative, as 0 is the default re-ranking, and no outliers) its
        tokens but the last 16 may give their places to coded tokens */
     size_t n = pqc_cache_tokens(C->c, layer), w = (size_t)pqc_cache_layer_window(C->c, layer), h, i;
     size_t sink = C->sink < n ? C->sink : n, mid_end = n > C->sink + w ? n - w : C->sink;
     size_t wstart = mid_end > sink ? mid_end : sink, wcount = n > wstart ? n - wstart : 0, wkept = wcount;
-    int competes = (C->d.split == PQC_SPLIT_COMPETE || C->d.split == PQC_SPLIT_FIXED_COMPETE) && !(C->d.rerank > 0) &&
+    int competes = (C->d.split == PQC_SPLIT_COMPETE || C->d.split == PQC_SPLIT_FIXED_COMPETE) && C->d.rerank < 0 &&
                    !(C->d.outliers > 0);
     if (w < 1) fz_fail("%s: window %zu after a prefill", call, w);
     if (w > (size_t)pqc_cache_window(C->c)) fz_fail("%s: layer window %zu above the cache's %d", call, w, pqc_cache_window(C->c));
@@ -916,7 +917,7 @@ static void op_cache_create(fz_state *S)
     C->st = d.kv_dtype;
     C->es = es;
     C->maxt = d.max_tokens ? d.max_tokens : (size_t)1 << 20;
-    C->sink = d.n_sink == 0 ? 32 : d.n_sink < 0 ? 0 : (size_t)d.n_sink;
+    C->sink = d.n_sink == 0 ? PQC_DEFAULT_N_SINK : d.n_sink < 0 ? 0 : (size_t)d.n_sink;
     C->blocks = blocks;
     C->bt = bt;
     C->bits = bits_eff;

@@ -102,7 +102,7 @@ def main():
     ids = prompt_ids(tok, a.model, a.tokens, a.depth, a.key)
     print("%s: a question about %d tokens of the licenses Debian ships, the fact planted at %d%% depth: %s" % (
         MODELS[a.model], len(ids), round(100 * a.depth), (FACT % a.key).strip()))
-    print("budget %g of the tokens beyond 32 sinks for pqcache and window; %d threads; greedy, %d tokens\n" % (
+    print("budget %g of the tokens beyond 4 sinks for pqcache and window; %d threads; greedy, %d tokens\n" % (
         a.budget, a.threads, a.steps))
     print("%-8s %-34s %-6s %12s %11s %10s" % ("mode", "answer", "right", "prefill tok/s", "decode tok/s",
                                               "agrees"))
