@@ -58,14 +58,16 @@ METHODS = {
     "default": (dict(budget_ratio=BUDGET), True),
     "oracle": (dict(budget_ratio=BUDGET, rerank=1e6), True),          # every coded token scored exactly
     "window": (dict(budget_ratio=BUDGET, recent_share=1.0, split="fixed"), True),  # sinks + window
-    "previous": (dict(budget_ratio=BUDGET, m=2, bits=6, recent_share=0.5, split="fixed"), True),
+    # the default before the matrices per band: m 2, 6 bits, half the budget for the window
+    "previous": (dict(budget_ratio=BUDGET, m=2, bits=6, recent_share=0.5, split="fixed", n_sink=32, rerank=-1), True),
+    # the default before 4 sinks and re-ranking: 32 sinks, the PQ top-k alone, the window competing
+    "before": (dict(budget_ratio=BUDGET, n_sink=32, rerank=-1), True),
+    "no-rerank": (dict(budget_ratio=BUDGET, rerank=-1), True),       # 4 sinks, the PQ top-k alone
+    "sinks32": (dict(budget_ratio=BUDGET, n_sink=32), True),         # re-ranking, 32 sinks
     "no-observe": (dict(budget_ratio=BUDGET, observe=-1), False),
     "rerank1.2": (dict(budget_ratio=BUDGET, rerank=1.2), True),
-    "rerank1.5": (dict(budget_ratio=BUDGET, rerank=1.5), True),
+    "rerank2": (dict(budget_ratio=BUDGET, rerank=2.0), True),
     "rerank2.5": (dict(budget_ratio=BUDGET, rerank=2.5), True),
-    "sinks4": (dict(budget_ratio=BUDGET, n_sink=4), True),           # 4 sinks, the rest of the first 32 coded
-    "sinks4-rerank1.5": (dict(budget_ratio=BUDGET, n_sink=4, rerank=1.5), True),
-    "sinks4-rerank2": (dict(budget_ratio=BUDGET, n_sink=4, rerank=2.0), True),
     "even-split": (dict(budget_ratio=BUDGET, split="fixed_compete"), True),
     "l2": (dict(budget_ratio=BUDGET, metric="l2"), True),
     "diag": (dict(budget_ratio=BUDGET, metric="query_diag"), True),  # weights per dim, not a matrix per band
@@ -77,7 +79,6 @@ METHODS = {
     "m8": (dict(budget_ratio=BUDGET, m=8), True),     # 8 bytes (1/64 of a 256-wide fp16 key)
     "m16": (dict(budget_ratio=BUDGET, m=16), True),
     "m8-l2": (dict(budget_ratio=BUDGET, m=8, metric="l2"), True),
-    "m8-rerank1.5": (dict(budget_ratio=BUDGET, m=8, rerank=1.5), True),
     "m8-resid0.15": (dict(budget_ratio=BUDGET, m=8, residual_weight=0.15), True),
     "m8-out64": (dict(budget_ratio=BUDGET, m=8, outliers=64), True),
     "m8-mfloor0.1": (dict(budget_ratio=BUDGET, m=8, metric_floor=0.1), True),
@@ -85,9 +86,9 @@ METHODS = {
     "m8-sum": (dict(budget_ratio=BUDGET, m=8, gqa="sum"), True),
 }
 # the methods each part runs unless --methods says otherwise (full attention always)
-PART_METHODS = {"needles": ["default", "oracle", "window", "previous"],
-                "nll": ["default", "oracle", "window", "previous", "rerank1.5", "rerank2.5"],
-                "mass": ["default", "oracle", "window", "previous", "rerank1.5", "rerank2.5"]}
+PART_METHODS = {"needles": ["default", "oracle", "window", "before"],
+                "nll": ["default", "oracle", "window", "before", "rerank2.5"],
+                "mass": ["default", "oracle", "window", "before", "rerank2.5"]}
 
 HALVES = {
     "tune": dict(haystack="licenses", form="chat", passkeys=[71432, 58209, 90317]),
