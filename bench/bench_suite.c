@@ -33,13 +33,13 @@ typedef struct setting {
     const char *name;
     int m, bits;            /* 0: the default */
     double recent_share;    /* 0: the default */
-    double rerank;
+    double rerank;          /* 0: the default (1.5), -1: off (the PQ top-k alone) */
     int outliers;
     double residual;
     int no_obs;
     int contiguous;         /* 1: contiguous sub-spaces (the default with a RoPE layout: bands) */
-    int split;              /* 0: the default (PQC_SPLIT_COMPETE: the window competes with the coded
-                               tokens), 1: PQC_SPLIT_FIXED (the window as derived), 2:
+    int split;              /* 0: the default (PQC_SPLIT_COMPETE: with rerank off the window
+                               competes with the coded tokens), 1: PQC_SPLIT_FIXED (the window as derived), 2:
                                PQC_SPLIT_ADAPTIVE (the builds may lower each layer's window), 3:
                                PQC_SPLIT_FIXED_COMPETE (every head the same top-k, the window
                                competing) */
@@ -76,7 +76,8 @@ static const setting settings[] = {
     {"default, recent_share 0.3", 0, 0, 0.3, 0, 0, 0, 0, 0, 0},
     {"adaptive split + rerank 2", 0, 0, 0, 2, 0, 0, 0, 0, 2},
     {"adaptive split + rerank 2.5", 0, 0, 0, 2.5, 0, 0, 0, 0, 2},
-    {"fixed split, window competes", 0, 0, 0, 0, 0, 0, 0, 0, 3},
+    {"fixed split, window competes", 0, 0, 0, -1, 0, 0, 0, 0, 3},
+    {"the PQ top-k alone (rerank off)", 0, 0, 0, -1, 0, 0, 0, 0, 0},
 };
 /* sets: 9 in the tuning part, 9 + 2 long ones in the reported part */
 enum { N_SETTINGS = sizeof settings / sizeof settings[0], MAX_SETS = 20 };
