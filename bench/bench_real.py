@@ -9,7 +9,8 @@ For each model (tools/models.py fetches and converts them):
            method, against full attention;
   mass     the attention mass a method's selection keeps of what exact top-k keeps at the
            same per-head counts, on the model's own decode queries and keys, per layer and
-           KV head (the mean, and the worst head).
+           KV head (the mean, and the worst head); and the most any selection of those
+           counts keeps with the method's sinks always in it (its ceiling).
 
 Every axis is split in two: the tuning half (haystack: the licenses Debian ships in
 /usr/share/common-licenses; the chat form of the needle and question; passkeys A) and
@@ -385,7 +386,9 @@ def mass(M, half, methods, lengths, out, quick, steps=16):
             c = M.filled(cap, s, obs)
             keys = DecodeKeys(M, cap)
             ratio = np.zeros((len(M.full), hkv))
+            ceiling = np.zeros((len(M.full), hkv))
             n = 0
+            n_sink = max(c.caches[0].config()["n_sink"], 0)
 
             def rec(kind, layer, b, q, k, v, sel):
                 keys.add(layer, k)
@@ -395,20 +398,26 @@ def mass(M, half, methods, lengths, out, quick, steps=16):
                     kept = pm[chosen].sum()
                     best = np.sort(pm)[::-1][:len(chosen)].sum()
                     ratio[layer, hd] += kept / best
+                    # the most any selection of this count keeps with the sinks always in it
+                    sk = min(n_sink, len(pm), len(chosen))
+                    rest = np.sort(pm[sk:])[::-1][:len(chosen) - sk].sum()
+                    ceiling[layer, hd] += (pm[:sk].sum() + rest) / best
             with pqcache_hf._hooks.recording(rec):
                 for t in ids[length - steps:length]:
                     M.step(c, t)
                     n += 1
             c.close()
             ratio /= n
+            ceiling /= n
             row = dict(part="mass", half=half, length=length, method=name, mean=float(ratio.mean()),
-                       worst=float(ratio.min()),
+                       worst=float(ratio.min()), sink_ceiling=float(ceiling.mean()),
                        worst_at=[M.full[int(ratio.argmin()) // hkv], int(ratio.argmin()) % hkv])   # model layer, head
             rows.append(row)
             out.write(json.dumps(row) + "\n")
             out.flush()
-            print("  %s mass %5d tokens %-10s mean %.4f worst %.4f (layer %d head %d)" % (
-                half, length, name, row["mean"], row["worst"], row["worst_at"][0], row["worst_at"][1]), flush=True)
+            print("  %s mass %5d tokens %-10s mean %.4f worst %.4f (layer %d head %d); with its %d sinks at most %.4f" % (
+                half, length, name, row["mean"], row["worst"], row["worst_at"][0], row["worst_at"][1], n_sink,
+                row["sink_ceiling"]), flush=True)
     return rows
 
 
@@ -431,7 +440,8 @@ def summary(rows, methods):
                     m, got, len(scored), np.mean(rec) if rec else 1.0, min(rec) if rec else 1.0,
                     ("   missed: " + ", ".join("%d@%.1f" % x for x in missed[:8])) if missed and m != "window" else ""))
         for part, fmt in (("nll", "  %-11s %5d tokens: NLL %+.4f nats vs full, top-1 agreement %.3f"),
-                          ("mass", "  %-11s %5d tokens: mass kept %.4f of exact top-k's (worst head %.4f)")):
+                          ("mass", "  %-11s %5d tokens: mass kept %.4f of exact top-k's (worst head %.4f; "
+                                   "at most %.4f with its sinks)")):
             pr = [r for r in rows if r["part"] == part and r["half"] == half]
             if pr:
                 lines.append("%s, %s half:" % (part, half))
@@ -439,7 +449,7 @@ def summary(rows, methods):
                     if part == "nll":
                         lines.append(fmt % (r["method"], r["length"], r["nll_vs_full"], r["top1_agree"]))
                     else:
-                        lines.append(fmt % (r["method"], r["length"], r["mean"], r["worst"]))
+                        lines.append(fmt % (r["method"], r["length"], r["mean"], r["worst"], r["sink_ceiling"]))
     return "\n".join(lines)
 
 
