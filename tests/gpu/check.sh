@@ -15,7 +15,9 @@
 #   3. test_pqcache_mode --cuda: a whole tiny_llama decode with the CUDA device tier
 #      against the CPU tier (same next tokens, logits);
 #   4. bench_cache --backend cuda: select and fetch through the library at 32K and 128K,
-#      as separate calls (a round trip per layer) and as the device step (none).
+#      as separate calls (a round trip per layer) and as the device step (none), for the
+#      default (re-ranking the PQ top 1.5k on the device: the candidates' key rows cross
+#      the bus) and for the PQ top-k alone (--rerank -1), bytes up per step beside each.
 # The CUDA driver, NVRTC and cuBLASLt are opened at run time; nothing links against them.
 #
 # usage: tests/gpu/check.sh [--quick] [--driver PATH]
@@ -109,7 +111,7 @@ failed=""
 run gpu_check ./build/gpu_check --cache build/kernel-cache $QUICK $EXTRA
 run test_cuda_tier ./build/test_cuda_tier
 run tiny_llama_cuda ./build/test_pqcache_mode --cuda
-run bench_cache ./build/bench_cache --backend cuda --select-only --threads 8 --sizes $SIZES
+run bench_cache ./build/bench_cache --backend cuda --select-only --threads 8 --sizes $SIZES --rerank -1
 if [ -n "$failed" ]; then
     echo "== GPU checks FAILED:$failed"
     exit 1
