@@ -621,8 +621,8 @@ typedef enum pqc_split {
                                attends locally keeps its window and one that does not
                                gives it to top-k (the CUDA tier does this on the
                                device). With exact scoring (rerank, on by default, or
-                               outliers), whose candidates are scored exactly already,
-                               the window does not compete: as ADAPTIVE (default)         */
+                               outliers) the rivals join each head's candidates, which
+                               are scored with the same exact scores (default)           */
     PQC_SPLIT_FIXED = 1,    /* every head takes the same top-k, every layer the window    */
     PQC_SPLIT_ADAPTIVE = 2, /* the heads share the top-k as under COMPETE; the window does
                                not compete, but with a derived window (window 0) each
@@ -634,8 +634,8 @@ typedef enum pqc_split {
                                selection depends on its own keys and queries alone, so
                                that caches holding slices of the heads (tensor
                                parallelism: first_kv_head) select what one cache over
-                               every head does, with the competing window. With exact
-                               scoring: as FIXED                                         */
+                               every head does, with the competing window (with exact
+                               scoring too)                                              */
 } pqc_split;
 
 typedef struct pqc_cache_desc {
@@ -647,11 +647,10 @@ typedef struct pqc_cache_desc {
     size_t max_tokens;       /* sequence capacity; 0 = 1M. Longer prompts fail cleanly    */
     int n_sink;              /* sink tokens always attended; 0 = 4; -1 = none              */
     int window;              /* recent window in tokens, every layer's; 0 = recent_share of
-                                the budget at the first prefill (under PQC_SPLIT_COMPETE
-                                with rerank off, the window's tokens but its last 16
+                                the budget at the first prefill (under PQC_SPLIT_COMPETE,
+                                the default, the window's tokens but its last 16
                                 compete for their places every step), which under
-                                PQC_SPLIT_ADAPTIVE (and COMPETE with exact scoring, the
-                                default) is the most a layer keeps: a build
+                                PQC_SPLIT_ADAPTIVE is the most a layer keeps: a build
                                 with observed queries weighs that window and its halves
                                 (down to 16 tokens) by the attention they pay, the window
                                 plus half of what the budget's other tokens would hold
@@ -681,9 +680,12 @@ typedef struct pqc_cache_desc {
                                 Negative, NaN, Inf or above 1e6 is refused. Saved in
                                 cache files: pqc_cache_load with 0 here takes the file's */
     double rerank;           /* re-ranking: each head's top ceil(rerank x k) coded tokens by
-                                PQ score (plus its outlier list) are scored again with the
-                                exact stored keys in host memory (pqc_rerank: softmax-sum
-                                over those candidates) and the best k kept. 0 =
+                                PQ score (plus its outlier list, and the window's rivals
+                                where the window competes) are scored again with the
+                                exact stored keys in host memory (softmax-sum, each query
+                                head's softmax over those candidates, the sinks and the
+                                window: as the attention over what the head attends
+                                weighs them) and the best kept. 0 =
                                 PQC_DEFAULT_RERANK (1.5); negative = off (the PQ top-k
                                 alone); else at least 1                                  */
     int outliers;            /* outlier list: per head, the coded tokens its codebook serves
@@ -926,8 +928,8 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    observed attention, outlier lists and residual bytes, and the window, to a temporary
    file renamed into place. A save thus changes the cache as a sync at that point does,
    and nothing more: a cache not saved installs those builds at its next call on each
-   layer instead, and where one lowered a layer's window (PQC_SPLIT_ADAPTIVE, or exact
-   scoring) that call still selects with the former window, so its selections can differ
+   layer instead, and where one lowered a layer's window (PQC_SPLIT_ADAPTIVE) that call
+   still selects with the former window, so its selections can differ
    from the saved cache's at that step.
    pqc_cache_load creates a cache from desc and fills it from the file: it selects exactly
    what the saved cache would have selected. The statistics and the block cache start
@@ -7568,12 +7570,13 @@ PQCDEF pqc_result pqc_exact_scores(pqc_runtime *rt, const pqc_matrix *keys, cons
    combined [n] | positions [k] | selection scratch | one converted row [d] | the heads'
    weights [g]. The scores are those pqc_exact_search makes of the same rows (the same
    dots and, for SOFTMAX_SUM, the same softmax, pqc__softmax_rows, over the candidates):
-   re-ranking every row is the exact search bit for bit. The candidates' rows are
+   re-ranking every row is the exact search bit for bit. The last nf candidates only join
+   the softmax (a cache's sinks and window): scored, never chosen. The candidates' rows are
    scattered over the keys, so their reads are memory-bound: pqc__gatherdots asks for each
    row early and takes every head's dot of a row in one go. */
 static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, const float *queries, int g, pqc_gqa gqa,
                                    float scale, const uint32_t *cand, size_t n, size_t k, pqc_scratch *scratch,
-                                   uint32_t *idx, float *scores, int check)
+                                   uint32_t *idx, float *scores, int check, size_t nf)
 {
     size_t d = keys->cols, i, oc, op, os, orow, bytes, bad;
     float *hs, *comb, *row;
@@ -7609,7 +7612,7 @@ static pqc_result pqc__rerank_impl(pqc_runtime *rt, const pqc_matrix *keys, cons
     } else {
         pqc__softmax_rows(simd, hs, n, g, NULL, scale, row + d, comb);
     }
-    pqc__select(simd, comb, n, k, mem + os, pos, NULL);
+    pqc__select(simd, comb, n - nf, k, mem + os, pos, NULL);
     /* pos is ascending, so pos[i] >= i: idx may overwrite cand in place */
     for (i = 0; i < k; i++) {
         if (scores) scores[i] = comb[pos[i]];
@@ -7641,7 +7644,7 @@ PQCDEF pqc_result pqc_rerank(pqc_runtime *rt, const pqc_matrix *keys, const floa
     if (!pqc__finite_row(queries, (size_t)g * keys->cols))
         return pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_rerank: query holds NaN, Inf or a huge value");
     return pqc__rerank_impl(rt, keys, queries, g, gqa, pqc__default_scale((int)keys->cols), cand, n, k, scratch, idx,
-                            scores, 1);
+                            scores, 1, 0);
 }
 
 PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_codes *codes, const float *queries, int g,
@@ -7674,7 +7677,7 @@ PQCDEF pqc_result pqc_pq_search(pqc_runtime *rt, const pqc_pq *pq, const pqc_cod
         if (!pqc__finite_row(queries, (size_t)g * (size_t)pq->dim))
             r = pqc__fail(rt, PQC_ERROR_NON_FINITE, "pqc_pq_search: query holds NaN, Inf or a huge value");
         else r = pqc__rerank_impl(rt, desc->keys, queries, g, gqa, pqc__search_scale(desc, pq->dim), cand, kk, desc->k,
-                                  scratch, idx, scores, 1);
+                                  scratch, idx, scores, 1, 0);
     }
     pqc__free(pqc__rt_alloc(rt), cand);
     return r;
@@ -8319,10 +8322,8 @@ static void pqc__plan_init(pqc_cache *c)
     sp->rerank = c->d.rerank;
     sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
     sp->adaptive = c->d.split == PQC_SPLIT_COMPETE || c->d.split == PQC_SPLIT_ADAPTIVE;
-    /* with exact scoring the candidates are scored exactly already: the window does not
-       compete, and the builds lower it as under ADAPTIVE (measured the better of the two;
-       FIXED_COMPETE keeps it, as FIXED) */
-    sp->compete = (c->d.split == PQC_SPLIT_COMPETE || c->d.split == PQC_SPLIT_FIXED_COMPETE) && !sp->exact;
+    /* with exact scoring the window's rivals join each head's candidates (pqc__select_exact) */
+    sp->compete = c->d.split == PQC_SPLIT_COMPETE || c->d.split == PQC_SPLIT_FIXED_COMPETE;
     sp->adaptive_window = sp->adaptive && !sp->compete && c->d.window == 0;
     sp->device_rows = (caps & PQC__CAN_DEVICE_ROWS) != 0;
     sp->map_stores = !sp->device_rows;
@@ -9981,28 +9982,36 @@ static pqc_result pqc__rival_dots(const pqc__sel_job *j, size_t hi, size_t sink,
 }
 
 /* A head's exact selection: its PQ candidates (the device's top-ctake trimmed by score,
-   or the host's top cands, or every coded token) merged with its outlier list, scored with
-   the stored keys, the best takes kept (coded indices, ascending) into out. */
-static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
+   or the host's top cands, or every coded token) merged with its outlier list, then the
+   window's nx rivals [from, from + nx) (PQC_SPLIT_COMPETE), scored with the stored keys;
+   the sinks and the window's other tokens [from + nx, n) join each query head's softmax
+   (pqc__rerank_impl's nf: scored, never chosen), so that a head's tokens weigh as the
+   attention over what it attends weighs them. The best takes + nx are kept (coded indices
+   ascending, rival r as coded + r) into out. The scored rows, in this order, are
+   candidates (token n_sink + c), rivals, sinks, the window's last tokens: the device's
+   order (pqc_rerank_append). */
+static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, size_t from, size_t nx, uint32_t *out)
 {
     pqc_cache *c = j->c;
     pqc__layer *L = &c->layers[j->layer];
     pqc__head *H = &L->heads[hi];
-    size_t nc = j->cands[hi], no = H->n_outliers, coded = L->n_coded, t, a, b, nm, ns = (size_t)c->d.n_sink;
-    size_t take = j->takes[hi];
+    size_t n = L->n_tokens, nc = j->cands[hi], no = H->n_outliers, coded = L->n_coded, t, a, b, nm, nsel;
+    size_t ns = (size_t)c->d.n_sink, sink = PQC__MIN(ns, n), nxf = n - from + sink, take = j->takes[hi] + nx;
+    size_t all = nc + no + nxf, oi, ob;
     uint32_t *cb, *mg;
     void *tmp;
-    pqc_matrix keys = pqc__keys_view(c, H, ns, ns + coded);
+    pqc_matrix keys = pqc__keys_view(c, H, 0, n);
     pqc_result r = PQC_SUCCESS;
-    /* a fork's keys in two parts: the candidates' rows are scored from copies, which the
-       head's scratch holds after the indices (no allocation a step) */
-    int split = pqc__keys_straddle(c, ns, ns + coded);
-    size_t oi = PQC__ALIGN_UP(2 * (nc + no) * sizeof(uint32_t)), ob = PQC__ALIGN_UP((nc + no) * sizeof(uint32_t));
-    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, oi + (split ? ob + (nc + no) * c->row : 0), &tmp);
-    if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", nc + no);
-    mg = cb + nc + no;
-    r = pqc__head_pq_top(j, hi, NULL, 0, 0, &nc, cb);
-    if (r == PQC_SUCCESS) { /* merge with the outlier list (both ascending) */
+    /* a fork's keys in two parts: the rows are scored from copies, which the head's scratch
+       holds after the indices (no allocation a step) */
+    int split = pqc__keys_straddle(c, 0, n);
+    oi = PQC__ALIGN_UP((nc + all) * sizeof(uint32_t));
+    ob = PQC__ALIGN_UP(all * sizeof(uint32_t));
+    cb = (uint32_t *)pqc__scratch_get(&H->cscratch, &c->alloc, oi + (split ? ob + all * c->row : 0), &tmp);
+    if (!cb) return pqc__fail(c->rt, PQC_ERROR_OUT_OF_MEMORY, "select: %zu candidates", all);
+    mg = cb + nc;
+    if (nc > 0) r = pqc__head_pq_top(j, hi, NULL, 0, 0, &nc, cb); /* (none: the adaptive split gave it no top-k) */
+    if (r == PQC_SUCCESS) { /* merged with the outlier list (both ascending), as tokens */
         a = b = nm = 0;
         while (a < nc || b < no) {
             uint32_t x = a < nc ? cb[a] : 0xffffffffu, y = b < no ? H->outliers[b] : 0xffffffffu;
@@ -10010,28 +10019,34 @@ static pqc_result pqc__select_exact(pqc__sel_job *j, size_t hi, uint32_t *out)
                 b++;
                 continue;
             }
-            mg[nm++] = x <= y ? x : y;
+            mg[nm++] = (uint32_t)(ns + (x <= y ? x : y));
             a += x <= y;
             b += y <= x;
         }
+        for (t = from; t < from + nx; t++) mg[nm++] = (uint32_t)t; /* the rivals */
+        nsel = nm;
+        for (t = 0; t < sink; t++) mg[nm++] = (uint32_t)t;           /* the softmax's other tokens */
+        for (t = from + nx; t < n; t++) mg[nm++] = (uint32_t)t;
         if (split) {
-            /* score copies of the candidates' rows (after their indices: a row of 2-byte
-               elements may be 2 bytes off a uint32_t) */
+            /* score copies of the rows (after their indices: a row of 2-byte elements may
+               be 2 bytes off a uint32_t) */
             unsigned char *kb = (unsigned char *)cb + oi;
             uint32_t *id = (uint32_t *)(void *)kb;
             for (t = 0; t < nm; t++) {
-                memcpy(kb + ob + t * c->row, pqc__krow(c, H, (size_t)c->d.n_sink + mg[t]), c->row);
+                memcpy(kb + ob + t * c->row, pqc__krow(c, H, mg[t]), c->row);
                 id[t] = (uint32_t)t;
             }
             keys.data = kb + ob;
             keys.rows = nm;
             r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, c->sp.scale, id, nm,
-                                 take, &H->scratch, out, NULL, 0);
+                                 take, &H->scratch, out, NULL, 0, nm - nsel);
             for (t = 0; r == PQC_SUCCESS && t < take; t++) out[t] = mg[out[t]];
         } else {
             r = pqc__rerank_impl(c->rt, &keys, j->q + hi * c->g * c->d.head_dim, c->g, c->sp.gqa, c->sp.scale, mg, nm,
-                                 take, &H->scratch, out, NULL, 0);
+                                 take, &H->scratch, out, NULL, 0, nm - nsel);
         }
+        for (t = 0; r == PQC_SUCCESS && t < take; t++) /* coded indices, the rivals after them */
+            out[t] = out[t] >= from ? (uint32_t)(coded + (out[t] - from)) : out[t] - (uint32_t)ns;
     }
     pqc__free(&c->alloc, tmp);
     return r;
@@ -10060,8 +10075,8 @@ static void pqc__select_head(void *ctx, size_t hi)
            tokens and window only) */
         float *xd = NULL;
         k = j->takes[hi] + nx;
-        if (j->exact) { /* (never with rivals) */
-            r = pqc__select_exact(j, hi, out + o);
+        if (j->exact) {
+            r = pqc__select_exact(j, hi, from, nx, out + o);
         } else {
             if (nx > 0 && !j->gpu_idx) /* (the tier's top-k holds the rivals already) */
                 r = pqc__rival_dots(j, hi, sink, from, nx, n, &xd);
@@ -10318,7 +10333,8 @@ static pqc_result pqc__select_impl(pqc_cache *c, int layer, const float *q, pqc_
     j.out_cap = c->sbuf_cap;
     j.gpu_idx = NULL;
     j.gpu_sc = NULL;
-    if (p.tier_search) j.ctake += pqc__rivals_of(c, L, n); /* the tier's top-k holds the window's rivals too */
+    /* the tier's top-k holds the window's rivals too, unless exact scoring adds them */
+    if (p.tier_search && !p.exact) j.ctake += pqc__rivals_of(c, L, n);
     if (p.tier_search && (r = c->tier->search(c, layer, q, j.ctake, p.trim, &j.gpu_idx, &j.gpu_sc)) != PQC_SUCCESS) {
         pqc__codes_truncate(c, layer, p.coded0);
         return r;
@@ -13087,12 +13103,15 @@ static const char pqc__kernel_source[] =
 " *          its candidates), Z = its 16 interleaved lanes (lane i % 16, each in order from\n"
 " *          0) added in order from 0, w = 1 / Z into wbuf [g] per KV head (+ kv*g), and\n"
 " *          comb[i] = fmaf(e_h(i), w_h, .) over the heads in order from 0\n"
-" *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get\n"
-" *          -infinity, below every score (the dots of finite rows are finite), so that a\n"
-" *          top-k of at most n_cand[kv] never takes them. */\n"
+" *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv] - nf..n-1\n"
+" *          get -infinity, below every score (the dots of finite rows are finite), so that\n"
+" *          a top-k of at most n_cand[kv] - nf never takes them\n"
+" *   nf     the last nf candidates of each head only join the softmax (a cache's sinks and\n"
+" *          window tokens, pqc_rerank_append): scored, never chosen */\n"
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, const int *__restrict__ n_cand,\n"
-"                   int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride)\n"
+"                   int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride,\n"
+"                   int nf)\n"
 "{\n"
 "    __shared__ float ch[4][PQC_RR_CHUNK];\n"
 "    __shared__ float red[PQC_BLOCK];\n"
@@ -13143,7 +13162,7 @@ static const char pqc__kernel_source[] =
 "    }\n"
 "    for (int i = tid; i < n; i += PQC_BLOCK) {\n"
 "        float a = 0.0f;\n"
-"        if (i >= nc) {\n"
+"        if (i >= nc - nf) {\n"
 "            a = -__int_as_float(0x7f800000);\n"
 "        } else if (mode == PQC_SCAN_SOFTMAX_SUM) {\n"
 "            for (int h = 0; h < g; ++h) a = fmaf(dk[(pqc_i64)h * dots_row_stride + i], w[h], a);\n"
@@ -13211,16 +13230,44 @@ static const char pqc__kernel_source[] =
 "\n"
 "/* pqc_take_at: out[i] = src[pos[i]] for i < k (k per head: k_head[kv], at most n),\n"
 " *   per KV head (+ kv*src_head_stride, pos_head_stride, out_head_stride): the candidates\n"
-" *   a top-k of their scores kept (pos ascending, so out stays ascending).\n"
+" *   a top-k of their scores kept (pos ascending, so out stays ascending). Entries at or\n"
+" *   past `coded` are the window's rivals (pqc_rerank_append: rival r as rbase + r) and\n"
+" *   become coded + r, as pqc_select_admit takes them.\n"
 " *   grid (ceil(n / 256), n_kv), block 256. */\n"
 "extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
 "pqc_take_at(const int *__restrict__ src, pqc_i64 src_head_stride, const int *__restrict__ pos,\n"
 "            pqc_i64 pos_head_stride, const int *__restrict__ k_head, int n, int *__restrict__ out,\n"
-"            pqc_i64 out_head_stride)\n"
+"            pqc_i64 out_head_stride, int coded, int rbase)\n"
 "{\n"
 "    pqc_i64 kv = blockIdx.y;\n"
 "    int i = blockIdx.x * PQC_BLOCK + threadIdx.x, k = pqc_head_k(n, k_head, kv);\n"
-"    if (i < k) out[kv * out_head_stride + i] = src[kv * src_head_stride + pos[kv * pos_head_stride + i]];\n"
+"    if (i < k) {\n"
+"        int v = src[kv * src_head_stride + pos[kv * pos_head_stride + i]];\n"
+"        out[kv * out_head_stride + i] = v >= coded \? coded + (v - rbase) : v;\n"
+"    }\n"
+"}\n"
+"\n"
+"/* pqc_rerank_append: each head's candidates (cand + kv*cand_head_stride, n_cand[kv] of\n"
+" *   them, coded token indices) copied to out (+ kv*out_head_stride), then the window's nx\n"
+" *   rivals [from, from + nx), the sinks [0, sink) and the window's last tokens\n"
+" *   [from + nx, n), as pqc_rival_cands lists them (token n_sink + c for entry c): the rows\n"
+" *   a cache's exact scoring scores, in the CPU library's order; n_out[kv] gets\n"
+" *   n_cand[kv] + n - from + sink.\n"
+" *   grid (ceil(most / 256), n_kv), block 256, most: the largest n_out. */\n"
+"extern \"C\" __global__ void __launch_bounds__(PQC_BLOCK)\n"
+"pqc_rerank_append(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand, int n_sink,\n"
+"                  int sink, int from, int nx, int n, int *__restrict__ out, pqc_i64 out_head_stride,\n"
+"                  int *__restrict__ n_out)\n"
+"{\n"
+"    pqc_i64 kv = blockIdx.y;\n"
+"    int i = blockIdx.x * PQC_BLOCK + threadIdx.x, nc = n_cand[kv], nxf = n - from + sink;\n"
+"    if (i == 0) n_out[kv] = nc + nxf;\n"
+"    if (i < nc) {\n"
+"        out[kv * out_head_stride + i] = cand[kv * cand_head_stride + i];\n"
+"    } else if (i < nc + nxf) {\n"
+"        int j = i - nc, t = j < nx \? from + j : j < nx + sink \? j - nx : from + (j - sink);\n"
+"        out[kv * out_head_stride + i] = t - n_sink;\n"
+"    }\n"
 "}\n"
 "\n"
 "/* ------------------------------------------------------------------------------------ */\n"
@@ -14873,14 +14920,14 @@ enum {
     PQC__K_LUT, PQC__K_STATS, PQC__K_FINAL, PQC__K_SCAN, PQC__K_PASS, PQC__K_COUNT, PQC__K_COMPACT,
     PQC__K_GATHER, PQC__K_FILL, PQC__K_ASSIGN, PQC__K_KM_ASSIGN, PQC__K_KM_UPDATE, PQC__K_SELECT_ADMIT,
     PQC__K_KM_DOTS, PQC__K_NORMS, PQC__K_LUT_SUM, PQC__K_RR_DOTS, PQC__K_RR_COMBINE, PQC__K_TAKE_AT,
-    PQC__K_RR_MERGE, PQC__K_RIVAL_CANDS, PQC__K_RIVAL_STATS, PQC__K_RIVAL_SCORES, PQC__K_N
+    PQC__K_RR_MERGE, PQC__K_RIVAL_CANDS, PQC__K_RIVAL_STATS, PQC__K_RIVAL_SCORES, PQC__K_RR_APPEND, PQC__K_N
 };
 static const char *const pqc__k_names[PQC__K_N] = {
     "pqc_lut_build", "pqc_scan_stats", "pqc_softmax_finalize", "pqc_scan", "pqc_topk_pass",
     "pqc_topk_count", "pqc_topk_compact", "pqc_gather_kv", "pqc_cache_fill", "pqc_assign_codes",
     "pqc_kmeans_assign", "pqc_kmeans_update", "pqc_select_admit", "pqc_kmeans_assign_dots",
     "pqc_centroid_norms", "pqc_lut_sum", "pqc_rerank_dots", "pqc_rerank_combine", "pqc_take_at",
-    "pqc_rerank_merge", "pqc_rival_cands", "pqc_rival_stats", "pqc_rival_scores"
+    "pqc_rerank_merge", "pqc_rival_cands", "pqc_rival_stats", "pqc_rival_scores", "pqc_rerank_append"
 };
 
 #define PQC__CU_RADIX_BINS 2048
@@ -15386,7 +15433,7 @@ struct pqc__gpu_tier {
     /* exact scoring on the device (pqc__gpu_rerank): [n_kv][g][rr_cap] dots, [n_kv][g]
        weights, [n_kv][rr_cap] combined scores, kept positions and their tokens, the
        candidates merged with the outlier lists and [n_kv] their counts */
-    pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids, rr_cand, rr_nm;
+    pqc__dptr rr_dots, rr_w, rr_comb, rr_pos, rr_ids, rr_cand, rr_nm, rr_ext, rr_next;
     size_t rr_cap;
     /* the window's rivals (PQC_SPLIT_COMPETE, pqc__gpu_search): [rv_cap] candidates,
        [n_kv] their count, [n_kv][g][rv_cap] dots */
@@ -15513,6 +15560,8 @@ static void pqc__gpu_free_all(pqc_cache *c, struct pqc__gpu_tier *u)
     pqc__gpu_dfree(u, &u->rr_ids);
     pqc__gpu_dfree(u, &u->rr_cand);
     pqc__gpu_dfree(u, &u->rr_nm);
+    pqc__gpu_dfree(u, &u->rr_ext);
+    pqc__gpu_dfree(u, &u->rr_next);
     pqc__gpu_dfree(u, &u->rv_cand);
     pqc__gpu_dfree(u, &u->rv_n);
     pqc__gpu_dfree(u, &u->rv_dots);
@@ -16205,7 +16254,7 @@ static pqc_result pqc__gpu_select(pqc_cache *c, int l, const float *q, size_t ta
     pqc__gpu_enter(c);
     /* the window's rivals, their rows read from the device's sink and window blocks (the
        block cache's tables may be on the host now) */
-    pqc__gpu_rivals_at(c, &c->layers[l], c->layers[l].n_tokens, 1, &rv);
+    pqc__gpu_rivals_at(c, &c->layers[l], c->layers[l].n_tokens, !c->sp.exact, &rv);
     /* tables a batch built for these queries and codebooks need neither the queries nor
        the table kernel (the stream already waits for them) */
     u->lut_pre = u->batch_ok && u->batch_layer == l && u->batch_gen == c->layers[l].dgen + 1 && u->cent_gen[l] == u->batch_gen &&
@@ -16930,25 +16979,28 @@ static pqc_result pqc__gpu_step_init(pqc_cache *c)
 
 /* Exact scoring of a device step (pqc__gpu_step with cands): each head's top cands[h]
    coded tokens by PQ score (u->topk, [head][ctake]), merged with its outlier list where
-   the cache keeps one (pqc_rerank_merge), scored again with their key rows and the
-   combination pqc_rerank makes (pqc_rerank_dots, pqc_rerank_combine), the best takes[h]
-   of them kept (positions, then their tokens: *top, [head][*top_hs]). dtakes holds the
+   the cache keeps one (pqc_rerank_merge), then the window's rivals and the tokens that
+   join the softmax only (the sinks and the window's last tokens: rv, pqc_rerank_append),
+   scored again with their key rows and the combination pqc__select_exact makes
+   (pqc_rerank_dots, pqc_rerank_combine), the best takes[h] + nx of them kept (positions,
+   then their tokens, rival r as coded + r: *top, [head][*top_hs]). dtakes holds the
    tops-k, the candidate counts and the outlier lists (pqc__gpu_step). A row the device
    holds (a sink or window block, or a block the cache holds whole: slot_of and filled of
    the bookkeeping, mid_end this step's) is read there, as the gather will read it; the
    others cross the bus and count in the layer's bytes host -> device. */
 static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take, pqc__dptr slot_of, pqc__dptr filled,
-                                  size_t mid_end, pqc__dptr *top, int64_t *top_hs)
+                                  const pqc__gpu_rivals *rv, pqc__dptr *top, int64_t *top_hs)
 {
     struct pqc__gpu_tier *u = c->cu;
     size_t nkv = (size_t)u->n_kv, g = (size_t)u->g, ocap = pqc__gpu_outlier_cap(c), coded = c->layers[l].n_coded;
-    size_t nn = ocap ? PQC__MIN(ctake + ocap, coded) : ctake; /* the most candidates a head scores */
+    /* the most rows a head scores: its candidates, then the rivals and the softmax's others */
+    size_t nn = (ocap ? PQC__MIN(ctake + ocap, coded) : ctake) + rv->nxf;
     pqc__dptr cand = u->topk, cands = u->dtakes + nkv * 4;
     int64_t cand_hs = (int64_t)ctake, q_hs = (int64_t)g * u->d, hs = (int64_t)u->hstride, phs = (int64_t)u->phstride,
             split = (int64_t)c->pn, ld = u->d, dots_hs, row_hs, comb_hs, pos_hs = (int64_t)take;
     int n = (int)nn, n_sink = c->d.n_sink, gi = u->g, dt = (int)c->d.kv_dtype, d = u->d;
-    int mode = c->sp.gqa == PQC_GQA_SUM ? 0 : 1, bt = (int)u->block_tokens, me = (int)mid_end, nsb = u->sink_blocks,
-        wb = u->window_blocks, cbk = c->d.cache_blocks;
+    int mode = c->sp.gqa == PQC_GQA_SUM ? 0 : 1, bt = (int)u->block_tokens, me = (int)rv->mid_end, nsb = u->sink_blocks,
+        wb = u->window_blocks, cbk = c->d.cache_blocks, nf = (int)(rv->nxf - rv->nx);
     int64_t blk_hs = (int64_t)u->adm_nbc[l], slot_hs = (int64_t)pqc__gpu_adm_slots(c),
             pool_hs = (int64_t)u->n_slots * (int64_t)u->block_tokens * u->d;
     pqc__dptr stat = u->dstat + (size_t)l * nkv * 24;
@@ -16965,7 +17017,9 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
             (r = pqc__gpu_dalloc(c, &u->rr_pos, nkv * want * 4)) != PQC_SUCCESS ||
             (r = pqc__gpu_dalloc(c, &u->rr_ids, nkv * want * 4)) != PQC_SUCCESS ||
             (r = pqc__gpu_dalloc(c, &u->rr_cand, ocap ? nkv * want * 4 : 0)) != PQC_SUCCESS ||
-            (r = pqc__gpu_dalloc(c, &u->rr_nm, nkv * 4)) != PQC_SUCCESS)
+            (r = pqc__gpu_dalloc(c, &u->rr_nm, nkv * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_ext, nkv * want * 4)) != PQC_SUCCESS ||
+            (r = pqc__gpu_dalloc(c, &u->rr_next, nkv * 4)) != PQC_SUCCESS)
             return r;
         u->rr_cap = want;
     }
@@ -16984,20 +17038,30 @@ static pqc_result pqc__gpu_rerank(pqc_cache *c, int l, size_t ctake, size_t take
         cands = u->rr_nm;
     }
     {
+        int sk = (int)rv->sink, from = (int)rv->from, nx = (int)rv->nx, ni = (int)rv->n;
+        void *p[] = { &cand, &cand_hs, &cands, &n_sink, &sk, &from, &nx, &ni, &u->rr_ext, &row_hs, &u->rr_next };
+        if ((r = pqc__gpu_launch(c, PQC__K_RR_APPEND, pqc__cdiv(nn, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS)
+            return r;
+        cand = u->rr_ext;
+        cand_hs = row_hs;
+        cands = u->rr_next;
+    }
+    {
         void *p[] = { &cand, &cand_hs, &cands, &n, &n_sink, &u->q, &q_hs, &gi, &u->hk[l], &hs, &u->pk[l], &phs,
                       &split, &ld, &dt, &d, &bt, &me, &nsb, &wb, &cbk, &slot_of, &blk_hs, &filled, &slot_hs,
                       &u->pool_k[l], &pool_hs, &stat, &rb, &u->rr_dots, &dots_hs, &row_hs };
         if ((r = pqc__gpu_launch(c, PQC__K_RR_DOTS, pqc__cdiv(nn, 8), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     {
-        void *p[] = { &u->rr_dots, &dots_hs, &row_hs, &cands, &n, &gi, &mode, &scale, &u->rr_w, &u->rr_comb, &comb_hs };
+        void *p[] = { &u->rr_dots, &dots_hs, &row_hs, &cands, &n, &gi, &mode, &scale, &u->rr_w, &u->rr_comb, &comb_hs,
+                      &nf };
         if ((r = pqc__gpu_launch(c, PQC__K_RR_COMBINE, 1, (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     if ((r = pqc__gpu_topk(c, u->rr_comb, comb_hs, nn, take, u->dtakes, u->rr_pos, pos_hs, 0)) != PQC_SUCCESS)
         return r;
     {
-        int k = (int)take;
-        void *p[] = { &cand, &cand_hs, &u->rr_pos, &pos_hs, &u->dtakes, &k, &u->rr_ids, &pos_hs };
+        int k = (int)take, ci = (int)coded, rbase = (int)rv->from - n_sink;
+        void *p[] = { &cand, &cand_hs, &u->rr_pos, &pos_hs, &u->dtakes, &k, &u->rr_ids, &pos_hs, &ci, &rbase };
         if ((r = pqc__gpu_launch(c, PQC__K_TAKE_AT, pqc__cdiv(take, 256), (unsigned)nkv, 0, p)) != PQC_SUCCESS) return r;
     }
     *top = u->rr_ids;
@@ -17035,7 +17099,7 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
        head's top-k on the device */
     pqc__gpu_rivals_at(c, L, n, search, &rv);
     nx = rv.nx;
-    topk_hs = (int64_t)(ctake + nx);
+    topk_hs = (int64_t)(ctake + (cands ? 0 : nx)); /* (exact scoring adds the rivals after the search) */
     pqc__gpu_enter(c);
     for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
     if ((r = pqc__gpu_step_init(c)) != PQC_SUCCESS || (r = pqc__gpu_rows_room(c, rows)) != PQC_SUCCESS) return r;
@@ -17100,11 +17164,11 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
         rv.filled = fl;
         rv.slot_hs = ns;
         rv.cache_blocks = c->d.cache_blocks;
-        if (search && (r = pqc__gpu_search(c, l, ctake + nx, cands ? u->dtakes + nkv * 4 : u->dtakes, 0,
-                                           nx ? &rv : NULL)) != PQC_SUCCESS)
+        if (search && (r = pqc__gpu_search(c, l, ctake + (cands ? 0 : nx), cands ? u->dtakes + nkv * 4 : u->dtakes, 0,
+                                           nx && !cands ? &rv : NULL)) != PQC_SUCCESS)
             return r;
         if (search) topk = u->topk;
-        if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, so, fl, mid_end, &topk, &topk_hs)) != PQC_SUCCESS)
+        if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, so, fl, &rv, &topk, &topk_hs)) != PQC_SUCCESS)
             return r;
         if ((r = pqc__gpu_launch(c, PQC__K_SELECT_ADMIT, 1, (unsigned)nkv, 0, pa)) != PQC_SUCCESS) return r;
         if (cbk > 0 && adm > 0 &&

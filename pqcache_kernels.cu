@@ -808,12 +808,15 @@ pqc_rerank_dots(const int *__restrict__ cand, pqc_i64 cand_head_stride, const in
  *          its candidates), Z = its 16 interleaved lanes (lane i % 16, each in order from
  *          0) added in order from 0, w = 1 / Z into wbuf [g] per KV head (+ kv*g), and
  *          comb[i] = fmaf(e_h(i), w_h, .) over the heads in order from 0
- *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv]..n-1 get
- *          -infinity, below every score (the dots of finite rows are finite), so that a
- *          top-k of at most n_cand[kv] never takes them. */
+ *   comb   float [n] per KV head (+ kv*comb_head_stride); entries n_cand[kv] - nf..n-1
+ *          get -infinity, below every score (the dots of finite rows are finite), so that
+ *          a top-k of at most n_cand[kv] - nf never takes them
+ *   nf     the last nf candidates of each head only join the softmax (a cache's sinks and
+ *          window tokens, pqc_rerank_append): scored, never chosen */
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_stride, const int *__restrict__ n_cand,
-                   int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride)
+                   int n, int g, int mode, float scale, float *wbuf, float *__restrict__ comb, pqc_i64 comb_head_stride,
+                   int nf)
 {
     __shared__ float ch[4][PQC_RR_CHUNK];
     __shared__ float red[PQC_BLOCK];
@@ -864,7 +867,7 @@ pqc_rerank_combine(float *dots, pqc_i64 dots_head_stride, pqc_i64 dots_row_strid
     }
     for (int i = tid; i < n; i += PQC_BLOCK) {
         float a = 0.0f;
-        if (i >= nc) {
+        if (i >= nc - nf) {
             a = -__int_as_float(0x7f800000);
         } else if (mode == PQC_SCAN_SOFTMAX_SUM) {
             for (int h = 0; h < g; ++h) a = fmaf(dk[(pqc_i64)h * dots_row_stride + i], w[h], a);
@@ -932,16 +935,44 @@ pqc_rerank_merge(const int *__restrict__ cand, pqc_i64 cand_head_stride, const i
 
 /* pqc_take_at: out[i] = src[pos[i]] for i < k (k per head: k_head[kv], at most n),
  *   per KV head (+ kv*src_head_stride, pos_head_stride, out_head_stride): the candidates
- *   a top-k of their scores kept (pos ascending, so out stays ascending).
+ *   a top-k of their scores kept (pos ascending, so out stays ascending). Entries at or
+ *   past `coded` are the window's rivals (pqc_rerank_append: rival r as rbase + r) and
+ *   become coded + r, as pqc_select_admit takes them.
  *   grid (ceil(n / 256), n_kv), block 256. */
 extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
 pqc_take_at(const int *__restrict__ src, pqc_i64 src_head_stride, const int *__restrict__ pos,
             pqc_i64 pos_head_stride, const int *__restrict__ k_head, int n, int *__restrict__ out,
-            pqc_i64 out_head_stride)
+            pqc_i64 out_head_stride, int coded, int rbase)
 {
     pqc_i64 kv = blockIdx.y;
     int i = blockIdx.x * PQC_BLOCK + threadIdx.x, k = pqc_head_k(n, k_head, kv);
-    if (i < k) out[kv * out_head_stride + i] = src[kv * src_head_stride + pos[kv * pos_head_stride + i]];
+    if (i < k) {
+        int v = src[kv * src_head_stride + pos[kv * pos_head_stride + i]];
+        out[kv * out_head_stride + i] = v >= coded ? coded + (v - rbase) : v;
+    }
+}
+
+/* pqc_rerank_append: each head's candidates (cand + kv*cand_head_stride, n_cand[kv] of
+ *   them, coded token indices) copied to out (+ kv*out_head_stride), then the window's nx
+ *   rivals [from, from + nx), the sinks [0, sink) and the window's last tokens
+ *   [from + nx, n), as pqc_rival_cands lists them (token n_sink + c for entry c): the rows
+ *   a cache's exact scoring scores, in the CPU library's order; n_out[kv] gets
+ *   n_cand[kv] + n - from + sink.
+ *   grid (ceil(most / 256), n_kv), block 256, most: the largest n_out. */
+extern "C" __global__ void __launch_bounds__(PQC_BLOCK)
+pqc_rerank_append(const int *__restrict__ cand, pqc_i64 cand_head_stride, const int *__restrict__ n_cand, int n_sink,
+                  int sink, int from, int nx, int n, int *__restrict__ out, pqc_i64 out_head_stride,
+                  int *__restrict__ n_out)
+{
+    pqc_i64 kv = blockIdx.y;
+    int i = blockIdx.x * PQC_BLOCK + threadIdx.x, nc = n_cand[kv], nxf = n - from + sink;
+    if (i == 0) n_out[kv] = nc + nxf;
+    if (i < nc) {
+        out[kv * out_head_stride + i] = cand[kv * cand_head_stride + i];
+    } else if (i < nc + nxf) {
+        int j = i - nc, t = j < nx ? from + j : j < nx + sink ? j - nx : from + (j - sink);
+        out[kv * out_head_stride + i] = t - n_sink;
+    }
 }
 
 /* ------------------------------------------------------------------------------------ */

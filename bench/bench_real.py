@@ -67,6 +67,8 @@ METHODS = {
     "sinks32": (dict(budget_ratio=BUDGET, n_sink=32), True),         # re-ranking, 32 sinks
     "no-observe": (dict(budget_ratio=BUDGET, observe=-1), False),
     "rerank1.2": (dict(budget_ratio=BUDGET, rerank=1.2), True),
+    "rerank1.3": (dict(budget_ratio=BUDGET, rerank=1.3), True),
+    "rerank1.4": (dict(budget_ratio=BUDGET, rerank=1.4), True),
     "rerank2": (dict(budget_ratio=BUDGET, rerank=2.0), True),
     "rerank2.5": (dict(budget_ratio=BUDGET, rerank=2.5), True),
     "even-split": (dict(budget_ratio=BUDGET, split="fixed_compete"), True),

@@ -1643,7 +1643,7 @@ TEST failed_driver_steps_leave_nothing_behind(void)
    at its end. So a saved cache selects from then on what a twin synced at the same point
    selects, and what the cache loaded from its file selects; a twin neither saved nor
    synced installs the same builds at its next call instead, and where such a build
-   lowered the window (re-ranking, whose split is the adaptive one) that call still
+   lowered the window (the adaptive split, here with re-ranking) that call still
    selects with the former window: the saved cache's selections differ there, as
    documented (the driver's prompt observed, rebuilds falling due every few steps,
    builds on two workers). */
@@ -1664,7 +1664,7 @@ TEST a_save_changes_a_cache_as_a_sync_does(void)
     cd.recent_share = 0.5;
     cd.rebuild_share = 0.05;
     cd.rerank = 1.5;
-    cd.split = PQC_SPLIT_COMPETE;
+    cd.split = PQC_SPLIT_ADAPTIVE;
     eng_init(&e, &en, 2, 4, 16);
     en.peaks = 1;
     ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &saved));

@@ -672,37 +672,32 @@ TEST device_steps_match_cpu_diagonal_metric(void)
     return decode_matches_shape(PQC_GQA_SOFTMAX_SUM, PQC_F32, &sh);
 }
 
-/* The candidates the last device step of the GPU cache scored exactly: head h's count
-   (0 on a failed read) and, with list, the candidates. They are the device's PQ top-k
-   (cands[h] of [head][the largest of cands]) or, with outlier lists, their union with the
-   lists (pqc__gpu_rerank's rr_cand, counted in rr_nm). */
+/* The rows the last device step of the GPU cache scored exactly: head h's count (0 on a
+   failed read) and, with list, the entries (token n_sink + e for entry e): the device's PQ
+   top-k (or, with outlier lists, their union with the lists), then the window's rivals,
+   the sinks and the window's last tokens (pqc__gpu_rerank's rr_ext, counted in rr_next). */
 static size_t scored_candidates(const pair *p, size_t h, int32_t *list)
 {
-    const pqc_cache *c = p->cg;
-    const struct pqc__gpu_tier *u = c->cu;
-    size_t ctake = 0, i;
+    const struct pqc__gpu_tier *u = p->cg->cu;
     int32_t n = 0;
-    uint64_t at;
-    for (i = 0; i < (size_t)c->d.n_kv_heads; i++) ctake = PQC__MAX(ctake, c->cands[i]);
-    if (c->d.outliers > 0) {
-        if (p_dtoh(&n, u->rr_nm + h * 4, 4) || n < 0) return 0;
-        at = u->rr_cand + h * (uint64_t)u->rr_cap * 4;
-    } else {
-        n = (int32_t)c->cands[h];
-        at = u->topk + h * (uint64_t)ctake * 4;
-    }
-    if (list && n > 0 && p_dtoh(list, at, (size_t)n * 4)) return 0;
+    if (p_dtoh(&n, u->rr_next + h * 4, 4) || n < 0) return 0;
+    if (list && n > 0 && p_dtoh(list, u->rr_ext + h * (uint64_t)u->rr_cap * 4, (size_t)n * 4)) return 0;
     return (size_t)n;
 }
 
-/* after a device step of layer l with queries q: every head's combined scores of its
-   candidates on the device equal pqc_rerank's of the same candidates, bit for bit
-   (a cache whose key rows lie in one store); 0 on a mismatch */
+/* after a device step of layer l with queries q: every head's combined scores of the rows
+   it may choose (all but the sinks and the window's last tokens, which join the softmax
+   only) equal the host's exact scoring of the same rows (pqc__rerank_impl, as
+   pqc__select_exact calls it), bit for bit, and the others are -infinity there (a cache
+   whose key rows lie in one store); 0 on a mismatch */
 static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
 {
     const pqc_cache *c = p->cg;
     const struct pqc__gpu_tier *u = c->cu;
-    size_t h, i, n, tokens, d = (size_t)c->d.head_dim;
+    const pqc__layer *L = &c->layers[l];
+    size_t h, i, n, tokens, d = (size_t)c->d.head_dim, nt = L->n_tokens;
+    size_t sink = PQC__MIN((size_t)c->d.n_sink, nt), from = PQC__MAX(pqc__mid_end(c, L, nt), sink);
+    size_t nf = nt - from + sink - pqc__rivals_of(c, L, nt);
     int ok = 1;
     for (h = 0; ok && h < (size_t)c->d.n_kv_heads; h++) {
         const void *k, *v;
@@ -719,7 +714,7 @@ static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
         dev = (float *)malloc(n * 4);
         host = (float *)malloc(n * 4);
         memset(&sc, 0, sizeof sc);
-        ok = cand && ci && idx && dev && host && scored_candidates(p, h, cand) == n &&
+        ok = cand && ci && idx && dev && host && n > nf && scored_candidates(p, h, cand) == n &&
              !p_dtoh(dev, u->rr_comb + h * u->rr_cap * 4, n * 4) &&
              pqc_cache_kv(c, l, (int)h, &k, &v, &tokens, &dt) == PQC_SUCCESS;
         for (i = 0; ok && i < n; i++) ci[i] = (uint32_t)cand[i] + (uint32_t)c->d.n_sink;
@@ -729,9 +724,11 @@ static int rerank_scores_match(pair *p, int l, const float *q, pqc_gqa gqa)
             km.rows = tokens;
             km.cols = d;
             km.dtype = dt;
-            ok = pqc_rerank(p->rc, &km, q + h * (size_t)c->g * d, c->g, gqa, ci, n, n, &sc, idx, host) == PQC_SUCCESS &&
-                 memcmp(dev, host, n * 4) == 0;
-            if (!ok) fprintf(stderr, "layer %d head %zu: the device's re-ranking scores differ from pqc_rerank's\n", l, h);
+            ok = pqc__rerank_impl(p->rc, &km, q + h * (size_t)c->g * d, c->g, gqa, c->sp.scale, ci, n, n - nf, &sc, idx,
+                                  host, 0, nf) == PQC_SUCCESS &&
+                 memcmp(dev, host, (n - nf) * 4) == 0;
+            for (i = n - nf; ok && i < n; i++) ok = dev[i] < -FLT_MAX;
+            if (!ok) fprintf(stderr, "layer %d head %zu: the device's re-ranking scores differ from the host's\n", l, h);
         }
         pqc_scratch_free(&sc);
         free(cand);

@@ -656,6 +656,28 @@ static size_t oracle_of(const hardkeys *hk, const pqc_selection *sel, int window
     return n;
 }
 
+/* oracle_of as a cache's exact scoring ranks (pqc__select_exact): each query head's
+   softmax over the mid tokens, the sinks and the window, the top-k chosen of the mid
+   tokens */
+static size_t oracle_whole(const hardkeys *hk, const pqc_selection *sel, int window, pqc_scratch *scr, uint32_t *out)
+{
+    size_t n = 0, t, mid_end = S - (size_t)window, take = sel->count[0] - 32 - (size_t)window;
+    pqc_matrix all = pqc_matrix_f32(hk->keys, S, D);
+    uint32_t *cand = (uint32_t *)malloc(sizeof(uint32_t) * S);
+    pqc_result r;
+    if (!cand) return 0;
+    for (t = 32; t < mid_end; t++) cand[n++] = (uint32_t)t;
+    for (t = 0; t < 32; t++) cand[n++] = (uint32_t)t;
+    for (t = mid_end; t < S; t++) cand[n++] = (uint32_t)t;
+    for (t = 0; t < 32; t++) out[t] = (uint32_t)t;
+    r = pqc__rerank_impl(NULL, &all, hk->queries, G, PQC_GQA_SOFTMAX_SUM, pqc__default_scale(D), cand, S, take, scr,
+                         out + 32, NULL, 0, 32 + (size_t)window);
+    free(cand);
+    if (r != PQC_SUCCESS) return 0;
+    for (t = mid_end; t < S; t++) out[32 + take + t - mid_end] = (uint32_t)t;
+    return 32 + take + (size_t)window;
+}
+
 TEST observed_queries_keep_the_rare_tokens_the_oracle_keeps(void)
 {
     pqc_scratch scr;
@@ -1401,10 +1423,11 @@ TEST window_follows_the_observed_attention(void)
    at the last 200 tokens. Every step, head 0 gives its window (all but the last 16
    tokens) to the far tokens and head 1 keeps its window, each within the same budget as
    the fixed split, for the product form of softmax-sum (8-bit codes), its other form
-   (6-bit codes), the summed query and residual-aware scoring; a decode step, a fork and
-   a file select the same.
-   The fixed split cannot: head 0 keeps at most 198 of the far tokens; nor does
-   re-ranking, whose candidates are scored exactly already: there the window stays. */
+   (6-bit codes), the summed query, residual-aware scoring and re-ranking (the rivals
+   join the exactly scored candidates); a decode step, a fork and a file select the same.
+   The fixed split cannot: head 0 keeps at most 198 of the far tokens; nor can the
+   adaptive split with re-ranking, whose window no build lowers here (the cache observed
+   no queries). */
 #define WC_N 4000
 #define WC_D 32
 #define WC_FAR 300
@@ -1469,9 +1492,10 @@ TEST window_competes_for_each_heads_budget(void)
     memset(q, 0, sizeof q);
     q[0] = q[WC_D] = 8.0f;                 /* KV head 0's two query heads */
     q[2 * WC_D + 1] = q[3 * WC_D + 1] = 8.0f; /* KV head 1's */
-    for (v = 0; v < 4; v++) {
+    for (v = 0; v < 5; v++) {
         ASSERT_EQ(PQC_SUCCESS, compete_cache(k, PQC_SPLIT_COMPETE, v == 1 ? 6 : 8,
-                                             v == 2 ? PQC_GQA_SUM : PQC_GQA_SOFTMAX_SUM, 0.0, v == 3 ? 0.15 : 0.0, &c));
+                                             v == 2 ? PQC_GQA_SUM : PQC_GQA_SOFTMAX_SUM, v == 4 ? 2.0 : 0.0,
+                                             v == 3 ? 0.15 : 0.0, &c));
         ASSERT_EQ(199, pqc_cache_layer_window(c, 0)); /* no build lowers it */
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel2));
@@ -1504,10 +1528,10 @@ TEST window_competes_for_each_heads_budget(void)
         pqc_selection_free(&sel);
         pqc_selection_free(&sel2);
     }
-    /* the fixed split, and re-ranking: the same budget, the window kept, at most the top-k
-       of far tokens */
+    /* the fixed split, and the adaptive one with re-ranking: the same budget, the window
+       kept, at most the top-k of far tokens */
     for (v = 0; v < 2; v++) {
-        ASSERT_EQ(PQC_SUCCESS, compete_cache(k, v ? PQC_SPLIT_COMPETE : PQC_SPLIT_FIXED, 8, PQC_GQA_SOFTMAX_SUM,
+        ASSERT_EQ(PQC_SUCCESS, compete_cache(k, v ? PQC_SPLIT_ADAPTIVE : PQC_SPLIT_FIXED, 8, PQC_GQA_SOFTMAX_SUM,
                                              v ? 2.0 : 0.0, 0.0, &c));
         ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sel));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
@@ -1843,8 +1867,10 @@ TEST rerank_and_outliers_keep_what_the_oracle_keeps(void)
             ASSERT_EQ(sel.count[0], n_or);
             if (cd.outliers) ASSERT_EQ(64, (int)c->layers[0].heads[0].n_outliers);
             rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
-            if (mode == 4) {
+            if (mode == 4) { /* ranked as the cache's exact scoring ranks */
                 size_t same = 0;
+                ASSERT_EQ(n_or, oracle_whole(&hk, &sel, pqc_cache_layer_window(c, 0), &scr, orc));
+                rare_kept(&hk, orc, n_or, sel.idx, sel.count[0], &kp, &r);
                 for (t = 0; t < n_or; t++) same += orc[t] == sel.idx[t];
                 ASSERT(same + 2 >= n_or); /* the oracle, but for a rounding tie */
                 ASSERT_EQ(r, kp);

@@ -326,6 +326,7 @@ std::map<std::string, Kernel> &kernels()
         K(pqc_rival_cands);
         K(pqc_rival_stats);
         K(pqc_rival_scores);
+        K(pqc_rerank_append);
 #undef K
         k["pqc_scan_stats"].static_smem = 2 * 256 * 4; /* red_m, red_s */
     }

@@ -726,14 +726,12 @@ static int fz_sel_valid(const fz_cache *C, int layer, const pqc_selection *sel, 
 static void fz_check_selection(const fz_cache *C, int layer, const pqc_selection *sel, const char *call)
 {
     /* the layer's window (an adaptive build may have lowered the cache's); where the window
-       competes (PQC_SPLIT_COMPETE or PQC_SPLIT_FIXED_COMPETE without exact scoring: rerank
-       negative, as 0 is the default re-ranking, and no outliers) its
-       tokens but the last 16 may give their places to coded tokens */
+       competes (PQC_SPLIT_COMPETE or PQC_SPLIT_FIXED_COMPETE, with exact scoring or without)
+       its tokens but the last 16 may give their places to coded tokens */
     size_t n = pqc_cache_tokens(C->c, layer), w = (size_t)pqc_cache_layer_window(C->c, layer), h, i;
     size_t sink = C->sink < n ? C->sink : n, mid_end = n > C->sink + w ? n - w : C->sink;
     size_t wstart = mid_end > sink ? mid_end : sink, wcount = n > wstart ? n - wstart : 0, wkept = wcount;
-    int competes = (C->d.split == PQC_SPLIT_COMPETE || C->d.split == PQC_SPLIT_FIXED_COMPETE) && C->d.rerank < 0 &&
-                   !(C->d.outliers > 0);
+    int competes = C->d.split == PQC_SPLIT_COMPETE || C->d.split == PQC_SPLIT_FIXED_COMPETE;
     if (w < 1) fz_fail("%s: window %zu after a prefill", call, w);
     if (w > (size_t)pqc_cache_window(C->c)) fz_fail("%s: layer window %zu above the cache's %d", call, w, pqc_cache_window(C->c));
     if (competes && wkept > 16) wkept = 16;
