@@ -64,6 +64,8 @@ METHODS = {
     # the default before 4 sinks and re-ranking: 32 sinks, the PQ top-k alone, the window competing
     "before": (dict(budget_ratio=BUDGET, n_sink=32, rerank=-1), True),
     "no-rerank": (dict(budget_ratio=BUDGET, rerank=-1), True),       # 4 sinks, the PQ top-k alone
+    # re-ranking, the window not competing (the builds lower it)
+    "adaptive": (dict(budget_ratio=BUDGET, split="adaptive"), True),
     "sinks32": (dict(budget_ratio=BUDGET, n_sink=32), True),         # re-ranking, 32 sinks
     "no-observe": (dict(budget_ratio=BUDGET, observe=-1), False),
     "rerank1.2": (dict(budget_ratio=BUDGET, rerank=1.2), True),
