@@ -952,6 +952,14 @@ pqc_take_at(const int *__restrict__ src, pqc_i64 src_head_stride, const int *__r
     }
 }
 
+/* The token of entry j of a step's window rows: its nx rivals [from, from + nx), the sinks
+   [0, sink), then the window's last tokens [from + nx, ...) (pqc_rival_cands,
+   pqc_rerank_append; the CPU library lists them in the same order). */
+__device__ __forceinline__ int pqc_window_row(int j, int from, int nx, int sink)
+{
+    return j < nx ? from + j : j < nx + sink ? j - nx : from + (j - sink);
+}
+
 /* pqc_rerank_append: each head's candidates (cand + kv*cand_head_stride, n_cand[kv] of
  *   them, coded token indices) copied to out (+ kv*out_head_stride), then the window's nx
  *   rivals [from, from + nx), the sinks [0, sink) and the window's last tokens
@@ -970,8 +978,7 @@ pqc_rerank_append(const int *__restrict__ cand, pqc_i64 cand_head_stride, const 
     if (i < nc) {
         out[kv * out_head_stride + i] = cand[kv * cand_head_stride + i];
     } else if (i < nc + nxf) {
-        int j = i - nc, t = j < nx ? from + j : j < nx + sink ? j - nx : from + (j - sink);
-        out[kv * out_head_stride + i] = t - n_sink;
+        out[kv * out_head_stride + i] = pqc_window_row(i - nc, from, nx, sink) - n_sink;
     }
 }
 
@@ -1137,8 +1144,7 @@ pqc_rival_cands(int *__restrict__ cand, int *__restrict__ n_cand, int n_kv, int 
     int i = blockIdx.x * PQC_BLOCK + threadIdx.x, nxf = n - from + sink;
     if (i < n_kv) n_cand[i] = nxf;
     if (i >= nxf) return;
-    int t = i < nx ? from + i : i < nx + sink ? i - nx : from + (i - sink);
-    cand[i] = t - n_sink;
+    cand[i] = pqc_window_row(i, from, nx, sink) - n_sink;
 }
 
 /* pqc_rival_stats: the rivals and the other exactly scored tokens join each head's
