@@ -2266,9 +2266,10 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
 #define PQC__PREFETCH(p) ((void)(p))
 #endif
 /* scattered rows (re-ranking's candidates, the fetch's selection) are asked for this
-   many rows before they are read. 128K fp32 rows of 128, 8 KV heads, one core (Zen 4),
-   from 8 rows ahead into the first level: re-ranking's select 18.5 -> 16.2 ms, the
-   fetch 18.6 -> 15.8 ms (fp16 rows: 14.2 -> 12.7 ms); 24 rows ahead were no better. */
+   many rows before they are read. Select + fetch of one layer at 128K tokens, one core
+   (Zen 4), against 8 rows ahead into the first level: 8 KV heads of 128, fp32 rows
+   37.9-38.4 -> 33.0-33.3 ms, fp16 rows 27.7 -> 26.8 ms; 4 KV heads of 256 33.0 -> 26.3
+   ms. 24 rows ahead (fp32) and 32 (fp16) were no better. */
 #define PQC__ROWS_AHEAD 16
 
 /* The dots of n stored key rows (fp32, fp16 or bf16; stride bytes apart) with q, as
