@@ -2258,8 +2258,7 @@ static void pqc__rowdots_scalar(const float *q, const float *rows, size_t n, siz
 }
 
 /* a hint that p is read soon, into the second-level cache (GCC and clang; nothing
-   elsewhere): scattered rows asked for into the first level held its few miss buffers,
-   so that a row's later lines waited on the earlier rows' */
+   elsewhere): for scattered rows it beat asking into the first level (figures below) */
 #if defined(__GNUC__) || defined(__clang__)
 #define PQC__PREFETCH(p) __builtin_prefetch((const void *)(p), 0, 2)
 #else
