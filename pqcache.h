@@ -17095,7 +17095,7 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
     pqc__layer *L = &c->layers[l];
     size_t nkv = (size_t)u->n_kv, n = L->n_tokens, rows = 1, h, qb = (size_t)c->d.n_q_heads * u->d * sizeof(float);
     size_t ab = (size_t)PQC__MAX(c->d.admit_blocks, 1), slot = (size_t)(L->step & 1) * (size_t)c->d.n_layers + (size_t)l;
-    size_t take = 0, ocap = pqc__gpu_outlier_cap(c), nx;
+    size_t take = 0, ocap = pqc__gpu_outlier_cap(c), nx, sx;
     pqc__gpu_rivals rv;
     unsigned char *stage;
     int32_t *tk;
@@ -17109,7 +17109,8 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
        head's top-k on the device */
     pqc__gpu_rivals_at(c, L, n, search, &rv);
     nx = rv.nx;
-    topk_hs = (int64_t)(ctake + (cands ? 0 : nx)); /* (exact scoring adds the rivals after the search) */
+    sx = cands ? 0 : nx; /* the rivals the search takes (exact scoring adds them after it) */
+    topk_hs = (int64_t)(ctake + sx);
     pqc__gpu_enter(c);
     for (h = 0; h < nkv; h++) rows = PQC__MAX(rows, count[h]);
     if ((r = pqc__gpu_step_init(c)) != PQC_SUCCESS || (r = pqc__gpu_rows_room(c, rows)) != PQC_SUCCESS) return r;
@@ -17174,8 +17175,8 @@ static pqc_result pqc__gpu_step(pqc_cache *c, int l, const float *q, const size_
         rv.filled = fl;
         rv.slot_hs = ns;
         rv.cache_blocks = c->d.cache_blocks;
-        if (search && (r = pqc__gpu_search(c, l, ctake + (cands ? 0 : nx), cands ? u->dtakes + nkv * 4 : u->dtakes, 0,
-                                           nx && !cands ? &rv : NULL)) != PQC_SUCCESS)
+        if (search && (r = pqc__gpu_search(c, l, ctake + sx, cands ? u->dtakes + nkv * 4 : u->dtakes, 0,
+                                           sx ? &rv : NULL)) != PQC_SUCCESS)
             return r;
         if (search) topk = u->topk;
         if (search && cands && (r = pqc__gpu_rerank(c, l, ctake, take, so, fl, &rv, &topk, &topk_hs)) != PQC_SUCCESS)
