@@ -687,7 +687,8 @@ typedef struct pqc_cache_desc {
                                 window: as the attention over what the head attends
                                 weighs them) and the best kept. 0 =
                                 PQC_DEFAULT_RERANK (1.5); negative = off (the PQ top-k
-                                alone); else at least 1                                  */
+                                alone); else at least 1. A head whose build observed
+                                queries may take more (rerank_max)                       */
     int outliers;            /* outlier list: per head, the coded tokens its codebook serves
                                 worst (largest residual, weighted by the head's metric),
                                 `outliers` of them at each build plus up to as many coded
@@ -725,14 +726,25 @@ typedef struct pqc_cache_desc {
                                 every head would (with split = PQC_SPLIT_FIXED or
                                 PQC_SPLIT_FIXED_COMPETE, whose heads' selections do not
                                 depend on each other). 0 = 0                             */
+    double rerank_max;       /* re-ranking per head: each build with observed queries
+                                (pqc_cache_observe) measures on them how far down its new
+                                codebook's PQ ranking the exact top-k's attention lies,
+                                and gives its head the smallest factor (in steps of 0.1,
+                                from rerank up to rerank_max) whose candidates hold 0.998
+                                of that attention; a head whose codebook ranks the tokens
+                                that matter well keeps rerank. Heads without such a build
+                                use rerank. 0 = PQC_DEFAULT_RERANK_MAX (6); negative =
+                                none (every head rerank); at most 1e6. pqc_cache_head_plan
+                                gives a head's candidates                                 */
 } pqc_cache_desc;
 
 /* What 0 means in a pqc_cache_desc (the rule of every desc: 0 = the default, negative =
-   none, for n_sink, observe, cache_blocks, admit_blocks, rebuild_share, rerank, outliers,
+   none, for n_sink, observe, cache_blocks, admit_blocks, rebuild_share, rerank, rerank_max, outliers,
    residual_weight and pq.iters; pq's own defaults are the PQC_DEFAULT_ of a PQ desc). */
 #define PQC_DEFAULT_MAX_TOKENS ((size_t)1 << 20)
 #define PQC_DEFAULT_N_SINK 4
 #define PQC_DEFAULT_RERANK 1.5
+#define PQC_DEFAULT_RERANK_MAX 6.0
 #define PQC_DEFAULT_BUDGET_RATIO 0.1
 #define PQC_DEFAULT_RECENT_SHARE 0.15
 #define PQC_DEFAULT_METRIC_FLOOR 1.0
@@ -946,16 +958,17 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c);
    cache (wrong rows, NaN among them, and then appends are refused). The CUDA
    tier copies the rows into its pinned stores. The file, little-endian (saving and loading
    refuse big-endian hosts with PQC_ERROR_UNSUPPORTED):
-     "PQCCACHE", u32 version (4; 3 for a cache at the default softmax scale, which
-     earlier builds read too), u32 x 13: layers, KV heads, query heads, d_h, kv dtype,
-     sinks, m, bits, rope, rope bands (1) or contiguous (0), metric (0 weights, 1
-     Euclidean, 2 blocks), outliers, residual
-     scoring on; u32 window; f32 softmax scale (version 4 only);
+     "PQCCACHE", u32 version (5; 4 for a cache without calibrated re-ranking factors, 3
+     for one at the default softmax scale too, which earlier builds read), u32 x 13:
+     layers, KV heads, query heads, d_h, kv dtype, sinks, m, bits, rope, rope bands (1)
+     or contiguous (0), metric (0 weights, 1 Euclidean, 2 blocks), outliers, residual
+     scoring on; u32 window; f32 softmax scale (versions 4 and 5);
      per layer: u64 tokens, coded, trained, codebook generation, step; u32 observed rows;
        u32 the layer's window when a build lowered it, else 0 (version 2 files lack it);
        f64 observation sums [2 h_kv (d_h + 1 + B) + 2] (B = d_h x d_h/m under
        PQC_METRIC_QUERY with blocks, else 0); f32 observed rows [rows][h d_h];
-       f64 observed masses [h_kv][2]; f64 histograms [h_kv][64];
+       f64 observed masses [h_kv][2]; f64 histograms [h_kv][64]; f64 re-ranking
+       factors [h_kv] (version 5: 0 = the cache's rerank);
        per KV head: K rows, V rows [tokens][d_h] (storage dtype, each preceded by zero
          bytes up to a file offset that is a multiple of 64); u32 codebook present,
          u32 metric present (1: weights, 2: blocks); if present: f32 centroids
@@ -8074,6 +8087,7 @@ typedef struct pqc__build {
     double wmass[PQC__WIN_CANDS]; /* ... on the window of each size */
     double value[PQC__WIN_CANDS]; /* ... kept by the window and PQC__WIN_RHO of top-k */
     double hist[PQC__WIN_CANDS][PQC__OBS_BINS]; /* mid tokens per bin of their attention */
+    double rfac;          /* the head's re-ranking factor from the observed rows (0: the cache's) */
     int iters;
     pqc_result res;
     char err[200];
@@ -8126,6 +8140,9 @@ typedef struct pqc__layer {
     int u_last_iters;
     double u_build_s, u_wait_s;
     double *u_omass, *u_ohist; /* [n_kv_heads][2], [n_kv_heads][PQC__OBS_BINS] */
+    double *rfac, *u_rfac;     /* [n_kv_heads] each head's re-ranking factor from its build's
+                                  observed rows (pqc__rerank_factor), 0: the cache's rerank;
+                                  before the running call's install (in omass's block)      */
 } pqc__layer;
 
 /* What a call that adds tokens to several layers (the driver's) restores on failure: per
@@ -8170,7 +8187,9 @@ typedef struct pqc__scoring {
     double scale_d;        /* the same in double (observed attention): 1/sqrt(d_h) taken in
                               double where the desc's is the default */
     float residual_weight; /* > 0: a PQ score adds this x sum_j |q_j| |r_j| */
-    double rerank;         /* > 0: each head's candidates are ceil(rerank x its top-k) */
+    double rerank;         /* > 0: each head's candidates are ceil(rerank x its top-k), or
+                              its calibrated factor's (pqc__layer.rfac)                    */
+    double rerank_max;     /* > 0: builds with observations calibrate each head's factor   */
     int exact;             /* candidates are scored again with the stored keys */
     int adaptive;          /* the heads share the layer's top-k by observed attention */
     int adaptive_window;   /* a build with observations may lower its layer's window */
@@ -8324,6 +8343,7 @@ static void pqc__plan_init(pqc_cache *c)
     pqc__plan_scale(c);
     sp->residual_weight = residual ? (float)c->d.residual_weight : 0.0f;
     sp->rerank = c->d.rerank;
+    sp->rerank_max = c->d.rerank > 0 ? c->d.rerank_max : 0.0;
     sp->exact = c->d.rerank > 0 || c->d.outliers > 0;
     sp->adaptive = c->d.split == PQC_SPLIT_COMPETE || c->d.split == PQC_SPLIT_ADAPTIVE;
     /* with exact scoring the window's rivals join each head's candidates (pqc__select_exact) */
@@ -8482,6 +8502,8 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     else if (d.observe < 0) d.observe = 0;
     if (d.rerank == 0) d.rerank = PQC_DEFAULT_RERANK;
     else if (d.rerank < 0) d.rerank = 0;
+    if (d.rerank_max == 0) d.rerank_max = PQC_DEFAULT_RERANK_MAX;
+    else if (d.rerank_max < 0) d.rerank_max = 0;
     if (d.outliers < 0) d.outliers = 0;
     if (d.residual_weight < 0) d.residual_weight = 0;
     if (d.pq.iters == 0 && !d.scheduler) d.pq.iters = PQC_DEFAULT_ITERS;
@@ -8512,6 +8534,8 @@ static pqc_result pqc__cache_resolve(pqc_runtime *rt, const pqc_cache_desc *desc
     PQC__RULE((int)d.gqa >= 0 && (int)d.gqa <= 1, PQC_ERROR_OUT_OF_RANGE, "gqa %d unknown", (int)d.gqa);
     PQC__RULE(d.rerank == 0 || (d.rerank >= 1 && d.rerank <= 1e6), PQC_ERROR_OUT_OF_RANGE,
               "rerank %g: 0 (off) or 1..1e6", d.rerank);
+    PQC__RULE(d.rerank_max >= 0 && d.rerank_max <= 1e6, PQC_ERROR_OUT_OF_RANGE,
+              "rerank_max %g: 0 (the default), negative (none) or up to 1e6", d.rerank_max);
     PQC__RULE(d.outliers >= 0 && d.outliers <= (1 << 24), PQC_ERROR_OUT_OF_RANGE, "outliers %d not in 0..2^24",
               d.outliers);
     PQC__RULE(d.residual_weight >= 0 && d.residual_weight <= 1e6, PQC_ERROR_OUT_OF_RANGE,
@@ -8564,6 +8588,7 @@ static void pqc__desc_public(pqc_cache_desc *d)
 {
     if (d->n_sink == 0) d->n_sink = -1;
     if (d->rerank == 0) d->rerank = -1;
+    if (d->rerank_max == 0) d->rerank_max = -1;
     if (d->observe == 0) d->observe = -1;
     if (d->cache_blocks == 0) d->cache_blocks = -1;
     if (d->admit_blocks == 0) d->admit_blocks = -1;
@@ -8897,6 +8922,120 @@ static int pqc__obs_bin(double p)
     return bin < 0 ? 0 : (bin >= PQC__OBS_BINS ? PQC__OBS_BINS - 1 : bin);
 }
 
+/* A head's re-ranking factor from its build's observed rows (raw scores sc as
+   pqc__observed_mass makes them, over the n_all tokens): for each row, the exact top-k
+   of the coded tokens (k = the head's share of the budget beside the window, as an even
+   split gives it) by the attention its group pays them (each query head's softmax over
+   the coded tokens, summed), and where the new codebook's PQ score ranks each of them;
+   then the smallest factor f (in steps of 0.1, from the cache's rerank up to
+   rerank_max) whose candidates, the PQ top ceil(f k), hold PQC__RFAC_KEEP of that
+   attention on average over the rows. A head whose codebook ranks the tokens that matter
+   well keeps the cache's rerank; one that ranks them badly (wide keys: Gemma 3's 256
+   dims in 8 bytes) has more of its ranking checked with the exact keys. Ranks: the
+   top-k's PQ scores sorted, then one pass over every coded token's score. 0.998, of
+   0.99 / 0.995 / 0.998 on the real models' tuning half: the least whose decode steps
+   keep 0.995 of exact top-k's attention at every length of both models (Gemma 3 at 16K:
+   0.989 / 0.994 / 0.998). */
+#define PQC__RFAC_KEEP 0.998
+#define PQC__RFAC_STEPS 10 /* per unit: factors lo, lo + 0.1, .. as (10 lo + i) / 10 */
+typedef struct pqc__rfac_pair {
+    float p; /* PQ score */
+    float w; /* attention */
+} pqc__rfac_pair;
+static int pqc__rfac_desc(const void *a, const void *b)
+{
+    float x = ((const pqc__rfac_pair *)a)->p, y = ((const pqc__rfac_pair *)b)->p;
+    return x > y ? -1 : x < y ? 1 : 0;
+}
+static pqc_result pqc__rerank_factor(pqc_cache *c, pqc__build *b, const float *sc)
+{
+    pqc__layer *L = &c->layers[b->layer];
+    pqc__head *H = &L->heads[b->head];
+    size_t n = b->n_keys, all = b->n_all, sink = (size_t)c->d.n_sink, qn = (size_t)c->d.n_q_heads * c->d.head_dim;
+    size_t budget = pqc__budget(c, all - pqc__sink_end(c, all)), take, i, t, steps;
+    double lo = c->sp.rerank, hi = PQC__MAX(c->sp.rerank_max, c->sp.rerank), acc[1024], rows = 0.0;
+    int g = c->g, r, h;
+    float *w, *ps;
+    uint32_t *top, *above;
+    pqc__rfac_pair *pr;
+    void *scr;
+    pqc_search_desc sd;
+    pqc_result res = PQC_SUCCESS;
+    take = budget > b->wins[0] ? budget - b->wins[0] : 0;
+    /* nothing to calibrate: no re-ranking, no search (the top-k covers every coded
+       token), or a range that cannot move */
+    if (!(c->sp.rerank > 0) || !(c->sp.rerank_max > 0) || take == 0 || take >= n || !(hi > lo)) return PQC_SUCCESS;
+    steps = (size_t)PQC__MIN(floor((hi - lo) * PQC__RFAC_STEPS + 1e-9), 1023.0) + 1;
+    w = (float *)pqc__alloc(&c->alloc, 2 * n * sizeof(float));
+    top = (uint32_t *)pqc__alloc(&c->alloc, 2 * (take + 1) * sizeof(uint32_t));
+    pr = (pqc__rfac_pair *)pqc__alloc(&c->alloc, take * sizeof(pqc__rfac_pair));
+    scr = pqc__alloc(&c->alloc, pqc__select_scratch(n));
+    if (!w || !top || !pr || !scr) {
+        res = PQC_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    ps = w + n;
+    above = top + take + 1;
+    for (i = 0; i < steps; i++) acc[i] = 0.0;
+    memset(&sd, 0, sizeof sd);
+    sd.gqa = c->sp.gqa;
+    sd.softmax_scale = c->sp.scale;
+    if (c->sp.residual_weight > 0) {
+        sd.residuals = H->rq_new;
+        sd.residual_scale = H->rscale_new;
+        sd.residual_weight = c->sp.residual_weight;
+    }
+    for (r = 0; r < b->n_obs; r++) {
+        double tm = 0.0, kept = 0.0;
+        size_t j = 0;
+        for (t = 0; t < n; t++) w[t] = 0.0f;
+        for (h = 0; h < g; h++) { /* the head's softmax over the coded tokens */
+            const float *s = sc + ((size_t)r * (size_t)g + (size_t)h) * all + sink;
+            double mx = -INFINITY, z = 0.0;
+            for (t = 0; t < n; t++) mx = (double)s[t] > mx ? (double)s[t] : mx;
+            for (t = 0; t < n; t++) z += exp(((double)s[t] - mx) * c->sp.scale_d);
+            for (t = 0; t < n; t++) w[t] += (float)(exp(((double)s[t] - mx) * c->sp.scale_d) / z);
+        }
+        pqc__select(pqc__simd(c->rt), w, n, take, scr, top, NULL);
+        if ((res = pqc__pq_search_impl(c->rt, &H->pq_new, &H->codes_new,
+                                       L->qobs + (size_t)r * qn + (size_t)b->head * (size_t)g * c->d.head_dim, g, &sd,
+                                       NULL, NULL, NULL, ps)) != PQC_SUCCESS)
+            goto out;
+        for (i = 0; i < take; i++) {
+            pr[i].p = ps[top[i]];
+            pr[i].w = w[top[i]];
+            tm += (double)pr[i].w;
+            above[i] = 0;
+        }
+        above[take] = 0;
+        qsort(pr, take, sizeof *pr, pqc__rfac_desc);
+        for (t = 0; t < n; t++) { /* token t outscores the top-k's tokens from the first below it on */
+            size_t a = 0, z = take;
+            while (a < z) {
+                size_t mid = a + (z - a) / 2;
+                if (pr[mid].p < ps[t]) z = mid;
+                else a = mid + 1;
+            }
+            above[a]++;
+        }
+        for (i = 1; i < take; i++) above[i] += above[i - 1]; /* above[i]: coded tokens scoring above pr[i] */
+        for (i = 0; i < steps; i++) { /* the candidates of each factor: those of fewer tokens above */
+            size_t cand = (size_t)ceil((lo * PQC__RFAC_STEPS + (double)i) / PQC__RFAC_STEPS * (double)take);
+            while (j < take && above[j] < cand) kept += (double)pr[j++].w;
+            acc[i] += tm > 0.0 ? kept / tm : 1.0;
+        }
+        rows += 1.0;
+    }
+    for (i = 0; i + 1 < steps && acc[i] < PQC__RFAC_KEEP * rows; i++) continue;
+    b->rfac = i + 1 < steps || acc[i] >= PQC__RFAC_KEEP * rows ? (lo * PQC__RFAC_STEPS + (double)i) / PQC__RFAC_STEPS : hi;
+out:
+    pqc__free(&c->alloc, w);
+    pqc__free(&c->alloc, top);
+    pqc__free(&c->alloc, pr);
+    pqc__free(&c->alloc, scr);
+    return res;
+}
+
 /* The attention the layer's kept observation rows pay, per row and query head of the
    group an exact softmax (at the cache's scale, c->sp.scale_d) over the n_all tokens held when the build
    started, averaged (P): the share on the sinks, and for each window size the build
@@ -8915,6 +9054,7 @@ static pqc_result pqc__observed_mass(pqc_cache *c, pqc__build *b)
     size_t sink = pqc__sink_end(c, n), mid_end = n - b->wins[0], budget = pqc__budget(c, n - sink);
     double scale = c->sp.scale_d, acc_s = 0.0, *pt, cnt[PQC__OBS_BINS], ms[PQC__OBS_BINS], rows;
     int np = b->n_obs * c->g, pr, r, j;
+    pqc_result res;
     pqc_simd simd = pqc__simd(c->rt);
     float *sc = NULL, *buf;
     if (pqc__size3((size_t)np, n, sizeof(float), &bytes) && bytes <= (size_t)-1 - PQC__OBS_BLOCK * d * sizeof(float))
@@ -8933,6 +9073,11 @@ static pqc_result pqc__observed_mass(pqc_cache *c, pqc__build *b)
             const float *q = L->qobs + (size_t)(pr / c->g) * qn + ((size_t)b->head * (size_t)c->g + (size_t)(pr % c->g)) * d;
             pqc__k_rowdots(simd, q, buf, nb, d, (int)d, sc + (size_t)pr * n + t0);
         }
+    }
+    if ((res = pqc__rerank_factor(c, b, sc)) != PQC_SUCCESS) {
+        pqc__free(&c->alloc, sc);
+        pqc__free(&c->alloc, pt);
+        return res;
     }
     for (pr = 0; pr < np; pr++) {
         float *s = sc + (size_t)pr * n;
@@ -9130,6 +9275,7 @@ static void pqc__start_build(pqc_cache *c, int l)
         pqc__build_metric(c, l, h, &b->metric, &b->blocks);
         b->n_all = L->n_tokens;
         b->n_obs = L->n_qobs;
+        b->rfac = 0.0;
         b->n_wins = c->sp.adaptive_window ? PQC__WIN_CANDS : 1;
         for (j = 0; j < b->n_wins; j++) b->wins[j] = PQC__MAX(w0 >> j, wmin);
         b->iters = iters;
@@ -9373,6 +9519,8 @@ static pqc_result pqc__join_build(pqc_cache *c, int l)
     L->u_wait_s = L->st.wait_s;
     memcpy(L->u_omass, L->omass, 2 * nkv * sizeof(double));
     memcpy(L->u_ohist, L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+    memcpy(L->u_rfac, L->rfac, nkv * sizeof(double));
+    for (h = 0; h < c->d.n_kv_heads; h++) L->rfac[h] = L->builds[h].rfac;
     L->st.wait_s += pqc__now() - t0;
     for (h = 0; h < c->d.n_kv_heads; h++) {
         pqc__head *H = &L->heads[h];
@@ -9444,6 +9592,7 @@ static void pqc__install_undo(pqc_cache *c, int l)
         L->st.wait_s = L->u_wait_s;
         memcpy(L->omass, L->u_omass, 2 * nkv * sizeof(double));
         memcpy(L->ohist, L->u_ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        memcpy(L->rfac, L->u_rfac, nkv * sizeof(double));
         L->window_next = 0;
         L->building = 1;
         L->undo = 0;
@@ -10262,7 +10411,8 @@ static pqc_result pqc__plan_step(pqc_cache *c, int layer, pqc__plan *p)
     p->ctake = p->take;
     if (p->exact)
         for (h = 0, p->ctake = 0; h < c->d.n_kv_heads; h++) {
-            double want = c->sp.rerank > 0 ? ceil(c->sp.rerank * (double)c->takes[h]) : (double)c->takes[h];
+            double f = L->rfac[h] > 0 ? L->rfac[h] : c->sp.rerank;
+            double want = c->sp.rerank > 0 ? ceil(f * (double)c->takes[h]) : (double)c->takes[h];
             c->cands[h] = want >= (double)L->n_coded ? L->n_coded : (size_t)want;
             if (c->cands[h] > p->ctake) p->ctake = c->cands[h];
         }
@@ -10848,11 +10998,14 @@ static pqc_result pqc__layers_alloc(pqc_cache *c)
         L->bmetric = (float *)pqc__alloc(&c->alloc, sizeof(float) * (size_t)d.n_kv_heads *
                                                         (pqc__bands(c) ? pqc__blocks_len(c) : (size_t)d.head_dim));
         L->qobs = (float *)pqc__alloc(&c->alloc, sizeof(float) * PQC__OBS_KEEP * (size_t)d.n_q_heads * (size_t)d.head_dim);
-        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 4 * (size_t)d.n_kv_heads);
+        L->omass = (double *)pqc__alloc(&c->alloc, sizeof(double) * 6 * (size_t)d.n_kv_heads);
         L->ohist = (double *)pqc__alloc(&c->alloc, sizeof(double) * 2 * PQC__OBS_BINS * (size_t)d.n_kv_heads);
         if (!L->heads || !L->builds || !L->qsq || !L->qpend || !L->bmetric || !L->qobs || !L->omass || !L->ohist)
             return PQC_ERROR_OUT_OF_MEMORY;
         L->u_omass = L->omass + 2 * d.n_kv_heads;
+        L->rfac = L->omass + 4 * d.n_kv_heads;
+        L->u_rfac = L->rfac + d.n_kv_heads;
+        for (h = 0; h < 2 * d.n_kv_heads; h++) L->rfac[h] = 0.0;
         L->u_ohist = L->ohist + PQC__OBS_BINS * (size_t)d.n_kv_heads;
         for (h = 0; h < 2 * d.n_kv_heads; h++) L->omass[h] = -1.0;
         memset(L->ohist, 0, sizeof(double) * PQC__OBS_BINS * (size_t)d.n_kv_heads); /* a file saves it as it is */
@@ -11082,7 +11235,17 @@ PQCDEF pqc_result pqc_cache_sync(pqc_cache *c)
 /* ----- cache files ----- */
 
 #define PQC__CACHE_MAGIC "PQCCACHE"
-#define PQC__CACHE_VERSION 4u /* 3: no softmax scale (1/sqrt(d_h)); written for such caches */
+/* whether a head of the cache has a calibrated re-ranking factor (a file then saves them) */
+static int pqc__has_rfac(const pqc_cache *c)
+{
+    int l, h;
+    for (l = 0; l < c->d.n_layers; l++)
+        for (h = 0; h < c->d.n_kv_heads; h++)
+            if (c->layers[l].rfac[h] > 0.0) return 1;
+    return 0;
+}
+#define PQC__CACHE_VERSION 5u /* 4: no re-ranking factors, 3: nor a softmax scale (1/sqrt(d_h));
+                                 written for such caches */
 #define PQC__CACHE_ALIGN 64 /* K and V rows start at file offsets of a multiple of it */
 
 static int pqc__little_endian(void)
@@ -11202,7 +11365,7 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
     size_t nkv, d, qn, col, bound;
     char why[300];
     pqc_result r;
-    int l, h, j, parts;
+    int l, h, j, parts, rf = 0;
     if (!c || !path) return pqc__fail(c ? c->rt : NULL, PQC_ERROR_INVALID_ARGUMENT, "pqc_cache_save: null argument");
     if (!pqc__little_endian())
         return pqc__cfail(c, PQC_ERROR_UNSUPPORTED, "pqc_cache_save: cache files are written on little-endian hosts");
@@ -11210,7 +11373,7 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
     nkv = (size_t)c->d.n_kv_heads;
     d = (size_t)c->d.head_dim;
     qn = (size_t)c->d.n_q_heads * d;
-    parts = 8 + c->d.n_layers * (12 + c->d.n_kv_heads * (20 + c->d.pq.m));
+    parts = 8 + c->d.n_layers * (13 + c->d.n_kv_heads * (20 + c->d.pq.m));
     bound = 128 + (size_t)c->d.n_layers * (64 + nkv * 64);
     memset(&w, 0, sizeof w);
     w.cap = parts;
@@ -11225,15 +11388,17 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
     w.h.h = PQC__FNV_OFFSET;
     pqc__part_small(&w, PQC__CACHE_MAGIC, 8);
     {
-        /* a cache at the default scale writes version 3, the same bytes as before the
-           scale was saved (earlier builds load it) */
+        /* a cache without calibrated re-ranking factors writes version 4, and one at the
+           default scale too version 3: the same bytes as before those were saved
+           (earlier builds load them) */
         int scaled = c->sp.scale != pqc__default_scale(c->d.head_dim);
-        uint32_t v = scaled ? PQC__CACHE_VERSION : 3u, win = (uint32_t)c->window;
+        uint32_t v = pqc__has_rfac(c) ? PQC__CACHE_VERSION : scaled ? 4u : 3u, win = (uint32_t)c->window;
         pqc__cache_shape(c, shape);
         pqc__part_small(&w, &v, 4);
         pqc__part_small(&w, shape, sizeof shape);
         pqc__part_small(&w, &win, 4);
-        if (scaled) pqc__part_small(&w, &c->sp.scale, 4);
+        if (v >= 4u) pqc__part_small(&w, &c->sp.scale, 4);
+        rf = v >= 5u;
     }
     for (l = 0; l < c->d.n_layers; l++) {
         const pqc__layer *L = &c->layers[l];
@@ -11249,6 +11414,7 @@ static pqc_result pqc__save(pqc_cache *c, const char *path)
         pqc__part(&w, L->qobs, (size_t)L->n_qobs * qn * sizeof(float));
         pqc__part(&w, L->omass, 2 * nkv * sizeof(double));
         pqc__part(&w, L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        if (rf) pqc__part(&w, L->rfac, nkv * sizeof(double));
         for (h = 0; h < c->d.n_kv_heads; h++) {
             const pqc__head *H = &L->heads[h];
             uint32_t has = H->pq.m != 0, wt = !has ? 0u : H->pq.mblocks ? 2u : H->pq.metric ? 1u : 0u;
@@ -11405,8 +11571,9 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
     if (memcmp(magic, PQC__CACHE_MAGIC, 8) != 0) PQC__BAD("pqc_cache_load: %.200s is not a pqcache cache file", path);
     PQC__RD(&v, 4);
     /* version 2 (before layers' windows were saved): every layer has the cache's;
-       versions 2 and 3 (before the softmax scale was saved): 1/sqrt(d_h) */
-    if (v != PQC__CACHE_VERSION && v != 3u && v != 2u)
+       versions 2 and 3 (before the softmax scale was saved): 1/sqrt(d_h); before version 5
+       no head has a calibrated re-ranking factor */
+    if (v != PQC__CACHE_VERSION && v != 4u && v != 3u && v != 2u)
         PQC__BAD("pqc_cache_load: %.200s has format version %u", path, (unsigned)v);
     PQC__RD(shape, sizeof shape);
     pqc__cache_shape(c, mine);
@@ -11449,6 +11616,10 @@ static pqc_result pqc__cache_read(pqc_cache *c, const unsigned char *img, size_t
         PQC__RD(L->qobs, (size_t)nq * qn * sizeof(float));
         PQC__RD(L->omass, 2 * nkv * sizeof(double));
         PQC__RD(L->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        if (v >= 5u) PQC__RD(L->rfac, nkv * sizeof(double));
+        for (t = 0; t < nkv; t++)
+            if (!(L->rfac[t] == 0.0 || (L->rfac[t] >= 1.0 && L->rfac[t] <= 1e6)))
+                PQC__BAD("pqc_cache_load: %.200s: layer %d re-ranking factors", path, l);
         if (!pqc__within(L->qobs, (size_t)nq * qn, PQC__KEY_LIMIT))
             PQC__BAD("pqc_cache_load: %.200s: layer %d holds non-finite observations", path, l);
         for (t = 0; t < pqc__qsq_len(c); t++) { /* sums of squares and counts: not negative; the blocks' other
@@ -11645,6 +11816,7 @@ static pqc_result pqc__fork_copy(pqc_cache *c, const pqc_cache *p, size_t n)
         memcpy(L->qobs, P->qobs, (size_t)P->n_qobs * qn * sizeof(float));
         memcpy(L->omass, P->omass, 2 * nkv * sizeof(double));
         memcpy(L->ohist, P->ohist, PQC__OBS_BINS * nkv * sizeof(double));
+        memcpy(L->rfac, P->rfac, nkv * sizeof(double));
         L->window = pqc__layer_window_set(P);
         L->n_qobs = P->n_qobs;
         for (h = 0; h < c->d.n_kv_heads; h++) {

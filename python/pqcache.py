@@ -154,7 +154,7 @@ class pqc_cache_desc(Structure):
                 ("outliers", c_int), ("residual_weight", c_double), ("block_tokens", c_int),
                 ("cache_blocks", c_int), ("policy", c_int), ("admit_blocks", c_int), ("rebuild_share", c_double),
                 ("scheduler", c_void_p), ("backend", POINTER(pqc_backend)), ("cuda_stream", c_void_p),
-                ("codes_resident", c_int), ("first_kv_head", c_int)]
+                ("codes_resident", c_int), ("first_kv_head", c_int), ("rerank_max", c_double)]
 
 
 class pqc_kv_device(Structure):
@@ -1082,7 +1082,7 @@ _CACHE_FIELDS = {
     "budget_tokens": ("budget_tokens", c_size_t), "recent_share": ("recent_share", float),
     "metric": ("metric", "metric"), "metric_floor": ("metric_floor", float), "observe": ("observe", c_int),
     "split": ("split", "split"), "gqa": ("gqa", "gqa"), "softmax_scale": ("softmax_scale", float),
-    "rerank": ("rerank", float),
+    "rerank": ("rerank", float), "rerank_max": ("rerank_max", float),
     "outliers": ("outliers", c_int), "residual_weight": ("residual_weight", float),
     "block_tokens": ("block_tokens", c_int), "cache_blocks": ("cache_blocks", c_int),
     "policy": ("policy", "policy"), "admit_blocks": ("admit_blocks", c_int),

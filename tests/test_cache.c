@@ -70,8 +70,9 @@ TEST sinks_and_window_always_selected(void)
 /* pqc_cache_head_plan shows what a select ranks by: with the even split the head's
    top-k, sinks and window add up to its selection, and the coded tokens it selects are
    the top-k of the scores it returns; with the observed split the heads' takes add up
-   to the layer's; with re-ranking the candidates are
-   ceil(1.5 x take). A short score buffer, a head out of range or a NaN query are refused
+   to the layer's; with re-ranking at a fixed factor the candidates are ceil(1.5 x take),
+   calibrated (the default) ceil(f x take) for a factor f in 1.5 .. 6 in steps of 0.1
+   (rerank_factor_follows_how_well_the_codebook_ranks). A short score buffer, a head out of range or a NaN query are refused
    and change nothing. */
 TEST head_plan_shows_the_scores_and_shares_a_select_uses(void)
 {
@@ -81,7 +82,7 @@ TEST head_plan_shows_the_scores_and_shares_a_select_uses(void)
     float *sc = (float *)malloc(2 * 800 * sizeof(float));
     int si, h, i;
     for (i = 0; i < 8 * 64; i++) qo[i] = tu_normal(&g_rng) * ((i % 32) < 16 ? 1.0f : 0.1f);
-    for (si = 0; si < 3; si++) {
+    for (si = 0; si < 4; si++) {
         pqc_cache_desc cd = tu_cache_desc(1, 2, 4, 16);
         pqc_cache *c;
         pqc_selection sel;
@@ -89,7 +90,8 @@ TEST head_plan_shows_the_scores_and_shares_a_select_uses(void)
         size_t total = 0;
         cd.n_sink = 4;
         cd.split = splits[si % 2];
-        if (si == 2) cd.rerank = 1.5;
+        if (si >= 2) cd.rerank = 1.5;
+        if (si == 2) cd.rerank_max = -1;
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(rt, &cd, &c));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, qo, 8));
         ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, 800, 32));
@@ -102,7 +104,13 @@ TEST head_plan_shows_the_scores_and_shares_a_select_uses(void)
             ASSERT_EQ(pl[h].tokens - pl[h].sinks - pl[h].window, pl[h].coded); /* every mid token coded */
             ASSERT(pl[h].take > 0 && pl[h].take < pl[h].coded);
             total += pl[h].take;
-            ASSERT_EQ(si == 2 ? (size_t)ceil(1.5 * (double)pl[h].take) : pl[h].take, pl[h].candidates);
+            if (si < 3) {
+                ASSERT_EQ(si == 2 ? (size_t)ceil(1.5 * (double)pl[h].take) : pl[h].take, pl[h].candidates);
+            } else {
+                int f, on_grid = 0;
+                for (f = 15; f <= 60; f++) on_grid |= (size_t)ceil(f / 10.0 * (double)pl[h].take) == pl[h].candidates;
+                ASSERT(on_grid);
+            }
         }
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, q, &sel));
         if (si == 0) {
@@ -1268,6 +1276,160 @@ TEST driver_runs_both_algorithms_bf16_rows(void) { return driver_runs_both_algor
    gather of both caches is equal (every other step the loaded cache's rows by pointer,
    as stored, in its mapped file too). With the default settings (fp16 storage), and with
    re-ranking, exact lists and residual-aware scoring on fp32 storage. */
+/* The factor recomputed from outside: for each kept observed row (the last 4), the head's
+   exact top-take coded tokens by the attention its query heads pay them (softmax over the
+   coded tokens, summed), their ranks in the head's PQ scores (pqc_cache_head_plan with
+   that row as the query), and the smallest factor of 1.5, 1.6, .. 6 whose PQ top
+   ceil(f x take) holds 0.998 of that attention on average over the rows. */
+static double rerank_factor_of(pqc_cache *c, const float *k, const float *obs, int h, size_t take, size_t coded)
+{
+    const int hkv = 2, hq = 4, g = 2, d = 32;
+    double acc[46] = {0}, f = 6.0;
+    float *ps = (float *)malloc(coded * sizeof(float));
+    double *w = (double *)malloc(2 * coded * sizeof(double)), *dot = w + coded;
+    size_t *above = (size_t *)malloc(coded * sizeof(size_t)), t, u, i;
+    char *top = (char *)malloc(coded);
+    int r, j, e, fi;
+    for (r = 4; r < 8; r++) {
+        const float *q = obs + (size_t)r * hq * d + (size_t)h * g * d;
+        pqc_head_plan pl;
+        double tm = 0.0;
+        if (pqc_cache_head_plan(c, 0, obs + (size_t)r * hq * d, h, &pl, ps, coded) != PQC_SUCCESS || pl.coded != coded)
+            return -1.0;
+        for (t = 0; t < coded; t++) {
+            w[t] = 0.0;
+            above[t] = 0;
+            top[t] = 0;
+        }
+        for (j = 0; j < g; j++) { /* query head j's softmax over the coded tokens */
+            double mx = -INFINITY, z = 0.0;
+            for (t = 0; t < coded; t++) {
+                dot[t] = 0.0;
+                for (e = 0; e < d; e++) dot[t] += (double)q[j * d + e] * (double)k[(4 + t) * (size_t)hkv * d + (size_t)h * d + e];
+                mx = dot[t] > mx ? dot[t] : mx;
+            }
+            for (t = 0; t < coded; t++) z += exp((dot[t] - mx) / sqrt((double)d));
+            for (t = 0; t < coded; t++) w[t] += exp((dot[t] - mx) / sqrt((double)d)) / z;
+        }
+        for (i = 0; i < take; i++) { /* the exact top-take, one at a time */
+            size_t best = coded;
+            for (t = 0; t < coded; t++)
+                if (!top[t] && (best == coded || w[t] > w[best])) best = t;
+            top[best] = 1;
+            tm += w[best];
+        }
+        for (t = 0; t < coded; t++)
+            if (top[t])
+                for (u = 0; u < coded; u++) above[t] += ps[u] > ps[t];
+        for (fi = 0; fi < 46; fi++) {
+            double kept = 0.0, cand = ceil((1.5 + fi * 0.1) * (double)take);
+            for (t = 0; t < coded; t++)
+                if (top[t] && (double)above[t] < cand) kept += w[t];
+            acc[fi] += kept / tm / 4.0;
+        }
+    }
+    for (fi = 0; fi < 46; fi++)
+        if (acc[fi] >= 0.998) {
+            f = 1.5 + fi * 0.1;
+            break;
+        }
+    free(ps);
+    free(w);
+    free(above);
+    free(top);
+    return f;
+}
+
+/* the factor behind a head's candidates: the f of 1.5, 1.6, .. with ceil(f x take) of
+   them (the first, the steps being coarser than a token), or -1 */
+static double factor_of(const pqc_head_plan *pl)
+{
+    int f;
+    for (f = 15; f <= 60; f++)
+        if ((size_t)ceil(f / 10.0 * (double)pl->take) == pl->candidates) return f / 10.0;
+    return -1.0;
+}
+
+/* Re-ranking per head: a build with observed queries gives each head the smallest factor
+   (steps of 0.1 from rerank up to rerank_max) whose PQ candidates hold 0.998 of the exact
+   top-k's attention on those queries, as recomputed here from the head's own PQ scores;
+   a head whose keys its codebook holds exactly keeps rerank, one of spread keys gets
+   more; rerank_max caps it and negative turns it off; a saved and loaded cache and a
+   fork keep the factors and select alike. */
+TEST rerank_factor_follows_how_well_the_codebook_ranks(void)
+{
+    const int hkv = 2, hq = 4, d = 32, n = 2000;
+    float *k = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d), *v = tu_normal_rows(&g_rng, (size_t)n, (size_t)hkv * d);
+    float *obs = tu_normal_rows(&g_rng, 8, (size_t)hq * d), *few = tu_normal_rows(&g_rng, 6, (size_t)d);
+    float *sc = (float *)malloc((size_t)n * sizeof(float));
+    char path[512];
+    int mode, h, t;
+    tu_tmp_path(path, sizeof path, "rerank_factor");
+    for (t = 0; t < n; t++) /* head 1: six keys, which its 64 centroids per sub-space hold exactly */
+        memcpy(k + (size_t)t * hkv * d + d, few + (size_t)(t % 6) * d, (size_t)d * sizeof(float));
+    for (mode = 0; mode < 3; mode++) {
+        pqc_cache_desc cd = tu_cache_desc(1, hkv, hq, d);
+        pqc_cache *c, *b, *f;
+        pqc_head_plan pl[2], pb;
+        cd.n_sink = 4;
+        cd.pq.m = 8;                /* 6 bytes of codes: a ranking that needs some checking */
+        cd.pq.bits = 6;
+        cd.split = PQC_SPLIT_FIXED; /* each head's take: the budget less the window */
+        cd.rerank = 0;              /* the default, 1.5 */
+        cd.rerank_max = mode == 0 ? 0 : mode == 1 ? 2.0 : -1;
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_create(NULL, &cd, &c));
+        ASSERT_EQ(PQC_SUCCESS, pqc_cache_observe(c, 0, obs, 8));
+        ASSERT_EQ(PQC_SUCCESS, prefill_all(c, 1, k, v, (size_t)n, (size_t)hkv * d));
+        for (h = 0; h < hkv; h++) {
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_head_plan(c, 0, obs, h, &pl[h], sc, (size_t)n));
+            ASSERT(pl[h].take > 0 && pl[h].take < pl[h].coded);
+        }
+        ASSERT_EQ(1.5, factor_of(&pl[1])); /* held exactly: ranked right */
+        if (mode == 0) {
+            double want = rerank_factor_of(c, k, obs, 0, pl[0].take, pl[0].coded);
+            pqc_selection sa, sb;
+            ASSERT(want > 2.5 && want < 6.0); /* spread keys: the ranking needs checking, within the cap */
+            ASSERT_IN_RANGE(want, factor_of(&pl[0]), 0.101);
+            ASSERT_EQ(1.5, rerank_factor_of(c, k, obs, 1, pl[1].take, pl[1].coded));
+            /* saved and loaded, and forked: the same candidates and selections */
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_save(c, path));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_load(NULL, &cd, path, &b));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_fork(c, &f));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sa));
+            ASSERT_EQ(PQC_SUCCESS, pqc_selection_init(c, &sb));
+            ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(c, 0, obs + 4 * hq * d, &sa));
+            for (t = 0; t < 2; t++) {
+                pqc_cache *o = t ? f : b;
+                for (h = 0; h < hkv; h++) {
+                    ASSERT_EQ(PQC_SUCCESS, pqc_cache_head_plan(o, 0, obs, h, &pb, sc, (size_t)n));
+                    ASSERT_EQ(pl[h].candidates, pb.candidates);
+                }
+                ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(o, 0, obs + 4 * hq * d, &sb));
+                for (h = 0; h < hkv; h++) {
+                    ASSERT_EQ(sa.count[h], sb.count[h]);
+                    ASSERT_MEM_EQ(sa.idx + (size_t)h * sa.capacity, sb.idx + (size_t)h * sb.capacity, sa.count[h] * 4);
+                }
+            }
+            pqc_selection_free(&sa);
+            pqc_selection_free(&sb);
+            pqc_cache_destroy(f);
+            pqc_cache_destroy(b);
+            remove(path);
+        } else if (mode == 1) {
+            ASSERT(factor_of(&pl[0]) > 1.5 && factor_of(&pl[0]) <= 2.0); /* capped */
+        } else {
+            ASSERT_EQ(1.5, factor_of(&pl[0])); /* none: every head rerank */
+        }
+        pqc_cache_destroy(c);
+    }
+    free(k);
+    free(v);
+    free(obs);
+    free(few);
+    free(sc);
+    PASS();
+}
+
 static enum greatest_test_res save_load_resumes(int rich)
 {
     const int L = 2, hkv = 2, hq = 4, d = 32;
@@ -2449,6 +2611,7 @@ SUITE(cache)
     RUN_TEST(loaded_cache_maps_its_file);
     RUN_TEST(mapped_file_survives_rename_over_and_truncation_is_sigbus);
     RUN_TEST(save_load_resumes_decoding);
+    RUN_TEST(rerank_factor_follows_how_well_the_codebook_ranks);
     RUN_TEST(save_load_resumes_with_exact_scoring);
     RUN_TEST(softmax_scale_selects_as_scaled_keys);
     RUN_TEST(softmax_scale_selects_as_scaled_keys_exact_scoring);

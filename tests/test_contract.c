@@ -52,7 +52,7 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
         {"recent_share", 6}, {"metric 5 unknown", 7}, {"metric_floor", 8}, {"split", 9}, {"gqa", 10}, {"rerank", 11},
         {"outliers", 12}, {"residual_weight", 13}, {"block_tokens", 14}, {"admit_blocks", 15}, {"policy", 16},
         {"rebuild_share", 17}, {"codes_resident", 18}, {"first_kv_head", 19}, {"block cache", 20},
-        {"pq.metric", 21}, {"softmax_scale", 22}};
+        {"pq.metric", 21}, {"softmax_scale", 22}, {"rerank_max", 23}};
     pqc_cache_desc cd = small_desc(2, 2, 4, 16), r, sentinel, got;
     pqc_cache *c;
     float w = 1.0f;
@@ -136,6 +136,7 @@ TEST resolved_configuration_names_its_defaults_and_each_rule(void)
         case 19: b.first_kv_head = -1; break;
         case 20: b.block_tokens = 1 << 30; b.cache_blocks = 1 << 30; b.n_layers = 4096; break;
         case 22: b.softmax_scale = -0.125f; break;
+        case 23: b.rerank_max = 2e6; break;
         default: b.pq.metric = &w; break;
         }
         memset(&sentinel, 0x5a, sizeof sentinel);

@@ -661,7 +661,8 @@ TEST passkey_pqcache_and_oracle_retrieve_it_at_budget_0_1_2k(void)
 /* The harder variant at 4K: full attention and the default pqcache (codebooks
    weighted by the observed queries, the default split) retrieve the passkey at
    every depth; plain PQ (Euclidean codebooks, fixed split, m=2 b=6: 1.5 bytes
-   per token) loses it wherever it is outside the sinks and the window. (Plain PQ
+   per token, the PQ top-k alone) loses it wherever it is outside the sinks and the
+   window. (Plain PQ
    at the default's 4 bytes, m=4 b=8, keeps it at 25% and loses it at 50% and 75%.) */
 TEST harder_passkey_full_and_pqcache_retrieve_it_plain_pq_loses_it_4k(void)
 {
@@ -674,6 +675,7 @@ TEST harder_passkey_full_and_pqcache_retrieve_it_plain_pq_loses_it_4k(void)
     plain.split = PQC_SPLIT_FIXED;
     plain.pq_m = 2;
     plain.pq_bits = 6;
+    plain.rerank = -1;
     for (d = 0; d < 5; d++) {
         int inside = g_depths[d] == 0.0 || g_depths[d] == 100.0;
         int rf = retrieve_on(&g_pkh, TL_ATTN_FULL, 4096, g_depths[d], 0.1f, NULL, NULL);

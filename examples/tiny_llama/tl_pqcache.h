@@ -75,6 +75,10 @@ typedef struct {
                               PQC_SPLIT_FIXED_COMPETE */
     int exact_prefill;     /* 1: the prompt's attention with the decode step's arithmetic, to
                               the bit (tl_state.exact_prefill); 0: tiled, equal to rounding */
+    double rerank;         /* each head's PQ top rerank x k scored again exactly (default
+                              1.5); -1: the PQ top-k alone (plain PQ) */
+    double rerank_max;     /* the most a head's build may raise that to from the observed
+                              queries (default 6); -1: none */
 } tlpq_config;
 
 /* Called from the prefill after every chunk of tokens: layer (0-based), tokens of
@@ -615,6 +619,8 @@ int tlpq_create(tlpq *p, const tl_model *m, int max_tokens, const tlpq_config *c
     cd.policy = cfg->policy;
     cd.metric = (pqc_metric)cfg->metric;
     cd.split = (pqc_split)cfg->split;
+    cd.rerank = cfg->rerank;
+    cd.rerank_max = cfg->rerank_max;
     cd.softmax_scale = tl_attn_scale(c); /* the model's (Gemma: query_pre_attn_scalar^-0.5) */
     cd.scheduler = p->sched;
     if ((r = pqc_cache_create(p->rt, &cd, &p->cache)) != PQC_SUCCESS) {

@@ -45,8 +45,9 @@
 #define NEEDLE_PLAIN 1 /* index of pq-plain in needle_modes */
 #define NEEDLE_PQ 2    /* index of pqcache */
 
-/* pq-plain is the pqcache mode with plain PQ: Euclidean codebooks and the
-   fixed budget split (PQC_METRIC_L2, PQC_SPLIT_FIXED), on its own library state */
+/* pq-plain is the pqcache mode with plain PQ: Euclidean codebooks, the fixed
+   budget split and the PQ top-k alone (PQC_METRIC_L2, PQC_SPLIT_FIXED, rerank -1),
+   on its own library state */
 static const tl_attn_mode needle_modes[NEEDLE_N_MODES] = {
     TL_ATTN_FULL, TL_ATTN_PQCACHE, TL_ATTN_PQCACHE, TL_ATTN_ORACLE, TL_ATTN_WINDOW
 };
@@ -80,8 +81,8 @@ static void needle_usage(void)
         "                   positions less the passkey)\n"
         "  --depths D,..    needle depths in percent (default 0,25,50,75,100)\n"
         "  --modes M,..     among full,pq-plain,pqcache,oracle,window (default all five;\n"
-        "                   pq-plain: pqcache with plain PQ, Euclidean codebooks and the\n"
-        "                   fixed budget split)\n"
+        "                   pq-plain: pqcache with plain PQ, Euclidean codebooks, the\n"
+        "                   fixed budget split and the PQ top-k alone)\n"
         "  --seeds N        prompts per cell (default 1); --seed S the first (default 1)\n"
         "  --passkey-len n  passkey tokens (default 4)\n"
         "  -b <float>       budget ratio of the selection modes (default 0.1)\n"
@@ -376,6 +377,7 @@ static int needle_prefill(const tl_model *m, const needle_options *o, const need
         tlpq_config pc = o->pq;
         pc.metric = PQC_METRIC_L2;
         pc.split = PQC_SPLIT_FIXED;
+        pc.rerank = -1;
         if (tlpq_create(plain, m, positions, &pc, err, sizeof err)) {
             fprintf(stderr, "error: %s\n", err);
             return -1;
