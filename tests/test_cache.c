@@ -1276,6 +1276,17 @@ TEST driver_runs_both_algorithms_bf16_rows(void) { return driver_runs_both_algor
    gather of both caches is equal (every other step the loaded cache's rows by pointer,
    as stored, in its mapped file too). With the default settings (fp16 storage), and with
    re-ranking, exact lists and residual-aware scoring on fp32 storage. */
+/* whether two selections of hkv heads hold the same tokens */
+static int same_selection(const pqc_selection *a, const pqc_selection *b, int hkv)
+{
+    int h;
+    for (h = 0; h < hkv; h++)
+        if (a->count[h] != b->count[h] ||
+            memcmp(a->idx + (size_t)h * a->capacity, b->idx + (size_t)h * b->capacity, a->count[h] * 4) != 0)
+            return 0;
+    return 1;
+}
+
 /* The factor recomputed from outside: for each kept observed row (the last 4), the head's
    exact top-take coded tokens by the attention its query heads pay them (softmax over the
    coded tokens, summed), their ranks in the head's PQ scores (pqc_cache_head_plan with
@@ -1405,10 +1416,7 @@ TEST rerank_factor_follows_how_well_the_codebook_ranks(void)
                     ASSERT_EQ(pl[h].candidates, pb.candidates);
                 }
                 ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(o, 0, obs + 4 * hq * d, &sb));
-                for (h = 0; h < hkv; h++) {
-                    ASSERT_EQ(sa.count[h], sb.count[h]);
-                    ASSERT_MEM_EQ(sa.idx + (size_t)h * sa.capacity, sb.idx + (size_t)h * sb.capacity, sa.count[h] * 4);
-                }
+                ASSERT(same_selection(&sa, &sb, hkv));
             }
             pqc_selection_free(&sa);
             pqc_selection_free(&sb);
@@ -1696,7 +1704,7 @@ TEST softmax_scale_is_saved_and_loaded(void)
     long size;
     uint32_t ver;
     pqc_selection sa, sb;
-    int s, h;
+    int s;
     tu_tmp_path(path, sizeof path, "scale_v4");
     tu_tmp_path(path3, sizeof path3, "scale_v3");
     cd.kv_dtype = PQC_F32;
@@ -1736,10 +1744,7 @@ TEST softmax_scale_is_saved_and_loaded(void)
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_append(b, 0, kk, vv));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(a, 0, q + (size_t)s * HQ * D, &sa));
         ASSERT_EQ(PQC_SUCCESS, pqc_cache_select(b, 0, q + (size_t)s * HQ * D, &sb));
-        for (h = 0; h < HKV; h++) {
-            ASSERT_EQ(sa.count[h], sb.count[h]);
-            ASSERT_MEM_EQ(sa.idx + (size_t)h * sa.capacity, sb.idx + (size_t)h * sb.capacity, sa.count[h] * 4);
-        }
+        ASSERT(same_selection(&sa, &sb, HKV));
     }
     pqc_selection_free(&sa);
     pqc_selection_free(&sb);
