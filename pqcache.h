@@ -8953,7 +8953,7 @@ static pqc_result pqc__rerank_factor(pqc_cache *c, pqc__build *b, const float *s
     pqc__head *H = &L->heads[b->head];
     size_t n = b->n_keys, all = b->n_all, sink = (size_t)c->d.n_sink, qn = (size_t)c->d.n_q_heads * c->d.head_dim;
     size_t budget = pqc__budget(c, all - pqc__sink_end(c, all)), take, i, t, steps;
-    double lo = c->sp.rerank, hi = PQC__MAX(c->sp.rerank_max, c->sp.rerank), acc[1024], rows = 0.0;
+    double lo = c->sp.rerank, hi = PQC__MAX(c->sp.rerank_max, c->sp.rerank), acc[1024], rows = 0.0, *e;
     int g = c->g, r, h;
     float *w, *ps;
     uint32_t *top, *above;
@@ -8962,15 +8962,16 @@ static pqc_result pqc__rerank_factor(pqc_cache *c, pqc__build *b, const float *s
     pqc_search_desc sd;
     pqc_result res = PQC_SUCCESS;
     take = budget > b->wins[0] ? budget - b->wins[0] : 0;
-    /* nothing to calibrate: no re-ranking, no search (the top-k covers every coded
-       token), or a range that cannot move */
-    if (!(c->sp.rerank > 0) || !(c->sp.rerank_max > 0) || take == 0 || take >= n || !(hi > lo)) return PQC_SUCCESS;
+    /* nothing to calibrate: no re-ranking (rerank_max is 0 then too), no search (the
+       top-k covers every coded token), or a range that cannot move */
+    if (!(c->sp.rerank_max > 0) || take == 0 || take >= n || !(hi > lo)) return PQC_SUCCESS;
     steps = (size_t)PQC__MIN(floor((hi - lo) * PQC__RFAC_STEPS + 1e-9), 1023.0) + 1;
+    e = (double *)pqc__alloc(&c->alloc, n * sizeof(double));
     w = (float *)pqc__alloc(&c->alloc, 2 * n * sizeof(float));
     top = (uint32_t *)pqc__alloc(&c->alloc, 2 * (take + 1) * sizeof(uint32_t));
     pr = (pqc__rfac_pair *)pqc__alloc(&c->alloc, take * sizeof(pqc__rfac_pair));
     scr = pqc__alloc(&c->alloc, pqc__select_scratch(n));
-    if (!w || !top || !pr || !scr) {
+    if (!e || !w || !top || !pr || !scr) {
         res = PQC_ERROR_OUT_OF_MEMORY;
         goto out;
     }
@@ -8993,8 +8994,8 @@ static pqc_result pqc__rerank_factor(pqc_cache *c, pqc__build *b, const float *s
             const float *s = sc + ((size_t)r * (size_t)g + (size_t)h) * all + sink;
             double mx = -INFINITY, z = 0.0;
             for (t = 0; t < n; t++) mx = (double)s[t] > mx ? (double)s[t] : mx;
-            for (t = 0; t < n; t++) z += exp(((double)s[t] - mx) * c->sp.scale_d);
-            for (t = 0; t < n; t++) w[t] += (float)(exp(((double)s[t] - mx) * c->sp.scale_d) / z);
+            for (t = 0; t < n; t++) z += (e[t] = exp(((double)s[t] - mx) * c->sp.scale_d));
+            for (t = 0; t < n; t++) w[t] += (float)(e[t] / z);
         }
         pqc__select(pqc__simd(c->rt), w, n, take, scr, top, NULL);
         if ((res = pqc__pq_search_impl(c->rt, &H->pq_new, &H->codes_new,
@@ -9029,6 +9030,7 @@ static pqc_result pqc__rerank_factor(pqc_cache *c, pqc__build *b, const float *s
     for (i = 0; i + 1 < steps && acc[i] < PQC__RFAC_KEEP * rows; i++) continue;
     b->rfac = i + 1 < steps || acc[i] >= PQC__RFAC_KEEP * rows ? (lo * PQC__RFAC_STEPS + (double)i) / PQC__RFAC_STEPS : hi;
 out:
+    pqc__free(&c->alloc, e);
     pqc__free(&c->alloc, w);
     pqc__free(&c->alloc, top);
     pqc__free(&c->alloc, pr);
